@@ -1,0 +1,425 @@
+//! Differentiable collectives: the conjugate pairs every parallelism is built from.
+//!
+//! | function | forward | backward |
+//! |---|---|---|
+//! | [`copy_to_group`] (Megatron's *f*) | identity | all-reduce (sum) |
+//! | [`reduce_from_group`] (Megatron's *g*) | all-reduce (sum) | identity |
+//! | [`scatter_to_group`] | keep this rank's slice along `dim` | all-gather along `dim` |
+//! | [`gather_from_group`] | all-gather along `dim` | keep this rank's slice |
+//! | [`gather_from_sequence`] | all-gather along `dim` | reduce-scatter (sum) along `dim` |
+//! | [`reduce_scatter_to_sequence`] | reduce-scatter (sum) along `dim` | all-gather along `dim` |
+//! | [`all_to_all`] | all-to-all (split one dim, concat another) | the inverse all-to-all |
+//! | [`send`] / [`recv`] | point-to-point | the gradient travels back |
+//! | [`ring_shift`] | send to `rank + k`, receive from `rank - k` | the opposite shift |
+//!
+//! How it works: the forward communication is an ordinary (fallible) collective on
+//! [`ProcessGroup`]; its result is then attached to the autodiff graph of the input by one
+//! backend-extension operation ([`CommBackend::attach_backward`]) whose backward step runs the
+//! conjugate collective on the incoming gradient. Burn's backward pass cannot return errors, so a
+//! collective that fails *during backward* panics with the [`CollectiveError`] message (under
+//! [`crate::run_local`] that panic fails every rank promptly).
+//!
+//! Every rank must own its parameters (no autodiff node shared between thread ranks).
+
+use std::fmt;
+use std::sync::Arc;
+
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::autodiff::Autodiff;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Dispatch, Flex, TensorMetadata, backend_extension, try_read_sync};
+use burn::tensor::{Tensor, TensorData};
+
+use crate::comm::host::ReduceOp;
+use crate::error::{CollectiveError, Result};
+use crate::group::ProcessGroup;
+
+/// The backward step of a differentiable collective: maps the output gradient (host data) to
+/// the input gradient.
+#[derive(Clone)]
+pub struct BackwardFn {
+    name: &'static str,
+    f: Arc<dyn Fn(TensorData) -> Result<TensorData> + Send + Sync>,
+}
+
+impl BackwardFn {
+    /// Wraps a closure; `name` appears in panic messages.
+    pub fn new(
+        name: &'static str,
+        f: impl Fn(TensorData) -> Result<TensorData> + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            name,
+            f: Arc::new(f),
+        }
+    }
+}
+
+impl fmt::Debug for BackwardFn {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "BackwardFn({})", self.name)
+    }
+}
+
+/// The backend extension behind the differentiable collectives.
+///
+/// `attach_backward(x, y, f)` returns `y`; under autodiff it records a step whose backward
+/// turns the gradient of `y` into the gradient of `x` with `f`. On non-autodiff backends it is
+/// the identity on `y`.
+#[backend_extension(Flex, Autodiff)]
+pub trait CommBackend: burn::backend::Backend {
+    /// Returns `y`, recording `backward` as the gradient map from `y` to `x`.
+    fn attach_backward(
+        x: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        backward: BackwardFn,
+    ) -> FloatTensor<Self> {
+        let _ = (x, backward);
+        y
+    }
+}
+
+impl CommBackend for Flex {}
+
+#[derive(Debug)]
+struct CommBackward;
+
+impl<B: CommBackend> Backward<B, 1> for CommBackward {
+    type State = BackwardFn;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [parent] = ops.parents;
+        let grad = grads.consume::<B>(&ops.node);
+        let Some(parent) = parent else { return };
+        let device = grad.device();
+        let data = try_read_sync(B::float_into_data(grad))
+            .expect("reading a gradient on the host")
+            .expect("reading a gradient on the host");
+        let grad_in = match (ops.state.f)(data) {
+            Ok(g) => g,
+            Err(e) => panic!("backward of {} failed: {e}", ops.state.name),
+        };
+        grads.register::<B>(parent.id, B::float_from_data(grad_in, &device));
+    }
+}
+
+impl<B: CommBackend, C: CheckpointStrategy> CommBackend for Autodiff<B, C> {
+    fn attach_backward(
+        x: FloatTensor<Self>,
+        y: FloatTensor<Self>,
+        backward: BackwardFn,
+    ) -> FloatTensor<Self> {
+        let y = y.into_primitive();
+        match CommBackward
+            .prepare::<C>([x.node()])
+            .compute_bound()
+            .stateful() {
+            OpsKind::Tracked(prep) => prep.finish(backward, y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+}
+
+/// Returns `y` with `backward` as the gradient map from `y` to `x`.
+fn attach<const D: usize, const E: usize>(x: Tensor<D>, y: Tensor<E>, backward: BackwardFn) -> Tensor<E> {
+    if !x.is_tracked() {
+        return y;
+    }
+    Tensor::from_dispatch(Dispatch::attach_backward(
+        x.into_dispatch(),
+        y.into_dispatch(),
+        backward,
+    ))
+}
+
+/// The host data of a tensor, detached from any graph.
+fn host<const D: usize>(x: &Tensor<D>) -> TensorData {
+    x.clone().into_data()
+}
+
+fn to_device<const D: usize>(data: TensorData, like: &Tensor<D>) -> Tensor<D> {
+    Tensor::from_data(data, &like.device())
+}
+
+/// Sizes of `total` units split over `n` ranks as evenly as possible (the first ranks get one
+/// more), the split used by [`scatter_to_group`] and [`gather_from_group`].
+pub fn even_split(total: usize, n: usize) -> Vec<usize> {
+    (0..n).map(|k| total / n + usize::from(k < total % n)).collect()
+}
+
+/// Megatron's *f*: identity forward, gradient all-reduced (summed) over `group` in backward.
+/// Put it where a replicated activation enters a tensor-parallel region.
+///
+/// # Example
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_parallel::{autograd::copy_to_group, run_local};
+///
+/// let grads = run_local(2, |group| {
+///     let device = Device::flex().autodiff();
+///     let x = Tensor::<1>::from_floats([1.0, 2.0], &device).require_grad();
+///     let y = copy_to_group(x.clone(), &group);
+///     let grads = (y * (group.rank() as f32 + 1.0)).sum().backward();
+///     Ok(x.grad(&grads).unwrap().into_data().to_vec::<f32>().unwrap())
+/// })
+/// .unwrap();
+/// assert_eq!(grads[0], vec![3.0, 3.0]); // 1 + 2 from the two ranks
+/// ```
+pub fn copy_to_group<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> Tensor<D> {
+    let g = group.clone();
+    let y = x.clone().detach();
+    attach(
+        x,
+        y,
+        BackwardFn::new("copy_to_group", move |grad| {
+            g.all_reduce_data(grad, ReduceOp::Sum)
+        }),
+    )
+}
+
+/// Megatron's *g*: all-reduce (sum) forward, identity backward. Put it where the partial
+/// outputs of a row-parallel layer leave a tensor-parallel region.
+///
+/// # Errors
+/// When the forward all-reduce fails (see [`CollectiveError`]).
+pub fn reduce_from_group<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> Result<Tensor<D>> {
+    let y = to_device(group.all_reduce_data(host(&x), ReduceOp::Sum)?, &x);
+    Ok(attach(x, y, BackwardFn::new("reduce_from_group", Ok)))
+}
+
+fn check_dim<const D: usize>(group: &ProcessGroup, op: &str, dim: usize) -> Result<()> {
+    if dim < D {
+        Ok(())
+    } else {
+        Err(CollectiveError::InvalidArgument {
+            rank: group.global_rank(),
+            op: op.into(),
+            reason: format!("dim {dim} is out of range for a tensor of rank {D}"),
+        })
+    }
+}
+
+/// This rank's slice of `x` along `dim` (sizes from [`even_split`]).
+fn local_slice<const D: usize>(x: Tensor<D>, group: &ProcessGroup, dim: usize) -> Tensor<D> {
+    let sizes = even_split(x.dims()[dim], group.size());
+    let start: usize = sizes[..group.rank()].iter().sum();
+    x.narrow(dim, start, sizes[group.rank()])
+}
+
+/// Keeps this rank's slice of a replicated `x` along `dim` (an even split, the first ranks one
+/// larger when it does not divide); the backward all-gathers the gradient.
+///
+/// # Errors
+/// When `dim` is out of range.
+pub fn scatter_to_group<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+    dim: usize,
+) -> Result<Tensor<D>> {
+    check_dim::<D>(group, "scatter_to_group", dim)?;
+    let y = local_slice(x.clone().detach(), group, dim);
+    let g = group.clone();
+    Ok(attach(
+        x,
+        y,
+        BackwardFn::new("scatter_to_group", move |grad| g.all_gather_data(grad, dim)),
+    ))
+}
+
+/// All-gathers `x` along `dim` (shards may differ in size); the backward keeps this rank's
+/// slice of the gradient.
+///
+/// # Errors
+/// When the forward all-gather fails.
+pub fn gather_from_group<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+    dim: usize,
+) -> Result<Tensor<D>> {
+    check_dim::<D>(group, "gather_from_group", dim)?;
+    let gathered = group.all_gather_data(host(&x), dim)?;
+    let (start, len) = shard_range(group, &x, dim)?;
+    let y = to_device(gathered, &x);
+    let device = x.device();
+    Ok(attach(
+        x,
+        y,
+        BackwardFn::new("gather_from_group", move |grad| {
+            let g = Tensor::<D>::from_data(grad, &device);
+            Ok(g.narrow(dim, start, len).into_data())
+        }),
+    ))
+}
+
+/// Where this rank's shard starts in the gathered tensor, and its length (one small
+/// all-gather of the shard sizes).
+fn shard_range<const D: usize>(
+    group: &ProcessGroup,
+    x: &Tensor<D>,
+    dim: usize,
+) -> Result<(usize, usize)> {
+    let len = x.dims()[dim];
+    let sizes = group.all_gather_object(&len)?;
+    Ok((sizes[..group.rank()].iter().sum(), len))
+}
+
+/// Sequence parallelism's entry: all-gathers `x` along `dim` forward; the backward
+/// reduce-scatters (sums) the gradient back to the shards.
+///
+/// # Errors
+/// When the forward all-gather fails.
+pub fn gather_from_sequence<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+    dim: usize,
+) -> Result<Tensor<D>> {
+    check_dim::<D>(group, "gather_from_sequence", dim)?;
+    let sizes = group.all_gather_object(&x.dims()[dim])?;
+    let y = to_device(group.all_gather_data(host(&x), dim)?, &x);
+    let g = group.clone();
+    Ok(attach(
+        x,
+        y,
+        BackwardFn::new("gather_from_sequence", move |grad| {
+            g.reduce_scatter_data(grad, dim, ReduceOp::Sum, Some(&sizes))
+        }),
+    ))
+}
+
+/// Sequence parallelism's exit: reduce-scatters (sums) `x` along `dim` forward (an even split,
+/// or `sizes` per rank); the backward all-gathers the gradient.
+///
+/// # Errors
+/// When the forward reduce-scatter fails (for example a dimension not divisible by the group
+/// size without `sizes`).
+pub fn reduce_scatter_to_sequence<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+    dim: usize,
+    sizes: Option<&[usize]>,
+) -> Result<Tensor<D>> {
+    check_dim::<D>(group, "reduce_scatter_to_sequence", dim)?;
+    let y = to_device(
+        group.reduce_scatter_data(host(&x), dim, ReduceOp::Sum, sizes)?,
+        &x,
+    );
+    let g = group.clone();
+    Ok(attach(
+        x,
+        y,
+        BackwardFn::new("reduce_scatter_to_sequence", move |grad| {
+            g.all_gather_data(grad, dim)
+        }),
+    ))
+}
+
+/// All-to-all: splits `x` along `split_dim` into `send_sizes[k]` slices, sends slice `k` to rank
+/// `k`, and concatenates what arrives along `concat_dim` in rank order (expert parallelism's
+/// dispatch when both dims are the token dim; Ulysses' head/sequence swap when they differ).
+/// The backward is the inverse all-to-all.
+///
+/// # Errors
+/// When the sizes do not add up, or the forward all-to-all fails.
+pub fn all_to_all<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+    split_dim: usize,
+    send_sizes: &[usize],
+    concat_dim: usize,
+) -> Result<Tensor<D>> {
+    check_dim::<D>(group, "all_to_all", split_dim)?;
+    check_dim::<D>(group, "all_to_all", concat_dim)?;
+    let (out, recv_sizes) = group.all_to_all_dims_data(host(&x), split_dim, send_sizes, concat_dim)?;
+    let y = to_device(out, &x);
+    let g = group.clone();
+    Ok(attach(
+        x,
+        y,
+        BackwardFn::new("all_to_all", move |grad| {
+            g.all_to_all_dims_data(grad, concat_dim, &recv_sizes, split_dim)
+                .map(|(data, _)| data)
+        }),
+    ))
+}
+
+/// Sends `x` to group rank `peer` under `tag` and returns a one-element zero tensor that
+/// depends on `x`: calling `backward` on it (or on a loss that includes it) receives the
+/// gradient of `x` from `peer`, where the matching [`recv`] output was used.
+///
+/// # Errors
+/// When the send fails.
+pub fn send<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+    peer: usize,
+    tag: u64,
+) -> Result<Tensor<1>> {
+    group.send_data(host(&x), peer, tag)?;
+    let token = Tensor::<1>::zeros([1], &x.device());
+    let g = group.clone();
+    Ok(attach(
+        x,
+        token,
+        BackwardFn::new("send", move |_| g.recv_data(peer, tag)),
+    ))
+}
+
+/// Receives a tensor of rank `D` from group rank `peer` under `tag`. `anchor` is any tensor of
+/// the receiving rank's graph (its value is ignored): it carries the autodiff graph, so that
+/// the backward of a loss using the output sends the output's gradient back to `peer`.
+///
+/// # Errors
+/// When the receive fails or the tensor is not of rank `D`.
+pub fn recv<const D: usize>(
+    anchor: Tensor<1>,
+    group: &ProcessGroup,
+    peer: usize,
+    tag: u64,
+) -> Result<Tensor<D>> {
+    let y: Tensor<D> = group.recv(peer, tag, &anchor.device())?;
+    let g = group.clone();
+    let anchor_len = anchor.dims()[0];
+    Ok(attach(
+        anchor,
+        y,
+        BackwardFn::new("recv", move |grad| {
+            g.send_data(grad, peer, tag)?;
+            Ok(TensorData::new(vec![0f32; anchor_len], [anchor_len]))
+        }),
+    ))
+}
+
+/// Ring shift: sends `x` to rank `rank + offset` and returns the tensor received from rank
+/// `rank - offset` (modulo the group size); the backward shifts the gradient the other way.
+/// Ring attention passes key/value blocks around with it.
+///
+/// # Errors
+/// When a send or receive fails.
+pub fn ring_shift<const D: usize>(
+    x: Tensor<D>,
+    group: &ProcessGroup,
+    offset: usize,
+    tag: u64,
+) -> Result<Tensor<D>> {
+    let n = group.size();
+    let offset = offset % n;
+    if offset == 0 {
+        return Ok(x);
+    }
+    let to = (group.rank() + offset) % n;
+    let from = (group.rank() + n - offset) % n;
+    group.send_data(host(&x), to, tag)?;
+    let y = to_device(group.recv_data(from, tag)?, &x);
+    let g = group.clone();
+    Ok(attach(
+        x,
+        y,
+        BackwardFn::new("ring_shift", move |grad| {
+            g.send_data(grad, from, tag)?;
+            g.recv_data(to, tag)
+        }),
+    ))
+}

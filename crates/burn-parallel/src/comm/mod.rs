@@ -1,0 +1,6 @@
+//! Communication backends and the host arithmetic the collectives share.
+
+pub mod host;
+pub mod local;
+pub mod tcp;
+pub mod transport;

@@ -1,0 +1,622 @@
+//! The `tcp` backend: every rank is a process, ranks talk over TCP.
+//!
+//! Forming the world ([`connect`], [`init_from_env`]): rank 0 serves a small rendezvous store on
+//! `MASTER_ADDR:MASTER_PORT`; every rank registers its data address there, rank 0 checks that
+//! the ranks agree (world size, distinct ranks) and sends everyone the address table, then the
+//! ranks connect into a full mesh, one TCP connection per pair of ranks. The whole rendezvous
+//! is bounded by [`TcpConfig::timeout`]: it ends with an error, never a hang.
+//!
+//! Moving data: a reader thread per peer parses incoming frames and delivers them to the
+//! [`Mailbox`], so a rank always drains its sockets and a ring step can send to the next rank
+//! while the previous one sends to it. A send writes the frame's header and payload with one
+//! vectored write straight from the payload buffer; the reader allocates each payload once,
+//! sized from the header. The frame format (versioned, with a magic number) is described in the
+//! `wire` module.
+//!
+//! Failures: dropping the transport (the last clone of the [`ProcessGroup`]) says goodbye to
+//! every peer, which then treats this rank as finished. A connection that ends without a
+//! goodbye (the process crashed or exited without dropping its group), a malformed frame, or
+//! an explicit [`Transport::abort`] marks the rank as failed on every peer, whose pending and
+//! future collective calls then fail with an error naming it.
+//!
+//! Environment knobs: `BURN_PARALLEL_RENDEZVOUS_TIMEOUT_SECS` (rendezvous bound of
+//! [`init_from_env`], default 300 s), `BURN_PARALLEL_TIMEOUT_SECS` (also bounds a write to a
+//! peer that stopped reading), `BURN_PARALLEL_TCP_SOCKET_BUFFER` (bytes for `SO_SNDBUF` and
+//! `SO_RCVBUF`; unset or 0 keeps the kernel's auto-tuning).
+
+mod env;
+mod rendezvous;
+mod wire;
+
+use std::io::BufReader;
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+pub use env::{DEFAULT_MASTER_PORT, DEFAULT_RENDEZVOUS_TIMEOUT, LaunchEnv, Launcher};
+
+use crate::comm::transport::{Frame, Mailbox, Transport};
+use crate::error::{CollectiveError, Result};
+use crate::group::{DEFAULT_TIMEOUT, ProcessGroup};
+
+/// How long [`Drop`] waits for the peers to close their side after our goodbye, so that no
+/// unread byte turns the close into a reset.
+const LINGER: Duration = Duration::from_secs(2);
+/// Longest wait for the writer lock and the socket when sending an abort or a goodbye.
+const CONTROL_WAIT: Duration = Duration::from_secs(1);
+/// Read buffer of a reader thread (large payloads bypass it).
+const READ_BUFFER: usize = 256 * 1024;
+
+/// How to join a `tcp` world.
+///
+/// # Example
+/// ```no_run
+/// use std::time::Duration;
+/// use burn_parallel::comm::tcp::{TcpConfig, connect};
+/// // On each of 2 processes, with its own rank:
+/// let config = TcpConfig::new(0, 2, "10.0.0.1", 29500).with_timeout(Duration::from_secs(60));
+/// let group = connect(&config)?;
+/// # Ok::<(), burn_parallel::CollectiveError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpConfig {
+    /// Global rank of this process, in `0..world_size`.
+    pub rank: usize,
+    /// Number of processes in the world.
+    pub world_size: usize,
+    /// Host (name or address) where rank 0 serves the rendezvous.
+    pub master_addr: String,
+    /// Port of the rendezvous.
+    pub master_port: u16,
+    /// Bound on the whole rendezvous (registration, address table, mesh).
+    pub timeout: Duration,
+}
+
+impl TcpConfig {
+    /// A configuration with the default timeout ([`DEFAULT_RENDEZVOUS_TIMEOUT`]).
+    pub fn new(
+        rank: usize,
+        world_size: usize,
+        master_addr: impl Into<String>,
+        master_port: u16,
+    ) -> Self {
+        Self {
+            rank,
+            world_size,
+            master_addr: master_addr.into(),
+            master_port,
+            timeout: DEFAULT_RENDEZVOUS_TIMEOUT,
+        }
+    }
+
+    /// The same configuration with another rendezvous timeout.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The configuration described by the launcher's environment (see [`LaunchEnv`]); the
+    /// timeout comes from `BURN_PARALLEL_RENDEZVOUS_TIMEOUT_SECS` (default 300 s).
+    ///
+    /// # Errors
+    /// [`CollectiveError::Rendezvous`] naming the missing or garbled variable.
+    pub fn from_env() -> Result<Self> {
+        let env = LaunchEnv::from_env()?;
+        Ok(Self::from_launch_env(&env).with_timeout(env::rendezvous_timeout_from_env()?))
+    }
+
+    /// The configuration of a [`LaunchEnv`], with the default timeout.
+    pub fn from_launch_env(env: &LaunchEnv) -> Self {
+        Self::new(
+            env.rank,
+            env.world_size,
+            env.master_addr.clone(),
+            env.master_port,
+        )
+    }
+
+    fn validate(&self) -> Result<()> {
+        if self.world_size == 0 {
+            return Err(CollectiveError::Rendezvous(
+                "the world size must be at least 1".into(),
+            ));
+        }
+        if self.rank >= self.world_size {
+            return Err(CollectiveError::Rendezvous(format!(
+                "rank {} is out of range for a world of {} ranks; ranks are 0..{}",
+                self.rank, self.world_size, self.world_size
+            )));
+        }
+        if self.timeout.is_zero() {
+            return Err(CollectiveError::Rendezvous(
+                "the rendezvous timeout must be positive".into(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Rank 0's rendezvous listener, bound ahead of [`connect_with_rendezvous`]: bind it on port 0
+/// and hand [`TcpRendezvous::port`] to the other ranks, so that tests never race for a port.
+///
+/// # Example
+/// ```
+/// use std::time::Duration;
+/// use burn_parallel::comm::tcp::{TcpConfig, TcpRendezvous, connect, connect_with_rendezvous};
+/// let rendezvous = TcpRendezvous::bind("127.0.0.1:0").unwrap();
+/// let port = rendezvous.port();
+/// let other = std::thread::spawn(move || {
+///     connect(&TcpConfig::new(1, 2, "127.0.0.1", port).with_timeout(Duration::from_secs(10)))
+/// });
+/// let config = TcpConfig::new(0, 2, "127.0.0.1", port).with_timeout(Duration::from_secs(10));
+/// let group = connect_with_rendezvous(&config, rendezvous).unwrap();
+/// let peer = other.join().unwrap().unwrap();
+/// assert_eq!((group.rank(), peer.rank(), group.size()), (0, 1, 2));
+/// ```
+#[derive(Debug)]
+pub struct TcpRendezvous {
+    listener: TcpListener,
+}
+
+impl TcpRendezvous {
+    /// Binds the rendezvous listener (`"0.0.0.0:29500"`, or port 0 for any free port).
+    ///
+    /// # Errors
+    /// [`CollectiveError::Rendezvous`] when the address cannot be resolved or bound.
+    pub fn bind(addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<Self> {
+        TcpListener::bind(&addr)
+            .map(|listener| Self { listener })
+            .map_err(|e| {
+                CollectiveError::Rendezvous(format!(
+                    "cannot listen for the rendezvous on {addr:?}: {e} (is another job using \
+                     this MASTER_PORT? pick another one)"
+                ))
+            })
+    }
+
+    /// The bound address.
+    ///
+    /// # Errors
+    /// [`CollectiveError::Rendezvous`] if the socket cannot report it.
+    pub fn local_addr(&self) -> Result<SocketAddr> {
+        self.listener
+            .local_addr()
+            .map_err(|e| CollectiveError::Rendezvous(format!("rendezvous listener: {e}")))
+    }
+
+    /// The bound port (the one to pass as `MASTER_PORT`).
+    pub fn port(&self) -> u16 {
+        self.listener.local_addr().map(|a| a.port()).unwrap_or(0)
+    }
+}
+
+/// Forms the world described by `config` and returns its world group.
+///
+/// Rank 0 binds `master_addr:master_port` and serves the rendezvous; the other ranks retry
+/// connecting to it until `config.timeout`, so the processes may start in any order.
+///
+/// # Errors
+/// [`CollectiveError::Rendezvous`] when the world cannot be formed within the timeout: rank 0
+/// unreachable, ranks missing, world sizes that disagree, a rank claimed twice or out of range.
+pub fn connect(config: &TcpConfig) -> Result<ProcessGroup> {
+    Ok(ProcessGroup::world(TcpTransport::connect(config, None)?))
+}
+
+/// Like [`connect`], for rank 0, serving the rendezvous on a listener bound beforehand.
+///
+/// # Errors
+/// As [`connect`]; also when `config.rank` is not 0.
+pub fn connect_with_rendezvous(
+    config: &TcpConfig,
+    rendezvous: TcpRendezvous,
+) -> Result<ProcessGroup> {
+    Ok(ProcessGroup::world(TcpTransport::connect(
+        config,
+        Some(rendezvous),
+    )?))
+}
+
+/// Forms the world described by the environment of `burnrun`, `torchrun` or SLURM (see
+/// [`LaunchEnv`]) and returns its world group.
+///
+/// # Errors
+/// [`CollectiveError::Rendezvous`] naming a missing or garbled variable and what to set, or
+/// when the world cannot be formed (see [`connect`]).
+///
+/// # Example
+/// ```no_run
+/// use burn_parallel::{ReduceOp, comm::tcp::init_from_env};
+/// // Run with: burnrun --nproc-per-node 4 -- ./my_program
+/// let group = init_from_env()?;
+/// let total = group.all_reduce_f32(vec![1.0], ReduceOp::Sum)?;
+/// assert_eq!(total, vec![group.size() as f32]);
+/// # Ok::<(), burn_parallel::CollectiveError>(())
+/// ```
+pub fn init_from_env() -> Result<ProcessGroup> {
+    connect(&TcpConfig::from_env()?)
+}
+
+/// The stall timeout of writes: `BURN_PARALLEL_TIMEOUT_SECS` or [`DEFAULT_TIMEOUT`].
+fn io_timeout() -> Duration {
+    std::env::var("BURN_PARALLEL_TIMEOUT_SECS")
+        .ok()
+        .and_then(|s| s.trim().parse::<f64>().ok())
+        .filter(|s| s.is_finite() && *s > 0.0)
+        .map(Duration::from_secs_f64)
+        .unwrap_or(DEFAULT_TIMEOUT)
+}
+
+/// `BURN_PARALLEL_TCP_SOCKET_BUFFER`, when set to a positive number of bytes.
+fn socket_buffer() -> Option<usize> {
+    std::env::var("BURN_PARALLEL_TCP_SOCKET_BUFFER")
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .filter(|&n| n > 0)
+}
+
+/// What a reader thread learned about its peer, read by senders.
+#[derive(Default)]
+struct PeerStatus {
+    /// Why sending to the peer must fail (it said goodbye, aborted or was lost).
+    gone: Mutex<Option<String>>,
+    /// This side is closing: the end of the stream is expected, not a failure.
+    closing: AtomicBool,
+}
+
+impl PeerStatus {
+    fn set_gone(&self, why: String) {
+        let mut gone = self.gone.lock().unwrap_or_else(|e| e.into_inner());
+        gone.get_or_insert(why);
+    }
+
+    fn gone(&self) -> Option<String> {
+        self.gone.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// This rank's connection to one peer.
+struct Peer {
+    /// Sends are serialised per peer: a frame is written whole before the next.
+    writer: Mutex<TcpStream>,
+    /// Another handle on the socket, to shut it down without taking the writer lock.
+    control: TcpStream,
+    status: Arc<PeerStatus>,
+    reader: Option<JoinHandle<()>>,
+}
+
+/// One rank's end of a `tcp` world: a connection to every other rank, each with a reader
+/// thread that fills this rank's [`Mailbox`].
+///
+/// Obtained through [`connect`] or [`init_from_env`] (as a [`ProcessGroup`]) or
+/// [`TcpTransport::connect`]. Dropping it says goodbye to every peer, waits briefly for them to
+/// close their side, and joins the reader threads.
+pub struct TcpTransport {
+    rank: usize,
+    world_size: usize,
+    mailbox: Arc<Mailbox>,
+    peers: Vec<Option<Peer>>,
+    io_timeout: Duration,
+}
+
+impl std::fmt::Debug for TcpTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpTransport")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .finish()
+    }
+}
+
+impl TcpTransport {
+    /// Forms the world described by `config` (see [`connect`]); `rendezvous` is rank 0's
+    /// listener bound beforehand, or `None` to bind `master_addr:master_port`.
+    ///
+    /// # Errors
+    /// As [`connect`]; also when a rendezvous listener is given to a rank other than 0.
+    pub fn connect(config: &TcpConfig, rendezvous: Option<TcpRendezvous>) -> Result<Arc<Self>> {
+        config.validate()?;
+        let deadline = Instant::now() + config.timeout;
+        let (rank, world_size) = (config.rank, config.world_size);
+        if rendezvous.is_some() && rank != 0 {
+            return Err(CollectiveError::Rendezvous(format!(
+                "rank {rank} was given a rendezvous listener; only rank 0 serves the rendezvous"
+            )));
+        }
+        let mesh = if world_size == 1 {
+            vec![None]
+        } else if rank == 0 {
+            let store = match rendezvous {
+                Some(store) => store,
+                None => TcpRendezvous::bind((config.master_addr.as_str(), config.master_port))?,
+            };
+            let store_ip = store.local_addr()?.ip();
+            // Nobody dials rank 0 (it dials everyone), but the mesh code is the same for all.
+            let data = rendezvous::bind_data_listener(store_ip)?;
+            let own = rendezvous::rank0_data_addr(&store.listener, &data);
+            let (session, addrs) = rendezvous::serve_store(
+                &store.listener,
+                world_size,
+                own,
+                deadline,
+                config.timeout,
+            )?;
+            drop(store);
+            rendezvous::form_mesh(rank, world_size, session, data, &addrs, deadline)?
+        } else {
+            let (data, session, addrs) = rendezvous::register(
+                rank,
+                world_size,
+                &config.master_addr,
+                config.master_port,
+                deadline,
+                config.timeout,
+            )?;
+            rendezvous::form_mesh(rank, world_size, session, data, &addrs, deadline)?
+        };
+        Self::start(rank, world_size, mesh).map(Arc::new)
+    }
+
+    /// Configures the connected sockets and starts the reader threads.
+    fn start(
+        rank: usize,
+        world_size: usize,
+        mesh: Vec<Option<TcpStream>>,
+    ) -> Result<Self> {
+        let mailbox = Arc::new(Mailbox::new());
+        let io_timeout = io_timeout();
+        let buffer = socket_buffer();
+        let mut transport = Self {
+            rank,
+            world_size,
+            mailbox: mailbox.clone(),
+            peers: Vec::with_capacity(world_size),
+            io_timeout,
+        };
+        for (peer, stream) in mesh.into_iter().enumerate() {
+            let Some(stream) = stream else {
+                transport.peers.push(None);
+                continue;
+            };
+            let setup_err = |e: std::io::Error| {
+                CollectiveError::Rendezvous(format!(
+                    "rank {rank}: setting up the connection to rank {peer}: {e}"
+                ))
+            };
+            stream.set_nodelay(true).map_err(setup_err)?;
+            stream.set_read_timeout(None).map_err(setup_err)?;
+            stream
+                .set_write_timeout(Some(io_timeout))
+                .map_err(setup_err)?;
+            if let Some(bytes) = buffer {
+                let sock = socket2::SockRef::from(&stream);
+                sock.set_send_buffer_size(bytes).map_err(setup_err)?;
+                sock.set_recv_buffer_size(bytes).map_err(setup_err)?;
+            }
+            let control = stream.try_clone().map_err(setup_err)?;
+            let reading = stream.try_clone().map_err(setup_err)?;
+            let status = Arc::new(PeerStatus::default());
+            let reader = {
+                let mailbox = mailbox.clone();
+                let status = status.clone();
+                let shutdown = stream.try_clone().map_err(setup_err)?;
+                thread::Builder::new()
+                    .name(format!("burn-tcp-{rank}<-{peer}"))
+                    .spawn(move || read_loop(peer, reading, shutdown, &mailbox, &status))
+                    .map_err(|e| {
+                        CollectiveError::Rendezvous(format!(
+                            "rank {rank}: cannot start the reader thread of rank {peer}: {e}"
+                        ))
+                    })?
+            };
+            transport.peers.push(Some(Peer {
+                writer: Mutex::new(stream),
+                control,
+                status,
+                reader: Some(reader),
+            }));
+        }
+        Ok(transport)
+    }
+
+    /// Cuts every connection at once, without a goodbye, as if this process had crashed:
+    /// peers report this rank as failed. Meant for fault-injection tests; the transport is
+    /// unusable afterwards.
+    pub fn disconnect_abruptly(&self) {
+        for peer in self.peers.iter().flatten() {
+            peer.status.closing.store(true, Ordering::SeqCst);
+            peer.status
+                .set_gone("this rank disconnected abruptly".to_string());
+            let _ = peer.control.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// Locks `peer`'s writer, giving up after [`CONTROL_WAIT`] (another thread may be stuck in
+    /// a large write to a peer that stopped reading).
+    fn lock_writer_briefly(peer: &Peer) -> Option<MutexGuard<'_, TcpStream>> {
+        let deadline = Instant::now() + CONTROL_WAIT;
+        loop {
+            match peer.writer.try_lock() {
+                Ok(guard) => return Some(guard),
+                Err(std::sync::TryLockError::Poisoned(e)) => return Some(e.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                    thread::sleep(Duration::from_millis(1));
+                }
+                Err(std::sync::TryLockError::WouldBlock) => return None,
+            }
+        }
+    }
+
+    fn transport_error(&self, peer: usize, reason: String) -> CollectiveError {
+        CollectiveError::Transport {
+            rank: self.rank,
+            peer,
+            reason,
+        }
+    }
+}
+
+impl Transport for TcpTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    fn backend_name(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn send(&self, dst: usize, frame: Frame) -> Result<()> {
+        if dst == self.rank {
+            self.mailbox.deliver(self.rank, frame);
+            return Ok(());
+        }
+        let peer = self
+            .peers
+            .get(dst)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| {
+                self.transport_error(
+                    dst,
+                    format!("no rank {dst} in a tcp world of {} ranks", self.world_size),
+                )
+            })?;
+        if let Some(why) = peer.status.gone() {
+            return Err(self.transport_error(dst, format!("cannot send to rank {dst}: {why}")));
+        }
+        wire::check_encodable(&frame)
+            .map_err(|why| self.transport_error(dst, format!("cannot send this frame: {why}")))?;
+        let mut writer = peer.writer.lock().unwrap_or_else(|e| e.into_inner());
+        wire::write_data(&mut *writer, &frame).map_err(|e| {
+            // A frame may have been cut in the middle: the connection is unusable.
+            let _ = peer.control.shutdown(Shutdown::Both);
+            let reason = if matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            ) {
+                let reason = format!(
+                    "rank {dst} stopped reading: a write to it made no progress for {:?}",
+                    self.io_timeout
+                );
+                self.mailbox.mark_failed(dst, &reason);
+                reason
+            } else {
+                format!("connection to rank {dst} lost while sending: {e}")
+            };
+            peer.status.set_gone(reason.clone());
+            self.transport_error(dst, reason)
+        })
+    }
+
+    fn mailbox(&self) -> &Mailbox {
+        &self.mailbox
+    }
+
+    fn abort(&self, reason: &str) {
+        self.mailbox.mark_failed(self.rank, reason);
+        for peer in self.peers.iter().flatten() {
+            match Self::lock_writer_briefly(peer) {
+                Some(mut writer) => {
+                    let _ = writer.set_write_timeout(Some(CONTROL_WAIT));
+                    if wire::write_abort(&mut *writer, reason).is_err() {
+                        let _ = peer.control.shutdown(Shutdown::Both);
+                    }
+                    let _ = writer.set_write_timeout(Some(self.io_timeout));
+                }
+                // Cannot get a whole frame through: cutting the connection still tells the
+                // peer that this rank is gone.
+                None => {
+                    let _ = peer.control.shutdown(Shutdown::Both);
+                }
+            }
+        }
+    }
+}
+
+impl Drop for TcpTransport {
+    fn drop(&mut self) {
+        // Say goodbye and close our sending side; what was written before still arrives.
+        for peer in self.peers.iter().flatten() {
+            peer.status.closing.store(true, Ordering::SeqCst);
+            if let Some(mut writer) = Self::lock_writer_briefly(peer) {
+                let _ = writer.set_write_timeout(Some(CONTROL_WAIT));
+                let _ = wire::write_goodbye(&mut *writer);
+            }
+            let _ = peer.control.shutdown(Shutdown::Write);
+        }
+        // Let the peers close their side (the readers keep draining meanwhile), then cut what
+        // is left so that every reader thread ends.
+        let deadline = Instant::now() + LINGER;
+        while Instant::now() < deadline
+            && self
+                .peers
+                .iter()
+                .flatten()
+                .any(|p| p.reader.as_ref().is_some_and(|r| !r.is_finished()))
+        {
+            thread::sleep(Duration::from_millis(1));
+        }
+        for peer in self.peers.iter_mut().flatten() {
+            let _ = peer.control.shutdown(Shutdown::Both);
+            if let Some(reader) = peer.reader.take() {
+                let _ = reader.join();
+            }
+        }
+    }
+}
+
+/// The reader thread of the connection to `peer`: delivers frames until the connection ends.
+fn read_loop(
+    peer: usize,
+    stream: TcpStream,
+    shutdown: TcpStream,
+    mailbox: &Mailbox,
+    status: &PeerStatus,
+) {
+    let mut reader = BufReader::with_capacity(READ_BUFFER, stream);
+    let mut said_goodbye = false;
+    loop {
+        match wire::read_frame(&mut reader) {
+            Ok(Some(wire::Incoming::Data(frame))) => mailbox.deliver(peer, frame),
+            Ok(Some(wire::Incoming::Goodbye)) => {
+                said_goodbye = true;
+                status.set_gone(format!("rank {peer} has shut down its process group"));
+                mailbox.mark_closed(peer);
+            }
+            Ok(Some(wire::Incoming::Abort(reason))) => {
+                status.set_gone(format!("rank {peer} failed: {reason}"));
+                mailbox.mark_failed(peer, &reason);
+            }
+            Ok(None) | Err(wire::ReadError::Io(_))
+                if said_goodbye || status.closing.load(Ordering::SeqCst) =>
+            {
+                return;
+            }
+            Ok(None) => {
+                let reason =
+                    format!("connection to rank {peer} lost (process exited or crashed)");
+                status.set_gone(reason.clone());
+                mailbox.mark_failed(peer, &reason);
+                return;
+            }
+            Err(wire::ReadError::Io(e)) => {
+                let reason =
+                    format!("connection to rank {peer} lost (process exited or crashed): {e}");
+                status.set_gone(reason.clone());
+                mailbox.mark_failed(peer, &reason);
+                return;
+            }
+            Err(wire::ReadError::Malformed(what)) => {
+                let reason = format!("malformed frame from rank {peer}: {what}");
+                status.set_gone(reason.clone());
+                mailbox.mark_failed(peer, &reason);
+                let _ = shutdown.shutdown(Shutdown::Both);
+                return;
+            }
+        }
+    }
+}

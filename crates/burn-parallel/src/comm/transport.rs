@@ -1,0 +1,200 @@
+//! The transport contract every backend (`local`, `tcp`) implements, and the mailbox they share.
+//!
+//! A transport only moves [`Frame`]s between global ranks. Every collective algorithm is written
+//! once, in [`crate::ProcessGroup`], on top of `send` and `recv`; a backend decides only how bytes
+//! travel. Incoming frames are sorted into a [`Mailbox`] by `(source, stream)`, so that
+//! collectives of different groups and tagged point-to-point messages never mix.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+
+use crate::error::{CollectiveError, Result};
+
+/// Identifies an independent ordered message stream between two ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct StreamId {
+    /// The process group the message belongs to.
+    pub group: u64,
+    /// [`StreamId::COLLECTIVE`] for collectives, otherwise a point-to-point tag.
+    pub tag: u64,
+}
+
+impl StreamId {
+    /// The tag reserved for the collectives of a group.
+    pub const COLLECTIVE: u64 = u64::MAX;
+}
+
+/// The metadata carried by every message, checked by the receiver.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Header {
+    /// Which stream the frame belongs to.
+    pub stream: StreamId,
+    /// Call number of the collective inside its group (0 for point-to-point messages).
+    pub seq: u64,
+    /// Human-readable description of the call that sent it: operation, dtype and the parts of
+    /// the shape every rank must agree on. Receivers compare it with their own.
+    pub signature: String,
+    /// Small integers that travel with the payload (for example the shape of a shard).
+    pub meta: Vec<u64>,
+}
+
+/// A message: a header and a payload that can be shared without copying.
+#[derive(Debug, Clone)]
+pub struct Frame {
+    /// Metadata.
+    pub header: Header,
+    /// The data.
+    pub payload: Bytes,
+}
+
+/// How ranks move frames. Implemented by the `local` (threads) and `tcp` (processes) backends.
+pub trait Transport: Send + Sync + 'static {
+    /// Global rank of this process or thread.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the world.
+    fn world_size(&self) -> usize;
+    /// Short name of the backend, for messages (`"local"`, `"tcp"`).
+    fn backend_name(&self) -> &'static str;
+    /// Hands `frame` to global rank `dst`. Must not wait for the receiver to call `recv`.
+    ///
+    /// # Errors
+    /// When `dst` is known to be dead or the connection to it fails.
+    fn send(&self, dst: usize, frame: Frame) -> Result<()>;
+    /// The mailbox receiving the frames addressed to this rank.
+    fn mailbox(&self) -> &Mailbox;
+    /// Tells every peer that this rank has failed with `reason`, so that they stop waiting
+    /// for it. Called by launchers when a rank panics or returns an error.
+    fn abort(&self, reason: &str);
+}
+
+/// Why a peer is no longer there.
+#[derive(Debug, Clone)]
+enum Gone {
+    /// It finished normally: only waiting on it specifically is an error.
+    Closed,
+    /// It failed: the whole world is broken and every wait ends.
+    Failed(String),
+}
+
+#[derive(Default)]
+struct MailboxState {
+    queues: HashMap<(usize, StreamId), VecDeque<Frame>>,
+    gone: HashMap<usize, Gone>,
+    /// First failure anywhere in the world: `(rank, reason)`.
+    failure: Option<(usize, String)>,
+}
+
+/// Frames that arrived for one rank, sorted by `(source, stream)`, plus what is known of the
+/// peers' health. Shared by all transports.
+#[derive(Default)]
+pub struct Mailbox {
+    state: Mutex<MailboxState>,
+    arrived: Condvar,
+}
+
+impl Mailbox {
+    /// Creates an empty mailbox.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Stores a frame that arrived from global rank `src` and wakes the waiters.
+    pub fn deliver(&self, src: usize, frame: Frame) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state
+            .queues
+            .entry((src, frame.header.stream))
+            .or_default()
+            .push_back(frame);
+        drop(state);
+        self.arrived.notify_all();
+    }
+
+    /// Records that `peer` failed: every wait in this mailbox ends with an error naming it.
+    pub fn mark_failed(&self, peer: usize, reason: &str) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.gone.insert(peer, Gone::Failed(reason.to_string()));
+        if state.failure.is_none() {
+            state.failure = Some((peer, reason.to_string()));
+        }
+        drop(state);
+        self.arrived.notify_all();
+    }
+
+    /// Records that `peer` shut down cleanly: waiting on it is an error, waiting on others is not.
+    pub fn mark_closed(&self, peer: usize) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.gone.entry(peer).or_insert(Gone::Closed);
+        drop(state);
+        self.arrived.notify_all();
+    }
+
+    /// The first failure recorded in the world, if any: `(rank, reason)`.
+    pub fn failure(&self) -> Option<(usize, String)> {
+        let state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.failure.clone()
+    }
+
+    /// Waits for the next frame from global rank `src` on `stream`.
+    ///
+    /// # Arguments
+    /// * `me` - global rank of the owner, for error messages.
+    /// * `op` - description of the waiting operation, for error messages.
+    ///
+    /// # Errors
+    /// [`CollectiveError::Timeout`] after `timeout`; [`CollectiveError::PeerFailed`] as soon as
+    /// any rank of the world is known to have failed, or `src` has shut down.
+    pub fn recv(
+        &self,
+        me: usize,
+        src: usize,
+        stream: StreamId,
+        timeout: Duration,
+        op: &dyn Fn() -> String,
+    ) -> Result<Frame> {
+        let deadline = Instant::now() + timeout;
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(frame) = state
+                .queues
+                .get_mut(&(src, stream))
+                .and_then(VecDeque::pop_front)
+            {
+                return Ok(frame);
+            }
+            if let Some((peer, reason)) = &state.failure {
+                return Err(CollectiveError::PeerFailed {
+                    rank: me,
+                    op: op(),
+                    peer: *peer,
+                    reason: reason.clone(),
+                });
+            }
+            if let Some(Gone::Closed) = state.gone.get(&src) {
+                return Err(CollectiveError::PeerFailed {
+                    rank: me,
+                    op: op(),
+                    peer: src,
+                    reason: "it shut down its process group before sending this message".into(),
+                });
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(CollectiveError::Timeout {
+                    rank: me,
+                    op: op(),
+                    peer: src,
+                    timeout,
+                });
+            }
+            state = self
+                .arrived
+                .wait_timeout(state, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+}

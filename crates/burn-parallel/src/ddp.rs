@@ -1,0 +1,362 @@
+//! Data parallelism: every rank holds the whole model, trains on its slice of the global batch,
+//! and averages gradients with bucketed, flat all-reduces before the optimizer step.
+//!
+//! The usual loop:
+//!
+//! ```
+//! use burn::module::Module;
+//! use burn::nn::{Linear, LinearConfig};
+//! use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+//! use burn::tensor::{Device, Tensor};
+//! use burn_parallel::{DistributedDataParallel, run_local};
+//!
+//! run_local(2, |group| {
+//!     let device = Device::flex().autodiff();
+//!     let ddp = DistributedDataParallel::new(group.clone());
+//!     // Identical replicas: broadcast rank 0's initial weights.
+//!     let mut model: Linear = ddp.broadcast_module(LinearConfig::new(4, 1).init(&device), 0)?;
+//!     let mut optim = SgdConfig::new().init();
+//!     let x = Tensor::<2>::ones([8, 4], &device) * (group.rank() as f32 + 1.0);
+//!     let loss = model.forward(x).powf_scalar(2.0).mean();
+//!     let grads = GradientsParams::from_grads(loss.backward(), &model);
+//!     let grads = ddp.all_reduce_grads(&model, grads)?; // averaged over ranks
+//!     model = optim.step(0.1, model, grads);
+//!     Ok(())
+//! })
+//! .unwrap();
+//! ```
+//!
+//! With gradient accumulation, sum micro-step gradients locally with a [`GradAccumulator`]
+//! and communicate once, on the last micro-step.
+
+use std::sync::mpsc;
+use std::thread;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, Tensor, TensorData};
+
+use crate::comm::host::ReduceOp;
+use crate::error::{CollectiveError, Result};
+use crate::group::ProcessGroup;
+
+/// Default bucket size of the gradient all-reduce: 25 MB, as in PyTorch DDP.
+pub const DEFAULT_BUCKET_BYTES: usize = 25 * 1024 * 1024;
+
+/// Data-parallel training over a process group.
+#[derive(Debug, Clone)]
+pub struct DistributedDataParallel {
+    group: ProcessGroup,
+    bucket_bytes: usize,
+}
+
+/// One flat bucket of gradients: the parameters it holds (id, element count) and their data.
+struct Bucket {
+    dtype: DType,
+    entries: Vec<(ParamId, usize)>,
+    bytes: Vec<u8>,
+}
+
+impl DistributedDataParallel {
+    /// Data parallelism over `group` with the default bucket size.
+    pub fn new(group: ProcessGroup) -> Self {
+        Self {
+            group,
+            bucket_bytes: DEFAULT_BUCKET_BYTES,
+        }
+    }
+
+    /// Sets the size at which a gradient bucket is sent (at least one parameter per bucket).
+    pub fn with_bucket_bytes(mut self, bytes: usize) -> Self {
+        self.bucket_bytes = bytes.max(1);
+        self
+    }
+
+    /// The data-parallel group.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// Replaces every float parameter of `module` with `root`'s value, so that all replicas
+    /// start identical. Whether a parameter requires a gradient is kept.
+    ///
+    /// # Errors
+    /// When a broadcast fails; the module is then lost (the job cannot go on anyway).
+    pub fn broadcast_module<M: Module>(&self, module: M, root: usize) -> Result<M> {
+        struct Broadcaster<'a> {
+            group: &'a ProcessGroup,
+            root: usize,
+            error: Option<CollectiveError>,
+        }
+        impl ModuleMapper for Broadcaster<'_> {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                if self.error.is_some() {
+                    return param;
+                }
+                let (group, root) = (self.group, self.root);
+                let mut error = None;
+                let param = param.map(|tensor| {
+                    let device = tensor.device();
+                    let require_grad = tensor.is_require_grad();
+                    match group.broadcast_data(tensor.clone().into_data(), root) {
+                        Ok(data) => {
+                            let t = Tensor::from_data(data, &device);
+                            if require_grad { t.require_grad() } else { t }
+                        }
+                        Err(e) => {
+                            error = Some(e);
+                            tensor
+                        }
+                    }
+                });
+                self.error = error;
+                param
+            }
+        }
+        let mut mapper = Broadcaster {
+            group: &self.group,
+            root,
+            error: None,
+        };
+        let module = module.map(&mut mapper);
+        match mapper.error {
+            Some(e) => Err(e),
+            None => Ok(module),
+        }
+    }
+
+    /// Averages `grads` over the group: gradients are packed, in reverse order of the
+    /// module's parameters (the order backward produces them), into flat buckets of about
+    /// `bucket_bytes`, each all-reduced by a communication thread while the next is packed.
+    /// A parameter without a gradient on this rank contributes zeros, so ranks that use
+    /// different parameters still agree on the bucket layout.
+    ///
+    /// # Errors
+    /// When an all-reduce fails (a dead peer, a rank with another model...).
+    pub fn all_reduce_grads<M: Module>(
+        &self,
+        module: &M,
+        grads: GradientsParams,
+    ) -> Result<GradientsParams> {
+        self.reduce_grads(module, grads, 1.0)
+    }
+
+    fn reduce_grads<M: Module>(
+        &self,
+        module: &M,
+        mut grads: GradientsParams,
+        local_scale: f32,
+    ) -> Result<GradientsParams> {
+        if self.group.size() == 1 && local_scale == 1.0 {
+            return Ok(grads);
+        }
+        // Parameters in reverse visiting order.
+        let mut params: Vec<(ParamId, Vec<usize>, DType)> = Vec::new();
+        module.visit(&mut ParamLister(&mut params));
+        params.reverse();
+
+        let (to_comm, from_main) = mpsc::channel::<Bucket>();
+        let (to_main, reduced) = mpsc::channel::<Result<Bucket>>();
+        let group = self.group.clone();
+        thread::scope(|scope| {
+            scope.spawn(move || {
+                for mut bucket in from_main {
+                    let len = bucket.bytes.len() / bucket.dtype.size();
+                    let data = TensorData::from_bytes_vec(
+                        std::mem::take(&mut bucket.bytes),
+                        [len],
+                        bucket.dtype,
+                    );
+                    let result = group.all_reduce_data(data, ReduceOp::Avg).map(|data| {
+                        bucket.bytes = data.into_bytes().to_vec();
+                        bucket
+                    });
+                    let failed = result.is_err();
+                    let _ = to_main.send(result);
+                    if failed {
+                        break;
+                    }
+                }
+            });
+            let mut current: Option<Bucket> = None;
+            let mut sent = 0usize;
+            for (id, shape, dtype) in &params {
+                let numel: usize = shape.iter().product();
+                let data = take_grad(&mut grads, *id, shape, *dtype, local_scale);
+                let fits = current
+                    .as_ref()
+                    .is_some_and(|b| b.dtype == *dtype && b.bytes.len() < self.bucket_bytes);
+                if !fits && let Some(full) = current.take() {
+                    let _ = to_comm.send(full);
+                    sent += 1;
+                }
+                let bucket = current.get_or_insert_with(|| Bucket {
+                    dtype: *dtype,
+                    entries: Vec::new(),
+                    bytes: Vec::new(),
+                });
+                bucket.entries.push((*id, numel));
+                bucket.bytes.extend_from_slice(data.as_bytes());
+            }
+            if let Some(last) = current.take() {
+                let _ = to_comm.send(last);
+                sent += 1;
+            }
+            drop(to_comm);
+            let shapes: std::collections::HashMap<ParamId, Vec<usize>> =
+                params.iter().map(|(id, s, _)| (*id, s.clone())).collect();
+            for _ in 0..sent {
+                let bucket = reduced.recv().map_err(|_| CollectiveError::InvalidArgument {
+                    rank: self.group.global_rank(),
+                    op: "all_reduce_grads".into(),
+                    reason: "the communication thread stopped".into(),
+                })??;
+                let size = bucket.dtype.size();
+                let mut offset = 0;
+                for (id, numel) in &bucket.entries {
+                    let bytes = bucket.bytes[offset..offset + numel * size].to_vec();
+                    offset += numel * size;
+                    let data = TensorData::from_bytes_vec(bytes, shapes[id].clone(), bucket.dtype);
+                    register_grad(&mut grads, *id, data, module);
+                }
+            }
+            Ok(grads)
+        })
+    }
+
+    /// A local gradient accumulator for this data-parallel group.
+    pub fn accumulator(&self) -> GradAccumulator {
+        GradAccumulator {
+            ddp: self.clone(),
+            grads: None,
+            steps: 0,
+        }
+    }
+}
+
+/// Sums gradients over micro-steps without communicating; [`GradAccumulator::finish`] averages
+/// them over the micro-steps and the ranks in one bucketed all-reduce.
+pub struct GradAccumulator {
+    ddp: DistributedDataParallel,
+    grads: Option<(Vec<ParamId>, GradientsParams)>,
+    steps: usize,
+}
+
+impl GradAccumulator {
+    /// Adds one micro-step's gradients (local only).
+    pub fn accumulate<M: Module>(&mut self, module: &M, grads: GradientsParams) {
+        self.steps += 1;
+        let mut params: Vec<(ParamId, Vec<usize>, DType)> = Vec::new();
+        module.visit(&mut ParamLister(&mut params));
+        let ids: Vec<ParamId> = params.iter().map(|p| p.0).collect();
+        let mut incoming = grads;
+        match self.grads.take() {
+            None => self.grads = Some((ids, incoming)),
+            Some((ids, mut sum)) => {
+                module.visit(&mut Adder {
+                    sum: &mut sum,
+                    incoming: &mut incoming,
+                });
+                self.grads = Some((ids, sum));
+            }
+        }
+    }
+
+    /// Number of micro-steps accumulated so far.
+    pub fn steps(&self) -> usize {
+        self.steps
+    }
+
+    /// Averages the accumulated gradients over micro-steps and ranks (the one communication of
+    /// the step) and resets the accumulator.
+    ///
+    /// # Errors
+    /// When nothing was accumulated, or the all-reduce fails.
+    pub fn finish<M: Module>(&mut self, module: &M) -> Result<GradientsParams> {
+        let steps = std::mem::take(&mut self.steps);
+        let Some((_, grads)) = self.grads.take() else {
+            return Err(CollectiveError::InvalidArgument {
+                rank: self.ddp.group.global_rank(),
+                op: "GradAccumulator::finish".into(),
+                reason: "no gradients were accumulated; call accumulate first".into(),
+            });
+        };
+        self.ddp.reduce_grads(module, grads, 1.0 / steps as f32)
+    }
+}
+
+struct ParamLister<'a>(&'a mut Vec<(ParamId, Vec<usize>, DType)>);
+
+impl ModuleVisitor for ParamLister<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let value = param.val();
+        self.0.push((param.id, value.dims().to_vec(), value.dtype()));
+    }
+}
+
+struct Adder<'a> {
+    sum: &'a mut GradientsParams,
+    incoming: &'a mut GradientsParams,
+}
+
+impl ModuleVisitor for Adder<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        match (
+            self.sum.remove::<D>(param.id),
+            self.incoming.remove::<D>(param.id),
+        ) {
+            (Some(a), Some(b)) => self.sum.register(param.id, a + b),
+            (Some(a), None) | (None, Some(a)) => self.sum.register(param.id, a),
+            (None, None) => {}
+        }
+    }
+}
+
+/// Removes a gradient from `grads` as host data (zeros when absent), scaled by `scale`.
+fn take_grad(
+    grads: &mut GradientsParams,
+    id: ParamId,
+    shape: &[usize],
+    dtype: DType,
+    scale: f32,
+) -> TensorData {
+    fn remove<const D: usize>(grads: &mut GradientsParams, id: ParamId, scale: f32) -> Option<TensorData> {
+        grads.remove::<D>(id).map(|g| {
+            if scale == 1.0 { g.into_data() } else { (g * scale).into_data() }
+        })
+    }
+    let data = match shape.len() {
+        1 => remove::<1>(grads, id, scale),
+        2 => remove::<2>(grads, id, scale),
+        3 => remove::<3>(grads, id, scale),
+        4 => remove::<4>(grads, id, scale),
+        5 => remove::<5>(grads, id, scale),
+        6 => remove::<6>(grads, id, scale),
+        _ => None,
+    };
+    data.unwrap_or_else(|| TensorData::zeros::<f32, _>(shape.to_vec()).convert_dtype(dtype))
+}
+
+/// Registers host gradient data for the parameter `id` of `module`, on the parameter's device.
+fn register_grad<M: Module>(grads: &mut GradientsParams, id: ParamId, data: TensorData, module: &M) {
+    struct Register<'a> {
+        grads: &'a mut GradientsParams,
+        id: ParamId,
+        data: Option<TensorData>,
+    }
+    impl ModuleVisitor for Register<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if param.id == self.id
+                && let Some(data) = self.data.take()
+            {
+                let device = param.lazy_device();
+                self.grads.register(self.id, Tensor::<D>::from_data(data, &device.inner()));
+            }
+        }
+    }
+    module.visit(&mut Register {
+        grads,
+        id,
+        data: Some(data),
+    });
+}

@@ -1,0 +1,91 @@
+//! Typed errors of the collectives, the transports and the mesh.
+
+use std::time::Duration;
+
+/// Everything that can go wrong in a collective or point-to-point call.
+///
+/// Every variant names the calling rank, the operation and, where relevant, the peer and the
+/// shapes, so that a failure in a job of many ranks can be traced from one log line.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum CollectiveError {
+    /// No message arrived from `peer` within the group's timeout.
+    #[error(
+        "rank {rank}: {op} timed out after {timeout:?} waiting for rank {peer} \
+         (is that rank alive and calling the same collectives in the same order? \
+         raise the timeout with ProcessGroup::with_timeout or BURN_PARALLEL_TIMEOUT_SECS)"
+    )]
+    Timeout {
+        /// Global rank of the caller.
+        rank: usize,
+        /// The operation, with its call number in the group.
+        op: String,
+        /// Global rank that was waited for.
+        peer: usize,
+        /// The timeout that expired.
+        timeout: Duration,
+    },
+    /// A peer failed (panicked, returned an error, exited or lost its connection).
+    #[error("rank {rank}: {op} aborted because rank {peer} failed: {reason}")]
+    PeerFailed {
+        /// Global rank of the caller.
+        rank: usize,
+        /// The operation that was interrupted.
+        op: String,
+        /// Global rank that failed.
+        peer: usize,
+        /// What the failed rank (or its transport) reported.
+        reason: String,
+    },
+    /// Two ranks called different collectives, or the same one with incompatible arguments.
+    #[error(
+        "rank {rank}: collective mismatch with rank {peer}: this rank called {ours} \
+         but rank {peer} called {theirs}"
+    )]
+    Mismatch {
+        /// Global rank of the caller.
+        rank: usize,
+        /// Global rank of the disagreeing peer.
+        peer: usize,
+        /// What this rank called (operation, call number, dtype, shape).
+        ours: String,
+        /// What the peer called.
+        theirs: String,
+    },
+    /// The caller passed arguments that cannot work (wrong dimension, split sizes, dtype...).
+    #[error("rank {rank}: invalid {op}: {reason}")]
+    InvalidArgument {
+        /// Global rank of the caller.
+        rank: usize,
+        /// The operation.
+        op: String,
+        /// What is wrong and what to do instead.
+        reason: String,
+    },
+    /// A transport-level failure: connection refused or reset, malformed frame, I/O error.
+    #[error("rank {rank}: transport error with rank {peer}: {reason}")]
+    Transport {
+        /// Global rank of the caller.
+        rank: usize,
+        /// The peer involved (the caller itself when there is none).
+        peer: usize,
+        /// What happened.
+        reason: String,
+    },
+    /// Forming the world failed: bad environment, wrong world size, duplicate rank, rendezvous
+    /// unreachable.
+    #[error("rendezvous failed: {0}")]
+    Rendezvous(String),
+}
+
+impl CollectiveError {
+    /// `true` when the error means another rank is gone (and so the job cannot continue).
+    pub fn is_peer_failure(&self) -> bool {
+        matches!(
+            self,
+            CollectiveError::PeerFailed { .. } | CollectiveError::Transport { .. }
+        )
+    }
+}
+
+/// Shorthand for results of collective calls.
+pub type Result<T> = std::result::Result<T, CollectiveError>;

@@ -1,0 +1,952 @@
+//! [`ProcessGroup`]: the collectives, written once over any [`Transport`].
+//!
+//! Algorithms: ring reduce-scatter and ring all-gather (so all-reduce sends `2(n-1)/n` of the
+//! data per rank, bandwidth-optimal), direct exchange for all-to-all, a star from the root for
+//! broadcast. Every message carries the call number and a signature (operation, dtype, shape),
+//! so a rank that calls another collective, or the same one on another shape, is reported by
+//! name instead of corrupting data or hanging.
+
+use std::collections::HashMap;
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use burn::tensor::{DType, Tensor, TensorData};
+use bytes::{Bytes, BytesMut};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use crate::comm::host::{
+    ReduceOp, combine_into, concat_along, dtype_code, dtype_from_code, dtype_name, geometry,
+    reducible, scale_into, split_along,
+};
+use crate::comm::transport::{Frame, Header, StreamId, Transport};
+use crate::error::{CollectiveError, Result};
+
+/// Default timeout of every wait, unless `BURN_PARALLEL_TIMEOUT_SECS` says otherwise.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+fn default_timeout() -> Duration {
+    std::env::var("BURN_PARALLEL_TIMEOUT_SECS")
+        .ok()
+        .and_then(|s| s.parse::<f64>().ok())
+        .filter(|s| *s > 0.0)
+        .map(Duration::from_secs_f64)
+        .unwrap_or(DEFAULT_TIMEOUT)
+}
+
+/// A set of ranks that run collectives together: the world, or a sub-group of it.
+///
+/// Cheap to clone; clones share the call counter, so they are the same group. All members must
+/// call the same collectives in the same order (as in every collective library); when they do
+/// not, the call fails with [`CollectiveError::Mismatch`] or [`CollectiveError::Timeout`].
+///
+/// Collectives work on Burn tensors of any dtype on any backend (data is staged through host
+/// memory) and on raw [`TensorData`].
+///
+/// # Example
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_parallel::{ReduceOp, run_local};
+///
+/// let out = run_local(2, |group| {
+///     let device = Device::flex();
+///     let x = Tensor::<1>::from_floats([group.rank() as f32, 1.0], &device);
+///     let sum = group.all_reduce(x, ReduceOp::Sum)?;
+///     Ok(sum.into_data().to_vec::<f32>().unwrap())
+/// })
+/// .unwrap();
+/// assert_eq!(out[0], vec![1.0, 2.0]);
+/// ```
+#[derive(Clone)]
+pub struct ProcessGroup {
+    transport: Arc<dyn Transport>,
+    /// Global rank of each member, in group-rank order.
+    members: Arc<[usize]>,
+    /// This rank's index in `members`.
+    rank: usize,
+    id: u64,
+    seq: Arc<AtomicU64>,
+    timeout: Duration,
+    /// How many groups with a given member list this rank created (for unique ids).
+    registry: Arc<Mutex<HashMap<Vec<usize>, u64>>>,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("backend", &self.transport.backend_name())
+            .field("rank", &self.rank)
+            .field("size", &self.members.len())
+            .field("members", &self.members)
+            .finish()
+    }
+}
+
+/// One collective call in progress: its number and signature.
+struct Call {
+    seq: u64,
+    signature: String,
+}
+
+impl ProcessGroup {
+    /// The group of all ranks of `transport`'s world.
+    pub fn world(transport: Arc<dyn Transport>) -> Self {
+        let members: Arc<[usize]> = (0..transport.world_size()).collect();
+        Self {
+            rank: transport.rank(),
+            transport,
+            members,
+            id: 0,
+            seq: Arc::new(AtomicU64::new(0)),
+            timeout: default_timeout(),
+            registry: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// This rank's index in the group.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// Number of ranks in the group.
+    pub fn size(&self) -> usize {
+        self.members.len()
+    }
+
+    /// This rank's index in the world.
+    pub fn global_rank(&self) -> usize {
+        self.transport.rank()
+    }
+
+    /// Global ranks of the members, in group-rank order.
+    pub fn members(&self) -> &[usize] {
+        &self.members
+    }
+
+    /// The name of the backend (`"local"`, `"tcp"`).
+    pub fn backend(&self) -> &'static str {
+        self.transport.backend_name()
+    }
+
+    /// The timeout applied to every wait of this group.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// The same group with another timeout for every wait.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// The underlying transport.
+    pub fn transport(&self) -> &Arc<dyn Transport> {
+        &self.transport
+    }
+
+    /// Reports this rank as failed to every peer (their pending calls end with an error).
+    pub fn abort(&self, reason: &str) {
+        self.transport.abort(reason);
+    }
+
+    /// Creates the sub-group of the given members (ranks of *this* group, in the order that
+    /// becomes the sub-group's rank order). Every member must create it, and members must
+    /// create their sub-groups in the same order. No communication takes place.
+    ///
+    /// # Errors
+    /// [`CollectiveError::InvalidArgument`] when a rank is out of range or repeated, or when the
+    /// caller is not a member.
+    pub fn split(&self, ranks: &[usize]) -> Result<ProcessGroup> {
+        let invalid = |reason: String| CollectiveError::InvalidArgument {
+            rank: self.global_rank(),
+            op: format!("split({ranks:?})"),
+            reason,
+        };
+        if ranks.is_empty() {
+            return Err(invalid("a group needs at least one rank".into()));
+        }
+        let mut seen = vec![false; self.size()];
+        for &r in ranks {
+            if r >= self.size() {
+                return Err(invalid(format!(
+                    "rank {r} is out of range for a group of {} ranks",
+                    self.size()
+                )));
+            }
+            if std::mem::replace(&mut seen[r], true) {
+                return Err(invalid(format!("rank {r} is listed twice")));
+            }
+        }
+        let Some(my_index) = ranks.iter().position(|&r| r == self.rank) else {
+            return Err(invalid(format!(
+                "the calling rank {} is not a member; only members create a sub-group",
+                self.rank
+            )));
+        };
+        let members: Vec<usize> = ranks.iter().map(|&r| self.members[r]).collect();
+        let nth = {
+            let mut registry = self.registry.lock().unwrap_or_else(|e| e.into_inner());
+            let counter = registry.entry(members.clone()).or_insert(0);
+            *counter += 1;
+            *counter
+        };
+        let mut hasher = DefaultHasher::new();
+        (self.id, &members, nth).hash(&mut hasher);
+        let id = hasher.finish() & !(1 << 63);
+        Ok(ProcessGroup {
+            transport: self.transport.clone(),
+            members: members.into(),
+            rank: my_index,
+            id: id.max(1),
+            seq: Arc::new(AtomicU64::new(0)),
+            timeout: self.timeout,
+            registry: self.registry.clone(),
+        })
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Message plumbing.
+
+    fn begin(&self, op: &str, detail: String) -> Call {
+        let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        Call {
+            seq,
+            signature: format!("{op}(#{seq} {detail})"),
+        }
+    }
+
+    fn invalid(&self, op: &str, reason: String) -> CollectiveError {
+        CollectiveError::InvalidArgument {
+            rank: self.global_rank(),
+            op: op.to_string(),
+            reason,
+        }
+    }
+
+    fn send_frame(&self, call: &Call, to: usize, meta: Vec<u64>, payload: Bytes) -> Result<()> {
+        let frame = Frame {
+            header: Header {
+                stream: StreamId {
+                    group: self.id,
+                    tag: StreamId::COLLECTIVE,
+                },
+                seq: call.seq,
+                signature: call.signature.clone(),
+                meta,
+            },
+            payload,
+        };
+        self.transport.send(self.members[to], frame)
+    }
+
+    fn recv_frame(&self, call: &Call, from: usize) -> Result<Frame> {
+        let peer = self.members[from];
+        let stream = StreamId {
+            group: self.id,
+            tag: StreamId::COLLECTIVE,
+        };
+        let frame = self.transport.mailbox().recv(
+            self.global_rank(),
+            peer,
+            stream,
+            self.timeout,
+            &|| call.signature.clone(),
+        )?;
+        if frame.header.seq != call.seq || frame.header.signature != call.signature {
+            return Err(CollectiveError::Mismatch {
+                rank: self.global_rank(),
+                peer,
+                ours: call.signature.clone(),
+                theirs: frame.header.signature,
+            });
+        }
+        Ok(frame)
+    }
+
+    fn next(&self) -> usize {
+        (self.rank + 1) % self.size()
+    }
+
+    fn prev(&self) -> usize {
+        (self.rank + self.size() - 1) % self.size()
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Ring algorithms on byte pieces (piece k ends on rank k).
+
+    /// Ring reduce-scatter: `pieces[k]` is this rank's contribution to piece `k`; returns piece
+    /// `rank` reduced over all ranks. Each step sends one piece to the next rank and reduces the
+    /// one received from the previous rank into it, without copying on the local backend.
+    fn ring_reduce_scatter(
+        &self,
+        call: &Call,
+        pieces: &[Bytes],
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<BytesMut> {
+        let n = self.size();
+        let r = self.rank;
+        if n == 1 {
+            return Ok(BytesMut::from(&pieces[0][..]));
+        }
+        self.send_frame(call, self.next(), vec![], pieces[(r + n - 1) % n].clone())?;
+        let mut acc = BytesMut::new();
+        for s in 0..n - 1 {
+            let idx = (2 * n + r - 2 - s) % n;
+            let frame = self.recv_frame(call, self.prev())?;
+            let own = &pieces[idx];
+            if frame.payload.len() != own.len() {
+                return Err(self.invalid(
+                    &call.signature,
+                    format!(
+                        "piece {idx} has {} bytes on rank {} but {} bytes here",
+                        frame.payload.len(),
+                        self.members[self.prev()],
+                        own.len()
+                    ),
+                ));
+            }
+            acc = match frame.payload.try_into_mut() {
+                Ok(mut received) => {
+                    combine_into(&mut received, own, dtype, op);
+                    received
+                }
+                Err(shared) => {
+                    let mut fresh = BytesMut::from(&own[..]);
+                    combine_into(&mut fresh, &shared, dtype, op);
+                    fresh
+                }
+            };
+            if s + 2 < n {
+                self.send_frame(call, self.next(), vec![], acc.split().freeze())?;
+            }
+        }
+        Ok(acc)
+    }
+
+    /// Ring all-gather of one piece (with its metadata) per rank, returned in rank order.
+    fn ring_all_gather(
+        &self,
+        call: &Call,
+        mine: Bytes,
+        meta: Vec<u64>,
+    ) -> Result<Vec<(Bytes, Vec<u64>)>> {
+        let n = self.size();
+        let r = self.rank;
+        let mut out: Vec<Option<(Bytes, Vec<u64>)>> = vec![None; n];
+        out[r] = Some((mine, meta));
+        for s in 0..n - 1 {
+            let send_idx = (r + n - s) % n;
+            let (payload, meta) = out[send_idx].clone().expect("filled at the previous step");
+            self.send_frame(call, self.next(), meta, payload)?;
+            let frame = self.recv_frame(call, self.prev())?;
+            out[(r + 2 * n - s - 1) % n] = Some((frame.payload, frame.header.meta));
+        }
+        Ok(out
+            .into_iter()
+            .map(|p| p.expect("every piece arrives"))
+            .collect())
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Collectives on host data.
+
+    fn check_reducible(&self, op: &str, dtype: DType) -> Result<()> {
+        if reducible(dtype) {
+            Ok(())
+        } else {
+            Err(self.invalid(
+                op,
+                format!("dtype {dtype:?} cannot be reduced; cast to a float or int dtype first"),
+            ))
+        }
+    }
+
+    /// All-reduce of host data: every rank gets the element-wise `op` over all ranks.
+    ///
+    /// # Errors
+    /// See [`CollectiveError`]; shapes and dtypes must agree on every rank.
+    pub fn all_reduce_data(&self, data: TensorData, op: ReduceOp) -> Result<TensorData> {
+        let dtype = data.dtype();
+        let shape = data.shape().clone();
+        let call = self.begin(
+            "all_reduce",
+            format!("{op} {}{:?}", dtype_name(dtype), shape.as_slice()),
+        );
+        self.check_reducible(&call.signature, dtype)?;
+        let n = self.size();
+        if n == 1 {
+            return Ok(data);
+        }
+        let elem = dtype.size();
+        let bytes = into_shared_bytes(data);
+        let count = bytes.len() / elem;
+        let (base, extra) = (count / n, count % n);
+        let mut pieces = Vec::with_capacity(n);
+        let mut start = 0;
+        for k in 0..n {
+            let len = (base + usize::from(k < extra)) * elem;
+            pieces.push(bytes.slice(start..start + len));
+            start += len;
+        }
+        let mut mine = self.ring_reduce_scatter(&call, &pieces, dtype, op)?;
+        drop(pieces);
+        drop(bytes);
+        if op == ReduceOp::Avg {
+            scale_into(&mut mine, n, dtype);
+        }
+        let gathered = self.ring_all_gather(&call, mine.freeze(), vec![])?;
+        let mut out = Vec::with_capacity(count * elem);
+        for (piece, _) in &gathered {
+            out.extend_from_slice(piece);
+        }
+        Ok(TensorData::from_bytes_vec(out, shape, dtype))
+    }
+
+    /// All-gather of host data along `dim`: shards may differ in size along `dim` (every other
+    /// dimension and the dtype must agree). Returns the concatenation in rank order.
+    ///
+    /// # Errors
+    /// [`CollectiveError::InvalidArgument`] when `dim` is out of range; see [`CollectiveError`].
+    pub fn all_gather_data(&self, data: TensorData, dim: usize) -> Result<TensorData> {
+        let dtype = data.dtype();
+        let shape = data.shape().as_slice().to_vec();
+        let call = self.begin(
+            "all_gather",
+            format!("dim {dim} {}{}", dtype_name(dtype), shape_except(&shape, dim)),
+        );
+        if dim >= shape.len() {
+            return Err(self.invalid(
+                &call.signature,
+                format!("dim {dim} is out of range for a tensor of rank {}", shape.len()),
+            ));
+        }
+        if self.size() == 1 {
+            return Ok(data);
+        }
+        let elem = dtype.size();
+        let bytes = into_shared_bytes(data);
+        let pieces = self.ring_all_gather(&call, bytes, vec![shape[dim] as u64])?;
+        let sizes: Vec<usize> = pieces.iter().map(|(_, m)| m[0] as usize).collect();
+        let payloads: Vec<Bytes> = pieces.into_iter().map(|(p, _)| p).collect();
+        let (outer, unit) = geometry(&shape, dim, elem);
+        let out = concat_along(&payloads, &sizes, outer, unit);
+        let mut out_shape = shape;
+        out_shape[dim] = sizes.iter().sum();
+        Ok(TensorData::from_bytes_vec(out, out_shape, dtype))
+    }
+
+    /// Reduce-scatter of host data along `dim`: the full tensor (same shape on every rank) is
+    /// split into `sizes[k]` units along `dim` (an even split when `sizes` is `None`), reduced
+    /// with `op`, and rank `k` receives piece `k`.
+    ///
+    /// # Errors
+    /// [`CollectiveError::InvalidArgument`] when the sizes do not add up to the dimension, or the
+    /// dimension is not divisible by the group size and no sizes are given.
+    pub fn reduce_scatter_data(
+        &self,
+        data: TensorData,
+        dim: usize,
+        op: ReduceOp,
+        sizes: Option<&[usize]>,
+    ) -> Result<TensorData> {
+        let dtype = data.dtype();
+        let shape = data.shape().as_slice().to_vec();
+        let call = self.begin(
+            "reduce_scatter",
+            format!(
+                "{op} dim {dim} sizes {sizes:?} {}{shape:?}",
+                dtype_name(dtype)
+            ),
+        );
+        self.check_reducible(&call.signature, dtype)?;
+        let n = self.size();
+        if dim >= shape.len() {
+            return Err(self.invalid(
+                &call.signature,
+                format!("dim {dim} is out of range for a tensor of rank {}", shape.len()),
+            ));
+        }
+        let sizes = match sizes {
+            Some(s) if s.len() != n || s.iter().sum::<usize>() != shape[dim] => {
+                return Err(self.invalid(
+                    &call.signature,
+                    format!(
+                        "{} sizes adding up to {} given for {n} ranks and dimension {dim} of \
+                         size {}",
+                        s.len(),
+                        s.iter().sum::<usize>(),
+                        shape[dim]
+                    ),
+                ));
+            }
+            Some(s) => s.to_vec(),
+            None if shape[dim] % n != 0 => {
+                return Err(self.invalid(
+                    &call.signature,
+                    format!(
+                        "dimension {dim} of size {} is not divisible by {n} ranks; pass the \
+                         per-rank sizes explicitly",
+                        shape[dim]
+                    ),
+                ));
+            }
+            None => vec![shape[dim] / n; n],
+        };
+        let elem = dtype.size();
+        let bytes = into_shared_bytes(data);
+        let pieces = split_along(&bytes, &shape, dim, &sizes, elem);
+        drop(bytes);
+        let mut mine = self.ring_reduce_scatter(&call, &pieces, dtype, op)?;
+        if op == ReduceOp::Avg {
+            scale_into(&mut mine, n, dtype);
+        }
+        let mut out_shape = shape;
+        out_shape[dim] = sizes[self.rank];
+        Ok(TensorData::from_bytes_vec(mine.to_vec(), out_shape, dtype))
+    }
+
+    /// Broadcast of host data from group rank `root`; every rank must pass data of the same
+    /// shape and dtype (non-root contents are ignored).
+    ///
+    /// # Errors
+    /// See [`CollectiveError`].
+    pub fn broadcast_data(&self, data: TensorData, root: usize) -> Result<TensorData> {
+        let dtype = data.dtype();
+        let shape = data.shape().clone();
+        let call = self.begin(
+            "broadcast",
+            format!("root {root} {}{:?}", dtype_name(dtype), shape.as_slice()),
+        );
+        if root >= self.size() {
+            return Err(self.invalid(
+                &call.signature,
+                format!("root {root} is out of range for {} ranks", self.size()),
+            ));
+        }
+        let payload = self.star_broadcast(&call, root, || into_shared_bytes(data))?;
+        Ok(TensorData::from_bytes_vec(payload.to_vec(), shape, dtype))
+    }
+
+    fn star_broadcast(&self, call: &Call, root: usize, data: impl FnOnce() -> Bytes) -> Result<Bytes> {
+        if self.rank == root {
+            let payload = data();
+            for peer in (0..self.size()).filter(|&p| p != root) {
+                self.send_frame(call, peer, vec![], payload.clone())?;
+            }
+            Ok(payload)
+        } else {
+            Ok(self.recv_frame(call, root)?.payload)
+        }
+    }
+
+    /// All-to-all of host data along `dim`: the tensor is split into `send_sizes[k]` units
+    /// along `dim`, piece `k` goes to rank `k`, and the pieces received from every rank are
+    /// concatenated along `dim` in rank order (their sizes need not match).
+    ///
+    /// # Errors
+    /// [`CollectiveError::InvalidArgument`] when the sizes do not add up; see [`CollectiveError`].
+    pub fn all_to_all_data(
+        &self,
+        data: TensorData,
+        dim: usize,
+        send_sizes: &[usize],
+    ) -> Result<TensorData> {
+        Ok(self.all_to_all_dims_data(data, dim, send_sizes, dim)?.0)
+    }
+
+    /// All-to-all that splits along `split_dim` and concatenates along `concat_dim` (Ulysses
+    /// sequence parallelism swaps heads and sequence this way). Returns the result and the
+    /// size along `concat_dim` of the piece received from each rank (the `send_sizes` of the
+    /// inverse all-to-all).
+    ///
+    /// # Errors
+    /// [`CollectiveError::InvalidArgument`] when the sizes do not add up or a dimension is out
+    /// of range; [`CollectiveError::Mismatch`] when a received piece does not fit.
+    pub fn all_to_all_dims_data(
+        &self,
+        data: TensorData,
+        split_dim: usize,
+        send_sizes: &[usize],
+        concat_dim: usize,
+    ) -> Result<(TensorData, Vec<usize>)> {
+        let dtype = data.dtype();
+        let shape = data.shape().as_slice().to_vec();
+        let call = self.begin(
+            "all_to_all",
+            format!("split {split_dim} concat {concat_dim} {}", dtype_name(dtype)),
+        );
+        let n = self.size();
+        if split_dim >= shape.len()
+            || concat_dim >= shape.len()
+            || send_sizes.len() != n
+            || send_sizes.iter().sum::<usize>() != shape[split_dim]
+        {
+            return Err(self.invalid(
+                &call.signature,
+                format!(
+                    "send sizes {send_sizes:?} must have one entry per rank ({n}) adding up to \
+                     dimension {split_dim} of shape {shape:?} (concat dim {concat_dim})"
+                ),
+            ));
+        }
+        let elem = dtype.size();
+        let bytes = into_shared_bytes(data);
+        let pieces = split_along(&bytes, &shape, split_dim, send_sizes, elem);
+        let piece_shape = |k: usize| {
+            let mut s = shape.clone();
+            s[split_dim] = send_sizes[k];
+            s
+        };
+        let mut received: Vec<Bytes> = vec![Bytes::new(); n];
+        let mut shapes: Vec<Vec<usize>> = vec![Vec::new(); n];
+        received[self.rank] = pieces[self.rank].clone();
+        shapes[self.rank] = piece_shape(self.rank);
+        for s in 1..n {
+            let to = (self.rank + s) % n;
+            let meta = piece_shape(to).iter().map(|&d| d as u64).collect();
+            self.send_frame(&call, to, meta, pieces[to].clone())?;
+        }
+        for s in 1..n {
+            let from = (self.rank + n - s) % n;
+            let frame = self.recv_frame(&call, from)?;
+            let got: Vec<usize> = frame.header.meta.iter().map(|&d| d as usize).collect();
+            let fits = got.len() == shape.len()
+                && got.iter().product::<usize>() * elem == frame.payload.len()
+                && (0..shape.len()).all(|d| d == concat_dim || got[d] == shapes[self.rank][d]);
+            if !fits {
+                return Err(CollectiveError::Mismatch {
+                    rank: self.global_rank(),
+                    peer: self.members[from],
+                    ours: format!(
+                        "{} expecting pieces shaped like {:?} except along dim {concat_dim}",
+                        call.signature, shapes[self.rank]
+                    ),
+                    theirs: format!("a piece of shape {got:?}"),
+                });
+            }
+            shapes[from] = got;
+            received[from] = frame.payload;
+        }
+        let sizes: Vec<usize> = shapes.iter().map(|s| s[concat_dim]).collect();
+        let (outer, unit) = geometry(&shapes[self.rank], concat_dim, elem);
+        let out = concat_along(&received, &sizes, outer, unit);
+        let mut out_shape = shapes[self.rank].clone();
+        out_shape[concat_dim] = sizes.iter().sum();
+        Ok((TensorData::from_bytes_vec(out, out_shape, dtype), sizes))
+    }
+
+    /// Waits until every rank of the group has reached the barrier.
+    ///
+    /// # Errors
+    /// See [`CollectiveError`].
+    pub fn barrier(&self) -> Result<()> {
+        let call = self.begin("barrier", String::new());
+        if self.size() > 1 {
+            self.ring_all_gather(&call, Bytes::new(), vec![])?;
+        }
+        Ok(())
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Point to point.
+
+    fn p2p_stream(&self, tag: u64) -> StreamId {
+        StreamId {
+            group: self.id,
+            tag,
+        }
+    }
+
+    fn check_peer(&self, op: &str, peer: usize, tag: u64) -> Result<()> {
+        if peer >= self.size() || peer == self.rank {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "peer {peer} must be another rank of this group of {} ranks",
+                    self.size()
+                ),
+            ));
+        }
+        if tag == StreamId::COLLECTIVE {
+            return Err(self.invalid(op, "tag u64::MAX is reserved for collectives".into()));
+        }
+        Ok(())
+    }
+
+    /// Sends host data to group rank `peer` under `tag`; returns without waiting for the
+    /// receiver. Messages with the same `(peer, tag)` arrive in order.
+    ///
+    /// # Errors
+    /// See [`CollectiveError`].
+    pub fn send_data(&self, data: TensorData, peer: usize, tag: u64) -> Result<()> {
+        self.check_peer("send", peer, tag)?;
+        let dtype = data.dtype();
+        let code = dtype_code(dtype)
+            .ok_or_else(|| self.invalid("send", format!("dtype {dtype:?} cannot be sent")))?;
+        let mut meta = vec![code];
+        meta.extend(data.shape().as_slice().iter().map(|&d| d as u64));
+        let frame = Frame {
+            header: Header {
+                stream: self.p2p_stream(tag),
+                seq: 0,
+                signature: format!("send(tag {tag})"),
+                meta,
+            },
+            payload: into_shared_bytes(data),
+        };
+        self.transport.send(self.members[peer], frame)
+    }
+
+    /// Receives the next host data sent by group rank `peer` under `tag`.
+    ///
+    /// # Errors
+    /// See [`CollectiveError`]; a malformed header is a [`CollectiveError::Transport`] error.
+    pub fn recv_data(&self, peer: usize, tag: u64) -> Result<TensorData> {
+        self.check_peer("recv", peer, tag)?;
+        let global = self.members[peer];
+        let frame = self.transport.mailbox().recv(
+            self.global_rank(),
+            global,
+            self.p2p_stream(tag),
+            self.timeout,
+            &|| format!("recv(from rank {peer}, tag {tag})"),
+        )?;
+        let bad = |reason: &str| CollectiveError::Transport {
+            rank: self.global_rank(),
+            peer: global,
+            reason: format!("malformed message under tag {tag}: {reason}"),
+        };
+        let (&code, dims) = frame
+            .header
+            .meta
+            .split_first()
+            .ok_or_else(|| bad("no dtype"))?;
+        let dtype = dtype_from_code(code).ok_or_else(|| bad("unknown dtype"))?;
+        let shape: Vec<usize> = dims.iter().map(|&d| d as usize).collect();
+        if shape.iter().product::<usize>() * dtype.size() != frame.payload.len() {
+            return Err(bad("payload length does not match its shape"));
+        }
+        Ok(TensorData::from_bytes_vec(
+            frame.payload.to_vec(),
+            shape,
+            dtype,
+        ))
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Bytes and objects.
+
+    /// Broadcasts a byte buffer from `root` (the buffer passed by other ranks is ignored).
+    ///
+    /// # Errors
+    /// See [`CollectiveError`].
+    pub fn broadcast_bytes(&self, bytes: Vec<u8>, root: usize) -> Result<Vec<u8>> {
+        let call = self.begin("broadcast_bytes", format!("root {root}"));
+        if root >= self.size() {
+            return Err(self.invalid(&call.signature, format!("root {root} is out of range")));
+        }
+        Ok(self.star_broadcast(&call, root, || Bytes::from(bytes))?.to_vec())
+    }
+
+    /// Gathers every rank's byte buffer on every rank, in rank order.
+    ///
+    /// # Errors
+    /// See [`CollectiveError`].
+    pub fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        let call = self.begin("all_gather_bytes", String::new());
+        let pieces = self.ring_all_gather(&call, Bytes::from(bytes), vec![])?;
+        Ok(pieces.into_iter().map(|(p, _)| p.to_vec()).collect())
+    }
+
+    /// Gathers every rank's byte buffer on `root` (`Some` there, `None` elsewhere).
+    ///
+    /// # Errors
+    /// See [`CollectiveError`].
+    pub fn gather_bytes(&self, bytes: Vec<u8>, root: usize) -> Result<Option<Vec<Vec<u8>>>> {
+        let call = self.begin("gather_bytes", format!("root {root}"));
+        if root >= self.size() {
+            return Err(self.invalid(&call.signature, format!("root {root} is out of range")));
+        }
+        if self.rank != root {
+            self.send_frame(&call, root, vec![], Bytes::from(bytes))?;
+            return Ok(None);
+        }
+        let mut out = Vec::with_capacity(self.size());
+        for k in 0..self.size() {
+            if k == root {
+                out.push(Vec::new());
+            } else {
+                out.push(self.recv_frame(&call, k)?.payload.to_vec());
+            }
+        }
+        out[root] = bytes;
+        Ok(Some(out))
+    }
+
+    /// Broadcasts a serde value from `root`. Other ranks pass `None`.
+    ///
+    /// # Errors
+    /// [`CollectiveError::InvalidArgument`] when the root passes `None` or the value does not
+    /// (de)serialise; see [`CollectiveError`].
+    pub fn broadcast_object<T: Serialize + DeserializeOwned>(
+        &self,
+        value: Option<&T>,
+        root: usize,
+    ) -> Result<T> {
+        let bytes = match (self.rank == root, value) {
+            (true, Some(v)) => serde_json::to_vec(v)
+                .map_err(|e| self.invalid("broadcast_object", format!("serialising: {e}")))?,
+            (true, None) => {
+                return Err(self.invalid("broadcast_object", "the root must pass a value".into()));
+            }
+            (false, _) => Vec::new(),
+        };
+        let bytes = self.broadcast_bytes(bytes, root)?;
+        serde_json::from_slice(&bytes)
+            .map_err(|e| self.invalid("broadcast_object", format!("deserialising: {e}")))
+    }
+
+    /// Gathers a serde value from every rank on every rank, in rank order.
+    ///
+    /// # Errors
+    /// [`CollectiveError::InvalidArgument`] when a value does not (de)serialise.
+    pub fn all_gather_object<T: Serialize + DeserializeOwned>(&self, value: &T) -> Result<Vec<T>> {
+        let bytes = serde_json::to_vec(value)
+            .map_err(|e| self.invalid("all_gather_object", format!("serialising: {e}")))?;
+        self.all_gather_bytes(bytes)?
+            .iter()
+            .map(|b| {
+                serde_json::from_slice(b)
+                    .map_err(|e| self.invalid("all_gather_object", format!("deserialising: {e}")))
+            })
+            .collect()
+    }
+
+    /// All-reduce of a vector of `f32` (a convenience for metrics and small control values).
+    ///
+    /// # Errors
+    /// See [`CollectiveError`].
+    pub fn all_reduce_f32(&self, values: Vec<f32>, op: ReduceOp) -> Result<Vec<f32>> {
+        let len = values.len();
+        let data = self.all_reduce_data(TensorData::new(values, [len]), op)?;
+        Ok(data.try_to_vec::<f32>().expect("f32 in, f32 out"))
+    }
+
+    // ------------------------------------------------------------------------------------
+    // Collectives on Burn tensors (not differentiable: see `crate::autograd` for those).
+
+    /// All-reduce of a tensor; the result lives on the input's device.
+    ///
+    /// # Errors
+    /// See [`ProcessGroup::all_reduce_data`].
+    pub fn all_reduce<const D: usize>(&self, tensor: Tensor<D>, op: ReduceOp) -> Result<Tensor<D>> {
+        let device = tensor.device();
+        let data = self.all_reduce_data(tensor.into_data(), op)?;
+        Ok(Tensor::from_data(data, &device))
+    }
+
+    /// All-gather of a tensor along `dim` (uneven shards allowed).
+    ///
+    /// # Errors
+    /// See [`ProcessGroup::all_gather_data`].
+    pub fn all_gather<const D: usize>(&self, tensor: Tensor<D>, dim: usize) -> Result<Tensor<D>> {
+        let device = tensor.device();
+        let data = self.all_gather_data(tensor.into_data(), dim)?;
+        Ok(Tensor::from_data(data, &device))
+    }
+
+    /// Reduce-scatter of a tensor along `dim` (`sizes`: per-rank sizes, even when `None`).
+    ///
+    /// # Errors
+    /// See [`ProcessGroup::reduce_scatter_data`].
+    pub fn reduce_scatter<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        dim: usize,
+        op: ReduceOp,
+        sizes: Option<&[usize]>,
+    ) -> Result<Tensor<D>> {
+        let device = tensor.device();
+        let data = self.reduce_scatter_data(tensor.into_data(), dim, op, sizes)?;
+        Ok(Tensor::from_data(data, &device))
+    }
+
+    /// Broadcast of a tensor from group rank `root`.
+    ///
+    /// # Errors
+    /// See [`ProcessGroup::broadcast_data`].
+    pub fn broadcast<const D: usize>(&self, tensor: Tensor<D>, root: usize) -> Result<Tensor<D>> {
+        let device = tensor.device();
+        let data = self.broadcast_data(tensor.into_data(), root)?;
+        Ok(Tensor::from_data(data, &device))
+    }
+
+    /// All-to-all of a tensor along `dim` with per-destination sizes.
+    ///
+    /// # Errors
+    /// See [`ProcessGroup::all_to_all_data`].
+    pub fn all_to_all<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        dim: usize,
+        send_sizes: &[usize],
+    ) -> Result<Tensor<D>> {
+        let device = tensor.device();
+        let data = self.all_to_all_data(tensor.into_data(), dim, send_sizes)?;
+        Ok(Tensor::from_data(data, &device))
+    }
+
+    /// Sends a tensor to group rank `peer` under `tag`.
+    ///
+    /// # Errors
+    /// See [`ProcessGroup::send_data`].
+    pub fn send<const D: usize>(&self, tensor: Tensor<D>, peer: usize, tag: u64) -> Result<()> {
+        self.send_data(tensor.into_data(), peer, tag)
+    }
+
+    /// Receives a tensor of rank `D` from group rank `peer` under `tag`, onto `device`.
+    ///
+    /// # Errors
+    /// See [`ProcessGroup::recv_data`]; also when the received tensor is not of rank `D`.
+    pub fn recv<const D: usize>(
+        &self,
+        peer: usize,
+        tag: u64,
+        device: &burn::tensor::Device,
+    ) -> Result<Tensor<D>> {
+        let data = self.recv_data(peer, tag)?;
+        if data.shape().len() != D {
+            return Err(self.invalid(
+                "recv",
+                format!(
+                    "expected a tensor of rank {D} from rank {peer} (tag {tag}) but got shape {:?}",
+                    data.shape().as_slice()
+                ),
+            ));
+        }
+        Ok(Tensor::from_data(data, device))
+    }
+}
+
+/// Shape with `dim` shown as `*` (the part of a shape every rank must agree on).
+fn shape_except(shape: &[usize], dim: usize) -> String {
+    let parts: Vec<String> = shape
+        .iter()
+        .enumerate()
+        .map(|(i, d)| if i == dim { "*".into() } else { d.to_string() })
+        .collect();
+    format!("[{}]", parts.join(", "))
+}
+
+/// Moves tensor bytes into a shareable buffer (without a copy when the storage is a plain
+/// host allocation).
+fn into_shared_bytes(data: TensorData) -> Bytes {
+    let bytes = data.into_bytes();
+    match bytes.try_into_vec::<u8>() {
+        Ok(vec) => Bytes::from(vec),
+        Err(bytes) => Bytes::copy_from_slice(&bytes),
+    }
+}

@@ -1,0 +1,39 @@
+//! # burn-parallel
+//!
+//! Distributed training for [Burn](https://burn.dev): process groups and collectives that work
+//! on every Burn backend, a launcher (`burnrun`), an N-dimensional device mesh, differentiable
+//! collectives and data parallelism.
+//!
+//! The pieces, bottom up:
+//!
+//! - [`comm::transport`]: how frames move between ranks ([`Transport`]); backends are
+//!   [`comm::local`] (ranks are threads) and `comm::tcp` (ranks are processes).
+//! - [`ProcessGroup`]: the collectives, written once over any transport.
+//!
+//! # Example
+//! ```
+//! use burn_parallel::{ReduceOp, run_local};
+//!
+//! // Four ranks as threads; each contributes its rank.
+//! let totals = run_local(4, |group| group.all_reduce_f32(vec![group.rank() as f32], ReduceOp::Sum))
+//!     .unwrap();
+//! assert!(totals.iter().all(|t| t == &vec![6.0]));
+//! ```
+
+pub mod comm;
+pub mod error;
+pub mod group;
+
+pub use comm::host::ReduceOp;
+pub use comm::local::{local_world, run_local};
+pub use comm::tcp::{TcpConfig, TcpRendezvous, init_from_env};
+pub use comm::transport::Transport;
+pub use error::{CollectiveError, Result};
+pub use group::ProcessGroup;
+pub mod autograd;
+pub mod mesh;
+
+pub use mesh::{DeviceMesh, MeshError};
+pub mod ddp;
+
+pub use ddp::{DistributedDataParallel, GradAccumulator};

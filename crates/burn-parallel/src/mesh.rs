@@ -1,0 +1,220 @@
+//! [`DeviceMesh`]: the world arranged as an N-dimensional grid of named dimensions
+//! (`pp`, `dp`, `fsdp`, `cp`, `tp`, `ep`, ...), with one sub-group per dimension.
+//!
+//! Ranks are laid out row-major: the last dimension varies fastest, so with
+//! `[("dp", 2), ("tp", 2)]` ranks 0 and 1 form a tensor-parallel pair (keep the dimension
+//! with the most traffic last, where neighbouring ranks share a node).
+
+use crate::error::CollectiveError;
+use crate::group::ProcessGroup;
+
+/// Errors building or querying a mesh.
+#[derive(Debug, thiserror::Error)]
+pub enum MeshError {
+    /// The product of the dimension sizes is not the world size.
+    #[error(
+        "mesh {dims} has {product} ranks but the world has {world}; make the product of the \
+         dimension sizes equal the number of launched ranks"
+    )]
+    SizeMismatch {
+        /// The requested dimensions, printed.
+        dims: String,
+        /// Their product.
+        product: usize,
+        /// The world size.
+        world: usize,
+    },
+    /// A dimension has size 0 or its name is used twice or empty.
+    #[error("invalid mesh dimension {name:?}: {reason}")]
+    InvalidDim {
+        /// The dimension name.
+        name: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A query named a dimension the mesh does not have.
+    #[error("the mesh has no dimension {name:?}; its dimensions are {available:?}")]
+    UnknownDim {
+        /// The requested name.
+        name: String,
+        /// The names the mesh has.
+        available: Vec<String>,
+    },
+    /// Creating a sub-group failed.
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+}
+
+/// The world as a grid of named dimensions, with the calling rank's coordinates and the
+/// sub-group along each dimension.
+///
+/// # Example
+/// ```
+/// use burn_parallel::{DeviceMesh, run_local};
+///
+/// run_local(4, |world| {
+///     let mesh = DeviceMesh::new(&world, &[("dp", 2), ("tp", 2)]).unwrap();
+///     let tp = mesh.group("tp").unwrap();
+///     assert_eq!(tp.size(), 2);
+///     assert_eq!(mesh.coord("dp").unwrap(), world.rank() / 2);
+///     Ok(())
+/// })
+/// .unwrap();
+/// ```
+#[derive(Debug, Clone)]
+pub struct DeviceMesh {
+    names: Vec<String>,
+    sizes: Vec<usize>,
+    coords: Vec<usize>,
+    world: ProcessGroup,
+    groups: Vec<ProcessGroup>,
+}
+
+impl DeviceMesh {
+    /// Arranges `world` as a grid with the given `(name, size)` dimensions, outermost first,
+    /// and creates this rank's sub-group along each dimension (no communication).
+    ///
+    /// # Errors
+    /// [`MeshError::SizeMismatch`] when the product of the sizes is not the world size;
+    /// [`MeshError::InvalidDim`] for a zero size or a repeated or empty name.
+    pub fn new(world: &ProcessGroup, dims: &[(&str, usize)]) -> Result<Self, MeshError> {
+        let mut names: Vec<String> = Vec::with_capacity(dims.len());
+        for &(name, size) in dims {
+            let reason = if name.is_empty() {
+                Some("the name is empty")
+            } else if names.iter().any(|n| n == name) {
+                Some("the name is used twice")
+            } else if size == 0 {
+                Some("the size is 0")
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                return Err(MeshError::InvalidDim {
+                    name: name.into(),
+                    reason: reason.into(),
+                });
+            }
+            names.push(name.to_string());
+        }
+        let sizes: Vec<usize> = dims.iter().map(|d| d.1).collect();
+        let product: usize = sizes.iter().product();
+        if product != world.size() {
+            return Err(MeshError::SizeMismatch {
+                dims: format!("{dims:?}"),
+                product,
+                world: world.size(),
+            });
+        }
+        let coords = unravel(world.rank(), &sizes);
+        let mut mesh = DeviceMesh {
+            names,
+            sizes,
+            coords,
+            world: world.clone(),
+            groups: Vec::new(),
+        };
+        for d in 0..dims.len() {
+            let group = mesh.build_group(&[d])?;
+            mesh.groups.push(group);
+        }
+        Ok(mesh)
+    }
+
+    fn index(&self, name: &str) -> Result<usize, MeshError> {
+        self.names
+            .iter()
+            .position(|n| n == name)
+            .ok_or_else(|| MeshError::UnknownDim {
+                name: name.into(),
+                available: self.names.clone(),
+            })
+    }
+
+    /// Ranks of the world that share this rank's coordinates except along `dims`, ordered
+    /// row-major over `dims`.
+    fn build_group(&self, dims: &[usize]) -> Result<ProcessGroup, MeshError> {
+        let sub_sizes: Vec<usize> = dims.iter().map(|&d| self.sizes[d]).collect();
+        let count: usize = sub_sizes.iter().product();
+        let members: Vec<usize> = (0..count)
+            .map(|i| {
+                let sub = unravel(i, &sub_sizes);
+                let mut coords = self.coords.clone();
+                for (k, &d) in dims.iter().enumerate() {
+                    coords[d] = sub[k];
+                }
+                ravel(&coords, &self.sizes)
+            })
+            .collect();
+        Ok(self.world.split(&members)?)
+    }
+
+    /// The sub-group along dimension `name` (this rank's coordinates fixed elsewhere).
+    ///
+    /// # Errors
+    /// [`MeshError::UnknownDim`].
+    pub fn group(&self, name: &str) -> Result<&ProcessGroup, MeshError> {
+        Ok(&self.groups[self.index(name)?])
+    }
+
+    /// A new sub-group spanning several dimensions flattened together (for example
+    /// `["dp", "cp"]` for the gradient reduction of context parallelism). Every member must
+    /// create it, in the same order relative to their other groups.
+    ///
+    /// # Errors
+    /// [`MeshError::UnknownDim`].
+    pub fn flattened(&self, names: &[&str]) -> Result<ProcessGroup, MeshError> {
+        let dims = names
+            .iter()
+            .map(|n| self.index(n))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.build_group(&dims)
+    }
+
+    /// This rank's coordinate along `name`.
+    ///
+    /// # Errors
+    /// [`MeshError::UnknownDim`].
+    pub fn coord(&self, name: &str) -> Result<usize, MeshError> {
+        Ok(self.coords[self.index(name)?])
+    }
+
+    /// The size of dimension `name`, 1 when the mesh does not have it (a dimension that is not
+    /// there is not parallelised).
+    pub fn size_or_one(&self, name: &str) -> usize {
+        self.index(name).map(|i| self.sizes[i]).unwrap_or(1)
+    }
+
+    /// This rank's coordinates, outermost dimension first.
+    pub fn coords(&self) -> &[usize] {
+        &self.coords
+    }
+
+    /// Dimension names, outermost first.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    /// Dimension sizes, outermost first.
+    pub fn sizes(&self) -> &[usize] {
+        &self.sizes
+    }
+
+    /// The whole world.
+    pub fn world(&self) -> &ProcessGroup {
+        &self.world
+    }
+}
+
+fn unravel(mut index: usize, sizes: &[usize]) -> Vec<usize> {
+    let mut coords = vec![0; sizes.len()];
+    for d in (0..sizes.len()).rev() {
+        coords[d] = index % sizes[d];
+        index /= sizes[d];
+    }
+    coords
+}
+
+fn ravel(coords: &[usize], sizes: &[usize]) -> usize {
+    coords.iter().zip(sizes).fold(0, |acc, (c, s)| acc * s + c)
+}

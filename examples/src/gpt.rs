@@ -1,0 +1,974 @@
+//! A GPT: decoder-only, pre-norm transformer language model.
+//!
+//! The model knows nothing of parallelism (torchtitan style). Every linear map is its own named
+//! field (`attn.q`, `attn.k`, `attn.v`, `attn.o`, `mlp.up`, `mlp.gate`, `mlp.down`, `lm_head`)
+//! so that a parallelisation plan can swap or shard them one by one, and [`Attention`] derives
+//! its number of heads from the width of `q`'s output (`width / head_dim`), so column-sharding
+//! `q`, `k`, `v` by whole heads needs no change here.
+//!
+//! Every parameter is initialised by [`crate::init`] from `(config.seed, module path)`:
+//!
+//! | parameter | init |
+//! |---|---|
+//! | `wte.weight`, `wpe.weight`, `*.weight` of `q`, `k`, `v`, `mlp.up`, `mlp.gate`, `lm_head` | Normal(0, 0.02) |
+//! | `attn.o.weight`, `mlp.down.weight` (residual projections) | Normal(0, 0.02 / sqrt(2 n_layers)) |
+//! | norm `weight` / every `bias` | ones / zeros |
+//!
+//! Linear weights use Burn's layout `[d_input, d_output]` (the transpose of PyTorch's).
+//!
+//! ```
+//! use burn::tensor::{Device, Int, Tensor};
+//! use examples::gpt::{Gpt, GptConfig};
+//!
+//! let device = Device::flex();
+//! let config = GptConfig { d_ff: 32, ..GptConfig::new(256, 1, 2, 8, 16) };
+//! let model = Gpt::new(&config, &device);
+//! let tokens = Tensor::<2, Int>::zeros([2, 5], &device);
+//! assert_eq!(model.forward(tokens).dims(), [2, 5, 256]);
+//! ```
+
+use burn::module::{Module, Param};
+use burn::nn::{Dropout, DropoutConfig, Embedding, Linear};
+use burn::tensor::activation::{gelu, log_softmax, silu, softmax};
+use burn::tensor::module::layer_norm;
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+use crate::init::Init;
+
+/// Standard deviation of the GPT-2 initialisation.
+pub const INIT_STD: f64 = 0.02;
+
+/// Errors of an inconsistent model configuration.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum ConfigError {
+    /// `d_model` is not a multiple of `n_heads`.
+    #[error("d_model ({d_model}) must be a multiple of n_heads ({n_heads})")]
+    HeadsDoNotDivide {
+        /// The model width.
+        d_model: usize,
+        /// The number of heads.
+        n_heads: usize,
+    },
+    /// Rotary embeddings rotate pairs, so the head dimension must be even.
+    #[error("rotary positions need an even head dimension, got {head_dim}")]
+    OddHeadDim {
+        /// `d_model / n_heads`.
+        head_dim: usize,
+    },
+    /// A size that must be positive is zero, or the dropout is outside `[0, 1)`.
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+/// The feed-forward network of each block.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum MlpKind {
+    /// `down(gelu(up(x)))` (GPT-2).
+    #[default]
+    Gelu,
+    /// `down(silu(gate(x)) * up(x))` (LLaMA).
+    SwiGlu,
+}
+
+/// How token positions are encoded.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PositionKind {
+    /// A learned table `wpe` added to the token embeddings (GPT-2).
+    #[default]
+    Learned,
+    /// Rotary position embeddings applied to `q` and `k` in every attention layer.
+    Rotary,
+}
+
+/// The normalisation layer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum NormKind {
+    /// Layer normalisation with weight and bias.
+    #[default]
+    LayerNorm,
+    /// Root-mean-square normalisation with weight only.
+    RmsNorm,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+fn default_rope_theta() -> f64 {
+    10_000.0
+}
+
+fn default_norm_eps() -> f64 {
+    1e-5
+}
+
+/// Hyper-parameters of [`Gpt`]. Serialisable; optional fields have serde defaults.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct GptConfig {
+    /// Number of token ids (256 for byte-level text).
+    pub vocab_size: usize,
+    /// Number of transformer blocks.
+    pub n_layers: usize,
+    /// Number of attention heads; must divide `d_model`.
+    pub n_heads: usize,
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Hidden width of the feed-forward network.
+    pub d_ff: usize,
+    /// Longest sequence (size of the learned position table).
+    pub max_seq_len: usize,
+    /// Feed-forward kind.
+    #[serde(default)]
+    pub mlp: MlpKind,
+    /// Position encoding.
+    #[serde(default)]
+    pub positions: PositionKind,
+    /// Use the token embedding as the output projection (no `lm_head`).
+    #[serde(default)]
+    pub tied_embeddings: bool,
+    /// Normalisation layer.
+    #[serde(default)]
+    pub norm: NormKind,
+    /// Dropout probability. Burn's `Dropout` draws from Burn's global RNG, so any value above 0
+    /// makes runs non-reproducible across layouts; the parity tests use 0.
+    #[serde(default)]
+    pub dropout: f64,
+    /// Biases in the linear layers.
+    #[serde(default = "default_true")]
+    pub bias: bool,
+    /// Base of the rotary frequencies.
+    #[serde(default = "default_rope_theta")]
+    pub rope_theta: f64,
+    /// Epsilon of the norms.
+    #[serde(default = "default_norm_eps")]
+    pub norm_eps: f64,
+    /// Seed of the initialisation.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+impl GptConfig {
+    /// A GPT-2 style configuration: GELU MLP with `d_ff = 4 d_model`, learned positions,
+    /// untied embeddings, LayerNorm, no dropout, biases, seed 0.
+    ///
+    /// # Arguments
+    ///
+    /// - `vocab_size`, `n_layers`, `n_heads`, `d_model`, `max_seq_len`: see the fields.
+    pub fn new(
+        vocab_size: usize,
+        n_layers: usize,
+        n_heads: usize,
+        d_model: usize,
+        max_seq_len: usize,
+    ) -> Self {
+        Self {
+            vocab_size,
+            n_layers,
+            n_heads,
+            d_model,
+            d_ff: 4 * d_model,
+            max_seq_len,
+            mlp: MlpKind::Gelu,
+            positions: PositionKind::Learned,
+            tied_embeddings: false,
+            norm: NormKind::LayerNorm,
+            dropout: 0.0,
+            bias: true,
+            rope_theta: default_rope_theta(),
+            norm_eps: default_norm_eps(),
+            seed: 0,
+        }
+    }
+
+    /// `d_model / n_heads`.
+    pub fn head_dim(&self) -> usize {
+        self.d_model / self.n_heads.max(1)
+    }
+
+    /// Checks that the sizes are consistent.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] naming the first inconsistency.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (name, v) in [
+            ("vocab_size", self.vocab_size),
+            ("n_layers", self.n_layers),
+            ("n_heads", self.n_heads),
+            ("d_model", self.d_model),
+            ("d_ff", self.d_ff),
+            ("max_seq_len", self.max_seq_len),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::Invalid(format!("{name} must be positive")));
+            }
+        }
+        if !self.d_model.is_multiple_of(self.n_heads) {
+            return Err(ConfigError::HeadsDoNotDivide {
+                d_model: self.d_model,
+                n_heads: self.n_heads,
+            });
+        }
+        if self.positions == PositionKind::Rotary && !self.head_dim().is_multiple_of(2) {
+            return Err(ConfigError::OddHeadDim {
+                head_dim: self.head_dim(),
+            });
+        }
+        if !(0.0..1.0).contains(&self.dropout) {
+            return Err(ConfigError::Invalid(format!(
+                "dropout must be in [0, 1), got {}",
+                self.dropout
+            )));
+        }
+        Ok(())
+    }
+
+    /// The configuration of each block.
+    pub fn block(&self) -> BlockConfig {
+        BlockConfig {
+            d_model: self.d_model,
+            n_heads: self.n_heads,
+            d_ff: self.d_ff,
+            mlp: self.mlp,
+            norm: self.norm,
+            norm_eps: self.norm_eps,
+            bias: self.bias,
+            dropout: self.dropout,
+            causal: true,
+            residual_std: INIT_STD / (2.0 * self.n_layers as f64).sqrt(),
+        }
+    }
+
+    /// Number of parameters, computed from the configuration without building the model.
+    /// Equals [`Gpt::num_params`].
+    pub fn num_params(&self) -> usize {
+        let (d, v) = (self.d_model, self.vocab_size);
+        let wpe = match self.positions {
+            PositionKind::Learned => self.max_seq_len * d,
+            PositionKind::Rotary => 0,
+        };
+        let head = if self.tied_embeddings {
+            0
+        } else {
+            d * v + usize::from(self.bias) * v
+        };
+        v * d + wpe + self.n_layers * self.block().num_params() + norm_params(self.norm, d) + head
+    }
+}
+
+impl Default for GptConfig {
+    /// A small byte-level model: vocab 256, 4 layers, 4 heads, width 128, context 128.
+    fn default() -> Self {
+        Self::new(256, 4, 4, 128, 128)
+    }
+}
+
+fn norm_params(kind: NormKind, d: usize) -> usize {
+    match kind {
+        NormKind::LayerNorm => 2 * d,
+        NormKind::RmsNorm => d,
+    }
+}
+
+/// Hyper-parameters of one [`Block`] (shared by GPT and ViT).
+#[derive(Clone, Debug, PartialEq)]
+pub struct BlockConfig {
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Number of attention heads.
+    pub n_heads: usize,
+    /// Hidden width of the MLP.
+    pub d_ff: usize,
+    /// MLP kind.
+    pub mlp: MlpKind,
+    /// Norm kind.
+    pub norm: NormKind,
+    /// Norm epsilon.
+    pub norm_eps: f64,
+    /// Biases in the linear layers.
+    pub bias: bool,
+    /// Dropout probability.
+    pub dropout: f64,
+    /// Causal (decoder) or bidirectional (encoder) attention.
+    pub causal: bool,
+    /// Std of the residual projections `attn.o` and `mlp.down`.
+    pub residual_std: f64,
+}
+
+impl BlockConfig {
+    /// Number of parameters of one block.
+    pub fn num_params(&self) -> usize {
+        let (d, f, b) = (self.d_model, self.d_ff, usize::from(self.bias));
+        let attn = 4 * (d * d + b * d);
+        let n_in = match self.mlp {
+            MlpKind::Gelu => 1,
+            MlpKind::SwiGlu => 2,
+        };
+        let mlp = n_in * (d * f + b * f) + f * d + b * d;
+        attn + mlp + 2 * norm_params(self.norm, d)
+    }
+}
+
+/// A linear layer `x W + b` with `W: [d_in, d_out]` ~ Normal(0, `std`) and `b` = 0, named
+/// `name.weight` / `name.bias` under `init`.
+///
+/// # Arguments
+///
+/// - `init`: the parent's initialisation context.
+/// - `name`: the field name.
+/// - `d_in`, `d_out`: input and output widths.
+/// - `std`: standard deviation of the weight.
+/// - `bias`: whether to add a bias.
+pub fn init_linear(
+    init: &Init,
+    name: &str,
+    d_in: usize,
+    d_out: usize,
+    std: f64,
+    bias: bool,
+) -> Linear {
+    let init = init.at(name);
+    Linear {
+        weight: init.normal("weight", [d_in, d_out], std),
+        bias: bias.then(|| init.zeros([d_out])),
+    }
+}
+
+/// LayerNorm or RMSNorm over the last dimension, with parameters `weight` (and `bias` for
+/// LayerNorm).
+#[derive(Module, Debug)]
+pub struct Norm {
+    /// Scale, initialised to ones.
+    pub weight: Param<Tensor<1>>,
+    /// Shift (LayerNorm only), initialised to zeros.
+    pub bias: Option<Param<Tensor<1>>>,
+    /// Which normalisation.
+    #[module(skip)]
+    pub kind: NormKind,
+    /// Added to the variance.
+    #[module(skip)]
+    pub eps: f64,
+}
+
+impl Norm {
+    /// A norm of width `d` (weight 1, bias 0).
+    pub fn new(kind: NormKind, d: usize, eps: f64, init: &Init) -> Self {
+        Self {
+            weight: init.ones([d]),
+            bias: match kind {
+                NormKind::LayerNorm => Some(init.zeros([d])),
+                NormKind::RmsNorm => None,
+            },
+            kind,
+            eps,
+        }
+    }
+
+    /// Normalises over the last dimension.
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        match self.kind {
+            NormKind::LayerNorm => layer_norm(
+                x,
+                self.weight.val(),
+                self.bias.as_ref().map(|b| b.val()),
+                self.eps,
+            ),
+            NormKind::RmsNorm => {
+                let rms = (x.clone().square().mean_dim(D - 1) + self.eps).sqrt();
+                x / rms * self.weight.val().unsqueeze()
+            }
+        }
+    }
+}
+
+/// Rotary position tables (half-split form) for `seq_len` positions starting at `offset`.
+///
+/// For a head vector `x = [x1, x2]` (two halves of `head_dim / 2`), position `p` and frequency
+/// `w_i = theta^(-2i / head_dim)`: `rope(x) = [x1 cos - x2 sin, x2 cos + x1 sin]` with the angle
+/// `p * w_i`.
+#[derive(Clone, Debug)]
+pub struct Rope {
+    /// `cos(p w_i)`, shape `[1, 1, seq_len, head_dim / 2]`.
+    pub cos: Tensor<4>,
+    /// `sin(p w_i)`, shape `[1, 1, seq_len, head_dim / 2]`.
+    pub sin: Tensor<4>,
+}
+
+impl Rope {
+    /// Builds the tables on the host (in `f64`) and uploads them.
+    ///
+    /// # Arguments
+    ///
+    /// - `head_dim`: the (even) head dimension.
+    /// - `seq_len`: number of positions.
+    /// - `offset`: position of the first token (non-zero for a chunk of a longer sequence).
+    /// - `theta`: frequency base (10 000).
+    /// - `device`: where the tables live.
+    pub fn new(head_dim: usize, seq_len: usize, offset: usize, theta: f64, device: &Device) -> Self {
+        let half = head_dim / 2;
+        let mut cos = Vec::with_capacity(seq_len * half);
+        let mut sin = Vec::with_capacity(seq_len * half);
+        for p in 0..seq_len {
+            for i in 0..half {
+                let freq = theta.powf(-2.0 * i as f64 / head_dim as f64);
+                let angle = (offset + p) as f64 * freq;
+                cos.push(angle.cos() as f32);
+                sin.push(angle.sin() as f32);
+            }
+        }
+        let shape = [1, 1, seq_len, half];
+        Self {
+            cos: Tensor::from_data(TensorData::new(cos, shape), device),
+            sin: Tensor::from_data(TensorData::new(sin, shape), device),
+        }
+    }
+
+    /// Rotates `x` of shape `[batch, heads, seq_len, head_dim]`.
+    pub fn apply(&self, x: Tensor<4>) -> Tensor<4> {
+        let half = x.dims()[3] / 2;
+        let x1 = x.clone().narrow(3, 0, half);
+        let x2 = x.narrow(3, half, half);
+        let rotated_1 = x1.clone() * self.cos.clone() - x2.clone() * self.sin.clone();
+        let rotated_2 = x2 * self.cos.clone() + x1 * self.sin.clone();
+        Tensor::cat(vec![rotated_1, rotated_2], 3)
+    }
+}
+
+/// The causal mask of `seq_len` positions: `true` where key `j` lies in the future of query `i`
+/// (`j > i`), shape `[seq_len, seq_len]`.
+pub fn causal_mask(seq_len: usize, device: &Device) -> Tensor<2, Bool> {
+    let values: Vec<bool> = (0..seq_len)
+        .flat_map(|i| (0..seq_len).map(move |j| j > i))
+        .collect();
+    Tensor::from_data(TensorData::new(values, [seq_len, seq_len]), device)
+}
+
+/// Multi-head self-attention with separate `q`, `k`, `v`, `o` projections.
+#[derive(Module, Debug)]
+pub struct Attention {
+    /// Query projection `[d_model, n_heads * head_dim]`.
+    pub q: Linear,
+    /// Key projection.
+    pub k: Linear,
+    /// Value projection.
+    pub v: Linear,
+    /// Output projection `[n_heads * head_dim, d_model]` (a residual projection).
+    pub o: Linear,
+    /// Dropout on the attention probabilities.
+    pub attn_drop: Dropout,
+    /// Dropout on the output.
+    pub resid_drop: Dropout,
+    /// Width of one head; the number of heads is `q`'s output width divided by it.
+    #[module(skip)]
+    pub head_dim: usize,
+    /// Mask future positions.
+    #[module(skip)]
+    pub causal: bool,
+}
+
+impl Attention {
+    /// Builds the layer; parameters are named `q.weight`, ... under `init`.
+    pub fn new(config: &BlockConfig, init: &Init) -> Self {
+        let d = config.d_model;
+        let b = config.bias;
+        Self {
+            q: init_linear(init, "q", d, d, INIT_STD, b),
+            k: init_linear(init, "k", d, d, INIT_STD, b),
+            v: init_linear(init, "v", d, d, INIT_STD, b),
+            o: init_linear(init, "o", d, d, config.residual_std, b),
+            attn_drop: DropoutConfig::new(config.dropout).init(),
+            resid_drop: DropoutConfig::new(config.dropout).init(),
+            head_dim: d / config.n_heads,
+            causal: config.causal,
+        }
+    }
+
+    /// Splits `[batch, seq, heads * head_dim]` into `[batch, heads, seq, head_dim]`.
+    fn split_heads(&self, x: Tensor<3>) -> Tensor<4> {
+        let [b, s, width] = x.dims();
+        x.reshape([b, s, width / self.head_dim, self.head_dim])
+            .swap_dims(1, 2)
+    }
+
+    /// Attends over the sequence.
+    ///
+    /// # Arguments
+    ///
+    /// - `x`: `[batch, seq, d_model]` (already normalised).
+    /// - `rope`: rotary tables for `seq` positions, or `None` for no rotation.
+    ///
+    /// # Returns
+    ///
+    /// `[batch, seq, d_model]`.
+    pub fn forward(&self, x: Tensor<3>, rope: Option<&Rope>) -> Tensor<3> {
+        let [b, s, _] = x.dims();
+        let mut q = self.split_heads(self.q.forward(x.clone()));
+        let mut k = self.split_heads(self.k.forward(x.clone()));
+        let v = self.split_heads(self.v.forward(x));
+        if let Some(rope) = rope {
+            q = rope.apply(q);
+            k = rope.apply(k);
+        }
+        let heads = q.dims()[1];
+
+        let scale = 1.0 / (self.head_dim as f64).sqrt();
+        let mut scores = q.matmul(k.swap_dims(2, 3)) * scale; // [b, h, s, s]
+        if self.causal {
+            let mask = causal_mask(s, &scores.device())
+                .reshape([1, 1, s, s])
+                .expand([b, heads, s, s]);
+            scores = scores.mask_fill(mask, f32::NEG_INFINITY);
+        }
+        let probs = self.attn_drop.forward(softmax(scores, 3));
+        let y = probs
+            .matmul(v)
+            .swap_dims(1, 2)
+            .reshape([b, s, heads * self.head_dim]);
+        self.resid_drop.forward(self.o.forward(y))
+    }
+}
+
+/// Feed-forward network: `down(gelu(up(x)))`, or `down(silu(gate(x)) * up(x))` when `gate` is
+/// present (SwiGLU).
+#[derive(Module, Debug)]
+pub struct Mlp {
+    /// Up projection `[d_model, d_ff]`.
+    pub up: Linear,
+    /// Gate projection `[d_model, d_ff]` (SwiGLU only).
+    pub gate: Option<Linear>,
+    /// Down projection `[d_ff, d_model]` (a residual projection).
+    pub down: Linear,
+    /// Dropout on the output.
+    pub drop: Dropout,
+}
+
+impl Mlp {
+    /// Builds the layer; parameters are named `up.weight`, ... under `init`.
+    pub fn new(config: &BlockConfig, init: &Init) -> Self {
+        let (d, f, b) = (config.d_model, config.d_ff, config.bias);
+        Self {
+            up: init_linear(init, "up", d, f, INIT_STD, b),
+            gate: match config.mlp {
+                MlpKind::Gelu => None,
+                MlpKind::SwiGlu => Some(init_linear(init, "gate", d, f, INIT_STD, b)),
+            },
+            down: init_linear(init, "down", f, d, config.residual_std, b),
+            drop: DropoutConfig::new(config.dropout).init(),
+        }
+    }
+
+    /// `[.., d_model] -> [.., d_model]`.
+    pub fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let hidden = match &self.gate {
+            None => gelu(self.up.forward(x)),
+            Some(gate) => silu(gate.forward(x.clone())) * self.up.forward(x),
+        };
+        self.drop.forward(self.down.forward(hidden))
+    }
+}
+
+/// Pre-norm transformer block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
+#[derive(Module, Debug)]
+pub struct Block {
+    /// Norm before attention.
+    pub ln_1: Norm,
+    /// Self-attention.
+    pub attn: Attention,
+    /// Norm before the MLP.
+    pub ln_2: Norm,
+    /// Feed-forward network.
+    pub mlp: Mlp,
+}
+
+impl Block {
+    /// Builds the block; parameters are named `ln_1.weight`, `attn.q.weight`, ... under `init`.
+    pub fn new(config: &BlockConfig, init: &Init) -> Self {
+        let d = config.d_model;
+        Self {
+            ln_1: Norm::new(config.norm, d, config.norm_eps, &init.at("ln_1")),
+            attn: Attention::new(config, &init.at("attn")),
+            ln_2: Norm::new(config.norm, d, config.norm_eps, &init.at("ln_2")),
+            mlp: Mlp::new(config, &init.at("mlp")),
+        }
+    }
+
+    /// `[batch, seq, d_model] -> [batch, seq, d_model]`.
+    pub fn forward(&self, x: Tensor<3>, rope: Option<&Rope>) -> Tensor<3> {
+        let x = x.clone() + self.attn.forward(self.ln_1.forward(x), rope);
+        x.clone() + self.mlp.forward(self.ln_2.forward(x))
+    }
+}
+
+/// The GPT model. Build it with [`Gpt::new`].
+#[derive(Module, Debug)]
+pub struct Gpt {
+    /// Token embedding `[vocab_size, d_model]`.
+    pub wte: Embedding,
+    /// Learned position embedding `[max_seq_len, d_model]` (learned positions only).
+    pub wpe: Option<Embedding>,
+    /// Dropout on the embeddings.
+    pub drop: Dropout,
+    /// The transformer blocks.
+    pub blocks: Vec<Block>,
+    /// Final norm.
+    pub ln_f: Norm,
+    /// Output projection `[d_model, vocab_size]`; `None` when tied to `wte`.
+    pub lm_head: Option<Linear>,
+    /// The configuration the model was built from.
+    #[module(skip)]
+    pub config: GptConfig,
+}
+
+impl Gpt {
+    /// Builds and initialises the model deterministically from `config.seed`.
+    ///
+    /// Build it directly on `device.autodiff()` to train it.
+    ///
+    /// # Panics
+    ///
+    /// If [`GptConfig::validate`] fails.
+    pub fn new(config: &GptConfig, device: &Device) -> Self {
+        if let Err(e) = config.validate() {
+            panic!("invalid GptConfig: {e}");
+        }
+        let init = Init::new(config.seed, device);
+        let (d, v) = (config.d_model, config.vocab_size);
+        let block = config.block();
+        Self {
+            wte: Embedding {
+                weight: init.at("wte").normal("weight", [v, d], INIT_STD),
+            },
+            wpe: match config.positions {
+                PositionKind::Learned => Some(Embedding {
+                    weight: init
+                        .at("wpe")
+                        .normal("weight", [config.max_seq_len, d], INIT_STD),
+                }),
+                PositionKind::Rotary => None,
+            },
+            drop: DropoutConfig::new(config.dropout).init(),
+            blocks: (0..config.n_layers)
+                .map(|i| Block::new(&block, &init.at("blocks").at(i)))
+                .collect(),
+            ln_f: Norm::new(config.norm, d, config.norm_eps, &init.at("ln_f")),
+            lm_head: (!config.tied_embeddings)
+                .then(|| init_linear(&init, "lm_head", d, v, INIT_STD, config.bias)),
+            config: config.clone(),
+        }
+    }
+
+    /// Number of float parameters (same as [`Module::num_params`] and
+    /// [`GptConfig::num_params`]).
+    pub fn num_params(&self) -> usize {
+        Module::num_params(self)
+    }
+
+    /// Rotary tables for `seq_len` positions starting at `offset`, or `None` for learned
+    /// positions.
+    pub fn rope(&self, seq_len: usize, offset: usize, device: &Device) -> Option<Rope> {
+        match self.config.positions {
+            PositionKind::Rotary => Some(Rope::new(
+                self.config.head_dim(),
+                seq_len,
+                offset,
+                self.config.rope_theta,
+                device,
+            )),
+            PositionKind::Learned => None,
+        }
+    }
+
+    /// Token (+ learned position) embedding of `tokens` `[batch, seq]` whose first token sits
+    /// at position `offset`; returns the residual stream `[batch, seq, d_model]`.
+    ///
+    /// # Panics
+    ///
+    /// If `offset + seq > max_seq_len` with learned positions.
+    pub fn embed(&self, tokens: Tensor<2, Int>, offset: usize) -> Tensor<3> {
+        let [_, s] = tokens.dims();
+        let mut x = self.wte.forward(tokens);
+        if let Some(wpe) = &self.wpe {
+            assert!(
+                offset + s <= self.config.max_seq_len,
+                "sequence of {s} tokens at offset {offset} exceeds max_seq_len {}",
+                self.config.max_seq_len
+            );
+            let pos = wpe.weight.val().narrow(0, offset, s); // [s, d]
+            x = x + pos.unsqueeze::<3>();
+        }
+        self.drop.forward(x)
+    }
+
+    /// Final norm and output projection: `[batch, seq, d_model] -> [batch, seq, vocab]`.
+    pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
+        let x = self.ln_f.forward(x);
+        match &self.lm_head {
+            Some(lm_head) => lm_head.forward(x),
+            None => burn::tensor::module::linear(x, self.wte.weight.val().transpose(), None),
+        }
+    }
+
+    /// Logits `[batch, seq, vocab]` of `tokens` `[batch, seq]`, the first token at position
+    /// `offset` (0 for a whole sequence).
+    pub fn forward_with_offset(&self, tokens: Tensor<2, Int>, offset: usize) -> Tensor<3> {
+        let [_, s] = tokens.dims();
+        let rope = self.rope(s, offset, &tokens.device());
+        let mut x = self.embed(tokens, offset);
+        for block in &self.blocks {
+            x = block.forward(x, rope.as_ref());
+        }
+        self.head(x)
+    }
+
+    /// Logits `[batch, seq, vocab]` of `tokens` `[batch, seq]`.
+    pub fn forward(&self, tokens: Tensor<2, Int>) -> Tensor<3> {
+        self.forward_with_offset(tokens, 0)
+    }
+
+    /// Mean next-token cross-entropy (nats) of `tokens` `[batch, seq]` against `targets`
+    /// `[batch, seq]`; a one-element tensor.
+    pub fn loss(&self, tokens: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
+        sequence_cross_entropy(self.forward(tokens), targets)
+    }
+}
+
+/// Mean cross-entropy of `logits` `[n, classes]` against class ids `targets` `[n]`, computed
+/// exactly as `-mean(gather(log_softmax(logits), targets))`.
+///
+/// # Returns
+///
+/// A one-element tensor (nats).
+pub fn cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
+    let [n] = targets.dims();
+    let log_probs = log_softmax(logits, 1);
+    log_probs.gather(1, targets.reshape([n, 1])).mean().neg()
+}
+
+/// [`cross_entropy`] over every position of `logits` `[batch, seq, vocab]` and `targets`
+/// `[batch, seq]`.
+pub fn sequence_cross_entropy(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+    let [b, s, v] = logits.dims();
+    cross_entropy(logits.reshape([b * s, v]), targets.reshape([b * s]))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::init::init_normal;
+    use burn::module::ModuleVisitor;
+    use burn::optim::{AdamWConfig, GradientsParams};
+
+    fn tiny() -> GptConfig {
+        GptConfig {
+            d_ff: 32,
+            seed: 7,
+            ..GptConfig::new(256, 2, 2, 16, 16)
+        }
+    }
+
+    fn tokens(b: usize, s: usize, salt: i64, device: &Device) -> Tensor<2, Int> {
+        let v: Vec<i64> = (0..(b * s) as i64)
+            .map(|i| (i * 37 + salt * 11 + 5) % 256)
+            .collect();
+        Tensor::from_data(TensorData::new(v, [b, s]), device)
+    }
+
+    fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+        t.into_data().to_vec::<f32>().unwrap()
+    }
+
+    fn scalar(t: Tensor<1>) -> f32 {
+        to_vec(t)[0]
+    }
+
+    #[test]
+    fn forward_shape_and_param_count() {
+        let device = Device::flex();
+        for config in [
+            tiny(),
+            GptConfig {
+                positions: PositionKind::Rotary,
+                tied_embeddings: true,
+                mlp: MlpKind::SwiGlu,
+                norm: NormKind::RmsNorm,
+                bias: false,
+                ..tiny()
+            },
+        ] {
+            let model = Gpt::new(&config, &device);
+            let logits = model.forward(tokens(3, 5, 0, &device));
+            assert_eq!(logits.dims(), [3, 5, 256]);
+            assert!(to_vec(logits).iter().all(|x| x.is_finite()));
+            assert_eq!(model.num_params(), config.num_params());
+        }
+    }
+
+    #[test]
+    fn init_is_a_function_of_seed_and_path() {
+        let device = Device::flex();
+        let config = tiny();
+        let a = Gpt::new(&config, &device);
+        let b = Gpt::new(&config, &device);
+        let q = a.blocks[1].attn.q.weight.val().into_data();
+        assert_eq!(q, b.blocks[1].attn.q.weight.val().into_data());
+        assert_eq!(q, init_normal(7, "blocks.1.attn.q.weight", &[16, 16], INIT_STD));
+        let o = a.blocks[0].attn.o.weight.val().into_data();
+        let std = INIT_STD / 2.0;
+        assert_eq!(o, init_normal(7, "blocks.0.attn.o.weight", &[16, 16], std));
+        let k0 = to_vec(a.blocks[0].attn.k.weight.val());
+        let k1 = to_vec(a.blocks[1].attn.k.weight.val());
+        assert_ne!(k0, k1);
+        let other = Gpt::new(&GptConfig { seed: 8, ..config }, &device);
+        assert_ne!(q, other.blocks[1].attn.q.weight.val().into_data());
+    }
+
+    /// The names used at initialisation are Burn's module paths.
+    #[test]
+    fn init_names_are_module_paths() {
+        struct Paths {
+            stack: Vec<String>,
+            found: Vec<(String, TensorData)>,
+        }
+        impl ModuleVisitor for Paths {
+            fn enter_module(&mut self, name: &str, _container_type: &str) {
+                self.stack.push(name.to_string());
+            }
+            fn exit_module(&mut self, _name: &str, _container_type: &str) {
+                self.stack.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                self.found
+                    .push((self.stack.join("."), param.val().into_data()));
+            }
+        }
+        let device = Device::flex();
+        let config = tiny();
+        let model = Gpt::new(&config, &device);
+        let mut paths = Paths {
+            stack: vec![],
+            found: vec![],
+        };
+        model.visit(&mut paths);
+        let names: Vec<&str> = paths.found.iter().map(|(n, _)| n.as_str()).collect();
+        for expected in [
+            "wte.weight",
+            "wpe.weight",
+            "blocks.0.ln_1.weight",
+            "blocks.1.attn.v.bias",
+            "blocks.1.mlp.down.weight",
+            "ln_f.bias",
+            "lm_head.weight",
+        ] {
+            assert!(names.contains(&expected), "{expected} not in {names:?}");
+        }
+        for (name, data) in &paths.found {
+            if name.ends_with("up.weight") || name.starts_with("wte") || name.starts_with("lm_head.w")
+            {
+                let shape = data.shape().to_vec();
+                assert_eq!(*data, init_normal(7, name, &shape, INIT_STD), "{name}");
+            }
+        }
+    }
+
+    #[test]
+    fn causal_mask_is_causal() {
+        let device = Device::flex();
+        for positions in [PositionKind::Learned, PositionKind::Rotary] {
+            let model = Gpt::new(&GptConfig { positions, ..tiny() }, &device);
+            let a: Vec<i64> = vec![1, 2, 3, 4, 5, 6];
+            let mut b = a.clone();
+            b[4] = 200;
+            let make = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [1, 6]), &device);
+            let la = model.forward(make(a));
+            let lb = model.forward(make(b));
+            let early_a = to_vec(la.clone().narrow(1, 0, 4));
+            let early_b = to_vec(lb.clone().narrow(1, 0, 4));
+            assert_eq!(early_a, early_b, "{positions:?}: earlier logits changed");
+            let late_a = to_vec(la.narrow(1, 4, 2));
+            let late_b = to_vec(lb.narrow(1, 4, 2));
+            assert_ne!(late_a, late_b);
+        }
+    }
+
+    #[test]
+    fn rope_rotates_and_offsets_compose() {
+        let device = Device::flex();
+        let x = Tensor::<4>::from_data(init_normal(0, "x", &[1, 1, 3, 4], 1.0), &device);
+        // Rotation preserves the norm of each head vector.
+        let r = Rope::new(4, 3, 0, 10_000.0, &device).apply(x.clone());
+        let n0 = to_vec(x.clone().square().sum_dim(3));
+        let n1 = to_vec(r.clone().square().sum_dim(3));
+        for (a, b) in n0.iter().zip(&n1) {
+            assert!((a - b).abs() < 1e-5);
+        }
+        // Position 0 is the identity; an offset table equals the tail of a longer one.
+        assert_eq!(to_vec(r.clone().narrow(2, 0, 1)), to_vec(x.clone().narrow(2, 0, 1)));
+        let tail = Rope::new(4, 2, 1, 10_000.0, &device).apply(x.clone().narrow(2, 1, 2));
+        let diff: f32 = to_vec(tail - r.narrow(2, 1, 2)).iter().map(|d| d.abs()).sum();
+        assert!(diff < 1e-6);
+    }
+
+    #[test]
+    fn loss_at_init_is_uniform() {
+        let device = Device::flex();
+        for tied_embeddings in [false, true] {
+            let model = Gpt::new(&GptConfig { tied_embeddings, ..tiny() }, &device);
+            let loss = scalar(model.loss(tokens(2, 8, 0, &device), tokens(2, 8, 1, &device)));
+            let uniform = (256f32).ln();
+            assert!((loss - uniform).abs() < 0.05, "tied={tied_embeddings}: {loss} vs {uniform}");
+        }
+    }
+
+    #[test]
+    fn cross_entropy_is_exact() {
+        let device = Device::flex();
+        let logits = Tensor::<2>::from_data([[0.0, 1.0, 2.0], [3.0, 0.0, -1.0]], &device);
+        let targets = Tensor::<1, Int>::from_data([2, 0], &device);
+        let loss = scalar(cross_entropy(logits, targets)) as f64;
+        let lse = |v: [f64; 3]| v.iter().map(|x| x.exp()).sum::<f64>().ln();
+        let expected = ((lse([0.0, 1.0, 2.0]) - 2.0) + (lse([3.0, 0.0, -1.0]) - 3.0)) / 2.0;
+        assert!((loss - expected).abs() < 1e-6, "{loss} vs {expected}");
+    }
+
+    #[test]
+    fn adamw_step_decreases_loss() {
+        let device = Device::flex().autodiff();
+        for config in [
+            tiny(),
+            GptConfig {
+                positions: PositionKind::Rotary,
+                tied_embeddings: true,
+                mlp: MlpKind::SwiGlu,
+                norm: NormKind::RmsNorm,
+                ..tiny()
+            },
+        ] {
+            let mut model = Gpt::new(&config, &device);
+            let mut optim = AdamWConfig::new().init();
+            let (x, y) = (tokens(2, 8, 0, &device), tokens(2, 8, 1, &device));
+            let loss = model.loss(x.clone(), y.clone());
+            let before = scalar(loss.clone());
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            model = optim.step(1e-2, model, grads);
+            let after = scalar(model.loss(x, y));
+            assert!(after < before - 0.01, "{config:?}: {before} -> {after}");
+        }
+    }
+
+    #[test]
+    fn config_serde_round_trip_and_defaults() {
+        let config = GptConfig {
+            mlp: MlpKind::SwiGlu,
+            ..tiny()
+        };
+        let json = serde_json::to_string(&config).unwrap();
+        assert_eq!(serde_json::from_str::<GptConfig>(&json).unwrap(), config);
+        let minimal = r#"{"vocab_size":256,"n_layers":1,"n_heads":2,"d_model":8,"d_ff":16,"max_seq_len":4}"#;
+        let parsed: GptConfig = serde_json::from_str(minimal).unwrap();
+        assert_eq!(parsed.norm, NormKind::LayerNorm);
+        assert!(parsed.bias);
+        assert_eq!(parsed.dropout, 0.0);
+        assert!(GptConfig { n_heads: 3, ..tiny() }.validate().is_err());
+    }
+}

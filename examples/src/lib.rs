@@ -1,0 +1,34 @@
+//! Reference models and bundled data for `burn-parallel`.
+//!
+//! This crate is the single-device oracle that every parallel layout of the suite is checked
+//! against, and the code its runnable trainers share:
+//!
+//! - [`init`]: deterministic initialisation, a pure function of `(seed, parameter path, shape)`,
+//!   independent of thread, rank and call order (never Burn's global RNG);
+//! - [`gpt`]: a decoder-only, pre-norm GPT ([`gpt::Gpt`], [`gpt::GptConfig`]) with GELU or
+//!   SwiGLU MLPs, learned or rotary positions, LayerNorm or RMSNorm, tied or untied embeddings;
+//! - [`vit`]: a Vision Transformer for small images ([`vit::Vit`], [`vit::VitConfig`]) built from
+//!   the same blocks;
+//! - [`data`]: the bundled King James Bible as byte tokens ([`data::Corpus`]) and the 8x8
+//!   hand-written digits ([`data::Digits`]), with batches that are pure functions of the step.
+//!
+//! The models know nothing about parallelism: every linear layer is a separate named field, so
+//! a parallelisation plan can shard or replace them one at a time.
+//!
+//! ```
+//! use burn::tensor::Device;
+//! use examples::data::{Corpus, Split};
+//! use examples::gpt::{Gpt, GptConfig};
+//!
+//! let device = Device::flex();
+//! let model = Gpt::new(&GptConfig { d_ff: 32, ..GptConfig::new(256, 1, 2, 8, 16) }, &device);
+//! let corpus = Corpus::from_bytes(b"In the beginning God created the heaven and the earth.".to_vec());
+//! let (inputs, targets) = corpus.batch(0, 2, 16, Split::Train).to_tensors(&device);
+//! let loss = model.loss(inputs, targets);
+//! assert_eq!(loss.dims(), [1]);
+//! ```
+
+pub mod data;
+pub mod gpt;
+pub mod init;
+pub mod vit;

@@ -1,0 +1,314 @@
+//! A Vision Transformer for small images.
+//!
+//! Images are cut into `patch_size x patch_size` patches, each flattened and projected by a
+//! linear layer (`patch_embed`); a learned class token is prepended, a learned position
+//! embedding added, and the sequence goes through pre-norm encoder blocks (the GPT's
+//! [`Block`] with bidirectional attention). The classifier reads the class token after the final
+//! norm.
+//!
+//! Initialisation follows the GPT's rules ([`crate::gpt`]): Normal(0, 0.02) for `patch_embed`,
+//! `cls_token`, `pos_embed`, `q`, `k`, `v`, `mlp.up` and `head`, 0.02 / sqrt(2 n_layers) for
+//! the residual projections, ones / zeros for norm weights and biases, all keyed by
+//! `(seed, module path)`.
+//!
+//! ```
+//! use burn::tensor::{Device, Tensor};
+//! use examples::vit::{Vit, VitConfig};
+//!
+//! let device = Device::flex();
+//! let config = VitConfig::digits();
+//! let model = Vit::new(&config, &device);
+//! let images = Tensor::<4>::zeros([2, 1, 8, 8], &device);
+//! assert_eq!(model.forward(images).dims(), [2, 10]);
+//! ```
+
+use burn::module::{Module, Param};
+use burn::nn::Linear;
+use burn::tensor::{Device, Int, Tensor};
+use serde::{Deserialize, Serialize};
+
+use crate::gpt::{
+    Block, BlockConfig, ConfigError, INIT_STD, MlpKind, Norm, NormKind, cross_entropy,
+    init_linear,
+};
+use crate::init::Init;
+
+/// Hyper-parameters of [`Vit`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct VitConfig {
+    /// Side of the (square) input images in pixels.
+    pub image_size: usize,
+    /// Side of a patch; must divide `image_size`.
+    pub patch_size: usize,
+    /// Colour channels.
+    pub channels: usize,
+    /// Number of classes.
+    pub n_classes: usize,
+    /// Number of encoder blocks.
+    pub n_layers: usize,
+    /// Attention heads; must divide `d_model`.
+    pub n_heads: usize,
+    /// Width of the residual stream.
+    pub d_model: usize,
+    /// Hidden width of the MLP.
+    pub d_ff: usize,
+    /// Seed of the initialisation.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+impl VitConfig {
+    /// A small model for the 8x8 digits: 2x2 patches, 1 channel, 10 classes, 2 layers,
+    /// 4 heads, width 32, MLP 128.
+    pub fn digits() -> Self {
+        Self {
+            image_size: 8,
+            patch_size: 2,
+            channels: 1,
+            n_classes: 10,
+            n_layers: 2,
+            n_heads: 4,
+            d_model: 32,
+            d_ff: 128,
+            seed: 0,
+        }
+    }
+
+    /// Patches per image.
+    pub fn n_patches(&self) -> usize {
+        let side = self.image_size / self.patch_size.max(1);
+        side * side
+    }
+
+    /// Values in one flattened patch (`channels * patch_size^2`).
+    pub fn patch_dim(&self) -> usize {
+        self.channels * self.patch_size * self.patch_size
+    }
+
+    /// Checks that the sizes are consistent.
+    ///
+    /// # Errors
+    ///
+    /// [`ConfigError`] naming the first inconsistency.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        for (name, v) in [
+            ("image_size", self.image_size),
+            ("patch_size", self.patch_size),
+            ("channels", self.channels),
+            ("n_classes", self.n_classes),
+            ("n_layers", self.n_layers),
+            ("n_heads", self.n_heads),
+            ("d_model", self.d_model),
+            ("d_ff", self.d_ff),
+        ] {
+            if v == 0 {
+                return Err(ConfigError::Invalid(format!("{name} must be positive")));
+            }
+        }
+        if !self.image_size.is_multiple_of(self.patch_size) {
+            return Err(ConfigError::Invalid(format!(
+                "patch_size ({}) must divide image_size ({})",
+                self.patch_size, self.image_size
+            )));
+        }
+        if !self.d_model.is_multiple_of(self.n_heads) {
+            return Err(ConfigError::HeadsDoNotDivide {
+                d_model: self.d_model,
+                n_heads: self.n_heads,
+            });
+        }
+        Ok(())
+    }
+
+    /// The configuration of each encoder block (GELU, LayerNorm, biases, bidirectional).
+    pub fn block(&self) -> BlockConfig {
+        BlockConfig {
+            d_model: self.d_model,
+            n_heads: self.n_heads,
+            d_ff: self.d_ff,
+            mlp: MlpKind::Gelu,
+            norm: NormKind::LayerNorm,
+            norm_eps: 1e-5,
+            bias: true,
+            dropout: 0.0,
+            causal: false,
+            residual_std: INIT_STD / (2.0 * self.n_layers as f64).sqrt(),
+        }
+    }
+
+    /// Number of parameters, computed from the configuration. Equals [`Vit::num_params`].
+    pub fn num_params(&self) -> usize {
+        let d = self.d_model;
+        let embed = self.patch_dim() * d + d + d + (self.n_patches() + 1) * d;
+        let head = d * self.n_classes + self.n_classes;
+        embed + self.n_layers * self.block().num_params() + 2 * d + head
+    }
+}
+
+/// Cuts `images` `[batch, channels, H, W]` into non-overlapping `patch x patch` patches.
+///
+/// # Returns
+///
+/// `[batch, (H / patch) * (W / patch), channels * patch * patch]`, patches in row-major order,
+/// each flattened as `(channel, row, column)`.
+pub fn patchify(images: Tensor<4>, patch: usize) -> Tensor<3> {
+    let [b, c, h, w] = images.dims();
+    let (gh, gw) = (h / patch, w / patch);
+    images
+        .reshape([b, c, gh, patch, gw, patch])
+        .permute([0, 2, 4, 1, 3, 5])
+        .reshape([b, gh * gw, c * patch * patch])
+}
+
+/// The Vision Transformer. Build it with [`Vit::new`].
+#[derive(Module, Debug)]
+pub struct Vit {
+    /// Patch projection `[patch_dim, d_model]`.
+    pub patch_embed: Linear,
+    /// Class token `[1, 1, d_model]`.
+    pub cls_token: Param<Tensor<3>>,
+    /// Position embedding `[1, n_patches + 1, d_model]` (class token first).
+    pub pos_embed: Param<Tensor<3>>,
+    /// Encoder blocks.
+    pub blocks: Vec<Block>,
+    /// Final norm.
+    pub ln_f: Norm,
+    /// Classifier `[d_model, n_classes]`.
+    pub head: Linear,
+    /// The configuration the model was built from.
+    #[module(skip)]
+    pub config: VitConfig,
+}
+
+impl Vit {
+    /// Builds and initialises the model deterministically from `config.seed`.
+    ///
+    /// # Panics
+    ///
+    /// If [`VitConfig::validate`] fails.
+    pub fn new(config: &VitConfig, device: &Device) -> Self {
+        if let Err(e) = config.validate() {
+            panic!("invalid VitConfig: {e}");
+        }
+        let init = Init::new(config.seed, device);
+        let d = config.d_model;
+        let block = config.block();
+        Self {
+            patch_embed: init_linear(&init, "patch_embed", config.patch_dim(), d, INIT_STD, true),
+            cls_token: init.normal("cls_token", [1, 1, d], INIT_STD),
+            pos_embed: init.normal("pos_embed", [1, config.n_patches() + 1, d], INIT_STD),
+            blocks: (0..config.n_layers)
+                .map(|i| Block::new(&block, &init.at("blocks").at(i)))
+                .collect(),
+            ln_f: Norm::new(NormKind::LayerNorm, d, block.norm_eps, &init.at("ln_f")),
+            head: init_linear(&init, "head", d, config.n_classes, INIT_STD, true),
+            config: config.clone(),
+        }
+    }
+
+    /// Number of float parameters (same as [`VitConfig::num_params`]).
+    pub fn num_params(&self) -> usize {
+        Module::num_params(self)
+    }
+
+    /// Class logits `[batch, n_classes]` of `images` `[batch, channels, size, size]`.
+    pub fn forward(&self, images: Tensor<4>) -> Tensor<2> {
+        let [b, _, _, _] = images.dims();
+        let d = self.config.d_model;
+        let x = self
+            .patch_embed
+            .forward(patchify(images, self.config.patch_size));
+        let cls = self.cls_token.val().expand([b, 1, d]);
+        let mut x = Tensor::cat(vec![cls, x], 1) + self.pos_embed.val();
+        for block in &self.blocks {
+            x = block.forward(x, None);
+        }
+        let cls = self.ln_f.forward(x).narrow(1, 0, 1).reshape([b, d]);
+        self.head.forward(cls)
+    }
+
+    /// Mean cross-entropy (nats) of the predictions for `images` against `labels` `[batch]`;
+    /// a one-element tensor.
+    pub fn loss(&self, images: Tensor<4>, labels: Tensor<1, Int>) -> Tensor<1> {
+        cross_entropy(self.forward(images), labels)
+    }
+
+    /// Predicted class ids `[batch]`.
+    pub fn predict(&self, images: Tensor<4>) -> Tensor<1, Int> {
+        let [b, _, _, _] = images.dims();
+        self.forward(images).argmax(1).reshape([b])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::init::{init_normal, init_uniform};
+    use burn::optim::{AdamWConfig, GradientsParams};
+    use burn::tensor::TensorData;
+
+    fn tiny() -> VitConfig {
+        VitConfig {
+            n_heads: 2,
+            d_model: 16,
+            d_ff: 32,
+            seed: 3,
+            ..VitConfig::digits()
+        }
+    }
+
+    fn images(n: usize, device: &Device) -> Tensor<4> {
+        Tensor::from_data(init_uniform(0, "images", &[n, 1, 8, 8], 0.0, 1.0), device)
+    }
+
+    fn labels(n: usize, device: &Device) -> Tensor<1, Int> {
+        let v: Vec<i64> = (0..n as i64).map(|i| (i * 7) % 10).collect();
+        Tensor::from_data(TensorData::new(v, [n]), device)
+    }
+
+    fn scalar(t: Tensor<1>) -> f32 {
+        t.into_data().to_vec::<f32>().unwrap()[0]
+    }
+
+    #[test]
+    fn forward_shape_and_params() {
+        let device = Device::flex();
+        let config = tiny();
+        let model = Vit::new(&config, &device);
+        assert_eq!(model.forward(images(3, &device)).dims(), [3, 10]);
+        assert_eq!(model.predict(images(3, &device)).dims(), [3]);
+        assert_eq!(model.num_params(), config.num_params());
+        assert_eq!(
+            model.pos_embed.val().into_data(),
+            init_normal(3, "pos_embed", &[1, 17, 16], INIT_STD)
+        );
+        let loss = scalar(model.loss(images(4, &device), labels(4, &device)));
+        assert!((loss - 10f32.ln()).abs() < 0.1, "{loss}");
+    }
+
+    #[test]
+    fn patchify_orders_patches() {
+        let device = Device::flex();
+        let data: Vec<f32> = (0..2 * 16).map(|i| i as f32).collect();
+        let x = Tensor::<4>::from_data(TensorData::new(data, [1, 2, 4, 4]), &device);
+        let p = patchify(x, 2);
+        assert_eq!(p.dims(), [1, 4, 8]);
+        let v = p.into_data().to_vec::<f32>().unwrap();
+        // Patch 1 (top-right): channel 0 rows 0..2, columns 2..4, then channel 1.
+        assert_eq!(&v[8..16], &[2.0, 3.0, 6.0, 7.0, 18.0, 19.0, 22.0, 23.0]);
+    }
+
+    #[test]
+    fn adamw_step_decreases_loss() {
+        let device = Device::flex().autodiff();
+        let mut model = Vit::new(&tiny(), &device);
+        let mut optim = AdamWConfig::new().init();
+        let (x, y) = (images(8, &device), labels(8, &device));
+        let loss = model.loss(x.clone(), y.clone());
+        let before = scalar(loss.clone());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(1e-2, model, grads);
+        let after = scalar(model.loss(x, y));
+        assert!(after < before - 0.01, "{before} -> {after}");
+    }
+}

@@ -1,0 +1,1 @@
+//! cross-crate integration tests
