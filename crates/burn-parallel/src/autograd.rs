@@ -141,7 +141,7 @@ fn host<const D: usize>(x: &Tensor<D>) -> TensorData {
 }
 
 fn to_device<const D: usize>(data: TensorData, like: &Tensor<D>) -> Tensor<D> {
-    Tensor::from_data(data, &like.device())
+    crate::group::tensor_from_data(data, &like.device())
 }
 
 /// Sizes of `total` units split over `n` ranks as evenly as possible (the first ranks get one
@@ -248,7 +248,7 @@ pub fn gather_from_group<const D: usize>(
         x,
         y,
         BackwardFn::new("gather_from_group", move |grad| {
-            let g = Tensor::<D>::from_data(grad, &device);
+            let g = crate::group::tensor_from_data::<D>(grad, &device);
             Ok(g.narrow(dim, start, len).into_data())
         }),
     ))

@@ -29,6 +29,7 @@
 //! With gradient accumulation, sum micro-step gradients locally with a [`GradAccumulator`]
 //! and communicate once, on the last micro-step.
 
+use std::collections::HashMap;
 use std::sync::mpsc;
 use std::thread;
 
@@ -38,7 +39,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 
 use crate::comm::host::ReduceOp;
 use crate::error::{CollectiveError, Result};
-use crate::group::ProcessGroup;
+use crate::group::{ProcessGroup, tensor_from_data};
 
 /// Default bucket size of the gradient all-reduce: 25 MB, as in PyTorch DDP.
 pub const DEFAULT_BUCKET_BYTES: usize = 25 * 1024 * 1024;
@@ -100,7 +101,7 @@ impl DistributedDataParallel {
                     let require_grad = tensor.is_require_grad();
                     match group.broadcast_data(tensor.clone().into_data(), root) {
                         Ok(data) => {
-                            let t = Tensor::from_data(data, &device);
+                            let t = tensor_from_data(data, &device);
                             if require_grad { t.require_grad() } else { t }
                         }
                         Err(e) => {
@@ -203,8 +204,9 @@ impl DistributedDataParallel {
                 sent += 1;
             }
             drop(to_comm);
-            let shapes: std::collections::HashMap<ParamId, Vec<usize>> =
+            let shapes: HashMap<ParamId, Vec<usize>> =
                 params.iter().map(|(id, s, _)| (*id, s.clone())).collect();
+            let mut reduced_grads = HashMap::with_capacity(params.len());
             for _ in 0..sent {
                 let bucket = reduced.recv().map_err(|_| CollectiveError::InvalidArgument {
                     rank: self.group.global_rank(),
@@ -217,9 +219,13 @@ impl DistributedDataParallel {
                     let bytes = bucket.bytes[offset..offset + numel * size].to_vec();
                     offset += numel * size;
                     let data = TensorData::from_bytes_vec(bytes, shapes[id].clone(), bucket.dtype);
-                    register_grad(&mut grads, *id, data, module);
+                    reduced_grads.insert(*id, data);
                 }
             }
+            module.visit(&mut Register {
+                grads: &mut grads,
+                reduced: reduced_grads,
+            });
             Ok(grads)
         })
     }
@@ -337,26 +343,18 @@ fn take_grad(
     data.unwrap_or_else(|| TensorData::zeros::<f32, _>(shape.to_vec()).convert_dtype(dtype))
 }
 
-/// Registers host gradient data for the parameter `id` of `module`, on the parameter's device.
-fn register_grad<M: Module>(grads: &mut GradientsParams, id: ParamId, data: TensorData, module: &M) {
-    struct Register<'a> {
-        grads: &'a mut GradientsParams,
-        id: ParamId,
-        data: Option<TensorData>,
-    }
-    impl ModuleVisitor for Register<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if param.id == self.id
-                && let Some(data) = self.data.take()
-            {
-                let device = param.lazy_device();
-                self.grads.register(self.id, Tensor::<D>::from_data(data, &device.inner()));
-            }
+/// Registers reduced host gradients on each parameter's (non-autodiff) device.
+struct Register<'a> {
+    grads: &'a mut GradientsParams,
+    reduced: HashMap<ParamId, TensorData>,
+}
+
+impl ModuleVisitor for Register<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some(data) = self.reduced.remove(&param.id) {
+            let device = param.lazy_device().inner();
+            self.grads
+                .register(param.id, tensor_from_data::<D>(data, &device));
         }
     }
-    module.visit(&mut Register {
-        grads,
-        id,
-        data: Some(data),
-    });
 }

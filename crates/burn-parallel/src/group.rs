@@ -845,7 +845,7 @@ impl ProcessGroup {
     pub fn all_reduce<const D: usize>(&self, tensor: Tensor<D>, op: ReduceOp) -> Result<Tensor<D>> {
         let device = tensor.device();
         let data = self.all_reduce_data(tensor.into_data(), op)?;
-        Ok(Tensor::from_data(data, &device))
+        Ok(tensor_from_data(data, &device))
     }
 
     /// All-gather of a tensor along `dim` (uneven shards allowed).
@@ -855,7 +855,7 @@ impl ProcessGroup {
     pub fn all_gather<const D: usize>(&self, tensor: Tensor<D>, dim: usize) -> Result<Tensor<D>> {
         let device = tensor.device();
         let data = self.all_gather_data(tensor.into_data(), dim)?;
-        Ok(Tensor::from_data(data, &device))
+        Ok(tensor_from_data(data, &device))
     }
 
     /// Reduce-scatter of a tensor along `dim` (`sizes`: per-rank sizes, even when `None`).
@@ -871,7 +871,7 @@ impl ProcessGroup {
     ) -> Result<Tensor<D>> {
         let device = tensor.device();
         let data = self.reduce_scatter_data(tensor.into_data(), dim, op, sizes)?;
-        Ok(Tensor::from_data(data, &device))
+        Ok(tensor_from_data(data, &device))
     }
 
     /// Broadcast of a tensor from group rank `root`.
@@ -881,7 +881,7 @@ impl ProcessGroup {
     pub fn broadcast<const D: usize>(&self, tensor: Tensor<D>, root: usize) -> Result<Tensor<D>> {
         let device = tensor.device();
         let data = self.broadcast_data(tensor.into_data(), root)?;
-        Ok(Tensor::from_data(data, &device))
+        Ok(tensor_from_data(data, &device))
     }
 
     /// All-to-all of a tensor along `dim` with per-destination sizes.
@@ -896,7 +896,7 @@ impl ProcessGroup {
     ) -> Result<Tensor<D>> {
         let device = tensor.device();
         let data = self.all_to_all_data(tensor.into_data(), dim, send_sizes)?;
-        Ok(Tensor::from_data(data, &device))
+        Ok(tensor_from_data(data, &device))
     }
 
     /// Sends a tensor to group rank `peer` under `tag`.
@@ -927,7 +927,7 @@ impl ProcessGroup {
                 ),
             ));
         }
-        Ok(Tensor::from_data(data, device))
+        Ok(tensor_from_data(data, device))
     }
 }
 
@@ -949,4 +949,14 @@ fn into_shared_bytes(data: TensorData) -> Bytes {
         Ok(vec) => Bytes::from(vec),
         Err(bytes) => Bytes::copy_from_slice(&bytes),
     }
+}
+
+/// A tensor on `device` holding `data` in its own dtype (Burn's `from_data` would convert it to
+/// the device's default float dtype).
+pub(crate) fn tensor_from_data<const D: usize>(
+    data: TensorData,
+    device: &burn::tensor::Device,
+) -> Tensor<D> {
+    let dtype = data.dtype();
+    Tensor::from_data(data, (device, dtype))
 }

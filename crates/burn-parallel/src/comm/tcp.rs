@@ -259,7 +259,7 @@ fn socket_buffer() -> Option<usize> {
 /// What a reader thread learned about its peer, read by senders.
 #[derive(Default)]
 struct PeerStatus {
-    /// Why sending to the peer must fail (it said goodbye, aborted or was lost).
+    /// Why sending to the peer must fail (it said goodbye, or the connection is lost).
     gone: Mutex<Option<String>>,
     /// This side is closing: the end of the stream is expected, not a failure.
     closing: AtomicBool,
@@ -403,7 +403,7 @@ impl TcpTransport {
                 let shutdown = stream.try_clone().map_err(setup_err)?;
                 thread::Builder::new()
                     .name(format!("burn-tcp-{rank}<-{peer}"))
-                    .spawn(move || read_loop(peer, reading, shutdown, &mailbox, &status))
+                    .spawn(move || read_loop(peer, world_size, reading, shutdown, &mailbox, &status))
                     .map_err(|e| {
                         CollectiveError::Rendezvous(format!(
                             "rank {rank}: cannot start the reader thread of rank {peer}: {e}"
@@ -486,7 +486,14 @@ impl Transport for TcpTransport {
                 )
             })?;
         if let Some(why) = peer.status.gone() {
-            return Err(self.transport_error(dst, format!("cannot send to rank {dst}: {why}")));
+            // Report the root cause, as a receive would.
+            let (failed, reason) = self.mailbox.failure().unwrap_or((dst, why));
+            return Err(CollectiveError::PeerFailed {
+                rank: self.rank,
+                op: format!("send to rank {dst}"),
+                peer: failed,
+                reason,
+            });
         }
         wire::check_encodable(&frame)
             .map_err(|why| self.transport_error(dst, format!("cannot send this frame: {why}")))?;
@@ -517,12 +524,18 @@ impl Transport for TcpTransport {
     }
 
     fn abort(&self, reason: &str) {
-        self.mailbox.mark_failed(self.rank, reason);
+        // When this rank fails because another one did, pass on the root cause: every rank
+        // then names the same culprit, whichever abort reaches it first.
+        let (origin, reason) = match self.mailbox.failure() {
+            Some((origin, root)) if origin != self.rank => (origin, root),
+            _ => (self.rank, reason.to_string()),
+        };
+        self.mailbox.mark_failed(self.rank, &reason);
         for peer in self.peers.iter().flatten() {
             match Self::lock_writer_briefly(peer) {
                 Some(mut writer) => {
                     let _ = writer.set_write_timeout(Some(CONTROL_WAIT));
-                    if wire::write_abort(&mut *writer, reason).is_err() {
+                    if wire::write_abort(&mut *writer, origin, &reason).is_err() {
                         let _ = peer.control.shutdown(Shutdown::Both);
                     }
                     let _ = writer.set_write_timeout(Some(self.io_timeout));
@@ -572,6 +585,7 @@ impl Drop for TcpTransport {
 /// The reader thread of the connection to `peer`: delivers frames until the connection ends.
 fn read_loop(
     peer: usize,
+    world_size: usize,
     stream: TcpStream,
     shutdown: TcpStream,
     mailbox: &Mailbox,
@@ -587,9 +601,24 @@ fn read_loop(
                 status.set_gone(format!("rank {peer} has shut down its process group"));
                 mailbox.mark_closed(peer);
             }
-            Ok(Some(wire::Incoming::Abort(reason))) => {
-                status.set_gone(format!("rank {peer} failed: {reason}"));
-                mailbox.mark_failed(peer, &reason);
+            // The peer is still connected (its frames may still arrive): only mark it failed.
+            Ok(Some(wire::Incoming::Abort { origin, reason })) => {
+                let Some(origin) = usize::try_from(origin).ok().filter(|&o| o < world_size) else {
+                    let reason = format!(
+                        "malformed frame from rank {peer}: abort from rank {origin}, out of range"
+                    );
+                    status.set_gone(reason.clone());
+                    mailbox.mark_failed(peer, &reason);
+                    let _ = shutdown.shutdown(Shutdown::Both);
+                    return;
+                };
+                mailbox.mark_failed(origin, &reason);
+                if origin != peer {
+                    mailbox.mark_failed(
+                        peer,
+                        &format!("rank {peer} stopped because rank {origin} failed: {reason}"),
+                    );
+                }
             }
             Ok(None) | Err(wire::ReadError::Io(_))
                 if said_goodbye || status.closing.load(Ordering::SeqCst) =>

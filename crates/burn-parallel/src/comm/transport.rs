@@ -76,7 +76,7 @@ enum Gone {
     /// It finished normally: only waiting on it specifically is an error.
     Closed,
     /// It failed: the whole world is broken and every wait ends.
-    Failed(String),
+    Failed,
 }
 
 #[derive(Default)]
@@ -116,7 +116,7 @@ impl Mailbox {
     /// Records that `peer` failed: every wait in this mailbox ends with an error naming it.
     pub fn mark_failed(&self, peer: usize, reason: &str) {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        state.gone.insert(peer, Gone::Failed(reason.to_string()));
+        state.gone.insert(peer, Gone::Failed);
         if state.failure.is_none() {
             state.failure = Some((peer, reason.to_string()));
         }

@@ -11,12 +11,13 @@
 //! | 6..8   | reserved, zero                                |
 //! | 8..16  | stream group                                  |
 //! | 16..24 | stream tag                                    |
-//! | 24..32 | call number (`seq`)                           |
+//! | 24..32 | call number (`seq`); for an abort, the origin |
 //! | 32..36 | signature length in bytes                     |
 //! | 36..40 | number of metadata words                      |
 //! | 40..48 | payload length in bytes                       |
 //!
-//! A goodbye carries nothing; an abort carries its reason (UTF-8) as payload. The header and
+//! A goodbye carries nothing; an abort carries the rank where the failure originated in the
+//! `seq` field and its reason (UTF-8) as payload. The header and
 //! the payload leave in one vectored write, straight from the frame's buffer; the receiver
 //! reads the payload into one allocation sized from the header.
 
@@ -52,8 +53,14 @@ pub(crate) enum Incoming {
     Data(Frame),
     /// The peer shut down cleanly; nothing follows.
     Goodbye,
-    /// The peer failed, for this reason.
-    Abort(String),
+    /// The world failed: rank `origin` (the peer, or the rank whose failure stopped the peer)
+    /// failed for `reason`.
+    Abort {
+        /// Where the failure started.
+        origin: u64,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// Why reading a frame failed.
@@ -158,14 +165,15 @@ pub(crate) fn write_goodbye(w: &mut impl Write) -> io::Result<()> {
     w.write_all(&encode_head(KIND_GOODBYE, None, 0))
 }
 
-/// Writes an abort frame carrying `reason` (truncated to 1 MiB).
-pub(crate) fn write_abort(w: &mut impl Write, reason: &str) -> io::Result<()> {
+/// Writes an abort frame saying that rank `origin` failed for `reason` (truncated to 1 MiB).
+pub(crate) fn write_abort(w: &mut impl Write, origin: usize, reason: &str) -> io::Result<()> {
     let mut end = reason.len().min(MAX_REASON as usize);
     while !reason.is_char_boundary(end) {
         end -= 1;
     }
     let reason = &reason.as_bytes()[..end];
-    let head = encode_head(KIND_ABORT, None, reason.len());
+    let mut head = encode_head(KIND_ABORT, None, reason.len());
+    head[24..32].copy_from_slice(&(origin as u64).to_le_bytes());
     write_all_vectored(w, &mut [IoSlice::new(&head), IoSlice::new(reason)])
 }
 
@@ -287,7 +295,10 @@ pub(crate) fn read_frame(r: &mut impl Read) -> Result<Option<Incoming>, ReadErro
             let reason = String::from_utf8(reason).map_err(|e| {
                 ReadError::Malformed(format!("the abort reason is not valid UTF-8: {e}"))
             })?;
-            Ok(Some(Incoming::Abort(reason)))
+            Ok(Some(Incoming::Abort {
+                origin: u64_at(&head, 24),
+                reason,
+            }))
         }
         other => Err(ReadError::Malformed(format!("unknown frame kind {other}"))),
     }
@@ -313,7 +324,7 @@ mod tests {
     fn frames_round_trip() {
         let mut wire = Vec::new();
         write_data(&mut wire, &frame(b"hello")).unwrap();
-        write_abort(&mut wire, "rank 2 panicked: boom").unwrap();
+        write_abort(&mut wire, 2, "rank 2 panicked: boom").unwrap();
         write_goodbye(&mut wire).unwrap();
         let mut r = &wire[..];
         match read_frame(&mut r).unwrap() {
@@ -325,7 +336,7 @@ mod tests {
         }
         assert!(matches!(
             read_frame(&mut r).unwrap(),
-            Some(Incoming::Abort(reason)) if reason == "rank 2 panicked: boom"
+            Some(Incoming::Abort { origin: 2, reason }) if reason == "rank 2 panicked: boom"
         ));
         assert!(matches!(read_frame(&mut r).unwrap(), Some(Incoming::Goodbye)));
         assert!(read_frame(&mut r).unwrap().is_none());
