@@ -134,7 +134,11 @@ impl Batch {
     ///
     /// If `rows` is out of bounds.
     pub fn rows(&self, rows: Range<usize>) -> Batch {
-        assert!(rows.end <= self.batch_size, "rows {rows:?} out of {}", self.batch_size);
+        assert!(
+            rows.end <= self.batch_size,
+            "rows {rows:?} out of {}",
+            self.batch_size
+        );
         let span = rows.start * self.seq_len..rows.end * self.seq_len;
         Batch {
             inputs: self.inputs[span.clone()].to_vec(),
@@ -344,7 +348,10 @@ impl DigitsBatch {
         let side = Digits::SIDE;
         let n = self.len();
         (
-            Tensor::from_data(TensorData::new(self.images.clone(), [n, 1, side, side]), device),
+            Tensor::from_data(
+                TensorData::new(self.images.clone(), [n, 1, side, side]),
+                device,
+            ),
             Tensor::from_data(TensorData::new(self.labels.clone(), [n]), device),
         )
     }
@@ -406,10 +413,17 @@ impl Digits {
         let text = String::from_utf8(bytes).map_err(|e| format(0, e.to_string()))?;
         let mut images = Vec::new();
         let mut labels = Vec::new();
-        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        for (i, line) in text
+            .lines()
+            .enumerate()
+            .filter(|(_, l)| !l.trim().is_empty())
+        {
             let fields: Vec<&str> = line.trim().split(',').collect();
             if fields.len() != Self::PIXELS + 1 {
-                return Err(format(i + 1, format!("expected 65 fields, got {}", fields.len())));
+                return Err(format(
+                    i + 1,
+                    format!("expected 65 fields, got {}", fields.len()),
+                ));
             }
             for field in &fields[..Self::PIXELS] {
                 let v: f32 = field
@@ -511,7 +525,11 @@ mod tests {
         let val = corpus.split(Split::Validation).len();
         assert_eq!(train + val, corpus.len());
         assert!((val as f64 / corpus.len() as f64 - 0.05).abs() < 1e-4);
-        assert!(corpus.split(Split::Train).starts_with(b"Ge1:1 In the beginning"));
+        assert!(
+            corpus
+                .split(Split::Train)
+                .starts_with(b"Ge1:1 In the beginning")
+        );
         let h = corpus.unigram_entropy_nats();
         assert!(h > 2.5 && h < 3.5, "unigram entropy {h}");
     }
@@ -532,7 +550,7 @@ mod tests {
             assert_eq!(a.rows(2..5), corpus.batch_rows(3, 2..5, 32, split));
             let (x, y) = a.to_tensors(&Device::flex());
             assert_eq!(x.dims(), [6, 32]);
-            assert_eq!(y.into_data().to_vec::<i64>().unwrap(), a.targets);
+            assert_eq!(y.into_data().try_into_vec_as::<i64>().unwrap(), a.targets);
         }
         let other = corpus.clone().with_seed(1).batch(3, 6, 32, Split::Train);
         assert_ne!(other, corpus.batch(3, 6, 32, Split::Train));

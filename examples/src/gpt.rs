@@ -405,7 +405,13 @@ impl Rope {
     /// - `offset`: position of the first token (non-zero for a chunk of a longer sequence).
     /// - `theta`: frequency base (10 000).
     /// - `device`: where the tables live.
-    pub fn new(head_dim: usize, seq_len: usize, offset: usize, theta: f64, device: &Device) -> Self {
+    pub fn new(
+        head_dim: usize,
+        seq_len: usize,
+        offset: usize,
+        theta: f64,
+        device: &Device,
+    ) -> Self {
         let half = head_dim / 2;
         let mut cos = Vec::with_capacity(seq_len * half);
         let mut sin = Vec::with_capacity(seq_len * half);
@@ -753,7 +759,7 @@ pub fn sequence_cross_entropy(logits: Tensor<3>, targets: Tensor<2, Int>) -> Ten
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::init::init_normal;
     use burn::module::ModuleVisitor;
@@ -775,7 +781,7 @@ mod tests {
     }
 
     fn to_vec<const D: usize>(t: Tensor<D>) -> Vec<f32> {
-        t.into_data().to_vec::<f32>().unwrap()
+        t.into_data().try_into_vec::<f32>().unwrap()
     }
 
     fn scalar(t: Tensor<1>) -> f32 {
@@ -812,7 +818,10 @@ mod tests {
         let b = Gpt::new(&config, &device);
         let q = a.blocks[1].attn.q.weight.val().into_data();
         assert_eq!(q, b.blocks[1].attn.q.weight.val().into_data());
-        assert_eq!(q, init_normal(7, "blocks.1.attn.q.weight", &[16, 16], INIT_STD));
+        assert_eq!(
+            q,
+            init_normal(7, "blocks.1.attn.q.weight", &[16, 16], INIT_STD)
+        );
         let o = a.blocks[0].attn.o.weight.val().into_data();
         let std = INIT_STD / 2.0;
         assert_eq!(o, init_normal(7, "blocks.0.attn.o.weight", &[16, 16], std));
@@ -863,7 +872,9 @@ mod tests {
             assert!(names.contains(&expected), "{expected} not in {names:?}");
         }
         for (name, data) in &paths.found {
-            if name.ends_with("up.weight") || name.starts_with("wte") || name.starts_with("lm_head.w")
+            if name.ends_with("up.weight")
+                || name.starts_with("wte")
+                || name.starts_with("lm_head.w")
             {
                 let shape = data.shape().to_vec();
                 assert_eq!(*data, init_normal(7, name, &shape, INIT_STD), "{name}");
@@ -875,11 +886,18 @@ mod tests {
     fn causal_mask_is_causal() {
         let device = Device::flex();
         for positions in [PositionKind::Learned, PositionKind::Rotary] {
-            let model = Gpt::new(&GptConfig { positions, ..tiny() }, &device);
+            let model = Gpt::new(
+                &GptConfig {
+                    positions,
+                    ..tiny()
+                },
+                &device,
+            );
             let a: Vec<i64> = vec![1, 2, 3, 4, 5, 6];
             let mut b = a.clone();
             b[4] = 200;
-            let make = |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [1, 6]), &device);
+            let make =
+                |v: Vec<i64>| Tensor::<2, Int>::from_data(TensorData::new(v, [1, 6]), &device);
             let la = model.forward(make(a));
             let lb = model.forward(make(b));
             let early_a = to_vec(la.clone().narrow(1, 0, 4));
@@ -903,9 +921,15 @@ mod tests {
             assert!((a - b).abs() < 1e-5);
         }
         // Position 0 is the identity; an offset table equals the tail of a longer one.
-        assert_eq!(to_vec(r.clone().narrow(2, 0, 1)), to_vec(x.clone().narrow(2, 0, 1)));
+        assert_eq!(
+            to_vec(r.clone().narrow(2, 0, 1)),
+            to_vec(x.clone().narrow(2, 0, 1))
+        );
         let tail = Rope::new(4, 2, 1, 10_000.0, &device).apply(x.clone().narrow(2, 1, 2));
-        let diff: f32 = to_vec(tail - r.narrow(2, 1, 2)).iter().map(|d| d.abs()).sum();
+        let diff: f32 = to_vec(tail - r.narrow(2, 1, 2))
+            .iter()
+            .map(|d| d.abs())
+            .sum();
         assert!(diff < 1e-6);
     }
 
@@ -913,10 +937,19 @@ mod tests {
     fn loss_at_init_is_uniform() {
         let device = Device::flex();
         for tied_embeddings in [false, true] {
-            let model = Gpt::new(&GptConfig { tied_embeddings, ..tiny() }, &device);
+            let model = Gpt::new(
+                &GptConfig {
+                    tied_embeddings,
+                    ..tiny()
+                },
+                &device,
+            );
             let loss = scalar(model.loss(tokens(2, 8, 0, &device), tokens(2, 8, 1, &device)));
             let uniform = (256f32).ln();
-            assert!((loss - uniform).abs() < 0.05, "tied={tied_embeddings}: {loss} vs {uniform}");
+            assert!(
+                (loss - uniform).abs() < 0.05,
+                "tied={tied_embeddings}: {loss} vs {uniform}"
+            );
         }
     }
 
@@ -956,6 +989,66 @@ mod tests {
         }
     }
 
+    /// Every parameter of `model` has a finite gradient in `grads`, non-zero for matrices.
+    pub(crate) fn assert_all_params_have_grads<M: Module>(model: &M, grads: &GradientsParams) {
+        struct Check<'a> {
+            grads: &'a GradientsParams,
+            stack: Vec<String>,
+            seen: usize,
+        }
+        impl ModuleVisitor for Check<'_> {
+            fn enter_module(&mut self, name: &str, _container_type: &str) {
+                self.stack.push(name.to_string());
+            }
+            fn exit_module(&mut self, _name: &str, _container_type: &str) {
+                self.stack.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let path = self.stack.join(".");
+                let grad = self
+                    .grads
+                    .get::<D>(param.id)
+                    .unwrap_or_else(|| panic!("no gradient for {path}"));
+                let values = to_vec(grad);
+                assert!(
+                    values.iter().all(|g| g.is_finite()),
+                    "{path}: non-finite gradient"
+                );
+                if D >= 2 {
+                    assert!(values.iter().any(|&g| g != 0.0), "{path}: zero gradient");
+                }
+                self.seen += 1;
+            }
+        }
+        let mut check = Check {
+            grads,
+            stack: vec![],
+            seen: 0,
+        };
+        model.visit(&mut check);
+        assert!(check.seen > 0);
+    }
+
+    #[test]
+    fn every_parameter_gets_a_gradient() {
+        let device = Device::flex().autodiff();
+        for config in [
+            tiny(),
+            GptConfig {
+                positions: PositionKind::Rotary,
+                tied_embeddings: true,
+                mlp: MlpKind::SwiGlu,
+                norm: NormKind::RmsNorm,
+                ..tiny()
+            },
+        ] {
+            let model = Gpt::new(&config, &device);
+            let loss = model.loss(tokens(2, 8, 0, &device), tokens(2, 8, 1, &device));
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            assert_all_params_have_grads(&model, &grads);
+        }
+    }
+
     #[test]
     fn config_serde_round_trip_and_defaults() {
         let config = GptConfig {
@@ -964,11 +1057,19 @@ mod tests {
         };
         let json = serde_json::to_string(&config).unwrap();
         assert_eq!(serde_json::from_str::<GptConfig>(&json).unwrap(), config);
-        let minimal = r#"{"vocab_size":256,"n_layers":1,"n_heads":2,"d_model":8,"d_ff":16,"max_seq_len":4}"#;
+        let minimal =
+            r#"{"vocab_size":256,"n_layers":1,"n_heads":2,"d_model":8,"d_ff":16,"max_seq_len":4}"#;
         let parsed: GptConfig = serde_json::from_str(minimal).unwrap();
         assert_eq!(parsed.norm, NormKind::LayerNorm);
         assert!(parsed.bias);
         assert_eq!(parsed.dropout, 0.0);
-        assert!(GptConfig { n_heads: 3, ..tiny() }.validate().is_err());
+        assert!(
+            GptConfig {
+                n_heads: 3,
+                ..tiny()
+            }
+            .validate()
+            .is_err()
+        );
     }
 }

@@ -31,4 +31,5 @@
 pub mod data;
 pub mod gpt;
 pub mod init;
+pub mod train;
 pub mod vit;

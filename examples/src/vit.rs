@@ -28,8 +28,7 @@ use burn::tensor::{Device, Int, Tensor};
 use serde::{Deserialize, Serialize};
 
 use crate::gpt::{
-    Block, BlockConfig, ConfigError, INIT_STD, MlpKind, Norm, NormKind, cross_entropy,
-    init_linear,
+    Block, BlockConfig, ConfigError, INIT_STD, MlpKind, Norm, NormKind, cross_entropy, init_linear,
 };
 use crate::init::Init;
 
@@ -267,7 +266,7 @@ mod tests {
     }
 
     fn scalar(t: Tensor<1>) -> f32 {
-        t.into_data().to_vec::<f32>().unwrap()[0]
+        t.into_data().try_into_vec::<f32>().unwrap()[0]
     }
 
     #[test]
@@ -293,7 +292,7 @@ mod tests {
         let x = Tensor::<4>::from_data(TensorData::new(data, [1, 2, 4, 4]), &device);
         let p = patchify(x, 2);
         assert_eq!(p.dims(), [1, 4, 8]);
-        let v = p.into_data().to_vec::<f32>().unwrap();
+        let v = p.into_data().try_into_vec::<f32>().unwrap();
         // Patch 1 (top-right): channel 0 rows 0..2, columns 2..4, then channel 1.
         assert_eq!(&v[8..16], &[2.0, 3.0, 6.0, 7.0, 18.0, 19.0, 22.0, 23.0]);
     }
@@ -307,6 +306,7 @@ mod tests {
         let loss = model.loss(x.clone(), y.clone());
         let before = scalar(loss.clone());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
+        crate::gpt::tests::assert_all_params_have_grads(&model, &grads);
         model = optim.step(1e-2, model, grads);
         let after = scalar(model.loss(x, y));
         assert!(after < before - 0.01, "{before} -> {after}");

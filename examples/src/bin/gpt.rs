@@ -1,0 +1,278 @@
+//! Trains the reference GPT on the bundled King James Bible, byte-level, with data parallelism.
+//!
+//! ```text
+//! cargo run --release -p examples --bin gpt                          # 2 thread ranks
+//! cargo run --release -p examples --bin gpt -- --ranks 1 --steps 50  # single device
+//! burnrun --nproc-per-node 2 -- target/release/gpt --backend tcp     # 2 processes
+//! gpt --config run.toml --steps 100                                  # TOML, then flags
+//! ```
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use burn_parallel::{ProcessGroup, run_local};
+use clap::{Parser, ValueEnum};
+use examples::data::Corpus;
+use examples::gpt::{MlpKind, PositionKind};
+use examples::train::{StepStats, TrainConfig, TrainReport, train_gpt};
+use indicatif::{ProgressBar, ProgressStyle};
+
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
+enum Backend {
+    /// Ranks are threads of this process.
+    Local,
+    /// This process is one rank; the world comes from RANK, WORLD_SIZE, MASTER_ADDR,
+    /// MASTER_PORT (set by `burnrun` or torchrun) or SLURM's variables.
+    Tcp,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Mlp {
+    Gelu,
+    Swiglu,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Positions {
+    Learned,
+    Rotary,
+}
+
+/// Train a byte-level GPT on the King James Bible with data parallelism.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// A TOML file with a `TrainConfig` (flags given here override it).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// How ranks talk.
+    #[arg(long, value_enum, default_value = "local")]
+    backend: Backend,
+    /// Thread ranks (local backend only).
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// Optimizer steps.
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Global batch, in sequences per optimizer step.
+    #[arg(long)]
+    batch_size: Option<usize>,
+    /// Tokens per sequence.
+    #[arg(long)]
+    seq_len: Option<usize>,
+    /// Gradient-accumulation micro-steps per optimizer step.
+    #[arg(long)]
+    grad_accum: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Transformer layers.
+    #[arg(long)]
+    layers: Option<usize>,
+    /// Attention heads.
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Model width.
+    #[arg(long)]
+    d_model: Option<usize>,
+    /// MLP kind.
+    #[arg(long, value_enum)]
+    mlp: Option<Mlp>,
+    /// Position encoding.
+    #[arg(long, value_enum)]
+    positions: Option<Positions>,
+    /// Tie the LM head to the token embedding.
+    #[arg(long)]
+    tied: bool,
+    /// Seed of the weights.
+    #[arg(long)]
+    seed: Option<u64>,
+    /// Gradient bucket size in MB.
+    #[arg(long)]
+    bucket_mb: Option<f64>,
+    /// Print a line every N steps (the progress bar shows every step).
+    #[arg(long, default_value_t = 10)]
+    log_every: usize,
+    /// Write the per-step losses as JSON to this file (rank 0).
+    #[arg(long)]
+    losses_out: Option<PathBuf>,
+}
+
+fn config_from(args: &Args) -> Result<TrainConfig, String> {
+    let mut c = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("reading {}: {e}", path.display()))?;
+            toml::from_str(&text).map_err(|e| format!("parsing {}: {e}", path.display()))?
+        }
+        None => TrainConfig::default(),
+    };
+    macro_rules! set {
+        ($field:expr, $value:expr) => {
+            if let Some(v) = $value {
+                $field = v;
+            }
+        };
+    }
+    set!(c.steps, args.steps);
+    set!(c.batch_size, args.batch_size);
+    set!(c.seq_len, args.seq_len);
+    set!(c.grad_accum, args.grad_accum);
+    set!(c.lr, args.lr);
+    set!(c.model.n_layers, args.layers);
+    set!(c.model.n_heads, args.heads);
+    set!(c.bucket_mb, args.bucket_mb);
+    set!(c.model.seed, args.seed);
+    if let Some(d) = args.d_model {
+        c.model.d_model = d;
+        c.model.d_ff = 4 * d;
+    }
+    if let Some(m) = args.mlp {
+        c.model.mlp = match m {
+            Mlp::Gelu => MlpKind::Gelu,
+            Mlp::Swiglu => MlpKind::SwiGlu,
+        };
+    }
+    if let Some(p) = args.positions {
+        c.model.positions = match p {
+            Positions::Learned => PositionKind::Learned,
+            Positions::Rotary => PositionKind::Rotary,
+        };
+    }
+    if args.tied {
+        c.model.tied_embeddings = true;
+    }
+    c.model.max_seq_len = c.model.max_seq_len.max(c.seq_len);
+    Ok(c)
+}
+
+/// Runs one rank; only group rank 0 prints.
+fn run_rank(
+    group: &ProcessGroup,
+    config: &TrainConfig,
+    corpus: &Corpus,
+    log_every: usize,
+) -> burn_parallel::Result<TrainReport> {
+    let lead = group.rank() == 0;
+    let bar = if lead {
+        let bar = ProgressBar::new(config.steps as u64);
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+            )
+            .expect("a valid template"),
+        );
+        bar
+    } else {
+        ProgressBar::hidden()
+    };
+    let mut on_step = |s: &StepStats| {
+        bar.set_message(format!("loss {:.4}  {:.0} tok/s", s.loss, s.tokens_per_sec));
+        bar.inc(1);
+        if lead && (s.step % log_every.max(1) == 0 || s.step + 1 == config.steps) {
+            let line = format!(
+                "step {:>5}  loss {:.4}  lr {:.2e}  {:>7.0} tok/s  {:>7.1}s",
+                s.step, s.loss, s.lr, s.tokens_per_sec, s.elapsed
+            );
+            // A bar drawn nowhere (output not a terminal) would swallow the line.
+            if bar.is_hidden() {
+                println!("{line}");
+            } else {
+                bar.println(line);
+            }
+        }
+    };
+    let report = train_gpt(group, config, corpus, &mut on_step);
+    bar.finish_and_clear();
+    report
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let config = match config_from(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let corpus = match Corpus::load_default() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let outcome = match args.backend {
+        Backend::Local => {
+            if let Err(e) = config.validate(args.ranks) {
+                eprintln!("error: {e}");
+                return ExitCode::from(2);
+            }
+            print_header(&config, args.ranks, "local", &corpus);
+            run_local(args.ranks, |group| {
+                run_rank(&group, &config, &corpus, args.log_every)
+            })
+            .map(|mut reports| Some(reports.swap_remove(0)))
+        }
+        Backend::Tcp => burn_parallel::comm::tcp::init_from_env().and_then(|group| {
+            if group.rank() == 0 {
+                print_header(&config, group.size(), "tcp", &corpus);
+            }
+            let report = run_rank(&group, &config, &corpus, args.log_every)?;
+            // Rank 0 reports for everyone.
+            Ok((group.rank() == 0).then_some(report))
+        }),
+    };
+    match outcome {
+        Ok(None) => ExitCode::SUCCESS,
+        Ok(Some(report)) => {
+            print_report(&report, &corpus);
+            if let Some(path) = &args.losses_out
+                && let Err(e) = std::fs::write(path, serde_json::to_string(&report.losses).expect("json"))
+            {
+                eprintln!("error: writing {}: {e}", path.display());
+                return ExitCode::FAILURE;
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn print_header(config: &TrainConfig, ranks: usize, backend: &str, corpus: &Corpus) {
+    let m = &config.model;
+    println!(
+        "GPT {} layers x {} heads x width {} ({:.2}M params), {} ranks ({backend}), global batch \
+         {} x {} tokens, {} steps",
+        m.n_layers,
+        m.n_heads,
+        m.d_model,
+        m.num_params() as f64 / 1e6,
+        ranks,
+        config.batch_size,
+        config.seq_len,
+        config.steps
+    );
+    println!(
+        "corpus: King James Bible, {} training bytes, unigram entropy {:.3} nats/byte",
+        corpus.split(examples::data::Split::Train).len(),
+        corpus.unigram_entropy_nats()
+    );
+}
+
+fn print_report(report: &TrainReport, corpus: &Corpus) {
+    println!(
+        "final train loss {:.4}, validation loss {:.4} nats/byte (unigram entropy {:.3}), \
+         {:.3} s/step, {:.0} tokens/s",
+        report.losses.last().copied().unwrap_or(f64::NAN),
+        report.val_loss,
+        corpus.unigram_entropy_nats(),
+        report.step_seconds,
+        report.tokens_per_sec
+    );
+    println!("sample:\n{}", report.sample);
+}

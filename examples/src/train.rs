@@ -1,0 +1,282 @@
+//! The GPT training loop, shared by the `gpt` binary and the parity tests.
+//!
+//! One function, [`train_gpt`], runs on every rank of a data-parallel group: each rank builds
+//! the same model from the seed, takes its rows of the step's global batch, and averages its
+//! gradients with [`DistributedDataParallel`] before the AdamW step. Whatever the number of
+//! ranks, the losses are those of single-device training on the same global batch.
+
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::{Device, Int, Tensor, TensorData, activation};
+use burn_parallel::{CollectiveError, DistributedDataParallel, ProcessGroup, ReduceOp};
+use serde::{Deserialize, Serialize};
+
+use crate::data::{Corpus, Split};
+use crate::gpt::{Gpt, GptConfig};
+use crate::init::splitmix64;
+
+/// Everything that defines a training run (the model included).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct TrainConfig {
+    /// The model.
+    pub model: GptConfig,
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Sequences per optimizer step, over all ranks and micro-steps (the global batch).
+    pub batch_size: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Micro-steps per optimizer step (gradient accumulation); communication happens once.
+    pub grad_accum: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Linear warm-up steps, then cosine decay to 10% of `lr`.
+    pub warmup_steps: usize,
+    /// AdamW decoupled weight decay.
+    pub weight_decay: f64,
+    /// Gradient bucket size of the data-parallel all-reduce, in MB.
+    pub bucket_mb: f64,
+    /// Validation batches (of `batch_size` sequences) evaluated at the end.
+    pub eval_batches: usize,
+    /// Bytes generated at the end.
+    pub sample_len: usize,
+    /// Prompt of the generated sample.
+    pub prompt: String,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        let mut model = GptConfig::new(256, 2, 4, 128, 64);
+        model.seed = 42;
+        Self {
+            model,
+            steps: 600,
+            batch_size: 32,
+            seq_len: 64,
+            grad_accum: 1,
+            lr: 3e-3,
+            warmup_steps: 20,
+            weight_decay: 0.0,
+            bucket_mb: 25.0,
+            eval_batches: 8,
+            sample_len: 200,
+            prompt: "And God said, ".into(),
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Checks that the run can be split over `ranks` data-parallel ranks.
+    ///
+    /// # Errors
+    /// A message saying which setting to change.
+    pub fn validate(&self, ranks: usize) -> Result<(), String> {
+        self.model.validate().map_err(|e| e.to_string())?;
+        if ranks == 0 || self.grad_accum == 0 || self.steps == 0 || self.seq_len == 0 {
+            return Err("ranks, grad_accum, steps and seq_len must be at least 1".into());
+        }
+        if self.batch_size % (ranks * self.grad_accum) != 0 {
+            return Err(format!(
+                "the global batch of {} sequences cannot be split evenly over {ranks} ranks x {} \
+                 micro-steps; use a multiple of {}",
+                self.batch_size,
+                self.grad_accum,
+                ranks * self.grad_accum
+            ));
+        }
+        if self.seq_len > self.model.max_seq_len {
+            return Err(format!(
+                "seq_len {} exceeds the model's max_seq_len {}",
+                self.seq_len, self.model.max_seq_len
+            ));
+        }
+        if self.model.vocab_size < 256 {
+            return Err("byte-level tokens need vocab_size >= 256".into());
+        }
+        Ok(())
+    }
+
+    /// Learning rate at `step`: linear warm-up, then cosine decay to 10% of the peak.
+    pub fn lr_at(&self, step: usize) -> f64 {
+        if step < self.warmup_steps {
+            return self.lr * (step + 1) as f64 / self.warmup_steps as f64;
+        }
+        let span = (self.steps - self.warmup_steps).max(1) as f64;
+        let progress = (step - self.warmup_steps) as f64 / span;
+        let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+        self.lr * (0.1 + 0.9 * cosine)
+    }
+}
+
+/// What one optimizer step did (global figures, the same on every rank).
+#[derive(Debug, Clone, Copy)]
+pub struct StepStats {
+    /// Step index, from 0.
+    pub step: usize,
+    /// Mean loss over the global batch.
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// Tokens of the global batch per second of this step.
+    pub tokens_per_sec: f64,
+    /// Seconds since training started.
+    pub elapsed: f64,
+}
+
+/// The outcome of a run.
+#[derive(Debug, Clone)]
+pub struct TrainReport {
+    /// Global mean loss of every step.
+    pub losses: Vec<f64>,
+    /// Mean validation loss at the end.
+    pub val_loss: f64,
+    /// Generated text (on group rank 0; empty elsewhere).
+    pub sample: String,
+    /// Mean seconds per step, the first step excluded.
+    pub step_seconds: f64,
+    /// Mean global tokens per second, the first step excluded.
+    pub tokens_per_sec: f64,
+}
+
+/// Trains the GPT of `config` with data parallelism over `group` (a group of one rank is
+/// single-device training) and calls `on_step` after every step.
+///
+/// # Errors
+/// When a collective fails; an invalid config is reported as
+/// [`CollectiveError::InvalidArgument`] (check it first with [`TrainConfig::validate`]).
+pub fn train_gpt(
+    group: &ProcessGroup,
+    config: &TrainConfig,
+    corpus: &Corpus,
+    on_step: &mut dyn FnMut(&StepStats),
+) -> burn_parallel::Result<TrainReport> {
+    config
+        .validate(group.size())
+        .map_err(|reason| CollectiveError::InvalidArgument {
+            rank: group.global_rank(),
+            op: "train_gpt".into(),
+            reason,
+        })?;
+    let device = Device::flex().autodiff();
+    let ddp = DistributedDataParallel::new(group.clone())
+        .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
+    // Seeded init already gives identical replicas; the broadcast makes that a guarantee.
+    let mut model = ddp.broadcast_module(Gpt::new(&config.model, &device), 0)?;
+    let mut optim = AdamWConfig::new()
+        .with_weight_decay(config.weight_decay as f32)
+        .init();
+
+    let rows_per_rank = config.batch_size / group.size();
+    let micro_rows = rows_per_rank / config.grad_accum;
+    let tokens_per_step = (config.batch_size * config.seq_len) as f64;
+    let start = Instant::now();
+    let mut losses = Vec::with_capacity(config.steps);
+    let mut timed = 0.0;
+    for step in 0..config.steps {
+        let step_start = Instant::now();
+        let mut accumulator = ddp.accumulator();
+        let mut local_loss = 0.0;
+        for micro in 0..config.grad_accum {
+            let first = group.rank() * rows_per_rank + micro * micro_rows;
+            let batch = corpus.batch_rows(
+                step as u64,
+                first..first + micro_rows,
+                config.seq_len,
+                Split::Train,
+            );
+            let (inputs, targets) = batch.to_tensors(&device);
+            let loss = model.loss(inputs, targets);
+            local_loss += scalar(&loss) / config.grad_accum as f64;
+            accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+        }
+        let grads = accumulator.finish(&model)?;
+        let lr = config.lr_at(step);
+        model = optim.step(lr, model, grads);
+        let loss = group.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
+        losses.push(loss);
+        let seconds = step_start.elapsed().as_secs_f64();
+        if step > 0 {
+            timed += seconds;
+        }
+        on_step(&StepStats {
+            step,
+            loss,
+            lr,
+            tokens_per_sec: tokens_per_step / seconds,
+            elapsed: start.elapsed().as_secs_f64(),
+        });
+    }
+    let val_loss = evaluate(group, &model, config, corpus)?;
+    let sample = if group.rank() == 0 {
+        generate(&model.valid(), &config.prompt, config, &device.inner())
+    } else {
+        String::new()
+    };
+    let timed_steps = (config.steps - 1).max(1) as f64;
+    Ok(TrainReport {
+        losses,
+        val_loss,
+        sample,
+        step_seconds: timed / timed_steps,
+        tokens_per_sec: tokens_per_step * timed_steps / timed.max(1e-9),
+    })
+}
+
+fn scalar(t: &Tensor<1>) -> f64 {
+    t.clone().into_data().try_into_vec_as::<f64>().expect("a float")[0]
+}
+
+/// Mean validation loss over `eval_batches` global batches, each rank evaluating its rows.
+fn evaluate(
+    group: &ProcessGroup,
+    model: &Gpt,
+    config: &TrainConfig,
+    corpus: &Corpus,
+) -> burn_parallel::Result<f64> {
+    let model = model.valid();
+    let device = Device::flex();
+    let rows = config.batch_size / group.size();
+    let mut total = 0.0;
+    for b in 0..config.eval_batches {
+        let first = group.rank() * rows;
+        let batch = corpus.batch_rows(b as u64, first..first + rows, config.seq_len, Split::Validation);
+        let (inputs, targets) = batch.to_tensors(&device);
+        total += scalar(&model.loss(inputs, targets));
+    }
+    let local = (total / config.eval_batches.max(1) as f64) as f32;
+    Ok(group.all_reduce_f32(vec![local], ReduceOp::Avg)?[0] as f64)
+}
+
+/// Samples `sample_len` bytes after `prompt` with temperature 0.8 (seeded, deterministic).
+pub fn generate(model: &Gpt, prompt: &str, config: &TrainConfig, device: &Device) -> String {
+    let mut tokens: Vec<i64> = prompt.bytes().map(i64::from).collect();
+    let context = config.seq_len.min(config.model.max_seq_len);
+    let mut state = config.model.seed ^ 0x5EED;
+    for _ in 0..config.sample_len {
+        let window = &tokens[tokens.len().saturating_sub(context)..];
+        let input = Tensor::<2, Int>::from_data(TensorData::new(window.to_vec(), [1, window.len()]), device);
+        let logits = model.forward(input); // [1, t, vocab]
+        let vocab = logits.dims()[2];
+        let last = logits.narrow(1, window.len() - 1, 1).reshape([vocab]);
+        let probs = activation::softmax(last / 0.8, 0)
+            .into_data()
+            .try_into_vec_as::<f64>()
+            .expect("probabilities");
+        state = splitmix64(state);
+        let u = (state >> 11) as f64 / (1u64 << 53) as f64;
+        let mut acc = 0.0;
+        let mut choice = probs.len() - 1;
+        for (i, p) in probs.iter().enumerate() {
+            acc += p;
+            if u < acc {
+                choice = i;
+                break;
+            }
+        }
+        tokens.push(choice as i64);
+    }
+    String::from_utf8_lossy(&tokens.iter().map(|&t| t as u8).collect::<Vec<u8>>()).into_owned()
+}
