@@ -78,7 +78,7 @@ impl TrainConfig {
         if ranks == 0 || self.grad_accum == 0 || self.steps == 0 || self.seq_len == 0 {
             return Err("ranks, grad_accum, steps and seq_len must be at least 1".into());
         }
-        if self.batch_size % (ranks * self.grad_accum) != 0 {
+        if !self.batch_size.is_multiple_of(ranks * self.grad_accum) {
             return Err(format!(
                 "the global batch of {} sequences cannot be split evenly over {ranks} ranks x {} \
                  micro-steps; use a multiple of {}",
@@ -226,7 +226,10 @@ pub fn train_gpt(
 }
 
 fn scalar(t: &Tensor<1>) -> f64 {
-    t.clone().into_data().try_into_vec_as::<f64>().expect("a float")[0]
+    t.clone()
+        .into_data()
+        .try_into_vec_as::<f64>()
+        .expect("a float")[0]
 }
 
 /// Mean validation loss over `eval_batches` global batches, each rank evaluating its rows.
@@ -242,7 +245,12 @@ fn evaluate(
     let mut total = 0.0;
     for b in 0..config.eval_batches {
         let first = group.rank() * rows;
-        let batch = corpus.batch_rows(b as u64, first..first + rows, config.seq_len, Split::Validation);
+        let batch = corpus.batch_rows(
+            b as u64,
+            first..first + rows,
+            config.seq_len,
+            Split::Validation,
+        );
         let (inputs, targets) = batch.to_tensors(&device);
         total += scalar(&model.loss(inputs, targets));
     }
@@ -257,7 +265,10 @@ pub fn generate(model: &Gpt, prompt: &str, config: &TrainConfig, device: &Device
     let mut state = config.model.seed ^ 0x5EED;
     for _ in 0..config.sample_len {
         let window = &tokens[tokens.len().saturating_sub(context)..];
-        let input = Tensor::<2, Int>::from_data(TensorData::new(window.to_vec(), [1, window.len()]), device);
+        let input = Tensor::<2, Int>::from_data(
+            TensorData::new(window.to_vec(), [1, window.len()]),
+            device,
+        );
         let logits = model.forward(input); // [1, t, vocab]
         let vocab = logits.dims()[2];
         let last = logits.narrow(1, window.len() - 1, 1).reshape([vocab]);

@@ -65,7 +65,10 @@ pub fn workspace_binary(package: &str, name: &str) -> PathBuf {
             cmd.arg("--release");
         }
         let status = cmd.status().expect("running cargo build");
-        assert!(status.success(), "cargo build -p {package} --bin {name} failed");
+        assert!(
+            status.success(),
+            "cargo build -p {package} --bin {name} failed"
+        );
     }
     path
 }

@@ -14,8 +14,10 @@ const TOL: f64 = 1e-5;
 
 fn losses(ranks: usize, config: &TrainConfig) -> Vec<f64> {
     let corpus = Corpus::load_default().expect("the bundled corpus");
-    let reports = run_local(ranks, |group| train_gpt(&group, config, &corpus, &mut |_| {}))
-        .expect("training");
+    let reports = run_local(ranks, |group| {
+        train_gpt(&group, config, &corpus, &mut |_| {})
+    })
+    .expect("training");
     // Every rank reports the same global losses.
     for r in &reports[1..] {
         assert_eq!(r.losses, reports[0].losses);
@@ -43,8 +45,18 @@ fn ddp_with_gradient_accumulation_matches_single_device() {
         grad_accum: 2,
         ..config.clone()
     };
-    assert_same_losses(&reference, &losses(1, &accumulated), TOL, "1 rank x 2 micro-steps");
-    assert_same_losses(&reference, &losses(2, &accumulated), TOL, "2 ranks x 2 micro-steps");
+    assert_same_losses(
+        &reference,
+        &losses(1, &accumulated),
+        TOL,
+        "1 rank x 2 micro-steps",
+    );
+    assert_same_losses(
+        &reference,
+        &losses(2, &accumulated),
+        TOL,
+        "2 ranks x 2 micro-steps",
+    );
 }
 
 #[test]
@@ -74,8 +86,12 @@ fn ddp_over_tcp_processes_through_burnrun_matches_single_device() {
         output.status,
         String::from_utf8_lossy(&output.stderr)
     );
-    assert!(stdout.contains("[rank 0]"), "output is prefixed by rank: {stdout}");
-    let tcp: Vec<f64> = serde_json::from_str(&std::fs::read_to_string(&losses_path).unwrap()).unwrap();
+    assert!(
+        stdout.contains("[rank 0]"),
+        "output is prefixed by rank: {stdout}"
+    );
+    let tcp: Vec<f64> =
+        serde_json::from_str(&std::fs::read_to_string(&losses_path).unwrap()).unwrap();
     assert_same_losses(&reference, &tcp, TOL, "2 tcp processes");
     std::fs::remove_dir_all(&dir).ok();
 }

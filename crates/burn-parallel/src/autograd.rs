@@ -24,11 +24,11 @@
 use std::fmt;
 use std::sync::Arc;
 
+use burn::backend::autodiff::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
-use burn::backend::autodiff::Autodiff;
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Dispatch, Flex, TensorMetadata, backend_extension, try_read_sync};
 use burn::tensor::{Tensor, TensorData};
@@ -116,7 +116,8 @@ impl<B: CommBackend, C: CheckpointStrategy> CommBackend for Autodiff<B, C> {
         match CommBackward
             .prepare::<C>([x.node()])
             .compute_bound()
-            .stateful() {
+            .stateful()
+        {
             OpsKind::Tracked(prep) => prep.finish(backward, y),
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
@@ -124,7 +125,11 @@ impl<B: CommBackend, C: CheckpointStrategy> CommBackend for Autodiff<B, C> {
 }
 
 /// Returns `y` with `backward` as the gradient map from `y` to `x`.
-fn attach<const D: usize, const E: usize>(x: Tensor<D>, y: Tensor<E>, backward: BackwardFn) -> Tensor<E> {
+fn attach<const D: usize, const E: usize>(
+    x: Tensor<D>,
+    y: Tensor<E>,
+    backward: BackwardFn,
+) -> Tensor<E> {
     if !x.is_tracked() {
         return y;
     }
@@ -147,7 +152,9 @@ fn to_device<const D: usize>(data: TensorData, like: &Tensor<D>) -> Tensor<D> {
 /// Sizes of `total` units split over `n` ranks as evenly as possible (the first ranks get one
 /// more), the split used by [`scatter_to_group`] and [`gather_from_group`].
 pub fn even_split(total: usize, n: usize) -> Vec<usize> {
-    (0..n).map(|k| total / n + usize::from(k < total % n)).collect()
+    (0..n)
+        .map(|k| total / n + usize::from(k < total % n))
+        .collect()
 }
 
 /// Megatron's *f*: identity forward, gradient all-reduced (summed) over `group` in backward.
@@ -332,7 +339,8 @@ pub fn all_to_all<const D: usize>(
 ) -> Result<Tensor<D>> {
     check_dim::<D>(group, "all_to_all", split_dim)?;
     check_dim::<D>(group, "all_to_all", concat_dim)?;
-    let (out, recv_sizes) = group.all_to_all_dims_data(host(&x), split_dim, send_sizes, concat_dim)?;
+    let (out, recv_sizes) =
+        group.all_to_all_dims_data(host(&x), split_dim, send_sizes, concat_dim)?;
     let y = to_device(out, &x);
     let g = group.clone();
     Ok(attach(

@@ -208,11 +208,13 @@ impl DistributedDataParallel {
                 params.iter().map(|(id, s, _)| (*id, s.clone())).collect();
             let mut reduced_grads = HashMap::with_capacity(params.len());
             for _ in 0..sent {
-                let bucket = reduced.recv().map_err(|_| CollectiveError::InvalidArgument {
-                    rank: self.group.global_rank(),
-                    op: "all_reduce_grads".into(),
-                    reason: "the communication thread stopped".into(),
-                })??;
+                let bucket = reduced
+                    .recv()
+                    .map_err(|_| CollectiveError::InvalidArgument {
+                        rank: self.group.global_rank(),
+                        op: "all_reduce_grads".into(),
+                        reason: "the communication thread stopped".into(),
+                    })??;
                 let size = bucket.dtype.size();
                 let mut offset = 0;
                 for (id, numel) in &bucket.entries {
@@ -296,7 +298,8 @@ struct ParamLister<'a>(&'a mut Vec<(ParamId, Vec<usize>, DType)>);
 impl ModuleVisitor for ParamLister<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         let value = param.val();
-        self.0.push((param.id, value.dims().to_vec(), value.dtype()));
+        self.0
+            .push((param.id, value.dims().to_vec(), value.dtype()));
     }
 }
 
@@ -326,9 +329,17 @@ fn take_grad(
     dtype: DType,
     scale: f32,
 ) -> TensorData {
-    fn remove<const D: usize>(grads: &mut GradientsParams, id: ParamId, scale: f32) -> Option<TensorData> {
+    fn remove<const D: usize>(
+        grads: &mut GradientsParams,
+        id: ParamId,
+        scale: f32,
+    ) -> Option<TensorData> {
         grads.remove::<D>(id).map(|g| {
-            if scale == 1.0 { g.into_data() } else { (g * scale).into_data() }
+            if scale == 1.0 {
+                g.into_data()
+            } else {
+                (g * scale).into_data()
+            }
         })
     }
     let data = match shape.len() {

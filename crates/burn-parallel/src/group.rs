@@ -415,12 +415,19 @@ impl ProcessGroup {
         let shape = data.shape().as_slice().to_vec();
         let call = self.begin(
             "all_gather",
-            format!("dim {dim} {}{}", dtype_name(dtype), shape_except(&shape, dim)),
+            format!(
+                "dim {dim} {}{}",
+                dtype_name(dtype),
+                shape_except(&shape, dim)
+            ),
         );
         if dim >= shape.len() {
             return Err(self.invalid(
                 &call.signature,
-                format!("dim {dim} is out of range for a tensor of rank {}", shape.len()),
+                format!(
+                    "dim {dim} is out of range for a tensor of rank {}",
+                    shape.len()
+                ),
             ));
         }
         if self.size() == 1 {
@@ -466,7 +473,10 @@ impl ProcessGroup {
         if dim >= shape.len() {
             return Err(self.invalid(
                 &call.signature,
-                format!("dim {dim} is out of range for a tensor of rank {}", shape.len()),
+                format!(
+                    "dim {dim} is out of range for a tensor of rank {}",
+                    shape.len()
+                ),
             ));
         }
         let sizes = match sizes {
@@ -483,7 +493,7 @@ impl ProcessGroup {
                 ));
             }
             Some(s) => s.to_vec(),
-            None if shape[dim] % n != 0 => {
+            None if !shape[dim].is_multiple_of(n) => {
                 return Err(self.invalid(
                     &call.signature,
                     format!(
@@ -530,7 +540,12 @@ impl ProcessGroup {
         Ok(TensorData::from_bytes_vec(payload.to_vec(), shape, dtype))
     }
 
-    fn star_broadcast(&self, call: &Call, root: usize, data: impl FnOnce() -> Bytes) -> Result<Bytes> {
+    fn star_broadcast(
+        &self,
+        call: &Call,
+        root: usize,
+        data: impl FnOnce() -> Bytes,
+    ) -> Result<Bytes> {
         if self.rank == root {
             let payload = data();
             for peer in (0..self.size()).filter(|&p| p != root) {
@@ -576,7 +591,10 @@ impl ProcessGroup {
         let shape = data.shape().as_slice().to_vec();
         let call = self.begin(
             "all_to_all",
-            format!("split {split_dim} concat {concat_dim} {}", dtype_name(dtype)),
+            format!(
+                "split {split_dim} concat {concat_dim} {}",
+                dtype_name(dtype)
+            ),
         );
         let n = self.size();
         if split_dim >= shape.len()
@@ -748,7 +766,9 @@ impl ProcessGroup {
         if root >= self.size() {
             return Err(self.invalid(&call.signature, format!("root {root} is out of range")));
         }
-        Ok(self.star_broadcast(&call, root, || Bytes::from(bytes))?.to_vec())
+        Ok(self
+            .star_broadcast(&call, root, || Bytes::from(bytes))?
+            .to_vec())
     }
 
     /// Gathers every rank's byte buffer on every rank, in rank order.

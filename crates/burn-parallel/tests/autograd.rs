@@ -29,7 +29,10 @@ fn close(a: Tensor<2>, b: Tensor<2>, what: &str) {
     let a = a.into_data().try_to_vec::<f32>().unwrap();
     let b = b.into_data().try_to_vec::<f32>().unwrap();
     for (x, y) in a.iter().zip(&b) {
-        assert!((x - y).abs() <= 1e-5 * y.abs().max(1.0), "{what}: {a:?} vs {b:?}");
+        assert!(
+            (x - y).abs() <= 1e-5 * y.abs().max(1.0),
+            "{what}: {a:?} vs {b:?}"
+        );
     }
 }
 
@@ -55,7 +58,10 @@ fn copy_to_group_sums_gradients() {
             let x = leaf(0, 3, 4);
             let c = t2(10 + g.rank(), 3, 4);
             let gx = grad(&x, (copy_to_group(x.clone(), &g) * c).sum());
-            let expected = (0..n).map(|r| t2(10 + r, 3, 4)).reduce(|a, b| a + b).unwrap();
+            let expected = (0..n)
+                .map(|r| t2(10 + r, 3, 4))
+                .reduce(|a, b| a + b)
+                .unwrap();
             close(gx, expected, "copy_to_group");
             Ok(())
         })
@@ -71,7 +77,11 @@ fn reduce_from_group_forward_sums_and_backward_is_identity() {
             let total = (0..n).map(|r| t2(r, 3, 4)).reduce(|a, b| a + b).unwrap();
             close(y.clone(), total, "reduce_from_group forward");
             let c = t2(20, 3, 4);
-            close(grad(&x, (y * c.clone()).sum()), c, "reduce_from_group backward");
+            close(
+                grad(&x, (y * c.clone()).sum()),
+                c,
+                "reduce_from_group backward",
+            );
             Ok(())
         })
     });
@@ -97,14 +107,22 @@ fn scatter_and_gather_along_each_dim() {
                     "scatter forward",
                 );
                 let c_slice = c.clone().narrow(dim, start, sizes[g.rank()]);
-                close(grad(&x, (y * c_slice.clone()).sum()), c.clone(), "scatter backward");
+                close(
+                    grad(&x, (y * c_slice.clone()).sum()),
+                    c.clone(),
+                    "scatter backward",
+                );
 
                 // gather: sharded x, replicated downstream C; grad is this rank's slice of C.
                 let shard = leaf(2, full.0, full.1).narrow(dim, start, sizes[g.rank()]);
                 let shard = shard.detach().require_grad();
                 let y = gather_from_group(shard.clone(), &g, dim)?;
                 close(y.clone(), t2(2, full.0, full.1), "gather forward");
-                close(grad(&shard, (y * c.clone()).sum()), c_slice, "gather backward");
+                close(
+                    grad(&shard, (y * c.clone()).sum()),
+                    c_slice,
+                    "gather backward",
+                );
                 Ok(())
             })
         }
@@ -119,7 +137,10 @@ fn sequence_parallel_pair() {
             let sizes = even_split(rows, n);
             let start: usize = sizes[..g.rank()].iter().sum();
             let mine = sizes[g.rank()];
-            let sum_c = (0..n).map(|r| t2(40 + r, rows, 3)).reduce(|a, b| a + b).unwrap();
+            let sum_c = (0..n)
+                .map(|r| t2(40 + r, rows, 3))
+                .reduce(|a, b| a + b)
+                .unwrap();
 
             // gather_from_sequence: each rank's downstream differs; grad of the shard is the
             // shard's slice of the sum of all downstream coefficients.
@@ -127,14 +148,25 @@ fn sequence_parallel_pair() {
             let y = gather_from_sequence(shard.clone(), &g, 0)?;
             close(y.clone(), t2(3, rows, 3), "gather_from_sequence forward");
             let gx = grad(&shard, (y * t2(40 + g.rank(), rows, 3)).sum());
-            close(gx, sum_c.narrow(0, start, mine), "gather_from_sequence backward");
+            close(
+                gx,
+                sum_c.narrow(0, start, mine),
+                "gather_from_sequence backward",
+            );
 
             // reduce_scatter_to_sequence: partial sums in, summed slice out; grad is the full
             // coefficient tensor.
             let x = leaf(50 + g.rank(), rows, 3);
             let y = reduce_scatter_to_sequence(x.clone(), &g, 0, Some(&sizes))?;
-            let total = (0..n).map(|r| t2(50 + r, rows, 3)).reduce(|a, b| a + b).unwrap();
-            close(y.clone(), total.narrow(0, start, mine), "reduce_scatter forward");
+            let total = (0..n)
+                .map(|r| t2(50 + r, rows, 3))
+                .reduce(|a, b| a + b)
+                .unwrap();
+            close(
+                y.clone(),
+                total.narrow(0, start, mine),
+                "reduce_scatter forward",
+            );
             let c = t2(60, rows, 3);
             let gx = grad(&x, (y * c.clone().narrow(0, start, mine)).sum());
             close(gx, c, "reduce_scatter backward");

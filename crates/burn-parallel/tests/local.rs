@@ -48,7 +48,10 @@ fn all_reduce_every_op_matches_direct_computation() {
                 assert_eq!(d.shape().as_slice(), &[7, 5]);
                 let got = vec_of(d);
                 for (a, b) in got.iter().zip(&expected) {
-                    assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "n={n} {op} rank {rank}");
+                    assert!(
+                        (a - b).abs() <= 1e-5 * b.abs().max(1.0),
+                        "n={n} {op} rank {rank}"
+                    );
                 }
             }
         }
@@ -59,10 +62,7 @@ fn all_reduce_every_op_matches_direct_computation() {
 fn all_reduce_of_tensors_in_other_dtypes() {
     let out = run_local(3, |g| {
         let device = Device::flex();
-        let x = Tensor::<1>::from_data(
-            TensorData::new(vec![g.rank() as f64, 1.0], [2]),
-            &device,
-        );
+        let x = Tensor::<1>::from_data(TensorData::new(vec![g.rank() as f64, 1.0], [2]), &device);
         let x = x.cast(DType::F64);
         let y = g.all_reduce(x, ReduceOp::Sum)?;
         assert_eq!(y.dtype(), DType::F64);
@@ -184,7 +184,11 @@ fn send_recv_tags_and_barrier() {
         let next = (g.rank() + 1) % 3;
         let prev = (g.rank() + 2) % 3;
         // Two tags sent in one order, received in the other: tags keep them apart.
-        g.send(Tensor::<1>::from_floats([g.rank() as f32], &device), next, 7)?;
+        g.send(
+            Tensor::<1>::from_floats([g.rank() as f32], &device),
+            next,
+            7,
+        )?;
         g.send(Tensor::<2>::zeros([2, g.rank() + 1], &device), next, 9)?;
         let b: Tensor<2> = g.recv(prev, 9, &device)?;
         let a: Tensor<1> = g.recv(prev, 7, &device)?;
@@ -226,7 +230,10 @@ fn sub_groups_and_mesh() {
         let dp_sum = dp.all_reduce_f32(vec![g.rank() as f32], ReduceOp::Sum)?;
         // Odd ranks only, through `split`.
         let odd = if g.rank() % 2 == 1 {
-            Some(g.split(&[3, 1])?.all_reduce_f32(vec![g.rank() as f32], ReduceOp::Max)?)
+            Some(
+                g.split(&[3, 1])?
+                    .all_reduce_f32(vec![g.rank() as f32], ReduceOp::Max)?,
+            )
         } else {
             None
         };
@@ -239,10 +246,14 @@ fn sub_groups_and_mesh() {
     assert_eq!(out[3], (vec![1, 1], 5.0, 4.0, Some(vec![3.0])));
 
     let err = run_local(4, |g| {
-        DeviceMesh::new(&g, &[("dp", 3), ("tp", 2)]).map_err(|e| CollectiveError::Rendezvous(e.to_string()))
+        DeviceMesh::new(&g, &[("dp", 3), ("tp", 2)])
+            .map_err(|e| CollectiveError::Rendezvous(e.to_string()))
     })
     .unwrap_err();
-    assert!(err.to_string().contains("6 ranks but the world has 4"), "{err}");
+    assert!(
+        err.to_string().contains("6 ranks but the world has 4"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -282,7 +293,10 @@ fn different_shapes_or_ops_are_reported_not_hung() {
     })
     .unwrap_err();
     let msg = err.to_string();
-    assert!(msg.contains("mismatch") && msg.contains("[2, 2]") && msg.contains("[2, 3]"), "{msg}");
+    assert!(
+        msg.contains("mismatch") && msg.contains("[2, 2]") && msg.contains("[2, 3]"),
+        "{msg}"
+    );
 
     let err = run_local(2, |g| {
         let g = short(g);
@@ -294,7 +308,10 @@ fn different_shapes_or_ops_are_reported_not_hung() {
     })
     .unwrap_err();
     let msg = err.to_string();
-    assert!(msg.contains("all_reduce") && msg.contains("all_gather"), "{msg}");
+    assert!(
+        msg.contains("all_reduce") && msg.contains("all_gather"),
+        "{msg}"
+    );
     assert!(start.elapsed() < Duration::from_secs(5));
 }
 
@@ -314,7 +331,14 @@ fn a_missing_peer_times_out_with_a_clear_error() {
     .unwrap_err();
     assert!(start.elapsed() < Duration::from_secs(5));
     assert!(
-        matches!(err, CollectiveError::Timeout { rank: 0, peer: 1, .. }),
+        matches!(
+            err,
+            CollectiveError::Timeout {
+                rank: 0,
+                peer: 1,
+                ..
+            }
+        ),
         "{err}"
     );
 }

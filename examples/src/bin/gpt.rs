@@ -169,7 +169,7 @@ fn run_rank(
     let mut on_step = |s: &StepStats| {
         bar.set_message(format!("loss {:.4}  {:.0} tok/s", s.loss, s.tokens_per_sec));
         bar.inc(1);
-        if lead && (s.step % log_every.max(1) == 0 || s.step + 1 == config.steps) {
+        if lead && (s.step.is_multiple_of(log_every.max(1)) || s.step + 1 == config.steps) {
             let line = format!(
                 "step {:>5}  loss {:.4}  lr {:.2e}  {:>7.0} tok/s  {:>7.1}s",
                 s.step, s.loss, s.lr, s.tokens_per_sec, s.elapsed
@@ -229,7 +229,8 @@ fn main() -> ExitCode {
         Ok(Some(report)) => {
             print_report(&report, &corpus);
             if let Some(path) = &args.losses_out
-                && let Err(e) = std::fs::write(path, serde_json::to_string(&report.losses).expect("json"))
+                && let Err(e) =
+                    std::fs::write(path, serde_json::to_string(&report.losses).expect("json"))
             {
                 eprintln!("error: writing {}: {e}", path.display());
                 return ExitCode::FAILURE;

@@ -279,7 +279,12 @@ pub(crate) fn split_along(
 
 /// Concatenates row-major pieces along `dim`; piece `k` has `sizes[k]` units along `dim` and
 /// `outer`/`unit` geometry from [`geometry`] of any piece's shape.
-pub(crate) fn concat_along(pieces: &[bytes::Bytes], sizes: &[usize], outer: usize, unit: usize) -> Vec<u8> {
+pub(crate) fn concat_along(
+    pieces: &[bytes::Bytes],
+    sizes: &[usize],
+    outer: usize,
+    unit: usize,
+) -> Vec<u8> {
     let total: usize = pieces.iter().map(|p| p.len()).sum();
     let mut out = Vec::with_capacity(total);
     for o in 0..outer {
