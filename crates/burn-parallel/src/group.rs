@@ -13,16 +13,21 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use burn::tensor::{DType, Tensor, TensorData};
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::comm::host::{
-    ReduceOp, combine_into, concat_along, dtype_code, dtype_from_code, dtype_name, geometry,
-    reducible, scale_into, split_along,
+    ReduceOp, combine_into, combine_to, concat_into, dtype_code, dtype_from_code, dtype_name,
+    geometry, reducible, scale_into, split_along,
 };
+use crate::comm::pool;
+use crate::comm::shm::{Board, SharedBuffer};
 use crate::comm::transport::{Frame, Header, StreamId, Transport};
 use crate::error::{CollectiveError, Result};
+
+/// Below this size the shared-memory all-reduce's three barriers cost more than they save.
+const SHM_MIN_BYTES: usize = 256 * 1024;
 
 /// Default timeout of every wait, unless `BURN_PARALLEL_TIMEOUT_SECS` says otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
@@ -277,26 +282,33 @@ impl ProcessGroup {
     // Ring algorithms on byte pieces (piece k ends on rank k).
 
     /// Ring reduce-scatter: `pieces[k]` is this rank's contribution to piece `k`; returns piece
-    /// `rank` reduced over all ranks. Each step sends one piece to the next rank and reduces the
-    /// one received from the previous rank into it, without copying on the local backend.
+    /// `rank` reduced over all ranks (in a pooled buffer). Each step sends one piece to the next
+    /// rank and reduces the one received from the previous rank with this rank's contribution,
+    /// in one pass into a pooled buffer that becomes the next message.
     fn ring_reduce_scatter(
         &self,
         call: &Call,
-        pieces: &[Bytes],
+        pieces: &[&[u8]],
         dtype: DType,
         op: ReduceOp,
-    ) -> Result<BytesMut> {
+    ) -> Result<Vec<u8>> {
         let n = self.size();
         let r = self.rank;
         if n == 1 {
-            return Ok(BytesMut::from(&pieces[0][..]));
+            let mut only = pool::take(pieces[0].len());
+            only.copy_from_slice(pieces[0]);
+            return Ok(only);
         }
-        self.send_frame(call, self.next(), vec![], pieces[(r + n - 1) % n].clone())?;
-        let mut acc = BytesMut::new();
+        self.send_frame(
+            call,
+            self.next(),
+            vec![],
+            pool::copy_of(pieces[(r + n - 1) % n]),
+        )?;
         for s in 0..n - 1 {
             let idx = (2 * n + r - 2 - s) % n;
             let frame = self.recv_frame(call, self.prev())?;
-            let own = &pieces[idx];
+            let own = pieces[idx];
             if frame.payload.len() != own.len() {
                 return Err(self.invalid(
                     &call.signature,
@@ -308,22 +320,95 @@ impl ProcessGroup {
                     ),
                 ));
             }
-            acc = match frame.payload.try_into_mut() {
-                Ok(mut received) => {
-                    combine_into(&mut received, own, dtype, op);
-                    received
-                }
-                Err(shared) => {
-                    let mut fresh = BytesMut::from(&own[..]);
-                    combine_into(&mut fresh, &shared, dtype, op);
-                    fresh
-                }
-            };
+            let mut acc = pool::take(own.len());
+            combine_to(&mut acc, &frame.payload, own, dtype, op);
+            drop(frame);
             if s + 2 < n {
-                self.send_frame(call, self.next(), vec![], acc.split().freeze())?;
+                self.send_frame(call, self.next(), vec![], pool::share(acc))?;
+            } else {
+                return Ok(acc);
             }
         }
-        Ok(acc)
+        unreachable!("the loop returns at its last step")
+    }
+
+    /// Waits until every rank of the group reached this point of `call`.
+    fn sync(&self, call: &Call) -> Result<()> {
+        self.ring_all_gather(call, Bytes::new(), vec![]).map(|_| ())
+    }
+
+    /// All-reduce through shared memory (ranks in one process): see [`crate::comm::shm`].
+    fn shm_all_reduce(
+        &self,
+        call: &Call,
+        board: &Board,
+        storage: burn::tensor::Bytes,
+        dtype: DType,
+        op: ReduceOp,
+    ) -> Result<burn::tensor::Bytes> {
+        let n = self.size();
+        let r = self.rank;
+        let key = |k: usize| (self.id, call.seq, self.members[k]);
+        let mine = Arc::new(SharedBuffer::new(storage));
+        board.post(key(r), mine.clone());
+        let outcome = (|| {
+            // Everyone has posted (and agrees on the call: frames carry the signature).
+            self.sync(call)?;
+            let peers = (0..n)
+                .map(|k| {
+                    board.get(&key(k)).ok_or_else(|| {
+                        self.invalid(&call.signature, format!("rank {k} posted no buffer"))
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let elem = dtype.size();
+            let count = mine.len() / elem;
+            let (base, extra) = (count / n, count % n);
+            let chunk = |k: usize| {
+                let start = (k * base + k.min(extra)) * elem;
+                start..start + (base + usize::from(k < extra)) * elem
+            };
+            // Phase 1: chunk r of every buffer is touched by this rank only.
+            {
+                // SAFETY: chunk r of our own buffer is written by this rank alone in this phase
+                // (each rank writes only its own chunk of its own buffer).
+                let out = unsafe { mine.write(chunk(r)) };
+                for peer in peers
+                    .iter()
+                    .enumerate()
+                    .filter(|(k, _)| *k != r)
+                    .map(|(_, p)| p)
+                {
+                    // SAFETY: chunk r of a peer's buffer is only read, and only by this rank,
+                    // in this phase.
+                    let other = unsafe { peer.read(chunk(r)) };
+                    combine_into(out, other, dtype, op);
+                }
+                if op == ReduceOp::Avg {
+                    scale_into(out, n, dtype);
+                }
+            }
+            self.sync(call)?;
+            // Phase 2: every chunk k is final in its owner's buffer and written by nobody.
+            for (k, peer) in peers.iter().enumerate().filter(|(k, _)| *k != r) {
+                // SAFETY: chunk k != r of our buffer is written by this rank alone in this
+                // phase (peers read only chunk `their rank` of it); chunk k of rank k is only
+                // read in this phase.
+                unsafe { mine.write(chunk(k)).copy_from_slice(peer.read(chunk(k))) };
+            }
+            drop(peers);
+            // Nobody reads anybody's buffer after this.
+            self.sync(call)
+        })();
+        board.remove(&key(r));
+        outcome?;
+        match Arc::try_unwrap(mine) {
+            Ok(buffer) => Ok(buffer.into_storage()),
+            Err(_) => Err(self.invalid(
+                &call.signature,
+                "a peer still holds this rank's buffer after the final barrier".into(),
+            )),
+        }
     }
 
     /// Ring all-gather of one piece (with its metadata) per rank, returned in rank order.
@@ -380,29 +465,39 @@ impl ProcessGroup {
         if n == 1 {
             return Ok(data);
         }
+        // The result is written over the input's own storage: no allocation for the output.
         let elem = dtype.size();
-        let bytes = into_shared_bytes(data);
-        let count = bytes.len() / elem;
+        let mut storage = data.into_bytes();
+        if let Some(board) = self.transport.board()
+            && storage.len() >= SHM_MIN_BYTES
+        {
+            let storage = self.shm_all_reduce(&call, board, storage, dtype, op)?;
+            return Ok(TensorData::from_bytes(storage, shape, dtype));
+        }
+        let count = storage.len() / elem;
         let (base, extra) = (count / n, count % n);
-        let mut pieces = Vec::with_capacity(n);
+        let mut ranges = Vec::with_capacity(n);
         let mut start = 0;
         for k in 0..n {
             let len = (base + usize::from(k < extra)) * elem;
-            pieces.push(bytes.slice(start..start + len));
+            ranges.push(start..start + len);
             start += len;
         }
-        let mut mine = self.ring_reduce_scatter(&call, &pieces, dtype, op)?;
-        drop(pieces);
-        drop(bytes);
+        let mut mine = {
+            let pieces: Vec<&[u8]> = ranges.iter().map(|r| &storage[r.clone()]).collect();
+            self.ring_reduce_scatter(&call, &pieces, dtype, op)?
+        };
         if op == ReduceOp::Avg {
             scale_into(&mut mine, n, dtype);
         }
-        let gathered = self.ring_all_gather(&call, mine.freeze(), vec![])?;
-        let mut out = Vec::with_capacity(count * elem);
-        for (piece, _) in &gathered {
-            out.extend_from_slice(piece);
+        storage[ranges[self.rank].clone()].copy_from_slice(&mine);
+        let gathered = self.ring_all_gather(&call, pool::share(mine), vec![])?;
+        for (k, (piece, _)) in gathered.iter().enumerate() {
+            if k != self.rank {
+                storage[ranges[k].clone()].copy_from_slice(piece);
+            }
         }
-        Ok(TensorData::from_bytes_vec(out, shape, dtype))
+        Ok(TensorData::from_bytes(storage, shape, dtype))
     }
 
     /// All-gather of host data along `dim`: shards may differ in size along `dim` (every other
@@ -439,10 +534,11 @@ impl ProcessGroup {
         let sizes: Vec<usize> = pieces.iter().map(|(_, m)| m[0] as usize).collect();
         let payloads: Vec<Bytes> = pieces.into_iter().map(|(p, _)| p).collect();
         let (outer, unit) = geometry(&shape, dim, elem);
-        let out = concat_along(&payloads, &sizes, outer, unit);
         let mut out_shape = shape;
         out_shape[dim] = sizes.iter().sum();
-        Ok(TensorData::from_bytes_vec(out, out_shape, dtype))
+        Ok(pool::tensor_data(out_shape, dtype, |out| {
+            concat_into(out, &payloads, &sizes, outer, unit)
+        }))
     }
 
     /// Reduce-scatter of host data along `dim`: the full tensor (same shape on every rank) is
@@ -508,14 +604,16 @@ impl ProcessGroup {
         let elem = dtype.size();
         let bytes = into_shared_bytes(data);
         let pieces = split_along(&bytes, &shape, dim, &sizes, elem);
-        drop(bytes);
-        let mut mine = self.ring_reduce_scatter(&call, &pieces, dtype, op)?;
+        let refs: Vec<&[u8]> = pieces.iter().map(|p| &p[..]).collect();
+        let mut mine = self.ring_reduce_scatter(&call, &refs, dtype, op)?;
         if op == ReduceOp::Avg {
             scale_into(&mut mine, n, dtype);
         }
         let mut out_shape = shape;
         out_shape[dim] = sizes[self.rank];
-        Ok(TensorData::from_bytes_vec(mine.to_vec(), out_shape, dtype))
+        let out = pool::tensor_data(out_shape, dtype, |out| out.copy_from_slice(&mine));
+        pool::give(mine);
+        Ok(out)
     }
 
     /// Broadcast of host data from group rank `root`; every rank must pass data of the same
@@ -536,8 +634,20 @@ impl ProcessGroup {
                 format!("root {root} is out of range for {} ranks", self.size()),
             ));
         }
-        let payload = self.star_broadcast(&call, root, || into_shared_bytes(data))?;
-        Ok(TensorData::from_bytes_vec(payload.to_vec(), shape, dtype))
+        if self.rank == root {
+            self.star_broadcast(&call, root, || pool::copy_of(data.as_bytes()))?;
+            return Ok(data);
+        }
+        let payload = self.star_broadcast(&call, root, Bytes::new)?;
+        if payload.len() != data.as_bytes().len() {
+            return Err(self.invalid(
+                &call.signature,
+                format!("received {} bytes from the root", payload.len()),
+            ));
+        }
+        Ok(pool::tensor_data(shape.as_slice().to_vec(), dtype, |out| {
+            out.copy_from_slice(&payload)
+        }))
     }
 
     fn star_broadcast(
@@ -650,10 +760,12 @@ impl ProcessGroup {
         }
         let sizes: Vec<usize> = shapes.iter().map(|s| s[concat_dim]).collect();
         let (outer, unit) = geometry(&shapes[self.rank], concat_dim, elem);
-        let out = concat_along(&received, &sizes, outer, unit);
         let mut out_shape = shapes[self.rank].clone();
         out_shape[concat_dim] = sizes.iter().sum();
-        Ok((TensorData::from_bytes_vec(out, out_shape, dtype), sizes))
+        let out = pool::tensor_data(out_shape, dtype, |out| {
+            concat_into(out, &received, &sizes, outer, unit)
+        });
+        Ok((out, sizes))
     }
 
     /// Waits until every rank of the group has reached the barrier.
@@ -747,11 +859,9 @@ impl ProcessGroup {
         if shape.iter().product::<usize>() * dtype.size() != frame.payload.len() {
             return Err(bad("payload length does not match its shape"));
         }
-        Ok(TensorData::from_bytes_vec(
-            frame.payload.to_vec(),
-            shape,
-            dtype,
-        ))
+        Ok(pool::tensor_data(shape, dtype, |out| {
+            out.copy_from_slice(&frame.payload)
+        }))
     }
 
     // ------------------------------------------------------------------------------------
@@ -961,14 +1071,18 @@ fn shape_except(shape: &[usize], dim: usize) -> String {
     format!("[{}]", parts.join(", "))
 }
 
-/// Moves tensor bytes into a shareable buffer (without a copy when the storage is a plain
-/// host allocation).
-fn into_shared_bytes(data: TensorData) -> Bytes {
-    let bytes = data.into_bytes();
-    match bytes.try_into_vec::<u8>() {
-        Ok(vec) => Bytes::from(vec),
-        Err(bytes) => Bytes::copy_from_slice(&bytes),
+/// Keeps a tensor's storage alive inside a message payload.
+struct Storage(burn::tensor::Bytes);
+
+impl AsRef<[u8]> for Storage {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
     }
+}
+
+/// Moves tensor bytes into a shareable payload, without copying.
+fn into_shared_bytes(data: TensorData) -> Bytes {
+    Bytes::from_owner(Storage(data.into_bytes()))
 }
 
 /// A tensor on `device` holding `data` in its own dtype (Burn's `from_data` would convert it to

@@ -342,3 +342,43 @@ fn a_missing_peer_times_out_with_a_clear_error() {
         "{err}"
     );
 }
+
+#[test]
+fn large_all_reduce_takes_the_shared_memory_path_and_is_exact() {
+    // 300_001 f32 (1.2 MB): above the shared-memory threshold, not divisible by 2, 3 or 4.
+    let len = 300_001;
+    let value = |r: usize, i: usize| ((r * 7 + i * 13) % 101) as f32 - 50.0;
+    for n in [2, 3, 4] {
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max, ReduceOp::Min] {
+            let out = run_local(n, |g| {
+                let v: Vec<f32> = (0..len).map(|i| value(g.rank(), i)).collect();
+                // Twice, so buffers and board entries of one call never leak into the next.
+                let first = g.all_reduce_data(TensorData::new(v.clone(), [len]), op)?;
+                let second = g.all_reduce_data(TensorData::new(v, [len]), op)?;
+                assert_eq!(first, second);
+                Ok(vec_of(first))
+            })
+            .unwrap();
+            for i in (0..len).step_by(997).chain([len - 1]) {
+                let column = (0..n).map(|r| value(r, i));
+                let expected = match op {
+                    ReduceOp::Sum => column.sum(),
+                    ReduceOp::Avg => column.sum::<f32>() / n as f32,
+                    ReduceOp::Max => column.fold(f32::MIN, f32::max),
+                    ReduceOp::Min => column.fold(f32::MAX, f32::min),
+                };
+                for got in &out {
+                    assert!((got[i] - expected).abs() < 1e-4, "n={n} {op} i={i}");
+                }
+            }
+        }
+    }
+    // A shape mismatch is caught before any rank touches another's memory.
+    let err = run_local(2, |g| {
+        let g = short(g);
+        let len = 100_000 + g.rank();
+        g.all_reduce_data(TensorData::new(vec![1.0f32; len], [len]), ReduceOp::Sum)
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("mismatch"), "{err}");
+}

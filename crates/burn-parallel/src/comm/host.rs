@@ -175,11 +175,12 @@ fn combine_typed<T: Elem>(acc: &mut [u8], other: &[u8], op: ReduceOp) {
         bytemuck::try_cast_slice_mut::<u8, T>(acc),
         bytemuck::try_cast_slice::<u8, T>(other),
     ) {
-        (Ok(a), Ok(b)) => {
-            for (x, y) in a.iter_mut().zip(b) {
-                *x = x.combine(*y, op);
-            }
-        }
+        // One loop per operation, so each compiles to a tight (vectorisable) loop.
+        (Ok(a), Ok(b)) => match op {
+            ReduceOp::Sum | ReduceOp::Avg => zip_with(a, b, |x, y| x.combine(y, ReduceOp::Sum)),
+            ReduceOp::Max => zip_with(a, b, |x, y| x.combine(y, ReduceOp::Max)),
+            ReduceOp::Min => zip_with(a, b, |x, y| x.combine(y, ReduceOp::Min)),
+        },
         // Unaligned buffers (rare: a payload sliced at an odd offset) take the slow path.
         _ => {
             let size = std::mem::size_of::<T>();
@@ -189,6 +190,13 @@ fn combine_typed<T: Elem>(acc: &mut [u8], other: &[u8], op: ReduceOp) {
                 x.copy_from_slice(bytemuck::bytes_of(&a.combine(b, op)));
             }
         }
+    }
+}
+
+#[inline(always)]
+fn zip_with<T: Copy>(a: &mut [T], b: &[T], f: impl Fn(T, T) -> T) {
+    for (x, y) in a.iter_mut().zip(b) {
+        *x = f(*x, *y);
     }
 }
 
@@ -231,6 +239,37 @@ macro_rules! by_dtype {
 pub(crate) fn combine_into(acc: &mut [u8], other: &[u8], dtype: DType, op: ReduceOp) {
     debug_assert_eq!(acc.len(), other.len());
     by_dtype!(dtype, combine_typed, acc, other, op)
+}
+
+fn combine_to_typed<T: Elem>(out: &mut [u8], a: &[u8], b: &[u8], op: ReduceOp) {
+    match (
+        bytemuck::try_cast_slice_mut::<u8, T>(out),
+        bytemuck::try_cast_slice::<u8, T>(a),
+        bytemuck::try_cast_slice::<u8, T>(b),
+    ) {
+        (Ok(o), Ok(a), Ok(b)) => match op {
+            ReduceOp::Sum | ReduceOp::Avg => zip3(o, a, b, |x, y| x.combine(y, ReduceOp::Sum)),
+            ReduceOp::Max => zip3(o, a, b, |x, y| x.combine(y, ReduceOp::Max)),
+            ReduceOp::Min => zip3(o, a, b, |x, y| x.combine(y, ReduceOp::Min)),
+        },
+        _ => {
+            out.copy_from_slice(a);
+            combine_typed::<T>(out, b, op);
+        }
+    }
+}
+
+#[inline(always)]
+fn zip3<T: Copy>(out: &mut [T], a: &[T], b: &[T], f: impl Fn(T, T) -> T) {
+    for ((o, x), y) in out.iter_mut().zip(a).zip(b) {
+        *o = f(*x, *y);
+    }
+}
+
+/// `out[i] = op(a[i], b[i])` over elements of `dtype` (one pass, no copy of `a`).
+pub(crate) fn combine_to(out: &mut [u8], a: &[u8], b: &[u8], dtype: DType, op: ReduceOp) {
+    debug_assert!(out.len() == a.len() && a.len() == b.len());
+    by_dtype!(dtype, combine_to_typed, out, a, b, op)
 }
 
 /// `acc[i] /= n` (the last step of [`ReduceOp::Avg`]).
@@ -277,23 +316,24 @@ pub(crate) fn split_along(
     pieces
 }
 
-/// Concatenates row-major pieces along `dim`; piece `k` has `sizes[k]` units along `dim` and
-/// `outer`/`unit` geometry from [`geometry`] of any piece's shape.
-pub(crate) fn concat_along(
-    pieces: &[bytes::Bytes],
+/// Concatenates row-major pieces along `dim` into `out`; piece `k` has `sizes[k]` units along
+/// `dim`, with `outer`/`unit` geometry from [`geometry`] of any piece's shape.
+pub(crate) fn concat_into(
+    out: &mut [u8],
+    pieces: &[impl AsRef<[u8]>],
     sizes: &[usize],
     outer: usize,
     unit: usize,
-) -> Vec<u8> {
-    let total: usize = pieces.iter().map(|p| p.len()).sum();
-    let mut out = Vec::with_capacity(total);
+) {
+    let mut at = 0;
     for o in 0..outer {
         for (piece, &size) in pieces.iter().zip(sizes) {
             let len = size * unit;
-            out.extend_from_slice(&piece[o * len..(o + 1) * len]);
+            out[at..at + len].copy_from_slice(&piece.as_ref()[o * len..(o + 1) * len]);
+            at += len;
         }
     }
-    out
+    debug_assert_eq!(at, out.len());
 }
 
 #[cfg(test)]
@@ -310,7 +350,9 @@ mod tests {
             let sizes: Vec<usize> = if n == 4 { vec![1, 3] } else { vec![1, n - 1] };
             let pieces = split_along(&data, &shape, dim, &sizes, 4);
             let (outer, unit) = geometry(&shape, dim, 4);
-            assert_eq!(concat_along(&pieces, &sizes, outer, unit), data.to_vec());
+            let mut out = vec![0u8; data.len()];
+            concat_into(&mut out, &pieces, &sizes, outer, unit);
+            assert_eq!(out, data.to_vec());
         }
     }
 
@@ -322,6 +364,9 @@ mod tests {
         assert_eq!(bytemuck::cast_slice::<u8, f32>(&a), &[3.0, 5.0]);
         combine_into(&mut a, &b, DType::F32, ReduceOp::Min);
         assert_eq!(bytemuck::cast_slice::<u8, f32>(&a), &[3.0, 2.0]);
+        let mut out = vec![0u8; 8];
+        combine_to(&mut out, &a, &b, DType::F32, ReduceOp::Sum);
+        assert_eq!(bytemuck::cast_slice::<u8, f32>(&out), &[6.0, 4.0]);
         let mut h = bytemuck::cast_slice::<bf16, u8>(&[bf16::from_f32(1.5)]).to_vec();
         let g = h.clone();
         combine_into(&mut h, &g, DType::BF16, ReduceOp::Sum);

@@ -8,12 +8,14 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
 use std::thread;
 
+use crate::comm::shm::Board;
 use crate::comm::transport::{Frame, Mailbox, Transport};
 use crate::error::{CollectiveError, Result};
 use crate::group::ProcessGroup;
 
 struct LocalWorld {
     mailboxes: Vec<Mailbox>,
+    board: Board,
 }
 
 impl LocalWorld {
@@ -67,6 +69,10 @@ impl Transport for LocalTransport {
     fn abort(&self, reason: &str) {
         self.world.fail(self.rank, reason);
     }
+
+    fn board(&self) -> Option<&Board> {
+        Some(&self.world.board)
+    }
 }
 
 /// Creates the process groups of a local world of `world_size` ranks, one per rank, to be moved
@@ -78,6 +84,7 @@ pub fn local_world(world_size: usize) -> Vec<ProcessGroup> {
     assert!(world_size > 0, "a local world needs at least one rank");
     let world = Arc::new(LocalWorld {
         mailboxes: (0..world_size).map(|_| Mailbox::new()).collect(),
+        board: Board::default(),
     });
     (0..world_size)
         .map(|rank| {

@@ -2,5 +2,7 @@
 
 pub mod host;
 pub mod local;
+pub mod pool;
+pub mod shm;
 pub mod tcp;
 pub mod transport;

@@ -68,6 +68,11 @@ pub trait Transport: Send + Sync + 'static {
     /// Tells every peer that this rank has failed with `reason`, so that they stop waiting
     /// for it. Called by launchers when a rank panics or returns an error.
     fn abort(&self, reason: &str);
+    /// Where ranks sharing this process's memory publish buffers for zero-copy collectives;
+    /// `None` (the default) when peers are other processes.
+    fn board(&self) -> Option<&crate::comm::shm::Board> {
+        None
+    }
 }
 
 /// Why a peer is no longer there.
