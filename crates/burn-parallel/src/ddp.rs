@@ -38,6 +38,7 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor, TensorData};
 
 use crate::comm::host::ReduceOp;
+use crate::comm::pool;
 use crate::error::{CollectiveError, Result};
 use crate::group::{ProcessGroup, tensor_from_data};
 
@@ -49,13 +50,6 @@ pub const DEFAULT_BUCKET_BYTES: usize = 25 * 1024 * 1024;
 pub struct DistributedDataParallel {
     group: ProcessGroup,
     bucket_bytes: usize,
-}
-
-/// One flat bucket of gradients: the parameters it holds (id, element count) and their data.
-struct Bucket {
-    dtype: DType,
-    entries: Vec<(ParamId, usize)>,
-    bytes: Vec<u8>,
 }
 
 impl DistributedDataParallel {
@@ -151,27 +145,19 @@ impl DistributedDataParallel {
         if self.group.size() == 1 && local_scale == 1.0 {
             return Ok(grads);
         }
-        // Parameters in reverse visiting order.
+        // Parameters in reverse visiting order, cut into buckets of one dtype.
         let mut params: Vec<(ParamId, Vec<usize>, DType)> = Vec::new();
         module.visit(&mut ParamLister(&mut params));
         params.reverse();
+        let buckets = plan_buckets(&params, self.bucket_bytes);
 
-        let (to_comm, from_main) = mpsc::channel::<Bucket>();
-        let (to_main, reduced) = mpsc::channel::<Result<Bucket>>();
+        let (to_comm, from_main) = mpsc::channel::<TensorData>();
+        let (to_main, reduced) = mpsc::channel::<Result<TensorData>>();
         let group = self.group.clone();
         thread::scope(|scope| {
             scope.spawn(move || {
-                for mut bucket in from_main {
-                    let len = bucket.bytes.len() / bucket.dtype.size();
-                    let data = TensorData::from_bytes_vec(
-                        std::mem::take(&mut bucket.bytes),
-                        [len],
-                        bucket.dtype,
-                    );
-                    let result = group.all_reduce_data(data, ReduceOp::Avg).map(|data| {
-                        bucket.bytes = data.into_bytes().to_vec();
-                        bucket
-                    });
+                for bucket in from_main {
+                    let result = group.all_reduce_data(bucket, ReduceOp::Avg);
                     let failed = result.is_err();
                     let _ = to_main.send(result);
                     if failed {
@@ -179,49 +165,45 @@ impl DistributedDataParallel {
                     }
                 }
             });
-            let mut current: Option<Bucket> = None;
-            let mut sent = 0usize;
-            for (id, shape, dtype) in &params {
-                let numel: usize = shape.iter().product();
-                let data = take_grad(&mut grads, *id, shape, *dtype, local_scale);
-                let fits = current
-                    .as_ref()
-                    .is_some_and(|b| b.dtype == *dtype && b.bytes.len() < self.bucket_bytes);
-                if !fits && let Some(full) = current.take() {
-                    let _ = to_comm.send(full);
-                    sent += 1;
-                }
-                let bucket = current.get_or_insert_with(|| Bucket {
-                    dtype: *dtype,
-                    entries: Vec::new(),
-                    bytes: Vec::new(),
+            // Pack each bucket straight into tensor storage; the communication thread reduces
+            // it while the next one is packed.
+            for bucket in &buckets {
+                let numel: usize = bucket.iter().map(|&i| numel_of(&params[i].1)).sum();
+                let dtype = params[bucket[0]].2;
+                let data = pool::tensor_data(vec![numel], dtype, |out| {
+                    let mut at = 0;
+                    for &i in bucket {
+                        let (id, shape, dtype) = &params[i];
+                        let grad = take_grad(&mut grads, *id, shape, *dtype, local_scale);
+                        let bytes = grad.as_bytes();
+                        out[at..at + bytes.len()].copy_from_slice(bytes);
+                        at += bytes.len();
+                    }
                 });
-                bucket.entries.push((*id, numel));
-                bucket.bytes.extend_from_slice(data.as_bytes());
-            }
-            if let Some(last) = current.take() {
-                let _ = to_comm.send(last);
-                sent += 1;
+                if to_comm.send(data).is_err() {
+                    break; // the communication thread failed; its error is received below
+                }
             }
             drop(to_comm);
-            let shapes: HashMap<ParamId, Vec<usize>> =
-                params.iter().map(|(id, s, _)| (*id, s.clone())).collect();
             let mut reduced_grads = HashMap::with_capacity(params.len());
-            for _ in 0..sent {
-                let bucket = reduced
+            for bucket in &buckets {
+                let data = reduced
                     .recv()
                     .map_err(|_| CollectiveError::InvalidArgument {
                         rank: self.group.global_rank(),
                         op: "all_reduce_grads".into(),
                         reason: "the communication thread stopped".into(),
                     })??;
-                let size = bucket.dtype.size();
-                let mut offset = 0;
-                for (id, numel) in &bucket.entries {
-                    let bytes = bucket.bytes[offset..offset + numel * size].to_vec();
-                    offset += numel * size;
-                    let data = TensorData::from_bytes_vec(bytes, shapes[id].clone(), bucket.dtype);
-                    reduced_grads.insert(*id, data);
+                let bytes = data.as_bytes();
+                let mut at = 0;
+                for &i in bucket {
+                    let (id, shape, dtype) = &params[i];
+                    let len = numel_of(shape) * dtype.size();
+                    let grad = pool::tensor_data(shape.clone(), *dtype, |out| {
+                        out.copy_from_slice(&bytes[at..at + len])
+                    });
+                    at += len;
+                    reduced_grads.insert(*id, grad);
                 }
             }
             module.visit(&mut Register {
@@ -291,6 +273,27 @@ impl GradAccumulator {
         };
         self.ddp.reduce_grads(module, grads, 1.0 / steps as f32)
     }
+}
+
+fn numel_of(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
+
+/// Groups parameter indices into consecutive buckets of one dtype of at least `bucket_bytes`
+/// (the last one may be smaller).
+fn plan_buckets(params: &[(ParamId, Vec<usize>, DType)], bucket_bytes: usize) -> Vec<Vec<usize>> {
+    let mut buckets: Vec<Vec<usize>> = Vec::new();
+    let mut bytes = 0;
+    for (i, (_, shape, dtype)) in params.iter().enumerate() {
+        let same_dtype = buckets.last().is_some_and(|b| params[b[0]].2 == *dtype);
+        if !same_dtype || bytes >= bucket_bytes {
+            buckets.push(Vec::new());
+            bytes = 0;
+        }
+        buckets.last_mut().expect("pushed above").push(i);
+        bytes += numel_of(shape) * dtype.size();
+    }
+    buckets
 }
 
 struct ParamLister<'a>(&'a mut Vec<(ParamId, Vec<usize>, DType)>);
