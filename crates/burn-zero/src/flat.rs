@@ -1,0 +1,285 @@
+//! Flat parameter spaces: a module's float parameters laid end to end in one 1-D buffer.
+//!
+//! Every ZeRO stage works on flat buffers (as DeepSpeed's `flat_param` and FSDP's
+//! `FlatParameter`): the parameters of a *unit* (the whole model for stages 1 and 2, one wrapped
+//! sub-module for stage 3) are concatenated in the module's visiting order, and rank `r` of `n`
+//! owns the contiguous range [`shard_range`]`(numel, r, n)` of it (an even split, the first ranks
+//! one element longer when it does not divide; no padding). Sharding a flat buffer, rather than
+//! individual tensors, gives every rank the same number of elements whatever the shapes, and
+//! makes resharding a checkpoint from `N` to `M` ranks a matter of re-slicing one range.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, ZeroError};
+
+/// One parameter's place in a flat buffer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FlatEntry {
+    /// Module path (`"blocks.0.attn.q.weight"`).
+    pub path: String,
+    /// Shape of the parameter.
+    pub shape: Vec<usize>,
+    /// First element of the parameter in the flat buffer.
+    pub offset: usize,
+    /// Number of elements.
+    pub numel: usize,
+}
+
+/// The layout of a flat buffer: which parameter sits where.
+///
+/// # Example
+/// ```
+/// use burn::nn::LinearConfig;
+/// use burn::tensor::Device;
+/// use burn_zero::flat::FlatLayout;
+///
+/// let linear = LinearConfig::new(3, 2).init(&Device::flex());
+/// let layout = FlatLayout::of(&linear, |_| true);
+/// assert_eq!(layout.numel(), 3 * 2 + 2);
+/// assert_eq!(layout.entries()[0].path, "weight");
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct FlatLayout {
+    entries: Vec<FlatEntry>,
+    ids: Vec<ParamId>,
+    numel: usize,
+}
+
+impl FlatLayout {
+    /// The layout of `module`'s float parameters whose path passes `keep`, in visiting order.
+    pub fn of<M: Module>(module: &M, keep: impl Fn(&str) -> bool) -> Self {
+        struct Lister<'a, F> {
+            stack: Vec<String>,
+            keep: &'a F,
+            layout: FlatLayout,
+        }
+        impl<F: Fn(&str) -> bool> ModuleVisitor for Lister<'_, F> {
+            fn enter_module(&mut self, name: &str, _: &str) {
+                self.stack.push(name.to_string());
+            }
+            fn exit_module(&mut self, _: &str, _: &str) {
+                self.stack.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                let path = self.stack.join(".");
+                if !(self.keep)(&path) {
+                    return;
+                }
+                let shape = param.shape().as_slice().to_vec();
+                let numel = shape.iter().product();
+                self.layout.entries.push(FlatEntry {
+                    path,
+                    shape,
+                    offset: self.layout.numel,
+                    numel,
+                });
+                self.layout.ids.push(param.id);
+                self.layout.numel += numel;
+            }
+        }
+        let mut lister = Lister {
+            stack: Vec::new(),
+            keep: &keep,
+            layout: FlatLayout::default(),
+        };
+        module.visit(&mut lister);
+        lister.layout
+    }
+
+    /// Total number of elements.
+    pub fn numel(&self) -> usize {
+        self.numel
+    }
+
+    /// The parameters, in flat order.
+    pub fn entries(&self) -> &[FlatEntry] {
+        &self.entries
+    }
+
+    /// The parameter ids, in flat order.
+    pub fn ids(&self) -> &[ParamId] {
+        &self.ids
+    }
+
+    /// Copies the parameters of `module` into one flat `f32` host buffer.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] when `module` lacks a parameter of the layout.
+    pub fn flatten<M: Module>(&self, module: &M) -> Result<Vec<f32>> {
+        struct Collector<'a> {
+            wanted: HashMap<ParamId, usize>,
+            out: &'a mut [f32],
+            entries: &'a [FlatEntry],
+            found: usize,
+        }
+        impl ModuleVisitor for Collector<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if let Some(&i) = self.wanted.get(&param.id) {
+                    let e = &self.entries[i];
+                    let data = param.val().into_data().convert::<f32>();
+                    let values = data.as_slice::<f32>().expect("converted to f32");
+                    self.out[e.offset..e.offset + e.numel].copy_from_slice(values);
+                    self.found += 1;
+                }
+            }
+        }
+        let mut out = vec![0f32; self.numel];
+        let mut collector = Collector {
+            wanted: self
+                .ids
+                .iter()
+                .enumerate()
+                .map(|(i, id)| (*id, i))
+                .collect(),
+            out: &mut out,
+            entries: &self.entries,
+            found: 0,
+        };
+        module.visit(&mut collector);
+        if collector.found != self.entries.len() {
+            return Err(ZeroError::Config(format!(
+                "the module has {} of the {} parameters of this flat layout; pass the module the \
+                 wrapper was built from (parameter ids must not change)",
+                collector.found,
+                self.entries.len()
+            )));
+        }
+        Ok(out)
+    }
+
+    /// Replaces the parameters of the layout in `module` by slices of `flat` (a 1-D tensor of
+    /// [`FlatLayout::numel`] elements), reshaped. With `as_leaves`, each new value is detached
+    /// and made a leaf that requires a gradient (stages 1 and 2); otherwise the slices stay
+    /// attached to `flat`'s graph (stage 3, where `flat` is the differentiable all-gather).
+    /// Parameters outside the layout are left alone.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] when `flat` has the wrong length or a parameter is missing.
+    pub fn unflatten<M: Module>(&self, module: M, flat: Tensor<1>, as_leaves: bool) -> Result<M> {
+        if flat.dims()[0] != self.numel {
+            return Err(ZeroError::Config(format!(
+                "a flat buffer of {} elements was given for a layout of {}",
+                flat.dims()[0],
+                self.numel
+            )));
+        }
+        struct Setter<'a> {
+            wanted: HashMap<ParamId, usize>,
+            entries: &'a [FlatEntry],
+            flat: Tensor<1>,
+            as_leaves: bool,
+            found: usize,
+        }
+        impl ModuleMapper for Setter<'_> {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                let Some(&i) = self.wanted.get(&param.id) else {
+                    return param;
+                };
+                self.found += 1;
+                let e = &self.entries[i];
+                let mut shape = [0usize; D];
+                shape.copy_from_slice(&e.shape);
+                let value: Tensor<D> = self
+                    .flat
+                    .clone()
+                    .narrow(0, e.offset, e.numel)
+                    .reshape(shape);
+                let (id, _, mapper) = param.consume();
+                let value = if self.as_leaves {
+                    value.detach().require_grad()
+                } else {
+                    value
+                };
+                Param::from_mapped_value(id, value, mapper)
+            }
+        }
+        let mut setter = Setter {
+            wanted: self
+                .ids
+                .iter()
+                .enumerate()
+                .map(|(i, id)| (*id, i))
+                .collect(),
+            entries: &self.entries,
+            flat,
+            as_leaves,
+            found: 0,
+        };
+        let module = module.map(&mut setter);
+        if setter.found != self.entries.len() {
+            return Err(ZeroError::Config(format!(
+                "the module has {} of the {} parameters of this flat layout",
+                setter.found,
+                self.entries.len()
+            )));
+        }
+        Ok(module)
+    }
+}
+
+/// Replaces every float parameter of `module` whose path passes `drop` by a one-element
+/// placeholder (so that a template module costs no parameter memory). Ids are kept.
+pub fn strip_params<M: Module>(module: M, drop: impl Fn(&str) -> bool) -> M {
+    struct Stripper<F> {
+        stack: Vec<String>,
+        drop: F,
+    }
+    impl<F: Fn(&str) -> bool> ModuleMapper for Stripper<F> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.stack.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.stack.pop();
+        }
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if !(self.drop)(&self.stack.join(".")) {
+                return param;
+            }
+            let (id, value, mapper) = param.consume();
+            let placeholder = Tensor::<D>::zeros([1; D], &value.device().inner());
+            Param::from_mapped_value(id, placeholder, mapper)
+        }
+    }
+    module.map(&mut Stripper {
+        stack: Vec::new(),
+        drop,
+    })
+}
+
+/// The range of a flat buffer of `numel` elements owned by rank `rank` of `n`: an even split,
+/// the first `numel % n` ranks one element longer.
+///
+/// ```
+/// use burn_zero::flat::shard_range;
+/// assert_eq!(shard_range(10, 0, 4), 0..3);
+/// assert_eq!(shard_range(10, 3, 4), 8..10);
+/// ```
+pub fn shard_range(numel: usize, rank: usize, n: usize) -> Range<usize> {
+    let (base, extra) = (numel / n, numel % n);
+    let start = rank * base + rank.min(extra);
+    start..start + base + usize::from(rank < extra)
+}
+
+/// Shard lengths of every rank ([`shard_range`]'s lengths).
+pub fn shard_sizes(numel: usize, n: usize) -> Vec<usize> {
+    (0..n).map(|r| shard_range(numel, r, n).len()).collect()
+}
+
+/// A 1-D `f32` tensor on `device` from host values.
+pub fn tensor_1d(values: Vec<f32>, device: &Device) -> Tensor<1> {
+    let len = values.len();
+    Tensor::from_data(TensorData::new(values, [len]), (device, DType::F32))
+}
+
+/// The host `f32` values of a tensor (converted from its dtype).
+pub fn host_f32<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .expect("converted to f32")
+}

@@ -1,0 +1,432 @@
+//! ZeRO stage 3 / FSDP: parameters sharded per unit, all-gathered just before the unit's forward.
+//!
+//! A model is wrapped per *unit* (for a GPT: each transformer block, the embeddings, the head).
+//! A unit ([`FsdpUnit`]) keeps only this rank's shard of its flat parameter space, as an fp32
+//! leaf tensor ([`FlatShard`]), plus a *template*: the sub-module with its parameters replaced by
+//! one-element placeholders. [`FsdpUnit::gather`] all-gathers the shard with the differentiable
+//! [`gather_from_sequence`] (all-gather forward, reduce-scatter backward) and maps the slices into
+//! a copy of the template: the returned module computes exactly like the original one, and when
+//! backward reaches the gather, the unit's gradient is reduce-scattered onto the shard at once,
+//! while earlier units are still running backward.
+//!
+//! Resharding: the guard [`Gathered`] releases the wrapper's reference when dropped (reshard
+//! after forward, the default), or the unit keeps it until [`FsdpUnit::reshard`] (reshard after
+//! backward). Burn's autodiff keeps the slices its backward needs (as it keeps activations), so
+//! no second gather is needed for the backward. Prefetch: a gather is an ordinary function call,
+//! so a plan can issue unit `i + 1`'s gather before running unit `i` (see the GPT plan in
+//! `examples::train_zero`).
+//!
+//! Gradient accumulation ([`FsdpContext`] with `accumulate_unsharded`): on every micro-step the
+//! unit is gathered without a backward collective into a fresh leaf, whose full local gradient is
+//! summed on this rank; [`FsdpOptimizer::step`] reduce-scatters it once (FSDP's `no_sync`:
+//! communication only at the optimizer step, at the cost of unsharded gradients in between).
+
+use std::ops::{Deref, Range};
+use std::sync::{Arc, Mutex};
+
+use burn::module::Module;
+use burn::optim::{LearningRate, Optimizer};
+use burn::tensor::Gradients;
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn_parallel::ReduceOp;
+use burn_parallel::autograd::gather_from_sequence;
+
+use crate::error::{Result, ZeroError};
+use crate::flat::{FlatLayout, host_f32, shard_range, shard_sizes, strip_params, tensor_1d};
+use crate::memory::{Category, MemoryReport, MemoryTracker};
+use crate::optim::ShardedOptimizer;
+use crate::precision::MixedPrecision;
+use crate::zero::{ShardGroups, StepInfo, ZeroConfig};
+
+/// What every unit of one model shares: groups, device, policy and the memory tracker.
+#[derive(Debug, Clone)]
+pub struct FsdpContext {
+    groups: ShardGroups,
+    device: Device,
+    precision: MixedPrecision,
+    reshard_after_forward: bool,
+    accumulate_unsharded: bool,
+    tracker: MemoryTracker,
+}
+
+impl FsdpContext {
+    /// A context on `device` (an autodiff device) for `config`; `grad_accum > 1` selects
+    /// communication-free micro-steps (see the module doc).
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] when `device` is not an autodiff device;
+    /// [`ZeroError::UnsupportedDType`] when the precision policy does not fit the device.
+    pub fn new(
+        groups: ShardGroups,
+        device: &Device,
+        config: &ZeroConfig,
+        grad_accum: usize,
+    ) -> Result<Arc<Self>> {
+        if !device.is_autodiff() {
+            return Err(ZeroError::Config(
+                "FSDP units train: pass an autodiff device (device.autodiff())".into(),
+            ));
+        }
+        config.precision.validate(device)?;
+        Ok(Arc::new(Self {
+            groups,
+            device: device.clone(),
+            precision: config.precision,
+            reshard_after_forward: config.reshard_after_forward,
+            accumulate_unsharded: grad_accum > 1,
+            tracker: MemoryTracker::default(),
+        }))
+    }
+
+    /// The groups.
+    pub fn groups(&self) -> &ShardGroups {
+        &self.groups
+    }
+
+    /// The memory tracker of all units.
+    pub fn tracker(&self) -> &MemoryTracker {
+        &self.tracker
+    }
+
+    /// The compute device.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+}
+
+/// This rank's shard of one unit's flat parameter space, with its gradient.
+#[derive(Debug)]
+pub struct FlatShard {
+    name: String,
+    layout: FlatLayout,
+    range: Range<usize>,
+    param: Tensor<1>,
+    grad: Option<Vec<f32>>,
+    unsharded: Option<Vec<f32>>,
+    pending: Mutex<Vec<Tensor<1>>>,
+}
+
+impl FlatShard {
+    /// The unit's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The unit's flat layout (all of it, not only this shard).
+    pub fn layout(&self) -> &FlatLayout {
+        &self.layout
+    }
+
+    /// This rank's range of the unit's flat space.
+    pub fn range(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    /// The fp32 master shard (host copy).
+    pub fn values(&self) -> Vec<f32> {
+        host_f32(self.param.clone())
+    }
+
+    /// Replaces the master shard (for checkpoint loading).
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] on a length mismatch.
+    pub fn set_values(&mut self, values: Vec<f32>) -> Result<()> {
+        if values.len() != self.range.len() {
+            return Err(ZeroError::Config(format!(
+                "unit {}: {} values for a shard of {}",
+                self.name,
+                values.len(),
+                self.range.len()
+            )));
+        }
+        let device = self.param.device();
+        self.param = tensor_1d(values, &device).require_grad();
+        Ok(())
+    }
+}
+
+/// One FSDP unit: a sub-module of type `M` whose parameters are sharded.
+///
+/// See the [module documentation](self) and `examples::train_zero::FsdpGpt` for a whole model.
+pub struct FsdpUnit<M: Module> {
+    template: M,
+    shard: FlatShard,
+    ctx: Arc<FsdpContext>,
+    cached: Mutex<Option<M>>,
+}
+
+impl<M: Module> FsdpUnit<M> {
+    /// Shards the parameters of `module` whose path passes `keep` (all: `|_| true`) over the
+    /// context's shard group, keeping only this rank's slice. `module` must be identical on
+    /// every rank (build it from the same seed); it is consumed, and its full parameters freed.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] when no parameter passes `keep`.
+    pub fn new(
+        name: &str,
+        module: M,
+        keep: impl Fn(&str) -> bool + Copy,
+        ctx: &Arc<FsdpContext>,
+    ) -> Result<Self> {
+        let layout = FlatLayout::of(&module, keep);
+        if layout.numel() == 0 {
+            return Err(ZeroError::Config(format!(
+                "unit {name} has no parameters to shard"
+            )));
+        }
+        let shard_group = ctx.groups.shard();
+        let range = shard_range(layout.numel(), shard_group.rank(), shard_group.size());
+        let full = layout.flatten(&module)?;
+        let param = tensor_1d(full[range.clone()].to_vec(), &ctx.device).require_grad();
+        drop(full);
+        ctx.tracker.add(Category::Params, range.len() * 4);
+        Ok(Self {
+            template: strip_params(module, |_| true),
+            shard: FlatShard {
+                name: name.to_string(),
+                layout,
+                range,
+                param,
+                grad: None,
+                unsharded: None,
+                pending: Mutex::new(Vec::new()),
+            },
+            ctx: ctx.clone(),
+            cached: Mutex::new(None),
+        })
+    }
+
+    /// The shard.
+    pub fn shard(&self) -> &FlatShard {
+        &self.shard
+    }
+
+    /// The shard, mutable.
+    pub fn shard_mut(&mut self) -> &mut FlatShard {
+        &mut self.shard
+    }
+
+    /// All-gathers the unit: returns the sub-module with its full parameters, in the policy's
+    /// compute dtype, differentiable back to the shard.
+    ///
+    /// # Errors
+    /// When the all-gather fails.
+    pub fn gather(&self) -> Result<Gathered<M>> {
+        if let Some(m) = self
+            .cached
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
+            return Ok(Gathered {
+                module: m.clone(),
+                release: None,
+            });
+        }
+        let precision = self.ctx.precision;
+        let group = self.ctx.groups.shard();
+        let low = precision.param_dtype;
+        let full = if self.ctx.accumulate_unsharded {
+            // No backward collective: a fresh leaf whose local gradient is kept unsharded.
+            let data = group.all_gather_data(self.shard.param.clone().into_data(), 0)?;
+            let leaf = Tensor::<1>::from_data(data, (&self.ctx.device, DType::F32)).require_grad();
+            self.shard
+                .pending
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(leaf.clone());
+            if low == DType::F32 {
+                leaf
+            } else {
+                leaf.cast(low)
+            }
+        } else if low != DType::F32 && precision.reduce_dtype == low {
+            gather_from_sequence(self.shard.param.clone().cast(low), group, 0)?
+        } else {
+            let full = gather_from_sequence(self.shard.param.clone(), group, 0)?;
+            if low == DType::F32 {
+                full
+            } else {
+                full.cast(low)
+            }
+        };
+        let bytes = self.shard.layout.numel() * low.size();
+        let module = self
+            .shard
+            .layout
+            .unflatten(self.template.clone(), full, false)?;
+        self.ctx.tracker.add(Category::Gathered, bytes);
+        if self.ctx.reshard_after_forward {
+            Ok(Gathered {
+                module,
+                release: Some((self.ctx.tracker.clone(), bytes)),
+            })
+        } else {
+            *self.cached.lock().unwrap_or_else(|e| e.into_inner()) = Some(module.clone());
+            Ok(Gathered {
+                module,
+                release: None,
+            })
+        }
+    }
+
+    /// Releases a unit kept gathered (reshard-after-backward policy); a no-op otherwise.
+    pub fn reshard(&self) {
+        if self
+            .cached
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .is_some()
+        {
+            let bytes = self.shard.layout.numel() * self.ctx.precision.param_dtype.size();
+            self.ctx.tracker.sub(Category::Gathered, bytes);
+        }
+    }
+}
+
+/// A gathered unit: derefs to the module; dropping it reshards (releases the wrapper's copy).
+pub struct Gathered<M> {
+    module: M,
+    release: Option<(MemoryTracker, usize)>,
+}
+
+impl<M> Deref for Gathered<M> {
+    type Target = M;
+    fn deref(&self) -> &M {
+        &self.module
+    }
+}
+
+impl<M> Drop for Gathered<M> {
+    fn drop(&mut self) {
+        if let Some((tracker, bytes)) = self.release.take() {
+            tracker.sub(Category::Gathered, bytes);
+        }
+    }
+}
+
+/// The optimizer side of stage 3: collects shard gradients after each backward, then reduces
+/// (when accumulating), clips by the global norm and updates every shard.
+pub struct FsdpOptimizer<O: Optimizer> {
+    ctx: Arc<FsdpContext>,
+    optim: ShardedOptimizer<O>,
+    max_grad_norm: Option<f64>,
+    micro: usize,
+}
+
+impl<O: Optimizer> FsdpOptimizer<O> {
+    /// `optim` over `units` shards.
+    pub fn new(ctx: &Arc<FsdpContext>, config: &ZeroConfig, optim: O, units: usize) -> Self {
+        Self {
+            ctx: ctx.clone(),
+            optim: ShardedOptimizer::new(optim, units).with_offload(config.offload_optimizer),
+            max_grad_norm: config.max_grad_norm,
+            micro: 0,
+        }
+    }
+
+    /// The sharded optimizer (for checkpoints).
+    pub fn optimizer(&self) -> &ShardedOptimizer<O> {
+        &self.optim
+    }
+
+    /// The sharded optimizer, mutable (for checkpoints).
+    pub fn optimizer_mut(&mut self) -> &mut ShardedOptimizer<O> {
+        &mut self.optim
+    }
+
+    /// Takes this micro-step's gradients of every shard from `grads` (the result of
+    /// `loss.backward()`). Shards must be passed in the same order at every call.
+    ///
+    /// # Errors
+    /// Never at present (kept fallible for asynchronous reductions).
+    pub fn accumulate(&mut self, shards: Vec<&mut FlatShard>, grads: &Gradients) -> Result<()> {
+        let tracker = &self.ctx.tracker;
+        for shard in shards {
+            let pending =
+                std::mem::take(&mut *shard.pending.lock().unwrap_or_else(|e| e.into_inner()));
+            if self.ctx.accumulate_unsharded {
+                for leaf in pending {
+                    let Some(g) = leaf.grad(grads) else { continue };
+                    let g = host_f32(g);
+                    match &mut shard.unsharded {
+                        Some(acc) => acc.iter_mut().zip(&g).for_each(|(a, b)| *a += b),
+                        None => {
+                            tracker.add(Category::Grads, g.len() * 4);
+                            shard.unsharded = Some(g);
+                        }
+                    }
+                }
+            } else if let Some(g) = shard.param.grad(grads) {
+                let g = host_f32(g);
+                match &mut shard.grad {
+                    Some(acc) => acc.iter_mut().zip(&g).for_each(|(a, b)| *a += b),
+                    None => {
+                        tracker.add(Category::Grads, g.len() * 4);
+                        shard.grad = Some(g);
+                    }
+                }
+            }
+        }
+        self.micro += 1;
+        Ok(())
+    }
+
+    /// Reduces (when accumulating), averages, clips and applies the optimizer to every shard.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] when no gradients were accumulated; collective failures.
+    pub fn step(&mut self, lr: LearningRate, mut shards: Vec<&mut FlatShard>) -> Result<StepInfo> {
+        let micro = std::mem::take(&mut self.micro);
+        if micro == 0 {
+            return Err(ZeroError::Config(
+                "step called without gradients; call accumulate after each backward".into(),
+            ));
+        }
+        let groups = self.ctx.groups.clone();
+        let tracker = self.ctx.tracker.clone();
+        let n = groups.shard().size();
+        let mut grads = Vec::with_capacity(shards.len());
+        for shard in shards.iter_mut() {
+            let summed = if let Some(full) = shard.unsharded.take() {
+                let numel = full.len();
+                let out = groups.shard().reduce_scatter_data(
+                    TensorData::new(full, [numel]),
+                    0,
+                    ReduceOp::Sum,
+                    Some(&shard_sizes(numel, n)),
+                )?;
+                tracker.sub(Category::Grads, numel * 4);
+                tracker.add(Category::Grads, shard.range.len() * 4);
+                out.try_into_vec::<f32>().expect("f32")
+            } else if let Some(g) = shard.grad.take() {
+                g
+            } else {
+                // A unit unused in this step: its gradient is zero on every rank.
+                tracker.add(Category::Grads, shard.range.len() * 4);
+                vec![0.0; shard.range.len()]
+            };
+            grads.push(groups.finish_shard_grad(summed, micro)?);
+        }
+        let grad_norm = groups.clip(&mut grads, self.max_grad_norm)?;
+        let inner = self.ctx.device.clone().inner();
+        for (i, (shard, grad)) in shards.into_iter().zip(grads).enumerate() {
+            let len = grad.len();
+            let param = shard.param.clone().detach().inner();
+            let new = self.optim.step(i, lr, param, tensor_1d(grad, &inner));
+            shard.param = Tensor::from_inner(new).require_grad();
+            tracker.sub(Category::Grads, len * 4);
+        }
+        tracker.set(Category::Optimizer, self.optim.state_bytes());
+        tracker.finish_step();
+        Ok(StepInfo { grad_norm })
+    }
+
+    /// The memory held by all units and this optimizer over the last step (see
+    /// [`crate::memory`]).
+    pub fn memory(&self) -> MemoryReport {
+        self.ctx.tracker.last_step()
+    }
+}
