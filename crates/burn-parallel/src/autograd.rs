@@ -124,8 +124,14 @@ impl<B: CommBackend, C: CheckpointStrategy> CommBackend for Autodiff<B, C> {
     }
 }
 
-/// Returns `y` with `backward` as the gradient map from `y` to `x`.
-fn attach<const D: usize, const E: usize>(
+/// Returns `y` with `backward` as the gradient map from `y` to `x`: the building block of every
+/// function of this module, public so that other crates can split a collective into an
+/// asynchronous communication (for example an FSDP prefetch) and the later attachment of its
+/// backward.
+///
+/// `y` must not depend on `x` through the autodiff graph (compute it from `x`'s host data);
+/// `backward` receives the gradient of `y` and returns the gradient of `x`, with `x`'s shape.
+pub fn attach<const D: usize, const E: usize>(
     x: Tensor<D>,
     y: Tensor<E>,
     backward: BackwardFn,
