@@ -367,16 +367,23 @@ impl Norm {
 
     /// Normalises over the last dimension.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        self.forward_with(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()))
+    }
+
+    /// Normalises over the last dimension with the given `weight` and `bias` (this norm's own
+    /// parameters as they enter the graph, for example through a collective that sums their
+    /// gradients under sequence parallelism).
+    pub fn forward_with<const D: usize>(
+        &self,
+        x: Tensor<D>,
+        weight: Tensor<1>,
+        bias: Option<Tensor<1>>,
+    ) -> Tensor<D> {
         match self.kind {
-            NormKind::LayerNorm => layer_norm(
-                x,
-                self.weight.val(),
-                self.bias.as_ref().map(|b| b.val()),
-                self.eps,
-            ),
+            NormKind::LayerNorm => layer_norm(x, weight, bias, self.eps),
             NormKind::RmsNorm => {
                 let rms = (x.clone().square().mean_dim(D - 1) + self.eps).sqrt();
-                x / rms * self.weight.val().unsqueeze()
+                x / rms * weight.unsqueeze()
             }
         }
     }

@@ -9,6 +9,7 @@
 //!   SwiGLU MLPs, learned or rotary positions, LayerNorm or RMSNorm, tied or untied embeddings;
 //! - [`vit`]: a Vision Transformer for small images ([`vit::Vit`], [`vit::VitConfig`]) built from
 //!   the same blocks;
+//! - [`parallelize`]: tensor- and sequence-parallel plans for both models (and the reverse);
 //! - [`data`]: the bundled King James Bible as byte tokens ([`data::Corpus`]) and the 8x8
 //!   hand-written digits ([`data::Digits`]), with batches that are pure functions of the step.
 //!
@@ -31,5 +32,7 @@
 pub mod data;
 pub mod gpt;
 pub mod init;
+pub mod parallelize;
 pub mod train;
+pub mod train_zero;
 pub mod vit;

@@ -291,3 +291,185 @@ pub fn generate(model: &Gpt, prompt: &str, config: &TrainConfig, device: &Device
     }
     String::from_utf8_lossy(&tokens.iter().map(|&t| t as u8).collect::<Vec<u8>>()).into_owned()
 }
+
+/// How the world is split for [`train_gpt_parallel`]: `world / tp` data-parallel replicas of a
+/// model split over `tp` ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Parallelism {
+    /// Tensor-parallel size (1: data parallelism only).
+    pub tp: usize,
+    /// Sequence parallelism inside each tensor-parallel group.
+    pub sp: bool,
+}
+
+impl Default for Parallelism {
+    fn default() -> Self {
+        Self { tp: 1, sp: false }
+    }
+}
+
+impl Parallelism {
+    /// Checks that `world` ranks can run `config` with this split.
+    ///
+    /// # Errors
+    /// A message saying which setting to change.
+    pub fn validate(&self, config: &TrainConfig, world: usize) -> Result<(), String> {
+        if self.tp == 0 || !world.is_multiple_of(self.tp) {
+            return Err(format!(
+                "the world of {world} ranks cannot be split into tensor-parallel groups of {}; \
+                 use a --tp that divides the number of ranks",
+                self.tp
+            ));
+        }
+        if self.sp && self.tp == 1 {
+            return Err("sequence parallelism (--sp) needs --tp 2 or more".into());
+        }
+        crate::parallelize::check_gpt_tp(&config.model, self.tp).map_err(|e| e.to_string())?;
+        config.validate(world / self.tp)
+    }
+}
+
+fn tp_error(group: &ProcessGroup, e: burn_parallel::TpError) -> CollectiveError {
+    match e {
+        burn_parallel::TpError::Collective(e) => e,
+        other => CollectiveError::InvalidArgument {
+            rank: group.global_rank(),
+            op: "tensor parallel".into(),
+            reason: other.to_string(),
+        },
+    }
+}
+
+/// Trains the GPT of `config` on `world` arranged as a `dp x tp` mesh: each tensor-parallel
+/// group holds one model split by [`crate::parallelize::parallelize_gpt`] (with sequence
+/// parallelism if asked), the data-parallel groups average the gradients of matching shards
+/// (replicated parameters included) with [`DistributedDataParallel`]. With `tp == 1` this is
+/// [`train_gpt`]. The losses are those of single-device training on the same global batch.
+///
+/// # Errors
+/// An invalid split or config as [`CollectiveError::InvalidArgument`]; collective errors.
+pub fn train_gpt_parallel(
+    world: &ProcessGroup,
+    config: &TrainConfig,
+    parallel: &Parallelism,
+    corpus: &Corpus,
+    on_step: &mut dyn FnMut(&StepStats),
+) -> burn_parallel::Result<TrainReport> {
+    let invalid = |reason: String| CollectiveError::InvalidArgument {
+        rank: world.global_rank(),
+        op: "train_gpt_parallel".into(),
+        reason,
+    };
+    parallel.validate(config, world.size()).map_err(invalid)?;
+    if parallel.tp == 1 {
+        return train_gpt(world, config, corpus, on_step);
+    }
+    let dp = world.size() / parallel.tp;
+    let mesh = burn_parallel::DeviceMesh::new(world, &[("dp", dp), ("tp", parallel.tp)])
+        .map_err(|e| invalid(e.to_string()))?;
+    let dp_group = mesh
+        .group("dp")
+        .map_err(|e| invalid(e.to_string()))?
+        .clone();
+    let dp_rank = dp_group.rank();
+    let device = Device::flex().autodiff();
+    let options = crate::parallelize::TpOptions {
+        sequence_parallel: parallel.sp,
+        ..Default::default()
+    };
+    // The full model is built from the seed on a plain device; each rank keeps its shards.
+    let reference = Gpt::new(&config.model, &Device::flex());
+    let model = crate::parallelize::parallelize_gpt(&reference, &mesh, &options, &device)
+        .map_err(|e| tp_error(world, e))?;
+    drop(reference);
+    let ddp = DistributedDataParallel::new(dp_group.clone())
+        .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
+    let mut model = ddp.broadcast_module(model, 0)?;
+    let mut optim = AdamWConfig::new()
+        .with_weight_decay(config.weight_decay as f32)
+        .init();
+
+    let rows_per_rank = config.batch_size / dp;
+    let micro_rows = rows_per_rank / config.grad_accum;
+    let tokens_per_step = (config.batch_size * config.seq_len) as f64;
+    let start = Instant::now();
+    let mut losses = Vec::with_capacity(config.steps);
+    let mut timed = 0.0;
+    for step in 0..config.steps {
+        let step_start = Instant::now();
+        let mut accumulator = ddp.accumulator();
+        let mut local_loss = 0.0;
+        for micro in 0..config.grad_accum {
+            let first = dp_rank * rows_per_rank + micro * micro_rows;
+            let batch = corpus.batch_rows(
+                step as u64,
+                first..first + micro_rows,
+                config.seq_len,
+                Split::Train,
+            );
+            let (inputs, targets) = batch.to_tensors(&device);
+            let loss = model
+                .loss(inputs, targets)
+                .map_err(|e| tp_error(world, e))?;
+            local_loss += scalar(&loss) / config.grad_accum as f64;
+            accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+        }
+        let grads = accumulator.finish(&model)?;
+        let lr = config.lr_at(step);
+        model = optim.step(lr, model, grads);
+        // Every rank of a tensor-parallel group holds the same loss.
+        let loss = dp_group.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
+        losses.push(loss);
+        let seconds = step_start.elapsed().as_secs_f64();
+        if step > 0 {
+            timed += seconds;
+        }
+        on_step(&StepStats {
+            step,
+            loss,
+            lr,
+            tokens_per_sec: tokens_per_step / seconds,
+            elapsed: start.elapsed().as_secs_f64(),
+        });
+    }
+    // Evaluation with the sharded model, each data-parallel replica on its rows.
+    let eval_model = model.valid();
+    let plain = Device::flex();
+    let mut total = 0.0;
+    for b in 0..config.eval_batches {
+        let first = dp_rank * (config.batch_size / dp);
+        let batch = corpus.batch_rows(
+            b as u64,
+            first..first + config.batch_size / dp,
+            config.seq_len,
+            Split::Validation,
+        );
+        let (inputs, targets) = batch.to_tensors(&plain);
+        total += scalar(
+            &eval_model
+                .loss(inputs, targets)
+                .map_err(|e| tp_error(world, e))?,
+        );
+    }
+    let local = (total / config.eval_batches.max(1) as f64) as f32;
+    let val_loss = dp_group.all_reduce_f32(vec![local], ReduceOp::Avg)?[0] as f64;
+    // Sampling needs the whole model: gather it (every rank takes part), rank 0 generates.
+    let sample = if config.sample_len > 0 {
+        let full = eval_model.to_full(&plain).map_err(|e| tp_error(world, e))?;
+        if world.rank() == 0 {
+            generate(&full, &config.prompt, config, &plain)
+        } else {
+            String::new()
+        }
+    } else {
+        String::new()
+    };
+    let timed_steps = (config.steps - 1).max(1) as f64;
+    Ok(TrainReport {
+        losses,
+        val_loss,
+        sample,
+        step_seconds: timed / timed_steps,
+        tokens_per_sec: tokens_per_step * timed_steps / timed.max(1e-9),
+    })
+}

@@ -37,3 +37,9 @@ pub use mesh::{DeviceMesh, MeshError};
 pub mod ddp;
 
 pub use ddp::{DistributedDataParallel, GradAccumulator};
+pub mod tensor_parallel;
+
+pub use tensor_parallel::{
+    ColumnParallelLinear, ParallelAttention, ParallelMlp, Placement, RowParallelLinear, TpError,
+    TpTensor, VocabParallelEmbedding, vocab_parallel_cross_entropy,
+};

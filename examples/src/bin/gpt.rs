@@ -5,6 +5,8 @@
 //! cargo run --release -p examples --bin gpt -- --ranks 1 --steps 50  # single device
 //! burnrun --nproc-per-node 2 -- target/release/gpt --backend tcp     # 2 processes
 //! gpt --config run.toml --steps 100                                  # TOML, then flags
+//! gpt --ranks 4 --tp 2 --sp                                          # dp 2 x tp 2, seq. parallel
+//! burnrun --nproc-per-node 2 -- target/release/gpt --backend tcp --tp 2
 //! ```
 
 use std::path::PathBuf;
@@ -14,7 +16,7 @@ use burn_parallel::{ProcessGroup, run_local};
 use clap::{Parser, ValueEnum};
 use examples::data::Corpus;
 use examples::gpt::{MlpKind, PositionKind};
-use examples::train::{StepStats, TrainConfig, TrainReport, train_gpt};
+use examples::train::{Parallelism, StepStats, TrainConfig, TrainReport, train_gpt_parallel};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
@@ -93,6 +95,13 @@ struct Args {
     /// Print a line every N steps (the progress bar shows every step).
     #[arg(long, default_value_t = 10)]
     log_every: usize,
+    /// Tensor-parallel size: each model is split over this many ranks (Megatron-style); the
+    /// ranks form a `dp x tp` mesh with `dp = ranks / tp`.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Sequence parallelism inside each tensor-parallel group (needs --tp 2 or more).
+    #[arg(long)]
+    sp: bool,
     /// Write the per-step losses as JSON to this file (rank 0).
     #[arg(long)]
     losses_out: Option<PathBuf>,
@@ -150,6 +159,7 @@ fn config_from(args: &Args) -> Result<TrainConfig, String> {
 fn run_rank(
     group: &ProcessGroup,
     config: &TrainConfig,
+    parallel: &Parallelism,
     corpus: &Corpus,
     log_every: usize,
 ) -> burn_parallel::Result<TrainReport> {
@@ -182,7 +192,7 @@ fn run_rank(
             }
         }
     };
-    let report = train_gpt(group, config, corpus, &mut on_step);
+    let report = train_gpt_parallel(group, config, parallel, corpus, &mut on_step);
     bar.finish_and_clear();
     report
 }
@@ -203,23 +213,27 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let parallel = Parallelism {
+        tp: args.tp,
+        sp: args.sp,
+    };
     let outcome = match args.backend {
         Backend::Local => {
-            if let Err(e) = config.validate(args.ranks) {
+            if let Err(e) = parallel.validate(&config, args.ranks) {
                 eprintln!("error: {e}");
                 return ExitCode::from(2);
             }
-            print_header(&config, args.ranks, "local", &corpus);
+            print_header(&config, args.ranks, "local", &corpus, &parallel);
             run_local(args.ranks, |group| {
-                run_rank(&group, &config, &corpus, args.log_every)
+                run_rank(&group, &config, &parallel, &corpus, args.log_every)
             })
             .map(|mut reports| Some(reports.swap_remove(0)))
         }
         Backend::Tcp => burn_parallel::comm::tcp::init_from_env().and_then(|group| {
             if group.rank() == 0 {
-                print_header(&config, group.size(), "tcp", &corpus);
+                print_header(&config, group.size(), "tcp", &corpus, &parallel);
             }
-            let report = run_rank(&group, &config, &corpus, args.log_every)?;
+            let report = run_rank(&group, &config, &parallel, &corpus, args.log_every)?;
             // Rank 0 reports for everyone.
             Ok((group.rank() == 0).then_some(report))
         }),
@@ -244,11 +258,31 @@ fn main() -> ExitCode {
     }
 }
 
-fn print_header(config: &TrainConfig, ranks: usize, backend: &str, corpus: &Corpus) {
+fn print_header(
+    config: &TrainConfig,
+    ranks: usize,
+    backend: &str,
+    corpus: &Corpus,
+    parallel: &Parallelism,
+) {
     let m = &config.model;
+    let layout = if parallel.tp > 1 {
+        format!(
+            " = dp {} x tp {}{}",
+            ranks / parallel.tp,
+            parallel.tp,
+            if parallel.sp {
+                " + sequence parallel"
+            } else {
+                ""
+            }
+        )
+    } else {
+        String::new()
+    };
     println!(
-        "GPT {} layers x {} heads x width {} ({:.2}M params), {} ranks ({backend}), global batch \
-         {} x {} tokens, {} steps",
+        "GPT {} layers x {} heads x width {} ({:.2}M params), {} ranks{layout} ({backend}), \
+         global batch {} x {} tokens, {} steps",
         m.n_layers,
         m.n_heads,
         m.d_model,
