@@ -105,7 +105,9 @@ fn slice(v: &[f32], shape: [usize; 2], dim: usize, range: std::ops::Range<usize>
     if dim == 0 {
         rows[range].concat()
     } else {
-        rows.iter().flat_map(|r| r[range.clone()].to_vec()).collect()
+        rows.iter()
+            .flat_map(|r| r[range.clone()].to_vec())
+            .collect()
     }
 }
 
@@ -169,7 +171,11 @@ fn all_reduce_matches_direct_computation() {
         let triangle = (world * (world + 1) / 2) as f32;
         for (rank, results) in out.iter().enumerate() {
             for (op, got) in OPS.iter().zip(results) {
-                assert_close(got, &reduce(&inputs, *op), &format!("{op} world {world} rank {rank}"));
+                assert_close(
+                    got,
+                    &reduce(&inputs, *op),
+                    &format!("{op} world {world} rank {rank}"),
+                );
             }
             assert_close(&results[4], &reduce(&inputs, ReduceOp::Sum), "tensor sum");
             assert_eq!(results[5], vec![triangle; 5], "i32 sum");
@@ -198,7 +204,11 @@ fn large_all_reduce_is_exact() {
 fn all_gather_of_uneven_shards_along_dims_0_and_1() {
     for world in [2, 3] {
         let shard_shape = |rank: usize, dim: usize| {
-            if dim == 0 { [rank + 1, 3] } else { [2, rank + 2] }
+            if dim == 0 {
+                [rank + 1, 3]
+            } else {
+                [2, rank + 2]
+            }
         };
         let out = run_ok(world, |g| {
             let mut results = Vec::new();
@@ -243,8 +253,24 @@ fn reduce_scatter_of_uneven_pieces_along_dims_0_and_1() {
     for world in [2, 3] {
         // (full shape, dim, per-rank sizes); `None` is the even split.
         let cases: Vec<([usize; 2], usize, Option<Vec<usize>>)> = vec![
-            ([5, 4], 0, Some(if world == 2 { vec![2, 3] } else { vec![1, 2, 2] })),
-            ([3, 7], 1, Some(if world == 2 { vec![3, 4] } else { vec![2, 2, 3] })),
+            (
+                [5, 4],
+                0,
+                Some(if world == 2 {
+                    vec![2, 3]
+                } else {
+                    vec![1, 2, 2]
+                }),
+            ),
+            (
+                [3, 7],
+                1,
+                Some(if world == 2 {
+                    vec![3, 4]
+                } else {
+                    vec![2, 2, 3]
+                }),
+            ),
             ([2, 6], 1, None),
         ];
         let out = run_ok(world, |g| {
@@ -288,16 +314,14 @@ fn broadcast_from_every_root() {
                 let data = TensorData::new(values(g.rank(), 12), [3, 4]);
                 results.push(f32s(&g.broadcast_data(data, root)?));
             }
-            let x = Tensor::<1>::from_data(
-                TensorData::new(values(g.rank(), 6), [6]),
-                &Device::flex(),
-            );
+            let x =
+                Tensor::<1>::from_data(TensorData::new(values(g.rank(), 6), [6]), &Device::flex());
             results.push(f32s(&g.broadcast(x, world - 1)?.into_data()));
             Ok(results)
         });
         for results in out {
-            for root in 0..world {
-                assert_eq!(results[root], values(root, 12));
+            for (root, got) in results.iter().take(world).enumerate() {
+                assert_eq!(got, &values(root, 12));
             }
             assert_eq!(results[world], values(world - 1, 6));
         }
@@ -352,7 +376,10 @@ fn all_to_all_with_uneven_splits() {
             let rows: usize = sizes.iter().sum();
             let data = TensorData::new(values(r, rows * 2), [rows, 2]);
             let got = g.all_to_all_data(data, 0, &sizes)?;
-            let x = Tensor::<2>::from_data(TensorData::new(values(r, rows * 2), [rows, 2]), &Device::flex());
+            let x = Tensor::<2>::from_data(
+                TensorData::new(values(r, rows * 2), [rows, 2]),
+                &Device::flex(),
+            );
             let tensor = g.all_to_all(x, 0, &sizes)?.into_data();
             Ok((f32s(&got), got.shape().as_slice().to_vec(), f32s(&tensor)))
         });
@@ -457,7 +484,10 @@ fn a_crashed_rank_is_named_by_the_others() {
         }
         g.all_reduce_f32(vec![1.0; 1000], ReduceOp::Sum).map(|_| ())
     });
-    assert!(start.elapsed() < TIMEOUT, "the failure was not detected before the timeout");
+    assert!(
+        start.elapsed() < TIMEOUT,
+        "the failure was not detected before the timeout"
+    );
     assert!(out[2].is_ok());
     for rank in [0, 1] {
         let err = out[rank].as_ref().unwrap_err();
@@ -543,14 +573,19 @@ fn a_different_collective_is_a_mismatch() {
     });
     for (rank, result) in out.iter().enumerate() {
         match result.as_ref().unwrap_err() {
-            CollectiveError::Mismatch { peer, ours, theirs, .. } => {
+            CollectiveError::Mismatch {
+                peer, ours, theirs, ..
+            } => {
                 assert_eq!(*peer, 1 - rank);
                 let (mine, other) = if rank == 0 {
                     ("all_reduce", "all_gather")
                 } else {
                     ("all_gather", "all_reduce")
                 };
-                assert!(ours.contains(mine) && theirs.contains(other), "{ours} / {theirs}");
+                assert!(
+                    ours.contains(mine) && theirs.contains(other),
+                    "{ours} / {theirs}"
+                );
             }
             other => panic!("rank {rank}: expected Mismatch, got {other}"),
         }
@@ -570,7 +605,10 @@ fn a_different_shape_is_an_error() {
             matches!(err, CollectiveError::Mismatch { .. }),
             "rank {rank}: {err}"
         );
-        assert!(err.to_string().contains("[4]") && err.to_string().contains("[5]"), "{err}");
+        assert!(
+            err.to_string().contains("[4]") && err.to_string().contains("[5]"),
+            "{err}"
+        );
     }
 }
 
@@ -626,7 +664,10 @@ fn a_duplicate_rank_is_refused() {
     assert!(start.elapsed() < TIMEOUT);
     for result in &out {
         let message = rendezvous_message(result);
-        assert!(message.contains("rank 1 is claimed by two processes"), "{message}");
+        assert!(
+            message.contains("rank 1 is claimed by two processes"),
+            "{message}"
+        );
     }
 }
 
@@ -698,10 +739,18 @@ fn the_launch_environment_is_read_and_checked() {
     );
 
     let without = |name: &str| -> Vec<(&str, &str)> {
-        torchrun.iter().copied().filter(|(k, _)| *k != name).collect()
+        torchrun
+            .iter()
+            .copied()
+            .filter(|(k, _)| *k != name)
+            .collect()
     };
     let with = |name: &'static str, value: &'static str| -> Vec<(&'static str, &'static str)> {
-        let mut vars: Vec<_> = torchrun.iter().copied().filter(|(k, _)| *k != name).collect();
+        let mut vars: Vec<_> = torchrun
+            .iter()
+            .copied()
+            .filter(|(k, _)| *k != name)
+            .collect();
         vars.push((name, value));
         vars
     };
@@ -710,7 +759,10 @@ fn the_launch_environment_is_read_and_checked() {
         other => panic!("expected a rendezvous error, got {other:?}"),
     };
     let m = message(env_of(&without("RANK")));
-    assert!(m.contains("RANK is not set") && m.contains("burnrun"), "{m}");
+    assert!(
+        m.contains("RANK is not set") && m.contains("burnrun"),
+        "{m}"
+    );
     let m = message(env_of(&without("MASTER_PORT")));
     assert!(m.contains("MASTER_PORT is not set"), "{m}");
     let m = message(env_of(&without("MASTER_ADDR")));
@@ -733,13 +785,25 @@ fn the_launch_environment_is_read_and_checked() {
     ])
     .unwrap();
     assert_eq!(
-        (slurm.rank, slurm.world_size, slurm.local_rank, slurm.local_world_size),
+        (
+            slurm.rank,
+            slurm.world_size,
+            slurm.local_rank,
+            slurm.local_world_size
+        ),
         (5, 8, Some(1), Some(4))
     );
     assert_eq!(
-        (slurm.master_addr.as_str(), slurm.master_port, slurm.launcher),
+        (
+            slurm.master_addr.as_str(),
+            slurm.master_port,
+            slurm.launcher
+        ),
         ("gpu012", 29500, Launcher::Slurm)
     );
     let m = message(env_of(&[("SLURM_PROCID", "0"), ("SLURM_NTASKS", "2")]));
-    assert!(m.contains("MASTER_ADDR is not set (nor SLURM_JOB_NODELIST)"), "{m}");
+    assert!(
+        m.contains("MASTER_ADDR is not set (nor SLURM_JOB_NODELIST)"),
+        "{m}"
+    );
 }

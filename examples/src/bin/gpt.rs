@@ -12,11 +12,13 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use burn_parallel::{ProcessGroup, run_local};
+use burn_parallel::{CollectiveError, DeviceMesh, ProcessGroup, run_local};
+use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroError};
 use clap::{Parser, ValueEnum};
 use examples::data::Corpus;
 use examples::gpt::{MlpKind, PositionKind};
 use examples::train::{Parallelism, StepStats, TrainConfig, TrainReport, train_gpt_parallel};
+use examples::train_zero::{ZeroReport, ZeroRunOptions, memory_line, train_gpt_zero};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
@@ -102,6 +104,16 @@ struct Args {
     /// Sequence parallelism inside each tensor-parallel group (needs --tp 2 or more).
     #[arg(long)]
     sp: bool,
+    /// ZeRO stage (1: optimizer state sharded, 2: + gradients, 3: + parameters, FSDP-style
+    /// per transformer block) over the data-parallel ranks, instead of plain DDP.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
+    zero: Option<u8>,
+    /// Hybrid sharding with --zero: shard inside groups of ranks/N, replicate across N groups.
+    #[arg(long, requires = "zero")]
+    hybrid: Option<usize>,
+    /// Clip the global gradient norm to this value (with --zero).
+    #[arg(long, requires = "zero")]
+    clip: Option<f64>,
     /// Write the per-step losses as JSON to this file (rank 0).
     #[arg(long)]
     losses_out: Option<PathBuf>,
@@ -213,6 +225,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Some(stage) = args.zero {
+        return run_zero(&args, &config, &corpus, stage as usize);
+    }
     let parallel = Parallelism {
         tp: args.tp,
         sp: args.sp,
@@ -310,4 +325,106 @@ fn print_report(report: &TrainReport, corpus: &Corpus) {
         report.tokens_per_sec
     );
     println!("sample:\n{}", report.sample);
+}
+
+/// `--zero`: trains with burn-zero's sharded data parallelism and prints every rank's memory.
+fn run_zero(args: &Args, config: &TrainConfig, corpus: &Corpus, stage: usize) -> ExitCode {
+    if args.tp > 1 {
+        eprintln!("error: --zero does not compose with --tp yet; use one or the other");
+        return ExitCode::from(2);
+    }
+    let zero = match Stage::from_number(stage) {
+        Ok(stage) => ZeroConfig::new(stage).with_max_grad_norm(args.clip),
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let run = |world: ProcessGroup| -> burn_parallel::Result<Option<ZeroReport>> {
+        let lead = world.rank() == 0;
+        if lead {
+            print_header(
+                config,
+                world.size(),
+                world.backend(),
+                corpus,
+                &Parallelism { tp: 1, sp: false },
+            );
+            let layout = match args.hybrid {
+                Some(r) => format!("hybrid: {r} replicas x {} shards", world.size() / r.max(1)),
+                None => format!("{} shards", world.size()),
+            };
+            println!("ZeRO stage {stage}, {layout}");
+        }
+        let groups = match args.hybrid {
+            None => ShardGroups::flat(world.clone()),
+            Some(r) => {
+                if r == 0 || !world.size().is_multiple_of(r) {
+                    return Err(invalid(
+                        &world,
+                        format!("--hybrid {r} must divide the {} ranks", world.size()),
+                    ));
+                }
+                let mesh = DeviceMesh::new(
+                    &world,
+                    &[("dp_replicate", r), ("dp_shard", world.size() / r)],
+                )
+                .map_err(|e| invalid(&world, e.to_string()))?;
+                ShardGroups::hybrid(&mesh).map_err(|e| invalid(&world, e.to_string()))?
+            }
+        };
+        let report = train_gpt_zero(&groups, config, &zero, corpus, &ZeroRunOptions::default())
+            .map_err(|e| match e {
+                ZeroError::Collective(c) => c,
+                other => invalid(&world, other.to_string()),
+            })?;
+        // Every rank prints its own memory figures, in rank order.
+        for r in 0..world.size() {
+            if r == world.rank() {
+                println!("{}", memory_line(r, &report.memory));
+            }
+            world.barrier()?;
+        }
+        Ok(lead.then_some(report))
+    };
+    let outcome = match args.backend {
+        Backend::Local => run_local(args.ranks, run).map(|mut r| r.swap_remove(0)),
+        Backend::Tcp => burn_parallel::comm::tcp::init_from_env().and_then(run),
+    };
+    match outcome {
+        Ok(None) => ExitCode::SUCCESS,
+        Ok(Some(report)) => {
+            for (step, loss) in report.losses.iter().enumerate() {
+                if step.is_multiple_of(args.log_every.max(1)) || step + 1 == report.losses.len() {
+                    println!("step {step:>5}  loss {loss:.4}");
+                }
+            }
+            println!(
+                "final train loss {:.4}, {:.3} s/step, {} parameters",
+                report.losses.last().copied().unwrap_or(f64::NAN),
+                report.step_seconds,
+                report.num_params
+            );
+            if let Some(path) = &args.losses_out
+                && let Err(e) =
+                    std::fs::write(path, serde_json::to_string(&report.losses).expect("json"))
+            {
+                eprintln!("error: writing {}: {e}", path.display());
+                return ExitCode::FAILURE;
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn invalid(world: &ProcessGroup, reason: String) -> CollectiveError {
+    CollectiveError::InvalidArgument {
+        rank: world.global_rank(),
+        op: "gpt --zero".into(),
+        reason,
+    }
 }

@@ -44,6 +44,8 @@ use crate::group::{DEFAULT_TIMEOUT, ProcessGroup};
 /// How long [`Drop`] waits for the peers to close their side after our goodbye, so that no
 /// unread byte turns the close into a reset.
 const LINGER: Duration = Duration::from_secs(2);
+/// The linger of a rank whose world has failed.
+const FAILED_LINGER: Duration = Duration::from_millis(200);
 /// Longest wait for the writer lock and the socket when sending an abort or a goodbye.
 const CONTROL_WAIT: Duration = Duration::from_secs(1);
 /// Read buffer of a reader thread (large payloads bypass it).
@@ -238,6 +240,36 @@ pub fn init_from_env() -> Result<ProcessGroup> {
     connect(&TcpConfig::from_env()?)
 }
 
+/// Where rank 0 listens for the rendezvous: `MASTER_ADDR` itself when it is a loopback address,
+/// otherwise every interface of its address family (like torchrun's store), so that a
+/// `MASTER_ADDR` that is a name, or an address this host is reached by but does not own,
+/// still works.
+fn store_bind_addr(config: &TcpConfig) -> Result<SocketAddr> {
+    let addr = (config.master_addr.as_str(), config.master_port)
+        .to_socket_addrs()
+        .map_err(|e| {
+            CollectiveError::Rendezvous(format!(
+                "cannot resolve MASTER_ADDR {:?}: {e}",
+                config.master_addr
+            ))
+        })?
+        .next()
+        .ok_or_else(|| {
+            CollectiveError::Rendezvous(format!(
+                "MASTER_ADDR {:?} resolves to no address",
+                config.master_addr
+            ))
+        })?;
+    if addr.ip().is_loopback() {
+        Ok(addr)
+    } else {
+        Ok(SocketAddr::new(
+            rendezvous::unspecified_like(addr.ip()),
+            config.master_port,
+        ))
+    }
+}
+
 /// The stall timeout of writes: `BURN_PARALLEL_TIMEOUT_SECS` or [`DEFAULT_TIMEOUT`].
 fn io_timeout() -> Duration {
     std::env::var("BURN_PARALLEL_TIMEOUT_SECS")
@@ -290,8 +322,10 @@ struct Peer {
 /// thread that fills this rank's [`Mailbox`].
 ///
 /// Obtained through [`connect`] or [`init_from_env`] (as a [`ProcessGroup`]) or
-/// [`TcpTransport::connect`]. Dropping it says goodbye to every peer, waits briefly for them to
-/// close their side, and joins the reader threads.
+/// [`TcpTransport::connect`]. Dropping it says goodbye to every peer (or, when dropped while a
+/// panic unwinds, reports this rank as failed), waits briefly for them to close their side, and
+/// joins the reader threads. A process that exits without dropping it (for example through
+/// `std::process::exit`) is reported as crashed by its peers.
 pub struct TcpTransport {
     rank: usize,
     world_size: usize,
@@ -329,7 +363,7 @@ impl TcpTransport {
         } else if rank == 0 {
             let store = match rendezvous {
                 Some(store) => store,
-                None => TcpRendezvous::bind((config.master_addr.as_str(), config.master_port))?,
+                None => TcpRendezvous::bind(store_bind_addr(config)?)?,
             };
             let store_ip = store.local_addr()?.ip();
             // Nobody dials rank 0 (it dials everyone), but the mesh code is the same for all.
@@ -359,11 +393,7 @@ impl TcpTransport {
     }
 
     /// Configures the connected sockets and starts the reader threads.
-    fn start(
-        rank: usize,
-        world_size: usize,
-        mesh: Vec<Option<TcpStream>>,
-    ) -> Result<Self> {
+    fn start(rank: usize, world_size: usize, mesh: Vec<Option<TcpStream>>) -> Result<Self> {
         let mailbox = Arc::new(Mailbox::new());
         let io_timeout = io_timeout();
         let buffer = socket_buffer();
@@ -403,7 +433,9 @@ impl TcpTransport {
                 let shutdown = stream.try_clone().map_err(setup_err)?;
                 thread::Builder::new()
                     .name(format!("burn-tcp-{rank}<-{peer}"))
-                    .spawn(move || read_loop(peer, world_size, reading, shutdown, &mailbox, &status))
+                    .spawn(move || {
+                        read_loop(peer, world_size, reading, shutdown, &mailbox, &status)
+                    })
                     .map_err(|e| {
                         CollectiveError::Rendezvous(format!(
                             "rank {rank}: cannot start the reader thread of rank {peer}: {e}"
@@ -498,24 +530,48 @@ impl Transport for TcpTransport {
         wire::check_encodable(&frame)
             .map_err(|why| self.transport_error(dst, format!("cannot send this frame: {why}")))?;
         let mut writer = peer.writer.lock().unwrap_or_else(|e| e.into_inner());
-        wire::write_data(&mut *writer, &frame).map_err(|e| {
-            // A frame may have been cut in the middle: the connection is unusable.
-            let _ = peer.control.shutdown(Shutdown::Both);
-            let reason = if matches!(
-                e.kind(),
-                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-            ) {
-                let reason = format!(
-                    "rank {dst} stopped reading: a write to it made no progress for {:?}",
-                    self.io_timeout
-                );
+        let Err(e) = wire::write_data(&mut *writer, &frame) else {
+            return Ok(());
+        };
+        drop(writer);
+        // A frame may have been cut in the middle: the connection is unusable.
+        let stalled = matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        );
+        let reason = if stalled {
+            format!(
+                "rank {dst} stopped reading: a write to it made no progress for {:?}",
+                self.io_timeout
+            )
+        } else {
+            // The peer is gone. Let the reader drain what it sent last (an abort naming the
+            // root cause, a goodbye) before blaming the connection.
+            let _ = peer.control.shutdown(Shutdown::Write);
+            let deadline = Instant::now() + Duration::from_millis(200);
+            while peer.reader.as_ref().is_some_and(|r| !r.is_finished())
+                && Instant::now() < deadline
+            {
+                thread::sleep(Duration::from_millis(1));
+            }
+            format!("connection to rank {dst} lost (process exited or crashed): {e}")
+        };
+        let _ = peer.control.shutdown(Shutdown::Both);
+        let (failed, reason) = match (self.mailbox.failure(), peer.status.gone()) {
+            (Some(root), _) => root,
+            // It said goodbye: sending to it is this program's error, not a failure of it.
+            (None, Some(goodbye)) if !stalled => (dst, goodbye),
+            (None, _) => {
+                peer.status.set_gone(reason.clone());
                 self.mailbox.mark_failed(dst, &reason);
-                reason
-            } else {
-                format!("connection to rank {dst} lost while sending: {e}")
-            };
-            peer.status.set_gone(reason.clone());
-            self.transport_error(dst, reason)
+                (dst, reason)
+            }
+        };
+        Err(CollectiveError::PeerFailed {
+            rank: self.rank,
+            op: format!("send to rank {dst}"),
+            peer: failed,
+            reason,
         })
     }
 
@@ -552,6 +608,13 @@ impl Transport for TcpTransport {
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
+        // Dropped while unwinding from a panic: this rank failed, it did not finish.
+        if thread::panicking() {
+            self.abort(&format!(
+                "rank {} panicked (its process group was dropped while unwinding)",
+                self.rank
+            ));
+        }
         // Say goodbye and close our sending side; what was written before still arrives.
         for peer in self.peers.iter().flatten() {
             peer.status.closing.store(true, Ordering::SeqCst);
@@ -563,7 +626,14 @@ impl Drop for TcpTransport {
         }
         // Let the peers close their side (the readers keep draining meanwhile), then cut what
         // is left so that every reader thread ends.
-        let deadline = Instant::now() + LINGER;
+        // A failed world may never close its side: keep only a short linger for the abort
+        // frames to leave.
+        let linger = if self.mailbox.failure().is_some() {
+            FAILED_LINGER
+        } else {
+            LINGER
+        };
+        let deadline = Instant::now() + linger;
         while Instant::now() < deadline
             && self
                 .peers
@@ -626,8 +696,7 @@ fn read_loop(
                 return;
             }
             Ok(None) => {
-                let reason =
-                    format!("connection to rank {peer} lost (process exited or crashed)");
+                let reason = format!("connection to rank {peer} lost (process exited or crashed)");
                 status.set_gone(reason.clone());
                 mailbox.mark_failed(peer, &reason);
                 return;

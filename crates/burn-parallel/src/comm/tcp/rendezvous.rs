@@ -15,7 +15,7 @@
 
 use std::hash::{BuildHasher, Hasher, RandomState};
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -85,8 +85,7 @@ fn recv_message<T: DeserializeOwned>(stream: &mut TcpStream) -> io::Result<T> {
     let invalid = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
     if &head[..4] != STORE_MAGIC {
         return Err(invalid(
-            "not a burn-parallel rendezvous message (is another service using MASTER_PORT?)"
-                .into(),
+            "not a burn-parallel rendezvous message (is another service using MASTER_PORT?)".into(),
         ));
     }
     if head[4] != PROTOCOL {
@@ -124,6 +123,14 @@ pub(crate) fn bind_data_listener(ip: IpAddr) -> Result<TcpListener> {
     })
 }
 
+/// The unspecified address of `ip`'s family.
+pub(crate) fn unspecified_like(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    }
+}
+
 /// Connects to `host:port`, retrying with backoff (rank 0 may not listen yet) until `deadline`.
 pub(crate) fn connect_with_retry(
     host: &str,
@@ -137,8 +144,10 @@ pub(crate) fn connect_with_retry(
         match (host, port).to_socket_addrs() {
             Ok(addrs) => {
                 for addr in addrs {
-                    match TcpStream::connect_timeout(&addr, bounded(deadline, Duration::from_secs(2)))
-                    {
+                    match TcpStream::connect_timeout(
+                        &addr,
+                        bounded(deadline, Duration::from_secs(2)),
+                    ) {
                         Ok(stream) => return Ok(stream),
                         Err(e) => last_error = format!("{addr}: {e}"),
                     }
@@ -368,17 +377,19 @@ pub(crate) fn register(
             addrs.len()
         ))),
         Ok(Reply::Refused { reason }) => Err(CollectiveError::Rendezvous(reason)),
-        Err(e) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+        Err(e)
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
             Err(CollectiveError::Rendezvous(format!(
                 "rank {rank}: registered with rank 0 at {master_addr}:{master_port} but the \
                  world did not form within {timeout:?} (are all WORLD_SIZE={world_size} ranks \
                  started?)"
             )))
         }
-        Err(e) => Err(io_err(
-            "lost the connection to (did rank 0 fail?)",
-            e,
-        )),
+        Err(e) => Err(io_err("lost the connection to (did rank 0 fail?)", e)),
     }
 }
 

@@ -1,0 +1,439 @@
+//! `burnrun`: starts the processes of a distributed job on one node, like `torchrun`.
+//!
+//! Each process gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and
+//! `MASTER_PORT`, which `burn_parallel::init_from_env` reads. Every line a process prints is
+//! prefixed with `[rank R] `. When a process fails, the others are stopped and `burnrun` exits
+//! with the failed process's status.
+
+use std::ffi::OsString;
+use std::io::{self, BufRead, BufReader, Read, Write};
+use std::net::TcpListener;
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use signal_hook::consts::{SIGHUP, SIGINT, SIGKILL, SIGTERM};
+use signal_hook::iterator::Signals;
+
+const EXAMPLES: &str = "\
+Examples:
+  # 4 processes on this machine (a free port is picked for the rendezvous):
+  burnrun --nproc-per-node 4 -- ./target/release/train --epochs 3
+
+  # 2 machines with 8 processes each; run on both, with --node-rank 0 and 1:
+  burnrun --nproc-per-node 8 --nnodes 2 --node-rank 0 \\
+          --master-addr 10.0.0.1 --master-port 29500 -- ./train
+
+Environment of each process:
+  RANK              global rank: node_rank * nproc_per_node + LOCAL_RANK
+  WORLD_SIZE        nnodes * nproc_per_node
+  LOCAL_RANK        rank on this node (use it to pick a device)
+  LOCAL_WORLD_SIZE  nproc_per_node
+  MASTER_ADDR       where rank 0 serves the rendezvous
+  MASTER_PORT       its port
+
+Output: every line of a process's stdout (stderr) goes to burnrun's stdout (stderr),
+prefixed with \"[rank R] \". Standard input is closed.
+
+Failures: when a process exits with a non-zero status or is killed by a signal, burnrun
+names it, sends SIGTERM to the other processes (SIGKILL after the grace period), and exits
+with that status (128 + the signal number for a signal). SIGINT, SIGTERM and SIGHUP sent
+to burnrun are forwarded to every process, which then get the same grace period.";
+
+/// Launch the processes of a distributed burn-parallel job on this node.
+#[derive(Parser, Debug)]
+#[command(name = "burnrun", version, after_help = EXAMPLES)]
+struct Args {
+    /// Number of processes to start on this node (typically one per device).
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    nproc_per_node: u32,
+
+    /// Number of nodes (machines) in the job; run burnrun once on each.
+    #[arg(long, value_name = "M", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    nnodes: u32,
+
+    /// Index of this node, in 0..nnodes; node 0 runs rank 0.
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    node_rank: u32,
+
+    /// Address of the node that runs rank 0, reachable from every node.
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1")]
+    master_addr: String,
+
+    /// Port of rank 0's rendezvous [default: a free port when --nnodes is 1, else 29500].
+    #[arg(long, value_name = "PORT", value_parser = clap::value_parser!(u16).range(1..))]
+    master_port: Option<u16>,
+
+    /// Seconds the other processes get to exit after SIGTERM before SIGKILL.
+    #[arg(long, value_name = "SECS", default_value_t = 3.0)]
+    grace_period: f64,
+
+    /// The program to run, and its arguments (put them after `--`).
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "PROGRAM [ARGS]"
+    )]
+    command: Vec<OsString>,
+}
+
+/// A started process of the job.
+struct Rank {
+    rank: u32,
+    child: Child,
+    status: Option<ExitStatus>,
+}
+
+fn main() {
+    let args = Args::parse();
+    std::process::exit(run(args));
+}
+
+fn eprint_line(message: &str) {
+    let _ = writeln!(io::stderr().lock(), "burnrun: {message}");
+}
+
+fn run(args: Args) -> i32 {
+    if args.node_rank >= args.nnodes {
+        eprint_line(&format!(
+            "--node-rank {} is out of range for --nnodes {}; node ranks are 0..{}",
+            args.node_rank, args.nnodes, args.nnodes
+        ));
+        return 2;
+    }
+    if !(args.grace_period.is_finite() && args.grace_period >= 0.0) {
+        eprint_line("--grace-period must be a non-negative number of seconds");
+        return 2;
+    }
+    let Some(world_size) = args.nnodes.checked_mul(args.nproc_per_node) else {
+        eprint_line("--nnodes times --nproc-per-node is too large");
+        return 2;
+    };
+    let master_port = match (args.master_port, args.nnodes) {
+        (Some(port), _) => port,
+        (None, 1) => match free_port(&args.master_addr) {
+            Ok(port) => port,
+            Err(e) => {
+                eprint_line(&format!(
+                    "cannot find a free port on {}: {e}; pass --master-port",
+                    args.master_addr
+                ));
+                return 1;
+            }
+        },
+        (None, _) => 29500,
+    };
+    let grace = Duration::from_secs_f64(args.grace_period);
+
+    // Handle signals before any process exists, so none is missed.
+    let (events, receiver) = mpsc::channel::<i32>();
+    let mut signals = match Signals::new([SIGINT, SIGTERM, SIGHUP]) {
+        Ok(signals) => signals,
+        Err(e) => {
+            eprint_line(&format!("cannot install signal handlers: {e}"));
+            return 1;
+        }
+    };
+    let signal_handle = signals.handle();
+    thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            for signal in signals.forever() {
+                if events.send(signal).is_err() {
+                    break;
+                }
+            }
+        })
+        .expect("spawning the signal thread");
+
+    let (output_done, output_finished) = mpsc::channel::<()>();
+    let mut ranks: Vec<Rank> = Vec::new();
+    let mut outputs = 0;
+    for local in 0..args.nproc_per_node {
+        let rank = args.node_rank * args.nproc_per_node + local;
+        let mut command = Command::new(&args.command[0]);
+        command
+            .args(&args.command[1..])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world_size.to_string())
+            .env("LOCAL_RANK", local.to_string())
+            .env("LOCAL_WORLD_SIZE", args.nproc_per_node.to_string())
+            .env("MASTER_ADDR", &args.master_addr)
+            .env("MASTER_PORT", master_port.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // Its own process group: terminal signals reach burnrun only (which forwards
+            // them), and stopping a rank also stops the processes it started.
+            .process_group(0);
+        die_with_parent(&mut command);
+        let mut child = match command.spawn() {
+            Ok(child) => child,
+            Err(e) => {
+                eprint_line(&format!(
+                    "cannot start {:?} for rank {rank}: {e}",
+                    args.command[0]
+                ));
+                signal_all(&ranks, SIGKILL);
+                for r in &mut ranks {
+                    let _ = r.child.wait();
+                }
+                return match e.kind() {
+                    io::ErrorKind::NotFound => 127,
+                    io::ErrorKind::PermissionDenied => 126,
+                    _ => 1,
+                };
+            }
+        };
+        let prefix = format!("[rank {rank}] ");
+        if let Some(stdout) = child.stdout.take() {
+            outputs += 1;
+            spawn_forwarder(stdout, prefix.clone(), false, output_done.clone());
+        }
+        if let Some(stderr) = child.stderr.take() {
+            outputs += 1;
+            spawn_forwarder(stderr, prefix, true, output_done.clone());
+        }
+        ranks.push(Rank {
+            rank,
+            child,
+            status: None,
+        });
+    }
+    drop(output_done);
+
+    let code = supervise(&mut ranks, &receiver, grace);
+    signal_handle.close();
+
+    // Let the forwarders print the last lines, but do not wait on a pipe that a leftover
+    // grandchild keeps open.
+    let deadline = Instant::now() + Duration::from_secs(1);
+    for _ in 0..outputs {
+        if output_finished
+            .recv_timeout(deadline.saturating_duration_since(Instant::now()))
+            .is_err()
+        {
+            break;
+        }
+    }
+    let _ = io::stdout().flush();
+    code
+}
+
+/// Waits for every rank; stops the others when one fails or a signal arrives. Returns the
+/// exit code of burnrun.
+fn supervise(ranks: &mut [Rank], signals: &mpsc::Receiver<i32>, grace: Duration) -> i32 {
+    let mut first_failure: Option<(u32, ExitStatus)> = None;
+    let mut received: Option<i32> = None;
+    // When the other ranks were asked to stop (SIGTERM), and whether SIGKILL was sent.
+    let mut stopping: Option<(Instant, bool)> = None;
+    loop {
+        for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
+            match r.child.try_wait() {
+                Ok(Some(status)) => {
+                    r.status = Some(status);
+                    if !status.success() && first_failure.is_none() {
+                        first_failure = Some((r.rank, status));
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    eprint_line(&format!("cannot wait for rank {}: {e}", r.rank));
+                    r.status = Some(ExitStatus::from_raw(1 << 8));
+                }
+            }
+        }
+        let alive = ranks.iter().filter(|r| r.status.is_none()).count();
+        if let (Some((rank, status)), None) = (first_failure, stopping) {
+            if received.is_none() {
+                eprint_line(&format!(
+                    "rank {rank} failed first ({}); stopping the {alive} other running rank(s)",
+                    describe(status)
+                ));
+            }
+            signal_all(ranks, SIGTERM);
+            stopping = Some((Instant::now(), false));
+        }
+        if alive == 0 {
+            break;
+        }
+        match signals.recv_timeout(Duration::from_millis(20)) {
+            Ok(signal) => {
+                if received.is_none() {
+                    eprint_line(&format!(
+                        "received {}; forwarding it to the ranks",
+                        signal_name(signal)
+                    ));
+                }
+                received.get_or_insert(signal);
+                match stopping {
+                    // A second signal: no more grace.
+                    Some((_, false)) => {
+                        signal_all(ranks, SIGKILL);
+                        stopping = Some((Instant::now(), true));
+                    }
+                    Some((_, true)) => {}
+                    None => {
+                        signal_all(ranks, signal);
+                        stopping = Some((Instant::now(), false));
+                    }
+                }
+            }
+            Err(mpsc::RecvTimeoutError::Timeout) => {}
+            Err(mpsc::RecvTimeoutError::Disconnected) => thread::sleep(Duration::from_millis(20)),
+        }
+        if let Some((since, false)) = stopping
+            && since.elapsed() >= grace
+        {
+            let left: Vec<u32> = ranks
+                .iter()
+                .filter(|r| r.status.is_none())
+                .map(|r| r.rank)
+                .collect();
+            if !left.is_empty() {
+                eprint_line(&format!(
+                    "rank(s) {left:?} still running after {grace:?}; sending SIGKILL"
+                ));
+            }
+            signal_all(ranks, SIGKILL);
+            stopping = Some((since, true));
+        }
+    }
+    match (first_failure, received) {
+        (Some((rank, status)), _) => {
+            let code = exit_code(status);
+            if received.is_none() {
+                eprint_line(&format!("exiting with status {code} of rank {rank}"));
+            }
+            code
+        }
+        (None, Some(signal)) => 128 + signal,
+        (None, None) => 0,
+    }
+}
+
+/// Sends `signal` to the process group of every rank (including the processes it started).
+/// A group whose leader was reaped keeps its id while members remain, so it cannot name an
+/// unrelated process; an empty group is simply not found.
+fn signal_all(ranks: &[Rank], signal: i32) {
+    for r in ranks {
+        let Ok(pid) = libc::pid_t::try_from(r.child.id()) else {
+            continue;
+        };
+        // SAFETY: kill(2) has no memory-safety preconditions; a negative pid addresses the
+        // process group that `process_group(0)` gave this child.
+        unsafe {
+            libc::kill(-pid, signal);
+        }
+    }
+}
+
+/// Makes the child receive SIGKILL when burnrun dies without cleaning up (Linux).
+#[cfg(target_os = "linux")]
+fn die_with_parent(command: &mut Command) {
+    // SAFETY: getpid(2) has no preconditions.
+    let parent = unsafe { libc::getpid() };
+    // SAFETY: the closure runs between fork and exec and calls only async-signal-safe
+    // functions (prctl, getppid), allocating nothing.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // The parent may have died before prctl took effect.
+            if libc::getppid() != parent {
+                return Err(io::Error::other("burnrun exited while starting the rank"));
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn die_with_parent(_command: &mut Command) {}
+
+/// Copies the lines of `from` to burnrun's stdout or stderr, each prefixed.
+fn spawn_forwarder(
+    from: impl Read + Send + 'static,
+    prefix: String,
+    to_stderr: bool,
+    done: mpsc::Sender<()>,
+) {
+    thread::spawn(move || {
+        let mut reader = BufReader::new(from);
+        let mut line = Vec::with_capacity(256);
+        let mut out = Vec::with_capacity(256);
+        loop {
+            line.clear();
+            match reader.read_until(b'\n', &mut line) {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(_) => break,
+            }
+            if !line.ends_with(b"\n") {
+                line.push(b'\n');
+            }
+            out.clear();
+            out.extend_from_slice(prefix.as_bytes());
+            out.extend_from_slice(&line);
+            // Write errors (a closed pipe) are ignored: keep draining so the rank never blocks.
+            if to_stderr {
+                let _ = io::stderr().lock().write_all(&out);
+            } else {
+                let mut stdout = io::stdout().lock();
+                let _ = stdout.write_all(&out).and_then(|()| stdout.flush());
+            }
+        }
+        let _ = done.send(());
+    });
+}
+
+/// A port that is free now on `addr` (the usual race applies: another process may take it
+/// before rank 0 binds it).
+fn free_port(addr: &str) -> io::Result<u16> {
+    TcpListener::bind((addr, 0))
+        .or_else(|_| TcpListener::bind(("127.0.0.1", 0)))?
+        .local_addr()
+        .map(|a| a.port())
+}
+
+fn exit_code(status: ExitStatus) -> i32 {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => code,
+        (None, Some(signal)) => 128 + signal,
+        (None, None) => 1,
+    }
+}
+
+fn describe(status: ExitStatus) -> String {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => format!("exited with status {code}"),
+        (None, Some(signal)) => format!("killed by {}", signal_name(signal)),
+        (None, None) => format!("{status}"),
+    }
+}
+
+fn signal_name(signal: i32) -> String {
+    let name = match signal {
+        libc::SIGHUP => "SIGHUP",
+        libc::SIGINT => "SIGINT",
+        libc::SIGQUIT => "SIGQUIT",
+        libc::SIGILL => "SIGILL",
+        libc::SIGABRT => "SIGABRT",
+        libc::SIGBUS => "SIGBUS",
+        libc::SIGFPE => "SIGFPE",
+        libc::SIGKILL => "SIGKILL",
+        libc::SIGSEGV => "SIGSEGV",
+        libc::SIGPIPE => "SIGPIPE",
+        libc::SIGTERM => "SIGTERM",
+        other => return format!("signal {other}"),
+    };
+    format!("{name} (signal {signal})")
+}
