@@ -24,7 +24,15 @@ fn zero3_over_tcp_processes_matches_single_device() {
     let output = Command::new(workspace_binary("burn-parallel", "burnrun"))
         .args(["--nproc-per-node", "2", "--"])
         .arg(workspace_binary("examples", "gpt"))
-        .args(["--backend", "tcp", "--zero", "3", "--clip", "0.5", "--config"])
+        .args([
+            "--backend",
+            "tcp",
+            "--zero",
+            "3",
+            "--clip",
+            "0.5",
+            "--config",
+        ])
         .arg(&config_path)
         .arg("--losses-out")
         .arg(&losses_path)

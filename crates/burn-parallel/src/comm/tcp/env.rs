@@ -120,11 +120,7 @@ impl LaunchEnv {
             Launcher::Torchrun
         };
         // The value of the first variable of `names` that is set, with its name.
-        let first = |names: &[&'static str]| {
-            names
-                .iter()
-                .find_map(|&n| get(n).map(|v| (n, v)))
-        };
+        let first = |names: &[&'static str]| names.iter().find_map(|&n| get(n).map(|v| (n, v)));
         let missing = |names: &[&str], what: &str| {
             let also = if names.len() > 1 {
                 format!(" (nor {})", names[1..].join(", "))
