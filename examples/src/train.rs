@@ -161,20 +161,74 @@ pub fn train_gpt(
             reason,
         })?;
     let device = Device::flex().autodiff();
-    let ddp = DistributedDataParallel::new(group.clone())
-        .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
+    let ddp = data_parallel(group, config);
     // Seeded init already gives identical replicas; the broadcast makes that a guarantee.
-    let mut model = ddp.broadcast_module(Gpt::new(&config.model, &device), 0)?;
+    let model = ddp.broadcast_module(Gpt::new(&config.model, &device), 0)?;
+    let loss_of = |m: &Gpt, inputs, targets| Ok(m.loss(inputs, targets));
+    let (model, run) = fit(model, &ddp, config, corpus, &device, &loss_of, on_step)?;
+    let eval_model = model.valid();
+    let val_loss = validation_loss(group, config, corpus, &|inputs, targets| {
+        Ok(eval_model.loss(inputs, targets))
+    })?;
+    let sample = if group.rank() == 0 {
+        generate(&eval_model, &config.prompt, config, &device.inner())
+    } else {
+        String::new()
+    };
+    Ok(run.report(config, val_loss, sample))
+}
+
+/// The data-parallel group's gradient averaging, with the run's bucket size.
+fn data_parallel(group: &ProcessGroup, config: &TrainConfig) -> DistributedDataParallel {
+    DistributedDataParallel::new(group.clone())
+        .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize)
+}
+
+/// What [`fit`] measured.
+struct Run {
+    losses: Vec<f64>,
+    /// Seconds of all steps but the first.
+    timed: f64,
+}
+
+impl Run {
+    fn report(self, config: &TrainConfig, val_loss: f64, sample: String) -> TrainReport {
+        let tokens_per_step = (config.batch_size * config.seq_len) as f64;
+        let timed_steps = (config.steps - 1).max(1) as f64;
+        TrainReport {
+            losses: self.losses,
+            val_loss,
+            sample,
+            step_seconds: self.timed / timed_steps,
+            tokens_per_sec: tokens_per_step * timed_steps / self.timed.max(1e-9),
+        }
+    }
+}
+
+/// The training loop every layout shares: each data-parallel rank (of `ddp`'s group) takes its
+/// rows of the step's global batch, in `grad_accum` micro-steps, computes the loss with
+/// `loss_of`, and steps AdamW on gradients averaged once per step.
+fn fit<M: Module>(
+    mut model: M,
+    ddp: &DistributedDataParallel,
+    config: &TrainConfig,
+    corpus: &Corpus,
+    device: &Device,
+    loss_of: &dyn Fn(&M, Tensor<2, Int>, Tensor<2, Int>) -> burn_parallel::Result<Tensor<1>>,
+    on_step: &mut dyn FnMut(&StepStats),
+) -> burn_parallel::Result<(M, Run)> {
+    let group = ddp.group();
     let mut optim = AdamWConfig::new()
         .with_weight_decay(config.weight_decay as f32)
         .init();
-
     let rows_per_rank = config.batch_size / group.size();
     let micro_rows = rows_per_rank / config.grad_accum;
     let tokens_per_step = (config.batch_size * config.seq_len) as f64;
     let start = Instant::now();
-    let mut losses = Vec::with_capacity(config.steps);
-    let mut timed = 0.0;
+    let mut run = Run {
+        losses: Vec::with_capacity(config.steps),
+        timed: 0.0,
+    };
     for step in 0..config.steps {
         let step_start = Instant::now();
         let mut accumulator = ddp.accumulator();
@@ -187,8 +241,8 @@ pub fn train_gpt(
                 config.seq_len,
                 Split::Train,
             );
-            let (inputs, targets) = batch.to_tensors(&device);
-            let loss = model.loss(inputs, targets);
+            let (inputs, targets) = batch.to_tensors(device);
+            let loss = loss_of(&model, inputs, targets)?;
             local_loss += scalar(&loss) / config.grad_accum as f64;
             accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
         }
@@ -196,10 +250,10 @@ pub fn train_gpt(
         let lr = config.lr_at(step);
         model = optim.step(lr, model, grads);
         let loss = group.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
-        losses.push(loss);
+        run.losses.push(loss);
         let seconds = step_start.elapsed().as_secs_f64();
         if step > 0 {
-            timed += seconds;
+            run.timed += seconds;
         }
         on_step(&StepStats {
             step,
@@ -209,20 +263,7 @@ pub fn train_gpt(
             elapsed: start.elapsed().as_secs_f64(),
         });
     }
-    let val_loss = evaluate(group, &model, config, corpus)?;
-    let sample = if group.rank() == 0 {
-        generate(&model.valid(), &config.prompt, config, &device.inner())
-    } else {
-        String::new()
-    };
-    let timed_steps = (config.steps - 1).max(1) as f64;
-    Ok(TrainReport {
-        losses,
-        val_loss,
-        sample,
-        step_seconds: timed / timed_steps,
-        tokens_per_sec: tokens_per_step * timed_steps / timed.max(1e-9),
-    })
+    Ok((model, run))
 }
 
 fn scalar(t: &Tensor<1>) -> f64 {
@@ -232,14 +273,14 @@ fn scalar(t: &Tensor<1>) -> f64 {
         .expect("a float")[0]
 }
 
-/// Mean validation loss over `eval_batches` global batches, each rank evaluating its rows.
-fn evaluate(
+/// Mean validation loss over `eval_batches` global batches, each data-parallel rank of `group`
+/// evaluating its rows with `loss_of` (on a plain device).
+fn validation_loss(
     group: &ProcessGroup,
-    model: &Gpt,
     config: &TrainConfig,
     corpus: &Corpus,
+    loss_of: &dyn Fn(Tensor<2, Int>, Tensor<2, Int>) -> burn_parallel::Result<Tensor<1>>,
 ) -> burn_parallel::Result<f64> {
-    let model = model.valid();
     let device = Device::flex();
     let rows = config.batch_size / group.size();
     let mut total = 0.0;
@@ -252,7 +293,7 @@ fn evaluate(
             Split::Validation,
         );
         let (inputs, targets) = batch.to_tensors(&device);
-        total += scalar(&model.loss(inputs, targets));
+        total += scalar(&loss_of(inputs, targets)?);
     }
     let local = (total / config.eval_batches.max(1) as f64) as f32;
     Ok(group.all_reduce_f32(vec![local], ReduceOp::Avg)?[0] as f64)
@@ -371,7 +412,6 @@ pub fn train_gpt_parallel(
         .group("dp")
         .map_err(|e| invalid(e.to_string()))?
         .clone();
-    let dp_rank = dp_group.rank();
     let device = Device::flex().autodiff();
     let options = crate::parallelize::TpOptions {
         sequence_parallel: parallel.sp,
@@ -382,78 +422,22 @@ pub fn train_gpt_parallel(
     let model = crate::parallelize::parallelize_gpt(&reference, &mesh, &options, &device)
         .map_err(|e| tp_error(world, e))?;
     drop(reference);
-    let ddp = DistributedDataParallel::new(dp_group.clone())
-        .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
-    let mut model = ddp.broadcast_module(model, 0)?;
-    let mut optim = AdamWConfig::new()
-        .with_weight_decay(config.weight_decay as f32)
-        .init();
-
-    let rows_per_rank = config.batch_size / dp;
-    let micro_rows = rows_per_rank / config.grad_accum;
-    let tokens_per_step = (config.batch_size * config.seq_len) as f64;
-    let start = Instant::now();
-    let mut losses = Vec::with_capacity(config.steps);
-    let mut timed = 0.0;
-    for step in 0..config.steps {
-        let step_start = Instant::now();
-        let mut accumulator = ddp.accumulator();
-        let mut local_loss = 0.0;
-        for micro in 0..config.grad_accum {
-            let first = dp_rank * rows_per_rank + micro * micro_rows;
-            let batch = corpus.batch_rows(
-                step as u64,
-                first..first + micro_rows,
-                config.seq_len,
-                Split::Train,
-            );
-            let (inputs, targets) = batch.to_tensors(&device);
-            let loss = model
-                .loss(inputs, targets)
-                .map_err(|e| tp_error(world, e))?;
-            local_loss += scalar(&loss) / config.grad_accum as f64;
-            accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
-        }
-        let grads = accumulator.finish(&model)?;
-        let lr = config.lr_at(step);
-        model = optim.step(lr, model, grads);
-        // Every rank of a tensor-parallel group holds the same loss.
-        let loss = dp_group.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
-        losses.push(loss);
-        let seconds = step_start.elapsed().as_secs_f64();
-        if step > 0 {
-            timed += seconds;
-        }
-        on_step(&StepStats {
-            step,
-            loss,
-            lr,
-            tokens_per_sec: tokens_per_step / seconds,
-            elapsed: start.elapsed().as_secs_f64(),
-        });
-    }
-    // Evaluation with the sharded model, each data-parallel replica on its rows.
+    let ddp = data_parallel(&dp_group, config);
+    let model = ddp.broadcast_module(model, 0)?;
+    let loss_of = |m: &crate::parallelize::TpGpt, inputs, targets| {
+        m.loss(inputs, targets).map_err(|e| tp_error(world, e))
+    };
+    let (model, run) = fit(model, &ddp, config, corpus, &device, &loss_of, on_step)?;
+    // Evaluation with the sharded model, each data-parallel replica on its rows (every rank of
+    // a tensor-parallel group holds the same loss).
     let eval_model = model.valid();
-    let plain = Device::flex();
-    let mut total = 0.0;
-    for b in 0..config.eval_batches {
-        let first = dp_rank * (config.batch_size / dp);
-        let batch = corpus.batch_rows(
-            b as u64,
-            first..first + config.batch_size / dp,
-            config.seq_len,
-            Split::Validation,
-        );
-        let (inputs, targets) = batch.to_tensors(&plain);
-        total += scalar(
-            &eval_model
-                .loss(inputs, targets)
-                .map_err(|e| tp_error(world, e))?,
-        );
-    }
-    let local = (total / config.eval_batches.max(1) as f64) as f32;
-    let val_loss = dp_group.all_reduce_f32(vec![local], ReduceOp::Avg)?[0] as f64;
+    let val_loss = validation_loss(&dp_group, config, corpus, &|inputs, targets| {
+        eval_model
+            .loss(inputs, targets)
+            .map_err(|e| tp_error(world, e))
+    })?;
     // Sampling needs the whole model: gather it (every rank takes part), rank 0 generates.
+    let plain = Device::flex();
     let sample = if config.sample_len > 0 {
         let full = eval_model.to_full(&plain).map_err(|e| tp_error(world, e))?;
         if world.rank() == 0 {
@@ -464,12 +448,5 @@ pub fn train_gpt_parallel(
     } else {
         String::new()
     };
-    let timed_steps = (config.steps - 1).max(1) as f64;
-    Ok(TrainReport {
-        losses,
-        val_loss,
-        sample,
-        step_seconds: timed / timed_steps,
-        tokens_per_sec: tokens_per_step * timed_steps / timed.max(1e-9),
-    })
+    Ok(run.report(config, val_loss, sample))
 }

@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use examples::gpt::GptConfig;
 use examples::train::TrainConfig;
@@ -71,4 +72,56 @@ pub fn workspace_binary(package: &str, name: &str) -> PathBuf {
         );
     }
     path
+}
+
+/// Runs the `gpt` binary as `processes` processes over TCP through `burnrun`, with `config`
+/// (passed as a TOML file) and extra `flags`; returns the per-step losses rank 0 wrote and the
+/// launcher's output (every line prefixed by its rank).
+///
+/// # Panics
+/// When the run fails, with its whole output.
+pub fn gpt_through_burnrun(
+    processes: usize,
+    config: &TrainConfig,
+    flags: &[&str],
+) -> (Vec<f64>, String) {
+    static RUNS: AtomicUsize = AtomicUsize::new(0);
+    let dir = std::env::temp_dir().join(format!(
+        "burn-parallel-burnrun-{}-{}",
+        std::process::id(),
+        RUNS.fetch_add(1, Ordering::Relaxed)
+    ));
+    std::fs::create_dir_all(&dir).expect("a temporary directory");
+    let config_path = dir.join("run.toml");
+    std::fs::write(
+        &config_path,
+        toml::to_string(config).expect("a TOML config"),
+    )
+    .expect("writing the config");
+    let losses_path = dir.join("losses.json");
+    let output = Command::new(workspace_binary("burn-parallel", "burnrun"))
+        .args(["--nproc-per-node", &processes.to_string(), "--"])
+        .arg(workspace_binary("examples", "gpt"))
+        .args(["--backend", "tcp"])
+        .args(flags)
+        .arg("--config")
+        .arg(&config_path)
+        .arg("--losses-out")
+        .arg(&losses_path)
+        .env("BURN_PARALLEL_TIMEOUT_SECS", "60")
+        .output()
+        .expect("running burnrun");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "burnrun {flags:?} failed: {}\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let losses = serde_json::from_str(
+        &std::fs::read_to_string(&losses_path).expect("rank 0 wrote its losses"),
+    )
+    .expect("a JSON list of losses");
+    std::fs::remove_dir_all(&dir).ok();
+    (losses, stdout)
 }

@@ -4,8 +4,6 @@
 //! <= 1e-5); one GPT run goes through `burnrun` as 2 TCP processes. Also: the plan's shards
 //! gather back to the exact reference weights, and impossible splits are clear errors.
 
-use std::process::Command;
-
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Tensor, TensorData};
@@ -15,7 +13,7 @@ use examples::gpt::{Gpt, MlpKind, NormKind, PositionKind};
 use examples::parallelize::{TpOptions, parallelize_gpt, parallelize_vit};
 use examples::train::{Parallelism, TrainConfig, train_gpt, train_gpt_parallel};
 use examples::vit::{Vit, VitConfig};
-use tests::{assert_same_losses, tiny_gpt_run, workspace_binary};
+use tests::{assert_same_losses, gpt_through_burnrun, tiny_gpt_run};
 
 const STEPS: usize = 20;
 const TOL: f64 = 1e-5;
@@ -322,30 +320,6 @@ fn impossible_splits_are_clear_errors() {
 fn tp_over_tcp_processes_through_burnrun_matches_single_device() {
     let config = config();
     let reference = single(&config);
-    let dir = std::env::temp_dir().join(format!("burn-parallel-tp-tcp-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let config_path = dir.join("run.toml");
-    std::fs::write(&config_path, toml::to_string(&config).unwrap()).unwrap();
-    let losses_path = dir.join("losses.json");
-    let output = Command::new(workspace_binary("burn-parallel", "burnrun"))
-        .args(["--nproc-per-node", "2", "--"])
-        .arg(workspace_binary("examples", "gpt"))
-        .args(["--backend", "tcp", "--tp", "2", "--sp", "--config"])
-        .arg(&config_path)
-        .arg("--losses-out")
-        .arg(&losses_path)
-        .env("BURN_PARALLEL_TIMEOUT_SECS", "60")
-        .output()
-        .expect("running burnrun");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success(),
-        "burnrun failed: {}\n{stdout}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
-    let tcp: Vec<f64> =
-        serde_json::from_str(&std::fs::read_to_string(&losses_path).unwrap()).unwrap();
+    let (tcp, _) = gpt_through_burnrun(2, &config, &["--tp", "2", "--sp"]);
     assert_same_losses(&reference, &tcp, TOL, "tp 2 + sp, 2 tcp processes");
-    std::fs::remove_dir_all(&dir).ok();
 }
