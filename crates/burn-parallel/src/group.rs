@@ -973,9 +973,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`ProcessGroup::all_reduce_data`].
     pub fn all_reduce<const D: usize>(&self, tensor: Tensor<D>, op: ReduceOp) -> Result<Tensor<D>> {
-        let device = tensor.device();
-        let data = self.all_reduce_data(tensor.into_data(), op)?;
-        Ok(tensor_from_data(data, &device))
+        on_host(tensor, |data| self.all_reduce_data(data, op))
     }
 
     /// All-gather of a tensor along `dim` (uneven shards allowed).
@@ -983,9 +981,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`ProcessGroup::all_gather_data`].
     pub fn all_gather<const D: usize>(&self, tensor: Tensor<D>, dim: usize) -> Result<Tensor<D>> {
-        let device = tensor.device();
-        let data = self.all_gather_data(tensor.into_data(), dim)?;
-        Ok(tensor_from_data(data, &device))
+        on_host(tensor, |data| self.all_gather_data(data, dim))
     }
 
     /// Reduce-scatter of a tensor along `dim` (`sizes`: per-rank sizes, even when `None`).
@@ -999,9 +995,9 @@ impl ProcessGroup {
         op: ReduceOp,
         sizes: Option<&[usize]>,
     ) -> Result<Tensor<D>> {
-        let device = tensor.device();
-        let data = self.reduce_scatter_data(tensor.into_data(), dim, op, sizes)?;
-        Ok(tensor_from_data(data, &device))
+        on_host(tensor, |data| {
+            self.reduce_scatter_data(data, dim, op, sizes)
+        })
     }
 
     /// Broadcast of a tensor from group rank `root`.
@@ -1009,9 +1005,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`ProcessGroup::broadcast_data`].
     pub fn broadcast<const D: usize>(&self, tensor: Tensor<D>, root: usize) -> Result<Tensor<D>> {
-        let device = tensor.device();
-        let data = self.broadcast_data(tensor.into_data(), root)?;
-        Ok(tensor_from_data(data, &device))
+        on_host(tensor, |data| self.broadcast_data(data, root))
     }
 
     /// All-to-all of a tensor along `dim` with per-destination sizes.
@@ -1024,9 +1018,7 @@ impl ProcessGroup {
         dim: usize,
         send_sizes: &[usize],
     ) -> Result<Tensor<D>> {
-        let device = tensor.device();
-        let data = self.all_to_all_data(tensor.into_data(), dim, send_sizes)?;
-        Ok(tensor_from_data(data, &device))
+        on_host(tensor, |data| self.all_to_all_data(data, dim, send_sizes))
     }
 
     /// Sends a tensor to group rank `peer` under `tag`.
@@ -1083,6 +1075,16 @@ impl AsRef<[u8]> for Storage {
 /// Moves tensor bytes into a shareable payload, without copying.
 fn into_shared_bytes(data: TensorData) -> Bytes {
     Bytes::from_owner(Storage(data.into_bytes()))
+}
+
+/// Runs a host-data collective on a tensor: stages it to the host, and puts the result back on
+/// the tensor's device.
+fn on_host<const D: usize>(
+    tensor: Tensor<D>,
+    collective: impl FnOnce(TensorData) -> Result<TensorData>,
+) -> Result<Tensor<D>> {
+    let device = tensor.device();
+    Ok(tensor_from_data(collective(tensor.into_data())?, &device))
 }
 
 /// A tensor on `device` holding `data` in its own dtype (Burn's `from_data` would convert it to
