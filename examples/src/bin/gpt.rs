@@ -257,14 +257,7 @@ fn main() -> ExitCode {
         Ok(None) => ExitCode::SUCCESS,
         Ok(Some(report)) => {
             print_report(&report, &corpus);
-            if let Some(path) = &args.losses_out
-                && let Err(e) =
-                    std::fs::write(path, serde_json::to_string(&report.losses).expect("json"))
-            {
-                eprintln!("error: writing {}: {e}", path.display());
-                return ExitCode::FAILURE;
-            }
-            ExitCode::SUCCESS
+            write_losses(args.losses_out.as_deref(), &report.losses)
         }
         Err(e) => {
             eprintln!("error: {e}");
@@ -405,14 +398,7 @@ fn run_zero(args: &Args, config: &TrainConfig, corpus: &Corpus, stage: usize) ->
                 report.step_seconds,
                 report.num_params
             );
-            if let Some(path) = &args.losses_out
-                && let Err(e) =
-                    std::fs::write(path, serde_json::to_string(&report.losses).expect("json"))
-            {
-                eprintln!("error: writing {}: {e}", path.display());
-                return ExitCode::FAILURE;
-            }
-            ExitCode::SUCCESS
+            write_losses(args.losses_out.as_deref(), &report.losses)
         }
         Err(e) => {
             eprintln!("error: {e}");
@@ -427,4 +413,15 @@ fn invalid(world: &ProcessGroup, reason: String) -> CollectiveError {
         op: "gpt --zero".into(),
         reason,
     }
+}
+
+/// `--losses-out`: writes the per-step losses as a JSON list.
+fn write_losses(path: Option<&std::path::Path>, losses: &[f64]) -> ExitCode {
+    if let Some(path) = path
+        && let Err(e) = std::fs::write(path, serde_json::to_string(losses).expect("json"))
+    {
+        eprintln!("error: writing {}: {e}", path.display());
+        return ExitCode::FAILURE;
+    }
+    ExitCode::SUCCESS
 }
