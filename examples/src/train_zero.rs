@@ -6,12 +6,20 @@
 //! gradient reduction and optimizer step done by `burn-zero`, plus sharded checkpoints;
 //! [`train_gpt_reference`] is single-device training with global-norm clipping, the oracle of
 //! the clipping tests.
+//!
+//! Mixed precision ([`ZeroConfig::precision`]) works at every stage: the model computes in bf16
+//! or f16, the loss is taken in fp32 (the logits are cast up before the cross-entropy, as
+//! autocast does), master weights and AdamW state stay fp32 in `burn-zero`. With a
+//! [`burn_zero::LossScaler`] in the config (f16), the loss is multiplied by the wrapper's
+//! current scale before `backward` and overflowing steps are skipped by the wrapper (counted in
+//! [`ZeroReport::skipped_steps`]). Stage-3 prefetch ([`ZeroConfig::prefetch`]) gathers the next
+//! unit on a background thread while the current one computes ([`FsdpGpt::loss`]).
 
 use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::optim::{AdamWConfig, GradientsParams};
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::{DType, Device, Int, Tensor};
 use burn_parallel::{DistributedDataParallel, ProcessGroup, ReduceOp};
 use burn_zero::checkpoint::{self, CheckpointReader, UnitShard};
 use burn_zero::{
@@ -28,6 +36,7 @@ pub struct FsdpGpt {
     embed: FsdpUnit<Gpt>,
     blocks: Vec<FsdpUnit<Block>>,
     head: FsdpUnit<Gpt>,
+    prefetch: bool,
 }
 
 impl FsdpGpt {
@@ -67,10 +76,26 @@ impl FsdpGpt {
             embed,
             blocks,
             head,
+            prefetch: ctx.prefetch(),
         })
     }
 
-    /// Mean cross-entropy, gathering each unit just before its forward and releasing it after.
+    /// Starts the background gather of the unit after block `i` (`None`: after the
+    /// embeddings), when prefetch is on.
+    fn prefetch_after(&self, i: Option<usize>) -> Result<(), ZeroError> {
+        if !self.prefetch {
+            return Ok(());
+        }
+        let next = i.map_or(0, |i| i + 1);
+        match self.blocks.get(next) {
+            Some(block) => block.prefetch(),
+            None => self.head.prefetch(),
+        }
+    }
+
+    /// Mean cross-entropy (fp32, whatever the compute dtype), gathering each unit just before
+    /// its forward and releasing it after; with prefetch, unit `i + 1`'s gather runs in the
+    /// background while unit `i` computes.
     ///
     /// # Errors
     /// When a gather fails.
@@ -82,15 +107,17 @@ impl FsdpGpt {
         let [_, s] = tokens.dims();
         let (mut x, rope) = {
             let embed = self.embed.gather()?;
+            self.prefetch_after(None)?;
             let rope = embed.rope(s, 0, &tokens.device());
             (embed.embed(tokens, 0), rope)
         };
-        for unit in &self.blocks {
+        for (i, unit) in self.blocks.iter().enumerate() {
             let block = unit.gather()?;
+            self.prefetch_after(Some(i))?;
             x = block.forward(x, rope.as_ref());
         }
         let head = self.head.gather()?;
-        Ok(sequence_cross_entropy(head.head(x), targets))
+        Ok(f32_loss(head.head(x), targets))
     }
 
     /// The shards, in unit order (embed, blocks, head).
@@ -139,8 +166,31 @@ pub struct ZeroReport {
     pub num_params: usize,
     /// Mean seconds per step, the first step excluded.
     pub step_seconds: f64,
+    /// Steps skipped because the gradients overflowed under loss scaling.
+    pub skipped_steps: usize,
+    /// The loss scale after the last step (1 without loss scaling).
+    pub loss_scale: f64,
 }
 
+/// Mean cross-entropy in fp32: low-precision logits are cast up first (as autocast does), so
+/// the loss and its scaled value do not overflow f16.
+fn f32_loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+    let logits = if logits.dtype() == DType::F32 {
+        logits
+    } else {
+        logits.cast(DType::F32)
+    };
+    sequence_cross_entropy(logits, targets)
+}
+
+/// `loss * scale` for the backward (the loss itself when `scale` is 1).
+fn scaled(loss: Tensor<1>, scale: f64) -> Tensor<1> {
+    if scale == 1.0 { loss } else { loss * scale }
+}
+
+/// The engine of a run (one per stage family; a run holds exactly one, so the size difference
+/// between the variants does not matter).
+#[allow(clippy::large_enum_variant)]
 enum Engine {
     Zero12 {
         model: Gpt,
@@ -184,6 +234,7 @@ pub fn train_gpt_zero(
     } else {
         let model = Gpt::new(&config.model, &device);
         let zero = ZeroOptimizer::new(&model, groups.clone(), zero.clone(), adamw)?;
+        let model = zero.prepare_module(model)?;
         Engine::Zero12 { model, zero }
     };
     let start = match &options.resume {
@@ -195,6 +246,7 @@ pub fn train_gpt_zero(
     let micro_rows = rows_per_rank / config.grad_accum;
     let mut losses = Vec::new();
     let mut grad_norms = Vec::new();
+    let mut skipped_steps = 0;
     let mut timed = 0.0;
     for step in start..config.steps {
         let t0 = Instant::now();
@@ -210,15 +262,16 @@ pub fn train_gpt_zero(
             let (inputs, targets) = batch.to_tensors(&device);
             match &mut engine {
                 Engine::Zero12 { model, zero } => {
-                    let loss = model.loss(inputs, targets);
+                    let loss = f32_loss(model.forward(inputs), targets);
                     local_loss += scalar(&loss) / config.grad_accum as f64;
-                    let grads = GradientsParams::from_grads(loss.backward(), model);
+                    let grads = scaled(loss, zero.loss_scale()).backward();
+                    let grads = GradientsParams::from_grads(grads, model);
                     zero.accumulate(model, grads)?;
                 }
                 Engine::Zero3 { model, fsdp } => {
                     let loss = model.loss(inputs, targets)?;
                     local_loss += scalar(&loss) / config.grad_accum as f64;
-                    let grads = loss.backward();
+                    let grads = scaled(loss, fsdp.loss_scale()).backward();
                     fsdp.accumulate(model.shards_mut(), &grads)?;
                 }
             }
@@ -241,6 +294,7 @@ pub fn train_gpt_zero(
             }
         };
         grad_norms.extend(info.grad_norm);
+        skipped_steps += usize::from(info.skipped);
         losses.push(f64::from(groups.mean(local_loss as f32)?));
         if step > start {
             timed += t0.elapsed().as_secs_f64();
@@ -251,9 +305,9 @@ pub fn train_gpt_zero(
             save(&engine, dir, groups, step + 1)?;
         }
     }
-    let memory = match &engine {
-        Engine::Zero12 { zero, .. } => zero.memory(),
-        Engine::Zero3 { fsdp, .. } => fsdp.memory(),
+    let (memory, loss_scale) = match &engine {
+        Engine::Zero12 { zero, .. } => (zero.memory(), zero.loss_scale()),
+        Engine::Zero3 { fsdp, .. } => (fsdp.memory(), fsdp.loss_scale()),
     };
     Ok(ZeroReport {
         losses,
@@ -261,6 +315,8 @@ pub fn train_gpt_zero(
         memory,
         num_params,
         step_seconds: timed / (config.steps.saturating_sub(start + 1)).max(1) as f64,
+        skipped_steps,
+        loss_scale,
     })
 }
 
@@ -283,7 +339,7 @@ fn save(
     match engine {
         Engine::Zero12 { model, zero } => {
             let range = zero.range();
-            let params = zero.layout().flatten(model)?[range.clone()].to_vec();
+            let params = zero.param_shard(model)?;
             let (state, scalars) = zero.optimizer().export(0);
             let unit = UnitShard {
                 name: "model",
@@ -331,9 +387,7 @@ fn load(
             let numel = zero.layout().numel();
             let full = reader.read("model", "param", 0..numel)?;
             let taken = std::mem::replace(model, Gpt::new(&tiny_placeholder(), &inner));
-            *model =
-                zero.layout()
-                    .unflatten(taken, burn_zero::flat::tensor_1d(full, device), true)?;
+            *model = zero.set_params(taken, full)?;
             let range = zero.range();
             let state = reader.state("model", range.clone())?;
             let scalars = reader.scalars("model")?;

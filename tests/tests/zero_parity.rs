@@ -1,10 +1,14 @@
 //! ZeRO stages 1, 2, 3 and hybrid sharding reproduce single-device training of the GPT (20
 //! steps, fp32, relative loss difference <= 1e-5), with and without gradient accumulation, with
 //! global-norm clipping on; the memory each rank holds matches the ZeRO formulas within 5%;
-//! sharded checkpoints saved at N=4 resume at N=2 and N=1; a truncated shard is refused.
+//! sharded checkpoints saved at N=4 resume at N=2 and N=1; a truncated shard is refused;
+//! bf16 (and f16 with dynamic loss scaling) tracks the fp32 run at every stage; stage-3
+//! prefetch leaves the losses unchanged. The step-time and memory-cap benchmarks are in
+//! `examples/examples/zero_bench.rs`.
 
+use burn::tensor::DType;
 use burn_parallel::{DeviceMesh, run_local};
-use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroError};
+use burn_zero::{LossScaler, MixedPrecision, ShardGroups, Stage, ZeroConfig, ZeroError};
 use examples::data::Corpus;
 use examples::train::TrainConfig;
 use examples::train_zero::{ZeroReport, ZeroRunOptions, train_gpt_reference, train_gpt_zero};
@@ -269,70 +273,175 @@ fn checkpoint_saved_on_4_ranks_resumes_on_2_and_1() {
     std::fs::remove_dir_all(&base).ok();
 }
 
-#[test]
-fn bf16_policy_trains_or_says_why_not() {
-    let config = tiny_gpt_run(3);
-    let mut zero = ZeroConfig::new(Stage::Three);
-    zero.precision = burn_zero::MixedPrecision::bf16();
-    let corpus = corpus();
-    let result = run_local(2, |g| {
-        Ok(train_gpt_zero(
-            &ShardGroups::flat(g),
-            &config,
-            &zero,
-            &corpus,
-            &ZeroRunOptions::default(),
-        )
-        .map(|r| r.losses)
-        .map_err(|e| e.to_string()))
-    })
-    .unwrap();
-    match &result[0] {
-        Ok(losses) => assert!(losses.iter().all(|l| l.is_finite()), "{losses:?}"),
-        Err(e) => assert!(e.contains("not supported"), "{e}"),
-    }
-    println!("bf16 stage 3: {:?}", result[0]);
+/// The largest relative loss difference over the steps.
+fn max_rel_diff(reference: &[f64], other: &[f64]) -> f64 {
+    assert_eq!(reference.len(), other.len());
+    reference
+        .iter()
+        .zip(other)
+        .map(|(a, b)| (a - b).abs() / a.abs())
+        .fold(0.0, f64::max)
 }
 
-/// Benchmark (not a check): step time of ZeRO stages 1/2/3 vs DDP at N=2 on one model and batch,
-/// ratios from one run. `cargo test -p tests --test zero_parity --release -- --ignored --nocapture`
+/// bf16 compute, fp32 master weights and optimizer state: the loss curve of every stage tracks
+/// the fp32 run within 5e-3 relative difference at every one of 20 steps (measured: 6.9e-4
+/// with bf16 reduction, 7.3e-4 with fp32 reduction, on this model; the bf16 mantissa has 8
+/// bits, so 1e-5 is out of reach by construction).
+/// Master weights staying fp32 is checked in `burn-zero/tests/mixed_precision.rs`.
 #[test]
-#[ignore]
-fn benchmark_zero_stages_vs_ddp() {
-    use examples::gpt::GptConfig;
-    let mut config = tiny_gpt_run(8);
-    config.model = GptConfig::new(256, 4, 4, 128, 64);
-    config.batch_size = 16;
-    config.seq_len = 64;
-    config.bucket_mb = 25.0;
-    let corpus = corpus();
-    let ddp = run_local(2, |g| {
-        examples::train::train_gpt(&g, &config, &corpus, &mut |_| {})
-    })
-    .unwrap()[0]
-        .step_seconds;
-    let mut rows = vec![serde_json::json!({ "layout": "ddp", "step_seconds": ddp, "ratio": 1.0 })];
-    println!(
-        "N=2, {} params: DDP {ddp:.4} s/step",
-        config.model.num_params()
-    );
-    for stage in [Stage::One, Stage::Two, Stage::Three] {
-        let r = &zero_run(
-            2,
-            false,
-            &config,
-            &ZeroConfig::new(stage),
-            &ZeroRunOptions::default(),
-        )[0];
+fn bf16_tracks_fp32_at_every_stage() {
+    const BF16_TOL: f64 = 5e-3;
+    let config = tiny_gpt_run(STEPS);
+    let fp32 = reference(&config, None);
+    let mut layouts = vec![
+        (Stage::One, MixedPrecision::bf16()),
+        (Stage::Two, MixedPrecision::bf16()),
+        (Stage::Three, MixedPrecision::bf16()),
+    ];
+    // Reduction in fp32 (bf16 compute) at stages 2 and 3.
+    layouts.push((
+        Stage::Two,
+        MixedPrecision::bf16().with_reduce_dtype(DType::F32),
+    ));
+    layouts.push((
+        Stage::Three,
+        MixedPrecision::bf16().with_reduce_dtype(DType::F32),
+    ));
+    for (stage, precision) in layouts {
+        let zero = ZeroConfig::new(stage).with_precision(precision);
+        let bf16 = losses(2, false, &config, &zero);
+        let diff = max_rel_diff(&fp32, &bf16);
         println!(
-            "stage {}: {:.4} s/step ({:.2}x DDP); {}",
+            "bf16 stage {} reduce {:?}: max relative loss difference {diff:.2e}",
             stage.number(),
-            r.step_seconds,
-            r.step_seconds / ddp,
-            r.memory.summary()
+            precision.reduce_dtype
         );
-        rows.push(serde_json::json!({ "layout": format!("zero{}", stage.number()), "step_seconds": r.step_seconds, "ratio": r.step_seconds / ddp, "memory": r.memory }));
+        assert_ne!(bf16, fp32, "bf16 must actually compute in bf16");
+        assert_same_losses(
+            &fp32,
+            &bf16,
+            BF16_TOL,
+            &format!("bf16 stage {}", stage.number()),
+        );
     }
-    let out = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/zero_bench.json");
-    std::fs::write(&out, serde_json::to_string_pretty(&rows).unwrap()).ok();
+}
+
+/// f16 with dynamic loss scaling trains at stages 2 and 3 (Flex supports f16 tensors; on a
+/// backend that does not, `MixedPrecision::validate` gives `ZeroError::UnsupportedDType`, see
+/// `burn-zero/tests/mixed_precision.rs`). From a scale that fits (1024, doubling every 10
+/// steps) no step is skipped and the loss tracks fp32 within 5e-4 at every step (measured:
+/// 2.3e-5); a start at
+/// 2^40 overflows f16: the first steps are skipped and the scale backs off, then training
+/// proceeds.
+#[test]
+fn f16_with_dynamic_loss_scaling_trains() {
+    const F16_TOL: f64 = 5e-4;
+    let config = tiny_gpt_run(STEPS);
+    let fp32 = reference(&config, None);
+    for stage in [Stage::Two, Stage::Three] {
+        let scaler = LossScaler::new(1024.0).with_growth_interval(10);
+        let zero = ZeroConfig::new(stage)
+            .with_precision(MixedPrecision::f16())
+            .with_loss_scaler(Some(scaler));
+        let reports = zero_run(2, false, &config, &zero, &ZeroRunOptions::default());
+        let r = &reports[0];
+        println!(
+            "f16 stage {}: max relative loss difference {:.2e}, {} skipped, final scale {}",
+            stage.number(),
+            max_rel_diff(&fp32, &r.losses),
+            r.skipped_steps,
+            r.loss_scale
+        );
+        assert_eq!(r.skipped_steps, 0, "1024 to 4096 fits f16 here");
+        assert_eq!(r.loss_scale, 4096.0);
+        assert_same_losses(
+            &fp32,
+            &r.losses,
+            F16_TOL,
+            &format!("f16 stage {}", stage.number()),
+        );
+
+        let huge = LossScaler::new(2f64.powi(40)).with_factors(2.0, 2f64.powi(-8));
+        let zero = zero.with_loss_scaler(Some(huge));
+        let reports = zero_run(2, false, &config, &zero, &ZeroRunOptions::default());
+        let r = &reports[0];
+        println!(
+            "f16 stage {} from 2^40: {} skipped, final scale {}, losses {:?}",
+            stage.number(),
+            r.skipped_steps,
+            r.loss_scale,
+            r.losses
+        );
+        assert!(r.skipped_steps >= 1, "2^40 must overflow f16");
+        assert!(r.skipped_steps < STEPS / 2, "the scale must back off");
+        assert!(r.loss_scale < 2f64.powi(40));
+        assert!(r.losses.iter().all(|l| l.is_finite()));
+        assert!(
+            r.losses[STEPS - 1] < r.losses[0] - 0.3,
+            "the model must learn after the skips: {:?}",
+            r.losses
+        );
+        assert_eq!(reports[1].skipped_steps, r.skipped_steps, "ranks agree");
+    }
+}
+
+/// Loss scaling by powers of two is exact in fp32: same losses as without it, at 1e-5
+/// (growth every 4 steps, so the scale changes during the run).
+#[test]
+fn fp32_loss_scaling_is_exact() {
+    let config = tiny_gpt_run(STEPS);
+    let plain = reference(&config, Some(CLIP));
+    for stage in [Stage::One, Stage::Three] {
+        let zero = ZeroConfig::new(stage)
+            .with_max_grad_norm(Some(CLIP))
+            .with_loss_scaler(Some(LossScaler::new(1024.0).with_growth_interval(4)));
+        let r = &zero_run(2, false, &config, &zero, &ZeroRunOptions::default())[0];
+        assert_eq!(r.skipped_steps, 0);
+        assert_eq!(r.loss_scale, 1024.0 * 32.0, "five growths in 20 steps");
+        assert_same_losses(&plain, &r.losses, TOL, "fp32 with loss scaling");
+    }
+}
+
+/// Stage-3 prefetch (the next unit gathered on a background thread while the current one
+/// computes) gives exactly the losses of the synchronous gathers, with 2 and 4 ranks, with
+/// gradient accumulation and in bf16; it holds at most two units gathered at once.
+#[test]
+fn fsdp_prefetch_gives_identical_losses() {
+    let config = tiny_gpt_run(10);
+    let accum = TrainConfig {
+        grad_accum: 2,
+        ..config.clone()
+    };
+    let cases = [
+        (2, &config, MixedPrecision::full()),
+        (4, &config, MixedPrecision::full()),
+        (2, &accum, MixedPrecision::full()),
+        (2, &config, MixedPrecision::bf16()),
+    ];
+    for (ranks, cfg, precision) in cases {
+        let zero = ZeroConfig::new(Stage::Three)
+            .with_precision(precision)
+            .with_max_grad_norm(Some(CLIP));
+        let off = zero_run(ranks, false, cfg, &zero, &ZeroRunOptions::default());
+        let on = zero_run(
+            ranks,
+            false,
+            cfg,
+            &zero.clone().with_prefetch(true),
+            &ZeroRunOptions::default(),
+        );
+        let what = format!(
+            "{ranks} ranks, accum {}, {:?}",
+            cfg.grad_accum, precision.param_dtype
+        );
+        assert_eq!(
+            on[0].losses, off[0].losses,
+            "prefetch changed the run: {what}"
+        );
+        let (single, double) = (off[0].memory.peak.gathered, on[0].memory.peak.gathered);
+        assert!(
+            double > single && double <= 2 * single,
+            "{what}: gathered peak {double} with prefetch vs {single} without"
+        );
+    }
 }

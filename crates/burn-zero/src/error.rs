@@ -37,6 +37,14 @@ pub enum ZeroError {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// A background prefetch (stage 3) did not complete.
+    #[error("prefetch of unit {unit} failed: {reason}")]
+    Prefetch {
+        /// The unit whose gather was prefetched.
+        unit: String,
+        /// What happened to the background gather.
+        reason: String,
+    },
     /// The requested dtype cannot be used on this device.
     #[error("dtype {dtype:?} is not supported on device {device}: {hint}")]
     UnsupportedDType {

@@ -12,9 +12,19 @@
 //! Resharding: the guard [`Gathered`] releases the wrapper's reference when dropped (reshard
 //! after forward, the default), or the unit keeps it until [`FsdpUnit::reshard`] (reshard after
 //! backward). Burn's autodiff keeps the slices its backward needs (as it keeps activations), so
-//! no second gather is needed for the backward. Prefetch: a gather is an ordinary function call,
-//! so a plan can issue unit `i + 1`'s gather before running unit `i` (see the GPT plan in
-//! `examples::train_zero`).
+//! no second gather is needed for the backward.
+//!
+//! Prefetch ([`ZeroConfig::prefetch`], [`FsdpUnit::prefetch`]): the forward all-gather of a unit
+//! is split in two halves. [`FsdpUnit::prefetch`] starts the host all-gather of the shard on a
+//! background thread and returns at once; the plan then runs the current unit's forward while
+//! the bytes travel; the next [`FsdpUnit::gather`] joins the thread and attaches the gathered
+//! tensor to the shard's autodiff graph with [`burn_parallel::autograd::attach`], whose
+//! backward reduce-scatters the gradient exactly as the synchronous path does (so losses are
+//! identical with prefetch on or off). A plan prefetches unit `i + 1` right after gathering unit
+//! `i` (see `examples::train_zero::FsdpGpt::loss`). Rules: every prefetch must be consumed by a
+//! gather of the same unit before the rank issues any other collective on the shard group (only
+//! one collective is ever in flight, in the same order on every rank), and a prefetched unit
+//! counts as gathered memory from the moment it is issued (peak: two units instead of one).
 //!
 //! Gradient accumulation ([`FsdpContext`] with `accumulate_unsharded`): on every micro-step the
 //! unit is gathered without a backward collective into a fresh leaf, whose full local gradient is
@@ -23,20 +33,21 @@
 
 use std::ops::{Deref, Range};
 use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 
 use burn::module::Module;
 use burn::optim::{LearningRate, Optimizer};
 use burn::tensor::Gradients;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_parallel::ReduceOp;
-use burn_parallel::autograd::gather_from_sequence;
+use burn_parallel::autograd::{BackwardFn, attach};
 
 use crate::error::{Result, ZeroError};
 use crate::flat::{FlatLayout, host_f32, shard_range, shard_sizes, strip_params, tensor_1d};
 use crate::memory::{Category, MemoryReport, MemoryTracker};
 use crate::optim::ShardedOptimizer;
-use crate::precision::MixedPrecision;
-use crate::zero::{ShardGroups, StepInfo, ZeroConfig};
+use crate::precision::{LossScaler, MixedPrecision};
+use crate::zero::{ShardGroups, StepInfo, ZeroConfig, check_overflow};
 
 /// What every unit of one model shares: groups, device, policy and the memory tracker.
 #[derive(Debug, Clone)]
@@ -45,6 +56,7 @@ pub struct FsdpContext {
     device: Device,
     precision: MixedPrecision,
     reshard_after_forward: bool,
+    prefetch: bool,
     accumulate_unsharded: bool,
     tracker: MemoryTracker,
 }
@@ -54,7 +66,7 @@ impl FsdpContext {
     /// communication-free micro-steps (see the module doc).
     ///
     /// # Errors
-    /// [`ZeroError::Config`] when `device` is not an autodiff device;
+    /// [`ZeroError::Config`] when `device` is not an autodiff device or the config is invalid;
     /// [`ZeroError::UnsupportedDType`] when the precision policy does not fit the device.
     pub fn new(
         groups: ShardGroups,
@@ -67,12 +79,13 @@ impl FsdpContext {
                 "FSDP units train: pass an autodiff device (device.autodiff())".into(),
             ));
         }
-        config.precision.validate(device)?;
+        config.validate(device)?;
         Ok(Arc::new(Self {
             groups,
             device: device.clone(),
             precision: config.precision,
             reshard_after_forward: config.reshard_after_forward,
+            prefetch: config.prefetch,
             accumulate_unsharded: grad_accum > 1,
             tracker: MemoryTracker::default(),
         }))
@@ -91,6 +104,16 @@ impl FsdpContext {
     /// The compute device.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// Whether plans should prefetch the next unit ([`ZeroConfig::prefetch`]).
+    pub fn prefetch(&self) -> bool {
+        self.prefetch
+    }
+
+    /// The mixed-precision policy.
+    pub fn precision(&self) -> MixedPrecision {
+        self.precision
     }
 }
 
@@ -120,6 +143,11 @@ impl FlatShard {
     /// This rank's range of the unit's flat space.
     pub fn range(&self) -> Range<usize> {
         self.range.clone()
+    }
+
+    /// The dtype of the master shard (always `F32`, whatever the compute dtype).
+    pub fn dtype(&self) -> DType {
+        self.param.dtype()
     }
 
     /// The fp32 master shard (host copy).
@@ -154,6 +182,18 @@ pub struct FsdpUnit<M: Module> {
     shard: FlatShard,
     ctx: Arc<FsdpContext>,
     cached: Mutex<Option<M>>,
+    inflight: Mutex<Option<JoinHandle<Result<TensorData>>>>,
+}
+
+/// How a unit's shard travels in the all-gather.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum GatherMode {
+    /// Gradient accumulation: gather fp32 values into a fresh leaf (no backward collective).
+    Unsharded,
+    /// Cast the fp32 shard to the compute dtype, gather and reduce-scatter in it.
+    Low,
+    /// Gather and reduce-scatter in fp32; cast to the compute dtype after the gather.
+    Full,
 }
 
 impl<M: Module> FsdpUnit<M> {
@@ -194,6 +234,7 @@ impl<M: Module> FsdpUnit<M> {
             },
             ctx: ctx.clone(),
             cached: Mutex::new(None),
+            inflight: Mutex::new(None),
         })
     }
 
@@ -207,11 +248,99 @@ impl<M: Module> FsdpUnit<M> {
         &mut self.shard
     }
 
-    /// All-gathers the unit: returns the sub-module with its full parameters, in the policy's
-    /// compute dtype, differentiable back to the shard.
+    fn mode(&self) -> GatherMode {
+        let p = self.ctx.precision;
+        if self.ctx.accumulate_unsharded {
+            GatherMode::Unsharded
+        } else if p.param_dtype != DType::F32 && p.reduce_dtype == p.param_dtype {
+            GatherMode::Low
+        } else {
+            GatherMode::Full
+        }
+    }
+
+    /// The tensor whose values travel in the all-gather, attached to the shard's graph unless
+    /// `detached` (for a prefetch, which only reads its values).
+    fn gather_input(&self, detached: bool) -> Tensor<1> {
+        let param = if detached {
+            self.shard.param.clone().detach()
+        } else {
+            self.shard.param.clone()
+        };
+        match self.mode() {
+            GatherMode::Low => param.cast(self.ctx.precision.param_dtype),
+            GatherMode::Unsharded | GatherMode::Full => param,
+        }
+    }
+
+    fn gathered_bytes(&self) -> usize {
+        self.shard.layout.numel() * self.ctx.precision.param_dtype.size()
+    }
+
+    fn is_cached(&self) -> bool {
+        self.cached
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+    }
+
+    /// Starts this unit's all-gather on a background thread and returns at once; the next
+    /// [`FsdpUnit::gather`] waits for it. A no-op when the unit is kept gathered or a prefetch
+    /// is already in flight. The gathered bytes are counted from now on.
+    ///
+    /// The caller must call [`FsdpUnit::gather`] on this unit before issuing any other
+    /// collective on the shard group (see the [module documentation](self)).
     ///
     /// # Errors
-    /// When the all-gather fails.
+    /// [`ZeroError::Prefetch`] when the thread cannot be started.
+    pub fn prefetch(&self) -> Result<()> {
+        let mut inflight = self.inflight.lock().unwrap_or_else(|e| e.into_inner());
+        if inflight.is_some() || self.is_cached() {
+            return Ok(());
+        }
+        // Reading the shard is a local copy; the communication is what runs in the background.
+        let data = self.gather_input(true).into_data();
+        let group = self.ctx.groups.shard().clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("fsdp-prefetch-{}", self.shard.name))
+            .spawn(move || group.all_gather_data(data, 0).map_err(ZeroError::from))
+            .map_err(|e| ZeroError::Prefetch {
+                unit: self.shard.name.clone(),
+                reason: format!("cannot start the prefetch thread: {e}"),
+            })?;
+        self.ctx
+            .tracker
+            .add(Category::Gathered, self.gathered_bytes());
+        *inflight = Some(handle);
+        Ok(())
+    }
+
+    /// Waits for an in-flight prefetch; `None` when there is none.
+    fn join_prefetch(&self) -> Option<Result<TensorData>> {
+        let handle = self
+            .inflight
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()?;
+        Some(handle.join().unwrap_or_else(|panic| {
+            let reason = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "the prefetch thread panicked".into());
+            Err(ZeroError::Prefetch {
+                unit: self.shard.name.clone(),
+                reason,
+            })
+        }))
+    }
+
+    /// All-gathers the unit (or takes the result of its [`FsdpUnit::prefetch`]): returns the
+    /// sub-module with its full parameters, in the policy's compute dtype, differentiable back
+    /// to the shard (the backward reduce-scatters the gradient onto it).
+    ///
+    /// # Errors
+    /// When the all-gather (or the prefetch) fails.
     pub fn gather(&self) -> Result<Gathered<M>> {
         if let Some(m) = self
             .cached
@@ -224,39 +353,58 @@ impl<M: Module> FsdpUnit<M> {
                 release: None,
             });
         }
-        let precision = self.ctx.precision;
-        let group = self.ctx.groups.shard();
-        let low = precision.param_dtype;
-        let full = if self.ctx.accumulate_unsharded {
-            // No backward collective: a fresh leaf whose local gradient is kept unsharded.
-            let data = group.all_gather_data(self.shard.param.clone().into_data(), 0)?;
-            let leaf = Tensor::<1>::from_data(data, (&self.ctx.device, DType::F32)).require_grad();
-            self.shard
-                .pending
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push(leaf.clone());
-            if low == DType::F32 {
-                leaf
-            } else {
-                leaf.cast(low)
-            }
-        } else if low != DType::F32 && precision.reduce_dtype == low {
-            gather_from_sequence(self.shard.param.clone().cast(low), group, 0)?
-        } else {
-            let full = gather_from_sequence(self.shard.param.clone(), group, 0)?;
-            if low == DType::F32 {
-                full
-            } else {
-                full.cast(low)
+        let bytes = self.gathered_bytes();
+        let input = self.gather_input(false);
+        let data = match self.join_prefetch() {
+            Some(result) => result.inspect_err(|_| {
+                self.ctx.tracker.sub(Category::Gathered, bytes);
+            })?,
+            None => {
+                let data = self
+                    .ctx
+                    .groups
+                    .shard()
+                    .all_gather_data(input.clone().into_data(), 0)?;
+                self.ctx.tracker.add(Category::Gathered, bytes);
+                data
             }
         };
-        let bytes = self.shard.layout.numel() * low.size();
+        let low = self.ctx.precision.param_dtype;
+        let wire = input.dtype();
+        let numel = self.shard.layout.numel();
+        let full = match self.mode() {
+            GatherMode::Unsharded => {
+                // No backward collective: a fresh leaf whose local gradient is kept unsharded.
+                let leaf = Tensor::<1>::from_data(data, (&self.ctx.device, wire)).require_grad();
+                self.shard
+                    .pending
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(leaf.clone());
+                leaf
+            }
+            GatherMode::Low | GatherMode::Full => {
+                let y = Tensor::<1>::from_data(data, (&self.ctx.device, wire));
+                let group = self.ctx.groups.shard().clone();
+                let sizes = shard_sizes(numel, group.size());
+                attach(
+                    input,
+                    y,
+                    BackwardFn::new("fsdp_gather", move |grad| {
+                        group.reduce_scatter_data(grad, 0, ReduceOp::Sum, Some(&sizes))
+                    }),
+                )
+            }
+        };
+        let full = if full.dtype() == low {
+            full
+        } else {
+            full.cast(low)
+        };
         let module = self
             .shard
             .layout
             .unflatten(self.template.clone(), full, false)?;
-        self.ctx.tracker.add(Category::Gathered, bytes);
         if self.ctx.reshard_after_forward {
             Ok(Gathered {
                 module,
@@ -286,6 +434,17 @@ impl<M: Module> FsdpUnit<M> {
     }
 }
 
+impl<M: Module> Drop for FsdpUnit<M> {
+    fn drop(&mut self) {
+        // Never leave a collective running detached: wait for an unconsumed prefetch.
+        if let Some(Ok(_)) = self.join_prefetch() {
+            self.ctx
+                .tracker
+                .sub(Category::Gathered, self.gathered_bytes());
+        }
+    }
+}
+
 /// A gathered unit: derefs to the module; dropping it reshards (releases the wrapper's copy).
 pub struct Gathered<M> {
     module: M,
@@ -309,10 +468,15 @@ impl<M> Drop for Gathered<M> {
 
 /// The optimizer side of stage 3: collects shard gradients after each backward, then reduces
 /// (when accumulating), clips by the global norm and updates every shard.
+///
+/// With a [`LossScaler`] in the config, scale the loss by [`FsdpOptimizer::loss_scale`] before
+/// `backward`; a step whose gradients overflow on any rank is skipped ([`StepInfo::skipped`]):
+/// shards and optimizer state stay untouched and the scale is lowered.
 pub struct FsdpOptimizer<O: Optimizer> {
     ctx: Arc<FsdpContext>,
     optim: ShardedOptimizer<O>,
     max_grad_norm: Option<f64>,
+    scaler: Option<LossScaler>,
     micro: usize,
 }
 
@@ -323,8 +487,19 @@ impl<O: Optimizer> FsdpOptimizer<O> {
             ctx: ctx.clone(),
             optim: ShardedOptimizer::new(optim, units).with_offload(config.offload_optimizer),
             max_grad_norm: config.max_grad_norm,
+            scaler: config.loss_scaler.clone(),
             micro: 0,
         }
+    }
+
+    /// The scale to multiply the loss by before `backward` (1 without a loss scaler).
+    pub fn loss_scale(&self) -> f64 {
+        self.scaler.as_ref().map_or(1.0, LossScaler::scale)
+    }
+
+    /// The loss scaler, when the config has one.
+    pub fn scaler(&self) -> Option<&LossScaler> {
+        self.scaler.as_ref()
     }
 
     /// The sharded optimizer (for checkpoints).
@@ -374,7 +549,8 @@ impl<O: Optimizer> FsdpOptimizer<O> {
         Ok(())
     }
 
-    /// Reduces (when accumulating), averages, clips and applies the optimizer to every shard.
+    /// Reduces (when accumulating), averages and unscales, skips the step on an overflow (loss
+    /// scaling), clips and applies the optimizer to every shard.
     ///
     /// # Errors
     /// [`ZeroError::Config`] when no gradients were accumulated; collective failures.
@@ -388,6 +564,7 @@ impl<O: Optimizer> FsdpOptimizer<O> {
         let groups = self.ctx.groups.clone();
         let tracker = self.ctx.tracker.clone();
         let n = groups.shard().size();
+        let loss_scale = self.loss_scale();
         let mut grads = Vec::with_capacity(shards.len());
         for shard in shards.iter_mut() {
             let summed = if let Some(full) = shard.unsharded.take() {
@@ -408,7 +585,18 @@ impl<O: Optimizer> FsdpOptimizer<O> {
                 tracker.add(Category::Grads, shard.range.len() * 4);
                 vec![0.0; shard.range.len()]
             };
-            grads.push(groups.finish_shard_grad(summed, micro)?);
+            grads.push(groups.finish_shard_grad(summed, micro, loss_scale)?);
+        }
+        if check_overflow(&groups, self.scaler.as_mut(), &grads)? {
+            for g in &grads {
+                tracker.sub(Category::Grads, g.len() * 4);
+            }
+            tracker.finish_step();
+            return Ok(StepInfo {
+                grad_norm: None,
+                skipped: true,
+                loss_scale,
+            });
         }
         let grad_norm = groups.clip(&mut grads, self.max_grad_norm)?;
         let inner = self.ctx.device.clone().inner();
@@ -421,7 +609,11 @@ impl<O: Optimizer> FsdpOptimizer<O> {
         }
         tracker.set(Category::Optimizer, self.optim.state_bytes());
         tracker.finish_step();
-        Ok(StepInfo { grad_norm })
+        Ok(StepInfo {
+            grad_norm,
+            skipped: false,
+            loss_scale,
+        })
     }
 
     /// The memory held by all units and this optimizer over the last step (see

@@ -1,6 +1,13 @@
 //! Mixed-precision policy: parameters and compute in a low-precision dtype, fp32 master weights
 //! and optimizer state, a configurable reduction dtype, and dynamic loss scaling for f16.
 //!
+//! Stages 1 and 2 ([`crate::ZeroOptimizer`]): the module's parameters live in `param_dtype`
+//! (full, on every rank: they are what the forward reads), the fp32 master copy of this rank's
+//! shard lives in the wrapper next to its fp32 optimizer state. Low-precision gradients are
+//! summed over micro-steps in an fp32 host buffer, reduced in `reduce_dtype` (half the bytes on
+//! the wire with bf16/f16), unscaled and clipped in fp32, applied to the fp32 master shard, and
+//! the new shard is cast to `param_dtype` *before* the all-gather.
+//!
 //! Where the casts sit (stage 3): the fp32 master shard is the leaf the optimizer updates; it is
 //! cast to `param_dtype` *before* the all-gather when `reduce_dtype == param_dtype` (half the
 //! bytes on the wire both ways: the backward reduce-scatter then runs in `param_dtype`), or
@@ -53,6 +60,12 @@ impl MixedPrecision {
         }
     }
 
+    /// The same policy with gradients reduced in `dtype` (`F32`, or the parameter dtype).
+    pub fn with_reduce_dtype(mut self, dtype: DType) -> Self {
+        self.reduce_dtype = dtype;
+        self
+    }
+
     /// Whether this policy changes anything.
     pub fn is_full(&self) -> bool {
         self.param_dtype == DType::F32 && self.reduce_dtype == DType::F32
@@ -90,42 +103,97 @@ impl MixedPrecision {
     }
 }
 
-/// Dynamic loss scaling for f16 (as `torch.amp.GradScaler`): multiply the loss by `scale`,
-/// divide gradients by it; on an overflow (any inf/NaN on any rank) skip the step and halve the
-/// scale; after `growth_interval` clean steps double it.
+/// Dynamic loss scaling for f16 (as `torch.amp.GradScaler`): multiply the loss by `scale`
+/// before `backward`, divide the gradients by it before clipping and the update; on an overflow
+/// (any inf/NaN in the gradient, on any rank) skip the step (weights and optimizer state stay
+/// untouched) and multiply the scale by `backoff_factor`; after `growth_interval` clean steps in
+/// a row multiply it by `growth_factor`.
+///
+/// The wrappers own the scaler: put one in [`crate::ZeroConfig::loss_scaler`], scale the loss
+/// with the wrapper's `loss_scale()` before `backward`, and read [`crate::StepInfo::skipped`].
+/// With powers of two as scale and factors (the defaults), scaling and unscaling are exact in
+/// floating point: an fp32 run with a scaler gives the same losses as one without.
 ///
 /// ```
 /// use burn_zero::precision::LossScaler;
-/// let mut s = LossScaler::new(1024.0);
+/// let mut s = LossScaler::new(1024.0).with_growth_interval(2);
 /// assert!(!s.update(true)); // overflow: skip the step
 /// assert_eq!(s.scale(), 512.0);
+/// assert!(s.update(false) && s.update(false)); // two clean steps: grow
+/// assert_eq!(s.scale(), 1024.0);
+/// assert_eq!(s.skipped(), 1);
 /// ```
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct LossScaler {
     scale: f64,
+    growth_factor: f64,
+    backoff_factor: f64,
     growth_interval: usize,
+    min_scale: f64,
     good_steps: usize,
     skipped: usize,
 }
 
 impl LossScaler {
-    /// A scaler starting at `scale` (65536 is customary), growing every 2000 clean steps.
+    /// A scaler starting at `scale` (65536 is customary for f16), doubling after 2000 clean
+    /// steps, halving on each overflow, never below 1. Check it with [`LossScaler::validate`]
+    /// (the wrappers do).
     pub fn new(scale: f64) -> Self {
         Self {
             scale,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
             growth_interval: 2000,
+            min_scale: 1.0,
             good_steps: 0,
             skipped: 0,
         }
     }
 
-    /// Sets the number of clean steps before the scale doubles.
+    /// Sets the number of clean steps in a row before the scale grows (at least 1).
     pub fn with_growth_interval(mut self, steps: usize) -> Self {
         self.growth_interval = steps.max(1);
         self
     }
 
-    /// The current scale.
+    /// Sets the factors of growth (> 1) and back-off (in (0, 1)).
+    pub fn with_factors(mut self, growth: f64, backoff: f64) -> Self {
+        self.growth_factor = growth;
+        self.backoff_factor = backoff;
+        self
+    }
+
+    /// Sets the smallest scale the back-off may reach (default 1).
+    pub fn with_min_scale(mut self, min_scale: f64) -> Self {
+        self.min_scale = min_scale;
+        self
+    }
+
+    /// Checks that the scale and factors can work.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] for a scale or minimum that is not positive and finite, a growth
+    /// factor not above 1 or a back-off factor outside (0, 1).
+    pub fn validate(&self) -> Result<()> {
+        let positive = |v: f64| v.is_finite() && v > 0.0;
+        if !positive(self.scale) || !positive(self.min_scale) {
+            return Err(ZeroError::Config(format!(
+                "loss scale {} and minimum {} must be positive and finite",
+                self.scale, self.min_scale
+            )));
+        }
+        let growth_ok = self.growth_factor.is_finite() && self.growth_factor > 1.0;
+        let backoff_ok = self.backoff_factor > 0.0 && self.backoff_factor < 1.0;
+        if !growth_ok || !backoff_ok {
+            return Err(ZeroError::Config(format!(
+                "loss-scale growth factor {} must be > 1 and back-off factor {} in (0, 1)",
+                self.growth_factor, self.backoff_factor
+            )));
+        }
+        Ok(())
+    }
+
+    /// The current scale: multiply the loss by it before `backward`.
     pub fn scale(&self) -> f64 {
         self.scale
     }
@@ -135,7 +203,12 @@ impl LossScaler {
         self.skipped
     }
 
-    /// Whether any rank of `group` saw a non-finite value in its (unscaled) gradient shard.
+    /// Clean steps since the last overflow or growth.
+    pub fn good_steps(&self) -> usize {
+        self.good_steps
+    }
+
+    /// Whether any rank of `group` saw a non-finite value in its gradient shard.
     ///
     /// # Errors
     /// When the all-reduce fails.
@@ -145,17 +218,18 @@ impl LossScaler {
         Ok(any[0] > 0.0)
     }
 
-    /// Updates the scale after a step; returns whether the step should be applied.
+    /// Updates the scale after a step whose gradients did (`overflow`) or did not overflow;
+    /// returns whether the step should be applied.
     pub fn update(&mut self, overflow: bool) -> bool {
         if overflow {
-            self.scale = (self.scale * 0.5).max(1.0);
+            self.scale = (self.scale * self.backoff_factor).max(self.min_scale);
             self.good_steps = 0;
             self.skipped += 1;
             return false;
         }
         self.good_steps += 1;
         if self.good_steps >= self.growth_interval {
-            self.scale *= 2.0;
+            self.scale *= self.growth_factor;
             self.good_steps = 0;
         }
         true

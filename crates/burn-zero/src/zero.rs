@@ -26,7 +26,7 @@ use crate::error::{Result, ZeroError};
 use crate::flat::{FlatLayout, host_f32, shard_range, shard_sizes, tensor_1d};
 use crate::memory::{Category, MemoryReport, MemoryTracker};
 use crate::optim::ShardedOptimizer;
-use crate::precision::MixedPrecision;
+use crate::precision::{LossScaler, MixedPrecision};
 
 /// Which ZeRO stage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -78,19 +78,29 @@ pub struct ZeroConfig {
     /// Stage 3: release a unit's gathered parameters as soon as its guard is dropped (after its
     /// forward) rather than at the end of the step.
     pub reshard_after_forward: bool,
-    /// Stage 3: dtypes of compute and reduction.
+    /// Stage 3: all-gather the next unit on a background thread while the current one computes
+    /// (see [`crate::fsdp::FsdpUnit::prefetch`]); costs one more gathered unit of memory.
+    pub prefetch: bool,
+    /// Dtypes of compute and reduction (every stage); master weights and optimizer state stay
+    /// fp32.
     pub precision: MixedPrecision,
+    /// Dynamic loss scaling (for f16; any policy accepts it). `None`: gradients are used as
+    /// they come.
+    pub loss_scaler: Option<LossScaler>,
 }
 
 impl ZeroConfig {
-    /// Defaults for `stage`: no clipping, no offload, reshard after forward, fp32.
+    /// Defaults for `stage`: no clipping, no offload, reshard after forward, no prefetch, fp32,
+    /// no loss scaling.
     pub fn new(stage: Stage) -> Self {
         Self {
             stage,
             max_grad_norm: None,
             offload_optimizer: false,
             reshard_after_forward: true,
+            prefetch: false,
             precision: MixedPrecision::full(),
+            loss_scaler: None,
         }
     }
 
@@ -104,6 +114,49 @@ impl ZeroConfig {
     pub fn with_offload(mut self, offload: bool) -> Self {
         self.offload_optimizer = offload;
         self
+    }
+
+    /// Sets the mixed-precision policy.
+    pub fn with_precision(mut self, precision: MixedPrecision) -> Self {
+        self.precision = precision;
+        self
+    }
+
+    /// Sets dynamic loss scaling.
+    pub fn with_loss_scaler(mut self, scaler: Option<LossScaler>) -> Self {
+        self.loss_scaler = scaler;
+        self
+    }
+
+    /// Sets stage-3 prefetch of the next unit.
+    pub fn with_prefetch(mut self, prefetch: bool) -> Self {
+        self.prefetch = prefetch;
+        self
+    }
+
+    /// Sets stage-3 resharding after forward (`true`) or after the step (`false`).
+    pub fn with_reshard_after_forward(mut self, reshard: bool) -> Self {
+        self.reshard_after_forward = reshard;
+        self
+    }
+
+    /// Checks the parts of the configuration that do not depend on the model.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] for a non-positive clipping norm or an invalid loss scaler;
+    /// [`ZeroError::UnsupportedDType`] when `device` lacks a dtype of the policy.
+    pub fn validate(&self, device: &Device) -> Result<()> {
+        if let Some(norm) = self.max_grad_norm
+            && !(norm.is_finite() && norm > 0.0)
+        {
+            return Err(ZeroError::Config(format!(
+                "max_grad_norm must be positive and finite, not {norm}"
+            )));
+        }
+        if let Some(scaler) = &self.loss_scaler {
+            scaler.validate()?;
+        }
+        self.precision.validate(device)
     }
 }
 
@@ -184,13 +237,19 @@ impl ShardGroups {
     }
 
     /// Turns this rank's reduced-and-summed gradient shard into the average over all
-    /// data-parallel ranks and `micro_steps`, averaging across replicas.
+    /// data-parallel ranks and `micro_steps`, divided by the loss scale, averaging across
+    /// replicas.
     pub(crate) fn finish_shard_grad(
         &self,
         mut shard: Vec<f32>,
         micro_steps: usize,
+        loss_scale: f64,
     ) -> Result<Vec<f32>> {
-        let scale = 1.0 / (micro_steps * self.shard.size()) as f32;
+        let mut scale = 1.0 / (micro_steps * self.shard.size()) as f32;
+        if loss_scale != 1.0 {
+            // Exact for a power-of-two scale: the product only shifts the exponent.
+            scale *= (1.0 / loss_scale) as f32;
+        }
         shard.iter_mut().for_each(|g| *g *= scale);
         if let Some(r) = &self.replicate
             && r.size() > 1
@@ -200,6 +259,20 @@ impl ShardGroups {
             shard = data.try_into_vec::<f32>().expect("f32 in, f32 out");
         }
         Ok(shard)
+    }
+
+    /// Whether `flag` is true on any data-parallel rank.
+    ///
+    /// # Errors
+    /// When an all-reduce fails.
+    pub fn any(&self, flag: bool) -> Result<bool> {
+        let mut v = self
+            .shard
+            .all_reduce_f32(vec![f32::from(u8::from(flag))], ReduceOp::Max)?;
+        if let Some(r) = &self.replicate {
+            v = r.all_reduce_f32(v, ReduceOp::Max)?;
+        }
+        Ok(v[0] > 0.0)
     }
 
     /// Clips `shards` (this rank's disjoint gradient shards) by the global norm; returns the
@@ -226,13 +299,41 @@ impl ShardGroups {
 }
 
 /// What a step did.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepInfo {
-    /// The global gradient norm before clipping (when clipping is on).
+    /// The global gradient norm before clipping (when clipping is on and the step was applied).
     pub grad_norm: Option<f64>,
+    /// The gradients overflowed (inf/NaN on some rank) under loss scaling: weights and
+    /// optimizer state were left untouched and the scale lowered.
+    pub skipped: bool,
+    /// The loss scale the step's gradients were unscaled by (1 without a scaler).
+    pub loss_scale: f64,
+}
+
+/// Turns an overflow under loss scaling into a skipped step: updates `scaler` (when there is
+/// one) and returns whether the step must be skipped. Without a scaler, non-finite gradients
+/// are not checked (as in plain fp32 training).
+pub(crate) fn check_overflow(
+    groups: &ShardGroups,
+    scaler: Option<&mut LossScaler>,
+    shards: &[Vec<f32>],
+) -> Result<bool> {
+    let Some(scaler) = scaler else {
+        return Ok(false);
+    };
+    let local = shards.iter().any(|s| s.iter().any(|v| !v.is_finite()));
+    let overflow = groups.any(local)?;
+    Ok(!scaler.update(overflow))
 }
 
 /// ZeRO stage 1 or 2 around any element-wise Burn [`Optimizer`].
+///
+/// Mixed precision ([`ZeroConfig::precision`] other than fp32): the module computes in the
+/// policy's `param_dtype` (call [`ZeroOptimizer::prepare_module`] once before the first
+/// forward), the wrapper keeps the fp32 master copy of this rank's shard and the optimizer state
+/// in fp32, and gradients are reduced in `reduce_dtype` (see [`crate::precision`]). With a
+/// [`LossScaler`] in the config, scale the loss by [`ZeroOptimizer::loss_scale`] before
+/// `backward`; a step whose gradients overflow is skipped ([`StepInfo::skipped`]).
 ///
 /// # Example
 /// ```
@@ -249,6 +350,7 @@ pub struct StepInfo {
 ///     let groups = ShardGroups::flat(group);
 ///     let mut zero = ZeroOptimizer::new(&model, groups, ZeroConfig::new(Stage::Two),
 ///         AdamWConfig::new().build()).unwrap();
+///     model = zero.prepare_module(model).unwrap(); // a no-op in fp32
 ///     let x = Tensor::<2>::ones([2, 4], &device);
 ///     let grads = GradientsParams::from_grads(model.forward(x).sum().backward(), &model);
 ///     zero.accumulate(&model, grads).unwrap();
@@ -267,15 +369,21 @@ pub struct ZeroOptimizer<O: Optimizer> {
     acc: Option<Vec<f32>>,
     micro: usize,
     device: Device,
+    /// The fp32 master copy of this rank's shard (mixed precision only: in fp32 the module's
+    /// own parameters are the master weights).
+    master: Option<Tensor<1>>,
+    scaler: Option<LossScaler>,
 }
 
 impl<O: Optimizer> ZeroOptimizer<O> {
     /// Wraps `optim` for `module` (whose parameters must already be identical on every rank:
-    /// build them from the same seed).
+    /// build them from the same seed, in fp32: with mixed precision they become the fp32 master
+    /// weights).
     ///
     /// # Errors
-    /// [`ZeroError::Config`] for stage 3 (use [`crate::fsdp`]), a mixed-precision policy (stage 3
-    /// only), or a module without parameters.
+    /// [`ZeroError::Config`] for stage 3 (use [`crate::fsdp`]), an invalid config or a module
+    /// without parameters; [`ZeroError::UnsupportedDType`] when the module's device lacks a
+    /// dtype of the precision policy.
     pub fn new<M: Module>(
         module: &M,
         groups: ShardGroups,
@@ -289,22 +397,30 @@ impl<O: Optimizer> ZeroOptimizer<O> {
                     .into(),
             ));
         }
-        if !config.precision.is_full() {
-            return Err(ZeroError::Config(
-                "mixed precision is implemented for stage 3 (FsdpUnit); use MixedPrecision::full() \
-                 with stages 1 and 2"
-                    .into(),
-            ));
-        }
         let layout = FlatLayout::of(module, |_| true);
         let Some(device) = module.devices().into_iter().next() else {
             return Err(ZeroError::Config("the module has no parameters".into()));
         };
+        config.validate(&device)?;
         let range = shard_range(layout.numel(), groups.shard.rank(), groups.shard.size());
+        let master = if config.precision.is_full() {
+            None
+        } else {
+            let full = layout.flatten(module)?;
+            Some(tensor_1d(
+                full[range.clone()].to_vec(),
+                &device.clone().inner(),
+            ))
+        };
         let tracker = MemoryTracker::default();
-        tracker.set(Category::Params, layout.numel() * 4);
+        tracker.set(
+            Category::Params,
+            layout.numel() * config.precision.param_dtype.size()
+                + master.as_ref().map_or(0, |_| range.len() * 4),
+        );
         Ok(Self {
             optim: ShardedOptimizer::new(optim, 1).with_offload(config.offload_optimizer),
+            scaler: config.loss_scaler.clone(),
             groups,
             config,
             layout,
@@ -313,7 +429,28 @@ impl<O: Optimizer> ZeroOptimizer<O> {
             acc: None,
             micro: 0,
             device,
+            master,
         })
+    }
+
+    /// Returns `module` with its parameters in the policy's compute dtype, as fresh leaves
+    /// (fp32: `module` unchanged). Call it once, before the first forward.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] when `module` is not the module the wrapper was built from.
+    pub fn prepare_module<M: Module>(&self, module: M) -> Result<M> {
+        let Some(master) = &self.master else {
+            return Ok(module);
+        };
+        // Every rank holds the same full parameters: cast them locally, no gather needed.
+        let full = self.layout.flatten(&module)?;
+        if full[self.range.clone()] != host_f32(master.clone())[..] {
+            return Err(ZeroError::Config(
+                "prepare_module got parameters other than those the wrapper was built from".into(),
+            ));
+        }
+        let low = tensor_1d(full, &self.device).cast(self.config.precision.param_dtype);
+        self.layout.unflatten(module, low, true)
     }
 
     /// The flat layout of the model.
@@ -341,11 +478,71 @@ impl<O: Optimizer> ZeroOptimizer<O> {
         &mut self.optim
     }
 
-    /// Adds one micro-step's gradients, locally (no communication).
+    /// The fp32 master shard under mixed precision (`None` in fp32, where the module's
+    /// parameters are the master weights).
+    pub fn master(&self) -> Option<&Tensor<1>> {
+        self.master.as_ref()
+    }
+
+    /// The scale to multiply the loss by before `backward` (1 without a loss scaler).
+    pub fn loss_scale(&self) -> f64 {
+        self.scaler.as_ref().map_or(1.0, LossScaler::scale)
+    }
+
+    /// The loss scaler, when the config has one.
+    pub fn scaler(&self) -> Option<&LossScaler> {
+        self.scaler.as_ref()
+    }
+
+    /// The fp32 values of this rank's shard of the parameters (for checkpoints): the master
+    /// shard, or the module's parameters in fp32.
     ///
     /// # Errors
-    /// Never at present; kept fallible for bucketed overlap.
+    /// [`ZeroError::Config`] when `module` is not the wrapped module.
+    pub fn param_shard<M: Module>(&self, module: &M) -> Result<Vec<f32>> {
+        match &self.master {
+            Some(master) => Ok(host_f32(master.clone())),
+            None => Ok(self.layout.flatten(module)?[self.range.clone()].to_vec()),
+        }
+    }
+
+    /// Replaces every parameter by `full` (the whole flat space in fp32, e.g. from a
+    /// checkpoint): the master shard takes this rank's range, the module the values in the
+    /// compute dtype, as fresh leaves.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] on a length mismatch or a foreign module.
+    pub fn set_params<M: Module>(&mut self, module: M, full: Vec<f32>) -> Result<M> {
+        if full.len() != self.layout.numel() {
+            return Err(ZeroError::Config(format!(
+                "{} values for a flat space of {}",
+                full.len(),
+                self.layout.numel()
+            )));
+        }
+        if let Some(master) = &mut self.master {
+            *master = tensor_1d(full[self.range.clone()].to_vec(), &master.device());
+        }
+        let flat = tensor_1d(full, &self.device).cast(self.config.precision.param_dtype);
+        self.layout.unflatten(module, flat, true)
+    }
+
+    /// Adds one micro-step's gradients, locally (no communication), summed in fp32.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] under mixed precision when the module still computes in another
+    /// dtype than the policy's (call [`ZeroOptimizer::prepare_module`]).
     pub fn accumulate<M: Module>(&mut self, module: &M, grads: GradientsParams) -> Result<()> {
+        let want = self.config.precision.param_dtype;
+        if self.master.is_some()
+            && let Some(found) = first_param_dtype(module)
+            && found != want
+        {
+            return Err(ZeroError::Config(format!(
+                "the module computes in {found:?} but the precision policy says {want:?}: pass \
+                 it through ZeroOptimizer::prepare_module before the first forward"
+            )));
+        }
         let flat = flatten_grads(&self.layout, module, &grads);
         let bytes = flat.len() * 4;
         match &mut self.acc {
@@ -374,8 +571,9 @@ impl<O: Optimizer> ZeroOptimizer<O> {
         Ok(())
     }
 
-    /// Reduces the accumulated gradients, clips, updates this rank's shard and all-gathers the
-    /// new parameters into `module`.
+    /// Reduces the accumulated gradients (in the policy's reduction dtype), unscales them,
+    /// skips the step on an overflow (loss scaling), clips, updates this rank's shard and
+    /// all-gathers the new parameters (in the compute dtype) into `module`.
     ///
     /// # Errors
     /// [`ZeroError::Config`] when nothing was accumulated; collective failures.
@@ -394,57 +592,88 @@ impl<O: Optimizer> ZeroOptimizer<O> {
         } else {
             Category::Buffers
         };
+        let wire = self.config.precision.reduce_dtype;
+        let mut data = TensorData::new(acc, [numel]);
+        if wire != DType::F32 {
+            data = data.convert_dtype(wire);
+        }
         let shard = match self.config.stage {
             Stage::One => {
-                let reduced = self
-                    .groups
-                    .shard
-                    .all_reduce_data(TensorData::new(acc, [numel]), ReduceOp::Sum)?;
-                let all = reduced.try_into_vec::<f32>().expect("f32");
+                let reduced = self.groups.shard.all_reduce_data(data, ReduceOp::Sum)?;
+                let all = reduced.convert::<f32>().try_into_vec::<f32>().expect("f32");
                 all[self.range.clone()].to_vec()
             }
             _ => {
                 let sizes = shard_sizes(numel, n);
-                let out = self.groups.shard.reduce_scatter_data(
-                    TensorData::new(acc, [numel]),
-                    0,
-                    ReduceOp::Sum,
-                    Some(&sizes),
-                )?;
+                let out =
+                    self.groups
+                        .shard
+                        .reduce_scatter_data(data, 0, ReduceOp::Sum, Some(&sizes))?;
                 self.tracker.add(Category::Grads, shard_bytes);
-                out.try_into_vec::<f32>().expect("f32")
+                out.convert::<f32>().try_into_vec::<f32>().expect("f32")
             }
         };
-        let mut shards = vec![self.groups.finish_shard_grad(shard, micro)?];
+        let loss_scale = self.loss_scale();
+        let mut shards = vec![self.groups.finish_shard_grad(shard, micro, loss_scale)?];
+        let release_grads = |tracker: &MemoryTracker, stage: Stage| {
+            tracker.sub(held, numel * 4);
+            if stage == Stage::Two {
+                tracker.sub(Category::Grads, shard_bytes);
+            }
+        };
+        if check_overflow(&self.groups, self.scaler.as_mut(), &shards)? {
+            release_grads(&self.tracker, self.config.stage);
+            self.tracker.finish_step();
+            let info = StepInfo {
+                grad_norm: None,
+                skipped: true,
+                loss_scale,
+            };
+            return Ok((module, info));
+        }
         let grad_norm = self.groups.clip(&mut shards, self.config.max_grad_norm)?;
         let grad = shards.pop().expect("one shard");
 
-        // The parameter shard, read from the module (staging: one flat copy).
-        self.tracker.add(Category::Buffers, numel * 4);
-        let params = self.layout.flatten(&module)?;
         let inner = self.device.clone().inner();
-        let param_shard = tensor_1d(params[self.range.clone()].to_vec(), &inner);
-        drop(params);
-        self.tracker.sub(Category::Buffers, numel * 4);
+        let param_shard = match &self.master {
+            Some(master) => master.clone(),
+            None => {
+                // The parameter shard, read from the module (staging: one flat copy).
+                self.tracker.add(Category::Buffers, numel * 4);
+                let params = self.layout.flatten(&module)?;
+                let shard = tensor_1d(params[self.range.clone()].to_vec(), &inner);
+                drop(params);
+                self.tracker.sub(Category::Buffers, numel * 4);
+                shard
+            }
+        };
         let new_shard = self.optim.step(0, lr, param_shard, tensor_1d(grad, &inner));
         self.tracker
             .set(Category::Optimizer, self.optim.state_bytes());
 
-        self.tracker.add(Category::Buffers, numel * 4);
-        let full = self
-            .groups
-            .shard
-            .all_gather_data(new_shard.into_data(), 0)?;
-        let full = Tensor::<1>::from_data(full, (&self.device, DType::F32));
+        let low = self.config.precision.param_dtype;
+        let gathered_bytes = numel * low.size();
+        self.tracker.add(Category::Buffers, gathered_bytes);
+        let outgoing = if self.master.is_some() {
+            let data = new_shard.clone().cast(low).into_data();
+            self.master = Some(new_shard);
+            data
+        } else {
+            new_shard.into_data()
+        };
+        let full = self.groups.shard.all_gather_data(outgoing, 0)?;
+        let full = Tensor::<1>::from_data(full, (&self.device, low));
         let module = self.layout.unflatten(module, full, true)?;
-        self.tracker.sub(Category::Buffers, numel * 4);
+        self.tracker.sub(Category::Buffers, gathered_bytes);
         // Gradients are released after the step.
-        self.tracker.sub(held, numel * 4);
-        if self.config.stage == Stage::Two {
-            self.tracker.sub(Category::Grads, shard_bytes);
-        }
+        release_grads(&self.tracker, self.config.stage);
         self.tracker.finish_step();
-        Ok((module, StepInfo { grad_norm }))
+        let info = StepInfo {
+            grad_norm,
+            skipped: false,
+            loss_scale,
+        };
+        Ok((module, info))
     }
 
     /// The memory this wrapper held over the last step (see [`crate::memory`]).
@@ -456,6 +685,21 @@ impl<O: Optimizer> ZeroOptimizer<O> {
     pub fn tracker(&self) -> &MemoryTracker {
         &self.tracker
     }
+}
+
+/// The dtype of `module`'s first float parameter.
+fn first_param_dtype<M: Module>(module: &M) -> Option<DType> {
+    struct First(Option<DType>);
+    impl ModuleVisitor for First {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.0.is_none() {
+                self.0 = Some(param.val().dtype());
+            }
+        }
+    }
+    let mut first = First(None);
+    module.visit(&mut first);
+    first.0
 }
 
 /// The gradients of `layout`'s parameters as one flat host buffer (zeros where absent).

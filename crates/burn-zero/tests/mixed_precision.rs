@@ -1,0 +1,268 @@
+//! Mixed precision and dynamic loss scaling of the ZeRO wrappers, on two thread ranks:
+//!
+//! - an overflow injected on one rank only skips the step on every rank, halves the scale and
+//!   leaves weights (master and compute copies) and optimizer state bit for bit untouched, at
+//!   stages 1, 2 and 3, in fp32 and bf16; the next clean step is applied;
+//! - under bf16 the module computes in bf16 while master weights and optimizer state are fp32;
+//! - misuse (an unprepared module, an invalid scaler or policy) is a typed error.
+
+use std::collections::BTreeMap;
+
+use burn::nn::{Linear, LinearConfig};
+use burn::optim::{AdamW, AdamWConfig, GradientsParams};
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn_parallel::{CollectiveError, run_local};
+use burn_zero::flat::{FlatLayout, host_f32};
+use burn_zero::optim::ShardedOptimizer;
+use burn_zero::{
+    FsdpContext, FsdpOptimizer, FsdpUnit, LossScaler, MixedPrecision, ShardGroups, Stage, StepInfo,
+    ZeroConfig, ZeroError, ZeroOptimizer,
+};
+use serde_json::Value;
+
+type State = (Vec<(String, TensorData)>, BTreeMap<String, Value>);
+
+fn state_of(optim: &ShardedOptimizer<AdamW>, unit: usize) -> State {
+    optim.export(unit)
+}
+
+fn same_state(a: &State, b: &State) -> bool {
+    a.1 == b.1
+        && a.0.len() == b.0.len()
+        && a.0.iter().zip(&b.0).all(|((na, da), (nb, db))| {
+            na == nb && da.dtype() == db.dtype() && da.as_bytes() == db.as_bytes()
+        })
+}
+
+fn to_collective(e: ZeroError) -> CollectiveError {
+    CollectiveError::InvalidArgument {
+        rank: 0,
+        op: "test".into(),
+        reason: e.to_string(),
+    }
+}
+
+fn model(device: &Device) -> Linear {
+    // Deterministic values: the parameters must be identical on every rank.
+    let m = LinearConfig::new(6, 5).init(&Device::flex());
+    let layout = FlatLayout::of(&m, |_| true);
+    let values = (0..layout.numel())
+        .map(|i| (i as f32 * 0.37).sin() * 0.3)
+        .collect();
+    layout
+        .unflatten(m, burn_zero::flat::tensor_1d(values, device), true)
+        .unwrap()
+}
+
+/// The gradient of `sum(model(x)) * factor`: `factor = inf` injects an overflow.
+fn loss(m: &Linear, device: &Device, factor: f32, scale: f64) -> Tensor<1> {
+    let x = Tensor::<2>::from_data(
+        TensorData::new((0..12).map(|i| i as f32 * 0.1).collect(), [2, 6]),
+        device,
+    )
+    .cast(m.weight.val().dtype());
+    let y = m.forward(x);
+    let y = if y.dtype() == DType::F32 {
+        y
+    } else {
+        y.cast(DType::F32)
+    };
+    (y.sum() * factor) * scale
+}
+
+/// Step 0 clean, step 1 with an overflow on rank 1 only, step 2 clean. Returns the step infos.
+fn zero12_overflow(stage: Stage, precision: MixedPrecision) -> Vec<[StepInfo; 3]> {
+    run_local(2, move |group| {
+        let device = Device::flex().autodiff();
+        let m = model(&device);
+        let config = ZeroConfig::new(stage)
+            .with_precision(precision)
+            .with_max_grad_norm(Some(1.0))
+            .with_loss_scaler(Some(LossScaler::new(1024.0).with_growth_interval(100)));
+        let mut zero = ZeroOptimizer::new(
+            &m,
+            ShardGroups::flat(group.clone()),
+            config,
+            AdamWConfig::new().build(),
+        )
+        .map_err(to_collective)?;
+        let mut m = zero.prepare_module(m).map_err(to_collective)?;
+        let mut infos = Vec::new();
+        for step in 0..3 {
+            let factor = if step == 1 && group.rank() == 1 {
+                f32::INFINITY
+            } else {
+                1.0
+            };
+            let before_params = zero.layout().flatten(&m).unwrap();
+            let before_master = zero.master().map(|t| host_f32(t.clone()));
+            let before_state = state_of(zero.optimizer(), 0);
+            let scale = zero.loss_scale();
+            let grads = loss(&m, &device, factor, scale).backward();
+            zero.accumulate(&m, GradientsParams::from_grads(grads, &m))
+                .map_err(to_collective)?;
+            let (next, info) = zero.step(1e-2, m).map_err(to_collective)?;
+            m = next;
+            let after_params = zero.layout().flatten(&m).unwrap();
+            let after_master = zero.master().map(|t| host_f32(t.clone()));
+            let after_state = state_of(zero.optimizer(), 0);
+            assert_eq!(info.loss_scale, scale);
+            if step == 1 {
+                assert!(
+                    info.skipped,
+                    "rank {}: the overflow must skip",
+                    group.rank()
+                );
+                assert_eq!(zero.loss_scale(), 512.0, "the scale must be halved");
+                assert_eq!(before_params, after_params, "weights must not move");
+                assert_eq!(before_master, after_master, "master weights must not move");
+                assert!(
+                    same_state(&before_state, &after_state),
+                    "optimizer state must not move"
+                );
+                assert_eq!(zero.scaler().unwrap().skipped(), 1);
+            } else {
+                assert!(!info.skipped);
+                assert!(info.grad_norm.unwrap().is_finite());
+                assert_ne!(before_params, after_params, "a clean step updates");
+                assert!(!same_state(&before_state, &after_state));
+            }
+            if precision.param_dtype != DType::F32 {
+                // Master weights and optimizer state stay fp32; the module computes low.
+                assert_eq!(zero.master().unwrap().dtype(), DType::F32);
+                assert!(after_state.0.iter().all(|(_, d)| d.dtype() == DType::F32));
+                assert_eq!(m.weight.val().dtype(), precision.param_dtype);
+            } else {
+                assert!(zero.master().is_none());
+            }
+            infos.push(info);
+        }
+        Ok([infos[0], infos[1], infos[2]])
+    })
+    .unwrap()
+}
+
+#[test]
+fn injected_overflow_skips_zero_1_and_2_steps() {
+    for stage in [Stage::One, Stage::Two] {
+        for precision in [MixedPrecision::full(), MixedPrecision::bf16()] {
+            let infos = zero12_overflow(stage, precision);
+            assert_eq!(infos[0], infos[1], "both ranks see the same steps");
+        }
+    }
+}
+
+#[test]
+fn injected_overflow_skips_fsdp_step() {
+    for precision in [MixedPrecision::full(), MixedPrecision::bf16()] {
+        run_local(2, move |group| {
+            let device = Device::flex().autodiff();
+            let config = ZeroConfig::new(Stage::Three)
+                .with_precision(precision)
+                .with_loss_scaler(Some(LossScaler::new(64.0).with_growth_interval(100)));
+            let ctx = FsdpContext::new(ShardGroups::flat(group.clone()), &device, &config, 1)
+                .map_err(to_collective)?;
+            let mut unit =
+                FsdpUnit::new("linear", model(&device), |_| true, &ctx).map_err(to_collective)?;
+            let mut fsdp: FsdpOptimizer<AdamW> =
+                FsdpOptimizer::new(&ctx, &config, AdamWConfig::new().build(), 1);
+            for step in 0..3 {
+                let factor = if step == 1 && group.rank() == 1 {
+                    f32::INFINITY
+                } else {
+                    1.0
+                };
+                let before = unit.shard().values();
+                let before_state = state_of(fsdp.optimizer(), 0);
+                let scale = fsdp.loss_scale();
+                let grads = {
+                    let gathered = unit.gather().map_err(to_collective)?;
+                    assert_eq!(gathered.weight.val().dtype(), precision.param_dtype);
+                    loss(&gathered, &device, factor, scale).backward()
+                };
+                fsdp.accumulate(vec![unit.shard_mut()], &grads)
+                    .map_err(to_collective)?;
+                let info = fsdp
+                    .step(1e-2, vec![unit.shard_mut()])
+                    .map_err(to_collective)?;
+                assert_eq!(unit.shard().dtype(), DType::F32, "fp32 master shard");
+                let after_state = state_of(fsdp.optimizer(), 0);
+                if step == 1 {
+                    assert!(info.skipped);
+                    assert_eq!(fsdp.loss_scale(), 32.0);
+                    assert_eq!(before, unit.shard().values(), "shard must not move");
+                    assert!(same_state(&before_state, &after_state));
+                } else {
+                    assert!(!info.skipped);
+                    assert_ne!(before, unit.shard().values());
+                    assert!(after_state.0.iter().all(|(_, d)| d.dtype() == DType::F32));
+                }
+            }
+            // Nothing left behind: no gradient bytes held after the skipped and clean steps.
+            assert_eq!(fsdp.memory().current.grads, 0);
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn mixed_precision_misuse_is_a_typed_error() {
+    run_local(1, |group| {
+        let device = Device::flex().autodiff();
+        let m = model(&device);
+        let groups = ShardGroups::flat(group);
+        // Forgetting prepare_module under bf16.
+        let config = ZeroConfig::new(Stage::Two).with_precision(MixedPrecision::bf16());
+        let mut zero =
+            ZeroOptimizer::new(&m, groups.clone(), config, AdamWConfig::new().build()).unwrap();
+        let grads = loss(&m, &device, 1.0, 1.0).backward();
+        let err = zero
+            .accumulate(&m, GradientsParams::from_grads(grads, &m))
+            .unwrap_err();
+        assert!(
+            matches!(&err, ZeroError::Config(s) if s.contains("prepare_module")),
+            "{err}"
+        );
+        // An invalid scaler, an invalid policy.
+        let bad = [
+            ZeroConfig::new(Stage::One).with_loss_scaler(Some(LossScaler::new(0.0))),
+            ZeroConfig::new(Stage::One)
+                .with_loss_scaler(Some(LossScaler::new(8.0).with_factors(2.0, 1.5))),
+            ZeroConfig::new(Stage::One)
+                .with_precision(MixedPrecision::bf16().with_reduce_dtype(DType::F16)),
+            ZeroConfig::new(Stage::One).with_precision(MixedPrecision {
+                param_dtype: DType::I32,
+                reduce_dtype: DType::F32,
+            }),
+        ];
+        for config in bad {
+            let err = ZeroOptimizer::new(&m, groups.clone(), config, AdamWConfig::new().build())
+                .err()
+                .expect("invalid config");
+            assert!(matches!(err, ZeroError::Config(_)), "{err}");
+        }
+        let config = ZeroConfig::new(Stage::Three).with_max_grad_norm(Some(-1.0));
+        let err = FsdpContext::new(groups.clone(), &device, &config, 1).unwrap_err();
+        assert!(matches!(err, ZeroError::Config(_)), "{err}");
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn f16_is_supported_by_flex_or_refused_with_a_typed_error() {
+    let device = Device::flex().autodiff();
+    let result = MixedPrecision::f16().validate(&device);
+    if device.supports_dtype(DType::F16) {
+        result.unwrap();
+    } else {
+        assert!(matches!(
+            result,
+            Err(ZeroError::UnsupportedDType {
+                dtype: DType::F16,
+                ..
+            })
+        ));
+    }
+}
