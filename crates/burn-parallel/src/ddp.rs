@@ -150,6 +150,14 @@ impl DistributedDataParallel {
         module.visit(&mut ParamLister(&mut params));
         params.reverse();
         let buckets = plan_buckets(&params, self.bucket_bytes);
+        // This rank's gradients as host data (whatever the parameters' ranks).
+        let mut taker = TakeGrads {
+            grads: &mut grads,
+            scale: local_scale,
+            taken: HashMap::with_capacity(params.len()),
+        };
+        module.visit(&mut taker);
+        let mut local = taker.taken;
 
         let (to_comm, from_main) = mpsc::channel::<TensorData>();
         let (to_main, reduced) = mpsc::channel::<Result<TensorData>>();
@@ -174,10 +182,13 @@ impl DistributedDataParallel {
                     let mut at = 0;
                     for &i in bucket {
                         let (id, shape, dtype) = &params[i];
-                        let grad = take_grad(&mut grads, *id, shape, *dtype, local_scale);
-                        let bytes = grad.as_bytes();
-                        out[at..at + bytes.len()].copy_from_slice(bytes);
-                        at += bytes.len();
+                        let len = numel_of(shape) * dtype.size();
+                        match local.remove(id) {
+                            Some(grad) => out[at..at + len].copy_from_slice(grad.as_bytes()),
+                            // No gradient on this rank (parameter unused): contribute zeros.
+                            None => out[at..at + len].fill(0),
+                        }
+                        at += len;
                     }
                 });
                 if to_comm.send(data).is_err() {
@@ -300,6 +311,10 @@ struct ParamLister<'a>(&'a mut Vec<(ParamId, Vec<usize>, DType)>);
 
 impl ModuleVisitor for ParamLister<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        // A parameter reachable twice (shared between layers) is reduced once.
+        if self.0.iter().any(|(id, _, _)| *id == param.id) {
+            return;
+        }
         let value = param.val();
         self.0
             .push((param.id, value.dims().to_vec(), value.dtype()));
@@ -324,37 +339,31 @@ impl ModuleVisitor for Adder<'_> {
     }
 }
 
-/// Removes a gradient from `grads` as host data (zeros when absent), scaled by `scale`.
-fn take_grad(
-    grads: &mut GradientsParams,
-    id: ParamId,
-    shape: &[usize],
-    dtype: DType,
+/// Removes every parameter's gradient from `grads` as host data, scaled by `scale`.
+struct TakeGrads<'a> {
+    grads: &'a mut GradientsParams,
     scale: f32,
-) -> TensorData {
-    fn remove<const D: usize>(
-        grads: &mut GradientsParams,
-        id: ParamId,
-        scale: f32,
-    ) -> Option<TensorData> {
-        grads.remove::<D>(id).map(|g| {
-            if scale == 1.0 {
-                g.into_data()
+    taken: HashMap<ParamId, TensorData>,
+}
+
+impl ModuleVisitor for TakeGrads<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some(grad) = self.grads.remove::<D>(param.id) {
+            let grad = if self.scale == 1.0 {
+                grad
             } else {
-                (g * scale).into_data()
-            }
-        })
+                grad * self.scale
+            };
+            let data = grad.into_data();
+            let dtype = param.val().dtype();
+            let data = if data.dtype() == dtype {
+                data
+            } else {
+                data.convert_dtype(dtype)
+            };
+            self.taken.insert(param.id, data);
+        }
     }
-    let data = match shape.len() {
-        1 => remove::<1>(grads, id, scale),
-        2 => remove::<2>(grads, id, scale),
-        3 => remove::<3>(grads, id, scale),
-        4 => remove::<4>(grads, id, scale),
-        5 => remove::<5>(grads, id, scale),
-        6 => remove::<6>(grads, id, scale),
-        _ => None,
-    };
-    data.unwrap_or_else(|| TensorData::zeros::<f32, _>(shape.to_vec()).convert_dtype(dtype))
 }
 
 /// Registers reduced host gradients on each parameter's (non-autodiff) device.
