@@ -184,6 +184,10 @@ fn data_parallel(group: &ProcessGroup, config: &TrainConfig) -> DistributedDataP
         .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize)
 }
 
+/// Computes a model's mean loss on `(inputs, targets)`, with the layout's own errors mapped.
+type LossFn<'a, M> =
+    dyn Fn(&M, Tensor<2, Int>, Tensor<2, Int>) -> burn_parallel::Result<Tensor<1>> + 'a;
+
 /// What [`fit`] measured.
 struct Run {
     losses: Vec<f64>,
@@ -214,7 +218,7 @@ fn fit<M: Module>(
     config: &TrainConfig,
     corpus: &Corpus,
     device: &Device,
-    loss_of: &dyn Fn(&M, Tensor<2, Int>, Tensor<2, Int>) -> burn_parallel::Result<Tensor<1>>,
+    loss_of: &LossFn<'_, M>,
     on_step: &mut dyn FnMut(&StepStats),
 ) -> burn_parallel::Result<(M, Run)> {
     let group = ddp.group();
