@@ -19,7 +19,7 @@ use serde::de::DeserializeOwned;
 
 use crate::comm::host::{
     ReduceOp, combine_into, combine_to, concat_into, dtype_code, dtype_from_code, dtype_name,
-    geometry, reducible, scale_into, split_along,
+    geometry, reducible, split_along,
 };
 use crate::comm::pool;
 use crate::comm::shm::{Board, SharedBuffer};
@@ -320,8 +320,11 @@ impl ProcessGroup {
                     ),
                 ));
             }
+            let last = s + 2 == n;
+            // The division of an average is fused into the last reduction.
+            let divide_by = if last && op == ReduceOp::Avg { n } else { 1 };
             let mut acc = pool::take(own.len());
-            combine_to(&mut acc, &frame.payload, own, dtype, op);
+            combine_to(&mut acc, &frame.payload, own, dtype, op, divide_by);
             drop(frame);
             if s + 2 < n {
                 self.send_frame(call, self.next(), vec![], pool::share(acc))?;
@@ -373,19 +376,20 @@ impl ProcessGroup {
                 // SAFETY: chunk r of our own buffer is written by this rank alone in this phase
                 // (each rank writes only its own chunk of its own buffer).
                 let out = unsafe { mine.write(chunk(r)) };
-                for peer in peers
+                let others: Vec<_> = peers
                     .iter()
                     .enumerate()
                     .filter(|(k, _)| *k != r)
                     .map(|(_, p)| p)
-                {
+                    .collect();
+                for (i, peer) in others.iter().enumerate() {
                     // SAFETY: chunk r of a peer's buffer is only read, and only by this rank,
                     // in this phase.
                     let other = unsafe { peer.read(chunk(r)) };
-                    combine_into(out, other, dtype, op);
-                }
-                if op == ReduceOp::Avg {
-                    scale_into(out, n, dtype);
+                    // The division of an average is fused into the last reduction.
+                    let last = i + 1 == others.len();
+                    let divide_by = if last && op == ReduceOp::Avg { n } else { 1 };
+                    combine_into(out, other, dtype, op, divide_by);
                 }
             }
             self.sync(call)?;
@@ -483,13 +487,10 @@ impl ProcessGroup {
             ranges.push(start..start + len);
             start += len;
         }
-        let mut mine = {
+        let mine = {
             let pieces: Vec<&[u8]> = ranges.iter().map(|r| &storage[r.clone()]).collect();
             self.ring_reduce_scatter(&call, &pieces, dtype, op)?
         };
-        if op == ReduceOp::Avg {
-            scale_into(&mut mine, n, dtype);
-        }
         storage[ranges[self.rank].clone()].copy_from_slice(&mine);
         let gathered = self.ring_all_gather(&call, pool::share(mine), vec![])?;
         for (k, (piece, _)) in gathered.iter().enumerate() {
@@ -605,10 +606,7 @@ impl ProcessGroup {
         let bytes = into_shared_bytes(data);
         let pieces = split_along(&bytes, &shape, dim, &sizes, elem);
         let refs: Vec<&[u8]> = pieces.iter().map(|p| &p[..]).collect();
-        let mut mine = self.ring_reduce_scatter(&call, &refs, dtype, op)?;
-        if op == ReduceOp::Avg {
-            scale_into(&mut mine, n, dtype);
-        }
+        let mine = self.ring_reduce_scatter(&call, &refs, dtype, op)?;
         let mut out_shape = shape;
         out_shape[dim] = sizes[self.rank];
         let out = pool::tensor_data(out_shape, dtype, |out| out.copy_from_slice(&mine));

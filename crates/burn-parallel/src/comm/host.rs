@@ -170,16 +170,21 @@ int_elem!(u32);
 int_elem!(u16);
 int_elem!(u8);
 
-fn combine_typed<T: Elem>(acc: &mut [u8], other: &[u8], op: ReduceOp) {
+fn combine_typed<T: Elem>(acc: &mut [u8], other: &[u8], op: ReduceOp, divide_by: usize) {
     match (
         bytemuck::try_cast_slice_mut::<u8, T>(acc),
         bytemuck::try_cast_slice::<u8, T>(other),
     ) {
         // One loop per operation, so each compiles to a tight (vectorisable) loop.
-        (Ok(a), Ok(b)) => match op {
-            ReduceOp::Sum | ReduceOp::Avg => zip_with(a, b, |x, y| x.combine(y, ReduceOp::Sum)),
-            ReduceOp::Max => zip_with(a, b, |x, y| x.combine(y, ReduceOp::Max)),
-            ReduceOp::Min => zip_with(a, b, |x, y| x.combine(y, ReduceOp::Min)),
+        (Ok(a), Ok(b)) => match (op, divide_by) {
+            (ReduceOp::Sum | ReduceOp::Avg, 2..) => {
+                zip_with(a, b, |x, y| x.combine(y, ReduceOp::Sum).scale(divide_by))
+            }
+            (ReduceOp::Sum | ReduceOp::Avg, _) => {
+                zip_with(a, b, |x, y| x.combine(y, ReduceOp::Sum))
+            }
+            (ReduceOp::Max, _) => zip_with(a, b, |x, y| x.combine(y, ReduceOp::Max)),
+            (ReduceOp::Min, _) => zip_with(a, b, |x, y| x.combine(y, ReduceOp::Min)),
         },
         // Unaligned buffers (rare: a payload sliced at an odd offset) take the slow path.
         _ => {
@@ -187,7 +192,9 @@ fn combine_typed<T: Elem>(acc: &mut [u8], other: &[u8], op: ReduceOp) {
             for (x, y) in acc.chunks_exact_mut(size).zip(other.chunks_exact(size)) {
                 let a: T = bytemuck::pod_read_unaligned(x);
                 let b: T = bytemuck::pod_read_unaligned(y);
-                x.copy_from_slice(bytemuck::bytes_of(&a.combine(b, op)));
+                let c = a.combine(b, op);
+                let c = if divide_by > 1 { c.scale(divide_by) } else { c };
+                x.copy_from_slice(bytemuck::bytes_of(&c));
             }
         }
     }
@@ -197,19 +204,6 @@ fn combine_typed<T: Elem>(acc: &mut [u8], other: &[u8], op: ReduceOp) {
 fn zip_with<T: Copy>(a: &mut [T], b: &[T], f: impl Fn(T, T) -> T) {
     for (x, y) in a.iter_mut().zip(b) {
         *x = f(*x, *y);
-    }
-}
-
-fn scale_typed<T: Elem>(acc: &mut [u8], n: usize) {
-    match bytemuck::try_cast_slice_mut::<u8, T>(acc) {
-        Ok(a) => a.iter_mut().for_each(|x| *x = x.scale(n)),
-        Err(_) => {
-            let size = std::mem::size_of::<T>();
-            for x in acc.chunks_exact_mut(size) {
-                let a: T = bytemuck::pod_read_unaligned(x);
-                x.copy_from_slice(bytemuck::bytes_of(&a.scale(n)));
-            }
-        }
     }
 }
 
@@ -235,26 +229,36 @@ macro_rules! by_dtype {
     };
 }
 
-/// `acc[i] = op(acc[i], other[i])` over elements of `dtype`.
-pub(crate) fn combine_into(acc: &mut [u8], other: &[u8], dtype: DType, op: ReduceOp) {
+/// `acc[i] = op(acc[i], other[i])` over elements of `dtype`, then divided by `divide_by` when
+/// it is above 1 and `op` sums (the last reduction of [`ReduceOp::Avg`], fused into one pass).
+pub(crate) fn combine_into(
+    acc: &mut [u8],
+    other: &[u8],
+    dtype: DType,
+    op: ReduceOp,
+    divide_by: usize,
+) {
     debug_assert_eq!(acc.len(), other.len());
-    by_dtype!(dtype, combine_typed, acc, other, op)
+    by_dtype!(dtype, combine_typed, acc, other, op, divide_by)
 }
 
-fn combine_to_typed<T: Elem>(out: &mut [u8], a: &[u8], b: &[u8], op: ReduceOp) {
+fn combine_to_typed<T: Elem>(out: &mut [u8], a: &[u8], b: &[u8], op: ReduceOp, divide_by: usize) {
     match (
         bytemuck::try_cast_slice_mut::<u8, T>(out),
         bytemuck::try_cast_slice::<u8, T>(a),
         bytemuck::try_cast_slice::<u8, T>(b),
     ) {
-        (Ok(o), Ok(a), Ok(b)) => match op {
-            ReduceOp::Sum | ReduceOp::Avg => zip3(o, a, b, |x, y| x.combine(y, ReduceOp::Sum)),
-            ReduceOp::Max => zip3(o, a, b, |x, y| x.combine(y, ReduceOp::Max)),
-            ReduceOp::Min => zip3(o, a, b, |x, y| x.combine(y, ReduceOp::Min)),
+        (Ok(o), Ok(a), Ok(b)) => match (op, divide_by) {
+            (ReduceOp::Sum | ReduceOp::Avg, 2..) => {
+                zip3(o, a, b, |x, y| x.combine(y, ReduceOp::Sum).scale(divide_by))
+            }
+            (ReduceOp::Sum | ReduceOp::Avg, _) => zip3(o, a, b, |x, y| x.combine(y, ReduceOp::Sum)),
+            (ReduceOp::Max, _) => zip3(o, a, b, |x, y| x.combine(y, ReduceOp::Max)),
+            (ReduceOp::Min, _) => zip3(o, a, b, |x, y| x.combine(y, ReduceOp::Min)),
         },
         _ => {
             out.copy_from_slice(a);
-            combine_typed::<T>(out, b, op);
+            combine_typed::<T>(out, b, op, divide_by);
         }
     }
 }
@@ -266,15 +270,18 @@ fn zip3<T: Copy>(out: &mut [T], a: &[T], b: &[T], f: impl Fn(T, T) -> T) {
     }
 }
 
-/// `out[i] = op(a[i], b[i])` over elements of `dtype` (one pass, no copy of `a`).
-pub(crate) fn combine_to(out: &mut [u8], a: &[u8], b: &[u8], dtype: DType, op: ReduceOp) {
+/// `out[i] = op(a[i], b[i])` over elements of `dtype` (one pass, no copy of `a`), divided by
+/// `divide_by` as in [`combine_into`].
+pub(crate) fn combine_to(
+    out: &mut [u8],
+    a: &[u8],
+    b: &[u8],
+    dtype: DType,
+    op: ReduceOp,
+    divide_by: usize,
+) {
     debug_assert!(out.len() == a.len() && a.len() == b.len());
-    by_dtype!(dtype, combine_to_typed, out, a, b, op)
-}
-
-/// `acc[i] /= n` (the last step of [`ReduceOp::Avg`]).
-pub(crate) fn scale_into(acc: &mut [u8], n: usize, dtype: DType) {
-    by_dtype!(dtype, scale_typed, acc, n)
+    by_dtype!(dtype, combine_to_typed, out, a, b, op, divide_by)
 }
 
 /// Row-major geometry of a split along `dim`: `(outer, inner_bytes_per_unit)`, where `outer` is
@@ -360,17 +367,16 @@ mod tests {
     fn reductions_of_every_kind() {
         let mut a = bytemuck::cast_slice::<f32, u8>(&[1.0, 5.0]).to_vec();
         let b = bytemuck::cast_slice::<f32, u8>(&[3.0, 2.0]).to_vec();
-        combine_into(&mut a, &b, DType::F32, ReduceOp::Max);
+        combine_into(&mut a, &b, DType::F32, ReduceOp::Max, 1);
         assert_eq!(bytemuck::cast_slice::<u8, f32>(&a), &[3.0, 5.0]);
-        combine_into(&mut a, &b, DType::F32, ReduceOp::Min);
+        combine_into(&mut a, &b, DType::F32, ReduceOp::Min, 1);
         assert_eq!(bytemuck::cast_slice::<u8, f32>(&a), &[3.0, 2.0]);
         let mut out = vec![0u8; 8];
-        combine_to(&mut out, &a, &b, DType::F32, ReduceOp::Sum);
+        combine_to(&mut out, &a, &b, DType::F32, ReduceOp::Sum, 1);
         assert_eq!(bytemuck::cast_slice::<u8, f32>(&out), &[6.0, 4.0]);
         let mut h = bytemuck::cast_slice::<bf16, u8>(&[bf16::from_f32(1.5)]).to_vec();
         let g = h.clone();
-        combine_into(&mut h, &g, DType::BF16, ReduceOp::Sum);
-        scale_into(&mut h, 3, DType::BF16);
+        combine_into(&mut h, &g, DType::BF16, ReduceOp::Sum, 3);
         assert_eq!(bytemuck::cast_slice::<u8, bf16>(&h)[0].to_f32(), 1.0);
     }
 }
