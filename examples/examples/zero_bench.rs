@@ -106,6 +106,7 @@ fn train_config(model: GptConfig, steps: usize, batch_size: usize, seq_len: usiz
         eval_batches: 1,
         sample_len: 0,
         prompt: String::new(),
+        max_grad_norm: None,
     }
 }
 

@@ -45,6 +45,8 @@ pub struct TrainConfig {
     pub sample_len: usize,
     /// Prompt of the generated sample.
     pub prompt: String,
+    /// Clips the global norm of the averaged gradient to this value (`None`: no clipping).
+    pub max_grad_norm: Option<f64>,
 }
 
 impl Default for TrainConfig {
@@ -64,6 +66,7 @@ impl Default for TrainConfig {
             eval_batches: 8,
             sample_len: 200,
             prompt: "And God said, ".into(),
+            max_grad_norm: None,
         }
     }
 }
@@ -250,7 +253,12 @@ fn fit<M: Module>(
             local_loss += scalar(&loss) / config.grad_accum as f64;
             accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
         }
-        let grads = accumulator.finish(&model)?;
+        let mut grads = accumulator.finish(&model)?;
+        if let Some(max) = config.max_grad_norm {
+            // The averaged gradients are whole on every data-parallel rank, so the local norm
+            // is the global one (layouts that shard gradients refuse clipping here).
+            grads = burn_zero::clip::clip_grads_global_norm(&model, grads, max).0;
+        }
         let lr = config.lr_at(step);
         model = optim.step(lr, model, grads);
         let loss = group.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
@@ -365,6 +373,13 @@ impl Parallelism {
                  use a --tp that divides the number of ranks",
                 self.tp
             ));
+        }
+        if self.tp > 1 && config.max_grad_norm.is_some() {
+            return Err(
+                "gradient clipping does not support tensor parallelism yet (the norm of sharded \
+                 gradients needs a reduction over the tensor-parallel group); drop --clip or --tp"
+                    .into(),
+            );
         }
         if self.sp && self.tp == 1 {
             return Err("sequence parallelism (--sp) needs --tp 2 or more".into());

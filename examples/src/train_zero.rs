@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{DType, Device, Int, Tensor};
-use burn_parallel::{DistributedDataParallel, ProcessGroup, ReduceOp};
+use burn_parallel::ProcessGroup;
 use burn_zero::checkpoint::{self, CheckpointReader, UnitShard};
 use burn_zero::{
     FlatShard, FsdpContext, FsdpOptimizer, FsdpUnit, MemoryReport, ShardGroups, Stage, ZeroConfig,
@@ -434,41 +434,13 @@ pub fn train_gpt_reference(
     corpus: &Corpus,
     max_grad_norm: Option<f64>,
 ) -> burn_parallel::Result<Vec<f64>> {
-    let device = Device::flex().autodiff();
-    let ddp = DistributedDataParallel::new(group.clone());
-    let mut model = Gpt::new(&config.model, &device);
-    let mut optim = AdamWConfig::new()
-        .with_weight_decay(config.weight_decay as f32)
-        .init();
-    let rows_per_rank = config.batch_size / group.size();
-    let micro_rows = rows_per_rank / config.grad_accum;
-    let mut losses = Vec::new();
-    for step in 0..config.steps {
-        let mut acc = ddp.accumulator();
-        let mut local = 0.0;
-        for micro in 0..config.grad_accum {
-            let first = group.rank() * rows_per_rank + micro * micro_rows;
-            let batch = corpus.batch_rows(
-                step as u64,
-                first..first + micro_rows,
-                config.seq_len,
-                Split::Train,
-            );
-            let (inputs, targets) = batch.to_tensors(&device);
-            let loss = model.loss(inputs, targets);
-            local += scalar(&loss) / config.grad_accum as f64;
-            acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
-        }
-        let mut grads = acc.finish(&model)?;
-        if let Some(max) = max_grad_norm {
-            grads = burn_zero::clip::clip_grads_global_norm(&model, grads, max).0;
-        }
-        model = optim.step(config.lr_at(step), model, grads);
-        losses.push(f64::from(
-            group.all_reduce_f32(vec![local as f32], ReduceOp::Avg)?[0],
-        ));
-    }
-    Ok(losses)
+    let config = TrainConfig {
+        max_grad_norm,
+        eval_batches: 0,
+        sample_len: 0,
+        ..config.clone()
+    };
+    Ok(crate::train::train_gpt(group, &config, corpus, &mut |_| {})?.losses)
 }
 
 /// Prints (or returns) a one-line memory summary for the `gpt` binary.

@@ -26,6 +26,7 @@ pub fn tiny_gpt_run(steps: usize) -> TrainConfig {
         eval_batches: 1,
         sample_len: 0,
         prompt: String::new(),
+        max_grad_norm: None,
     }
 }
 

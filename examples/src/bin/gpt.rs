@@ -111,8 +111,8 @@ struct Args {
     /// Hybrid sharding with --zero: shard inside groups of ranks/N, replicate across N groups.
     #[arg(long, requires = "zero")]
     hybrid: Option<usize>,
-    /// Clip the global gradient norm to this value (with --zero).
-    #[arg(long, requires = "zero")]
+    /// Clip the global norm of the averaged gradient to this value.
+    #[arg(long)]
     clip: Option<f64>,
     /// Write the per-step losses as JSON to this file (rank 0).
     #[arg(long)]
@@ -144,6 +144,7 @@ fn config_from(args: &Args) -> Result<TrainConfig, String> {
     set!(c.model.n_heads, args.heads);
     set!(c.bucket_mb, args.bucket_mb);
     set!(c.model.seed, args.seed);
+    set!(c.max_grad_norm, args.clip.map(Some));
     if let Some(d) = args.d_model {
         c.model.d_model = d;
         c.model.d_ff = 4 * d;
