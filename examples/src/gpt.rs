@@ -32,6 +32,7 @@ use burn::nn::{Dropout, DropoutConfig, Embedding, Linear};
 use burn::tensor::activation::{gelu, log_softmax, silu, softmax};
 use burn::tensor::module::layer_norm;
 use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn_parallel::kernels;
 use serde::{Deserialize, Serialize};
 
 use crate::init::Init;
@@ -146,6 +147,10 @@ pub struct GptConfig {
     /// Seed of the initialisation.
     #[serde(default)]
     pub seed: u64,
+    /// Run norms, SwiGLU, RoPE and the cross-entropy through the fused kernels of
+    /// [`burn_parallel::kernels`] (CubeCL kernels on WGPU, composed references elsewhere).
+    #[serde(default)]
+    pub fused: bool,
 }
 
 impl GptConfig {
@@ -178,6 +183,7 @@ impl GptConfig {
             rope_theta: default_rope_theta(),
             norm_eps: default_norm_eps(),
             seed: 0,
+            fused: false,
         }
     }
 
@@ -387,6 +393,22 @@ impl Norm {
             }
         }
     }
+
+    /// [`Self::forward`] through the fused kernels of [`burn_parallel::kernels`].
+    ///
+    /// # Panics
+    ///
+    /// If the last dimension of `x` is not the norm's width.
+    pub fn forward_fused<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let weight = self.weight.val();
+        let y = match self.kind {
+            NormKind::LayerNorm => {
+                kernels::layer_norm(x, weight, self.bias.as_ref().map(|b| b.val()), self.eps)
+            }
+            NormKind::RmsNorm => kernels::rms_norm(x, weight, self.eps),
+        };
+        y.unwrap_or_else(|e| panic!("fused norm: {e}"))
+    }
 }
 
 /// Rotary position tables (half-split form) for `seq_len` positions starting at `offset`.
@@ -400,6 +422,8 @@ pub struct Rope {
     pub cos: Tensor<4>,
     /// `sin(p w_i)`, shape `[1, 1, seq_len, head_dim / 2]`.
     pub sin: Tensor<4>,
+    /// Rotate through the fused kernel ([`burn_parallel::kernels::rope`]).
+    pub fused: bool,
 }
 
 impl Rope {
@@ -434,11 +458,21 @@ impl Rope {
         Self {
             cos: Tensor::from_data(TensorData::new(cos, shape), device),
             sin: Tensor::from_data(TensorData::new(sin, shape), device),
+            fused: false,
         }
+    }
+
+    /// The same tables, rotating through the fused kernel when `fused`.
+    pub fn with_fused(self, fused: bool) -> Self {
+        Self { fused, ..self }
     }
 
     /// Rotates `x` of shape `[batch, heads, seq_len, head_dim]`.
     pub fn apply(&self, x: Tensor<4>) -> Tensor<4> {
+        if self.fused {
+            return kernels::rope(x, self.cos.clone(), self.sin.clone())
+                .unwrap_or_else(|e| panic!("fused rope: {e}"));
+        }
         let half = x.dims()[3] / 2;
         let x1 = x.clone().narrow(3, 0, half);
         let x2 = x.narrow(3, half, half);
@@ -579,6 +613,16 @@ impl Mlp {
         };
         self.drop.forward(self.down.forward(hidden))
     }
+
+    /// [`Self::forward`] with SwiGLU's gating through the fused kernel.
+    pub fn forward_fused(&self, x: Tensor<3>) -> Tensor<3> {
+        let hidden = match &self.gate {
+            None => gelu(self.up.forward(x)),
+            Some(gate) => kernels::swiglu(gate.forward(x.clone()), self.up.forward(x))
+                .unwrap_or_else(|e| panic!("fused swiglu: {e}")),
+        };
+        self.drop.forward(self.down.forward(hidden))
+    }
 }
 
 /// Pre-norm transformer block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
@@ -610,6 +654,13 @@ impl Block {
     pub fn forward(&self, x: Tensor<3>, rope: Option<&Rope>) -> Tensor<3> {
         let x = x.clone() + self.attn.forward(self.ln_1.forward(x), rope);
         x.clone() + self.mlp.forward(self.ln_2.forward(x))
+    }
+
+    /// [`Self::forward`] with the norms and the MLP gating through the fused kernels (the
+    /// rotation is fused when `rope` says so).
+    pub fn forward_fused(&self, x: Tensor<3>, rope: Option<&Rope>) -> Tensor<3> {
+        let x = x.clone() + self.attn.forward(self.ln_1.forward_fused(x), rope);
+        x.clone() + self.mlp.forward_fused(self.ln_2.forward_fused(x))
     }
 }
 
@@ -681,13 +732,16 @@ impl Gpt {
     /// positions.
     pub fn rope(&self, seq_len: usize, offset: usize, device: &Device) -> Option<Rope> {
         match self.config.positions {
-            PositionKind::Rotary => Some(Rope::new(
-                self.config.head_dim(),
-                seq_len,
-                offset,
-                self.config.rope_theta,
-                device,
-            )),
+            PositionKind::Rotary => Some(
+                Rope::new(
+                    self.config.head_dim(),
+                    seq_len,
+                    offset,
+                    self.config.rope_theta,
+                    device,
+                )
+                .with_fused(self.config.fused),
+            ),
             PositionKind::Learned => None,
         }
     }
@@ -715,7 +769,11 @@ impl Gpt {
 
     /// Final norm and output projection: `[batch, seq, d_model] -> [batch, seq, vocab]`.
     pub fn head(&self, x: Tensor<3>) -> Tensor<3> {
-        let x = self.ln_f.forward(x);
+        let x = if self.config.fused {
+            self.ln_f.forward_fused(x)
+        } else {
+            self.ln_f.forward(x)
+        };
         match &self.lm_head {
             Some(lm_head) => lm_head.forward(x),
             None => burn::tensor::module::linear(x, self.wte.weight.val().transpose(), None),
@@ -729,7 +787,11 @@ impl Gpt {
         let rope = self.rope(s, offset, &tokens.device());
         let mut x = self.embed(tokens, offset);
         for block in &self.blocks {
-            x = block.forward(x, rope.as_ref());
+            x = if self.config.fused {
+                block.forward_fused(x, rope.as_ref())
+            } else {
+                block.forward(x, rope.as_ref())
+            };
         }
         self.head(x)
     }
@@ -742,6 +804,9 @@ impl Gpt {
     /// Mean next-token cross-entropy (nats) of `tokens` `[batch, seq]` against `targets`
     /// `[batch, seq]`; a one-element tensor.
     pub fn loss(&self, tokens: Tensor<2, Int>, targets: Tensor<2, Int>) -> Tensor<1> {
+        if self.config.fused {
+            return fused_sequence_cross_entropy(self.forward(tokens), targets);
+        }
         sequence_cross_entropy(self.forward(tokens), targets)
     }
 }
@@ -756,6 +821,18 @@ pub fn cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
     let [n] = targets.dims();
     let log_probs = log_softmax(logits, 1);
     log_probs.gather(1, targets.reshape([n, 1])).mean().neg()
+}
+
+/// [`sequence_cross_entropy`] through the fused kernel ([`burn_parallel::kernels::cross_entropy`]):
+/// the `tokens x vocab` probabilities are not kept for backward.
+///
+/// # Panics
+///
+/// If a target lies outside the vocabulary.
+pub fn fused_sequence_cross_entropy(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
+    let [b, s, v] = logits.dims();
+    kernels::cross_entropy(logits.reshape([b * s, v]), targets.reshape([b * s]), None)
+        .unwrap_or_else(|e| panic!("fused cross-entropy: {e}"))
 }
 
 /// [`cross_entropy`] over every position of `logits` `[batch, seq, vocab]` and `targets`

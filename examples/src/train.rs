@@ -49,6 +49,36 @@ pub struct TrainConfig {
     pub max_grad_norm: Option<f64>,
 }
 
+/// The device of a training run.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum TrainDevice {
+    /// Burn's pure-Rust CPU backend.
+    #[default]
+    Flex,
+    /// Burn's WGPU backend (needs the `wgpu` feature and an adapter), where
+    /// `GptConfig::fused` runs the CubeCL kernels.
+    Wgpu,
+}
+
+impl TrainDevice {
+    /// The (plain, non-autodiff) Burn device.
+    ///
+    /// # Errors
+    /// For `Wgpu` without the `wgpu` feature or without an adapter.
+    pub fn device(self) -> Result<Device, String> {
+        match self {
+            TrainDevice::Flex => Ok(Device::flex()),
+            #[cfg(feature = "wgpu")]
+            TrainDevice::Wgpu => burn_parallel::kernels::wgpu_device().map_err(|e| e.to_string()),
+            #[cfg(not(feature = "wgpu"))]
+            TrainDevice::Wgpu => {
+                Err("this build has no WGPU backend: rebuild with --features wgpu".into())
+            }
+        }
+    }
+}
+
 impl Default for TrainConfig {
     fn default() -> Self {
         let mut model = GptConfig::new(256, 2, 4, 128, 64);
@@ -156,6 +186,23 @@ pub fn train_gpt(
     corpus: &Corpus,
     on_step: &mut dyn FnMut(&StepStats),
 ) -> burn_parallel::Result<TrainReport> {
+    train_gpt_on(group, config, TrainDevice::Flex, corpus, on_step)
+}
+
+/// [`train_gpt`] on `device` (the `gpt --device` flag): with [`TrainDevice::Wgpu`] and
+/// `config.model.fused`, the norms, SwiGLU, RoPE and the cross-entropy run as CubeCL kernels.
+///
+/// # Errors
+/// As [`train_gpt`]; a device that cannot be initialised is reported as
+/// [`CollectiveError::InvalidArgument`].
+pub fn train_gpt_on(
+    group: &ProcessGroup,
+    config: &TrainConfig,
+    device: TrainDevice,
+    corpus: &Corpus,
+    on_step: &mut dyn FnMut(&StepStats),
+) -> burn_parallel::Result<TrainReport> {
+    let plain = device;
     config
         .validate(group.size())
         .map_err(|reason| CollectiveError::InvalidArgument {
@@ -163,14 +210,21 @@ pub fn train_gpt(
             op: "train_gpt".into(),
             reason,
         })?;
-    let device = Device::flex().autodiff();
+    let device = device
+        .device()
+        .map_err(|reason| CollectiveError::InvalidArgument {
+            rank: group.global_rank(),
+            op: "train_gpt".into(),
+            reason,
+        })?
+        .autodiff();
     let ddp = data_parallel(group, config);
     // Seeded init already gives identical replicas; the broadcast makes that a guarantee.
     let model = ddp.broadcast_module(Gpt::new(&config.model, &device), 0)?;
     let loss_of = |m: &Gpt, inputs, targets| Ok(m.loss(inputs, targets));
     let (model, run) = fit(model, &ddp, config, corpus, &device, &loss_of, on_step)?;
     let eval_model = model.valid();
-    let val_loss = validation_loss(group, config, corpus, &|inputs, targets| {
+    let val_loss = validation_loss(group, config, plain, corpus, &|inputs, targets| {
         Ok(eval_model.loss(inputs, targets))
     })?;
     let sample = if group.rank() == 0 {
@@ -290,10 +344,17 @@ fn scalar(t: &Tensor<1>) -> f64 {
 fn validation_loss(
     group: &ProcessGroup,
     config: &TrainConfig,
+    device: TrainDevice,
     corpus: &Corpus,
     loss_of: &dyn Fn(Tensor<2, Int>, Tensor<2, Int>) -> burn_parallel::Result<Tensor<1>>,
 ) -> burn_parallel::Result<f64> {
-    let device = Device::flex();
+    let device = device
+        .device()
+        .map_err(|reason| CollectiveError::InvalidArgument {
+            rank: group.global_rank(),
+            op: "validation_loss".into(),
+            reason,
+        })?;
     let rows = config.batch_size / group.size();
     let mut total = 0.0;
     for b in 0..config.eval_batches {
@@ -450,11 +511,17 @@ pub fn train_gpt_parallel(
     // Evaluation with the sharded model, each data-parallel replica on its rows (every rank of
     // a tensor-parallel group holds the same loss).
     let eval_model = model.valid();
-    let val_loss = validation_loss(&dp_group, config, corpus, &|inputs, targets| {
-        eval_model
-            .loss(inputs, targets)
-            .map_err(|e| tp_error(world, e))
-    })?;
+    let val_loss = validation_loss(
+        &dp_group,
+        config,
+        TrainDevice::Flex,
+        corpus,
+        &|inputs, targets| {
+            eval_model
+                .loss(inputs, targets)
+                .map_err(|e| tp_error(world, e))
+        },
+    )?;
     // Sampling needs the whole model: gather it (every rank takes part), rank 0 generates.
     let plain = Device::flex();
     let sample = if config.sample_len > 0 {

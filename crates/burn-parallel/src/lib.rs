@@ -43,3 +43,4 @@ pub use tensor_parallel::{
     ColumnParallelLinear, ParallelAttention, ParallelMlp, Placement, RowParallelLinear, TpError,
     TpTensor, VocabParallelEmbedding, vocab_parallel_cross_entropy,
 };
+pub mod kernels;

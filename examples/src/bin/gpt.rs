@@ -17,7 +17,9 @@ use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroError};
 use clap::{Parser, ValueEnum};
 use examples::data::Corpus;
 use examples::gpt::{MlpKind, PositionKind};
-use examples::train::{Parallelism, StepStats, TrainConfig, TrainReport, train_gpt_parallel};
+use examples::train::{
+    Parallelism, StepStats, TrainConfig, TrainDevice, TrainReport, train_gpt_on, train_gpt_parallel,
+};
 use examples::train_zero::{ZeroReport, ZeroRunOptions, memory_line, train_gpt_zero};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -117,6 +119,27 @@ struct Args {
     /// Write the per-step losses as JSON to this file (rank 0).
     #[arg(long)]
     losses_out: Option<PathBuf>,
+    /// Run norms, SwiGLU, RoPE and the cross-entropy through the fused kernels.
+    #[arg(long)]
+    fused: bool,
+    /// Device of the data-parallel trainer (`wgpu` needs a build with `--features wgpu`).
+    #[arg(long, value_enum)]
+    device: Option<DeviceArg>,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum DeviceArg {
+    Flex,
+    #[cfg(feature = "wgpu")]
+    Wgpu,
+}
+
+fn train_device(args: &Args) -> TrainDevice {
+    match args.device {
+        None | Some(DeviceArg::Flex) => TrainDevice::Flex,
+        #[cfg(feature = "wgpu")]
+        Some(DeviceArg::Wgpu) => TrainDevice::Wgpu,
+    }
 }
 
 fn config_from(args: &Args) -> Result<TrainConfig, String> {
@@ -164,6 +187,9 @@ fn config_from(args: &Args) -> Result<TrainConfig, String> {
     if args.tied {
         c.model.tied_embeddings = true;
     }
+    if args.fused {
+        c.model.fused = true;
+    }
     c.model.max_seq_len = c.model.max_seq_len.max(c.seq_len);
     Ok(c)
 }
@@ -175,6 +201,7 @@ fn run_rank(
     parallel: &Parallelism,
     corpus: &Corpus,
     log_every: usize,
+    device: TrainDevice,
 ) -> burn_parallel::Result<TrainReport> {
     let lead = group.rank() == 0;
     let bar = if lead {
@@ -205,7 +232,15 @@ fn run_rank(
             }
         }
     };
-    let report = train_gpt_parallel(group, config, parallel, corpus, &mut on_step);
+    let report = match device {
+        TrainDevice::Flex => train_gpt_parallel(group, config, parallel, corpus, &mut on_step),
+        other if parallel.tp == 1 => train_gpt_on(group, config, other, corpus, &mut on_step),
+        _ => Err(CollectiveError::InvalidArgument {
+            rank: group.global_rank(),
+            op: "gpt".into(),
+            reason: "--device other than flex supports data parallelism only (--tp 1)".into(),
+        }),
+    };
     bar.finish_and_clear();
     report
 }
@@ -241,7 +276,14 @@ fn main() -> ExitCode {
             }
             print_header(&config, args.ranks, "local", &corpus, &parallel);
             run_local(args.ranks, |group| {
-                run_rank(&group, &config, &parallel, &corpus, args.log_every)
+                run_rank(
+                    &group,
+                    &config,
+                    &parallel,
+                    &corpus,
+                    args.log_every,
+                    train_device(&args),
+                )
             })
             .map(|mut reports| Some(reports.swap_remove(0)))
         }
@@ -249,7 +291,14 @@ fn main() -> ExitCode {
             if group.rank() == 0 {
                 print_header(&config, group.size(), "tcp", &corpus, &parallel);
             }
-            let report = run_rank(&group, &config, &parallel, &corpus, args.log_every)?;
+            let report = run_rank(
+                &group,
+                &config,
+                &parallel,
+                &corpus,
+                args.log_every,
+                train_device(&args),
+            )?;
             // Rank 0 reports for everyone.
             Ok((group.rank() == 0).then_some(report))
         }),

@@ -1,0 +1,988 @@
+//! Fused training kernels: RMSNorm/LayerNorm, SwiGLU, rotary embedding, softmax
+//! cross-entropy (vocabulary-parallel capable) and AdamW, each with its backward.
+//!
+//! # Layers
+//!
+//! - [`FusedKernels`] is a Burn backend extension (`#[backend_extension]`) over primitive
+//!   tensors. On CubeCL backends (feature `wgpu`: WGPU, and with it any CubeCL runtime Burn was
+//!   built with) every method is one or two CubeCL kernels (`cube` module); on `flex` it runs
+//!   the composed [`reference`] built from Burn tensor operations. Its `Autodiff<B, C>`
+//!   implementation records hand-written backward steps that call the backward methods of
+//!   the inner backend, so gradients are fused too.
+//! - The functions of this module ([`rms_norm`], [`layer_norm`], [`swiglu`], [`rope`],
+//!   [`cross_entropy`], [`vocab_parallel_cross_entropy`], [`adamw_step`]) take ordinary
+//!   `Tensor`s of any rank, validate them and return typed [`KernelError`]s.
+//!
+//! # Memory of the cross-entropy
+//!
+//! The forward computes per-row `(max, sum exp)` in one pass over the logits and keeps only
+//! the row log-sum-exp (`[rows]`) for backward; the backward recomputes `softmax - onehot`
+//! from the logits in one pass. The `tokens x vocab` probability (or log-probability) matrix
+//! that `log_softmax` + `gather` keeps for backward is never stored.
+//!
+//! # Vocabulary parallelism
+//!
+//! [`vocab_parallel_cross_entropy`] runs on one shard of the vocabulary per rank: the partial
+//! statistics ([`ce_partial_stats`], `[rows, 2]` = max and sum of exponentials) are combined
+//! across the group (max all-reduce, then a rescaled sum all-reduce), so no rank ever holds
+//! full logits, as in [`crate::tensor_parallel::vocab_parallel_cross_entropy`].
+
+use std::fmt;
+
+use burn::backend::autodiff::Autodiff;
+use burn::backend::autodiff::checkpoint::base::Checkpointer;
+use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn::backend::autodiff::grads::Gradients;
+use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{AutodiffBackend, Dispatch, Flex, backend_extension};
+use burn::tensor::{DType, Int, Tensor, TensorData};
+
+use crate::autograd::reduce_from_group;
+use crate::comm::host::ReduceOp;
+use crate::error::CollectiveError;
+use crate::group::ProcessGroup;
+
+#[cfg(feature = "wgpu")]
+pub mod cube;
+pub mod reference;
+
+/// What can go wrong when calling a fused kernel.
+#[derive(Debug, thiserror::Error, Clone, PartialEq)]
+pub enum KernelError {
+    /// Shapes that do not fit together.
+    #[error("{op}: {reason}")]
+    Shape {
+        /// The operation.
+        op: &'static str,
+        /// What did not fit, with the shapes.
+        reason: String,
+    },
+    /// Tensors of different dtypes where the kernel needs one (or an unsupported dtype).
+    #[error("{op}: {reason}")]
+    DType {
+        /// The operation.
+        op: &'static str,
+        /// The dtypes involved.
+        reason: String,
+    },
+    /// An invalid scalar argument (epsilon, betas, learning rate, ...).
+    #[error("{op}: invalid argument: {reason}")]
+    Argument {
+        /// The operation.
+        op: &'static str,
+        /// Which argument and why.
+        reason: String,
+    },
+    /// A collective of the vocabulary-parallel cross-entropy failed.
+    #[error("collective failed in a fused kernel: {0}")]
+    Collective(#[from] CollectiveError),
+    /// No WGPU adapter could be initialised.
+    #[error("no WGPU adapter: {0}")]
+    NoAdapter(String),
+}
+
+/// Result of the fused-kernel functions.
+pub type KernelResult<T> = std::result::Result<T, KernelError>;
+
+/// Hyper-parameters of one fused AdamW step (Burn's `AdamW` semantics).
+#[derive(Clone, Copy, PartialEq)]
+pub struct AdamWHyper {
+    /// Learning rate of this step.
+    pub lr: f64,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Added to `sqrt(v_hat)`.
+    pub eps: f32,
+    /// Decoupled weight decay (the parameter is scaled by `1 - lr * weight_decay`).
+    pub weight_decay: f32,
+    /// 1-based step number (for the bias corrections).
+    pub step: u32,
+}
+
+impl fmt::Debug for AdamWHyper {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "AdamWHyper(lr={}, betas=({}, {}), eps={}, wd={}, step={})",
+            self.lr, self.beta1, self.beta2, self.eps, self.weight_decay, self.step
+        )
+    }
+}
+
+impl AdamWHyper {
+    /// The bias corrections `(1 - beta1^step, 1 - beta2^step)`, computed as Burn does.
+    pub fn bias_corrections(&self) -> (f32, f32) {
+        let t = self.step as i32;
+        (1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t))
+    }
+
+    fn validate(&self) -> KernelResult<()> {
+        let bad = |reason: String| {
+            Err(KernelError::Argument {
+                op: "adamw_step",
+                reason,
+            })
+        };
+        if self.step == 0 {
+            return bad("step is 1-based, got 0".into());
+        }
+        if !(0.0..1.0).contains(&self.beta1) || !(0.0..1.0).contains(&self.beta2) {
+            return bad(format!(
+                "betas must be in [0, 1), got ({}, {})",
+                self.beta1, self.beta2
+            ));
+        }
+        if self.eps.is_nan()
+            || self.eps <= 0.0
+            || !self.lr.is_finite()
+            || !self.weight_decay.is_finite()
+        {
+            return bad(format!("{self:?}"));
+        }
+        Ok(())
+    }
+}
+
+/// The backend extension of the fused kernels, over primitive tensors.
+///
+/// Layout conventions (the public functions of [`kernels`](self) reshape into them): norms on
+/// `[rows, cols]` with `[cols]` parameters and `[rows]` statistics; SwiGLU element-wise on any
+/// shape; RoPE on `[n, seq, head_dim]` with `[seq, head_dim / 2]` tables; AdamW on flat
+/// tensors; cross-entropy on `[rows, vocab]` logits with `[rows]` targets.
+#[backend_extension(Flex, Autodiff, Cube: cfg(feature = "wgpu"))]
+pub trait FusedKernels: burn::backend::Backend {
+    /// LayerNorm (`rms == false`) or RMSNorm forward, one pass over each row for the
+    /// statistics. Returns `(y, mean, rstd)` (`mean` is zeros for RMSNorm; the bias is ignored).
+    fn fused_norm_forward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f64,
+        rms: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Norm backward: `(dx, dweight, dbias)`; the parameter gradients are reduced across rows
+    /// deterministically (per-block partial sums, then a sum), without atomics.
+    fn fused_norm_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        rms: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// `silu(a) * b`.
+    fn fused_swiglu_forward(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// Gradients `(da, db)` of `silu(a) * b`.
+    fn fused_swiglu_backward(
+        dy: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Rotary embedding of `x` `[n, seq, head_dim]`; `inverse` rotates by the opposite angle
+    /// (the backward).
+    fn fused_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        inverse: bool,
+    ) -> FloatTensor<Self>;
+
+    /// One AdamW step over flat `param` (fp32 or bf16/f16), `grad` (param's dtype) and fp32
+    /// moments `m`, `v`. Returns the updated `(param, m, v)`.
+    fn fused_adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        hyper: AdamWHyper,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Per-row partial softmax statistics `[rows, 2]` (max, sum of `exp(x - max)`).
+    fn fused_ce_stats(logits: FloatTensor<Self>) -> FloatTensor<Self>;
+
+    /// Per-row NLL contribution of a vocabulary shard (see [`reference::ce_nll`]).
+    fn fused_ce_nll(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        vocab_start: usize,
+        count_lse: bool,
+        ignore_index: i64,
+    ) -> FloatTensor<Self>;
+
+    /// Gradient of the cross-entropy with respect to a shard of logits
+    /// (see [`reference::ce_backward`]).
+    fn fused_ce_backward(
+        dnll: FloatTensor<Self>,
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        vocab_start: usize,
+        ignore_index: i64,
+    ) -> FloatTensor<Self>;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flex: the composed reference.
+
+fn fx<const D: usize>(t: FloatTensor<Flex>) -> Tensor<D> {
+    Tensor::from_primitive::<Flex>(t)
+}
+
+fn fi(t: IntTensor<Flex>) -> Tensor<1, Int> {
+    Tensor::from_primitive::<Flex>(t)
+}
+
+fn fp<const D: usize>(t: Tensor<D>) -> FloatTensor<Flex> {
+    t.try_into_primitive::<Flex>()
+        .expect("a reference on flex tensors stays on flex")
+}
+
+impl FusedKernels for Flex {
+    fn fused_norm_forward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f64,
+        rms: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (y, mean, rstd) = reference::norm_forward(fx(x), fx(weight), fx(bias), eps, rms);
+        (fp(y), fp(mean), fp(rstd))
+    }
+
+    fn fused_norm_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        rms: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dx, dw, db) =
+            reference::norm_backward(fx(dy), fx(x), fx(weight), fx(mean), fx(rstd), rms);
+        (fp(dx), fp(dw), fp(db))
+    }
+
+    fn fused_swiglu_forward(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        fp(reference::swiglu_forward::<1>(fx(a), fx(b)))
+    }
+
+    fn fused_swiglu_backward(
+        dy: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (da, db) = reference::swiglu_backward::<1>(fx(dy), fx(a), fx(b));
+        (fp(da), fp(db))
+    }
+
+    fn fused_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        inverse: bool,
+    ) -> FloatTensor<Self> {
+        fp(reference::rope(fx(x), fx(cos), fx(sin), inverse))
+    }
+
+    fn fused_adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        hyper: AdamWHyper,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (p, m, v) = reference::adamw_step::<1>(fx(param), fx(grad), fx(m), fx(v), &hyper);
+        (fp(p), fp(m), fp(v))
+    }
+
+    fn fused_ce_stats(logits: FloatTensor<Self>) -> FloatTensor<Self> {
+        fp(reference::ce_stats(fx(logits)))
+    }
+
+    fn fused_ce_nll(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        vocab_start: usize,
+        count_lse: bool,
+        ignore_index: i64,
+    ) -> FloatTensor<Self> {
+        fp(reference::ce_nll(
+            fx(logits),
+            fi(targets),
+            fx(lse),
+            vocab_start,
+            count_lse,
+            ignore_index,
+        ))
+    }
+
+    fn fused_ce_backward(
+        dnll: FloatTensor<Self>,
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        vocab_start: usize,
+        ignore_index: i64,
+    ) -> FloatTensor<Self> {
+        fp(reference::ce_backward(
+            fx(dnll),
+            fx(logits),
+            fi(targets),
+            fx(lse),
+            vocab_start,
+            ignore_index,
+        ))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Autodiff: hand-written backward steps calling the inner backend's backward kernels.
+
+#[derive(Debug)]
+struct NormBackward;
+
+impl<B: FusedKernels> Backward<B, 3> for NormBackward {
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        bool,
+    );
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w, node_b] = ops.parents;
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, w, mean, rstd, rms) = ops.state;
+        let (dx, dw, db) = B::fused_norm_backward(dy, x, w, mean, rstd, rms);
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, dx);
+        }
+        if let Some(node) = node_w {
+            grads.register::<B>(node.id, dw);
+        }
+        if let Some(node) = node_b {
+            grads.register::<B>(node.id, db);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct SwigluBackward;
+
+impl<B: FusedKernels> Backward<B, 2> for SwigluBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_a, node_b] = ops.parents;
+        let dy = grads.consume::<B>(&ops.node);
+        let (a, b) = ops.state;
+        let (da, db) = B::fused_swiglu_backward(dy, a, b);
+        if let Some(node) = node_a {
+            grads.register::<B>(node.id, da);
+        }
+        if let Some(node) = node_b {
+            grads.register::<B>(node.id, db);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct RopeBackward;
+
+impl<B: FusedKernels> Backward<B, 1> for RopeBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>, bool);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x] = ops.parents;
+        let dy = grads.consume::<B>(&ops.node);
+        let (cos, sin, inverse) = ops.state;
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, B::fused_rope(dy, cos, sin, !inverse));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct CrossEntropyBackward;
+
+impl<B: FusedKernels> Backward<B, 1> for CrossEntropyBackward {
+    type State = (FloatTensor<B>, IntTensor<B>, FloatTensor<B>, usize, i64);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_logits] = ops.parents;
+        let dnll = grads.consume::<B>(&ops.node);
+        let (logits, targets, lse, vocab_start, ignore_index) = ops.state;
+        if let Some(node) = node_logits {
+            let dlogits =
+                B::fused_ce_backward(dnll, logits, targets, lse, vocab_start, ignore_index);
+            grads.register::<B>(node.id, dlogits);
+        }
+    }
+}
+
+/// A result of the inner backend as an untracked autodiff tensor.
+fn untracked<B: FusedKernels, C: CheckpointStrategy>(
+    t: FloatTensor<B>,
+) -> FloatTensor<Autodiff<B, C>> {
+    Autodiff::<B, C>::from_inner(t)
+}
+
+impl<B: FusedKernels, C: CheckpointStrategy> FusedKernels for Autodiff<B, C> {
+    fn fused_norm_forward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f64,
+        rms: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let nodes = [x.node(), weight.node(), bias.node()];
+        let (xp, wp, bp) = (
+            x.into_primitive(),
+            weight.into_primitive(),
+            bias.into_primitive(),
+        );
+        let (y, mean, rstd) = B::fused_norm_forward(xp.clone(), wp.clone(), bp, eps, rms);
+        let y = match NormBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((xp, wp, mean.clone(), rstd.clone(), rms), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        };
+        (y, untracked::<B, C>(mean), untracked::<B, C>(rstd))
+    }
+
+    fn fused_norm_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        rms: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dx, dw, db) = B::fused_norm_backward(
+            dy.into_primitive(),
+            x.into_primitive(),
+            weight.into_primitive(),
+            mean.into_primitive(),
+            rstd.into_primitive(),
+            rms,
+        );
+        (
+            untracked::<B, C>(dx),
+            untracked::<B, C>(dw),
+            untracked::<B, C>(db),
+        )
+    }
+
+    fn fused_swiglu_forward(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        let nodes = [a.node(), b.node()];
+        let (ap, bp) = (a.into_primitive(), b.into_primitive());
+        let y = B::fused_swiglu_forward(ap.clone(), bp.clone());
+        match SwigluBackward
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((ap, bp), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn fused_swiglu_backward(
+        dy: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (da, db) =
+            B::fused_swiglu_backward(dy.into_primitive(), a.into_primitive(), b.into_primitive());
+        (untracked::<B, C>(da), untracked::<B, C>(db))
+    }
+
+    fn fused_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        inverse: bool,
+    ) -> FloatTensor<Self> {
+        let nodes = [x.node()];
+        let (cos, sin) = (cos.into_primitive(), sin.into_primitive());
+        let y = B::fused_rope(x.into_primitive(), cos.clone(), sin.clone(), inverse);
+        match RopeBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((cos, sin, inverse), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn fused_adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        hyper: AdamWHyper,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (p, m, v) = B::fused_adamw_step(
+            param.into_primitive(),
+            grad.into_primitive(),
+            m.into_primitive(),
+            v.into_primitive(),
+            hyper,
+        );
+        (
+            untracked::<B, C>(p),
+            untracked::<B, C>(m),
+            untracked::<B, C>(v),
+        )
+    }
+
+    fn fused_ce_stats(logits: FloatTensor<Self>) -> FloatTensor<Self> {
+        untracked::<B, C>(B::fused_ce_stats(logits.into_primitive()))
+    }
+
+    fn fused_ce_nll(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        vocab_start: usize,
+        count_lse: bool,
+        ignore_index: i64,
+    ) -> FloatTensor<Self> {
+        let nodes = [logits.node()];
+        let (lp, lse) = (logits.into_primitive(), lse.into_primitive());
+        let y = B::fused_ce_nll(
+            lp.clone(),
+            targets.clone(),
+            lse.clone(),
+            vocab_start,
+            count_lse,
+            ignore_index,
+        );
+        match CrossEntropyBackward
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((lp, targets, lse, vocab_start, ignore_index), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn fused_ce_backward(
+        dnll: FloatTensor<Self>,
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        vocab_start: usize,
+        ignore_index: i64,
+    ) -> FloatTensor<Self> {
+        untracked::<B, C>(B::fused_ce_backward(
+            dnll.into_primitive(),
+            logits.into_primitive(),
+            targets,
+            lse.into_primitive(),
+            vocab_start,
+            ignore_index,
+        ))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Public tensor-level API.
+
+fn same_dtype(op: &'static str, tensors: &[(&str, DType)]) -> KernelResult<()> {
+    let (first_name, first) = tensors[0];
+    for (name, dtype) in &tensors[1..] {
+        if *dtype != first {
+            return Err(KernelError::DType {
+                op,
+                reason: format!("{first_name} is {first:?} but {name} is {dtype:?}"),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn check_eps(op: &'static str, eps: f64) -> KernelResult<()> {
+    if eps > 0.0 && eps.is_finite() {
+        Ok(())
+    } else {
+        Err(KernelError::Argument {
+            op,
+            reason: format!("eps must be positive and finite, got {eps}"),
+        })
+    }
+}
+
+fn norm<const D: usize>(
+    op: &'static str,
+    x: Tensor<D>,
+    weight: Tensor<1>,
+    bias: Option<Tensor<1>>,
+    eps: f64,
+    rms: bool,
+) -> KernelResult<Tensor<D>> {
+    check_eps(op, eps)?;
+    let dims = x.dims();
+    let cols = *dims.last().ok_or(KernelError::Shape {
+        op,
+        reason: "a rank-0 input has no row to normalise".into(),
+    })?;
+    let [w] = weight.dims();
+    let b = bias.as_ref().map(|b| b.dims()[0]).unwrap_or(w);
+    if w != cols || b != cols || cols == 0 {
+        return Err(KernelError::Shape {
+            op,
+            reason: format!("input {dims:?} needs weight/bias of [{cols}], got [{w}] / [{b}]"),
+        });
+    }
+    let mut dtypes = vec![("x", x.dtype()), ("weight", weight.dtype())];
+    if let Some(b) = &bias {
+        dtypes.push(("bias", b.dtype()));
+    }
+    same_dtype(op, &dtypes)?;
+    let rows = x.shape().num_elements() / cols;
+    // RMSNorm has no bias: pass the (detached) weight, which the kernel ignores.
+    let bias = bias.unwrap_or_else(|| weight.clone().detach());
+    let (y, _, _) = Dispatch::fused_norm_forward(
+        x.reshape([rows, cols]).into_dispatch(),
+        weight.into_dispatch(),
+        bias.into_dispatch(),
+        eps,
+        rms,
+    );
+    Ok(Tensor::<2>::from_dispatch(y).reshape(dims))
+}
+
+/// RMSNorm over the last dimension: `x / sqrt(mean(x^2) + eps) * weight`, fused (one kernel
+/// forward, two backward) on CubeCL backends.
+///
+/// # Errors
+/// [`KernelError::Shape`] when `weight` is not `[x.dims()[D - 1]]`; [`KernelError::DType`]
+/// when dtypes differ; [`KernelError::Argument`] for a non-positive `eps`.
+pub fn rms_norm<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<1>,
+    eps: f64,
+) -> KernelResult<Tensor<D>> {
+    norm("rms_norm", x, weight, None, eps, true)
+}
+
+/// LayerNorm over the last dimension: `(x - mean) / sqrt(var + eps) * weight + bias`, fused.
+///
+/// # Errors
+/// As [`rms_norm`], also for a bias of the wrong shape or dtype.
+pub fn layer_norm<const D: usize>(
+    x: Tensor<D>,
+    weight: Tensor<1>,
+    bias: Option<Tensor<1>>,
+    eps: f64,
+) -> KernelResult<Tensor<D>> {
+    match bias {
+        Some(bias) => norm("layer_norm", x, weight, Some(bias), eps, false),
+        None => {
+            let zeros = Tensor::<1>::zeros(weight.dims(), &weight.device()).cast(weight.dtype());
+            norm("layer_norm", x, weight, Some(zeros), eps, false)
+        }
+    }
+}
+
+/// SwiGLU's gating `silu(a) * b`, element-wise, fused forward and backward.
+///
+/// # Errors
+/// [`KernelError::Shape`] / [`KernelError::DType`] when `a` and `b` differ in shape or dtype.
+pub fn swiglu<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> KernelResult<Tensor<D>> {
+    let dims = a.dims();
+    if dims != b.dims() {
+        return Err(KernelError::Shape {
+            op: "swiglu",
+            reason: format!("a is {dims:?} but b is {:?}", b.dims()),
+        });
+    }
+    same_dtype("swiglu", &[("a", a.dtype()), ("b", b.dtype())])?;
+    let n = a.shape().num_elements();
+    let y = Dispatch::fused_swiglu_forward(
+        a.reshape([n]).into_dispatch(),
+        b.reshape([n]).into_dispatch(),
+    );
+    Ok(Tensor::<1>::from_dispatch(y).reshape(dims))
+}
+
+/// Rotary position embedding (half-split form, as `examples::gpt::Rope`) of `x`
+/// `[batch, heads, seq, head_dim]` with tables `cos`, `sin` of `seq x head_dim / 2` elements
+/// (any rank, e.g. `[1, 1, seq, head_dim / 2]`). One kernel forward, one backward (the
+/// inverse rotation).
+///
+/// # Errors
+/// [`KernelError::Shape`] for an odd `head_dim` or tables of the wrong size;
+/// [`KernelError::DType`] when dtypes differ.
+pub fn rope<const D: usize>(
+    x: Tensor<4>,
+    cos: Tensor<D>,
+    sin: Tensor<D>,
+) -> KernelResult<Tensor<4>> {
+    let dims = x.dims();
+    let [b, h, s, hd] = dims;
+    if hd % 2 != 0 || hd == 0 {
+        return Err(KernelError::Shape {
+            op: "rope",
+            reason: format!("head_dim must be even and positive, got {hd}"),
+        });
+    }
+    let half = hd / 2;
+    for (name, t) in [("cos", &cos), ("sin", &sin)] {
+        if t.shape().num_elements() != s * half {
+            return Err(KernelError::Shape {
+                op: "rope",
+                reason: format!(
+                    "{name} must hold seq x head_dim/2 = {s} x {half} values, got {:?}",
+                    t.dims()
+                ),
+            });
+        }
+    }
+    same_dtype(
+        "rope",
+        &[("x", x.dtype()), ("cos", cos.dtype()), ("sin", sin.dtype())],
+    )?;
+    let y = Dispatch::fused_rope(
+        x.reshape([b * h, s, hd]).into_dispatch(),
+        cos.reshape([s, half]).detach().into_dispatch(),
+        sin.reshape([s, half]).detach().into_dispatch(),
+        false,
+    );
+    Ok(Tensor::<3>::from_dispatch(y).reshape(dims))
+}
+
+/// Per-row partial softmax statistics `[rows, 2]` (max, `sum exp(x - max)`) of a shard of
+/// logits `[rows, vocab_shard]`: the quantity a vocabulary-parallel group combines. Detached.
+pub fn ce_partial_stats(logits: Tensor<2>) -> Tensor<2> {
+    Tensor::from_dispatch(Dispatch::fused_ce_stats(logits.detach().into_dispatch()))
+}
+
+fn check_ce(
+    op: &'static str,
+    logits: &Tensor<2>,
+    targets: &Tensor<1, Int>,
+) -> KernelResult<(usize, usize)> {
+    let [rows, vocab] = logits.dims();
+    let [n] = targets.dims();
+    if n != rows || vocab == 0 {
+        return Err(KernelError::Shape {
+            op,
+            reason: format!("logits [{rows}, {vocab}] need targets [{rows}], got [{n}]"),
+        });
+    }
+    Ok((rows, vocab))
+}
+
+/// Host check that every target is in `[0, vocab)` or equal to `ignore_index`; returns the
+/// number of counted (non-ignored) rows.
+fn count_targets(
+    op: &'static str,
+    targets: &Tensor<1, Int>,
+    vocab: usize,
+    ignore_index: Option<i64>,
+) -> KernelResult<usize> {
+    let ids: Vec<i64> = targets
+        .clone()
+        .into_data()
+        .try_into_vec_as::<i64>()
+        .map_err(|e| KernelError::DType {
+            op,
+            reason: format!("targets: {e:?}"),
+        })?;
+    let mut counted = 0;
+    for (row, &t) in ids.iter().enumerate() {
+        if Some(t) == ignore_index {
+            continue;
+        }
+        if t < 0 || t as usize >= vocab {
+            return Err(KernelError::Argument {
+                op,
+                reason: format!("target {t} of row {row} is outside the vocabulary [0, {vocab})"),
+            });
+        }
+        counted += 1;
+    }
+    Ok(counted)
+}
+
+fn mean_over(nll: Tensor<1>, counted: usize) -> Tensor<1> {
+    // Every target ignored: the mean is 0 (and so is the gradient), as PyTorch's sum/0 is not.
+    nll.sum() / counted.max(1) as f64
+}
+
+/// The sentinel passed to the kernels when no target is ignored (no valid id equals it).
+const NO_IGNORE: i64 = i64::MIN;
+
+/// Mean softmax cross-entropy of `logits` `[rows, vocab]` against class ids `targets` `[rows]`,
+/// targets equal to `ignore_index` excluded from the mean (0 when all are ignored).
+///
+/// Fused: one pass for the row statistics (`max`, `sum exp`), one for the NLL; backward is
+/// one pass computing `softmax - onehot` from the logits and the saved `[rows]` log-sum-exp.
+///
+/// # Errors
+/// [`KernelError::Shape`] for mismatched shapes; [`KernelError::Argument`] for a target outside
+/// the vocabulary that is not `ignore_index`.
+pub fn cross_entropy(
+    logits: Tensor<2>,
+    targets: Tensor<1, Int>,
+    ignore_index: Option<i64>,
+) -> KernelResult<Tensor<1>> {
+    let (rows, vocab) = check_ce("cross_entropy", &logits, &targets)?;
+    let counted = count_targets("cross_entropy", &targets, vocab, ignore_index)?;
+    let stats = ce_partial_stats(logits.clone());
+    let lse = stats.clone().narrow(1, 0, 1) + stats.narrow(1, 1, 1).log();
+    let nll = Dispatch::fused_ce_nll(
+        logits.into_dispatch(),
+        targets.into_dispatch(),
+        lse.reshape([rows]).into_dispatch(),
+        0,
+        true,
+        ignore_index.unwrap_or(NO_IGNORE),
+    );
+    Ok(mean_over(Tensor::from_dispatch(nll), counted))
+}
+
+/// Vocabulary-parallel mean cross-entropy: this rank holds the logits of the global ids
+/// `vocab_start .. vocab_start + logits.dims()[1]` (`targets` are global ids; `vocab` is the
+/// global vocabulary size, for the range check). The partial statistics are all-reduced over
+/// `group` (max, then the rescaled sum of exponentials), each rank computes its NLL
+/// contribution with the fused kernel and the contributions are summed with
+/// [`reduce_from_group`]; the gradient of each shard is `softmax - onehot` of that shard.
+/// The result `[1]` is the same on every rank.
+///
+/// Put [`crate::autograd::copy_to_group`] on the replicated hidden state before a
+/// column-parallel output layer, as for the unfused version.
+///
+/// # Errors
+/// As [`cross_entropy`], and [`KernelError::Collective`] when a collective fails.
+pub fn vocab_parallel_cross_entropy(
+    logits: Tensor<2>,
+    targets: Tensor<1, Int>,
+    vocab_start: usize,
+    vocab: usize,
+    ignore_index: Option<i64>,
+    group: &ProcessGroup,
+) -> KernelResult<Tensor<1>> {
+    let op = "vocab_parallel_cross_entropy";
+    let (rows, shard) = check_ce(op, &logits, &targets)?;
+    if vocab_start + shard > vocab {
+        return Err(KernelError::Shape {
+            op,
+            reason: format!(
+                "shard [{vocab_start}, {}) exceeds the vocabulary of {vocab}",
+                vocab_start + shard
+            ),
+        });
+    }
+    let counted = count_targets(op, &targets, vocab, ignore_index)?;
+    let device = logits.device();
+    let stats: Vec<f32> = ce_partial_stats(logits.clone())
+        .into_data()
+        .try_into_vec_as::<f32>()
+        .map_err(|e| KernelError::DType {
+            op,
+            reason: format!("statistics: {e:?}"),
+        })?;
+    let local_max: Vec<f32> = stats.chunks(2).map(|s| s[0]).collect();
+    let global_max = group.all_reduce_f32(local_max.clone(), ReduceOp::Max)?;
+    let rescaled: Vec<f32> = stats
+        .chunks(2)
+        .zip(&global_max)
+        .map(|(s, &g)| s[1] * (s[0] - g).exp())
+        .collect();
+    let sum = group.all_reduce_f32(rescaled, ReduceOp::Sum)?;
+    let lse: Vec<f32> = global_max
+        .iter()
+        .zip(&sum)
+        .map(|(&m, &s)| m + s.ln())
+        .collect();
+    let lse = Tensor::<1>::from_data(TensorData::new(lse, [rows]), &device).cast(logits.dtype());
+    let nll = Dispatch::fused_ce_nll(
+        logits.into_dispatch(),
+        targets.into_dispatch(),
+        lse.into_dispatch(),
+        vocab_start,
+        group.rank() == 0,
+        ignore_index.unwrap_or(NO_IGNORE),
+    );
+    let nll = reduce_from_group(Tensor::<1>::from_dispatch(nll), group)?;
+    Ok(mean_over(nll, counted))
+}
+
+/// One fused AdamW step on (flat or any-rank) `param`, `grad`, and fp32 moments `m`, `v`,
+/// with Burn's `AdamW` semantics: a drop-in for the update of a flat optimizer shard (the ZeRO
+/// sharded optimizer keeps exactly these four tensors per shard). `param`/`grad` may be bf16 or
+/// f16 on backends that support them; the arithmetic is fp32. Detached from any graph.
+///
+/// # Returns
+/// `(param, m, v)` after the step.
+///
+/// # Errors
+/// [`KernelError::Shape`] when the four tensors differ in shape; [`KernelError::DType`] when
+/// `grad` differs from `param` or the moments are not fp32; [`KernelError::Argument`] for bad
+/// hyper-parameters (step 0, betas outside `[0, 1)`, non-positive eps).
+pub fn adamw_step<const D: usize>(
+    param: Tensor<D>,
+    grad: Tensor<D>,
+    m: Tensor<D>,
+    v: Tensor<D>,
+    hyper: AdamWHyper,
+) -> KernelResult<(Tensor<D>, Tensor<D>, Tensor<D>)> {
+    let op = "adamw_step";
+    hyper.validate()?;
+    let dims = param.dims();
+    for (name, d) in [("grad", grad.dims()), ("m", m.dims()), ("v", v.dims())] {
+        if d != dims {
+            return Err(KernelError::Shape {
+                op,
+                reason: format!("param is {dims:?} but {name} is {d:?}"),
+            });
+        }
+    }
+    same_dtype(op, &[("param", param.dtype()), ("grad", grad.dtype())])?;
+    same_dtype(
+        op,
+        &[("f32", DType::F32), ("m", m.dtype()), ("v", v.dtype())],
+    )?;
+    let n = param.shape().num_elements();
+    let flat = |t: Tensor<D>| t.detach().reshape([n]).into_dispatch();
+    let (p, m, v) = Dispatch::fused_adamw_step(flat(param), flat(grad), flat(m), flat(v), hyper);
+    let back = |t| Tensor::<1>::from_dispatch(t).reshape(dims);
+    Ok((back(p), back(m), back(v)))
+}
+
+/// Burn's WGPU device on the first adapter found, initialised once per process (later calls
+/// return the same device). Used by the tests and the benchmark.
+///
+/// # Errors
+/// [`KernelError::NoAdapter`] when wgpu finds no adapter (no GPU and no software Vulkan driver:
+/// install `mesa-vulkan-drivers`).
+#[cfg(feature = "wgpu")]
+pub fn wgpu_device() -> KernelResult<burn::tensor::Device> {
+    use std::sync::OnceLock;
+    static DEVICE: OnceLock<Result<burn::tensor::Device, String>> = OnceLock::new();
+    DEVICE
+        .get_or_init(|| {
+            let device = burn::tensor::Device::wgpu_options()
+                .init()
+                .map_err(|e| e.to_string())?;
+            // Probe: a first kernel fails here rather than in the middle of a test.
+            let probe = Tensor::<1>::ones([4], &device).sum().into_scalar::<f32>();
+            if probe == 4.0 {
+                Ok(device)
+            } else {
+                Err(format!("probe kernel returned {probe} instead of 4"))
+            }
+        })
+        .clone()
+        .map_err(KernelError::NoAdapter)
+}

@@ -1,0 +1,210 @@
+//! Composed references of the fused kernels, built from Burn tensor operations.
+//!
+//! Every function here computes exactly what the matching CubeCL kernel computes (forward
+//! *and* the hand-derived backward), on any backend. They serve three purposes:
+//!
+//! - the implementation of [`FusedKernels`](super::FusedKernels) on `flex` and on every backend
+//!   without a CubeCL kernel;
+//! - the "unfused" side of the benchmark (`examples/kernel_bench.rs`);
+//! - the oracle of the tests (themselves checked against plain autodiff of the naive math).
+//!
+//! Shapes: rows are the leading dimension (`[rows, cols]`); the public wrappers in
+//! [`super`] reshape arbitrary ranks into this form.
+
+use burn::tensor::activation::sigmoid;
+use burn::tensor::{Int, Tensor};
+
+/// Row statistics and output of LayerNorm (`rms == false`) or RMSNorm (`rms == true`).
+///
+/// # Arguments
+/// - `x`: `[rows, cols]` input; `weight`, `bias`: `[cols]` (the bias is ignored by RMSNorm).
+/// - `eps`: added to the (mean-square or) variance.
+///
+/// # Returns
+/// `(y, mean, rstd)`: the output `[rows, cols]`, the row mean `[rows]` (zeros for RMSNorm) and
+/// the reciprocal standard deviation (or RMS) `[rows]`.
+pub fn norm_forward(
+    x: Tensor<2>,
+    weight: Tensor<1>,
+    bias: Tensor<1>,
+    eps: f64,
+    rms: bool,
+) -> (Tensor<2>, Tensor<1>, Tensor<1>) {
+    let [rows, _] = x.dims();
+    let (centred, mean) = if rms {
+        (x.clone(), Tensor::<2>::zeros([rows, 1], &x.device()))
+    } else {
+        let mean = x.clone().mean_dim(1);
+        (x - mean.clone(), mean)
+    };
+    let rstd = (centred.clone().square().mean_dim(1) + eps).sqrt().recip();
+    let xhat = centred * rstd.clone();
+    let mut y = xhat * weight.unsqueeze::<2>();
+    if !rms {
+        y = y + bias.unsqueeze::<2>();
+    }
+    (y, mean.reshape([rows]), rstd.reshape([rows]))
+}
+
+/// Gradients of [`norm_forward`] given the output gradient `dy` and the saved `mean`, `rstd`.
+///
+/// # Returns
+/// `(dx [rows, cols], dweight [cols], dbias [cols])` (`dbias` is zeros for RMSNorm).
+pub fn norm_backward(
+    dy: Tensor<2>,
+    x: Tensor<2>,
+    weight: Tensor<1>,
+    mean: Tensor<1>,
+    rstd: Tensor<1>,
+    rms: bool,
+) -> (Tensor<2>, Tensor<1>, Tensor<1>) {
+    let [rows, cols] = x.dims();
+    let mean = mean.reshape([rows, 1]);
+    let rstd = rstd.reshape([rows, 1]);
+    let xhat = (x - mean) * rstd.clone();
+    let g = dy.clone() * weight.unsqueeze::<2>();
+    let c2 = (g.clone() * xhat.clone()).mean_dim(1);
+    let mut inner = g - xhat.clone() * c2;
+    if !rms {
+        inner = inner.clone() - inner.mean_dim(1);
+    }
+    let dx = inner * rstd;
+    let dweight = (dy.clone() * xhat).sum_dim(0).reshape([cols]);
+    let dbias = if rms {
+        Tensor::<1>::zeros([cols], &dy.device())
+    } else {
+        dy.sum_dim(0).reshape([cols])
+    };
+    (dx, dweight, dbias)
+}
+
+/// `silu(a) * b`, element-wise.
+pub fn swiglu_forward<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> Tensor<D> {
+    a.clone() * sigmoid(a) * b
+}
+
+/// Gradients of [`swiglu_forward`]: `(da, db)`.
+pub fn swiglu_backward<const D: usize>(
+    dy: Tensor<D>,
+    a: Tensor<D>,
+    b: Tensor<D>,
+) -> (Tensor<D>, Tensor<D>) {
+    let s = sigmoid(a.clone());
+    let silu = a.clone() * s.clone();
+    let dsilu = s.clone() + silu.clone() * (s.neg() + 1.0);
+    let da = dy.clone() * b * dsilu;
+    let db = dy * silu;
+    (da, db)
+}
+
+/// Rotary embedding (half-split form) of `x` `[n, seq, head_dim]` with tables `cos`, `sin`
+/// `[seq, head_dim / 2]`: `[x1 cos - x2 sin, x2 cos + x1 sin]`. With `inverse` the rotation is
+/// by the opposite angle, which is also the backward of the forward rotation.
+pub fn rope(x: Tensor<3>, cos: Tensor<2>, sin: Tensor<2>, inverse: bool) -> Tensor<3> {
+    let half = x.dims()[2] / 2;
+    let sin = if inverse { sin.neg() } else { sin };
+    let cos = cos.unsqueeze::<3>();
+    let sin = sin.unsqueeze::<3>();
+    let x1 = x.clone().narrow(2, 0, half);
+    let x2 = x.narrow(2, half, half);
+    let r1 = x1.clone() * cos.clone() - x2.clone() * sin.clone();
+    let r2 = x2 * cos + x1 * sin;
+    Tensor::cat(vec![r1, r2], 2)
+}
+
+/// One AdamW step with Burn's semantics (`AdamWConfig`): decoupled weight decay
+/// `p (1 - lr wd)`, bias-corrected moments, `eps` added to `sqrt(v_hat)`.
+///
+/// # Returns
+/// `(param, m, v)` after the step; `m` and `v` keep their dtype (fp32 state), `param` keeps its.
+pub fn adamw_step<const D: usize>(
+    param: Tensor<D>,
+    grad: Tensor<D>,
+    m: Tensor<D>,
+    v: Tensor<D>,
+    h: &super::AdamWHyper,
+) -> (Tensor<D>, Tensor<D>, Tensor<D>) {
+    let pdtype = param.dtype();
+    let sdtype = m.dtype();
+    let grad = grad.cast(sdtype);
+    let m = m * h.beta1 as f64 + grad.clone() * (1.0 - h.beta1 as f64);
+    let v = v * h.beta2 as f64 + grad.square() * (1.0 - h.beta2 as f64);
+    let (bc1, bc2) = h.bias_corrections();
+    let update = (m.clone() / bc1 as f64) / ((v.clone() / bc2 as f64).sqrt() + h.eps as f64);
+    let param = param.cast(sdtype) * (1.0 - h.lr * h.weight_decay as f64) - update * h.lr;
+    (param.cast(pdtype), m, v)
+}
+
+/// Per-row partial softmax statistics of a (shard of) logits `[rows, vocab]`.
+///
+/// # Returns
+/// `[rows, 2]`: the row maximum and `sum_j exp(x_j - max)`.
+pub fn ce_stats(logits: Tensor<2>) -> Tensor<2> {
+    let max = logits.clone().max_dim(1);
+    let sum = (logits - max.clone()).exp().sum_dim(1);
+    Tensor::cat(vec![max, sum], 1)
+}
+
+/// `(valid, in_shard, local_index)` masks of `targets` against a shard of `vocab` columns
+/// starting at global id `vocab_start`.
+fn target_masks(
+    targets: Tensor<1, Int>,
+    vocab: usize,
+    vocab_start: usize,
+    ignore_index: i64,
+) -> (Tensor<1>, Tensor<1>, Tensor<1, Int>) {
+    let valid = targets.clone().not_equal_elem(ignore_index);
+    let local = targets - vocab_start as i64;
+    let in_shard = local
+        .clone()
+        .greater_equal_elem(0)
+        .bool_and(local.clone().lower_elem(vocab as i64))
+        .bool_and(valid.clone());
+    let index = local.clamp(0, vocab as i64 - 1);
+    (valid.float(), in_shard.float(), index)
+}
+
+/// Per-row negative log-likelihood contribution of a shard: `lse - x[target]`, where the
+/// `lse` term is counted only when `count_lse` (one shard of a vocabulary-parallel group) and
+/// `x[target]` only when the target lies in this shard. Ignored rows give 0.
+pub fn ce_nll(
+    logits: Tensor<2>,
+    targets: Tensor<1, Int>,
+    lse: Tensor<1>,
+    vocab_start: usize,
+    count_lse: bool,
+    ignore_index: i64,
+) -> Tensor<1> {
+    let [rows, vocab] = logits.dims();
+    let (valid, in_shard, index) = target_masks(targets, vocab, vocab_start, ignore_index);
+    let picked = logits.gather(1, index.reshape([rows, 1])).reshape([rows]) * in_shard;
+    if count_lse {
+        lse * valid - picked
+    } else {
+        picked.neg()
+    }
+}
+
+/// Gradient of the (global) cross-entropy with respect to a shard of logits:
+/// `dnll * (exp(x - lse) - onehot(target))`, zero on ignored rows. Never materialises more
+/// than the output itself in the fused kernel; here it is composed.
+pub fn ce_backward(
+    dnll: Tensor<1>,
+    logits: Tensor<2>,
+    targets: Tensor<1, Int>,
+    lse: Tensor<1>,
+    vocab_start: usize,
+    ignore_index: i64,
+) -> Tensor<2> {
+    let [rows, vocab] = logits.dims();
+    let device = logits.device();
+    let (valid, _, _) = target_masks(targets.clone(), vocab, vocab_start, ignore_index);
+    let probs = (logits - lse.reshape([rows, 1])).exp();
+    let ids = Tensor::<1, Int>::arange(vocab_start as i64..(vocab_start + vocab) as i64, &device)
+        .reshape([1, vocab])
+        .expand([rows, vocab]);
+    let onehot = ids
+        .equal(targets.reshape([rows, 1]).expand([rows, vocab]))
+        .float();
+    (probs - onehot) * (dnll * valid).reshape([rows, 1])
+}

@@ -1,0 +1,609 @@
+//! Fused kernels against references.
+//!
+//! - `flex_*` (always run): the fused ops on `flex` (the composed references with hand-written
+//!   backward steps) against autodiff of the naive math.
+//! - `wgpu::*` (feature `wgpu`): the CubeCL kernels on WGPU against the naive math on `flex`,
+//!   forward and every gradient, on shapes that are not multiples of the workgroup size. Without
+//!   an adapter they print a notice and pass, unless `BURN_PARALLEL_REQUIRE_WGPU=1`.
+//!
+//! Errors are "relative": `max |a - b| / max |b|` over the tensor (stated per test).
+
+use burn::tensor::activation::{log_softmax, silu};
+use burn::tensor::module::layer_norm;
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
+use burn_parallel::kernels::{self, AdamWHyper, KernelError};
+use burn_parallel::run_local;
+
+/// Deterministic values in `[-scale, scale)` (a 64-bit LCG).
+fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed
+        .wrapping_mul(6364136223846793005)
+        .wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+fn tensor<const D: usize>(shape: [usize; D], seed: u64, scale: f32, device: &Device) -> Tensor<D> {
+    let n = shape.iter().product();
+    Tensor::from_data(TensorData::new(values(n, seed, scale), shape), device)
+}
+
+fn host<const D: usize>(t: &Tensor<D>) -> Vec<f32> {
+    t.clone().into_data().try_into_vec_as::<f32>().unwrap()
+}
+
+/// `max |a - b| / max(max |b|, floor)`.
+fn rel_err(a: &[f32], b: &[f32], floor: f32) -> f32 {
+    assert_eq!(a.len(), b.len(), "length mismatch");
+    let scale = b.iter().fold(0f32, |m, v| m.max(v.abs())).max(floor);
+    let diff = a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    assert!(diff.is_finite(), "non-finite difference");
+    diff / scale
+}
+
+/// Relative error `max |a - b| / max |b|` at most `tol`.
+fn assert_close(what: &str, a: &[f32], b: &[f32], tol: f32) {
+    assert_close_floor(what, a, b, tol, 1e-30);
+}
+
+/// Relative error with the scale floored at `floor`, for gradients that are (nearly) zero in
+/// exact arithmetic, such as the input gradient of a width-1 RMSNorm, `w eps / (x^2 + eps)^1.5`,
+/// whose fp32 value is cancellation noise in any formula.
+fn assert_close_floor(what: &str, a: &[f32], b: &[f32], tol: f32, floor: f32) {
+    let err = rel_err(a, b, floor);
+    assert!(err <= tol, "{what}: relative error {err:e} > {tol:e}");
+}
+
+fn targets(
+    rows: usize,
+    vocab: usize,
+    seed: u64,
+    ignore: Option<i64>,
+    device: &Device,
+) -> Tensor<1, Int> {
+    let ids: Vec<i64> = values(rows, seed, 1.0)
+        .iter()
+        .enumerate()
+        .map(|(i, v)| match ignore {
+            Some(ig) if i % 4 == 1 => ig,
+            _ => (((v + 1.0) * 0.5 * vocab as f32) as i64).clamp(0, vocab as i64 - 1),
+        })
+        .collect();
+    Tensor::from_data(TensorData::new(ids, [rows]), device)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Naive math (autodiff of composed ops): the oracle.
+
+fn naive_rms(x: Tensor<2>, w: Tensor<1>, eps: f64) -> Tensor<2> {
+    let rms = (x.clone().square().mean_dim(1) + eps).sqrt();
+    x / rms * w.unsqueeze()
+}
+
+fn naive_rope(x: Tensor<4>, cos: Tensor<4>, sin: Tensor<4>) -> Tensor<4> {
+    let half = x.dims()[3] / 2;
+    let x1 = x.clone().narrow(3, 0, half);
+    let x2 = x.narrow(3, half, half);
+    let r1 = x1.clone() * cos.clone() - x2.clone() * sin.clone();
+    let r2 = x2 * cos + x1 * sin;
+    Tensor::cat(vec![r1, r2], 3)
+}
+
+fn naive_ce(logits: Tensor<2>, targets: Tensor<1, Int>, ignore: Option<i64>) -> Tensor<1> {
+    let [n, _] = logits.dims();
+    let ids: Vec<i64> = targets
+        .clone()
+        .into_data()
+        .try_into_vec_as::<i64>()
+        .unwrap();
+    let keep: Vec<f32> = ids
+        .iter()
+        .map(|&t| if Some(t) == ignore { 0.0 } else { 1.0 })
+        .collect();
+    let counted = keep.iter().sum::<f32>().max(1.0);
+    let safe: Vec<i64> = ids
+        .iter()
+        .map(|&t| if Some(t) == ignore { 0 } else { t })
+        .collect();
+    let device = logits.device();
+    let safe = Tensor::<1, Int>::from_data(TensorData::new(safe, [n]), &device);
+    let keep = Tensor::<1>::from_data(TensorData::new(keep, [n]), &device);
+    let picked = log_softmax(logits, 1)
+        .gather(1, safe.reshape([n, 1]))
+        .reshape([n]);
+    (picked * keep).sum().neg() / counted as f64
+}
+
+/// Tables of `examples::gpt::Rope` for `seq` positions.
+fn rope_tables(seq: usize, head_dim: usize, device: &Device) -> (Tensor<4>, Tensor<4>) {
+    let half = head_dim / 2;
+    let (mut c, mut s) = (vec![], vec![]);
+    for p in 0..seq {
+        for i in 0..half {
+            let a = p as f64 * 10_000f64.powf(-2.0 * i as f64 / head_dim as f64);
+            c.push(a.cos() as f32);
+            s.push(a.sin() as f32);
+        }
+    }
+    (
+        Tensor::from_data(TensorData::new(c, [1, 1, seq, half]), device),
+        Tensor::from_data(TensorData::new(s, [1, 1, seq, half]), device),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checks shared by flex and wgpu: run the fused op on `dev` (autodiff), the naive math on
+// autodiff flex, compare forward and gradients with tolerance `tol`.
+
+fn check_norm(dev: &Device, rows: usize, cols: usize, rms: bool, tol: f32) {
+    let oracle = Device::flex().autodiff();
+    let seed = (rows * 31 + cols) as u64;
+    let make = |d: &Device| {
+        (
+            tensor([rows, cols], seed, 2.0, d)
+                .add_scalar(0.5)
+                .require_grad(),
+            tensor([cols], seed + 1, 1.0, d)
+                .add_scalar(1.0)
+                .require_grad(),
+            tensor([cols], seed + 2, 0.5, d).require_grad(),
+            tensor([rows, cols], seed + 3, 1.0, d),
+        )
+    };
+    let (x, w, b, r) = make(dev);
+    let y = if rms {
+        kernels::rms_norm(x.clone(), w.clone(), 1e-5).unwrap()
+    } else {
+        kernels::layer_norm(x.clone(), w.clone(), Some(b.clone()), 1e-5).unwrap()
+    };
+    let g = (y.clone() * r).sum().backward();
+
+    let (xo, wo, bo, ro) = make(&oracle);
+    let yo = if rms {
+        naive_rms(xo.clone(), wo.clone(), 1e-5)
+    } else {
+        layer_norm(xo.clone(), wo.clone(), Some(bo.clone()), 1e-5)
+    };
+    let go = (yo.clone() * ro).sum().backward();
+    let name = format!(
+        "{} [{rows}, {cols}]",
+        if rms { "rms_norm" } else { "layer_norm" }
+    );
+    assert_close(&format!("{name} y"), &host(&y), &host(&yo), tol);
+    // dx relative to max(max |dx|, 0.01): see `assert_close_floor`.
+    assert_close_floor(
+        &format!("{name} dx"),
+        &host(&x.grad(&g).unwrap()),
+        &host(&xo.grad(&go).unwrap()),
+        tol,
+        1e-2,
+    );
+    assert_close(
+        &format!("{name} dw"),
+        &host(&w.grad(&g).unwrap()),
+        &host(&wo.grad(&go).unwrap()),
+        tol,
+    );
+    if !rms {
+        assert_close(
+            &format!("{name} db"),
+            &host(&b.grad(&g).unwrap()),
+            &host(&bo.grad(&go).unwrap()),
+            tol,
+        );
+    }
+}
+
+fn check_swiglu(dev: &Device, shape: [usize; 3], tol: f32) {
+    let oracle = Device::flex().autodiff();
+    let n: usize = shape.iter().product();
+    let make = |d: &Device| {
+        (
+            tensor(shape, n as u64, 4.0, d).require_grad(),
+            tensor(shape, n as u64 + 1, 2.0, d).require_grad(),
+            tensor(shape, n as u64 + 2, 1.0, d),
+        )
+    };
+    let (a, b, r) = make(dev);
+    let y = kernels::swiglu(a.clone(), b.clone()).unwrap();
+    let g = (y.clone() * r).sum().backward();
+    let (ao, bo, ro) = make(&oracle);
+    let yo = silu(ao.clone()) * bo.clone();
+    let go = (yo.clone() * ro).sum().backward();
+    assert_close("swiglu y", &host(&y), &host(&yo), tol);
+    assert_close(
+        "swiglu da",
+        &host(&a.grad(&g).unwrap()),
+        &host(&ao.grad(&go).unwrap()),
+        tol,
+    );
+    assert_close(
+        "swiglu db",
+        &host(&b.grad(&g).unwrap()),
+        &host(&bo.grad(&go).unwrap()),
+        tol,
+    );
+}
+
+fn check_rope(dev: &Device, shape: [usize; 4], tol: f32) {
+    let oracle = Device::flex().autodiff();
+    let [_, _, seq, hd] = shape;
+    let make = |d: &Device| {
+        (
+            tensor(shape, seq as u64 * 7 + hd as u64, 1.0, d).require_grad(),
+            tensor(shape, 99, 1.0, d),
+        )
+    };
+    let (x, r) = make(dev);
+    let (c, s) = rope_tables(seq, hd, dev);
+    let y = kernels::rope(x.clone(), c, s).unwrap();
+    let g = (y.clone() * r).sum().backward();
+    let (xo, ro) = make(&oracle);
+    let (co, so) = rope_tables(seq, hd, &oracle);
+    let yo = naive_rope(xo.clone(), co, so);
+    let go = (yo.clone() * ro).sum().backward();
+    assert_close("rope y", &host(&y), &host(&yo), tol);
+    assert_close(
+        "rope dx",
+        &host(&x.grad(&g).unwrap()),
+        &host(&xo.grad(&go).unwrap()),
+        tol,
+    );
+}
+
+fn check_ce(dev: &Device, rows: usize, vocab: usize, ignore: Option<i64>, tol: f32) {
+    let oracle = Device::flex().autodiff();
+    let seed = (rows * 13 + vocab) as u64;
+    let x = tensor([rows, vocab], seed, 8.0, dev).require_grad();
+    let t = targets(rows, vocab, seed, ignore, dev);
+    let loss = kernels::cross_entropy(x.clone(), t, ignore).unwrap();
+    let g = (loss.clone() * 1.5).backward();
+    let xo = tensor([rows, vocab], seed, 8.0, &oracle).require_grad();
+    let to = targets(rows, vocab, seed, ignore, &oracle);
+    let lo = naive_ce(xo.clone(), to, ignore);
+    let go = (lo.clone() * 1.5).backward();
+    let what = format!("cross_entropy [{rows}, {vocab}] ignore {ignore:?}");
+    assert_close(&format!("{what} loss"), &host(&loss), &host(&lo), tol);
+    assert_close(
+        &format!("{what} dlogits"),
+        &host(&x.grad(&g).unwrap()),
+        &host(&xo.grad(&go).unwrap()),
+        tol,
+    );
+}
+
+/// AdamW against Burn-semantics host math in f64 over 3 steps.
+fn check_adamw(dev: &Device, n: usize, param_dtype: DType, tol: f32) {
+    let h0 = AdamWHyper {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 1,
+    };
+    let mut p = tensor([n], 5, 1.0, dev).cast(param_dtype);
+    let mut m = Tensor::<1>::zeros([n], dev);
+    let mut v = Tensor::<1>::zeros([n], dev);
+    let mut hp: Vec<f64> = host(&p).iter().map(|&x| x as f64).collect();
+    let (mut hm, mut hv) = (vec![0f64; n], vec![0f64; n]);
+    for step in 1..=3u32 {
+        let h = AdamWHyper { step, ..h0 };
+        let gv = values(n, 100 + step as u64, 1.0);
+        let g = Tensor::<1>::from_data(TensorData::new(gv.clone(), [n]), dev).cast(param_dtype);
+        let gv: Vec<f64> = host(&g).iter().map(|&x| x as f64).collect();
+        (p, m, v) = kernels::adamw_step(p, g, m, v, h).unwrap();
+        let (bc1, bc2) = h.bias_corrections();
+        for (((p, m), v), g) in hp.iter_mut().zip(&mut hm).zip(&mut hv).zip(&gv) {
+            *m = *m * 0.9f32 as f64 + g * (1.0 - 0.9f32 as f64);
+            *v = *v * 0.95f32 as f64 + g * g * (1.0 - 0.95f32 as f64);
+            let upd = (*m / bc1 as f64) / ((*v / bc2 as f64).sqrt() + 1e-8f32 as f64);
+            *p = *p * (1.0 - 1e-2 * 0.1f32 as f64) - 1e-2 * upd;
+        }
+    }
+    let as32 = |v: &[f64]| v.iter().map(|&x| x as f32).collect::<Vec<_>>();
+    assert_close("adamw m", &host(&m), &as32(&hm), tol);
+    assert_close("adamw v", &host(&v), &as32(&hv), tol);
+    assert_close("adamw param", &host(&p), &as32(&hp), tol);
+    assert_eq!(p.dtype(), param_dtype);
+    assert_eq!(m.dtype(), DType::F32);
+}
+
+// ---------------------------------------------------------------------------------------------
+// flex: references with hand-written backward vs autodiff of the naive math (tolerance 1e-5).
+
+#[test]
+fn flex_norms_match_naive_math() {
+    let dev = Device::flex().autodiff();
+    for (rows, cols) in [(37, 19), (1, 64), (5, 1), (3, 300)] {
+        check_norm(&dev, rows, cols, true, 1e-5);
+        check_norm(&dev, rows, cols, false, 1e-5);
+    }
+}
+
+#[test]
+fn flex_swiglu_rope_match_naive_math() {
+    let dev = Device::flex().autodiff();
+    check_swiglu(&dev, [3, 5, 7], 1e-6);
+    check_rope(&dev, [2, 3, 5, 6], 1e-6);
+}
+
+#[test]
+fn flex_cross_entropy_matches_naive_math() {
+    let dev = Device::flex().autodiff();
+    check_ce(&dev, 7, 11, None, 1e-5);
+    check_ce(&dev, 9, 13, Some(-100), 1e-5);
+    check_ce(&dev, 1, 5, None, 1e-5);
+}
+
+#[test]
+fn flex_cross_entropy_all_ignored_is_zero() {
+    let dev = Device::flex().autodiff();
+    let x = tensor([2, 4], 1, 1.0, &dev).require_grad();
+    let t = Tensor::<1, Int>::from_data([-100i64, -100], &dev);
+    let loss = kernels::cross_entropy(x.clone(), t, Some(-100)).unwrap();
+    let g = loss.clone().backward();
+    assert_eq!(host(&loss), vec![0.0]);
+    assert!(host(&x.grad(&g).unwrap()).iter().all(|&v| v == 0.0));
+}
+
+#[test]
+fn flex_adamw_matches_host_math() {
+    check_adamw(&Device::flex(), 1001, DType::F32, 1e-5);
+}
+
+/// The fused AdamW is a drop-in for Burn's `AdamW` on a flat shard (as the ZeRO sharded
+/// optimizer runs it): 3 steps, tolerance 1e-6 relative.
+#[test]
+fn flex_adamw_matches_burn_adamw_on_a_flat_shard() {
+    use burn::optim::{AdamWConfig, Optimizer};
+    let dev = Device::flex();
+    let config = AdamWConfig::new()
+        .with_beta_1(0.9)
+        .with_beta_2(0.98)
+        .with_epsilon(1e-7)
+        .with_weight_decay(0.05);
+    let burn_adamw = config.build();
+    let n = 513;
+    let mut p_burn = tensor([n], 1, 1.0, &dev);
+    let mut state = None;
+    let mut p = p_burn.clone();
+    let mut m = Tensor::<1>::zeros([n], &dev);
+    let mut v = Tensor::<1>::zeros([n], &dev);
+    for step in 1..=3u32 {
+        let lr = 1e-2 / step as f64;
+        let g = tensor([n], 10 + step as u64, 1.0, &dev);
+        (p_burn, state) = burn_adamw.step(lr, p_burn, g.clone(), state);
+        let h = AdamWHyper {
+            lr,
+            beta1: 0.9,
+            beta2: 0.98,
+            eps: 1e-7,
+            weight_decay: 0.05,
+            step,
+        };
+        (p, m, v) = kernels::adamw_step(p, g, m, v, h).unwrap();
+    }
+    assert_close("adamw vs burn", &host(&p), &host(&p_burn), 1e-6);
+}
+
+#[test]
+fn typed_errors() {
+    let dev = Device::flex();
+    let x = Tensor::<2>::zeros([2, 3], &dev);
+    assert!(matches!(
+        kernels::rms_norm(x.clone(), Tensor::zeros([4], &dev), 1e-5),
+        Err(KernelError::Shape { .. })
+    ));
+    assert!(matches!(
+        kernels::rms_norm(x.clone(), Tensor::ones([3], &dev), 0.0),
+        Err(KernelError::Argument { .. })
+    ));
+    assert!(matches!(
+        kernels::swiglu(x.clone(), Tensor::zeros([3, 2], &dev)),
+        Err(KernelError::Shape { .. })
+    ));
+    let t = Tensor::<1, Int>::from_data([0i64, 3], &dev);
+    assert!(matches!(
+        kernels::cross_entropy(x.clone(), t, None),
+        Err(KernelError::Argument { .. })
+    ));
+    let (c, s) = rope_tables(2, 4, &dev);
+    assert!(matches!(
+        kernels::rope(Tensor::<4>::zeros([1, 1, 3, 4], &dev), c, s),
+        Err(KernelError::Shape { .. })
+    ));
+    let h = AdamWHyper {
+        lr: 1e-3,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+        step: 0,
+    };
+    let z = Tensor::<1>::zeros([3], &dev);
+    assert!(matches!(
+        kernels::adamw_step(z.clone(), z.clone(), z.clone(), z, h),
+        Err(KernelError::Argument { .. })
+    ));
+}
+
+/// The vocabulary-parallel fused cross-entropy over 3 thread ranks (uneven shards 4/3/3 of a
+/// vocabulary of 10, one ignored target) equals the single-device loss, and each rank's
+/// gradient equals its slice of the single-device gradient (tolerance 1e-5).
+#[test]
+fn flex_vocab_parallel_cross_entropy_matches_single_device() {
+    let (rows, vocab) = (6, 10);
+    let dev = Device::flex().autodiff();
+    let x = tensor([rows, vocab], 3, 6.0, &dev).require_grad();
+    let t = targets(rows, vocab, 3, Some(-1), &dev);
+    let loss = kernels::cross_entropy(x.clone(), t, Some(-1)).unwrap();
+    let grad = x.grad(&loss.clone().backward()).unwrap();
+    let (loss, grad) = (host(&loss)[0], grad);
+
+    let splits = [(0usize, 4usize), (4, 3), (7, 3)];
+    let results = run_local(3, |group| {
+        let dev = Device::flex().autodiff();
+        let (start, len) = splits[group.rank()];
+        let full = tensor([rows, vocab], 3, 6.0, &dev);
+        let shard = full.narrow(1, start, len).detach().require_grad();
+        let t = targets(rows, vocab, 3, Some(-1), &dev);
+        let l =
+            kernels::vocab_parallel_cross_entropy(shard.clone(), t, start, vocab, Some(-1), &group)
+                .unwrap();
+        let g = shard.grad(&l.clone().backward()).unwrap();
+        Ok((host(&l)[0], host(&g)))
+    })
+    .unwrap();
+    for (rank, (l, g)) in results.iter().enumerate() {
+        let (start, len) = splits[rank];
+        assert!(
+            (l - loss).abs() <= 1e-5 * loss.abs(),
+            "rank {rank}: {l} vs {loss}"
+        );
+        assert_close(
+            &format!("rank {rank} grad"),
+            g,
+            &host(&grad.clone().narrow(1, start, len)),
+            1e-5,
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// WGPU: the CubeCL kernels.
+
+#[cfg(feature = "wgpu")]
+mod wgpu {
+    use super::*;
+
+    /// The WGPU device, or `None` (with a notice) when there is no adapter and
+    /// `BURN_PARALLEL_REQUIRE_WGPU` is not `1`.
+    fn device() -> Option<Device> {
+        match kernels::wgpu_device() {
+            Ok(d) => Some(d),
+            Err(e) => {
+                if std::env::var("BURN_PARALLEL_REQUIRE_WGPU").as_deref() == Ok("1") {
+                    panic!("BURN_PARALLEL_REQUIRE_WGPU=1 but {e}");
+                }
+                eprintln!("SKIPPED: {e} (set BURN_PARALLEL_REQUIRE_WGPU=1 to fail instead)");
+                None
+            }
+        }
+    }
+
+    /// fp32, tolerance 1e-5 relative: odd rows and widths, a single row, width 1, rows wider
+    /// than a cube (300 > 256), and more rows than 64 (several row groups in the weight grad).
+    #[test]
+    fn norms_fp32() {
+        let Some(dev) = device() else { return };
+        let dev = dev.autodiff();
+        for (rows, cols) in [(37, 19), (1, 64), (5, 1), (3, 300), (131, 33), (1, 1)] {
+            check_norm(&dev, rows, cols, true, 1e-5);
+            check_norm(&dev, rows, cols, false, 1e-5);
+        }
+    }
+
+    /// fp32, tolerance 1e-6 relative, 105 and 2,049 elements (not multiples of a cube).
+    #[test]
+    fn swiglu_fp32() {
+        let Some(dev) = device() else { return };
+        let dev = dev.autodiff();
+        check_swiglu(&dev, [3, 5, 7], 1e-6);
+        check_swiglu(&dev, [1, 1, 2049], 1e-6);
+    }
+
+    /// fp32, tolerance 1e-6 relative; head_dim 6 and 2, odd sequence lengths.
+    #[test]
+    fn rope_fp32() {
+        let Some(dev) = device() else { return };
+        let dev = dev.autodiff();
+        check_rope(&dev, [2, 3, 5, 6], 1e-6);
+        check_rope(&dev, [1, 1, 1, 2], 1e-6);
+        check_rope(&dev, [3, 2, 17, 16], 1e-6);
+    }
+
+    /// fp32, tolerance 1e-5 relative: GPT-2's vocabulary of 50,257, a single row, an ignored
+    /// index, odd widths.
+    #[test]
+    fn cross_entropy_fp32() {
+        let Some(dev) = device() else { return };
+        let dev = dev.autodiff();
+        check_ce(&dev, 3, 50_257, None, 1e-5);
+        check_ce(&dev, 1, 50_257, None, 1e-5);
+        check_ce(&dev, 9, 13, Some(-100), 1e-5);
+        check_ce(&dev, 5, 1, None, 1e-5);
+    }
+
+    /// fp32 parameters, tolerance 1e-5 relative; 1,001 elements.
+    #[test]
+    fn adamw_fp32() {
+        let Some(dev) = device() else { return };
+        check_adamw(&dev, 1001, DType::F32, 1e-5);
+    }
+
+    /// f16 parameters (fp32 state), tolerance 2e-3 relative (f16 rounding of the parameter),
+    /// when the adapter supports f16.
+    #[test]
+    fn adamw_f16_params() {
+        let Some(dev) = device() else { return };
+        if !dev.supports_dtype(DType::F16) {
+            eprintln!("SKIPPED: the adapter does not support f16");
+            return;
+        }
+        check_adamw(&dev, 1001, DType::F16, 2e-3);
+    }
+
+    /// f16 norm/SwiGLU forward against the fp32 oracle, tolerance 5e-3 relative, when the
+    /// adapter supports f16.
+    #[test]
+    fn norms_swiglu_f16_forward() {
+        let Some(dev) = device() else { return };
+        if !dev.supports_dtype(DType::F16) {
+            eprintln!("SKIPPED: the adapter does not support f16");
+            return;
+        }
+        let x = tensor([37, 19], 1, 2.0, &dev);
+        let w = tensor([19], 2, 1.0, &dev).add_scalar(1.0);
+        let y = kernels::rms_norm(x.clone().cast(DType::F16), w.clone().cast(DType::F16), 1e-5)
+            .unwrap();
+        let yo = naive_rms(x.clone(), w, 1e-5);
+        assert_close("rms_norm f16", &host(&y), &host(&yo), 5e-3);
+        let a = tensor([3, 5, 7], 3, 3.0, &dev);
+        let b = tensor([3, 5, 7], 4, 3.0, &dev);
+        let y = kernels::swiglu(a.clone().cast(DType::F16), b.clone().cast(DType::F16)).unwrap();
+        assert_close("swiglu f16", &host(&y), &host(&(silu(a) * b)), 5e-3);
+    }
+
+    /// Fused AdamW on WGPU equals the flex reference bit-for-bit up to fp32 rounding (1e-6).
+    #[test]
+    fn adamw_matches_flex_reference() {
+        let Some(dev) = device() else { return };
+        let h = AdamWHyper {
+            lr: 3e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+            step: 4,
+        };
+        let run = |d: &Device| {
+            let p = tensor([257], 1, 1.0, d);
+            let g = tensor([257], 2, 1.0, d);
+            let m = tensor([257], 3, 0.1, d);
+            let v = tensor([257], 4, 0.1, d).abs();
+            let (p, m, v) = kernels::adamw_step(p, g, m, v, h).unwrap();
+            (host(&p), host(&m), host(&v))
+        };
+        let (a, b) = (run(&dev), run(&Device::flex()));
+        assert_close("p", &a.0, &b.0, 1e-6);
+        assert_close("m", &a.1, &b.1, 1e-6);
+        assert_close("v", &a.2, &b.2, 1e-6);
+    }
+}
