@@ -197,6 +197,20 @@ pub struct ColumnParallelLinear {
     pub group: ProcessGroup,
 }
 
+/// A bias of a linear layer with weight `[d_in, d_out]` must be `[d_out]`.
+fn check_bias(layer: &str, bias: Option<&Tensor<1>>, d_in: usize, d_out: usize) -> TpResult<()> {
+    match bias {
+        Some(b) if b.dims() != [d_out] => Err(TpError::Shape {
+            layer: layer.into(),
+            reason: format!(
+                "bias {:?} does not match weight [{d_in}, {d_out}]",
+                b.dims()
+            ),
+        }),
+        _ => Ok(()),
+    }
+}
+
 impl ColumnParallelLinear {
     /// This rank's shard of the full `weight` `[d_in, d_out]` and `bias` `[d_out]` (Burn's
     /// `Linear` layout), as fresh parameters on `device`.
@@ -213,17 +227,7 @@ impl ColumnParallelLinear {
     ) -> TpResult<Self> {
         let [d_in, d_out] = weight.dims();
         let shard = split.shard(d_out, group.size(), group.rank(), "output features")?;
-        if let Some(b) = &bias
-            && b.dims() != [d_out]
-        {
-            return Err(TpError::Shape {
-                layer: "ColumnParallelLinear".into(),
-                reason: format!(
-                    "bias {:?} does not match weight [{d_in}, {d_out}]",
-                    b.dims()
-                ),
-            });
-        }
+        check_bias("ColumnParallelLinear", bias.as_ref(), d_in, d_out)?;
         Ok(Self {
             weight: Param::from_data(take_shard(weight, 1, &shard), device),
             bias: bias.map(|b| Param::from_data(take_shard(b, 0, &shard), device)),
@@ -343,17 +347,7 @@ impl RowParallelLinear {
     ) -> TpResult<Self> {
         let [d_in, d_out] = weight.dims();
         let shard = split.shard(d_in, group.size(), group.rank(), "input features")?;
-        if let Some(b) = &bias
-            && b.dims() != [d_out]
-        {
-            return Err(TpError::Shape {
-                layer: "RowParallelLinear".into(),
-                reason: format!(
-                    "bias {:?} does not match weight [{d_in}, {d_out}]",
-                    b.dims()
-                ),
-            });
-        }
+        check_bias("RowParallelLinear", bias.as_ref(), d_in, d_out)?;
         Ok(Self {
             weight: Param::from_data(take_shard(weight, 0, &shard), device),
             bias: bias.map(|b| Param::from_data(b.detach().into_data(), device)),
