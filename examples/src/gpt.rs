@@ -1048,10 +1048,9 @@ pub(crate) mod tests {
         assert!((loss - expected).abs() < 1e-6, "{loss} vs {expected}");
     }
 
-    #[test]
-    fn adamw_step_decreases_loss() {
-        let device = Device::flex().autodiff();
-        for config in [
+    /// The GPT-2-like and the LLaMA-like (rotary, tied, SwiGLU, RMSNorm) tiny configs.
+    fn variants() -> [GptConfig; 2] {
+        [
             tiny(),
             GptConfig {
                 positions: PositionKind::Rotary,
@@ -1060,7 +1059,13 @@ pub(crate) mod tests {
                 norm: NormKind::RmsNorm,
                 ..tiny()
             },
-        ] {
+        ]
+    }
+
+    #[test]
+    fn adamw_step_decreases_loss() {
+        let device = Device::flex().autodiff();
+        for config in variants() {
             let mut model = Gpt::new(&config, &device);
             let mut optim = AdamWConfig::new().init();
             let (x, y) = (tokens(2, 8, 0, &device), tokens(2, 8, 1, &device));
@@ -1116,16 +1121,7 @@ pub(crate) mod tests {
     #[test]
     fn every_parameter_gets_a_gradient() {
         let device = Device::flex().autodiff();
-        for config in [
-            tiny(),
-            GptConfig {
-                positions: PositionKind::Rotary,
-                tied_embeddings: true,
-                mlp: MlpKind::SwiGlu,
-                norm: NormKind::RmsNorm,
-                ..tiny()
-            },
-        ] {
+        for config in variants() {
             let model = Gpt::new(&config, &device);
             let loss = model.loss(tokens(2, 8, 0, &device), tokens(2, 8, 1, &device));
             let grads = GradientsParams::from_grads(loss.backward(), &model);
