@@ -69,7 +69,17 @@ impl fmt::Debug for BackwardFn {
 /// `attach_backward(x, y, f)` returns `y`; under autodiff it records a step whose backward
 /// turns the gradient of `y` into the gradient of `x` with `f`. On non-autodiff backends it is
 /// the identity on `y`.
-#[backend_extension(Flex, Autodiff)]
+///
+/// It is declared for every backend this crate can be built with: Flex always, NdArray with the
+/// `ndarray` feature, and the CubeCL backend (WGPU, CUDA, the LLVM CPU runtime) with `wgpu`,
+/// `cuda` or `cpu`. [`check_device`] tells at run time, with a typed error, whether a device's
+/// backend is among them.
+#[backend_extension(
+    Flex,
+    Autodiff,
+    NdArray: cfg(feature = "ndarray"),
+    Cube: cfg(feature = "cube")
+)]
 pub trait CommBackend: burn::backend::Backend {
     /// Returns `y`, recording `backward` as the gradient map from `y` to `x`.
     fn attach_backward(
@@ -83,6 +93,42 @@ pub trait CommBackend: burn::backend::Backend {
 }
 
 impl CommBackend for Flex {}
+#[cfg(feature = "ndarray")]
+impl CommBackend for burn::backend::NdArray {}
+#[cfg(feature = "cube")]
+impl CommBackend for burn::backend::Cube {}
+
+/// Checks that the differentiable collectives (and so every technique built on them) can run on
+/// `device`'s backend in this build.
+///
+/// # Errors
+/// [`CollectiveError::UnsupportedBackend`] naming the device and the cargo feature of
+/// `burn-parallel` that adds its backend.
+///
+/// # Example
+/// ```
+/// use burn::tensor::Device;
+/// burn_parallel::autograd::check_device(&Device::flex().autodiff()).unwrap();
+/// ```
+pub fn check_device(device: &burn::tensor::Device) -> Result<()> {
+    use burn::backend::DispatchDevice;
+    let inner = device.as_dispatch().clone().inner();
+    match inner {
+        DispatchDevice::Flex(_) => Ok(()),
+        #[cfg(feature = "ndarray")]
+        DispatchDevice::NdArray(_) => Ok(()),
+        #[cfg(feature = "cube")]
+        DispatchDevice::Cube(_) => Ok(()),
+        #[allow(unreachable_patterns)]
+        other => Err(CollectiveError::UnsupportedBackend {
+            device: format!("{other:?}"),
+            hint: "build burn-parallel with the feature of that backend: `ndarray` for NdArray, \
+                   `wgpu`, `cuda` or `cpu` for the CubeCL backends (LibTorch and Remote are not \
+                   supported)"
+                .into(),
+        }),
+    }
+}
 
 #[derive(Debug)]
 struct CommBackward;

@@ -75,6 +75,16 @@ pub enum CollectiveError {
     /// unreachable.
     #[error("rendezvous failed: {0}")]
     Rendezvous(String),
+    /// The device's backend is not one this build of `burn-parallel` supports.
+    #[error(
+        "the device {device} is on a backend this build of burn-parallel does not support: {hint}"
+    )]
+    UnsupportedBackend {
+        /// The device, as Burn prints it.
+        device: String,
+        /// What to enable.
+        hint: String,
+    },
 }
 
 impl CollectiveError {

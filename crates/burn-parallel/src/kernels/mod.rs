@@ -43,7 +43,7 @@ use crate::comm::host::ReduceOp;
 use crate::error::CollectiveError;
 use crate::group::ProcessGroup;
 
-#[cfg(feature = "wgpu")]
+#[cfg(feature = "cube")]
 pub mod cube;
 pub mod reference;
 
@@ -152,7 +152,7 @@ impl AdamWHyper {
 /// `[rows, cols]` with `[cols]` parameters and `[rows]` statistics; SwiGLU element-wise on any
 /// shape; RoPE on `[n, seq, head_dim]` with `[seq, head_dim / 2]` tables; AdamW on flat
 /// tensors; cross-entropy on `[rows, vocab]` logits with `[rows]` targets.
-#[backend_extension(Flex, Autodiff, Cube: cfg(feature = "wgpu"))]
+#[backend_extension(Flex, Autodiff, Cube: cfg(feature = "cube"))]
 pub trait FusedKernels: burn::backend::Backend {
     /// LayerNorm (`rms == false`) or RMSNorm forward, one pass over each row for the
     /// statistics. Returns `(y, mean, rstd)` (`mean` is zeros for RMSNorm; the bias is ignored).
