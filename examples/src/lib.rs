@@ -31,7 +31,7 @@
 
 pub mod data;
 pub mod gpt;
-pub mod init;
+pub use burn_parallel::init;
 pub mod parallelize;
 pub mod train;
 pub mod train_zero;

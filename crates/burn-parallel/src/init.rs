@@ -15,15 +15,23 @@
 //! the path a [`ModuleVisitor`](burn::module::ModuleVisitor) reports for it.
 //!
 //! ```
-//! use examples::init::init_normal;
+//! use burn_parallel::init::init_normal;
 //!
 //! let a = init_normal(42, "blocks.0.attn.q.weight", &[4, 4], 0.02);
 //! let b = init_normal(42, "blocks.0.attn.q.weight", &[4, 4], 0.02);
 //! assert_eq!(a, b);
 //! ```
 
-use burn::module::Param;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use burn::module::{Param, ParamId};
 use burn::tensor::{Device, Tensor, TensorData};
+
+use crate::group::ProcessGroup;
+use crate::nn::TpContext;
+use crate::plan::{TpPlan, TpStyle};
+use crate::tensor_parallel::{Shard, TpError, TpResult};
 
 /// Odd constant of SplitMix64 (2^64 / golden ratio).
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -112,6 +120,102 @@ fn numel(shape: &[usize]) -> usize {
     shape.iter().product()
 }
 
+/// How the values of a parameter are drawn: every variant is a pure function of
+/// `(seed, name, full shape, element index)`, so any slice of a tensor can be produced without
+/// the rest ([`Initializer::shard`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Initializer {
+    /// Normal(0, `std`).
+    Normal {
+        /// Standard deviation.
+        std: f64,
+    },
+    /// Uniform in `[low, high)`.
+    Uniform {
+        /// Lower bound.
+        low: f64,
+        /// Upper bound (excluded).
+        high: f64,
+    },
+    /// Every element `value` (ones for norm weights, zeros for biases).
+    Constant(f32),
+}
+
+impl Initializer {
+    /// Element `index` (row-major, in the full tensor) of the stream `key`.
+    fn value(self, key: u64, index: u64) -> f32 {
+        match self {
+            Initializer::Normal { std } => (normal_at(key, index) * std) as f32,
+            Initializer::Uniform { low, high } => {
+                (low + (high - low) * uniform_at(key, index)) as f32
+            }
+            Initializer::Constant(v) => v,
+        }
+    }
+
+    /// The whole tensor `name` of `shape`, on the host.
+    pub fn full(self, seed: u64, name: &str, shape: &[usize]) -> TensorData {
+        let key = param_key(seed, name, shape);
+        let values: Vec<f32> = (0..numel(shape) as u64)
+            .map(|i| self.value(key, i))
+            .collect();
+        TensorData::new(values, shape.to_vec())
+    }
+
+    /// Only the slice `shard.start .. shard.start + shard.len` along `dim` of the tensor
+    /// `name` of full shape `shape`, zero-padded to `shard.stored` entries: exactly the matching
+    /// slice of [`Self::full`], computed without materialising the rest.
+    ///
+    /// # Example
+    /// ```
+    /// use burn_parallel::init::Initializer;
+    /// use burn_parallel::tensor_parallel::Shard;
+    ///
+    /// let init = Initializer::Normal { std: 0.02 };
+    /// let full = init.full(1, "w", &[4, 6]).to_vec::<f32>().unwrap();
+    /// let shard = Shard { full: 6, start: 2, len: 3, stored: 3 };
+    /// let part = init.shard(1, "w", &[4, 6], 1, &shard).to_vec::<f32>().unwrap();
+    /// assert_eq!(part[0], full[2]); // row 0, column 2
+    /// assert_eq!(part[3], full[8]); // row 1, column 2
+    /// ```
+    ///
+    /// # Panics
+    /// If `dim` is out of range or the shard does not fit the dimension.
+    pub fn shard(
+        self,
+        seed: u64,
+        name: &str,
+        shape: &[usize],
+        dim: usize,
+        shard: &Shard,
+    ) -> TensorData {
+        assert!(dim < shape.len(), "dim {dim} of a shape {shape:?}");
+        assert!(
+            shard.full == shape[dim]
+                && shard.start + shard.len <= shard.full
+                && shard.len <= shard.stored,
+            "shard {shard} does not fit dim {dim} of {shape:?}"
+        );
+        let key = param_key(seed, name, shape);
+        let outer: usize = shape[..dim].iter().product();
+        let inner: usize = shape[dim + 1..].iter().product();
+        let mut values = Vec::with_capacity(outer * shard.stored * inner);
+        for o in 0..outer {
+            for j in 0..shard.stored {
+                if j < shard.len {
+                    let base = ((o * shape[dim] + shard.start + j) * inner) as u64;
+                    values.extend((0..inner as u64).map(|i| self.value(key, base + i)));
+                } else {
+                    values.extend(std::iter::repeat_n(0.0, inner));
+                }
+            }
+        }
+        let mut local = shape.to_vec();
+        local[dim] = shard.stored;
+        TensorData::new(values, local)
+    }
+}
+
 /// Normal(0, `std`) values for the full tensor `name` of `shape`, on the host.
 ///
 /// # Arguments
@@ -128,18 +232,14 @@ fn numel(shape: &[usize]) -> usize {
 /// # Example
 ///
 /// ```
-/// use examples::init::init_normal;
+/// use burn_parallel::init::init_normal;
 ///
 /// let w = init_normal(7, "wte.weight", &[256, 8], 0.02);
 /// assert_eq!(w.shape().to_vec(), vec![256, 8]);
 /// assert_ne!(w, init_normal(7, "wpe.weight", &[256, 8], 0.02));
 /// ```
 pub fn init_normal(seed: u64, name: &str, shape: &[usize], std: f64) -> TensorData {
-    let key = param_key(seed, name, shape);
-    let values: Vec<f32> = (0..numel(shape) as u64)
-        .map(|i| (normal_at(key, i) * std) as f32)
-        .collect();
-    TensorData::new(values, shape.to_vec())
+    Initializer::Normal { std }.full(seed, name, shape)
 }
 
 /// Uniform values in `[low, high)` for the full tensor `name` of `shape`, on the host.
@@ -153,11 +253,7 @@ pub fn init_normal(seed: u64, name: &str, shape: &[usize], std: f64) -> TensorDa
 ///
 /// `f32` [`TensorData`] of `shape`, a pure function of the arguments.
 pub fn init_uniform(seed: u64, name: &str, shape: &[usize], low: f64, high: f64) -> TensorData {
-    let key = param_key(seed, name, shape);
-    let values: Vec<f32> = (0..numel(shape) as u64)
-        .map(|i| (low + (high - low) * uniform_at(key, i)) as f32)
-        .collect();
-    TensorData::new(values, shape.to_vec())
+    Initializer::Uniform { low, high }.full(seed, name, shape)
 }
 
 /// A constant tensor (ones for norm weights, zeros for biases), on the host.
@@ -189,7 +285,7 @@ pub fn param_from_data<const D: usize>(data: TensorData, device: &Device) -> Par
 ///
 /// ```
 /// use burn::tensor::Device;
-/// use examples::init::normal_param;
+/// use burn_parallel::init::normal_param;
 ///
 /// let w = normal_param(1, "head.weight", [8, 4], 0.02, &Device::flex());
 /// assert_eq!(w.val().dims(), [8, 4]);
@@ -225,13 +321,16 @@ pub fn constant_param<const D: usize>(
 }
 
 /// Carries `(seed, path prefix, device)` through a model's constructors so that each parameter
-/// is named by its module path without string plumbing in the model code.
+/// is named by its module path without string plumbing in the model code, and, with
+/// [`Init::with_tp`], a tensor-parallel plan: the layers built with [`Init::linear`] and
+/// [`Init::embedding`] then hold only this rank's shard, computed directly from the seed (no
+/// rank ever holds the full model).
 ///
 /// # Example
 ///
 /// ```
 /// use burn::tensor::Device;
-/// use examples::init::{Init, init_normal};
+/// use burn_parallel::init::{Init, init_normal};
 ///
 /// let init = Init::new(3, &Device::flex());
 /// let q = init.at("blocks").at(0).at("attn").normal("q.weight", [4, 4], 0.02);
@@ -243,16 +342,52 @@ pub struct Init {
     seed: u64,
     prefix: String,
     device: Device,
+    tp: Option<Arc<TpState>>,
+}
+
+/// The tensor-parallel state shared by every child of an [`Init`].
+#[derive(Debug)]
+struct TpState {
+    group: ProcessGroup,
+    plan: TpPlan,
+    /// Which rules matched a layer built here.
+    used: Mutex<Vec<bool>>,
+    /// Layers whose parameters were created replicated although a splitting rule names them.
+    conflicts: Mutex<Vec<String>>,
+    /// Parameters used on sequence shards (their gradients are summed over the group).
+    sequence_params: Arc<Mutex<Vec<ParamId>>>,
+    /// Sharded parameters: the dimension and this rank's part of it.
+    shards: Arc<Mutex<HashMap<ParamId, (usize, Shard)>>>,
 }
 
 impl Init {
-    /// The root context: names are used as given.
+    /// The root context: names are used as given, every parameter is replicated.
     pub fn new(seed: u64, device: &Device) -> Self {
         Self {
             seed,
             prefix: String::new(),
             device: device.clone(),
+            tp: None,
         }
+    }
+
+    /// Applies the tensor-parallel `plan` over `group` to every layer built from this context.
+    ///
+    /// # Errors
+    /// [`TpError::Plan`] for a malformed plan; [`TpError::Collective`] when the device's backend
+    /// is not supported by this build ([`crate::autograd::check_device`]).
+    pub fn with_tp(mut self, group: &ProcessGroup, plan: TpPlan) -> TpResult<Self> {
+        plan.validate()?;
+        crate::autograd::check_device(&self.device)?;
+        self.tp = Some(Arc::new(TpState {
+            group: group.clone(),
+            used: Mutex::new(vec![false; plan.rules().len()]),
+            plan,
+            conflicts: Mutex::new(Vec::new()),
+            sequence_params: Arc::new(Mutex::new(Vec::new())),
+            shards: Arc::new(Mutex::new(HashMap::new())),
+        }));
+        Ok(self)
     }
 
     /// The seed.
@@ -268,9 +403,8 @@ impl Init {
     /// A child context whose names are prefixed with `segment.`.
     pub fn at(&self, segment: impl core::fmt::Display) -> Self {
         Self {
-            seed: self.seed,
             prefix: self.path(&segment.to_string()),
-            device: self.device.clone(),
+            ..self.clone()
         }
     }
 
@@ -283,6 +417,68 @@ impl Init {
         }
     }
 
+    /// The tensor-parallel context of the model being built: what its forward pass needs
+    /// (the group, whether sequence parallelism is on) and its training step needs (the
+    /// parameters whose gradients are summed over the group). Single-device when no plan is set.
+    pub fn context(&self) -> TpContext {
+        match &self.tp {
+            None => TpContext::single(),
+            Some(tp) => TpContext {
+                group: Some(tp.group.clone()),
+                sequence_parallel: tp.plan.sequence_parallel && tp.group.size() > 1,
+                sequence_params: tp.sequence_params.clone(),
+                shards: tp.shards.clone(),
+            },
+        }
+    }
+
+    /// The style the plan gives the layer at `layer`, recording the use.
+    fn style_of(&self, layer: &str) -> Option<(&TpState, TpStyle)> {
+        let tp = self.tp.as_deref()?;
+        let (index, style) = tp.plan.lookup(layer)?;
+        tp.used.lock().expect("plan bookkeeping")[index] = true;
+        Some((tp, style))
+    }
+
+    /// A replicated parameter `name` of this context's layer: a splitting rule naming the layer
+    /// is a conflict ([`Self::finish`] reports it), a sequence-norm rule registers it.
+    fn replicated<const D: usize>(
+        &self,
+        name: &str,
+        shape: [usize; D],
+        init: Initializer,
+    ) -> Param<Tensor<D>> {
+        let path = self.path(name);
+        let param: Param<Tensor<D>> =
+            param_from_data(init.full(self.seed, &path, &shape), &self.device);
+        let layer = path.rsplit_once('.').map_or("", |(layer, _)| layer);
+        match self.style_of(layer) {
+            Some((tp, TpStyle::SequenceNorm)) if D != 1 => {
+                tp.conflicts.lock().expect("plan bookkeeping").push(format!(
+                    "`{layer}` is planned sequence_norm but its parameter `{name}` has {D} \
+                     dimensions (sequence_norm is for the 1-D weights and biases of norms)"
+                ));
+            }
+            Some((tp, TpStyle::SequenceNorm))
+                if tp.plan.sequence_parallel && tp.group.size() > 1 =>
+            {
+                tp.sequence_params
+                    .lock()
+                    .expect("plan bookkeeping")
+                    .push(param.id);
+            }
+            Some((tp, style @ (TpStyle::Colwise | TpStyle::Rowwise | TpStyle::Vocab))) => {
+                tp.conflicts.lock().expect("plan bookkeeping").push(format!(
+                    "`{}` is planned {style} but its parameter `{name}` was created replicated \
+                     (build the layer with Init::linear or Init::embedding)",
+                    layer
+                ));
+            }
+            _ => {}
+        }
+        param
+    }
+
     /// A Normal(0, `std`) parameter named `prefix.name`.
     pub fn normal<const D: usize>(
         &self,
@@ -290,7 +486,7 @@ impl Init {
         shape: [usize; D],
         std: f64,
     ) -> Param<Tensor<D>> {
-        normal_param(self.seed, &self.path(name), shape, std, &self.device)
+        self.replicated(name, shape, Initializer::Normal { std })
     }
 
     /// A uniform parameter in `[low, high)` named `prefix.name`.
@@ -301,23 +497,166 @@ impl Init {
         low: f64,
         high: f64,
     ) -> Param<Tensor<D>> {
-        uniform_param(
-            self.seed,
-            &self.path(name),
-            shape,
-            (low, high),
-            &self.device,
-        )
+        self.replicated(name, shape, Initializer::Uniform { low, high })
     }
 
     /// A parameter of ones (norm weights).
     pub fn ones<const D: usize>(&self, shape: [usize; D]) -> Param<Tensor<D>> {
-        constant_param(shape, 1.0, &self.device)
+        self.replicated("weight", shape, Initializer::Constant(1.0))
     }
 
     /// A parameter of zeros (biases).
     pub fn zeros<const D: usize>(&self, shape: [usize; D]) -> Param<Tensor<D>> {
-        constant_param(shape, 0.0, &self.device)
+        self.replicated("bias", shape, Initializer::Constant(0.0))
+    }
+
+    /// A linear layer `name` (`name.weight` `[d_in, d_out]`, `name.bias` `[d_out]`), split as
+    /// the plan says: see [`crate::nn::Linear`].
+    ///
+    /// # Errors
+    /// [`TpError::NotDivisible`] when the split cannot be made (heads not divisible by the
+    /// group size); [`TpError::Plan`] when the plan gives a linear layer a style it cannot take.
+    pub fn linear(&self, name: &str, spec: LinearInit) -> TpResult<crate::nn::Linear> {
+        crate::nn::Linear::init(&self.at(name), spec)
+    }
+
+    /// An embedding table `name.weight` `[vocab, d_model]` (Normal(0, `std`)), split by
+    /// vocabulary when the plan says [`TpStyle::Vocab`]: see [`crate::nn::Embedding`].
+    ///
+    /// # Errors
+    /// [`TpError::Plan`] when the plan gives an embedding a style it cannot take.
+    pub fn embedding(
+        &self,
+        name: &str,
+        vocab: usize,
+        d_model: usize,
+        std: f64,
+    ) -> TpResult<crate::nn::Embedding> {
+        crate::nn::Embedding::init(&self.at(name), vocab, d_model, std)
+    }
+
+    /// The plan's decision for the layer this context is at, for the layers of [`crate::nn`]:
+    /// `(group, style, sequence parallel, vocab multiple)`; `None` when single-device or
+    /// replicated.
+    pub(crate) fn layer_split(&self) -> Option<(ProcessGroup, TpStyle, bool, usize)> {
+        let (tp, style) = self.style_of(&self.prefix)?;
+        if tp.group.size() == 1 {
+            return None;
+        }
+        Some((
+            tp.group.clone(),
+            style,
+            tp.plan.sequence_parallel,
+            tp.plan.vocab_multiple,
+        ))
+    }
+
+    /// A parameter with the values of `init` for the tensor `prefix.name` of full `shape`,
+    /// keeping only `shard` of dimension `dim` (all of it for `None`).
+    pub(crate) fn param_part<const D: usize>(
+        &self,
+        name: &str,
+        shape: [usize; D],
+        init: Initializer,
+        part: Option<(usize, &Shard)>,
+    ) -> Param<Tensor<D>> {
+        let path = self.path(name);
+        let data = match part {
+            None => init.full(self.seed, &path, &shape),
+            Some((dim, shard)) => init.shard(self.seed, &path, &shape, dim, shard),
+        };
+        let param: Param<Tensor<D>> = param_from_data(data, &self.device);
+        if let (Some((dim, shard)), Some(tp)) = (part, &self.tp) {
+            tp.shards
+                .lock()
+                .expect("plan bookkeeping")
+                .insert(param.id, (dim, *shard));
+        }
+        param
+    }
+
+    /// Ends the construction of a model: checks that every rule of the plan matched a layer
+    /// and that no planned layer was built replicated.
+    ///
+    /// # Errors
+    /// [`TpError::Plan`] naming each rule that matched nothing (a typo in a path, or a layer
+    /// built without this context) and each conflict.
+    pub fn finish(&self) -> TpResult<()> {
+        let Some(tp) = &self.tp else { return Ok(()) };
+        let used = tp.used.lock().expect("plan bookkeeping");
+        let mut problems: Vec<String> = tp
+            .plan
+            .rules()
+            .iter()
+            .zip(used.iter())
+            .filter(|(_, used)| !**used)
+            .map(|(rule, _)| {
+                format!(
+                    "rule `{}` ({}) matched no layer built through burn_parallel::init::Init",
+                    rule.glob.as_str(),
+                    rule.style
+                )
+            })
+            .collect();
+        problems.extend(
+            tp.conflicts
+                .lock()
+                .expect("plan bookkeeping")
+                .iter()
+                .cloned(),
+        );
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(TpError::Plan(problems.join("; ")))
+        }
+    }
+}
+
+/// The shape and initialisation of a linear layer for [`Init::linear`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LinearInit {
+    /// Input features.
+    pub d_in: usize,
+    /// Output features.
+    pub d_out: usize,
+    /// Whether the layer has a bias (initialised to zeros).
+    pub bias: bool,
+    /// Standard deviation of the Normal weights.
+    pub std: f64,
+    /// Features are split in whole blocks of this size (the head width of attention
+    /// projections, so that each rank gets whole heads); 1 for any split.
+    pub block: usize,
+}
+
+impl LinearInit {
+    /// `d_in -> d_out`, no bias, std 0.02, any split.
+    pub fn new(d_in: usize, d_out: usize) -> Self {
+        Self {
+            d_in,
+            d_out,
+            bias: false,
+            std: 0.02,
+            block: 1,
+        }
+    }
+
+    /// With or without a bias.
+    pub fn with_bias(mut self, bias: bool) -> Self {
+        self.bias = bias;
+        self
+    }
+
+    /// The weights' standard deviation.
+    pub fn with_std(mut self, std: f64) -> Self {
+        self.std = std;
+        self
+    }
+
+    /// Splits in whole blocks of `block` features (attention heads).
+    pub fn with_block(mut self, block: usize) -> Self {
+        self.block = block;
+        self
     }
 }
 

@@ -33,7 +33,7 @@ pub use group::ProcessGroup;
 pub mod autograd;
 pub mod mesh;
 
-pub use mesh::{DeviceMesh, MeshError};
+pub use mesh::{DeviceMesh, MeshError, ParallelDims};
 pub mod ddp;
 
 pub use ddp::{DistributedDataParallel, GradAccumulator};
@@ -43,4 +43,8 @@ pub use tensor_parallel::{
     ColumnParallelLinear, ParallelAttention, ParallelMlp, Placement, RowParallelLinear, TpError,
     TpTensor, VocabParallelEmbedding, vocab_parallel_cross_entropy,
 };
+pub mod init;
 pub mod kernels;
+pub mod nn;
+pub mod plan;
+pub mod train;

@@ -218,3 +218,74 @@ fn unravel(mut index: usize, sizes: &[usize]) -> Vec<usize> {
 fn ravel(coords: &[usize], sizes: &[usize]) -> usize {
     coords.iter().zip(sizes).fold(0, |acc, (c, s)| acc * s + c)
 }
+
+/// The parallel dimensions of a training job, torchtitan's `ParallelDims`: data-parallel
+/// replicas (`dp_replicate`, DDP or the replicate dimension of HSDP), data-parallel shards
+/// (`dp_shard`, ZeRO/FSDP) and tensor parallelism (`tp`), outermost first. [`Self::build`] checks
+/// the product against the world size and makes the mesh `[dp_replicate, dp_shard, tp]`, so the
+/// tensor-parallel ranks are neighbours.
+///
+/// # Example
+/// ```
+/// use burn_parallel::{ParallelDims, run_local};
+///
+/// run_local(4, |world| {
+///     let dims = ParallelDims { dp_shard: 2, tp: 2, ..ParallelDims::default() };
+///     let mesh = dims.build(&world).unwrap();
+///     assert_eq!(mesh.group("tp").unwrap().size(), 2);
+///     assert_eq!(dims.data_parallel(&mesh).unwrap().size(), 2); // replicate x shard
+///     Ok(())
+/// })
+/// .unwrap();
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ParallelDims {
+    /// Replicas of the whole model (or of each shard group under HSDP).
+    pub dp_replicate: usize,
+    /// Ranks that shard parameters, gradients and optimizer state among them.
+    pub dp_shard: usize,
+    /// Ranks that split each layer (tensor parallelism).
+    pub tp: usize,
+}
+
+impl Default for ParallelDims {
+    fn default() -> Self {
+        Self {
+            dp_replicate: 1,
+            dp_shard: 1,
+            tp: 1,
+        }
+    }
+}
+
+impl ParallelDims {
+    /// The number of ranks these dimensions need.
+    pub fn world_size(&self) -> usize {
+        self.dp_replicate * self.dp_shard * self.tp
+    }
+
+    /// The mesh `[("dp_replicate", ..), ("dp_shard", ..), ("tp", ..)]` over `world`.
+    ///
+    /// # Errors
+    /// [`MeshError::SizeMismatch`] when the product is not the world size;
+    /// [`MeshError::InvalidDim`] for a zero size.
+    pub fn build(&self, world: &ProcessGroup) -> Result<DeviceMesh, MeshError> {
+        DeviceMesh::new(
+            world,
+            &[
+                ("dp_replicate", self.dp_replicate),
+                ("dp_shard", self.dp_shard),
+                ("tp", self.tp),
+            ],
+        )
+    }
+
+    /// The whole data-parallel group (`dp_replicate x dp_shard` flattened): the ranks that see
+    /// different data and average their gradients. A new group: every rank must create it.
+    ///
+    /// # Errors
+    /// [`MeshError::UnknownDim`] for a mesh not built by [`Self::build`].
+    pub fn data_parallel(&self, mesh: &DeviceMesh) -> Result<ProcessGroup, MeshError> {
+        mesh.flattened(&["dp_replicate", "dp_shard"])
+    }
+}

@@ -116,7 +116,7 @@ fn column_input<const D: usize>(
 
 /// Leaves a row-parallel region: all-reduce (Megatron's *g*), or reduce-scatter along the
 /// sequence under sequence parallelism.
-fn row_output<const D: usize>(
+pub(crate) fn row_output<const D: usize>(
     partial: Tensor<D>,
     group: &ProcessGroup,
     sequence_parallel: bool,
@@ -436,6 +436,42 @@ impl RowParallelLinear {
     }
 }
 
+/// A vocabulary split over a group: which rows of an embedding table this rank holds.
+#[derive(Debug, Clone)]
+pub struct VocabSplit {
+    /// This rank's vocabulary ids.
+    pub shard: Shard,
+    /// The tensor-parallel group.
+    pub group: ProcessGroup,
+}
+
+impl VocabSplit {
+    /// Embeds `tokens` (ids already checked against the vocabulary) with this rank's rows
+    /// `weight`: ids of other ranks' ranges give zeros here, and the partial embeddings are
+    /// summed over the group (reduce-scattered along the sequence under sequence parallelism).
+    pub(crate) fn lookup(
+        &self,
+        weight: Tensor<2>,
+        tokens: Tensor<2, Int>,
+        sequence_parallel: bool,
+    ) -> TpResult<TpTensor<3>> {
+        let [b, s] = tokens.dims();
+        let d = weight.dims()[1];
+        let (start, end) = (
+            self.shard.start as i64,
+            (self.shard.start + self.shard.len) as i64,
+        );
+        let outside: Tensor<2, Bool> = tokens
+            .clone()
+            .lower_elem(start)
+            .bool_or(tokens.clone().greater_equal_elem(end));
+        let local = (tokens - start).mask_fill(outside.clone(), 0);
+        let partial = embedding(weight, local)
+            .mask_fill(outside.unsqueeze_dim::<3>(2).expand([b, s, d]), 0.0);
+        row_output(partial, &self.group, sequence_parallel)
+    }
+}
+
 /// A token embedding whose rows (the vocabulary) are split over the group, padded so that
 /// every rank stores the same number of rows (the padding rows are zero and never selected).
 /// Tokens of other ranks' ranges are masked to zero here and the partial embeddings summed.
@@ -518,20 +554,11 @@ impl VocabParallelEmbedding {
                 vocab: self.shard.full,
             });
         }
-        let [b, s] = tokens.dims();
-        let d = self.weight.dims()[1];
-        let (start, end) = (
-            self.shard.start as i64,
-            (self.shard.start + self.shard.len) as i64,
-        );
-        let outside: Tensor<2, Bool> = tokens
-            .clone()
-            .lower_elem(start)
-            .bool_or(tokens.clone().greater_equal_elem(end));
-        let local = (tokens - start).mask_fill(outside.clone(), 0);
-        let partial = embedding(self.weight.val(), local)
-            .mask_fill(outside.unsqueeze_dim::<3>(2).expand([b, s, d]), 0.0);
-        row_output(partial, &self.group, self.sequence_parallel)
+        VocabSplit {
+            shard: self.shard,
+            group: self.group.clone(),
+        }
+        .lookup(self.weight.val(), tokens, self.sequence_parallel)
     }
 
     /// Vocabulary-parallel logits `x E^T` of `x` `[batch, seq, d_model]`: sharded along the

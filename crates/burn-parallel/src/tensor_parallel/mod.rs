@@ -64,7 +64,7 @@ use crate::group::ProcessGroup;
 pub use dropout::{DropoutSite, SeededDropout};
 pub use layers::{
     ColumnParallelLinear, MlpActivation, ParallelAttention, ParallelMlp, RowParallelLinear,
-    VocabParallelEmbedding,
+    VocabParallelEmbedding, VocabSplit,
 };
 pub use loss::{CrossEntropyOptions, vocab_parallel_cross_entropy};
 
@@ -125,6 +125,10 @@ pub enum TpError {
     /// An inconsistent tensor-parallel configuration.
     #[error("invalid tensor-parallel configuration: {0}")]
     Config(String),
+    /// A tensor-parallel plan that does not fit the model: a rule matching no layer, a style a
+    /// layer cannot take, a malformed pattern.
+    #[error("tensor-parallel plan: {0}")]
+    Plan(String),
 }
 
 /// Shorthand for results of tensor-parallel operations.

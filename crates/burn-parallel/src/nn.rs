@@ -1,0 +1,585 @@
+//! Layers for a model written once, that trains on one device and under tensor and sequence
+//! parallelism (Megatron's way: a tensor-parallel linear at tp = 1 is a plain linear).
+//!
+//! Build them with [`crate::init::Init`]: the [`TpPlan`](crate::plan::TpPlan) given to
+//! [`Init::with_tp`](crate::init::Init::with_tp) decides, by module path, whether each
+//! [`Linear`] is column- or row-parallel and whether each [`Embedding`] is split by vocabulary;
+//! every rank initialises only its shard from the seed. The forward passes take and return plain
+//! tensors; the model keeps a [`TpContext`] (from [`Init::context`](crate::init::Init::context))
+//! for the few places where the sequence enters or leaves the sequence-parallel region and for
+//! the loss.
+//!
+//! | plan style | layer | forward |
+//! |---|---|---|
+//! | none / `replicate` | [`Linear`], [`Embedding`] | plain |
+//! | `colwise` | [`Linear`] (output features) | *f* (or sequence all-gather), matmul: feature-sharded output |
+//! | `rowwise` | [`Linear`] (input features) | matmul, all-reduce (or sequence reduce-scatter), bias once |
+//! | `vocab` | [`Embedding`] (rows) | masked lookup, all-reduce: replicated output |
+//! | `vocab` | [`Linear`] head (columns, padded) | vocabulary-sharded logits for [`Linear::cross_entropy`] |
+//!
+//! # Example: a two-layer MLP, the same code at tp 1 and tp 2
+//! ```
+//! use burn::module::Module;
+//! use burn::tensor::{Device, Tensor};
+//! use burn_parallel::init::{Init, LinearInit};
+//! use burn_parallel::nn::Linear;
+//! use burn_parallel::plan::TpPlan;
+//! use burn_parallel::run_local;
+//!
+//! #[derive(Module, Debug)]
+//! struct Mlp {
+//!     up: Linear,
+//!     down: Linear,
+//! }
+//! impl Mlp {
+//!     fn new(init: &Init) -> Self {
+//!         let up = init.linear("up", LinearInit::new(4, 8)).unwrap();
+//!         let down = init.linear("down", LinearInit::new(8, 4)).unwrap();
+//!         init.finish().unwrap();
+//!         Self { up, down }
+//!     }
+//!     fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+//!         self.down.forward(self.up.forward(x).unwrap().tanh()).unwrap()
+//!     }
+//! }
+//!
+//! let device = Device::flex();
+//! let x = Tensor::<2>::ones([3, 4], &device);
+//! let single = Mlp::new(&Init::new(7, &device)).forward(x.clone()).into_data();
+//! let split = run_local(2, move |group| {
+//!     let plan = TpPlan::new().colwise("up").rowwise("down");
+//!     let init = Init::new(7, &Device::flex()).with_tp(&group, plan).unwrap();
+//!     let mlp = Mlp::new(&init);
+//!     assert_eq!(mlp.up.weight.dims(), [4, 4]); // half of the 8 hidden units
+//!     Ok(mlp.forward(Tensor::<2>::ones([3, 4], &Device::flex())).into_data())
+//! })
+//! .unwrap();
+//! split[0].assert_approx_eq::<f32>(&single, burn::tensor::Tolerance::absolute(1e-6));
+//! ```
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::activation::log_softmax;
+use burn::tensor::module::linear;
+use burn::tensor::{Int, Tensor, TensorData};
+
+use crate::autograd::{copy_to_group, gather_from_sequence, scatter_to_group};
+use crate::comm::host::ReduceOp;
+use crate::error::CollectiveError;
+use crate::group::ProcessGroup;
+use crate::init::{Init, Initializer, LinearInit};
+use crate::plan::TpStyle;
+use crate::tensor_parallel::layers::row_output;
+use crate::tensor_parallel::{
+    CrossEntropyOptions, Placement, SEQ_DIM, Shard, Split, TpError, TpResult, TpTensor, sp_param,
+    vocab_parallel_cross_entropy,
+};
+
+/// How a [`Linear`] is split.
+#[derive(Debug, Clone)]
+pub enum LinearSplit {
+    /// The whole weight on every rank.
+    Replicated,
+    /// Output features: this rank holds `shard` of them.
+    Column {
+        /// This rank's output features.
+        shard: Shard,
+        /// The tensor-parallel group.
+        group: ProcessGroup,
+        /// The input arrives sequence-sharded and is all-gathered first.
+        sequence_parallel: bool,
+    },
+    /// Input features: this rank holds `shard` of them.
+    Row {
+        /// This rank's input features.
+        shard: Shard,
+        /// The tensor-parallel group.
+        group: ProcessGroup,
+        /// The output leaves sequence-sharded (reduce-scatter instead of all-reduce).
+        sequence_parallel: bool,
+    },
+}
+
+/// A linear layer `y = x W + b` (`W: [d_in, d_out]`, Burn's layout) that a plan may split by
+/// output features (colwise) or input features (rowwise). See the module docs.
+#[derive(Module, Debug)]
+pub struct Linear {
+    /// This rank's part of the weight: `[d_in, d_out]`, `[d_in, shard]` or `[shard, d_out]`.
+    pub weight: Param<Tensor<2>>,
+    /// The bias: this rank's part for a column split, whole otherwise.
+    pub bias: Option<Param<Tensor<1>>>,
+    /// How the layer is split.
+    #[module(skip)]
+    pub split: LinearSplit,
+    /// The layer's module path (error messages).
+    #[module(skip)]
+    pub name: String,
+}
+
+impl Linear {
+    /// Builds the layer at `init`'s path as its plan says.
+    pub(crate) fn init(init: &Init, spec: LinearInit) -> TpResult<Self> {
+        let name = init.path("");
+        let name = name.trim_end_matches('.').to_string();
+        let LinearInit {
+            d_in,
+            d_out,
+            bias,
+            std,
+            block,
+        } = spec;
+        let normal = Initializer::Normal { std };
+        let zeros = Initializer::Constant(0.0);
+        let split = |full: usize, group: &ProcessGroup, what: &str, multiple: Option<usize>| {
+            let split = match multiple {
+                Some(multiple) => Split::Padded { multiple },
+                None if block > 1 => Split::Blocks { block },
+                None => Split::Even,
+            };
+            split.shard(full, group.size(), group.rank(), &format!("{name}: {what}"))
+        };
+        let (weight, bias, split) = match init.layer_split() {
+            None | Some((_, TpStyle::Replicate, ..)) => (
+                init.param_part("weight", [d_in, d_out], normal, None),
+                bias.then(|| init.param_part("bias", [d_out], zeros, None)),
+                LinearSplit::Replicated,
+            ),
+            Some((group, style @ (TpStyle::Colwise | TpStyle::Vocab), sp, multiple)) => {
+                let multiple = (style == TpStyle::Vocab).then_some(multiple);
+                let shard = split(d_out, &group, "output features", multiple)?;
+                (
+                    init.param_part("weight", [d_in, d_out], normal, Some((1, &shard))),
+                    bias.then(|| init.param_part("bias", [d_out], zeros, Some((0, &shard)))),
+                    LinearSplit::Column {
+                        shard,
+                        group,
+                        sequence_parallel: sp,
+                    },
+                )
+            }
+            Some((group, TpStyle::Rowwise, sp, _)) => {
+                let shard = split(d_in, &group, "input features", None)?;
+                (
+                    init.param_part("weight", [d_in, d_out], normal, Some((0, &shard))),
+                    bias.then(|| init.param_part("bias", [d_out], zeros, None)),
+                    LinearSplit::Row {
+                        shard,
+                        group,
+                        sequence_parallel: sp,
+                    },
+                )
+            }
+            Some((_, style @ TpStyle::SequenceNorm, ..)) => {
+                return Err(TpError::Plan(format!(
+                    "`{name}` is a linear layer; the plan gives it the style {style}, which is \
+                     for norms (use colwise, rowwise, vocab or replicate)"
+                )));
+            }
+        };
+        Ok(Self {
+            weight,
+            bias,
+            split,
+            name,
+        })
+    }
+
+    /// Applies the layer to `x` `[.., features]`.
+    ///
+    /// - replicated: `x W + b`;
+    /// - column: `x` replicated (sequence-sharded `[batch, seq, ..]` under sequence
+    ///   parallelism, gathered here); returns this rank's output features;
+    /// - row: `x` holds this rank's input features (a column layer's output); returns the
+    ///   replicated result (sequence-sharded under sequence parallelism).
+    ///
+    /// # Errors
+    /// [`TpError::Shape`] when the width of `x` is not what the layer takes on this rank;
+    /// collective errors.
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> TpResult<Tensor<D>> {
+        let width = x.dims()[D - 1];
+        let expected = self.weight.dims()[0];
+        if width != expected {
+            let hint = match &self.split {
+                LinearSplit::Row { .. } => {
+                    " (a row-parallel layer takes the feature shard of the column-parallel layer \
+                     before it: is that layer planned colwise?)"
+                }
+                _ => "",
+            };
+            return Err(TpError::Shape {
+                layer: self.name.clone(),
+                reason: format!(
+                    "input has {width} features, this rank's part takes {expected}{hint}"
+                ),
+            });
+        }
+        let bias = self.bias.as_ref().map(|b| b.val());
+        match &self.split {
+            LinearSplit::Replicated => Ok(linear(x, self.weight.val(), bias)),
+            LinearSplit::Column {
+                group,
+                sequence_parallel,
+                ..
+            } => {
+                let x = if *sequence_parallel && D >= 3 {
+                    gather_from_sequence(x, group, SEQ_DIM)?
+                } else {
+                    copy_to_group(x, group)
+                };
+                Ok(linear(x, self.weight.val(), bias))
+            }
+            LinearSplit::Row {
+                group,
+                sequence_parallel,
+                ..
+            } => {
+                let partial = linear(x, self.weight.val(), None);
+                let y = row_output(partial, group, *sequence_parallel)?.into_tensor();
+                Ok(match bias {
+                    None => y,
+                    Some(b) => y + sp_param(b, group, *sequence_parallel && D >= 3).unsqueeze(),
+                })
+            }
+        }
+    }
+
+    /// Mean cross-entropy of the logits `logits` `[batch, seq, out]` this layer produced (an
+    /// output head) against `targets` `[batch, seq]`: the ordinary cross-entropy for a replicated
+    /// head, the vocabulary-parallel one for a head split by the plan (colwise or vocab). The
+    /// result `[1]` is the same on every rank.
+    ///
+    /// # Errors
+    /// [`TpError::OutOfVocabulary`] for a target outside the vocabulary; collective errors.
+    pub fn cross_entropy(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
+        let [b, s, v] = logits.dims();
+        let logits = logits.reshape([b * s, v]);
+        let targets = targets.reshape([b * s]);
+        match &self.split {
+            LinearSplit::Column { shard, group, .. } => {
+                let logits = TpTensor::new(
+                    logits,
+                    Placement::Shard {
+                        dim: 1,
+                        shard: *shard,
+                    },
+                    group,
+                )?;
+                vocab_parallel_cross_entropy(logits, targets, CrossEntropyOptions::default())
+            }
+            LinearSplit::Replicated | LinearSplit::Row { .. } => {
+                check_targets(&self.name, &targets, v)?;
+                Ok(log_softmax(logits, 1)
+                    .gather(1, targets.reshape([b * s, 1]))
+                    .mean()
+                    .neg())
+            }
+        }
+    }
+}
+
+fn check_targets(layer: &str, targets: &Tensor<1, Int>, vocab: usize) -> TpResult<()> {
+    let ids = targets.clone().into_data().convert::<i64>();
+    let ids = ids.as_slice::<i64>().expect("converted to i64");
+    match ids.iter().find(|&&t| t < 0 || t as usize >= vocab) {
+        Some(&id) => Err(TpError::OutOfVocabulary {
+            layer: layer.into(),
+            id,
+            vocab,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// An embedding table `[vocab, d_model]` that a plan may split by vocabulary rows
+/// ([`TpStyle::Vocab`], padded so every rank stores the same number of rows).
+#[derive(Module, Debug)]
+pub struct Embedding {
+    /// The whole table, or this rank's rows `[shard.stored, d_model]`.
+    pub weight: Param<Tensor<2>>,
+    /// The split, `None` when replicated.
+    #[module(skip)]
+    pub split: Option<crate::tensor_parallel::VocabSplit>,
+    /// The vocabulary size.
+    #[module(skip)]
+    pub vocab: usize,
+    /// The layer's module path (error messages).
+    #[module(skip)]
+    pub name: String,
+}
+
+impl Embedding {
+    /// Builds the table at `init`'s path as its plan says.
+    pub(crate) fn init(init: &Init, vocab: usize, d_model: usize, std: f64) -> TpResult<Self> {
+        let name = init.path("").trim_end_matches('.').to_string();
+        let normal = Initializer::Normal { std };
+        let (weight, split) = match init.layer_split() {
+            None | Some((_, TpStyle::Replicate, ..)) => (
+                init.param_part("weight", [vocab, d_model], normal, None),
+                None,
+            ),
+            Some((group, TpStyle::Vocab, _, multiple)) => {
+                let shard = Split::Padded { multiple }.shard(
+                    vocab,
+                    group.size(),
+                    group.rank(),
+                    &format!("{name}: vocabulary"),
+                )?;
+                (
+                    init.param_part("weight", [vocab, d_model], normal, Some((0, &shard))),
+                    Some(crate::tensor_parallel::VocabSplit { shard, group }),
+                )
+            }
+            Some((_, style, ..)) => {
+                return Err(TpError::Plan(format!(
+                    "`{name}` is an embedding; the plan gives it the style {style} (use vocab or \
+                     replicate)"
+                )));
+            }
+        };
+        Ok(Self {
+            weight,
+            split,
+            vocab,
+            name,
+        })
+    }
+
+    /// Embeds `tokens` `[batch, seq]` to `[batch, seq, d_model]`, replicated on every rank.
+    ///
+    /// # Errors
+    /// [`TpError::OutOfVocabulary`] for an id outside the vocabulary; collective errors.
+    pub fn forward(&self, tokens: Tensor<2, Int>) -> TpResult<Tensor<3>> {
+        let [b, s] = tokens.dims();
+        check_targets(&self.name, &tokens.clone().reshape([b * s]), self.vocab)?;
+        match &self.split {
+            None => Ok(burn::tensor::module::embedding(self.weight.val(), tokens)),
+            Some(split) => Ok(split
+                .lookup(self.weight.val(), tokens, false)?
+                .into_tensor()),
+        }
+    }
+
+    /// Logits `x E^T` of `x` `[batch, seq, d_model]` against the table (tied input and output
+    /// embeddings); under a vocabulary split, this rank's vocabulary shard, for
+    /// [`Self::cross_entropy`].
+    ///
+    /// # Errors
+    /// Collective errors.
+    pub fn attend(&self, x: Tensor<3>, ctx: &TpContext) -> TpResult<Tensor<3>> {
+        let w = self.weight.val().transpose();
+        match &self.split {
+            None => Ok(linear(x, w, None)),
+            Some(split) => {
+                let x = if ctx.sequence_parallel {
+                    gather_from_sequence(x, &split.group, SEQ_DIM)?
+                } else {
+                    copy_to_group(x, &split.group)
+                };
+                Ok(linear(x, w, None))
+            }
+        }
+    }
+
+    /// Mean cross-entropy of logits from [`Self::attend`] against `targets` `[batch, seq]`.
+    ///
+    /// # Errors
+    /// As [`Linear::cross_entropy`].
+    pub fn cross_entropy(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
+        let [b, s, v] = logits.dims();
+        match &self.split {
+            None => {
+                let logits = logits.reshape([b * s, v]);
+                let targets = targets.reshape([b * s]);
+                check_targets(&self.name, &targets, v)?;
+                Ok(log_softmax(logits, 1)
+                    .gather(1, targets.reshape([b * s, 1]))
+                    .mean()
+                    .neg())
+            }
+            Some(split) => {
+                let logits = TpTensor::new(
+                    logits.reshape([b * s, v]),
+                    Placement::Shard {
+                        dim: 1,
+                        shard: split.shard,
+                    },
+                    &split.group,
+                )?;
+                vocab_parallel_cross_entropy(
+                    logits,
+                    targets.reshape([b * s]),
+                    CrossEntropyOptions::default(),
+                )
+            }
+        }
+    }
+}
+
+/// What a model's forward pass and training step need to know about tensor parallelism:
+/// Megatron's `parallel_state`, passed explicitly. Keep it in the model as a
+/// `#[module(skip)]` field (it is cheap to clone). Single-device: every method is the identity.
+#[derive(Debug, Clone)]
+pub struct TpContext {
+    pub(crate) group: Option<ProcessGroup>,
+    pub(crate) sequence_parallel: bool,
+    pub(crate) sequence_params: Arc<Mutex<Vec<ParamId>>>,
+    pub(crate) shards: Arc<Mutex<HashMap<ParamId, (usize, Shard)>>>,
+}
+
+impl Default for TpContext {
+    fn default() -> Self {
+        Self::single()
+    }
+}
+
+impl TpContext {
+    /// No tensor parallelism.
+    pub fn single() -> Self {
+        Self {
+            group: None,
+            sequence_parallel: false,
+            sequence_params: Arc::new(Mutex::new(Vec::new())),
+            shards: Arc::new(Mutex::new(HashMap::new())),
+        }
+    }
+
+    /// The tensor-parallel group (`None` on one device).
+    pub fn group(&self) -> Option<&ProcessGroup> {
+        self.group.as_ref()
+    }
+
+    /// Whether the activations between the tensor-parallel regions are sequence-sharded.
+    pub fn sequence_parallel(&self) -> bool {
+        self.sequence_parallel
+    }
+
+    /// Enters the sequence-parallel region: keeps this rank's part of the sequence of a
+    /// replicated `[batch, seq, ..]` tensor (the backward all-gathers). The identity without
+    /// sequence parallelism.
+    ///
+    /// # Errors
+    /// Collective errors.
+    pub fn scatter_sequence(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
+        match (&self.group, self.sequence_parallel) {
+            (Some(group), true) => Ok(scatter_to_group(x, group, SEQ_DIM)?),
+            _ => Ok(x),
+        }
+    }
+
+    /// The global position of this rank's first token of a sequence of `seq` tokens under
+    /// sequence parallelism, and how many it holds (`(0, seq)` otherwise): what position
+    /// embeddings added inside the sequence-parallel region need.
+    pub fn sequence_range(&self, seq: usize) -> (usize, usize) {
+        match (&self.group, self.sequence_parallel) {
+            (Some(group), true) => {
+                let shard = crate::tensor_parallel::sequence_shard(seq, group)
+                    .expect("a valid group always has a sequence shard");
+                (shard.start, shard.len)
+            }
+            _ => (0, seq),
+        }
+    }
+
+    /// Sums over the tensor-parallel group the gradients of the parameters used on sequence
+    /// shards (those under a [`TpStyle::SequenceNorm`] rule, with sequence parallelism on), so
+    /// that they are the gradients of the whole sequence. Call it between the backward pass and
+    /// the optimizer step (the training steps of this crate do); without sequence parallelism it
+    /// returns `grads` untouched.
+    ///
+    /// # Errors
+    /// Collective errors.
+    pub fn sync_gradients(
+        &self,
+        mut grads: GradientsParams,
+    ) -> Result<GradientsParams, CollectiveError> {
+        let Some(group) = self.group.as_ref().filter(|_| self.sequence_parallel) else {
+            return Ok(grads);
+        };
+        let ids = self
+            .sequence_params
+            .lock()
+            .expect("plan bookkeeping")
+            .clone();
+        for id in ids {
+            // Every rank of the group holds the parameter (replicated), so every rank either
+            // has a gradient for it or has none: the collective calls match.
+            if let Some(grad) = grads.remove::<1>(id) {
+                let summed = group.all_reduce(grad, ReduceOp::Sum)?;
+                grads.register::<1>(id, summed);
+            }
+        }
+        Ok(grads)
+    }
+
+    /// Every parameter of `module` by module path, whole: the shards of the parameters this
+    /// context split are all-gathered over the group (padding dropped), the others read as they
+    /// are. A collective: every rank of the group must call it. For export, evaluation and
+    /// comparison against single-device training.
+    ///
+    /// # Errors
+    /// Collective errors.
+    pub fn full_params<M: Module>(
+        &self,
+        module: &M,
+    ) -> Result<Vec<(String, TensorData)>, CollectiveError> {
+        struct Collect<'a> {
+            path: Vec<String>,
+            shards: &'a HashMap<ParamId, (usize, Shard)>,
+            group: Option<&'a ProcessGroup>,
+            out: Vec<(String, TensorData)>,
+            error: Option<CollectiveError>,
+        }
+        impl ModuleVisitor for Collect<'_> {
+            fn enter_module(&mut self, name: &str, _: &str) {
+                self.path.push(name.to_string());
+            }
+            fn exit_module(&mut self, _: &str, _: &str) {
+                self.path.pop();
+            }
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if self.error.is_some() {
+                    return;
+                }
+                let value = param.val().detach();
+                let data = match (self.shards.get(&param.id), self.group) {
+                    (Some((dim, shard)), Some(group)) => match group.all_gather(value, *dim) {
+                        Ok(full) => full.narrow(*dim, 0, shard.full).into_data(),
+                        Err(e) => {
+                            self.error = Some(e);
+                            return;
+                        }
+                    },
+                    _ => value.into_data(),
+                };
+                self.out.push((self.path.join("."), data));
+            }
+        }
+        let shards = self.shards.lock().expect("plan bookkeeping").clone();
+        let mut visitor = Collect {
+            path: Vec::new(),
+            shards: &shards,
+            group: self.group.as_ref(),
+            out: Vec::new(),
+            error: None,
+        };
+        module.visit(&mut visitor);
+        match visitor.error {
+            Some(e) => Err(e),
+            None => Ok(visitor.out),
+        }
+    }
+
+    /// The ids of the parameters this context split over the group (for norms and clipping:
+    /// their squares are summed over the group, those of the others counted once).
+    pub fn sharded_ids(&self) -> std::collections::HashSet<ParamId> {
+        self.shards
+            .lock()
+            .expect("plan bookkeeping")
+            .keys()
+            .copied()
+            .collect()
+    }
+}

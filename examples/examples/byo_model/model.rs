@@ -1,0 +1,181 @@
+//! A user's own model: a small LLaMA-style decoder (RMSNorm, SwiGLU, causal attention, untied
+//! output head) written once with `burn_parallel::nn` layers. The same type trains on one device
+//! and under every layout; nothing here knows the layout except the plan in [`tp_plan`].
+
+use burn::module::{Module, Param};
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn_parallel::init::{Init, LinearInit};
+use burn_parallel::nn::{Embedding, Linear, TpContext};
+use burn_parallel::plan::TpPlan;
+use burn_parallel::tensor_parallel::TpResult;
+
+/// The model's shape.
+#[derive(Debug, Clone, Copy)]
+pub struct Config {
+    pub vocab: usize,
+    pub d_model: usize,
+    pub n_heads: usize,
+    pub d_ff: usize,
+    pub n_layers: usize,
+    pub seed: u64,
+}
+
+/// The tensor-parallel plan of this model (torchtitan's `parallelize_llama`, in six lines).
+pub fn tp_plan(sequence_parallel: bool) -> TpPlan {
+    TpPlan::new()
+        .vocab("{embed,head}")
+        .colwise("layers.*.attn.{q,k,v}")
+        .rowwise("layers.*.attn.o")
+        .colwise("layers.*.mlp.{gate,up}")
+        .rowwise("layers.*.mlp.down")
+        .sequence_norm("**.norm*")
+        .with_sequence_parallel(sequence_parallel)
+}
+
+#[derive(Module, Debug)]
+pub struct RmsNorm {
+    pub weight: Param<Tensor<1>>,
+}
+
+impl RmsNorm {
+    fn new(init: &Init, d: usize) -> Self {
+        Self {
+            weight: init.ones([d]),
+        }
+    }
+    fn forward(&self, x: Tensor<3>) -> Tensor<3> {
+        let rms = (x.clone().square().mean_dim(2) + 1e-5).sqrt();
+        x / rms * self.weight.val().unsqueeze()
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Attention {
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    #[module(skip)]
+    pub head_dim: usize,
+}
+
+impl Attention {
+    fn new(init: &Init, c: &Config) -> TpResult<Self> {
+        let hd = c.d_model / c.n_heads;
+        let proj = LinearInit::new(c.d_model, c.d_model).with_block(hd);
+        Ok(Self {
+            q: init.linear("q", proj)?,
+            k: init.linear("k", proj)?,
+            v: init.linear("v", proj)?,
+            o: init.linear("o", proj.with_std(0.02 / (2.0 * c.n_layers as f64).sqrt()))?,
+            head_dim: hd,
+        })
+    }
+
+    fn forward(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
+        // Local heads: all of them on one device, this rank's share under tensor parallelism.
+        let heads = |t: Tensor<3>| {
+            let [b, s, w] = t.dims();
+            t.reshape([b, s, w / self.head_dim, self.head_dim])
+                .swap_dims(1, 2)
+        };
+        let (q, k, v) = (
+            heads(self.q.forward(x.clone())?),
+            heads(self.k.forward(x.clone())?),
+            heads(self.v.forward(x)?),
+        );
+        let [b, h, s, _] = q.dims();
+        let scores = q.matmul(k.swap_dims(2, 3)) / (self.head_dim as f32).sqrt();
+        let mask = causal_mask(s, &scores.device()).expand([b, h, s, s]);
+        let scores = scores.mask_fill(mask, -1e9);
+        let y = softmax(scores, 3)
+            .matmul(v)
+            .swap_dims(1, 2)
+            .reshape([b, s, h * self.head_dim]);
+        self.o.forward(y)
+    }
+}
+
+fn causal_mask(s: usize, device: &Device) -> Tensor<4, Bool> {
+    let data: Vec<bool> = (0..s * s).map(|i| i % s > i / s).collect();
+    Tensor::<2, Bool>::from_data(TensorData::new(data, [s, s]), device).reshape([1, 1, s, s])
+}
+
+#[derive(Module, Debug)]
+pub struct Mlp {
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+impl Mlp {
+    fn new(init: &Init, c: &Config) -> TpResult<Self> {
+        Ok(Self {
+            gate: init.linear("gate", LinearInit::new(c.d_model, c.d_ff))?,
+            up: init.linear("up", LinearInit::new(c.d_model, c.d_ff))?,
+            down: init.linear("down", LinearInit::new(c.d_ff, c.d_model))?,
+        })
+    }
+
+    fn forward(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
+        let hidden = silu(self.gate.forward(x.clone())?) * self.up.forward(x)?;
+        self.down.forward(hidden)
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Layer {
+    pub norm1: RmsNorm,
+    pub attn: Attention,
+    pub norm2: RmsNorm,
+    pub mlp: Mlp,
+}
+
+#[derive(Module, Debug)]
+pub struct Decoder {
+    pub embed: Embedding,
+    pub layers: Vec<Layer>,
+    pub norm: RmsNorm,
+    pub head: Linear,
+    #[module(skip)]
+    pub tp: TpContext,
+}
+
+impl Decoder {
+    /// Builds the model from `init` (single device: `Init::new(seed, device)`; tensor-parallel:
+    /// `Init::new(..).with_tp(group, tp_plan(sp))`).
+    pub fn new(init: &Init, c: &Config) -> TpResult<Self> {
+        let layers = (0..c.n_layers)
+            .map(|i| {
+                let init = init.at("layers").at(i);
+                Ok(Layer {
+                    norm1: RmsNorm::new(&init.at("norm1"), c.d_model),
+                    attn: Attention::new(&init.at("attn"), c)?,
+                    norm2: RmsNorm::new(&init.at("norm2"), c.d_model),
+                    mlp: Mlp::new(&init.at("mlp"), c)?,
+                })
+            })
+            .collect::<TpResult<Vec<_>>>()?;
+        let model = Self {
+            embed: init.embedding("embed", c.vocab, c.d_model, 0.02)?,
+            layers,
+            norm: RmsNorm::new(&init.at("norm"), c.d_model),
+            head: init.linear("head", LinearInit::new(c.d_model, c.vocab))?,
+            tp: init.context(),
+        };
+        init.finish()?;
+        Ok(model)
+    }
+
+    /// Mean next-token cross-entropy of `tokens` against `targets` (both `[batch, seq]`).
+    pub fn loss(&self, tokens: Tensor<2, Int>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
+        let mut x = self.tp.scatter_sequence(self.embed.forward(tokens)?)?;
+        for layer in &self.layers {
+            x = x.clone() + layer.attn.forward(layer.norm1.forward(x))?;
+            x = x.clone() + layer.mlp.forward(layer.norm2.forward(x))?;
+        }
+        let logits = self.head.forward(self.norm.forward(x))?;
+        self.head.cross_entropy(logits, targets)
+    }
+}

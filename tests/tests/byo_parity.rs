@@ -1,0 +1,257 @@
+//! The bring-your-own-model example's decoder (`examples/examples/byo_model/model.rs`, one model
+//! type written with `burn_parallel::nn` layers) under data, tensor and sequence parallelism,
+//! against plain single-device Burn training of the same type: losses and final parameters.
+
+#[path = "../../examples/examples/byo_model/model.rs"]
+#[allow(dead_code)]
+mod model;
+
+use burn::module::Module;
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_parallel::init::{Init, splitmix64};
+use burn_parallel::nn::TpContext;
+use burn_parallel::plan::TpPlan;
+use burn_parallel::tensor_parallel::TpError;
+use burn_parallel::{DistributedDataParallel, MeshError, ParallelDims, ReduceOp, run_local};
+use model::{Config, Decoder, tp_plan};
+
+const STEPS: usize = 20;
+const BATCH: usize = 8;
+const SEQ: usize = 10; // 3 + 3 + 2 + 2 tokens per rank at tp 4 under sequence parallelism
+const LR: f64 = 3e-3;
+
+/// Vocabulary 37 and MLP width 50 do not divide by 2 or 4: padded vocabulary shards and uneven
+/// hidden splits.
+fn config() -> Config {
+    Config {
+        vocab: 37,
+        d_model: 32,
+        n_heads: 4,
+        d_ff: 50,
+        n_layers: 2,
+        seed: 11,
+    }
+}
+
+/// Rows `rows` of the global batch of `step`: random token ids (a pure function of step, row
+/// and column) and, as targets, a fixed permutation of the previous token: learnable.
+fn batch(
+    step: usize,
+    rows: std::ops::Range<usize>,
+    device: &Device,
+) -> (Tensor<2, Int>, Tensor<2, Int>) {
+    let n = rows.len();
+    let vocab = config().vocab as i64;
+    let ids: Vec<i64> = rows
+        .clone()
+        .flat_map(|r| (0..SEQ).map(move |t| (r, t)))
+        .map(|(r, t)| (splitmix64(((step * 1000 + r) * 1000 + t) as u64) % vocab as u64) as i64)
+        .collect();
+    let next: Vec<i64> = ids
+        .chunks(SEQ)
+        .flat_map(|row| (0..SEQ).map(move |t| (row[t.saturating_sub(1)] * 5 + 3) % vocab))
+        .collect();
+    let tokens = Tensor::from_data(TensorData::new(ids, [n, SEQ]), device);
+    let targets = Tensor::from_data(TensorData::new(next, [n, SEQ]), device);
+    (tokens, targets)
+}
+
+fn optimizer() -> ModuleOptimizer {
+    AdamWConfig::new().with_weight_decay(0.01).init()
+}
+
+type Params = Vec<(String, TensorData)>;
+
+/// Plain single-device Burn training: the oracle.
+fn reference() -> (Vec<f32>, Params) {
+    let device = Device::flex().autodiff();
+    let mut model = Decoder::new(&Init::new(config().seed, &device), &config()).unwrap();
+    let mut optim = optimizer();
+    let mut losses = Vec::new();
+    for step in 0..STEPS {
+        let (tokens, targets) = batch(step, 0..BATCH, &device);
+        let loss = model.loss(tokens, targets).unwrap();
+        losses.push(loss.clone().into_scalar::<f32>());
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        model = optim.step(LR, model, grads);
+    }
+    (
+        losses,
+        TpContext::single().full_params(&model.valid()).unwrap(),
+    )
+}
+
+/// The same training under `dims` on thread ranks: data parallel over `dp_replicate` (DDP),
+/// tensor parallel over `tp` with the model's plan.
+fn parallel(dims: ParallelDims, sequence_parallel: bool) -> (Vec<f32>, Params) {
+    let out = run_local(dims.world_size(), move |world| {
+        let mesh = dims.build(&world).unwrap();
+        let dp = dims.data_parallel(&mesh).unwrap();
+        let device = Device::flex().autodiff();
+        let init = Init::new(config().seed, &device)
+            .with_tp(mesh.group("tp").unwrap(), tp_plan(sequence_parallel))
+            .unwrap();
+        let mut model = Decoder::new(&init, &config()).unwrap();
+        let ddp = DistributedDataParallel::new(dp.clone());
+        let mut optim = optimizer();
+        let rows = BATCH / dp.size();
+        let mut losses = Vec::new();
+        for step in 0..STEPS {
+            let (tokens, targets) = batch(step, dp.rank() * rows..(dp.rank() + 1) * rows, &device);
+            let loss = model.loss(tokens, targets).unwrap();
+            let local = loss.clone().into_scalar::<f32>();
+            losses.push(dp.all_reduce_f32(vec![local], ReduceOp::Avg)?[0]);
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let grads = model.tp.sync_gradients(grads)?;
+            let grads = ddp.all_reduce_grads(&model, grads)?;
+            model = optim.step(LR, model, grads);
+        }
+        let params = model.tp.full_params(&model.valid())?;
+        Ok((losses, params))
+    })
+    .unwrap();
+    for other in &out[1..] {
+        assert_eq!(other.0, out[0].0, "every rank reports the same losses");
+    }
+    out.into_iter().next().unwrap()
+}
+
+fn assert_matches(
+    what: &str,
+    (losses, params): (Vec<f32>, Params),
+    reference: &(Vec<f32>, Params),
+) {
+    for (step, (a, b)) in reference.0.iter().zip(&losses).enumerate() {
+        let rel = ((a - b) / a).abs();
+        assert!(
+            rel <= 1e-5,
+            "{what}: step {step} loss {b} vs single-device {a} (rel {rel:.1e})"
+        );
+    }
+    assert_eq!(params.len(), reference.1.len(), "{what}: parameter count");
+    for ((path, got), (ref_path, want)) in params.iter().zip(&reference.1) {
+        assert_eq!(path, ref_path, "{what}: parameter order");
+        assert_eq!(got.shape(), want.shape(), "{what}: shape of {path}");
+        let (got, want) = (
+            got.try_to_vec::<f32>().unwrap(),
+            want.try_to_vec::<f32>().unwrap(),
+        );
+        // Relative to the tensor's largest entry: fp32 reduction-order noise on entries near
+        // zero is not a layout error.
+        let scale = want.iter().fold(0f32, |m, w| m.max(w.abs())).max(1e-6);
+        let (i, worst) = got
+            .iter()
+            .zip(&want)
+            .map(|(g, w)| (g - w).abs() / scale)
+            .enumerate()
+            .fold((0, 0f32), |a, (i, d)| if d > a.1 { (i, d) } else { a });
+        assert!(
+            worst <= 1e-5,
+            "{what}: final {path}[{i}] is {} against {} (relative difference {worst:.1e})",
+            got[i],
+            want[i]
+        );
+    }
+}
+
+fn dims(dp_replicate: usize, tp: usize) -> ParallelDims {
+    ParallelDims {
+        dp_replicate,
+        dp_shard: 1,
+        tp,
+    }
+}
+
+#[test]
+fn byo_model_matches_single_device_under_dp_tp_sp() {
+    let reference = reference();
+    assert!(
+        reference.0[STEPS - 1] < reference.0[0],
+        "the reference learns: {:?}",
+        reference.0
+    );
+    assert_matches("dp 2", parallel(dims(2, 1), false), &reference);
+    assert_matches("tp 2", parallel(dims(1, 2), false), &reference);
+    assert_matches("tp 2 + sp", parallel(dims(1, 2), true), &reference);
+    assert_matches("tp 4 + sp", parallel(dims(1, 4), true), &reference);
+    assert_matches("dp 2 x tp 2 + sp", parallel(dims(2, 2), true), &reference);
+}
+
+#[test]
+fn bad_plans_and_meshes_are_typed_errors() {
+    let errors = run_local(3, |world| {
+        let device = Device::flex();
+        // A plan naming a path that does not exist.
+        let plan = TpPlan::new()
+            .rowwise("layers.*.mlp.down")
+            .colwise("layers.*.attn.qkv");
+        let init = Init::new(1, &device).with_tp(&world, plan).unwrap();
+        let typo = Decoder::new(&init, &config()).unwrap_err();
+        // 4 heads over 3 ranks.
+        let init = Init::new(1, &device)
+            .with_tp(&world, tp_plan(false))
+            .unwrap();
+        let heads = Decoder::new(&init, &config()).unwrap_err();
+        // A style a layer cannot take.
+        let plan = TpPlan::new().sequence_norm("head");
+        let init = Init::new(1, &device).with_tp(&world, plan).unwrap();
+        let style = Decoder::new(&init, &config()).unwrap_err();
+        // A mesh that does not match the world.
+        let mesh = dims(2, 2).build(&world).unwrap_err();
+        Ok((typo, heads, style, mesh))
+    })
+    .unwrap();
+    let (typo, heads, style, mesh) = &errors[0];
+    assert!(
+        matches!(typo, TpError::Plan(m) if m.contains("layers.*.attn.qkv")),
+        "{typo}"
+    );
+    assert!(
+        matches!(heads, TpError::NotDivisible { tp: 3, .. }),
+        "{heads}"
+    );
+    assert!(
+        matches!(style, TpError::Plan(m) if m.contains("`head`")),
+        "{style}"
+    );
+    assert!(
+        matches!(
+            mesh,
+            MeshError::SizeMismatch {
+                product: 4,
+                world: 3,
+                ..
+            }
+        ),
+        "{mesh}"
+    );
+}
+
+#[test]
+fn sharded_init_holds_only_the_shard() {
+    let shapes = run_local(2, |world| {
+        let init = Init::new(1, &Device::flex())
+            .with_tp(&world, tp_plan(false))
+            .unwrap();
+        let model = Decoder::new(&init, &config()).unwrap();
+        Ok((
+            model.embed.weight.dims(),
+            model.layers[0].mlp.up.weight.dims(),
+            model.layers[0].mlp.down.weight.dims(),
+            model.num_params(),
+        ))
+    })
+    .unwrap();
+    let full = Decoder::new(&Init::new(1, &Device::flex()), &config())
+        .unwrap()
+        .num_params();
+    assert_eq!(shapes[0].0, [19, 32]); // 37 rows padded to 2 x 19
+    assert_eq!(shapes[0].1, [32, 25]);
+    assert_eq!(shapes[1].2, [25, 32]);
+    assert!(
+        shapes[0].3 < full * 6 / 10,
+        "{} of {full} parameters on a rank",
+        shapes[0].3
+    );
+}
