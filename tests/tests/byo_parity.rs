@@ -6,14 +6,15 @@
 #[allow(dead_code)]
 mod model;
 
-use burn::module::Module;
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_parallel::init::{Init, splitmix64};
 use burn_parallel::nn::TpContext;
 use burn_parallel::plan::TpPlan;
 use burn_parallel::tensor_parallel::TpError;
-use burn_parallel::{DistributedDataParallel, MeshError, ParallelDims, ReduceOp, run_local};
+use burn_parallel::train::TrainStep;
+use burn_parallel::{MeshError, ParallelDims, run_local};
 use model::{Config, Decoder, tp_plan};
 
 const STEPS: usize = 20;
@@ -63,9 +64,10 @@ fn optimizer() -> ModuleOptimizer {
 
 type Params = Vec<(String, TensorData)>;
 
-/// Plain single-device Burn training: the oracle.
-fn reference() -> (Vec<f32>, Params) {
-    let device = Device::flex().autodiff();
+/// Plain single-device Burn training on `device`: the oracle. With `clip`, the gradients are
+/// scaled by `min(1, clip / (norm + 1e-6))`, the norm taken over every gradient.
+fn reference(device: &Device, clip: Option<f64>) -> (Vec<f32>, Params) {
+    let device = device.clone().autodiff();
     let mut model = Decoder::new(&Init::new(config().seed, &device), &config()).unwrap();
     let mut optim = optimizer();
     let mut losses = Vec::new();
@@ -73,7 +75,10 @@ fn reference() -> (Vec<f32>, Params) {
         let (tokens, targets) = batch(step, 0..BATCH, &device);
         let loss = model.loss(tokens, targets).unwrap();
         losses.push(loss.clone().into_scalar::<f32>());
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        if let Some(clip) = clip {
+            grads = clip_plain(&model, grads, clip);
+        }
         model = optim.step(LR, model, grads);
     }
     (
@@ -82,30 +87,78 @@ fn reference() -> (Vec<f32>, Params) {
     )
 }
 
-/// The same training under `dims` on thread ranks: data parallel over `dp_replicate` (DDP),
-/// tensor parallel over `tp` with the model's plan.
-fn parallel(dims: ParallelDims, sequence_parallel: bool) -> (Vec<f32>, Params) {
+/// Global-norm clipping written out in plain Burn.
+fn clip_plain(model: &Decoder, mut grads: GradientsParams, clip: f64) -> GradientsParams {
+    struct Ids(Vec<(ParamId, usize)>);
+    impl ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push((param.id, D));
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    model.visit(&mut ids);
+    let mut sum = 0f64;
+    for &(id, d) in &ids.0 {
+        let data = match d {
+            1 => grads.get::<1>(id).map(|g| g.into_data()),
+            2 => grads.get::<2>(id).map(|g| g.into_data()),
+            _ => unreachable!("the decoder has 1-D and 2-D parameters"),
+        };
+        if let Some(data) = data {
+            sum += data
+                .iter::<f32>()
+                .map(|g| f64::from(g).powi(2))
+                .sum::<f64>();
+        }
+    }
+    let scale = clip / (sum.sqrt() + 1e-6);
+    if scale < 1.0 {
+        for &(id, d) in &ids.0 {
+            match d {
+                1 => {
+                    if let Some(g) = grads.remove::<1>(id) {
+                        grads.register::<1>(id, g * scale as f32);
+                    }
+                }
+                _ => {
+                    if let Some(g) = grads.remove::<2>(id) {
+                        grads.register::<2>(id, g * scale as f32);
+                    }
+                }
+            }
+        }
+    }
+    grads
+}
+
+/// The same training under `dims` on thread ranks with the library's [`TrainStep`]: data
+/// parallel over `dp_replicate`, tensor parallel over `tp` with the model's plan.
+fn parallel(
+    device: &Device,
+    dims: ParallelDims,
+    sequence_parallel: bool,
+    clip: Option<f64>,
+) -> (Vec<f32>, Params) {
+    let device = device.clone().autodiff();
     let out = run_local(dims.world_size(), move |world| {
         let mesh = dims.build(&world).unwrap();
         let dp = dims.data_parallel(&mesh).unwrap();
-        let device = Device::flex().autodiff();
         let init = Init::new(config().seed, &device)
             .with_tp(mesh.group("tp").unwrap(), tp_plan(sequence_parallel))
             .unwrap();
         let mut model = Decoder::new(&init, &config()).unwrap();
-        let ddp = DistributedDataParallel::new(dp.clone());
+        let train = TrainStep::new(init.context())
+            .with_data_parallel(dp.clone())
+            .with_clip(clip);
         let mut optim = optimizer();
         let rows = BATCH / dp.size();
         let mut losses = Vec::new();
         for step in 0..STEPS {
             let (tokens, targets) = batch(step, dp.rank() * rows..(dp.rank() + 1) * rows, &device);
             let loss = model.loss(tokens, targets).unwrap();
-            let local = loss.clone().into_scalar::<f32>();
-            losses.push(dp.all_reduce_f32(vec![local], ReduceOp::Avg)?[0]);
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
-            let grads = model.tp.sync_gradients(grads)?;
-            let grads = ddp.all_reduce_grads(&model, grads)?;
-            model = optim.step(LR, model, grads);
+            let (next, out) = train.step(model, loss, &mut optim, LR)?;
+            model = next;
+            losses.push(out.loss);
         }
         let params = model.tp.full_params(&model.valid())?;
         Ok((losses, params))
@@ -165,19 +218,87 @@ fn dims(dp_replicate: usize, tp: usize) -> ParallelDims {
 
 #[test]
 fn byo_model_matches_single_device_under_dp_tp_sp() {
-    let reference = reference();
+    let flex = Device::flex();
+    let reference = reference(&flex, None);
     assert!(
         reference.0[STEPS - 1] < reference.0[0],
         "the reference learns: {:?}",
         reference.0
     );
-    assert_matches("dp 2", parallel(dims(2, 1), false), &reference);
-    assert_matches("tp 2", parallel(dims(1, 2), false), &reference);
-    assert_matches("tp 2 + sp", parallel(dims(1, 2), true), &reference);
-    assert_matches("tp 4 + sp", parallel(dims(1, 4), true), &reference);
-    assert_matches("dp 2 x tp 2 + sp", parallel(dims(2, 2), true), &reference);
+    assert_matches("dp 2", parallel(&flex, dims(2, 1), false, None), &reference);
+    assert_matches("tp 2", parallel(&flex, dims(1, 2), false, None), &reference);
+    assert_matches(
+        "tp 2 + sp",
+        parallel(&flex, dims(1, 2), true, None),
+        &reference,
+    );
+    assert_matches(
+        "tp 4 + sp",
+        parallel(&flex, dims(1, 4), true, None),
+        &reference,
+    );
+    assert_matches(
+        "dp 2 x tp 2 + sp",
+        parallel(&flex, dims(2, 2), true, None),
+        &reference,
+    );
 }
 
+#[test]
+fn global_norm_clipping_counts_shards_once() {
+    let flex = Device::flex();
+    // A clip far below the gradient norm: every step is clipped.
+    let unclipped = reference(&flex, None);
+    let reference = reference(&flex, Some(0.05));
+    assert_ne!(reference.0[5], unclipped.0[5], "the clip must bite");
+    assert_matches(
+        "tp 2 + sp, clip",
+        parallel(&flex, dims(1, 2), true, Some(0.05)),
+        &reference,
+    );
+    assert_matches(
+        "dp 2 x tp 2, clip",
+        parallel(&flex, dims(2, 2), false, Some(0.05)),
+        &reference,
+    );
+}
+
+#[cfg(feature = "ndarray")]
+#[test]
+fn byo_model_on_ndarray() {
+    let device = Device::ndarray();
+    let reference = reference(&device, None);
+    assert_matches(
+        "ndarray tp 2 + sp",
+        parallel(&device, dims(1, 2), true, None),
+        &reference,
+    );
+    assert_matches(
+        "ndarray dp 2 x tp 2",
+        parallel(&device, dims(2, 2), false, None),
+        &reference,
+    );
+}
+
+#[cfg(feature = "wgpu")]
+#[test]
+fn byo_model_on_wgpu() {
+    let device = match burn_parallel::kernels::wgpu_device() {
+        Ok(device) => device,
+        Err(e) if std::env::var_os("BURN_PARALLEL_REQUIRE_WGPU").is_none() => {
+            use std::io::Write;
+            let _ = writeln!(std::io::stderr(), "SKIPPED byo_model_on_wgpu: {e}");
+            return;
+        }
+        Err(e) => panic!("BURN_PARALLEL_REQUIRE_WGPU is set but {e}"),
+    };
+    let reference = reference(&device, None);
+    assert_matches(
+        "wgpu tp 2 + sp",
+        parallel(&device, dims(1, 2), true, None),
+        &reference,
+    );
+}
 #[test]
 fn bad_plans_and_meshes_are_typed_errors() {
     let errors = run_local(3, |world| {
