@@ -15,7 +15,8 @@ use burn_parallel::plan::TpPlan;
 use burn_parallel::tensor_parallel::TpError;
 use burn_parallel::train::TrainStep;
 use burn_parallel::{MeshError, ParallelDims, run_local};
-use model::{Config, Decoder, tp_plan};
+use burn_zero::{Fsdp, ZeroError};
+use model::{Config, Decoder, fsdp_plan, tp_plan};
 
 const STEPS: usize = 20;
 const BATCH: usize = 8;
@@ -68,7 +69,7 @@ type Params = Vec<(String, TensorData)>;
 /// scaled by `min(1, clip / (norm + 1e-6))`, the norm taken over every gradient.
 fn reference(device: &Device, clip: Option<f64>) -> (Vec<f32>, Params) {
     let device = device.clone().autodiff();
-    let mut model = Decoder::new(&Init::new(config().seed, &device), &config()).unwrap();
+    let mut model = Decoder::new(&Init::new(config().seed, &device), None, &config()).unwrap();
     let mut optim = optimizer();
     let mut losses = Vec::new();
     for step in 0..STEPS {
@@ -132,7 +133,8 @@ fn clip_plain(model: &Decoder, mut grads: GradientsParams, clip: f64) -> Gradien
 }
 
 /// The same training under `dims` on thread ranks with the library's [`TrainStep`]: data
-/// parallel over `dp_replicate`, tensor parallel over `tp` with the model's plan.
+/// parallel over `dp_replicate`, FSDP units (the layers) over `dp_shard`, tensor parallel over
+/// `tp` with the model's plan.
 fn parallel(
     device: &Device,
     dims: ParallelDims,
@@ -146,9 +148,14 @@ fn parallel(
         let init = Init::new(config().seed, &device)
             .with_tp(mesh.group("tp").unwrap(), tp_plan(sequence_parallel))
             .unwrap();
-        let mut model = Decoder::new(&init, &config()).unwrap();
+        let fsdp = fsdp_plan(mesh.group("dp_shard").unwrap());
+        let mut model = Decoder::new(&init, Some(&fsdp), &config()).unwrap();
         let train = TrainStep::new(init.context())
             .with_data_parallel(dp.clone())
+            .with_fsdp(
+                fsdp.shards().clone(),
+                Some(mesh.group("dp_replicate").unwrap().clone()),
+            )
             .with_clip(clip);
         let mut optim = optimizer();
         let rows = BATCH / dp.size();
@@ -160,7 +167,14 @@ fn parallel(
             model = next;
             losses.push(out.loss);
         }
-        let params = model.tp.full_params(&model.valid())?;
+        // The layers whole (all-gathered FSDP units), then the tensor-parallel shards gathered.
+        let mut whole = model.clone();
+        whole.layers = model
+            .layers
+            .iter()
+            .map(|unit| Ok(Fsdp::new(unit.full()?)))
+            .collect::<burn_parallel::Result<Vec<_>>>()?;
+        let params = model.tp.full_params(&whole.valid())?;
         Ok((losses, params))
     })
     .unwrap();
@@ -216,6 +230,14 @@ fn dims(dp_replicate: usize, tp: usize) -> ParallelDims {
     }
 }
 
+fn fsdp_dims(dp_replicate: usize, dp_shard: usize, tp: usize) -> ParallelDims {
+    ParallelDims {
+        dp_replicate,
+        dp_shard,
+        tp,
+    }
+}
+
 #[test]
 fn byo_model_matches_single_device_under_dp_tp_sp() {
     let flex = Device::flex();
@@ -245,6 +267,39 @@ fn byo_model_matches_single_device_under_dp_tp_sp() {
 }
 
 #[test]
+fn byo_model_matches_single_device_under_fsdp_hsdp_and_tp() {
+    let flex = Device::flex();
+    let reference = reference(&flex, None);
+    assert_matches(
+        "fsdp 2",
+        parallel(&flex, fsdp_dims(1, 2, 1), false, None),
+        &reference,
+    );
+    assert_matches(
+        "fsdp 4",
+        parallel(&flex, fsdp_dims(1, 4, 1), false, None),
+        &reference,
+    );
+    let layout = fsdp_dims(1, 2, 2);
+    assert_matches(
+        "fsdp 2 x tp 2 + sp",
+        parallel(&flex, layout, true, None),
+        &reference,
+    );
+    assert_matches(
+        "hsdp 2 x 2",
+        parallel(&flex, fsdp_dims(2, 2, 1), false, None),
+        &reference,
+    );
+    let layout = fsdp_dims(2, 2, 2);
+    assert_matches(
+        "hsdp 2 x 2 x tp 2",
+        parallel(&flex, layout, false, None),
+        &reference,
+    );
+}
+
+#[test]
 fn global_norm_clipping_counts_shards_once() {
     let flex = Device::flex();
     // A clip far below the gradient norm: every step is clipped.
@@ -259,6 +314,18 @@ fn global_norm_clipping_counts_shards_once() {
     assert_matches(
         "dp 2 x tp 2, clip",
         parallel(&flex, dims(2, 2), false, Some(0.05)),
+        &reference,
+    );
+    let layout = fsdp_dims(1, 2, 2);
+    assert_matches(
+        "fsdp 2 x tp 2 + sp, clip",
+        parallel(&flex, layout, true, Some(0.05)),
+        &reference,
+    );
+    let layout = fsdp_dims(2, 2, 1);
+    assert_matches(
+        "hsdp 2 x 2, clip",
+        parallel(&flex, layout, false, Some(0.05)),
         &reference,
     );
 }
@@ -308,32 +375,39 @@ fn bad_plans_and_meshes_are_typed_errors() {
             .rowwise("layers.*.mlp.down")
             .colwise("layers.*.attn.qkv");
         let init = Init::new(1, &device).with_tp(&world, plan).unwrap();
-        let typo = Decoder::new(&init, &config()).unwrap_err();
+        let typo = Decoder::new(&init, None, &config()).unwrap_err();
         // 4 heads over 3 ranks.
         let init = Init::new(1, &device)
             .with_tp(&world, tp_plan(false))
             .unwrap();
-        let heads = Decoder::new(&init, &config()).unwrap_err();
+        let heads = Decoder::new(&init, None, &config()).unwrap_err();
         // A style a layer cannot take.
         let plan = TpPlan::new().sequence_norm("head");
         let init = Init::new(1, &device).with_tp(&world, plan).unwrap();
-        let style = Decoder::new(&init, &config()).unwrap_err();
+        let style = Decoder::new(&init, None, &config()).unwrap_err();
+        // An FSDP unit pattern that matches nothing.
+        let fsdp = burn_zero::FsdpPlan::new(&world).unit("blocks.*");
+        let units = Decoder::new(&Init::new(1, &device), Some(&fsdp), &config()).unwrap_err();
         // A mesh that does not match the world.
         let mesh = dims(2, 2).build(&world).unwrap_err();
-        Ok((typo, heads, style, mesh))
+        Ok((typo, heads, style, units, mesh))
     })
     .unwrap();
-    let (typo, heads, style, mesh) = &errors[0];
+    let (typo, heads, style, units, mesh) = &errors[0];
     assert!(
-        matches!(typo, TpError::Plan(m) if m.contains("layers.*.attn.qkv")),
+        matches!(units, ZeroError::Config(m) if m.contains("blocks.*")),
+        "{units}"
+    );
+    assert!(
+        matches!(typo, ZeroError::Tp(TpError::Plan(m)) if m.contains("layers.*.attn.qkv")),
         "{typo}"
     );
     assert!(
-        matches!(heads, TpError::NotDivisible { tp: 3, .. }),
+        matches!(heads, ZeroError::Tp(TpError::NotDivisible { tp: 3, .. })),
         "{heads}"
     );
     assert!(
-        matches!(style, TpError::Plan(m) if m.contains("`head`")),
+        matches!(style, ZeroError::Tp(TpError::Plan(m)) if m.contains("`head`")),
         "{style}"
     );
     assert!(
@@ -355,16 +429,16 @@ fn sharded_init_holds_only_the_shard() {
         let init = Init::new(1, &Device::flex())
             .with_tp(&world, tp_plan(false))
             .unwrap();
-        let model = Decoder::new(&init, &config()).unwrap();
+        let model = Decoder::new(&init, None, &config()).unwrap();
         Ok((
             model.embed.weight.dims(),
-            model.layers[0].mlp.up.weight.dims(),
-            model.layers[0].mlp.down.weight.dims(),
+            model.layers[0].get()?.mlp.up.weight.dims(),
+            model.layers[0].get()?.mlp.down.weight.dims(),
             model.num_params(),
         ))
     })
     .unwrap();
-    let full = Decoder::new(&Init::new(1, &Device::flex()), &config())
+    let full = Decoder::new(&Init::new(1, &Device::flex()), None, &config())
         .unwrap()
         .num_params();
     assert_eq!(shapes[0].0, [19, 32]); // 37 rows padded to 2 x 19

@@ -1087,7 +1087,7 @@ fn on_host<const D: usize>(
 
 /// A tensor on `device` holding `data` in its own dtype (Burn's `from_data` would convert it to
 /// the device's default float dtype).
-pub(crate) fn tensor_from_data<const D: usize>(
+pub fn tensor_from_data<const D: usize>(
     data: TensorData,
     device: &burn::tensor::Device,
 ) -> Tensor<D> {

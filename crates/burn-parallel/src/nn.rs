@@ -582,4 +582,16 @@ impl TpContext {
             .copied()
             .collect()
     }
+
+    /// The ids of the parameters used on sequence shards whose gradients are summed over the
+    /// group (empty without sequence parallelism), in construction order.
+    pub fn sequence_param_ids(&self) -> Vec<ParamId> {
+        if !self.sequence_parallel {
+            return Vec::new();
+        }
+        self.sequence_params
+            .lock()
+            .expect("plan bookkeeping")
+            .clone()
+    }
 }

@@ -5,12 +5,13 @@
 //! |---|---|
 //! | backward | `loss.backward()`, gradients of this rank's parameters |
 //! | sequence parallelism | sums the gradients of the norms used on sequence shards over `tp` ([`TpContext::sync_gradients`]) |
-//! | data parallelism | averages every gradient over `dp` (bucketed, [`DistributedDataParallel`]) |
+//! | data parallelism | averages every gradient over `dp` (bucketed, [`DistributedDataParallel`]); the flat shards of FSDP units ([`DataShards`]) arrive averaged over their shard group and are averaged over the replicate group only (HSDP) |
 //! | clipping | scales all gradients by `min(1, max_norm / ‖g‖)`, with `‖g‖` the norm of the whole model's gradient: tensor-parallel shards summed over `tp` once, replicated parameters counted once |
 //! | step | the Burn optimizer, on this rank's parameters |
 //!
-//! ZeRO and FSDP shard the optimizer state and need their own step (`burn-zero`); everything
-//! else trains with this one.
+//! FSDP units that are modules (`burn_zero::Fsdp`) train with this step too: their parameters
+//! are flat shards, so a plain Burn optimizer keeps sharded state. ZeRO-1/2 and the
+//! mixed-precision FSDP of `burn_zero::FsdpUnit` have their own step.
 //!
 //! # Example
 //! ```
@@ -39,6 +40,10 @@
 //! assert_eq!(losses[0], losses[1]); // the loss averaged over the data-parallel ranks
 //! ```
 
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::{Arc, Mutex};
+
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Tensor, TensorData};
@@ -58,11 +63,55 @@ pub struct StepOutput {
     pub grad_norm: Option<f64>,
 }
 
+/// The parameters that are flat shards of FSDP units over a data-parallel *shard* group: for
+/// each, the ranges of its elements that come from tensor-parallel shards (their squares are
+/// summed over `tp` as well as over the shard group). Filled by whoever shards a unit (for
+/// example `burn_zero::FsdpPlan`), read by [`TrainStep`]. Cheap to clone (shared).
+#[derive(Debug, Clone)]
+pub struct DataShards {
+    group: ProcessGroup,
+    /// In registration (model construction) order: the same on every rank, unlike ids.
+    params: Arc<Mutex<Vec<ShardEntry>>>,
+}
+
+/// A flat shard and the ranges of its elements that belong to tensor-parallel shards.
+type ShardEntry = (ParamId, Vec<Range<usize>>);
+
+impl DataShards {
+    /// No parameter yet, sharded over `group`.
+    pub fn new(group: &ProcessGroup) -> Self {
+        Self {
+            group: group.clone(),
+            params: Arc::new(Mutex::new(Vec::new())),
+        }
+    }
+
+    /// The shard group.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// Registers the 1-D flat shard `id`, whose elements in `tp_ranges` belong to
+    /// tensor-parallel shards.
+    pub fn register(&self, id: ParamId, tp_ranges: Vec<Range<usize>>) {
+        self.params
+            .lock()
+            .expect("shard bookkeeping")
+            .push((id, tp_ranges));
+    }
+
+    /// The registered shards, in registration order.
+    fn snapshot(&self) -> Vec<ShardEntry> {
+        self.params.lock().expect("shard bookkeeping").clone()
+    }
+}
+
 /// The training step of a data × tensor-parallel layout. See the module docs.
 #[derive(Debug, Clone)]
 pub struct TrainStep {
     tp: TpContext,
     ddp: Option<DistributedDataParallel>,
+    fsdp: Option<(DataShards, Option<ProcessGroup>)>,
     max_grad_norm: Option<f64>,
 }
 
@@ -73,8 +122,19 @@ impl TrainStep {
         Self {
             tp,
             ddp: None,
+            fsdp: None,
             max_grad_norm: None,
         }
+    }
+
+    /// Trains FSDP units whose flat shards are registered in `shards`: their gradients come
+    /// averaged over the shard group from the backward of the units' all-gather, and are then
+    /// averaged over `replicate` (HSDP; `None` or a group of one for plain FSDP). Set
+    /// [`Self::with_data_parallel`] to the whole data-parallel group (replicate x shard) for the
+    /// parameters outside the units.
+    pub fn with_fsdp(mut self, shards: DataShards, replicate: Option<ProcessGroup>) -> Self {
+        self.fsdp = Some((shards, replicate.filter(|g| g.size() > 1)));
+        self
     }
 
     /// Averages gradients over the data-parallel group `dp` (each rank trains on its part of
@@ -107,11 +167,29 @@ impl TrainStep {
         loss: Tensor<1>,
     ) -> Result<(GradientsParams, Option<f64>)> {
         let grads = GradientsParams::from_grads(loss.backward(), model);
-        let grads = self.tp.sync_gradients(grads)?;
+        let mut grads = self.tp.sync_gradients(grads)?;
+        // FSDP shards leave the data-parallel all-reduce: they are averaged over their shard
+        // group already, and only over the replicate group here.
+        // In registration order, the same on every rank (collectives follow it).
+        let mut sharded = Vec::new();
+        if let Some((shards, _)) = &self.fsdp {
+            for (id, _) in shards.snapshot() {
+                if let Some(g) = grads.remove::<1>(id) {
+                    sharded.push((id, g));
+                }
+            }
+        }
         let mut grads = match &self.ddp {
             Some(ddp) => ddp.all_reduce_grads(model, grads)?,
             None => grads,
         };
+        for (id, g) in sharded {
+            let g = match self.fsdp.as_ref().and_then(|(_, r)| r.as_ref()) {
+                Some(replicate) => replicate.all_reduce(g, ReduceOp::Avg)?,
+                None => g,
+            };
+            grads.register::<1>(id, g);
+        }
         let norm = match self.max_grad_norm {
             None => None,
             Some(max_norm) => {
@@ -160,24 +238,42 @@ impl TrainStep {
     /// # Errors
     /// Collective errors.
     pub fn global_norm<M: Module>(&self, model: &M, grads: &GradientsParams) -> Result<f64> {
-        let sharded = self.tp.sharded_ids();
-        let mut sums = [0f64; 2]; // [replicated, sharded]
+        let tp_sharded = self.tp.sharded_ids();
+        let fsdp: HashMap<ParamId, Vec<Range<usize>>> = self
+            .fsdp
+            .as_ref()
+            .map(|(shards, _)| shards.snapshot().into_iter().collect())
+            .unwrap_or_default();
+        // Squares by where the elements live: [replicated, tp shards, fsdp shards of replicated
+        // parameters, fsdp shards of tp shards].
+        let mut sums = [0f64; 4];
         for_each_grad(model, grads, |id, data| {
-            let sq: f64 = data
-                .iter::<f32>()
-                .map(|g| f64::from(g) * f64::from(g))
-                .sum();
-            sums[usize::from(sharded.contains(&id))] += sq;
-        });
-        let sharded_total = match self.tp.group() {
-            Some(group) if group.size() > 1 => {
-                let total =
-                    group.all_reduce_data(TensorData::new(vec![sums[1]], [1]), ReduceOp::Sum)?;
-                total.try_to_vec::<f64>().expect("f64 in, f64 out")[0]
+            let values = data.try_to_vec::<f32>().expect("converted to f32");
+            let sq = |r: &[f32]| r.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>();
+            match fsdp.get(&id) {
+                Some(tp_ranges) => {
+                    let in_tp: f64 = tp_ranges.iter().map(|r| sq(&values[r.clone()])).sum();
+                    sums[3] += in_tp;
+                    sums[2] += sq(&values) - in_tp;
+                }
+                None => sums[usize::from(tp_sharded.contains(&id))] += sq(&values),
             }
-            _ => sums[1],
+        });
+        let reduce = |group: Option<&ProcessGroup>, values: Vec<f64>| -> Result<Vec<f64>> {
+            match group.filter(|g| g.size() > 1) {
+                Some(group) => {
+                    let n = values.len();
+                    let total =
+                        group.all_reduce_data(TensorData::new(values, [n]), ReduceOp::Sum)?;
+                    Ok(total.try_to_vec::<f64>().expect("f64 in, f64 out"))
+                }
+                None => Ok(values),
+            }
         };
-        Ok((sums[0] + sharded_total).sqrt())
+        let shard_group = self.fsdp.as_ref().map(|(shards, _)| shards.group());
+        let fsdp_sums = reduce(shard_group, vec![sums[2], sums[3]])?;
+        let tp_sums = reduce(self.tp.group(), vec![sums[1], fsdp_sums[1]])?;
+        Ok((sums[0] + fsdp_sums[0] + tp_sums[0] + tp_sums[1]).sqrt())
     }
 }
 

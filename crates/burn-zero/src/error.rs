@@ -10,6 +10,9 @@ pub enum ZeroError {
     /// A collective failed (dead peer, mismatched call order, timeout...).
     #[error(transparent)]
     Collective(#[from] CollectiveError),
+    /// A tensor-parallel layer or plan failed while building or running a unit.
+    #[error(transparent)]
+    Tp(#[from] burn_parallel::tensor_parallel::TpError),
     /// The configuration or the call sequence cannot work.
     #[error("invalid burn-zero usage: {0}")]
     Config(String),

@@ -49,6 +49,7 @@ pub mod clip;
 pub mod error;
 pub mod flat;
 pub mod fsdp;
+pub mod fully_shard;
 pub mod memory;
 pub mod optim;
 pub mod precision;
@@ -56,6 +57,7 @@ pub mod zero;
 
 pub use error::{Result, ZeroError};
 pub use fsdp::{FlatShard, FsdpContext, FsdpOptimizer, FsdpUnit, Gathered};
+pub use fully_shard::{Fsdp, FsdpPlan, Unit};
 pub use memory::{MemoryReport, MemoryTracker};
 pub use precision::{LossScaler, MixedPrecision};
 pub use zero::{ShardGroups, Stage, StepInfo, ZeroConfig, ZeroOptimizer};

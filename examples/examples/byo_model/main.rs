@@ -7,9 +7,13 @@
 //! cargo run --release -p examples --example byo_model -- --layout ddp --ranks 2
 //! cargo run --release -p examples --example byo_model -- --layout tp-sp --ranks 2
 //! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4
+//! cargo run --release -p examples --example byo_model -- --layout fsdp --ranks 2
+//! cargo run --release -p examples --example byo_model -- --layout fsdp-tp --ranks 4
+//! cargo run --release -p examples --example byo_model -- --layout hsdp --ranks 4
 //! ```
 //!
-//! The layout-specific code is the `match` in `run_rank`: a few lines per layout.
+//! The layout-specific code is one line per layout: the `match` in `run_rank` that picks the
+//! mesh dimensions. Everything else (the plans, the step) is the same for every layout.
 
 mod model;
 
@@ -22,7 +26,7 @@ use burn_parallel::train::TrainStep;
 use burn_parallel::{ParallelDims, ProcessGroup, run_local};
 use clap::{Parser, ValueEnum};
 use examples::data::{Corpus, Split};
-use model::{Config, Decoder, tp_plan};
+use model::{Config, Decoder, fsdp_plan, tp_plan};
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
 enum Layout {
@@ -36,6 +40,12 @@ enum Layout {
     TpSp,
     /// Data parallel x tensor + sequence parallel (tp = 2).
     DpTp,
+    /// FSDP over every rank (each layer a unit).
+    Fsdp,
+    /// FSDP x tensor + sequence parallel (tp = 2).
+    FsdpTp,
+    /// HSDP: FSDP in pairs, replicated across pairs.
+    Hsdp,
 }
 
 /// Train the bring-your-own-model decoder.
@@ -74,61 +84,40 @@ fn config() -> Config {
 fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel::Result<Vec<f32>> {
     let device = Device::flex().autodiff();
     let n = world.size();
-    // ---- the layout: mesh dimensions, tensor-parallel plan ----
-    let (dims, sp) = match args.layout {
-        Layout::Single | Layout::Ddp => (
-            ParallelDims {
-                dp_replicate: n,
-                ..Default::default()
-            },
-            false,
-        ),
-        Layout::Tp => (
-            ParallelDims {
-                tp: n,
-                ..Default::default()
-            },
-            false,
-        ),
-        Layout::TpSp => (
-            ParallelDims {
-                tp: n,
-                ..Default::default()
-            },
-            true,
-        ),
-        Layout::DpTp => (
-            ParallelDims {
-                dp_replicate: n / 2,
-                tp: 2,
-                ..Default::default()
-            },
-            true,
-        ),
+    // ---- the layout: mesh dimensions and whether sequence parallelism is on ----
+    let dims = |dp_replicate, dp_shard, tp| ParallelDims {
+        dp_replicate,
+        dp_shard,
+        tp,
     };
-    let mesh = dims
-        .build(&world)
-        .map_err(|e| burn_parallel::CollectiveError::Rendezvous(e.to_string()))?;
-    let dp = dims.data_parallel(&mesh).expect("built by ParallelDims");
-    let tp = mesh.group("tp").expect("built by ParallelDims");
+    let (dims, sp) = match args.layout {
+        Layout::Single | Layout::Ddp => (dims(n, 1, 1), false),
+        Layout::Tp => (dims(1, 1, n), false),
+        Layout::TpSp => (dims(1, 1, n), true),
+        Layout::DpTp => (dims(n / 2, 1, 2), true),
+        Layout::Fsdp => (dims(1, n, 1), false),
+        Layout::FsdpTp => (dims(1, n / 2, 2), true),
+        Layout::Hsdp => (dims(n / 2, 2, 1), false),
+    };
+    // ---- the same lines for every layout: the plans apply where the mesh has ranks ----
+    let mesh = dims.build(&world).unwrap_or_else(|e| panic!("{e}"));
+    let group = |name: &str| mesh.group(name).expect("built by ParallelDims").clone();
     let init = Init::new(config().seed, &device)
-        .with_tp(tp, tp_plan(sp))
+        .with_tp(&group("tp"), tp_plan(sp))
         .unwrap_or_else(|e| panic!("{e}"));
-    let mut model = Decoder::new(&init, &config()).unwrap_or_else(|e| panic!("{e}"));
+    let fsdp = fsdp_plan(&group("dp_shard"));
+    let mut model = Decoder::new(&init, Some(&fsdp), &config()).unwrap_or_else(|e| panic!("{e}"));
+    let dp = dims.data_parallel(&mesh).expect("built by ParallelDims");
     let step = TrainStep::new(init.context())
         .with_data_parallel(dp.clone())
+        .with_fsdp(fsdp.shards().clone(), Some(group("dp_replicate")))
         .with_clip(args.clip);
-    // ---- the rest is the same for every layout ----
     let mut optim = AdamWConfig::new().with_weight_decay(0.01).init();
     let rows = args.batch / dp.size();
     let mut losses = Vec::new();
     for s in 0..args.steps {
-        let batch = corpus.batch_rows(
-            s as u64,
-            dp.rank() * rows..(dp.rank() + 1) * rows,
-            args.seq,
-            Split::Train,
-        );
+        let mine = dp.rank() * rows..(dp.rank() + 1) * rows;
+        let batch = corpus.batch_rows(s as u64, mine, args.seq, Split::Train);
         let (tokens, targets) = batch.to_tensors(&device);
         let loss = model
             .loss(tokens, targets)

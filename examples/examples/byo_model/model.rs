@@ -9,6 +9,7 @@ use burn_parallel::init::{Init, LinearInit};
 use burn_parallel::nn::{Embedding, Linear, TpContext};
 use burn_parallel::plan::TpPlan;
 use burn_parallel::tensor_parallel::TpResult;
+use burn_zero::{Fsdp, FsdpPlan};
 
 /// The model's shape.
 #[derive(Debug, Clone, Copy)]
@@ -19,6 +20,11 @@ pub struct Config {
     pub d_ff: usize,
     pub n_layers: usize,
     pub seed: u64,
+}
+
+/// Each layer is an FSDP unit under a sharded layout.
+pub fn fsdp_plan(group: &burn_parallel::ProcessGroup) -> FsdpPlan {
+    FsdpPlan::new(group).unit("layers.*")
 }
 
 /// The tensor-parallel plan of this model (torchtitan's `parallelize_llama`, in six lines).
@@ -135,7 +141,7 @@ pub struct Layer {
 #[derive(Module, Debug)]
 pub struct Decoder {
     pub embed: Embedding,
-    pub layers: Vec<Layer>,
+    pub layers: Vec<Fsdp<Layer>>,
     pub norm: RmsNorm,
     pub head: Linear,
     #[module(skip)]
@@ -144,19 +150,25 @@ pub struct Decoder {
 
 impl Decoder {
     /// Builds the model from `init` (single device: `Init::new(seed, device)`; tensor-parallel:
-    /// `Init::new(..).with_tp(group, tp_plan(sp))`).
-    pub fn new(init: &Init, c: &Config) -> TpResult<Self> {
+    /// `Init::new(..).with_tp(group, tp_plan(sp))`), each layer an FSDP unit when `fsdp` says so.
+    pub fn new(init: &Init, fsdp: Option<&FsdpPlan>, c: &Config) -> burn_zero::Result<Self> {
+        let layer = |init: &Init| -> burn_zero::Result<Layer> {
+            Ok(Layer {
+                norm1: RmsNorm::new(&init.at("norm1"), c.d_model),
+                attn: Attention::new(&init.at("attn"), c)?,
+                norm2: RmsNorm::new(&init.at("norm2"), c.d_model),
+                mlp: Mlp::new(&init.at("mlp"), c)?,
+            })
+        };
         let layers = (0..c.n_layers)
             .map(|i| {
                 let init = init.at("layers").at(i);
-                Ok(Layer {
-                    norm1: RmsNorm::new(&init.at("norm1"), c.d_model),
-                    attn: Attention::new(&init.at("attn"), c)?,
-                    norm2: RmsNorm::new(&init.at("norm2"), c.d_model),
-                    mlp: Mlp::new(&init.at("mlp"), c)?,
-                })
+                match fsdp {
+                    Some(plan) => plan.wrap(&init, layer),
+                    None => Ok(Fsdp::new(layer(&init)?)),
+                }
             })
-            .collect::<TpResult<Vec<_>>>()?;
+            .collect::<burn_zero::Result<Vec<_>>>()?;
         let model = Self {
             embed: init.embedding("embed", c.vocab, c.d_model, 0.02)?,
             layers,
@@ -165,6 +177,9 @@ impl Decoder {
             tp: init.context(),
         };
         init.finish()?;
+        if let Some(plan) = fsdp {
+            plan.finish()?;
+        }
         Ok(model)
     }
 
@@ -172,6 +187,7 @@ impl Decoder {
     pub fn loss(&self, tokens: Tensor<2, Int>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
         let mut x = self.tp.scatter_sequence(self.embed.forward(tokens)?)?;
         for layer in &self.layers {
+            let layer = layer.get()?; // all-gathers an FSDP unit
             x = x.clone() + layer.attn.forward(layer.norm1.forward(x))?;
             x = x.clone() + layer.mlp.forward(layer.norm2.forward(x))?;
         }

@@ -1,0 +1,527 @@
+//! FSDP for any module, as a Burn module: [`Fsdp<M>`] (torchtitan's `fully_shard`).
+//!
+//! A model declares the sub-modules that may become FSDP units with the type `Fsdp<Layer>`
+//! instead of `Layer`, and calls [`Fsdp::get`] in its forward pass. The same model type then
+//! trains on one device (the unit is the plain module, at the same parameter paths) and under
+//! FSDP, HSDP and FSDP x TP:
+//!
+//! - [`FsdpPlan::wrap`] builds each unit from an [`Init`] (seeded, tensor-parallel if the `Init`
+//!   has a plan) and, when the plan selects its path, keeps only this rank's slice of the unit's
+//!   flat parameter space as one 1-D parameter (`<unit path>.flat_shard`). A rank never holds
+//!   more than one whole unit, and only while it is being built.
+//! - [`Fsdp::get`] all-gathers the flat parameter and returns the unit with its parameters
+//!   replaced by slices of it; the backward of the gather reduce-scatters (averages) the
+//!   gradient onto the shard.
+//! - Because the shard is an ordinary parameter, any Burn optimizer keeps sharded state for it,
+//!   and [`TrainStep`](burn_parallel::train::TrainStep) (with
+//!   [`TrainStep::with_fsdp`](burn_parallel::train::TrainStep::with_fsdp)) averages the shard
+//!   gradients over the replicate group (HSDP) and counts them once in the global norm.
+//!
+//! Frozen parameters (no `require_grad`) stay whole in the unit and are never updated.
+//! This is the composable FSDP; [`crate::fsdp::FsdpUnit`] adds mixed precision, prefetch and
+//! accumulation without communication, with its own optimizer.
+//!
+//! # Example
+//! ```
+//! use burn::module::Module;
+//! use burn::tensor::{Device, Tensor, TensorData};
+//! use burn_parallel::init::{Init, LinearInit};
+//! use burn_parallel::nn::Linear;
+//! use burn_parallel::run_local;
+//! use burn_zero::{Fsdp, FsdpPlan};
+//!
+//! let shapes = run_local(2, |group| {
+//!     let init = Init::new(1, &Device::flex().autodiff());
+//!     let plan = FsdpPlan::new(&group).unit("blocks.*");
+//!     let block: Fsdp<Linear> = plan
+//!         .wrap(&init.at("blocks").at(0), |init| {
+//!             Ok::<_, burn_zero::ZeroError>(init.linear("fc", LinearInit::new(4, 4))?)
+//!         })
+//!         .unwrap();
+//!     plan.finish().unwrap();
+//!     let y = block.get().unwrap().forward(Tensor::<2>::ones([1, 4], init.device())).unwrap();
+//!     Ok((block.num_params(), y.dims()))
+//! })
+//! .unwrap();
+//! assert_eq!(shapes[0], (8, [1, 4])); // half of the 16 weights on each rank
+//! ```
+
+use std::collections::HashSet;
+use std::fmt;
+use std::ops::{Deref, Range};
+use std::sync::{Arc, Mutex};
+
+use burn::module::{
+    Content, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper, ModuleVisitor, Param,
+    ParamId,
+};
+use burn::tensor::{Device, Tensor, TensorData};
+use burn_parallel::autograd::{BackwardFn, attach};
+use burn_parallel::group::tensor_from_data;
+use burn_parallel::init::Init;
+use burn_parallel::nn::TpContext;
+use burn_parallel::plan::Glob;
+use burn_parallel::train::DataShards;
+use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
+
+use crate::error::{Result, ZeroError};
+use crate::flat::{FlatLayout, shard_range, shard_sizes, strip_params};
+
+/// A sub-module that is an FSDP unit under a sharded layout and the module itself otherwise.
+/// See the module docs.
+#[derive(Clone)]
+pub struct Fsdp<M: Module> {
+    inner: Inner<M>,
+}
+
+#[derive(Clone)]
+enum Inner<M: Module> {
+    Plain(M),
+    Sharded(Box<Sharded<M>>),
+}
+
+#[derive(Clone)]
+struct Sharded<M: Module> {
+    /// The unit with its sharded parameters replaced by one-element placeholders.
+    template: M,
+    /// This rank's slice of the flat parameter space.
+    shard: Param<Tensor<1>>,
+    layout: FlatLayout,
+    group: ProcessGroup,
+    sizes: Vec<usize>,
+    name: String,
+    /// Sequence parallelism: the tensor-parallel group and the ranges of the unit's flat space
+    /// holding parameters used on sequence shards (norms), whose gradients are summed over it.
+    sequence: Option<(ProcessGroup, Vec<Range<usize>>)>,
+}
+
+impl<M: Module> fmt::Debug for Fsdp<M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.inner {
+            Inner::Plain(m) => m.fmt(f),
+            Inner::Sharded(s) => write!(
+                f,
+                "Fsdp({}: {} of {} elements on rank {} of {})",
+                s.name,
+                s.shard.dims()[0],
+                s.layout.numel(),
+                s.group.rank(),
+                s.group.size()
+            ),
+        }
+    }
+}
+
+/// The unit, whole: borrowed when it is not sharded, gathered when it is. Dropping it releases
+/// the gathered parameters (the autodiff graph keeps what the backward needs).
+pub enum Unit<'a, M> {
+    /// The module itself.
+    Plain(&'a M),
+    /// The module rebuilt from the all-gathered flat parameter.
+    Gathered(M),
+}
+
+impl<M> Deref for Unit<'_, M> {
+    type Target = M;
+
+    fn deref(&self) -> &M {
+        match self {
+            Unit::Plain(m) => m,
+            Unit::Gathered(m) => m,
+        }
+    }
+}
+
+impl<M: Module> Fsdp<M> {
+    /// The module as it is (no sharding).
+    pub fn new(module: M) -> Self {
+        Self {
+            inner: Inner::Plain(module),
+        }
+    }
+
+    /// Shards `module` over `group`: flattens its trainable parameters in visiting order and
+    /// keeps this rank's contiguous slice; frozen parameters stay whole. `module` must be the
+    /// same on every rank (built from the same seed). `tp` is the tensor-parallel context the
+    /// module was built with: its shards are counted over `tp` in the global norm, and under
+    /// sequence parallelism the gradients of its norms are summed over `tp` in the backward of
+    /// [`Self::get`]. The shard is registered in `shards`.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] when the unit has no trainable parameter.
+    pub fn shard(name: &str, module: M, shards: &DataShards, tp: &TpContext) -> Result<Self> {
+        let frozen = frozen_paths(&module);
+        let keep = |path: &str| !frozen.contains(path);
+        let layout = FlatLayout::of(&module, keep);
+        if layout.numel() == 0 {
+            return Err(ZeroError::Config(format!(
+                "FSDP unit `{name}` has no trainable parameter to shard"
+            )));
+        }
+        let group = shards.group().clone();
+        let range = shard_range(layout.numel(), group.rank(), group.size());
+        let full = layout.flatten(&module)?;
+        let device = first_device(&module);
+        let values = full[range.clone()].to_vec();
+        drop(full);
+        let len = values.len();
+        let shard = Param::from_data(TensorData::new(values, [len]), &device);
+        // Which elements of this shard belong to tensor-parallel shards.
+        let tp_sharded = tp.sharded_ids();
+        let tp_ranges = layout
+            .entries()
+            .iter()
+            .zip(layout.ids())
+            .filter(|(_, id)| tp_sharded.contains(id))
+            .filter_map(|(e, _)| intersect(e.offset..e.offset + e.numel, &range))
+            .collect();
+        shards.register(shard.id, tp_ranges);
+        let sequence_ids: HashSet<ParamId> = tp.sequence_param_ids().into_iter().collect();
+        let sequence_ranges: Vec<Range<usize>> = layout
+            .entries()
+            .iter()
+            .zip(layout.ids())
+            .filter(|(_, id)| sequence_ids.contains(id))
+            .map(|(e, _)| e.offset..e.offset + e.numel)
+            .collect();
+        let sequence = match tp.group() {
+            Some(group) if !sequence_ranges.is_empty() => Some((group.clone(), sequence_ranges)),
+            _ => None,
+        };
+        Ok(Self {
+            inner: Inner::Sharded(Box::new(Sharded {
+                template: strip_params(module, keep),
+                shard,
+                sizes: shard_sizes(layout.numel(), group.size()),
+                layout,
+                group,
+                name: name.to_string(),
+                sequence,
+            })),
+        })
+    }
+
+    /// Whether the unit is sharded.
+    pub fn is_sharded(&self) -> bool {
+        matches!(self.inner, Inner::Sharded(_))
+    }
+
+    /// The whole unit for a forward pass: all-gathers the flat parameter when sharded (a
+    /// collective: every rank of the shard group calls it, in the same order).
+    ///
+    /// # Errors
+    /// Collective errors.
+    pub fn get(&self) -> std::result::Result<Unit<'_, M>, CollectiveError> {
+        let s = match &self.inner {
+            Inner::Plain(m) => return Ok(Unit::Plain(m)),
+            Inner::Sharded(s) => s,
+        };
+        let shard = s.shard.val();
+        let data = s
+            .group
+            .all_gather_data(shard.clone().detach().into_data(), 0)?;
+        let full = tensor_from_data::<1>(data, &shard.device());
+        let (group, sizes, sequence) = (s.group.clone(), s.sizes.clone(), s.sequence.clone());
+        let full = attach(
+            shard,
+            full,
+            BackwardFn::new("Fsdp::get", move |grad| {
+                let grad = match &sequence {
+                    Some((tp, ranges)) => sum_ranges(grad, tp, ranges)?,
+                    None => grad,
+                };
+                group.reduce_scatter_data(grad, 0, ReduceOp::Avg, Some(&sizes))
+            }),
+        );
+        let module = s
+            .layout
+            .unflatten(s.template.clone(), full, false)
+            .map_err(|e| CollectiveError::InvalidArgument {
+                rank: s.group.rank(),
+                op: format!("Fsdp::get({})", s.name),
+                reason: e.to_string(),
+            })?;
+        Ok(Unit::Gathered(module))
+    }
+
+    /// The whole unit, detached from any graph, as a plain module (for export and comparison).
+    /// A collective when sharded.
+    ///
+    /// # Errors
+    /// Collective errors.
+    pub fn full(&self) -> std::result::Result<M, CollectiveError> {
+        match &self.inner {
+            Inner::Plain(m) => Ok(m.clone()),
+            Inner::Sharded(_) => Ok(self.get()?.deref().clone().no_grad()),
+        }
+    }
+}
+
+/// Sums the elements of `ranges` of the 1-D `grad` over `group` (the gradients of the norms
+/// each tensor-parallel rank computed on its part of the sequence), leaving the rest.
+fn sum_ranges(
+    grad: TensorData,
+    group: &ProcessGroup,
+    ranges: &[Range<usize>],
+) -> std::result::Result<TensorData, CollectiveError> {
+    let dtype = grad.dtype();
+    let mut values = grad
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .expect("converted to f32");
+    let picked: Vec<f32> = ranges
+        .iter()
+        .flat_map(|r| values[r.clone()].to_vec())
+        .collect();
+    let summed = group.all_reduce_f32(picked, ReduceOp::Sum)?;
+    let mut at = 0;
+    for r in ranges {
+        values[r.clone()].copy_from_slice(&summed[at..at + r.len()]);
+        at += r.len();
+    }
+    let len = values.len();
+    Ok(TensorData::new(values, [len]).convert_dtype(dtype))
+}
+
+fn intersect(a: Range<usize>, b: &Range<usize>) -> Option<Range<usize>> {
+    let (start, end) = (a.start.max(b.start), a.end.min(b.end));
+    (start < end).then(|| start - b.start..end - b.start)
+}
+
+/// Paths of the parameters of `module` that do not require a gradient.
+fn frozen_paths<M: Module>(module: &M) -> HashSet<String> {
+    struct Frozen {
+        stack: Vec<String>,
+        out: HashSet<String>,
+    }
+    impl ModuleVisitor for Frozen {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.stack.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.stack.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if !param.val().is_require_grad() {
+                self.out.insert(self.stack.join("."));
+            }
+        }
+    }
+    let mut v = Frozen {
+        stack: Vec::new(),
+        out: HashSet::new(),
+    };
+    module.visit(&mut v);
+    v.out
+}
+
+fn first_device<M: Module>(module: &M) -> Device {
+    module
+        .devices()
+        .into_iter()
+        .next()
+        .unwrap_or_default()
+}
+
+impl<M: Module> Module for Fsdp<M> {
+    fn collect_devices(&self, devices: Vec<Device>) -> Vec<Device> {
+        match &self.inner {
+            Inner::Plain(m) => m.collect_devices(devices),
+            Inner::Sharded(s) => Module::collect_devices(&s.shard, devices),
+        }
+    }
+
+    fn fork(self, device: &Device) -> Self {
+        self.map_inner(|m| m.fork(device), |p| Module::fork(p, device))
+    }
+
+    fn to_device(self, device: &Device) -> Self {
+        self.map_inner(|m| m.to_device(device), |p| Module::to_device(p, device))
+    }
+
+    fn train(self) -> Self {
+        self.map_inner(Module::train, Module::train)
+    }
+
+    fn valid(&self) -> Self {
+        self.clone().map_inner(|m| m.valid(), |p| Module::valid(&p))
+    }
+
+    fn materialize(self) -> Self {
+        self.map_inner(Module::materialize, Module::materialize)
+    }
+
+    fn visit<V: ModuleVisitor>(&self, visitor: &mut V) {
+        match &self.inner {
+            Inner::Plain(m) => m.visit(visitor),
+            Inner::Sharded(s) => {
+                visitor.enter_module("flat_shard", "Struct:Fsdp");
+                Module::visit(&s.shard, visitor);
+                visitor.exit_module("flat_shard", "Struct:Fsdp");
+            }
+        }
+    }
+
+    fn map<Mp: ModuleMapper>(self, mapper: &mut Mp) -> Self {
+        match self.inner {
+            Inner::Plain(m) => Self::new(m.map(mapper)),
+            Inner::Sharded(mut s) => {
+                mapper.enter_module("flat_shard", "Struct:Fsdp");
+                s.shard = Module::map(s.shard, mapper);
+                mapper.exit_module("flat_shard", "Struct:Fsdp");
+                Self {
+                    inner: Inner::Sharded(s),
+                }
+            }
+        }
+    }
+}
+
+impl<M: Module> Fsdp<M> {
+    /// Applies `plain` to an unsharded module, `shard` to the flat shard (and `plain` to the
+    /// template, which holds the frozen parameters).
+    fn map_inner(
+        self,
+        plain: impl Fn(M) -> M,
+        shard: impl FnOnce(Param<Tensor<1>>) -> Param<Tensor<1>>,
+    ) -> Self {
+        match self.inner {
+            Inner::Plain(m) => Self::new(plain(m)),
+            Inner::Sharded(mut s) => {
+                s.template = plain(s.template);
+                s.shard = shard(s.shard);
+                Self {
+                    inner: Inner::Sharded(s),
+                }
+            }
+        }
+    }
+}
+
+impl<M: Module> ModuleDisplayDefault for Fsdp<M> {
+    fn content(&self, content: Content) -> Option<Content> {
+        content.add_single(&format!("{self:?}")).optional()
+    }
+}
+
+impl<M: Module> ModuleDisplay for Fsdp<M> {}
+
+/// Selects units by module path.
+type UnitPredicate = Arc<dyn Fn(&str) -> bool + Send + Sync>;
+
+/// Which sub-modules of a model become FSDP units, by module path (globs as in
+/// [`burn_parallel::plan`]) or by a predicate, over which shard group; and the registry of the
+/// shards for [`TrainStep::with_fsdp`](burn_parallel::train::TrainStep::with_fsdp).
+#[derive(Clone)]
+pub struct FsdpPlan {
+    shards: DataShards,
+    units: Vec<Glob>,
+    predicate: Option<UnitPredicate>,
+    used: Arc<Mutex<Vec<bool>>>,
+    errors: Vec<String>,
+}
+
+impl fmt::Debug for FsdpPlan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FsdpPlan")
+            .field("group_size", &self.shards.group().size())
+            .field("units", &self.units)
+            .finish()
+    }
+}
+
+impl FsdpPlan {
+    /// Units sharded over `group` (the `dp_shard` group of the mesh); no unit selected yet.
+    pub fn new(group: &ProcessGroup) -> Self {
+        Self {
+            shards: DataShards::new(group),
+            units: Vec::new(),
+            predicate: None,
+            used: Arc::new(Mutex::new(Vec::new())),
+            errors: Vec::new(),
+        }
+    }
+
+    /// Makes the sub-modules whose path matches `pattern` units.
+    pub fn unit(mut self, pattern: &str) -> Self {
+        match Glob::new(pattern) {
+            Ok(glob) => {
+                self.units.push(glob);
+                self.used.lock().expect("plan bookkeeping").push(false);
+            }
+            Err(e) => self.errors.push(e.to_string()),
+        }
+        self
+    }
+
+    /// Makes the sub-modules whose path passes `predicate` units.
+    pub fn unit_if(mut self, predicate: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
+        self.predicate = Some(Arc::new(predicate));
+        self
+    }
+
+    /// The registry of the shards, for [`TrainStep::with_fsdp`](burn_parallel::train::TrainStep::with_fsdp).
+    pub fn shards(&self) -> &DataShards {
+        &self.shards
+    }
+
+    fn selects(&self, path: &str) -> bool {
+        let mut selected = self.predicate.as_ref().is_some_and(|p| p(path));
+        let mut used = self.used.lock().expect("plan bookkeeping");
+        for (glob, used) in self.units.iter().zip(used.iter_mut()) {
+            if glob.matches(path) {
+                *used = true;
+                selected = true;
+            }
+        }
+        selected
+    }
+
+    /// Builds the sub-module at `init`'s path with `build` and makes it a unit when the plan
+    /// selects the path and the shard group has more than one rank.
+    ///
+    /// # Errors
+    /// What `build` returns; [`ZeroError::Config`] for a malformed pattern or a unit without
+    /// trainable parameters.
+    pub fn wrap<M: Module, E>(
+        &self,
+        init: &Init,
+        build: impl FnOnce(&Init) -> std::result::Result<M, E>,
+    ) -> std::result::Result<Fsdp<M>, E>
+    where
+        E: From<ZeroError>,
+    {
+        if let Some(e) = self.errors.first() {
+            return Err(ZeroError::Config(e.clone()).into());
+        }
+        let module = build(init)?;
+        let path = init.path("");
+        let path = path.trim_end_matches('.');
+        if !self.selects(path) || self.shards.group().size() == 1 {
+            return Ok(Fsdp::new(module));
+        }
+        Ok(Fsdp::shard(path, module, &self.shards, &init.context())?)
+    }
+
+    /// Ends the construction: every pattern must have matched a unit.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] naming the patterns that matched nothing.
+    pub fn finish(&self) -> Result<()> {
+        let used = self.used.lock().expect("plan bookkeeping");
+        let unused: Vec<&str> = self
+            .units
+            .iter()
+            .zip(used.iter())
+            .filter(|(_, u)| !**u)
+            .map(|(g, _)| g.as_str())
+            .collect();
+        if unused.is_empty() {
+            Ok(())
+        } else {
+            Err(ZeroError::Config(format!(
+                "FSDP unit patterns matched no module built through FsdpPlan::wrap: {unused:?}"
+            )))
+        }
+    }
+}
