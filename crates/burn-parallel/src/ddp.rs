@@ -227,11 +227,13 @@ impl DistributedDataParallel {
                     })
             };
             let used = receive()??;
-            let used = used.as_slice::<f32>().map_err(|e| CollectiveError::InvalidArgument {
-                rank: self.group.global_rank(),
-                op: "all_reduce_grads".into(),
-                reason: format!("presence flags came back malformed: {e:?}"),
-            })?;
+            let used = used
+                .as_slice::<f32>()
+                .map_err(|e| CollectiveError::InvalidArgument {
+                    rank: self.group.global_rank(),
+                    op: "all_reduce_grads".into(),
+                    reason: format!("presence flags came back malformed: {e:?}"),
+                })?;
             let mut reduced_grads = HashMap::with_capacity(params.len());
             for bucket in &buckets {
                 let data = receive()??;

@@ -127,14 +127,20 @@ fn frozen_and_unused_parameters_get_no_gradient_no_state_and_keep_their_value() 
             unused: Param::from_data(TensorData::new(vec![3.0f32, 4.0], [2]), &device),
         };
         let m = ddp.broadcast_module(m, 0)?;
-        assert!(!m.frozen.weight.val().is_require_grad(), "broadcast keeps the flag");
+        assert!(
+            !m.frozen.weight.val().is_require_grad(),
+            "broadcast keeps the flag"
+        );
         let before = (
             values(m.frozen.weight.val()),
             m.unused.val().into_data().try_to_vec::<f32>().unwrap(),
         );
         let x = Tensor::<2>::from_floats([[1.0 + group.rank() as f32, 2.0, -1.0]], &device);
         let h = m.frozen.forward(x);
-        let mut loss = m.trainable.forward(h.clone().matmul(Tensor::ones([2, 3], &device))).sum();
+        let mut loss = m
+            .trainable
+            .forward(h.clone().matmul(Tensor::ones([2, 3], &device)))
+            .sum();
         if group.rank() == 0 {
             loss = loss + m.rank0_only.val().sum();
         }
@@ -167,7 +173,10 @@ fn frozen_and_unused_parameters_get_no_gradient_no_state_and_keep_their_value() 
         );
         // Used on one rank of two: averaged with the other rank's zeros.
         assert_eq!(rank0_only, Some(vec![0.5, 0.5]));
-        assert_eq!(before, after, "frozen and unused parameters keep their exact value");
+        assert_eq!(
+            before, after,
+            "frozen and unused parameters keep their exact value"
+        );
         // AdamW keeps two moments per parameter with state: only for the trainable weight and
         // bias and `rank0_only`, none for the frozen weight and bias or `unused`.
         assert_eq!(state_tensors, 2 * 3, "optimizer state tensors");
