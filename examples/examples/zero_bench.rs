@@ -26,12 +26,25 @@
 use std::path::PathBuf;
 
 use burn_parallel::{CollectiveError, DeviceMesh, run_local};
+use burn_zero::memory::CountingAllocator;
 use burn_zero::{ShardGroups, Stage, ZeroConfig};
 use examples::data::Corpus;
 use examples::gpt::GptConfig;
 use examples::train::{TrainConfig, train_gpt};
 use examples::train_zero::{ZeroReport, ZeroRunOptions, train_gpt_zero};
 use serde_json::json;
+
+/// Counts every allocation of the process: the measured memory column.
+#[global_allocator]
+static ALLOC: CountingAllocator = CountingAllocator::new();
+
+/// Runs `f` and returns its result with the per-rank peak of the bytes allocated while it ran
+/// (process peak above the start, divided by `ranks`).
+fn measured<T>(ranks: usize, f: impl FnOnce() -> T) -> (T, usize) {
+    let start = ALLOC.reset_peak();
+    let out = f();
+    (out, (ALLOC.peak() - start) / ranks)
+}
 
 /// Which data-parallel layout a row measures.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -168,23 +181,38 @@ fn step_times(args: &Args, corpus: &Corpus) -> Result<serde_json::Value, Collect
          {seq} tokens, {steps} steps, flex CPU, ranks as threads)\n",
         config.model.num_params()
     );
-    let ddp = run_local(2, |g| train_gpt(&g, &config, corpus, &mut |_| {}))?[0].step_seconds;
-    println!("| layout | s/step | vs DDP |\n|---|---|---|");
-    println!("| DDP (examples::train) | {ddp:.4} | 1.00x |");
-    let mut rows = vec![json!({ "layout": "ddp", "step_seconds": ddp, "ratio": 1.0 })];
+    let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+    let (ddp, ddp_peak) = measured(2, || {
+        run_local(2, |g| train_gpt(&g, &config, corpus, &mut |_| {}))
+    });
+    let ddp = ddp?[0].step_seconds;
+    println!("| layout | s/step | vs DDP | measured peak/rank (MiB) |\n|---|---|---|---|");
+    println!(
+        "| DDP (examples::train) | {ddp:.4} | 1.00x | {:.2} |",
+        mib(ddp_peak)
+    );
+    let mut rows = vec![json!({
+        "layout": "ddp",
+        "step_seconds": ddp,
+        "ratio": 1.0,
+        "measured_peak_bytes_per_rank": ddp_peak,
+    })];
     for stage in [Stage::One, Stage::Two, Stage::Three] {
-        let r = &run_zero(Layout::Zero(stage), 2, &config, corpus)?[0];
+        let (reports, peak) = measured(2, || run_zero(Layout::Zero(stage), 2, &config, corpus));
+        let r = &reports?[0];
         let ratio = r.step_seconds / ddp;
         println!(
-            "| ZeRO-{} | {:.4} | {ratio:.2}x |",
+            "| ZeRO-{} | {:.4} | {ratio:.2}x | {:.2} |",
             stage.number(),
-            r.step_seconds
+            r.step_seconds,
+            mib(peak)
         );
         rows.push(json!({
             "layout": Layout::Zero(stage).name(),
             "step_seconds": r.step_seconds,
             "ratio": ratio,
             "memory": r.memory,
+            "measured_peak_bytes_per_rank": peak,
         }));
     }
     Ok(json!({

@@ -41,6 +41,7 @@ use crate::comm::host::ReduceOp;
 use crate::comm::pool;
 use crate::error::{CollectiveError, Result};
 use crate::group::{ProcessGroup, tensor_from_data};
+use crate::replica::ReplicaError;
 
 /// Default bucket size of the gradient all-reduce: 25 MB, as in PyTorch DDP.
 pub const DEFAULT_BUCKET_BYTES: usize = 25 * 1024 * 1024;
@@ -123,8 +124,19 @@ impl DistributedDataParallel {
     /// Averages `grads` over the group: gradients are packed, in reverse order of the
     /// module's parameters (the order backward produces them), into flat buckets of about
     /// `bucket_bytes`, each all-reduced by a communication thread while the next is packed.
-    /// A parameter without a gradient on this rank contributes zeros, so ranks that use
-    /// different parameters still agree on the bucket layout.
+    ///
+    /// - A *frozen* parameter (on an autodiff device, not requiring a gradient: see
+    ///   [`Module::no_grad`]) takes no part: it is not communicated and gets no gradient, so an
+    ///   optimizer neither moves it (weight decay) nor creates state for it.
+    /// - A trainable parameter without a gradient on this rank (unused here) contributes zeros,
+    ///   so ranks that use different parameters still agree on the bucket layout and the
+    ///   average is over all ranks.
+    /// - A trainable parameter that no rank has a gradient for gets no gradient at all (as on a
+    ///   single device): one small all-reduce of per-parameter presence flags, sent ahead of the
+    ///   buckets, tells every rank which parameters were used somewhere.
+    ///
+    /// Every rank must freeze the same parameters (the bucket shapes would differ otherwise,
+    /// which the all-reduce reports as a mismatch).
     ///
     /// # Errors
     /// When an all-reduce fails (a dead peer, a rank with another model...).
@@ -158,14 +170,20 @@ impl DistributedDataParallel {
         };
         module.visit(&mut taker);
         let mut local = taker.taken;
+        // Which parameters have a gradient on this rank (1) or not (0), in `params` order; the
+        // maximum over ranks says which were used anywhere.
+        let present: Vec<f32> = params
+            .iter()
+            .map(|(id, _, _)| f32::from(u8::from(local.contains_key(id))))
+            .collect();
 
-        let (to_comm, from_main) = mpsc::channel::<TensorData>();
+        let (to_comm, from_main) = mpsc::channel::<(TensorData, ReduceOp)>();
         let (to_main, reduced) = mpsc::channel::<Result<TensorData>>();
         let group = self.group.clone();
         thread::scope(|scope| {
             scope.spawn(move || {
-                for bucket in from_main {
-                    let result = group.all_reduce_data(bucket, ReduceOp::Avg);
+                for (bucket, op) in from_main {
+                    let result = group.all_reduce_data(bucket, op);
                     let failed = result.is_err();
                     let _ = to_main.send(result);
                     if failed {
@@ -173,6 +191,9 @@ impl DistributedDataParallel {
                     }
                 }
             });
+            let count = present.len();
+            // The presence flags go first: they are tiny, and the buckets follow at once.
+            let _ = to_comm.send((TensorData::new(present, [count]), ReduceOp::Max));
             // Pack each bucket straight into tensor storage; the communication thread reduces
             // it while the next one is packed.
             for bucket in &buckets {
@@ -191,30 +212,44 @@ impl DistributedDataParallel {
                         at += len;
                     }
                 });
-                if to_comm.send(data).is_err() {
+                if to_comm.send((data, ReduceOp::Avg)).is_err() {
                     break; // the communication thread failed; its error is received below
                 }
             }
             drop(to_comm);
-            let mut reduced_grads = HashMap::with_capacity(params.len());
-            for bucket in &buckets {
-                let data = reduced
+            let receive = || {
+                reduced
                     .recv()
                     .map_err(|_| CollectiveError::InvalidArgument {
                         rank: self.group.global_rank(),
                         op: "all_reduce_grads".into(),
                         reason: "the communication thread stopped".into(),
-                    })??;
+                    })
+            };
+            let used = receive()??;
+            let used = used
+                .as_slice::<f32>()
+                .map_err(|e| CollectiveError::InvalidArgument {
+                    rank: self.group.global_rank(),
+                    op: "all_reduce_grads".into(),
+                    reason: format!("presence flags came back malformed: {e:?}"),
+                })?;
+            let mut reduced_grads = HashMap::with_capacity(params.len());
+            for bucket in &buckets {
+                let data = receive()??;
                 let bytes = data.as_bytes();
                 let mut at = 0;
                 for &i in bucket {
                     let (id, shape, dtype) = &params[i];
                     let len = numel_of(shape) * dtype.size();
-                    let grad = pool::tensor_data(shape.clone(), *dtype, |out| {
-                        out.copy_from_slice(&bytes[at..at + len])
-                    });
+                    // A parameter no rank has a gradient for stays without one.
+                    if used[i] > 0.0 {
+                        let grad = pool::tensor_data(shape.clone(), *dtype, |out| {
+                            out.copy_from_slice(&bytes[at..at + len])
+                        });
+                        reduced_grads.insert(*id, grad);
+                    }
                     at += len;
-                    reduced_grads.insert(*id, grad);
                 }
             }
             module.visit(&mut Register {
@@ -223,6 +258,18 @@ impl DistributedDataParallel {
             });
             Ok(grads)
         })
+    }
+
+    /// Checks that `module` is identical on every rank of the group (a hash of every parameter,
+    /// compared across ranks): call it after building or broadcasting the model, before
+    /// training. See [`crate::replica::verify_replicas`].
+    ///
+    /// # Errors
+    /// [`ReplicaError::Mismatch`] naming the first differing parameter and the ranks that
+    /// disagree (the same error on every rank); [`ReplicaError::Collective`] when the exchange
+    /// fails.
+    pub fn verify_replicas<M: Module>(&self, module: &M) -> std::result::Result<(), ReplicaError> {
+        crate::replica::verify_replicas(module, &self.group)
     }
 
     /// A local gradient accumulator for this data-parallel group.
@@ -309,10 +356,18 @@ fn plan_buckets(params: &[(ParamId, Vec<usize>, DType)], bucket_bytes: usize) ->
 
 struct ParamLister<'a>(&'a mut Vec<(ParamId, Vec<usize>, DType)>);
 
+/// Whether `param` is frozen: on an autodiff device but not requiring a gradient. (On a device
+/// without autodiff no tensor tracks gradients, so nothing is considered frozen there.)
+pub(crate) fn is_frozen<const D: usize>(param: &Param<Tensor<D>>) -> bool {
+    let value = param.val();
+    value.is_autodiff() && !value.is_require_grad()
+}
+
 impl ModuleVisitor for ParamLister<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        // A parameter reachable twice (shared between layers) is reduced once.
-        if self.0.iter().any(|(id, _, _)| *id == param.id) {
+        // A parameter reachable twice (shared between layers) is reduced once; a frozen one
+        // is not reduced at all.
+        if is_frozen(param) || self.0.iter().any(|(id, _, _)| *id == param.id) {
             return;
         }
         let value = param.val();
@@ -348,6 +403,11 @@ struct TakeGrads<'a> {
 
 impl ModuleVisitor for TakeGrads<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if is_frozen(param) {
+            // Whatever was registered for a frozen parameter must not reach the optimizer.
+            let _ = self.grads.remove::<D>(param.id);
+            return;
+        }
         if let Some(grad) = self.grads.remove::<D>(param.id) {
             let grad = if self.scale == 1.0 {
                 grad

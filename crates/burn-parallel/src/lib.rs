@@ -37,6 +37,8 @@ pub use mesh::{DeviceMesh, MeshError, ParallelDims};
 pub mod ddp;
 
 pub use ddp::{DistributedDataParallel, GradAccumulator};
+pub mod replica;
+pub use replica::{ReplicaError, verify_replicas};
 pub mod tensor_parallel;
 
 pub use tensor_parallel::{

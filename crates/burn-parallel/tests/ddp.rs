@@ -103,3 +103,119 @@ fn accumulation_averages_micro_steps_and_ranks() {
         "{err}"
     );
 }
+
+#[derive(Module, Debug)]
+struct PartlyFrozen {
+    trainable: Linear,
+    frozen: Linear,
+    /// Used by rank 0 only.
+    rank0_only: Param<Tensor<1>>,
+    /// Used by no rank.
+    unused: Param<Tensor<1>>,
+}
+
+#[test]
+fn frozen_and_unused_parameters_get_no_gradient_no_state_and_keep_their_value() {
+    use burn::optim::AdamWConfig;
+    let out = run_local(2, |group| {
+        let device = Device::flex().autodiff();
+        let ddp = DistributedDataParallel::new(group.clone()).with_bucket_bytes(16);
+        let m = PartlyFrozen {
+            trainable: model(0, &device).shared,
+            frozen: model(1, &device).shared.no_grad(),
+            rank0_only: Param::from_data(TensorData::new(vec![1.0f32, 2.0], [2]), &device),
+            unused: Param::from_data(TensorData::new(vec![3.0f32, 4.0], [2]), &device),
+        };
+        let m = ddp.broadcast_module(m, 0)?;
+        assert!(
+            !m.frozen.weight.val().is_require_grad(),
+            "broadcast keeps the flag"
+        );
+        let before = (
+            values(m.frozen.weight.val()),
+            m.unused.val().into_data().try_to_vec::<f32>().unwrap(),
+        );
+        let x = Tensor::<2>::from_floats([[1.0 + group.rank() as f32, 2.0, -1.0]], &device);
+        let h = m.frozen.forward(x);
+        let mut loss = m
+            .trainable
+            .forward(h.clone().matmul(Tensor::ones([2, 3], &device)))
+            .sum();
+        if group.rank() == 0 {
+            loss = loss + m.rank0_only.val().sum();
+        }
+        let grads = GradientsParams::from_grads(loss.backward(), &m);
+        let grads = ddp.all_reduce_grads(&m, grads)?;
+        let has = |id| grads.get::<2>(id).is_some();
+        let flags = (
+            has(m.trainable.weight.id),
+            has(m.frozen.weight.id),
+            grads.get::<1>(m.rank0_only.id).is_some(),
+            grads.get::<1>(m.unused.id).is_some(),
+        );
+        let rank0_only = grads
+            .get::<1>(m.rank0_only.id)
+            .map(|g| g.into_data().try_to_vec::<f32>().unwrap());
+        let mut optim = AdamWConfig::new().with_weight_decay(0.5).init();
+        let m = optim.step(0.1, m, grads);
+        let after = (
+            values(m.frozen.weight.val()),
+            m.unused.val().into_data().try_to_vec::<f32>().unwrap(),
+        );
+        Ok((flags, rank0_only, before, after, optim.to_record().len()))
+    })
+    .unwrap();
+    for (flags, rank0_only, before, after, state_tensors) in out {
+        assert_eq!(
+            flags,
+            (true, false, true, false),
+            "(trainable, frozen, rank0_only, unused) have a reduced gradient"
+        );
+        // Used on one rank of two: averaged with the other rank's zeros.
+        assert_eq!(rank0_only, Some(vec![0.5, 0.5]));
+        assert_eq!(
+            before, after,
+            "frozen and unused parameters keep their exact value"
+        );
+        // AdamW keeps two moments per parameter with state: only for the trainable weight and
+        // bias and `rank0_only`, none for the frozen weight and bias or `unused`.
+        assert_eq!(state_tensors, 2 * 3, "optimizer state tensors");
+    }
+}
+
+/// Replicas that differ are an error on every rank (no rank left waiting in a collective),
+/// naming the first differing parameter and the ranks on each side; broadcasting fixes them.
+#[test]
+fn differing_replicas_are_an_error_on_every_rank() {
+    use burn_parallel::ReplicaError;
+    let n = 3;
+    let out = run_local(n, |group| {
+        let device = Device::flex().autodiff();
+        let ddp = DistributedDataParallel::new(group.clone());
+        // `shared.weight` differs on rank 2 only; `extra` is the same everywhere.
+        let m = model(if group.rank() == 2 { 1 } else { 0 }, &device);
+        let before = ddp.verify_replicas(&m);
+        let m = ddp.broadcast_module(m, 0)?;
+        Ok((before, ddp.verify_replicas(&m)))
+    })
+    .unwrap();
+    for (before, after) in out {
+        match before {
+            Err(ReplicaError::Mismatch {
+                ref path,
+                ref agreeing,
+                ref differing,
+                ..
+            }) => {
+                assert_eq!(path, "shared.weight");
+                assert_eq!(agreeing, &vec![0, 1]);
+                assert_eq!(differing, &vec![2]);
+                let text = before.as_ref().unwrap_err().to_string();
+                assert!(text.contains("broadcast from rank 0"), "{text}");
+                assert!(text.contains("same seed"), "{text}");
+            }
+            other => panic!("expected a mismatch, got {other:?}"),
+        }
+        assert_eq!(after, Ok(()));
+    }
+}

@@ -7,13 +7,22 @@
 //!   state tensors, slices of the same range); the optimizer's scalars (step counters) are in the
 //!   safetensors metadata.
 //! - `manifest.json`, written last by rank 0: format version, world size, step, units (name,
-//!   numel, parameter paths and shapes) and, for every rank file, its length and FNV-1a 64
-//!   checksum, plus free-form user metadata.
+//!   numel, parameter paths and shapes) and, for every rank file, its length, the FNV-1a 64
+//!   checksum of its safetensors header, and the FNV-1a 64 checksums of every tensor's data in
+//!   chunks of [`CHUNK_BYTES`], plus free-form user metadata.
 //!
 //! Atomicity: every file is written to a `.tmp` name, synced and renamed; an existing manifest is
 //! removed *first*, and the new one is written only after every rank reported its file, so a crash
-//! at any point leaves a directory without a manifest, which never loads. Loading checks every
-//! file's length and checksum against the manifest before reading anything.
+//! at any point leaves a directory without a manifest, which never loads.
+//!
+//! Loading reads only what the rank needs. [`CheckpointReader::open`] checks every file's length
+//! against the manifest and reads and checks only the safetensors headers (a few hundred bytes
+//! each); [`CheckpointReader::read`] then seeks to, and reads, just the chunks of each saved
+//! tensor that overlap the requested range, and checks each chunk's checksum before using it. A
+//! rank of a run with `M` ranks thus reads about `1/M` of the checkpoint (plus at most two chunks
+//! per saved shard it overlaps) and holds no more than what it returns plus one chunk. A
+//! corrupt byte is reported by every rank whose reads cover it, as
+//! [`ZeroError::CorruptCheckpoint`] naming the file, tensor and byte range.
 //!
 //! Resharding: shards are ranges of each unit's flat space, so a run with `M` ranks reads, for
 //! its range under `M`, the overlapping parts of the `N` saved shards (every rank reads the
@@ -21,12 +30,12 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
-use std::io::Write;
+use std::io::{Read, Seek, SeekFrom, Write};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::tensor::TensorData;
-use safetensors::SafeTensors;
 use safetensors::tensor::{Dtype, TensorView};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -35,8 +44,12 @@ use crate::error::{Result, ZeroError};
 use crate::flat::{FlatEntry, FlatLayout, shard_range};
 use crate::zero::ShardGroups;
 
-/// Version of the on-disk format.
-pub const FORMAT_VERSION: u32 = 1;
+/// Version of the on-disk format (2: per-chunk checksums, read by ranges).
+pub const FORMAT_VERSION: u32 = 2;
+
+/// Size of the pieces of tensor data that carry their own checksum in the manifest: the unit a
+/// load reads and verifies.
+pub const CHUNK_BYTES: usize = 256 * 1024;
 const MANIFEST: &str = "manifest.json";
 
 /// One unit of a checkpoint.
@@ -57,8 +70,13 @@ pub struct FileManifest {
     pub file: String,
     /// Length in bytes.
     pub bytes: u64,
-    /// FNV-1a 64 of the content, hexadecimal.
-    pub fnv64: String,
+    /// FNV-1a 64 of the safetensors header (its 8-byte length and its JSON), hexadecimal.
+    pub header_fnv64: String,
+    /// Size of the checksummed chunks of tensor data ([`CHUNK_BYTES`] when saved).
+    pub chunk_bytes: u64,
+    /// For every tensor, the FNV-1a 64 of each chunk of its data, in order (the last chunk may
+    /// be shorter), hexadecimal.
+    pub chunks: BTreeMap<String, Vec<String>>,
 }
 
 /// The manifest of a checkpoint.
@@ -178,11 +196,7 @@ pub fn save(
         })?;
         let file = rank_file(rank, n);
         write_atomic(&dir.join(&file), &bytes)?;
-        let info = FileManifest {
-            file,
-            bytes: bytes.len() as u64,
-            fnv64: fnv64(&bytes),
-        };
+        let info = file_manifest(file, &bytes)?;
         let all = g.all_gather_object(&info)?;
         if rank == 0 {
             let manifest = Manifest {
@@ -211,19 +225,118 @@ pub fn save(
     Ok(())
 }
 
-/// A validated checkpoint, read for any number of ranks.
+/// The manifest entry of a serialised shard file: its length, header checksum and per-chunk
+/// checksums.
+fn file_manifest(file: String, bytes: &[u8]) -> Result<FileManifest> {
+    let bad = |reason: String| ZeroError::Config(format!("serialising {file}: {reason}"));
+    let header = parse_header(bytes).map_err(bad)?;
+    let mut chunks = BTreeMap::new();
+    for (name, t) in &header.tensors {
+        let data =
+            &bytes[(header.data_start + t.begin) as usize..(header.data_start + t.end) as usize];
+        chunks.insert(name.clone(), data.chunks(CHUNK_BYTES).map(fnv64).collect());
+    }
+    Ok(FileManifest {
+        header_fnv64: fnv64(&bytes[..header.data_start as usize]),
+        bytes: bytes.len() as u64,
+        chunk_bytes: CHUNK_BYTES as u64,
+        chunks,
+        file,
+    })
+}
+
+/// Where a tensor's data lies in a safetensors file, relative to the data section.
+#[derive(Debug, Clone)]
+struct TensorPlace {
+    dtype: String,
+    begin: u64,
+    end: u64,
+}
+
+/// A parsed safetensors header.
+#[derive(Debug, Clone)]
+struct Header {
+    /// Offset of the data section in the file (8 + the JSON's length).
+    data_start: u64,
+    tensors: BTreeMap<String, TensorPlace>,
+    metadata: HashMap<String, String>,
+}
+
+/// Parses the header at the start of `bytes` (which must hold at least all of it).
+fn parse_header(bytes: &[u8]) -> std::result::Result<Header, String> {
+    let len = header_len(bytes)?;
+    let json = bytes
+        .get(8..8 + len as usize)
+        .ok_or_else(|| format!("the header claims {len} bytes but the file is shorter"))?;
+    parse_header_json(json, 8 + len)
+}
+
+/// The length of the header's JSON, from the file's first 8 bytes.
+fn header_len(bytes: &[u8]) -> std::result::Result<u64, String> {
+    let first: [u8; 8] = bytes
+        .get(..8)
+        .and_then(|b| b.try_into().ok())
+        .ok_or("shorter than a safetensors header")?;
+    let len = u64::from_le_bytes(first);
+    if len > 100 << 20 {
+        return Err(format!("a header of {len} bytes is not plausible"));
+    }
+    Ok(len)
+}
+
+fn parse_header_json(json: &[u8], data_start: u64) -> std::result::Result<Header, String> {
+    let value: Value =
+        serde_json::from_slice(json).map_err(|e| format!("the header is not JSON: {e}"))?;
+    let object = value.as_object().ok_or("the header is not a JSON object")?;
+    let mut header = Header {
+        data_start,
+        tensors: BTreeMap::new(),
+        metadata: HashMap::new(),
+    };
+    for (name, entry) in object {
+        if name == "__metadata__" {
+            header.metadata = serde_json::from_value(entry.clone())
+                .map_err(|e| format!("malformed __metadata__: {e}"))?;
+            continue;
+        }
+        let dtype = entry["dtype"].as_str().unwrap_or_default().to_string();
+        let offsets = entry["data_offsets"]
+            .as_array()
+            .and_then(|o| Some((o.first()?.as_u64()?, o.get(1)?.as_u64()?)))
+            .ok_or_else(|| format!("tensor {name} has no valid data_offsets"))?;
+        if offsets.0 > offsets.1 {
+            return Err(format!("tensor {name} has data_offsets {offsets:?}"));
+        }
+        header.tensors.insert(
+            name.clone(),
+            TensorPlace {
+                dtype,
+                begin: offsets.0,
+                end: offsets.1,
+            },
+        );
+    }
+    Ok(header)
+}
+
+/// A validated checkpoint, read for any number of ranks: only the headers are in memory, and
+/// every [`CheckpointReader::read`] reads the chunks it needs from the files.
 pub struct CheckpointReader {
     dir: PathBuf,
     manifest: Manifest,
-    files: Vec<Option<Vec<u8>>>,
+    headers: Vec<Header>,
+    bytes_read: AtomicU64,
 }
 
 impl CheckpointReader {
-    /// Opens `dir`: reads and checks the manifest, and the length and checksum of every file.
+    /// Opens `dir`: reads and checks the manifest, every file's length, and every file's
+    /// header (its checksum and its tensors against the manifest). Tensor data is read later,
+    /// by range, by [`CheckpointReader::read`].
     ///
     /// # Errors
-    /// [`ZeroError::CorruptCheckpoint`] when the manifest is missing (an interrupted save) or
-    /// unreadable, or a file is missing, truncated or altered.
+    /// [`ZeroError::CorruptCheckpoint`] when the manifest is missing (an interrupted save),
+    /// unreadable or of another format version, or a file is missing, truncated or has an
+    /// altered header.
     pub fn open(dir: &Path) -> Result<Self> {
         let corrupt = |path: &Path, reason: String| ZeroError::CorruptCheckpoint {
             path: path.to_path_buf(),
@@ -239,54 +352,167 @@ impl CheckpointReader {
                 ),
             )
         })?;
-        let manifest: Manifest = serde_json::from_slice(&bytes)
+        let value: Value = serde_json::from_slice(&bytes)
             .map_err(|e| corrupt(&mpath, format!("invalid manifest: {e}")))?;
-        if manifest.format_version != FORMAT_VERSION {
+        let version = value["format_version"].as_u64().unwrap_or(0);
+        if version != u64::from(FORMAT_VERSION) {
             return Err(corrupt(
                 &mpath,
                 format!(
-                    "format version {} is not supported (this build reads {FORMAT_VERSION})",
-                    manifest.format_version
+                    "format version {version} is not supported (this build reads \
+                     {FORMAT_VERSION}, with per-chunk checksums; version 1 had one checksum \
+                     per file): load it with the burn-zero version that saved it"
                 ),
             ));
         }
+        let manifest: Manifest = serde_json::from_value(value)
+            .map_err(|e| corrupt(&mpath, format!("invalid manifest: {e}")))?;
         if manifest.files.len() != manifest.world_size {
             return Err(corrupt(&mpath, "one file per rank expected".into()));
         }
-        let mut files = Vec::new();
+        let mut headers = Vec::new();
+        let mut bytes_read = bytes.len() as u64;
         for f in &manifest.files {
             let path = dir.join(&f.file);
-            let data =
-                fs::read(&path).map_err(|e| corrupt(&path, format!("missing shard file: {e}")))?;
-            if data.len() as u64 != f.bytes {
+            let mut file = File::open(&path)
+                .map_err(|e| corrupt(&path, format!("missing shard file: {e}")))?;
+            let len = file
+                .metadata()
+                .map_err(|e| corrupt(&path, format!("cannot stat the shard file: {e}")))?
+                .len();
+            if len != f.bytes {
                 return Err(corrupt(
                     &path,
                     format!(
-                        "the file has {} bytes but the manifest records {}: truncated or overwritten",
-                        data.len(),
+                        "the file has {len} bytes but the manifest records {}: truncated or \
+                         overwritten",
                         f.bytes
                     ),
                 ));
             }
-            let sum = fnv64(&data);
-            if sum != f.fnv64 {
+            // The header only: its length, then its JSON.
+            let mut head = vec![0u8; 8];
+            file.read_exact(&mut head)
+                .map_err(|e| corrupt(&path, format!("cannot read the header: {e}")))?;
+            let json_len = header_len(&head).map_err(|e| corrupt(&path, e))?;
+            if 8 + json_len > len {
+                return Err(corrupt(
+                    &path,
+                    "the header runs past the end of the file".into(),
+                ));
+            }
+            head.resize(8 + json_len as usize, 0);
+            file.read_exact(&mut head[8..])
+                .map_err(|e| corrupt(&path, format!("cannot read the header: {e}")))?;
+            bytes_read += head.len() as u64;
+            let sum = fnv64(&head);
+            if sum != f.header_fnv64 {
                 return Err(corrupt(
                     &path,
                     format!(
-                        "checksum {sum} differs from the manifest's {}: the file is corrupt",
-                        f.fnv64
+                        "header checksum {sum} differs from the manifest's {}: the file is \
+                         corrupt; resume from an earlier checkpoint",
+                        f.header_fnv64
                     ),
                 ));
             }
-            SafeTensors::deserialize(&data)
-                .map_err(|e| corrupt(&path, format!("not a valid safetensors file: {e}")))?;
-            files.push(Some(data));
+            let header = parse_header(&head).map_err(|e| corrupt(&path, e))?;
+            for (name, t) in &header.tensors {
+                let chunks = f.chunks.get(name).map_or(0, Vec::len) as u64;
+                let expected = (t.end - t.begin).div_ceil(f.chunk_bytes.max(1));
+                if header.data_start + t.end > len || chunks != expected || f.chunk_bytes == 0 {
+                    return Err(corrupt(
+                        &path,
+                        format!("tensor {name} does not match the manifest's chunk checksums"),
+                    ));
+                }
+            }
+            headers.push(header);
         }
         Ok(Self {
             dir: dir.to_path_buf(),
             manifest,
-            files,
+            headers,
+            bytes_read: AtomicU64::new(bytes_read),
         })
+    }
+
+    /// Bytes read from the checkpoint's files by this reader so far (manifest and headers
+    /// included).
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(Ordering::Relaxed)
+    }
+
+    /// Elements `lo..hi` (f32) of tensor `name` of saved shard file `k`: reads the chunks that
+    /// cover them, checks each chunk's checksum, and appends the values to `out`.
+    fn read_piece(
+        &self,
+        k: usize,
+        name: &str,
+        lo: usize,
+        hi: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let f = &self.manifest.files[k];
+        let path = self.dir.join(&f.file);
+        let corrupt = |reason: String| ZeroError::CorruptCheckpoint {
+            path: path.clone(),
+            reason,
+        };
+        let place =
+            self.headers[k]
+                .tensors
+                .get(name)
+                .ok_or_else(|| ZeroError::CheckpointMismatch {
+                    path: path.clone(),
+                    reason: format!("no tensor {name}"),
+                })?;
+        if place.dtype != "F32" {
+            return Err(corrupt(format!(
+                "tensor {name} is {}, not F32",
+                place.dtype
+            )));
+        }
+        let len = place.end - place.begin;
+        let (lo_b, hi_b) = (lo as u64 * 4, hi as u64 * 4);
+        if hi_b > len {
+            return Err(corrupt(format!(
+                "tensor {name} has {} elements, {hi} were expected",
+                len / 4
+            )));
+        }
+        let chunk = f.chunk_bytes;
+        let (first, last) = (lo_b / chunk, (hi_b - 1) / chunk);
+        let mut file = File::open(&path).map_err(|e| ZeroError::io(&path, e))?;
+        let mut buf = Vec::new();
+        let sums = &f.chunks[name];
+        for c in first..=last {
+            let start = c * chunk;
+            let end = ((c + 1) * chunk).min(len);
+            buf.resize((end - start) as usize, 0);
+            file.seek(SeekFrom::Start(
+                self.headers[k].data_start + place.begin + start,
+            ))
+            .and_then(|_| file.read_exact(&mut buf))
+            .map_err(|e| ZeroError::io(&path, e))?;
+            self.bytes_read
+                .fetch_add(buf.len() as u64, Ordering::Relaxed);
+            let sum = fnv64(&buf);
+            if sum != sums[c as usize] {
+                return Err(corrupt(format!(
+                    "checksum {sum} of bytes {start}..{end} of tensor {name} differs from the \
+                     manifest's {}: the file is corrupt; resume from an earlier checkpoint",
+                    sums[c as usize]
+                )));
+            }
+            let (a, b) = (lo_b.max(start) - start, hi_b.min(end) - start);
+            out.extend(
+                buf[a as usize..b as usize]
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            );
+        }
+        Ok(())
     }
 
     /// The manifest.
@@ -351,10 +577,13 @@ impl CheckpointReader {
     }
 
     /// Elements `range` of tensor `key` (`"param"` or `"state/<name>"`) of `unit`'s flat space,
-    /// assembled from the saved shards.
+    /// assembled from the saved shards: only the checksummed chunks that overlap `range` are
+    /// read, and each is verified.
     ///
     /// # Errors
-    /// [`ZeroError::CheckpointMismatch`] for an unknown unit or key, or a range out of bounds.
+    /// [`ZeroError::CheckpointMismatch`] for an unknown unit or key, or a range out of bounds;
+    /// [`ZeroError::CorruptCheckpoint`] when a chunk read does not match its checksum;
+    /// [`ZeroError::Io`] when a file cannot be read.
     pub fn read(&self, unit: &str, key: &str, range: Range<usize>) -> Result<Vec<f32>> {
         let u = self.unit(unit)?;
         if range.end > u.numel {
@@ -371,21 +600,8 @@ impl CheckpointReader {
             if lo >= hi {
                 continue;
             }
-            let data = self.files[k].as_ref().expect("read at open");
-            let st = SafeTensors::deserialize(data).expect("validated at open");
             let name = format!("{unit}/{key}");
-            let view = st
-                .tensor(&name)
-                .map_err(|_| ZeroError::CheckpointMismatch {
-                    path: self.dir.join(&self.manifest.files[k].file),
-                    reason: format!("no tensor {name}"),
-                })?;
-            let bytes = &view.data()[(lo - saved.start) * 4..(hi - saved.start) * 4];
-            out.extend(
-                bytes
-                    .chunks_exact(4)
-                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-            );
+            self.read_piece(k, &name, lo - saved.start, hi - saved.start, &mut out)?;
         }
         Ok(out)
     }
@@ -396,12 +612,10 @@ impl CheckpointReader {
     /// When the unit is unknown.
     pub fn state_names(&self, unit: &str) -> Result<Vec<String>> {
         self.unit(unit)?;
-        let data = self.files[0].as_ref().expect("read at open");
-        let st = SafeTensors::deserialize(data).expect("validated at open");
         let prefix = format!("{unit}/state/");
-        let mut names: Vec<String> = st
-            .names()
-            .into_iter()
+        let mut names: Vec<String> = self.headers[0]
+            .tensors
+            .keys()
             .filter_map(|n| n.strip_prefix(&prefix).map(str::to_string))
             .collect();
         names.sort();
@@ -414,12 +628,10 @@ impl CheckpointReader {
     /// When the unit is unknown or the metadata is malformed.
     pub fn scalars(&self, unit: &str) -> Result<BTreeMap<String, Value>> {
         self.unit(unit)?;
-        let data = self.files[0].as_ref().expect("read at open");
-        let (_, meta) = SafeTensors::read_metadata(data).expect("validated at open");
-        let text = meta
-            .metadata()
-            .as_ref()
-            .and_then(|m| m.get(&format!("{unit}/scalars")).cloned())
+        let text = self.headers[0]
+            .metadata
+            .get(&format!("{unit}/scalars"))
+            .cloned()
             .unwrap_or_else(|| "{}".into());
         serde_json::from_str(&text).map_err(|e| ZeroError::CorruptCheckpoint {
             path: self.dir.join(&self.manifest.files[0].file),

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 use burn_parallel::CollectiveError;
+use burn_parallel::replica::ReplicaError;
 
 /// Everything that can go wrong while sharding, stepping or checkpointing.
 #[derive(Debug, thiserror::Error)]
@@ -13,6 +14,10 @@ pub enum ZeroError {
     /// A tensor-parallel layer or plan failed while building or running a unit.
     #[error(transparent)]
     Tp(#[from] burn_parallel::tensor_parallel::TpError),
+    /// The replicas handed to a wrapper are not identical on every rank (checked with
+    /// [`burn_parallel::replica::verify_replicas`] when a module is wrapped).
+    #[error(transparent)]
+    Replica(#[from] ReplicaError),
     /// The configuration or the call sequence cannot work.
     #[error("invalid burn-zero usage: {0}")]
     Config(String),

@@ -53,12 +53,30 @@ pub struct FlatLayout {
 impl FlatLayout {
     /// The layout of `module`'s float parameters whose path passes `keep`, in visiting order.
     pub fn of<M: Module>(module: &M, keep: impl Fn(&str) -> bool) -> Self {
+        Self::of_where(module, |path, _| keep(path))
+    }
+
+    /// The layout of `module`'s *trainable* float parameters whose path passes `keep`: frozen
+    /// ones ([`is_frozen`]) are left out, so that they get no gradient, no optimizer state and
+    /// are never rewritten (what the ZeRO optimizers and FSDP units step).
+    pub fn trainable<M: Module>(module: &M, keep: impl Fn(&str) -> bool) -> Self {
+        Self::of_where(module, |path, frozen| !frozen && keep(path))
+    }
+
+    /// The layout of `module`'s *frozen* float parameters ([`is_frozen`]) whose path passes
+    /// `keep` (what an FSDP unit shards and gathers but never steps).
+    pub fn frozen<M: Module>(module: &M, keep: impl Fn(&str) -> bool) -> Self {
+        Self::of_where(module, |path, frozen| frozen && keep(path))
+    }
+
+    /// The layout of the float parameters for which `keep(path, frozen)` holds.
+    fn of_where<M: Module>(module: &M, keep: impl Fn(&str, bool) -> bool) -> Self {
         struct Lister<'a, F> {
             stack: Vec<String>,
             keep: &'a F,
             layout: FlatLayout,
         }
-        impl<F: Fn(&str) -> bool> ModuleVisitor for Lister<'_, F> {
+        impl<F: Fn(&str, bool) -> bool> ModuleVisitor for Lister<'_, F> {
             fn enter_module(&mut self, name: &str, _: &str) {
                 self.stack.push(name.to_string());
             }
@@ -67,7 +85,7 @@ impl FlatLayout {
             }
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
                 let path = self.stack.join(".");
-                if !(self.keep)(&path) {
+                if !(self.keep)(&path, is_frozen(param)) {
                     return;
                 }
                 let shape = param.shape().as_slice().to_vec();
@@ -111,25 +129,50 @@ impl FlatLayout {
     /// # Errors
     /// [`ZeroError::Config`] when `module` lacks a parameter of the layout.
     pub fn flatten<M: Module>(&self, module: &M) -> Result<Vec<f32>> {
+        self.flatten_range(module, 0..self.numel)
+    }
+
+    /// Copies elements `range` of the flat space of `module`'s parameters into a host buffer
+    /// of `range.len()` values, reading only the parameters that overlap `range` (no full flat
+    /// copy: what a ZeRO rank needs for its shard).
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] when `module` lacks a parameter of the layout or `range` goes
+    /// beyond the layout.
+    pub fn flatten_range<M: Module>(&self, module: &M, range: Range<usize>) -> Result<Vec<f32>> {
+        if range.end > self.numel || range.start > range.end {
+            return Err(ZeroError::Config(format!(
+                "range {range:?} is outside a flat layout of {} elements",
+                self.numel
+            )));
+        }
         struct Collector<'a> {
             wanted: HashMap<ParamId, usize>,
             out: &'a mut [f32],
             entries: &'a [FlatEntry],
+            range: Range<usize>,
             found: usize,
         }
         impl ModuleVisitor for Collector<'_> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
                 if let Some(&i) = self.wanted.get(&param.id) {
+                    self.found += 1;
                     let e = &self.entries[i];
+                    let lo = e.offset.max(self.range.start);
+                    let hi = (e.offset + e.numel).min(self.range.end);
+                    if lo >= hi {
+                        return;
+                    }
                     let data = param.val().into_data().convert::<f32>();
                     let values = data.as_slice::<f32>().expect("converted to f32");
-                    self.out[e.offset..e.offset + e.numel].copy_from_slice(values);
-                    self.found += 1;
+                    self.out[lo - self.range.start..hi - self.range.start]
+                        .copy_from_slice(&values[lo - e.offset..hi - e.offset]);
                 }
             }
         }
-        let mut out = vec![0f32; self.numel];
+        let mut out = vec![0f32; range.len()];
         let mut collector = Collector {
+            range,
             wanted: self
                 .ids
                 .iter()
@@ -220,6 +263,31 @@ impl FlatLayout {
         }
         Ok(module)
     }
+}
+
+/// Whether `param` is frozen: on an autodiff device but not requiring a gradient (see Burn's
+/// `Module::no_grad` and `Param::set_require_grad`). On a device without autodiff no tensor
+/// tracks gradients, so nothing counts as frozen there.
+pub fn is_frozen<const D: usize>(param: &Param<Tensor<D>>) -> bool {
+    let value = param.val();
+    value.is_autodiff() && !value.is_require_grad()
+}
+
+/// Casts every frozen float parameter of `module` ([`is_frozen`]) to `dtype`, keeping it
+/// frozen (under mixed precision the frozen weights compute in the policy's dtype like the
+/// rest; being never updated, they need no fp32 master copy).
+pub fn cast_frozen<M: Module>(module: M, dtype: DType) -> M {
+    struct Caster(DType);
+    impl ModuleMapper for Caster {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            if !is_frozen(&param) || param.val().dtype() == self.0 {
+                return param;
+            }
+            let dtype = self.0;
+            param.map(|t| t.cast(dtype).detach())
+        }
+    }
+    module.map(&mut Caster(dtype))
 }
 
 /// Replaces every float parameter of `module` whose path passes `drop` by a one-element

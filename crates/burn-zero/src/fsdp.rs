@@ -26,6 +26,20 @@
 //! one collective is ever in flight, in the same order on every rank), and a prefetched unit
 //! counts as gathered memory from the moment it is issued (peak: two units instead of one).
 //!
+//! Frozen parameters (`require_grad` false on an autodiff device, e.g. after Burn's
+//! `Module::no_grad`) are sharded and gathered like the others, so they cost `1/N` of their
+//! size per rank, but in a second flat space of the unit, kept in the compute dtype (they are
+//! never updated, so no fp32 master copy): their gather has no backward, they get no gradient
+//! and no optimizer state, and the gathered module gives them back as frozen tensors. Keeping
+//! them out of the trainable flat space, rather than masking them out of its update, spares the
+//! optimizer state, the gradient reduce-scatter and the mask; a unit with frozen parameters pays
+//! one more all-gather (no extra round trip with prefetch, which fetches both). They are not
+//! part of the checkpoints of [`crate::checkpoint`] (which hold what training changes): restore
+//! them as they were first loaded.
+//!
+//! Replicas: [`FsdpUnit::new`] checks that the unit's parameters are identical on every rank
+//! ([`burn_parallel::replica::verify_replicas`]) before keeping this rank's slice.
+//!
 //! Gradient accumulation ([`FsdpContext`] with `accumulate_unsharded`): on every micro-step the
 //! unit is gathered without a backward collective into a fresh leaf, whose full local gradient is
 //! summed on this rank; [`FsdpOptimizer::step`] reduce-scatters it once (FSDP's `no_sync`:
@@ -180,10 +194,17 @@ impl FlatShard {
 pub struct FsdpUnit<M: Module> {
     template: M,
     shard: FlatShard,
+    /// The frozen parameters' flat space and this rank's slice of it (compute dtype, no
+    /// autodiff); `None` when the unit has no frozen parameter.
+    frozen: Option<(FlatLayout, Tensor<1>)>,
     ctx: Arc<FsdpContext>,
     cached: Mutex<Option<M>>,
-    inflight: Mutex<Option<JoinHandle<Result<TensorData>>>>,
+    inflight: Mutex<Option<JoinHandle<Result<Fetched>>>>,
 }
+
+/// What a unit's all-gathers bring: the trainable flat space (when the unit has trainable
+/// parameters) and the frozen one (when it has frozen parameters).
+type Fetched = (Option<TensorData>, Option<TensorData>);
 
 /// How a unit's shard travels in the all-gather.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -199,29 +220,47 @@ enum GatherMode {
 impl<M: Module> FsdpUnit<M> {
     /// Shards the parameters of `module` whose path passes `keep` (all: `|_| true`) over the
     /// context's shard group, keeping only this rank's slice. `module` must be identical on
-    /// every rank (build it from the same seed); it is consumed, and its full parameters freed.
+    /// every rank (build it from the same seed, or broadcast rank 0's); this is checked (a
+    /// collective over the shard and replica groups). It is consumed, and its full parameters
+    /// freed. Frozen parameters are sharded apart and never updated (see the
+    /// [module documentation](self)).
     ///
     /// # Errors
-    /// [`ZeroError::Config`] when no parameter passes `keep`.
+    /// [`ZeroError::Replica`] when the replicas differ (on every rank); [`ZeroError::Config`]
+    /// when no parameter passes `keep`.
     pub fn new(
         name: &str,
         module: M,
         keep: impl Fn(&str) -> bool + Copy,
         ctx: &Arc<FsdpContext>,
     ) -> Result<Self> {
-        let layout = FlatLayout::of(&module, keep);
-        if layout.numel() == 0 {
+        ctx.groups.verify_replicas(&module, keep)?;
+        let layout = FlatLayout::trainable(&module, keep);
+        let frozen_layout = FlatLayout::frozen(&module, keep);
+        if layout.numel() == 0 && frozen_layout.numel() == 0 {
             return Err(ZeroError::Config(format!(
                 "unit {name} has no parameters to shard"
             )));
         }
         let shard_group = ctx.groups.shard();
-        let range = shard_range(layout.numel(), shard_group.rank(), shard_group.size());
-        let full = layout.flatten(&module)?;
-        let param = tensor_1d(full[range.clone()].to_vec(), &ctx.device).require_grad();
-        drop(full);
+        let (rank, n) = (shard_group.rank(), shard_group.size());
+        let range = shard_range(layout.numel(), rank, n);
+        let param =
+            tensor_1d(layout.flatten_range(&module, range.clone())?, &ctx.device).require_grad();
         ctx.tracker.add(Category::Params, range.len() * 4);
+        let frozen = if frozen_layout.numel() == 0 {
+            None
+        } else {
+            let range = shard_range(frozen_layout.numel(), rank, n);
+            let dtype = ctx.precision.param_dtype;
+            let values = frozen_layout.flatten_range(&module, range.clone())?;
+            let inner = ctx.device.clone().inner();
+            ctx.tracker
+                .add(Category::Params, range.len() * dtype.size());
+            Some((frozen_layout, tensor_1d(values, &inner).cast(dtype)))
+        };
         Ok(Self {
+            frozen,
             template: strip_params(module, |_| true),
             shard: FlatShard {
                 name: name.to_string(),
@@ -274,7 +313,18 @@ impl<M: Module> FsdpUnit<M> {
     }
 
     fn gathered_bytes(&self) -> usize {
-        self.shard.layout.numel() * self.ctx.precision.param_dtype.size()
+        let frozen = self.frozen.as_ref().map_or(0, |(l, _)| l.numel());
+        (self.shard.layout.numel() + frozen) * self.ctx.precision.param_dtype.size()
+    }
+
+    /// Whether the unit has trainable parameters (a flat space to gather with a backward).
+    fn trainable(&self) -> bool {
+        self.shard.layout.numel() > 0
+    }
+
+    /// The host data of this rank's frozen slice (compute dtype), when there is one.
+    fn frozen_input(&self) -> Option<TensorData> {
+        self.frozen.as_ref().map(|(_, t)| t.clone().into_data())
     }
 
     fn is_cached(&self) -> bool {
@@ -299,11 +349,18 @@ impl<M: Module> FsdpUnit<M> {
             return Ok(());
         }
         // Reading the shard is a local copy; the communication is what runs in the background.
-        let data = self.gather_input(true).into_data();
+        let data = self
+            .trainable()
+            .then(|| self.gather_input(true).into_data());
+        let frozen = self.frozen_input();
         let group = self.ctx.groups.shard().clone();
         let handle = std::thread::Builder::new()
             .name(format!("fsdp-prefetch-{}", self.shard.name))
-            .spawn(move || group.all_gather_data(data, 0).map_err(ZeroError::from))
+            .spawn(move || -> Result<Fetched> {
+                let data = data.map(|d| group.all_gather_data(d, 0)).transpose()?;
+                let frozen = frozen.map(|d| group.all_gather_data(d, 0)).transpose()?;
+                Ok((data, frozen))
+            })
             .map_err(|e| ZeroError::Prefetch {
                 unit: self.shard.name.clone(),
                 reason: format!("cannot start the prefetch thread: {e}"),
@@ -316,7 +373,7 @@ impl<M: Module> FsdpUnit<M> {
     }
 
     /// Waits for an in-flight prefetch; `None` when there is none.
-    fn join_prefetch(&self) -> Option<Result<TensorData>> {
+    fn join_prefetch(&self) -> Option<Result<Fetched>> {
         let handle = self
             .inflight
             .lock()
@@ -355,21 +412,34 @@ impl<M: Module> FsdpUnit<M> {
         }
         let bytes = self.gathered_bytes();
         let input = self.gather_input(false);
-        let data = match self.join_prefetch() {
+        let (data, frozen) = match self.join_prefetch() {
             Some(result) => result.inspect_err(|_| {
                 self.ctx.tracker.sub(Category::Gathered, bytes);
             })?,
             None => {
+                let group = self.ctx.groups.shard();
                 let data = self
-                    .ctx
-                    .groups
-                    .shard()
-                    .all_gather_data(input.clone().into_data(), 0)?;
+                    .trainable()
+                    .then(|| group.all_gather_data(input.clone().into_data(), 0))
+                    .transpose()?;
+                let frozen = self
+                    .frozen_input()
+                    .map(|d| group.all_gather_data(d, 0))
+                    .transpose()?;
                 self.ctx.tracker.add(Category::Gathered, bytes);
-                data
+                (data, frozen)
             }
         };
         let low = self.ctx.precision.param_dtype;
+        let mut module = self.template.clone();
+        if let (Some((layout, _)), Some(frozen)) = (&self.frozen, frozen) {
+            // No backward, no gradient: the frozen parameters come back frozen.
+            let full = Tensor::<1>::from_data(frozen, (&self.ctx.device, low));
+            module = layout.unflatten(module, full, false)?;
+        }
+        let Some(data) = data else {
+            return Ok(self.keep_gathered(module, bytes));
+        };
         let wire = input.dtype();
         let numel = self.shard.layout.numel();
         let full = match self.mode() {
@@ -401,21 +471,23 @@ impl<M: Module> FsdpUnit<M> {
         } else {
             full.cast(low)
         };
-        let module = self
-            .shard
-            .layout
-            .unflatten(self.template.clone(), full, false)?;
+        let module = self.shard.layout.unflatten(module, full, false)?;
+        Ok(self.keep_gathered(module, bytes))
+    }
+
+    /// The guard of a gathered module, caching it under the reshard-after-backward policy.
+    fn keep_gathered(&self, module: M, bytes: usize) -> Gathered<M> {
         if self.ctx.reshard_after_forward {
-            Ok(Gathered {
+            Gathered {
                 module,
                 release: Some((self.ctx.tracker.clone(), bytes)),
-            })
+            }
         } else {
             *self.cached.lock().unwrap_or_else(|e| e.into_inner()) = Some(module.clone());
-            Ok(Gathered {
+            Gathered {
                 module,
                 release: None,
-            })
+            }
         }
     }
 
@@ -428,8 +500,9 @@ impl<M: Module> FsdpUnit<M> {
             .take()
             .is_some()
         {
-            let bytes = self.shard.layout.numel() * self.ctx.precision.param_dtype.size();
-            self.ctx.tracker.sub(Category::Gathered, bytes);
+            self.ctx
+                .tracker
+                .sub(Category::Gathered, self.gathered_bytes());
         }
     }
 }
@@ -567,6 +640,10 @@ impl<O: Optimizer> FsdpOptimizer<O> {
         let loss_scale = self.loss_scale();
         let mut grads = Vec::with_capacity(shards.len());
         for shard in shards.iter_mut() {
+            if shard.layout.numel() == 0 {
+                grads.push(Vec::new()); // a unit of frozen parameters only: nothing to step
+                continue;
+            }
             let summed = if let Some(full) = shard.unsharded.take() {
                 let numel = full.len();
                 let out = groups.shard().reduce_scatter_data(
@@ -601,6 +678,9 @@ impl<O: Optimizer> FsdpOptimizer<O> {
         let grad_norm = groups.clip(&mut grads, self.max_grad_norm)?;
         let inner = self.ctx.device.clone().inner();
         for (i, (shard, grad)) in shards.into_iter().zip(grads).enumerate() {
+            if shard.layout.numel() == 0 {
+                continue;
+            }
             let len = grad.len();
             let param = shard.param.clone().detach().inner();
             let new = self.optim.step(i, lr, param, tensor_1d(grad, &inner));

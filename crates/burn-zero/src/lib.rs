@@ -24,12 +24,16 @@
 //! use burn::nn::LinearConfig;
 //! use burn::optim::{AdamWConfig, GradientsParams};
 //! use burn::tensor::{Device, Tensor};
-//! use burn_parallel::run_local;
+//! use burn_parallel::{DistributedDataParallel, run_local};
 //! use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroOptimizer};
 //!
 //! let norms = run_local(2, |group| {
 //!     let device = Device::flex().autodiff();
-//!     let mut model = LinearConfig::new(8, 8).init(&device);
+//!     // A random initialisation differs on every rank: make the replicas identical by
+//!     // broadcasting rank 0's weights (or build the model from the same seed everywhere).
+//!     // `ZeroOptimizer::new` checks it and refuses differing replicas.
+//!     let model = LinearConfig::new(8, 8).init(&device);
+//!     let mut model = DistributedDataParallel::new(group.clone()).broadcast_module(model, 0)?;
 //!     let config = ZeroConfig::new(Stage::Two).with_max_grad_norm(Some(1.0));
 //!     let mut zero = ZeroOptimizer::new(&model, ShardGroups::flat(group),
 //!         config, AdamWConfig::new().build()).unwrap();

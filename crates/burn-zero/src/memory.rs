@@ -12,7 +12,12 @@
 //! plus the largest gathered unit for stage 3, with fp32 Adam) is
 //! [`MemoryReport::model_state_peak`]: the peaks over the step of parameters, gradients,
 //! optimizer state and gathered units. Staging buffers of the collectives are reported apart.
+//!
+//! The tracker is the wrapper's own bookkeeping; [`CountingAllocator`] measures what the process
+//! really allocates, and is what the memory tests compare against the formulas.
 
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use serde::Serialize;
@@ -183,5 +188,111 @@ impl MemoryTracker {
     /// The current counts and peaks.
     pub fn report(&self) -> MemoryReport {
         *self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A global allocator that counts the bytes the process holds, with a resettable peak: the
+/// measurement behind the memory figures and tests (every allocation is counted, staging
+/// buffers, pools and Burn's own tensors included, not only what a wrapper accounts for).
+///
+/// It wraps [`std::alloc::System`]; counting costs two atomic operations per allocation.
+/// Install it in a test or benchmark binary:
+///
+/// ```rust,standalone_crate
+/// use burn_zero::memory::CountingAllocator;
+///
+/// #[global_allocator]
+/// static ALLOC: CountingAllocator = CountingAllocator::new();
+///
+/// ALLOC.reset_peak();
+/// let before = ALLOC.current();
+/// let buffer = vec![0u8; 1 << 20];
+/// assert!(ALLOC.peak() >= before + (1 << 20));
+/// drop(buffer);
+/// assert!(ALLOC.current() < before + (1 << 20));
+/// ```
+///
+/// Ranks run as threads share the process, so the counts are the sum over ranks: attribute
+/// them with care (see `tests/memory.rs` of this crate).
+#[derive(Debug, Default)]
+pub struct CountingAllocator {
+    current: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl CountingAllocator {
+    /// A counter at zero (usable in a `static`).
+    pub const fn new() -> Self {
+        Self {
+            current: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
+        }
+    }
+
+    /// Bytes allocated and not yet freed through this allocator.
+    pub fn current(&self) -> usize {
+        self.current.load(Ordering::Relaxed)
+    }
+
+    /// The largest [`CountingAllocator::current`] since the last reset.
+    pub fn peak(&self) -> usize {
+        self.peak.load(Ordering::Relaxed)
+    }
+
+    /// Restarts the peak from the current bytes; returns the current bytes.
+    pub fn reset_peak(&self) -> usize {
+        let now = self.current();
+        self.peak.store(now, Ordering::Relaxed);
+        now
+    }
+
+    fn grew(&self, bytes: usize) {
+        let now = self.current.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(now, Ordering::Relaxed);
+    }
+
+    fn shrank(&self, bytes: usize) {
+        self.current.fetch_sub(bytes, Ordering::Relaxed);
+    }
+}
+
+// SAFETY: every method forwards to `System` with the caller's layout and pointer unchanged, so
+// `System`'s guarantees hold; the counters are plain atomics and never allocate.
+unsafe impl GlobalAlloc for CountingAllocator {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract, passed on unchanged.
+        let ptr = unsafe { System.alloc(layout) };
+        if !ptr.is_null() {
+            self.grew(layout.size());
+        }
+        ptr
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: as for `alloc`.
+        let ptr = unsafe { System.alloc_zeroed(layout) };
+        if !ptr.is_null() {
+            self.grew(layout.size());
+        }
+        ptr
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: `ptr` was allocated by `System` (through this allocator) with `layout`.
+        unsafe { System.dealloc(ptr, layout) };
+        self.shrank(layout.size());
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: `ptr` was allocated by `System` with `layout`; the caller upholds the rest.
+        let new = unsafe { System.realloc(ptr, layout, new_size) };
+        if !new.is_null() {
+            if new_size >= layout.size() {
+                self.grew(new_size - layout.size());
+            } else {
+                self.shrank(layout.size() - new_size);
+            }
+        }
+        new
     }
 }

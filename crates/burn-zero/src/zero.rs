@@ -5,11 +5,32 @@
 //! - stage 1: the flat gradient is all-reduced (every rank holds all of it), each rank updates
 //!   only its shard of the flat parameter space with its shard of the optimizer state, and the
 //!   updated shards are all-gathered back into the module;
-//! - stage 2: the flat gradient is reduce-scattered instead, so a rank keeps only its gradient
-//!   shard; the update and the all-gather are the same.
+//! - stage 2: the gradient is reduce-scattered instead, bucket by bucket, at every
+//!   [`ZeroOptimizer::accumulate`]: the parameters are cut, in flat order, into buckets of about
+//!   [`ZeroConfig::bucket_bytes`]; a bucket's gradients are packed into one host buffer, and its
+//!   reduce-scatter gives each rank the part of the bucket's flat range that falls in its shard,
+//!   summed into the rank's gradient shard. A communication thread reduces one bucket while the
+//!   next is packed. No rank ever holds the full flat gradient: the host staging is at most three
+//!   buckets (one reduced, one queued, one packed; a parameter larger than a bucket is a bucket
+//!   of its own), and the gradients Burn's
+//!   backward produced are released bucket by bucket as they are packed. The update and the
+//!   all-gather are the same as stage 1.
 //!
-//! With gradient accumulation, micro-step gradients are summed locally in one flat buffer and
-//! communicated once, at [`ZeroOptimizer::step`].
+//! With gradient accumulation, stage 1 sums micro-step gradients locally in one flat buffer and
+//! communicates once, at [`ZeroOptimizer::step`]; stage 2 reduce-scatters every micro-step into
+//! the shard (as DeepSpeed's ZeRO-2 does), so accumulation costs no full-size buffer.
+//!
+//! Frozen parameters (`require_grad` false on an autodiff device, e.g. after Burn's
+//! `Module::no_grad`) are not part of the flat space at all ([`FlatLayout::trainable`]): they get
+//! no gradient, no optimizer state and no communication, and are never rewritten, so their value
+//! and their flag are kept exactly. (Leaving them in the flat space and masking the update would
+//! still cost optimizer state, reduction traffic and a mask for every step, for nothing.)
+//! Limitation: a *trainable* parameter that no rank used in a step gets a zero gradient here (its
+//! AdamW decay and momentum still move it), where Burn's optimizer on one device, and DDP, skip
+//! it: the flat shard has one optimizer state, which cannot skip some elements exactly.
+//!
+//! Replicas: [`ZeroOptimizer::new`] checks that the module is identical on every rank
+//! ([`burn_parallel::replica::verify_replicas`]) and refuses it otherwise.
 //!
 //! Hybrid sharding ([`ShardGroups::hybrid`]): shard inside `dp_shard`, replicate across
 //! `dp_replicate`; gradient shards are averaged across replicas with one more all-reduce.
@@ -19,11 +40,13 @@ use std::ops::Range;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, LearningRate, Optimizer};
 use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn_parallel::ddp::DEFAULT_BUCKET_BYTES;
+use burn_parallel::replica::verify_replicas_in;
 use burn_parallel::{DeviceMesh, ProcessGroup, ReduceOp};
 
 use crate::clip::{clip_coefficient, global_norm, sum_of_squares};
 use crate::error::{Result, ZeroError};
-use crate::flat::{FlatLayout, host_f32, shard_range, shard_sizes, tensor_1d};
+use crate::flat::{FlatLayout, cast_frozen, host_f32, shard_range, tensor_1d};
 use crate::memory::{Category, MemoryReport, MemoryTracker};
 use crate::optim::ShardedOptimizer;
 use crate::precision::{LossScaler, MixedPrecision};
@@ -87,6 +110,9 @@ pub struct ZeroConfig {
     /// Dynamic loss scaling (for f16; any policy accepts it). `None`: gradients are used as
     /// they come.
     pub loss_scaler: Option<LossScaler>,
+    /// Stage 2: size of the gradient buckets reduce-scattered one at a time (whole parameters
+    /// in flat order; a parameter larger than this is a bucket of its own).
+    pub bucket_bytes: usize,
 }
 
 impl ZeroConfig {
@@ -101,7 +127,14 @@ impl ZeroConfig {
             prefetch: false,
             precision: MixedPrecision::full(),
             loss_scaler: None,
+            bucket_bytes: DEFAULT_BUCKET_BYTES,
         }
+    }
+
+    /// Sets the stage-2 gradient bucket size (at least one parameter per bucket).
+    pub fn with_bucket_bytes(mut self, bytes: usize) -> Self {
+        self.bucket_bytes = bytes.max(1);
+        self
     }
 
     /// Sets the global gradient-norm clipping.
@@ -211,6 +244,21 @@ impl ShardGroups {
     /// The replica group (hybrid sharding only).
     pub fn replicate(&self) -> Option<&ProcessGroup> {
         self.replicate.as_ref()
+    }
+
+    /// Checks that the parameters of `module` whose path passes `keep` are identical on every
+    /// data-parallel rank (shard and replica groups), with the same verdict on every rank.
+    ///
+    /// # Errors
+    /// [`ZeroError::Replica`] naming the first differing parameter and the ranks that disagree.
+    pub fn verify_replicas<M: Module>(
+        &self,
+        module: &M,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<()> {
+        let mut groups = vec![&self.shard];
+        groups.extend(self.replicate.as_ref());
+        Ok(verify_replicas_in(module, &groups, keep)?)
     }
 
     /// This rank's index among all data-parallel ranks (which rows of the batch it takes).
@@ -341,12 +389,14 @@ pub(crate) fn check_overflow(
 /// use burn::nn::LinearConfig;
 /// use burn::optim::{AdamWConfig, GradientsParams};
 /// use burn::tensor::{Device, Tensor};
-/// use burn_parallel::run_local;
+/// use burn_parallel::{DistributedDataParallel, run_local};
 /// use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroOptimizer};
 ///
 /// run_local(2, |group| {
 ///     let device = Device::flex().autodiff();
-///     let mut model = LinearConfig::new(4, 3).init(&device);
+///     // Identical replicas: rank 0's random initialisation, broadcast.
+///     let model = LinearConfig::new(4, 3).init(&device);
+///     let mut model = DistributedDataParallel::new(group.clone()).broadcast_module(model, 0)?;
 ///     let groups = ShardGroups::flat(group);
 ///     let mut zero = ZeroOptimizer::new(&model, groups, ZeroConfig::new(Stage::Two),
 ///         AdamWConfig::new().build()).unwrap();
@@ -366,6 +416,7 @@ pub struct ZeroOptimizer<O: Optimizer> {
     range: Range<usize>,
     optim: ShardedOptimizer<O>,
     tracker: MemoryTracker,
+    /// The summed gradient: the full flat space at stage 1, this rank's shard at stage 2.
     acc: Option<Vec<f32>>,
     micro: usize,
     device: Device,
@@ -376,14 +427,17 @@ pub struct ZeroOptimizer<O: Optimizer> {
 }
 
 impl<O: Optimizer> ZeroOptimizer<O> {
-    /// Wraps `optim` for `module` (whose parameters must already be identical on every rank:
-    /// build them from the same seed, in fp32: with mixed precision they become the fp32 master
-    /// weights).
+    /// Wraps `optim` for the trainable parameters of `module`, whose parameters must already be
+    /// identical on every rank (build them from the same seed, or broadcast rank 0's with
+    /// `DistributedDataParallel::broadcast_module`), in fp32: with mixed precision they become
+    /// the fp32 master weights. Frozen parameters are left out of the flat space (see the
+    /// [module documentation](self)). Collective: checks the replicas.
     ///
     /// # Errors
+    /// [`ZeroError::Replica`] when the replicas differ (on every rank);
     /// [`ZeroError::Config`] for stage 3 (use [`crate::fsdp`]), an invalid config or a module
-    /// without parameters; [`ZeroError::UnsupportedDType`] when the module's device lacks a
-    /// dtype of the precision policy.
+    /// without trainable parameters; [`ZeroError::UnsupportedDType`] when the module's device
+    /// lacks a dtype of the precision policy.
     pub fn new<M: Module>(
         module: &M,
         groups: ShardGroups,
@@ -397,10 +451,17 @@ impl<O: Optimizer> ZeroOptimizer<O> {
                     .into(),
             ));
         }
-        let layout = FlatLayout::of(module, |_| true);
+        groups.verify_replicas(module, |_| true)?;
+        let layout = FlatLayout::trainable(module, |_| true);
         let Some(device) = module.devices().into_iter().next() else {
             return Err(ZeroError::Config("the module has no parameters".into()));
         };
+        if layout.numel() == 0 {
+            return Err(ZeroError::Config(
+                "the module has no trainable parameter (all are frozen): nothing to optimize"
+                    .into(),
+            ));
+        }
         config.validate(&device)?;
         let range = shard_range(layout.numel(), groups.shard.rank(), groups.shard.size());
         let master = if config.precision.is_full() {
@@ -433,8 +494,9 @@ impl<O: Optimizer> ZeroOptimizer<O> {
         })
     }
 
-    /// Returns `module` with its parameters in the policy's compute dtype, as fresh leaves
-    /// (fp32: `module` unchanged). Call it once, before the first forward.
+    /// Returns `module` with its parameters in the policy's compute dtype, the trainable ones as
+    /// fresh leaves, the frozen ones still frozen (fp32: `module` unchanged). Call it once,
+    /// before the first forward.
     ///
     /// # Errors
     /// [`ZeroError::Config`] when `module` is not the module the wrapper was built from.
@@ -449,8 +511,12 @@ impl<O: Optimizer> ZeroOptimizer<O> {
                 "prepare_module got parameters other than those the wrapper was built from".into(),
             ));
         }
-        let low = tensor_1d(full, &self.device).cast(self.config.precision.param_dtype);
-        self.layout.unflatten(module, low, true)
+        let dtype = self.config.precision.param_dtype;
+        let low = tensor_1d(full, &self.device).cast(dtype);
+        Ok(cast_frozen(
+            self.layout.unflatten(module, low, true)?,
+            dtype,
+        ))
     }
 
     /// The flat layout of the model.
@@ -502,7 +568,7 @@ impl<O: Optimizer> ZeroOptimizer<O> {
     pub fn param_shard<M: Module>(&self, module: &M) -> Result<Vec<f32>> {
         match &self.master {
             Some(master) => Ok(host_f32(master.clone())),
-            None => Ok(self.layout.flatten(module)?[self.range.clone()].to_vec()),
+            None => self.layout.flatten_range(module, self.range.clone()),
         }
     }
 
@@ -527,11 +593,15 @@ impl<O: Optimizer> ZeroOptimizer<O> {
         self.layout.unflatten(module, flat, true)
     }
 
-    /// Adds one micro-step's gradients, locally (no communication), summed in fp32.
+    /// Adds one micro-step's gradients, summed in fp32: locally into the full flat gradient at
+    /// stage 1 (no communication); at stage 2, reduce-scattered bucket by bucket into this
+    /// rank's gradient shard (see the [module documentation](self)). Gradients of frozen
+    /// parameters are ignored.
     ///
     /// # Errors
     /// [`ZeroError::Config`] under mixed precision when the module still computes in another
-    /// dtype than the policy's (call [`ZeroOptimizer::prepare_module`]).
+    /// dtype than the policy's (call [`ZeroOptimizer::prepare_module`]); collective failures at
+    /// stage 2.
     pub fn accumulate<M: Module>(&mut self, module: &M, grads: GradientsParams) -> Result<()> {
         let want = self.config.precision.param_dtype;
         if self.master.is_some()
@@ -543,37 +613,52 @@ impl<O: Optimizer> ZeroOptimizer<O> {
                  it through ZeroOptimizer::prepare_module before the first forward"
             )));
         }
-        let flat = flatten_grads(&self.layout, module, &grads);
-        let bytes = flat.len() * 4;
-        match &mut self.acc {
-            None => {
-                self.acc = Some(flat);
-                // Stage 1 keeps the full flat gradient; for stage 2 it is the reduce-scatter's
-                // staging input unless it has to live across micro-steps.
-                let c = if self.config.stage == Stage::One {
-                    Category::Grads
-                } else {
-                    Category::Buffers
-                };
-                self.tracker.add(c, bytes);
-            }
-            Some(acc) => {
-                acc.iter_mut().zip(&flat).for_each(|(a, g)| *a += g);
-                if self.config.stage == Stage::Two && self.micro == 1 {
-                    self.tracker.sub(Category::Buffers, bytes);
-                    self.tracker.add(Category::Grads, bytes);
+        if self.config.stage == Stage::One {
+            let flat = flatten_grads(&self.layout, module, &grads);
+            drop(grads);
+            match &mut self.acc {
+                None => {
+                    self.tracker.add(Category::Grads, flat.len() * 4);
+                    self.acc = Some(flat);
                 }
-                self.tracker.add(Category::Buffers, bytes);
-                self.tracker.sub(Category::Buffers, bytes);
+                Some(acc) => {
+                    // The micro-step's flat copy is a staging buffer next to the sum.
+                    self.tracker.add(Category::Buffers, flat.len() * 4);
+                    acc.iter_mut().zip(&flat).for_each(|(a, g)| *a += g);
+                    self.tracker.sub(Category::Buffers, flat.len() * 4);
+                }
             }
+        } else {
+            let mut acc = match self.acc.take() {
+                Some(acc) => acc,
+                None => {
+                    self.tracker.add(Category::Grads, self.range.len() * 4);
+                    vec![0.0; self.range.len()]
+                }
+            };
+            let result = reduce_scatter_buckets(
+                &self.layout,
+                module,
+                grads,
+                &BucketPlan {
+                    group: &self.groups.shard,
+                    range: self.range.clone(),
+                    bucket_bytes: self.config.bucket_bytes,
+                    wire: self.config.precision.reduce_dtype,
+                    tracker: &self.tracker,
+                },
+                &mut acc,
+            );
+            self.acc = Some(acc);
+            result?;
         }
         self.micro += 1;
         Ok(())
     }
 
-    /// Reduces the accumulated gradients (in the policy's reduction dtype), unscales them,
-    /// skips the step on an overflow (loss scaling), clips, updates this rank's shard and
-    /// all-gathers the new parameters (in the compute dtype) into `module`.
+    /// Reduces the accumulated gradients (in the policy's reduction dtype) at stage 1,
+    /// unscales them, skips the step on an overflow (loss scaling), clips, updates this rank's
+    /// shard and all-gathers the new parameters (in the compute dtype) into `module`.
     ///
     /// # Errors
     /// [`ZeroError::Config`] when nothing was accumulated; collective failures.
@@ -585,44 +670,25 @@ impl<O: Optimizer> ZeroOptimizer<O> {
         };
         let micro = std::mem::take(&mut self.micro);
         let numel = self.layout.numel();
-        let n = self.groups.shard.size();
-        let shard_bytes = self.range.len() * 4;
-        let held = if self.config.stage == Stage::One || micro > 1 {
-            Category::Grads
-        } else {
-            Category::Buffers
-        };
-        let wire = self.config.precision.reduce_dtype;
-        let mut data = TensorData::new(acc, [numel]);
-        if wire != DType::F32 {
-            data = data.convert_dtype(wire);
-        }
+        let grad_bytes = acc.len() * 4;
         let shard = match self.config.stage {
             Stage::One => {
+                let wire = self.config.precision.reduce_dtype;
+                let mut data = TensorData::new(acc, [numel]);
+                if wire != DType::F32 {
+                    data = data.convert_dtype(wire);
+                }
                 let reduced = self.groups.shard.all_reduce_data(data, ReduceOp::Sum)?;
                 let all = reduced.convert::<f32>().try_into_vec::<f32>().expect("f32");
                 all[self.range.clone()].to_vec()
             }
-            _ => {
-                let sizes = shard_sizes(numel, n);
-                let out =
-                    self.groups
-                        .shard
-                        .reduce_scatter_data(data, 0, ReduceOp::Sum, Some(&sizes))?;
-                self.tracker.add(Category::Grads, shard_bytes);
-                out.convert::<f32>().try_into_vec::<f32>().expect("f32")
-            }
+            // Stage 2: already reduce-scattered, bucket by bucket, at each accumulate.
+            _ => acc,
         };
         let loss_scale = self.loss_scale();
         let mut shards = vec![self.groups.finish_shard_grad(shard, micro, loss_scale)?];
-        let release_grads = |tracker: &MemoryTracker, stage: Stage| {
-            tracker.sub(held, numel * 4);
-            if stage == Stage::Two {
-                tracker.sub(Category::Grads, shard_bytes);
-            }
-        };
         if check_overflow(&self.groups, self.scaler.as_mut(), &shards)? {
-            release_grads(&self.tracker, self.config.stage);
+            self.tracker.sub(Category::Grads, grad_bytes);
             self.tracker.finish_step();
             let info = StepInfo {
                 grad_norm: None,
@@ -637,15 +703,11 @@ impl<O: Optimizer> ZeroOptimizer<O> {
         let inner = self.device.clone().inner();
         let param_shard = match &self.master {
             Some(master) => master.clone(),
-            None => {
-                // The parameter shard, read from the module (staging: one flat copy).
-                self.tracker.add(Category::Buffers, numel * 4);
-                let params = self.layout.flatten(&module)?;
-                let shard = tensor_1d(params[self.range.clone()].to_vec(), &inner);
-                drop(params);
-                self.tracker.sub(Category::Buffers, numel * 4);
-                shard
-            }
+            // This rank's range of the parameters, read from the module (no full flat copy).
+            None => tensor_1d(
+                self.layout.flatten_range(&module, self.range.clone())?,
+                &inner,
+            ),
         };
         let new_shard = self.optim.step(0, lr, param_shard, tensor_1d(grad, &inner));
         self.tracker
@@ -666,7 +728,7 @@ impl<O: Optimizer> ZeroOptimizer<O> {
         let module = self.layout.unflatten(module, full, true)?;
         self.tracker.sub(Category::Buffers, gathered_bytes);
         // Gradients are released after the step.
-        release_grads(&self.tracker, self.config.stage);
+        self.tracker.sub(Category::Grads, grad_bytes);
         self.tracker.finish_step();
         let info = StepInfo {
             grad_norm,
@@ -738,4 +800,237 @@ pub(crate) fn flatten_grads<M: Module>(
     };
     module.visit(&mut c);
     c.out
+}
+
+/// Where and how a stage-2 micro-step's gradients are reduce-scattered.
+struct BucketPlan<'a> {
+    group: &'a ProcessGroup,
+    /// This rank's range of the flat space.
+    range: Range<usize>,
+    bucket_bytes: usize,
+    /// The dtype on the wire.
+    wire: DType,
+    tracker: &'a MemoryTracker,
+}
+
+/// Consecutive entries of `layout` cut into buckets of at least one parameter and at most
+/// `bucket_bytes` of f32 (a larger parameter is a bucket of its own); returns, per bucket, its
+/// range of entries.
+fn plan_buckets(layout: &FlatLayout, bucket_bytes: usize) -> Vec<Range<usize>> {
+    let mut buckets: Vec<Range<usize>> = Vec::new();
+    let mut bytes = 0;
+    for (i, e) in layout.entries().iter().enumerate() {
+        let size = e.numel * 4;
+        match buckets.last_mut() {
+            Some(b) if bytes + size <= bucket_bytes => {
+                b.end = i + 1;
+                bytes += size;
+            }
+            _ => {
+                buckets.push(i..i + 1);
+                bytes = size;
+            }
+        }
+    }
+    buckets
+}
+
+/// Sizes of the pieces of flat range `bucket` that fall in each rank's shard (the shards
+/// partition the flat space contiguously in rank order, so these pieces partition the bucket).
+fn bucket_pieces(bucket: &Range<usize>, numel: usize, n: usize) -> Vec<usize> {
+    (0..n)
+        .map(|r| {
+            let s = shard_range(numel, r, n);
+            s.end
+                .min(bucket.end)
+                .saturating_sub(s.start.max(bucket.start))
+        })
+        .collect()
+}
+
+/// Stage 2: packs `grads` bucket by bucket (zeros for a parameter without a gradient on this
+/// rank), reduce-scatters each bucket on a communication thread while the next is packed, and
+/// adds this rank's piece of each into `acc` (this rank's shard). Each parameter's gradient is
+/// taken out of `grads`, and so released, as it is packed.
+fn reduce_scatter_buckets<M: Module>(
+    layout: &FlatLayout,
+    module: &M,
+    mut grads: GradientsParams,
+    plan: &BucketPlan<'_>,
+    acc: &mut [f32],
+) -> Result<()> {
+    use std::sync::mpsc;
+
+    let buckets = plan_buckets(layout, plan.bucket_bytes);
+    let buckets = &buckets[..];
+    let entries = layout.entries();
+    let flat_range = |b: &Range<usize>| {
+        let last = &entries[b.end - 1];
+        entries[b.start].offset..last.offset + last.numel
+    };
+    let numel = layout.numel();
+    let n = plan.group.size();
+    let (to_comm, from_main) = mpsc::sync_channel::<(usize, TensorData)>(1);
+    std::thread::scope(|scope| {
+        let comm = scope.spawn(move || -> Result<()> {
+            for (b, data) in from_main {
+                let bytes = data.as_bytes().len();
+                let flat = flat_range(&buckets[b]);
+                let sizes = bucket_pieces(&flat, numel, n);
+                let piece = plan
+                    .group
+                    .reduce_scatter_data(data, 0, ReduceOp::Sum, Some(&sizes));
+                plan.tracker.sub(Category::Buffers, bytes);
+                let piece = piece?.convert::<f32>();
+                let values = piece.as_slice::<f32>().expect("converted to f32");
+                let start = flat.start.max(plan.range.start);
+                if !values.is_empty() {
+                    let at = start - plan.range.start;
+                    acc[at..at + values.len()]
+                        .iter_mut()
+                        .zip(values)
+                        .for_each(|(a, g)| *a += g);
+                }
+            }
+            Ok(())
+        });
+        let mut packer = Packer {
+            layout,
+            index: layout
+                .ids()
+                .iter()
+                .enumerate()
+                .map(|(i, id)| (*id, i))
+                .collect(),
+            bucket_of: buckets
+                .iter()
+                .enumerate()
+                .flat_map(|(b, r)| r.clone().map(move |_| b))
+                .collect(),
+            grads: &mut grads,
+            current: None,
+            next: 0,
+            buckets,
+            wire: plan.wire,
+            tracker: plan.tracker,
+            to_comm: &to_comm,
+            found: 0,
+            failed: false,
+        };
+        module.visit(&mut packer);
+        // Every rank sends every bucket, whatever this module held, so that the collectives stay
+        // in step; a foreign module is reported after.
+        packer.flush_until(buckets.len());
+        let found = packer.found;
+        drop(to_comm);
+        let comm = comm.join().unwrap_or_else(|_| {
+            Err(ZeroError::Config(
+                "the ZeRO-2 reduce-scatter thread panicked".into(),
+            ))
+        });
+        comm?;
+        if found != entries.len() {
+            return Err(ZeroError::Config(format!(
+                "the module has {found} of the {} trainable parameters of the wrapper's layout; \
+                 pass the module the wrapper was built from (parameter ids must not change)",
+                entries.len()
+            )));
+        }
+        Ok(())
+    })
+}
+
+/// Visits the module in flat order, packing gradients into the current bucket and handing
+/// each complete bucket to the communication thread.
+struct Packer<'a> {
+    layout: &'a FlatLayout,
+    index: std::collections::HashMap<ParamId, usize>,
+    bucket_of: Vec<usize>,
+    grads: &'a mut GradientsParams,
+    /// The bucket being packed: (index, values).
+    current: Option<(usize, Vec<f32>)>,
+    /// The first bucket not sent yet.
+    next: usize,
+    buckets: &'a [Range<usize>],
+    wire: DType,
+    tracker: &'a MemoryTracker,
+    to_comm: &'a std::sync::mpsc::SyncSender<(usize, TensorData)>,
+    found: usize,
+    failed: bool,
+}
+
+impl Packer<'_> {
+    fn bucket_len(&self, b: usize) -> usize {
+        let r = &self.buckets[b];
+        let e = self.layout.entries();
+        e[r.end - 1].offset + e[r.end - 1].numel - e[r.start].offset
+    }
+
+    /// Sends every bucket before `end` (the current one as packed, later ones as zeros).
+    fn flush_until(&mut self, end: usize) {
+        while self.next < end {
+            let b = self.next;
+            let values = match self.current.take() {
+                Some((c, values)) if c == b => {
+                    self.tracker.sub(Category::Buffers, values.len() * 4);
+                    values
+                }
+                other => {
+                    self.current = other;
+                    vec![0.0; self.bucket_len(b)]
+                }
+            };
+            self.send(b, values);
+            self.next += 1;
+        }
+    }
+
+    fn send(&mut self, b: usize, values: Vec<f32>) {
+        if self.failed {
+            return;
+        }
+        let len = values.len();
+        let mut data = TensorData::new(values, [len]);
+        if self.wire != DType::F32 {
+            data = data.convert_dtype(self.wire);
+        }
+        self.tracker.add(Category::Buffers, data.as_bytes().len());
+        if self.to_comm.send((b, data)).is_err() {
+            // The communication thread stopped on an error; it is reported when joined.
+            self.failed = true;
+        }
+    }
+}
+
+impl ModuleVisitor for Packer<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let Some(&i) = self.index.get(&param.id) else {
+            return;
+        };
+        self.found += 1;
+        let b = self.bucket_of[i];
+        if b < self.next {
+            return; // already sent (a parameter reached twice)
+        }
+        self.flush_until(b);
+        if self.current.as_ref().is_none_or(|(c, _)| *c != b) {
+            let len = self.bucket_len(b);
+            self.tracker.add(Category::Buffers, len * 4);
+            self.current = Some((b, vec![0.0; len]));
+        }
+        let start = self.layout.entries()[self.buckets[b].start].offset;
+        let e = &self.layout.entries()[i];
+        if let Some(g) = self.grads.remove::<D>(param.id) {
+            let g = g.into_data().convert::<f32>();
+            let values = g.as_slice::<f32>().expect("converted to f32");
+            let (_, bucket) = self.current.as_mut().expect("set above");
+            bucket[e.offset - start..e.offset - start + e.numel].copy_from_slice(values);
+        }
+        if i + 1 == self.buckets[b].end {
+            let (_, values) = self.current.take().expect("set above");
+            self.tracker.sub(Category::Buffers, values.len() * 4);
+            self.send(b, values);
+            self.next = b + 1;
+        }
+    }
 }
