@@ -118,11 +118,13 @@ pub struct VitTrainConfig {
 }
 
 impl Default for VitTrainConfig {
-    /// The `vit` binary's defaults: the 2-layer, width-64 ViT, 600 steps of 64 images; above
-    /// 95 % test accuracy in about two minutes on two CPU cores (release build).
+    /// The `vit` binary's defaults: a 2-layer, width-64 ViT on 4x4 patches (4 tokens and the
+    /// class token), 600 steps of 64 images; about 97 % test accuracy in well under two
+    /// minutes on two CPU cores (release build).
     fn default() -> Self {
         Self {
             model: VitConfig {
+                patch_size: 4,
                 n_layers: 2,
                 n_heads: 4,
                 d_model: 64,
@@ -175,7 +177,10 @@ impl VitTrainConfig {
             return config("steps, batch_size and eval_batch must be at least 1".into());
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
-            return config(format!("the learning rate must be positive, not {}", self.lr));
+            return config(format!(
+                "the learning rate must be positive, not {}",
+                self.lr
+            ));
         }
         if !(self.test_fraction > 0.0 && self.test_fraction < 1.0) {
             return config(format!(
@@ -705,13 +710,8 @@ pub fn train_vit(
             && (step + 1).is_multiple_of(config.eval_every)
             && step + 1 < config.steps
         {
-            let (correct, total) = evaluate(
-                &engine.predictor(),
-                &test,
-                &dp,
-                config.eval_batch,
-                &plain,
-            )?;
+            let (correct, total) =
+                evaluate(&engine.predictor(), &test, &dp, config.eval_batch, &plain)?;
             let accuracy = correct as f64 / total as f64;
             evals.push((step, accuracy));
             Some(accuracy)
@@ -728,13 +728,8 @@ pub fn train_vit(
             test_accuracy,
         });
     }
-    let (test_correct, test_images) = evaluate(
-        &engine.predictor(),
-        &test,
-        &dp,
-        config.eval_batch,
-        &plain,
-    )?;
+    let (test_correct, test_images) =
+        evaluate(&engine.predictor(), &test, &dp, config.eval_batch, &plain)?;
     let test_accuracy = test_correct as f64 / test_images as f64;
     evals.push((config.steps - 1, test_accuracy));
     let model = engine.into_full()?;

@@ -65,6 +65,12 @@ struct Args {
     /// Attention heads.
     #[arg(long)]
     heads: Option<usize>,
+    /// Side of the square patches (divides 8).
+    #[arg(long)]
+    patch: Option<usize>,
+    /// AdamW weight decay.
+    #[arg(long)]
+    weight_decay: Option<f64>,
 }
 
 fn config_from(args: &Args) -> VitTrainConfig {
@@ -81,6 +87,8 @@ fn config_from(args: &Args) -> VitTrainConfig {
     set!(c.lr, args.lr);
     set!(c.model.n_layers, args.layers);
     set!(c.model.n_heads, args.heads);
+    set!(c.model.patch_size, args.patch);
+    set!(c.weight_decay, args.weight_decay);
     if let Some(d) = args.d_model {
         c.model.d_model = d;
         c.model.d_ff = 2 * d;
@@ -125,8 +133,10 @@ fn main() -> ExitCode {
 
     let bar = ProgressBar::new(config.steps as u64);
     bar.set_style(
-        ProgressStyle::with_template("{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}")
-            .expect("a valid template"),
+        ProgressStyle::with_template(
+            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
+        )
+        .expect("a valid template"),
     );
     let log_every = args.log_every.max(1);
     let steps = config.steps;
