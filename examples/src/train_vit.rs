@@ -391,7 +391,8 @@ impl Engine {
                 let m = model.take().expect("the engine always holds its model");
                 let loss = m.loss(x, y)?;
                 let local = scalar(&loss);
-                // Averaged over dp (`step` has no clipping: the norm needs the shards).
+                // Averaged over dp. `step` does not clip: TpVit's layers are not registered in a
+                // TpContext, so its norm would count the shards as replicated parameters.
                 let (mut grads, _) = step.gradients(&m, loss)?;
                 let grad_norm = match max_grad_norm {
                     None => None,
