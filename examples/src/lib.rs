@@ -34,5 +34,6 @@ pub mod gpt;
 pub use burn_parallel::init;
 pub mod parallelize;
 pub mod train;
+pub mod train_vit;
 pub mod train_zero;
 pub mod vit;

@@ -1,0 +1,797 @@
+//! The ViT training loop on the bundled 8x8 digits, shared by the `vit` binary and the tests.
+//!
+//! [`train_vit`] runs on every rank of a world arranged as `dp x tp` ([`ParallelDims`] with
+//! `dp_replicate = world / tp`):
+//!
+//! | layout | model | gradient reduction and step |
+//! |---|---|---|
+//! | single device, DDP | [`Vit`] | [`TrainStep`]: averaged over `dp`, global-norm clipping |
+//! | TP (+ SP), DP x TP | [`TpVit`] ([`parallelize_vit`]) | [`TrainStep`] over `dp`; clipping with the tensor-parallel shards summed over `tp` |
+//! | ZeRO-1/2 | [`Vit`] | [`ZeroOptimizer`] over `dp` (optimizer state, and gradients at stage 2, sharded) |
+//!
+//! Every data-parallel rank takes its rows of the step's global batch (a pure function of the
+//! seed and the step, drawn from the training split), so every layout reproduces single-device
+//! training on the same global batch. The test accuracy is measured on the held-out split of
+//! [`Digits::split`] (20 %, 359 images), each data-parallel rank classifying its part of it.
+//!
+//! [`run_vit_local`] runs the ranks as threads of this process and keeps the typed error of the
+//! rank that failed.
+//!
+//! ```
+//! use examples::data::Digits;
+//! use examples::train_vit::{VitLayout, VitTrainConfig, run_vit_local};
+//! use examples::vit::VitConfig;
+//!
+//! let digits = Digits::load_default().unwrap();
+//! let config = VitTrainConfig {
+//!     model: VitConfig { n_layers: 1, d_model: 16, d_ff: 32, n_heads: 2, ..VitConfig::digits() },
+//!     steps: 3,
+//!     batch_size: 8,
+//!     ..VitTrainConfig::default()
+//! };
+//! let report = run_vit_local(2, &config, &VitLayout::default(), &digits, &mut |_| {}).unwrap();
+//! assert_eq!(report.losses.len(), 3);
+//! assert!((0.0..=1.0).contains(&report.test_accuracy));
+//! ```
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_parallel::nn::TpContext;
+use burn_parallel::train::TrainStep;
+use burn_parallel::{
+    CollectiveError, DistributedDataParallel, MeshError, ParallelDims, ProcessGroup, ReduceOp,
+    TpError, run_local,
+};
+use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroError, ZeroOptimizer};
+use serde::{Deserialize, Serialize};
+
+use crate::data::{Digits, DigitsBatch};
+use crate::parallelize::{TpOptions, TpVit, parallelize_vit};
+use crate::vit::{Vit, VitConfig};
+
+/// Errors of a ViT training run. Each names what was wrong and what to change.
+#[derive(Debug, thiserror::Error)]
+pub enum VitTrainError {
+    /// The configuration or the layout cannot run.
+    #[error("invalid ViT training setup: {0}")]
+    Config(String),
+    /// A collective failed (a peer died, a timeout, a mismatched call).
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    /// Tensor parallelism refused the model or failed.
+    #[error(transparent)]
+    Tp(#[from] TpError),
+    /// ZeRO refused the model or failed.
+    #[error(transparent)]
+    Zero(#[from] ZeroError),
+    /// The mesh could not be built.
+    #[error(transparent)]
+    Mesh(#[from] MeshError),
+}
+
+impl VitTrainError {
+    /// Unwraps the collective error inside a tensor-parallel, ZeRO or mesh error, so that a
+    /// failed peer is reported as such whichever layer noticed it.
+    fn flatten(self) -> Self {
+        match self {
+            VitTrainError::Tp(TpError::Collective(e))
+            | VitTrainError::Zero(ZeroError::Collective(e))
+            | VitTrainError::Mesh(MeshError::Collective(e)) => VitTrainError::Collective(e),
+            other => other,
+        }
+    }
+}
+
+/// Everything that defines a ViT training run on the digits (the model included).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct VitTrainConfig {
+    /// The model.
+    pub model: VitConfig,
+    /// Optimizer steps.
+    pub steps: usize,
+    /// Images per optimizer step over all data-parallel ranks (the global batch).
+    pub batch_size: usize,
+    /// Peak learning rate.
+    pub lr: f64,
+    /// Linear warm-up steps, then cosine decay to 10 % of `lr`.
+    pub warmup_steps: usize,
+    /// AdamW decoupled weight decay.
+    pub weight_decay: f64,
+    /// Clips the global norm of the averaged gradient to this value (`None`: no clipping).
+    pub max_grad_norm: Option<f64>,
+    /// Seed of the order of the training batches.
+    pub data_seed: u64,
+    /// Fraction of the digits held out as the test set ([`Digits::split`]).
+    pub test_fraction: f64,
+    /// Seed of the train/test split (keep it fixed to compare runs).
+    pub split_seed: u64,
+    /// Measure the test accuracy every this many steps (0: only at the end).
+    pub eval_every: usize,
+    /// Images per forward pass of the evaluation.
+    pub eval_batch: usize,
+}
+
+impl Default for VitTrainConfig {
+    /// The `vit` binary's defaults: a 2-layer, width-64 ViT on 4x4 patches (4 tokens and the
+    /// class token), 600 steps of 64 images; about 97 % test accuracy in well under two
+    /// minutes on two CPU cores (release build).
+    fn default() -> Self {
+        Self {
+            model: VitConfig {
+                patch_size: 4,
+                n_layers: 2,
+                n_heads: 4,
+                d_model: 64,
+                d_ff: 128,
+                seed: 0,
+                ..VitConfig::digits()
+            },
+            steps: 600,
+            batch_size: 64,
+            lr: 3e-3,
+            warmup_steps: 30,
+            weight_decay: 0.01,
+            max_grad_norm: None,
+            data_seed: 0,
+            test_fraction: 0.2,
+            split_seed: 0,
+            eval_every: 0,
+            eval_batch: 128,
+        }
+    }
+}
+
+impl VitTrainConfig {
+    /// Checks the settings that do not depend on the layout.
+    ///
+    /// # Errors
+    /// [`VitTrainError::Config`] naming the first setting to change.
+    pub fn validate(&self) -> Result<(), VitTrainError> {
+        self.model
+            .validate()
+            .map_err(|e| VitTrainError::Config(e.to_string()))?;
+        let config = |m: String| Err(VitTrainError::Config(m));
+        if self.model.image_size != Digits::SIDE || self.model.channels != 1 {
+            return config(format!(
+                "the digits are {0}x{0} pixels with 1 channel; the model expects {1}x{1} with {2}",
+                Digits::SIDE,
+                self.model.image_size,
+                self.model.channels
+            ));
+        }
+        if self.model.n_classes != Digits::N_CLASSES {
+            return config(format!(
+                "the digits have {} classes; set n_classes to {}, not {}",
+                Digits::N_CLASSES,
+                Digits::N_CLASSES,
+                self.model.n_classes
+            ));
+        }
+        if self.steps == 0 || self.batch_size == 0 || self.eval_batch == 0 {
+            return config("steps, batch_size and eval_batch must be at least 1".into());
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return config(format!(
+                "the learning rate must be positive, not {}",
+                self.lr
+            ));
+        }
+        if !(self.test_fraction > 0.0 && self.test_fraction < 1.0) {
+            return config(format!(
+                "test_fraction must lie strictly between 0 and 1, not {}",
+                self.test_fraction
+            ));
+        }
+        if let Some(max) = self.max_grad_norm
+            && !(max.is_finite() && max > 0.0)
+        {
+            return config(format!("the clipping norm must be positive, not {max}"));
+        }
+        Ok(())
+    }
+
+    /// Learning rate at `step`: linear warm-up, then cosine decay to 10 % of the peak.
+    pub fn lr_at(&self, step: usize) -> f64 {
+        if step < self.warmup_steps {
+            return self.lr * (step + 1) as f64 / self.warmup_steps as f64;
+        }
+        let span = self.steps.saturating_sub(self.warmup_steps).max(1) as f64;
+        let progress = (step - self.warmup_steps) as f64 / span;
+        let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+        self.lr * (0.1 + 0.9 * cosine)
+    }
+
+    /// The AdamW every layout uses.
+    pub fn adamw(&self) -> AdamWConfig {
+        AdamWConfig::new().with_weight_decay(self.weight_decay as f32)
+    }
+}
+
+/// How the world is split: `world / tp` data-parallel replicas of a model split over `tp`
+/// ranks, or ZeRO over all ranks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct VitLayout {
+    /// Tensor-parallel size (0 or 1: none).
+    pub tp: usize,
+    /// Sequence parallelism inside each tensor-parallel group (the 17 tokens split).
+    pub sp: bool,
+    /// ZeRO stage 1 or 2 over the data-parallel ranks instead of plain DDP.
+    pub zero: Option<Stage>,
+}
+
+impl VitLayout {
+    /// The tensor-parallel size (at least 1).
+    pub fn tp_size(&self) -> usize {
+        self.tp.max(1)
+    }
+
+    /// The parallel dimensions of this layout on `world` ranks.
+    pub fn dims(&self, world: usize) -> ParallelDims {
+        ParallelDims {
+            dp_replicate: world / self.tp_size(),
+            tp: self.tp_size(),
+            ..ParallelDims::default()
+        }
+    }
+
+    /// Checks that `world` ranks can train `config` with this layout.
+    ///
+    /// # Errors
+    /// [`VitTrainError::Config`] naming the setting to change.
+    pub fn validate(&self, config: &VitTrainConfig, world: usize) -> Result<(), VitTrainError> {
+        config.validate()?;
+        let config_err = |m: String| Err(VitTrainError::Config(m));
+        let tp = self.tp_size();
+        if world == 0 {
+            return config_err("at least one rank is needed".into());
+        }
+        if !world.is_multiple_of(tp) {
+            return config_err(format!(
+                "{world} ranks cannot be split into tensor-parallel groups of {tp}; use a --tp \
+                 that divides the number of ranks"
+            ));
+        }
+        if self.sp && tp == 1 {
+            return config_err("sequence parallelism (--sp) needs --tp 2 or more".into());
+        }
+        if let Some(stage) = self.zero {
+            if tp > 1 {
+                return config_err(
+                    "--zero does not compose with --tp in the vit trainer yet; use one or the \
+                     other"
+                        .into(),
+                );
+            }
+            if stage == Stage::Three {
+                return config_err(
+                    "the vit trainer runs ZeRO stages 1 and 2; use --zero 1 or --zero 2".into(),
+                );
+            }
+        }
+        if !config.model.n_heads.is_multiple_of(tp) {
+            return config_err(format!(
+                "n_heads ({}) is not divisible by the tensor-parallel size {tp}: attention is \
+                 split by whole heads",
+                config.model.n_heads
+            ));
+        }
+        let dp = world / tp;
+        if !config.batch_size.is_multiple_of(dp) {
+            return config_err(format!(
+                "the global batch of {} images cannot be split evenly over {dp} data-parallel \
+                 ranks; use a multiple of {dp}",
+                config.batch_size
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What one optimizer step did (global figures, the same on every rank).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct VitStepStats {
+    /// Step index, from 0.
+    pub step: usize,
+    /// Mean loss over the global batch.
+    pub loss: f64,
+    /// Learning rate used.
+    pub lr: f64,
+    /// The global gradient norm before clipping (when clipping is on).
+    pub grad_norm: Option<f64>,
+    /// Images of the global batch per second of this step.
+    pub images_per_sec: f64,
+    /// Seconds since training started.
+    pub elapsed: f64,
+    /// The test accuracy after this step, when it was measured (every `eval_every` steps).
+    pub test_accuracy: Option<f64>,
+}
+
+/// The outcome of a run.
+#[derive(Debug, Clone)]
+pub struct VitReport {
+    /// Global mean loss of every step.
+    pub losses: Vec<f64>,
+    /// `(step, accuracy)` of every evaluation during training (`eval_every`).
+    pub evals: Vec<(usize, f64)>,
+    /// Test accuracy of the final model, in `[0, 1]`.
+    pub test_accuracy: f64,
+    /// Correctly classified test images (of `test_images`).
+    pub test_correct: usize,
+    /// Size of the test set.
+    pub test_images: usize,
+    /// Seconds of the training steps (evaluations excluded).
+    pub train_seconds: f64,
+    /// The trained model, whole (gathered from the tensor-parallel shards), on a plain
+    /// [`Device::flex`].
+    pub model: Vit,
+}
+
+/// The parameters of a model under training, with its optimizer.
+enum Engine {
+    /// Single device or DDP.
+    Plain {
+        model: Option<Vit>,
+        step: TrainStep,
+        optim: ModuleOptimizer,
+    },
+    /// Tensor (and sequence) parallel, DDP across the tensor-parallel groups.
+    Tp {
+        model: Option<TpVit>,
+        step: TrainStep,
+        optim: ModuleOptimizer,
+        tp: ProcessGroup,
+        max_grad_norm: Option<f64>,
+    },
+    /// ZeRO stage 1 or 2.
+    Zero {
+        model: Option<Vit>,
+        zero: Box<ZeroOptimizer<burn::optim::AdamW>>,
+    },
+}
+
+/// The loss of a batch, and the step's global loss and gradient norm.
+struct Stepped {
+    loss: f64,
+    grad_norm: Option<f64>,
+}
+
+impl Engine {
+    /// One optimizer step on this rank's rows `(x, y)` with learning rate `lr`.
+    fn step(
+        &mut self,
+        x: Tensor<4>,
+        y: Tensor<1, Int>,
+        lr: f64,
+        dp: &ProcessGroup,
+    ) -> Result<Stepped, VitTrainError> {
+        match self {
+            Engine::Plain { model, step, optim } => {
+                let m = model.take().expect("the engine always holds its model");
+                let loss = m.loss(x, y);
+                let (m, out) = step.step(m, loss, optim, lr)?;
+                *model = Some(m);
+                Ok(Stepped {
+                    loss: f64::from(out.loss),
+                    grad_norm: out.grad_norm,
+                })
+            }
+            Engine::Tp {
+                model,
+                step,
+                optim,
+                tp,
+                max_grad_norm,
+            } => {
+                let m = model.take().expect("the engine always holds its model");
+                let loss = m.loss(x, y)?;
+                let local = scalar(&loss);
+                // Averaged over dp. `step` does not clip: TpVit's layers are not registered in a
+                // TpContext, so its norm would count the shards as replicated parameters.
+                let (mut grads, _) = step.gradients(&m, loss)?;
+                let grad_norm = match max_grad_norm {
+                    None => None,
+                    Some(max) => {
+                        let norm = tp_global_norm(&m, &grads, tp)?;
+                        let scale = *max / (norm + 1e-6);
+                        if scale < 1.0 {
+                            grads = scale_grads(&m, grads, scale as f32);
+                        }
+                        Some(norm)
+                    }
+                };
+                *model = Some(optim.step(lr, m, grads));
+                let loss = dp.all_reduce_f32(vec![local as f32], ReduceOp::Avg)?[0];
+                Ok(Stepped {
+                    loss: f64::from(loss),
+                    grad_norm,
+                })
+            }
+            Engine::Zero { model, zero } => {
+                let m = model.take().expect("the engine always holds its model");
+                let loss = m.loss(x, y);
+                let local = scalar(&loss);
+                let grads = GradientsParams::from_grads(loss.backward(), &m);
+                zero.accumulate(&m, grads)?;
+                let (m, info) = zero.step(lr, m)?;
+                *model = Some(m);
+                let loss = zero.groups().mean(local as f32)?;
+                Ok(Stepped {
+                    loss: f64::from(loss),
+                    grad_norm: info.grad_norm,
+                })
+            }
+        }
+    }
+
+    /// A function that classifies images with the current weights (no autodiff), replicated
+    /// over the tensor-parallel group.
+    fn predictor(&self) -> Predictor {
+        match self {
+            Engine::Plain { model, .. } | Engine::Zero { model, .. } => {
+                Predictor::Plain(model.as_ref().expect("a model").valid())
+            }
+            Engine::Tp { model, .. } => Predictor::Tp(model.as_ref().expect("a model").valid()),
+        }
+    }
+
+    /// The whole model on a plain device (a collective under tensor parallelism).
+    fn into_full(self) -> Result<Vit, VitTrainError> {
+        match self {
+            Engine::Plain { model, .. } | Engine::Zero { model, .. } => {
+                Ok(model.expect("a model").valid())
+            }
+            Engine::Tp { model, .. } => {
+                Ok(model.expect("a model").valid().to_full(&Device::flex())?)
+            }
+        }
+    }
+}
+
+/// A model for inference.
+enum Predictor {
+    Plain(Vit),
+    Tp(TpVit),
+}
+
+impl Predictor {
+    fn predict(&self, images: Tensor<4>) -> Result<Vec<i64>, VitTrainError> {
+        let [b, _, _, _] = images.dims();
+        let logits = match self {
+            Predictor::Plain(m) => m.forward(images),
+            Predictor::Tp(m) => m.forward(images)?,
+        };
+        Ok(logits
+            .argmax(1)
+            .reshape([b])
+            .into_data()
+            .convert::<i64>()
+            .try_into_vec::<i64>()
+            .expect("class ids"))
+    }
+}
+
+fn scalar(t: &Tensor<1>) -> f64 {
+    t.clone()
+        .into_data()
+        .convert::<f64>()
+        .try_into_vec::<f64>()
+        .expect("a float")[0]
+}
+
+/// The ids of the parameters [`parallelize_vit`] split over the tensor-parallel group: the
+/// column-parallel `q`, `k`, `v`, `up` (`gate`) weights and biases, the row-parallel `o` and
+/// `down` weights. Everything else (norms, embeddings, head, row-parallel biases) is replicated.
+fn tp_sharded_ids(model: &TpVit) -> HashSet<ParamId> {
+    let mut ids = HashSet::new();
+    for block in &model.blocks {
+        let (attn, mlp) = (&block.attn, &block.mlp);
+        for column in [&attn.q, &attn.k, &attn.v, &mlp.up]
+            .into_iter()
+            .chain(mlp.gate.as_ref())
+        {
+            ids.insert(column.weight.id);
+            ids.extend(column.bias.as_ref().map(|b| b.id));
+        }
+        ids.insert(attn.o.weight.id);
+        ids.insert(mlp.down.weight.id);
+    }
+    ids
+}
+
+/// The global gradient norm of a [`TpVit`]: the squares of the shards summed over the
+/// tensor-parallel group `tp`, those of the replicated parameters counted once.
+fn tp_global_norm(
+    model: &TpVit,
+    grads: &GradientsParams,
+    tp: &ProcessGroup,
+) -> Result<f64, VitTrainError> {
+    struct Squares<'a> {
+        grads: &'a GradientsParams,
+        sharded: HashSet<ParamId>,
+        sums: [f64; 2],
+    }
+    impl ModuleVisitor for Squares<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.get::<D>(param.id) {
+                let sq: f64 = g
+                    .into_data()
+                    .convert::<f32>()
+                    .iter::<f32>()
+                    .map(|v| f64::from(v) * f64::from(v))
+                    .sum();
+                self.sums[usize::from(self.sharded.contains(&param.id))] += sq;
+            }
+        }
+    }
+    let mut squares = Squares {
+        grads,
+        sharded: tp_sharded_ids(model),
+        sums: [0.0; 2],
+    };
+    model.visit(&mut squares);
+    let [replicated, sharded] = squares.sums;
+    let total = tp.all_reduce_data(TensorData::new(vec![sharded], [1]), ReduceOp::Sum)?;
+    let sharded = total.try_to_vec::<f64>().expect("f64 in, f64 out")[0];
+    Ok((replicated + sharded).sqrt())
+}
+
+/// Multiplies every gradient `grads` holds for `model` by `scale`.
+fn scale_grads<M: Module>(model: &M, grads: GradientsParams, scale: f32) -> GradientsParams {
+    struct Scale {
+        grads: GradientsParams,
+        scale: f32,
+    }
+    impl ModuleVisitor for Scale {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.grads.remove::<D>(param.id) {
+                self.grads.register::<D>(param.id, g * self.scale);
+            }
+        }
+    }
+    let mut visitor = Scale { grads, scale };
+    model.visit(&mut visitor);
+    visitor.grads
+}
+
+/// The rows `rows` of a host batch.
+fn batch_rows(batch: &DigitsBatch, rows: std::ops::Range<usize>) -> DigitsBatch {
+    DigitsBatch {
+        images: batch.images[rows.start * Digits::PIXELS..rows.end * Digits::PIXELS].to_vec(),
+        labels: batch.labels[rows].to_vec(),
+    }
+}
+
+/// The share of `test` this data-parallel rank classifies: `[start, end)` of an even split.
+fn eval_share(len: usize, rank: usize, size: usize) -> std::ops::Range<usize> {
+    let base = len / size;
+    let extra = len % size;
+    let start = rank * base + rank.min(extra);
+    start..start + base + usize::from(rank < extra)
+}
+
+/// Test accuracy: each data-parallel rank classifies its share of `test` in chunks of
+/// `eval_batch`, the counts are summed over `dp`. Returns `(correct, total)`.
+fn evaluate(
+    predictor: &Predictor,
+    test: &Digits,
+    dp: &ProcessGroup,
+    eval_batch: usize,
+    device: &Device,
+) -> Result<(usize, usize), VitTrainError> {
+    let share = eval_share(test.len(), dp.rank(), dp.size());
+    let indices: Vec<usize> = share.collect();
+    let mut correct = 0usize;
+    for chunk in indices.chunks(eval_batch) {
+        let batch = test.select(chunk);
+        let (x, _) = batch.to_tensors(device);
+        let predicted = predictor.predict(x)?;
+        correct += predicted
+            .iter()
+            .zip(&batch.labels)
+            .filter(|(p, l)| p == l)
+            .count();
+    }
+    // Counts below 2^24 are exact in f32.
+    let total = dp.all_reduce_f32(vec![correct as f32], ReduceOp::Sum)?[0];
+    Ok((total as usize, test.len()))
+}
+
+/// Trains the ViT of `config` on the digits with `layout` over `world` (every rank calls it),
+/// calling `on_step` after every step.
+///
+/// # Arguments
+/// - `world`: all ranks of the job (thread ranks from [`run_local`], or processes).
+/// - `config`: the model and the run.
+/// - `layout`: tensor parallelism, sequence parallelism, ZeRO.
+/// - `digits`: the whole data set (split into train and test with `config.split_seed`).
+/// - `on_step`: called on every rank after every step with the global figures.
+///
+/// # Returns
+/// The report, the same on every rank.
+///
+/// # Errors
+/// [`VitTrainError::Config`] for a setup that cannot run (checked before any communication);
+/// collective, tensor-parallel and ZeRO errors.
+pub fn train_vit(
+    world: &ProcessGroup,
+    config: &VitTrainConfig,
+    layout: &VitLayout,
+    digits: &Digits,
+    on_step: &mut dyn FnMut(&VitStepStats),
+) -> Result<VitReport, VitTrainError> {
+    layout.validate(config, world.size())?;
+    let dims = layout.dims(world.size());
+    let mesh = dims.build(world)?;
+    let dp = dims.data_parallel(&mesh)?;
+    let device = Device::flex().autodiff();
+    let plain = Device::flex();
+    let (train, test) = digits.split(config.test_fraction, config.split_seed);
+    if train.is_empty() || test.is_empty() {
+        return Err(VitTrainError::Config(format!(
+            "the split of {} images at test_fraction {} leaves an empty train or test set",
+            digits.len(),
+            config.test_fraction
+        )));
+    }
+
+    let mut engine = if let Some(stage) = layout.zero {
+        let model = Vit::new(&config.model, &device);
+        let zero = ZeroOptimizer::new(
+            &model,
+            ShardGroups::flat(dp.clone()),
+            ZeroConfig::new(stage).with_max_grad_norm(config.max_grad_norm),
+            config.adamw().build(),
+        )?;
+        let model = zero.prepare_module(model)?;
+        Engine::Zero {
+            model: Some(model),
+            zero: Box::new(zero),
+        }
+    } else if dims.tp > 1 {
+        let reference = Vit::new(&config.model, &plain);
+        let options = TpOptions {
+            sequence_parallel: layout.sp,
+            ..TpOptions::default()
+        };
+        let model = parallelize_vit(&reference, &mesh, &options, &device)?;
+        let ddp = DistributedDataParallel::new(dp.clone());
+        // Seeded init gives identical replicas; the broadcast makes that a guarantee.
+        let model = if dp.size() > 1 {
+            ddp.broadcast_module(model, 0)?
+        } else {
+            model
+        };
+        Engine::Tp {
+            model: Some(model),
+            step: TrainStep::new(TpContext::single()).with_ddp(ddp),
+            optim: config.adamw().init(),
+            tp: mesh.group("tp")?.clone(),
+            max_grad_norm: config.max_grad_norm,
+        }
+    } else {
+        let model = Vit::new(&config.model, &device);
+        let mut step = TrainStep::new(TpContext::single()).with_clip(config.max_grad_norm);
+        let model = if dp.size() > 1 {
+            let ddp = DistributedDataParallel::new(dp.clone());
+            let model = ddp.broadcast_module(model, 0)?;
+            step = step.with_ddp(ddp);
+            model
+        } else {
+            model
+        };
+        Engine::Plain {
+            model: Some(model),
+            step,
+            optim: config.adamw().init(),
+        }
+    };
+
+    let rows = config.batch_size / dp.size();
+    let first = dp.rank() * rows;
+    let mut losses = Vec::with_capacity(config.steps);
+    let mut evals = Vec::new();
+    let mut train_seconds = 0.0;
+    let start = Instant::now();
+    for step in 0..config.steps {
+        let t0 = Instant::now();
+        let global = train.batch(step as u64, config.batch_size, config.data_seed);
+        let (x, y) = batch_rows(&global, first..first + rows).to_tensors(&device);
+        let lr = config.lr_at(step);
+        let stepped = engine.step(x, y, lr, &dp)?;
+        let seconds = t0.elapsed().as_secs_f64();
+        train_seconds += seconds;
+        losses.push(stepped.loss);
+        let test_accuracy = if config.eval_every > 0
+            && (step + 1).is_multiple_of(config.eval_every)
+            && step + 1 < config.steps
+        {
+            let (correct, total) =
+                evaluate(&engine.predictor(), &test, &dp, config.eval_batch, &plain)?;
+            let accuracy = correct as f64 / total as f64;
+            evals.push((step, accuracy));
+            Some(accuracy)
+        } else {
+            None
+        };
+        on_step(&VitStepStats {
+            step,
+            loss: stepped.loss,
+            lr,
+            grad_norm: stepped.grad_norm,
+            images_per_sec: config.batch_size as f64 / seconds.max(1e-9),
+            elapsed: start.elapsed().as_secs_f64(),
+            test_accuracy,
+        });
+    }
+    let (test_correct, test_images) =
+        evaluate(&engine.predictor(), &test, &dp, config.eval_batch, &plain)?;
+    let test_accuracy = test_correct as f64 / test_images as f64;
+    evals.push((config.steps - 1, test_accuracy));
+    let model = engine.into_full()?;
+    Ok(VitReport {
+        losses,
+        evals,
+        test_accuracy,
+        test_correct,
+        test_images,
+        train_seconds,
+        model,
+    })
+}
+
+/// Runs [`train_vit`] on `ranks` thread ranks of this process and returns rank 0's report.
+///
+/// # Errors
+/// The typed error of the rank that failed first (a [`VitTrainError::Config`] before any
+/// thread starts); [`VitTrainError::Collective`] when a rank panicked or a collective failed.
+pub fn run_vit_local(
+    ranks: usize,
+    config: &VitTrainConfig,
+    layout: &VitLayout,
+    digits: &Digits,
+    on_step: &mut (dyn FnMut(&VitStepStats) + Send),
+) -> Result<VitReport, VitTrainError> {
+    layout.validate(config, ranks)?;
+    let first_error: Mutex<Option<VitTrainError>> = Mutex::new(None);
+    let on_step = Mutex::new(on_step);
+    let outcome = run_local(ranks, |world| {
+        let lead = world.rank() == 0;
+        let mut report = |s: &VitStepStats| {
+            if lead {
+                (on_step.lock().expect("the step callback"))(s);
+            }
+        };
+        match train_vit(&world, config, layout, digits, &mut report) {
+            Ok(report) => Ok(lead.then_some(report)),
+            Err(e) => match e.flatten() {
+                VitTrainError::Collective(c) => Err(c),
+                typed => {
+                    // run_local carries collective errors: keep the typed one for the caller.
+                    let carried = CollectiveError::InvalidArgument {
+                        rank: world.global_rank(),
+                        op: "train_vit".into(),
+                        reason: typed.to_string(),
+                    };
+                    first_error
+                        .lock()
+                        .expect("the error slot")
+                        .get_or_insert(typed);
+                    Err(carried)
+                }
+            },
+        }
+    });
+    match outcome {
+        Ok(mut reports) => Ok(reports.swap_remove(0).expect("rank 0 returns its report")),
+        Err(e) => Err(first_error
+            .into_inner()
+            .expect("the error slot")
+            .unwrap_or(VitTrainError::Collective(e))),
+    }
+}

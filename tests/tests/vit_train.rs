@@ -1,0 +1,346 @@
+//! The `vit` trainer ([`examples::train_vit`]) against plain single-device Burn training of the
+//! same ViT: DDP, ZeRO-1/2 and tensor (+ sequence) parallelism reproduce the losses (relative
+//! difference <= 1e-5, 20 steps) and the final parameters, with and without global-norm
+//! clipping; the test accuracy it reports is the accuracy of the model it returns, above chance
+//! after a short run; impossible layouts are typed errors.
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::{Device, Tensor, TensorData};
+use burn_zero::Stage;
+use examples::data::Digits;
+use examples::train_vit::{VitLayout, VitReport, VitTrainConfig, VitTrainError, run_vit_local};
+use examples::vit::{Vit, VitConfig};
+use tests::assert_same_losses;
+
+const STEPS: usize = 20;
+const TOL: f64 = 1e-5;
+
+/// A ViT small enough for a few seconds per run: 4x4 patches, so 5 tokens (uneven sequence
+/// shards over 2 ranks), 2 heads (tp 2 splits them), width 16, MLP 32.
+fn tiny() -> VitTrainConfig {
+    VitTrainConfig {
+        model: VitConfig {
+            patch_size: 4,
+            n_layers: 2,
+            n_heads: 2,
+            d_model: 16,
+            d_ff: 32,
+            seed: 11,
+            ..VitConfig::digits()
+        },
+        steps: STEPS,
+        batch_size: 8,
+        lr: 1e-2,
+        warmup_steps: 5,
+        weight_decay: 0.01,
+        max_grad_norm: None,
+        data_seed: 4,
+        eval_every: 0,
+        eval_batch: 64,
+        ..VitTrainConfig::default()
+    }
+}
+
+fn digits() -> Digits {
+    Digits::load_default().expect("the bundled digits")
+}
+
+/// Every float parameter of a module, by path.
+fn params<M: Module>(m: &M) -> Vec<(String, TensorData)> {
+    struct P(Vec<String>, Vec<(String, TensorData)>);
+    impl ModuleVisitor for P {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name.into());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.1.push((self.0.join("."), p.val().into_data()));
+        }
+    }
+    let mut p = P(vec![], vec![]);
+    m.visit(&mut p);
+    p.1
+}
+
+/// The global L2 norm of `grads`, then every gradient scaled by `max / (norm + 1e-6)` when
+/// that is below 1 (torch's `clip_grad_norm_`).
+fn clip(model: &Vit, grads: GradientsParams, max: f64) -> GradientsParams {
+    struct Norm<'a>(&'a GradientsParams, f64);
+    impl ModuleVisitor for Norm<'_> {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            if let Some(g) = self.0.get::<D>(p.id) {
+                self.1 += g
+                    .into_data()
+                    .iter::<f32>()
+                    .map(|v| f64::from(v).powi(2))
+                    .sum::<f64>();
+            }
+        }
+    }
+    struct Scale(GradientsParams, f32);
+    impl ModuleVisitor for Scale {
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            if let Some(g) = self.0.remove::<D>(p.id) {
+                self.0.register::<D>(p.id, g * self.1);
+            }
+        }
+    }
+    let mut norm = Norm(&grads, 0.0);
+    model.visit(&mut norm);
+    let scale = max / (norm.1.sqrt() + 1e-6);
+    if scale >= 1.0 {
+        return grads;
+    }
+    let mut scaled = Scale(grads, scale as f32);
+    model.visit(&mut scaled);
+    scaled.0
+}
+
+/// The oracle: plain Burn on one device, the whole global batch of each step, Burn's AdamW.
+/// Returns the losses and the final parameters.
+fn plain_burn(config: &VitTrainConfig) -> (Vec<f64>, Vit) {
+    let device = Device::flex().autodiff();
+    let (train, _) = digits().split(config.test_fraction, config.split_seed);
+    let mut model = Vit::new(&config.model, &device);
+    let mut optim = AdamWConfig::new()
+        .with_weight_decay(config.weight_decay as f32)
+        .init();
+    let mut losses = Vec::new();
+    for step in 0..config.steps {
+        let batch = train.batch(step as u64, config.batch_size, config.data_seed);
+        let (x, y) = batch.to_tensors(&device);
+        let loss = model.loss(x, y);
+        losses.push(f64::from(
+            loss.clone().into_data().try_to_vec::<f32>().expect("f32")[0],
+        ));
+        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        if let Some(max) = config.max_grad_norm {
+            grads = clip(&model, grads, max);
+        }
+        model = optim.step(config.lr_at(step), model, grads);
+    }
+    (losses, model.valid())
+}
+
+/// Runs the trainer; returns its report and the gradient norms it reported.
+fn trainer(ranks: usize, config: &VitTrainConfig, layout: VitLayout) -> (VitReport, Vec<f64>) {
+    let mut norms = Vec::new();
+    let report = run_vit_local(ranks, config, &layout, &digits(), &mut |s| {
+        norms.extend(s.grad_norm)
+    })
+    .unwrap_or_else(|e| panic!("{layout:?} on {ranks} ranks: {e}"));
+    (report, norms)
+}
+
+/// Asserts the trainer's losses and final parameters equal the oracle's.
+fn assert_matches(reference: &(Vec<f64>, Vit), report: &VitReport, what: &str) {
+    assert_same_losses(&reference.0, &report.losses, TOL, what);
+    let (want, got) = (params(&reference.1), params(&report.model));
+    assert_eq!(want.len(), got.len(), "{what}: number of parameters");
+    for ((name, a), (other, b)) in want.iter().zip(&got) {
+        assert_eq!(name, other, "{what}: parameter order");
+        assert_eq!(a.shape(), b.shape(), "{what}: shape of {name}");
+        let (a, b) = (
+            a.try_to_vec::<f32>().unwrap(),
+            b.try_to_vec::<f32>().unwrap(),
+        );
+        // Relative to the tensor's largest value, at least the init scale 0.02 (biases start at
+        // 0 and some stay near it).
+        let scale = a.iter().fold(0.02f32, |m, v| m.max(v.abs()));
+        let diff = a
+            .iter()
+            .zip(&b)
+            .fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+        assert!(
+            f64::from(diff / scale) <= TOL,
+            "{what}: final {name} differs by {diff:e} (largest value {scale:e})"
+        );
+    }
+}
+
+/// Asserts that training moved the weights far beyond the tolerance (so that matching final
+/// parameters means something).
+fn assert_trained(config: &VitTrainConfig, trained: &Vit) {
+    let init = params(&Vit::new(&config.model, &Device::flex()));
+    let moved = init
+        .iter()
+        .zip(params(trained))
+        .map(|((_, a), (_, b))| {
+            let (a, b) = (
+                a.try_to_vec::<f32>().unwrap(),
+                b.try_to_vec::<f32>().unwrap(),
+            );
+            a.iter()
+                .zip(&b)
+                .fold(0f32, |m, (x, y)| m.max((x - y).abs()))
+        })
+        .fold(0f32, f32::max);
+    assert!(moved > 1e-2, "the weights barely moved ({moved:e})");
+}
+
+#[test]
+fn ddp_and_zero_match_plain_burn_training() {
+    let config = tiny();
+    let reference = plain_burn(&config);
+    assert_trained(&config, &reference.1);
+    let ddp = |ranks| trainer(ranks, &config, VitLayout::default()).0;
+    assert_matches(&reference, &ddp(1), "1 rank");
+    assert_matches(&reference, &ddp(2), "DDP 2 ranks");
+    for stage in [Stage::One, Stage::Two] {
+        let layout = VitLayout {
+            zero: Some(stage),
+            ..VitLayout::default()
+        };
+        let what = format!("ZeRO-{} 2 ranks", stage.number());
+        assert_matches(&reference, &trainer(2, &config, layout).0, &what);
+    }
+
+    // Clipping to a norm the gradients exceed: the clipped steps must still match.
+    let clipped = VitTrainConfig {
+        max_grad_norm: Some(0.5),
+        ..config
+    };
+    let reference = plain_burn(&clipped);
+    let (report, norms) = trainer(2, &clipped, VitLayout::default());
+    assert!(
+        norms.iter().filter(|&&n| n > 0.5).count() >= STEPS / 2,
+        "the test must clip: norms {norms:?}"
+    );
+    assert_matches(&reference, &report, "DDP 2 ranks, clip 0.5");
+}
+
+#[test]
+fn tensor_and_sequence_parallel_match_plain_burn_training() {
+    let config = tiny();
+    let reference = plain_burn(&config);
+    for (ranks, tp, sp) in [(2, 2, false), (2, 2, true), (4, 2, true)] {
+        let layout = VitLayout { tp, sp, zero: None };
+        let what = format!("{ranks} ranks, tp {tp}, sp {sp}");
+        assert_matches(&reference, &trainer(ranks, &config, layout).0, &what);
+    }
+
+    // Clipping under tp: the norm counts each shard once, replicated parameters once.
+    let clipped = VitTrainConfig {
+        max_grad_norm: Some(0.5),
+        ..config
+    };
+    let reference = plain_burn(&clipped);
+    for ranks in [2, 4] {
+        let layout = VitLayout {
+            tp: 2,
+            sp: true,
+            zero: None,
+        };
+        let (report, norms) = trainer(ranks, &clipped, layout);
+        assert!(
+            norms.iter().filter(|&&n| n > 0.5).count() >= STEPS / 2,
+            "the test must clip: norms {norms:?}"
+        );
+        let what = format!("{ranks} ranks, tp 2 + sp, clip 0.5");
+        assert_matches(&reference, &report, &what);
+    }
+}
+
+/// The accuracy of `model` on the held-out split, computed here image by image batch.
+fn accuracy(model: &Vit, config: &VitTrainConfig) -> (usize, usize) {
+    let (_, test) = digits().split(config.test_fraction, config.split_seed);
+    let all: Vec<usize> = (0..test.len()).collect();
+    let batch = test.select(&all);
+    let (x, _) = batch.to_tensors(&Device::flex());
+    let predicted = model
+        .predict(x)
+        .into_data()
+        .convert::<i64>()
+        .try_to_vec::<i64>()
+        .unwrap();
+    let correct = predicted
+        .iter()
+        .zip(&batch.labels)
+        .filter(|(p, l)| p == l)
+        .count();
+    (correct, test.len())
+}
+
+#[test]
+fn a_short_run_is_above_chance_and_reports_its_models_accuracy() {
+    let config = VitTrainConfig {
+        steps: 60,
+        batch_size: 32,
+        eval_every: 30,
+        eval_batch: 50, // 359 test images: uneven shares and chunks
+        ..tiny()
+    };
+    for (ranks, tp) in [(2, 1), (2, 2), (3, 1)] {
+        let config = VitTrainConfig {
+            batch_size: 30 * ranks / tp, // divisible by dp
+            ..config.clone()
+        };
+        let layout = VitLayout {
+            tp,
+            sp: tp > 1,
+            zero: None,
+        };
+        let (report, _) = trainer(ranks, &config, layout);
+        let what = format!("{ranks} ranks, tp {tp}");
+        assert_eq!(report.test_images, 359, "{what}");
+        assert_eq!(
+            (report.test_correct, report.test_images),
+            accuracy(&report.model, &config),
+            "{what}: the reported accuracy is that of the returned model"
+        );
+        assert!(
+            report.test_accuracy > 0.3,
+            "{what}: accuracy {} after {} steps is not above chance (0.1)",
+            report.test_accuracy,
+            config.steps
+        );
+        let steps: Vec<usize> = report.evals.iter().map(|e| e.0).collect();
+        assert_eq!(
+            steps,
+            [29, 59],
+            "{what}: evaluations every 30 steps and at the end"
+        );
+    }
+}
+
+#[test]
+fn impossible_layouts_are_typed_errors() {
+    let digits = digits();
+    let err = |ranks, config: &VitTrainConfig, layout| match run_vit_local(
+        ranks,
+        config,
+        &layout,
+        &digits,
+        &mut |_| {},
+    ) {
+        Err(VitTrainError::Config(message)) => message,
+        other => panic!("expected a config error, got {:?}", other.map(|r| r.losses)),
+    };
+    let zero_tp = VitLayout {
+        tp: 2,
+        sp: false,
+        zero: Some(Stage::One),
+    };
+    assert!(err(2, &tiny(), zero_tp).contains("--zero does not compose with --tp"));
+    let sp_alone = VitLayout {
+        tp: 1,
+        sp: true,
+        zero: None,
+    };
+    assert!(err(2, &tiny(), sp_alone).contains("--sp"));
+    let tp3 = VitLayout {
+        tp: 3,
+        sp: false,
+        zero: None,
+    };
+    assert!(err(3, &tiny(), tp3).contains("n_heads (2) is not divisible"));
+    assert!(err(2, &tiny(), VitLayout { tp: 4, ..tp3 }).contains("--tp that divides"));
+    let odd = VitTrainConfig {
+        batch_size: 7,
+        ..tiny()
+    };
+    assert!(err(2, &odd, VitLayout::default()).contains("multiple of 2"));
+}
