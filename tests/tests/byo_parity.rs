@@ -365,6 +365,16 @@ fn byo_model_on_wgpu() {
         parallel(&device, dims(1, 2), true, None),
         &reference,
     );
+    assert_matches(
+        "wgpu fsdp 2",
+        parallel(&device, fsdp_dims(1, 2, 1), false, None),
+        &reference,
+    );
+    assert_matches(
+        "wgpu fsdp 2 x tp 2 + sp",
+        parallel(&device, fsdp_dims(1, 2, 2), true, None),
+        &reference,
+    );
 }
 #[test]
 fn bad_plans_and_meshes_are_typed_errors() {
