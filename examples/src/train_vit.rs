@@ -6,7 +6,7 @@
 //! | layout | model | gradient reduction and step |
 //! |---|---|---|
 //! | single device, DDP | [`Vit`] | [`TrainStep`]: averaged over `dp`, global-norm clipping |
-//! | TP (+ SP), DP x TP | [`TpVit`] ([`parallelize_vit`]) | [`TrainStep`] over `dp`; clipping with the tensor-parallel shards summed over `tp` |
+//! | TP (+ SP), DP x TP | [`TpVit`] ([`parallelize_vit`]) | [`TrainStep`], the shards registered in a [`TpContext`]: averaged over `dp`, clipping with the shards summed over `tp` |
 //! | ZeRO-1/2 | [`Vit`] | [`ZeroOptimizer`] over `dp` (optimizer state, and gradients at stage 2, sharded) |
 //!
 //! Every data-parallel rank takes its rows of the step's global batch (a pure function of the
@@ -34,13 +34,12 @@
 //! assert!((0.0..=1.0).contains(&report.test_accuracy));
 //! ```
 
-use std::collections::HashSet;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
-use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn::tensor::{Device, Int, Tensor};
 use burn_parallel::nn::TpContext;
 use burn_parallel::train::TrainStep;
 use burn_parallel::{
@@ -345,8 +344,6 @@ enum Engine {
         model: Option<TpVit>,
         step: TrainStep,
         optim: ModuleOptimizer,
-        tp: ProcessGroup,
-        max_grad_norm: Option<f64>,
     },
     /// ZeRO stage 1 or 2.
     Zero {
@@ -363,13 +360,7 @@ struct Stepped {
 
 impl Engine {
     /// One optimizer step on this rank's rows `(x, y)` with learning rate `lr`.
-    fn step(
-        &mut self,
-        x: Tensor<4>,
-        y: Tensor<1, Int>,
-        lr: f64,
-        dp: &ProcessGroup,
-    ) -> Result<Stepped, VitTrainError> {
+    fn step(&mut self, x: Tensor<4>, y: Tensor<1, Int>, lr: f64) -> Result<Stepped, VitTrainError> {
         match self {
             Engine::Plain { model, step, optim } => {
                 let m = model.take().expect("the engine always holds its model");
@@ -381,35 +372,14 @@ impl Engine {
                     grad_norm: out.grad_norm,
                 })
             }
-            Engine::Tp {
-                model,
-                step,
-                optim,
-                tp,
-                max_grad_norm,
-            } => {
+            Engine::Tp { model, step, optim } => {
                 let m = model.take().expect("the engine always holds its model");
                 let loss = m.loss(x, y)?;
-                let local = scalar(&loss);
-                // Averaged over dp. `step` does not clip: TpVit's layers are not registered in a
-                // TpContext, so its norm would count the shards as replicated parameters.
-                let (mut grads, _) = step.gradients(&m, loss)?;
-                let grad_norm = match max_grad_norm {
-                    None => None,
-                    Some(max) => {
-                        let norm = tp_global_norm(&m, &grads, tp)?;
-                        let scale = *max / (norm + 1e-6);
-                        if scale < 1.0 {
-                            grads = scale_grads(&m, grads, scale as f32);
-                        }
-                        Some(norm)
-                    }
-                };
-                *model = Some(optim.step(lr, m, grads));
-                let loss = dp.all_reduce_f32(vec![local as f32], ReduceOp::Avg)?[0];
+                let (m, out) = step.step(m, loss, optim, lr)?;
+                *model = Some(m);
                 Ok(Stepped {
-                    loss: f64::from(loss),
-                    grad_norm,
+                    loss: f64::from(out.loss),
+                    grad_norm: out.grad_norm,
                 })
             }
             Engine::Zero { model, zero } => {
@@ -484,79 +454,28 @@ fn scalar(t: &Tensor<1>) -> f64 {
         .expect("a float")[0]
 }
 
-/// The ids of the parameters [`parallelize_vit`] split over the tensor-parallel group: the
-/// column-parallel `q`, `k`, `v`, `up` (`gate`) weights and biases, the row-parallel `o` and
-/// `down` weights. Everything else (norms, embeddings, head, row-parallel biases) is replicated.
-fn tp_sharded_ids(model: &TpVit) -> HashSet<ParamId> {
-    let mut ids = HashSet::new();
+/// The tensor-parallel context of a [`TpVit`] for [`TrainStep`]: the shards [`parallelize_vit`]
+/// made (the column-parallel `q`, `k`, `v`, `up` (`gate`) weights and biases, the row-parallel
+/// `o` and `down` weights), so that clipping sums their squares over `tp` and counts the
+/// replicated parameters (norms, embeddings, head, row-parallel biases) once.
+fn tp_context(model: &TpVit, tp: &ProcessGroup) -> TpContext {
+    let ctx = TpContext::for_group(tp);
     for block in &model.blocks {
         let (attn, mlp) = (&block.attn, &block.mlp);
         for column in [&attn.q, &attn.k, &attn.v, &mlp.up]
             .into_iter()
             .chain(mlp.gate.as_ref())
         {
-            ids.insert(column.weight.id);
-            ids.extend(column.bias.as_ref().map(|b| b.id));
-        }
-        ids.insert(attn.o.weight.id);
-        ids.insert(mlp.down.weight.id);
-    }
-    ids
-}
-
-/// The global gradient norm of a [`TpVit`]: the squares of the shards summed over the
-/// tensor-parallel group `tp`, those of the replicated parameters counted once.
-fn tp_global_norm(
-    model: &TpVit,
-    grads: &GradientsParams,
-    tp: &ProcessGroup,
-) -> Result<f64, VitTrainError> {
-    struct Squares<'a> {
-        grads: &'a GradientsParams,
-        sharded: HashSet<ParamId>,
-        sums: [f64; 2],
-    }
-    impl ModuleVisitor for Squares<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if let Some(g) = self.grads.get::<D>(param.id) {
-                let sq: f64 = g
-                    .into_data()
-                    .convert::<f32>()
-                    .iter::<f32>()
-                    .map(|v| f64::from(v) * f64::from(v))
-                    .sum();
-                self.sums[usize::from(self.sharded.contains(&param.id))] += sq;
+            ctx.register_shard(column.weight.id, 1, column.shard);
+            if let Some(b) = &column.bias {
+                ctx.register_shard(b.id, 0, column.shard);
             }
         }
-    }
-    let mut squares = Squares {
-        grads,
-        sharded: tp_sharded_ids(model),
-        sums: [0.0; 2],
-    };
-    model.visit(&mut squares);
-    let [replicated, sharded] = squares.sums;
-    let total = tp.all_reduce_data(TensorData::new(vec![sharded], [1]), ReduceOp::Sum)?;
-    let sharded = total.try_to_vec::<f64>().expect("f64 in, f64 out")[0];
-    Ok((replicated + sharded).sqrt())
-}
-
-/// Multiplies every gradient `grads` holds for `model` by `scale`.
-fn scale_grads<M: Module>(model: &M, grads: GradientsParams, scale: f32) -> GradientsParams {
-    struct Scale {
-        grads: GradientsParams,
-        scale: f32,
-    }
-    impl ModuleVisitor for Scale {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if let Some(g) = self.grads.remove::<D>(param.id) {
-                self.grads.register::<D>(param.id, g * self.scale);
-            }
+        for row in [&attn.o, &mlp.down] {
+            ctx.register_shard(row.weight.id, 0, row.shard);
         }
     }
-    let mut visitor = Scale { grads, scale };
-    model.visit(&mut visitor);
-    visitor.grads
+    ctx
 }
 
 /// The rows `rows` of a host batch.
@@ -667,12 +586,14 @@ pub fn train_vit(
         } else {
             model
         };
+        // The step clips with the shards summed over tp, the replicated parameters once.
+        let step = TrainStep::new(tp_context(&model, mesh.group("tp")?))
+            .with_ddp(ddp)
+            .with_clip(config.max_grad_norm);
         Engine::Tp {
             model: Some(model),
-            step: TrainStep::new(TpContext::single()).with_ddp(ddp),
+            step,
             optim: config.adamw().init(),
-            tp: mesh.group("tp")?.clone(),
-            max_grad_norm: config.max_grad_norm,
         }
     } else {
         let model = Vit::new(&config.model, &device);
@@ -703,7 +624,7 @@ pub fn train_vit(
         let global = train.batch(step as u64, config.batch_size, config.data_seed);
         let (x, y) = batch_rows(&global, first..first + rows).to_tensors(&device);
         let lr = config.lr_at(step);
-        let stepped = engine.step(x, y, lr, &dp)?;
+        let stepped = engine.step(x, y, lr)?;
         let seconds = t0.elapsed().as_secs_f64();
         train_seconds += seconds;
         losses.push(stepped.loss);

@@ -446,6 +446,26 @@ impl TpContext {
         }
     }
 
+    /// A context over `group` for a model split without [`Init`] (with the layers of
+    /// [`crate::tensor_parallel`] directly): register its shards with [`Self::register_shard`]
+    /// so that clipping and [`Self::full_params`] know them. Those layers sum the gradients of
+    /// their sequence-parallel parameters themselves.
+    pub fn for_group(group: &ProcessGroup) -> Self {
+        Self {
+            group: (group.size() > 1).then(|| group.clone()),
+            ..Self::single()
+        }
+    }
+
+    /// Records that parameter `id` holds `shard` of dimension `dim` of a tensor split over the
+    /// group.
+    pub fn register_shard(&self, id: ParamId, dim: usize, shard: Shard) {
+        self.shards
+            .lock()
+            .expect("plan bookkeeping")
+            .insert(id, (dim, shard));
+    }
+
     /// The tensor-parallel group (`None` on one device).
     pub fn group(&self) -> Option<&ProcessGroup> {
         self.group.as_ref()

@@ -316,11 +316,7 @@ fn frozen_paths<M: Module>(module: &M) -> HashSet<String> {
 }
 
 fn first_device<M: Module>(module: &M) -> Device {
-    module
-        .devices()
-        .into_iter()
-        .next()
-        .unwrap_or_default()
+    module.devices().into_iter().next().unwrap_or_default()
 }
 
 impl<M: Module> Module for Fsdp<M> {
