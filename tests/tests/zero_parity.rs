@@ -11,8 +11,11 @@ use burn_parallel::{DeviceMesh, run_local};
 use burn_zero::{LossScaler, MixedPrecision, ShardGroups, Stage, ZeroConfig, ZeroError};
 use examples::data::Corpus;
 use examples::train::TrainConfig;
-use examples::train_zero::{ZeroReport, ZeroRunOptions, train_gpt_reference, train_gpt_zero};
-use tests::{assert_same_losses, tiny_gpt_run};
+use examples::train_zero::{ZeroReport, ZeroRunOptions, train_gpt_zero};
+use tests::{
+    Reference, assert_matches_reference, assert_same_losses, assert_same_params, params_map,
+    reference_run, tiny_gpt_run,
+};
 
 const STEPS: usize = 20;
 const TOL: f64 = 1e-5;
@@ -22,9 +25,12 @@ fn corpus() -> Corpus {
     Corpus::load_default().expect("the bundled corpus")
 }
 
-fn reference(config: &TrainConfig, clip: Option<f64>) -> Vec<f64> {
-    let corpus = corpus();
-    run_local(1, |g| train_gpt_reference(&g, config, &corpus, clip)).unwrap()[0].clone()
+/// The independent single-device run of `config`, clipped at `clip`.
+fn reference(config: &TrainConfig, clip: Option<f64>) -> Reference {
+    reference_run(&TrainConfig {
+        max_grad_norm: clip,
+        ..config.clone()
+    })
 }
 
 fn zero_run(
@@ -54,15 +60,42 @@ fn zero_run(
     .expect("training")
 }
 
-fn losses(ranks: usize, hybrid: bool, config: &TrainConfig, zero: &ZeroConfig) -> Vec<f64> {
-    let reports = zero_run(ranks, hybrid, config, zero, &ZeroRunOptions::default());
+/// Rank 0's report of a run, with the final parameters gathered whole (every rank reports
+/// the same losses and parameters).
+fn run(ranks: usize, hybrid: bool, config: &TrainConfig, zero: &ZeroConfig) -> ZeroReport {
+    let options = ZeroRunOptions {
+        final_params: true,
+        ..Default::default()
+    };
+    let reports = zero_run(ranks, hybrid, config, zero, &options);
     for r in &reports[1..] {
         assert_eq!(
             r.losses, reports[0].losses,
             "every rank reports the same losses"
         );
+        assert_eq!(
+            r.final_params, reports[0].final_params,
+            "every rank gathers the same parameters"
+        );
     }
-    reports[0].losses.clone()
+    reports.into_iter().next().expect("rank 0")
+}
+
+fn losses(ranks: usize, hybrid: bool, config: &TrainConfig, zero: &ZeroConfig) -> Vec<f64> {
+    run(ranks, hybrid, config, zero).losses
+}
+
+/// Asserts that the ZeRO run reproduces `reference`: losses and final parameters.
+fn check(
+    reference: &Reference,
+    ranks: usize,
+    hybrid: bool,
+    config: &TrainConfig,
+    zero: &ZeroConfig,
+    what: &str,
+) {
+    let r = run(ranks, hybrid, config, zero);
+    assert_matches_reference(reference, &r.losses, &r.final_params, TOL, what);
 }
 
 fn check_stage(stage: Stage) {
@@ -70,10 +103,14 @@ fn check_stage(stage: Stage) {
     let plain = reference(&config, None);
     let clipped = reference(&config, Some(CLIP));
     assert!(
-        plain[STEPS - 1] < plain[0] - 0.5,
-        "the model must learn: {plain:?}"
+        plain.losses[STEPS - 1] < plain.losses[0] - 0.5,
+        "the model must learn: {:?}",
+        plain.losses
     );
-    assert_ne!(plain, clipped, "clipping at {CLIP} must change the run");
+    assert_ne!(
+        plain.losses, clipped.losses,
+        "clipping at {CLIP} must change the run"
+    );
     let zero = ZeroConfig::new(stage);
     let clip = ZeroConfig::new(stage).with_max_grad_norm(Some(CLIP));
     let accum = TrainConfig {
@@ -81,28 +118,29 @@ fn check_stage(stage: Stage) {
         ..config.clone()
     };
     let s = stage.number();
-    assert_same_losses(
-        &plain,
-        &losses(2, false, &config, &zero),
-        TOL,
-        &format!("stage {s}, 2 ranks"),
-    );
-    assert_same_losses(
+    check(&plain, 2, false, &config, &zero, &format!("stage {s}, 2 ranks"));
+    check(
         &clipped,
-        &losses(4, false, &config, &clip),
-        TOL,
+        4,
+        false,
+        &config,
+        &clip,
         &format!("stage {s}, 4 ranks, clip"),
     );
-    assert_same_losses(
+    check(
         &clipped,
-        &losses(2, false, &accum, &clip),
-        TOL,
+        2,
+        false,
+        &accum,
+        &clip,
         &format!("stage {s}, 2 ranks x 2 micro, clip"),
     );
-    assert_same_losses(
+    check(
         &plain,
-        &losses(4, false, &accum, &zero),
-        TOL,
+        4,
+        false,
+        &accum,
+        &zero,
         &format!("stage {s}, 4 ranks x 2 micro"),
     );
 }
@@ -134,26 +172,25 @@ fn hybrid_sharding_matches_single_device() {
         let clip = ZeroConfig::new(stage).with_max_grad_norm(Some(CLIP));
         let s = stage.number();
         // 2 replicas x 1 shard (2 ranks) and 2 replicas x 2 shards (4 ranks).
-        assert_same_losses(
+        check(
             &clipped,
-            &losses(2, true, &config, &clip),
-            TOL,
+            2,
+            true,
+            &config,
+            &clip,
             &format!("hybrid stage {s}, 2x1"),
         );
-        assert_same_losses(
+        check(
             &clipped,
-            &losses(4, true, &accum, &clip),
-            TOL,
+            4,
+            true,
+            &accum,
+            &clip,
             &format!("hybrid stage {s}, 2x2 x 2 micro"),
         );
     }
     let clip1 = ZeroConfig::new(Stage::One).with_max_grad_norm(Some(CLIP));
-    assert_same_losses(
-        &clipped,
-        &losses(4, true, &config, &clip1),
-        TOL,
-        "hybrid stage 1, 2x2",
-    );
+    check(&clipped, 4, true, &config, &clip1, "hybrid stage 1, 2x2");
 }
 
 #[test]
@@ -162,7 +199,7 @@ fn offloaded_optimizer_state_gives_the_same_run() {
     let plain = reference(&config, None);
     for stage in [Stage::Two, Stage::Three] {
         let zero = ZeroConfig::new(stage).with_offload(true);
-        assert_same_losses(&plain, &losses(2, false, &config, &zero), TOL, "offload");
+        check(&plain, 2, false, &config, &zero, "offload");
     }
 }
 
@@ -232,9 +269,11 @@ fn checkpoint_saved_on_4_ranks_resumes_on_2_and_1() {
             &ZeroRunOptions {
                 resume: None,
                 save: Some((10, dir.clone())),
+                final_params: true,
             },
         );
         let tail = &uninterrupted[0].losses[10..];
+        let uninterrupted_params = params_map(&uninterrupted[0].final_params);
         for m in [2usize, 1] {
             let resumed = zero_run(
                 m,
@@ -244,13 +283,16 @@ fn checkpoint_saved_on_4_ranks_resumes_on_2_and_1() {
                 &ZeroRunOptions {
                     resume: Some(dir.clone()),
                     save: None,
+                    final_params: true,
                 },
             );
-            assert_same_losses(
-                tail,
-                &resumed[0].losses,
+            let what = format!("stage {} resumed on {m} ranks", stage.number());
+            assert_same_losses(tail, &resumed[0].losses, 1e-6, &what);
+            assert_same_params(
+                &uninterrupted_params,
+                &resumed[0].final_params,
                 1e-6,
-                &format!("stage {} resumed on {m} ranks", stage.number()),
+                &what,
             );
         }
     }
@@ -292,7 +334,7 @@ fn max_rel_diff(reference: &[f64], other: &[f64]) -> f64 {
 fn bf16_tracks_fp32_at_every_stage() {
     const BF16_TOL: f64 = 5e-3;
     let config = tiny_gpt_run(STEPS);
-    let fp32 = reference(&config, None);
+    let fp32 = reference(&config, None).losses;
     let mut layouts = vec![
         (Stage::One, MixedPrecision::bf16()),
         (Stage::Two, MixedPrecision::bf16()),
@@ -337,7 +379,7 @@ fn bf16_tracks_fp32_at_every_stage() {
 fn f16_with_dynamic_loss_scaling_trains() {
     const F16_TOL: f64 = 5e-4;
     let config = tiny_gpt_run(STEPS);
-    let fp32 = reference(&config, None);
+    let fp32 = reference(&config, None).losses;
     for stage in [Stage::Two, Stage::Three] {
         let scaler = LossScaler::new(1024.0).with_growth_interval(10);
         let zero = ZeroConfig::new(stage)
@@ -395,10 +437,16 @@ fn fp32_loss_scaling_is_exact() {
         let zero = ZeroConfig::new(stage)
             .with_max_grad_norm(Some(CLIP))
             .with_loss_scaler(Some(LossScaler::new(1024.0).with_growth_interval(4)));
-        let r = &zero_run(2, false, &config, &zero, &ZeroRunOptions::default())[0];
+        let r = run(2, false, &config, &zero);
         assert_eq!(r.skipped_steps, 0);
         assert_eq!(r.loss_scale, 1024.0 * 32.0, "five growths in 20 steps");
-        assert_same_losses(&plain, &r.losses, TOL, "fp32 with loss scaling");
+        assert_matches_reference(
+            &plain,
+            &r.losses,
+            &r.final_params,
+            TOL,
+            "fp32 with loss scaling",
+        );
     }
 }
 
