@@ -13,7 +13,8 @@ use examples::data::Corpus;
 use examples::train::TrainConfig;
 use examples::train_zero::{ZeroReport, ZeroRunOptions, train_gpt_zero};
 use tests::{
-    Reference, assert_matches_reference, assert_same_losses, assert_same_params, params_map,
+    Reference, assert_matches_reference, assert_same_losses, assert_same_params, compare_params,
+    params_map,
     reference_run, tiny_gpt_run,
 };
 
@@ -79,10 +80,6 @@ fn run(ranks: usize, hybrid: bool, config: &TrainConfig, zero: &ZeroConfig) -> Z
         );
     }
     reports.into_iter().next().expect("rank 0")
-}
-
-fn losses(ranks: usize, hybrid: bool, config: &TrainConfig, zero: &ZeroConfig) -> Vec<f64> {
-    run(ranks, hybrid, config, zero).losses
 }
 
 /// Asserts that the ZeRO run reproduces `reference`: losses and final parameters.
@@ -325,16 +322,27 @@ fn max_rel_diff(reference: &[f64], other: &[f64]) -> f64 {
         .fold(0.0, f64::max)
 }
 
+/// The largest parameter error of `params` against `reference` (as [`compare_params`]
+/// measures it), with its parameter's path.
+fn max_param_error(reference: &Reference, params: &[examples::train::NamedParam]) -> (f64, String) {
+    compare_params(&reference.params, params, f64::INFINITY).expect("the same parameters")
+}
+
 /// bf16 compute, fp32 master weights and optimizer state: the loss curve of every stage tracks
-/// the fp32 run within 5e-3 relative difference at every one of 20 steps (measured: 6.9e-4
-/// with bf16 reduction, 7.3e-4 with fp32 reduction, on this model; the bf16 mantissa has 8
-/// bits, so 1e-5 is out of reach by construction).
+/// the fp32 reference within 2e-3 relative difference at every one of 20 steps (measured:
+/// 6.9e-4 with bf16 reduction, 7.3e-4 with fp32 reduction, on this model; the bf16 mantissa has
+/// 8 bits, so 1e-5 is out of reach by construction), and the final fp32 master weights within
+/// 1e-2 (as [`compare_params`] measures it; measured: 3.4e-3 and 4.6e-3).
 /// Master weights staying fp32 is checked in `burn-zero/tests/mixed_precision.rs`.
 #[test]
 fn bf16_tracks_fp32_at_every_stage() {
-    const BF16_TOL: f64 = 5e-3;
+    /// About 2.8 times the measured 7.3e-4.
+    const BF16_TOL: f64 = 2e-3;
+    /// About 2.2 times the measured 4.6e-3 (fp32 reduction; 3.4e-3 with bf16 reduction).
+    const BF16_PARAM_TOL: f64 = 1e-2;
     let config = tiny_gpt_run(STEPS);
-    let fp32 = reference(&config, None).losses;
+    let reference = reference(&config, None);
+    let fp32 = &reference.losses;
     let mut layouts = vec![
         (Stage::One, MixedPrecision::bf16()),
         (Stage::Two, MixedPrecision::bf16()),
@@ -351,56 +359,75 @@ fn bf16_tracks_fp32_at_every_stage() {
     ));
     for (stage, precision) in layouts {
         let zero = ZeroConfig::new(stage).with_precision(precision);
-        let bf16 = losses(2, false, &config, &zero);
-        let diff = max_rel_diff(&fp32, &bf16);
-        println!(
-            "bf16 stage {} reduce {:?}: max relative loss difference {diff:.2e}",
+        let r = run(2, false, &config, &zero);
+        let diff = max_rel_diff(fp32, &r.losses);
+        let (param_err, worst) = max_param_error(&reference, &r.final_params);
+        let what = format!(
+            "bf16 stage {} reduce {:?}",
             stage.number(),
             precision.reduce_dtype
         );
-        assert_ne!(bf16, fp32, "bf16 must actually compute in bf16");
-        assert_same_losses(
-            &fp32,
-            &bf16,
-            BF16_TOL,
-            &format!("bf16 stage {}", stage.number()),
+        println!("{what}: max relative loss difference {diff:.2e}, parameter error {param_err:.2e} ({worst})");
+        assert_ne!(&r.losses, fp32, "bf16 must actually compute in bf16");
+        assert!(
+            diff <= BF16_TOL,
+            "{what}: max relative loss difference {diff:.2e} > {BF16_TOL:.0e} (7.3e-4 measured \
+             when the tolerance was set)\nfp32 {fp32:?}\nbf16 {:?}",
+            r.losses
+        );
+        assert!(
+            param_err <= BF16_PARAM_TOL,
+            "{what}: parameter error {param_err:.2e} ({worst}) > {BF16_PARAM_TOL:.0e} (4.6e-3 \
+             measured when the tolerance was set)"
         );
     }
 }
 
-/// f16 with dynamic loss scaling trains at stages 2 and 3 (Flex supports f16 tensors; on a
-/// backend that does not, `MixedPrecision::validate` gives `ZeroError::UnsupportedDType`, see
+/// f16 with dynamic loss scaling trains at stages 2 and 3 (Flex supports f16 tensors, see
 /// `burn-zero/tests/mixed_precision.rs`). From a scale that fits (1024, doubling every 10
-/// steps) no step is skipped and the loss tracks fp32 within 5e-4 at every step (measured:
-/// 2.3e-5); a start at
-/// 2^40 overflows f16: the first steps are skipped and the scale backs off, then training
-/// proceeds.
+/// steps) no step is skipped and the loss tracks the fp32 reference within 6e-5 at every step
+/// (measured: 2.3e-5), the final master weights within 1e-3 (measured: 3.8e-4); a start at
+/// 2^40 overflows
+/// f16: the first steps are skipped and the scale backs off, then training proceeds.
 #[test]
 fn f16_with_dynamic_loss_scaling_trains() {
-    const F16_TOL: f64 = 5e-4;
+    /// About 2.6 times the measured 2.3e-5.
+    const F16_TOL: f64 = 6e-5;
+    /// About 2.6 times the measured 3.8e-4.
+    const F16_PARAM_TOL: f64 = 1e-3;
     let config = tiny_gpt_run(STEPS);
-    let fp32 = reference(&config, None).losses;
+    let reference = reference(&config, None);
+    let fp32 = &reference.losses;
     for stage in [Stage::Two, Stage::Three] {
         let scaler = LossScaler::new(1024.0).with_growth_interval(10);
         let zero = ZeroConfig::new(stage)
             .with_precision(MixedPrecision::f16())
             .with_loss_scaler(Some(scaler));
-        let reports = zero_run(2, false, &config, &zero, &ZeroRunOptions::default());
-        let r = &reports[0];
+        let r = run(2, false, &config, &zero);
+        let diff = max_rel_diff(fp32, &r.losses);
+        let (param_err, worst) = max_param_error(&reference, &r.final_params);
         println!(
-            "f16 stage {}: max relative loss difference {:.2e}, {} skipped, final scale {}",
+            "f16 stage {}: max relative loss difference {diff:.2e}, parameter error \
+             {param_err:.2e} ({worst}), {} skipped, final scale {}",
             stage.number(),
-            max_rel_diff(&fp32, &r.losses),
             r.skipped_steps,
             r.loss_scale
         );
         assert_eq!(r.skipped_steps, 0, "1024 to 4096 fits f16 here");
         assert_eq!(r.loss_scale, 4096.0);
-        assert_same_losses(
-            &fp32,
-            &r.losses,
-            F16_TOL,
-            &format!("f16 stage {}", stage.number()),
+        assert_ne!(&r.losses, fp32, "f16 must actually compute in f16");
+        assert!(
+            diff <= F16_TOL,
+            "f16 stage {}: max relative loss difference {diff:.2e} > {F16_TOL:.0e} (2.3e-5 \
+             measured when the tolerance was set)\nfp32 {fp32:?}\nf16  {:?}",
+            stage.number(),
+            r.losses
+        );
+        assert!(
+            param_err <= F16_PARAM_TOL,
+            "f16 stage {}: parameter error {param_err:.2e} ({worst}) > {F16_PARAM_TOL:.0e} \
+             (3.8e-4 measured when the tolerance was set)",
+            stage.number()
         );
 
         let huge = LossScaler::new(2f64.powi(40)).with_factors(2.0, 2f64.powi(-8));
