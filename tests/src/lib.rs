@@ -360,8 +360,14 @@ fn build_binaries() -> HashMap<String, PathBuf> {
     for (package, name) in BINARIES {
         cargo.args(["-p", package, "--bin", name]);
     }
-    if cfg!(feature = "wgpu") {
-        cargo.args(["--features", "examples/wgpu"]);
+    // The backend features this test crate was built with, so that Cargo reuses its build.
+    for (on, feature) in [
+        (cfg!(feature = "wgpu"), "examples/wgpu"),
+        (cfg!(feature = "ndarray"), "examples/ndarray"),
+    ] {
+        if on {
+            cargo.args(["--features", feature]);
+        }
     }
     let output = cargo.output().expect("running cargo build");
     assert!(
