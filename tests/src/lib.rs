@@ -81,7 +81,9 @@ pub fn params_of<M: Module>(module: &M) -> Params {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let value = param.val();
             let shape = value.dims().to_vec();
-            let values = value.try_into_vec_as::<f32>().expect("f32 parameter values");
+            let values = value
+                .try_into_vec_as::<f32>()
+                .expect("f32 parameter values");
             let path = self.0.join(".");
             assert!(
                 self.1.insert(path.clone(), (shape, values)).is_none(),
@@ -333,7 +335,9 @@ pub fn workspace_binary(package: &str, name: &str) -> PathBuf {
     let paths = built.get_or_insert_with(build_binaries);
     paths
         .get(name)
-        .unwrap_or_else(|| panic!("cargo build named no executable for {package}/{name}: {paths:?}"))
+        .unwrap_or_else(|| {
+            panic!("cargo build named no executable for {package}/{name}: {paths:?}")
+        })
         .clone()
 }
 

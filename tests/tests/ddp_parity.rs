@@ -9,8 +9,8 @@ use burn_parallel::run_local;
 use examples::data::Corpus;
 use examples::train::{TrainConfig, TrainReport, train_gpt};
 use tests::{
-    Reference, assert_matches_reference, assert_same_params, compare_params,
-    gpt_through_burnrun, reference_run, tiny_gpt_run,
+    Reference, assert_matches_reference, assert_same_params, compare_params, gpt_through_burnrun,
+    reference_run, tiny_gpt_run,
 };
 
 const STEPS: usize = 20;

@@ -66,7 +66,14 @@ fn parallel(world: usize, tp: usize, sp: bool, config: &TrainConfig) -> TrainRep
     reports.into_iter().next().expect("rank 0")
 }
 
-fn check(reference: &Reference, world: usize, tp: usize, sp: bool, config: &TrainConfig, what: &str) {
+fn check(
+    reference: &Reference,
+    world: usize,
+    tp: usize,
+    sp: bool,
+    config: &TrainConfig,
+    what: &str,
+) {
     let r = parallel(world, tp, sp, config);
     assert_matches_reference(reference, &r.losses, &r.final_params, TOL, what);
 }

@@ -14,8 +14,7 @@ use examples::train::TrainConfig;
 use examples::train_zero::{ZeroReport, ZeroRunOptions, train_gpt_zero};
 use tests::{
     Reference, assert_matches_reference, assert_same_losses, assert_same_params, compare_params,
-    params_map,
-    reference_run, tiny_gpt_run,
+    params_map, reference_run, tiny_gpt_run,
 };
 
 const STEPS: usize = 20;
@@ -115,7 +114,14 @@ fn check_stage(stage: Stage) {
         ..config.clone()
     };
     let s = stage.number();
-    check(&plain, 2, false, &config, &zero, &format!("stage {s}, 2 ranks"));
+    check(
+        &plain,
+        2,
+        false,
+        &config,
+        &zero,
+        &format!("stage {s}, 2 ranks"),
+    );
     check(
         &clipped,
         4,
@@ -285,12 +291,7 @@ fn checkpoint_saved_on_4_ranks_resumes_on_2_and_1() {
             );
             let what = format!("stage {} resumed on {m} ranks", stage.number());
             assert_same_losses(tail, &resumed[0].losses, 1e-6, &what);
-            assert_same_params(
-                &uninterrupted_params,
-                &resumed[0].final_params,
-                1e-6,
-                &what,
-            );
+            assert_same_params(&uninterrupted_params, &resumed[0].final_params, 1e-6, &what);
         }
     }
     // A truncated shard file is refused with a typed error.
@@ -367,7 +368,9 @@ fn bf16_tracks_fp32_at_every_stage() {
             stage.number(),
             precision.reduce_dtype
         );
-        println!("{what}: max relative loss difference {diff:.2e}, parameter error {param_err:.2e} ({worst})");
+        println!(
+            "{what}: max relative loss difference {diff:.2e}, parameter error {param_err:.2e} ({worst})"
+        );
         assert_ne!(&r.losses, fp32, "bf16 must actually compute in bf16");
         assert!(
             diff <= BF16_TOL,

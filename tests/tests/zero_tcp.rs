@@ -7,7 +7,9 @@ use burn::tensor::Device;
 use burn_zero::flat::shard_range;
 use examples::gpt::Gpt;
 use examples::train::TrainConfig;
-use tests::{assert_matches_reference, gpt_through_burnrun, params_of, reference_run, tiny_gpt_run};
+use tests::{
+    assert_matches_reference, gpt_through_burnrun, params_of, reference_run, tiny_gpt_run,
+};
 
 const PROCESSES: usize = 2;
 const MIB: f64 = 1024.0 * 1024.0;

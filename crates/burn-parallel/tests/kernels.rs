@@ -529,7 +529,9 @@ mod wgpu {
     /// than a cube (300 > 256), and more rows than 64 (several row groups in the weight grad).
     #[test]
     fn norms_fp32() {
-        let Some(dev) = device("norms_fp32") else { return };
+        let Some(dev) = device("norms_fp32") else {
+            return;
+        };
         let dev = dev.autodiff();
         for (rows, cols) in [(37, 19), (1, 64), (5, 1), (3, 300), (131, 33), (1, 1)] {
             check_norm(&dev, rows, cols, true, 1e-5);
@@ -540,7 +542,9 @@ mod wgpu {
     /// fp32, tolerance 1e-6 relative, 105 and 2,049 elements (not multiples of a cube).
     #[test]
     fn swiglu_fp32() {
-        let Some(dev) = device("swiglu_fp32") else { return };
+        let Some(dev) = device("swiglu_fp32") else {
+            return;
+        };
         let dev = dev.autodiff();
         check_swiglu(&dev, [3, 5, 7], 1e-6);
         check_swiglu(&dev, [1, 1, 2049], 1e-6);
@@ -549,7 +553,9 @@ mod wgpu {
     /// fp32, tolerance 1e-6 relative; head_dim 6 and 2, odd sequence lengths.
     #[test]
     fn rope_fp32() {
-        let Some(dev) = device("rope_fp32") else { return };
+        let Some(dev) = device("rope_fp32") else {
+            return;
+        };
         let dev = dev.autodiff();
         check_rope(&dev, [2, 3, 5, 6], 1e-6);
         check_rope(&dev, [1, 1, 1, 2], 1e-6);
@@ -560,7 +566,9 @@ mod wgpu {
     /// index, odd widths.
     #[test]
     fn cross_entropy_fp32() {
-        let Some(dev) = device("cross_entropy_fp32") else { return };
+        let Some(dev) = device("cross_entropy_fp32") else {
+            return;
+        };
         let dev = dev.autodiff();
         check_ce(&dev, 3, 50_257, None, 1e-5);
         check_ce(&dev, 1, 50_257, None, 1e-5);
@@ -571,7 +579,9 @@ mod wgpu {
     /// fp32 parameters, tolerance 1e-5 relative; 1,001 elements.
     #[test]
     fn adamw_fp32() {
-        let Some(dev) = device("adamw_fp32") else { return };
+        let Some(dev) = device("adamw_fp32") else {
+            return;
+        };
         check_adamw(&dev, 1001, DType::F32, 1e-5);
     }
 
@@ -607,7 +617,9 @@ mod wgpu {
     /// Fused AdamW on WGPU equals the flex reference bit-for-bit up to fp32 rounding (1e-6).
     #[test]
     fn adamw_matches_flex_reference() {
-        let Some(dev) = device("adamw_matches_flex_reference") else { return };
+        let Some(dev) = device("adamw_matches_flex_reference") else {
+            return;
+        };
         let h = AdamWHyper {
             lr: 3e-3,
             beta1: 0.9,

@@ -281,7 +281,11 @@ fn f16_on_flex_validates_and_computes_in_f16() {
             zero.master().expect("a master copy under f16").dtype(),
             DType::F32
         );
-        assert_eq!(host_f32(zero.master().unwrap().clone()), fp32, "exact fp32 master");
+        assert_eq!(
+            host_f32(zero.master().unwrap().clone()),
+            fp32,
+            "exact fp32 master"
+        );
         let low = zero.layout().flatten(&m).unwrap();
         assert_ne!(low, fp32, "the compute copy must be rounded to f16");
         for (i, (l, f)) in low.iter().zip(&fp32).enumerate() {

@@ -427,8 +427,8 @@ fn run_zero(args: &Args, config: &TrainConfig, corpus: &Corpus, stage: usize) ->
             final_params: args.params_out.is_some(),
             ..Default::default()
         };
-        let report = train_gpt_zero(&groups, config, &zero, corpus, &options)
-            .map_err(|e| match e {
+        let report =
+            train_gpt_zero(&groups, config, &zero, corpus, &options).map_err(|e| match e {
                 ZeroError::Collective(c) => c,
                 other => invalid(&world, other.to_string()),
             })?;
@@ -492,7 +492,10 @@ fn write_losses(path: Option<&std::path::Path>, losses: &[f64]) -> ExitCode {
 }
 
 /// `--params-out`: writes the trained parameters (path, shape, values) as JSON.
-fn write_params(path: Option<&std::path::Path>, params: &[examples::train::NamedParam]) -> ExitCode {
+fn write_params(
+    path: Option<&std::path::Path>,
+    params: &[examples::train::NamedParam],
+) -> ExitCode {
     if let Some(path) = path
         && let Err(e) = std::fs::write(path, serde_json::to_string(params).expect("json"))
     {
