@@ -172,6 +172,9 @@ pub struct TrainReport {
     pub step_seconds: f64,
     /// Mean global tokens per second, the first step excluded.
     pub tokens_per_sec: f64,
+    /// The trained model's parameters, whole (gathered from the shards under tensor
+    /// parallelism), by path: what the parity tests compare with single-device training.
+    pub final_params: Vec<NamedParam>,
 }
 
 /// Trains the GPT of `config` with data parallelism over `group` (a group of one rank is
@@ -232,7 +235,7 @@ pub fn train_gpt_on(
     } else {
         String::new()
     };
-    Ok(run.report(config, val_loss, sample))
+    Ok(run.report(config, val_loss, sample, named_params(&eval_model)))
 }
 
 /// The data-parallel group's gradient averaging, with the run's bucket size.
@@ -253,7 +256,13 @@ struct Run {
 }
 
 impl Run {
-    fn report(self, config: &TrainConfig, val_loss: f64, sample: String) -> TrainReport {
+    fn report(
+        self,
+        config: &TrainConfig,
+        val_loss: f64,
+        sample: String,
+        final_params: Vec<NamedParam>,
+    ) -> TrainReport {
         let tokens_per_step = (config.batch_size * config.seq_len) as f64;
         let timed_steps = (config.steps - 1).max(1) as f64;
         TrainReport {
@@ -262,6 +271,7 @@ impl Run {
             sample,
             step_seconds: self.timed / timed_steps,
             tokens_per_sec: tokens_per_step * timed_steps / self.timed.max(1e-9),
+            final_params,
         }
     }
 }
@@ -522,17 +532,75 @@ pub fn train_gpt_parallel(
                 .map_err(|e| tp_error(world, e))
         },
     )?;
-    // Sampling needs the whole model: gather it (every rank takes part), rank 0 generates.
+    // Sampling and the report's final parameters need the whole model: gather it (every rank
+    // takes part), rank 0 generates.
     let plain = Device::flex();
-    let sample = if config.sample_len > 0 {
-        let full = eval_model.to_full(&plain).map_err(|e| tp_error(world, e))?;
-        if world.rank() == 0 {
-            generate(&full, &config.prompt, config, &plain)
-        } else {
-            String::new()
-        }
+    let full = eval_model.to_full(&plain).map_err(|e| tp_error(world, e))?;
+    let sample = if config.sample_len > 0 && world.rank() == 0 {
+        generate(&full, &config.prompt, config, &plain)
     } else {
         String::new()
     };
-    Ok(run.report(config, val_loss, sample))
+    Ok(run.report(config, val_loss, sample, named_params(&full)))
+}
+
+/// One parameter of a trained model: its module path, shape and values (fp32, on the host).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NamedParam {
+    /// Module path, as Burn's module visitor names it (`"blocks.0.attn.q.weight"`).
+    pub path: String,
+    /// Shape.
+    pub shape: Vec<usize>,
+    /// Values in row-major order, converted to fp32.
+    pub values: Vec<f32>,
+}
+
+/// Every float parameter of `module`, in visiting order, with its path, as fp32 host values.
+///
+/// # Arguments
+/// * `module` - any Burn module.
+///
+/// # Returns
+/// One [`NamedParam`] per float parameter.
+///
+/// # Example
+/// ```
+/// use burn::nn::LinearConfig;
+/// use burn::tensor::Device;
+/// use examples::train::named_params;
+///
+/// let params = named_params(&LinearConfig::new(3, 2).init(&Device::flex()));
+/// assert_eq!(params[0].path, "weight");
+/// assert_eq!(params[0].shape, vec![3, 2]);
+/// assert_eq!(params[1].values.len(), 2);
+/// ```
+pub fn named_params<M: Module>(module: &M) -> Vec<NamedParam> {
+    struct Collect {
+        stack: Vec<String>,
+        out: Vec<NamedParam>,
+    }
+    impl burn::module::ModuleVisitor for Collect {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.stack.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.stack.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &burn::module::Param<Tensor<D>>) {
+            let value = param.val();
+            self.out.push(NamedParam {
+                path: self.stack.join("."),
+                shape: value.dims().to_vec(),
+                values: value
+                    .try_into_vec_as::<f32>()
+                    .expect("a float parameter reads as f32"),
+            });
+        }
+    }
+    let mut collect = Collect {
+        stack: Vec::new(),
+        out: Vec::new(),
+    };
+    module.visit(&mut collect);
+    collect.out
 }

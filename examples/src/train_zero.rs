@@ -29,7 +29,7 @@ use burn_zero::{
 
 use crate::data::{Corpus, Split};
 use crate::gpt::{Block, Gpt, GptConfig, sequence_cross_entropy};
-use crate::train::TrainConfig;
+use crate::train::{NamedParam, TrainConfig};
 
 /// The GPT wrapped for ZeRO stage 3: embeddings, each block, and the head are FSDP units.
 pub struct FsdpGpt {
@@ -151,6 +151,9 @@ pub struct ZeroRunOptions {
     pub resume: Option<PathBuf>,
     /// Save a checkpoint after this many steps into this directory.
     pub save: Option<(usize, PathBuf)>,
+    /// Gather the trained parameters whole into [`ZeroReport::final_params`] at the end (one
+    /// all-gather per unit on every rank; off by default, as it holds the full model).
+    pub final_params: bool,
 }
 
 /// The outcome of a ZeRO run.
@@ -170,6 +173,9 @@ pub struct ZeroReport {
     pub skipped_steps: usize,
     /// The loss scale after the last step (1 without loss scaling).
     pub loss_scale: f64,
+    /// The trained fp32 (master) parameters, whole, by path, when
+    /// [`ZeroRunOptions::final_params`] asked for them; empty otherwise.
+    pub final_params: Vec<NamedParam>,
 }
 
 /// Mean cross-entropy in fp32: low-precision logits are cast up first (as autocast does), so
@@ -309,7 +315,13 @@ pub fn train_gpt_zero(
         Engine::Zero12 { zero, .. } => (zero.memory(), zero.loss_scale()),
         Engine::Zero3 { fsdp, .. } => (fsdp.memory(), fsdp.loss_scale()),
     };
+    let final_params = if options.final_params {
+        gather_final_params(&engine, groups)?
+    } else {
+        Vec::new()
+    };
     Ok(ZeroReport {
+        final_params,
         losses,
         grad_norms,
         memory,
@@ -318,6 +330,58 @@ pub fn train_gpt_zero(
         skipped_steps,
         loss_scale,
     })
+}
+
+/// The whole fp32 parameters of a run, by path: every unit's shard (the master shard under
+/// mixed precision) all-gathered over the shard group and cut along the unit's flat layout.
+/// Every rank takes part and gets the same values.
+fn gather_final_params(
+    engine: &Engine,
+    groups: &ShardGroups,
+) -> Result<Vec<NamedParam>, ZeroError> {
+    // (path prefix of the unit's layout, layout, this rank's shard)
+    let units: Vec<(String, &burn_zero::flat::FlatLayout, Vec<f32>)> = match engine {
+        Engine::Zero12 { model, zero } => {
+            vec![(String::new(), zero.layout(), zero.param_shard(model)?)]
+        }
+        Engine::Zero3 { model, .. } => model
+            .shards()
+            .into_iter()
+            .map(|s| {
+                // The embedding and head units wrap a whole-GPT shell: their paths are already
+                // full; a block unit is named by its path in the GPT.
+                let prefix = match s.name() {
+                    "embed" | "head" => String::new(),
+                    block => format!("{block}."),
+                };
+                (prefix, s.layout(), s.values())
+            })
+            .collect(),
+    };
+    let mut params = Vec::new();
+    for (prefix, layout, shard) in units {
+        let len = shard.len();
+        let full = groups
+            .shard()
+            .all_gather_data(burn::tensor::TensorData::new(shard, [len]), 0)?
+            .try_into_vec::<f32>()
+            .map_err(|e| ZeroError::Config(format!("gathered parameters: {e:?}")))?;
+        if full.len() != layout.numel() {
+            return Err(ZeroError::Config(format!(
+                "gathered {} parameter values for a flat space of {}",
+                full.len(),
+                layout.numel()
+            )));
+        }
+        for entry in layout.entries() {
+            params.push(NamedParam {
+                path: format!("{prefix}{}", entry.path),
+                shape: entry.shape.clone(),
+                values: full[entry.offset..entry.offset + entry.numel].to_vec(),
+            });
+        }
+    }
+    Ok(params)
 }
 
 /// A one-layer, width-8 GPT: the placeholder left in the engine while the model is moved

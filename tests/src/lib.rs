@@ -1,13 +1,22 @@
 //! Shared helpers of the cross-crate integration tests: small training configurations, the
-//! parity check against single-device training, and locating the binaries that multi-process
-//! tests run through `burnrun`.
+//! independent single-device reference run every layout is checked against (losses and final
+//! parameters), and the binaries that multi-process tests run through `burnrun`, built by Cargo
+//! from the current sources before use.
 
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use examples::gpt::GptConfig;
-use examples::train::TrainConfig;
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::{AdamWConfig, GradientsParams};
+use burn::tensor::activation::log_softmax;
+use burn::tensor::{Device, Tensor};
+use examples::data::{Corpus, Split};
+use examples::gpt::{Gpt, GptConfig};
+use examples::train::{NamedParam, TrainConfig};
 
 /// A GPT run small enough for CI: 2 layers, width 32, global batch 8 x 16 tokens.
 pub fn tiny_gpt_run(steps: usize) -> TrainConfig {
@@ -46,46 +55,361 @@ pub fn assert_same_losses(reference: &[f64], other: &[f64], tol: f64, what: &str
     }
 }
 
-/// Path of a workspace binary (`gpt`, `burnrun`), built with cargo if it is not there yet.
+/// Final parameters by module path: shape and values.
+pub type Params = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
+
+/// The independent single-device run: per-step losses and final parameters.
+#[derive(Debug, Clone)]
+pub struct Reference {
+    /// Mean loss over the global batch, per step.
+    pub losses: Vec<f64>,
+    /// The trained parameters.
+    pub params: Params,
+}
+
+/// Every float parameter of `module` by path (the test suite's own visitor, independent of the
+/// `examples` crate's).
+pub fn params_of<M: Module>(module: &M) -> Params {
+    struct Collect(Vec<String>, Params);
+    impl ModuleVisitor for Collect {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let value = param.val();
+            let shape = value.dims().to_vec();
+            let values = value
+                .try_into_vec_as::<f32>()
+                .expect("f32 parameter values");
+            let path = self.0.join(".");
+            assert!(
+                self.1.insert(path.clone(), (shape, values)).is_none(),
+                "two parameters at {path}"
+            );
+        }
+    }
+    let mut collect = Collect(Vec::new(), Params::new());
+    module.visit(&mut collect);
+    collect.1
+}
+
+/// `params` by path.
 ///
-/// Integration tests run from `<target>/<profile>/deps/`, so binaries of the same build live
-/// two levels up; `cargo test --workspace` builds them before any test runs.
+/// # Panics
+/// When two parameters have the same path.
+pub fn params_map(params: &[NamedParam]) -> Params {
+    let mut map = Params::new();
+    for p in params {
+        let old = map.insert(p.path.clone(), (p.shape.clone(), p.values.clone()));
+        assert!(old.is_none(), "two parameters at {}", p.path);
+    }
+    map
+}
+
+/// The learning rate of `step`, written from [`TrainConfig`]'s documentation (linear warm-up
+/// over `warmup_steps`, then cosine decay to 10% of `lr` at the last step).
+fn reference_lr(config: &TrainConfig, step: usize) -> f64 {
+    let (lr, warmup) = (config.lr, config.warmup_steps);
+    if step < warmup {
+        lr * (step + 1) as f64 / warmup as f64
+    } else {
+        let progress = (step - warmup) as f64 / (config.steps - warmup).max(1) as f64;
+        lr * (0.1 + 0.9 * 0.5 * (1.0 + (std::f64::consts::PI * progress).cos()))
+    }
+}
+
+/// Scales `grads` so that their global L2 norm is at most `max_norm` (PyTorch's
+/// `clip_grad_norm_`: factor `max_norm / (norm + 1e-6)` when below 1; sums of squares in f64).
+fn reference_clip<M: Module>(model: &M, grads: GradientsParams, max_norm: f64) -> GradientsParams {
+    struct SumSq<'a>(&'a GradientsParams, f64);
+    impl ModuleVisitor for SumSq<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.0.get::<D>(param.id) {
+                let g = g.try_into_vec_as::<f64>().expect("gradient values");
+                self.1 += g.iter().map(|v| v * v).sum::<f64>();
+            }
+        }
+    }
+    struct Scale(GradientsParams, f64);
+    impl ModuleVisitor for Scale {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if let Some(g) = self.0.remove::<D>(param.id) {
+                self.0.register(param.id, g * self.1);
+            }
+        }
+    }
+    let mut sum = SumSq(&grads, 0.0);
+    model.visit(&mut sum);
+    let factor = max_norm / (sum.1.sqrt() + 1e-6);
+    if factor >= 1.0 {
+        return grads;
+    }
+    let mut scale = Scale(grads, factor as f32 as f64);
+    model.visit(&mut scale);
+    scale.0
+}
+
+/// Single-device training of `config` in plain Burn, independent of the training loops under
+/// test (`examples::train`, `burn-parallel`, `burn-zero`): the GPT of `config.model` (unfused)
+/// from its seed, the whole global batch of every step, the mean token cross-entropy, AdamW with
+/// `config`'s weight decay and learning-rate schedule, global-norm clipping at
+/// `config.max_grad_norm`.
+///
+/// # Panics
+/// When the bundled corpus does not load.
+pub fn reference_run(config: &TrainConfig) -> Reference {
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let device = Device::flex().autodiff();
+    let model_config = GptConfig {
+        fused: false,
+        ..config.model.clone()
+    };
+    let mut model = Gpt::new(&model_config, &device);
+    let mut optim = AdamWConfig::new()
+        .with_weight_decay(config.weight_decay as f32)
+        .init();
+    let mut losses = Vec::with_capacity(config.steps);
+    for step in 0..config.steps {
+        let batch = corpus.batch_rows(
+            step as u64,
+            0..config.batch_size,
+            config.seq_len,
+            Split::Train,
+        );
+        let (inputs, targets) = batch.to_tensors(&device);
+        let logits = model.forward(inputs);
+        let [b, s, v] = logits.dims();
+        let loss = log_softmax(logits.reshape([b * s, v]), 1)
+            .gather(1, targets.reshape([b * s, 1]))
+            .mean()
+            .neg();
+        losses.push(loss.clone().try_into_vec_as::<f64>().expect("the loss")[0]);
+        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+        if let Some(max_norm) = config.max_grad_norm {
+            grads = reference_clip(&model, grads, max_norm);
+        }
+        model = optim.step(reference_lr(config, step), model, grads);
+    }
+    Reference {
+        losses,
+        params: params_of(&model.valid()),
+    }
+}
+
+/// Compares `other` with `reference`: the same paths and shapes, and each parameter within
+/// `tol`, measured per tensor as `max |a - b| / max(1, max |a|)`: the largest absolute
+/// difference for tensors whose values are below 1, relative to the largest value above. (A
+/// purely relative measure would judge rounding noise: the key bias of attention has a zero
+/// gradient in exact arithmetic, so it stays at about 1e-9, where the noise is all there is.)
+///
+/// # Returns
+/// The worst error and its parameter's path.
+///
+/// # Errors
+/// A message naming the first parameter missing, extra, misshapen or out of tolerance, with its
+/// worst element and the error.
+pub fn compare_params(
+    reference: &Params,
+    other: &[NamedParam],
+    tol: f64,
+) -> Result<(f64, String), String> {
+    let mut seen = BTreeMap::new();
+    for p in other {
+        if seen.insert(p.path.as_str(), p).is_some() {
+            return Err(format!("parameter {} reported twice", p.path));
+        }
+    }
+    let missing: Vec<_> = reference
+        .keys()
+        .filter(|k| !seen.contains_key(k.as_str()))
+        .collect();
+    let extra: Vec<_> = seen
+        .keys()
+        .filter(|k| !reference.contains_key(**k))
+        .collect();
+    if !missing.is_empty() || !extra.is_empty() {
+        return Err(format!(
+            "parameters missing {missing:?}, unexpected {extra:?}"
+        ));
+    }
+    let mut worst = (0.0f64, String::from("(none)"));
+    for (path, (shape, a)) in reference {
+        let p = seen[path.as_str()];
+        if &p.shape != shape || p.values.len() != a.len() {
+            return Err(format!(
+                "parameter {path} has shape {:?} ({} values), expected {shape:?} ({})",
+                p.shape,
+                p.values.len(),
+                a.len()
+            ));
+        }
+        let scale = a.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
+        let (index, diff) = a
+            .iter()
+            .zip(&p.values)
+            .map(|(x, y)| (f64::from(*x) - f64::from(*y)).abs())
+            .enumerate()
+            .fold((0, 0.0f64), |best, (i, d)| {
+                if d > best.1 || d.is_nan() {
+                    (i, d)
+                } else {
+                    best
+                }
+            });
+        let err = diff / scale.max(1.0);
+        if err.is_nan() || err > tol {
+            return Err(format!(
+                "parameter {path} differs from single-device training: element {index} is {} vs \
+                 {} (max |diff| {diff:.3e}, tensor's max |value| {scale:.3e}, error \
+                 {err:.2e} > {tol:.0e})",
+                p.values[index], a[index]
+            ));
+        }
+        if err >= worst.0 {
+            worst = (err, path.clone());
+        }
+    }
+    Ok(worst)
+}
+
+/// Asserts [`compare_params`] and prints the worst error.
+///
+/// # Panics
+/// With [`compare_params`]'s message.
+pub fn assert_same_params(reference: &Params, other: &[NamedParam], tol: f64, what: &str) {
+    match compare_params(reference, other, tol) {
+        Ok((err, path)) => println!(
+            "{what}: {} parameters within {tol:.0e} (worst {err:.2e} at {path})",
+            reference.len()
+        ),
+        Err(message) => panic!("{what}: {message}"),
+    }
+}
+
+/// Asserts that a run reproduces the reference: losses step by step and final parameters,
+/// both within `tol`.
+///
+/// # Panics
+/// As [`assert_same_losses`] and [`assert_same_params`].
+pub fn assert_matches_reference(
+    reference: &Reference,
+    losses: &[f64],
+    params: &[NamedParam],
+    tol: f64,
+    what: &str,
+) {
+    assert_same_losses(&reference.losses, losses, tol, what);
+    assert_same_params(&reference.params, params, tol, what);
+}
+
+/// Writes `line` to the real standard error, past libtest's output capture (which takes
+/// `print!`/`eprint!` but not writes through a `std::io::stderr()` handle), so that it shows in
+/// `cargo test` output without `--nocapture`.
+pub fn visible_notice(line: &str) {
+    let mut err = std::io::stderr().lock();
+    let _ = writeln!(err, "{line}");
+}
+
+/// The workspace binaries the tests run, by package. They are built together, in one Cargo
+/// invocation over both packages, so that Cargo resolves the features of their dependencies as
+/// for this test crate (which depends on both) and reuses its build.
+const BINARIES: [(&str, &str); 2] = [("burn-parallel", "burnrun"), ("examples", "gpt")];
+
+/// Path of the binary `name` of workspace package `package` (one of `burn-parallel`'s `burnrun`
+/// and `examples`' `gpt`), built by Cargo from the current sources first, with the profile and
+/// target directory of this test executable, so that a test never runs an out-of-date binary.
+/// Cargo runs once per test process; it names the executables it built (or found fresh).
+///
+/// # Panics
+/// For another binary, or when Cargo fails to build them, with Cargo's output.
 pub fn workspace_binary(package: &str, name: &str) -> PathBuf {
+    static BUILT: Mutex<Option<HashMap<String, PathBuf>>> = Mutex::new(None);
+    assert!(
+        BINARIES.contains(&(package, name)),
+        "workspace_binary knows {BINARIES:?}, not {package}/{name}"
+    );
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
+    let paths = built.get_or_insert_with(build_binaries);
+    paths
+        .get(name)
+        .unwrap_or_else(|| {
+            panic!("cargo build named no executable for {package}/{name}: {paths:?}")
+        })
+        .clone()
+}
+
+/// Runs `cargo build` for [`BINARIES`] and returns the executables by binary name.
+fn build_binaries() -> HashMap<String, PathBuf> {
+    // Integration tests run from `<target dir>/<profile dir>/deps/`.
     let exe = std::env::current_exe().expect("the test executable");
-    let dir = exe
+    let profile_dir = exe
         .parent()
         .and_then(|deps| deps.parent())
-        .expect("tests run from <target>/<profile>/deps")
-        .to_path_buf();
-    let path = dir.join(name);
-    if !path.exists() {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let profile = dir.file_name().and_then(|p| p.to_str()).unwrap_or("debug");
-        let mut cmd = Command::new(cargo);
-        cmd.args(["build", "-p", package, "--bin", name]);
-        if profile == "release" {
-            cmd.arg("--release");
-        }
-        let status = cmd.status().expect("running cargo build");
-        assert!(
-            status.success(),
-            "cargo build -p {package} --bin {name} failed"
-        );
+        .expect("tests run from <target>/<profile>/deps");
+    let target_dir = profile_dir.parent().expect("a target directory");
+    let profile = match profile_dir.file_name().and_then(|p| p.to_str()) {
+        Some("debug") | None => "dev",
+        Some(other) => other,
+    };
+    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/../Cargo.toml");
+    let mut cargo = Command::new(env!("CARGO"));
+    cargo
+        .args(["build", "--manifest-path", manifest, "--profile", profile])
+        .arg("--target-dir")
+        .arg(target_dir)
+        .arg("--message-format=json");
+    for (package, name) in BINARIES {
+        cargo.args(["-p", package, "--bin", name]);
     }
-    path
+    // The backend features this test crate was built with, so that Cargo reuses its build.
+    for (on, feature) in [
+        (cfg!(feature = "wgpu"), "examples/wgpu"),
+        (cfg!(feature = "ndarray"), "examples/ndarray"),
+    ] {
+        if on {
+            cargo.args(["--features", feature]);
+        }
+    }
+    let output = cargo.output().expect("running cargo build");
+    assert!(
+        output.status.success(),
+        "cargo build of {BINARIES:?} failed:\n{}\n{}",
+        String::from_utf8_lossy(&output.stderr),
+        String::from_utf8_lossy(&output.stdout)
+    );
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .filter(|m| m["reason"] == "compiler-artifact")
+        .filter_map(|m| {
+            let name = m["target"]["name"].as_str()?.to_string();
+            let path = PathBuf::from(m["executable"].as_str()?);
+            Some((name, path))
+        })
+        .collect()
+}
+
+/// What a `gpt` run through `burnrun` gave.
+#[derive(Debug, Clone)]
+pub struct BurnrunRun {
+    /// Per-step losses of rank 0.
+    pub losses: Vec<f64>,
+    /// Final parameters of rank 0 (whole).
+    pub params: Vec<NamedParam>,
+    /// The launcher's output, every line prefixed by its rank.
+    pub stdout: String,
 }
 
 /// Runs the `gpt` binary as `processes` processes over TCP through `burnrun`, with `config`
-/// (passed as a TOML file) and extra `flags`; returns the per-step losses rank 0 wrote and the
-/// launcher's output (every line prefixed by its rank).
+/// (passed as a TOML file) and extra `flags`; returns what rank 0 wrote (losses, parameters)
+/// and the launcher's output.
 ///
 /// # Panics
 /// When the run fails, with its whole output.
-pub fn gpt_through_burnrun(
-    processes: usize,
-    config: &TrainConfig,
-    flags: &[&str],
-) -> (Vec<f64>, String) {
+pub fn gpt_through_burnrun(processes: usize, config: &TrainConfig, flags: &[&str]) -> BurnrunRun {
     static RUNS: AtomicUsize = AtomicUsize::new(0);
     let dir = std::env::temp_dir().join(format!(
         "burn-parallel-burnrun-{}-{}",
@@ -100,15 +424,20 @@ pub fn gpt_through_burnrun(
     )
     .expect("writing the config");
     let losses_path = dir.join("losses.json");
-    let output = Command::new(workspace_binary("burn-parallel", "burnrun"))
+    let params_path = dir.join("params.json");
+    let burnrun = workspace_binary("burn-parallel", "burnrun");
+    let gpt = workspace_binary("examples", "gpt");
+    let output = Command::new(burnrun)
         .args(["--nproc-per-node", &processes.to_string(), "--"])
-        .arg(workspace_binary("examples", "gpt"))
+        .arg(gpt)
         .args(["--backend", "tcp"])
         .args(flags)
         .arg("--config")
         .arg(&config_path)
         .arg("--losses-out")
         .arg(&losses_path)
+        .arg("--params-out")
+        .arg(&params_path)
         .env("BURN_PARALLEL_TIMEOUT_SECS", "60")
         .output()
         .expect("running burnrun");
@@ -119,10 +448,17 @@ pub fn gpt_through_burnrun(
         output.status,
         String::from_utf8_lossy(&output.stderr)
     );
-    let losses = serde_json::from_str(
-        &std::fs::read_to_string(&losses_path).expect("rank 0 wrote its losses"),
-    )
-    .expect("a JSON list of losses");
+    let read = |path: &PathBuf, what: &str| {
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("rank 0 wrote its {what}: {e}"))
+    };
+    let losses =
+        serde_json::from_str(&read(&losses_path, "losses")).expect("a JSON list of losses");
+    let params =
+        serde_json::from_str(&read(&params_path, "parameters")).expect("a JSON list of params");
     std::fs::remove_dir_all(&dir).ok();
-    (losses, stdout)
+    BurnrunRun {
+        losses,
+        params,
+        stdout,
+    }
 }

@@ -1,17 +1,20 @@
 //! The fused kernels inside the reference GPT.
 //!
 //! - Always: GPT with `fused` on flex (the composed references with hand-written backward
-//!   steps) reproduces the unfused GPT on flex over 10 steps (relative difference <= 1e-5).
-//! - Feature `wgpu`: GPT with `fused` on WGPU (the CubeCL kernels) reproduces the unfused GPT on
-//!   flex over 10 steps within 1e-4 relative, for the GPT-2 style model (LayerNorm, GELU,
-//!   learned positions) and the LLaMA style one (RMSNorm, SwiGLU, rotary). Skipped with a
-//!   notice when no adapter exists, unless `BURN_PARALLEL_REQUIRE_WGPU=1`.
+//!   steps) reproduces the independent single-device reference run of the unfused GPT
+//!   ([`tests::reference_run`]) over 10 steps: losses and final parameters, relative difference
+//!   <= 1e-5.
+//! - Feature `wgpu`: GPT with `fused` on WGPU (the CubeCL kernels) reproduces the same reference
+//!   over 10 steps within 1e-4 relative (losses and final parameters), for the GPT-2 style model
+//!   (LayerNorm, GELU, learned positions) and the LLaMA style one (RMSNorm, SwiGLU, rotary).
+//!   Without an adapter the test prints `SKIPPED ...` past the output capture (so that it shows
+//!   in `cargo test` output) and fails instead when `BURN_PARALLEL_REQUIRE_WGPU=1`.
 
 use burn_parallel::run_local;
 use examples::data::Corpus;
 use examples::gpt::{MlpKind, NormKind, PositionKind};
-use examples::train::{TrainConfig, TrainDevice, train_gpt_on};
-use tests::{assert_same_losses, tiny_gpt_run};
+use examples::train::{TrainConfig, TrainDevice, TrainReport, train_gpt_on};
+use tests::{assert_matches_reference, reference_run, tiny_gpt_run};
 
 const STEPS: usize = 10;
 
@@ -24,16 +27,16 @@ fn llama_like() -> TrainConfig {
     c
 }
 
-fn losses(config: &TrainConfig, fused: bool, device: TrainDevice) -> Vec<f64> {
+/// The GPT of `config` with the fused kernels, trained on one rank on `device`.
+fn train_fused(config: &TrainConfig, device: TrainDevice) -> TrainReport {
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let mut config = config.clone();
-    config.model.fused = fused;
+    config.model.fused = true;
     run_local(1, |g| {
         train_gpt_on(&g, &config, device, &corpus, &mut |_| {})
     })
     .expect("training")
     .swap_remove(0)
-    .losses
 }
 
 #[test]
@@ -42,9 +45,15 @@ fn fused_gpt_on_flex_matches_unfused() {
         ("gpt2-like", tiny_gpt_run(STEPS)),
         ("llama-like", llama_like()),
     ] {
-        let reference = losses(&config, false, TrainDevice::Flex);
-        let fused = losses(&config, true, TrainDevice::Flex);
-        assert_same_losses(&reference, &fused, 1e-5, &format!("{name} fused on flex"));
+        let reference = reference_run(&config);
+        let fused = train_fused(&config, TrainDevice::Flex);
+        assert_matches_reference(
+            &reference,
+            &fused.losses,
+            &fused.final_params,
+            1e-5,
+            &format!("{name} fused on flex"),
+        );
     }
 }
 
@@ -55,15 +64,24 @@ fn fused_gpt_on_wgpu_matches_unfused_on_flex() {
         if std::env::var("BURN_PARALLEL_REQUIRE_WGPU").as_deref() == Ok("1") {
             panic!("BURN_PARALLEL_REQUIRE_WGPU=1 but {e}");
         }
-        eprintln!("SKIPPED: {e} (set BURN_PARALLEL_REQUIRE_WGPU=1 to fail instead)");
+        tests::visible_notice(&format!(
+            "SKIPPED fused_gpt_on_wgpu_matches_unfused_on_flex: no WGPU adapter ({e}); set \
+             BURN_PARALLEL_REQUIRE_WGPU=1 to fail instead"
+        ));
         return;
     }
     for (name, config) in [
         ("gpt2-like", tiny_gpt_run(STEPS)),
         ("llama-like", llama_like()),
     ] {
-        let reference = losses(&config, false, TrainDevice::Flex);
-        let fused = losses(&config, true, TrainDevice::Wgpu);
-        assert_same_losses(&reference, &fused, 1e-4, &format!("{name} fused on wgpu"));
+        let reference = reference_run(&config);
+        let fused = train_fused(&config, TrainDevice::Wgpu);
+        assert_matches_reference(
+            &reference,
+            &fused.losses,
+            &fused.final_params,
+            1e-4,
+            &format!("{name} fused on wgpu"),
+        );
     }
 }

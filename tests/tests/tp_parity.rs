@@ -1,7 +1,8 @@
 //! Tensor (and sequence) parallelism reproduces single-device training: GPT and ViT trained 20
 //! steps with tp 2 and 4, with and without sequence parallelism, and on a 2 x 2 `dp x tp`
 //! mesh, give the single-device losses on the same global batch (relative difference
-//! <= 1e-5); one GPT run goes through `burnrun` as 2 TCP processes. Also: the plan's shards
+//! <= 1e-5) and, gathered whole, its final parameters; the GPT's reference is the independent
+//! [`tests::reference_run`]. One GPT run goes through `burnrun` as 2 TCP processes. Also: the plan's shards
 //! gather back to the exact reference weights, and impossible splits are clear errors.
 
 use burn::module::{Module, ModuleVisitor, Param};
@@ -11,9 +12,14 @@ use burn_parallel::{DeviceMesh, DistributedDataParallel, ReduceOp, TpError, run_
 use examples::data::{Corpus, Digits};
 use examples::gpt::{Gpt, MlpKind, NormKind, PositionKind};
 use examples::parallelize::{TpOptions, parallelize_gpt, parallelize_vit};
-use examples::train::{Parallelism, TrainConfig, train_gpt, train_gpt_parallel};
+use examples::train::{
+    NamedParam, Parallelism, TrainConfig, TrainReport, named_params, train_gpt_parallel,
+};
 use examples::vit::{Vit, VitConfig};
-use tests::{assert_same_losses, gpt_through_burnrun, tiny_gpt_run};
+use tests::{
+    Reference, assert_matches_reference, gpt_through_burnrun, params_of, reference_run,
+    tiny_gpt_run,
+};
 
 const STEPS: usize = 20;
 const TOL: f64 = 1e-5;
@@ -38,15 +44,9 @@ fn llama_like() -> TrainConfig {
     c
 }
 
-fn single(config: &TrainConfig) -> Vec<f64> {
-    let corpus = Corpus::load_default().expect("the bundled corpus");
-    run_local(1, |g| train_gpt(&g, config, &corpus, &mut |_| {}))
-        .expect("training")
-        .swap_remove(0)
-        .losses
-}
-
-fn parallel(world: usize, tp: usize, sp: bool, config: &TrainConfig) -> Vec<f64> {
+/// The GPT of `config` on `world` ranks as a `world/tp x tp` mesh; rank 0's report (every rank
+/// reports the same losses and, gathered whole, the same parameters).
+fn parallel(world: usize, tp: usize, sp: bool, config: &TrainConfig) -> TrainReport {
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let p = Parallelism { tp, sp };
     let reports = run_local(world, |g| {
@@ -58,63 +58,62 @@ fn parallel(world: usize, tp: usize, sp: bool, config: &TrainConfig) -> Vec<f64>
             r.losses, reports[0].losses,
             "every rank reports the same losses"
         );
+        assert_eq!(
+            r.final_params, reports[0].final_params,
+            "every rank gathers the same parameters"
+        );
     }
-    reports[0].losses.clone()
+    reports.into_iter().next().expect("rank 0")
+}
+
+fn check(
+    reference: &Reference,
+    world: usize,
+    tp: usize,
+    sp: bool,
+    config: &TrainConfig,
+    what: &str,
+) {
+    let r = parallel(world, tp, sp, config);
+    assert_matches_reference(reference, &r.losses, &r.final_params, TOL, what);
 }
 
 #[test]
 fn gpt_tensor_parallel_matches_single_device() {
     let config = config();
-    let reference = single(&config);
+    let reference = reference_run(&config);
     assert!(
-        reference[STEPS - 1] < reference[0] - 0.5,
-        "the model must learn: {reference:?}"
+        reference.losses[STEPS - 1] < reference.losses[0] - 0.5,
+        "the model must learn: {:?}",
+        reference.losses
     );
-    assert_same_losses(&reference, &parallel(2, 2, false, &config), TOL, "tp 2");
-    assert_same_losses(&reference, &parallel(4, 4, false, &config), TOL, "tp 4");
-    assert_same_losses(&reference, &parallel(2, 2, true, &config), TOL, "tp 2 + sp");
-    assert_same_losses(&reference, &parallel(4, 4, true, &config), TOL, "tp 4 + sp");
+    check(&reference, 2, 2, false, &config, "tp 2");
+    check(&reference, 4, 4, false, &config, "tp 4");
+    check(&reference, 2, 2, true, &config, "tp 2 + sp");
+    check(&reference, 4, 4, true, &config, "tp 4 + sp");
 }
 
 #[test]
 fn gpt_dp2_x_tp2_matches_single_device() {
     let config = config();
-    let reference = single(&config);
-    assert_same_losses(
-        &reference,
-        &parallel(4, 2, false, &config),
-        TOL,
-        "dp 2 x tp 2",
-    );
-    assert_same_losses(
-        &reference,
-        &parallel(4, 2, true, &config),
-        TOL,
-        "dp 2 x tp 2 + sp",
-    );
+    let reference = reference_run(&config);
+    check(&reference, 4, 2, false, &config, "dp 2 x tp 2");
+    check(&reference, 4, 2, true, &config, "dp 2 x tp 2 + sp");
 }
 
 #[test]
 fn llama_like_gpt_with_padded_vocab_matches_single_device() {
     let config = llama_like();
-    let reference = single(&config);
-    assert_same_losses(
-        &reference,
-        &parallel(2, 2, true, &config),
-        TOL,
-        "tp 2 + sp, vocab 257",
-    );
-    assert_same_losses(
-        &reference,
-        &parallel(4, 4, false, &config),
-        TOL,
-        "tp 4, vocab 257",
-    );
+    let reference = reference_run(&config);
+    check(&reference, 2, 2, true, &config, "tp 2 + sp, vocab 257");
+    check(&reference, 4, 4, false, &config, "tp 4, vocab 257");
 }
 
 /// ViT on the digits: `dp x tp` ranks, each data-parallel replica on its rows of the global
-/// batch (two batches in turn, so that 20 steps visibly fit them). Returns the global losses.
-fn vit_losses(dp: usize, tp: usize, sp: bool) -> Vec<f64> {
+/// batch (two batches in turn, so that 20 steps visibly fit them). Returns the global losses and
+/// the final parameters (gathered whole under tensor parallelism). `dp = tp = 1` is the
+/// single-device reference, in plain Burn.
+fn vit_run(dp: usize, tp: usize, sp: bool) -> (Vec<f64>, Vec<NamedParam>) {
     let digits = Digits::load_default().expect("the bundled digits");
     let config = VitConfig {
         n_layers: 2,
@@ -124,7 +123,7 @@ fn vit_losses(dp: usize, tp: usize, sp: bool) -> Vec<f64> {
         ..VitConfig::digits()
     };
     let batch = 16;
-    let losses = run_local(dp * tp, |world| {
+    let runs = run_local(dp * tp, |world| {
         let device = Device::flex().autodiff();
         let reference = Vit::new(&config, &Device::flex());
         let mut optim = AdamWConfig::new().with_weight_decay(0.01).init();
@@ -145,7 +144,16 @@ fn vit_losses(dp: usize, tp: usize, sp: bool) -> Vec<f64> {
                 let grads = GradientsParams::from_grads(loss.backward(), &model);
                 model = optim.step(1e-2, model, grads);
             }
-            return Ok(losses);
+            // The reference's parameters through the test suite's own visitor.
+            let params = params_of(&model.valid())
+                .into_iter()
+                .map(|(path, (shape, values))| NamedParam {
+                    path,
+                    shape,
+                    values,
+                })
+                .collect();
+            return Ok((losses, params));
         }
         let mesh = DeviceMesh::new(&world, &[("dp", dp), ("tp", tp)]).unwrap();
         let options = TpOptions {
@@ -174,23 +182,28 @@ fn vit_losses(dp: usize, tp: usize, sp: bool) -> Vec<f64> {
                 .all_reduce_f32(vec![local], ReduceOp::Avg)?[0];
             losses.push(global as f64);
         }
-        Ok(losses)
+        let full = model.valid().to_full(&Device::flex()).unwrap();
+        Ok((losses, named_params(&full)))
     })
     .expect("training");
-    for l in &losses[1..] {
-        assert_eq!(l, &losses[0]);
+    for r in &runs[1..] {
+        assert_eq!(r, &runs[0]);
     }
-    losses[0].clone()
+    runs.into_iter().next().expect("rank 0")
 }
 
 #[test]
 fn vit_tensor_parallel_matches_single_device() {
-    let reference = vit_losses(1, 1, false);
-    let late: f64 = reference[STEPS - 5..].iter().sum::<f64>() / 5.0;
-    assert!(
-        late < reference[0] - 0.05,
-        "the model must learn: {reference:?}"
-    );
+    let (losses, params) = vit_run(1, 1, false);
+    let late: f64 = losses[STEPS - 5..].iter().sum::<f64>() / 5.0;
+    assert!(late < losses[0] - 0.05, "the model must learn: {losses:?}");
+    let reference = Reference {
+        losses,
+        params: params
+            .into_iter()
+            .map(|p| (p.path, (p.shape, p.values)))
+            .collect(),
+    };
     // 17 tokens (class token + 16 patches): uneven sequence shards under SP.
     for (dp, tp, sp) in [
         (1, 2, false),
@@ -201,7 +214,8 @@ fn vit_tensor_parallel_matches_single_device() {
         (2, 2, true),
     ] {
         let what = format!("ViT dp {dp} x tp {tp}, sp {sp}");
-        assert_same_losses(&reference, &vit_losses(dp, tp, sp), TOL, &what);
+        let (losses, params) = vit_run(dp, tp, sp);
+        assert_matches_reference(&reference, &losses, &params, TOL, &what);
     }
 }
 
@@ -319,7 +333,13 @@ fn impossible_splits_are_clear_errors() {
 #[test]
 fn tp_over_tcp_processes_through_burnrun_matches_single_device() {
     let config = config();
-    let reference = single(&config);
-    let (tcp, _) = gpt_through_burnrun(2, &config, &["--tp", "2", "--sp"]);
-    assert_same_losses(&reference, &tcp, TOL, "tp 2 + sp, 2 tcp processes");
+    let reference = reference_run(&config);
+    let tcp = gpt_through_burnrun(2, &config, &["--tp", "2", "--sp"]);
+    assert_matches_reference(
+        &reference,
+        &tcp.losses,
+        &tcp.params,
+        TOL,
+        "tp 2 + sp, 2 tcp processes",
+    );
 }

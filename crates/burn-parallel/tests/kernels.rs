@@ -4,7 +4,9 @@
 //!   backward steps) against autodiff of the naive math.
 //! - `wgpu::*` (feature `wgpu`): the CubeCL kernels on WGPU against the naive math on `flex`,
 //!   forward and every gradient, on shapes that are not multiples of the workgroup size. Without
-//!   an adapter they print a notice and pass, unless `BURN_PARALLEL_REQUIRE_WGPU=1`.
+//!   an adapter each prints `SKIPPED <test>: no WGPU adapter ...` past libtest's output capture
+//!   (so that it shows in `cargo test` output) and returns; with `BURN_PARALLEL_REQUIRE_WGPU=1`
+//!   it fails instead.
 //!
 //! Errors are "relative": `max |a - b| / max |b|` over the tensor (stated per test).
 
@@ -483,18 +485,43 @@ fn flex_vocab_parallel_cross_entropy_matches_single_device() {
 mod wgpu {
     use super::*;
 
-    /// The WGPU device, or `None` (with a notice) when there is no adapter and
-    /// `BURN_PARALLEL_REQUIRE_WGPU` is not `1`.
-    fn device() -> Option<Device> {
+    /// Writes a `SKIPPED` line through a `std::io::stderr()` handle: libtest captures
+    /// `print!`/`eprint!` but not such writes, so the line shows in `cargo test` output without
+    /// `--nocapture`.
+    fn skipped(test: &str, reason: &str) {
+        use std::io::Write;
+        let _ = writeln!(std::io::stderr().lock(), "SKIPPED wgpu::{test}: {reason}");
+    }
+
+    /// The WGPU device for `test`, or `None` (with a visible `SKIPPED` line) when there is no
+    /// adapter; with `BURN_PARALLEL_REQUIRE_WGPU=1` a missing adapter fails the test instead.
+    fn device(test: &str) -> Option<Device> {
         match kernels::wgpu_device() {
             Ok(d) => Some(d),
             Err(e) => {
                 if std::env::var("BURN_PARALLEL_REQUIRE_WGPU").as_deref() == Ok("1") {
-                    panic!("BURN_PARALLEL_REQUIRE_WGPU=1 but {e}");
+                    panic!("{test}: BURN_PARALLEL_REQUIRE_WGPU=1 but {e}");
                 }
-                eprintln!("SKIPPED: {e} (set BURN_PARALLEL_REQUIRE_WGPU=1 to fail instead)");
+                skipped(
+                    test,
+                    &format!(
+                        "no WGPU adapter ({e}); set BURN_PARALLEL_REQUIRE_WGPU=1 to fail instead"
+                    ),
+                );
                 None
             }
+        }
+    }
+
+    /// `device(test)` when the adapter also supports f16; `None` with a visible `SKIPPED` line
+    /// otherwise.
+    fn f16_device(test: &str) -> Option<Device> {
+        let dev = device(test)?;
+        if dev.supports_dtype(DType::F16) {
+            Some(dev)
+        } else {
+            skipped(test, "the WGPU adapter does not support f16");
+            None
         }
     }
 
@@ -502,7 +529,9 @@ mod wgpu {
     /// than a cube (300 > 256), and more rows than 64 (several row groups in the weight grad).
     #[test]
     fn norms_fp32() {
-        let Some(dev) = device() else { return };
+        let Some(dev) = device("norms_fp32") else {
+            return;
+        };
         let dev = dev.autodiff();
         for (rows, cols) in [(37, 19), (1, 64), (5, 1), (3, 300), (131, 33), (1, 1)] {
             check_norm(&dev, rows, cols, true, 1e-5);
@@ -513,7 +542,9 @@ mod wgpu {
     /// fp32, tolerance 1e-6 relative, 105 and 2,049 elements (not multiples of a cube).
     #[test]
     fn swiglu_fp32() {
-        let Some(dev) = device() else { return };
+        let Some(dev) = device("swiglu_fp32") else {
+            return;
+        };
         let dev = dev.autodiff();
         check_swiglu(&dev, [3, 5, 7], 1e-6);
         check_swiglu(&dev, [1, 1, 2049], 1e-6);
@@ -522,7 +553,9 @@ mod wgpu {
     /// fp32, tolerance 1e-6 relative; head_dim 6 and 2, odd sequence lengths.
     #[test]
     fn rope_fp32() {
-        let Some(dev) = device() else { return };
+        let Some(dev) = device("rope_fp32") else {
+            return;
+        };
         let dev = dev.autodiff();
         check_rope(&dev, [2, 3, 5, 6], 1e-6);
         check_rope(&dev, [1, 1, 1, 2], 1e-6);
@@ -533,7 +566,9 @@ mod wgpu {
     /// index, odd widths.
     #[test]
     fn cross_entropy_fp32() {
-        let Some(dev) = device() else { return };
+        let Some(dev) = device("cross_entropy_fp32") else {
+            return;
+        };
         let dev = dev.autodiff();
         check_ce(&dev, 3, 50_257, None, 1e-5);
         check_ce(&dev, 1, 50_257, None, 1e-5);
@@ -544,7 +579,9 @@ mod wgpu {
     /// fp32 parameters, tolerance 1e-5 relative; 1,001 elements.
     #[test]
     fn adamw_fp32() {
-        let Some(dev) = device() else { return };
+        let Some(dev) = device("adamw_fp32") else {
+            return;
+        };
         check_adamw(&dev, 1001, DType::F32, 1e-5);
     }
 
@@ -552,11 +589,9 @@ mod wgpu {
     /// when the adapter supports f16.
     #[test]
     fn adamw_f16_params() {
-        let Some(dev) = device() else { return };
-        if !dev.supports_dtype(DType::F16) {
-            eprintln!("SKIPPED: the adapter does not support f16");
+        let Some(dev) = f16_device("adamw_f16_params") else {
             return;
-        }
+        };
         check_adamw(&dev, 1001, DType::F16, 2e-3);
     }
 
@@ -564,11 +599,9 @@ mod wgpu {
     /// adapter supports f16.
     #[test]
     fn norms_swiglu_f16_forward() {
-        let Some(dev) = device() else { return };
-        if !dev.supports_dtype(DType::F16) {
-            eprintln!("SKIPPED: the adapter does not support f16");
+        let Some(dev) = f16_device("norms_swiglu_f16_forward") else {
             return;
-        }
+        };
         let x = tensor([37, 19], 1, 2.0, &dev);
         let w = tensor([19], 2, 1.0, &dev).add_scalar(1.0);
         let y = kernels::rms_norm(x.clone().cast(DType::F16), w.clone().cast(DType::F16), 1e-5)
@@ -584,7 +617,9 @@ mod wgpu {
     /// Fused AdamW on WGPU equals the flex reference bit-for-bit up to fp32 rounding (1e-6).
     #[test]
     fn adamw_matches_flex_reference() {
-        let Some(dev) = device() else { return };
+        let Some(dev) = device("adamw_matches_flex_reference") else {
+            return;
+        };
         let h = AdamWHyper {
             lr: 3e-3,
             beta1: 0.9,

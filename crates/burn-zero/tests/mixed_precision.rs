@@ -4,6 +4,7 @@
 //!   leaves weights (master and compute copies) and optimizer state bit for bit untouched, at
 //!   stages 1, 2 and 3, in fp32 and bf16; the next clean step is applied;
 //! - under bf16 the module computes in bf16 while master weights and optimizer state are fp32;
+//! - on flex the f16 policy validates and the module computes in f16 over fp32 master weights;
 //! - misuse (an unprepared module, an invalid scaler or policy) is a typed error.
 
 use std::collections::BTreeMap;
@@ -250,19 +251,55 @@ fn mixed_precision_misuse_is_a_typed_error() {
     .unwrap();
 }
 
+/// Flex supports f16 (the f16 training tests of `tests/tests/zero_parity.rs` rely on it): the
+/// f16 policy validates, and a module prepared under it holds f16 copies of the fp32 values
+/// (within f16 rounding), computes in f16, and keeps fp32 master weights.
 #[test]
-fn f16_is_supported_by_flex_or_refused_with_a_typed_error() {
+fn f16_on_flex_validates_and_computes_in_f16() {
     let device = Device::flex().autodiff();
-    let result = MixedPrecision::f16().validate(&device);
-    if device.supports_dtype(DType::F16) {
-        result.unwrap();
-    } else {
-        assert!(matches!(
-            result,
-            Err(ZeroError::UnsupportedDType {
-                dtype: DType::F16,
-                ..
-            })
-        ));
-    }
+    assert!(
+        device.supports_dtype(DType::F16),
+        "flex must support f16 tensors"
+    );
+    MixedPrecision::f16()
+        .validate(&device)
+        .expect("the f16 policy on flex");
+    run_local(1, |group| {
+        let m = model(&device);
+        let fp32 = FlatLayout::of(&m, |_| true).flatten(&m).unwrap();
+        let config = ZeroConfig::new(Stage::Two).with_precision(MixedPrecision::f16());
+        let zero = ZeroOptimizer::new(
+            &m,
+            ShardGroups::flat(group),
+            config,
+            AdamWConfig::new().build(),
+        )
+        .map_err(to_collective)?;
+        let m = zero.prepare_module(m).map_err(to_collective)?;
+        assert_eq!(m.weight.val().dtype(), DType::F16, "f16 compute copy");
+        assert_eq!(
+            zero.master().expect("a master copy under f16").dtype(),
+            DType::F32
+        );
+        assert_eq!(
+            host_f32(zero.master().unwrap().clone()),
+            fp32,
+            "exact fp32 master"
+        );
+        let low = zero.layout().flatten(&m).unwrap();
+        assert_ne!(low, fp32, "the compute copy must be rounded to f16");
+        for (i, (l, f)) in low.iter().zip(&fp32).enumerate() {
+            // f16 has an 11-bit significand: relative rounding error at most 2^-11.
+            assert!(
+                (l - f).abs() <= f.abs() * 2f32.powi(-11),
+                "value {i}: f16 copy {l} of {f}"
+            );
+        }
+        let y = loss(&m, &device, 1.0, 1.0);
+        assert_eq!(y.dtype(), DType::F32, "the loss is taken in fp32");
+        let x = Tensor::<2>::zeros([1, 6], &device).cast(DType::F16);
+        assert_eq!(m.forward(x).dtype(), DType::F16, "the forward runs in f16");
+        Ok(())
+    })
+    .unwrap();
 }

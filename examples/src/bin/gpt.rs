@@ -119,6 +119,9 @@ struct Args {
     /// Write the per-step losses as JSON to this file (rank 0).
     #[arg(long)]
     losses_out: Option<PathBuf>,
+    /// Write the trained parameters (whole, fp32, by path) as JSON to this file (rank 0).
+    #[arg(long)]
+    params_out: Option<PathBuf>,
     /// Run norms, SwiGLU, RoPE and the cross-entropy through the fused kernels.
     #[arg(long)]
     fused: bool,
@@ -307,7 +310,11 @@ fn main() -> ExitCode {
         Ok(None) => ExitCode::SUCCESS,
         Ok(Some(report)) => {
             print_report(&report, &corpus);
-            write_losses(args.losses_out.as_deref(), &report.losses)
+            let written = write_losses(args.losses_out.as_deref(), &report.losses);
+            if written != ExitCode::SUCCESS {
+                return written;
+            }
+            write_params(args.params_out.as_deref(), &report.final_params)
         }
         Err(e) => {
             eprintln!("error: {e}");
@@ -416,8 +423,12 @@ fn run_zero(args: &Args, config: &TrainConfig, corpus: &Corpus, stage: usize) ->
                 ShardGroups::hybrid(&mesh).map_err(|e| invalid(&world, e.to_string()))?
             }
         };
-        let report = train_gpt_zero(&groups, config, &zero, corpus, &ZeroRunOptions::default())
-            .map_err(|e| match e {
+        let options = ZeroRunOptions {
+            final_params: args.params_out.is_some(),
+            ..Default::default()
+        };
+        let report =
+            train_gpt_zero(&groups, config, &zero, corpus, &options).map_err(|e| match e {
                 ZeroError::Collective(c) => c,
                 other => invalid(&world, other.to_string()),
             })?;
@@ -448,7 +459,11 @@ fn run_zero(args: &Args, config: &TrainConfig, corpus: &Corpus, stage: usize) ->
                 report.step_seconds,
                 report.num_params
             );
-            write_losses(args.losses_out.as_deref(), &report.losses)
+            let written = write_losses(args.losses_out.as_deref(), &report.losses);
+            if written != ExitCode::SUCCESS {
+                return written;
+            }
+            write_params(args.params_out.as_deref(), &report.final_params)
         }
         Err(e) => {
             eprintln!("error: {e}");
@@ -469,6 +484,20 @@ fn invalid(world: &ProcessGroup, reason: String) -> CollectiveError {
 fn write_losses(path: Option<&std::path::Path>, losses: &[f64]) -> ExitCode {
     if let Some(path) = path
         && let Err(e) = std::fs::write(path, serde_json::to_string(losses).expect("json"))
+    {
+        eprintln!("error: writing {}: {e}", path.display());
+        return ExitCode::FAILURE;
+    }
+    ExitCode::SUCCESS
+}
+
+/// `--params-out`: writes the trained parameters (path, shape, values) as JSON.
+fn write_params(
+    path: Option<&std::path::Path>,
+    params: &[examples::train::NamedParam],
+) -> ExitCode {
+    if let Some(path) = path
+        && let Err(e) = std::fs::write(path, serde_json::to_string(params).expect("json"))
     {
         eprintln!("error: writing {}: {e}", path.display());
         return ExitCode::FAILURE;
