@@ -288,7 +288,7 @@ fn intersect(a: Range<usize>, b: &Range<usize>) -> Option<Range<usize>> {
     (start < end).then(|| start - b.start..end - b.start)
 }
 
-/// Paths of the parameters of `module` that do not require a gradient.
+/// Paths of the parameters of `module` that do not require a gradient (on an autodiff device).
 fn frozen_paths<M: Module>(module: &M) -> HashSet<String> {
     struct Frozen {
         stack: Vec<String>,
@@ -302,7 +302,9 @@ fn frozen_paths<M: Module>(module: &M) -> HashSet<String> {
             self.stack.pop();
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if !param.val().is_require_grad() {
+            // Off autodiff no tensor requires a gradient: there, every parameter is trainable.
+            let value = param.val();
+            if value.is_autodiff() && !value.is_require_grad() {
                 self.out.insert(self.stack.join("."));
             }
         }

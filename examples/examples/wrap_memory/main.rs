@@ -79,21 +79,20 @@ fn main() {
     };
     let embed_head = 2.0 * (config().vocab * config().d_model) as f64 * 4.0;
     let layers = full_bytes - embed_head;
+    // FSDP wraps the layers (the embedding and head stay replicated over dp_shard). The layers
+    // are built first, one at a time: while a layer is built and flattened, its whole (tensor-
+    // parallel local) parameters exist twice beside the shards made so far; the embedding and
+    // head come after, so the peak is the larger of the two phases.
+    let fsdp = |shard: f64, tp: f64| {
+        let built = embed_head / tp + layers / (shard * tp);
+        let while_wrapping = layers / (shard * tp) + 2.0 * unit / tp;
+        built.max(while_wrapping)
+    };
     let rows: [(&str, ParallelDims, f64); 4] = [
         ("DDP", dims(4, 1, 1), full_bytes),
         ("TP 4", dims(1, 1, 4), full_bytes / 4.0),
-        // Embedding and head replicated (FSDP wraps the layers), layers sharded, plus one whole
-        // layer while it is built and flattened.
-        (
-            "FSDP 4",
-            dims(1, 4, 1),
-            embed_head + layers / 4.0 + 2.0 * unit,
-        ),
-        (
-            "FSDP 2 x TP 2",
-            dims(1, 2, 2),
-            embed_head / 2.0 + layers / 4.0 + unit,
-        ),
+        ("FSDP 4", dims(1, 4, 1), fsdp(4.0, 1.0)),
+        ("FSDP 2 x TP 2", dims(1, 2, 2), fsdp(2.0, 2.0)),
     ];
     for (name, d, formula) in rows {
         let (peak, params) = wrap_peak(d);
