@@ -332,6 +332,7 @@ fn global_norm_clipping_counts_shards_once() {
 
 #[cfg(feature = "ndarray")]
 #[test]
+#[allow(deprecated)] // Burn 0.22 deprecates NdArray; it is still a backend users run.
 fn byo_model_on_ndarray() {
     let device = Device::ndarray();
     let reference = reference(&device, None);

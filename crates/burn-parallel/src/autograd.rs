@@ -21,6 +21,9 @@
 //!
 //! Every rank must own its parameters (no autodiff node shared between thread ranks).
 
+// Burn 0.22 deprecates its NdArray backend; supporting it (feature `ndarray`) is deliberate.
+#![cfg_attr(feature = "ndarray", allow(deprecated))]
+
 use std::fmt;
 use std::sync::Arc;
 
