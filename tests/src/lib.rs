@@ -309,8 +309,9 @@ pub fn assert_matches_reference(
 /// `print!`/`eprint!` but not writes through a `std::io::stderr()` handle), so that it shows in
 /// `cargo test` output without `--nocapture`.
 pub fn visible_notice(line: &str) {
-    let mut err = std::io::stderr().lock();
-    let _ = writeln!(err, "{line}");
+    // One write of the whole line, so that it does not interleave with libtest's output.
+    let line = format!("{line}\n");
+    let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
 
 /// The workspace binaries the tests run, by package. They are built together, in one Cargo

@@ -490,7 +490,9 @@ mod wgpu {
     /// `--nocapture`.
     fn skipped(test: &str, reason: &str) {
         use std::io::Write;
-        let _ = writeln!(std::io::stderr().lock(), "SKIPPED wgpu::{test}: {reason}");
+        // One write of the whole line, so that it does not interleave with libtest's output.
+        let line = format!("SKIPPED wgpu::{test}: {reason}\n");
+        let _ = std::io::stderr().lock().write_all(line.as_bytes());
     }
 
     /// The WGPU device for `test`, or `None` (with a visible `SKIPPED` line) when there is no
@@ -502,11 +504,10 @@ mod wgpu {
                 if std::env::var("BURN_PARALLEL_REQUIRE_WGPU").as_deref() == Ok("1") {
                     panic!("{test}: BURN_PARALLEL_REQUIRE_WGPU=1 but {e}");
                 }
+                // `e` reads "no WGPU adapter: <why>".
                 skipped(
                     test,
-                    &format!(
-                        "no WGPU adapter ({e}); set BURN_PARALLEL_REQUIRE_WGPU=1 to fail instead"
-                    ),
+                    &format!("{e}; set BURN_PARALLEL_REQUIRE_WGPU=1 to fail instead"),
                 );
                 None
             }
