@@ -20,12 +20,11 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
-use burn::module::Module;
 use burn::tensor::Device;
-use burn_parallel::{DeviceMesh, run_local};
+use burn_parallel::init::Init;
+use burn_parallel::run_local;
 use examples::data::{Corpus, Split};
 use examples::gpt::{Gpt, GptConfig};
-use examples::parallelize::{TpOptions, parallelize_gpt};
 use examples::train::{Parallelism, TrainConfig, train_gpt_parallel};
 
 struct Counting;
@@ -78,15 +77,12 @@ fn measure(
     seq: usize,
     corpus: &Corpus,
 ) -> (usize, f64) {
-    let full = Gpt::new(config, &Device::flex());
     let out = run_local(tp, |world| {
-        let mesh = DeviceMesh::new(&world, &[("tp", tp)]).expect("mesh");
         let device = Device::flex().autodiff();
-        let options = TpOptions {
-            sequence_parallel: sp,
-            ..Default::default()
-        };
-        let model = parallelize_gpt(&full, &mesh, &options, &device).expect("plan");
+        let init = Init::new(config.seed, &device)
+            .with_tp(&world, Gpt::tp_plan(config, sp))
+            .expect("plan");
+        let model = Gpt::build(config, &init, None).expect("plan");
         let params = model.num_params() * 4;
         let (x, y) = corpus
             .batch(0, batch, seq, Split::Train)
@@ -133,7 +129,10 @@ fn main() {
             warmup_steps: 1,
             ..TrainConfig::default()
         };
-        let p = Parallelism { tp, sp: false };
+        let p = Parallelism {
+            tp,
+            ..Parallelism::default()
+        };
         let reports = run_local(tp, |g| {
             train_gpt_parallel(&g, &config, &p, &corpus, &mut |_| {})
         })

@@ -9,12 +9,13 @@
 //!   SwiGLU MLPs, learned or rotary positions, LayerNorm or RMSNorm, tied or untied embeddings;
 //! - [`vit`]: a Vision Transformer for small images ([`vit::Vit`], [`vit::VitConfig`]) built from
 //!   the same blocks;
-//! - [`parallelize`]: tensor- and sequence-parallel plans for both models (and the reverse);
 //! - [`data`]: the bundled King James Bible as byte tokens ([`data::Corpus`]) and the 8x8
 //!   hand-written digits ([`data::Digits`]), with batches that are pure functions of the step.
 //!
-//! The models know nothing about parallelism: every linear layer is a separate named field, so
-//! a parallelisation plan can shard or replace them one at a time.
+//! Each model is one type for one device and every layout: its linear layers and embeddings
+//! are `burn_parallel::nn` layers that a tensor-parallel plan splits (at tp = 1 they are plain
+//! layers), its blocks `burn_zero::Fsdp` units that an FSDP plan shards. `Gpt::tp_plan`,
+//! `Gpt::fsdp_plan` (and the ViT's) are the whole layout-specific code.
 //!
 //! ```
 //! use burn::tensor::Device;
@@ -25,14 +26,13 @@
 //! let model = Gpt::new(&GptConfig { d_ff: 32, ..GptConfig::new(256, 1, 2, 8, 16) }, &device);
 //! let corpus = Corpus::from_bytes(b"In the beginning God created the heaven and the earth.".to_vec());
 //! let (inputs, targets) = corpus.batch(0, 2, 16, Split::Train).to_tensors(&device);
-//! let loss = model.loss(inputs, targets);
+//! let loss = model.loss(inputs, targets).unwrap();
 //! assert_eq!(loss.dims(), [1]);
 //! ```
 
 pub mod data;
 pub mod gpt;
 pub use burn_parallel::init;
-pub mod parallelize;
 pub mod train;
 pub mod train_vit;
 pub mod train_zero;

@@ -8,9 +8,15 @@
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::{AdamWConfig, GradientsParams};
+use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData, activation};
-use burn_parallel::{CollectiveError, DistributedDataParallel, ProcessGroup, ReduceOp};
+use burn_parallel::init::Init;
+use burn_parallel::tensor_parallel::TpError;
+use burn_parallel::train::TrainStep;
+use burn_parallel::{
+    CollectiveError, DistributedDataParallel, ParallelDims, ProcessGroup, ReduceOp,
+};
+use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroError, ZeroOptimizer};
 use serde::{Deserialize, Serialize};
 
 use crate::data::{Corpus, Split};
@@ -177,6 +183,93 @@ pub struct TrainReport {
     pub final_params: Vec<NamedParam>,
 }
 
+/// How the world is split for [`train_gpt_parallel`]: tensor parallelism inside groups of `tp`
+/// ranks, and across them data parallelism, ZeRO-1/2, FSDP or HSDP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Parallelism {
+    /// Tensor-parallel size (1: none).
+    pub tp: usize,
+    /// Sequence parallelism inside each tensor-parallel group.
+    pub sp: bool,
+    /// `None`: DDP over the data-parallel ranks. Stage 1 or 2: ZeRO's sharded optimizer
+    /// ([`ZeroOptimizer`]). Stage 3: FSDP, every block an FSDP unit ([`Gpt::fsdp_plan`]).
+    pub zero: Option<Stage>,
+    /// Hybrid sharding (with `zero`): shard inside groups of `data ranks / replicate`, replicate
+    /// across `replicate` groups. 1: shard over every data-parallel rank.
+    pub replicate: usize,
+    /// The device.
+    pub device: TrainDevice,
+}
+
+impl Default for Parallelism {
+    fn default() -> Self {
+        Self {
+            tp: 1,
+            sp: false,
+            zero: None,
+            replicate: 1,
+            device: TrainDevice::Flex,
+        }
+    }
+}
+
+impl Parallelism {
+    /// The mesh of this split on `world` ranks.
+    pub fn dims(&self, world: usize) -> ParallelDims {
+        let tp = self.tp.max(1);
+        let dp = world / tp;
+        match self.zero {
+            None => ParallelDims {
+                dp_replicate: dp,
+                dp_shard: 1,
+                tp,
+            },
+            Some(_) => ParallelDims {
+                dp_replicate: self.replicate.max(1),
+                dp_shard: dp / self.replicate.max(1),
+                tp,
+            },
+        }
+    }
+
+    /// Checks that `world` ranks can run `config` with this split, before any rank builds
+    /// anything.
+    ///
+    /// # Errors
+    /// A message saying which setting to change.
+    pub fn validate(&self, config: &TrainConfig, world: usize) -> Result<(), String> {
+        if self.tp == 0 || !world.is_multiple_of(self.tp) {
+            return Err(format!(
+                "the world of {world} ranks cannot be split into tensor-parallel groups of {}; \
+                 use a --tp that divides the number of ranks",
+                self.tp
+            ));
+        }
+        if self.sp && self.tp == 1 {
+            return Err("sequence parallelism (--sp) needs --tp 2 or more".into());
+        }
+        if !config.model.n_heads.is_multiple_of(self.tp) {
+            return Err(format!(
+                "n_heads ({}) is not divisible by the tensor-parallel size {}: attention is \
+                 split by whole heads",
+                config.model.n_heads, self.tp
+            ));
+        }
+        let dp = world / self.tp;
+        if self.replicate == 0 || !dp.is_multiple_of(self.replicate) {
+            return Err(format!(
+                "{dp} data-parallel ranks cannot form {} replicate groups; use a --hybrid that \
+                 divides {dp}",
+                self.replicate
+            ));
+        }
+        if self.replicate > 1 && self.zero.is_none() {
+            return Err("hybrid sharding (--hybrid) needs --zero".into());
+        }
+        config.validate(dp)
+    }
+}
+
 /// Trains the GPT of `config` with data parallelism over `group` (a group of one rank is
 /// single-device training) and calls `on_step` after every step.
 ///
@@ -189,7 +282,7 @@ pub fn train_gpt(
     corpus: &Corpus,
     on_step: &mut dyn FnMut(&StepStats),
 ) -> burn_parallel::Result<TrainReport> {
-    train_gpt_on(group, config, TrainDevice::Flex, corpus, on_step)
+    train_gpt_parallel(group, config, &Parallelism::default(), corpus, on_step)
 }
 
 /// [`train_gpt`] on `device` (the `gpt --device` flag): with [`TrainDevice::Wgpu`] and
@@ -205,50 +298,205 @@ pub fn train_gpt_on(
     corpus: &Corpus,
     on_step: &mut dyn FnMut(&StepStats),
 ) -> burn_parallel::Result<TrainReport> {
-    let plain = device;
-    config
-        .validate(group.size())
-        .map_err(|reason| CollectiveError::InvalidArgument {
-            rank: group.global_rank(),
-            op: "train_gpt".into(),
-            reason,
-        })?;
-    let device = device
+    let parallel = Parallelism {
+        device,
+        ..Parallelism::default()
+    };
+    train_gpt_parallel(group, config, &parallel, corpus, on_step)
+}
+
+/// A layout's error as the collective error the trainers return.
+fn invalid(world: &ProcessGroup, op: &str, e: impl std::fmt::Display) -> CollectiveError {
+    CollectiveError::InvalidArgument {
+        rank: world.global_rank(),
+        op: op.into(),
+        reason: e.to_string(),
+    }
+}
+
+fn tp_error(world: &ProcessGroup, e: TpError) -> CollectiveError {
+    match e {
+        TpError::Collective(e) => e,
+        other => invalid(world, "tensor parallel", other),
+    }
+}
+
+fn zero_error(world: &ProcessGroup, e: ZeroError) -> CollectiveError {
+    match e {
+        ZeroError::Collective(e) => e,
+        ZeroError::Tp(e) => tp_error(world, e),
+        other => invalid(world, "zero", other),
+    }
+}
+
+/// The optimizer side of a run: the library's training step (DDP, FSDP, HSDP, each × TP) or
+/// ZeRO-1/2's sharded optimizer.
+enum Engine {
+    Step {
+        step: TrainStep,
+        optim: ModuleOptimizer,
+        acc: GradientsAccumulator<Gpt>,
+    },
+    Zero(Box<ZeroOptimizer<burn::optim::AdamW>>),
+}
+
+/// Trains the GPT of `config` on `world` with the split `parallel` (every rank calls it): one
+/// model type ([`Gpt::build`]) under every layout, the tensor-parallel plan [`Gpt::tp_plan`],
+/// the FSDP plan [`Gpt::fsdp_plan`], and the library's [`TrainStep`] (or ZeRO's optimizer).
+/// Each data-parallel rank takes its rows of the step's global batch in `grad_accum`
+/// micro-steps. Whatever the split, the losses and final parameters are those of
+/// single-device training on the same global batch.
+///
+/// # Errors
+/// An invalid split or config as [`CollectiveError::InvalidArgument`] (before any
+/// communication); collective errors.
+pub fn train_gpt_parallel(
+    world: &ProcessGroup,
+    config: &TrainConfig,
+    parallel: &Parallelism,
+    corpus: &Corpus,
+    on_step: &mut dyn FnMut(&StepStats),
+) -> burn_parallel::Result<TrainReport> {
+    let op = "train_gpt";
+    parallel
+        .validate(config, world.size())
+        .map_err(|e| invalid(world, op, e))?;
+    let plain = parallel
+        .device
         .device()
-        .map_err(|reason| CollectiveError::InvalidArgument {
-            rank: group.global_rank(),
-            op: "train_gpt".into(),
-            reason,
-        })?
-        .autodiff();
-    let ddp = data_parallel(group, config);
-    // Seeded init already gives identical replicas; the broadcast makes that a guarantee.
-    let model = ddp.broadcast_module(Gpt::new(&config.model, &device), 0)?;
-    let loss_of = |m: &Gpt, inputs, targets| Ok(m.loss(inputs, targets));
-    let (model, run) = fit(model, &ddp, config, corpus, &device, &loss_of, on_step)?;
-    let eval_model = model.valid();
-    let val_loss = validation_loss(group, config, plain, corpus, &|inputs, targets| {
-        Ok(eval_model.loss(inputs, targets))
+        .map_err(|e| invalid(world, op, e))?;
+    let device = plain.clone().autodiff();
+    let dims = parallel.dims(world.size());
+    let mesh = dims.build(world).map_err(|e| invalid(world, op, e))?;
+    let group = |name: &str| mesh.group(name).cloned().map_err(|e| invalid(world, op, e));
+    let (tp, shard, replicate) = (group("tp")?, group("dp_shard")?, group("dp_replicate")?);
+    let dp = dims
+        .data_parallel(&mesh)
+        .map_err(|e| invalid(world, op, e))?;
+
+    // ---- the model: one type, the plans decide the layout ----
+    let init = Init::new(config.model.seed, &device)
+        .with_tp(&tp, Gpt::tp_plan(&config.model, parallel.sp))
+        .map_err(|e| tp_error(world, e))?;
+    let fsdp = (parallel.zero == Some(Stage::Three)).then(|| Gpt::fsdp_plan(&shard));
+    let model = Gpt::build(&config.model, &init, fsdp.as_ref())
+        .map_err(|e| zero_error(world, e))?
+        .with_dropout_stream(dp.rank() as u64);
+    // Seeded init gives identical replicas; fail loudly if they are not.
+    burn_parallel::verify_replicas(&model, &replicate).map_err(|e| invalid(world, op, e))?;
+    let adamw = AdamWConfig::new().with_weight_decay(config.weight_decay as f32);
+    let mut engine = match parallel.zero {
+        Some(stage @ (Stage::One | Stage::Two)) => {
+            let groups = if parallel.replicate > 1 {
+                ShardGroups::hybrid(&mesh).map_err(|e| zero_error(world, e))?
+            } else {
+                ShardGroups::flat(dp.clone())
+            };
+            let zero = ZeroConfig::new(stage)
+                .with_max_grad_norm(config.max_grad_norm)
+                .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
+            let zero = ZeroOptimizer::new(&model, groups, zero, adamw.build())
+                .map_err(|e| zero_error(world, e))?
+                .with_tensor_parallel(&model.tp);
+            Engine::Zero(Box::new(zero))
+        }
+        _ => {
+            let ddp = DistributedDataParallel::new(dp.clone())
+                .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
+            let mut step = TrainStep::new(model.tp.clone()).with_clip(config.max_grad_norm);
+            if dp.size() > 1 {
+                step = step.with_ddp(ddp);
+            }
+            if let Some(plan) = &fsdp {
+                step = step.with_fsdp(plan.shards().clone(), Some(replicate.clone()));
+            }
+            Engine::Step {
+                step,
+                optim: adamw.init(),
+                acc: GradientsAccumulator::new(),
+            }
+        }
+    };
+
+    // ---- the loop ----
+    let rows_per_rank = config.batch_size / dp.size();
+    let micro_rows = rows_per_rank / config.grad_accum;
+    let tokens_per_step = (config.batch_size * config.seq_len) as f64;
+    let start = Instant::now();
+    let mut model = Some(model);
+    let mut run = Run {
+        losses: Vec::with_capacity(config.steps),
+        timed: 0.0,
+    };
+    for step in 0..config.steps {
+        let step_start = Instant::now();
+        let mut local_loss = 0.0;
+        let mut m = model.take().expect("the loop always holds the model");
+        for micro in 0..config.grad_accum {
+            let first = dp.rank() * rows_per_rank + micro * micro_rows;
+            let batch = corpus.batch_rows(
+                step as u64,
+                first..first + micro_rows,
+                config.seq_len,
+                Split::Train,
+            );
+            let (inputs, targets) = batch.to_tensors(&device);
+            let loss = m.loss(inputs, targets).map_err(|e| tp_error(world, e))?;
+            local_loss += scalar(&loss) / config.grad_accum as f64;
+            match &mut engine {
+                Engine::Step { acc, .. } => {
+                    let loss = loss / config.grad_accum as f32;
+                    acc.accumulate(&m, GradientsParams::from_grads(loss.backward(), &m));
+                }
+                // ZeRO averages the micro-steps itself.
+                Engine::Zero(zero) => zero
+                    .accumulate(&m, GradientsParams::from_grads(loss.backward(), &m))
+                    .map_err(|e| zero_error(world, e))?,
+            }
+        }
+        let lr = config.lr_at(step);
+        m = match &mut engine {
+            Engine::Step { step, optim, acc } => {
+                let (grads, _norm) = step.reduce(&m, acc.grads())?;
+                optim.step(lr, m, grads)
+            }
+            Engine::Zero(zero) => zero.step(lr, m).map_err(|e| zero_error(world, e))?.0,
+        };
+        model = Some(m);
+        let loss = dp.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
+        run.losses.push(loss);
+        let seconds = step_start.elapsed().as_secs_f64();
+        if step > 0 {
+            run.timed += seconds;
+        }
+        on_step(&StepStats {
+            step,
+            loss,
+            lr,
+            tokens_per_sec: tokens_per_step / seconds,
+            elapsed: start.elapsed().as_secs_f64(),
+        });
+    }
+
+    // ---- evaluation on the layout, then the whole model for sampling and the report ----
+    let eval_model = model.expect("trained").valid();
+    let val_loss = validation_loss(&dp, config, parallel.device, corpus, &|inputs, targets| {
+        eval_model
+            .loss(inputs, targets)
+            .map_err(|e| tp_error(world, e))
     })?;
-    let sample = if group.rank() == 0 {
-        generate(&eval_model, &config.prompt, config, &device.inner())
+    let full = eval_model
+        .to_single(&plain)
+        .map_err(|e| zero_error(world, e))?;
+    let sample = if config.sample_len > 0 && world.rank() == 0 {
+        generate(&full, &config.prompt, config, &plain)
     } else {
         String::new()
     };
-    Ok(run.report(config, val_loss, sample, named_params(&eval_model)))
+    Ok(run.report(config, val_loss, sample, named_params(&full)))
 }
 
-/// The data-parallel group's gradient averaging, with the run's bucket size.
-fn data_parallel(group: &ProcessGroup, config: &TrainConfig) -> DistributedDataParallel {
-    DistributedDataParallel::new(group.clone())
-        .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize)
-}
-
-/// Computes a model's mean loss on `(inputs, targets)`, with the layout's own errors mapped.
-type LossFn<'a, M> =
-    dyn Fn(&M, Tensor<2, Int>, Tensor<2, Int>) -> burn_parallel::Result<Tensor<1>> + 'a;
-
-/// What [`fit`] measured.
+/// What the training loop measured.
 struct Run {
     losses: Vec<f64>,
     /// Seconds of all steps but the first.
@@ -274,72 +522,6 @@ impl Run {
             final_params,
         }
     }
-}
-
-/// The training loop every layout shares: each data-parallel rank (of `ddp`'s group) takes its
-/// rows of the step's global batch, in `grad_accum` micro-steps, computes the loss with
-/// `loss_of`, and steps AdamW on gradients averaged once per step.
-fn fit<M: Module>(
-    mut model: M,
-    ddp: &DistributedDataParallel,
-    config: &TrainConfig,
-    corpus: &Corpus,
-    device: &Device,
-    loss_of: &LossFn<'_, M>,
-    on_step: &mut dyn FnMut(&StepStats),
-) -> burn_parallel::Result<(M, Run)> {
-    let group = ddp.group();
-    let mut optim = AdamWConfig::new()
-        .with_weight_decay(config.weight_decay as f32)
-        .init();
-    let rows_per_rank = config.batch_size / group.size();
-    let micro_rows = rows_per_rank / config.grad_accum;
-    let tokens_per_step = (config.batch_size * config.seq_len) as f64;
-    let start = Instant::now();
-    let mut run = Run {
-        losses: Vec::with_capacity(config.steps),
-        timed: 0.0,
-    };
-    for step in 0..config.steps {
-        let step_start = Instant::now();
-        let mut accumulator = ddp.accumulator();
-        let mut local_loss = 0.0;
-        for micro in 0..config.grad_accum {
-            let first = group.rank() * rows_per_rank + micro * micro_rows;
-            let batch = corpus.batch_rows(
-                step as u64,
-                first..first + micro_rows,
-                config.seq_len,
-                Split::Train,
-            );
-            let (inputs, targets) = batch.to_tensors(device);
-            let loss = loss_of(&model, inputs, targets)?;
-            local_loss += scalar(&loss) / config.grad_accum as f64;
-            accumulator.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
-        }
-        let mut grads = accumulator.finish(&model)?;
-        if let Some(max) = config.max_grad_norm {
-            // The averaged gradients are whole on every data-parallel rank, so the local norm
-            // is the global one (layouts that shard gradients refuse clipping here).
-            grads = burn_zero::clip::clip_grads_global_norm(&model, grads, max).0;
-        }
-        let lr = config.lr_at(step);
-        model = optim.step(lr, model, grads);
-        let loss = group.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
-        run.losses.push(loss);
-        let seconds = step_start.elapsed().as_secs_f64();
-        if step > 0 {
-            run.timed += seconds;
-        }
-        on_step(&StepStats {
-            step,
-            loss,
-            lr,
-            tokens_per_sec: tokens_per_step / seconds,
-            elapsed: start.elapsed().as_secs_f64(),
-        });
-    }
-    Ok((model, run))
 }
 
 fn scalar(t: &Tensor<1>) -> f64 {
@@ -393,7 +575,9 @@ pub fn generate(model: &Gpt, prompt: &str, config: &TrainConfig, device: &Device
             TensorData::new(window.to_vec(), [1, window.len()]),
             device,
         );
-        let logits = model.forward(input); // [1, t, vocab]
+        let logits = model
+            .forward(input)
+            .expect("a single-device GPT on byte tokens"); // [1, t, vocab]
         let vocab = logits.dims()[2];
         let last = logits.narrow(1, window.len() - 1, 1).reshape([vocab]);
         let probs = activation::softmax(last / 0.8, 0)
@@ -414,134 +598,6 @@ pub fn generate(model: &Gpt, prompt: &str, config: &TrainConfig, device: &Device
         tokens.push(choice as i64);
     }
     String::from_utf8_lossy(&tokens.iter().map(|&t| t as u8).collect::<Vec<u8>>()).into_owned()
-}
-
-/// How the world is split for [`train_gpt_parallel`]: `world / tp` data-parallel replicas of a
-/// model split over `tp` ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Parallelism {
-    /// Tensor-parallel size (1: data parallelism only).
-    pub tp: usize,
-    /// Sequence parallelism inside each tensor-parallel group.
-    pub sp: bool,
-}
-
-impl Default for Parallelism {
-    fn default() -> Self {
-        Self { tp: 1, sp: false }
-    }
-}
-
-impl Parallelism {
-    /// Checks that `world` ranks can run `config` with this split.
-    ///
-    /// # Errors
-    /// A message saying which setting to change.
-    pub fn validate(&self, config: &TrainConfig, world: usize) -> Result<(), String> {
-        if self.tp == 0 || !world.is_multiple_of(self.tp) {
-            return Err(format!(
-                "the world of {world} ranks cannot be split into tensor-parallel groups of {}; \
-                 use a --tp that divides the number of ranks",
-                self.tp
-            ));
-        }
-        if self.tp > 1 && config.max_grad_norm.is_some() {
-            return Err(
-                "gradient clipping does not support tensor parallelism yet (the norm of sharded \
-                 gradients needs a reduction over the tensor-parallel group); drop --clip or --tp"
-                    .into(),
-            );
-        }
-        if self.sp && self.tp == 1 {
-            return Err("sequence parallelism (--sp) needs --tp 2 or more".into());
-        }
-        crate::parallelize::check_gpt_tp(&config.model, self.tp).map_err(|e| e.to_string())?;
-        config.validate(world / self.tp)
-    }
-}
-
-fn tp_error(group: &ProcessGroup, e: burn_parallel::TpError) -> CollectiveError {
-    match e {
-        burn_parallel::TpError::Collective(e) => e,
-        other => CollectiveError::InvalidArgument {
-            rank: group.global_rank(),
-            op: "tensor parallel".into(),
-            reason: other.to_string(),
-        },
-    }
-}
-
-/// Trains the GPT of `config` on `world` arranged as a `dp x tp` mesh: each tensor-parallel
-/// group holds one model split by [`crate::parallelize::parallelize_gpt`] (with sequence
-/// parallelism if asked), the data-parallel groups average the gradients of matching shards
-/// (replicated parameters included) with [`DistributedDataParallel`]. With `tp == 1` this is
-/// [`train_gpt`]. The losses are those of single-device training on the same global batch.
-///
-/// # Errors
-/// An invalid split or config as [`CollectiveError::InvalidArgument`]; collective errors.
-pub fn train_gpt_parallel(
-    world: &ProcessGroup,
-    config: &TrainConfig,
-    parallel: &Parallelism,
-    corpus: &Corpus,
-    on_step: &mut dyn FnMut(&StepStats),
-) -> burn_parallel::Result<TrainReport> {
-    let invalid = |reason: String| CollectiveError::InvalidArgument {
-        rank: world.global_rank(),
-        op: "train_gpt_parallel".into(),
-        reason,
-    };
-    parallel.validate(config, world.size()).map_err(invalid)?;
-    if parallel.tp == 1 {
-        return train_gpt(world, config, corpus, on_step);
-    }
-    let dp = world.size() / parallel.tp;
-    let mesh = burn_parallel::DeviceMesh::new(world, &[("dp", dp), ("tp", parallel.tp)])
-        .map_err(|e| invalid(e.to_string()))?;
-    let dp_group = mesh
-        .group("dp")
-        .map_err(|e| invalid(e.to_string()))?
-        .clone();
-    let device = Device::flex().autodiff();
-    let options = crate::parallelize::TpOptions {
-        sequence_parallel: parallel.sp,
-        ..Default::default()
-    };
-    // The full model is built from the seed on a plain device; each rank keeps its shards.
-    let reference = Gpt::new(&config.model, &Device::flex());
-    let model = crate::parallelize::parallelize_gpt(&reference, &mesh, &options, &device)
-        .map_err(|e| tp_error(world, e))?;
-    drop(reference);
-    let ddp = data_parallel(&dp_group, config);
-    let model = ddp.broadcast_module(model, 0)?;
-    let loss_of = |m: &crate::parallelize::TpGpt, inputs, targets| {
-        m.loss(inputs, targets).map_err(|e| tp_error(world, e))
-    };
-    let (model, run) = fit(model, &ddp, config, corpus, &device, &loss_of, on_step)?;
-    // Evaluation with the sharded model, each data-parallel replica on its rows (every rank of
-    // a tensor-parallel group holds the same loss).
-    let eval_model = model.valid();
-    let val_loss = validation_loss(
-        &dp_group,
-        config,
-        TrainDevice::Flex,
-        corpus,
-        &|inputs, targets| {
-            eval_model
-                .loss(inputs, targets)
-                .map_err(|e| tp_error(world, e))
-        },
-    )?;
-    // Sampling and the report's final parameters need the whole model: gather it (every rank
-    // takes part), rank 0 generates.
-    let plain = Device::flex();
-    let full = eval_model.to_full(&plain).map_err(|e| tp_error(world, e))?;
-    let sample = if config.sample_len > 0 && world.rank() == 0 {
-        generate(&full, &config.prompt, config, &plain)
-    } else {
-        String::new()
-    };
-    Ok(run.report(config, val_loss, sample, named_params(&full)))
 }
 
 /// One parameter of a trained model: its module path, shape and values (fp32, on the host).

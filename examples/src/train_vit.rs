@@ -1,13 +1,14 @@
 //! The ViT training loop on the bundled 8x8 digits, shared by the `vit` binary and the tests.
 //!
-//! [`train_vit`] runs on every rank of a world arranged as `dp x tp` ([`ParallelDims`] with
-//! `dp_replicate = world / tp`):
+//! [`train_vit`] runs on every rank of a world arranged as `dp x tp` ([`ParallelDims`]); the
+//! model is one type under every layout:
 //!
 //! | layout | model | gradient reduction and step |
 //! |---|---|---|
 //! | single device, DDP | [`Vit`] | [`TrainStep`]: averaged over `dp`, global-norm clipping |
-//! | TP (+ SP), DP x TP | [`TpVit`] ([`parallelize_vit`]) | [`TrainStep`], the shards registered in a [`TpContext`]: averaged over `dp`, clipping with the shards summed over `tp` |
-//! | ZeRO-1/2 | [`Vit`] | [`ZeroOptimizer`] over `dp` (optimizer state, and gradients at stage 2, sharded) |
+//! | TP (+ SP), DP x TP | [`Vit`] built with [`Vit::tp_plan`] | [`TrainStep`]: averaged over `dp`, clipping with the shards summed over `tp` |
+//! | FSDP (× TP) | [`Vit`] built with [`Vit::fsdp_plan`] | [`TrainStep`] with the units' flat shards |
+//! | ZeRO-1/2 (× TP) | [`Vit`] | [`ZeroOptimizer`] over `dp` (optimizer state, and gradients at stage 2, sharded) |
 //!
 //! Every data-parallel rank takes its rows of the step's global batch (a pure function of the
 //! seed and the step, drawn from the training split), so every layout reproduces single-device
@@ -40,17 +41,15 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor};
-use burn_parallel::nn::TpContext;
+use burn_parallel::init::Init;
 use burn_parallel::train::TrainStep;
 use burn_parallel::{
-    CollectiveError, DistributedDataParallel, MeshError, ParallelDims, ProcessGroup, ReduceOp,
-    TpError, run_local,
+    CollectiveError, MeshError, ParallelDims, ProcessGroup, ReduceOp, TpError, run_local,
 };
 use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroError, ZeroOptimizer};
 use serde::{Deserialize, Serialize};
 
 use crate::data::{Digits, DigitsBatch};
-use crate::parallelize::{TpOptions, TpVit, parallelize_vit};
 use crate::vit::{Vit, VitConfig};
 
 /// Errors of a ViT training run. Each names what was wrong and what to change.
@@ -220,7 +219,8 @@ pub struct VitLayout {
     pub tp: usize,
     /// Sequence parallelism inside each tensor-parallel group (the 17 tokens split).
     pub sp: bool,
-    /// ZeRO stage 1 or 2 over the data-parallel ranks instead of plain DDP.
+    /// ZeRO over the data-parallel ranks instead of plain DDP: stage 1 or 2 shard the
+    /// optimizer state (and gradients), stage 3 is FSDP with every encoder block a unit.
     pub zero: Option<Stage>,
 }
 
@@ -230,12 +230,18 @@ impl VitLayout {
         self.tp.max(1)
     }
 
-    /// The parallel dimensions of this layout on `world` ranks.
+    /// The parallel dimensions of this layout on `world` ranks: ZeRO and FSDP shard over every
+    /// data-parallel rank, DDP replicates.
     pub fn dims(&self, world: usize) -> ParallelDims {
+        let dp = world / self.tp_size();
+        let (dp_replicate, dp_shard) = match self.zero {
+            None => (dp, 1),
+            Some(_) => (1, dp),
+        };
         ParallelDims {
-            dp_replicate: world / self.tp_size(),
+            dp_replicate,
+            dp_shard,
             tp: self.tp_size(),
-            ..ParallelDims::default()
         }
     }
 
@@ -258,20 +264,6 @@ impl VitLayout {
         }
         if self.sp && tp == 1 {
             return config_err("sequence parallelism (--sp) needs --tp 2 or more".into());
-        }
-        if let Some(stage) = self.zero {
-            if tp > 1 {
-                return config_err(
-                    "--zero does not compose with --tp in the vit trainer yet; use one or the \
-                     other"
-                        .into(),
-                );
-            }
-            if stage == Stage::Three {
-                return config_err(
-                    "the vit trainer runs ZeRO stages 1 and 2; use --zero 1 or --zero 2".into(),
-                );
-            }
         }
         if !config.model.n_heads.is_multiple_of(tp) {
             return config_err(format!(
@@ -331,25 +323,14 @@ pub struct VitReport {
     pub model: Vit,
 }
 
-/// The parameters of a model under training, with its optimizer.
+/// The optimizer side of a run: the library's training step (DDP, FSDP, each × TP) or
+/// ZeRO-1/2's sharded optimizer.
 enum Engine {
-    /// Single device or DDP.
-    Plain {
-        model: Option<Vit>,
+    Step {
         step: TrainStep,
         optim: ModuleOptimizer,
     },
-    /// Tensor (and sequence) parallel, DDP across the tensor-parallel groups.
-    Tp {
-        model: Option<TpVit>,
-        step: TrainStep,
-        optim: ModuleOptimizer,
-    },
-    /// ZeRO stage 1 or 2.
-    Zero {
-        model: Option<Vit>,
-        zero: Box<ZeroOptimizer<burn::optim::AdamW>>,
-    },
+    Zero(Box<ZeroOptimizer<burn::optim::AdamW>>),
 }
 
 /// The loss of a batch, and the step's global loss and gradient norm.
@@ -359,91 +340,47 @@ struct Stepped {
 }
 
 impl Engine {
-    /// One optimizer step on this rank's rows `(x, y)` with learning rate `lr`.
-    fn step(&mut self, x: Tensor<4>, y: Tensor<1, Int>, lr: f64) -> Result<Stepped, VitTrainError> {
+    /// One optimizer step of `model` on this rank's rows `(x, y)` with learning rate `lr`.
+    fn step(
+        &mut self,
+        model: Vit,
+        x: Tensor<4>,
+        y: Tensor<1, Int>,
+        lr: f64,
+    ) -> Result<(Vit, Stepped), VitTrainError> {
+        let loss = model.loss(x, y)?;
         match self {
-            Engine::Plain { model, step, optim } => {
-                let m = model.take().expect("the engine always holds its model");
-                let loss = m.loss(x, y);
-                let (m, out) = step.step(m, loss, optim, lr)?;
-                *model = Some(m);
-                Ok(Stepped {
+            Engine::Step { step, optim } => {
+                let (model, out) = step.step(model, loss, optim, lr)?;
+                let stepped = Stepped {
                     loss: f64::from(out.loss),
                     grad_norm: out.grad_norm,
-                })
+                };
+                Ok((model, stepped))
             }
-            Engine::Tp { model, step, optim } => {
-                let m = model.take().expect("the engine always holds its model");
-                let loss = m.loss(x, y)?;
-                let (m, out) = step.step(m, loss, optim, lr)?;
-                *model = Some(m);
-                Ok(Stepped {
-                    loss: f64::from(out.loss),
-                    grad_norm: out.grad_norm,
-                })
-            }
-            Engine::Zero { model, zero } => {
-                let m = model.take().expect("the engine always holds its model");
-                let loss = m.loss(x, y);
+            Engine::Zero(zero) => {
                 let local = scalar(&loss);
-                let grads = GradientsParams::from_grads(loss.backward(), &m);
-                zero.accumulate(&m, grads)?;
-                let (m, info) = zero.step(lr, m)?;
-                *model = Some(m);
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                zero.accumulate(&model, grads)?;
+                let (model, info) = zero.step(lr, model)?;
                 let loss = zero.groups().mean(local as f32)?;
-                Ok(Stepped {
+                let stepped = Stepped {
                     loss: f64::from(loss),
                     grad_norm: info.grad_norm,
-                })
-            }
-        }
-    }
-
-    /// A function that classifies images with the current weights (no autodiff), replicated
-    /// over the tensor-parallel group.
-    fn predictor(&self) -> Predictor {
-        match self {
-            Engine::Plain { model, .. } | Engine::Zero { model, .. } => {
-                Predictor::Plain(model.as_ref().expect("a model").valid())
-            }
-            Engine::Tp { model, .. } => Predictor::Tp(model.as_ref().expect("a model").valid()),
-        }
-    }
-
-    /// The whole model on a plain device (a collective under tensor parallelism).
-    fn into_full(self) -> Result<Vit, VitTrainError> {
-        match self {
-            Engine::Plain { model, .. } | Engine::Zero { model, .. } => {
-                Ok(model.expect("a model").valid())
-            }
-            Engine::Tp { model, .. } => {
-                Ok(model.expect("a model").valid().to_full(&Device::flex())?)
+                };
+                Ok((model, stepped))
             }
         }
     }
 }
 
-/// A model for inference.
-enum Predictor {
-    Plain(Vit),
-    Tp(TpVit),
-}
-
-impl Predictor {
-    fn predict(&self, images: Tensor<4>) -> Result<Vec<i64>, VitTrainError> {
-        let [b, _, _, _] = images.dims();
-        let logits = match self {
-            Predictor::Plain(m) => m.forward(images),
-            Predictor::Tp(m) => m.forward(images)?,
-        };
-        Ok(logits
-            .argmax(1)
-            .reshape([b])
-            .into_data()
-            .convert::<i64>()
-            .try_into_vec::<i64>()
-            .expect("class ids"))
-    }
+fn predict(model: &Vit, images: Tensor<4>) -> Result<Vec<i64>, VitTrainError> {
+    Ok(model
+        .predict(images)?
+        .into_data()
+        .convert::<i64>()
+        .try_into_vec::<i64>()
+        .expect("class ids"))
 }
 
 fn scalar(t: &Tensor<1>) -> f64 {
@@ -454,28 +391,12 @@ fn scalar(t: &Tensor<1>) -> f64 {
         .expect("a float")[0]
 }
 
-/// The tensor-parallel context of a [`TpVit`] for [`TrainStep`]: the shards [`parallelize_vit`]
-/// made (the column-parallel `q`, `k`, `v`, `up` (`gate`) weights and biases, the row-parallel
-/// `o` and `down` weights), so that clipping sums their squares over `tp` and counts the
-/// replicated parameters (norms, embeddings, head, row-parallel biases) once.
-fn tp_context(model: &TpVit, tp: &ProcessGroup) -> TpContext {
-    let ctx = TpContext::for_group(tp);
-    for block in &model.blocks {
-        let (attn, mlp) = (&block.attn, &block.mlp);
-        for column in [&attn.q, &attn.k, &attn.v, &mlp.up]
-            .into_iter()
-            .chain(mlp.gate.as_ref())
-        {
-            ctx.register_shard(column.weight.id, 1, column.shard);
-            if let Some(b) = &column.bias {
-                ctx.register_shard(b.id, 0, column.shard);
-            }
-        }
-        for row in [&attn.o, &mlp.down] {
-            ctx.register_shard(row.weight.id, 0, row.shard);
-        }
-    }
-    ctx
+/// The model for inference (no autodiff).
+fn valid(model: &Option<Vit>) -> Vit {
+    model
+        .as_ref()
+        .expect("the loop always holds the model")
+        .valid()
 }
 
 /// The rows `rows` of a host batch.
@@ -497,7 +418,7 @@ fn eval_share(len: usize, rank: usize, size: usize) -> std::ops::Range<usize> {
 /// Test accuracy: each data-parallel rank classifies its share of `test` in chunks of
 /// `eval_batch`, the counts are summed over `dp`. Returns `(correct, total)`.
 fn evaluate(
-    predictor: &Predictor,
+    model: &Vit,
     test: &Digits,
     dp: &ProcessGroup,
     eval_batch: usize,
@@ -509,7 +430,7 @@ fn evaluate(
     for chunk in indices.chunks(eval_batch) {
         let batch = test.select(chunk);
         let (x, _) = batch.to_tensors(device);
-        let predicted = predictor.predict(x)?;
+        let predicted = predict(model, x)?;
         correct += predicted
             .iter()
             .zip(&batch.labels)
@@ -559,59 +480,43 @@ pub fn train_vit(
         )));
     }
 
-    let mut engine = if let Some(stage) = layout.zero {
-        let model = Vit::new(&config.model, &device);
-        let zero = ZeroOptimizer::new(
-            &model,
-            ShardGroups::flat(dp.clone()),
-            ZeroConfig::new(stage).with_max_grad_norm(config.max_grad_norm),
-            config.adamw().build(),
-        )?;
-        let model = zero.prepare_module(model)?;
-        Engine::Zero {
-            model: Some(model),
-            zero: Box::new(zero),
+    // ---- the model: one type, the plans decide the layout ----
+    let tp = mesh.group("tp")?.clone();
+    let init = Init::new(config.model.seed, &device).with_tp(&tp, Vit::tp_plan(layout.sp))?;
+    let fsdp = match layout.zero {
+        Some(Stage::Three) => Some(Vit::fsdp_plan(mesh.group("dp_shard")?)),
+        _ => None,
+    };
+    let model = Vit::build(&config.model, &init, fsdp.as_ref())?;
+    // Seeded init gives identical replicas; fail loudly if they are not.
+    let replicate = mesh.group("dp_replicate")?;
+    burn_parallel::verify_replicas(&model, replicate)
+        .map_err(|e| VitTrainError::Config(e.to_string()))?;
+    let mut engine = match layout.zero {
+        Some(stage @ (Stage::One | Stage::Two)) => {
+            let zero = ZeroOptimizer::new(
+                &model,
+                ShardGroups::flat(dp.clone()),
+                ZeroConfig::new(stage).with_max_grad_norm(config.max_grad_norm),
+                config.adamw().build(),
+            )?
+            .with_tensor_parallel(&model.tp);
+            Engine::Zero(Box::new(zero))
         }
-    } else if dims.tp > 1 {
-        let reference = Vit::new(&config.model, &plain);
-        let options = TpOptions {
-            sequence_parallel: layout.sp,
-            ..TpOptions::default()
-        };
-        let model = parallelize_vit(&reference, &mesh, &options, &device)?;
-        let ddp = DistributedDataParallel::new(dp.clone());
-        // Seeded init gives identical replicas; the broadcast makes that a guarantee.
-        let model = if dp.size() > 1 {
-            ddp.broadcast_module(model, 0)?
-        } else {
-            model
-        };
-        // The step clips with the shards summed over tp, the replicated parameters once.
-        let step = TrainStep::new(tp_context(&model, mesh.group("tp")?))
-            .with_ddp(ddp)
-            .with_clip(config.max_grad_norm);
-        Engine::Tp {
-            model: Some(model),
-            step,
-            optim: config.adamw().init(),
-        }
-    } else {
-        let model = Vit::new(&config.model, &device);
-        let mut step = TrainStep::new(TpContext::single()).with_clip(config.max_grad_norm);
-        let model = if dp.size() > 1 {
-            let ddp = DistributedDataParallel::new(dp.clone());
-            let model = ddp.broadcast_module(model, 0)?;
-            step = step.with_ddp(ddp);
-            model
-        } else {
-            model
-        };
-        Engine::Plain {
-            model: Some(model),
-            step,
-            optim: config.adamw().init(),
+        _ => {
+            let mut step = TrainStep::new(model.tp.clone())
+                .with_data_parallel(dp.clone())
+                .with_clip(config.max_grad_norm);
+            if let Some(plan) = &fsdp {
+                step = step.with_fsdp(plan.shards().clone(), None);
+            }
+            Engine::Step {
+                step,
+                optim: config.adamw().init(),
+            }
         }
     };
+    let mut model = Some(model);
 
     let rows = config.batch_size / dp.size();
     let first = dp.rank() * rows;
@@ -624,7 +529,9 @@ pub fn train_vit(
         let global = train.batch(step as u64, config.batch_size, config.data_seed);
         let (x, y) = batch_rows(&global, first..first + rows).to_tensors(&device);
         let lr = config.lr_at(step);
-        let stepped = engine.step(x, y, lr)?;
+        let m = model.take().expect("the loop always holds the model");
+        let (m, stepped) = engine.step(m, x, y, lr)?;
+        model = Some(m);
         let seconds = t0.elapsed().as_secs_f64();
         train_seconds += seconds;
         losses.push(stepped.loss);
@@ -632,8 +539,7 @@ pub fn train_vit(
             && (step + 1).is_multiple_of(config.eval_every)
             && step + 1 < config.steps
         {
-            let (correct, total) =
-                evaluate(&engine.predictor(), &test, &dp, config.eval_batch, &plain)?;
+            let (correct, total) = evaluate(&valid(&model), &test, &dp, config.eval_batch, &plain)?;
             let accuracy = correct as f64 / total as f64;
             evals.push((step, accuracy));
             Some(accuracy)
@@ -650,11 +556,11 @@ pub fn train_vit(
             test_accuracy,
         });
     }
-    let (test_correct, test_images) =
-        evaluate(&engine.predictor(), &test, &dp, config.eval_batch, &plain)?;
+    let model = valid(&model);
+    let (test_correct, test_images) = evaluate(&model, &test, &dp, config.eval_batch, &plain)?;
     let test_accuracy = test_correct as f64 / test_images as f64;
     evals.push((config.steps - 1, test_accuracy));
-    let model = engine.into_full()?;
+    let model = model.to_single(&plain)?;
     Ok(VitReport {
         losses,
         evals,

@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::optim::{AdamWConfig, GradientsParams};
-use burn::tensor::{DType, Device, Int, Tensor};
+use burn::tensor::{Device, Int, Tensor};
 use burn_parallel::ProcessGroup;
 use burn_zero::checkpoint::{self, CheckpointReader, UnitShard};
 use burn_zero::{
@@ -28,7 +28,7 @@ use burn_zero::{
 };
 
 use crate::data::{Corpus, Split};
-use crate::gpt::{Block, Gpt, GptConfig, sequence_cross_entropy};
+use crate::gpt::{Block, Gpt, GptConfig};
 use crate::train::{NamedParam, TrainConfig};
 
 /// The GPT wrapped for ZeRO stage 3: embeddings, each block, and the head are FSDP units.
@@ -54,7 +54,10 @@ impl FsdpGpt {
             ));
         }
         let mut shell = Gpt::new(config, ctx.device());
-        let blocks = std::mem::take(&mut shell.blocks);
+        let blocks = std::mem::take(&mut shell.blocks)
+            .into_iter()
+            .map(|b| b.full())
+            .collect::<Result<Vec<Block>, _>>()?;
         let embed = FsdpUnit::new(
             "embed",
             shell.clone(),
@@ -104,20 +107,19 @@ impl FsdpGpt {
         tokens: Tensor<2, Int>,
         targets: Tensor<2, Int>,
     ) -> Result<Tensor<1>, ZeroError> {
-        let [_, s] = tokens.dims();
-        let (mut x, rope) = {
+        let (mut x, pass) = {
             let embed = self.embed.gather()?;
             self.prefetch_after(None)?;
-            let rope = embed.rope(s, 0, &tokens.device());
-            (embed.embed(tokens, 0), rope)
+            let pass = embed.pass(&tokens, 0);
+            (embed.embed(tokens, 0, &pass)?, pass)
         };
         for (i, unit) in self.blocks.iter().enumerate() {
             let block = unit.gather()?;
             self.prefetch_after(Some(i))?;
-            x = block.forward(x, rope.as_ref());
+            x = block.forward(x, &pass)?;
         }
         let head = self.head.gather()?;
-        Ok(f32_loss(head.head(x), targets))
+        Ok(head.head_loss(head.head(x)?, targets)?)
     }
 
     /// The shards, in unit order (embed, blocks, head).
@@ -176,17 +178,6 @@ pub struct ZeroReport {
     /// The trained fp32 (master) parameters, whole, by path, when
     /// [`ZeroRunOptions::final_params`] asked for them; empty otherwise.
     pub final_params: Vec<NamedParam>,
-}
-
-/// Mean cross-entropy in fp32: low-precision logits are cast up first (as autocast does), so
-/// the loss and its scaled value do not overflow f16.
-fn f32_loss(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
-    let logits = if logits.dtype() == DType::F32 {
-        logits
-    } else {
-        logits.cast(DType::F32)
-    };
-    sequence_cross_entropy(logits, targets)
 }
 
 /// `loss * scale` for the backward (the loss itself when `scale` is 1).
@@ -268,7 +259,7 @@ pub fn train_gpt_zero(
             let (inputs, targets) = batch.to_tensors(&device);
             match &mut engine {
                 Engine::Zero12 { model, zero } => {
-                    let loss = f32_loss(model.forward(inputs), targets);
+                    let loss = model.loss(inputs, targets)?;
                     local_loss += scalar(&loss) / config.grad_accum as f64;
                     let grads = scaled(loss, zero.loss_scale()).backward();
                     let grads = GradientsParams::from_grads(grads, model);

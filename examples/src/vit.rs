@@ -23,14 +23,19 @@
 //! ```
 
 use burn::module::{Module, Param};
-use burn::nn::Linear;
 use burn::tensor::{Device, Int, Tensor};
+use burn_parallel::ProcessGroup;
+use burn_parallel::nn::{Linear, TpContext};
+use burn_parallel::plan::TpPlan;
+use burn_parallel::tensor_parallel::TpResult;
+use burn_zero::{Fsdp, FsdpPlan, Result as ZeroResult, ZeroError};
 use serde::{Deserialize, Serialize};
 
 use crate::gpt::{
-    Block, BlockConfig, ConfigError, INIT_STD, MlpKind, Norm, NormKind, cross_entropy, init_linear,
+    Block, BlockConfig, ConfigError, INIT_STD, MlpKind, Norm, NormKind, Pass, cross_entropy,
+    load_params,
 };
-use crate::init::Init;
+use crate::init::{Init, LinearInit};
 
 /// Hyper-parameters of [`Vit`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -132,6 +137,7 @@ impl VitConfig {
             dropout: 0.0,
             causal: false,
             residual_std: INIT_STD / (2.0 * self.n_layers as f64).sqrt(),
+            fused: false,
         }
     }
 
@@ -159,28 +165,32 @@ pub fn patchify(images: Tensor<4>, patch: usize) -> Tensor<3> {
         .reshape([b, gh * gw, c * patch * patch])
 }
 
-/// The Vision Transformer. Build it with [`Vit::new`].
+/// The Vision Transformer: one type for one device and every layout. Build it with
+/// [`Vit::new`] (one device) or [`Vit::build`] (any layout).
 #[derive(Module, Debug)]
 pub struct Vit {
-    /// Patch projection `[patch_dim, d_model]`.
+    /// Patch projection `[patch_dim, d_model]` (replicated).
     pub patch_embed: Linear,
     /// Class token `[1, 1, d_model]`.
     pub cls_token: Param<Tensor<3>>,
     /// Position embedding `[1, n_patches + 1, d_model]` (class token first).
     pub pos_embed: Param<Tensor<3>>,
-    /// Encoder blocks.
-    pub blocks: Vec<Block>,
+    /// Encoder blocks, each an FSDP unit under a sharded layout.
+    pub blocks: Vec<Fsdp<Block>>,
     /// Final norm.
     pub ln_f: Norm,
-    /// Classifier `[d_model, n_classes]`.
+    /// Classifier `[d_model, n_classes]` (replicated).
     pub head: Linear,
     /// The configuration the model was built from.
     #[module(skip)]
     pub config: VitConfig,
+    /// The tensor-parallel context (single-device when not split).
+    #[module(skip)]
+    pub tp: TpContext,
 }
 
 impl Vit {
-    /// Builds and initialises the model deterministically from `config.seed`.
+    /// Builds and initialises the model on one device, deterministically from `config.seed`.
     ///
     /// # Panics
     ///
@@ -189,53 +199,130 @@ impl Vit {
         if let Err(e) = config.validate() {
             panic!("invalid VitConfig: {e}");
         }
-        let init = Init::new(config.seed, device);
-        let d = config.d_model;
-        let block = config.block();
-        Self {
-            patch_embed: init_linear(&init, "patch_embed", config.patch_dim(), d, INIT_STD, true),
-            cls_token: init.normal("cls_token", [1, 1, d], INIT_STD),
-            pos_embed: init.normal("pos_embed", [1, config.n_patches() + 1, d], INIT_STD),
-            blocks: (0..config.n_layers)
-                .map(|i| Block::new(&block, &init.at("blocks").at(i)))
-                .collect(),
-            ln_f: Norm::new(NormKind::LayerNorm, d, block.norm_eps, &init.at("ln_f")),
-            head: init_linear(&init, "head", d, config.n_classes, INIT_STD, true),
-            config: config.clone(),
-        }
+        Self::build(config, &Init::new(config.seed, device), None)
+            .unwrap_or_else(|e| panic!("a single-device ViT always builds: {e}"))
     }
 
-    /// Number of float parameters (same as [`VitConfig::num_params`]).
+    /// The tensor-parallel plan of the ViT: the encoder blocks split as the GPT's, the patch
+    /// embedding and classifier replicated (they are small), the norms sequence-parallel.
+    pub fn tp_plan(sequence_parallel: bool) -> TpPlan {
+        TpPlan::new()
+            .colwise("blocks.*.attn.{q,k,v}")
+            .rowwise("blocks.*.attn.o")
+            .colwise("blocks.*.mlp.up")
+            .rowwise("blocks.*.mlp.down")
+            .sequence_norm("{blocks.*.ln_1,blocks.*.ln_2,ln_f}")
+            .with_sequence_parallel(sequence_parallel)
+    }
+
+    /// The FSDP plan of the ViT over `group`: every encoder block is a unit.
+    pub fn fsdp_plan(group: &ProcessGroup) -> FsdpPlan {
+        FsdpPlan::new(group).unit("blocks.*")
+    }
+
+    /// Builds the model for any layout (see [`crate::gpt::Gpt::build`]).
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] for an invalid configuration; plan and collective errors.
+    pub fn build(config: &VitConfig, init: &Init, fsdp: Option<&FsdpPlan>) -> ZeroResult<Self> {
+        config
+            .validate()
+            .map_err(|e| ZeroError::Config(format!("invalid VitConfig: {e}")))?;
+        let d = config.d_model;
+        let block = config.block();
+        let blocks = (0..config.n_layers)
+            .map(|i| {
+                let init = init.at("blocks").at(i);
+                let build = |init: &Init| Ok::<_, ZeroError>(Block::new(&block, init)?);
+                match fsdp {
+                    Some(plan) => plan.wrap(&init, build),
+                    None => Ok(Fsdp::new(build(&init)?)),
+                }
+            })
+            .collect::<ZeroResult<Vec<_>>>()?;
+        let linear = |d_in, d_out| LinearInit::new(d_in, d_out).with_std(INIT_STD);
+        let model = Self {
+            patch_embed: init.linear("patch_embed", linear(config.patch_dim(), d))?,
+            cls_token: init.normal("cls_token", [1, 1, d], INIT_STD),
+            pos_embed: init.normal("pos_embed", [1, config.n_patches() + 1, d], INIT_STD),
+            blocks,
+            ln_f: Norm::new(NormKind::LayerNorm, d, block.norm_eps, &init.at("ln_f")),
+            head: init.linear("head", linear(d, config.n_classes))?,
+            config: config.clone(),
+            tp: init.context(),
+        };
+        init.finish()?;
+        if let Some(plan) = fsdp {
+            plan.finish()?;
+        }
+        Ok(model)
+    }
+
+    /// Number of float parameters this rank holds (the whole model's on one device, same as
+    /// [`VitConfig::num_params`]).
     pub fn num_params(&self) -> usize {
         Module::num_params(self)
     }
 
-    /// Class logits `[batch, n_classes]` of `images` `[batch, channels, size, size]`.
-    pub fn forward(&self, images: Tensor<4>) -> Tensor<2> {
+    /// Class logits `[batch, n_classes]` of `images` `[batch, channels, size, size]`, the same
+    /// on every rank of a tensor-parallel group.
+    ///
+    /// # Errors
+    /// Shape and collective errors of the layout.
+    pub fn forward(&self, images: Tensor<4>) -> TpResult<Tensor<2>> {
         let [b, _, _, _] = images.dims();
         let d = self.config.d_model;
         let x = self
             .patch_embed
-            .forward(patchify(images, self.config.patch_size));
+            .forward(patchify(images, self.config.patch_size))?;
         let cls = self.cls_token.val().expand([b, 1, d]);
-        let mut x = Tensor::cat(vec![cls, x], 1) + self.pos_embed.val();
+        let x = Tensor::cat(vec![cls, x], 1) + self.pos_embed.val();
+        let pass = Pass::new(x.dims()[1], None, &self.tp);
+        let mut x = self.tp.scatter_sequence(x)?;
         for block in &self.blocks {
-            x = block.forward(x, None);
+            x = block.get()?.forward(x, &pass)?;
         }
-        let cls = self.ln_f.forward(x).narrow(1, 0, 1).reshape([b, d]);
+        // The norm runs on this rank's tokens; the class token is then read whole.
+        let x = self.tp.gather_sequence(self.ln_f.forward(x))?;
+        let cls = x.narrow(1, 0, 1).reshape([b, d]);
         self.head.forward(cls)
     }
 
     /// Mean cross-entropy (nats) of the predictions for `images` against `labels` `[batch]`;
     /// a one-element tensor.
-    pub fn loss(&self, images: Tensor<4>, labels: Tensor<1, Int>) -> Tensor<1> {
-        cross_entropy(self.forward(images), labels)
+    ///
+    /// # Errors
+    /// As [`Self::forward`].
+    pub fn loss(&self, images: Tensor<4>, labels: Tensor<1, Int>) -> TpResult<Tensor<1>> {
+        Ok(cross_entropy(self.forward(images)?, labels))
     }
 
     /// Predicted class ids `[batch]`.
-    pub fn predict(&self, images: Tensor<4>) -> Tensor<1, Int> {
+    ///
+    /// # Errors
+    /// As [`Self::forward`].
+    pub fn predict(&self, images: Tensor<4>) -> TpResult<Tensor<1, Int>> {
         let [b, _, _, _] = images.dims();
-        self.forward(images).argmax(1).reshape([b])
+        Ok(self.forward(images)?.argmax(1).reshape([b]))
+    }
+
+    /// The same model with every FSDP unit and tensor-parallel shard gathered, as a
+    /// single-device ViT on `device` (a collective over the layout's groups).
+    ///
+    /// # Errors
+    /// Collective errors.
+    pub fn to_single(&self, device: &Device) -> ZeroResult<Vit> {
+        let whole = Vit {
+            blocks: self
+                .blocks
+                .iter()
+                .map(|b| Ok(Fsdp::new(b.full()?)))
+                .collect::<ZeroResult<Vec<_>>>()?,
+            ..self.clone()
+        };
+        let params: std::collections::HashMap<String, burn::tensor::TensorData> =
+            self.tp.full_params(&whole)?.into_iter().collect();
+        Ok(load_params(Vit::new(&self.config, device), &params))
     }
 }
 
@@ -274,14 +361,14 @@ mod tests {
         let device = Device::flex();
         let config = tiny();
         let model = Vit::new(&config, &device);
-        assert_eq!(model.forward(images(3, &device)).dims(), [3, 10]);
-        assert_eq!(model.predict(images(3, &device)).dims(), [3]);
+        assert_eq!(model.forward(images(3, &device)).unwrap().dims(), [3, 10]);
+        assert_eq!(model.predict(images(3, &device)).unwrap().dims(), [3]);
         assert_eq!(model.num_params(), config.num_params());
         assert_eq!(
             model.pos_embed.val().into_data(),
             init_normal(3, "pos_embed", &[1, 17, 16], INIT_STD)
         );
-        let loss = scalar(model.loss(images(4, &device), labels(4, &device)));
+        let loss = scalar(model.loss(images(4, &device), labels(4, &device)).unwrap());
         assert!((loss - 10f32.ln()).abs() < 0.1, "{loss}");
     }
 
@@ -303,12 +390,12 @@ mod tests {
         let mut model = Vit::new(&tiny(), &device);
         let mut optim = AdamWConfig::new().init();
         let (x, y) = (images(8, &device), labels(8, &device));
-        let loss = model.loss(x.clone(), y.clone());
+        let loss = model.loss(x.clone(), y.clone()).unwrap();
         let before = scalar(loss.clone());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         crate::gpt::tests::assert_all_params_have_grads(&model, &grads);
         model = optim.step(1e-2, model, grads);
-        let after = scalar(model.loss(x, y));
+        let after = scalar(model.loss(x, y).unwrap());
         assert!(after < before - 0.01, "{before} -> {after}");
     }
 }

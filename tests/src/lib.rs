@@ -180,7 +180,7 @@ pub fn reference_run(config: &TrainConfig) -> Reference {
             Split::Train,
         );
         let (inputs, targets) = batch.to_tensors(&device);
-        let logits = model.forward(inputs);
+        let logits = model.forward(inputs).expect("a single-device GPT");
         let [b, s, v] = logits.dims();
         let loss = log_softmax(logits.reshape([b * s, v]), 1)
             .gather(1, targets.reshape([b * s, 1]))

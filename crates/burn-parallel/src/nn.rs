@@ -66,7 +66,7 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::module::linear;
 use burn::tensor::{Int, Tensor, TensorData};
 
-use crate::autograd::{copy_to_group, gather_from_sequence, scatter_to_group};
+use crate::autograd::{copy_to_group, gather_from_group, gather_from_sequence, scatter_to_group};
 use crate::comm::host::ReduceOp;
 use crate::error::CollectiveError;
 use crate::group::ProcessGroup;
@@ -485,6 +485,21 @@ impl TpContext {
     pub fn scatter_sequence(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
         match (&self.group, self.sequence_parallel) {
             (Some(group), true) => Ok(scatter_to_group(x, group, SEQ_DIM)?),
+            _ => Ok(x),
+        }
+    }
+
+    /// The inverse of [`Self::scatter_sequence`]: all-gathers this rank's tokens of `x`
+    /// `[batch, tokens, ..]` into the whole sequence, replicated (the backward keeps this rank's
+    /// part of the gradient). For a model that reads whole-sequence results after the
+    /// sequence-parallel region, such as a classifier reading its class token. The identity
+    /// without sequence parallelism.
+    ///
+    /// # Errors
+    /// Collective errors.
+    pub fn gather_sequence(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
+        match (&self.group, self.sequence_parallel) {
+            (Some(group), true) => Ok(gather_from_group(x, group, SEQ_DIM)?),
             _ => Ok(x),
         }
     }

@@ -166,7 +166,22 @@ impl TrainStep {
         model: &M,
         loss: Tensor<1>,
     ) -> Result<(GradientsParams, Option<f64>)> {
-        let grads = GradientsParams::from_grads(loss.backward(), model);
+        self.reduce(model, GradientsParams::from_grads(loss.backward(), model))
+    }
+
+    /// [`Self::gradients`] for gradients already computed, such as the sum of several
+    /// micro-batches' gradients (gradient accumulation: scale each micro-batch's loss by
+    /// `1 / micro-batches` and sum their gradients with Burn's `GradientsAccumulator`; the
+    /// collectives then run once per step, except FSDP's reduce-scatter, which runs in each
+    /// backward).
+    ///
+    /// # Errors
+    /// Collective errors.
+    pub fn reduce<M: Module>(
+        &self,
+        model: &M,
+        grads: GradientsParams,
+    ) -> Result<(GradientsParams, Option<f64>)> {
         let mut grads = self.tp.sync_gradients(grads)?;
         // FSDP shards leave the data-parallel all-reduce: they are averaged over their shard
         // group already, and only over the replicate group here.

@@ -41,6 +41,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, LearningRate, Optimizer};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_parallel::ddp::DEFAULT_BUCKET_BYTES;
+use burn_parallel::nn::TpContext;
 use burn_parallel::replica::verify_replicas_in;
 use burn_parallel::{DeviceMesh, ProcessGroup, ReduceOp};
 
@@ -424,6 +425,9 @@ pub struct ZeroOptimizer<O: Optimizer> {
     /// own parameters are the master weights).
     master: Option<Tensor<1>>,
     scaler: Option<LossScaler>,
+    /// Tensor parallelism: the model's context and the ranges of the flat space that hold
+    /// tensor-parallel shards (their squares are summed over the group in the global norm).
+    tp: Option<(TpContext, Vec<Range<usize>>)>,
 }
 
 impl<O: Optimizer> ZeroOptimizer<O> {
@@ -491,7 +495,64 @@ impl<O: Optimizer> ZeroOptimizer<O> {
             micro: 0,
             device,
             master,
+            tp: None,
         })
+    }
+
+    /// Trains a tensor-parallel model (ZeRO over the data-parallel ranks, tensor parallelism
+    /// inside; the 2-D layout) built with the context `tp`
+    /// ([`Init::context`](burn_parallel::init::Init::context)): the gradients of the
+    /// sequence-parallel norms are summed over the tensor-parallel group before they are
+    /// reduced, and the global norm of clipping counts every tensor-parallel shard once and the
+    /// replicated parameters once.
+    pub fn with_tensor_parallel(mut self, tp: &TpContext) -> Self {
+        let sharded = tp.sharded_ids();
+        let ranges = self
+            .layout
+            .ids()
+            .iter()
+            .zip(self.layout.entries())
+            .filter(|(id, _)| sharded.contains(id))
+            .map(|(_, e)| e.offset..e.offset + e.numel)
+            .collect();
+        self.tp = Some((tp.clone(), ranges));
+        self
+    }
+
+    /// Clips this rank's gradient shard `grad` (at `self.range` of the flat space) by the
+    /// global norm over the shard group and, for the tensor-parallel shards, the
+    /// tensor-parallel group.
+    fn clip_tensor_parallel(
+        &self,
+        grad: &mut [f32],
+        tp: &ProcessGroup,
+        ranges: &[Range<usize>],
+    ) -> Result<Option<f64>> {
+        let Some(max_norm) = self.config.max_grad_norm else {
+            return Ok(None);
+        };
+        let start = self.range.start;
+        let in_tp: f64 = ranges
+            .iter()
+            .filter_map(|r| {
+                let (a, b) = (r.start.max(start), r.end.min(self.range.end));
+                (a < b).then(|| sum_of_squares(&grad[a - start..b - start]))
+            })
+            .sum();
+        let local = [sum_of_squares(grad) - in_tp, in_tp];
+        let sums = self
+            .groups
+            .shard
+            .all_reduce_data(TensorData::new(local.to_vec(), [2]), ReduceOp::Sum)?;
+        let sums = sums.try_to_vec::<f64>().expect("f64 in, f64 out");
+        let tp_sum = tp.all_reduce_data(TensorData::new(vec![sums[1]], [1]), ReduceOp::Sum)?;
+        let tp_sum = tp_sum.try_to_vec::<f64>().expect("f64 in, f64 out")[0];
+        let norm = (sums[0] + tp_sum).sqrt();
+        let coef = clip_coefficient(norm, max_norm);
+        if coef < 1.0 {
+            grad.iter_mut().for_each(|g| *g *= coef as f32);
+        }
+        Ok(Some(norm))
     }
 
     /// Returns `module` with its parameters in the policy's compute dtype, the trainable ones as
@@ -613,6 +674,10 @@ impl<O: Optimizer> ZeroOptimizer<O> {
                  it through ZeroOptimizer::prepare_module before the first forward"
             )));
         }
+        let grads = match &self.tp {
+            Some((tp, _)) => tp.sync_gradients(grads)?,
+            None => grads,
+        };
         if self.config.stage == Stage::One {
             let flat = flatten_grads(&self.layout, module, &grads);
             drop(grads);
@@ -697,7 +762,15 @@ impl<O: Optimizer> ZeroOptimizer<O> {
             };
             return Ok((module, info));
         }
-        let grad_norm = self.groups.clip(&mut shards, self.config.max_grad_norm)?;
+        let tp_group = self
+            .tp
+            .as_ref()
+            .and_then(|(tp, ranges)| Some((tp.group()?.clone(), ranges)))
+            .filter(|(g, _)| g.size() > 1);
+        let grad_norm = match tp_group {
+            Some((tp, ranges)) => self.clip_tensor_parallel(&mut shards[0], &tp, ranges)?,
+            None => self.groups.clip(&mut shards, self.config.max_grad_norm)?,
+        };
         let grad = shards.pop().expect("one shard");
 
         let inner = self.device.clone().inner();

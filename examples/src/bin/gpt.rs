@@ -18,7 +18,7 @@ use clap::{Parser, ValueEnum};
 use examples::data::Corpus;
 use examples::gpt::{MlpKind, PositionKind};
 use examples::train::{
-    Parallelism, StepStats, TrainConfig, TrainDevice, TrainReport, train_gpt_on, train_gpt_parallel,
+    Parallelism, StepStats, TrainConfig, TrainDevice, TrainReport, train_gpt_parallel,
 };
 use examples::train_zero::{ZeroReport, ZeroRunOptions, memory_line, train_gpt_zero};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -125,7 +125,7 @@ struct Args {
     /// Run norms, SwiGLU, RoPE and the cross-entropy through the fused kernels.
     #[arg(long)]
     fused: bool,
-    /// Device of the data-parallel trainer (`wgpu` needs a build with `--features wgpu`).
+    /// Device of the trainer, under every layout (`wgpu` needs a build with `--features wgpu`).
     #[arg(long, value_enum)]
     device: Option<DeviceArg>,
 }
@@ -204,7 +204,6 @@ fn run_rank(
     parallel: &Parallelism,
     corpus: &Corpus,
     log_every: usize,
-    device: TrainDevice,
 ) -> burn_parallel::Result<TrainReport> {
     let lead = group.rank() == 0;
     let bar = if lead {
@@ -235,15 +234,7 @@ fn run_rank(
             }
         }
     };
-    let report = match device {
-        TrainDevice::Flex => train_gpt_parallel(group, config, parallel, corpus, &mut on_step),
-        other if parallel.tp == 1 => train_gpt_on(group, config, other, corpus, &mut on_step),
-        _ => Err(CollectiveError::InvalidArgument {
-            rank: group.global_rank(),
-            op: "gpt".into(),
-            reason: "--device other than flex supports data parallelism only (--tp 1)".into(),
-        }),
-    };
+    let report = train_gpt_parallel(group, config, parallel, corpus, &mut on_step);
     bar.finish_and_clear();
     report
 }
@@ -264,12 +255,30 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Some(stage) = args.zero {
+    // ZeRO on its own runs burn-zero's engines (memory accounting, checkpoints); with tensor
+    // parallelism it runs in the layout-generic trainer below.
+    if let Some(stage) = args.zero
+        && args.tp == 1
+    {
         return run_zero(&args, &config, &corpus, stage as usize);
     }
+    let zero = match args
+        .zero
+        .map(|s| Stage::from_number(s as usize))
+        .transpose()
+    {
+        Ok(zero) => zero,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let parallel = Parallelism {
         tp: args.tp,
         sp: args.sp,
+        zero,
+        replicate: args.hybrid.unwrap_or(1),
+        device: train_device(&args),
     };
     let outcome = match args.backend {
         Backend::Local => {
@@ -279,14 +288,7 @@ fn main() -> ExitCode {
             }
             print_header(&config, args.ranks, "local", &corpus, &parallel);
             run_local(args.ranks, |group| {
-                run_rank(
-                    &group,
-                    &config,
-                    &parallel,
-                    &corpus,
-                    args.log_every,
-                    train_device(&args),
-                )
+                run_rank(&group, &config, &parallel, &corpus, args.log_every)
             })
             .map(|mut reports| Some(reports.swap_remove(0)))
         }
@@ -294,14 +296,7 @@ fn main() -> ExitCode {
             if group.rank() == 0 {
                 print_header(&config, group.size(), "tcp", &corpus, &parallel);
             }
-            let report = run_rank(
-                &group,
-                &config,
-                &parallel,
-                &corpus,
-                args.log_every,
-                train_device(&args),
-            )?;
+            let report = run_rank(&group, &config, &parallel, &corpus, args.log_every)?;
             // Rank 0 reports for everyone.
             Ok((group.rank() == 0).then_some(report))
         }),
@@ -332,9 +327,17 @@ fn print_header(
 ) {
     let m = &config.model;
     let layout = if parallel.tp > 1 {
+        let data = match parallel.zero {
+            None => format!("dp {}", ranks / parallel.tp),
+            Some(stage) => format!(
+                "ZeRO-{} over {} (hybrid {})",
+                stage.number(),
+                ranks / parallel.tp,
+                parallel.replicate
+            ),
+        };
         format!(
-            " = dp {} x tp {}{}",
-            ranks / parallel.tp,
+            " = {data} x tp {}{}",
             parallel.tp,
             if parallel.sp {
                 " + sequence parallel"
@@ -379,10 +382,6 @@ fn print_report(report: &TrainReport, corpus: &Corpus) {
 
 /// `--zero`: trains with burn-zero's sharded data parallelism and prints every rank's memory.
 fn run_zero(args: &Args, config: &TrainConfig, corpus: &Corpus, stage: usize) -> ExitCode {
-    if args.tp > 1 {
-        eprintln!("error: --zero does not compose with --tp yet; use one or the other");
-        return ExitCode::from(2);
-    }
     let zero = match Stage::from_number(stage) {
         Ok(stage) => ZeroConfig::new(stage).with_max_grad_norm(args.clip),
         Err(e) => {
@@ -398,7 +397,7 @@ fn run_zero(args: &Args, config: &TrainConfig, corpus: &Corpus, stage: usize) ->
                 world.size(),
                 world.backend(),
                 corpus,
-                &Parallelism { tp: 1, sp: false },
+                &Parallelism::default(),
             );
             let layout = match args.hybrid {
                 Some(r) => format!("hybrid: {r} replicas x {} shards", world.size() / r.max(1)),

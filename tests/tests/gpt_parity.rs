@@ -1,0 +1,309 @@
+//! The bundled GPT, one model type under every layout, reproduces single-device training: 20
+//! steps under tensor parallelism (tp 2, 4, with and without sequence parallelism), dp x tp,
+//! ZeRO-1/2 x tp, FSDP x tp and HSDP x tp, with and without global-norm clipping, give the
+//! losses of the independent plain-Burn [`tests::reference_run`] on the same global batch
+//! (relative difference <= 1e-5) and, gathered whole, its final parameters. Runs through
+//! `burnrun` as TCP processes check the `gpt` binary's flags (`--tp --sp`, `--zero --tp`,
+//! `--clip --tp`). Also: sharded initialisation equals the single-device weights, and
+//! impossible splits are clear errors.
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::{Device, Tensor, TensorData};
+use burn_parallel::init::Init;
+use burn_parallel::{TpError, run_local};
+use burn_zero::{Stage, ZeroError};
+use examples::data::Corpus;
+use examples::gpt::{Gpt, MlpKind, NormKind, PositionKind};
+use examples::train::{Parallelism, TrainConfig, TrainReport, train_gpt_parallel};
+use tests::{
+    Reference, assert_matches_reference, gpt_through_burnrun, reference_run, tiny_gpt_run,
+};
+
+const STEPS: usize = 20;
+const TOL: f64 = 1e-5;
+const CLIP: f64 = 0.5;
+
+/// The tiny GPT with 4 heads (so that tp 4 splits them).
+fn config() -> TrainConfig {
+    let mut c = tiny_gpt_run(STEPS);
+    c.model.n_heads = 4;
+    c
+}
+
+/// [`config`] with global-norm clipping that binds on most steps.
+fn clipped() -> TrainConfig {
+    TrainConfig {
+        max_grad_norm: Some(CLIP),
+        ..config()
+    }
+}
+
+/// The other architecture: rotary positions, SwiGLU, RMSNorm, tied embeddings, no biases and
+/// a vocabulary of 257 (not divisible by 2 or 4: padded shards).
+fn llama_like() -> TrainConfig {
+    let mut c = config();
+    c.model.positions = PositionKind::Rotary;
+    c.model.mlp = MlpKind::SwiGlu;
+    c.model.norm = NormKind::RmsNorm;
+    c.model.tied_embeddings = true;
+    c.model.bias = false;
+    c.model.vocab_size = 257;
+    c
+}
+
+fn tp(tp: usize, sp: bool) -> Parallelism {
+    Parallelism {
+        tp,
+        sp,
+        ..Parallelism::default()
+    }
+}
+
+fn zero(stage: Stage, tp_size: usize, sp: bool) -> Parallelism {
+    Parallelism {
+        zero: Some(stage),
+        ..tp(tp_size, sp)
+    }
+}
+
+/// The GPT of `config` on `world` ranks split by `p`; rank 0's report (every rank reports the
+/// same losses and, gathered whole, the same parameters).
+fn parallel(world: usize, p: &Parallelism, config: &TrainConfig) -> TrainReport {
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let reports = run_local(world, |g| {
+        train_gpt_parallel(&g, config, p, &corpus, &mut |_| {})
+    })
+    .unwrap_or_else(|e| panic!("{p:?} on {world} ranks: {e}"));
+    for r in &reports[1..] {
+        assert_eq!(
+            r.losses, reports[0].losses,
+            "every rank reports the same losses"
+        );
+        assert_eq!(
+            r.final_params, reports[0].final_params,
+            "every rank gathers the same parameters"
+        );
+    }
+    reports.into_iter().next().expect("rank 0")
+}
+
+fn check(reference: &Reference, world: usize, p: Parallelism, config: &TrainConfig, what: &str) {
+    let r = parallel(world, &p, config);
+    assert_matches_reference(reference, &r.losses, &r.final_params, TOL, what);
+}
+
+#[test]
+fn gpt_tensor_parallel_matches_single_device() {
+    let config = config();
+    let reference = reference_run(&config);
+    assert!(
+        reference.losses[STEPS - 1] < reference.losses[0] - 0.5,
+        "the model must learn: {:?}",
+        reference.losses
+    );
+    check(&reference, 2, tp(2, false), &config, "tp 2");
+    check(&reference, 4, tp(4, false), &config, "tp 4");
+    check(&reference, 2, tp(2, true), &config, "tp 2 + sp");
+    check(&reference, 4, tp(4, true), &config, "tp 4 + sp");
+}
+
+#[test]
+fn gpt_dp2_x_tp2_matches_single_device() {
+    let config = config();
+    let reference = reference_run(&config);
+    check(&reference, 4, tp(2, false), &config, "dp 2 x tp 2");
+    check(&reference, 4, tp(2, true), &config, "dp 2 x tp 2 + sp");
+}
+
+#[test]
+fn gpt_zero_and_fsdp_x_tp_match_single_device() {
+    let config = config();
+    let reference = reference_run(&config);
+    check(
+        &reference,
+        4,
+        zero(Stage::One, 2, false),
+        &config,
+        "ZeRO-1 2 x tp 2",
+    );
+    check(
+        &reference,
+        4,
+        zero(Stage::Two, 2, true),
+        &config,
+        "ZeRO-2 2 x tp 2 + sp",
+    );
+    check(
+        &reference,
+        4,
+        zero(Stage::Three, 2, true),
+        &config,
+        "FSDP 2 x tp 2 + sp",
+    );
+    check(
+        &reference,
+        4,
+        zero(Stage::Three, 1, false),
+        &config,
+        "FSDP 4",
+    );
+    let hsdp = Parallelism {
+        replicate: 2,
+        ..zero(Stage::Three, 2, true)
+    };
+    check(&reference, 8, hsdp, &config, "HSDP 2 x 2 x tp 2 + sp");
+}
+
+#[test]
+fn gpt_clipping_under_every_layout_matches_single_device() {
+    let config = clipped();
+    let reference = reference_run(&config);
+    check(
+        &reference,
+        4,
+        tp(2, true),
+        &config,
+        "clip, dp 2 x tp 2 + sp",
+    );
+    check(
+        &reference,
+        4,
+        zero(Stage::Two, 2, false),
+        &config,
+        "clip, ZeRO-2 2 x tp 2",
+    );
+    check(
+        &reference,
+        4,
+        zero(Stage::Three, 2, true),
+        &config,
+        "clip, FSDP 2 x tp 2 + sp",
+    );
+    let hsdp = Parallelism {
+        replicate: 2,
+        ..zero(Stage::One, 1, false)
+    };
+    check(&reference, 4, hsdp, &config, "clip, hybrid ZeRO-1 2 x 2");
+}
+
+#[test]
+fn llama_like_gpt_with_padded_vocab_matches_single_device() {
+    let config = llama_like();
+    let reference = reference_run(&config);
+    check(&reference, 2, tp(2, true), &config, "tp 2 + sp, vocab 257");
+    check(&reference, 4, tp(4, false), &config, "tp 4, vocab 257");
+    check(
+        &reference,
+        4,
+        zero(Stage::Three, 2, true),
+        &config,
+        "FSDP 2 x tp 2 + sp, vocab 257",
+    );
+}
+
+/// Every float parameter of a module, by path.
+fn params<M: Module>(m: &M) -> Vec<(String, TensorData)> {
+    struct P(Vec<String>, Vec<(String, TensorData)>);
+    impl ModuleVisitor for P {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name.into());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.1.push((self.0.join("."), p.val().into_data()));
+        }
+    }
+    let mut p = P(vec![], vec![]);
+    m.visit(&mut p);
+    p.1
+}
+
+/// Sharded initialisation (each rank builds only its shards, from the seed) gathers back to the
+/// exact weights of the single-device model, for uneven splits too (vocabularies 256 and 257
+/// over 3 ranks, padded; 6 heads over 3 and 4 ranks).
+#[test]
+fn sharded_init_gathers_back_to_the_single_device_weights() {
+    for tp in [1, 2, 3] {
+        for config in [config().model, llama_like().model] {
+            let mut config = config;
+            config.n_heads = 6;
+            config.d_model = 36;
+            let full = Gpt::new(&config, &Device::flex());
+            run_local(tp, |world| {
+                let init = Init::new(config.seed, &Device::flex())
+                    .with_tp(&world, Gpt::tp_plan(&config, tp > 1))
+                    .unwrap();
+                let sharded = Gpt::build(&config, &init, None).unwrap();
+                if tp > 1 {
+                    assert!(sharded.num_params() < full.num_params());
+                }
+                let back = sharded.to_single(&Device::flex()).unwrap();
+                let (a, b) = (params(&full), params(&back));
+                assert_eq!(a.len(), b.len());
+                for ((na, da), (nb, db)) in a.iter().zip(&b) {
+                    assert_eq!(na, nb);
+                    assert_eq!(da, db, "{na} after a round trip through tp {tp}");
+                }
+                Ok(())
+            })
+            .unwrap();
+        }
+    }
+}
+
+#[test]
+fn impossible_splits_are_clear_errors() {
+    let corpus = Corpus::load_default().unwrap();
+    // 4 heads over 3 ranks.
+    let err = run_local(3, |g| {
+        train_gpt_parallel(&g, &config(), &tp(3, false), &corpus, &mut |_| {})
+    })
+    .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("n_heads (4) is not divisible by the tensor-parallel size 3"),
+        "{err}"
+    );
+    // A tp that does not divide the world; hybrid groups that do not divide the data ranks.
+    let err = tp(2, false).validate(&config(), 3).unwrap_err();
+    assert!(err.contains("--tp"), "{err}");
+    let hybrid = Parallelism {
+        replicate: 3,
+        ..zero(Stage::Three, 1, false)
+    };
+    let err = hybrid.validate(&config(), 4).unwrap_err();
+    assert!(err.contains("--hybrid"), "{err}");
+    // The model itself, built directly with a plan that cannot split it.
+    run_local(3, |world| {
+        let c = config().model;
+        let init = Init::new(c.seed, &Device::flex())
+            .with_tp(&world, Gpt::tp_plan(&c, false))
+            .unwrap();
+        let err = Gpt::build(&c, &init, None).unwrap_err();
+        assert!(
+            matches!(err, ZeroError::Tp(TpError::NotDivisible { tp: 3, .. })),
+            "{err}"
+        );
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn gpt_binary_layouts_over_tcp_processes_match_single_device() {
+    let config = config();
+    let reference = reference_run(&config);
+    let tcp = gpt_through_burnrun(2, &config, &["--tp", "2", "--sp"]);
+    let what = "gpt --tp 2 --sp, 2 tcp processes";
+    assert_matches_reference(&reference, &tcp.losses, &tcp.params, TOL, what);
+    let tcp = gpt_through_burnrun(4, &config, &["--zero", "3", "--tp", "2", "--sp"]);
+    let what = "gpt --zero 3 --tp 2 --sp, 4 tcp processes";
+    assert_matches_reference(&reference, &tcp.losses, &tcp.params, TOL, what);
+    let clipped = clipped();
+    let reference = reference_run(&clipped);
+    let tcp = gpt_through_burnrun(2, &clipped, &["--clip", "0.5", "--tp", "2"]);
+    let what = "gpt --clip 0.5 --tp 2, 2 tcp processes";
+    assert_matches_reference(&reference, &tcp.losses, &tcp.params, TOL, what);
+}
