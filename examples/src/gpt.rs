@@ -755,7 +755,7 @@ pub struct Gpt {
     /// Token embedding `[vocab_size, d_model]` (split by vocabulary under tensor parallelism).
     pub wte: Embedding,
     /// Learned position embedding `[max_seq_len, d_model]` (learned positions only).
-    pub wpe: Option<Param<Tensor<2>>>,
+    pub wpe: Option<burn::nn::Embedding>,
     /// The transformer blocks, each an FSDP unit under a sharded layout.
     pub blocks: Vec<Fsdp<Block>>,
     /// Final norm.
@@ -850,11 +850,11 @@ impl Gpt {
         let model = Self {
             wte: init.embedding("wte", v, d, INIT_STD)?,
             wpe: match config.positions {
-                PositionKind::Learned => Some(init.at("wpe").normal(
-                    "weight",
-                    [config.max_seq_len, d],
-                    INIT_STD,
-                )),
+                PositionKind::Learned => Some(burn::nn::Embedding {
+                    weight: init
+                        .at("wpe")
+                        .normal("weight", [config.max_seq_len, d], INIT_STD),
+                }),
                 PositionKind::Rotary => None,
             },
             blocks,
@@ -946,8 +946,8 @@ impl Gpt {
                 // Under sequence parallelism each rank adds its own rows: the table's gradient
                 // is summed over the group.
                 let table = match (self.tp.group(), self.tp.sequence_parallel()) {
-                    (Some(group), true) => sp_param(wpe.val(), group, true),
-                    _ => wpe.val(),
+                    (Some(group), true) => sp_param(wpe.weight.val(), group, true),
+                    _ => wpe.weight.val(),
                 };
                 x + table.narrow(0, offset + first, len).unsqueeze::<3>()
             }

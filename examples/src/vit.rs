@@ -240,7 +240,11 @@ impl Vit {
                 }
             })
             .collect::<ZeroResult<Vec<_>>>()?;
-        let linear = |d_in, d_out| LinearInit::new(d_in, d_out).with_std(INIT_STD);
+        let linear = |d_in, d_out| {
+            LinearInit::new(d_in, d_out)
+                .with_bias(true)
+                .with_std(INIT_STD)
+        };
         let model = Self {
             patch_embed: init.linear("patch_embed", linear(config.patch_dim(), d))?,
             cls_token: init.normal("cls_token", [1, 1, d], INIT_STD),
