@@ -307,3 +307,45 @@ fn gpt_binary_layouts_over_tcp_processes_match_single_device() {
     let what = "gpt --clip 0.5 --tp 2, 2 tcp processes";
     assert_matches_reference(&reference, &tcp.losses, &tcp.params, TOL, what);
 }
+
+/// `gpt --device wgpu --tp 2 --sp` and FSDP x TP on WGPU (Mesa's software Vulkan driver in CI)
+/// match single-device training on WGPU. Skipped, visibly, without an adapter.
+#[cfg(feature = "wgpu")]
+#[test]
+fn gpt_on_wgpu_under_tp_sp_and_fsdp_x_tp_matches_single_device() {
+    use examples::train::TrainDevice;
+    if let Err(e) = burn_parallel::kernels::wgpu_device() {
+        if std::env::var_os("BURN_PARALLEL_REQUIRE_WGPU").is_some() {
+            panic!("BURN_PARALLEL_REQUIRE_WGPU is set but {e}");
+        }
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED gpt_on_wgpu_under_tp_sp_and_fsdp_x_tp_matches_single_device: {e}"
+        );
+        return;
+    }
+    let config = config();
+    let on_wgpu = |p: Parallelism| Parallelism {
+        device: TrainDevice::Wgpu,
+        ..p
+    };
+    let single = parallel(1, &on_wgpu(Parallelism::default()), &config);
+    let reference = Reference {
+        losses: single.losses,
+        params: single
+            .final_params
+            .into_iter()
+            .map(|p| (p.path, (p.shape, p.values)))
+            .collect(),
+    };
+    check(
+        &reference,
+        2,
+        on_wgpu(tp(2, true)),
+        &config,
+        "wgpu tp 2 + sp",
+    );
+    let fsdp_tp = on_wgpu(zero(Stage::Three, 2, true));
+    check(&reference, 4, fsdp_tp, &config, "wgpu FSDP 2 x tp 2 + sp");
+}
