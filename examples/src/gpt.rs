@@ -24,7 +24,31 @@
 //! let config = GptConfig { d_ff: 32, ..GptConfig::new(256, 1, 2, 8, 16) };
 //! let model = Gpt::new(&config, &device);
 //! let tokens = Tensor::<2, Int>::zeros([2, 5], &device);
-//! assert_eq!(model.forward(tokens).dims(), [2, 5, 256]);
+//! assert_eq!(model.forward(tokens).unwrap().dims(), [2, 5, 256]);
+//! ```
+//!
+//! The same type split over two ranks by its tensor-parallel plan (each rank builds only its
+//! shards); the loss is the single-device one:
+//!
+//! ```
+//! use burn::tensor::{Device, Int, Tensor};
+//! use burn_parallel::init::Init;
+//! use burn_parallel::run_local;
+//! use examples::gpt::{Gpt, GptConfig};
+//!
+//! let config = GptConfig { d_ff: 32, ..GptConfig::new(256, 1, 2, 8, 16) };
+//! let device = Device::flex();
+//! let tokens = Tensor::<2, Int>::from_ints([[1, 2, 3, 4]], &device);
+//! let single = Gpt::new(&config, &device).loss(tokens.clone(), tokens.clone()).unwrap();
+//! let losses = run_local(2, |tp| {
+//!     let plan = Gpt::tp_plan(&config, true); // sequence parallel too
+//!     let init = Init::new(config.seed, &device).with_tp(&tp, plan).unwrap();
+//!     let model = Gpt::build(&config, &init, None).unwrap();
+//!     let loss = model.loss(tokens.clone(), tokens.clone()).unwrap();
+//!     Ok(loss.into_scalar::<f32>())
+//! })
+//! .unwrap();
+//! assert!((losses[0] - single.into_scalar::<f32>()).abs() < 1e-5);
 //! ```
 
 use burn::module::{Module, ModuleMapper, Param};

@@ -19,7 +19,7 @@
 //! let config = VitConfig::digits();
 //! let model = Vit::new(&config, &device);
 //! let images = Tensor::<4>::zeros([2, 1, 8, 8], &device);
-//! assert_eq!(model.forward(images).dims(), [2, 10]);
+//! assert_eq!(model.forward(images).unwrap().dims(), [2, 10]);
 //! ```
 
 use burn::module::{Module, Param};
