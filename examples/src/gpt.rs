@@ -772,6 +772,38 @@ impl Block {
     }
 }
 
+/// `n` blocks at `blocks.{i}` under `init`, each an FSDP unit when `fsdp` selects its path
+/// (the plain block otherwise): the encoder or decoder stack of the GPT and the ViT.
+///
+/// # Errors
+/// Plan errors; collective errors of the FSDP plan.
+pub fn build_blocks(
+    config: &BlockConfig,
+    n: usize,
+    init: &Init,
+    fsdp: Option<&FsdpPlan>,
+) -> ZeroResult<Vec<Fsdp<Block>>> {
+    (0..n)
+        .map(|i| {
+            let init = init.at("blocks").at(i);
+            let build = |init: &Init| Ok::<_, ZeroError>(Block::new(config, init)?);
+            match fsdp {
+                Some(plan) => plan.wrap(&init, build),
+                None => Ok(Fsdp::new(build(&init)?)),
+            }
+        })
+        .collect()
+}
+
+/// `blocks` with every FSDP unit gathered whole, detached (a collective over the shard group
+/// when sharded).
+///
+/// # Errors
+/// Collective errors.
+pub fn gather_blocks(blocks: &[Fsdp<Block>]) -> ZeroResult<Vec<Fsdp<Block>>> {
+    blocks.iter().map(|b| Ok(Fsdp::new(b.full()?))).collect()
+}
+
 /// The GPT model: one type for one device and every layout. Build it with [`Gpt::new`] (one
 /// device) or [`Gpt::build`] (any layout).
 #[derive(Module, Debug)]
@@ -796,6 +828,9 @@ pub struct Gpt {
     /// The tensor-parallel context (single-device when not split).
     #[module(skip)]
     pub tp: TpContext,
+    /// The data-parallel stream of the dropout masks ([`Self::with_dropout_stream`]).
+    #[module(skip)]
+    pub dropout_stream: u64,
 }
 
 impl Gpt {
@@ -860,17 +895,7 @@ impl Gpt {
             .validate()
             .map_err(|e| ZeroError::Config(format!("invalid GptConfig: {e}")))?;
         let (d, v) = (config.d_model, config.vocab_size);
-        let block = config.block();
-        let blocks = (0..config.n_layers)
-            .map(|i| {
-                let init = init.at("blocks").at(i);
-                let build = |init: &Init| Ok::<_, ZeroError>(Block::new(&block, init)?);
-                match fsdp {
-                    Some(plan) => plan.wrap(&init, build),
-                    None => Ok(Fsdp::new(build(&init)?)),
-                }
-            })
-            .collect::<ZeroResult<Vec<_>>>()?;
+        let blocks = build_blocks(&config.block(), config.n_layers, init, fsdp)?;
         let model = Self {
             wte: init.embedding("wte", v, d, INIT_STD)?,
             wpe: match config.positions {
@@ -897,6 +922,7 @@ impl Gpt {
             drop: dropout(config.dropout, init, "drop"),
             config: config.clone(),
             tp: init.context(),
+            dropout_stream: 0,
         };
         init.finish()?;
         if let Some(plan) = fsdp {
@@ -909,7 +935,7 @@ impl Gpt {
     /// no-op without dropout.
     pub fn with_dropout_stream(self, stream: u64) -> Self {
         Self {
-            drop: self.drop.map(|d| d.with_stream(stream)),
+            dropout_stream: stream,
             ..self
         }
     }
@@ -941,7 +967,10 @@ impl Gpt {
     /// The pass over `tokens` `[batch, seq]` whose first token sits at position `offset`.
     pub fn pass(&self, tokens: &Tensor<2, Int>, offset: usize) -> Pass {
         let [_, s] = tokens.dims();
-        Pass::new(s, self.rope(s, offset, &tokens.device()), &self.tp)
+        Pass {
+            stream: self.dropout_stream,
+            ..Pass::new(s, self.rope(s, offset, &tokens.device()), &self.tp)
+        }
     }
 
     /// Token (+ learned position) embedding of `tokens` `[batch, seq]` whose first token sits
@@ -1072,11 +1101,7 @@ impl Gpt {
     /// Collective errors.
     pub fn to_single(&self, device: &Device) -> ZeroResult<Gpt> {
         let whole = Gpt {
-            blocks: self
-                .blocks
-                .iter()
-                .map(|b| Ok(Fsdp::new(b.full()?)))
-                .collect::<ZeroResult<Vec<_>>>()?,
+            blocks: gather_blocks(&self.blocks)?,
             ..self.clone()
         };
         let params: std::collections::HashMap<String, TensorData> =

@@ -32,8 +32,8 @@ use burn_zero::{Fsdp, FsdpPlan, Result as ZeroResult, ZeroError};
 use serde::{Deserialize, Serialize};
 
 use crate::gpt::{
-    Block, BlockConfig, ConfigError, INIT_STD, MlpKind, Norm, NormKind, Pass, cross_entropy,
-    load_params,
+    Block, BlockConfig, ConfigError, INIT_STD, MlpKind, Norm, NormKind, Pass, build_blocks,
+    cross_entropy, gather_blocks, load_params,
 };
 use crate::init::{Init, LinearInit};
 
@@ -230,16 +230,7 @@ impl Vit {
             .map_err(|e| ZeroError::Config(format!("invalid VitConfig: {e}")))?;
         let d = config.d_model;
         let block = config.block();
-        let blocks = (0..config.n_layers)
-            .map(|i| {
-                let init = init.at("blocks").at(i);
-                let build = |init: &Init| Ok::<_, ZeroError>(Block::new(&block, init)?);
-                match fsdp {
-                    Some(plan) => plan.wrap(&init, build),
-                    None => Ok(Fsdp::new(build(&init)?)),
-                }
-            })
-            .collect::<ZeroResult<Vec<_>>>()?;
+        let blocks = build_blocks(&block, config.n_layers, init, fsdp)?;
         let linear = |d_in, d_out| {
             LinearInit::new(d_in, d_out)
                 .with_bias(true)
@@ -317,11 +308,7 @@ impl Vit {
     /// Collective errors.
     pub fn to_single(&self, device: &Device) -> ZeroResult<Vit> {
         let whole = Vit {
-            blocks: self
-                .blocks
-                .iter()
-                .map(|b| Ok(Fsdp::new(b.full()?)))
-                .collect::<ZeroResult<Vec<_>>>()?,
+            blocks: gather_blocks(&self.blocks)?,
             ..self.clone()
         };
         let params: std::collections::HashMap<String, burn::tensor::TensorData> =

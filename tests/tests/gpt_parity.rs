@@ -7,8 +7,7 @@
 //! `--clip --tp`). Also: sharded initialisation equals the single-device weights, and
 //! impossible splits are clear errors.
 
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::Device;
 use burn_parallel::init::Init;
 use burn_parallel::{TpError, run_local};
 use burn_zero::{Stage, ZeroError};
@@ -16,7 +15,8 @@ use examples::data::Corpus;
 use examples::gpt::{Gpt, MlpKind, NormKind, PositionKind};
 use examples::train::{Parallelism, TrainConfig, TrainReport, train_gpt_parallel};
 use tests::{
-    Reference, assert_matches_reference, gpt_through_burnrun, reference_run, tiny_gpt_run,
+    Reference, assert_matches_reference, gpt_through_burnrun, params_of, reference_run,
+    tiny_gpt_run,
 };
 
 const STEPS: usize = 20;
@@ -90,6 +90,48 @@ fn parallel(world: usize, p: &Parallelism, config: &TrainConfig) -> TrainReport 
 fn check(reference: &Reference, world: usize, p: Parallelism, config: &TrainConfig, what: &str) {
     let r = parallel(world, &p, config);
     assert_matches_reference(reference, &r.losses, &r.final_params, TOL, what);
+}
+
+/// A one-rank run of the trainer as the reference of other layouts of the same trainer.
+fn as_reference(single: TrainReport) -> Reference {
+    Reference {
+        losses: single.losses,
+        params: single
+            .final_params
+            .into_iter()
+            .map(|p| (p.path, (p.shape, p.values)))
+            .collect(),
+    }
+}
+
+/// Dropout masks are a function of the global position of each element: tensor and sequence
+/// parallelism draw the single-device masks (heads and tokens split), so the runs agree.
+#[test]
+fn dropout_masks_do_not_depend_on_the_tensor_parallel_split() {
+    let mut config = config();
+    config.model.dropout = 0.1;
+    let reference = as_reference(parallel(1, &Parallelism::default(), &config));
+    let no_dropout = reference_run(&TrainConfig {
+        model: examples::gpt::GptConfig {
+            dropout: 0.0,
+            ..config.model.clone()
+        },
+        ..config.clone()
+    });
+    assert!(
+        (reference.losses[0] - no_dropout.losses[0]).abs() > 1e-4,
+        "dropout must change the loss: {} vs {}",
+        reference.losses[0],
+        no_dropout.losses[0]
+    );
+    check(
+        &reference,
+        2,
+        tp(2, true),
+        &config,
+        "dropout 0.1, tp 2 + sp",
+    );
+    check(&reference, 4, tp(4, false), &config, "dropout 0.1, tp 4");
 }
 
 #[test]
@@ -201,25 +243,6 @@ fn llama_like_gpt_with_padded_vocab_matches_single_device() {
     );
 }
 
-/// Every float parameter of a module, by path.
-fn params<M: Module>(m: &M) -> Vec<(String, TensorData)> {
-    struct P(Vec<String>, Vec<(String, TensorData)>);
-    impl ModuleVisitor for P {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.0.push(name.into());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.0.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
-            self.1.push((self.0.join("."), p.val().into_data()));
-        }
-    }
-    let mut p = P(vec![], vec![]);
-    m.visit(&mut p);
-    p.1
-}
-
 /// Sharded initialisation (each rank builds only its shards, from the seed) gathers back to the
 /// exact weights of the single-device model, for uneven splits too (vocabularies 256 and 257
 /// over 3 ranks, padded; 6 heads over 3 and 4 ranks).
@@ -239,12 +262,11 @@ fn sharded_init_gathers_back_to_the_single_device_weights() {
                 if tp > 1 {
                     assert!(sharded.num_params() < full.num_params());
                 }
-                let back = sharded.to_single(&Device::flex()).unwrap();
-                let (a, b) = (params(&full), params(&back));
-                assert_eq!(a.len(), b.len());
-                for ((na, da), (nb, db)) in a.iter().zip(&b) {
-                    assert_eq!(na, nb);
-                    assert_eq!(da, db, "{na} after a round trip through tp {tp}");
+                let back = params_of(&sharded.to_single(&Device::flex()).unwrap());
+                let full = params_of(&full);
+                assert_eq!(back.len(), full.len());
+                for (path, value) in &full {
+                    assert_eq!(Some(value), back.get(path), "{path} after tp {tp}");
                 }
                 Ok(())
             })
@@ -330,15 +352,7 @@ fn gpt_on_wgpu_under_tp_sp_and_fsdp_x_tp_matches_single_device() {
         device: TrainDevice::Wgpu,
         ..p
     };
-    let single = parallel(1, &on_wgpu(Parallelism::default()), &config);
-    let reference = Reference {
-        losses: single.losses,
-        params: single
-            .final_params
-            .into_iter()
-            .map(|p| (p.path, (p.shape, p.values)))
-            .collect(),
-    };
+    let reference = as_reference(parallel(1, &on_wgpu(Parallelism::default()), &config));
     check(
         &reference,
         2,
