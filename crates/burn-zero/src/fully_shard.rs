@@ -17,7 +17,9 @@
 //!   [`TrainStep::with_fsdp`](burn_parallel::train::TrainStep::with_fsdp)) averages the shard
 //!   gradients over the replicate group (HSDP) and counts them once in the global norm.
 //!
-//! Frozen parameters (no `require_grad`) stay whole in the unit and are never updated.
+//! Frozen parameters (no `require_grad`) stay whole in the unit and are never updated; Burn's
+//! visitors and mappers see them at their own paths (records, checkpoints, replica checks),
+//! before the unit's `flat_shard`.
 //! This is the composable FSDP; [`crate::fsdp::FsdpUnit`] adds mixed precision, prefetch and
 //! accumulation without communication, with its own optimizer.
 //!
@@ -93,6 +95,8 @@ struct Sharded<M: Module> {
     /// Sequence parallelism: the tensor-parallel group and the ranges of the unit's flat space
     /// holding parameters used on sequence shards (norms), whose gradients are summed over it.
     sequence: Option<(ProcessGroup, Vec<Range<usize>>)>,
+    /// Paths (inside the unit) of the frozen parameters, kept whole in `template`.
+    frozen: Arc<HashSet<String>>,
 }
 
 impl<M: Module> fmt::Debug for Fsdp<M> {
@@ -197,6 +201,7 @@ impl<M: Module> Fsdp<M> {
                 group,
                 name: name.to_string(),
                 sequence,
+                frozen: Arc::new(frozen),
             })),
         })
     }
@@ -353,6 +358,12 @@ impl<M: Module> Module for Fsdp<M> {
         match &self.inner {
             Inner::Plain(m) => m.visit(visitor),
             Inner::Sharded(s) => {
+                // The frozen parameters, whole, at their own paths; then the flat shard.
+                s.template.visit(&mut FrozenOnly {
+                    inner: visitor,
+                    path: Vec::new(),
+                    frozen: &s.frozen,
+                });
                 visitor.enter_module("flat_shard", "Struct:Fsdp");
                 Module::visit(&s.shard, visitor);
                 visitor.exit_module("flat_shard", "Struct:Fsdp");
@@ -364,6 +375,12 @@ impl<M: Module> Module for Fsdp<M> {
         match self.inner {
             Inner::Plain(m) => Self::new(m.map(mapper)),
             Inner::Sharded(mut s) => {
+                let frozen = s.frozen.clone();
+                s.template = s.template.map(&mut FrozenOnly {
+                    inner: mapper,
+                    path: Vec::new(),
+                    frozen: &frozen,
+                });
                 mapper.enter_module("flat_shard", "Struct:Fsdp");
                 s.shard = Module::map(s.shard, mapper);
                 mapper.exit_module("flat_shard", "Struct:Fsdp");
@@ -371,6 +388,54 @@ impl<M: Module> Module for Fsdp<M> {
                     inner: Inner::Sharded(s),
                 }
             }
+        }
+    }
+}
+
+/// Shows a visitor or mapper only the frozen parameters of a unit's template (the trainable
+/// ones there are placeholders; their values live in the flat shard).
+struct FrozenOnly<'a, T> {
+    inner: &'a mut T,
+    path: Vec<String>,
+    frozen: &'a HashSet<String>,
+}
+
+impl<T> FrozenOnly<'_, T> {
+    fn is_frozen(&self) -> bool {
+        self.frozen.contains(&self.path.join("."))
+    }
+}
+
+impl<V: ModuleVisitor> ModuleVisitor for FrozenOnly<'_, V> {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.path.push(name.to_string());
+        self.inner.enter_module(name, container_type);
+    }
+    fn exit_module(&mut self, name: &str, container_type: &str) {
+        self.path.pop();
+        self.inner.exit_module(name, container_type);
+    }
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if self.is_frozen() {
+            self.inner.visit_float(param);
+        }
+    }
+}
+
+impl<Mp: ModuleMapper> ModuleMapper for FrozenOnly<'_, Mp> {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        self.path.push(name.to_string());
+        self.inner.enter_module(name, container_type);
+    }
+    fn exit_module(&mut self, name: &str, container_type: &str) {
+        self.path.pop();
+        self.inner.exit_module(name, container_type);
+    }
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if self.is_frozen() {
+            self.inner.map_float(param)
+        } else {
+            param
         }
     }
 }

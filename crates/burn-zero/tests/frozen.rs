@@ -229,3 +229,67 @@ fn differing_replicas_are_refused_on_every_rank() {
     .unwrap();
     assert_eq!(typed, vec![true, true]);
 }
+
+/// `Fsdp<M>` (the composable FSDP) keeps a unit's frozen parameters whole, out of the flat
+/// shard, and still shows them to Burn's visitors and mappers at their own paths: they are
+/// counted, saved in records and checkpoints, checked across replicas and loaded back; the
+/// trainable ones are the flat shard.
+#[test]
+fn fsdp_module_visits_its_frozen_parameters() {
+    use burn::module::{ModuleMapper, ModuleVisitor};
+    use burn_zero::{Fsdp, FsdpPlan};
+    struct Paths(Vec<String>, Vec<(String, Vec<usize>)>);
+    impl ModuleVisitor for Paths {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.0.push(name.into());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.0.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, p: &Param<Tensor<D>>) {
+            self.1.push((self.0.join("."), p.dims().to_vec()));
+        }
+    }
+    /// Adds 1 to every parameter it is shown.
+    struct AddOne;
+    impl ModuleMapper for AddOne {
+        fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            p.map(|t| t + 1.0)
+        }
+    }
+    let out = run_local(2, |group| {
+        let device = Device::flex().autodiff();
+        let plan = FsdpPlan::new(&group).unit("net");
+        let unit: Fsdp<Net> = plan
+            .wrap(
+                &burn_parallel::init::Init::new(0, &device).at("net"),
+                |_| Ok::<_, ZeroError>(net(&device)),
+            )
+            .map_err(to_collective)?;
+        plan.finish().map_err(to_collective)?;
+        let mut paths = Paths(vec![], vec![]);
+        unit.visit(&mut paths);
+        let count = unit.num_params();
+        let frozen_before = snapshot(&net(&device).frozen);
+        let mapped = unit.map(&mut AddOne);
+        let whole = mapped.full()?;
+        Ok((paths.1, count, frozen_before, snapshot(&whole.frozen)))
+    })
+    .unwrap();
+    for (paths, count, before, after) in out {
+        assert_eq!(
+            paths,
+            vec![
+                ("frozen.weight".to_string(), vec![4, 5]),
+                ("frozen.bias".to_string(), vec![5]),
+                ("flat_shard".to_string(), vec![TRAINABLE / 2]),
+            ]
+        );
+        assert_eq!(count, 4 * 5 + 5 + TRAINABLE / 2);
+        // The mapper reached the frozen parameters (values + 1), which stay frozen.
+        let plus_one = |v: &[f32]| v.iter().map(|x| x + 1.0).collect::<Vec<_>>();
+        assert_eq!(after.0, plus_one(&before.0));
+        assert_eq!(after.1, plus_one(&before.1));
+        assert_eq!((after.2, after.3), (false, false));
+    }
+}
