@@ -10,6 +10,7 @@
 //! cargo run --release -p examples --example byo_model -- --layout fsdp --ranks 2
 //! cargo run --release -p examples --example byo_model -- --layout fsdp-tp --ranks 4
 //! cargo run --release -p examples --example byo_model -- --layout hsdp --ranks 4
+//! cargo run --release -p examples --example byo_model -- --all --ranks 4 --steps 20
 //! ```
 //!
 //! The layout-specific code is one line per layout: the `match` in `run_rank` that picks the
@@ -49,7 +50,7 @@ enum Layout {
 }
 
 /// Train the bring-your-own-model decoder.
-#[derive(Debug, Parser)]
+#[derive(Debug, Clone, Copy, Parser)]
 struct Args {
     #[arg(long, value_enum, default_value = "ddp")]
     layout: Layout,
@@ -68,6 +69,10 @@ struct Args {
     /// Global-norm clipping.
     #[arg(long)]
     clip: Option<f64>,
+    /// Run every layout in turn (on `--ranks`, one rank for `single`) and print each one's
+    /// step time relative to single-device training.
+    #[arg(long)]
+    all: bool,
 }
 
 fn config() -> Config {
@@ -129,27 +134,49 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
     Ok(losses)
 }
 
-fn main() {
-    let args = Args::parse();
+/// Trains under `args.layout`; prints the loss curve's ends and returns seconds per step.
+fn run(args: &Args, corpus: &Corpus) -> f64 {
     let ranks = if args.layout == Layout::Single {
         1
     } else {
         args.ranks
     };
-    let corpus = Corpus::load_default().expect("the bundled corpus");
     let start = Instant::now();
-    let losses = run_local(ranks, |world| run_rank(world, &args, &corpus)).unwrap_or_else(|e| {
+    let losses = run_local(ranks, |world| run_rank(world, args, corpus)).unwrap_or_else(|e| {
         eprintln!("error: {e}");
         std::process::exit(1);
     });
-    let secs = start.elapsed().as_secs_f64();
+    let per_step = start.elapsed().as_secs_f64() / args.steps as f64;
     let curve = &losses[0];
     println!(
-        "layout {:?} on {ranks} rank(s): loss {:.4} -> {:.4} over {} steps, {:.3} s/step",
+        "layout {:?} on {ranks} rank(s): loss {:.4} -> {:.4} over {} steps, {per_step:.3} s/step",
         args.layout,
         curve[0],
         curve[curve.len() - 1],
         curve.len(),
-        secs / curve.len() as f64
     );
+    per_step
+}
+
+fn main() {
+    let args = Args::parse();
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    if !args.all {
+        run(&args, &corpus);
+        return;
+    }
+    let mut times = Vec::new();
+    for layout in Layout::value_variants() {
+        let args = Args {
+            layout: *layout,
+            ..args
+        };
+        times.push((*layout, run(&args, &corpus)));
+    }
+    let single = times[0].1;
+    println!("\nstep time relative to one device ({} ranks):", args.ranks);
+    for (layout, t) in times {
+        let name = format!("{layout:?}");
+        println!("{name:<8} {t:>8.3} s/step  {:>5.2}x", t / single);
+    }
 }
