@@ -50,7 +50,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use burn::module::Module;
-use burn::optim::{LearningRate, Optimizer};
+use burn::optim::LearningRate;
 use burn::tensor::Gradients;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_parallel::ReduceOp;
@@ -59,7 +59,7 @@ use burn_parallel::autograd::{BackwardFn, attach};
 use crate::error::{Result, ZeroError};
 use crate::flat::{FlatLayout, host_f32, shard_range, shard_sizes, strip_params, tensor_1d};
 use crate::memory::{Category, MemoryReport, MemoryTracker};
-use crate::optim::ShardedOptimizer;
+use crate::optim::{ElementWise, ShardedOptimizer};
 use crate::precision::{LossScaler, MixedPrecision};
 use crate::zero::{ShardGroups, StepInfo, ZeroConfig, check_overflow};
 
@@ -545,7 +545,7 @@ impl<M> Drop for Gathered<M> {
 /// With a [`LossScaler`] in the config, scale the loss by [`FsdpOptimizer::loss_scale`] before
 /// `backward`; a step whose gradients overflow on any rank is skipped ([`StepInfo::skipped`]):
 /// shards and optimizer state stay untouched and the scale is lowered.
-pub struct FsdpOptimizer<O: Optimizer> {
+pub struct FsdpOptimizer<O: ElementWise> {
     ctx: Arc<FsdpContext>,
     optim: ShardedOptimizer<O>,
     max_grad_norm: Option<f64>,
@@ -553,7 +553,7 @@ pub struct FsdpOptimizer<O: Optimizer> {
     micro: usize,
 }
 
-impl<O: Optimizer> FsdpOptimizer<O> {
+impl<O: ElementWise> FsdpOptimizer<O> {
     /// `optim` over `units` shards.
     pub fn new(ctx: &Arc<FsdpContext>, config: &ZeroConfig, optim: O, units: usize) -> Self {
         Self {

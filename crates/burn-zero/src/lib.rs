@@ -63,5 +63,6 @@ pub use error::{Result, ZeroError};
 pub use fsdp::{FlatShard, FsdpContext, FsdpOptimizer, FsdpUnit, Gathered};
 pub use fully_shard::{Fsdp, FsdpPlan, Unit};
 pub use memory::{MemoryReport, MemoryTracker};
+pub use optim::ElementWise;
 pub use precision::{LossScaler, MixedPrecision};
 pub use zero::{ShardGroups, Stage, StepInfo, ZeroConfig, ZeroOptimizer};

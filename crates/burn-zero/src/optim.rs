@@ -6,7 +6,7 @@
 //! re-implementation of the formulas to drift from Burn's (bias correction, epsilon placement,
 //! decoupled decay all come from burn-optim). Optimizers that are *not* element-wise (LAMB's
 //! per-tensor trust ratio, Muon's orthogonalisation, Adafactor's factored moments) would see a
-//! flat slice instead of a tensor: do not use them here.
+//! flat slice instead of a tensor: the [`ElementWise`] bound refuses them at compile time.
 //!
 //! With offload, the state lives on the host (Burn's `flex` CPU backend) and the update runs
 //! there; parameters and gradients are copied host-side for the update and the new parameters
@@ -20,6 +20,41 @@ use burn_pack::Scalar;
 use serde_json::Value;
 
 use crate::error::{Result, ZeroError};
+
+/// An optimizer that updates every element from its own gradient and state alone, so that
+/// applying it to a contiguous slice of the flattened parameters gives exactly the update of
+/// the whole tensors. ZeRO and FSDP ([`ShardedOptimizer`], [`crate::ZeroOptimizer`],
+/// [`crate::FsdpOptimizer`]) accept only these: an optimizer that needs the shape of a
+/// parameter (LAMB's per-tensor trust ratio, Muon's orthogonalised 2-D updates, Adafactor's
+/// factored moments, L-BFGS) would be handed a flat 1-D slice and compute something else, so it
+/// is refused when the program is compiled, with a message that says why.
+///
+/// Implemented for Burn's Adam, AdamW, SGD, RMSProp, AdaGrad, Lion and Adan. Implement it for
+/// your own optimizer only if its update of an element depends on nothing but that element.
+///
+/// ```compile_fail
+/// use burn::optim::LambConfig;
+/// use burn_zero::optim::ShardedOptimizer;
+/// // LAMB scales each tensor's update by a per-tensor trust ratio: refused.
+/// let optim = ShardedOptimizer::new(LambConfig::new().build(), 1);
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an element-wise optimizer: ZeRO and FSDP apply it to flat 1-D \
+               slices of the parameters, where an optimizer that needs each tensor's shape \
+               computes a different update",
+    note = "use Adam, AdamW, SGD, RMSProp, AdaGrad, Lion or Adan with ZeRO/FSDP; keep LAMB, \
+            Muon, Adafactor and L-BFGS to DDP or tensor parallelism; implement \
+            burn_zero::optim::ElementWise for your own optimizer only if it is element-wise"
+)]
+pub trait ElementWise: Optimizer {}
+
+impl ElementWise for burn::optim::Adam {}
+impl ElementWise for burn::optim::AdamW {}
+impl ElementWise for burn::optim::Sgd {}
+impl ElementWise for burn::optim::RmsProp {}
+impl ElementWise for burn::optim::AdaGrad {}
+impl ElementWise for burn::optim::Lion {}
+impl ElementWise for burn::optim::Adan {}
 
 /// Per-unit state of a Burn optimizer over flat shards.
 ///
@@ -38,14 +73,14 @@ use crate::error::{Result, ZeroError};
 /// assert_eq!(p.dims(), [2]);
 /// assert_eq!(optim.state_bytes(), 2 * 2 * 4); // two moments of two f32
 /// ```
-pub struct ShardedOptimizer<O: Optimizer> {
+pub struct ShardedOptimizer<O: ElementWise> {
     optim: O,
     states: Vec<Option<O::State<1>>>,
     state_bytes: Vec<usize>,
     offload: bool,
 }
 
-impl<O: Optimizer> ShardedOptimizer<O> {
+impl<O: ElementWise> ShardedOptimizer<O> {
     /// `optim` over `units` flat shards (one state per shard).
     pub fn new(optim: O, units: usize) -> Self {
         Self {

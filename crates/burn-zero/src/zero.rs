@@ -38,7 +38,7 @@
 use std::ops::Range;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::optim::{GradientsParams, LearningRate, Optimizer};
+use burn::optim::{GradientsParams, LearningRate};
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_parallel::ddp::DEFAULT_BUCKET_BYTES;
 use burn_parallel::nn::TpContext;
@@ -49,7 +49,7 @@ use crate::clip::{clip_coefficient, global_norm, sum_of_squares};
 use crate::error::{Result, ZeroError};
 use crate::flat::{FlatLayout, cast_frozen, host_f32, shard_range, tensor_1d};
 use crate::memory::{Category, MemoryReport, MemoryTracker};
-use crate::optim::ShardedOptimizer;
+use crate::optim::{ElementWise, ShardedOptimizer};
 use crate::precision::{LossScaler, MixedPrecision};
 
 /// Which ZeRO stage.
@@ -410,7 +410,7 @@ pub(crate) fn check_overflow(
 /// })
 /// .unwrap();
 /// ```
-pub struct ZeroOptimizer<O: Optimizer> {
+pub struct ZeroOptimizer<O: ElementWise> {
     groups: ShardGroups,
     config: ZeroConfig,
     layout: FlatLayout,
@@ -430,7 +430,7 @@ pub struct ZeroOptimizer<O: Optimizer> {
     tp: Option<(TpContext, Vec<Range<usize>>)>,
 }
 
-impl<O: Optimizer> ZeroOptimizer<O> {
+impl<O: ElementWise> ZeroOptimizer<O> {
     /// Wraps `optim` for the trainable parameters of `module`, whose parameters must already be
     /// identical on every rank (build them from the same seed, or broadcast rank 0's with
     /// `DistributedDataParallel::broadcast_module`), in fp32: with mixed precision they become

@@ -2,12 +2,14 @@
 //! round-trips.
 
 use burn::nn::LinearConfig;
-use burn::optim::{AdamConfig, AdamWConfig, Optimizer, SgdConfig};
+use burn::optim::{
+    AdaGradConfig, AdamConfig, AdamWConfig, AdanConfig, LionConfig, RmsPropConfig, SgdConfig,
+};
 use burn::tensor::Device;
 use burn_zero::flat::{FlatLayout, host_f32, shard_range, tensor_1d};
-use burn_zero::optim::ShardedOptimizer;
+use burn_zero::optim::{ElementWise, ShardedOptimizer};
 
-fn check<O: Optimizer>(optim: O) {
+fn check<O: ElementWise>(optim: O) {
     let device = Device::flex();
     let p: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
     let mut full_state = None;
@@ -37,6 +39,11 @@ fn sharded_adamw_adam_sgd_equal_burn() {
     check(AdamWConfig::new().with_weight_decay(0.1).build());
     check(AdamConfig::new().build());
     check(SgdConfig::new().build());
+    // Every optimizer `ElementWise` is implemented for really is element-wise.
+    check(RmsPropConfig::new().build());
+    check(AdaGradConfig::new().build());
+    check(LionConfig::new().build());
+    check(AdanConfig::new().build());
 }
 
 #[test]
