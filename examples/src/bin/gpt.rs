@@ -1,4 +1,6 @@
-//! Trains the reference GPT on the bundled King James Bible, byte-level, with data parallelism.
+//! Trains the reference GPT on the bundled King James Bible, byte-level, under any layout:
+//! data parallelism, ZeRO-1/2/3 (FSDP), hybrid sharding, tensor + sequence parallelism, and
+//! their combinations, on Flex or (with `--features wgpu`) WGPU.
 //!
 //! ```text
 //! cargo run --release -p examples --bin gpt                          # 2 thread ranks
@@ -6,6 +8,7 @@
 //! burnrun --nproc-per-node 2 -- target/release/gpt --backend tcp     # 2 processes
 //! gpt --config run.toml --steps 100                                  # TOML, then flags
 //! gpt --ranks 4 --tp 2 --sp                                          # dp 2 x tp 2, seq. parallel
+//! gpt --ranks 4 --zero 3 --tp 2 --sp --clip 1.0                      # FSDP 2 x tp 2, clipped
 //! burnrun --nproc-per-node 2 -- target/release/gpt --backend tcp --tp 2
 //! ```
 
@@ -107,7 +110,8 @@ struct Args {
     #[arg(long)]
     sp: bool,
     /// ZeRO stage (1: optimizer state sharded, 2: + gradients, 3: + parameters, FSDP-style
-    /// per transformer block) over the data-parallel ranks, instead of plain DDP.
+    /// per transformer block) over the data-parallel ranks, instead of plain DDP. Composes with
+    /// --tp (the 2-D layout), --hybrid and --clip.
     #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
     zero: Option<u8>,
     /// Hybrid sharding with --zero: shard inside groups of ranks/N, replicate across N groups.
