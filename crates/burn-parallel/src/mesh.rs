@@ -221,19 +221,26 @@ fn ravel(coords: &[usize], sizes: &[usize]) -> usize {
 
 /// The parallel dimensions of a training job, torchtitan's `ParallelDims`: data-parallel
 /// replicas (`dp_replicate`, DDP or the replicate dimension of HSDP), data-parallel shards
-/// (`dp_shard`, ZeRO/FSDP) and tensor parallelism (`tp`), outermost first. [`Self::build`] checks
-/// the product against the world size and makes the mesh `[dp_replicate, dp_shard, tp]`, so the
-/// tensor-parallel ranks are neighbours.
+/// (`dp_shard`, ZeRO/FSDP), context parallelism (`cp`, each sequence split over the ranks) and
+/// tensor parallelism (`tp`), outermost first. [`Self::build`] checks the product against the
+/// world size and makes the mesh `[dp_replicate, dp_shard, cp, tp]`, so the tensor-parallel
+/// ranks are neighbours.
+///
+/// Context-parallel ranks see the same rows but different tokens, so they reduce gradients like
+/// data ranks: [`Self::gradient_reduction`] flattens `dp_replicate x dp_shard x cp` and
+/// [`Self::shard_with_cp`] flattens `dp_shard x cp` (what FSDP shards over, as torchtitan does).
 ///
 /// # Example
 /// ```
 /// use burn_parallel::{ParallelDims, run_local};
 ///
-/// run_local(4, |world| {
-///     let dims = ParallelDims { dp_shard: 2, tp: 2, ..ParallelDims::default() };
+/// run_local(8, |world| {
+///     let dims = ParallelDims { dp_shard: 2, cp: 2, tp: 2, ..ParallelDims::default() };
 ///     let mesh = dims.build(&world).unwrap();
 ///     assert_eq!(mesh.group("tp").unwrap().size(), 2);
+///     assert_eq!(mesh.group("cp").unwrap().size(), 2);
 ///     assert_eq!(dims.data_parallel(&mesh).unwrap().size(), 2); // replicate x shard
+///     assert_eq!(dims.gradient_reduction(&mesh).unwrap().size(), 4); // ... x cp
 ///     Ok(())
 /// })
 /// .unwrap();
@@ -244,6 +251,9 @@ pub struct ParallelDims {
     pub dp_replicate: usize,
     /// Ranks that shard parameters, gradients and optimizer state among them.
     pub dp_shard: usize,
+    /// Ranks that split each sequence (context parallelism).
+    #[serde(default = "one")]
+    pub cp: usize,
     /// Ranks that split each layer (tensor parallelism).
     pub tp: usize,
 }
@@ -253,18 +263,23 @@ impl Default for ParallelDims {
         Self {
             dp_replicate: 1,
             dp_shard: 1,
+            cp: 1,
             tp: 1,
         }
     }
 }
 
+fn one() -> usize {
+    1
+}
+
 impl ParallelDims {
     /// The number of ranks these dimensions need.
     pub fn world_size(&self) -> usize {
-        self.dp_replicate * self.dp_shard * self.tp
+        self.dp_replicate * self.dp_shard * self.cp * self.tp
     }
 
-    /// The mesh `[("dp_replicate", ..), ("dp_shard", ..), ("tp", ..)]` over `world`.
+    /// The mesh `[("dp_replicate", ..), ("dp_shard", ..), ("cp", ..), ("tp", ..)]` over `world`.
     ///
     /// # Errors
     /// [`MeshError::SizeMismatch`] when the product is not the world size;
@@ -275,6 +290,7 @@ impl ParallelDims {
             &[
                 ("dp_replicate", self.dp_replicate),
                 ("dp_shard", self.dp_shard),
+                ("cp", self.cp),
                 ("tp", self.tp),
             ],
         )
@@ -287,5 +303,25 @@ impl ParallelDims {
     /// [`MeshError::UnknownDim`] for a mesh not built by [`Self::build`].
     pub fn data_parallel(&self, mesh: &DeviceMesh) -> Result<ProcessGroup, MeshError> {
         mesh.flattened(&["dp_replicate", "dp_shard"])
+    }
+
+    /// The ranks that reduce (average) gradients together: `dp_replicate x dp_shard x cp`
+    /// flattened (context-parallel ranks hold other tokens of the same rows, so their gradients
+    /// add up like those of data ranks). Equals [`Self::data_parallel`] without context
+    /// parallelism. A new group: every rank must create it.
+    ///
+    /// # Errors
+    /// [`MeshError::UnknownDim`] for a mesh not built by [`Self::build`].
+    pub fn gradient_reduction(&self, mesh: &DeviceMesh) -> Result<ProcessGroup, MeshError> {
+        mesh.flattened(&["dp_replicate", "dp_shard", "cp"])
+    }
+
+    /// The ranks FSDP (or ZeRO) shards over under context parallelism: `dp_shard x cp`
+    /// flattened (torchtitan's `dp_shard_cp`). A new group: every rank must create it.
+    ///
+    /// # Errors
+    /// [`MeshError::UnknownDim`] for a mesh not built by [`Self::build`].
+    pub fn shard_with_cp(&self, mesh: &DeviceMesh) -> Result<ProcessGroup, MeshError> {
+        mesh.flattened(&["dp_shard", "cp"])
     }
 }

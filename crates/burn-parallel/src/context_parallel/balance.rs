@@ -130,7 +130,8 @@ impl SeqLayout {
         match self.balance {
             CpBalance::None => {
                 let n = self.local_len();
-                vec![rank * n..(rank + 1) * n]
+                let only = rank * n..(rank + 1) * n;
+                vec![only]
             }
             CpBalance::HeadTail => {
                 let c = self.seq / (2 * self.cp);
