@@ -56,6 +56,7 @@ use burn::tensor::activation::{gelu, log_softmax, silu, softmax};
 use burn::tensor::module::layer_norm;
 use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 use burn_parallel::ProcessGroup;
+use burn_parallel::context_parallel::{ContextParallel, CpError, SeqLayout};
 use burn_parallel::init::{Init, LinearInit};
 use burn_parallel::kernels;
 use burn_parallel::nn::{Embedding, Linear, LinearSplit, TpContext};
@@ -449,13 +450,29 @@ impl Rope {
         theta: f64,
         device: &Device,
     ) -> Self {
+        let positions: Vec<usize> = (offset..offset + seq_len).collect();
+        Self::at_positions(head_dim, &positions, theta, device)
+    }
+
+    /// Tables for tokens at arbitrary global `positions` (in the order the tokens are held):
+    /// a context-parallel rank's tokens ([`SeqLayout::positions`]), so that rotary positions
+    /// are global, not positions in the local chunk.
+    ///
+    /// # Arguments
+    ///
+    /// - `head_dim`: the (even) head dimension.
+    /// - `positions`: the global position of each token.
+    /// - `theta`: frequency base (10 000).
+    /// - `device`: where the tables live.
+    pub fn at_positions(head_dim: usize, positions: &[usize], theta: f64, device: &Device) -> Self {
         let half = head_dim / 2;
+        let seq_len = positions.len();
         let mut cos = Vec::with_capacity(seq_len * half);
         let mut sin = Vec::with_capacity(seq_len * half);
-        for p in 0..seq_len {
+        for &p in positions {
             for i in 0..half {
                 let freq = theta.powf(-2.0 * i as f64 / head_dim as f64);
-                let angle = (offset + p) as f64 * freq;
+                let angle = p as f64 * freq;
                 cos.push(angle.cos() as f32);
                 sin.push(angle.sin() as f32);
             }
@@ -500,16 +517,31 @@ pub fn causal_mask(seq_len: usize, device: &Device) -> Tensor<2, Bool> {
 /// What a block's forward pass needs to know about the whole sequence: the rotary tables (for
 /// every position of the sequence), the sequence length, and which tokens this rank holds
 /// between the sub-layers (all of them unless sequence parallelism splits them).
+///
+/// Under context parallelism (`cp`), the rank holds only its tokens of the sequence: `seq` is
+/// their number, the rotary tables are those of their global positions, and attention runs
+/// through the context-parallel group.
 #[derive(Clone, Debug)]
 pub struct Pass {
-    /// Rotary tables for the whole sequence, or `None` (learned positions, or ViT).
+    /// Rotary tables for the tokens of the pass, or `None` (learned positions, or ViT).
     pub rope: Option<Rope>,
-    /// The full sequence length.
+    /// The sequence length (this rank's tokens under context parallelism).
     pub seq: usize,
     /// This rank's first token and token count between the sub-layers.
     pub tokens: (usize, usize),
     /// The data-parallel stream of the dropout masks.
     pub stream: u64,
+    /// The context-parallel group and the layout of the whole sequence over it, or `None`.
+    pub cp: Option<CpPass>,
+}
+
+/// The context-parallel part of a [`Pass`].
+#[derive(Clone, Debug)]
+pub struct CpPass {
+    /// The group and its settings (ring or Ulysses).
+    pub ctx: ContextParallel,
+    /// Which tokens of the whole sequence this rank holds.
+    pub layout: SeqLayout,
 }
 
 impl Pass {
@@ -520,6 +552,7 @@ impl Pass {
             seq,
             tokens: tp.sequence_range(seq),
             stream: 0,
+            cp: None,
         }
     }
 }
@@ -637,6 +670,16 @@ impl Attention {
             k = rope.apply(k);
         }
         let [b, heads, s, _] = q.dims();
+        if let Some(cp) = &pass.cp {
+            // Dropout is refused with context parallelism (`Gpt::with_context_parallel`).
+            let y = cp
+                .ctx
+                .attention(q, k, v, self.causal)
+                .map_err(cp_error)?
+                .swap_dims(1, 2)
+                .reshape([b, s, heads * self.head_dim]);
+            return Ok(residual_dropout(&self.resid_drop, self.o.forward(y)?, pass));
+        }
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let mut scores = q.matmul(k.swap_dims(2, 3)) * scale; // [b, h, s, s]
         if self.causal {
@@ -656,6 +699,17 @@ impl Attention {
             .swap_dims(1, 2)
             .reshape([b, s, heads * self.head_dim]);
         Ok(residual_dropout(&self.resid_drop, self.o.forward(y)?, pass))
+    }
+}
+
+/// A context-parallel error as the model's error type.
+fn cp_error(e: CpError) -> TpError {
+    match e {
+        CpError::Collective(c) => TpError::Collective(c),
+        other => TpError::Shape {
+            layer: "attention (context parallel)".into(),
+            reason: other.to_string(),
+        },
     }
 }
 
@@ -831,6 +885,9 @@ pub struct Gpt {
     /// The data-parallel stream of the dropout masks ([`Self::with_dropout_stream`]).
     #[module(skip)]
     pub dropout_stream: u64,
+    /// Context parallelism ([`Self::with_context_parallel`]): each sequence split over a group.
+    #[module(skip)]
+    pub cp: Option<ContextParallel>,
 }
 
 impl Gpt {
@@ -923,6 +980,7 @@ impl Gpt {
             config: config.clone(),
             tp: init.context(),
             dropout_stream: 0,
+            cp: None,
         };
         init.finish()?;
         if let Some(plan) = fsdp {
@@ -937,6 +995,48 @@ impl Gpt {
         Self {
             dropout_stream: stream,
             ..self
+        }
+    }
+
+    /// Splits every sequence over the context-parallel group `cp` (ring or Ulysses attention,
+    /// per its settings): [`Self::forward`] and [`Self::loss`] then take the whole sequence,
+    /// keep this rank's tokens ([`SeqLayout::local`]), embed them at their global positions
+    /// (rotary tables or learned rows), attend through `cp`, and return this rank's logits, or
+    /// the mean loss over its tokens. Averaging that loss's gradients over the context-parallel
+    /// ranks (with the data ranks: [`burn_parallel::ParallelDims::gradient_reduction`]) gives
+    /// the single-device gradients.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] for a dropout probability above 0 (its masks are keyed by
+    /// contiguous positions; not supported with context parallelism).
+    pub fn with_context_parallel(self, cp: ContextParallel) -> ZeroResult<Self> {
+        if self.config.dropout > 0.0 {
+            return Err(ZeroError::Config(format!(
+                "dropout {} is not supported with context parallelism; set it to 0",
+                self.config.dropout
+            )));
+        }
+        Ok(Self {
+            cp: Some(cp),
+            ..self
+        })
+    }
+
+    /// This rank's tokens of `tokens` `[batch, seq]` under context parallelism (all of them
+    /// otherwise), and the layout of the sequence.
+    ///
+    /// # Errors
+    /// [`TpError::Shape`] when the sequence does not split over the group.
+    pub fn local_tokens(
+        &self,
+        tokens: Tensor<2, Int>,
+    ) -> TpResult<(Tensor<2, Int>, Option<SeqLayout>)> {
+        match &self.cp {
+            None => Ok((tokens, None)),
+            Some(cp) => {
+                let layout = cp.layout(tokens.dims()[1]).map_err(cp_error)?;
+                Ok((layout.local(tokens, 1).map_err(cp_error)?, Some(layout)))
+            }
         }
     }
 
@@ -973,6 +1073,34 @@ impl Gpt {
         }
     }
 
+    /// The pass over this rank's tokens `tokens` `[batch, local_seq]` of a sequence split by
+    /// `layout` over the context-parallel group (the sequence's first token at `offset`):
+    /// rotary tables at the tokens' global positions.
+    fn cp_pass(&self, tokens: &Tensor<2, Int>, offset: usize, layout: SeqLayout) -> Pass {
+        let [_, s] = tokens.dims();
+        let rope = match self.config.positions {
+            PositionKind::Rotary => {
+                let positions: Vec<usize> = layout.positions().iter().map(|p| p + offset).collect();
+                Some(
+                    Rope::at_positions(
+                        self.config.head_dim(),
+                        &positions,
+                        self.config.rope_theta,
+                        &tokens.device(),
+                    )
+                    .with_fused(self.config.fused),
+                )
+            }
+            PositionKind::Learned => None,
+        };
+        let ctx = self.cp.clone().expect("a layout comes from the context");
+        Pass {
+            stream: self.dropout_stream,
+            cp: Some(CpPass { ctx, layout }),
+            ..Pass::new(s, rope, &self.tp)
+        }
+    }
+
     /// Token (+ learned position) embedding of `tokens` `[batch, seq]` whose first token sits
     /// at position `offset`: the residual stream `[batch, tokens, d_model]` (this rank's tokens
     /// under sequence parallelism, see `pass.tokens`).
@@ -987,11 +1115,12 @@ impl Gpt {
         let x = match &self.wpe {
             None => x,
             Some(wpe) => {
-                if offset + s > self.config.max_seq_len {
+                let whole = pass.cp.as_ref().map_or(s, |cp| cp.layout.seq());
+                if offset + whole > self.config.max_seq_len {
                     return Err(TpError::Shape {
                         layer: "wpe".into(),
                         reason: format!(
-                            "a sequence of {s} tokens at offset {offset} exceeds max_seq_len {}",
+                            "a sequence of {whole} tokens at offset {offset} exceeds max_seq_len {}",
                             self.config.max_seq_len
                         ),
                     });
@@ -1002,7 +1131,21 @@ impl Gpt {
                     (Some(group), true) => sp_param(wpe.weight.val(), group, true),
                     _ => wpe.weight.val(),
                 };
-                x + table.narrow(0, offset + first, len).unsqueeze::<3>()
+                let rows = match &pass.cp {
+                    None => table.narrow(0, offset + first, len),
+                    Some(cp) => {
+                        let positions: Vec<i64> = cp.layout.positions()[first..first + len]
+                            .iter()
+                            .map(|&p| (p + offset) as i64)
+                            .collect();
+                        let index = Tensor::<1, Int>::from_data(
+                            TensorData::new(positions, [len]),
+                            &table.device(),
+                        );
+                        table.select(0, index)
+                    }
+                };
+                x + rows.unsqueeze::<3>()
             }
         };
         Ok(match &self.drop {
@@ -1059,7 +1202,8 @@ impl Gpt {
     }
 
     /// Logits `[batch, seq, vocab]` of `tokens` `[batch, seq]`, the first token at position
-    /// `offset` (0 for a whole sequence); this rank's vocabulary shard under tensor parallelism.
+    /// `offset` (0 for a whole sequence); this rank's vocabulary shard under tensor parallelism,
+    /// this rank's tokens (`[batch, seq / cp, vocab]`, local order) under context parallelism.
     ///
     /// # Errors
     /// As [`Self::embed`]; collective errors (an FSDP unit's gather).
@@ -1068,7 +1212,11 @@ impl Gpt {
         tokens: Tensor<2, Int>,
         offset: usize,
     ) -> TpResult<Tensor<3>> {
-        let pass = self.pass(&tokens, offset);
+        let (tokens, layout) = self.local_tokens(tokens)?;
+        let pass = match layout {
+            None => self.pass(&tokens, offset),
+            Some(layout) => self.cp_pass(&tokens, offset, layout),
+        };
         let mut x = self.embed(tokens, offset, &pass)?;
         for block in &self.blocks {
             x = block.get()?.forward(x, &pass)?;
@@ -1086,12 +1234,15 @@ impl Gpt {
 
     /// Mean next-token cross-entropy (nats) of `tokens` `[batch, seq]` against `targets`
     /// `[batch, seq]`; a one-element fp32 tensor, the same on every rank of a tensor-parallel
-    /// group.
+    /// group. Under context parallelism, the mean over this rank's tokens (average it over the
+    /// context-parallel group for the whole sequence's).
     ///
     /// # Errors
     /// As [`Self::forward`].
     pub fn loss(&self, tokens: Tensor<2, Int>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
-        self.head_loss(self.forward(tokens)?, targets)
+        let logits = self.forward(tokens)?;
+        let (targets, _) = self.local_tokens(targets)?;
+        self.head_loss(logits, targets)
     }
 
     /// The same model with every FSDP unit gathered whole and every tensor-parallel shard

@@ -10,6 +10,7 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData, activation};
+use burn_parallel::context_parallel::{ContextParallel, CpBalance, CpKind, CpSettings};
 use burn_parallel::init::Init;
 use burn_parallel::tensor_parallel::TpError;
 use burn_parallel::train::TrainStep;
@@ -184,7 +185,9 @@ pub struct TrainReport {
 }
 
 /// How the world is split for [`train_gpt_parallel`]: tensor parallelism inside groups of `tp`
-/// ranks, and across them data parallelism, ZeRO-1/2, FSDP or HSDP.
+/// ranks, context parallelism over groups of `cp` ranks (each sequence split along its length),
+/// and across them data parallelism, ZeRO-1/2, FSDP or HSDP. The mesh is
+/// `[dp_replicate, dp_shard, cp, tp]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Parallelism {
     /// Tensor-parallel size (1: none).
@@ -199,6 +202,12 @@ pub struct Parallelism {
     pub replicate: usize,
     /// The device.
     pub device: TrainDevice,
+    /// Context-parallel size (1: none): the ranks that split each sequence.
+    pub cp: usize,
+    /// Ring or Ulysses attention under context parallelism.
+    pub cp_kind: CpKind,
+    /// How each sequence is split over the context-parallel ranks.
+    pub cp_balance: CpBalance,
 }
 
 impl Default for Parallelism {
@@ -209,6 +218,9 @@ impl Default for Parallelism {
             zero: None,
             replicate: 1,
             device: TrainDevice::Flex,
+            cp: 1,
+            cp_kind: CpKind::Ring,
+            cp_balance: CpBalance::HeadTail,
         }
     }
 }
@@ -217,16 +229,19 @@ impl Parallelism {
     /// The mesh of this split on `world` ranks.
     pub fn dims(&self, world: usize) -> ParallelDims {
         let tp = self.tp.max(1);
-        let dp = world / tp;
+        let cp = self.cp.max(1);
+        let dp = world / (tp * cp);
         match self.zero {
             None => ParallelDims {
                 dp_replicate: dp,
                 dp_shard: 1,
+                cp,
                 tp,
             },
             Some(_) => ParallelDims {
                 dp_replicate: self.replicate.max(1),
                 dp_shard: dp / self.replicate.max(1),
+                cp,
                 tp,
             },
         }
@@ -255,7 +270,41 @@ impl Parallelism {
                 config.model.n_heads, self.tp
             ));
         }
-        let dp = world / self.tp;
+        if self.cp == 0 || !world.is_multiple_of(self.tp * self.cp) {
+            return Err(format!(
+                "the world of {world} ranks cannot be split into groups of tp {} x cp {}; use a \
+                 --cp that divides the number of ranks over --tp",
+                self.tp, self.cp
+            ));
+        }
+        if self.cp > 1 {
+            burn_parallel::context_parallel::SeqLayout::new(
+                config.seq_len,
+                self.cp,
+                0,
+                self.cp_balance,
+            )
+            .map_err(|e| e.to_string())?;
+            let heads = config.model.n_heads / self.tp;
+            if self.cp_kind == CpKind::Ulysses && !heads.is_multiple_of(self.cp) {
+                return Err(format!(
+                    "Ulysses splits the {heads} heads of each tensor-parallel rank over --cp {}: \
+                     use a cp that divides them, or --cp-kind ring",
+                    self.cp
+                ));
+            }
+            if config.model.dropout > 0.0 {
+                return Err("dropout is not supported with --cp; set it to 0".into());
+            }
+            if self.replicate > 1 && self.zero != Some(Stage::Three) {
+                return Err(
+                    "hybrid ZeRO-1/2 (--hybrid with --zero 1|2) is not supported with \
+                            --cp; use --zero 3 or no --hybrid"
+                        .into(),
+                );
+            }
+        }
+        let dp = world / (self.tp * self.cp);
         if self.replicate == 0 || !dp.is_multiple_of(self.replicate) {
             return Err(format!(
                 "{dp} data-parallel ranks cannot form {} replicate groups; use a --hybrid that \
@@ -375,6 +424,19 @@ pub fn train_gpt_parallel(
     let dp = dims
         .data_parallel(&mesh)
         .map_err(|e| invalid(world, op, e))?;
+    // Context-parallel ranks hold other tokens of the same rows: they reduce gradients (and
+    // average the loss) with the data ranks, and FSDP shards over them too.
+    let (reduce, shard) = if dims.cp > 1 {
+        let reduce = dims
+            .gradient_reduction(&mesh)
+            .map_err(|e| invalid(world, op, e))?;
+        let shard = dims
+            .shard_with_cp(&mesh)
+            .map_err(|e| invalid(world, op, e))?;
+        (reduce, shard)
+    } else {
+        (dp.clone(), shard)
+    };
 
     // ---- the model: one type, the plans decide the layout ----
     let init = Init::new(config.model.seed, &device)
@@ -384,6 +446,19 @@ pub fn train_gpt_parallel(
     let model = Gpt::build(&config.model, &init, fsdp.as_ref())
         .map_err(|e| zero_error(world, e))?
         .with_dropout_stream(dp.rank() as u64);
+    let model = if dims.cp > 1 {
+        let settings = CpSettings {
+            kind: parallel.cp_kind,
+            balance: parallel.cp_balance,
+        };
+        let ctx =
+            ContextParallel::new(&group("cp")?, settings).map_err(|e| invalid(world, op, e))?;
+        model
+            .with_context_parallel(ctx)
+            .map_err(|e| zero_error(world, e))?
+    } else {
+        model
+    };
     // Seeded init gives identical replicas; fail loudly if they are not.
     burn_parallel::verify_replicas(&model, &replicate).map_err(|e| invalid(world, op, e))?;
     let adamw = AdamWConfig::new().with_weight_decay(config.weight_decay as f32);
@@ -392,7 +467,7 @@ pub fn train_gpt_parallel(
             let groups = if parallel.replicate > 1 {
                 ShardGroups::hybrid(&mesh).map_err(|e| zero_error(world, e))?
             } else {
-                ShardGroups::flat(dp.clone())
+                ShardGroups::flat(reduce.clone())
             };
             let zero = ZeroConfig::new(stage)
                 .with_max_grad_norm(config.max_grad_norm)
@@ -403,10 +478,10 @@ pub fn train_gpt_parallel(
             Engine::Zero(Box::new(zero))
         }
         _ => {
-            let ddp = DistributedDataParallel::new(dp.clone())
+            let ddp = DistributedDataParallel::new(reduce.clone())
                 .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
             let mut step = TrainStep::new(model.tp.clone()).with_clip(config.max_grad_norm);
-            if dp.size() > 1 {
+            if reduce.size() > 1 {
                 step = step.with_ddp(ddp);
             }
             if let Some(plan) = &fsdp {
@@ -465,7 +540,7 @@ pub fn train_gpt_parallel(
             Engine::Zero(zero) => zero.step(lr, m).map_err(|e| zero_error(world, e))?.0,
         };
         model = Some(m);
-        let loss = dp.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
+        let loss = reduce.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
         run.losses.push(loss);
         let seconds = step_start.elapsed().as_secs_f64();
         if step > 0 {
@@ -482,11 +557,18 @@ pub fn train_gpt_parallel(
 
     // ---- evaluation on the layout, then the whole model for sampling and the report ----
     let eval_model = model.expect("trained").valid();
-    let val_loss = validation_loss(&dp, config, parallel.device, corpus, &|inputs, targets| {
-        eval_model
-            .loss(inputs, targets)
-            .map_err(|e| tp_error(world, e))
-    })?;
+    let val_loss = validation_loss(
+        &dp,
+        &reduce,
+        config,
+        parallel.device,
+        corpus,
+        &|inputs, targets| {
+            eval_model
+                .loss(inputs, targets)
+                .map_err(|e| tp_error(world, e))
+        },
+    )?;
     let full = eval_model
         .to_single(&plain)
         .map_err(|e| zero_error(world, e))?;
@@ -534,9 +616,11 @@ fn scalar(t: &Tensor<1>) -> f64 {
 }
 
 /// Mean validation loss over `eval_batches` global batches, each data-parallel rank of `group`
-/// evaluating its rows with `loss_of` (on a plain device).
+/// evaluating its rows with `loss_of` (on a plain device), averaged over `average` (the data
+/// ranks and any context-parallel ranks, which evaluate other tokens of the same rows).
 fn validation_loss(
     group: &ProcessGroup,
+    average: &ProcessGroup,
     config: &TrainConfig,
     device: TrainDevice,
     corpus: &Corpus,
@@ -563,7 +647,7 @@ fn validation_loss(
         total += scalar(&loss_of(inputs, targets)?);
     }
     let local = (total / config.eval_batches.max(1) as f64) as f32;
-    Ok(group.all_reduce_f32(vec![local], ReduceOp::Avg)?[0] as f64)
+    Ok(average.all_reduce_f32(vec![local], ReduceOp::Avg)?[0] as f64)
 }
 
 /// Samples `sample_len` bytes after `prompt` with temperature 0.8 (seeded, deterministic).

@@ -241,6 +241,7 @@ impl VitLayout {
         ParallelDims {
             dp_replicate,
             dp_shard,
+            cp: 1,
             tp: self.tp_size(),
         }
     }

@@ -153,6 +153,7 @@ fn main() {
     let dims = |dp_replicate, dp_shard, tp| ParallelDims {
         dp_replicate,
         dp_shard,
+        cp: 1,
         tp,
     };
     let embed_head = 2.0 * (config().vocab * config().d_model) as f64 * 4.0;

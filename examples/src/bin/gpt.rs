@@ -10,6 +10,7 @@
 //! gpt --ranks 4 --tp 2 --sp                                          # dp 2 x tp 2, seq. parallel
 //! gpt --ranks 4 --zero 3 --tp 2 --sp --clip 1.0                      # FSDP 2 x tp 2, clipped
 //! burnrun --nproc-per-node 2 -- target/release/gpt --backend tcp --tp 2
+//! gpt --ranks 4 --cp 2 --cp-kind ring --cp-balance headtail       # dp 2 x cp 2, ring attention
 //! ```
 
 use std::path::PathBuf;
@@ -109,6 +110,20 @@ struct Args {
     /// Sequence parallelism inside each tensor-parallel group (needs --tp 2 or more).
     #[arg(long)]
     sp: bool,
+    /// Context-parallel size: each sequence is split along its length over this many ranks
+    /// (mesh `dp x cp x tp`); the sequence length must divide by 2 cp (by cp with
+    /// `--cp-balance none`).
+    #[arg(long, default_value_t = 1)]
+    cp: usize,
+    /// How attention crosses the context-parallel ranks: `ring` (K/V blocks rotate) or
+    /// `ulysses` (all-to-all to head-sharded; the heads per tensor-parallel rank must divide by
+    /// cp).
+    #[arg(long, default_value = "ring")]
+    cp_kind: burn_parallel::context_parallel::CpKind,
+    /// How each sequence is split over the context-parallel ranks: `headtail` (zigzag: chunks
+    /// r and 2cp-1-r, the same causal work on every rank) or `none` (contiguous).
+    #[arg(long, default_value = "headtail")]
+    cp_balance: burn_parallel::context_parallel::CpBalance,
     /// ZeRO stage (1: optimizer state sharded, 2: + gradients, 3: + parameters, FSDP-style
     /// per transformer block) over the data-parallel ranks, instead of plain DDP. Composes with
     /// --tp (the 2-D layout), --hybrid and --clip.
@@ -263,6 +278,7 @@ fn main() -> ExitCode {
     // parallelism it runs in the layout-generic trainer below.
     if let Some(stage) = args.zero
         && args.tp == 1
+        && args.cp == 1
     {
         return run_zero(&args, &config, &corpus, stage as usize);
     }
@@ -283,6 +299,9 @@ fn main() -> ExitCode {
         zero,
         replicate: args.hybrid.unwrap_or(1),
         device: train_device(&args),
+        cp: args.cp,
+        cp_kind: args.cp_kind,
+        cp_balance: args.cp_balance,
     };
     let outcome = match args.backend {
         Backend::Local => {
@@ -330,18 +349,26 @@ fn print_header(
     parallel: &Parallelism,
 ) {
     let m = &config.model;
-    let layout = if parallel.tp > 1 {
+    let layout = if parallel.tp > 1 || parallel.cp > 1 {
+        let dp = ranks / (parallel.tp * parallel.cp);
         let data = match parallel.zero {
-            None => format!("dp {}", ranks / parallel.tp),
+            None => format!("dp {dp}"),
             Some(stage) => format!(
-                "ZeRO-{} over {} (hybrid {})",
+                "ZeRO-{} over {dp} (hybrid {})",
                 stage.number(),
-                ranks / parallel.tp,
                 parallel.replicate
             ),
         };
+        let cp = if parallel.cp > 1 {
+            format!(
+                " x cp {} ({}, {} balance)",
+                parallel.cp, parallel.cp_kind, parallel.cp_balance
+            )
+        } else {
+            String::new()
+        };
         format!(
-            " = {data} x tp {}{}",
+            " = {data}{cp} x tp {}{}",
             parallel.tp,
             if parallel.sp {
                 " + sequence parallel"
