@@ -379,19 +379,21 @@ pub fn ring_attention(
         scale: 1.0 / (dims[3] as f64).sqrt(),
         dims,
     };
-    let (qd, kd, vd) = (q.clone().detach(), k.clone().detach(), v.clone().detach());
+    // The ring computes off the autodiff graph, on the inner backend: nothing of its blocks is
+    // recorded, and the backward below recomputes what it needs.
+    let (qd, kd, vd) = (q.clone().inner(), k.clone().inner(), v.clone().inner());
     let (out, lse, last_kv) = ring.forward(&qd, Tensor::cat(vec![kd, vd], 0))?;
     if !(q.is_tracked() || k.is_tracked() || v.is_tracked()) {
-        return Ok(out);
+        return Ok(if q.is_autodiff() { out.autodiff() } else { out });
     }
     let x = Tensor::cat(vec![q, k, v], 0);
-    let device = x.device();
+    let inner_device = qd.device();
     let saved_out = out.clone();
     Ok(attach(
         x,
-        out,
+        out.autodiff(),
         BackwardFn::new("ring_attention", move |grad| {
-            let dout = tensor_from_data::<4>(grad, &device);
+            let dout = tensor_from_data::<4>(grad, &inner_device);
             let (dq, dk, dv) = ring
                 .backward(&qd, &saved_out, &lse, &last_kv, dout)
                 .map_err(|e| match e {
