@@ -1,1 +1,10 @@
-//! burn-pipeline
+//! burn-pipeline: pipeline schedules as data.
+
+pub mod generators;
+pub mod schedule;
+pub mod validate;
+
+pub use schedule::{
+    Action, ActionKind, ActionParseError, Payload, Placement, PlacementStyle, Schedule,
+    ScheduleError, ScheduleKind, Transfer,
+};
