@@ -2,6 +2,7 @@
 
 pub mod generators;
 pub mod schedule;
+pub mod simulate;
 pub mod validate;
 
 pub use schedule::{
