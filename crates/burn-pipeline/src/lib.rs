@@ -1,5 +1,6 @@
 //! burn-pipeline: pipeline schedules as data.
 
+pub mod format;
 pub mod generators;
 pub mod schedule;
 pub mod simulate;

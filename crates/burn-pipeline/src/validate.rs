@@ -283,6 +283,29 @@ pub enum ValidationError {
     },
 }
 
+impl ValidationError {
+    /// The `(rank, index)` of the offending action, for
+    /// [`crate::format::render_programs`]; for a deadlock, the first stuck rank's action;
+    /// `None` for a missing action ([`ValidationError::Incomplete`]).
+    pub fn location(&self) -> Option<(usize, usize)> {
+        match self {
+            ValidationError::StageOutOfRange { rank, index, .. }
+            | ValidationError::MicrobatchOutOfRange { rank, index, .. }
+            | ValidationError::WrongRank { rank, index, .. }
+            | ValidationError::NotAdjacent { rank, index, .. }
+            | ValidationError::SameRankTransfer { rank, index, .. }
+            | ValidationError::Duplicate { rank, index, .. }
+            | ValidationError::MixedBackward { rank, index, .. }
+            | ValidationError::MissingDependency { rank, index, .. }
+            | ValidationError::AfterReduce { rank, index, .. }
+            | ValidationError::UnmatchedSend { rank, index, .. }
+            | ValidationError::UnmatchedRecv { rank, index, .. } => Some((*rank, *index)),
+            ValidationError::Deadlock { blocked, .. } => blocked.first().map(|b| (b.rank, b.index)),
+            ValidationError::Incomplete { .. } => None,
+        }
+    }
+}
+
 /// Checks `schedule` and proves it cannot deadlock under `model` (see the module docs for
 /// the list of checks).
 ///
