@@ -524,18 +524,6 @@ pub enum ScheduleError {
         /// The nearest valid count above.
         upper: usize,
     },
-    /// Too few micro-batches for the schedule.
-    #[error("{schedule} needs at least {needed} micro-batches at pp = {ranks}, got {microbatches}")]
-    TooFewMicrobatches {
-        /// The schedule's name.
-        schedule: &'static str,
-        /// Micro-batches asked for.
-        microbatches: usize,
-        /// The minimum.
-        needed: usize,
-        /// Pipeline ranks.
-        ranks: usize,
-    },
     /// The generator does not support this number of virtual stages.
     #[error("{schedule} supports {supported} virtual stages per rank, got v = {virtual_stages}")]
     VirtualStages {
