@@ -14,7 +14,10 @@ use burn_zero::Stage;
 use examples::data::Corpus;
 use examples::gpt::{Gpt, MlpKind, NormKind, PositionKind, load_params};
 use examples::train::{Parallelism, TrainConfig, TrainReport, train_gpt_parallel};
-use tests::{Reference, assert_matches_reference, params_of, reference_run, tiny_gpt_run};
+use tests::{
+    Reference, assert_matches_reference, gpt_through_burnrun, params_of, reference_run,
+    tiny_gpt_run,
+};
 
 const STEPS: usize = 20;
 const TOL: f64 = 1e-5;
@@ -258,5 +261,21 @@ fn sharp_attention_logits_match_single_device() {
                 .unwrap();
             }
         }
+    }
+}
+
+/// `gpt --cp 2` (ring, head-tail) and `gpt --cp 2 --cp-kind ulysses` as 2 TCP processes through
+/// `burnrun` match single-device training.
+#[test]
+fn gpt_binary_cp_over_tcp_processes_matches_single_device() {
+    let config = config();
+    let reference = reference_run(&config);
+    for flags in [
+        &["--cp", "2"][..],
+        &["--cp", "2", "--cp-kind", "ulysses", "--cp-balance", "none"][..],
+    ] {
+        let tcp = gpt_through_burnrun(2, &config, flags);
+        let what = format!("gpt {}, 2 tcp processes", flags.join(" "));
+        assert_matches_reference(&reference, &tcp.losses, &tcp.params, 1e-5, &what);
     }
 }
