@@ -67,6 +67,22 @@ pub struct Reference {
     pub params: Params,
 }
 
+impl Reference {
+    /// A run of the trainer under one layout as the reference of other layouts of the same
+    /// trainer (for backends where the plain-Burn oracle on Flex is not the comparison: a
+    /// single-device WGPU run against WGPU layouts).
+    pub fn of_run(report: examples::train::TrainReport) -> Self {
+        Self {
+            losses: report.losses,
+            params: report
+                .final_params
+                .into_iter()
+                .map(|p| (p.path, (p.shape, p.values)))
+                .collect(),
+        }
+    }
+}
+
 /// Every float parameter of `module` by path (the test suite's own visitor, independent of the
 /// `examples` crate's).
 pub fn params_of<M: Module>(module: &M) -> Params {

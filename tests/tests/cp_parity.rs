@@ -279,3 +279,32 @@ fn gpt_binary_cp_over_tcp_processes_matches_single_device() {
         assert_matches_reference(&reference, &tcp.losses, &tcp.params, 1e-5, &what);
     }
 }
+
+/// Ring (head-tail) and Ulysses at cp 2 on WGPU (Mesa's software Vulkan driver in CI) match
+/// single-device training on WGPU. Skipped, visibly, without an adapter.
+#[cfg(feature = "wgpu")]
+#[test]
+fn gpt_cp_on_wgpu_matches_single_device() {
+    use examples::train::TrainDevice;
+    if let Err(e) = burn_parallel::kernels::wgpu_device() {
+        if std::env::var_os("BURN_PARALLEL_REQUIRE_WGPU").is_some() {
+            panic!("BURN_PARALLEL_REQUIRE_WGPU is set but {e}");
+        }
+        use std::io::Write;
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED gpt_cp_on_wgpu_matches_single_device: {e}"
+        );
+        return;
+    }
+    let config = config();
+    let on_wgpu = |p: Parallelism| Parallelism {
+        device: TrainDevice::Wgpu,
+        ..p
+    };
+    let reference = Reference::of_run(run(1, &on_wgpu(Parallelism::default()), &config));
+    let ring = on_wgpu(cp(2, CpKind::Ring, CpBalance::HeadTail));
+    check(&reference, 2, ring, &config, "wgpu ring cp 2, head-tail");
+    let ulysses = on_wgpu(cp(2, CpKind::Ulysses, CpBalance::None));
+    check(&reference, 2, ulysses, &config, "wgpu Ulysses cp 2");
+}

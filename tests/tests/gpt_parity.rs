@@ -92,25 +92,13 @@ fn check(reference: &Reference, world: usize, p: Parallelism, config: &TrainConf
     assert_matches_reference(reference, &r.losses, &r.final_params, TOL, what);
 }
 
-/// A one-rank run of the trainer as the reference of other layouts of the same trainer.
-fn as_reference(single: TrainReport) -> Reference {
-    Reference {
-        losses: single.losses,
-        params: single
-            .final_params
-            .into_iter()
-            .map(|p| (p.path, (p.shape, p.values)))
-            .collect(),
-    }
-}
-
 /// Dropout masks are a function of the global position of each element: tensor and sequence
 /// parallelism draw the single-device masks (heads and tokens split), so the runs agree.
 #[test]
 fn dropout_masks_do_not_depend_on_the_tensor_parallel_split() {
     let mut config = config();
     config.model.dropout = 0.1;
-    let reference = as_reference(parallel(1, &Parallelism::default(), &config));
+    let reference = Reference::of_run(parallel(1, &Parallelism::default(), &config));
     let no_dropout = reference_run(&TrainConfig {
         model: examples::gpt::GptConfig {
             dropout: 0.0,
@@ -352,7 +340,7 @@ fn gpt_on_wgpu_under_tp_sp_and_fsdp_x_tp_matches_single_device() {
         device: TrainDevice::Wgpu,
         ..p
     };
-    let reference = as_reference(parallel(1, &on_wgpu(Parallelism::default()), &config));
+    let reference = Reference::of_run(parallel(1, &on_wgpu(Parallelism::default()), &config));
     check(
         &reference,
         2,
