@@ -237,12 +237,14 @@ impl Parallelism {
                 dp_shard: 1,
                 cp,
                 tp,
+                ep: 1,
             },
             Some(_) => ParallelDims {
                 dp_replicate: self.replicate.max(1),
                 dp_shard: dp / self.replicate.max(1),
                 cp,
                 tp,
+                ep: 1,
             },
         }
     }

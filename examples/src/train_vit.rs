@@ -243,6 +243,7 @@ impl VitLayout {
             dp_shard,
             cp: 1,
             tp: self.tp_size(),
+            ep: 1,
         }
     }
 

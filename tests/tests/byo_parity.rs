@@ -228,6 +228,7 @@ fn dims(dp_replicate: usize, tp: usize) -> ParallelDims {
         dp_shard: 1,
         cp: 1,
         tp,
+        ep: 1,
     }
 }
 
@@ -237,6 +238,7 @@ fn fsdp_dims(dp_replicate: usize, dp_shard: usize, tp: usize) -> ParallelDims {
         dp_shard,
         cp: 1,
         tp,
+        ep: 1,
     }
 }
 

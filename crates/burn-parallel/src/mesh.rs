@@ -157,6 +157,17 @@ impl DeviceMesh {
         Ok(&self.groups[self.index(name)?])
     }
 
+    /// The sub-group of the ranks whose coordinates satisfy `member(coords)`, in global-rank
+    /// order (the row-major order of [`Self::flattened`]). Every member must create it, in the
+    /// same order relative to their other groups.
+    fn group_where(&self, member: impl Fn(&[usize]) -> bool) -> Result<ProcessGroup, MeshError> {
+        let count: usize = self.sizes.iter().product();
+        let members: Vec<usize> = (0..count)
+            .filter(|&r| member(&unravel(r, &self.sizes)))
+            .collect();
+        Ok(self.world.split(&members)?)
+    }
+
     /// A new sub-group spanning several dimensions flattened together (for example
     /// `["dp", "cp"]` for the gradient reduction of context parallelism). Every member must
     /// create it, in the same order relative to their other groups.
@@ -230,6 +241,14 @@ fn ravel(coords: &[usize], sizes: &[usize]) -> usize {
 /// data ranks: [`Self::gradient_reduction`] flattens `dp_replicate x dp_shard x cp` and
 /// [`Self::shard_with_cp`] flattens `dp_shard x cp` (what FSDP shards over, as torchtitan does).
 ///
+/// Expert parallelism (`ep`) adds no ranks: as in torchtitan, the `ep` ranks are carved out of
+/// the data-parallel ranks. Number the data-parallel ranks `d = replicate * dp_shard + shard`;
+/// the expert-parallel group ([`Self::expert_parallel`]) is a block of `ep` consecutive `d` (same
+/// `cp` and `tp` coordinates), each member holding `E / ep` of the experts; the ranks holding the
+/// same experts ([`Self::expert_data_parallel`]: same `d % ep`, every `d / ep` and every `cp`
+/// coordinate) reduce the expert gradients, every other parameter is reduced over
+/// [`Self::gradient_reduction`]. `ep` must divide `dp_replicate x dp_shard`.
+///
 /// # Example
 /// ```
 /// use burn_parallel::{ParallelDims, run_local};
@@ -256,6 +275,10 @@ pub struct ParallelDims {
     pub cp: usize,
     /// Ranks that split each layer (tensor parallelism).
     pub tp: usize,
+    /// Ranks that split the experts of each mixture-of-experts layer, carved out of the
+    /// data-parallel ranks (1: every rank holds every expert).
+    #[serde(default = "one")]
+    pub ep: usize,
 }
 
 impl Default for ParallelDims {
@@ -265,6 +288,7 @@ impl Default for ParallelDims {
             dp_shard: 1,
             cp: 1,
             tp: 1,
+            ep: 1,
         }
     }
 }
@@ -283,8 +307,21 @@ impl ParallelDims {
     ///
     /// # Errors
     /// [`MeshError::SizeMismatch`] when the product is not the world size;
-    /// [`MeshError::InvalidDim`] for a zero size.
+    /// [`MeshError::InvalidDim`] for a zero size, or an `ep` that does not divide
+    /// `dp_replicate x dp_shard`.
     pub fn build(&self, world: &ProcessGroup) -> Result<DeviceMesh, MeshError> {
+        let dp = self.dp_replicate * self.dp_shard;
+        if self.ep == 0 || (dp > 0 && !dp.is_multiple_of(self.ep)) {
+            return Err(MeshError::InvalidDim {
+                name: "ep".into(),
+                reason: format!(
+                    "the expert-parallel size {} must be positive and divide the {dp} \
+                     data-parallel ranks (dp_replicate {} x dp_shard {}): expert-parallel ranks \
+                     are carved out of them",
+                    self.ep, self.dp_replicate, self.dp_shard
+                ),
+            });
+        }
         DeviceMesh::new(
             world,
             &[
@@ -323,5 +360,68 @@ impl ParallelDims {
     /// [`MeshError::UnknownDim`] for a mesh not built by [`Self::build`].
     pub fn shard_with_cp(&self, mesh: &DeviceMesh) -> Result<ProcessGroup, MeshError> {
         mesh.flattened(&["dp_shard", "cp"])
+    }
+
+    /// This rank's index among the data-parallel ranks, `replicate * dp_shard + shard`, from
+    /// mesh coordinates `[dp_replicate, dp_shard, cp, tp]`.
+    fn dp_index(&self, coords: &[usize]) -> usize {
+        coords[0] * self.dp_shard + coords[1]
+    }
+
+    /// The expert-parallel group: `ep` consecutive data-parallel ranks (same `cp` and `tp`
+    /// coordinates) that split the experts among them and exchange tokens (all-to-all). A new
+    /// group: every rank must create it.
+    ///
+    /// # Errors
+    /// [`MeshError::UnknownDim`] for a mesh not built by [`Self::build`]; collective errors.
+    ///
+    /// # Example
+    /// ```
+    /// use burn_parallel::{ParallelDims, run_local};
+    ///
+    /// run_local(4, |world| {
+    ///     let dims = ParallelDims { dp_replicate: 4, ep: 2, ..ParallelDims::default() };
+    ///     let mesh = dims.build(&world).unwrap();
+    ///     let ep = dims.expert_parallel(&mesh).unwrap();
+    ///     let edp = dims.expert_data_parallel(&mesh).unwrap();
+    ///     assert_eq!(ep.members(), if world.rank() < 2 { &[0, 1] } else { &[2, 3] });
+    ///     assert_eq!(edp.members(), if world.rank() % 2 == 0 { &[0, 2] } else { &[1, 3] });
+    ///     Ok(())
+    /// })
+    /// .unwrap();
+    /// ```
+    pub fn expert_parallel(&self, mesh: &DeviceMesh) -> Result<ProcessGroup, MeshError> {
+        self.check_mesh(mesh)?;
+        let me = mesh.coords().to_vec();
+        let block = self.dp_index(&me) / self.ep;
+        mesh.group_where(|c| c[2] == me[2] && c[3] == me[3] && self.dp_index(c) / self.ep == block)
+    }
+
+    /// The ranks that hold the same experts (same position in their expert-parallel group, any
+    /// `cp` coordinate, same `tp` coordinate): expert gradients are reduced over this group
+    /// only. A new group: every rank must create it.
+    ///
+    /// # Errors
+    /// [`MeshError::UnknownDim`] for a mesh not built by [`Self::build`]; collective errors.
+    pub fn expert_data_parallel(&self, mesh: &DeviceMesh) -> Result<ProcessGroup, MeshError> {
+        self.check_mesh(mesh)?;
+        let me = mesh.coords().to_vec();
+        let slot = self.dp_index(&me) % self.ep;
+        mesh.group_where(|c| c[3] == me[3] && self.dp_index(c) % self.ep == slot)
+    }
+
+    /// Checks that `mesh` has the dimensions [`Self::build`] makes.
+    fn check_mesh(&self, mesh: &DeviceMesh) -> Result<(), MeshError> {
+        let expected = ["dp_replicate", "dp_shard", "cp", "tp"];
+        if mesh.names().len() != expected.len() {
+            return Err(MeshError::UnknownDim {
+                name: expected.join(", "),
+                available: mesh.names().to_vec(),
+            });
+        }
+        for name in expected {
+            mesh.coord(name)?;
+        }
+        Ok(())
     }
 }

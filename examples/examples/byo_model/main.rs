@@ -95,6 +95,7 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
         dp_shard,
         cp: 1,
         tp,
+        ep: 1,
     };
     let (dims, sp) = match args.layout {
         Layout::Single | Layout::Ddp => (dims(n, 1, 1), false),

@@ -155,6 +155,7 @@ fn main() {
         dp_shard,
         cp: 1,
         tp,
+        ep: 1,
     };
     let embed_head = 2.0 * (config().vocab * config().d_model) as f64 * 4.0;
     let layers = full_bytes - embed_head;
