@@ -3,9 +3,9 @@
 //! This crate holds pipeline schedules **as data**. A [`Schedule`] is one ordered list of
 //! [`Action`]s per pipeline rank, plus the [`Placement`] saying which rank owns which stage.
 //! The crate generates the usual schedules, checks them before anything runs, predicts their
-//! timing, and reads and writes them as files. Nothing in it touches a tensor. The runtime
-//! that runs a schedule on Burn modules is a later layer that takes these types as input. Its
-//! plan is at the end of this page.
+//! timing, and reads and writes them as files. Its runtime ([`runtime::Executor`]) then runs
+//! a validated schedule on Burn modules ([`stage::Stage`]) over a pipeline `ProcessGroup` of
+//! `burn-parallel`; [`partition`] splits a model's layers into stages.
 //!
 //! | module | what it does |
 //! |---|---|
@@ -14,6 +14,9 @@
 //! | [`validate`] | checks that dependencies hold, that sends and receives match, and that no deadlock can happen; each error is typed and names the rank, the action and what is missing |
 //! | [`simulate`] | makespan, bubble fraction, peak activations per rank and stage; a text timeline and a Chrome/Perfetto trace |
 //! | [`format`](mod@format) | CSV and TOML files (the grammar is in the module docs), and a side-by-side listing that marks the failing action |
+//! | [`stage`] | the [`stage::Stage`] trait (a Burn module whose forward takes a [`stage::Boundary`]: several tensors and serialisable metadata) |
+//! | [`partition`] | layers into stages: by count, balanced by cost (first and last stage may take fewer), or at explicit boundaries |
+//! | [`runtime`] | [`runtime::Executor`]: runs this rank's program, sends and receives boundaries, accumulates and hands over each stage's gradients at `REDUCE`; typed [`runtime::PipelineError`]s, never a hang |
 //!
 //! ```
 //! use burn_pipeline::{generators, simulate::{simulate, Costs}};
@@ -75,18 +78,32 @@
 //! same until `I`, plus at most `r` deferred `W` inputs. ZBV holds at most `2p` stage
 //! activations, which is `p` micro-batches of one rank's layers.
 //!
-//! ## Plan for the runtime (design only; not implemented in this crate yet)
+//! ## The runtime
 //!
-//! *Executing a program.* Each rank walks its program. `F` runs the stage module on the
-//! received activation (made a leaf with `require_grad`) or on the output of the rank's
-//! previous stage, and keeps the output and the input leaf under `(stage, micro-batch)`.
-//! `SEND_*`/`RECV_*` go to `burn-parallel`'s `ProcessGroup::send`/`recv`. Those are eager
-//! sends, which matches the validated model. The tag comes from [`Transfer::tag`] and the
-//! step number, and every receive has the group's timeout, so a dead peer is an error and
-//! never a hang. Burn has no `backward(dY)`, so `B`/`I` call `backward()` on the surrogate
-//! `sum(output * dY.detach())` (the loss on the last stage), which gives the same gradients.
-//! They then take the input leaf's gradient to send it on. Before the first step, ranks
-//! all-gather [`Schedule::fingerprint`] and refuse to start if the values differ.
+//! *Executing a program.* [`runtime::Executor::new`] validates the schedule, checks that the
+//! pipeline group has one rank per program, and all-gathers [`Schedule::fingerprint`]: ranks
+//! holding different schedules refuse to start. [`runtime::Executor::step`] then walks this
+//! rank's program. `F` runs the stage module on the received activation (made a leaf with
+//! `require_grad`) or on the output of the rank's previous stage, handed over in memory, and
+//! keeps the input leaves and the output under `(stage, micro-batch)`. `SEND_*`/`RECV_*` go to
+//! `burn-parallel`'s `ProcessGroup::send_data`/`recv_data`, eager sends, which matches the
+//! validated model: a JSON header (step, shapes, the boundary's metadata) then each tensor,
+//! all under [`Transfer::tag`]. Every receive has the group's timeout, so a dead peer is an
+//! error and never a hang, and a rank that fails aborts the group so that its peers fail at
+//! once. Burn has no `backward(dY)`, so `B`/`I` call `backward()` on the surrogate
+//! `Σ sum(output * dY.detach())` (the loss divided by the micro-batch count on the last
+//! stage), which gives the same gradients. They then take the input leaves' gradients to send
+//! them on, and add the stage's parameter gradients to its `GradientsAccumulator`. `REDUCE(s)`
+//! hands the stage and its summed gradients to the caller, which reduces them (data
+//! parallelism: `burn_parallel::train::TrainStep::reduce`) and steps the optimizer. The first
+//! transfer over each boundary fixes its spec (tensor count, dtypes, shapes); later ones are
+//! checked against it, except along dimensions declared variable (a sequence length that
+//! changes per micro-batch).
+//!
+//! *What `I` and `W` do today.* `I` runs the full backward (input and weight gradients) and `W`
+//! does nothing, so ZB-H1 and ZBV run correctly but with the timing of a schedule whose `W`
+//! costs nothing and whose `I` costs a whole `B`. The deferred-weight design below is what
+//! makes them separate work; it is not implemented yet.
 //!
 //! *Splitting the backward (I/W) in Burn.* Burn computes every gradient of a graph in one
 //! `backward()`. To defer weight gradients, a stage's linear layers are replaced by a
@@ -107,8 +124,11 @@
 
 pub mod format;
 pub mod generators;
+pub mod partition;
+pub mod runtime;
 pub mod schedule;
 pub mod simulate;
+pub mod stage;
 pub mod validate;
 
 pub use schedule::{

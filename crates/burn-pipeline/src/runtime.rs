@@ -1,0 +1,953 @@
+//! The runtime: runs this rank's program of a validated [`Schedule`] on Burn stages over a
+//! pipeline [`ProcessGroup`].
+//!
+//! | action | what [`Executor::step`] does |
+//! |---|---|
+//! | `F` | makes the received (or handed-over) boundary tensors leaves that require a gradient, runs [`Stage::forward`], keeps `(leaves, outputs)` under `(stage, micro-batch)` |
+//! | `SEND_F` / `RECV_F` | one header (shapes, metadata, step) then the tensors, under [`Transfer::tag`], to and from the rank owning the peer stage |
+//! | `B` | backward of the surrogate `Σ sum(output ⊙ dY)` (of `loss / m` on the last stage), whose gradients are those of the loss; reads the leaves' gradients (the input gradient, sent back) and accumulates the stage's parameter gradients ([`GradientsAccumulator`]) |
+//! | `I` | the same as `B` (see "Split backward" below) |
+//! | `W` | nothing yet (see below) |
+//! | `SEND_B` / `RECV_B` | as `SEND_F` / `RECV_F`, for input gradients |
+//! | `REDUCE(s)` | hands stage `s` and its accumulated gradients to the caller's `update` (data-parallel reduction, clipping, the optimizer step) and keeps the module it returns |
+//!
+//! Adjacent stages on the same rank (the turn of ZBV's V) hand their tensors over in memory:
+//! the schedule has no send or receive for them, and the runtime detaches the output and makes
+//! it the next stage's leaf, exactly as a transfer would.
+//!
+//! *Loss scaling.* The last stage returns the mean loss of its micro-batch; its backward is
+//! seeded with `loss / m`, so the accumulated gradients are those of the mean over the whole
+//! batch (micro-batches of equal size). [`StepReport::loss`] is the mean over micro-batches,
+//! the same on every rank.
+//!
+//! *Shapes.* The first transfer over each boundary (per payload) fixes its spec: the number of
+//! tensors, their dtypes and shapes. Every later transfer is checked against it on both sides,
+//! except along the dimensions given to [`Executor::with_variable_dims`] (for example the
+//! sequence dimension, so that micro-batches may have different lengths). A gradient must have
+//! exactly the shape of the activation it belongs to. A mismatch is a
+//! [`PipelineError::ShapeMismatch`] naming the transfer.
+//!
+//! *Never a hang.* Before the first step, ranks compare [`Schedule::fingerprint`]s. Every
+//! receive has the group's timeout, so a dead peer is a [`PipelineError::Collective`]. A stage
+//! that fails or panics is an error on its rank, and the rank aborts the group so that its
+//! peers fail at once rather than at their timeout.
+//!
+//! *Split backward.* Burn computes every gradient of a graph in one `backward()`, so `I` runs
+//! the full backward (input and weight gradients) and `W` does nothing: zero-bubble schedules
+//! run correctly, with the timing of 1F1B-like schedules. The crate docs describe the
+//! deferred-weight design that makes `I` and `W` separate work.
+
+use std::collections::{BTreeMap, HashMap};
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::time::Instant;
+
+use burn::optim::{GradientsAccumulator, GradientsParams};
+use burn::tensor::{Device, Tensor, TensorData};
+use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
+use serde::{Deserialize, Serialize};
+
+use crate::schedule::{Action, Payload, Schedule, Transfer};
+use crate::stage::{Boundary, BoundaryTensor, Stage, StageOutput};
+use crate::validate::ValidationError;
+
+/// A boxed error from the caller's `update` callback.
+pub type UpdateError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Everything that can stop a pipeline step. Each names the rank, the action or the stage,
+/// and says what to do.
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    /// The schedule does not pass the validator.
+    #[error("the pipeline schedule is invalid: {0}")]
+    Invalid(#[from] ValidationError),
+    /// The group does not have one rank per schedule rank.
+    #[error(
+        "the schedule has {schedule} pipeline ranks but the pipeline group has {group}; launch \
+         one rank per pipeline rank (--pp) or generate the schedule for {group}"
+    )]
+    GroupSize {
+        /// Ranks in the schedule.
+        schedule: usize,
+        /// Ranks in the group.
+        group: usize,
+    },
+    /// Ranks hold different schedules.
+    #[error(
+        "pipeline rank {other} holds a different schedule (fingerprint {theirs:#018x}) than \
+         rank {rank} ({ours:#018x}); every rank must generate or load the same schedule"
+    )]
+    ScheduleMismatch {
+        /// This rank.
+        rank: usize,
+        /// The rank that differs.
+        other: usize,
+        /// This rank's fingerprint.
+        ours: u64,
+        /// The other rank's.
+        theirs: u64,
+    },
+    /// The stages given to a step are not those the schedule places on the rank.
+    #[error(
+        "pipeline rank {rank} was given stages {given:?}, but the schedule places stages \
+         {expected:?} on it; build exactly those"
+    )]
+    StagesMismatch {
+        /// This rank.
+        rank: usize,
+        /// The stages the schedule places here.
+        expected: Vec<usize>,
+        /// The stages given.
+        given: Vec<usize>,
+    },
+    /// The step was given another number of micro-batches than the schedule runs.
+    #[error(
+        "the step was given {given} micro-batches but the schedule runs {expected}; split the \
+         batch into {expected}"
+    )]
+    MicrobatchCount {
+        /// Micro-batches in the schedule.
+        expected: usize,
+        /// Micro-batches given.
+        given: usize,
+    },
+    /// A stage's forward returned an error.
+    #[error("stage {stage} failed on micro-batch {microbatch} (pipeline rank {rank}): {message}")]
+    Stage {
+        /// This rank.
+        rank: usize,
+        /// The stage.
+        stage: usize,
+        /// The micro-batch.
+        microbatch: usize,
+        /// The stage's message.
+        message: String,
+    },
+    /// A stage's forward or backward panicked.
+    #[error(
+        "stage {stage} panicked in {action} on pipeline rank {rank}: {message}; the rank \
+         aborted the pipeline group"
+    )]
+    StagePanicked {
+        /// This rank.
+        rank: usize,
+        /// The stage.
+        stage: usize,
+        /// The action (`0F3`, `1B2`).
+        action: String,
+        /// The panic message.
+        message: String,
+    },
+    /// The last stage did not return a loss, or another stage did.
+    #[error(
+        "stage {stage} of {stages} returned {got}; the last stage must return \
+         StageOutput::Loss and every other stage StageOutput::Boundary"
+    )]
+    WrongOutput {
+        /// The stage.
+        stage: usize,
+        /// Number of stages.
+        stages: usize,
+        /// What it returned.
+        got: &'static str,
+    },
+    /// A tensor crossing a boundary does not match the negotiated shape.
+    #[error(
+        "the {transfer} (step {step}) does not match the boundary's negotiated spec: expected \
+         {expected}, got {got}; a stage must keep the number, dtypes and shapes of the tensors \
+         it passes on (declare the dimensions that may vary with Executor::with_variable_dims)"
+    )]
+    ShapeMismatch {
+        /// The transfer, in words.
+        transfer: String,
+        /// The step.
+        step: u64,
+        /// The spec, printed.
+        expected: String,
+        /// What came, printed.
+        got: String,
+    },
+    /// A send or receive failed: a peer died, timed out, or aborted.
+    #[error("{action} on pipeline rank {rank} failed: {source}")]
+    Collective {
+        /// This rank.
+        rank: usize,
+        /// The action.
+        action: String,
+        /// The communication error.
+        #[source]
+        source: CollectiveError,
+    },
+    /// The caller's `update` failed at `REDUCE(stage)`.
+    #[error("reducing and applying the gradients of stage {stage} failed: {source}")]
+    Update {
+        /// The stage.
+        stage: usize,
+        /// The caller's error.
+        #[source]
+        source: UpdateError,
+    },
+    /// The runtime found its state inconsistent with the program (a message from another
+    /// step, a missing activation). A validated schedule never does this.
+    #[error("pipeline rank {rank}, {action}: {reason}")]
+    Protocol {
+        /// This rank.
+        rank: usize,
+        /// The action.
+        action: String,
+        /// What was inconsistent.
+        reason: String,
+    },
+}
+
+/// The result type of the runtime.
+pub type Result<T> = std::result::Result<T, PipelineError>;
+
+/// One executed action and when it ran, in seconds since the start of the step.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TimedAction {
+    /// The action.
+    pub action: Action,
+    /// Start, seconds since the step began.
+    pub start: f64,
+    /// End, seconds since the step began.
+    pub end: f64,
+}
+
+/// What one step did on this rank.
+#[derive(Debug, Clone)]
+pub struct StepReport {
+    /// The mean loss over the micro-batches, the same on every pipeline rank.
+    pub loss: f32,
+    /// The loss of each micro-batch, on the rank holding the last stage (empty elsewhere).
+    pub microbatch_losses: Vec<f32>,
+    /// Every action of this rank's program with its start and end.
+    pub timeline: Vec<TimedAction>,
+    /// The most micro-batches whose forward state (inputs and outputs) this rank held at once,
+    /// per local stage.
+    pub peak_held: BTreeMap<usize, usize>,
+}
+
+/// The message header sent before a boundary's tensors.
+#[derive(Debug, Serialize, Deserialize)]
+struct Header {
+    step: u64,
+    shapes: Vec<Vec<usize>>,
+    meta: serde_json::Value,
+}
+
+/// The negotiated spec of one tensor crossing a boundary.
+#[derive(Debug, Clone, PartialEq)]
+struct TensorSpec {
+    dtype: String,
+    shape: Vec<usize>,
+}
+
+fn print_specs(specs: &[TensorSpec], variable: &[usize]) -> String {
+    let parts: Vec<String> = specs
+        .iter()
+        .map(|s| {
+            let dims: Vec<String> = s
+                .shape
+                .iter()
+                .enumerate()
+                .map(|(i, d)| {
+                    if variable.contains(&i) {
+                        "*".to_string()
+                    } else {
+                        d.to_string()
+                    }
+                })
+                .collect();
+            format!("{}[{}]", s.dtype, dims.join(", "))
+        })
+        .collect();
+    format!("{} tensor(s) {}", specs.len(), parts.join(" "))
+}
+
+/// The forward state of one stage and micro-batch, kept until its backward.
+struct Saved {
+    /// Leaves of the input tensors (flattened) and their shapes.
+    leaves: Vec<(Tensor<1>, Vec<usize>)>,
+    output: SavedOutput,
+}
+
+enum SavedOutput {
+    Boundary(Boundary),
+    Loss(Tensor<1>),
+}
+
+/// Runs pipeline steps on one rank. Build it once (it checks the schedule and compares it with
+/// the other ranks), then call [`Executor::step`] for every optimizer step.
+///
+/// # Example
+/// Two ranks, one linear stage each, 1F1B over 4 micro-batches:
+/// ```
+/// use std::collections::BTreeMap;
+/// use burn::module::{Module, Param};
+/// use burn::optim::{GradientsParams, Optimizer, SgdConfig};
+/// use burn::tensor::{Device, Tensor};
+/// use burn_parallel::run_local;
+/// use burn_pipeline::generators::one_f_one_b;
+/// use burn_pipeline::runtime::Executor;
+/// use burn_pipeline::stage::{Boundary, Stage, StageError, StageOutput};
+///
+/// #[derive(Module, Debug)]
+/// struct Affine {
+///     w: Param<Tensor<1>>,
+///     #[module(skip)]
+///     last: bool,
+/// }
+///
+/// impl Stage<f32> for Affine {
+///     fn forward(&self, input: Boundary, x: &f32) -> Result<StageOutput, StageError> {
+///         let w = self.w.val();
+///         let x = if input.is_empty() {
+///             Tensor::<1>::from_floats([*x], &w.device())
+///         } else {
+///             input.get::<1>(0)?
+///         };
+///         let y = x * w;
+///         Ok(if self.last {
+///             StageOutput::Loss(y.powf_scalar(2.0))
+///         } else {
+///             StageOutput::Boundary(Boundary::new().with(y))
+///         })
+///     }
+/// }
+///
+/// let losses = run_local(2, |group| {
+///     let device = Device::flex().autodiff();
+///     let schedule = one_f_one_b(2, 4).unwrap();
+///     let mut executor = Executor::new(schedule, group.clone(), device.clone()).unwrap();
+///     let w = Param::from_tensor(Tensor::from_floats([0.5], &device));
+///     let stage = Affine { w, last: group.rank() == 1 };
+///     let mut stages = BTreeMap::from([(group.rank(), stage)]);
+///     let mut optim = SgdConfig::new().init();
+///     let batches = [1.0f32, 2.0, 3.0, 4.0];
+///     let report = executor
+///         .step(&mut stages, &batches, &mut |_, stage, grads: GradientsParams| {
+///             Ok(optim.step(0.01, stage, grads))
+///         })
+///         .unwrap();
+///     Ok(report.loss)
+/// })
+/// .unwrap();
+/// // mean over x of (x * 0.5 * 0.5)^2 = 30 / 16 / 4
+/// assert!((losses[0] - 30.0 / 64.0).abs() < 1e-6);
+/// assert_eq!(losses[0], losses[1]);
+/// ```
+pub struct Executor {
+    schedule: Schedule,
+    group: ProcessGroup,
+    rank: usize,
+    device: Device,
+    variable_dims: Vec<usize>,
+    specs: HashMap<(Payload, usize, usize), Vec<TensorSpec>>,
+    step: u64,
+}
+
+impl std::fmt::Debug for Executor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Executor")
+            .field("schedule", &self.schedule.kind())
+            .field("rank", &self.rank)
+            .field("step", &self.step)
+            .finish()
+    }
+}
+
+impl Executor {
+    /// Checks `schedule` and prepares this rank (`group.rank()`) to run its program.
+    ///
+    /// # Arguments
+    /// * `schedule` - the schedule, the same on every rank.
+    /// * `group` - the pipeline group: group rank `r` runs program `r`.
+    /// * `device` - an autodiff device; received tensors are created there.
+    ///
+    /// # Errors
+    /// [`PipelineError::Invalid`] when the schedule fails the validator;
+    /// [`PipelineError::GroupSize`]; [`PipelineError::ScheduleMismatch`] when ranks hold
+    /// different schedules (compared by one all-gather over `group`);
+    /// [`PipelineError::Collective`] when that all-gather fails.
+    pub fn new(schedule: Schedule, group: ProcessGroup, device: Device) -> Result<Self> {
+        schedule.validate()?;
+        if schedule.num_ranks() != group.size() {
+            return Err(PipelineError::GroupSize {
+                schedule: schedule.num_ranks(),
+                group: group.size(),
+            });
+        }
+        let rank = group.rank();
+        let ours = schedule.fingerprint();
+        let all = group
+            .all_gather_object(&ours)
+            .map_err(|source| PipelineError::Collective {
+                rank,
+                action: "comparing schedule fingerprints".into(),
+                source,
+            })?;
+        if let Some((other, &theirs)) = all.iter().enumerate().find(|(_, f)| **f != ours) {
+            return Err(PipelineError::ScheduleMismatch {
+                rank,
+                other,
+                ours,
+                theirs,
+            });
+        }
+        Ok(Self {
+            schedule,
+            group,
+            rank,
+            device,
+            variable_dims: Vec::new(),
+            specs: HashMap::new(),
+            step: 0,
+        })
+    }
+
+    /// Lets boundary tensors vary along these dimensions from one micro-batch to the next
+    /// (for example `[1]`, the sequence of `[batch, seq, d]`); every other dimension is
+    /// checked against the first transfer.
+    pub fn with_variable_dims(mut self, dims: &[usize]) -> Self {
+        self.variable_dims = dims.to_vec();
+        self
+    }
+
+    /// The schedule.
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+
+    /// The stages this rank holds, in increasing order.
+    pub fn local_stages(&self) -> Vec<usize> {
+        self.schedule.placement().stages_of(self.rank)
+    }
+
+    /// The pipeline group.
+    pub fn group(&self) -> &ProcessGroup {
+        &self.group
+    }
+
+    /// Runs one step: this rank's program over `batches`, one per micro-batch.
+    ///
+    /// # Arguments
+    /// * `stages` - this rank's stages by stage index (exactly [`Self::local_stages`]).
+    /// * `batches` - the data of each micro-batch (every stage sees it; see [`Stage`]).
+    /// * `update` - called at `REDUCE(s)` with the stage index, the stage and its gradients
+    ///   summed over the micro-batches (of the mean loss); returns the updated stage (reduce
+    ///   over data parallelism, clip, step the optimizer there).
+    ///
+    /// # Returns
+    /// The [`StepReport`]: the mean loss (the same on every rank), the timeline.
+    ///
+    /// # Errors
+    /// Every [`PipelineError`]; on an error the rank aborts the group, so that its peers fail
+    /// promptly, and a stage being updated when `update` fails is lost.
+    pub fn step<M, B>(
+        &mut self,
+        stages: &mut BTreeMap<usize, M>,
+        batches: &[B],
+        update: &mut dyn FnMut(usize, M, GradientsParams) -> std::result::Result<M, UpdateError>,
+    ) -> Result<StepReport>
+    where
+        M: Stage<B>,
+    {
+        let out = self.run(stages, batches, update);
+        if let Err(e) = &out {
+            // Peers blocked on this rank fail now rather than at their timeout.
+            self.group.abort(&e.to_string());
+        }
+        self.step += 1;
+        out
+    }
+
+    fn run<M, B>(
+        &mut self,
+        stages: &mut BTreeMap<usize, M>,
+        batches: &[B],
+        update: &mut dyn FnMut(usize, M, GradientsParams) -> std::result::Result<M, UpdateError>,
+    ) -> Result<StepReport>
+    where
+        M: Stage<B>,
+    {
+        let expected = self.local_stages();
+        let given: Vec<usize> = stages.keys().copied().collect();
+        if given != expected {
+            return Err(PipelineError::StagesMismatch {
+                rank: self.rank,
+                expected,
+                given,
+            });
+        }
+        let m = self.schedule.num_microbatches();
+        if batches.len() != m {
+            return Err(PipelineError::MicrobatchCount {
+                expected: m,
+                given: batches.len(),
+            });
+        }
+        let num_stages = self.schedule.num_stages();
+        let program = self.schedule.program(self.rank).to_vec();
+        let mut saved: HashMap<(usize, usize), Saved> = HashMap::new();
+        let mut inbox_act: HashMap<(usize, usize), Boundary> = HashMap::new();
+        let mut inbox_grad: HashMap<(usize, usize), Vec<Tensor<1>>> = HashMap::new();
+        let mut outbox_grad: HashMap<(usize, usize), Vec<BoundaryTensor>> = HashMap::new();
+        let mut accumulators: BTreeMap<usize, GradientsAccumulator<M>> = expected
+            .iter()
+            .map(|&s| (s, GradientsAccumulator::new()))
+            .collect();
+        let mut losses = Vec::new();
+        let mut held: BTreeMap<usize, usize> = expected.iter().map(|&s| (s, 0)).collect();
+        let mut peak_held = held.clone();
+        let mut timeline = Vec::with_capacity(program.len());
+        let start = Instant::now();
+        let scale = 1.0 / m as f32;
+
+        for action in program {
+            let t0 = start.elapsed().as_secs_f64();
+            match action {
+                Action::Forward { stage, microbatch } => {
+                    let input = if stage == 0 {
+                        Boundary::new()
+                    } else {
+                        inbox_act
+                            .remove(&(stage, microbatch))
+                            .ok_or_else(|| self.protocol(&action, "no input activation"))?
+                    };
+                    let (tensors, meta) = input.into_parts();
+                    let leaves: Vec<(Tensor<1>, Vec<usize>)> = tensors
+                        .into_iter()
+                        .map(|t| (t.flat().clone().detach().require_grad(), t.shape().to_vec()))
+                        .collect();
+                    let input = Boundary::from_parts(
+                        leaves
+                            .iter()
+                            .map(|(l, s)| BoundaryTensor::from_flat(l.clone(), s.clone()))
+                            .collect(),
+                        meta,
+                    );
+                    let module = &stages[&stage];
+                    let batch = &batches[microbatch];
+                    let out = catch_unwind(AssertUnwindSafe(|| module.forward(input, batch)))
+                        .map_err(|p| self.panicked(stage, &action, p))?
+                        .map_err(|e| PipelineError::Stage {
+                            rank: self.rank,
+                            stage,
+                            microbatch,
+                            message: e.message,
+                        })?;
+                    let last = stage + 1 == num_stages;
+                    let output = match (out, last) {
+                        (StageOutput::Loss(loss), true) => {
+                            let value = loss
+                                .clone()
+                                .into_data()
+                                .convert::<f32>()
+                                .try_to_vec::<f32>()
+                                .map_err(|e| self.protocol(&action, &format!("loss: {e:?}")))?;
+                            losses.push(value.first().copied().unwrap_or(f32::NAN));
+                            SavedOutput::Loss(loss)
+                        }
+                        (StageOutput::Boundary(b), false) => {
+                            let transfer = Transfer {
+                                payload: Payload::Activation,
+                                from: stage,
+                                to: stage + 1,
+                                microbatch,
+                            };
+                            self.check_spec(&transfer, b.tensors())?;
+                            if self.schedule.placement().rank_of(stage + 1) == Some(self.rank) {
+                                inbox_act.insert((stage + 1, microbatch), detached(&b));
+                            }
+                            SavedOutput::Boundary(b)
+                        }
+                        (StageOutput::Loss(_), false) => {
+                            return Err(PipelineError::WrongOutput {
+                                stage,
+                                stages: num_stages,
+                                got: "a loss",
+                            });
+                        }
+                        (StageOutput::Boundary(_), true) => {
+                            return Err(PipelineError::WrongOutput {
+                                stage,
+                                stages: num_stages,
+                                got: "a boundary",
+                            });
+                        }
+                    };
+                    saved.insert((stage, microbatch), Saved { leaves, output });
+                    let h = held.get_mut(&stage).expect("a local stage");
+                    *h += 1;
+                    let p = peak_held.get_mut(&stage).expect("a local stage");
+                    *p = (*p).max(*h);
+                }
+                Action::SendActivation {
+                    stage,
+                    to,
+                    microbatch,
+                } => {
+                    let transfer = action.transfer().expect("a send");
+                    let boundary = match saved.get(&(stage, microbatch)).map(|s| &s.output) {
+                        Some(SavedOutput::Boundary(b)) => detached(b),
+                        _ => return Err(self.protocol(&action, "no output to send")),
+                    };
+                    let (tensors, meta) = boundary.into_parts();
+                    self.send(&action, &transfer, to, &tensors, meta)?;
+                }
+                Action::RecvActivation {
+                    stage,
+                    from,
+                    microbatch,
+                } => {
+                    let transfer = action.transfer().expect("a receive");
+                    let (tensors, meta) = self.recv(&action, &transfer, from)?;
+                    self.check_spec(&transfer, &tensors)?;
+                    inbox_act.insert((stage, microbatch), Boundary::from_parts(tensors, meta));
+                }
+                Action::Backward { stage, microbatch }
+                | Action::BackwardInput { stage, microbatch } => {
+                    let s = saved
+                        .remove(&(stage, microbatch))
+                        .ok_or_else(|| self.protocol(&action, "no forward state"))?;
+                    *held.get_mut(&stage).expect("a local stage") -= 1;
+                    let seed = match s.output {
+                        SavedOutput::Loss(loss) => Some(loss.mul_scalar(scale).sum()),
+                        SavedOutput::Boundary(out) => {
+                            let grads = inbox_grad
+                                .remove(&(stage, microbatch))
+                                .ok_or_else(|| self.protocol(&action, "no output gradient"))?;
+                            self.check_grads(stage, microbatch, out.tensors(), &grads)?;
+                            surrogate(out.tensors(), grads)
+                        }
+                    };
+                    let module = &stages[&stage];
+                    let input_grads = match seed {
+                        Some(seed) => {
+                            let (param_grads, input_grads) = catch_unwind(AssertUnwindSafe(|| {
+                                let mut grads = seed.backward();
+                                let inputs: Vec<Tensor<1>> = s
+                                    .leaves
+                                    .iter()
+                                    .map(|(leaf, _)| {
+                                        leaf.grad_remove(&mut grads)
+                                            .unwrap_or_else(|| leaf.zeros_like().detach())
+                                    })
+                                    .collect();
+                                (GradientsParams::from_grads(grads, module), inputs)
+                            }))
+                            .map_err(|p| self.panicked(stage, &action, p))?;
+                            accumulators
+                                .get_mut(&stage)
+                                .expect("a local stage")
+                                .accumulate(module, param_grads);
+                            input_grads
+                        }
+                        // Nothing tracked: no parameter gradient, zero input gradients.
+                        None => s
+                            .leaves
+                            .iter()
+                            .map(|(leaf, _)| leaf.zeros_like().detach())
+                            .collect(),
+                    };
+                    if stage > 0 {
+                        let grads: Vec<BoundaryTensor> = input_grads
+                            .into_iter()
+                            .zip(&s.leaves)
+                            .map(|(g, (_, shape))| BoundaryTensor::from_flat(g, shape.clone()))
+                            .collect();
+                        if self.schedule.placement().rank_of(stage - 1) == Some(self.rank) {
+                            inbox_grad.insert(
+                                (stage - 1, microbatch),
+                                grads.into_iter().map(|g| g.flat().clone()).collect(),
+                            );
+                        } else {
+                            outbox_grad.insert((stage, microbatch), grads);
+                        }
+                    }
+                }
+                Action::BackwardWeight { .. } => {
+                    // `I` computed the weight gradients already (see the module docs).
+                }
+                Action::SendGrad {
+                    stage,
+                    to,
+                    microbatch,
+                } => {
+                    let transfer = action.transfer().expect("a send");
+                    let grads = outbox_grad
+                        .remove(&(stage, microbatch))
+                        .ok_or_else(|| self.protocol(&action, "no input gradient to send"))?;
+                    self.send(&action, &transfer, to, &grads, serde_json::Value::Null)?;
+                }
+                Action::RecvGrad {
+                    stage,
+                    from,
+                    microbatch,
+                } => {
+                    let transfer = action.transfer().expect("a receive");
+                    let (tensors, _) = self.recv(&action, &transfer, from)?;
+                    inbox_grad.insert(
+                        (stage, microbatch),
+                        tensors.into_iter().map(|t| t.flat().clone()).collect(),
+                    );
+                }
+                Action::ReduceGrads { stage } => {
+                    let grads = accumulators.get_mut(&stage).expect("a local stage").grads();
+                    let module = stages
+                        .remove(&stage)
+                        .ok_or_else(|| self.protocol(&action, "the stage is gone"))?;
+                    let module = update(stage, module, grads)
+                        .map_err(|source| PipelineError::Update { stage, source })?;
+                    stages.insert(stage, module);
+                }
+            }
+            timeline.push(TimedAction {
+                action,
+                start: t0,
+                end: start.elapsed().as_secs_f64(),
+            });
+        }
+        if !saved.is_empty() || !inbox_act.is_empty() || !inbox_grad.is_empty() {
+            return Err(PipelineError::Protocol {
+                rank: self.rank,
+                action: "end of step".into(),
+                reason: format!(
+                    "{} forward states, {} activations and {} gradients left over",
+                    saved.len(),
+                    inbox_act.len(),
+                    inbox_grad.len()
+                ),
+            });
+        }
+        let sum: f32 = losses.iter().sum();
+        let total = self
+            .group
+            .all_reduce_f32(vec![sum], ReduceOp::Sum)
+            .map_err(|source| PipelineError::Collective {
+                rank: self.rank,
+                action: "sharing the loss".into(),
+                source,
+            })?[0];
+        Ok(StepReport {
+            loss: total / m as f32,
+            microbatch_losses: losses,
+            timeline,
+            peak_held,
+        })
+    }
+
+    fn protocol(&self, action: &Action, reason: &str) -> PipelineError {
+        PipelineError::Protocol {
+            rank: self.rank,
+            action: action.to_string(),
+            reason: format!("step {}: {reason}", self.step),
+        }
+    }
+
+    fn panicked(
+        &self,
+        stage: usize,
+        action: &Action,
+        payload: Box<dyn std::any::Any + Send>,
+    ) -> PipelineError {
+        let message = payload
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "a panic without a message".into());
+        PipelineError::StagePanicked {
+            rank: self.rank,
+            stage,
+            action: action.to_string(),
+            message,
+        }
+    }
+
+    fn collective(&self, action: &Action, source: CollectiveError) -> PipelineError {
+        PipelineError::Collective {
+            rank: self.rank,
+            action: action.to_string(),
+            source,
+        }
+    }
+
+    fn peer(&self, action: &Action, stage: usize) -> Result<usize> {
+        self.schedule
+            .placement()
+            .rank_of(stage)
+            .ok_or_else(|| self.protocol(action, &format!("stage {stage} has no rank")))
+    }
+
+    fn tag(&self, transfer: &Transfer) -> u64 {
+        transfer.tag(self.schedule.num_stages(), self.schedule.num_microbatches())
+    }
+
+    /// Sends a header and the tensors, all under the transfer's tag (messages with the same
+    /// peer and tag arrive in order).
+    fn send(
+        &self,
+        action: &Action,
+        transfer: &Transfer,
+        to: usize,
+        tensors: &[BoundaryTensor],
+        meta: serde_json::Value,
+    ) -> Result<()> {
+        let peer = self.peer(action, to)?;
+        let tag = self.tag(transfer);
+        let header = Header {
+            step: self.step,
+            shapes: tensors.iter().map(|t| t.shape().to_vec()).collect(),
+            meta,
+        };
+        let bytes = serde_json::to_vec(&header)
+            .map_err(|e| self.protocol(action, &format!("header does not serialise: {e}")))?;
+        let len = bytes.len();
+        self.group
+            .send_data(TensorData::new(bytes, [len]), peer, tag)
+            .map_err(|e| self.collective(action, e))?;
+        for t in tensors {
+            let (bytes, _, dtype) = t.flat().clone().into_data().into_parts();
+            let data = TensorData::from_bytes(bytes, t.shape().to_vec(), dtype);
+            self.group
+                .send_data(data, peer, tag)
+                .map_err(|e| self.collective(action, e))?;
+        }
+        Ok(())
+    }
+
+    fn recv(
+        &self,
+        action: &Action,
+        transfer: &Transfer,
+        from: usize,
+    ) -> Result<(Vec<BoundaryTensor>, serde_json::Value)> {
+        let peer = self.peer(action, from)?;
+        let tag = self.tag(transfer);
+        let header = self
+            .group
+            .recv_data(peer, tag)
+            .map_err(|e| self.collective(action, e))?;
+        let bytes = header
+            .try_to_vec::<u8>()
+            .map_err(|e| self.protocol(action, &format!("a header that is not bytes: {e:?}")))?;
+        let header: Header = serde_json::from_slice(&bytes)
+            .map_err(|e| self.protocol(action, &format!("a malformed header: {e}")))?;
+        if header.step != self.step {
+            return Err(self.protocol(
+                action,
+                &format!("a message of step {} arrived", header.step),
+            ));
+        }
+        let mut tensors = Vec::with_capacity(header.shapes.len());
+        for (i, shape) in header.shapes.iter().enumerate() {
+            let data = self
+                .group
+                .recv_data(peer, tag)
+                .map_err(|e| self.collective(action, e))?;
+            if data.shape().as_slice() != shape.as_slice() {
+                return Err(self.protocol(
+                    action,
+                    &format!(
+                        "tensor {i} has shape {:?}, its header says {shape:?}",
+                        data.shape().as_slice()
+                    ),
+                ));
+            }
+            let n = shape.iter().product::<usize>();
+            let (bytes, _, dtype) = data.into_parts();
+            let flat: Tensor<1> = burn_parallel::group::tensor_from_data(
+                TensorData::from_bytes(bytes, [n], dtype),
+                &self.device,
+            );
+            tensors.push(BoundaryTensor::from_flat(flat, shape.clone()));
+        }
+        Ok((tensors, header.meta))
+    }
+
+    /// Checks tensors crossing `transfer`'s boundary against the spec its first transfer set.
+    fn check_spec(&mut self, transfer: &Transfer, tensors: &[BoundaryTensor]) -> Result<()> {
+        let got: Vec<TensorSpec> = tensors
+            .iter()
+            .map(|t| TensorSpec {
+                dtype: format!("{:?}", t.dtype()),
+                shape: t.shape().to_vec(),
+            })
+            .collect();
+        let key = (transfer.payload, transfer.from, transfer.to);
+        let Some(spec) = self.specs.get(&key) else {
+            self.specs.insert(key, got);
+            return Ok(());
+        };
+        let variable = &self.variable_dims;
+        let matches = spec.len() == got.len()
+            && spec.iter().zip(&got).all(|(a, b)| {
+                a.dtype == b.dtype
+                    && a.shape.len() == b.shape.len()
+                    && a.shape
+                        .iter()
+                        .zip(&b.shape)
+                        .enumerate()
+                        .all(|(i, (x, y))| x == y || variable.contains(&i))
+            });
+        if matches {
+            return Ok(());
+        }
+        Err(PipelineError::ShapeMismatch {
+            transfer: transfer.to_string(),
+            step: self.step,
+            expected: print_specs(spec, variable),
+            got: print_specs(&got, &[]),
+        })
+    }
+
+    /// A received output gradient must have the shapes of the outputs it belongs to.
+    fn check_grads(
+        &self,
+        stage: usize,
+        microbatch: usize,
+        outputs: &[BoundaryTensor],
+        grads: &[Tensor<1>],
+    ) -> Result<()> {
+        let numel: Vec<usize> = outputs.iter().map(|t| t.shape().iter().product()).collect();
+        let got: Vec<usize> = grads.iter().map(|g| g.dims()[0]).collect();
+        if numel == got {
+            return Ok(());
+        }
+        let transfer = Transfer {
+            payload: Payload::Grad,
+            from: stage + 1,
+            to: stage,
+            microbatch,
+        };
+        Err(PipelineError::ShapeMismatch {
+            transfer: transfer.to_string(),
+            step: self.step,
+            expected: format!("element counts {numel:?} (the activations' shapes)"),
+            got: format!("element counts {got:?}"),
+        })
+    }
+}
+
+/// The boundary with every tensor detached (what crosses to the next stage).
+fn detached(b: &Boundary) -> Boundary {
+    Boundary::from_parts(
+        b.tensors()
+            .iter()
+            .map(|t| BoundaryTensor::from_flat(t.flat().clone().detach(), t.shape().to_vec()))
+            .collect(),
+        b.meta_value().clone(),
+    )
+}
+
+/// `Σ sum(output ⊙ dY)` over the outputs that are tracked: its gradient with respect to
+/// anything upstream is the vector-Jacobian product with the output gradients `dY`. `None`
+/// when no output is tracked.
+fn surrogate(outputs: &[BoundaryTensor], grads: Vec<Tensor<1>>) -> Option<Tensor<1>> {
+    outputs
+        .iter()
+        .zip(grads)
+        .filter(|(out, _)| out.flat().is_tracked())
+        .map(|(out, dy)| (out.flat().clone() * dy.detach()).sum())
+        .reduce(|a, b| a + b)
+}

@@ -1,0 +1,491 @@
+//! The runtime against a plain single-device run of the same stages: every schedule (GPipe,
+//! 1F1B, interleaved with v = 2, ZB-H1, ZBV) at pp 2 and 4 gives the single-device losses and
+//! parameters over several SGD steps, with two tensors and metadata crossing every boundary.
+//! And the bad cases: a shape that changes, a stage that panics or fails, a dead peer, ranks
+//! holding different schedules, wrong stages or micro-batch counts: typed errors on every rank,
+//! never a hang.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use burn::module::{Module, Param};
+use burn::optim::{GradientsParams, SgdConfig};
+use burn::tensor::{Device, Tensor, TensorData};
+use burn_parallel::{ProcessGroup, run_local};
+use burn_pipeline::generators::generate;
+use burn_pipeline::runtime::{Executor, PipelineError};
+use burn_pipeline::stage::{Boundary, Stage, StageError, StageOutput};
+use burn_pipeline::{Schedule, ScheduleKind};
+
+const WIDTH: usize = 4;
+const ROWS: usize = 2;
+
+/// One micro-batch: inputs `[ROWS, WIDTH]` and targets `[ROWS, WIDTH]`.
+#[derive(Clone, Debug)]
+struct Batch {
+    x: Vec<f32>,
+    y: Vec<f32>,
+}
+
+fn batch(step: usize, mb: usize, rows: usize) -> Batch {
+    let v = |k: usize| ((k * 37 + step * 11 + mb * 5) % 17) as f32 / 8.0 - 1.0;
+    Batch {
+        x: (0..rows * WIDTH).map(v).collect(),
+        y: (0..rows * WIDTH).map(|k| v(k + 3) * 0.5).collect(),
+    }
+}
+
+/// `tanh(x W + b)`; the first stage reads the batch, the last returns the mean squared error.
+/// Between stages: the activation and its row sums (two tensors) and the row count (metadata).
+#[derive(Module, Debug)]
+struct Dense {
+    w: Param<Tensor<2>>,
+    b: Param<Tensor<1>>,
+    #[module(skip)]
+    index: usize,
+    #[module(skip)]
+    stages: usize,
+    /// Test hooks: panic, fail, or change the output width on micro-batch 1.
+    #[module(skip)]
+    fault: Fault,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Fault {
+    None,
+    Panic,
+    Fail,
+    Reshape,
+    VariableRows,
+}
+
+impl Dense {
+    fn new(index: usize, stages: usize, device: &Device) -> Self {
+        let w: Vec<f32> = (0..WIDTH * WIDTH)
+            .map(|k| (((k * 7 + index * 13) % 11) as f32 - 5.0) / 10.0)
+            .collect();
+        let b: Vec<f32> = (0..WIDTH).map(|k| (k + index) as f32 / 20.0).collect();
+        Self {
+            w: Param::from_tensor(Tensor::from_data(
+                TensorData::new(w, [WIDTH, WIDTH]),
+                device,
+            )),
+            b: Param::from_tensor(Tensor::from_data(TensorData::new(b, [WIDTH]), device)),
+            index,
+            stages,
+            fault: Fault::None,
+        }
+    }
+
+    fn apply(&self, x: Tensor<2>) -> Tensor<2> {
+        (x.matmul(self.w.val()) + self.b.val().unsqueeze::<2>()).tanh()
+    }
+}
+
+impl Stage<Batch> for Dense {
+    fn forward(&self, input: Boundary, batch: &Batch) -> Result<StageOutput, StageError> {
+        let device = self.w.val().device();
+        let rows = batch.x.len() / WIDTH;
+        let x = if self.index == 0 {
+            Tensor::<2>::from_data(TensorData::new(batch.x.clone(), [rows, WIDTH]), &device)
+        } else {
+            let meta: usize = input.meta()?;
+            if meta != rows {
+                return Err(StageError::new(format!(
+                    "metadata says {meta} rows, not {rows}"
+                )));
+            }
+            let h = input.get::<2>(0)?;
+            let sums = input.get::<2>(1)?;
+            h + sums * 0.1
+        };
+        let mb_marker = batch.x[0];
+        let y = self.apply(x);
+        if self.index + 1 == self.stages {
+            let t =
+                Tensor::<2>::from_data(TensorData::new(batch.y.clone(), [rows, WIDTH]), &device);
+            return Ok(StageOutput::Loss((y - t).powf_scalar(2.0).mean()));
+        }
+        let faulty = mb_marker == batch_marker(1);
+        let y = match self.fault {
+            Fault::Panic if faulty => panic!("stage {} exploded", self.index),
+            Fault::Fail if faulty => return Err(StageError::new("a deliberate failure")),
+            Fault::Reshape if faulty => y.narrow(1, 0, WIDTH - 1),
+            _ => y,
+        };
+        let sums = y.clone().sum_dim(1);
+        Ok(StageOutput::Boundary(
+            Boundary::new().with(y).with(sums).with_meta(&rows)?,
+        ))
+    }
+}
+
+/// The first input value of micro-batch `mb` at step 0 (how a stage recognises it).
+fn batch_marker(mb: usize) -> f32 {
+    batch(0, mb, ROWS).x[0]
+}
+
+fn sgd_update(
+    optim: &mut burn::optim::ModuleOptimizer,
+) -> impl FnMut(usize, Dense, GradientsParams) -> Result<Dense, burn_pipeline::runtime::UpdateError> + '_
+{
+    move |_, stage, grads| Ok(optim.step(0.1, stage, grads))
+}
+
+/// The single-device run: all stages chained on the whole batch, mean loss, SGD.
+fn reference(stages: usize, m: usize, steps: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
+    let device = Device::flex().autodiff();
+    let mut layers: Vec<Dense> = (0..stages)
+        .map(|s| Dense::new(s, stages, &device))
+        .collect();
+    let mut optim = SgdConfig::new().init();
+    let mut losses = Vec::new();
+    for step in 0..steps {
+        // The whole batch: the micro-batches' rows, in order.
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        for mb in 0..m {
+            let b = batch(step, mb, ROWS);
+            x.extend(b.x);
+            y.extend(b.y);
+        }
+        let rows = m * ROWS;
+        let mut h = Tensor::<2>::from_data(TensorData::new(x, [rows, WIDTH]), &device);
+        for (s, layer) in layers.iter().enumerate() {
+            if s > 0 {
+                let sums = h.clone().sum_dim(1);
+                h = h + sums * 0.1;
+            }
+            h = layer.apply(h);
+        }
+        let t = Tensor::<2>::from_data(TensorData::new(y, [rows, WIDTH]), &device);
+        let loss = (h - t).powf_scalar(2.0).mean();
+        losses.push(loss.clone().into_data().try_to_vec::<f32>().unwrap()[0]);
+        let mut grads = loss.backward();
+        let all: Vec<GradientsParams> = layers
+            .iter()
+            .map(|l| GradientsParams::from_module(&mut grads, l))
+            .collect();
+        layers = layers
+            .into_iter()
+            .zip(all)
+            .map(|(l, g)| optim.step(0.1, l, g))
+            .collect();
+    }
+    (losses, layers.iter().map(params).collect())
+}
+
+fn params(layer: &Dense) -> Vec<f32> {
+    let mut v = layer.w.val().into_data().try_to_vec::<f32>().unwrap();
+    v.extend(layer.b.val().into_data().try_to_vec::<f32>().unwrap());
+    v
+}
+
+/// One rank's losses and the final parameters of its stages, by stage.
+type RankRun = (Vec<f32>, BTreeMap<usize, Vec<f32>>);
+
+/// Runs `steps` steps of `schedule` on its ranks; per rank: the losses and the final
+/// parameters of its stages.
+fn pipelined(schedule: &Schedule, steps: usize) -> Vec<RankRun> {
+    let p = schedule.num_ranks();
+    let m = schedule.num_microbatches();
+    let stages = schedule.num_stages();
+    run_local(p, |group| {
+        let device = Device::flex().autodiff();
+        let mut exec = Executor::new(schedule.clone(), group.clone(), device.clone()).unwrap();
+        let mut local: BTreeMap<usize, Dense> = exec
+            .local_stages()
+            .into_iter()
+            .map(|s| (s, Dense::new(s, stages, &device)))
+            .collect();
+        let mut optim = SgdConfig::new().init();
+        let mut losses = Vec::new();
+        for step in 0..steps {
+            let batches: Vec<Batch> = (0..m).map(|mb| batch(step, mb, ROWS)).collect();
+            let report = exec
+                .step(&mut local, &batches, &mut sgd_update(&mut optim))
+                .unwrap();
+            losses.push(report.loss);
+        }
+        Ok((losses, local.iter().map(|(s, l)| (*s, params(l))).collect()))
+    })
+    .unwrap()
+}
+
+fn assert_close(a: &[f32], b: &[f32], what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            (x - y).abs() <= 1e-5 * x.abs().max(1.0),
+            "{what}: element {i}: {y} vs single-device {x}"
+        );
+    }
+}
+
+#[test]
+fn every_schedule_matches_single_device_training() {
+    let steps = 3;
+    for (kind, v) in [
+        ("gpipe", None),
+        ("1f1b", None),
+        ("interleaved", Some(2)),
+        ("zb-h1", None),
+        ("zbv", None),
+    ] {
+        for p in [2, 4] {
+            for m in [p, 2 * p] {
+                let kind: ScheduleKind = kind.parse().unwrap();
+                let schedule = generate(kind, p, m, v).unwrap();
+                let stages = schedule.num_stages();
+                let (ref_losses, ref_params) = reference(stages, m, steps);
+                let ranks = pipelined(&schedule, steps);
+                let what = format!("{kind} p={p} m={m} ({stages} stages)");
+                for (losses, _) in &ranks {
+                    assert_close(&ref_losses, losses, &format!("{what}: losses"));
+                }
+                let mut seen = 0;
+                for (_, params) in &ranks {
+                    for (s, values) in params {
+                        assert_close(&ref_params[*s], values, &format!("{what}: stage {s}"));
+                        seen += 1;
+                    }
+                }
+                assert_eq!(seen, stages, "{what}: every stage trained once");
+            }
+        }
+    }
+}
+
+/// Runs one step of 1F1B at pp 2 with `fault` on stage 0; returns each rank's outcome and
+/// how long the slowest rank took.
+fn faulty_step(
+    fault: Fault,
+    variable_dims: &[usize],
+) -> (Vec<Result<(), PipelineError>>, Duration) {
+    let schedule = generate(ScheduleKind::OneFOneB, 2, 4, None).unwrap();
+    let start = Instant::now();
+    let outcomes = run_local(2, |group: ProcessGroup| {
+        let group = group.with_timeout(Duration::from_secs(20));
+        let device = Device::flex().autodiff();
+        let mut exec = Executor::new(schedule.clone(), group.clone(), device.clone())
+            .unwrap()
+            .with_variable_dims(variable_dims);
+        let mut stage = Dense::new(group.rank(), 2, &device);
+        stage.fault = fault;
+        let mut local = BTreeMap::from([(group.rank(), stage)]);
+        let mut optim = SgdConfig::new().init();
+        let rows = |mb: usize| {
+            if fault == Fault::VariableRows {
+                1 + mb
+            } else {
+                ROWS
+            }
+        };
+        let batches: Vec<Batch> = (0..4).map(|mb| batch(0, mb, rows(mb))).collect();
+        Ok(exec
+            .step(&mut local, &batches, &mut sgd_update(&mut optim))
+            .map(|_| ()))
+    })
+    .unwrap();
+    (outcomes, start.elapsed())
+}
+
+#[test]
+fn a_changed_shape_is_a_typed_error_on_every_rank() {
+    let (outcomes, took) = faulty_step(Fault::Reshape, &[]);
+    match &outcomes[0] {
+        Err(PipelineError::ShapeMismatch {
+            transfer,
+            expected,
+            got,
+            ..
+        }) => {
+            assert!(
+                transfer.contains("micro-batch 1 from stage 0 to stage 1"),
+                "{transfer}"
+            );
+            assert!(
+                expected.contains("[2, 4]") && got.contains("[2, 3]"),
+                "{expected} / {got}"
+            );
+        }
+        other => panic!("expected a shape mismatch on rank 0, got {other:?}"),
+    }
+    assert!(
+        matches!(outcomes[1], Err(PipelineError::Collective { .. })),
+        "{:?}",
+        outcomes[1]
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "the peer failed at once, not at its timeout"
+    );
+}
+
+#[test]
+fn a_variable_dimension_may_change_when_declared() {
+    // The number of rows changes per micro-batch: an error unless dimension 0 is variable.
+    let (outcomes, _) = faulty_step(Fault::VariableRows, &[]);
+    assert!(
+        matches!(outcomes[0], Err(PipelineError::ShapeMismatch { .. })),
+        "{:?}",
+        outcomes[0]
+    );
+    let (outcomes, _) = faulty_step(Fault::VariableRows, &[0]);
+    assert!(outcomes.iter().all(Result::is_ok), "{outcomes:?}");
+}
+
+#[test]
+fn a_panicking_or_failing_stage_stops_every_rank_promptly() {
+    let (outcomes, took) = faulty_step(Fault::Panic, &[]);
+    match &outcomes[0] {
+        Err(PipelineError::StagePanicked {
+            stage,
+            action,
+            message,
+            ..
+        }) => {
+            assert_eq!((*stage, action.as_str()), (0, "0F1"));
+            assert!(message.contains("stage 0 exploded"), "{message}");
+        }
+        other => panic!("expected a panic report, got {other:?}"),
+    }
+    assert!(matches!(outcomes[1], Err(PipelineError::Collective { .. })));
+    assert!(took < Duration::from_secs(10));
+
+    let (outcomes, _) = faulty_step(Fault::Fail, &[]);
+    assert!(
+        matches!(
+            &outcomes[0],
+            Err(PipelineError::Stage { stage: 0, microbatch: 1, message, .. })
+                if message.contains("deliberate")
+        ),
+        "{:?}",
+        outcomes[0]
+    );
+    assert!(outcomes[1].is_err());
+}
+
+#[test]
+fn a_dead_peer_is_an_error_within_the_timeout() {
+    let schedule = generate(ScheduleKind::GPipe, 2, 2, None).unwrap();
+    let start = Instant::now();
+    let outcomes = run_local(2, |group: ProcessGroup| {
+        let group = group.with_timeout(Duration::from_secs(2));
+        let device = Device::flex().autodiff();
+        let mut exec = Executor::new(schedule.clone(), group.clone(), device.clone()).unwrap();
+        if group.rank() == 0 {
+            // Rank 0 stops without running the step (and without reporting a failure).
+            return Ok(None);
+        }
+        let mut local = BTreeMap::from([(1, Dense::new(1, 2, &device))]);
+        let mut optim = SgdConfig::new().init();
+        let batches: Vec<Batch> = (0..2).map(|mb| batch(0, mb, ROWS)).collect();
+        Ok(Some(
+            exec.step(&mut local, &batches, &mut sgd_update(&mut optim))
+                .map(|_| ()),
+        ))
+    })
+    .unwrap();
+    match &outcomes[1] {
+        Some(Err(e @ PipelineError::Collective { action, .. })) => {
+            assert_eq!(action, "RECV_F(0->1,m0)", "{e}");
+        }
+        other => panic!("expected a communication error, got {other:?}"),
+    }
+    assert!(start.elapsed() < Duration::from_secs(15));
+}
+
+#[test]
+fn ranks_with_different_schedules_refuse_to_start() {
+    let outcomes = run_local(2, |group: ProcessGroup| {
+        let kind = if group.rank() == 0 {
+            ScheduleKind::GPipe
+        } else {
+            ScheduleKind::OneFOneB
+        };
+        let schedule = generate(kind, 2, 4, None).unwrap();
+        Ok(Executor::new(schedule, group, Device::flex().autodiff()).map(|_| ()))
+    })
+    .unwrap();
+    for (rank, outcome) in outcomes.iter().enumerate() {
+        match outcome {
+            Err(PipelineError::ScheduleMismatch { other, .. }) => assert_eq!(*other, 1 - rank),
+            other => panic!("rank {rank}: expected a schedule mismatch, got {other:?}"),
+        }
+    }
+    // And a group of the wrong size.
+    let outcomes = run_local(3, |group: ProcessGroup| {
+        let schedule = generate(ScheduleKind::GPipe, 2, 4, None).unwrap();
+        Ok(Executor::new(schedule, group, Device::flex().autodiff()).map(|_| ()))
+    })
+    .unwrap();
+    assert!(outcomes.iter().all(|o| matches!(
+        o,
+        Err(PipelineError::GroupSize {
+            schedule: 2,
+            group: 3
+        })
+    )));
+}
+
+#[test]
+fn wrong_stages_or_microbatch_counts_are_refused() {
+    let schedule = generate(ScheduleKind::OneFOneB, 2, 4, None).unwrap();
+    let outcomes = run_local(2, |group: ProcessGroup| {
+        let device = Device::flex().autodiff();
+        let mut exec = Executor::new(schedule.clone(), group.clone(), device.clone()).unwrap();
+        let mut optim = SgdConfig::new().init();
+        let mut wrong = BTreeMap::from([(1 - group.rank(), Dense::new(0, 2, &device))]);
+        let batches: Vec<Batch> = (0..4).map(|mb| batch(0, mb, ROWS)).collect();
+        let a = exec
+            .step(&mut wrong, &batches, &mut sgd_update(&mut optim))
+            .map(|_| ());
+        let mut right = BTreeMap::from([(group.rank(), Dense::new(group.rank(), 2, &device))]);
+        let b = exec
+            .step(&mut right, &batches[..3], &mut sgd_update(&mut optim))
+            .map(|_| ());
+        Ok((a, b))
+    })
+    .unwrap();
+    for (rank, (a, b)) in outcomes.iter().enumerate() {
+        assert!(
+            matches!(a, Err(PipelineError::StagesMismatch { expected, .. }) if expected == &vec![rank]),
+            "{a:?}"
+        );
+        assert!(
+            matches!(
+                b,
+                Err(PipelineError::MicrobatchCount {
+                    expected: 4,
+                    given: 3
+                })
+            ),
+            "{b:?}"
+        );
+    }
+}
+
+#[test]
+fn peak_held_microbatches_follow_the_schedule() {
+    // GPipe holds every micro-batch on every stage; 1F1B at most p - r on rank r.
+    let (p, m) = (4, 8);
+    for (kind, expect) in [
+        (ScheduleKind::GPipe, [8, 8, 8, 8]),
+        (ScheduleKind::OneFOneB, [4, 3, 2, 1]),
+    ] {
+        let schedule = generate(kind, p, m, None).unwrap();
+        let peaks = run_local(p, |group| {
+            let device = Device::flex().autodiff();
+            let mut exec = Executor::new(schedule.clone(), group.clone(), device.clone()).unwrap();
+            let mut local = BTreeMap::from([(group.rank(), Dense::new(group.rank(), p, &device))]);
+            let mut optim = SgdConfig::new().init();
+            let batches: Vec<Batch> = (0..m).map(|mb| batch(0, mb, ROWS)).collect();
+            let report = exec
+                .step(&mut local, &batches, &mut sgd_update(&mut optim))
+                .unwrap();
+            Ok(report.peak_held[&group.rank()])
+        })
+        .unwrap();
+        assert_eq!(peaks, expect, "{kind}");
+    }
+}
