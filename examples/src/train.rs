@@ -235,6 +235,7 @@ impl Parallelism {
             None => ParallelDims {
                 dp_replicate: dp,
                 dp_shard: 1,
+                pp: 1,
                 cp,
                 tp,
                 ep: 1,
@@ -242,6 +243,7 @@ impl Parallelism {
             Some(_) => ParallelDims {
                 dp_replicate: self.replicate.max(1),
                 dp_shard: dp / self.replicate.max(1),
+                pp: 1,
                 cp,
                 tp,
                 ep: 1,

@@ -241,6 +241,7 @@ impl VitLayout {
         ParallelDims {
             dp_replicate,
             dp_shard,
+            pp: 1,
             cp: 1,
             tp: self.tp_size(),
             ep: 1,

@@ -226,6 +226,7 @@ fn dims(dp_replicate: usize, tp: usize) -> ParallelDims {
     ParallelDims {
         dp_replicate,
         dp_shard: 1,
+        pp: 1,
         cp: 1,
         tp,
         ep: 1,
@@ -236,6 +237,7 @@ fn fsdp_dims(dp_replicate: usize, dp_shard: usize, tp: usize) -> ParallelDims {
     ParallelDims {
         dp_replicate,
         dp_shard,
+        pp: 1,
         cp: 1,
         tp,
         ep: 1,

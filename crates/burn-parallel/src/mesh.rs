@@ -230,12 +230,15 @@ fn ravel(coords: &[usize], sizes: &[usize]) -> usize {
     coords.iter().zip(sizes).fold(0, |acc, (c, s)| acc * s + c)
 }
 
-/// The parallel dimensions of a training job, torchtitan's `ParallelDims`: data-parallel
-/// replicas (`dp_replicate`, DDP or the replicate dimension of HSDP), data-parallel shards
+/// The parallel dimensions of a training job, torchtitan's `ParallelDims`: pipeline stages
+/// (`pp`, each rank group holds some layers), data-parallel replicas (`dp_replicate`, DDP or the replicate dimension of HSDP), data-parallel shards
 /// (`dp_shard`, ZeRO/FSDP), context parallelism (`cp`, each sequence split over the ranks) and
 /// tensor parallelism (`tp`), outermost first. [`Self::build`] checks the product against the
-/// world size and makes the mesh `[dp_replicate, dp_shard, cp, tp]`, so the tensor-parallel
-/// ranks are neighbours.
+/// world size and makes the mesh `[pp, dp_replicate, dp_shard, cp, tp]`, so the tensor-parallel
+/// ranks are neighbours and the pipeline, whose traffic is the lightest (one activation per
+/// micro-batch and boundary), spans the farthest ranks. Every data-parallel group lies inside
+/// one pipeline coordinate: each pipeline rank reduces its stages' gradients with its own
+/// replicas.
 ///
 /// Context-parallel ranks see the same rows but different tokens, so they reduce gradients like
 /// data ranks: [`Self::gradient_reduction`] flattens `dp_replicate x dp_shard x cp` and
@@ -266,6 +269,9 @@ fn ravel(coords: &[usize], sizes: &[usize]) -> usize {
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct ParallelDims {
+    /// Pipeline ranks (pipeline parallelism): each holds some of the model's stages.
+    #[serde(default = "one")]
+    pub pp: usize,
     /// Replicas of the whole model (or of each shard group under HSDP).
     pub dp_replicate: usize,
     /// Ranks that shard parameters, gradients and optimizer state among them.
@@ -284,6 +290,7 @@ pub struct ParallelDims {
 impl Default for ParallelDims {
     fn default() -> Self {
         Self {
+            pp: 1,
             dp_replicate: 1,
             dp_shard: 1,
             cp: 1,
@@ -300,10 +307,27 @@ fn one() -> usize {
 impl ParallelDims {
     /// The number of ranks these dimensions need.
     pub fn world_size(&self) -> usize {
-        self.dp_replicate * self.dp_shard * self.cp * self.tp
+        self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
     }
 
-    /// The mesh `[("dp_replicate", ..), ("dp_shard", ..), ("cp", ..), ("tp", ..)]` over `world`.
+    /// The mesh `[("pp", ..), ("dp_replicate", ..), ("dp_shard", ..), ("cp", ..), ("tp", ..)]`
+    /// over `world`.
+    ///
+    /// ```
+    /// use burn_parallel::{ParallelDims, run_local};
+    ///
+    /// run_local(8, |world| {
+    ///     let dims = ParallelDims { pp: 2, dp_replicate: 2, tp: 2, ..ParallelDims::default() };
+    ///     let mesh = dims.build(&world).unwrap();
+    ///     // The pipeline is outermost: ranks r and r + 4 are consecutive pipeline ranks.
+    ///     assert_eq!(mesh.group("pp").unwrap().members(), &[world.rank() % 4, world.rank() % 4 + 4]);
+    ///     // Data parallelism stays inside one pipeline coordinate.
+    ///     let dp = dims.data_parallel(&mesh).unwrap();
+    ///     assert!(dp.members().iter().all(|r| r / 4 == world.rank() / 4));
+    ///     Ok(())
+    /// })
+    /// .unwrap();
+    /// ```
     ///
     /// # Errors
     /// [`MeshError::SizeMismatch`] when the product is not the world size;
@@ -325,6 +349,7 @@ impl ParallelDims {
         DeviceMesh::new(
             world,
             &[
+                ("pp", self.pp),
                 ("dp_replicate", self.dp_replicate),
                 ("dp_shard", self.dp_shard),
                 ("cp", self.cp),

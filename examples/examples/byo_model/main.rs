@@ -93,6 +93,7 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
     let dims = |dp_replicate, dp_shard, tp| ParallelDims {
         dp_replicate,
         dp_shard,
+        pp: 1,
         cp: 1,
         tp,
         ep: 1,

@@ -153,6 +153,7 @@ fn main() {
     let dims = |dp_replicate, dp_shard, tp| ParallelDims {
         dp_replicate,
         dp_shard,
+        pp: 1,
         cp: 1,
         tp,
         ep: 1,
