@@ -33,6 +33,7 @@
 pub mod data;
 pub mod gpt;
 pub use burn_parallel::init;
+pub mod pipeline;
 pub mod train;
 pub mod train_vit;
 pub mod train_zero;

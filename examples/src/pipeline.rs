@@ -1,0 +1,592 @@
+//! Pipeline parallelism for the bundled GPT: [`GptStage`] (the embedding on the first stage,
+//! the final norm, head and loss on the last, transformer blocks on every stage), built from
+//! the same seeded [`Init`] as the single-device model so that each rank holds exactly its
+//! stages' single-device parameters and nothing else; and [`train_gpt_pipeline`], the
+//! trainer over a `pp x dp` mesh running any schedule of `burn-pipeline`.
+//!
+//! ```text
+//! gpt --ranks 2 --pp 2 --schedule 1f1b --microbatches 4
+//! gpt --ranks 4 --pp 2 --schedule zbv --microbatches 4           # pp 2 x dp 2, V order
+//! gpt --ranks 2 --pp 2 --schedule interleaved --virtual-stages 2 --microbatches 4
+//! ```
+//!
+//! Limits, each a typed error: tied embeddings across stages (the owners' all-reduce is not
+//! written), global-norm clipping (it needs the norm over every stage before any stage steps),
+//! tensor or context parallelism and ZeRO inside a pipeline (not composed yet), and
+//! `grad_accum` other than 1 (the micro-batches are the accumulation).
+
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::tensor::{Device, Tensor, TensorData};
+use burn_parallel::init::{Init, LinearInit};
+use burn_parallel::nn::{Embedding, Linear, TpContext};
+use burn_parallel::tensor_parallel::{DropoutSite, SeededDropout};
+use burn_parallel::train::TrainStep;
+use burn_parallel::{CollectiveError, ParallelDims, ProcessGroup, ReduceOp};
+use burn_pipeline::partition::{self, PartitionError};
+use burn_pipeline::runtime::{Executor, PipelineError, StepReport, UpdateError};
+use burn_pipeline::stage::{Boundary, Stage, StageError, StageOutput};
+use burn_pipeline::{ScheduleError, ScheduleKind, generators};
+
+use crate::data::{Batch, Corpus, Split};
+use crate::gpt::{
+    Block, Gpt, GptConfig, INIT_STD, Norm, Pass, PositionKind, Rope, fused_sequence_cross_entropy,
+    load_params,
+};
+use crate::train::{NamedParam, StepStats, TrainConfig, TrainDevice, TrainReport, named_params};
+
+/// Errors of the pipelined GPT: its configuration, its build, its run.
+#[derive(Debug, thiserror::Error)]
+pub enum GptPipelineError {
+    /// A setting that cannot work; the message says which to change.
+    #[error("invalid pipeline run: {0}")]
+    Config(String),
+    /// The layers do not split into the stages.
+    #[error(transparent)]
+    Partition(#[from] PartitionError),
+    /// The schedule cannot be generated.
+    #[error("cannot generate the schedule: {0}")]
+    Schedule(#[from] ScheduleError),
+    /// The pipeline failed while running.
+    #[error(transparent)]
+    Pipeline(#[from] PipelineError),
+    /// A collective outside the pipeline's steps failed (data parallelism, gathering).
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    /// A stage could not be built.
+    #[error("building stage {stage}: {reason}")]
+    Build {
+        /// The stage.
+        stage: usize,
+        /// What failed.
+        reason: String,
+    },
+}
+
+/// How the GPT's blocks are split into stages.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum StageSplit {
+    /// The same number of blocks per stage (the first stages take one more).
+    #[default]
+    Count,
+    /// Balanced by parameter count, the embedding counted on the first stage and the head on
+    /// the last (which may then take fewer blocks).
+    Params,
+    /// Stage `i + 1` starts at block `boundaries[i]`.
+    Explicit(Vec<usize>),
+}
+
+/// The pipeline settings of [`train_gpt_pipeline`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct PipelineConfig {
+    /// Pipeline ranks; the world is `pp x dp`.
+    pub pp: usize,
+    /// The schedule family.
+    pub schedule: ScheduleKind,
+    /// Micro-batches per step (per data-parallel rank).
+    pub microbatches: usize,
+    /// Stages per rank for interleaved 1F1B (ZBV always has 2, the others 1).
+    pub virtual_stages: Option<usize>,
+    /// How blocks are split into stages.
+    pub split: StageSplit,
+    /// The device.
+    pub device: TrainDevice,
+}
+
+impl Default for PipelineConfig {
+    fn default() -> Self {
+        Self {
+            pp: 2,
+            schedule: ScheduleKind::OneFOneB,
+            microbatches: 4,
+            virtual_stages: None,
+            split: StageSplit::Count,
+            device: TrainDevice::Flex,
+        }
+    }
+}
+
+impl PipelineConfig {
+    /// Checks the settings against `config` on `world` ranks, before anything is built.
+    ///
+    /// # Errors
+    /// [`GptPipelineError::Config`] naming the setting to change; the schedule's and the
+    /// split's own errors.
+    pub fn validate(&self, config: &TrainConfig, world: usize) -> Result<(), GptPipelineError> {
+        let bad = |s: String| Err(GptPipelineError::Config(s));
+        if self.pp == 0 || !world.is_multiple_of(self.pp) {
+            return bad(format!(
+                "the world of {world} ranks cannot be split into pipelines of {} ranks; use a \
+                 --pp that divides the number of ranks",
+                self.pp
+            ));
+        }
+        if config.grad_accum != 1 {
+            return bad(format!(
+                "grad_accum is {} but a pipeline accumulates over its micro-batches; set \
+                 grad_accum to 1 and use --microbatches",
+                config.grad_accum
+            ));
+        }
+        let dp = world / self.pp;
+        let rows = config.batch_size / dp.max(1);
+        if !config.batch_size.is_multiple_of(dp) || !rows.is_multiple_of(self.microbatches.max(1))
+        {
+            return bad(format!(
+                "the global batch of {} sequences cannot be split over {dp} data-parallel ranks \
+                 x {} micro-batches; use a batch size that is a multiple of {}",
+                config.batch_size,
+                self.microbatches,
+                dp * self.microbatches
+            ));
+        }
+        if config.max_grad_norm.is_some() && self.pp > 1 {
+            return bad(
+                "global-norm clipping (--clip) is not supported with --pp yet: the norm spans \
+                 every stage; drop --clip"
+                    .into(),
+            );
+        }
+        config.validate(dp).map_err(GptPipelineError::Config)?;
+        let schedule = generators::generate(
+            self.schedule,
+            self.pp,
+            self.microbatches,
+            self.virtual_stages,
+        )?;
+        let stages = schedule.num_stages();
+        if config.model.tied_embeddings && stages > 1 {
+            return bad(
+                "tied embeddings are not supported across pipeline stages yet (the embedding \
+                 and the head live on different stages); use untied embeddings"
+                    .into(),
+            );
+        }
+        split_blocks(&config.model, stages, &self.split)?;
+        Ok(())
+    }
+}
+
+/// The blocks of each of `stages` stages.
+///
+/// # Errors
+/// [`PartitionError`] (more stages than blocks, bad explicit boundaries).
+pub fn split_blocks(
+    config: &GptConfig,
+    stages: usize,
+    split: &StageSplit,
+) -> Result<Vec<Range<usize>>, PartitionError> {
+    let n = config.n_layers;
+    match split {
+        StageSplit::Count => partition::by_count(n, stages),
+        StageSplit::Explicit(b) => partition::explicit(n, stages, b),
+        StageSplit::Params => {
+            let d = config.d_model;
+            let block = config.block().num_params() as f64;
+            let wpe = match config.positions {
+                PositionKind::Learned => config.max_seq_len * d,
+                PositionKind::Rotary => 0,
+            };
+            let first = (config.vocab_size * d + wpe) as f64;
+            let norm = config.num_params() as f64 - first - block * n as f64;
+            // What is left besides the blocks and the embeddings: the final norm and the head.
+            partition::balanced(&vec![block; n], stages, first, norm.max(0.0))
+        }
+    }
+}
+
+/// One stage of the GPT: the embedding when it is the first stage, blocks
+/// `first_layer..first_layer + blocks.len()`, the final norm, head and loss when it is the
+/// last. Parameters carry the single-device model's values (same seed, same paths).
+#[derive(Module, Debug)]
+pub struct GptStage {
+    /// Token embedding (first stage).
+    pub wte: Option<Embedding>,
+    /// Learned positions (first stage, learned positions only).
+    pub wpe: Option<burn::nn::Embedding>,
+    /// This stage's blocks.
+    pub blocks: Vec<Block>,
+    /// Final norm (last stage).
+    pub ln_f: Option<Norm>,
+    /// Output projection (last stage).
+    pub lm_head: Option<Linear>,
+    /// Stage index.
+    #[module(skip)]
+    pub index: usize,
+    /// Number of stages.
+    #[module(skip)]
+    pub num_stages: usize,
+    /// Index of this stage's first block in the whole model.
+    #[module(skip)]
+    pub first_layer: usize,
+    /// The model's configuration.
+    #[module(skip)]
+    pub config: GptConfig,
+    /// Embedding dropout (first stage).
+    #[module(skip)]
+    pub drop: Option<SeededDropout>,
+    /// The data-parallel stream of the dropout masks.
+    #[module(skip)]
+    pub dropout_stream: u64,
+    /// Where the stage's tensors live.
+    #[module(skip)]
+    pub device: Device,
+}
+
+impl GptStage {
+    /// Builds stage `index` of `num_stages` holding blocks `layers`, from `init` (the
+    /// single-device seed and device, no tensor-parallel plan).
+    ///
+    /// # Errors
+    /// [`GptPipelineError::Config`] for an invalid model or tied embeddings over several
+    /// stages; [`GptPipelineError::Build`] when a layer cannot be built.
+    ///
+    /// # Example
+    /// ```
+    /// use burn::tensor::Device;
+    /// use burn_parallel::init::Init;
+    /// use examples::gpt::GptConfig;
+    /// use examples::pipeline::GptStage;
+    ///
+    /// let config = GptConfig::new(256, 4, 2, 16, 16);
+    /// let init = Init::new(config.seed, &Device::flex());
+    /// let last = GptStage::build(&config, &init, 1, 2, 2..4).unwrap();
+    /// assert!(last.wte.is_none() && last.lm_head.is_some());
+    /// assert_eq!(last.blocks.len(), 2);
+    /// ```
+    pub fn build(
+        config: &GptConfig,
+        init: &Init,
+        index: usize,
+        num_stages: usize,
+        layers: Range<usize>,
+    ) -> Result<Self, GptPipelineError> {
+        config
+            .validate()
+            .map_err(|e| GptPipelineError::Config(format!("invalid GptConfig: {e}")))?;
+        if config.tied_embeddings && num_stages > 1 {
+            return Err(GptPipelineError::Config(
+                "tied embeddings are not supported across pipeline stages yet".into(),
+            ));
+        }
+        let build = |e: &dyn std::fmt::Display| GptPipelineError::Build {
+            stage: index,
+            reason: e.to_string(),
+        };
+        let (d, v) = (config.d_model, config.vocab_size);
+        let first = index == 0;
+        let last = index + 1 == num_stages;
+        let blocks = layers
+            .clone()
+            .map(|i| Block::new(&config.block(), &init.at("blocks").at(i)).map_err(|e| build(&e)))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            wte: if first {
+                Some(init.embedding("wte", v, d, INIT_STD).map_err(|e| build(&e))?)
+            } else {
+                None
+            },
+            wpe: match (first, config.positions) {
+                (true, PositionKind::Learned) => Some(burn::nn::Embedding {
+                    weight: init
+                        .at("wpe")
+                        .normal("weight", [config.max_seq_len, d], INIT_STD),
+                }),
+                _ => None,
+            },
+            blocks,
+            ln_f: last.then(|| Norm::new(config.norm, d, config.norm_eps, &init.at("ln_f"))),
+            lm_head: if last && !config.tied_embeddings {
+                Some(
+                    init.linear(
+                        "lm_head",
+                        LinearInit::new(d, v)
+                            .with_bias(config.bias)
+                            .with_std(INIT_STD),
+                    )
+                    .map_err(|e| build(&e))?,
+                )
+            } else {
+                None
+            },
+            index,
+            num_stages,
+            first_layer: layers.start,
+            config: config.clone(),
+            drop: (first && config.dropout > 0.0)
+                .then(|| SeededDropout::new(config.dropout, init.seed(), &init.path("drop"))),
+            dropout_stream: 0,
+            device: init.device().clone(),
+        })
+    }
+
+    /// Separates the dropout masks of data-parallel replicas (as
+    /// [`Gpt::with_dropout_stream`]).
+    pub fn with_dropout_stream(self, stream: u64) -> Self {
+        Self {
+            dropout_stream: stream,
+            ..self
+        }
+    }
+
+    /// This stage's parameters at the single-device model's paths (`blocks.{global index}`).
+    pub fn named_params(&self) -> Vec<NamedParam> {
+        named_params(self)
+            .into_iter()
+            .map(|mut p| {
+                if let Some(rest) = p.path.strip_prefix("blocks.") {
+                    let (local, tail) = rest.split_once('.').unwrap_or((rest, ""));
+                    let global = local.parse::<usize>().expect("a block index") + self.first_layer;
+                    p.path = format!("blocks.{global}.{tail}");
+                }
+                p
+            })
+            .collect()
+    }
+
+    fn embed(&self, wte: &Embedding, batch: &Batch, pass: &Pass) -> Result<Tensor<3>, StageError> {
+        let (tokens, _) = batch.to_tensors(&self.device);
+        let [b, s] = tokens.dims();
+        let x = wte.forward(tokens).map_err(StageError::new)?;
+        let x = match &self.wpe {
+            None => x,
+            Some(wpe) => {
+                if s > self.config.max_seq_len {
+                    return Err(StageError::new(format!(
+                        "a sequence of {s} tokens exceeds max_seq_len {}",
+                        self.config.max_seq_len
+                    )));
+                }
+                x + wpe.weight.val().narrow(0, 0, s).unsqueeze::<3>()
+            }
+        };
+        Ok(match &self.drop {
+            None => x,
+            Some(drop) => {
+                let site = DropoutSite::new(&[b, s, self.config.d_model], &[0, 0, 0]);
+                drop.clone().with_stream(pass.stream).forward(x, &site)
+            }
+        })
+    }
+}
+
+impl Stage<Batch> for GptStage {
+    fn forward(&self, input: Boundary, batch: &Batch) -> Result<StageOutput, StageError> {
+        let s = batch.seq_len;
+        let rope = match self.config.positions {
+            PositionKind::Rotary => Some(
+                Rope::new(
+                    self.config.head_dim(),
+                    s,
+                    0,
+                    self.config.rope_theta,
+                    &self.device,
+                )
+                .with_fused(self.config.fused),
+            ),
+            PositionKind::Learned => None,
+        };
+        let pass = Pass {
+            stream: self.dropout_stream,
+            ..Pass::new(s, rope, &TpContext::single())
+        };
+        let mut x = match &self.wte {
+            Some(wte) => self.embed(wte, batch, &pass)?,
+            None => input.get::<3>(0)?,
+        };
+        for block in &self.blocks {
+            x = block.forward(x, &pass).map_err(StageError::new)?;
+        }
+        let (Some(ln_f), Some(lm_head)) = (&self.ln_f, &self.lm_head) else {
+            return Ok(StageOutput::Boundary(Boundary::new().with(x)));
+        };
+        let x = if self.config.fused {
+            ln_f.forward_fused(x)
+        } else {
+            ln_f.forward(x)
+        };
+        let logits = lm_head.forward(x).map_err(StageError::new)?;
+        let (_, targets) = batch.to_tensors(&self.device);
+        let loss = if self.config.fused {
+            fused_sequence_cross_entropy(logits, targets)
+        } else {
+            lm_head
+                .cross_entropy(logits, targets)
+                .map_err(StageError::new)?
+        };
+        Ok(StageOutput::Loss(loss))
+    }
+}
+
+/// What a pipelined run reports besides [`TrainReport`]: the last step's per-rank timeline.
+#[derive(Debug, Clone)]
+pub struct PipelineReport {
+    /// Losses, validation loss, sample, timing and the final parameters (whole, by path).
+    pub train: TrainReport,
+    /// This rank's report of the last step (timeline, peak micro-batches held).
+    pub last_step: Option<StepReport>,
+}
+
+/// Trains the GPT of `config` with pipeline parallelism over `pipeline.pp` ranks and data
+/// parallelism over the `world / pp` replicas (mesh `[pp, dp_replicate]`), running
+/// `pipeline.schedule`. Each data-parallel rank takes its rows of the global batch and splits
+/// them into `pipeline.microbatches` micro-batches; each stage's gradients are averaged over
+/// its replicas at the schedule's `REDUCE` ([`TrainStep::reduce`]) and stepped by its own
+/// AdamW. Whatever the schedule, the losses and final parameters are those of single-device
+/// training on the same global batch. At the end every rank gathers the whole model (for the
+/// validation loss, the sample and the report).
+///
+/// # Errors
+/// [`GptPipelineError`]: invalid settings before any communication; pipeline and collective
+/// errors while running.
+pub fn train_gpt_pipeline(
+    world: &ProcessGroup,
+    config: &TrainConfig,
+    pipeline: &PipelineConfig,
+    corpus: &Corpus,
+    on_step: &mut dyn FnMut(&StepStats),
+) -> Result<PipelineReport, GptPipelineError> {
+    pipeline.validate(config, world.size())?;
+    let plain = pipeline.device.device().map_err(GptPipelineError::Config)?;
+    let device = plain.clone().autodiff();
+    let dims = ParallelDims {
+        pp: pipeline.pp,
+        dp_replicate: world.size() / pipeline.pp,
+        ..ParallelDims::default()
+    };
+    let mesh = dims
+        .build(world)
+        .map_err(|e| GptPipelineError::Config(e.to_string()))?;
+    let pp = mesh
+        .group("pp")
+        .map_err(|e| GptPipelineError::Config(e.to_string()))?
+        .clone();
+    let dp = dims
+        .data_parallel(&mesh)
+        .map_err(|e| GptPipelineError::Config(e.to_string()))?;
+    let schedule = generators::generate(
+        pipeline.schedule,
+        pipeline.pp,
+        pipeline.microbatches,
+        pipeline.virtual_stages,
+    )?;
+    let num_stages = schedule.num_stages();
+    let split = split_blocks(&config.model, num_stages, &pipeline.split)?;
+    let mut executor = Executor::new(schedule, pp.clone(), device.clone())?
+        // Micro-batches may differ in sequence length.
+        .with_variable_dims(&[1]);
+    let init = Init::new(config.model.seed, &device);
+    let mut stages: BTreeMap<usize, GptStage> = BTreeMap::new();
+    for s in executor.local_stages() {
+        let stage = GptStage::build(&config.model, &init, s, num_stages, split[s].clone())?
+            .with_dropout_stream(dp.rank() as u64);
+        stages.insert(s, stage);
+    }
+    let adamw = AdamWConfig::new().with_weight_decay(config.weight_decay as f32);
+    let mut optims: HashMap<usize, ModuleOptimizer> =
+        stages.keys().map(|&s| (s, adamw.init())).collect();
+    let mut reduce = TrainStep::new(TpContext::single());
+    if dp.size() > 1 {
+        reduce = reduce.with_ddp(
+            burn_parallel::DistributedDataParallel::new(dp.clone())
+                .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize),
+        );
+    }
+
+    let rows_per_rank = config.batch_size / dp.size();
+    let micro_rows = rows_per_rank / pipeline.microbatches;
+    let tokens_per_step = (config.batch_size * config.seq_len) as f64;
+    let start = Instant::now();
+    let mut losses = Vec::with_capacity(config.steps);
+    let mut timed = 0.0;
+    let mut last_step = None;
+    for step in 0..config.steps {
+        let step_start = Instant::now();
+        let batches: Vec<Batch> = (0..pipeline.microbatches)
+            .map(|mb| {
+                let first = dp.rank() * rows_per_rank + mb * micro_rows;
+                corpus.batch_rows(
+                    step as u64,
+                    first..first + micro_rows,
+                    config.seq_len,
+                    Split::Train,
+                )
+            })
+            .collect();
+        let lr = config.lr_at(step);
+        let mut update = |s: usize,
+                          stage: GptStage,
+                          grads: GradientsParams|
+         -> Result<GptStage, UpdateError> {
+            let (grads, _) = reduce.reduce(&stage, grads)?;
+            let optim = optims.get_mut(&s).expect("an optimizer per local stage");
+            Ok(optim.step(lr, stage, grads))
+        };
+        let report = executor.step(&mut stages, &batches, &mut update)?;
+        let loss = dp.all_reduce_f32(vec![report.loss], ReduceOp::Avg)?[0] as f64;
+        losses.push(loss);
+        last_step = Some(report);
+        let seconds = step_start.elapsed().as_secs_f64();
+        if step > 0 {
+            timed += seconds;
+        }
+        on_step(&StepStats {
+            step,
+            loss,
+            lr,
+            tokens_per_sec: tokens_per_step / seconds,
+            elapsed: start.elapsed().as_secs_f64(),
+        });
+    }
+
+    // ---- the whole model on every rank: validation, sample, report ----
+    let mine: Vec<NamedParam> = stages.values().flat_map(GptStage::named_params).collect();
+    let mut all: Vec<NamedParam> = pp.all_gather_object(&mine)?.into_iter().flatten().collect();
+    all.sort_by(|a, b| a.path.cmp(&b.path));
+    let values: HashMap<String, TensorData> = all
+        .iter()
+        .map(|p| {
+            (
+                p.path.clone(),
+                TensorData::new(p.values.clone(), p.shape.clone()),
+            )
+        })
+        .collect();
+    let full = load_params(Gpt::new(&config.model, &plain), &values);
+    let mut val = 0.0;
+    for b in 0..config.eval_batches {
+        let batch = corpus.batch_rows(
+            b as u64,
+            0..config.batch_size,
+            config.seq_len,
+            Split::Validation,
+        );
+        let (inputs, targets) = batch.to_tensors(&plain);
+        let loss = full
+            .loss(inputs, targets)
+            .map_err(|e| GptPipelineError::Config(e.to_string()))?;
+        val += loss.try_into_vec_as::<f64>().unwrap_or_default()[0];
+    }
+    let val_loss = val / config.eval_batches.max(1) as f64;
+    let sample = if config.sample_len > 0 && world.rank() == 0 {
+        crate::train::generate(&full, &config.prompt, config, &plain)
+    } else {
+        String::new()
+    };
+    let timed_steps = (config.steps - 1).max(1) as f64;
+    Ok(PipelineReport {
+        train: TrainReport {
+            losses,
+            val_loss,
+            sample,
+            step_seconds: timed / timed_steps,
+            tokens_per_sec: tokens_per_step * timed_steps / timed.max(1e-9),
+            final_params: named_params(&full),
+        },
+        last_step,
+    })
+}

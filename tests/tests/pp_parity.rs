@@ -1,0 +1,210 @@
+//! Pipeline parallelism reproduces single-device training: the bundled GPT (8 blocks) under
+//! GPipe, 1F1B, interleaved 1F1B (v = 2), ZB-H1 and ZBV, at pp 2 and pp 4 with 4 and 8
+//! micro-batches, and pp 2 x dp 2, gives over 20 steps the losses of the independent
+//! plain-Burn [`tests::reference_run`] on the same global batch (relative difference <= 1e-5)
+//! and its final parameters. Also: stages built from the seed hold exactly the single-device
+//! initial values and only their own parameters, every split policy trains the same model, and
+//! impossible settings are typed errors before anything runs.
+
+use burn::tensor::Device;
+use burn_parallel::init::Init;
+use burn_parallel::run_local;
+use burn_pipeline::ScheduleKind;
+use burn_pipeline::partition::PartitionError;
+use examples::data::Corpus;
+use examples::gpt::Gpt;
+use examples::pipeline::{
+    GptPipelineError, GptStage, PipelineConfig, StageSplit, split_blocks, train_gpt_pipeline,
+};
+use examples::train::{TrainConfig, TrainReport, named_params};
+use tests::{Reference, assert_matches_reference, params_of, reference_run, tiny_gpt_run};
+
+const STEPS: usize = 20;
+const TOL: f64 = 1e-5;
+
+/// The tiny GPT with 8 blocks, so that 8 stages (pp 4 x 2 virtual stages) hold one each.
+fn config() -> TrainConfig {
+    let mut c = tiny_gpt_run(STEPS);
+    c.model.n_layers = 8;
+    c
+}
+
+fn pipeline(kind: &str, pp: usize, microbatches: usize) -> PipelineConfig {
+    let schedule: ScheduleKind = kind.parse().expect("a schedule name");
+    PipelineConfig {
+        pp,
+        schedule,
+        microbatches,
+        virtual_stages: (schedule == ScheduleKind::Interleaved1F1B).then_some(2),
+        ..PipelineConfig::default()
+    }
+}
+
+/// Runs `p` on `world` thread ranks; rank 0's report (every rank reports the same).
+fn run(world: usize, p: &PipelineConfig, config: &TrainConfig) -> TrainReport {
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let reports = run_local(world, |g| {
+        train_gpt_pipeline(&g, config, p, &corpus, &mut |_| {}).map_err(|e| {
+            burn_parallel::CollectiveError::InvalidArgument {
+                rank: g.rank(),
+                op: "train_gpt_pipeline".into(),
+                reason: e.to_string(),
+            }
+        })
+    })
+    .unwrap_or_else(|e| panic!("{p:?} on {world} ranks: {e}"));
+    for r in &reports[1..] {
+        assert!(
+            r.train.losses == reports[0].train.losses,
+            "every rank reports the same losses"
+        );
+        assert!(
+            r.train.final_params == reports[0].train.final_params,
+            "every rank gathers the same parameters"
+        );
+    }
+    reports.into_iter().next().expect("rank 0").train
+}
+
+fn check(reference: &Reference, world: usize, p: PipelineConfig, config: &TrainConfig) {
+    let what = format!(
+        "{} pp {} x dp {} m {}",
+        p.schedule,
+        p.pp,
+        world / p.pp,
+        p.microbatches
+    );
+    let r = run(world, &p, config);
+    assert_matches_reference(reference, &r.losses, &r.final_params, TOL, &what);
+}
+
+fn check_schedule(kind: &str) {
+    let config = config();
+    let reference = reference_run(&config);
+    assert!(
+        reference.losses[STEPS - 1] < reference.losses[0] - 0.5,
+        "the model must learn: {:?}",
+        reference.losses
+    );
+    check(&reference, 2, pipeline(kind, 2, 4), &config);
+    check(&reference, 4, pipeline(kind, 4, 4), &config);
+    check(&reference, 4, pipeline(kind, 4, 8), &config);
+}
+
+#[test]
+fn gpipe_matches_single_device() {
+    check_schedule("gpipe");
+}
+
+#[test]
+fn one_f_one_b_matches_single_device() {
+    check_schedule("1f1b");
+}
+
+#[test]
+fn interleaved_1f1b_matches_single_device() {
+    check_schedule("interleaved");
+}
+
+#[test]
+fn zb_h1_matches_single_device() {
+    check_schedule("zb-h1");
+}
+
+#[test]
+fn zbv_matches_single_device() {
+    check_schedule("zbv");
+}
+
+#[test]
+fn pp2_x_dp2_matches_single_device() {
+    let config = config();
+    let reference = reference_run(&config);
+    check(&reference, 4, pipeline("1f1b", 2, 2), &config);
+    check(&reference, 4, pipeline("zbv", 2, 4), &config);
+}
+
+#[test]
+fn every_split_policy_trains_the_same_model() {
+    let mut config = config();
+    config.steps = 5;
+    let reference = reference_run(&config);
+    for split in [StageSplit::Params, StageSplit::Explicit(vec![1, 6, 7])] {
+        let p = PipelineConfig {
+            split: split.clone(),
+            ..pipeline("1f1b", 4, 4)
+        };
+        let r = run(4, &p, &config);
+        assert_matches_reference(
+            &reference,
+            &r.losses,
+            &r.final_params,
+            TOL,
+            &format!("{split:?}"),
+        );
+    }
+}
+
+#[test]
+fn stages_hold_their_single_device_parameters_and_nothing_else() {
+    let config = config().model;
+    let device = Device::flex();
+    let whole = params_of(&Gpt::new(&config, &device));
+    let init = Init::new(config.seed, &device);
+    let split = split_blocks(&config, 3, &StageSplit::Count).unwrap();
+    assert_eq!(split, vec![0..3, 3..6, 6..8]);
+    let mut seen = 0;
+    for (s, layers) in split.into_iter().enumerate() {
+        let stage = GptStage::build(&config, &init, s, 3, layers.clone()).unwrap();
+        let params = stage.named_params();
+        for p in &params {
+            let (shape, values) = &whole[&p.path];
+            assert_eq!((&p.shape, &p.values), (shape, values), "{}", p.path);
+            if let Some(rest) = p.path.strip_prefix("blocks.") {
+                let block: usize = rest.split('.').next().unwrap().parse().unwrap();
+                assert!(layers.contains(&block), "stage {s} holds {}", p.path);
+            }
+        }
+        // Local paths are renamed, not duplicated.
+        assert_eq!(params.len(), named_params(&stage).len());
+        seen += params.len();
+    }
+    assert_eq!(seen, whole.len(), "every parameter on exactly one stage");
+}
+
+#[test]
+fn impossible_settings_are_typed_errors() {
+    let config = config();
+    // 2 x 8 stages of ZBV at pp 8 need 16 blocks.
+    let p = pipeline("zbv", 8, 8);
+    assert!(matches!(
+        p.validate(&config, 8),
+        Err(GptPipelineError::Partition(
+            PartitionError::MoreStagesThanLayers {
+                layers: 8,
+                stages: 16
+            }
+        ))
+    ));
+    let mut tied = config.clone();
+    tied.model.tied_embeddings = true;
+    let e = pipeline("1f1b", 2, 4).validate(&tied, 2).unwrap_err();
+    assert!(e.to_string().contains("tied embeddings"), "{e}");
+    let clipped = TrainConfig {
+        max_grad_norm: Some(1.0),
+        ..config.clone()
+    };
+    let e = pipeline("1f1b", 2, 4).validate(&clipped, 2).unwrap_err();
+    assert!(e.to_string().contains("--clip"), "{e}");
+    // 8 rows over 3 micro-batches.
+    let e = pipeline("1f1b", 2, 3).validate(&config, 2).unwrap_err();
+    assert!(e.to_string().contains("micro-batches"), "{e}");
+    // Interleaved needs micro-batches in rounds of pp.
+    assert!(matches!(
+        pipeline("interleaved", 4, 2).validate(&config, 4),
+        Err(GptPipelineError::Config(_) | GptPipelineError::Schedule(_))
+    ));
+    // The world must be a multiple of pp.
+    let e = pipeline("gpipe", 2, 4).validate(&config, 3).unwrap_err();
+    assert!(e.to_string().contains("--pp"), "{e}");
+}
