@@ -134,8 +134,7 @@ impl PipelineConfig {
         }
         let dp = world / self.pp;
         let rows = config.batch_size / dp.max(1);
-        if !config.batch_size.is_multiple_of(dp) || !rows.is_multiple_of(self.microbatches.max(1))
-        {
+        if !config.batch_size.is_multiple_of(dp) || !rows.is_multiple_of(self.microbatches.max(1)) {
             return bad(format!(
                 "the global batch of {} sequences cannot be split over {dp} data-parallel ranks \
                  x {} micro-batches; use a batch size that is a multiple of {}",
@@ -286,7 +285,10 @@ impl GptStage {
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             wte: if first {
-                Some(init.embedding("wte", v, d, INIT_STD).map_err(|e| build(&e))?)
+                Some(
+                    init.embedding("wte", v, d, INIT_STD)
+                        .map_err(|e| build(&e))?,
+                )
             } else {
                 None
             },
@@ -518,14 +520,12 @@ pub fn train_gpt_pipeline(
             })
             .collect();
         let lr = config.lr_at(step);
-        let mut update = |s: usize,
-                          stage: GptStage,
-                          grads: GradientsParams|
-         -> Result<GptStage, UpdateError> {
-            let (grads, _) = reduce.reduce(&stage, grads)?;
-            let optim = optims.get_mut(&s).expect("an optimizer per local stage");
-            Ok(optim.step(lr, stage, grads))
-        };
+        let mut update =
+            |s: usize, stage: GptStage, grads: GradientsParams| -> Result<GptStage, UpdateError> {
+                let (grads, _) = reduce.reduce(&stage, grads)?;
+                let optim = optims.get_mut(&s).expect("an optimizer per local stage");
+                Ok(optim.step(lr, stage, grads))
+            };
         let report = executor.step(&mut stages, &batches, &mut update)?;
         let loss = dp.all_reduce_f32(vec![report.loss], ReduceOp::Avg)?[0] as f64;
         losses.push(loss);
@@ -589,4 +589,91 @@ pub fn train_gpt_pipeline(
         },
         last_step,
     })
+}
+
+/// The `gpt` binary's pipeline flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct PipelineArgs {
+    /// Pipeline-parallel size: the model's blocks are split into stages over this many ranks
+    /// (mesh `pp x dp`, dp = ranks / pp). 1: no pipeline.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// The pipeline schedule: gpipe, 1f1b, interleaved, zb-h1 or zbv.
+    #[arg(long, default_value = "1f1b")]
+    pub schedule: ScheduleKind,
+    /// Micro-batches per step and data-parallel rank (they divide its rows).
+    #[arg(long, default_value_t = 4)]
+    pub microbatches: usize,
+    /// Stages per rank of the interleaved schedule (default 2).
+    #[arg(long)]
+    pub virtual_stages: Option<usize>,
+    /// Balance the stages by parameter count (embedding on the first, head on the last)
+    /// instead of by block count.
+    #[arg(long)]
+    pub balance_params: bool,
+}
+
+impl PipelineArgs {
+    /// The [`PipelineConfig`] these flags ask for, on `device`.
+    pub fn config(&self, device: TrainDevice) -> PipelineConfig {
+        PipelineConfig {
+            pp: self.pp,
+            schedule: self.schedule,
+            microbatches: self.microbatches,
+            virtual_stages: self.virtual_stages,
+            split: if self.balance_params {
+                StageSplit::Params
+            } else {
+                StageSplit::Count
+            },
+            device,
+        }
+    }
+}
+
+/// Runs `gpt --pp N ...` on `world` (thread ranks or one TCP process) and returns group rank
+/// 0's report; prints a line per `log_every` steps and the layout on rank 0.
+///
+/// # Errors
+/// As [`train_gpt_pipeline`].
+pub fn run_rank(
+    world: &ProcessGroup,
+    config: &TrainConfig,
+    pipeline: &PipelineConfig,
+    corpus: &Corpus,
+    log_every: usize,
+) -> Result<Option<PipelineReport>, GptPipelineError> {
+    let lead = world.rank() == 0;
+    if lead {
+        let m = &config.model;
+        println!(
+            "GPT {} layers x width {} ({:.2}M params), {} ranks = pp {} x dp {}, schedule {} \
+             ({} micro-batches{}), global batch {} x {} tokens, {} steps",
+            m.n_layers,
+            m.d_model,
+            m.num_params() as f64 / 1e6,
+            world.size(),
+            pipeline.pp,
+            world.size() / pipeline.pp.max(1),
+            pipeline.schedule,
+            pipeline.microbatches,
+            pipeline
+                .virtual_stages
+                .map(|v| format!(", {v} stages per rank"))
+                .unwrap_or_default(),
+            config.batch_size,
+            config.seq_len,
+            config.steps
+        );
+    }
+    let mut on_step = |s: &StepStats| {
+        if lead && (s.step.is_multiple_of(log_every.max(1)) || s.step + 1 == config.steps) {
+            println!(
+                "step {:>5}  loss {:.4}  lr {:.2e}  {:>7.0} tok/s  {:>7.1}s",
+                s.step, s.loss, s.lr, s.tokens_per_sec, s.elapsed
+            );
+        }
+    };
+    let report = train_gpt_pipeline(world, config, pipeline, corpus, &mut on_step)?;
+    Ok(lead.then_some(report))
 }

@@ -2,7 +2,8 @@
 //! GPipe, 1F1B, interleaved 1F1B (v = 2), ZB-H1 and ZBV, at pp 2 and pp 4 with 4 and 8
 //! micro-batches, and pp 2 x dp 2, gives over 20 steps the losses of the independent
 //! plain-Burn [`tests::reference_run`] on the same global batch (relative difference <= 1e-5)
-//! and its final parameters. Also: stages built from the seed hold exactly the single-device
+//! and its final parameters; so does `gpt --pp 2 --schedule zbv` as 2 TCP processes through
+//! `burnrun`. Also: stages built from the seed hold exactly the single-device
 //! initial values and only their own parameters, every split policy trains the same model, and
 //! impossible settings are typed errors before anything runs.
 
@@ -17,7 +18,10 @@ use examples::pipeline::{
     GptPipelineError, GptStage, PipelineConfig, StageSplit, split_blocks, train_gpt_pipeline,
 };
 use examples::train::{TrainConfig, TrainReport, named_params};
-use tests::{Reference, assert_matches_reference, params_of, reference_run, tiny_gpt_run};
+use tests::{
+    Reference, assert_matches_reference, gpt_through_burnrun, params_of, reference_run,
+    tiny_gpt_run,
+};
 
 const STEPS: usize = 20;
 const TOL: f64 = 1e-5;
@@ -122,6 +126,26 @@ fn pp2_x_dp2_matches_single_device() {
     let reference = reference_run(&config);
     check(&reference, 4, pipeline("1f1b", 2, 2), &config);
     check(&reference, 4, pipeline("zbv", 2, 4), &config);
+}
+
+/// The `gpt` binary's flags, as 2 TCP processes through `burnrun`: ZBV (V order, both ends of
+/// the model on rank 0) over real sockets.
+#[test]
+fn zbv_over_two_tcp_processes_matches_single_device() {
+    let config = config();
+    let reference = reference_run(&config);
+    let run = gpt_through_burnrun(
+        2,
+        &config,
+        &["--pp", "2", "--schedule", "zbv", "--microbatches", "4"],
+    );
+    assert_matches_reference(
+        &reference,
+        &run.losses,
+        &run.params,
+        TOL,
+        "gpt --pp 2 --schedule zbv over TCP",
+    );
 }
 
 #[test]

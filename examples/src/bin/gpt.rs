@@ -147,6 +147,10 @@ struct Args {
     /// Device of the trainer, under every layout (`wgpu` needs a build with `--features wgpu`).
     #[arg(long, value_enum)]
     device: Option<DeviceArg>,
+    /// Pipeline parallelism: --pp N --schedule gpipe|1f1b|interleaved|zb-h1|zbv
+    /// --microbatches M [--virtual-stages V] [--balance-params].
+    #[command(flatten)]
+    pipeline: examples::pipeline::PipelineArgs,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -274,6 +278,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if args.pipeline.pp > 1 {
+        return run_pipeline(&args, &config, &corpus);
+    }
     // ZeRO on its own runs burn-zero's engines (memory accounting, checkpoints); with tensor
     // parallelism it runs in the layout-generic trainer below.
     if let Some(stage) = args.zero
@@ -533,4 +540,37 @@ fn write_params(
         return ExitCode::FAILURE;
     }
     ExitCode::SUCCESS
+}
+
+/// `--pp N`: pipeline parallelism (mesh `pp x dp`), see `examples::pipeline`.
+fn run_pipeline(args: &Args, config: &TrainConfig, corpus: &Corpus) -> ExitCode {
+    let pipeline = args.pipeline.config(train_device(args));
+    let run = |world: ProcessGroup| {
+        examples::pipeline::run_rank(&world, config, &pipeline, corpus, args.log_every).map_err(
+            |e| CollectiveError::InvalidArgument {
+                rank: world.global_rank(),
+                op: "gpt --pp".into(),
+                reason: e.to_string(),
+            },
+        )
+    };
+    let outcome = match args.backend {
+        Backend::Local => run_local(args.ranks, run).map(|mut r| r.swap_remove(0)),
+        Backend::Tcp => burn_parallel::comm::tcp::init_from_env().and_then(run),
+    };
+    match outcome {
+        Ok(None) => ExitCode::SUCCESS,
+        Ok(Some(report)) => {
+            print_report(&report.train, corpus);
+            let written = write_losses(args.losses_out.as_deref(), &report.train.losses);
+            if written != ExitCode::SUCCESS {
+                return written;
+            }
+            write_params(args.params_out.as_deref(), &report.train.final_params)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
