@@ -16,6 +16,7 @@
 //! | [`format`](mod@format) | CSV and TOML files (the grammar is in the module docs), and a side-by-side listing that marks the failing action |
 //! | [`stage`] | the [`stage::Stage`] trait (a Burn module whose forward takes a [`stage::Boundary`]: several tensors and serialisable metadata) |
 //! | [`partition`] | layers into stages: by count, balanced by cost (first and last stage may take fewer), or at explicit boundaries |
+//! | [`deferred`] | split backward: [`deferred::DeferredLinear`] (weight gradient deferred from `I` to `W`) and its [`deferred::WeightGradStore`] |
 //! | [`runtime`] | [`runtime::Executor`]: runs this rank's program, sends and receives boundaries, accumulates and hands over each stage's gradients at `REDUCE`; typed [`runtime::PipelineError`]s, never a hang |
 //!
 //! ```
@@ -100,28 +101,29 @@
 //! checked against it, except along dimensions declared variable (a sequence length that
 //! changes per micro-batch).
 //!
-//! *What `I` and `W` do today.* `I` runs the full backward (input and weight gradients) and `W`
-//! does nothing, so ZB-H1 and ZBV run correctly but with the timing of a schedule whose `W`
-//! costs nothing and whose `I` costs a whole `B`. The deferred-weight design below is what
-//! makes them separate work; it is not implemented yet.
-//!
-//! *Splitting the backward (I/W) in Burn.* Burn computes every gradient of a graph in one
-//! `backward()`. To defer weight gradients, a stage's linear layers are replaced by a
-//! deferred-weight linear: a custom autodiff op (a `#[backend_extension]` whose `Autodiff`
-//! impl registers its own `Backward` step). In that op the weight enters the graph
-//! untracked, so `backward()` does not produce `dW`. The step's backward computes
-//! `dX = dY Wᵀ` at once and pushes `(x, dY)`, both detached, into a per-stage
-//! `WeightGradStore` keyed by micro-batch. So the `I` action is `backward()` with the store
-//! recording. It returns the input gradient as soon as possible, and it also produces the
-//! gradients of the small parameters (biases, norms), which are simply left tracked. The `W`
-//! action drains that micro-batch's entries, computes `dW = xᵀ dY` on the inner backend
-//! (no autodiff), and accumulates the result into the stage's `GradientsParams` with
-//! `register(param_id, ..)`, adding to an existing entry. A full `B` runs the same op with
-//! the store in immediate mode, which computes `dW` inside the backward step. `REDUCE(s)`
-//! then hands the stage's `GradientsParams` to data parallel or ZeRO and the optimizer. The
-//! memory cost of deferring is the `(x, dY)` pairs. The simulator counts them: this is the
-//! difference between `peak_activations` and `peak_activations_until_input`.
+//! *Splitting the backward (I/W) in Burn* ([`deferred`]). Burn computes every gradient of a
+//! graph in one `backward()`. To defer weight gradients, a stage's linear layers are
+//! [`deferred::DeferredLinear`]s: the forward multiplies by the weight *untracked* and
+//! attaches its own backward step (`burn_parallel::autograd::attach`, a backend-extension op
+//! whose `Autodiff` impl registers a custom `Backward`), so `backward()` does not produce
+//! `dW`. The step's backward computes
+//! `dX = dY Wᵀ` at once and pushes `(x, dY)`, both without autodiff, into the stage's
+//! [`deferred::WeightGradStore`] under the micro-batch being back-propagated (the runtime
+//! scopes each backward with `begin(microbatch)`). So the `I` action is `backward()` with the
+//! store recording. It returns the input gradient as soon as possible, and it also produces
+//! the gradients of the small parameters (biases, norms), which are simply left tracked. The
+//! `W` action takes that micro-batch's entries, computes `dW = xᵀ dY` without autodiff, and
+//! adds the result to the stage's accumulated `GradientsParams`. A full `B` runs `backward()`
+//! and then the same computation at once. When a layer's input needs no gradient (the first
+//! layer of the first stage reads data), the step hangs off a fresh one-element leaf so that
+//! it still runs. `REDUCE(s)` refuses to run while pairs are left, then hands the stage's
+//! gradients to data parallelism and the optimizer. The memory cost of deferring is the
+//! `(x, dY)` pairs; the simulator counts them: this is the difference between
+//! `peak_activations` and `peak_activations_until_input`. A stage without deferred linears
+//! (the bundled GPT, whose layers are `burn_parallel::nn::Linear`) runs its whole backward in
+//! `I` and nothing in `W`: correct, with the timing of a schedule whose `W` is free.
 
+pub mod deferred;
 pub mod format;
 pub mod generators;
 pub mod partition;

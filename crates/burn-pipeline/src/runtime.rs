@@ -6,8 +6,8 @@
 //! | `F` | makes the received (or handed-over) boundary tensors leaves that require a gradient, runs [`Stage::forward`], keeps `(leaves, outputs)` under `(stage, micro-batch)` |
 //! | `SEND_F` / `RECV_F` | one header (shapes, metadata, step) then the tensors, under [`Transfer::tag`], to and from the rank owning the peer stage |
 //! | `B` | backward of the surrogate `Σ sum(output ⊙ dY)` (of `loss / m` on the last stage), whose gradients are those of the loss; reads the leaves' gradients (the input gradient, sent back) and accumulates the stage's parameter gradients ([`GradientsAccumulator`]) |
-//! | `I` | the same as `B` (see "Split backward" below) |
-//! | `W` | nothing yet (see below) |
+//! | `I` | the same backward; the weight gradients of the stage's [`crate::deferred::DeferredLinear`]s are not computed, their `(X, dY)` are recorded (see "Split backward" below) |
+//! | `W` | computes those weight gradients (`dW = Xᵀ dY`) and adds them to the stage's accumulated gradients; nothing for a stage without deferred weights |
 //! | `SEND_B` / `RECV_B` | as `SEND_F` / `RECV_F`, for input gradients |
 //! | `REDUCE(s)` | hands stage `s` and its accumulated gradients to the caller's `update` (data-parallel reduction, clipping, the optimizer step) and keeps the module it returns |
 //!
@@ -32,10 +32,12 @@
 //! that fails or panics is an error on its rank, and the rank aborts the group so that its
 //! peers fail at once rather than at their timeout.
 //!
-//! *Split backward.* Burn computes every gradient of a graph in one `backward()`, so `I` runs
-//! the full backward (input and weight gradients) and `W` does nothing: zero-bubble schedules
-//! run correctly, with the timing of 1F1B-like schedules. The crate docs describe the
-//! deferred-weight design that makes `I` and `W` separate work.
+//! *Split backward.* Burn computes every gradient of a graph in one `backward()`. A stage whose
+//! linears are [`crate::deferred::DeferredLinear`]s returns their shared store from
+//! [`Stage::deferred_weights`]: the runtime scopes each backward to its micro-batch, `I`
+//! leaves the weights' gradients out (only `(X, dY)` is kept), `W` computes them, and a full
+//! `B` does both. For any other stage (the bundled GPT's Burn linears), `I` runs the full
+//! backward and `W` does nothing: correct, with the timing of a schedule whose `W` is free.
 
 use std::collections::{BTreeMap, HashMap};
 use std::panic::{AssertUnwindSafe, catch_unwind};
@@ -622,6 +624,10 @@ impl Executor {
                         }
                     };
                     let module = &stages[&stage];
+                    let store = module.deferred_weights();
+                    if let Some(store) = store {
+                        store.begin(microbatch);
+                    }
                     let input_grads = match seed {
                         Some(seed) => {
                             let (param_grads, input_grads) = catch_unwind(AssertUnwindSafe(|| {
@@ -650,6 +656,13 @@ impl Executor {
                             .map(|(leaf, _)| leaf.zeros_like().detach())
                             .collect(),
                     };
+                    // A full backward computes the deferred weight gradients at once.
+                    if let (Action::Backward { .. }, Some(store)) = (action, store) {
+                        accumulators
+                            .get_mut(&stage)
+                            .expect("a local stage")
+                            .accumulate(module, store.take(microbatch));
+                    }
                     if stage > 0 {
                         let grads: Vec<BoundaryTensor> = input_grads
                             .into_iter()
@@ -666,8 +679,16 @@ impl Executor {
                         }
                     }
                 }
-                Action::BackwardWeight { .. } => {
-                    // `I` computed the weight gradients already (see the module docs).
+                Action::BackwardWeight { stage, microbatch } => {
+                    // Stages without deferred weights computed everything in `I`.
+                    let module = &stages[&stage];
+                    if let Some(store) = module.deferred_weights() {
+                        let grads = store.take(microbatch);
+                        accumulators
+                            .get_mut(&stage)
+                            .expect("a local stage")
+                            .accumulate(module, grads);
+                    }
                 }
                 Action::SendGrad {
                     stage,
@@ -693,6 +714,17 @@ impl Executor {
                     );
                 }
                 Action::ReduceGrads { stage } => {
+                    if let Some(store) = stages[&stage].deferred_weights() {
+                        let left = store.pending_microbatches();
+                        if !left.is_empty() {
+                            return Err(self.protocol(
+                                &action,
+                                &format!(
+                                    "the weight gradients of micro-batches {left:?} never ran"
+                                ),
+                            ));
+                        }
+                    }
                     let grads = accumulators.get_mut(&stage).expect("a local stage").grads();
                     let module = stages
                         .remove(&stage)

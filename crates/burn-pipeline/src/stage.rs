@@ -246,4 +246,12 @@ pub trait Stage<B>: Module {
     /// # Errors
     /// [`StageError`] for anything that prevents the forward.
     fn forward(&self, input: Boundary, batch: &B) -> Result<StageOutput, StageError>;
+
+    /// The store of the stage's deferred weight gradients, when its linears are
+    /// [`crate::deferred::DeferredLinear`]s: the schedule's `I` then computes no weight
+    /// gradient of theirs and `W` computes them. `None` (the default): `I` runs the whole
+    /// backward and `W` does nothing.
+    fn deferred_weights(&self) -> Option<&crate::deferred::WeightGradStore> {
+        None
+    }
 }

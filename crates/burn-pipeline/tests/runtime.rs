@@ -12,6 +12,7 @@ use burn::module::{Module, Param};
 use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::{ProcessGroup, run_local};
+use burn_pipeline::deferred::{DeferredLinear, WeightGradStore};
 use burn_pipeline::generators::generate;
 use burn_pipeline::runtime::{Executor, PipelineError};
 use burn_pipeline::stage::{Boundary, Stage, StageError, StageOutput};
@@ -488,4 +489,172 @@ fn peak_held_microbatches_follow_the_schedule() {
         .unwrap();
         assert_eq!(peaks, expect, "{kind}");
     }
+}
+
+/// [`Dense`] with its weight deferred: `I` computes no weight gradient, `W` does.
+#[derive(Module, Debug)]
+struct DenseZ {
+    lin: DeferredLinear,
+    #[module(skip)]
+    index: usize,
+    #[module(skip)]
+    stages: usize,
+}
+
+impl DenseZ {
+    fn new(index: usize, stages: usize, device: &Device) -> Self {
+        let d = Dense::new(index, stages, device);
+        Self {
+            lin: DeferredLinear::new(d.w, Some(d.b), &WeightGradStore::new()),
+            index,
+            stages,
+        }
+    }
+
+    fn params(&self) -> Vec<f32> {
+        let mut v = self
+            .lin
+            .weight
+            .val()
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        let b = self.lin.bias.as_ref().expect("a bias").val();
+        v.extend(b.into_data().try_to_vec::<f32>().unwrap());
+        v
+    }
+}
+
+impl Stage<Batch> for DenseZ {
+    fn forward(&self, input: Boundary, batch: &Batch) -> Result<StageOutput, StageError> {
+        let device = self.lin.weight.val().device();
+        let rows = batch.x.len() / WIDTH;
+        let x = if self.index == 0 {
+            Tensor::<2>::from_data(TensorData::new(batch.x.clone(), [rows, WIDTH]), &device)
+        } else {
+            let h = input.get::<2>(0)?;
+            let sums = input.get::<2>(1)?;
+            h + sums * 0.1
+        };
+        let y = self.lin.forward(x).tanh();
+        if self.index + 1 == self.stages {
+            let t =
+                Tensor::<2>::from_data(TensorData::new(batch.y.clone(), [rows, WIDTH]), &device);
+            return Ok(StageOutput::Loss((y - t).powf_scalar(2.0).mean()));
+        }
+        let sums = y.clone().sum_dim(1);
+        Ok(StageOutput::Boundary(
+            Boundary::new().with(y).with(sums).with_meta(&rows)?,
+        ))
+    }
+
+    fn deferred_weights(&self) -> Option<&WeightGradStore> {
+        Some(&self.lin.store)
+    }
+}
+
+#[test]
+fn deferred_weights_split_the_backward_and_still_match_single_device_training() {
+    let steps = 3;
+    for (kind, p, m) in [
+        (ScheduleKind::ZbH1, 2, 4),
+        (ScheduleKind::ZbH1, 4, 8),
+        (ScheduleKind::Zbv, 2, 4),
+        (ScheduleKind::Zbv, 4, 8),
+        // `B` (no split): the deferred gradients are computed right after the backward.
+        (ScheduleKind::OneFOneB, 2, 4),
+    ] {
+        let schedule = generate(kind, p, m, None).unwrap();
+        let stages = schedule.num_stages();
+        let (ref_losses, ref_params) = reference(stages, m, steps);
+        let ranks = run_local(p, |group| {
+            let device = Device::flex().autodiff();
+            let mut exec = Executor::new(schedule.clone(), group.clone(), device.clone()).unwrap();
+            let mut local: BTreeMap<usize, DenseZ> = exec
+                .local_stages()
+                .into_iter()
+                .map(|s| (s, DenseZ::new(s, stages, &device)))
+                .collect();
+            let mut optim = SgdConfig::new().init();
+            let mut losses = Vec::new();
+            for step in 0..steps {
+                let batches: Vec<Batch> = (0..m).map(|mb| batch(step, mb, ROWS)).collect();
+                let mut update =
+                    |_: usize,
+                     stage: DenseZ,
+                     grads: GradientsParams|
+                     -> Result<DenseZ, burn_pipeline::runtime::UpdateError> {
+                        // Every weight gradient arrived, through `W`.
+                        if grads.get::<2>(stage.lin.weight.id).is_none() {
+                            return Err("no weight gradient at REDUCE".into());
+                        }
+                        Ok(optim.step(0.1, stage, grads))
+                    };
+                losses.push(exec.step(&mut local, &batches, &mut update).unwrap().loss);
+            }
+            Ok((
+                losses,
+                local
+                    .iter()
+                    .map(|(s, l)| (*s, l.params()))
+                    .collect::<BTreeMap<_, _>>(),
+            ))
+        })
+        .unwrap();
+        let what = format!("deferred {kind} p={p} m={m}");
+        for (losses, params) in &ranks {
+            assert_close(&ref_losses, losses, &format!("{what}: losses"));
+            for (s, values) in params {
+                assert_close(&ref_params[*s], values, &format!("{what}: stage {s}"));
+            }
+        }
+    }
+}
+
+#[test]
+fn input_backward_gives_the_input_gradient_and_weight_backward_completes_the_rest() {
+    let device = Device::flex().autodiff();
+    let plain = Dense::new(1, 2, &device);
+    let deferred = DenseZ::new(1, 2, &device);
+    let store = deferred.deferred_weights().unwrap().clone();
+    let x0: Vec<f32> = (0..3 * WIDTH).map(|k| (k as f32 - 5.0) / 7.0).collect();
+    let leaf = || Tensor::<2>::from_data(TensorData::new(x0.clone(), [3, WIDTH]), &device);
+
+    // The plain layer: every gradient at once.
+    let x = leaf().require_grad();
+    let mut grads = plain.apply(x.clone()).powf_scalar(2.0).sum().backward();
+    let dx_plain = x.grad(&grads).unwrap();
+    let all = GradientsParams::from_module(&mut grads, &plain);
+
+    // `I`: the input gradient (and the bias's), no weight gradient, one pair recorded.
+    store.begin(5);
+    let x = leaf().require_grad();
+    let y = deferred.lin.forward(x.clone()).tanh();
+    let mut grads = y.powf_scalar(2.0).sum().backward();
+    let dx = x.grad(&grads).unwrap();
+    let input_only = GradientsParams::from_module(&mut grads, &deferred);
+    assert!(input_only.get::<2>(deferred.lin.weight.id).is_none());
+    assert!(
+        input_only
+            .get::<1>(deferred.lin.bias.as_ref().unwrap().id)
+            .is_some()
+    );
+    assert_eq!(store.pending(5), 1);
+    let close = |a: Tensor<2>, b: Tensor<2>, what: &str| {
+        assert_close(
+            &a.into_data().try_to_vec::<f32>().unwrap(),
+            &b.into_data().try_to_vec::<f32>().unwrap(),
+            what,
+        )
+    };
+    close(dx_plain, dx, "dX");
+
+    // `W`: the weight gradient, equal to the plain layer's.
+    let w = store.take(5);
+    assert_eq!(store.pending(5), 0);
+    close(
+        all.get::<2>(plain.w.id).unwrap(),
+        w.get::<2>(deferred.lin.weight.id).unwrap(),
+        "dW",
+    );
 }

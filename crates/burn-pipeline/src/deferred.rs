@@ -1,0 +1,220 @@
+//! Split backward for zero-bubble schedules: a linear layer whose weight gradient is deferred.
+//!
+//! Burn computes every gradient of a graph in one `backward()`. [`DeferredLinear`] takes its
+//! weight out of that: the forward multiplies by the *untracked* weight and attaches its own
+//! backward step (`burn_parallel::autograd::attach`). That step computes the input gradient
+//! `dX = dY Wᵀ` at once and records `(X, dY)` in the stage's [`WeightGradStore`] under the
+//! micro-batch being back-propagated. So a `backward()` (the schedule's `I`) returns the input
+//! gradient, and the gradients of the other parameters (biases, norms, which stay tracked),
+//! without computing any `dW`. The schedule's `W` then calls [`WeightGradStore::take`], which
+//! computes `dW = Xᵀ dY` for each recorded pair (without autodiff) and returns them as
+//! [`GradientsParams`] keyed by the weights' ids, to be added to the stage's accumulated
+//! gradients. A full `B` does both at once. The memory cost of deferring is the recorded pairs
+//! between `I` and `W`.
+//!
+//! A stage opts in by building its linears as [`DeferredLinear`]s sharing one store and
+//! returning it from [`crate::stage::Stage::deferred_weights`]; the runtime then scopes each
+//! backward to its micro-batch ([`WeightGradStore::begin`]) and runs the `W`s. A stage
+//! without a store runs its whole backward in `I`, and `W` does nothing for it.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use burn::module::{Module, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{Device, Tensor};
+use burn_parallel::autograd::{BackwardFn, attach};
+use burn_parallel::group::tensor_from_data;
+
+/// One recorded input and output gradient of a deferred weight.
+struct Pending {
+    param: ParamId,
+    /// The layer's input, `[rows, d_in]`, without autodiff.
+    x: Tensor<2>,
+    /// The gradient of its output, `[rows, d_out]`, without autodiff.
+    dy: Tensor<2>,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// The micro-batch whose backward is running.
+    current: usize,
+    pending: BTreeMap<usize, Vec<Pending>>,
+}
+
+/// The `(X, dY)` pairs of a stage's deferred weights, by micro-batch. Cheap to clone (shared).
+#[derive(Clone, Default)]
+pub struct WeightGradStore {
+    inner: Arc<Mutex<Inner>>,
+}
+
+impl std::fmt::Debug for WeightGradStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let inner = self.lock();
+        let counts: BTreeMap<usize, usize> =
+            inner.pending.iter().map(|(k, v)| (*k, v.len())).collect();
+        f.debug_struct("WeightGradStore")
+            .field("pending", &counts)
+            .finish()
+    }
+}
+
+impl WeightGradStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records the pairs of the following backward passes under `microbatch` (the runtime
+    /// calls it before each `B` or `I`; outside the runtime pairs go to micro-batch 0).
+    pub fn begin(&self, microbatch: usize) {
+        self.lock().current = microbatch;
+    }
+
+    /// Number of pairs waiting for `microbatch`'s `W`.
+    pub fn pending(&self, microbatch: usize) -> usize {
+        self.lock().pending.get(&microbatch).map_or(0, Vec::len)
+    }
+
+    /// The micro-batches with pairs waiting.
+    pub fn pending_microbatches(&self) -> Vec<usize> {
+        self.lock()
+            .pending
+            .iter()
+            .filter(|(_, v)| !v.is_empty())
+            .map(|(k, _)| *k)
+            .collect()
+    }
+
+    fn push(&self, pending: Pending) {
+        let mut inner = self.lock();
+        let current = inner.current;
+        inner.pending.entry(current).or_default().push(pending);
+    }
+
+    /// The weight gradients of `microbatch`: `dW = Σ Xᵀ dY` per weight, over its recorded pairs,
+    /// which are removed. Empty when nothing was recorded.
+    pub fn take(&self, microbatch: usize) -> GradientsParams {
+        let pairs = self.lock().pending.remove(&microbatch).unwrap_or_default();
+        let mut sums: Vec<(ParamId, Tensor<2>)> = Vec::new();
+        for p in pairs {
+            let dw = p.x.transpose().matmul(p.dy);
+            match sums.iter_mut().find(|(id, _)| *id == p.param) {
+                Some((_, sum)) => *sum = sum.clone() + dw,
+                None => sums.push((p.param, dw)),
+            }
+        }
+        let mut grads = GradientsParams::new();
+        for (id, dw) in sums {
+            grads.register::<2>(id, dw);
+        }
+        grads
+    }
+}
+
+/// A linear layer `y = x W + b` (`W`: `[d_in, d_out]`, as Burn's `Linear`) whose weight
+/// gradient is deferred to the store's `W` step (see the module docs). The bias stays an
+/// ordinary tracked parameter.
+///
+/// # Example
+/// ```
+/// use burn::module::Param;
+/// use burn::tensor::{Device, Tensor};
+/// use burn_pipeline::deferred::{DeferredLinear, WeightGradStore};
+///
+/// let device = Device::flex().autodiff();
+/// let store = WeightGradStore::new();
+/// let w = Param::from_tensor(Tensor::<2>::ones([3, 2], &device));
+/// let linear = DeferredLinear::new(w, None, &store);
+/// let x = Tensor::<2>::ones([4, 3], &device).require_grad();
+/// let grads = linear.forward(x.clone()).sum().backward(); // the `I` step
+/// assert_eq!(x.grad(&grads).unwrap().dims(), [4, 3]); // dX now
+/// assert!(linear.weight.val().grad(&grads).is_none()); // no dW yet
+/// let dw = store.take(0).get::<2>(linear.weight.id).unwrap(); // the `W` step
+/// assert_eq!(dw.into_data().try_to_vec::<f32>().unwrap(), vec![4.0; 6]);
+/// ```
+#[derive(Module, Debug)]
+pub struct DeferredLinear {
+    /// Weight `[d_in, d_out]`.
+    pub weight: Param<Tensor<2>>,
+    /// Bias `[d_out]`.
+    pub bias: Option<Param<Tensor<1>>>,
+    /// Where the backward records `(X, dY)`.
+    #[module(skip)]
+    pub store: WeightGradStore,
+}
+
+impl DeferredLinear {
+    /// A layer with these parameters recording into `store` (share one store per stage).
+    pub fn new(
+        weight: Param<Tensor<2>>,
+        bias: Option<Param<Tensor<1>>>,
+        store: &WeightGradStore,
+    ) -> Self {
+        Self {
+            weight,
+            bias,
+            store: store.clone(),
+        }
+    }
+
+    /// `[.., d_in] -> [.., d_out]`.
+    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
+        let dims = x.dims();
+        let d_in = dims[D - 1];
+        let rows = dims[..D - 1].iter().product::<usize>();
+        let w = self.weight.val().without_autodiff();
+        let d_out = w.dims()[1];
+        let device: Device = w.device();
+        let x2 = x.reshape([rows, d_in]);
+        let x_inner = x2.clone().without_autodiff();
+        let y = x_inner.clone().matmul(w.clone());
+        let y = tensor_from_data::<2>(y.into_data(), &x2.device());
+        let store = self.store.clone();
+        let param = self.weight.id;
+        // The backward step must run even when the input needs no gradient (the first layer
+        // of the first stage): it then hangs off a fresh one-element leaf instead, whose
+        // gradient (zero) nobody reads.
+        let needs_dx = x2.is_tracked();
+        let record = move |dy| {
+            let dy: Tensor<2> = tensor_from_data(dy, &device);
+            let dx = needs_dx.then(|| dy.clone().matmul(w.clone().transpose()));
+            store.push(Pending {
+                param,
+                x: x_inner.clone(),
+                dy,
+            });
+            dx
+        };
+        let y = if needs_dx {
+            attach(
+                x2,
+                y,
+                BackwardFn::new("deferred_linear", move |dy| {
+                    Ok(record(dy).expect("dX is computed").into_data())
+                }),
+            )
+        } else {
+            let anchor = Tensor::<1>::zeros([1], &x2.device()).require_grad();
+            attach(
+                anchor,
+                y,
+                BackwardFn::new("deferred_linear", move |dy| {
+                    record(dy);
+                    Ok(burn::tensor::TensorData::new(vec![0f32], [1]))
+                }),
+            )
+        };
+        let mut out_dims = dims;
+        out_dims[D - 1] = d_out;
+        let y = y.reshape(out_dims);
+        match &self.bias {
+            Some(b) => y + b.val().unsqueeze::<D>(),
+            None => y,
+        }
+    }
+}
