@@ -324,6 +324,11 @@ impl ParallelDims {
     ///     // Data parallelism stays inside one pipeline coordinate.
     ///     let dp = dims.data_parallel(&mesh).unwrap();
     ///     assert!(dp.members().iter().all(|r| r / 4 == world.rank() / 4));
+    ///     // So do the expert-parallel groups carved out of it.
+    ///     let dims = ParallelDims { ep: 2, ..dims };
+    ///     let mesh = dims.build(&world).unwrap();
+    ///     let (base, t) = (world.rank() / 4 * 4, world.rank() % 2);
+    ///     assert_eq!(dims.expert_parallel(&mesh).unwrap().members(), &[base + t, base + 2 + t]);
     ///     Ok(())
     /// })
     /// .unwrap();
@@ -388,12 +393,12 @@ impl ParallelDims {
     }
 
     /// This rank's index among the data-parallel ranks, `replicate * dp_shard + shard`, from
-    /// mesh coordinates `[dp_replicate, dp_shard, cp, tp]`.
+    /// mesh coordinates `[pp, dp_replicate, dp_shard, cp, tp]`.
     fn dp_index(&self, coords: &[usize]) -> usize {
-        coords[0] * self.dp_shard + coords[1]
+        coords[1] * self.dp_shard + coords[2]
     }
 
-    /// The expert-parallel group: `ep` consecutive data-parallel ranks (same `cp` and `tp`
+    /// The expert-parallel group: `ep` consecutive data-parallel ranks (same `pp`, `cp` and `tp`
     /// coordinates) that split the experts among them and exchange tokens (all-to-all). A new
     /// group: every rank must create it.
     ///
@@ -419,11 +424,13 @@ impl ParallelDims {
         self.check_mesh(mesh)?;
         let me = mesh.coords().to_vec();
         let block = self.dp_index(&me) / self.ep;
-        mesh.group_where(|c| c[2] == me[2] && c[3] == me[3] && self.dp_index(c) / self.ep == block)
+        mesh.group_where(|c| {
+            c[0] == me[0] && c[3] == me[3] && c[4] == me[4] && self.dp_index(c) / self.ep == block
+        })
     }
 
     /// The ranks that hold the same experts (same position in their expert-parallel group, any
-    /// `cp` coordinate, same `tp` coordinate): expert gradients are reduced over this group
+    /// `cp` coordinate, same `pp` and `tp` coordinates): expert gradients are reduced over this group
     /// only. A new group: every rank must create it.
     ///
     /// # Errors
@@ -432,12 +439,12 @@ impl ParallelDims {
         self.check_mesh(mesh)?;
         let me = mesh.coords().to_vec();
         let slot = self.dp_index(&me) % self.ep;
-        mesh.group_where(|c| c[3] == me[3] && self.dp_index(c) % self.ep == slot)
+        mesh.group_where(|c| c[0] == me[0] && c[4] == me[4] && self.dp_index(c) % self.ep == slot)
     }
 
     /// Checks that `mesh` has the dimensions [`Self::build`] makes.
     fn check_mesh(&self, mesh: &DeviceMesh) -> Result<(), MeshError> {
-        let expected = ["dp_replicate", "dp_shard", "cp", "tp"];
+        let expected = ["pp", "dp_replicate", "dp_shard", "cp", "tp"];
         if mesh.names().len() != expected.len() {
             return Err(MeshError::UnknownDim {
                 name: expected.join(", "),
