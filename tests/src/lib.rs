@@ -330,6 +330,28 @@ pub fn visible_notice(line: &str) {
     let _ = std::io::stderr().lock().write_all(line.as_bytes());
 }
 
+/// The WGPU device for the test `test`, or `None` after a visible `SKIPPED test: reason` line
+/// when this machine has no adapter. With `BURN_PARALLEL_REQUIRE_WGPU` set (CI installs Mesa's
+/// software Vulkan driver and sets it), a missing adapter fails the test instead.
+///
+/// # Panics
+/// When `BURN_PARALLEL_REQUIRE_WGPU` is set and no adapter is found.
+#[cfg(feature = "wgpu")]
+pub fn wgpu_or_skip(test: &str) -> Option<burn::tensor::Device> {
+    match burn_parallel::kernels::wgpu_device() {
+        Ok(device) => Some(device),
+        Err(e) if std::env::var_os("BURN_PARALLEL_REQUIRE_WGPU").is_some() => {
+            panic!("BURN_PARALLEL_REQUIRE_WGPU is set but {e}")
+        }
+        Err(e) => {
+            visible_notice(&format!(
+                "SKIPPED {test}: {e}; set BURN_PARALLEL_REQUIRE_WGPU=1 to fail instead"
+            ));
+            None
+        }
+    }
+}
+
 /// The workspace binaries the tests run, by package. They are built together, in one Cargo
 /// invocation over both packages, so that Cargo resolves the features of their dependencies as
 /// for this test crate (which depends on both) and reuses its build.

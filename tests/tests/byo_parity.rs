@@ -357,14 +357,8 @@ fn byo_model_on_ndarray() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn byo_model_on_wgpu() {
-    let device = match burn_parallel::kernels::wgpu_device() {
-        Ok(device) => device,
-        Err(e) if std::env::var_os("BURN_PARALLEL_REQUIRE_WGPU").is_none() => {
-            use std::io::Write;
-            let _ = writeln!(std::io::stderr(), "SKIPPED byo_model_on_wgpu: {e}");
-            return;
-        }
-        Err(e) => panic!("BURN_PARALLEL_REQUIRE_WGPU is set but {e}"),
+    let Some(device) = tests::wgpu_or_skip("byo_model_on_wgpu") else {
+        return;
     };
     let reference = reference(&device, None);
     assert_matches(

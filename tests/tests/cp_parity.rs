@@ -286,15 +286,7 @@ fn gpt_binary_cp_over_tcp_processes_matches_single_device() {
 #[test]
 fn gpt_cp_on_wgpu_matches_single_device() {
     use examples::train::TrainDevice;
-    if let Err(e) = burn_parallel::kernels::wgpu_device() {
-        if std::env::var_os("BURN_PARALLEL_REQUIRE_WGPU").is_some() {
-            panic!("BURN_PARALLEL_REQUIRE_WGPU is set but {e}");
-        }
-        use std::io::Write;
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED gpt_cp_on_wgpu_matches_single_device: {e}"
-        );
+    if tests::wgpu_or_skip("gpt_cp_on_wgpu_matches_single_device").is_none() {
         return;
     }
     let config = config();

@@ -60,14 +60,7 @@ fn fused_gpt_on_flex_matches_unfused() {
 #[cfg(feature = "wgpu")]
 #[test]
 fn fused_gpt_on_wgpu_matches_unfused_on_flex() {
-    if let Err(e) = burn_parallel::kernels::wgpu_device() {
-        if std::env::var("BURN_PARALLEL_REQUIRE_WGPU").as_deref() == Ok("1") {
-            panic!("BURN_PARALLEL_REQUIRE_WGPU=1 but {e}");
-        }
-        tests::visible_notice(&format!(
-            "SKIPPED fused_gpt_on_wgpu_matches_unfused_on_flex: {e}; set \
-             BURN_PARALLEL_REQUIRE_WGPU=1 to fail instead"
-        ));
+    if tests::wgpu_or_skip("fused_gpt_on_wgpu_matches_unfused_on_flex").is_none() {
         return;
     }
     for (name, config) in [

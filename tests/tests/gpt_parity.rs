@@ -324,15 +324,8 @@ fn gpt_binary_layouts_over_tcp_processes_match_single_device() {
 #[test]
 fn gpt_on_wgpu_under_tp_sp_and_fsdp_x_tp_matches_single_device() {
     use examples::train::TrainDevice;
-    if let Err(e) = burn_parallel::kernels::wgpu_device() {
-        if std::env::var_os("BURN_PARALLEL_REQUIRE_WGPU").is_some() {
-            panic!("BURN_PARALLEL_REQUIRE_WGPU is set but {e}");
-        }
-        use std::io::Write;
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED gpt_on_wgpu_under_tp_sp_and_fsdp_x_tp_matches_single_device: {e}"
-        );
+    if tests::wgpu_or_skip("gpt_on_wgpu_under_tp_sp_and_fsdp_x_tp_matches_single_device").is_none()
+    {
         return;
     }
     let config = config();

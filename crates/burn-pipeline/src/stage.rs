@@ -187,6 +187,9 @@ impl Boundary {
 
 /// What a stage's forward returns.
 #[derive(Clone, Debug)]
+// A Burn tensor is an enum over the backends of the build (640 bytes with WGPU); a stage
+// returns one per micro-batch, so boxing would buy nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum StageOutput {
     /// The input of the next stage (every stage but the last).
     Boundary(Boundary),
