@@ -55,6 +55,7 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::activation::{gelu, log_softmax, silu, softmax};
 use burn::tensor::module::layer_norm;
 use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
+use burn_moe::{MoeConfig, MoeError, MoeLayer, MoeParallel, MoeStats};
 use burn_parallel::ProcessGroup;
 use burn_parallel::context_parallel::{ContextParallel, CpError, SeqLayout};
 use burn_parallel::init::{Init, LinearInit};
@@ -132,6 +133,10 @@ fn default_norm_eps() -> f64 {
     1e-5
 }
 
+fn default_moe_every() -> usize {
+    1
+}
+
 /// Hyper-parameters of [`Gpt`]. Serialisable; optional fields have serde defaults.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GptConfig {
@@ -180,6 +185,15 @@ pub struct GptConfig {
     /// [`burn_parallel::kernels`] (CubeCL kernels on WGPU, composed references elsewhere).
     #[serde(default)]
     pub fused: bool,
+    /// Mixture of experts (GPT-MoE): the MLP of every `moe_every`-th block is this
+    /// [`MoeLayer`] (its `d_model` must equal the model's; an unset `residual_std` takes the
+    /// blocks' residual std). `None`: a dense GPT.
+    #[serde(default)]
+    pub moe: Option<MoeConfig>,
+    /// With `moe`: blocks `moe_every - 1`, `2 moe_every - 1`, ... are MoE blocks (1: every
+    /// block, 2: every second block starting with block 1).
+    #[serde(default = "default_moe_every")]
+    pub moe_every: usize,
 }
 
 impl GptConfig {
@@ -213,6 +227,8 @@ impl GptConfig {
             norm_eps: default_norm_eps(),
             seed: 0,
             fused: false,
+            moe: None,
+            moe_every: 1,
         }
     }
 
@@ -256,10 +272,61 @@ impl GptConfig {
                 self.dropout
             )));
         }
+        if let Some(moe) = &self.moe {
+            if self.moe_every == 0 {
+                return Err(ConfigError::Invalid(
+                    "moe_every must be at least 1 (1: every block is an MoE block)".into(),
+                ));
+            }
+            if moe.d_model != self.d_model {
+                return Err(ConfigError::Invalid(format!(
+                    "moe.d_model ({}) must equal d_model ({})",
+                    moe.d_model, self.d_model
+                )));
+            }
+            moe.validate()
+                .map_err(|e| ConfigError::Invalid(format!("moe: {e}")))?;
+        }
         Ok(())
     }
 
-    /// The configuration of each block.
+    /// Whether block `i` is an MoE block: `moe` is set and `(i + 1) % moe_every == 0`.
+    pub fn is_moe_block(&self, i: usize) -> bool {
+        self.moe.is_some() && (i + 1).is_multiple_of(self.moe_every.max(1))
+    }
+
+    /// Number of MoE blocks.
+    pub fn n_moe_blocks(&self) -> usize {
+        (0..self.n_layers).filter(|&i| self.is_moe_block(i)).count()
+    }
+
+    /// The configuration of block `i`: [`Self::block`], with the MoE layer when
+    /// [`Self::is_moe_block`] (its `residual_std` defaults to the blocks' one).
+    pub fn block_at(&self, i: usize) -> BlockConfig {
+        let mut block = self.block();
+        if self.is_moe_block(i) {
+            block.moe = self.moe.clone().map(|m| MoeConfig {
+                residual_std: m.residual_std.or(Some(block.residual_std)),
+                ..m
+            });
+        }
+        block
+    }
+
+    /// Parameters one token uses (the active parameters): [`Self::num_params`] with each MoE
+    /// layer counted by [`MoeConfig::active_params`] (router, `top_k` experts, shared experts).
+    pub fn active_params(&self) -> usize {
+        let moe_blocks = self.n_moe_blocks();
+        match (&self.moe, moe_blocks) {
+            (Some(moe), n) if n > 0 => {
+                let moe = self.block_at(self.moe_every - 1).moe.unwrap_or(moe.clone());
+                self.num_params() - n * moe.num_params() + n * moe.active_params()
+            }
+            _ => self.num_params(),
+        }
+    }
+
+    /// The configuration of each dense block (every block of a GPT without MoE).
     pub fn block(&self) -> BlockConfig {
         BlockConfig {
             d_model: self.d_model,
@@ -273,6 +340,7 @@ impl GptConfig {
             causal: true,
             residual_std: INIT_STD / (2.0 * self.n_layers as f64).sqrt(),
             fused: self.fused,
+            moe: None,
         }
     }
 
@@ -289,7 +357,10 @@ impl GptConfig {
         } else {
             d * v + usize::from(self.bias) * v
         };
-        v * d + wpe + self.n_layers * self.block().num_params() + norm_params(self.norm, d) + head
+        let blocks: usize = (0..self.n_layers)
+            .map(|i| self.block_at(i).num_params())
+            .sum();
+        v * d + wpe + blocks + norm_params(self.norm, d) + head
     }
 }
 
@@ -332,10 +403,12 @@ pub struct BlockConfig {
     pub residual_std: f64,
     /// Norms and SwiGLU through the fused kernels.
     pub fused: bool,
+    /// The block's feed-forward network is this mixture of experts instead of the MLP.
+    pub moe: Option<MoeConfig>,
 }
 
 impl BlockConfig {
-    /// Number of parameters of one block.
+    /// Number of parameters of one block (every expert of an MoE block).
     pub fn num_params(&self) -> usize {
         let (d, f, b) = (self.d_model, self.d_ff, usize::from(self.bias));
         let attn = 4 * (d * d + b * d);
@@ -343,7 +416,10 @@ impl BlockConfig {
             MlpKind::Gelu => 1,
             MlpKind::SwiGlu => 2,
         };
-        let mlp = n_in * (d * f + b * f) + f * d + b * d;
+        let mlp = match &self.moe {
+            Some(moe) => moe.num_params(),
+            None => n_in * (d * f + b * f) + f * d + b * d,
+        };
         attn + mlp + 2 * norm_params(self.norm, d)
     }
 }
@@ -776,34 +852,75 @@ impl Mlp {
     }
 }
 
-/// Pre-norm transformer block: `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`.
+/// An MoE layer's error as the model's error type.
+pub fn moe_error(e: MoeError) -> TpError {
+    match e {
+        MoeError::Tp(e) => e,
+        MoeError::Collective(e) => TpError::Collective(e),
+        other => TpError::Shape {
+            layer: "moe".into(),
+            reason: other.to_string(),
+        },
+    }
+}
+
+/// Pre-norm transformer block: `x + attn(ln_1(x))`, then `x + ffn(ln_2(x))`, where the
+/// feed-forward network is the MLP (`mlp`) or, in an MoE block, the mixture of experts (`moe`).
 #[derive(Module, Debug)]
 pub struct Block {
     /// Norm before attention.
     pub ln_1: Norm,
     /// Self-attention.
     pub attn: Attention,
-    /// Norm before the MLP.
+    /// Norm before the feed-forward network.
     pub ln_2: Norm,
-    /// Feed-forward network.
-    pub mlp: Mlp,
+    /// Feed-forward network of a dense block (`None` in an MoE block).
+    pub mlp: Option<Mlp>,
+    /// Mixture of experts of an MoE block (`None` in a dense block).
+    pub moe: Option<MoeLayer>,
+    /// Dropout on the MoE layer's output.
+    #[module(skip)]
+    pub moe_drop: Option<SeededDropout>,
     /// Norms through the fused kernels.
     #[module(skip)]
     pub fused: bool,
 }
 
 impl Block {
-    /// Builds the block; parameters are named `ln_1.weight`, `attn.q.weight`, ... under `init`.
+    /// Builds the block on one device; parameters are named `ln_1.weight`, `attn.q.weight`,
+    /// ... under `init`.
     ///
     /// # Errors
-    /// Plan errors.
+    /// Plan errors; an invalid MoE configuration.
     pub fn new(config: &BlockConfig, init: &Init) -> TpResult<Self> {
+        Self::build(config, init, &MoeParallel::default())
+    }
+
+    /// Builds the block with the MoE layer (if any) split over the groups of `experts`: this
+    /// rank builds only its share of the experts (`moe.experts.{j}` holds global expert
+    /// `moe.first_expert + j`).
+    ///
+    /// # Errors
+    /// Plan errors; MoE errors (invalid configuration, experts not divisible by the
+    /// expert-parallel size, ranks that disagree) as [`TpError::Shape`] or collective errors.
+    pub fn build(config: &BlockConfig, init: &Init, experts: &MoeParallel) -> TpResult<Self> {
         let d = config.d_model;
+        let (mlp, moe) = match &config.moe {
+            None => (Some(Mlp::new(config, &init.at("mlp"))?), None),
+            Some(moe) => (
+                None,
+                Some(MoeLayer::build(moe, &init.at("moe"), experts).map_err(moe_error)?),
+            ),
+        };
         Ok(Self {
             ln_1: Norm::new(config.norm, d, config.norm_eps, &init.at("ln_1")),
             attn: Attention::new(config, &init.at("attn"))?,
             ln_2: Norm::new(config.norm, d, config.norm_eps, &init.at("ln_2")),
-            mlp: Mlp::new(config, &init.at("mlp"))?,
+            mlp,
+            moe_drop: moe
+                .as_ref()
+                .and_then(|_| dropout(config.dropout, &init.at("moe"), "drop")),
+            moe,
             fused: config.fused,
         })
     }
@@ -822,7 +939,20 @@ impl Block {
     /// Shape and collective errors of the tensor-parallel layers.
     pub fn forward(&self, x: Tensor<3>, pass: &Pass) -> TpResult<Tensor<3>> {
         let x = x.clone() + self.attn.forward(self.norm(&self.ln_1, x), pass)?;
-        Ok(x.clone() + self.mlp.forward(self.norm(&self.ln_2, x), pass)?)
+        let h = self.norm(&self.ln_2, x.clone());
+        let y = match (&self.mlp, &self.moe) {
+            (Some(mlp), _) => mlp.forward(h, pass)?,
+            (None, Some(moe)) => {
+                residual_dropout(&self.moe_drop, moe.forward(h).map_err(moe_error)?, pass)
+            }
+            (None, None) => {
+                return Err(TpError::Shape {
+                    layer: "block".into(),
+                    reason: "the block has neither an MLP nor an MoE layer".into(),
+                });
+            }
+        };
+        Ok(x + y)
     }
 }
 
@@ -837,10 +967,26 @@ pub fn build_blocks(
     init: &Init,
     fsdp: Option<&FsdpPlan>,
 ) -> ZeroResult<Vec<Fsdp<Block>>> {
+    build_blocks_at(&|_| config.clone(), n, init, fsdp, &MoeParallel::default())
+}
+
+/// [`build_blocks`] with block `i` built from `config(i)` (dense or MoE), the MoE layers split
+/// over the groups of `experts`.
+///
+/// # Errors
+/// As [`build_blocks`]; MoE errors (see [`Block::build`]).
+pub fn build_blocks_at(
+    config: &dyn Fn(usize) -> BlockConfig,
+    n: usize,
+    init: &Init,
+    fsdp: Option<&FsdpPlan>,
+    experts: &MoeParallel,
+) -> ZeroResult<Vec<Fsdp<Block>>> {
     (0..n)
         .map(|i| {
             let init = init.at("blocks").at(i);
-            let build = |init: &Init| Ok::<_, ZeroError>(Block::new(config, init)?);
+            let config = config(i);
+            let build = |init: &Init| Ok::<_, ZeroError>(Block::build(&config, init, experts)?);
             match fsdp {
                 Some(plan) => plan.wrap(&init, build),
                 None => Ok(Fsdp::new(build(&init)?)),
@@ -948,11 +1094,34 @@ impl Gpt {
     /// cannot split the model (heads not divisible by the tensor-parallel size, a rule naming
     /// no layer); collective errors of the FSDP plan.
     pub fn build(config: &GptConfig, init: &Init, fsdp: Option<&FsdpPlan>) -> ZeroResult<Self> {
+        Self::build_with_experts(config, init, fsdp, &MoeParallel::default())
+    }
+
+    /// [`Self::build`] with the MoE layers of a GPT-MoE split over the groups of `experts`
+    /// (expert parallelism: each rank of `experts.ep` builds `n_experts / ep` experts of each
+    /// MoE layer, and the expert parameters are recorded in `experts.experts` for
+    /// [`burn_moe::MoeStep`]).
+    ///
+    /// # Errors
+    /// As [`Self::build`]; MoE errors (experts not divisible by the expert-parallel size, ranks
+    /// that disagree on the settings) as [`ZeroError::Tp`].
+    pub fn build_with_experts(
+        config: &GptConfig,
+        init: &Init,
+        fsdp: Option<&FsdpPlan>,
+        experts: &MoeParallel,
+    ) -> ZeroResult<Self> {
         config
             .validate()
             .map_err(|e| ZeroError::Config(format!("invalid GptConfig: {e}")))?;
         let (d, v) = (config.d_model, config.vocab_size);
-        let blocks = build_blocks(&config.block(), config.n_layers, init, fsdp)?;
+        let blocks = build_blocks_at(
+            &|i| config.block_at(i),
+            config.n_layers,
+            init,
+            fsdp,
+            experts,
+        )?;
         let model = Self {
             wte: init.embedding("wte", v, d, INIT_STD)?,
             wpe: match config.positions {
@@ -1255,10 +1424,90 @@ impl Gpt {
             blocks: gather_blocks(&self.blocks)?,
             ..self.clone()
         };
-        let params: std::collections::HashMap<String, TensorData> =
+        let mut params: std::collections::HashMap<String, TensorData> =
             self.tp.full_params(&whole)?.into_iter().collect();
-        let single = Gpt::new(&self.config, device);
-        Ok(load_params(single, &params))
+        // Experts: local index -> global index, then every expert from the expert-parallel
+        // group.
+        let mut local = Vec::new();
+        let mut ep_group = None;
+        self.for_each_moe(&mut |i, moe| {
+            let prefix = format!("blocks.{i}.moe.experts.");
+            let keys: Vec<String> = params
+                .keys()
+                .filter(|k| k.starts_with(&prefix))
+                .cloned()
+                .collect();
+            for key in keys {
+                let data = params.remove(&key).expect("a listed key");
+                let rest = &key[prefix.len()..];
+                let (j, tail) = rest.split_once('.').unwrap_or((rest, ""));
+                let j: usize = j.parse().expect("an expert index");
+                let path = format!("{prefix}{}.{tail}", j + moe.first_expert);
+                let shape = data.shape().as_slice().to_vec();
+                let values = data
+                    .convert::<f32>()
+                    .try_to_vec::<f32>()
+                    .expect("f32 values");
+                local.push((path, shape, values));
+            }
+            if ep_group.is_none() {
+                ep_group = moe.parallel.ep.clone();
+            }
+        })?;
+        let gathered = match &ep_group {
+            Some(ep) => ep.all_gather_object(&local)?.into_iter().flatten().collect(),
+            None => local,
+        };
+        for (path, shape, values) in gathered {
+            params.insert(path, TensorData::new(values, shape));
+        }
+        let single = load_params(Gpt::new(&self.config, device), &params);
+        // The biases of auxiliary-loss-free balancing take part in routing.
+        let mut biases = Vec::new();
+        self.for_each_moe(&mut |_, moe| biases.push(moe.expert_bias()))?;
+        let mut biases = biases.into_iter();
+        single.for_each_moe(&mut |_, moe| {
+            if let Some(bias) = biases.next() {
+                moe.set_expert_bias(&bias)
+                    .expect("the same configuration, the same number of experts");
+            }
+        })?;
+        Ok(single)
+    }
+
+    /// Calls `f(block index, layer)` for each MoE layer, in block order.
+    ///
+    /// # Errors
+    /// Collective errors (gathering a sharded FSDP unit).
+    pub fn for_each_moe(
+        &self,
+        f: &mut dyn FnMut(usize, &MoeLayer),
+    ) -> Result<(), burn_parallel::CollectiveError> {
+        for (i, block) in self.blocks.iter().enumerate() {
+            if !self.config.is_moe_block(i) {
+                continue;
+            }
+            let unit = block.get()?;
+            if let Some(moe) = &unit.moe {
+                f(i, moe);
+            }
+        }
+        Ok(())
+    }
+
+    /// The routing figures of each MoE layer's last forward call (empty for a dense GPT).
+    pub fn moe_stats(&self) -> Vec<MoeStats> {
+        let mut stats = Vec::new();
+        let _ = self.for_each_moe(&mut |_, moe| stats.extend(moe.last_stats()));
+        stats
+    }
+
+    /// Auxiliary-loss-free balancing: moves every MoE layer's expert biases after an optimizer
+    /// step ([`MoeLayer::update_bias`]); a no-op without bias balancing.
+    pub fn update_moe_bias(&self) {
+        let _ = self.for_each_moe(&mut |_, moe| {
+            moe.update_bias();
+        });
     }
 }
 
@@ -1334,6 +1583,7 @@ pub(crate) mod tests {
     use crate::init::init_normal;
     use burn::module::ModuleVisitor;
     use burn::optim::{AdamWConfig, GradientsParams};
+    use std::ops::Deref;
 
     fn tiny() -> GptConfig {
         GptConfig {
@@ -1634,6 +1884,74 @@ pub(crate) mod tests {
         }
     }
 
+    fn tiny_moe() -> GptConfig {
+        let base = tiny();
+        GptConfig {
+            moe: Some(burn_moe::MoeConfig {
+                capacity: burn_moe::Capacity::Factor {
+                    factor: 1.5,
+                    drop: burn_moe::DropPolicy::Weight,
+                },
+                aux_loss: 0.01,
+                ..burn_moe::MoeConfig::new(base.d_model, 24, 4, 2)
+            }),
+            moe_every: 2,
+            ..base
+        }
+    }
+
+    #[test]
+    fn gpt_moe_blocks_params_and_forward() {
+        let device = Device::flex();
+        let config = tiny_moe();
+        assert!(!config.is_moe_block(0) && config.is_moe_block(1));
+        let model = Gpt::new(&config, &device);
+        let block = |i: usize| model.blocks[i].get().unwrap().deref().clone();
+        assert!(block(0).mlp.is_some() && block(0).moe.is_none());
+        assert!(block(1).mlp.is_none() && block(1).moe.as_ref().unwrap().experts.len() == 4);
+        assert_eq!(model.num_params(), config.num_params());
+        // One MoE block of 4 experts, 2 active: the inactive 2 experts are not counted.
+        let expert = 16 * 24 + 24 * 16;
+        assert_eq!(config.num_params() - config.active_params(), 2 * expert);
+        let logits = model.forward(tokens(2, 5, 0, &device)).unwrap();
+        assert_eq!(logits.dims(), [2, 5, 256]);
+        let stats = model.moe_stats();
+        assert_eq!(stats.len(), 1);
+        assert_eq!(stats[0].tokens, 10);
+        assert_eq!(stats[0].routed.iter().sum::<f64>(), 20.0);
+        // The MoE layer's experts use the blocks' residual init unless told otherwise.
+        let moe = config.block_at(1).moe.unwrap();
+        assert_eq!(moe.residual_std, Some(config.block().residual_std));
+    }
+
+    #[test]
+    fn gpt_moe_config_errors() {
+        let bad_width = GptConfig {
+            moe: Some(burn_moe::MoeConfig::new(8, 24, 4, 2)),
+            ..tiny()
+        };
+        assert!(bad_width.validate().unwrap_err().to_string().contains("moe.d_model"));
+        let bad_k = GptConfig {
+            moe: Some(burn_moe::MoeConfig::new(16, 24, 4, 5)),
+            ..tiny()
+        };
+        assert!(bad_k.validate().unwrap_err().to_string().contains("top_k = 5"));
+        let every_0 = GptConfig {
+            moe_every: 0,
+            ..tiny_moe()
+        };
+        assert!(every_0.validate().is_err());
+    }
+
+    #[test]
+    fn gpt_moe_config_serialises_to_json_and_toml() {
+        let config = tiny_moe();
+        let json = serde_json::to_string(&config).unwrap();
+        assert_eq!(serde_json::from_str::<GptConfig>(&json).unwrap(), config);
+        let text = toml::to_string(&config).unwrap();
+        assert_eq!(toml::from_str::<GptConfig>(&text).unwrap(), config);
+    }
+
     #[test]
     fn config_serde_round_trip_and_defaults() {
         let config = GptConfig {
@@ -1648,6 +1966,7 @@ pub(crate) mod tests {
         assert_eq!(parsed.norm, NormKind::LayerNorm);
         assert!(parsed.bias);
         assert_eq!(parsed.dropout, 0.0);
+        assert_eq!((parsed.moe, parsed.moe_every), (None, 1));
         assert!(
             GptConfig {
                 n_heads: 3,

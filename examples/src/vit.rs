@@ -138,6 +138,7 @@ impl VitConfig {
             causal: false,
             residual_std: INIT_STD / (2.0 * self.n_layers as f64).sqrt(),
             fused: false,
+            moe: None,
         }
     }
 

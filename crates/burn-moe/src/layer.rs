@@ -592,6 +592,23 @@ impl MoeLayer {
         self.state.lock().expect("MoE state").bias.clone()
     }
 
+    /// Sets the expert biases (for example those of a trained expert-parallel layer on its
+    /// single-device copy).
+    ///
+    /// # Errors
+    /// [`MoeError::Shape`] when `bias` does not have one value per expert.
+    pub fn set_expert_bias(&self, bias: &[f32]) -> Result<()> {
+        if bias.len() != self.config.n_experts {
+            return Err(MoeError::Shape(format!(
+                "{} expert biases given for {} experts",
+                bias.len(),
+                self.config.n_experts
+            )));
+        }
+        self.state.lock().expect("MoE state").bias = bias.to_vec();
+        Ok(())
+    }
+
     /// The routing figures of the last forward call.
     pub fn last_stats(&self) -> Option<MoeStats> {
         self.state.lock().expect("MoE state").last.clone()
