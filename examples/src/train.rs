@@ -10,6 +10,7 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData, activation};
+use burn_moe::{MoeError, MoeParallel, MoeStats, MoeStep};
 use burn_parallel::context_parallel::{ContextParallel, CpBalance, CpKind, CpSettings};
 use burn_parallel::init::Init;
 use burn_parallel::tensor_parallel::TpError;
@@ -152,7 +153,7 @@ impl TrainConfig {
 }
 
 /// What one optimizer step did (global figures, the same on every rank).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct StepStats {
     /// Step index, from 0.
     pub step: usize,
@@ -164,6 +165,10 @@ pub struct StepStats {
     pub tokens_per_sec: f64,
     /// Seconds since training started.
     pub elapsed: f64,
+    /// GPT-MoE: the routing figures of each MoE layer on the step's last micro-batch (token
+    /// counts over the data-parallel ranks; the auxiliary losses averaged over them). Empty
+    /// for a dense GPT.
+    pub moe: Vec<MoeStats>,
 }
 
 /// The outcome of a run.
@@ -187,7 +192,8 @@ pub struct TrainReport {
 /// How the world is split for [`train_gpt_parallel`]: tensor parallelism inside groups of `tp`
 /// ranks, context parallelism over groups of `cp` ranks (each sequence split along its length),
 /// and across them data parallelism, ZeRO-1/2, FSDP or HSDP. The mesh is
-/// `[dp_replicate, dp_shard, cp, tp]`.
+/// `[dp_replicate, dp_shard, cp, tp]`. A GPT-MoE splits its experts over groups of `ep`
+/// data-parallel ranks (expert parallelism, carved out of the data-parallel ranks).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Parallelism {
     /// Tensor-parallel size (1: none).
@@ -208,6 +214,44 @@ pub struct Parallelism {
     pub cp_kind: CpKind,
     /// How each sequence is split over the context-parallel ranks.
     pub cp_balance: CpBalance,
+    /// Expert-parallel size (1: every expert on every rank): each group of `ep` data-parallel
+    /// ranks splits the experts of every MoE layer and exchanges tokens by all-to-all.
+    pub ep: usize,
+}
+
+/// A layout that GPT-MoE training does not support (yet).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MoeLayoutError {
+    /// A parallelism that is not composed with the MoE layers.
+    #[error(
+        "{what} is not supported with a GPT-MoE (--moe-experts) yet; use data and expert \
+         parallelism (--ranks N --ep M) without {flag}"
+    )]
+    Unsupported {
+        /// The parallelism (`"tensor parallelism"`, ...).
+        what: &'static str,
+        /// Its flag.
+        flag: &'static str,
+    },
+    /// Expert parallelism for a dense model.
+    #[error("--ep {ep} needs a GPT-MoE: set --moe-experts (or model.moe), or use --ep 1")]
+    EpWithoutExperts {
+        /// The requested expert-parallel size.
+        ep: usize,
+    },
+    /// The expert-parallel size does not fit the experts or the data-parallel ranks.
+    #[error(
+        "--ep {ep} must divide both the {experts} experts and the {dp} data-parallel ranks; \
+         choose an ep that divides both"
+    )]
+    EpDoesNotDivide {
+        /// The requested expert-parallel size.
+        ep: usize,
+        /// Experts per MoE layer.
+        experts: usize,
+        /// Data-parallel ranks.
+        dp: usize,
+    },
 }
 
 impl Default for Parallelism {
@@ -221,6 +265,7 @@ impl Default for Parallelism {
             cp: 1,
             cp_kind: CpKind::Ring,
             cp_balance: CpBalance::HeadTail,
+            ep: 1,
         }
     }
 }
@@ -238,7 +283,7 @@ impl Parallelism {
                 pp: 1,
                 cp,
                 tp,
-                ep: 1,
+                ep: self.ep.max(1),
             },
             Some(_) => ParallelDims {
                 dp_replicate: self.replicate.max(1),
@@ -246,9 +291,49 @@ impl Parallelism {
                 pp: 1,
                 cp,
                 tp,
-                ep: 1,
+                ep: self.ep.max(1),
             },
         }
+    }
+
+    /// Checks the MoE side of the split: a GPT-MoE trains under data and expert parallelism
+    /// only (tensor/sequence, context parallelism, ZeRO and FSDP are refused until composed
+    /// with the MoE layers), and `ep` must divide the experts and the data-parallel ranks; a
+    /// dense GPT needs `ep` 1.
+    ///
+    /// # Errors
+    /// [`MoeLayoutError`] naming the setting to change.
+    pub fn check_moe(&self, model: &GptConfig, world: usize) -> Result<(), MoeLayoutError> {
+        let ep = self.ep.max(1);
+        let Some(moe) = &model.moe else {
+            return match ep {
+                1 => Ok(()),
+                ep => Err(MoeLayoutError::EpWithoutExperts { ep }),
+            };
+        };
+        let refused = [
+            (self.tp > 1, "tensor parallelism", "--tp"),
+            (self.sp, "sequence parallelism", "--sp"),
+            (self.cp > 1, "context parallelism", "--cp"),
+            (
+                self.zero == Some(Stage::Three),
+                "FSDP (ZeRO-3)",
+                "--zero 3",
+            ),
+            (self.zero.is_some(), "ZeRO-1/2", "--zero"),
+        ];
+        if let Some((_, what, flag)) = refused.into_iter().find(|r| r.0) {
+            return Err(MoeLayoutError::Unsupported { what, flag });
+        }
+        let dp = world / (self.tp.max(1) * self.cp.max(1));
+        if !moe.n_experts.is_multiple_of(ep) || !dp.is_multiple_of(ep) {
+            return Err(MoeLayoutError::EpDoesNotDivide {
+                ep,
+                experts: moe.n_experts,
+                dp,
+            });
+        }
+        Ok(())
     }
 
     /// Checks that `world` ranks can run `config` with this split, before any rank builds
@@ -257,6 +342,8 @@ impl Parallelism {
     /// # Errors
     /// A message saying which setting to change.
     pub fn validate(&self, config: &TrainConfig, world: usize) -> Result<(), String> {
+        self.check_moe(&config.model, world)
+            .map_err(|e| e.to_string())?;
         if self.tp == 0 || !world.is_multiple_of(self.tp) {
             return Err(format!(
                 "the world of {world} ranks cannot be split into tensor-parallel groups of {}; \
@@ -374,6 +461,14 @@ fn tp_error(world: &ProcessGroup, e: TpError) -> CollectiveError {
     }
 }
 
+fn moe_error(world: &ProcessGroup, e: MoeError) -> CollectiveError {
+    match e {
+        MoeError::Collective(e) => e,
+        MoeError::Tp(e) => tp_error(world, e),
+        other => invalid(world, "moe", other),
+    }
+}
+
 fn zero_error(world: &ProcessGroup, e: ZeroError) -> CollectiveError {
     match e {
         ZeroError::Collective(e) => e,
@@ -389,6 +484,9 @@ fn zero_error(world: &ProcessGroup, e: ZeroError) -> CollectiveError {
 enum Engine {
     Step {
         step: TrainStep,
+        /// GPT-MoE: the step that reduces expert gradients over the ranks holding the same
+        /// experts (and the rest through `step`).
+        moe: Option<MoeStep>,
         optim: ModuleOptimizer,
         acc: GradientsAccumulator<Gpt>,
     },
@@ -447,7 +545,11 @@ pub fn train_gpt_parallel(
         .with_tp(&tp, Gpt::tp_plan(&config.model, parallel.sp))
         .map_err(|e| tp_error(world, e))?;
     let fsdp = (parallel.zero == Some(Stage::Three)).then(|| Gpt::fsdp_plan(&shard));
-    let model = Gpt::build(&config.model, &init, fsdp.as_ref())
+    let experts = match config.model.moe {
+        Some(_) => MoeParallel::from_mesh(&dims, &mesh).map_err(|e| invalid(world, op, e))?,
+        None => MoeParallel::default(),
+    };
+    let model = Gpt::build_with_experts(&config.model, &init, fsdp.as_ref(), &experts)
         .map_err(|e| zero_error(world, e))?
         .with_dropout_stream(dp.rank() as u64);
     let model = if dims.cp > 1 {
@@ -463,8 +565,15 @@ pub fn train_gpt_parallel(
     } else {
         model
     };
-    // Seeded init gives identical replicas; fail loudly if they are not.
-    burn_parallel::verify_replicas(&model, &replicate).map_err(|e| invalid(world, op, e))?;
+    // Seeded init gives identical replicas; fail loudly if they are not. Under expert
+    // parallelism the replicas are the ranks holding the same experts.
+    let replicas = match experts.ep_size() {
+        1 => replicate.clone(),
+        _ => dims
+            .expert_data_parallel(&mesh)
+            .map_err(|e| invalid(world, op, e))?,
+    };
+    burn_parallel::verify_replicas(&model, &replicas).map_err(|e| invalid(world, op, e))?;
     let adamw = AdamWConfig::new().with_weight_decay(config.weight_decay as f32);
     let mut engine = match parallel.zero {
         Some(stage @ (Stage::One | Stage::Two)) => {
@@ -484,15 +593,24 @@ pub fn train_gpt_parallel(
         _ => {
             let ddp = DistributedDataParallel::new(reduce.clone())
                 .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
-            let mut step = TrainStep::new(model.tp.clone()).with_clip(config.max_grad_norm);
+            // MoeStep clips itself (its norm counts each expert once).
+            let clip = match config.model.moe {
+                Some(_) => None,
+                None => config.max_grad_norm,
+            };
+            let mut step = TrainStep::new(model.tp.clone()).with_clip(clip);
             if reduce.size() > 1 {
                 step = step.with_ddp(ddp);
             }
             if let Some(plan) = &fsdp {
                 step = step.with_fsdp(plan.shards().clone(), Some(replicate.clone()));
             }
+            let moe = config.model.moe.as_ref().map(|_| {
+                MoeStep::new(step.clone(), &experts).with_clip(config.max_grad_norm)
+            });
             Engine::Step {
                 step,
+                moe,
                 optim: adamw.init(),
                 acc: GradientsAccumulator::new(),
             }
@@ -537,12 +655,26 @@ pub fn train_gpt_parallel(
         }
         let lr = config.lr_at(step);
         m = match &mut engine {
-            Engine::Step { step, optim, acc } => {
-                let (grads, _norm) = step.reduce(&m, acc.grads())?;
+            Engine::Step {
+                step,
+                moe,
+                optim,
+                acc,
+            } => {
+                let (grads, _norm) = match moe {
+                    Some(moe) => moe
+                        .reduce(&m, acc.grads())
+                        .map_err(|e| moe_error(world, e))?,
+                    None => step.reduce(&m, acc.grads())?,
+                };
                 optim.step(lr, m, grads)
             }
             Engine::Zero(zero) => zero.step(lr, m).map_err(|e| zero_error(world, e))?.0,
         };
+        // Auxiliary-loss-free balancing: the biases move after each optimizer step, from the
+        // token counts of the step (summed over the data-parallel ranks: the same everywhere).
+        m.update_moe_bias();
+        let moe = moe_figures(&m, &reduce)?;
         model = Some(m);
         let loss = reduce.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
         run.losses.push(loss);
@@ -556,6 +688,7 @@ pub fn train_gpt_parallel(
             lr,
             tokens_per_sec: tokens_per_step / seconds,
             elapsed: start.elapsed().as_secs_f64(),
+            moe,
         });
     }
 
@@ -582,6 +715,26 @@ pub fn train_gpt_parallel(
         String::new()
     };
     Ok(run.report(config, val_loss, sample, named_params(&full)))
+}
+
+/// The MoE layers' routing figures of the last forward call, with the auxiliary losses
+/// averaged over `average` (each rank's value is that of its tokens against the global token
+/// shares; their mean is the global loss). Empty for a dense GPT.
+fn moe_figures(model: &Gpt, average: &ProcessGroup) -> burn_parallel::Result<Vec<MoeStats>> {
+    let mut stats = model.moe_stats();
+    if stats.is_empty() || average.size() == 1 {
+        return Ok(stats);
+    }
+    let losses: Vec<f32> = stats
+        .iter()
+        .flat_map(|s| [s.aux_loss as f32, s.z_loss as f32])
+        .collect();
+    let losses = average.all_reduce_f32(losses, ReduceOp::Avg)?;
+    for (s, l) in stats.iter_mut().zip(losses.chunks(2)) {
+        s.aux_loss = f64::from(l[0]);
+        s.z_loss = f64::from(l[1]);
+    }
+    Ok(stats)
 }
 
 /// What the training loop measured.

@@ -11,6 +11,8 @@
 //! gpt --ranks 4 --zero 3 --tp 2 --sp --clip 1.0                      # FSDP 2 x tp 2, clipped
 //! burnrun --nproc-per-node 2 -- target/release/gpt --backend tcp --tp 2
 //! gpt --ranks 4 --cp 2 --cp-kind ring --cp-balance headtail       # dp 2 x cp 2, ring attention
+//! gpt --ranks 4 --moe-experts 8 --top-k 2 --ep 2 --dropless        # GPT-MoE, dp 4 with ep 2
+//! gpt --moe-experts 8 --moe-every 2 --capacity-factor 1.25 --aux-loss 0.01 --z-loss 0.001
 //! ```
 
 use std::path::PathBuf;
@@ -20,9 +22,11 @@ use burn_parallel::{CollectiveError, DeviceMesh, ProcessGroup, run_local};
 use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroError};
 use clap::{Parser, ValueEnum};
 use examples::data::Corpus;
+use burn_moe::{Capacity, DropPolicy, ExpertKind, MoeConfig};
 use examples::gpt::{MlpKind, PositionKind};
 use examples::train::{
-    Parallelism, StepStats, TrainConfig, TrainDevice, TrainReport, train_gpt_parallel,
+    MoeLayoutError, Parallelism, StepStats, TrainConfig, TrainDevice, TrainReport,
+    train_gpt_parallel,
 };
 use examples::train_zero::{ZeroReport, ZeroRunOptions, memory_line, train_gpt_zero};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -151,6 +155,45 @@ struct Args {
     /// --microbatches M [--virtual-stages V] [--balance-params].
     #[command(flatten)]
     pipeline: examples::pipeline::PipelineArgs,
+    /// Hidden width of the dense MLP (default 4 x d_model).
+    #[arg(long)]
+    d_ff: Option<usize>,
+    /// GPT-MoE: the MLP of every --moe-every-th block becomes a mixture of this many experts.
+    #[arg(long)]
+    moe_experts: Option<usize>,
+    /// GPT-MoE: experts per token.
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// GPT-MoE: blocks N-1, 2N-1, ... are MoE blocks (1: every block).
+    #[arg(long)]
+    moe_every: Option<usize>,
+    /// GPT-MoE: hidden width of each expert (default: the dense MLP's d_ff).
+    #[arg(long)]
+    expert_d_ff: Option<usize>,
+    /// GPT-MoE: expert-parallel size, carved out of the data-parallel ranks (must divide the
+    /// experts and the data-parallel ranks).
+    #[arg(long, default_value_t = 1)]
+    ep: usize,
+    /// GPT-MoE: capacity mode, each expert takes at most ceil(tokens x top_k / experts x C)
+    /// tokens of each rank's batch; the others are dropped (pass on the residual).
+    #[arg(long, conflicts_with = "dropless")]
+    capacity_factor: Option<f64>,
+    /// GPT-MoE: dropless mode (the default): no token is dropped.
+    #[arg(long)]
+    dropless: bool,
+    /// GPT-MoE: coefficient of the Switch load-balancing loss.
+    #[arg(long)]
+    aux_loss: Option<f64>,
+    /// GPT-MoE: coefficient of the router z-loss.
+    #[arg(long)]
+    z_loss: Option<f64>,
+    /// GPT-MoE: auxiliary-loss-free balancing (DeepSeek-V3): expert biases move by
+    /// --bias-rate after each step.
+    #[arg(long)]
+    bias_balancing: bool,
+    /// Step of the expert biases of --bias-balancing.
+    #[arg(long, default_value_t = 1e-3)]
+    bias_rate: f64,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -198,6 +241,7 @@ fn config_from(args: &Args) -> Result<TrainConfig, String> {
         c.model.d_model = d;
         c.model.d_ff = 4 * d;
     }
+    set!(c.model.d_ff, args.d_ff);
     if let Some(m) = args.mlp {
         c.model.mlp = match m {
             Mlp::Gelu => MlpKind::Gelu,
@@ -216,8 +260,98 @@ fn config_from(args: &Args) -> Result<TrainConfig, String> {
     if args.fused {
         c.model.fused = true;
     }
+    moe_from(args, &mut c)?;
     c.model.max_seq_len = c.model.max_seq_len.max(c.seq_len);
     Ok(c)
+}
+
+/// The GPT-MoE flags: `--moe-experts` makes (or replaces) `model.moe`, the others change it.
+fn moe_from(args: &Args, c: &mut TrainConfig) -> Result<(), String> {
+    if let Some(experts) = args.moe_experts {
+        let mut moe = MoeConfig::new(
+            c.model.d_model,
+            args.expert_d_ff.unwrap_or(c.model.d_ff),
+            experts,
+            args.top_k.unwrap_or(2),
+        );
+        moe.bias = c.model.bias;
+        moe.expert = match c.model.mlp {
+            MlpKind::Gelu => ExpertKind::Gelu,
+            MlpKind::SwiGlu => ExpertKind::SwiGlu,
+        };
+        c.model.moe = Some(moe);
+    }
+    let Some(moe) = &mut c.model.moe else {
+        let given = args.top_k.is_some()
+            || args.moe_every.is_some()
+            || args.expert_d_ff.is_some()
+            || args.capacity_factor.is_some()
+            || args.dropless
+            || args.aux_loss.is_some()
+            || args.z_loss.is_some()
+            || args.bias_balancing;
+        return match given {
+            true => Err("the MoE flags (--top-k, --capacity-factor, ...) need --moe-experts \
+                         (or a model.moe section in --config)"
+                .into()),
+            false => Ok(()),
+        };
+    };
+    if args.d_model.is_some() {
+        moe.d_model = c.model.d_model;
+    }
+    if let Some(k) = args.top_k {
+        moe.top_k = k;
+    }
+    if let Some(f) = args.expert_d_ff {
+        moe.d_ff = f;
+    }
+    if let Some(every) = args.moe_every {
+        c.model.moe_every = every;
+    }
+    if let Some(factor) = args.capacity_factor {
+        moe.capacity = Capacity::Factor {
+            factor,
+            drop: DropPolicy::Position,
+        };
+    }
+    if args.dropless {
+        moe.capacity = Capacity::Dropless;
+    }
+    if let Some(a) = args.aux_loss {
+        moe.aux_loss = a;
+    }
+    if let Some(z) = args.z_loss {
+        moe.z_loss = z;
+    }
+    if args.bias_balancing {
+        moe.bias_update_rate = args.bias_rate;
+    }
+    Ok(())
+}
+
+/// One line per MoE layer: tokens per expert, drop rate, imbalance, auxiliary losses.
+fn moe_lines(s: &StepStats) -> Vec<String> {
+    s.moe
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let counts: Vec<String> = m
+                .tokens_per_expert()
+                .iter()
+                .map(|c| format!("{c:.0}"))
+                .collect();
+            format!(
+                "        moe {i}: tokens/expert [{}]  drop {:.2}%  imbalance {:.2}  aux {:.4}  \
+                 z {:.3}",
+                counts.join(" "),
+                100.0 * m.drop_rate(),
+                m.imbalance(),
+                m.aux_loss,
+                m.z_loss
+            )
+        })
+        .collect()
 }
 
 /// Runs one rank; only group rank 0 prints.
@@ -250,10 +384,12 @@ fn run_rank(
                 s.step, s.loss, s.lr, s.tokens_per_sec, s.elapsed
             );
             // A bar drawn nowhere (output not a terminal) would swallow the line.
-            if bar.is_hidden() {
-                println!("{line}");
-            } else {
-                bar.println(line);
+            for line in std::iter::once(line).chain(moe_lines(s)) {
+                if bar.is_hidden() {
+                    println!("{line}");
+                } else {
+                    bar.println(line);
+                }
             }
         }
     };
@@ -278,6 +414,22 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if config.model.moe.is_some() && args.zero.is_some() {
+        let refused = MoeLayoutError::Unsupported {
+            what: "ZeRO/FSDP",
+            flag: "--zero",
+        };
+        eprintln!("error: {refused}");
+        return ExitCode::from(2);
+    }
+    if config.model.moe.is_some() && args.pipeline.pp > 1 {
+        let refused = MoeLayoutError::Unsupported {
+            what: "pipeline parallelism",
+            flag: "--pp",
+        };
+        eprintln!("error: {refused}");
+        return ExitCode::from(2);
+    }
     if args.pipeline.pp > 1 {
         return run_pipeline(&args, &config, &corpus);
     }
@@ -309,6 +461,7 @@ fn main() -> ExitCode {
         cp: args.cp,
         cp_kind: args.cp_kind,
         cp_balance: args.cp_balance,
+        ep: args.ep,
     };
     let outcome = match args.backend {
         Backend::Local => {
@@ -398,6 +551,26 @@ fn print_header(
         config.seq_len,
         config.steps
     );
+    if let Some(moe) = &m.moe {
+        let capacity = match moe.capacity {
+            Capacity::Dropless => "dropless".to_string(),
+            Capacity::Factor { factor, drop } => format!("capacity factor {factor} ({drop:?})"),
+        };
+        println!(
+            "MoE: {} of {} blocks, {} experts of width {}, top-{}, ep {}, {capacity}, aux loss \
+             {}, z-loss {}, bias balancing {}; {:.2}M active params per token",
+            m.n_moe_blocks(),
+            m.n_layers,
+            moe.n_experts,
+            moe.d_ff,
+            moe.top_k,
+            parallel.ep,
+            moe.aux_loss,
+            moe.z_loss,
+            moe.bias_update_rate,
+            m.active_params() as f64 / 1e6
+        );
+    }
     println!(
         "corpus: King James Bible, {} training bytes, unigram entropy {:.3} nats/byte",
         corpus.split(examples::data::Split::Train).len(),
