@@ -1067,13 +1067,20 @@ impl Gpt {
         } else {
             "{wte,lm_head}"
         };
-        TpPlan::new()
+        let plan = TpPlan::new()
             .vocab(head)
             .colwise("blocks.*.attn.{q,k,v}")
-            .rowwise("blocks.*.attn.o")
-            .colwise("blocks.*.mlp.{up,gate}")
-            .rowwise("blocks.*.mlp.down")
-            .sequence_norm("{blocks.*.ln_1,blocks.*.ln_2,ln_f}")
+            .rowwise("blocks.*.attn.o");
+        // A GPT-MoE whose every block is an MoE block has no MLP (and a plan's rule must match
+        // a layer).
+        let dense = (0..config.n_layers).any(|i| !config.is_moe_block(i));
+        let plan = match dense {
+            true => plan
+                .colwise("blocks.*.mlp.{up,gate}")
+                .rowwise("blocks.*.mlp.down"),
+            false => plan,
+        };
+        plan.sequence_norm("{blocks.*.ln_1,blocks.*.ln_2,ln_f}")
             .with_sequence_parallel(sequence_parallel)
     }
 

@@ -1,0 +1,306 @@
+//! GPT-MoE (the bundled GPT with mixture-of-experts blocks) under data and expert parallelism
+//! reproduces single-device training: 20 steps of dropless GPT-MoE at ep 2, ep 2 x dp 2 and
+//! dp 2 (thread ranks) give the losses of the independent plain-Burn [`tests::reference_run`]
+//! over `Gpt::new` (relative difference <= 1e-5) and, with the experts gathered from the
+//! expert-parallel ranks, its final parameters. Capacity mode at ep 2 matches a single-device
+//! run with one capacity group per rank; bias balancing gives the same run at every layout; one
+//! run goes over 2 TCP processes through `burnrun` (the MoE configuration travels in the TOML
+//! file). Layouts not composed with the MoE layers are typed errors.
+
+use burn::tensor::Device;
+use burn_moe::{Capacity, DropPolicy, MoeConfig, MoeParallel, ScoreFn};
+use burn_parallel::init::Init;
+use burn_parallel::{CollectiveError, ParallelDims, run_local};
+use burn_zero::Stage;
+use examples::data::Corpus;
+use examples::gpt::{Gpt, GptConfig};
+use examples::train::{
+    MoeLayoutError, Parallelism, StepStats, TrainConfig, TrainReport, train_gpt_parallel,
+};
+use tests::{
+    Reference, assert_matches_reference, gpt_through_burnrun, reference_run, tiny_gpt_run,
+};
+
+const STEPS: usize = 20;
+const TOL: f64 = 1e-5;
+
+/// The tiny GPT (2 layers, width 32, batch 8 x 16) with both MLPs replaced by 4 dropless GELU
+/// experts, top-2, with the load-balancing loss and the z-loss on.
+fn moe_run() -> TrainConfig {
+    let mut c = tiny_gpt_run(STEPS);
+    c.model.moe = Some(MoeConfig {
+        aux_loss: 0.01,
+        z_loss: 0.001,
+        bias: true,
+        ..MoeConfig::new(c.model.d_model, 48, 4, 2)
+    });
+    c
+}
+
+fn ep(ep: usize) -> Parallelism {
+    Parallelism {
+        ep,
+        ..Parallelism::default()
+    }
+}
+
+/// The run on `world` thread ranks split by `p`; rank 0's report and every rank's step figures
+/// (every rank must report the same losses and, gathered whole, the same parameters).
+fn parallel(world: usize, p: &Parallelism, config: &TrainConfig) -> (TrainReport, Vec<StepStats>) {
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let runs = run_local(world, |g| {
+        let mut steps = Vec::new();
+        let report = train_gpt_parallel(&g, config, p, &corpus, &mut |s| steps.push(s.clone()))?;
+        Ok((report, steps))
+    })
+    .unwrap_or_else(|e| panic!("{p:?} on {world} ranks: {e}"));
+    for (r, _) in &runs[1..] {
+        assert_eq!(r.losses, runs[0].0.losses, "every rank reports the same losses");
+        assert_eq!(
+            r.final_params, runs[0].0.final_params,
+            "every rank gathers the same parameters"
+        );
+    }
+    runs.into_iter().next().expect("rank 0")
+}
+
+fn check(reference: &Reference, world: usize, p: Parallelism, config: &TrainConfig, what: &str) {
+    let (report, steps) = parallel(world, &p, config);
+    assert_matches_reference(reference, &report.losses, &report.final_params, TOL, what);
+    // The trainer reports each MoE layer's routing: every token of the global batch, top-2.
+    let tokens = (config.batch_size * config.seq_len) as f64;
+    for s in &steps {
+        assert_eq!(s.moe.len(), 2, "{what}: one figure per MoE block");
+        for m in &s.moe {
+            assert_eq!(m.tokens_per_expert().iter().sum::<f64>(), 2.0 * tokens);
+            assert_eq!(m.drop_rate(), 0.0, "{what}: dropless");
+            assert!(m.imbalance() >= 1.0 && m.aux_loss > 0.0 && m.z_loss > 0.0);
+        }
+    }
+}
+
+/// The parameters of a GPT-MoE name every expert once, by its global index.
+fn assert_all_experts(report: &TrainReport, config: &TrainConfig) {
+    let experts = config.model.moe.as_ref().expect("a GPT-MoE").n_experts;
+    for block in 0..config.model.n_layers {
+        for e in 0..experts {
+            let path = format!("blocks.{block}.moe.experts.{e}.up.weight");
+            assert!(
+                report.final_params.iter().any(|p| p.path == path),
+                "{path} missing from the gathered parameters"
+            );
+        }
+    }
+}
+
+#[test]
+fn dropless_gpt_moe_ep2_matches_single_device() {
+    let config = moe_run();
+    let reference = reference_run(&config);
+    let mean = |l: &[f64]| l.iter().sum::<f64>() / l.len() as f64;
+    assert!(
+        mean(&reference.losses[STEPS - 5..]) < mean(&reference.losses[..5]) - 0.1,
+        "the reference learns: {:?}",
+        reference.losses
+    );
+    check(&reference, 2, ep(2), &config, "GPT-MoE ep 2");
+    let (report, _) = parallel(2, &ep(2), &config);
+    assert_all_experts(&report, &config);
+}
+
+#[test]
+fn dropless_gpt_moe_ep2_x_dp2_and_dp2_match_single_device() {
+    // Every second block only, SwiGLU experts without biases.
+    let mut config = moe_run();
+    config.model.moe_every = 2;
+    config.model.mlp = examples::gpt::MlpKind::SwiGlu;
+    if let Some(moe) = &mut config.model.moe {
+        moe.expert = burn_moe::ExpertKind::SwiGlu;
+        moe.bias = false;
+    }
+    let reference = reference_run(&config);
+    let check_one = |world, p: Parallelism, what: &str| {
+        let (report, steps) = parallel(world, &p, &config);
+        assert_matches_reference(&reference, &report.losses, &report.final_params, TOL, what);
+        assert!(steps.iter().all(|s| s.moe.len() == 1), "{what}: one MoE block");
+        report
+    };
+    let report = check_one(4, ep(2), "GPT-MoE ep 2 x dp 2");
+    assert!(report.final_params.iter().any(|p| p.path == "blocks.0.mlp.up.weight"));
+    assert!(report.final_params.iter().any(|p| p.path == "blocks.1.moe.router"));
+    check_one(2, ep(1), "GPT-MoE dp 2, ep 1");
+}
+
+/// Capacity mode: each rank's tokens are one capacity group; the single-device run cuts the
+/// global batch into as many contiguous groups and drops the same tokens.
+#[test]
+fn capacity_gpt_moe_ep2_matches_single_device_with_per_rank_groups() {
+    let mut config = moe_run();
+    if let Some(moe) = &mut config.model.moe {
+        moe.capacity = Capacity::Factor {
+            factor: 1.0,
+            drop: DropPolicy::Position,
+        };
+    }
+    let mut grouped = config.clone();
+    if let Some(moe) = &mut grouped.model.moe {
+        moe.capacity_groups = 2;
+    }
+    let reference = reference_run(&grouped);
+    let (report, steps) = parallel(2, &ep(2), &config);
+    assert_matches_reference(
+        &reference,
+        &report.losses,
+        &report.final_params,
+        TOL,
+        "GPT-MoE capacity 1.0 at ep 2",
+    );
+    assert!(
+        steps.iter().any(|s| s.moe.iter().any(|m| m.drop_rate() > 0.0)),
+        "capacity 1.0 drops tokens"
+    );
+}
+
+/// Auxiliary-loss-free balancing: the biases move after every step from counts summed over the
+/// data-parallel ranks, so ep 2 x dp 2 routes (and trains) exactly as one rank does.
+#[test]
+fn bias_balancing_gpt_moe_is_the_same_run_at_every_layout() {
+    let mut config = moe_run();
+    if let Some(moe) = &mut config.model.moe {
+        moe.score = ScoreFn::Sigmoid;
+        moe.bias_update_rate = 0.05;
+        moe.aux_loss = 0.0;
+    }
+    let (single, _) = parallel(1, &ep(1), &config);
+    let reference = Reference::of_run(single.clone());
+    let (report, _) = parallel(4, &ep(2), &config);
+    assert_matches_reference(
+        &reference,
+        &report.losses,
+        &report.final_params,
+        TOL,
+        "GPT-MoE bias balancing, ep 2 x dp 2",
+    );
+    // The biases changed the routing: without them the run differs.
+    let mut no_bias = config.clone();
+    if let Some(moe) = &mut no_bias.model.moe {
+        moe.bias_update_rate = 0.0;
+    }
+    let (plain, _) = parallel(1, &ep(1), &no_bias);
+    assert_ne!(plain.losses, single.losses, "bias balancing changed nothing");
+}
+
+#[test]
+fn gpt_moe_ep2_over_two_tcp_processes_through_burnrun() {
+    let config = moe_run();
+    let reference = reference_run(&config);
+    let run = gpt_through_burnrun(2, &config, &["--ep", "2", "--log-every", "5"]);
+    assert_matches_reference(
+        &reference,
+        &run.losses,
+        &run.params,
+        TOL,
+        "GPT-MoE ep 2 through burnrun",
+    );
+    for figure in ["MoE: 2 of 2 blocks", "tokens/expert", "imbalance", "aux"] {
+        assert!(run.stdout.contains(figure), "{figure} in:\n{}", run.stdout);
+    }
+}
+
+#[test]
+fn layouts_not_composed_with_moe_are_typed_errors() {
+    let config = moe_run();
+    let cases = [
+        (
+            Parallelism {
+                tp: 2,
+                ..ep(1)
+            },
+            "--tp",
+        ),
+        (
+            Parallelism {
+                cp: 2,
+                ..ep(1)
+            },
+            "--cp",
+        ),
+        (
+            Parallelism {
+                zero: Some(Stage::Three),
+                ..ep(1)
+            },
+            "--zero 3",
+        ),
+        (
+            Parallelism {
+                zero: Some(Stage::One),
+                ..ep(2)
+            },
+            "--zero",
+        ),
+    ];
+    for (p, flag) in cases {
+        assert!(
+            matches!(
+                p.check_moe(&config.model, 4),
+                Err(MoeLayoutError::Unsupported { flag: f, .. }) if f == flag
+            ),
+            "{p:?}"
+        );
+        // The trainer refuses before any communication, on every rank.
+        let corpus = Corpus::load_default().expect("the bundled corpus");
+        let err = run_local(4, |g| {
+            train_gpt_parallel(&g, &config, &p, &corpus, &mut |_| {})
+        })
+        .unwrap_err();
+        assert!(
+            matches!(&err, CollectiveError::InvalidArgument { reason, .. }
+                if reason.contains("not supported with a GPT-MoE")),
+            "{err}"
+        );
+    }
+    assert_eq!(
+        ep(3).check_moe(&config.model, 3),
+        Err(MoeLayoutError::EpDoesNotDivide {
+            ep: 3,
+            experts: 4,
+            dp: 3
+        })
+    );
+    assert_eq!(
+        ep(2).check_moe(&tiny_gpt_run(1).model, 2),
+        Err(MoeLayoutError::EpWithoutExperts { ep: 2 })
+    );
+    assert_eq!(ep(2).check_moe(&config.model, 4), Ok(()));
+}
+
+/// Experts that do not split over the expert-parallel ranks, and ranks built from different
+/// MoE settings, fail the build with the MoE layer's message.
+#[test]
+fn gpt_moe_build_errors_name_the_problem() {
+    let model = |experts: usize, k: usize| GptConfig {
+        moe: Some(MoeConfig::new(32, 48, experts, k)),
+        ..tiny_gpt_run(1).model
+    };
+    let errors = run_local(2, |world| {
+        let dims = ParallelDims {
+            dp_replicate: 2,
+            ep: 2,
+            ..ParallelDims::default()
+        };
+        let mesh = dims.build(&world).unwrap();
+        let experts = MoeParallel::from_mesh(&dims, &mesh).unwrap();
+        let init = Init::new(7, &Device::flex());
+        let odd = Gpt::build_with_experts(&model(3, 1), &init, None, &experts).unwrap_err();
+        // Rank 1 asks for top-1, rank 0 for top-2.
+        let k = 2 - world.rank();
+        let mismatch = Gpt::build_with_experts(&model(4, k), &init, None, &experts).unwrap_err();
+        Ok((odd.to_string(), mismatch.to_string()))
+    })
+    .unwrap();
+    for (odd, mismatch) in errors {
+        assert!(odd.contains("3 experts cannot be split over 2"), "{odd}");
+        assert!(mismatch.contains("settings differ"), "{mismatch}");
+    }
+}
