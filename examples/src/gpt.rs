@@ -1421,8 +1421,10 @@ impl Gpt {
         self.head_loss(logits, targets)
     }
 
-    /// The same model with every FSDP unit gathered whole and every tensor-parallel shard
-    /// gathered, as a single-device GPT on `device` (a collective over the layout's groups).
+    /// The same model with every FSDP unit gathered whole, every tensor-parallel shard
+    /// gathered and, in a GPT-MoE, every expert gathered from the expert-parallel ranks (with
+    /// the expert biases of bias balancing), as a single-device GPT on `device` (a collective
+    /// over the layout's groups).
     ///
     /// # Errors
     /// Collective errors.
@@ -1462,7 +1464,11 @@ impl Gpt {
             }
         })?;
         let gathered = match &ep_group {
-            Some(ep) => ep.all_gather_object(&local)?.into_iter().flatten().collect(),
+            Some(ep) => ep
+                .all_gather_object(&local)?
+                .into_iter()
+                .flatten()
+                .collect(),
             None => local,
         };
         for (path, shape, values) in gathered {
@@ -1937,12 +1943,24 @@ pub(crate) mod tests {
             moe: Some(burn_moe::MoeConfig::new(8, 24, 4, 2)),
             ..tiny()
         };
-        assert!(bad_width.validate().unwrap_err().to_string().contains("moe.d_model"));
+        assert!(
+            bad_width
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("moe.d_model")
+        );
         let bad_k = GptConfig {
             moe: Some(burn_moe::MoeConfig::new(16, 24, 4, 5)),
             ..tiny()
         };
-        assert!(bad_k.validate().unwrap_err().to_string().contains("top_k = 5"));
+        assert!(
+            bad_k
+                .validate()
+                .unwrap_err()
+                .to_string()
+                .contains("top_k = 5")
+        );
         let every_0 = GptConfig {
             moe_every: 0,
             ..tiny_moe()

@@ -315,11 +315,7 @@ impl Parallelism {
             (self.tp > 1, "tensor parallelism", "--tp"),
             (self.sp, "sequence parallelism", "--sp"),
             (self.cp > 1, "context parallelism", "--cp"),
-            (
-                self.zero == Some(Stage::Three),
-                "FSDP (ZeRO-3)",
-                "--zero 3",
-            ),
+            (self.zero == Some(Stage::Three), "FSDP (ZeRO-3)", "--zero 3"),
             (self.zero.is_some(), "ZeRO-1/2", "--zero"),
         ];
         if let Some((_, what, flag)) = refused.into_iter().find(|r| r.0) {
@@ -605,9 +601,11 @@ pub fn train_gpt_parallel(
             if let Some(plan) = &fsdp {
                 step = step.with_fsdp(plan.shards().clone(), Some(replicate.clone()));
             }
-            let moe = config.model.moe.as_ref().map(|_| {
-                MoeStep::new(step.clone(), &experts).with_clip(config.max_grad_norm)
-            });
+            let moe = config
+                .model
+                .moe
+                .as_ref()
+                .map(|_| MoeStep::new(step.clone(), &experts).with_clip(config.max_grad_norm));
             Engine::Step {
                 step,
                 moe,

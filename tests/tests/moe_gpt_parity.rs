@@ -55,7 +55,10 @@ fn parallel(world: usize, p: &Parallelism, config: &TrainConfig) -> (TrainReport
     })
     .unwrap_or_else(|e| panic!("{p:?} on {world} ranks: {e}"));
     for (r, _) in &runs[1..] {
-        assert_eq!(r.losses, runs[0].0.losses, "every rank reports the same losses");
+        assert_eq!(
+            r.losses, runs[0].0.losses,
+            "every rank reports the same losses"
+        );
         assert_eq!(
             r.final_params, runs[0].0.final_params,
             "every rank gathers the same parameters"
@@ -122,12 +125,25 @@ fn dropless_gpt_moe_ep2_x_dp2_and_dp2_match_single_device() {
     let check_one = |world, p: Parallelism, what: &str| {
         let (report, steps) = parallel(world, &p, &config);
         assert_matches_reference(&reference, &report.losses, &report.final_params, TOL, what);
-        assert!(steps.iter().all(|s| s.moe.len() == 1), "{what}: one MoE block");
+        assert!(
+            steps.iter().all(|s| s.moe.len() == 1),
+            "{what}: one MoE block"
+        );
         report
     };
     let report = check_one(4, ep(2), "GPT-MoE ep 2 x dp 2");
-    assert!(report.final_params.iter().any(|p| p.path == "blocks.0.mlp.up.weight"));
-    assert!(report.final_params.iter().any(|p| p.path == "blocks.1.moe.router"));
+    assert!(
+        report
+            .final_params
+            .iter()
+            .any(|p| p.path == "blocks.0.mlp.up.weight")
+    );
+    assert!(
+        report
+            .final_params
+            .iter()
+            .any(|p| p.path == "blocks.1.moe.router")
+    );
     check_one(2, ep(1), "GPT-MoE dp 2, ep 1");
 }
 
@@ -156,7 +172,9 @@ fn capacity_gpt_moe_ep2_matches_single_device_with_per_rank_groups() {
         "GPT-MoE capacity 1.0 at ep 2",
     );
     assert!(
-        steps.iter().any(|s| s.moe.iter().any(|m| m.drop_rate() > 0.0)),
+        steps
+            .iter()
+            .any(|s| s.moe.iter().any(|m| m.drop_rate() > 0.0)),
         "capacity 1.0 drops tokens"
     );
 }
@@ -187,7 +205,10 @@ fn bias_balancing_gpt_moe_is_the_same_run_at_every_layout() {
         moe.bias_update_rate = 0.0;
     }
     let (plain, _) = parallel(1, &ep(1), &no_bias);
-    assert_ne!(plain.losses, single.losses, "bias balancing changed nothing");
+    assert_ne!(
+        plain.losses, single.losses,
+        "bias balancing changed nothing"
+    );
 }
 
 #[test]
@@ -211,20 +232,8 @@ fn gpt_moe_ep2_over_two_tcp_processes_through_burnrun() {
 fn layouts_not_composed_with_moe_are_typed_errors() {
     let config = moe_run();
     let cases = [
-        (
-            Parallelism {
-                tp: 2,
-                ..ep(1)
-            },
-            "--tp",
-        ),
-        (
-            Parallelism {
-                cp: 2,
-                ..ep(1)
-            },
-            "--cp",
-        ),
+        (Parallelism { tp: 2, ..ep(1) }, "--tp"),
+        (Parallelism { cp: 2, ..ep(1) }, "--cp"),
         (
             Parallelism {
                 zero: Some(Stage::Three),

@@ -18,11 +18,11 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use burn_moe::{Capacity, DropPolicy, ExpertKind, MoeConfig};
 use burn_parallel::{CollectiveError, DeviceMesh, ProcessGroup, run_local};
 use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroError};
 use clap::{Parser, ValueEnum};
 use examples::data::Corpus;
-use burn_moe::{Capacity, DropPolicy, ExpertKind, MoeConfig};
 use examples::gpt::{MlpKind, PositionKind};
 use examples::train::{
     MoeLayoutError, Parallelism, StepStats, TrainConfig, TrainDevice, TrainReport,
@@ -291,9 +291,11 @@ fn moe_from(args: &Args, c: &mut TrainConfig) -> Result<(), String> {
             || args.z_loss.is_some()
             || args.bias_balancing;
         return match given {
-            true => Err("the MoE flags (--top-k, --capacity-factor, ...) need --moe-experts \
+            true => Err(
+                "the MoE flags (--top-k, --capacity-factor, ...) need --moe-experts \
                          (or a model.moe section in --config)"
-                .into()),
+                    .into(),
+            ),
             false => Ok(()),
         };
     };
