@@ -1112,6 +1112,33 @@ impl Gpt {
     /// # Errors
     /// As [`Self::build`]; MoE errors (experts not divisible by the expert-parallel size, ranks
     /// that disagree on the settings) as [`ZeroError::Tp`].
+    ///
+    /// # Example
+    /// ```
+    /// use burn::tensor::Device;
+    /// use burn_moe::{MoeConfig, MoeParallel};
+    /// use burn_parallel::init::Init;
+    /// use burn_parallel::{ParallelDims, run_local};
+    /// use examples::gpt::{Gpt, GptConfig};
+    ///
+    /// let base = GptConfig { d_ff: 32, ..GptConfig::new(256, 2, 2, 8, 16) };
+    /// let config = GptConfig { moe: Some(MoeConfig::new(8, 16, 4, 2)), ..base };
+    /// run_local(2, |world| {
+    ///     let dims = ParallelDims { dp_replicate: 2, ep: 2, ..ParallelDims::default() };
+    ///     let mesh = dims.build(&world).unwrap();
+    ///     let experts = MoeParallel::from_mesh(&dims, &mesh).unwrap();
+    ///     let init = Init::new(config.seed, &Device::flex());
+    ///     let model = Gpt::build_with_experts(&config, &init, None, &experts).unwrap();
+    ///     let mut held = 0;
+    ///     model.for_each_moe(&mut |_, moe| held += moe.experts.len()).unwrap();
+    ///     assert_eq!(held, 2 * 2); // 2 of the 4 experts of each of the 2 MoE blocks
+    ///     // Gathered whole: every expert, the single-device parameter count.
+    ///     let whole = model.to_single(&Device::flex()).unwrap();
+    ///     assert_eq!(whole.num_params(), config.num_params());
+    ///     Ok(())
+    /// })
+    /// .unwrap();
+    /// ```
     pub fn build_with_experts(
         config: &GptConfig,
         init: &Init,

@@ -303,6 +303,18 @@ impl Parallelism {
     ///
     /// # Errors
     /// [`MoeLayoutError`] naming the setting to change.
+    ///
+    /// # Example
+    /// ```
+    /// use burn_moe::MoeConfig;
+    /// use examples::gpt::GptConfig;
+    /// use examples::train::{MoeLayoutError, Parallelism};
+    ///
+    /// let model = GptConfig { moe: Some(MoeConfig::new(128, 512, 8, 2)), ..GptConfig::default() };
+    /// assert!(Parallelism { ep: 2, ..Parallelism::default() }.check_moe(&model, 4).is_ok());
+    /// let tp = Parallelism { tp: 2, ..Parallelism::default() };
+    /// assert!(matches!(tp.check_moe(&model, 4), Err(MoeLayoutError::Unsupported { .. })));
+    /// ```
     pub fn check_moe(&self, model: &GptConfig, world: usize) -> Result<(), MoeLayoutError> {
         let ep = self.ep.max(1);
         let Some(moe) = &model.moe else {
