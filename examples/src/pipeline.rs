@@ -272,6 +272,13 @@ impl GptStage {
                 "tied embeddings are not supported across pipeline stages yet".into(),
             ));
         }
+        if config.moe.is_some() {
+            return Err(GptPipelineError::Config(
+                "a GPT-MoE (model.moe, --moe-experts) is not supported with pipeline \
+                 parallelism yet; use data and expert parallelism (--ep) without --pp"
+                    .into(),
+            ));
+        }
         let build = |e: &dyn std::fmt::Display| GptPipelineError::Build {
             stage: index,
             reason: e.to_string(),

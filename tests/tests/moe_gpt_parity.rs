@@ -313,3 +313,14 @@ fn gpt_moe_build_errors_name_the_problem() {
         assert!(mismatch.contains("settings differ"), "{mismatch}");
     }
 }
+
+/// A pipeline stage of a GPT-MoE is refused (pipeline parallelism is not composed with the MoE
+/// layers yet) rather than built with dense MLPs in place of the experts.
+#[test]
+fn gpt_moe_pipeline_stage_is_refused() {
+    let config = moe_run().model;
+    let init = Init::new(config.seed, &Device::flex());
+    let err = examples::pipeline::GptStage::build(&config, &init, 0, 2, 0..1)
+        .expect_err("a GPT-MoE stage must not build as a dense one");
+    assert!(err.to_string().contains("pipeline"), "{err}");
+}
