@@ -16,7 +16,7 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Tensor};
 use examples::data::{Corpus, Split};
 use examples::gpt::{Gpt, GptConfig};
-use examples::train::{NamedParam, TrainConfig};
+use examples::train::{NamedParam, Parallelism, TrainConfig, TrainReport};
 
 /// A GPT run small enough for CI: 2 layers, width 32, global batch 8 x 16 tokens.
 pub fn tiny_gpt_run(steps: usize) -> TrainConfig {
@@ -81,6 +81,47 @@ impl Reference {
                 .collect(),
         }
     }
+}
+
+/// Trains the GPT of `config` with the library trainer on `world` thread ranks split by
+/// `parallel`, checks that every rank reports the same losses and gathers the same parameters,
+/// and returns rank 0's report.
+///
+/// # Panics
+/// When the run fails (with the layout and the error) or ranks disagree.
+pub fn train_layout(world: usize, parallel: &Parallelism, config: &TrainConfig) -> TrainReport {
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let reports = burn_parallel::run_local(world, |g| {
+        examples::train::train_gpt_parallel(&g, config, parallel, &corpus, &mut |_| {})
+    })
+    .unwrap_or_else(|e| panic!("{parallel:?} on {world} ranks: {e}"));
+    for r in &reports[1..] {
+        assert_eq!(
+            r.losses, reports[0].losses,
+            "every rank reports the same losses"
+        );
+        assert_eq!(
+            r.final_params, reports[0].final_params,
+            "every rank gathers the same parameters"
+        );
+    }
+    reports.into_iter().next().expect("rank 0")
+}
+
+/// [`train_layout`], then [`assert_matches_reference`] within `tol`.
+///
+/// # Panics
+/// As both.
+pub fn check_layout(
+    reference: &Reference,
+    world: usize,
+    parallel: Parallelism,
+    config: &TrainConfig,
+    tol: f64,
+    what: &str,
+) {
+    let r = train_layout(world, &parallel, config);
+    assert_matches_reference(reference, &r.losses, &r.final_params, tol, what);
 }
 
 /// Every float parameter of `module` by path (the test suite's own visitor, independent of the

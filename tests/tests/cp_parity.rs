@@ -11,9 +11,8 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_parallel::context_parallel::{ContextParallel, CpBalance, CpKind, CpSettings};
 use burn_parallel::run_local;
 use burn_zero::Stage;
-use examples::data::Corpus;
 use examples::gpt::{Gpt, MlpKind, NormKind, PositionKind, load_params};
-use examples::train::{Parallelism, TrainConfig, TrainReport, train_gpt_parallel};
+use examples::train::{Parallelism, TrainConfig};
 use tests::{
     Reference, assert_matches_reference, gpt_through_burnrun, params_of, reference_run,
     tiny_gpt_run,
@@ -49,24 +48,8 @@ fn cp(cp: usize, kind: CpKind, balance: CpBalance) -> Parallelism {
     }
 }
 
-fn run(world: usize, p: &Parallelism, config: &TrainConfig) -> TrainReport {
-    let corpus = Corpus::load_default().expect("the bundled corpus");
-    let reports = run_local(world, |g| {
-        train_gpt_parallel(&g, config, p, &corpus, &mut |_| {})
-    })
-    .unwrap_or_else(|e| panic!("{p:?} on {world} ranks: {e}"));
-    for r in &reports[1..] {
-        assert_eq!(
-            r.losses, reports[0].losses,
-            "every rank reports the same losses"
-        );
-    }
-    reports.into_iter().next().expect("rank 0")
-}
-
 fn check(reference: &Reference, world: usize, p: Parallelism, config: &TrainConfig, what: &str) {
-    let r = run(world, &p, config);
-    assert_matches_reference(reference, &r.losses, &r.final_params, TOL, what);
+    tests::check_layout(reference, world, p, config, TOL, what);
 }
 
 #[test]
@@ -294,7 +277,11 @@ fn gpt_cp_on_wgpu_matches_single_device() {
         device: TrainDevice::Wgpu,
         ..p
     };
-    let reference = Reference::of_run(run(1, &on_wgpu(Parallelism::default()), &config));
+    let reference = Reference::of_run(tests::train_layout(
+        1,
+        &on_wgpu(Parallelism::default()),
+        &config,
+    ));
     let ring = on_wgpu(cp(2, CpKind::Ring, CpBalance::HeadTail));
     check(&reference, 2, ring, &config, "wgpu ring cp 2, head-tail");
     let ulysses = on_wgpu(cp(2, CpKind::Ulysses, CpBalance::None));

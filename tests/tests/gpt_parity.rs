@@ -66,30 +66,12 @@ fn zero(stage: Stage, tp_size: usize, sp: bool) -> Parallelism {
     }
 }
 
-/// The GPT of `config` on `world` ranks split by `p`; rank 0's report (every rank reports the
-/// same losses and, gathered whole, the same parameters).
 fn parallel(world: usize, p: &Parallelism, config: &TrainConfig) -> TrainReport {
-    let corpus = Corpus::load_default().expect("the bundled corpus");
-    let reports = run_local(world, |g| {
-        train_gpt_parallel(&g, config, p, &corpus, &mut |_| {})
-    })
-    .unwrap_or_else(|e| panic!("{p:?} on {world} ranks: {e}"));
-    for r in &reports[1..] {
-        assert_eq!(
-            r.losses, reports[0].losses,
-            "every rank reports the same losses"
-        );
-        assert_eq!(
-            r.final_params, reports[0].final_params,
-            "every rank gathers the same parameters"
-        );
-    }
-    reports.into_iter().next().expect("rank 0")
+    tests::train_layout(world, p, config)
 }
 
 fn check(reference: &Reference, world: usize, p: Parallelism, config: &TrainConfig, what: &str) {
-    let r = parallel(world, &p, config);
-    assert_matches_reference(reference, &r.losses, &r.final_params, TOL, what);
+    tests::check_layout(reference, world, p, config, TOL, what);
 }
 
 /// Dropout masks are a function of the global position of each element: tensor and sequence
