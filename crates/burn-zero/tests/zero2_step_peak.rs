@@ -110,13 +110,16 @@ fn zero2_step_peak_stays_below_a_full_flat_gradient() {
             (peak - base) as f64 / 1048576.0,
             *base as f64 / 1048576.0,
         );
-        // Slack, half of 4P: a few buckets of staging (one reduced, one queued, one packed,
-        // plus its wire copy: at most 256 KiB here) and what stays resident besides the model
-        // state (buffers kept by burn-parallel's pool, autodiff bookkeeping: measured 0.44 MiB
-        // per rank after a step). A full flat gradient adds 4P (measured before the
-        // bucketed reduce-scatter: 9.18 MiB per rank against 7.56 MiB now).
+        // Slack, three quarters of 4P: a few buckets of staging (one reduced, one queued, one
+        // packed, plus its wire copy and the collective's own chunk buffers) and what stays
+        // resident besides the model state (buffers kept by burn-parallel's pool, autodiff
+        // bookkeeping: measured 0.44 MiB per rank after a step). The two thread ranks share
+        // the process allocator, so the peak depends on how their transient buffers overlap:
+        // 40 runs measured 7.43 to 8.06 MiB per rank (half of 4P of slack failed 1 run in 20).
+        // A full flat gradient adds 4P (measured before the bucketed reduce-scatter: 9.18 MiB
+        // per rank), above this bound.
         assert!(
-            per_rank < expected + p_bytes / 2,
+            per_rank < expected + 3 * p_bytes / 4,
             "{per_rank} bytes per rank over the step, expected about {expected}"
         );
     }
