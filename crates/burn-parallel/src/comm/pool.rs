@@ -28,6 +28,12 @@ static POOL: Mutex<Pool> = Mutex::new(Pool {
     bytes: 0,
 });
 
+/// Bytes the pool holds for reuse right now: freed message buffers, real memory that no
+/// message uses (memory measurements subtract it to see what the computation itself holds).
+pub fn pooled_bytes() -> usize {
+    POOL.lock().unwrap_or_else(|e| e.into_inner()).bytes
+}
+
 /// A buffer of exactly `len` bytes (contents unspecified), reused from the pool when one of a
 /// suitable size (at least `len`, at most twice) is free.
 pub fn take(len: usize) -> Vec<u8> {
