@@ -326,7 +326,14 @@ fn dim_len<const D: usize>(x: &Tensor<D>, dim: usize, op: &str) -> CpResult<usiz
 }
 
 /// Checks that q, k, v are `[batch, heads, local_seq, head_dim]` alike (no GQA).
-pub(crate) fn check_qkv(op: &str, q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>) -> CpResult<()> {
+pub(crate) fn check_qkv(
+    op: &str,
+    q: &Tensor<4>,
+    k: &Tensor<4>,
+    v: &Tensor<4>,
+    group: &ProcessGroup,
+    layout: &SeqLayout,
+) -> CpResult<()> {
     let (qd, kd, vd) = (q.dims(), k.dims(), v.dims());
     if kd != vd {
         return Err(CpError::Shape {
@@ -344,6 +351,21 @@ pub(crate) fn check_qkv(op: &str, q: &Tensor<4>, k: &Tensor<4>, v: &Tensor<4>) -
         return Err(CpError::Shape {
             op: op.into(),
             reason: format!("q {qd:?} and k {kd:?} must have the same shape"),
+        });
+    }
+    if layout.cp() != group.size() || layout.rank() != group.rank() || layout.local_len() != qd[2] {
+        return Err(CpError::Shape {
+            op: op.into(),
+            reason: format!(
+                "a layout of {} tokens over {} ranks (rank {}) does not fit a group of {} ranks \
+                 (rank {}) holding {} tokens each",
+                layout.seq(),
+                layout.cp(),
+                layout.rank(),
+                group.size(),
+                group.rank(),
+                qd[2]
+            ),
         });
     }
     Ok(())

@@ -354,24 +354,8 @@ pub fn ring_attention(
     layout: &SeqLayout,
     causal: bool,
 ) -> CpResult<Tensor<4>> {
-    check_qkv("ring_attention", &q, &k, &v)?;
+    check_qkv("ring_attention", &q, &k, &v, group, layout)?;
     let dims = q.dims();
-    if layout.cp() != group.size() || layout.rank() != group.rank() || layout.local_len() != dims[2]
-    {
-        return Err(CpError::Shape {
-            op: "ring_attention".into(),
-            reason: format!(
-                "a layout of {} tokens over {} ranks (rank {}) does not fit a group of {} ranks \
-                 (rank {}) holding {} tokens each",
-                layout.seq(),
-                layout.cp(),
-                layout.rank(),
-                group.size(),
-                group.rank(),
-                dims[2]
-            ),
-        });
-    }
     let ring = Ring {
         group: group.clone(),
         layout: layout.clone(),

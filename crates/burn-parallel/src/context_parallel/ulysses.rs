@@ -37,20 +37,9 @@ pub fn ulysses_attention(
     layout: &SeqLayout,
     causal: bool,
 ) -> CpResult<Tensor<4>> {
-    check_qkv("ulysses_attention", &q, &k, &v)?;
+    check_qkv("ulysses_attention", &q, &k, &v, group, layout)?;
     let [b, h, n, d] = q.dims();
     let cp = group.size();
-    if layout.cp() != cp || layout.rank() != group.rank() || layout.local_len() != n {
-        return Err(CpError::Shape {
-            op: "ulysses_attention".into(),
-            reason: format!(
-                "a layout of {} tokens over {} ranks does not fit a group of {cp} ranks holding \
-                 {n} tokens each",
-                layout.seq(),
-                layout.cp()
-            ),
-        });
-    }
     if !h.is_multiple_of(cp) {
         return Err(CpError::HeadsNotDivisible { heads: h, cp });
     }
