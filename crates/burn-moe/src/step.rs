@@ -5,7 +5,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Tensor, TensorData};
 use burn_parallel::ReduceOp;
-use burn_parallel::train::{StepOutput, TrainStep};
+use burn_parallel::train::{StepOutput, TrainStep, clip_to_norm};
 
 use crate::config::{MoeError, Result};
 use crate::layer::MoeParallel;
@@ -151,10 +151,7 @@ impl MoeStep {
                     None => expert_sq,
                 };
                 let norm = (rest * rest + experts).sqrt();
-                let factor = max_norm / (norm + 1e-6);
-                if factor < 1.0 {
-                    grads = scale_all(model, grads, factor as f32);
-                }
+                grads = clip_to_norm(model, grads, norm, max_norm);
                 Some(norm)
             }
         };
@@ -257,19 +254,4 @@ fn without_experts<M: Module>(
     };
     model.visit(&mut copy);
     copy.to
-}
-
-/// Every gradient times `factor`.
-fn scale_all<M: Module>(model: &M, grads: GradientsParams, factor: f32) -> GradientsParams {
-    struct Scale(GradientsParams, f32);
-    impl ModuleVisitor for Scale {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if let Some(g) = self.0.remove::<D>(param.id) {
-                self.0.register::<D>(param.id, g * self.1);
-            }
-        }
-    }
-    let mut scale = Scale(grads, factor);
-    model.visit(&mut scale);
-    scale.0
 }

@@ -209,10 +209,7 @@ impl TrainStep {
             None => None,
             Some(max_norm) => {
                 let norm = self.global_norm(model, &grads)?;
-                let scale = max_norm / (norm + 1e-6);
-                if scale < 1.0 {
-                    grads = scale_grads(model, grads, scale as f32);
-                }
+                grads = clip_to_norm(model, grads, norm, max_norm);
                 Some(norm)
             }
         };
@@ -310,6 +307,24 @@ fn for_each_grad<M: Module>(
         }
     }
     model.visit(&mut Visit { grads, f });
+}
+
+/// Global-norm clipping once the norm is known: scales every gradient `grads` holds for
+/// `model` by `max_norm / (norm + 1e-6)` when that is below 1 (PyTorch's `clip_grad_norm_`),
+/// and returns `grads` untouched otherwise. For steps that compute the global norm their own
+/// way (expert parallelism adds the experts' squares over the ep group).
+pub fn clip_to_norm<M: Module>(
+    model: &M,
+    grads: GradientsParams,
+    norm: f64,
+    max_norm: f64,
+) -> GradientsParams {
+    let scale = max_norm / (norm + 1e-6);
+    if scale < 1.0 {
+        scale_grads(model, grads, scale as f32)
+    } else {
+        grads
+    }
 }
 
 /// Multiplies every gradient `grads` holds for `model` by `scale`.
