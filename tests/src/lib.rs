@@ -95,15 +95,23 @@ pub fn train_layout(world: usize, parallel: &Parallelism, config: &TrainConfig) 
         examples::train::train_gpt_parallel(&g, config, parallel, &corpus, &mut |_| {})
     })
     .unwrap_or_else(|e| panic!("{parallel:?} on {world} ranks: {e}"));
+    rank0_if_ranks_agree(reports, |r| (&r.losses, &r.final_params))
+}
+
+/// The first of `reports` (one per rank), after checking that every rank reports the same losses
+/// and gathered the same parameters (`view` picks them out of a report).
+///
+/// # Panics
+/// When two ranks disagree, or `reports` is empty.
+pub fn rank0_if_ranks_agree<R>(
+    reports: Vec<R>,
+    view: impl Fn(&R) -> (&Vec<f64>, &Vec<NamedParam>),
+) -> R {
+    let (losses, params) = view(&reports[0]);
     for r in &reports[1..] {
-        assert_eq!(
-            r.losses, reports[0].losses,
-            "every rank reports the same losses"
-        );
-        assert_eq!(
-            r.final_params, reports[0].final_params,
-            "every rank gathers the same parameters"
-        );
+        let (l, p) = view(r);
+        assert!(l == losses, "every rank reports the same losses");
+        assert!(p == params, "every rank gathers the same parameters");
     }
     reports.into_iter().next().expect("rank 0")
 }

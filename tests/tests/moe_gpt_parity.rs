@@ -54,17 +54,7 @@ fn parallel(world: usize, p: &Parallelism, config: &TrainConfig) -> (TrainReport
         Ok((report, steps))
     })
     .unwrap_or_else(|e| panic!("{p:?} on {world} ranks: {e}"));
-    for (r, _) in &runs[1..] {
-        assert_eq!(
-            r.losses, runs[0].0.losses,
-            "every rank reports the same losses"
-        );
-        assert_eq!(
-            r.final_params, runs[0].0.final_params,
-            "every rank gathers the same parameters"
-        );
-    }
-    runs.into_iter().next().expect("rank 0")
+    tests::rank0_if_ranks_agree(runs, |(r, _)| (&r.losses, &r.final_params))
 }
 
 fn check(reference: &Reference, world: usize, p: Parallelism, config: &TrainConfig, what: &str) {

@@ -57,17 +57,7 @@ fn run(world: usize, p: &PipelineConfig, config: &TrainConfig) -> TrainReport {
         })
     })
     .unwrap_or_else(|e| panic!("{p:?} on {world} ranks: {e}"));
-    for r in &reports[1..] {
-        assert!(
-            r.train.losses == reports[0].train.losses,
-            "every rank reports the same losses"
-        );
-        assert!(
-            r.train.final_params == reports[0].train.final_params,
-            "every rank gathers the same parameters"
-        );
-    }
-    reports.into_iter().next().expect("rank 0").train
+    tests::rank0_if_ranks_agree(reports, |r| (&r.train.losses, &r.train.final_params)).train
 }
 
 fn check(reference: &Reference, world: usize, p: PipelineConfig, config: &TrainConfig) {

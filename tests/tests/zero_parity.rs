@@ -68,17 +68,7 @@ fn run(ranks: usize, hybrid: bool, config: &TrainConfig, zero: &ZeroConfig) -> Z
         ..Default::default()
     };
     let reports = zero_run(ranks, hybrid, config, zero, &options);
-    for r in &reports[1..] {
-        assert_eq!(
-            r.losses, reports[0].losses,
-            "every rank reports the same losses"
-        );
-        assert_eq!(
-            r.final_params, reports[0].final_params,
-            "every rank gathers the same parameters"
-        );
-    }
-    reports.into_iter().next().expect("rank 0")
+    tests::rank0_if_ranks_agree(reports, |r| (&r.losses, &r.final_params))
 }
 
 /// Asserts that the ZeRO run reproduces `reference`: losses and final parameters.
