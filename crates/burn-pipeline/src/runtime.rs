@@ -268,8 +268,11 @@ fn print_specs(specs: &[TensorSpec], variable: &[usize]) -> String {
 
 /// The forward state of one stage and micro-batch, kept until its backward.
 struct Saved {
-    /// Leaves of the input tensors (flattened) and their shapes.
+    /// Leaves of the input tensors (flattened) and their shapes. Under activation
+    /// checkpointing they are plain detached tensors, made leaves at the recomputation.
     leaves: Vec<(Tensor<1>, Vec<usize>)>,
+    /// The input boundary's metadata (kept for the recomputation).
+    meta: serde_json::Value,
     output: SavedOutput,
 }
 
@@ -279,6 +282,38 @@ struct Saved {
 enum SavedOutput {
     Boundary(Boundary),
     Loss(Tensor<1>),
+    /// Activation checkpointing: the forward ran without a graph and its output was sent (or
+    /// handed over); the backward runs the forward again.
+    Recompute,
+}
+
+/// Which stages run their forward without keeping the autodiff graph and run it again in the
+/// backward (activation checkpointing, also called rematerialisation).
+///
+/// A checkpointed stage holds only its input boundary per micro-batch in flight instead of
+/// every intermediate activation of its layers, for one more forward per micro-batch. The
+/// stage's forward must be deterministic given its input and batch: random ops (dropout)
+/// must draw the same values when run again.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum Checkpointing {
+    /// Every stage keeps its graph from forward to backward (the default).
+    #[default]
+    Off,
+    /// Every stage recomputes.
+    All,
+    /// These stages recompute (global stage indices); the others keep their graph.
+    Stages(Vec<usize>),
+}
+
+impl Checkpointing {
+    /// Whether `stage` recomputes its forward in the backward.
+    pub fn covers(&self, stage: usize) -> bool {
+        match self {
+            Self::Off => false,
+            Self::All => true,
+            Self::Stages(stages) => stages.contains(&stage),
+        }
+    }
 }
 
 /// Runs pipeline steps on one rank. Build it once (it checks the schedule and compares it with
@@ -347,6 +382,7 @@ pub struct Executor {
     rank: usize,
     device: Device,
     variable_dims: Vec<usize>,
+    checkpointing: Checkpointing,
     specs: HashMap<(Payload, usize, usize), Vec<TensorSpec>>,
     step: u64,
 }
@@ -405,6 +441,7 @@ impl Executor {
             rank,
             device,
             variable_dims: Vec::new(),
+            checkpointing: Checkpointing::Off,
             specs: HashMap::new(),
             step: 0,
         })
@@ -415,6 +452,15 @@ impl Executor {
     /// checked against the first transfer.
     pub fn with_variable_dims(mut self, dims: &[usize]) -> Self {
         self.variable_dims = dims.to_vec();
+        self
+    }
+
+    /// Turns activation checkpointing on for some or all stages (see [`Checkpointing`]): their
+    /// `F` runs the stage on a copy of the module without autodiff (`Module::valid`), keeps
+    /// only the input boundary, and their `B`/`I` run the forward again with the graph before
+    /// the backward. Gradients are unchanged.
+    pub fn with_checkpointing(mut self, checkpointing: Checkpointing) -> Self {
+        self.checkpointing = checkpointing;
         self
     }
 
@@ -520,27 +566,23 @@ impl Executor {
                             .ok_or_else(|| self.protocol(&action, "no input activation"))?
                     };
                     let (tensors, meta) = input.into_parts();
+                    let recompute = self.checkpointing.covers(stage);
                     let leaves: Vec<(Tensor<1>, Vec<usize>)> = tensors
                         .into_iter()
-                        .map(|t| (t.flat().clone().detach().require_grad(), t.shape().to_vec()))
+                        .map(|t| {
+                            let leaf = t.flat().clone().detach();
+                            let leaf = if recompute { leaf } else { leaf.require_grad() };
+                            (leaf, t.shape().to_vec())
+                        })
                         .collect();
-                    let input = Boundary::from_parts(
-                        leaves
-                            .iter()
-                            .map(|(l, s)| BoundaryTensor::from_flat(l.clone(), s.clone()))
-                            .collect(),
-                        meta,
-                    );
-                    let module = &stages[&stage];
+                    let input = boundary_of(&leaves, meta.clone());
                     let batch = &batches[microbatch];
-                    let out = catch_unwind(AssertUnwindSafe(|| module.forward(input, batch)))
-                        .map_err(|p| self.panicked(stage, &action, p))?
-                        .map_err(|e| PipelineError::Stage {
-                            rank: self.rank,
-                            stage,
-                            microbatch,
-                            message: e.message,
-                        })?;
+                    let out = if recompute {
+                        // No graph: parameters off autodiff, the input a plain tensor.
+                        self.call_stage(&stages[&stage].valid(), &action, input, batch)?
+                    } else {
+                        self.call_stage(&stages[&stage], &action, input, batch)?
+                    };
                     let last = stage + 1 == num_stages;
                     let output = match (out, last) {
                         (StageOutput::Loss(loss), true) => {
@@ -581,7 +623,22 @@ impl Executor {
                             });
                         }
                     };
-                    saved.insert((stage, microbatch), Saved { leaves, output });
+                    let handed_over =
+                        last || self.schedule.placement().rank_of(stage + 1) == Some(self.rank);
+                    let output = if recompute && handed_over {
+                        // The backward computes it again; a remote output stays until it is sent.
+                        SavedOutput::Recompute
+                    } else {
+                        output
+                    };
+                    saved.insert(
+                        (stage, microbatch),
+                        Saved {
+                            leaves,
+                            meta,
+                            output,
+                        },
+                    );
                     let h = held.get_mut(&stage).expect("a local stage");
                     *h += 1;
                     let p = peak_held.get_mut(&stage).expect("a local stage");
@@ -593,7 +650,15 @@ impl Executor {
                     microbatch,
                 } => {
                     let transfer = action.transfer().expect("a send");
-                    let boundary = match saved.get(&(stage, microbatch)).map(|s| &s.output) {
+                    let recompute = self.checkpointing.covers(stage);
+                    let boundary = match saved.get_mut(&(stage, microbatch)).map(|s| &mut s.output)
+                    {
+                        Some(out @ SavedOutput::Boundary(_)) if recompute => {
+                            match std::mem::replace(out, SavedOutput::Recompute) {
+                                SavedOutput::Boundary(b) => b,
+                                _ => unreachable!("matched a boundary"),
+                            }
+                        }
                         Some(SavedOutput::Boundary(b)) => detached(b),
                         _ => return Err(self.protocol(&action, "no output to send")),
                     };
@@ -612,11 +677,28 @@ impl Executor {
                 }
                 Action::Backward { stage, microbatch }
                 | Action::BackwardInput { stage, microbatch } => {
-                    let s = saved
+                    let mut s = saved
                         .remove(&(stage, microbatch))
                         .ok_or_else(|| self.protocol(&action, "no forward state"))?;
                     *held.get_mut(&stage).expect("a local stage") -= 1;
+                    if let SavedOutput::Recompute = s.output {
+                        // Activation checkpointing: the forward again, with the graph.
+                        for (leaf, _) in &mut s.leaves {
+                            *leaf = leaf.clone().require_grad();
+                        }
+                        let input = boundary_of(&s.leaves, s.meta.clone());
+                        s.output = match self.call_stage(
+                            &stages[&stage],
+                            &action,
+                            input,
+                            &batches[microbatch],
+                        )? {
+                            StageOutput::Loss(loss) => SavedOutput::Loss(loss),
+                            StageOutput::Boundary(b) => SavedOutput::Boundary(b),
+                        };
+                    }
                     let seed = match s.output {
+                        SavedOutput::Recompute => unreachable!("recomputed above"),
                         SavedOutput::Loss(loss) => Some(loss.mul_scalar(scale).sum()),
                         SavedOutput::Boundary(out) => {
                             let grads = inbox_grad
@@ -770,6 +852,25 @@ impl Executor {
             timeline,
             peak_held,
         })
+    }
+
+    /// Runs a stage's forward, turning its error or panic into a [`PipelineError`].
+    fn call_stage<M: Stage<B>, B>(
+        &self,
+        module: &M,
+        action: &Action,
+        input: Boundary,
+        batch: &B,
+    ) -> Result<StageOutput> {
+        let (stage, microbatch) = (action.stage(), action.microbatch().unwrap_or(0));
+        catch_unwind(AssertUnwindSafe(|| module.forward(input, batch)))
+            .map_err(|p| self.panicked(stage, action, p))?
+            .map_err(|e| PipelineError::Stage {
+                rank: self.rank,
+                stage,
+                microbatch,
+                message: e.message,
+            })
     }
 
     fn protocol(&self, action: &Action, reason: &str) -> PipelineError {
@@ -962,6 +1063,17 @@ impl Executor {
             got: format!("element counts {got:?}"),
         })
     }
+}
+
+/// A stage's input: the leaves, reshaped, and the metadata.
+fn boundary_of(leaves: &[(Tensor<1>, Vec<usize>)], meta: serde_json::Value) -> Boundary {
+    Boundary::from_parts(
+        leaves
+            .iter()
+            .map(|(l, s)| BoundaryTensor::from_flat(l.clone(), s.clone()))
+            .collect(),
+        meta,
+    )
 }
 
 /// The boundary with every tensor detached (what crosses to the next stage).

@@ -6,6 +6,8 @@
 //! never a hang.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use burn::module::{Module, Param};
@@ -14,7 +16,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::{ProcessGroup, run_local};
 use burn_pipeline::deferred::{DeferredLinear, WeightGradStore};
 use burn_pipeline::generators::generate;
-use burn_pipeline::runtime::{Executor, PipelineError};
+use burn_pipeline::runtime::{Checkpointing, Executor, PipelineError};
 use burn_pipeline::stage::{Boundary, Stage, StageError, StageOutput};
 use burn_pipeline::{Schedule, ScheduleKind};
 
@@ -49,6 +51,10 @@ struct Dense {
     /// Test hooks: panic, fail, or change the output width on micro-batch 1.
     #[module(skip)]
     fault: Fault,
+    /// Forward calls: `[with the graph, without]` (activation checkpointing runs the forward
+    /// without a graph, then again with one).
+    #[module(skip)]
+    calls: Arc<[AtomicUsize; 2]>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -75,6 +81,7 @@ impl Dense {
             index,
             stages,
             fault: Fault::None,
+            calls: Arc::default(),
         }
     }
 
@@ -86,6 +93,8 @@ impl Dense {
 impl Stage<Batch> for Dense {
     fn forward(&self, input: Boundary, batch: &Batch) -> Result<StageOutput, StageError> {
         let device = self.w.val().device();
+        let tracked = self.w.val().is_require_grad();
+        self.calls[usize::from(!tracked)].fetch_add(1, Ordering::SeqCst);
         let rows = batch.x.len() / WIDTH;
         let x = if self.index == 0 {
             Tensor::<2>::from_data(TensorData::new(batch.x.clone(), [rows, WIDTH]), &device)
@@ -187,12 +196,27 @@ type RankRun = (Vec<f32>, BTreeMap<usize, Vec<f32>>);
 /// Runs `steps` steps of `schedule` on its ranks; per rank: the losses and the final
 /// parameters of its stages.
 fn pipelined(schedule: &Schedule, steps: usize) -> Vec<RankRun> {
+    pipelined_with(schedule, steps, &Checkpointing::Off)
+        .into_iter()
+        .map(|(losses, params, _)| (losses, params))
+        .collect()
+}
+
+/// [`pipelined`] with activation checkpointing; also returns each local stage's forward calls
+/// `[with the graph, without]`.
+fn pipelined_with(
+    schedule: &Schedule,
+    steps: usize,
+    checkpointing: &Checkpointing,
+) -> Vec<(Vec<f32>, BTreeMap<usize, Vec<f32>>, BTreeMap<usize, [usize; 2]>)> {
     let p = schedule.num_ranks();
     let m = schedule.num_microbatches();
     let stages = schedule.num_stages();
     run_local(p, |group| {
         let device = Device::flex().autodiff();
-        let mut exec = Executor::new(schedule.clone(), group.clone(), device.clone()).unwrap();
+        let mut exec = Executor::new(schedule.clone(), group.clone(), device.clone())
+            .unwrap()
+            .with_checkpointing(checkpointing.clone());
         let mut local: BTreeMap<usize, Dense> = exec
             .local_stages()
             .into_iter()
@@ -207,7 +231,15 @@ fn pipelined(schedule: &Schedule, steps: usize) -> Vec<RankRun> {
                 .unwrap();
             losses.push(report.loss);
         }
-        Ok((losses, local.iter().map(|(s, l)| (*s, params(l))).collect()))
+        let calls = local
+            .iter()
+            .map(|(s, l)| (*s, l.calls.each_ref().map(|c| c.load(Ordering::SeqCst))))
+            .collect();
+        Ok((
+            losses,
+            local.iter().map(|(s, l)| (*s, params(l))).collect(),
+            calls,
+        ))
     })
     .unwrap()
 }
@@ -251,6 +283,36 @@ fn every_schedule_matches_single_device_training() {
                     }
                 }
                 assert_eq!(seen, stages, "{what}: every stage trained once");
+            }
+        }
+    }
+}
+
+#[test]
+fn activation_checkpointing_recomputes_and_changes_no_gradient() {
+    let steps = 2;
+    for (kind, v, p, m, which) in [
+        ("gpipe", None, 2, 4, Checkpointing::All),
+        ("1f1b", None, 4, 8, Checkpointing::All),
+        ("interleaved", Some(2), 2, 4, Checkpointing::All),
+        ("zb-h1", None, 2, 4, Checkpointing::All),
+        // The V's turn hands stage 1's output to stage 2 on the same rank.
+        ("zbv", None, 2, 4, Checkpointing::All),
+        ("1f1b", None, 4, 4, Checkpointing::Stages(vec![0, 2])),
+    ] {
+        let kind: ScheduleKind = kind.parse().unwrap();
+        let schedule = generate(kind, p, m, v).unwrap();
+        let stages = schedule.num_stages();
+        let (ref_losses, ref_params) = reference(stages, m, steps);
+        let what = format!("{kind} p={p} m={m} {which:?}");
+        for (losses, params, calls) in pipelined_with(&schedule, steps, &which) {
+            assert_close(&ref_losses, &losses, &format!("{what}: losses"));
+            for (s, values) in &params {
+                assert_close(&ref_params[*s], values, &format!("{what}: stage {s}"));
+                // A checkpointed stage runs each forward twice: without, then with the graph.
+                let runs = steps * m;
+                let expect = if which.covers(*s) { [runs, runs] } else { [runs, 0] };
+                assert_eq!(calls[s], expect, "{what}: stage {s} forwards [graph, none]");
             }
         }
     }
