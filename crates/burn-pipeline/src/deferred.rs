@@ -26,13 +26,12 @@ use burn::tensor::{Device, Tensor};
 use burn_parallel::autograd::{BackwardFn, attach};
 use burn_parallel::group::tensor_from_data;
 
-/// One recorded input and output gradient of a deferred weight.
+/// One deferred weight-gradient computation.
 struct Pending {
     param: ParamId,
-    /// The layer's input, `[rows, d_in]`, without autodiff.
-    x: Tensor<2>,
-    /// The gradient of its output, `[rows, d_out]`, without autodiff.
-    dy: Tensor<2>,
+    /// Computes this contribution to the weight's gradient (for a [`DeferredLinear`],
+    /// `Xᵀ dY` from its recorded input and output gradient, without autodiff).
+    compute: Box<dyn FnOnce() -> Tensor<2> + Send>,
 }
 
 #[derive(Default)]
@@ -90,19 +89,28 @@ impl WeightGradStore {
             .collect()
     }
 
-    fn push(&self, pending: Pending) {
+    /// Defers one contribution to `param`'s gradient to the `W` step of the micro-batch whose
+    /// backward is running: `compute` runs in [`Self::take`], and contributions to the same
+    /// weight are summed. [`DeferredLinear`] records `Xᵀ dY` this way; a custom layer whose
+    /// backward is written with `burn_parallel::autograd::attach` can defer its own weight
+    /// gradients the same way.
+    pub fn defer(&self, param: ParamId, compute: impl FnOnce() -> Tensor<2> + Send + 'static) {
         let mut inner = self.lock();
         let current = inner.current;
-        inner.pending.entry(current).or_default().push(pending);
+        inner.pending.entry(current).or_default().push(Pending {
+            param,
+            compute: Box::new(compute),
+        });
     }
 
-    /// The weight gradients of `microbatch`: `dW = Σ Xᵀ dY` per weight, over its recorded pairs,
-    /// which are removed. Empty when nothing was recorded.
+    /// The weight gradients of `microbatch`: each weight's deferred contributions computed
+    /// and summed (for a [`DeferredLinear`], `dW = Σ Xᵀ dY`), and removed from the store.
+    /// Empty when nothing was recorded.
     pub fn take(&self, microbatch: usize) -> GradientsParams {
-        let pairs = self.lock().pending.remove(&microbatch).unwrap_or_default();
+        let pending = self.lock().pending.remove(&microbatch).unwrap_or_default();
         let mut sums: Vec<(ParamId, Tensor<2>)> = Vec::new();
-        for p in pairs {
-            let dw = p.x.transpose().matmul(p.dy);
+        for p in pending {
+            let dw = (p.compute)();
             match sums.iter_mut().find(|(id, _)| *id == p.param) {
                 Some((_, sum)) => *sum = sum.clone() + dw,
                 None => sums.push((p.param, dw)),
@@ -183,11 +191,8 @@ impl DeferredLinear {
         let record = move |dy| {
             let dy: Tensor<2> = tensor_from_data(dy, &device);
             let dx = needs_dx.then(|| dy.clone().matmul(w.clone().transpose()));
-            store.push(Pending {
-                param,
-                x: x_inner.clone(),
-                dy,
-            });
+            let x = x_inner.clone();
+            store.defer(param, move || x.transpose().matmul(dy));
             dx
         };
         let y = if needs_dx {

@@ -17,6 +17,7 @@
 //! | [`stage`] | the [`stage::Stage`] trait (a Burn module whose forward takes a [`stage::Boundary`]: several tensors and serialisable metadata) |
 //! | [`partition`] | layers into stages: by count, balanced by cost (first and last stage may take fewer), or at explicit boundaries |
 //! | [`deferred`] | split backward: [`deferred::DeferredLinear`] (weight gradient deferred from `I` to `W`) and its [`deferred::WeightGradStore`] |
+//! | [`trace`] | one timeline type for measured and simulated steps: the measured bubble fraction, a Chrome/Perfetto trace with a track per rank |
 //! | [`runtime`] | [`runtime::Executor`]: runs this rank's program, sends and receives boundaries, accumulates and hands over each stage's gradients at `REDUCE`; typed [`runtime::PipelineError`]s, never a hang |
 //!
 //! ```
@@ -131,6 +132,7 @@ pub mod runtime;
 pub mod schedule;
 pub mod simulate;
 pub mod stage;
+pub mod trace;
 pub mod validate;
 
 pub use schedule::{

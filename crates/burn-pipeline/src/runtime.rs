@@ -41,7 +41,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::tensor::{Device, Tensor, TensorData};
@@ -50,6 +50,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::schedule::{Action, Payload, Schedule, Transfer};
 use crate::stage::{Boundary, BoundaryTensor, Stage, StageOutput};
+use crate::trace::Span;
 use crate::validate::ValidationError;
 
 /// A boxed error from the caller's `update` callback.
@@ -204,17 +205,6 @@ pub enum PipelineError {
 /// The result type of the runtime.
 pub type Result<T> = std::result::Result<T, PipelineError>;
 
-/// One executed action and when it ran, in seconds since the start of the step.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct TimedAction {
-    /// The action.
-    pub action: Action,
-    /// Start, seconds since the step began.
-    pub start: f64,
-    /// End, seconds since the step began.
-    pub end: f64,
-}
-
 /// What one step did on this rank.
 #[derive(Debug, Clone)]
 pub struct StepReport {
@@ -222,8 +212,11 @@ pub struct StepReport {
     pub loss: f32,
     /// The loss of each micro-batch, on the rank holding the last stage (empty elsewhere).
     pub microbatch_losses: Vec<f32>,
-    /// Every action of this rank's program with its start and end.
-    pub timeline: Vec<TimedAction>,
+    /// Every action of this rank's program with its start and end, seconds since `began`
+    /// (see [`crate::trace`] for a trace file and the measured bubble).
+    pub timeline: Vec<Span>,
+    /// When the step began (wall clock), to place ranks' timelines on one axis.
+    pub began: SystemTime,
     /// The most micro-batches whose forward state (inputs and outputs) this rank held at once,
     /// per local stage.
     pub peak_held: BTreeMap<usize, usize>,
@@ -551,6 +544,7 @@ impl Executor {
         let mut held: BTreeMap<usize, usize> = expected.iter().map(|&s| (s, 0)).collect();
         let mut peak_held = held.clone();
         let mut timeline = Vec::with_capacity(program.len());
+        let began = SystemTime::now();
         let start = Instant::now();
         let scale = 1.0 / m as f32;
 
@@ -819,7 +813,7 @@ impl Executor {
                     stages.insert(stage, module);
                 }
             }
-            timeline.push(TimedAction {
+            timeline.push(Span {
                 action,
                 start: t0,
                 end: start.elapsed().as_secs_f64(),
@@ -850,6 +844,7 @@ impl Executor {
             loss: total / m as f32,
             microbatch_losses: losses,
             timeline,
+            began,
             peak_held,
         })
     }

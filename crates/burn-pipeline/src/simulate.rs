@@ -78,16 +78,7 @@ impl Default for Costs {
     }
 }
 
-/// One action placed in time.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Span {
-    /// The action.
-    pub action: Action,
-    /// Start time.
-    pub start: f64,
-    /// End time (equal to `start` for sends; for a receive, when the message arrived).
-    pub end: f64,
-}
+pub use crate::trace::Span;
 
 /// What the simulator predicts for one schedule step.
 #[derive(Clone, Debug, PartialEq)]
@@ -306,32 +297,9 @@ impl Report {
     }
 
     /// The timeline as a Chrome/Perfetto trace (JSON, `chrome://tracing` or
-    /// <https://ui.perfetto.dev>): one track per rank, one complete event per computation,
-    /// one instant event per send and receive. Times are written as microseconds, one cost
-    /// unit = `us_per_unit`.
+    /// <https://ui.perfetto.dev>): one track per rank (see
+    /// [`crate::trace::Timeline::chrome_trace`]). One cost unit = `us_per_unit` microseconds.
     pub fn chrome_trace(&self, us_per_unit: f64) -> String {
-        let mut events: Vec<String> = Vec::new();
-        for (rank, spans) in self.timeline.iter().enumerate() {
-            events.push(format!(
-                r#"{{"name":"thread_name","ph":"M","pid":0,"tid":{rank},"args":{{"name":"rank {rank}"}}}}"#
-            ));
-            for span in spans {
-                let name = span.action.to_string();
-                let cat = format!("{:?}", span.action.kind());
-                if span.action.is_compute() {
-                    events.push(format!(
-                        r#"{{"name":"{name}","cat":"{cat}","ph":"X","pid":0,"tid":{rank},"ts":{:.3},"dur":{:.3}}}"#,
-                        span.start * us_per_unit,
-                        (span.end - span.start) * us_per_unit
-                    ));
-                } else {
-                    events.push(format!(
-                        r#"{{"name":"{name}","cat":"{cat}","ph":"i","s":"t","pid":0,"tid":{rank},"ts":{:.3}}}"#,
-                        span.end * us_per_unit
-                    ));
-                }
-            }
-        }
-        format!("{{\"traceEvents\":[\n{}\n]}}\n", events.join(",\n"))
+        crate::trace::Timeline::from_simulated(self).chrome_trace(us_per_unit)
     }
 }

@@ -208,7 +208,11 @@ fn pipelined_with(
     schedule: &Schedule,
     steps: usize,
     checkpointing: &Checkpointing,
-) -> Vec<(Vec<f32>, BTreeMap<usize, Vec<f32>>, BTreeMap<usize, [usize; 2]>)> {
+) -> Vec<(
+    Vec<f32>,
+    BTreeMap<usize, Vec<f32>>,
+    BTreeMap<usize, [usize; 2]>,
+)> {
     let p = schedule.num_ranks();
     let m = schedule.num_microbatches();
     let stages = schedule.num_stages();
@@ -311,7 +315,11 @@ fn activation_checkpointing_recomputes_and_changes_no_gradient() {
                 assert_close(&ref_params[*s], values, &format!("{what}: stage {s}"));
                 // A checkpointed stage runs each forward twice: without, then with the graph.
                 let runs = steps * m;
-                let expect = if which.covers(*s) { [runs, runs] } else { [runs, 0] };
+                let expect = if which.covers(*s) {
+                    [runs, runs]
+                } else {
+                    [runs, 0]
+                };
                 assert_eq!(calls[s], expect, "{what}: stage {s} forwards [graph, none]");
             }
         }
