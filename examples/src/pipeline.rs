@@ -10,9 +10,16 @@
 //! gpt --ranks 2 --pp 2 --schedule interleaved --virtual-stages 2 --microbatches 4
 //! ```
 //!
+//! Global-norm clipping (`--clip`) holds every stage's optimizer step until the step's
+//! backward is complete: the norm is summed over the pipeline ranks first, so the clipped
+//! update is the single-device one. Activation checkpointing (`--checkpoint-activations`)
+//! recomputes each stage's forward in its backward ([`burn_pipeline::runtime::Checkpointing`]).
+//! [`PipelineReport::timeline`] is the last step's timeline of every rank, for a
+//! Chrome/Perfetto trace (`--trace FILE`) and the measured bubble.
+//!
 //! Limits, each a typed error: tied embeddings across stages (the owners' all-reduce is not
-//! written), global-norm clipping (it needs the norm over every stage before any stage steps),
-//! tensor or context parallelism and ZeRO inside a pipeline (not composed yet), and
+//! written), tensor or context parallelism and ZeRO inside a pipeline (not composed yet),
+//! dropout with activation checkpointing (the recomputed masks would differ), and
 //! `grad_accum` other than 1 (the micro-batches are the accumulation).
 
 use std::collections::{BTreeMap, HashMap};
@@ -25,11 +32,12 @@ use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::init::{Init, LinearInit};
 use burn_parallel::nn::{Embedding, Linear, TpContext};
 use burn_parallel::tensor_parallel::{DropoutSite, SeededDropout};
-use burn_parallel::train::TrainStep;
+use burn_parallel::train::{TrainStep, clip_to_norm};
 use burn_parallel::{CollectiveError, ParallelDims, ProcessGroup, ReduceOp};
 use burn_pipeline::partition::{self, PartitionError};
-use burn_pipeline::runtime::{Executor, PipelineError, StepReport, UpdateError};
+use burn_pipeline::runtime::{Checkpointing, Executor, PipelineError, StepReport, UpdateError};
 use burn_pipeline::stage::{Boundary, Stage, StageError, StageOutput};
+use burn_pipeline::trace::{StepTrack, Timeline};
 use burn_pipeline::{ScheduleError, ScheduleKind, generators};
 
 use crate::data::{Batch, Corpus, Split};
@@ -93,6 +101,8 @@ pub struct PipelineConfig {
     pub virtual_stages: Option<usize>,
     /// How blocks are split into stages.
     pub split: StageSplit,
+    /// Recompute every stage's forward in its backward instead of keeping its activations.
+    pub checkpoint_activations: bool,
     /// The device.
     pub device: TrainDevice,
 }
@@ -105,6 +115,7 @@ impl Default for PipelineConfig {
             microbatches: 4,
             virtual_stages: None,
             split: StageSplit::Count,
+            checkpoint_activations: false,
             device: TrainDevice::Flex,
         }
     }
@@ -143,12 +154,13 @@ impl PipelineConfig {
                 dp * self.microbatches
             ));
         }
-        if config.max_grad_norm.is_some() && self.pp > 1 {
-            return bad(
-                "global-norm clipping (--clip) is not supported with --pp yet: the norm spans \
-                 every stage; drop --clip"
-                    .into(),
-            );
+        if self.checkpoint_activations && config.model.dropout > 0.0 {
+            return bad(format!(
+                "activation checkpointing recomputes the forward, and dropout ({}) would draw \
+                 other masks the second time; set dropout to 0 or drop \
+                 --checkpoint-activations",
+                config.model.dropout
+            ));
         }
         config.validate(dp).map_err(GptPipelineError::Config)?;
         let schedule = generators::generate(
@@ -438,6 +450,9 @@ pub struct PipelineReport {
     pub train: TrainReport,
     /// This rank's report of the last step (timeline, peak micro-batches held).
     pub last_step: Option<StepReport>,
+    /// The last step's timeline on every rank (track `pp r / dp d`), for
+    /// [`Timeline::chrome_trace`] and [`Timeline::bubble_fraction`].
+    pub timeline: Timeline,
 }
 
 /// Trains the GPT of `config` with pipeline parallelism over `pipeline.pp` ranks and data
@@ -487,7 +502,12 @@ pub fn train_gpt_pipeline(
     let split = split_blocks(&config.model, num_stages, &pipeline.split)?;
     let mut executor = Executor::new(schedule, pp.clone(), device.clone())?
         // Micro-batches may differ in sequence length.
-        .with_variable_dims(&[1]);
+        .with_variable_dims(&[1])
+        .with_checkpointing(if pipeline.checkpoint_activations {
+            Checkpointing::All
+        } else {
+            Checkpointing::Off
+        });
     let init = Init::new(config.model.seed, &device);
     let mut stages: BTreeMap<usize, GptStage> = BTreeMap::new();
     for s in executor.local_stages() {
@@ -527,13 +547,37 @@ pub fn train_gpt_pipeline(
             })
             .collect();
         let lr = config.lr_at(step);
+        // Without clipping each stage steps at its REDUCE; with clipping the reduced gradients
+        // wait for the norm over every stage.
+        let mut held: BTreeMap<usize, GradientsParams> = BTreeMap::new();
         let mut update =
             |s: usize, stage: GptStage, grads: GradientsParams| -> Result<GptStage, UpdateError> {
                 let (grads, _) = reduce.reduce(&stage, grads)?;
+                if config.max_grad_norm.is_some() {
+                    held.insert(s, grads);
+                    return Ok(stage);
+                }
                 let optim = optims.get_mut(&s).expect("an optimizer per local stage");
                 Ok(optim.step(lr, stage, grads))
             };
         let report = executor.step(&mut stages, &batches, &mut update)?;
+        if let Some(max_norm) = config.max_grad_norm {
+            let mut squares = 0.0;
+            for (s, grads) in &held {
+                squares += reduce.global_norm(&stages[s], grads)?.powi(2);
+            }
+            let norm = pp
+                .all_reduce_data(TensorData::new(vec![squares], [1]), ReduceOp::Sum)?
+                .try_to_vec::<f64>()
+                .map_err(|e| GptPipelineError::Config(format!("the summed norm: {e:?}")))?[0]
+                .sqrt();
+            for (s, grads) in held {
+                let stage = stages.remove(&s).expect("a local stage");
+                let grads = clip_to_norm(&stage, grads, norm, max_norm);
+                let optim = optims.get_mut(&s).expect("an optimizer per local stage");
+                stages.insert(s, optim.step(lr, stage, grads));
+            }
+        }
         let loss = dp.all_reduce_f32(vec![report.loss], ReduceOp::Avg)?[0] as f64;
         losses.push(loss);
         last_step = Some(report);
@@ -550,6 +594,16 @@ pub fn train_gpt_pipeline(
             moe: Vec::new(), // a GPT-MoE is refused under pipeline parallelism
         });
     }
+
+    // ---- the last step's timeline of every rank ----
+    let timeline = match &last_step {
+        Some(report) => {
+            let name = format!("pp {} / dp {}", pp.rank(), dp.rank());
+            let tracks = world.all_gather_object(&StepTrack::new(name, report))?;
+            Timeline::from_steps(&tracks).map_err(GptPipelineError::Config)?
+        }
+        None => Timeline::default(),
+    };
 
     // ---- the whole model on every rank: validation, sample, report ----
     let mine: Vec<NamedParam> = stages.values().flat_map(GptStage::named_params).collect();
@@ -596,6 +650,7 @@ pub fn train_gpt_pipeline(
             final_params: named_params(&full),
         },
         last_step,
+        timeline,
     })
 }
 
@@ -619,6 +674,13 @@ pub struct PipelineArgs {
     /// instead of by block count.
     #[arg(long)]
     pub balance_params: bool,
+    /// Recompute each stage's forward in its backward instead of keeping its activations
+    /// (needs dropout 0).
+    #[arg(long)]
+    pub checkpoint_activations: bool,
+    /// Write the last step's Chrome/Perfetto trace (one track per rank) to this file.
+    #[arg(long)]
+    pub trace: Option<std::path::PathBuf>,
 }
 
 impl PipelineArgs {
@@ -634,6 +696,7 @@ impl PipelineArgs {
             } else {
                 StageSplit::Count
             },
+            checkpoint_activations: self.checkpoint_activations,
             device,
         }
     }

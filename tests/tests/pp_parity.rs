@@ -3,7 +3,7 @@
 //! micro-batches, and pp 2 x dp 2, gives over 20 steps the losses of the independent
 //! plain-Burn [`tests::reference_run`] on the same global batch (relative difference <= 1e-5)
 //! and its final parameters; so does `gpt --pp 2 --schedule zbv` as 2 TCP processes through
-//! `burnrun`. Also: stages built from the seed hold exactly the single-device
+//! `burnrun`; so do global-norm clipping and activation checkpointing. Also: stages built from the seed hold exactly the single-device
 //! initial values and only their own parameters, every split policy trains the same model, and
 //! impossible settings are typed errors before anything runs.
 
@@ -118,6 +118,54 @@ fn pp2_x_dp2_matches_single_device() {
     check(&reference, 4, pipeline("zbv", 2, 4), &config);
 }
 
+/// Global-norm clipping (the norm summed over the stages before any stage steps) and
+/// activation checkpointing (every stage's forward recomputed in its backward) give the
+/// single-device run, alone and together, with data parallelism and in V order; the last
+/// step's timeline has one track per rank holding that rank's whole program.
+#[test]
+fn clipping_and_activation_checkpointing_match_single_device() {
+    let mut config = config();
+    config.steps = 10;
+    let plain = reference_run(&config);
+    let recompute = |p: PipelineConfig| PipelineConfig {
+        checkpoint_activations: true,
+        ..p
+    };
+    check(&plain, 4, recompute(pipeline("gpipe", 4, 8)), &config);
+    check(&plain, 4, recompute(pipeline("zb-h1", 2, 4)), &config);
+    // A norm well below the gradients' so that every step clips.
+    config.max_grad_norm = Some(0.05);
+    let clipped = reference_run(&config);
+    assert_ne!(
+        plain.losses[9], clipped.losses[9],
+        "clipping must change the run"
+    );
+    check(&clipped, 2, pipeline("1f1b", 2, 4), &config);
+    check(&clipped, 4, recompute(pipeline("zbv", 2, 4)), &config);
+
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let p = pipeline("1f1b", 2, 4);
+    let timelines = run_local(4, |g| {
+        let r = train_gpt_pipeline(&g, &config, &p, &corpus, &mut |_| {}).unwrap();
+        Ok(r.timeline)
+    })
+    .unwrap();
+    let schedule = burn_pipeline::generators::generate(p.schedule, 2, 4, None).unwrap();
+    for timeline in &timelines {
+        let names: Vec<&str> = timeline.tracks.iter().map(|t| t.name.as_str()).collect();
+        assert_eq!(
+            names,
+            ["pp 0 / dp 0", "pp 0 / dp 1", "pp 1 / dp 0", "pp 1 / dp 1"]
+        );
+        for (track, pp) in timeline.tracks.iter().zip([0, 0, 1, 1]) {
+            let actions: Vec<_> = track.spans.iter().map(|s| s.action).collect();
+            assert_eq!(actions, schedule.program(pp), "{}", track.name);
+        }
+        let bubble = timeline.bubble_fraction();
+        assert!((0.0..1.0).contains(&bubble), "bubble {bubble}");
+    }
+}
+
 /// The `gpt` binary's flags, as 2 TCP processes through `burnrun`: ZBV (V order, both ends of
 /// the model on rank 0) over real sockets.
 #[test]
@@ -204,12 +252,14 @@ fn impossible_settings_are_typed_errors() {
     tied.model.tied_embeddings = true;
     let e = pipeline("1f1b", 2, 4).validate(&tied, 2).unwrap_err();
     assert!(e.to_string().contains("tied embeddings"), "{e}");
-    let clipped = TrainConfig {
-        max_grad_norm: Some(1.0),
-        ..config.clone()
+    let mut dropout = config.clone();
+    dropout.model.dropout = 0.1;
+    let recompute = PipelineConfig {
+        checkpoint_activations: true,
+        ..pipeline("1f1b", 2, 4)
     };
-    let e = pipeline("1f1b", 2, 4).validate(&clipped, 2).unwrap_err();
-    assert!(e.to_string().contains("--clip"), "{e}");
+    let e = recompute.validate(&dropout, 2).unwrap_err();
+    assert!(e.to_string().contains("--checkpoint-activations"), "{e}");
     // 8 rows over 3 micro-batches.
     let e = pipeline("1f1b", 2, 3).validate(&config, 2).unwrap_err();
     assert!(e.to_string().contains("micro-batches"), "{e}");

@@ -49,6 +49,58 @@ impl Costs {
         }
     }
 
+    /// The mean time of each kind of action in a measured step, with a per-stage scale from
+    /// each stage's mean forward: what the simulator needs to predict that step. Kinds that
+    /// did not run cost 0; communication is taken as free (its waiting is what the
+    /// prediction is compared with).
+    ///
+    /// # Example
+    /// ```
+    /// use burn_pipeline::generators::one_f_one_b;
+    /// use burn_pipeline::simulate::{simulate, Costs};
+    /// use burn_pipeline::trace::Timeline;
+    ///
+    /// let schedule = one_f_one_b(2, 4).unwrap();
+    /// let unit = simulate(&schedule, &Costs::unit()).unwrap();
+    /// let costs = Costs::from_timeline(&Timeline::from_simulated(&unit));
+    /// assert_eq!((costs.forward, costs.backward), (1.0, 2.0));
+    /// let again = simulate(&schedule, &costs).unwrap();
+    /// assert!((again.bubble_fraction - unit.bubble_fraction).abs() < 1e-12);
+    /// ```
+    pub fn from_timeline(timeline: &crate::trace::Timeline) -> Self {
+        let spans = || timeline.tracks.iter().flat_map(|t| &t.spans);
+        let mean = |keep: &dyn Fn(&Span) -> bool| {
+            let (sum, n) = spans()
+                .filter(|s| keep(s))
+                .fold((0.0, 0usize), |(t, n), s| (t + (s.end - s.start), n + 1));
+            if n == 0 { 0.0 } else { sum / n as f64 }
+        };
+        let of = |kind: ActionKind| mean(&|s: &Span| s.action.kind() == kind);
+        let forward = of(ActionKind::Forward);
+        let stages = spans().map(|s| s.action.stage() + 1).max().unwrap_or(0);
+        let stage_scale = (0..stages)
+            .map(|stage| {
+                let f = mean(&|s: &Span| {
+                    s.action.kind() == ActionKind::Forward && s.action.stage() == stage
+                });
+                if forward > 0.0 && f > 0.0 {
+                    f / forward
+                } else {
+                    1.0
+                }
+            })
+            .collect();
+        Self {
+            forward,
+            backward: of(ActionKind::Backward),
+            backward_input: of(ActionKind::BackwardInput),
+            backward_weight: of(ActionKind::BackwardWeight),
+            reduce: of(ActionKind::ReduceGrads),
+            comm: 0.0,
+            stage_scale,
+        }
+    }
+
     /// Unit costs with a communication latency.
     pub fn with_comm(mut self, comm: f64) -> Self {
         self.comm = comm;

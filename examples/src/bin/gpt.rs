@@ -20,6 +20,9 @@ use std::process::ExitCode;
 
 use burn_moe::{Capacity, DropPolicy, ExpertKind, MoeConfig};
 use burn_parallel::{CollectiveError, DeviceMesh, ProcessGroup, run_local};
+use burn_pipeline::generators::generate;
+use burn_pipeline::simulate::{Costs, simulate};
+use burn_pipeline::trace::Timeline;
 use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroError};
 use clap::{Parser, ValueEnum};
 use examples::data::Corpus;
@@ -717,6 +720,32 @@ fn write_params(
     ExitCode::SUCCESS
 }
 
+/// The last step's measured bubble beside the simulator's prediction from the step's own
+/// action times.
+fn print_bubble(pipeline: &examples::pipeline::PipelineConfig, timeline: &Timeline) {
+    let costs = Costs::from_timeline(timeline);
+    let predicted = generate(
+        pipeline.schedule,
+        pipeline.pp,
+        pipeline.microbatches,
+        pipeline.virtual_stages,
+    )
+    .ok()
+    .and_then(|schedule| simulate(&schedule, &costs).ok());
+    let ms = |t: f64| 1000.0 * t;
+    println!(
+        "last step: bubble {:.1}% measured over {} ranks, {} predicted from its action times \
+         (F {:.1} ms, B {:.1} ms, I {:.1} ms, W {:.1} ms)",
+        100.0 * timeline.bubble_fraction(),
+        timeline.tracks.len(),
+        predicted.map_or("-".into(), |r| format!("{:.1}%", 100.0 * r.bubble_fraction)),
+        ms(costs.forward),
+        ms(costs.backward),
+        ms(costs.backward_input),
+        ms(costs.backward_weight),
+    );
+}
+
 /// `--pp N`: pipeline parallelism (mesh `pp x dp`), see `examples::pipeline`.
 fn run_pipeline(args: &Args, config: &TrainConfig, corpus: &Corpus) -> ExitCode {
     let pipeline = args.pipeline.config(train_device(args));
@@ -737,6 +766,14 @@ fn run_pipeline(args: &Args, config: &TrainConfig, corpus: &Corpus) -> ExitCode 
         Ok(None) => ExitCode::SUCCESS,
         Ok(Some(report)) => {
             print_report(&report.train, corpus);
+            print_bubble(&pipeline, &report.timeline);
+            if let Some(path) = &args.pipeline.trace {
+                if let Err(e) = std::fs::write(path, report.timeline.chrome_trace(1e6)) {
+                    eprintln!("error: writing the trace to {}: {e}", path.display());
+                    return ExitCode::FAILURE;
+                }
+                println!("trace of the last step written to {}", path.display());
+            }
             let written = write_losses(args.losses_out.as_deref(), &report.train.losses);
             if written != ExitCode::SUCCESS {
                 return written;
