@@ -197,6 +197,18 @@ pub struct GptConfig {
 }
 
 impl GptConfig {
+    /// Rotary tables for `seq_len` positions starting at `offset`, or `None` for learned
+    /// positions.
+    pub fn rope(&self, seq_len: usize, offset: usize, device: &Device) -> Option<Rope> {
+        match self.positions {
+            PositionKind::Rotary => Some(
+                Rope::new(self.head_dim(), seq_len, offset, self.rope_theta, device)
+                    .with_fused(self.fused),
+            ),
+            PositionKind::Learned => None,
+        }
+    }
+
     /// A GPT-2 style configuration: GELU MLP with `d_ff = 4 d_model`, learned positions,
     /// untied embeddings, LayerNorm, no dropout, biases, seed 0.
     ///
@@ -1004,6 +1016,87 @@ pub fn gather_blocks(blocks: &[Fsdp<Block>]) -> ZeroResult<Vec<Fsdp<Block>>> {
     blocks.iter().map(|b| Ok(Fsdp::new(b.full()?))).collect()
 }
 
+/// The embedding sub-layers of a GPT (token table, learned positions, dropout) under a
+/// tensor-parallel context, borrowed from a [`Gpt`] or from the first stage of a pipeline
+/// (`examples::pipeline::GptStage`), so that both embed tokens the same way.
+#[derive(Clone, Copy, Debug)]
+pub struct Embeddings<'a> {
+    /// Token table (split by vocabulary under tensor parallelism).
+    pub wte: &'a Embedding,
+    /// Learned positions, when the model uses them.
+    pub wpe: Option<&'a burn::nn::Embedding>,
+    /// Embedding dropout.
+    pub drop: Option<&'a SeededDropout>,
+    /// The tensor-parallel context (sequence parallelism scatters the output).
+    pub tp: &'a TpContext,
+    /// The model's configuration.
+    pub config: &'a GptConfig,
+}
+
+impl Embeddings<'_> {
+    /// Token (+ learned position) embedding of `tokens` `[batch, seq]` whose first token sits
+    /// at position `offset`: the residual stream `[batch, tokens, d_model]` (this rank's tokens
+    /// under sequence parallelism, see `pass.tokens`).
+    ///
+    /// # Errors
+    /// [`TpError::OutOfVocabulary`]; [`TpError::Shape`] when `offset + seq` exceeds
+    /// `max_seq_len` with learned positions; collective errors.
+    pub fn forward(
+        &self,
+        tokens: Tensor<2, Int>,
+        offset: usize,
+        pass: &Pass,
+    ) -> TpResult<Tensor<3>> {
+        let [b, s] = tokens.dims();
+        let x = self.tp.scatter_sequence(self.wte.forward(tokens)?)?;
+        let (first, len) = pass.tokens;
+        let x = match self.wpe {
+            None => x,
+            Some(wpe) => {
+                let whole = pass.cp.as_ref().map_or(s, |cp| cp.layout.seq());
+                if offset + whole > self.config.max_seq_len {
+                    return Err(TpError::Shape {
+                        layer: "wpe".into(),
+                        reason: format!(
+                            "a sequence of {whole} tokens at offset {offset} exceeds max_seq_len {}",
+                            self.config.max_seq_len
+                        ),
+                    });
+                }
+                // Under sequence parallelism each rank adds its own rows: the table's gradient
+                // is summed over the group.
+                let table = match (self.tp.group(), self.tp.sequence_parallel()) {
+                    (Some(group), true) => sp_param(wpe.weight.val(), group, true),
+                    _ => wpe.weight.val(),
+                };
+                let rows = match &pass.cp {
+                    None => table.narrow(0, offset + first, len),
+                    Some(cp) => {
+                        let positions: Vec<i64> = cp.layout.positions()[first..first + len]
+                            .iter()
+                            .map(|&p| (p + offset) as i64)
+                            .collect();
+                        let index = Tensor::<1, Int>::from_data(
+                            TensorData::new(positions, [len]),
+                            &table.device(),
+                        );
+                        table.select(0, index)
+                    }
+                };
+                x + rows.unsqueeze::<3>()
+            }
+        };
+        Ok(match self.drop {
+            None => x,
+            Some(drop) => {
+                let d = self.config.d_model;
+                let site = DropoutSite::new(&[b, s, d], &[0, first, 0]);
+                drop.clone().with_stream(pass.stream).forward(x, &site)
+            }
+        })
+    }
+}
+
 /// The GPT model: one type for one device and every layout. Build it with [`Gpt::new`] (one
 /// device) or [`Gpt::build`] (any layout).
 #[derive(Module, Debug)]
@@ -1252,19 +1345,7 @@ impl Gpt {
     /// Rotary tables for `seq_len` positions starting at `offset`, or `None` for learned
     /// positions.
     pub fn rope(&self, seq_len: usize, offset: usize, device: &Device) -> Option<Rope> {
-        match self.config.positions {
-            PositionKind::Rotary => Some(
-                Rope::new(
-                    self.config.head_dim(),
-                    seq_len,
-                    offset,
-                    self.config.rope_theta,
-                    device,
-                )
-                .with_fused(self.config.fused),
-            ),
-            PositionKind::Learned => None,
-        }
+        self.config.rope(seq_len, offset, device)
     }
 
     /// The pass over `tokens` `[batch, seq]` whose first token sits at position `offset`.
@@ -1312,53 +1393,14 @@ impl Gpt {
     /// [`TpError::OutOfVocabulary`]; [`TpError::Shape`] when `offset + seq` exceeds
     /// `max_seq_len` with learned positions; collective errors.
     pub fn embed(&self, tokens: Tensor<2, Int>, offset: usize, pass: &Pass) -> TpResult<Tensor<3>> {
-        let [b, s] = tokens.dims();
-        let x = self.tp.scatter_sequence(self.wte.forward(tokens)?)?;
-        let (first, len) = pass.tokens;
-        let x = match &self.wpe {
-            None => x,
-            Some(wpe) => {
-                let whole = pass.cp.as_ref().map_or(s, |cp| cp.layout.seq());
-                if offset + whole > self.config.max_seq_len {
-                    return Err(TpError::Shape {
-                        layer: "wpe".into(),
-                        reason: format!(
-                            "a sequence of {whole} tokens at offset {offset} exceeds max_seq_len {}",
-                            self.config.max_seq_len
-                        ),
-                    });
-                }
-                // Under sequence parallelism each rank adds its own rows: the table's gradient
-                // is summed over the group.
-                let table = match (self.tp.group(), self.tp.sequence_parallel()) {
-                    (Some(group), true) => sp_param(wpe.weight.val(), group, true),
-                    _ => wpe.weight.val(),
-                };
-                let rows = match &pass.cp {
-                    None => table.narrow(0, offset + first, len),
-                    Some(cp) => {
-                        let positions: Vec<i64> = cp.layout.positions()[first..first + len]
-                            .iter()
-                            .map(|&p| (p + offset) as i64)
-                            .collect();
-                        let index = Tensor::<1, Int>::from_data(
-                            TensorData::new(positions, [len]),
-                            &table.device(),
-                        );
-                        table.select(0, index)
-                    }
-                };
-                x + rows.unsqueeze::<3>()
-            }
-        };
-        Ok(match &self.drop {
-            None => x,
-            Some(drop) => {
-                let d = self.config.d_model;
-                let site = DropoutSite::new(&[b, s, d], &[0, first, 0]);
-                drop.clone().with_stream(pass.stream).forward(x, &site)
-            }
-        })
+        Embeddings {
+            wte: &self.wte,
+            wpe: self.wpe.as_ref(),
+            drop: self.drop.as_ref(),
+            tp: &self.tp,
+            config: &self.config,
+        }
+        .forward(tokens, offset, pass)
     }
 
     /// Final norm and output projection: `[batch, tokens, d_model] -> [batch, seq, vocab]`

@@ -30,8 +30,8 @@ use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::init::{Init, LinearInit};
-use burn_parallel::nn::{Embedding, Linear, TpContext};
-use burn_parallel::tensor_parallel::{DropoutSite, SeededDropout};
+use burn_parallel::nn::{Embedding, Linear, LinearSplit, TpContext};
+use burn_parallel::tensor_parallel::SeededDropout;
 use burn_parallel::train::{TrainStep, clip_to_norm};
 use burn_parallel::{CollectiveError, ParallelDims, ProcessGroup, ReduceOp};
 use burn_pipeline::partition::{self, PartitionError};
@@ -42,8 +42,8 @@ use burn_pipeline::{ScheduleError, ScheduleKind, generators};
 
 use crate::data::{Batch, Corpus, Split};
 use crate::gpt::{
-    Block, Gpt, GptConfig, INIT_STD, Norm, Pass, PositionKind, Rope, fused_sequence_cross_entropy,
-    load_params,
+    Block, Embeddings, Gpt, GptConfig, INIT_STD, Norm, Pass, PositionKind,
+    fused_sequence_cross_entropy, load_params,
 };
 use crate::train::{NamedParam, StepStats, TrainConfig, TrainDevice, TrainReport, named_params};
 
@@ -101,6 +101,10 @@ pub struct PipelineConfig {
     pub virtual_stages: Option<usize>,
     /// How blocks are split into stages.
     pub split: StageSplit,
+    /// Tensor-parallel size inside each stage (mesh `pp x dp x tp`); 1: none.
+    pub tp: usize,
+    /// Sequence parallelism in the tensor-parallel regions (needs `tp > 1`).
+    pub sp: bool,
     /// Recompute every stage's forward in its backward instead of keeping its activations.
     pub checkpoint_activations: bool,
     /// The device.
@@ -115,6 +119,8 @@ impl Default for PipelineConfig {
             microbatches: 4,
             virtual_stages: None,
             split: StageSplit::Count,
+            tp: 1,
+            sp: false,
             checkpoint_activations: false,
             device: TrainDevice::Flex,
         }
@@ -129,11 +135,22 @@ impl PipelineConfig {
     /// split's own errors.
     pub fn validate(&self, config: &TrainConfig, world: usize) -> Result<(), GptPipelineError> {
         let bad = |s: String| Err(GptPipelineError::Config(s));
-        if self.pp == 0 || !world.is_multiple_of(self.pp) {
+        if self.pp == 0 || self.tp == 0 || !world.is_multiple_of(self.pp * self.tp) {
             return bad(format!(
-                "the world of {world} ranks cannot be split into pipelines of {} ranks; use a \
-                 --pp that divides the number of ranks",
-                self.pp
+                "the world of {world} ranks cannot be split into pipelines of {} ranks x \
+                 tensor-parallel groups of {}; use a --pp x --tp that divides the number of \
+                 ranks",
+                self.pp, self.tp
+            ));
+        }
+        if self.sp && self.tp < 2 {
+            return bad("sequence parallelism (--sp) needs --tp 2 or more".into());
+        }
+        if !config.model.n_heads.is_multiple_of(self.tp) {
+            return bad(format!(
+                "{} attention heads cannot be split over --tp {}; use a --tp that divides the \
+                 heads",
+                config.model.n_heads, self.tp
             ));
         }
         if config.grad_accum != 1 {
@@ -143,7 +160,7 @@ impl PipelineConfig {
                 config.grad_accum
             ));
         }
-        let dp = world / self.pp;
+        let dp = world / (self.pp * self.tp);
         let rows = config.batch_size / dp.max(1);
         if !config.batch_size.is_multiple_of(dp) || !rows.is_multiple_of(self.microbatches.max(1)) {
             return bad(format!(
@@ -243,14 +260,20 @@ pub struct GptStage {
     /// The data-parallel stream of the dropout masks.
     #[module(skip)]
     pub dropout_stream: u64,
+    /// The tensor-parallel context the stage's layers were split under (single without
+    /// tensor parallelism).
+    #[module(skip)]
+    pub tp: TpContext,
     /// Where the stage's tensors live.
     #[module(skip)]
     pub device: Device,
 }
 
 impl GptStage {
-    /// Builds stage `index` of `num_stages` holding blocks `layers`, from `init` (the
-    /// single-device seed and device, no tensor-parallel plan).
+    /// Builds stage `index` of `num_stages` holding blocks `layers`, from `init`: the
+    /// single-device seed and device, and for tensor parallelism the GPT's plan
+    /// (`init.with_tp(group, Gpt::tp_plan(..))`; its rules for the embedding and the head
+    /// match only on the first and last stage).
     ///
     /// # Errors
     /// [`GptPipelineError::Config`] for an invalid model or tied embeddings over several
@@ -341,6 +364,7 @@ impl GptStage {
             drop: (first && config.dropout > 0.0)
                 .then(|| SeededDropout::new(config.dropout, init.seed(), &init.path("drop"))),
             dropout_stream: 0,
+            tp: init.context(),
             device: init.device().clone(),
         })
     }
@@ -354,66 +378,54 @@ impl GptStage {
         }
     }
 
-    /// This stage's parameters at the single-device model's paths (`blocks.{global index}`).
-    pub fn named_params(&self) -> Vec<NamedParam> {
-        named_params(self)
+    /// This stage's parameters, whole (tensor-parallel shards gathered), at the single-device
+    /// model's paths (`blocks.{global index}`). A collective over the tensor-parallel group.
+    ///
+    /// # Errors
+    /// Collective errors of the gather.
+    pub fn named_params(&self) -> Result<Vec<NamedParam>, CollectiveError> {
+        Ok(self
+            .tp
+            .full_params(self)?
             .into_iter()
-            .map(|mut p| {
-                if let Some(rest) = p.path.strip_prefix("blocks.") {
+            .map(|(mut path, data)| {
+                if let Some(rest) = path.strip_prefix("blocks.") {
                     let (local, tail) = rest.split_once('.').unwrap_or((rest, ""));
                     let global = local.parse::<usize>().expect("a block index") + self.first_layer;
-                    p.path = format!("blocks.{global}.{tail}");
+                    path = format!("blocks.{global}.{tail}");
                 }
-                p
+                NamedParam {
+                    path,
+                    shape: data.shape().to_vec(),
+                    values: data
+                        .convert::<f32>()
+                        .try_to_vec::<f32>()
+                        .expect("a float parameter reads as f32"),
+                }
             })
-            .collect()
+            .collect())
     }
 
     fn embed(&self, wte: &Embedding, batch: &Batch, pass: &Pass) -> Result<Tensor<3>, StageError> {
         let (tokens, _) = batch.to_tensors(&self.device);
-        let [b, s] = tokens.dims();
-        let x = wte.forward(tokens).map_err(StageError::new)?;
-        let x = match &self.wpe {
-            None => x,
-            Some(wpe) => {
-                if s > self.config.max_seq_len {
-                    return Err(StageError::new(format!(
-                        "a sequence of {s} tokens exceeds max_seq_len {}",
-                        self.config.max_seq_len
-                    )));
-                }
-                x + wpe.weight.val().narrow(0, 0, s).unsqueeze::<3>()
-            }
-        };
-        Ok(match &self.drop {
-            None => x,
-            Some(drop) => {
-                let site = DropoutSite::new(&[b, s, self.config.d_model], &[0, 0, 0]);
-                drop.clone().with_stream(pass.stream).forward(x, &site)
-            }
-        })
+        Embeddings {
+            wte,
+            wpe: self.wpe.as_ref(),
+            drop: self.drop.as_ref(),
+            tp: &self.tp,
+            config: &self.config,
+        }
+        .forward(tokens, 0, pass)
+        .map_err(StageError::new)
     }
 }
 
 impl Stage<Batch> for GptStage {
     fn forward(&self, input: Boundary, batch: &Batch) -> Result<StageOutput, StageError> {
         let s = batch.seq_len;
-        let rope = match self.config.positions {
-            PositionKind::Rotary => Some(
-                Rope::new(
-                    self.config.head_dim(),
-                    s,
-                    0,
-                    self.config.rope_theta,
-                    &self.device,
-                )
-                .with_fused(self.config.fused),
-            ),
-            PositionKind::Learned => None,
-        };
         let pass = Pass {
             stream: self.dropout_stream,
-            ..Pass::new(s, rope, &TpContext::single())
+            ..Pass::new(s, self.config.rope(s, 0, &self.device), &self.tp)
         };
         let mut x = match &self.wte {
             Some(wte) => self.embed(wte, batch, &pass)?,
@@ -432,7 +444,8 @@ impl Stage<Batch> for GptStage {
         };
         let logits = lm_head.forward(x).map_err(StageError::new)?;
         let (_, targets) = batch.to_tensors(&self.device);
-        let loss = if self.config.fused {
+        let split = !matches!(lm_head.split, LinearSplit::Replicated);
+        let loss = if self.config.fused && !split {
             fused_sequence_cross_entropy(logits, targets)
         } else {
             lm_head
@@ -450,6 +463,8 @@ pub struct PipelineReport {
     pub train: TrainReport,
     /// This rank's report of the last step (timeline, peak micro-batches held).
     pub last_step: Option<StepReport>,
+    /// Parameters this rank holds (its stages' share under tensor parallelism).
+    pub held_params: usize,
     /// The last step's timeline on every rank (track `pp r / dp d`), for
     /// [`Timeline::chrome_trace`] and [`Timeline::bubble_fraction`].
     pub timeline: Timeline,
@@ -479,7 +494,8 @@ pub fn train_gpt_pipeline(
     let device = plain.clone().autodiff();
     let dims = ParallelDims {
         pp: pipeline.pp,
-        dp_replicate: world.size() / pipeline.pp,
+        dp_replicate: world.size() / (pipeline.pp * pipeline.tp),
+        tp: pipeline.tp,
         ..ParallelDims::default()
     };
     let mesh = dims
@@ -508,7 +524,13 @@ pub fn train_gpt_pipeline(
         } else {
             Checkpointing::Off
         });
-    let init = Init::new(config.model.seed, &device);
+    let tp = mesh
+        .group("tp")
+        .map_err(|e| GptPipelineError::Config(e.to_string()))?
+        .clone();
+    let init = Init::new(config.model.seed, &device)
+        .with_tp(&tp, Gpt::tp_plan(&config.model, pipeline.sp))
+        .map_err(|e| GptPipelineError::Config(e.to_string()))?;
     let mut stages: BTreeMap<usize, GptStage> = BTreeMap::new();
     for s in executor.local_stages() {
         let stage = GptStage::build(&config.model, &init, s, num_stages, split[s].clone())?
@@ -518,7 +540,8 @@ pub fn train_gpt_pipeline(
     let adamw = AdamWConfig::new().with_weight_decay(config.weight_decay as f32);
     let mut optims: HashMap<usize, ModuleOptimizer> =
         stages.keys().map(|&s| (s, adamw.init())).collect();
-    let mut reduce = TrainStep::new(TpContext::single());
+    // Tensor-parallel gradient fix-ups (sequence-parallel norms), then data parallelism.
+    let mut reduce = TrainStep::new(init.context());
     if dp.size() > 1 {
         reduce = reduce.with_ddp(
             burn_parallel::DistributedDataParallel::new(dp.clone())
@@ -598,7 +621,10 @@ pub fn train_gpt_pipeline(
     // ---- the last step's timeline of every rank ----
     let timeline = match &last_step {
         Some(report) => {
-            let name = format!("pp {} / dp {}", pp.rank(), dp.rank());
+            let name = match tp.size() {
+                1 => format!("pp {} / dp {}", pp.rank(), dp.rank()),
+                _ => format!("pp {} / dp {} / tp {}", pp.rank(), dp.rank(), tp.rank()),
+            };
             let tracks = world.all_gather_object(&StepTrack::new(name, report))?;
             Timeline::from_steps(&tracks).map_err(GptPipelineError::Config)?
         }
@@ -606,7 +632,11 @@ pub fn train_gpt_pipeline(
     };
 
     // ---- the whole model on every rank: validation, sample, report ----
-    let mine: Vec<NamedParam> = stages.values().flat_map(GptStage::named_params).collect();
+    let held_params = stages.values().map(Module::num_params).sum();
+    let mut mine: Vec<NamedParam> = Vec::new();
+    for stage in stages.values() {
+        mine.extend(stage.named_params()?);
+    }
     let mut all: Vec<NamedParam> = pp.all_gather_object(&mine)?.into_iter().flatten().collect();
     all.sort_by(|a, b| a.path.cmp(&b.path));
     let values: HashMap<String, TensorData> = all
@@ -650,6 +680,7 @@ pub fn train_gpt_pipeline(
             final_params: named_params(&full),
         },
         last_step,
+        held_params,
         timeline,
     })
 }
@@ -684,8 +715,9 @@ pub struct PipelineArgs {
 }
 
 impl PipelineArgs {
-    /// The [`PipelineConfig`] these flags ask for, on `device`.
-    pub fn config(&self, device: TrainDevice) -> PipelineConfig {
+    /// The [`PipelineConfig`] these flags ask for, on `device`, with `tp`-way tensor
+    /// parallelism (and sequence parallelism when `sp`) inside each stage.
+    pub fn config(&self, device: TrainDevice, tp: usize, sp: bool) -> PipelineConfig {
         PipelineConfig {
             pp: self.pp,
             schedule: self.schedule,
@@ -696,6 +728,8 @@ impl PipelineArgs {
             } else {
                 StageSplit::Count
             },
+            tp,
+            sp,
             checkpoint_activations: self.checkpoint_activations,
             device,
         }
@@ -718,14 +752,16 @@ pub fn run_rank(
     if lead {
         let m = &config.model;
         println!(
-            "GPT {} layers x width {} ({:.2}M params), {} ranks = pp {} x dp {}, schedule {} \
-             ({} micro-batches{}), global batch {} x {} tokens, {} steps",
+            "GPT {} layers x width {} ({:.2}M params), {} ranks = pp {} x dp {} x tp {}{}, \
+             schedule {} ({} micro-batches{}), global batch {} x {} tokens, {} steps",
             m.n_layers,
             m.d_model,
             m.num_params() as f64 / 1e6,
             world.size(),
             pipeline.pp,
-            world.size() / pipeline.pp.max(1),
+            world.size() / (pipeline.pp * pipeline.tp).max(1),
+            pipeline.tp,
+            if pipeline.sp { " (sp)" } else { "" },
             pipeline.schedule,
             pipeline.microbatches,
             pipeline

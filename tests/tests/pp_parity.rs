@@ -3,7 +3,7 @@
 //! micro-batches, and pp 2 x dp 2, gives over 20 steps the losses of the independent
 //! plain-Burn [`tests::reference_run`] on the same global batch (relative difference <= 1e-5)
 //! and its final parameters; so does `gpt --pp 2 --schedule zbv` as 2 TCP processes through
-//! `burnrun`; so do global-norm clipping and activation checkpointing. Also: stages built from the seed hold exactly the single-device
+//! `burnrun`; so do global-norm clipping, activation checkpointing and pp x tp (x dp). Also: stages built from the seed hold exactly the single-device
 //! initial values and only their own parameters, every split policy trains the same model, and
 //! impossible settings are typed errors before anything runs.
 
@@ -62,10 +62,12 @@ fn run(world: usize, p: &PipelineConfig, config: &TrainConfig) -> TrainReport {
 
 fn check(reference: &Reference, world: usize, p: PipelineConfig, config: &TrainConfig) {
     let what = format!(
-        "{} pp {} x dp {} m {}",
+        "{} pp {} x dp {} x tp {}{} m {}",
         p.schedule,
         p.pp,
-        world / p.pp,
+        world / (p.pp * p.tp),
+        p.tp,
+        if p.sp { " (sp)" } else { "" },
         p.microbatches
     );
     let r = run(world, &p, config);
@@ -116,6 +118,48 @@ fn pp2_x_dp2_matches_single_device() {
     let reference = reference_run(&config);
     check(&reference, 4, pipeline("1f1b", 2, 2), &config);
     check(&reference, 4, pipeline("zbv", 2, 4), &config);
+}
+
+/// Tensor (and sequence) parallelism inside the stages: pp 2 x tp 2, and pp 2 x dp 2 x tp 2
+/// in one mesh of 8 ranks, with clipping (the norm counts tp shards once per shard).
+#[test]
+fn pp_x_tp_matches_single_device() {
+    let mut config = config();
+    config.steps = 10;
+    let reference = reference_run(&config);
+    let tp = |p: PipelineConfig, sp: bool| PipelineConfig { tp: 2, sp, ..p };
+    check(&reference, 4, tp(pipeline("1f1b", 2, 4), false), &config);
+    check(&reference, 4, tp(pipeline("zbv", 2, 4), true), &config);
+    config.max_grad_norm = Some(0.05);
+    let clipped = reference_run(&config);
+    check(
+        &clipped,
+        8,
+        tp(pipeline("interleaved", 2, 4), true),
+        &config,
+    );
+
+    // Each rank holds its half of its stage's split layers.
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    config.steps = 1;
+    let held = |p: PipelineConfig, world: usize| {
+        run_local(world, |g| {
+            Ok(train_gpt_pipeline(&g, &config, &p, &corpus, &mut |_| {})
+                .unwrap()
+                .held_params)
+        })
+        .unwrap()
+    };
+    let whole = held(pipeline("1f1b", 2, 4), 2);
+    let split = held(tp(pipeline("1f1b", 2, 4), false), 4);
+    // Mesh [pp, dp, tp]: ranks 0, 1 hold stage 0; ranks 2, 3 stage 1.
+    for (rank, &h) in split.iter().enumerate() {
+        let stage = whole[rank / 2];
+        assert!(
+            h < stage * 6 / 10 && h > stage * 4 / 10,
+            "rank {rank} holds {h} of its stage's {stage} parameters"
+        );
+    }
 }
 
 /// Global-norm clipping (the norm summed over the stages before any stage steps) and
@@ -218,7 +262,7 @@ fn stages_hold_their_single_device_parameters_and_nothing_else() {
     let mut seen = 0;
     for (s, layers) in split.into_iter().enumerate() {
         let stage = GptStage::build(&config, &init, s, 3, layers.clone()).unwrap();
-        let params = stage.named_params();
+        let params = stage.named_params().unwrap();
         for p in &params {
             let (shape, values) = &whole[&p.path];
             assert_eq!((&p.shape, &p.values), (shape, values), "{}", p.path);
