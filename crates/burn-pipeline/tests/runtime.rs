@@ -202,17 +202,18 @@ fn pipelined(schedule: &Schedule, steps: usize) -> Vec<RankRun> {
         .collect()
 }
 
+/// Final parameters of each local stage.
+type Params = BTreeMap<usize, Vec<f32>>;
+/// Forward calls of each local stage: `[with the graph, without]`.
+type Calls = BTreeMap<usize, [usize; 2]>;
+
 /// [`pipelined`] with activation checkpointing; also returns each local stage's forward calls
 /// `[with the graph, without]`.
 fn pipelined_with(
     schedule: &Schedule,
     steps: usize,
     checkpointing: &Checkpointing,
-) -> Vec<(
-    Vec<f32>,
-    BTreeMap<usize, Vec<f32>>,
-    BTreeMap<usize, [usize; 2]>,
-)> {
+) -> Vec<(Vec<f32>, Params, Calls)> {
     let p = schedule.num_ranks();
     let m = schedule.num_microbatches();
     let stages = schedule.num_stages();
