@@ -123,6 +123,23 @@
 //! `peak_activations` and `peak_activations_until_input`. A stage without deferred linears
 //! (the bundled GPT, whose layers are `burn_parallel::nn::Linear`) runs its whole backward in
 //! `I` and nothing in `W`: correct, with the timing of a schedule whose `W` is free.
+//! [`deferred::WeightGradStore::defer`] takes any closure computing a weight's gradient, so a
+//! custom layer whose backward is written with `attach` can defer its own.
+//!
+//! *Activation checkpointing* ([`runtime::Checkpointing`],
+//! [`runtime::Executor::with_checkpointing`]). A checkpointed stage's `F` runs the stage on a
+//! graph-free copy of the module (`Module::valid`, the input a plain tensor), so no
+//! intermediate activation outlives the forward; the stage keeps only its input (and its
+//! output until it is sent). Its `B`/`I` run the forward again on that input, with the graph,
+//! then the backward as usual: the same gradients for one more forward per micro-batch. The
+//! stage's forward must be deterministic (random ops must draw the same values twice).
+//!
+//! *Traces* ([`trace`]). Every [`runtime::StepReport`] holds this rank's timeline and the wall
+//! clock of its start; [`trace::StepTrack`]s gathered from every rank make one
+//! [`trace::Timeline`], the same type the simulator's report converts to, so that the measured
+//! bubble and the predicted one ([`simulate::Costs::from_timeline`] feeds the step's own
+//! action times back to the simulator) compare directly, and both write a Chrome/Perfetto
+//! trace with a track per rank.
 
 pub mod deferred;
 pub mod format;
