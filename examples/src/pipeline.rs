@@ -26,8 +26,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
 use std::time::Instant;
 
-use burn::module::Module;
-use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::module::{Module, ParamId};
+use burn::optim::{AdamW, AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::init::{Init, LinearInit};
 use burn_parallel::nn::{Embedding, Linear, LinearSplit, TpContext};
@@ -39,6 +39,7 @@ use burn_pipeline::runtime::{Checkpointing, Executor, PipelineError, StepReport,
 use burn_pipeline::stage::{Boundary, Stage, StageError, StageOutput};
 use burn_pipeline::trace::{StepTrack, Timeline};
 use burn_pipeline::{ScheduleError, ScheduleKind, generators};
+use burn_zero::{ShardGroups, ZeroConfig, ZeroOptimizer};
 
 use crate::data::{Batch, Corpus, Split};
 use crate::gpt::{
@@ -105,6 +106,8 @@ pub struct PipelineConfig {
     pub tp: usize,
     /// Sequence parallelism in the tensor-parallel regions (needs `tp > 1`).
     pub sp: bool,
+    /// ZeRO stage 1 or 2 over each stage's data-parallel replicas (`None`: DDP).
+    pub zero: Option<burn_zero::Stage>,
     /// Recompute every stage's forward in its backward instead of keeping its activations.
     pub checkpoint_activations: bool,
     /// The device.
@@ -121,6 +124,7 @@ impl Default for PipelineConfig {
             split: StageSplit::Count,
             tp: 1,
             sp: false,
+            zero: None,
             checkpoint_activations: false,
             device: TrainDevice::Flex,
         }
@@ -171,6 +175,20 @@ impl PipelineConfig {
                 dp * self.microbatches
             ));
         }
+        if self.zero == Some(burn_zero::Stage::Three) {
+            return bad(
+                "FSDP (--zero 3) is not composed with pipeline parallelism yet; use --zero 1 or \
+                 2 (optimizer state and gradients sharded over each stage's replicas)"
+                    .into(),
+            );
+        }
+        if self.zero.is_some() && config.max_grad_norm.is_some() {
+            return bad(
+                "--clip with --zero under --pp is not supported yet (ZeRO clips by the norm of \
+                 one stage, not of the whole model); drop --clip or --zero"
+                    .into(),
+            );
+        }
         if self.checkpoint_activations && config.model.dropout > 0.0 {
             return bad(format!(
                 "activation checkpointing recomputes the forward, and dropout ({}) would draw \
@@ -187,13 +205,6 @@ impl PipelineConfig {
             self.virtual_stages,
         )?;
         let stages = schedule.num_stages();
-        if config.model.tied_embeddings && stages > 1 {
-            return bad(
-                "tied embeddings are not supported across pipeline stages yet (the embedding \
-                 and the head live on different stages); use untied embeddings"
-                    .into(),
-            );
-        }
         split_blocks(&config.model, stages, &self.split)?;
         Ok(())
     }
@@ -302,11 +313,6 @@ impl GptStage {
         config
             .validate()
             .map_err(|e| GptPipelineError::Config(format!("invalid GptConfig: {e}")))?;
-        if config.tied_embeddings && num_stages > 1 {
-            return Err(GptPipelineError::Config(
-                "tied embeddings are not supported across pipeline stages yet".into(),
-            ));
-        }
         if config.moe.is_some() {
             return Err(GptPipelineError::Config(
                 "a GPT-MoE (model.moe, --moe-experts) is not supported with pipeline \
@@ -326,7 +332,9 @@ impl GptStage {
             .map(|i| Block::new(&config.block(), &init.at("blocks").at(i)).map_err(|e| build(&e)))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
-            wte: if first {
+            // Tied embeddings: the last stage holds its own copy of the token table for the
+            // head; the trainer sums the two copies' gradients (`tied_weight`).
+            wte: if first || (last && config.tied_embeddings) {
                 Some(
                     init.embedding("wte", v, d, INIT_STD)
                         .map_err(|e| build(&e))?,
@@ -406,6 +414,16 @@ impl GptStage {
             .collect())
     }
 
+    /// The id of this stage's copy of the token table when the model ties it to the head and
+    /// the first and last stages are different modules: its gradient must be summed with the
+    /// other copy's before either steps.
+    pub fn tied_weight(&self) -> Option<ParamId> {
+        let ends = self.index == 0 || self.index + 1 == self.num_stages;
+        (self.config.tied_embeddings && self.num_stages > 1 && ends)
+            .then(|| self.wte.as_ref().map(|w| w.weight.id))
+            .flatten()
+    }
+
     fn embed(&self, wte: &Embedding, batch: &Batch, pass: &Pass) -> Result<Tensor<3>, StageError> {
         let (tokens, _) = batch.to_tensors(&self.device);
         Embeddings {
@@ -427,14 +445,14 @@ impl Stage<Batch> for GptStage {
             stream: self.dropout_stream,
             ..Pass::new(s, self.config.rope(s, 0, &self.device), &self.tp)
         };
-        let mut x = match &self.wte {
-            Some(wte) => self.embed(wte, batch, &pass)?,
-            None => input.get::<3>(0)?,
+        let mut x = match (&self.wte, self.index) {
+            (Some(wte), 0) => self.embed(wte, batch, &pass)?,
+            _ => input.get::<3>(0)?,
         };
         for block in &self.blocks {
             x = block.forward(x, &pass).map_err(StageError::new)?;
         }
-        let (Some(ln_f), Some(lm_head)) = (&self.ln_f, &self.lm_head) else {
+        let Some(ln_f) = &self.ln_f else {
             return Ok(StageOutput::Boundary(Boundary::new().with(x)));
         };
         let x = if self.config.fused {
@@ -442,15 +460,25 @@ impl Stage<Batch> for GptStage {
         } else {
             ln_f.forward(x)
         };
-        let logits = lm_head.forward(x).map_err(StageError::new)?;
         let (_, targets) = batch.to_tensors(&self.device);
-        let split = !matches!(lm_head.split, LinearSplit::Replicated);
+        let (logits, split) = match (&self.lm_head, &self.wte) {
+            (Some(head), _) => (
+                head.forward(x),
+                !matches!(head.split, LinearSplit::Replicated),
+            ),
+            (None, Some(wte)) => (wte.attend(x, &self.tp), wte.split.is_some()),
+            (None, None) => return Err(StageError::new("the last stage has no output layer")),
+        };
+        let logits = logits.map_err(StageError::new)?;
         let loss = if self.config.fused && !split {
             fused_sequence_cross_entropy(logits, targets)
         } else {
-            lm_head
-                .cross_entropy(logits, targets)
-                .map_err(StageError::new)?
+            match (&self.lm_head, &self.wte) {
+                (Some(head), _) => head.cross_entropy(logits, targets),
+                (None, Some(wte)) => wte.cross_entropy(logits, targets),
+                (None, None) => unreachable!("checked above"),
+            }
+            .map_err(StageError::new)?
         };
         Ok(StageOutput::Loss(loss))
     }
@@ -538,8 +566,25 @@ pub fn train_gpt_pipeline(
         stages.insert(s, stage);
     }
     let adamw = AdamWConfig::new().with_weight_decay(config.weight_decay as f32);
-    let mut optims: HashMap<usize, ModuleOptimizer> =
-        stages.keys().map(|&s| (s, adamw.init())).collect();
+    let mut optims: BTreeMap<usize, StageOptim> = BTreeMap::new();
+    for (&s, stage) in &stages {
+        let optim = match pipeline.zero {
+            None => StageOptim::Adam(adamw.init()),
+            Some(kind) => {
+                let zero = ZeroConfig::new(kind)
+                    .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
+                let zero =
+                    ZeroOptimizer::new(stage, ShardGroups::flat(dp.clone()), zero, adamw.build())
+                        .map_err(|e| GptPipelineError::Build {
+                            stage: s,
+                            reason: e.to_string(),
+                        })?
+                        .with_tensor_parallel(&stage.tp);
+                StageOptim::Zero(Box::new(zero))
+            }
+        };
+        optims.insert(s, optim);
+    }
     // Tensor-parallel gradient fix-ups (sequence-parallel norms), then data parallelism.
     let mut reduce = TrainStep::new(init.context());
     if dp.size() > 1 {
@@ -548,6 +593,29 @@ pub fn train_gpt_pipeline(
                 .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize),
         );
     }
+    // Tied embeddings: the pipeline ranks of the first and the last stage sum the two copies'
+    // gradients (over this pair, or in memory when one rank holds both, as in ZBV).
+    let placement = executor.schedule().placement().clone();
+    let owners = [
+        placement.rank_of(0).expect("stage 0 is placed"),
+        placement
+            .rank_of(num_stages - 1)
+            .expect("the last stage is placed"),
+    ];
+    let tied_pair = match config.model.tied_embeddings && num_stages > 1 {
+        true if owners[0] != owners[1] && owners.contains(&pp.rank()) => Some(pp.split(&owners)?),
+        _ => None,
+    };
+    let mut updater = StageUpdater {
+        optims,
+        reduce,
+        hold_all: config.max_grad_norm.is_some(),
+        max_norm: config.max_grad_norm,
+        tied_pair,
+        pp: pp.clone(),
+        held: BTreeMap::new(),
+        lr: 0.0,
+    };
 
     let rows_per_rank = config.batch_size / dp.size();
     let micro_rows = rows_per_rank / pipeline.microbatches;
@@ -570,37 +638,11 @@ pub fn train_gpt_pipeline(
             })
             .collect();
         let lr = config.lr_at(step);
-        // Without clipping each stage steps at its REDUCE; with clipping the reduced gradients
-        // wait for the norm over every stage.
-        let mut held: BTreeMap<usize, GradientsParams> = BTreeMap::new();
-        let mut update =
-            |s: usize, stage: GptStage, grads: GradientsParams| -> Result<GptStage, UpdateError> {
-                let (grads, _) = reduce.reduce(&stage, grads)?;
-                if config.max_grad_norm.is_some() {
-                    held.insert(s, grads);
-                    return Ok(stage);
-                }
-                let optim = optims.get_mut(&s).expect("an optimizer per local stage");
-                Ok(optim.step(lr, stage, grads))
-            };
-        let report = executor.step(&mut stages, &batches, &mut update)?;
-        if let Some(max_norm) = config.max_grad_norm {
-            let mut squares = 0.0;
-            for (s, grads) in &held {
-                squares += reduce.global_norm(&stages[s], grads)?.powi(2);
-            }
-            let norm = pp
-                .all_reduce_data(TensorData::new(vec![squares], [1]), ReduceOp::Sum)?
-                .try_to_vec::<f64>()
-                .map_err(|e| GptPipelineError::Config(format!("the summed norm: {e:?}")))?[0]
-                .sqrt();
-            for (s, grads) in held {
-                let stage = stages.remove(&s).expect("a local stage");
-                let grads = clip_to_norm(&stage, grads, norm, max_norm);
-                let optim = optims.get_mut(&s).expect("an optimizer per local stage");
-                stages.insert(s, optim.step(lr, stage, grads));
-            }
-        }
+        updater.lr = lr;
+        let report = executor.step(&mut stages, &batches, &mut |s, stage, grads| {
+            updater.at_reduce(s, stage, grads)
+        })?;
+        updater.finish(&mut stages)?;
         let loss = dp.all_reduce_f32(vec![report.loss], ReduceOp::Avg)?[0] as f64;
         losses.push(loss);
         last_step = Some(report);
@@ -685,6 +727,138 @@ pub fn train_gpt_pipeline(
     })
 }
 
+/// The optimizer of one stage: AdamW over the stage's replicas (DDP), or ZeRO-1/2 sharding
+/// AdamW's state (and at stage 2 the gradients) over them.
+// One per local stage, built once: boxing the larger variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
+enum StageOptim {
+    Adam(ModuleOptimizer),
+    Zero(Box<ZeroOptimizer<AdamW>>),
+}
+
+/// What happens at each stage's `REDUCE` and after the step: the data-parallel reduction and
+/// the optimizer step at once, or, when the step needs every stage (global-norm clipping) or
+/// another stage's gradient (a token table tied to the head), held until the step ends.
+struct StageUpdater {
+    optims: BTreeMap<usize, StageOptim>,
+    reduce: TrainStep,
+    hold_all: bool,
+    max_norm: Option<f64>,
+    /// The pair of pipeline ranks holding the two copies of a tied token table, when they
+    /// differ and this rank is one of them.
+    tied_pair: Option<ProcessGroup>,
+    pp: ProcessGroup,
+    held: BTreeMap<usize, GradientsParams>,
+    lr: f64,
+}
+
+impl StageUpdater {
+    fn at_reduce(
+        &mut self,
+        s: usize,
+        stage: GptStage,
+        grads: GradientsParams,
+    ) -> Result<GptStage, UpdateError> {
+        let hold = self.hold_all || stage.tied_weight().is_some();
+        let grads = match self.optims.get(&s) {
+            // DDP now, overlapping the rest of the pipeline; ZeRO reduces in its own step.
+            Some(StageOptim::Adam(_)) => self.reduce.reduce(&stage, grads)?.0,
+            _ => grads,
+        };
+        if hold {
+            self.held.insert(s, grads);
+            return Ok(stage);
+        }
+        Ok(self.apply(s, stage, grads)?)
+    }
+
+    fn apply(
+        &mut self,
+        s: usize,
+        stage: GptStage,
+        grads: GradientsParams,
+    ) -> Result<GptStage, GptPipelineError> {
+        let lr = self.lr;
+        match self
+            .optims
+            .get_mut(&s)
+            .expect("an optimizer per local stage")
+        {
+            StageOptim::Adam(optim) => Ok(optim.step(lr, stage, grads)),
+            StageOptim::Zero(zero) => {
+                let zero_error = |e: burn_zero::ZeroError| GptPipelineError::Build {
+                    stage: s,
+                    reason: e.to_string(),
+                };
+                zero.accumulate(&stage, grads).map_err(zero_error)?;
+                Ok(zero.step(lr, stage).map_err(zero_error)?.0)
+            }
+        }
+    }
+
+    /// Sums the tied copies' gradients, clips by the norm over every stage (the tied table
+    /// counted once), and steps the held stages.
+    fn finish(&mut self, stages: &mut BTreeMap<usize, GptStage>) -> Result<(), GptPipelineError> {
+        let held = std::mem::take(&mut self.held);
+        let mut held: Vec<(usize, GradientsParams)> = held.into_iter().collect();
+        // ---- tied token table ----
+        let mut tied = Vec::new();
+        for (s, grads) in &mut held {
+            if let Some(id) = stages[s].tied_weight() {
+                let g = grads.remove::<2>(id).ok_or_else(|| {
+                    GptPipelineError::Config(format!("stage {s}: no gradient for the tied table"))
+                })?;
+                tied.push((*s, id, g));
+            }
+        }
+        let sum = match (tied.len(), &self.tied_pair) {
+            (0, _) => None,
+            (1, Some(pair)) => Some(pair.all_reduce(tied[0].2.clone(), ReduceOp::Sum)?),
+            (2, None) => Some(tied[0].2.clone() + tied[1].2.clone()),
+            (n, _) => {
+                return Err(GptPipelineError::Config(format!(
+                    "{n} copies of the tied token table on one pipeline rank"
+                )));
+            }
+        };
+        // ---- global-norm clipping over every stage ----
+        let last = |s: usize| s + 1 == stages[&s].num_stages;
+        let norm = match self.max_norm {
+            None => None,
+            Some(_) => {
+                let mut squares = 0.0;
+                for (s, grads) in &mut held {
+                    // The tied table counts once: with the first stage.
+                    let tied_here = tied.iter().find(|t| t.0 == *s && !last(*s));
+                    if let (Some((_, id, _)), Some(g)) = (tied_here, &sum) {
+                        grads.register::<2>(*id, g.clone());
+                    }
+                    squares += self.reduce.global_norm(&stages[s], grads)?.powi(2);
+                }
+                let total = self
+                    .pp
+                    .all_reduce_data(TensorData::new(vec![squares], [1]), ReduceOp::Sum)?
+                    .try_to_vec::<f64>()
+                    .map_err(|e| GptPipelineError::Config(format!("the summed norm: {e:?}")))?;
+                Some(total[0].sqrt())
+            }
+        };
+        for (s, mut grads) in held {
+            if let (Some((_, id, _)), Some(g)) = (tied.iter().find(|t| t.0 == s), &sum) {
+                grads.register::<2>(*id, g.clone());
+            }
+            let stage = stages.remove(&s).expect("a local stage");
+            let grads = match (norm, self.max_norm) {
+                (Some(norm), Some(max)) => clip_to_norm(&stage, grads, norm, max),
+                _ => grads,
+            };
+            let stage = self.apply(s, stage, grads)?;
+            stages.insert(s, stage);
+        }
+        Ok(())
+    }
+}
+
 /// The `gpt` binary's pipeline flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct PipelineArgs {
@@ -716,8 +890,15 @@ pub struct PipelineArgs {
 
 impl PipelineArgs {
     /// The [`PipelineConfig`] these flags ask for, on `device`, with `tp`-way tensor
-    /// parallelism (and sequence parallelism when `sp`) inside each stage.
-    pub fn config(&self, device: TrainDevice, tp: usize, sp: bool) -> PipelineConfig {
+    /// parallelism (and sequence parallelism when `sp`) inside each stage and ZeRO `zero`
+    /// over each stage's replicas.
+    pub fn config(
+        &self,
+        device: TrainDevice,
+        tp: usize,
+        sp: bool,
+        zero: Option<burn_zero::Stage>,
+    ) -> PipelineConfig {
         PipelineConfig {
             pp: self.pp,
             schedule: self.schedule,
@@ -730,6 +911,7 @@ impl PipelineArgs {
             },
             tp,
             sp,
+            zero,
             checkpoint_activations: self.checkpoint_activations,
             device,
         }

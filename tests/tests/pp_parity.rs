@@ -3,7 +3,8 @@
 //! micro-batches, and pp 2 x dp 2, gives over 20 steps the losses of the independent
 //! plain-Burn [`tests::reference_run`] on the same global batch (relative difference <= 1e-5)
 //! and its final parameters; so does `gpt --pp 2 --schedule zbv` as 2 TCP processes through
-//! `burnrun`; so do global-norm clipping, activation checkpointing and pp x tp (x dp). Also: stages built from the seed hold exactly the single-device
+//! `burnrun`; so do global-norm clipping, activation checkpointing, tied embeddings across
+//! stages, ZeRO-1/2 per stage, and pp x tp (x dp). Also: stages built from the seed hold exactly the single-device
 //! initial values and only their own parameters, every split policy trains the same model, and
 //! impossible settings are typed errors before anything runs.
 
@@ -162,6 +163,48 @@ fn pp_x_tp_matches_single_device() {
     }
 }
 
+/// A token table tied to the head: the first and the last stage each hold a copy, and their
+/// gradients are summed before either steps: on two ranks (1F1B, interleaved with clipping,
+/// where the norm counts the table once) and on one rank (ZBV's V puts both ends on rank 0).
+#[test]
+fn tied_embeddings_across_stages_match_single_device() {
+    let mut config = config();
+    config.steps = 10;
+    config.model.tied_embeddings = true;
+    let reference = reference_run(&config);
+    check(&reference, 2, pipeline("1f1b", 2, 4), &config);
+    check(&reference, 2, pipeline("zbv", 2, 4), &config);
+    let tp = PipelineConfig {
+        tp: 2,
+        sp: true,
+        ..pipeline("1f1b", 2, 4)
+    };
+    check(&reference, 4, tp, &config);
+    config.max_grad_norm = Some(0.05);
+    let clipped = reference_run(&config);
+    check(&clipped, 4, pipeline("interleaved", 4, 4), &config);
+}
+
+/// ZeRO-1 and ZeRO-2 over each stage's data-parallel replicas (pp 2 x dp 2), and with tensor
+/// parallelism inside the stages (pp 2 x dp 2 x tp 2).
+#[test]
+fn pp_x_zero_matches_single_device() {
+    let mut config = config();
+    config.steps = 10;
+    let reference = reference_run(&config);
+    let zero = |p: PipelineConfig, n: usize| PipelineConfig {
+        zero: Some(burn_zero::Stage::from_number(n).unwrap()),
+        ..p
+    };
+    check(&reference, 4, zero(pipeline("1f1b", 2, 2), 1), &config);
+    check(&reference, 4, zero(pipeline("zbv", 2, 4), 2), &config);
+    let tp = PipelineConfig {
+        tp: 2,
+        ..pipeline("gpipe", 2, 2)
+    };
+    check(&reference, 8, zero(tp, 2), &config);
+}
+
 /// Global-norm clipping (the norm summed over the stages before any stage steps) and
 /// activation checkpointing (every stage's forward recomputed in its backward) give the
 /// single-device run, alone and together, with data parallelism and in V order; the last
@@ -292,10 +335,18 @@ fn impossible_settings_are_typed_errors() {
             }
         ))
     ));
-    let mut tied = config.clone();
-    tied.model.tied_embeddings = true;
-    let e = pipeline("1f1b", 2, 4).validate(&tied, 2).unwrap_err();
-    assert!(e.to_string().contains("tied embeddings"), "{e}");
+    let zero = |n: usize| PipelineConfig {
+        zero: Some(burn_zero::Stage::from_number(n).unwrap()),
+        ..pipeline("1f1b", 2, 4)
+    };
+    let e = zero(3).validate(&config, 4).unwrap_err();
+    assert!(e.to_string().contains("--zero 3"), "{e}");
+    let clipped = TrainConfig {
+        max_grad_norm: Some(1.0),
+        ..config.clone()
+    };
+    let e = zero(1).validate(&clipped, 4).unwrap_err();
+    assert!(e.to_string().contains("--clip"), "{e}");
     let mut dropout = config.clone();
     dropout.model.dropout = 0.1;
     let recompute = PipelineConfig {

@@ -438,14 +438,14 @@ fn main() -> ExitCode {
     if args.pipeline.pp > 1 {
         let refused = [
             (args.cp > 1, "--cp"),
-            (args.zero.is_some(), "--zero"),
             (args.hybrid.is_some(), "--hybrid"),
             (args.ep > 1, "--ep"),
         ];
         if let Some((_, flag)) = refused.iter().find(|r| r.0) {
             eprintln!(
                 "error: {flag} is not composed with pipeline parallelism yet; --pp runs with data \
-                 parallelism (--ranks) and tensor parallelism (--tp, --sp): drop {flag}"
+                 parallelism (--ranks, --zero 1|2) and tensor parallelism (--tp, --sp): drop \
+                 {flag}"
             );
             return ExitCode::from(2);
         }
@@ -761,7 +761,16 @@ fn print_bubble(pipeline: &examples::pipeline::PipelineConfig, timeline: &Timeli
 
 /// `--pp N`: pipeline parallelism (mesh `pp x dp x tp`), see `examples::pipeline`.
 fn run_pipeline(args: &Args, config: &TrainConfig, corpus: &Corpus) -> ExitCode {
-    let pipeline = args.pipeline.config(train_device(args), args.tp, args.sp);
+    let zero = match args.zero.map(|n| Stage::from_number(n.into())).transpose() {
+        Ok(zero) => zero,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let pipeline = args
+        .pipeline
+        .config(train_device(args), args.tp, args.sp, zero);
     let run = |world: ProcessGroup| {
         examples::pipeline::run_rank(&world, config, &pipeline, corpus, args.log_every).map_err(
             |e| CollectiveError::InvalidArgument {
