@@ -77,7 +77,7 @@ pub enum GptPipelineError {
 }
 
 /// How the GPT's blocks are split into stages.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub enum StageSplit {
     /// The same number of blocks per stage (the first stages take one more).
     #[default]
@@ -87,6 +87,24 @@ pub enum StageSplit {
     Params,
     /// Stage `i + 1` starts at block `boundaries[i]`.
     Explicit(Vec<usize>),
+    /// Balanced by time: the trainer measures the forward and backward of the embedding, one
+    /// block and the head on a micro-batch ([`measure_layer_times`], averaged over the ranks
+    /// so that every rank splits alike) and splits as [`StageSplit::Times`].
+    Measured,
+    /// Balanced by given times (seconds, or any unit): the first stage also pays `first`
+    /// (the embedding), the last `last` (final norm, head and loss), every block `block`.
+    Times(LayerTimes),
+}
+
+/// Forward + backward time of the GPT's parts for one micro-batch.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerTimes {
+    /// The embedding (first stage).
+    pub first: f64,
+    /// One transformer block.
+    pub block: f64,
+    /// Final norm, head and loss (last stage).
+    pub last: f64,
 }
 
 /// The pipeline settings of [`train_gpt_pipeline`].
@@ -205,7 +223,12 @@ impl PipelineConfig {
             self.virtual_stages,
         )?;
         let stages = schedule.num_stages();
-        split_blocks(&config.model, stages, &self.split)?;
+        let split = match &self.split {
+            // Measured later: any feasible split has at least one block per stage.
+            StageSplit::Measured => &StageSplit::Count,
+            other => other,
+        };
+        split_blocks(&config.model, stages, split)?;
         Ok(())
     }
 }
@@ -213,16 +236,18 @@ impl PipelineConfig {
 /// The blocks of each of `stages` stages.
 ///
 /// # Errors
-/// [`PartitionError`] (more stages than blocks, bad explicit boundaries).
+/// [`GptPipelineError::Partition`] (more stages than blocks, bad explicit boundaries, bad
+/// times); [`GptPipelineError::Config`] for [`StageSplit::Measured`], which the trainer turns
+/// into [`StageSplit::Times`] by measuring first.
 pub fn split_blocks(
     config: &GptConfig,
     stages: usize,
     split: &StageSplit,
-) -> Result<Vec<Range<usize>>, PartitionError> {
+) -> Result<Vec<Range<usize>>, GptPipelineError> {
     let n = config.n_layers;
-    match split {
-        StageSplit::Count => partition::by_count(n, stages),
-        StageSplit::Explicit(b) => partition::explicit(n, stages, b),
+    Ok(match split {
+        StageSplit::Count => partition::by_count(n, stages)?,
+        StageSplit::Explicit(b) => partition::explicit(n, stages, b)?,
         StageSplit::Params => {
             let d = config.d_model;
             let block = config.block().num_params() as f64;
@@ -233,9 +258,67 @@ pub fn split_blocks(
             let first = (config.vocab_size * d + wpe) as f64;
             let norm = config.num_params() as f64 - first - block * n as f64;
             // What is left besides the blocks and the embeddings: the final norm and the head.
-            partition::balanced(&vec![block; n], stages, first, norm.max(0.0))
+            partition::balanced(&vec![block; n], stages, first, norm.max(0.0))?
         }
-    }
+        StageSplit::Times(t) => partition::balanced(&vec![t.block; n], stages, t.first, t.last)?,
+        StageSplit::Measured => {
+            return Err(GptPipelineError::Config(
+                "StageSplit::Measured is resolved by measuring (measure_layer_times) into \
+                 StageSplit::Times before splitting"
+                    .into(),
+            ));
+        }
+    })
+}
+
+/// Measures the forward and backward time of the embedding, one block and the head (final
+/// norm, projection and loss) on the micro-batch `batch`, on `device` (an autodiff device), from stages built like the real ones: the median of
+/// `repeats` runs after a warm-up. Each part is timed alone: a first stage without blocks, a
+/// middle stage of one block, a last stage without blocks.
+///
+/// # Errors
+/// [`GptPipelineError::Build`] when a probe stage cannot be built or run.
+pub fn measure_layer_times(
+    config: &GptConfig,
+    batch: &Batch,
+    device: &Device,
+    repeats: usize,
+) -> Result<LayerTimes, GptPipelineError> {
+    let init = Init::new(config.seed, device);
+    let d = config.d_model;
+    let rows = batch.batch_size;
+    let time = |index: usize, stages: usize, blocks: usize| -> Result<f64, GptPipelineError> {
+        let probe = GptStage::build(config, &init, index, stages, 0..blocks)?;
+        let fail = |e: &dyn std::fmt::Display| GptPipelineError::Build {
+            stage: index,
+            reason: format!("measuring layer times: {e}"),
+        };
+        let mut runs = Vec::with_capacity(repeats + 1);
+        for _ in 0..=repeats.max(1) {
+            let input = match index {
+                0 => Boundary::new(),
+                _ => Boundary::new()
+                    .with(Tensor::<3>::zeros([rows, batch.seq_len, d], device).require_grad()),
+            };
+            let t0 = Instant::now();
+            let out = probe.forward(input, batch).map_err(|e| fail(&e.message))?;
+            let seed = match out {
+                StageOutput::Loss(loss) => loss,
+                StageOutput::Boundary(b) => b.get::<3>(0).map_err(|e| fail(&e.message))?.sum(),
+            };
+            let _grads = seed.backward();
+            runs.push(t0.elapsed().as_secs_f64());
+        }
+        runs.remove(0); // warm-up
+        runs.sort_by(f64::total_cmp);
+        Ok(runs[runs.len() / 2])
+    };
+    // Probes of a three-stage split: the embedding alone, one block alone, the head alone.
+    Ok(LayerTimes {
+        first: time(0, 3, 0)?,
+        block: time(1, 3, 1)?,
+        last: time(2, 3, 0)?,
+    })
 }
 
 /// One stage of the GPT: the embedding when it is the first stage, blocks
@@ -493,6 +576,8 @@ pub struct PipelineReport {
     pub last_step: Option<StepReport>,
     /// Parameters this rank holds (its stages' share under tensor parallelism).
     pub held_params: usize,
+    /// The blocks of each stage.
+    pub split: Vec<Range<usize>>,
     /// The last step's timeline on every rank (track `pp r / dp d`), for
     /// [`Timeline::chrome_trace`] and [`Timeline::bubble_fraction`].
     pub timeline: Timeline,
@@ -543,7 +628,28 @@ pub fn train_gpt_pipeline(
         pipeline.virtual_stages,
     )?;
     let num_stages = schedule.num_stages();
-    let split = split_blocks(&config.model, num_stages, &pipeline.split)?;
+    let split = match &pipeline.split {
+        StageSplit::Measured => {
+            let rows = config.batch_size / dp.size() / pipeline.microbatches;
+            let probe = corpus.batch_rows(0, 0..rows, config.seq_len, Split::Train);
+            let t = measure_layer_times(&config.model, &probe, &device, 3)?;
+            // Every rank splits alike: the mean of the ranks' measurements.
+            let mean = world.all_reduce_data(
+                TensorData::new(vec![t.first, t.block, t.last], [3]),
+                ReduceOp::Avg,
+            )?;
+            let mean = mean
+                .try_to_vec::<f64>()
+                .map_err(|e| GptPipelineError::Config(format!("layer times: {e:?}")))?;
+            let times = LayerTimes {
+                first: mean[0],
+                block: mean[1],
+                last: mean[2],
+            };
+            split_blocks(&config.model, num_stages, &StageSplit::Times(times))?
+        }
+        other => split_blocks(&config.model, num_stages, other)?,
+    };
     let mut executor = Executor::new(schedule, pp.clone(), device.clone())?
         // Micro-batches may differ in sequence length.
         .with_variable_dims(&[1])
@@ -723,6 +829,7 @@ pub fn train_gpt_pipeline(
         },
         last_step,
         held_params,
+        split,
         timeline,
     })
 }
@@ -877,8 +984,12 @@ pub struct PipelineArgs {
     pub virtual_stages: Option<usize>,
     /// Balance the stages by parameter count (embedding on the first, head on the last)
     /// instead of by block count.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "balance_time")]
     pub balance_params: bool,
+    /// Balance the stages by the measured forward + backward time of the embedding, a block
+    /// and the head (measured on every rank before training, averaged).
+    #[arg(long)]
+    pub balance_time: bool,
     /// Recompute each stage's forward in its backward instead of keeping its activations
     /// (needs dropout 0).
     #[arg(long)]
@@ -904,10 +1015,10 @@ impl PipelineArgs {
             schedule: self.schedule,
             microbatches: self.microbatches,
             virtual_stages: self.virtual_stages,
-            split: if self.balance_params {
-                StageSplit::Params
-            } else {
-                StageSplit::Count
+            split: match (self.balance_params, self.balance_time) {
+                (true, _) => StageSplit::Params,
+                (_, true) => StageSplit::Measured,
+                _ => StageSplit::Count,
             },
             tp,
             sp,

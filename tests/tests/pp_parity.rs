@@ -16,7 +16,8 @@ use burn_pipeline::partition::PartitionError;
 use examples::data::Corpus;
 use examples::gpt::Gpt;
 use examples::pipeline::{
-    GptPipelineError, GptStage, PipelineConfig, StageSplit, split_blocks, train_gpt_pipeline,
+    GptPipelineError, GptStage, PipelineConfig, StageSplit, measure_layer_times, split_blocks,
+    train_gpt_pipeline,
 };
 use examples::train::{TrainConfig, TrainReport, named_params};
 use tests::{
@@ -278,7 +279,11 @@ fn every_split_policy_trains_the_same_model() {
     let mut config = config();
     config.steps = 5;
     let reference = reference_run(&config);
-    for split in [StageSplit::Params, StageSplit::Explicit(vec![1, 6, 7])] {
+    for split in [
+        StageSplit::Params,
+        StageSplit::Explicit(vec![1, 6, 7]),
+        StageSplit::Measured,
+    ] {
         let p = PipelineConfig {
             split: split.clone(),
             ..pipeline("1f1b", 4, 4)
@@ -292,6 +297,27 @@ fn every_split_policy_trains_the_same_model() {
             &format!("{split:?}"),
         );
     }
+}
+
+/// A head far heavier than a block (a 16k vocabulary on a width of 32) measures so, and the
+/// time-balanced split leaves the last stage a single block.
+#[test]
+fn measured_times_give_a_heavy_head_fewer_blocks() {
+    let mut model = config().model;
+    model.vocab_size = 16384;
+    model.d_model = 32;
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let batch = corpus.batch_rows(0, 0..4, 16, examples::data::Split::Train);
+    let device = Device::flex().autodiff();
+    let t = measure_layer_times(&model, &batch, &device, 3).unwrap();
+    assert!(t.last > 2.0 * t.block, "{t:?}");
+    let split = split_blocks(&model, 4, &StageSplit::Times(t)).unwrap();
+    // By count every stage takes 2 of the 8 blocks; the heavy head keeps the last stage at 1.
+    assert_eq!(split[3].len(), 1, "{split:?} from {t:?}");
+    assert!(matches!(
+        split_blocks(&model, 4, &StageSplit::Measured),
+        Err(GptPipelineError::Config(_))
+    ));
 }
 
 #[test]

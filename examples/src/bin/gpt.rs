@@ -788,6 +788,7 @@ fn run_pipeline(args: &Args, config: &TrainConfig, corpus: &Corpus) -> ExitCode 
         Ok(None) => ExitCode::SUCCESS,
         Ok(Some(report)) => {
             print_report(&report.train, corpus);
+            println!("blocks per stage: {:?}", report.split);
             print_bubble(&pipeline, &report.timeline);
             if let Some(path) = &args.pipeline.trace {
                 if let Err(e) = std::fs::write(path, report.timeline.chrome_trace(1e6)) {
