@@ -34,6 +34,8 @@ use burn_parallel::nn::{Embedding, Linear, LinearSplit, TpContext};
 use burn_parallel::tensor_parallel::SeededDropout;
 use burn_parallel::train::{TrainStep, clip_to_norm};
 use burn_parallel::{CollectiveError, ParallelDims, ProcessGroup, ReduceOp};
+use burn_pipeline::checkpoint::checkpoint;
+use burn_pipeline::deferred::WeightGradStore;
 use burn_pipeline::partition::{self, PartitionError};
 use burn_pipeline::runtime::{Checkpointing, Executor, PipelineError, StepReport, UpdateError};
 use burn_pipeline::stage::{Boundary, Stage, StageError, StageOutput};
@@ -107,6 +109,20 @@ pub struct LayerTimes {
     pub last: f64,
 }
 
+/// Activation checkpointing of a pipelined GPT.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Recompute {
+    /// Every activation is kept from forward to backward.
+    #[default]
+    Off,
+    /// Each stage keeps only its input and recomputes its whole forward in its backward
+    /// ([`Checkpointing::All`]).
+    Stages,
+    /// Each block keeps only its input and is recomputed alone in the backward
+    /// ([`burn_pipeline::checkpoint::checkpoint`]).
+    Blocks,
+}
+
 /// The pipeline settings of [`train_gpt_pipeline`].
 #[derive(Debug, Clone, PartialEq)]
 pub struct PipelineConfig {
@@ -126,8 +142,8 @@ pub struct PipelineConfig {
     pub sp: bool,
     /// ZeRO stage 1 or 2 over each stage's data-parallel replicas (`None`: DDP).
     pub zero: Option<burn_zero::Stage>,
-    /// Recompute every stage's forward in its backward instead of keeping its activations.
-    pub checkpoint_activations: bool,
+    /// Activation checkpointing: none, whole stages, or block by block.
+    pub recompute: Recompute,
     /// The device.
     pub device: TrainDevice,
 }
@@ -143,7 +159,7 @@ impl Default for PipelineConfig {
             tp: 1,
             sp: false,
             zero: None,
-            checkpoint_activations: false,
+            recompute: Recompute::Off,
             device: TrainDevice::Flex,
         }
     }
@@ -207,7 +223,7 @@ impl PipelineConfig {
                     .into(),
             );
         }
-        if self.checkpoint_activations && config.model.dropout > 0.0 {
+        if self.recompute != Recompute::Off && config.model.dropout > 0.0 {
             return bad(format!(
                 "activation checkpointing recomputes the forward, and dropout ({}) would draw \
                  other masks the second time; set dropout to 0 or drop \
@@ -358,6 +374,13 @@ pub struct GptStage {
     /// tensor parallelism).
     #[module(skip)]
     pub tp: TpContext,
+    /// Recompute each block in the backward ([`Recompute::Blocks`]); its parameter gradients
+    /// reach the runtime through `store`.
+    #[module(skip)]
+    pub checkpoint_blocks: bool,
+    /// Where recomputed blocks leave their parameter gradients.
+    #[module(skip)]
+    pub store: WeightGradStore,
     /// Where the stage's tensors live.
     #[module(skip)]
     pub device: Device,
@@ -456,8 +479,19 @@ impl GptStage {
                 .then(|| SeededDropout::new(config.dropout, init.seed(), &init.path("drop"))),
             dropout_stream: 0,
             tp: init.context(),
+            checkpoint_blocks: false,
+            store: WeightGradStore::new(),
             device: init.device().clone(),
         })
+    }
+
+    /// Recomputes each block in the backward instead of keeping its activations
+    /// ([`Recompute::Blocks`]).
+    pub fn with_checkpointed_blocks(self, on: bool) -> Self {
+        Self {
+            checkpoint_blocks: on,
+            ..self
+        }
     }
 
     /// Separates the dropout masks of data-parallel replicas (as
@@ -532,8 +566,18 @@ impl Stage<Batch> for GptStage {
             (Some(wte), 0) => self.embed(wte, batch, &pass)?,
             _ => input.get::<3>(0)?,
         };
-        for block in &self.blocks {
-            x = block.forward(x, &pass).map_err(StageError::new)?;
+        for (i, block) in self.blocks.iter().enumerate() {
+            x = if self.checkpoint_blocks {
+                let pass = pass.clone();
+                let layer = self.first_layer + i;
+                checkpoint(block, x, &self.store, move |block: &Block, x| {
+                    block
+                        .forward(x, &pass)
+                        .unwrap_or_else(|e| panic!("block {layer}: {e}"))
+                })
+            } else {
+                block.forward(x, &pass).map_err(StageError::new)?
+            };
         }
         let Some(ln_f) = &self.ln_f else {
             return Ok(StageOutput::Boundary(Boundary::new().with(x)));
@@ -564,6 +608,10 @@ impl Stage<Batch> for GptStage {
             .map_err(StageError::new)?
         };
         Ok(StageOutput::Loss(loss))
+    }
+
+    fn deferred_weights(&self) -> Option<&WeightGradStore> {
+        self.checkpoint_blocks.then_some(&self.store)
     }
 }
 
@@ -653,10 +701,9 @@ pub fn train_gpt_pipeline(
     let mut executor = Executor::new(schedule, pp.clone(), device.clone())?
         // Micro-batches may differ in sequence length.
         .with_variable_dims(&[1])
-        .with_checkpointing(if pipeline.checkpoint_activations {
-            Checkpointing::All
-        } else {
-            Checkpointing::Off
+        .with_checkpointing(match pipeline.recompute {
+            Recompute::Stages => Checkpointing::All,
+            Recompute::Off | Recompute::Blocks => Checkpointing::Off,
         });
     let tp = mesh
         .group("tp")
@@ -668,7 +715,8 @@ pub fn train_gpt_pipeline(
     let mut stages: BTreeMap<usize, GptStage> = BTreeMap::new();
     for s in executor.local_stages() {
         let stage = GptStage::build(&config.model, &init, s, num_stages, split[s].clone())?
-            .with_dropout_stream(dp.rank() as u64);
+            .with_dropout_stream(dp.rank() as u64)
+            .with_checkpointed_blocks(pipeline.recompute == Recompute::Blocks);
         stages.insert(s, stage);
     }
     let adamw = AdamWConfig::new().with_weight_decay(config.weight_decay as f32);
@@ -992,8 +1040,12 @@ pub struct PipelineArgs {
     pub balance_time: bool,
     /// Recompute each stage's forward in its backward instead of keeping its activations
     /// (needs dropout 0).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "checkpoint_blocks")]
     pub checkpoint_activations: bool,
+    /// Recompute block by block: each block keeps only its input, and the backward rebuilds
+    /// one block's graph at a time (needs dropout 0).
+    #[arg(long)]
+    pub checkpoint_blocks: bool,
     /// Write the last step's Chrome/Perfetto trace (one track per rank) to this file.
     #[arg(long)]
     pub trace: Option<std::path::PathBuf>,
@@ -1023,7 +1075,11 @@ impl PipelineArgs {
             tp,
             sp,
             zero,
-            checkpoint_activations: self.checkpoint_activations,
+            recompute: match (self.checkpoint_activations, self.checkpoint_blocks) {
+                (true, _) => Recompute::Stages,
+                (_, true) => Recompute::Blocks,
+                _ => Recompute::Off,
+            },
             device,
         }
     }

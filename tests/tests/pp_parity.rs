@@ -16,8 +16,8 @@ use burn_pipeline::partition::PartitionError;
 use examples::data::Corpus;
 use examples::gpt::Gpt;
 use examples::pipeline::{
-    GptPipelineError, GptStage, PipelineConfig, StageSplit, measure_layer_times, split_blocks,
-    train_gpt_pipeline,
+    GptPipelineError, GptStage, PipelineConfig, Recompute, StageSplit, measure_layer_times,
+    split_blocks, train_gpt_pipeline,
 };
 use examples::train::{TrainConfig, TrainReport, named_params};
 use tests::{
@@ -207,8 +207,8 @@ fn pp_x_zero_matches_single_device() {
 }
 
 /// Global-norm clipping (the norm summed over the stages before any stage steps) and
-/// activation checkpointing (every stage's forward recomputed in its backward) give the
-/// single-device run, alone and together, with data parallelism and in V order; the last
+/// activation checkpointing (every stage's, or every block's, forward recomputed in its
+/// backward) give the single-device run, alone and together, with data parallelism and in V order; the last
 /// step's timeline has one track per rank holding that rank's whole program.
 #[test]
 fn clipping_and_activation_checkpointing_match_single_device() {
@@ -216,11 +216,23 @@ fn clipping_and_activation_checkpointing_match_single_device() {
     config.steps = 10;
     let plain = reference_run(&config);
     let recompute = |p: PipelineConfig| PipelineConfig {
-        checkpoint_activations: true,
+        recompute: Recompute::Stages,
+        ..p
+    };
+    let blocks = |p: PipelineConfig| PipelineConfig {
+        recompute: Recompute::Blocks,
         ..p
     };
     check(&plain, 4, recompute(pipeline("gpipe", 4, 8)), &config);
     check(&plain, 4, recompute(pipeline("zb-h1", 2, 4)), &config);
+    check(&plain, 2, blocks(pipeline("1f1b", 2, 4)), &config);
+    // The blocks' gradients arrive at `W` under a split backward; with tensor parallelism.
+    let tp = PipelineConfig {
+        tp: 2,
+        sp: true,
+        ..pipeline("zbv", 2, 4)
+    };
+    check(&plain, 4, blocks(tp), &config);
     // A norm well below the gradients' so that every step clips.
     config.max_grad_norm = Some(0.05);
     let clipped = reference_run(&config);
@@ -376,7 +388,7 @@ fn impossible_settings_are_typed_errors() {
     let mut dropout = config.clone();
     dropout.model.dropout = 0.1;
     let recompute = PipelineConfig {
-        checkpoint_activations: true,
+        recompute: Recompute::Blocks,
         ..pipeline("1f1b", 2, 4)
     };
     let e = recompute.validate(&dropout, 2).unwrap_err();

@@ -20,18 +20,24 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use burn::module::{Module, Param, ParamId};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor};
 use burn_parallel::autograd::{BackwardFn, attach};
 use burn_parallel::group::tensor_from_data;
 
-/// One deferred weight-gradient computation.
-struct Pending {
-    param: ParamId,
-    /// Computes this contribution to the weight's gradient (for a [`DeferredLinear`],
-    /// `Xᵀ dY` from its recorded input and output gradient, without autodiff).
-    compute: Box<dyn FnOnce() -> Tensor<2> + Send>,
+/// One deferred contribution to a micro-batch's parameter gradients.
+enum Pending {
+    /// A weight gradient to compute at `W`.
+    Weight {
+        param: ParamId,
+        /// Computes this contribution to the weight's gradient (for a [`DeferredLinear`],
+        /// `Xᵀ dY` from its recorded input and output gradient, without autodiff).
+        compute: Box<dyn FnOnce() -> Tensor<2> + Send>,
+    },
+    /// Gradients already computed outside the step's graph (a recomputed block,
+    /// [`crate::checkpoint::checkpoint`]), handed over with the others.
+    Ready(GradientsParams),
 }
 
 #[derive(Default)]
@@ -95,33 +101,81 @@ impl WeightGradStore {
     /// backward is written with `burn_parallel::autograd::attach` can defer its own weight
     /// gradients the same way.
     pub fn defer(&self, param: ParamId, compute: impl FnOnce() -> Tensor<2> + Send + 'static) {
-        let mut inner = self.lock();
-        let current = inner.current;
-        inner.pending.entry(current).or_default().push(Pending {
+        self.push(Pending::Weight {
             param,
             compute: Box::new(compute),
         });
     }
 
-    /// The weight gradients of `microbatch`: each weight's deferred contributions computed
-    /// and summed (for a [`DeferredLinear`], `dW = Σ Xᵀ dY`), and removed from the store.
-    /// Empty when nothing was recorded.
-    pub fn take(&self, microbatch: usize) -> GradientsParams {
+    /// Hands over parameter gradients computed outside the step's graph (by a recomputed
+    /// block's own backward, [`crate::checkpoint::checkpoint`]) with the micro-batch whose
+    /// backward is running; [`Self::take`] adds them to the result.
+    pub fn deposit(&self, grads: GradientsParams) {
+        self.push(Pending::Ready(grads));
+    }
+
+    fn push(&self, pending: Pending) {
+        let mut inner = self.lock();
+        let current = inner.current;
+        inner.pending.entry(current).or_default().push(pending);
+    }
+
+    /// The parameter gradients of `microbatch` for the parameters of `module`: each weight's
+    /// deferred contributions computed and summed (for a [`DeferredLinear`], `dW = Σ Xᵀ dY`),
+    /// plus the deposited gradients; all removed from the store. Empty when nothing was
+    /// recorded.
+    pub fn take<M: Module>(&self, microbatch: usize, module: &M) -> GradientsParams {
         let pending = self.lock().pending.remove(&microbatch).unwrap_or_default();
         let mut sums: Vec<(ParamId, Tensor<2>)> = Vec::new();
+        let mut ready = Vec::new();
         for p in pending {
-            let dw = (p.compute)();
-            match sums.iter_mut().find(|(id, _)| *id == p.param) {
-                Some((_, sum)) => *sum = sum.clone() + dw,
-                None => sums.push((p.param, dw)),
+            match p {
+                Pending::Weight { param, compute } => {
+                    let dw = compute();
+                    match sums.iter_mut().find(|(id, _)| *id == param) {
+                        Some((_, sum)) => *sum = sum.clone() + dw,
+                        None => sums.push((param, dw)),
+                    }
+                }
+                Pending::Ready(grads) => ready.push(grads),
             }
         }
         let mut grads = GradientsParams::new();
         for (id, dw) in sums {
             grads.register::<2>(id, dw);
         }
+        if !ready.is_empty() {
+            ready.push(grads);
+            grads = merge(module, ready);
+        }
         grads
     }
+}
+
+/// The sum of several gradient sets, parameter by parameter, over `module`'s parameters.
+fn merge<M: Module>(module: &M, mut parts: Vec<GradientsParams>) -> GradientsParams {
+    struct Merge<'a> {
+        parts: &'a mut [GradientsParams],
+        out: GradientsParams,
+    }
+    impl ModuleVisitor for Merge<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let sum = self
+                .parts
+                .iter_mut()
+                .filter_map(|g| g.remove::<D>(param.id))
+                .reduce(|a, b| a + b);
+            if let Some(sum) = sum {
+                self.out.register::<D>(param.id, sum);
+            }
+        }
+    }
+    let mut merge = Merge {
+        parts: &mut parts,
+        out: GradientsParams::new(),
+    };
+    module.visit(&mut merge);
+    merge.out
 }
 
 /// A linear layer `y = x W + b` (`W`: `[d_in, d_out]`, as Burn's `Linear`) whose weight
@@ -142,7 +196,7 @@ impl WeightGradStore {
 /// let grads = linear.forward(x.clone()).sum().backward(); // the `I` step
 /// assert_eq!(x.grad(&grads).unwrap().dims(), [4, 3]); // dX now
 /// assert!(linear.weight.val().grad(&grads).is_none()); // no dW yet
-/// let dw = store.take(0).get::<2>(linear.weight.id).unwrap(); // the `W` step
+/// let dw = store.take(0, &linear).get::<2>(linear.weight.id).unwrap(); // the `W` step
 /// assert_eq!(dw.into_data().try_to_vec::<f32>().unwrap(), vec![4.0; 6]);
 /// ```
 #[derive(Module, Debug)]

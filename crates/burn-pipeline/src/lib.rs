@@ -16,6 +16,7 @@
 //! | [`format`](mod@format) | CSV and TOML files (the grammar is in the module docs), and a side-by-side listing that marks the failing action |
 //! | [`stage`] | the [`stage::Stage`] trait (a Burn module whose forward takes a [`stage::Boundary`]: several tensors and serialisable metadata) |
 //! | [`partition`] | layers into stages: by count, balanced by cost (first and last stage may take fewer), or at explicit boundaries |
+//! | [`checkpoint`] | activation checkpointing of one block inside a stage: graph-free forward, recomputed in the backward, its parameter gradients handed to the stage |
 //! | [`deferred`] | split backward: [`deferred::DeferredLinear`] (weight gradient deferred from `I` to `W`) and its [`deferred::WeightGradStore`] |
 //! | [`trace`] | one timeline type for measured and simulated steps: the measured bubble fraction, a Chrome/Perfetto trace with a track per rank |
 //! | [`runtime`] | [`runtime::Executor`]: runs this rank's program, sends and receives boundaries, accumulates and hands over each stage's gradients at `REDUCE`; typed [`runtime::PipelineError`]s, never a hang |
@@ -141,6 +142,7 @@
 //! action times back to the simulator) compare directly, and both write a Chrome/Perfetto
 //! trace with a track per rank.
 
+pub mod checkpoint;
 pub mod deferred;
 pub mod format;
 pub mod generators;

@@ -740,7 +740,7 @@ impl Executor {
                         accumulators
                             .get_mut(&stage)
                             .expect("a local stage")
-                            .accumulate(module, store.take(microbatch));
+                            .accumulate(module, store.take(microbatch, module));
                     }
                     if stage > 0 {
                         let grads: Vec<BoundaryTensor> = input_grads
@@ -762,7 +762,7 @@ impl Executor {
                     // Stages without deferred weights computed everything in `I`.
                     let module = &stages[&stage];
                     if let Some(store) = module.deferred_weights() {
-                        let grads = store.take(microbatch);
+                        let grads = store.take(microbatch, module);
                         accumulators
                             .get_mut(&stage)
                             .expect("a local stage")

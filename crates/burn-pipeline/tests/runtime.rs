@@ -721,7 +721,7 @@ fn input_backward_gives_the_input_gradient_and_weight_backward_completes_the_res
     close(dx_plain, dx, "dX");
 
     // `W`: the weight gradient, equal to the plain layer's.
-    let w = store.take(5);
+    let w = store.take(5, &deferred);
     assert_eq!(store.pending(5), 0);
     close(
         all.get::<2>(plain.w.id).unwrap(),
