@@ -1,5 +1,6 @@
-//! Activation memory of a pipelined GPT step: GPipe against 1F1B, each with and without
-//! activation checkpointing, measured by counting every allocation of the process.
+//! Activation memory of a pipelined GPT step: GPipe against 1F1B, each without activation
+//! checkpointing, recomputing whole stages and recomputing block by block, measured by
+//! counting every allocation of the process.
 //!
 //! Thread ranks share the process, so each figure is the peak of one training step above the
 //! bytes held before it, summed over the pipeline ranks (the model, its gradients and AdamW
@@ -19,7 +20,7 @@ use burn_pipeline::ScheduleKind;
 use burn_zero::memory::CountingAllocator;
 use examples::data::Corpus;
 use examples::gpt::GptConfig;
-use examples::pipeline::{PipelineConfig, train_gpt_pipeline};
+use examples::pipeline::{PipelineConfig, Recompute, train_gpt_pipeline};
 use examples::train::TrainConfig;
 
 /// Counts every allocation of the process.
@@ -95,12 +96,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     );
     let mut by_kind = Vec::new();
     for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
-        for checkpoint_activations in [false, true] {
+        for recompute in [Recompute::Off, Recompute::Stages, Recompute::Blocks] {
             let pipeline = PipelineConfig {
                 pp,
                 schedule: kind,
                 microbatches: m,
-                checkpoint_activations,
+                recompute,
                 ..PipelineConfig::default()
             };
             let (peak, held) = measure(&config, &pipeline, &corpus)?;
@@ -113,7 +114,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             println!(
                 "{:<8} {:>13} {:>14.1} {:>24} {:>20}",
                 kind.to_string(),
-                if checkpoint_activations { "on" } else { "off" },
+                format!("{recompute:?}").to_lowercase(),
                 peak as f64 / (1 << 20) as f64,
                 format!("{held:?}"),
                 format!("{theory:?}")
@@ -121,13 +122,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             by_kind.push(peak);
         }
     }
-    if let [gpipe, gpipe_ckpt, ofob, ofob_ckpt] = by_kind[..] {
-        let r = |a: usize, b: usize| a as f64 / b.max(1) as f64;
+    if let [gpipe, gpipe_stages, gpipe_blocks, ofob, ofob_stages, ofob_blocks] = by_kind[..] {
+        let saved = |a: usize, b: usize| 100.0 * (1.0 - a as f64 / b.max(1) as f64);
         println!(
-            "1F1B / GPipe: {:.2}; checkpointing saves {:.0}% (GPipe) and {:.0}% (1F1B)",
-            r(ofob, gpipe),
-            100.0 * (1.0 - r(gpipe_ckpt, gpipe)),
-            100.0 * (1.0 - r(ofob_ckpt, ofob))
+            "1F1B / GPipe: {:.2}; recomputing stages saves {:.0}% (GPipe) and {:.0}% (1F1B), \
+             blocks {:.0}% and {:.0}%",
+            ofob as f64 / gpipe.max(1) as f64,
+            saved(gpipe_stages, gpipe),
+            saved(ofob_stages, ofob),
+            saved(gpipe_blocks, gpipe),
+            saved(ofob_blocks, ofob)
         );
     }
     Ok(())
