@@ -896,6 +896,10 @@ pub struct Block {
     /// Norms through the fused kernels.
     #[module(skip)]
     pub fused: bool,
+    /// The tensor-parallel context the block was built with: under sequence parallelism an MoE
+    /// layer routes the whole sequence (gathered over the group), as on one device.
+    #[module(skip)]
+    pub tp: TpContext,
 }
 
 impl Block {
@@ -934,6 +938,7 @@ impl Block {
                 .and_then(|_| dropout(config.dropout, &init.at("moe"), "drop")),
             moe,
             fused: config.fused,
+            tp: init.context(),
         })
     }
 
@@ -955,7 +960,17 @@ impl Block {
         let y = match (&self.mlp, &self.moe) {
             (Some(mlp), _) => mlp.forward(h, pass)?,
             (None, Some(moe)) => {
-                residual_dropout(&self.moe_drop, moe.forward(h).map_err(moe_error)?, pass)
+                // Every tensor-parallel rank runs the whole layer on the replicated tokens.
+                // Under sequence parallelism each holds a part of the sequence: the router
+                // must see all of it (the load-balancing loss, the token counts and the
+                // capacity groups are over the whole batch), so the layer runs on the gathered
+                // sequence and each rank keeps its part of the output. The gather's backward
+                // keeps this rank's part of the (replicated) input gradient, the split's
+                // all-gathers the output gradient: expert gradients are those of one device.
+                let h = self.tp.gather_sequence(h)?;
+                let y = moe.forward(h).map_err(moe_error)?;
+                let y = self.tp.scatter_sequence(y)?;
+                residual_dropout(&self.moe_drop, y, pass)
             }
             (None, None) => {
                 return Err(TpError::Shape {
@@ -1179,9 +1194,54 @@ impl Gpt {
 
     /// The FSDP plan of the GPT over `group`: every block is a unit (torchtitan's
     /// `apply_fsdp`); embeddings, final norm and head stay replicated over the data-parallel
-    /// ranks.
-    pub fn fsdp_plan(group: &ProcessGroup) -> FsdpPlan {
-        FsdpPlan::new(group).unit("blocks.*")
+    /// ranks. In a GPT-MoE built with `experts`, the expert parameters stay whole
+    /// ([`FsdpPlan::keep_whole`]) and [`burn_moe::MoeStep`] reduces their gradients over the
+    /// ranks holding the same experts: under expert parallelism each rank holds other experts
+    /// than its expert-parallel peers, and with or without it an expert that no token chose in
+    /// a step must get no gradient (and no AdamW update), as on one device, where a flat shard
+    /// would give it a zero gradient. For a dense GPT (`MoeParallel::default()`) every
+    /// parameter of a block is sharded.
+    ///
+    /// # Arguments
+    /// * `group` - the shard group (`dp_shard`, or `dp_shard x cp`).
+    /// * `experts` - the groups the MoE layers are built with.
+    ///
+    /// # Returns
+    /// The plan, for [`Self::build_with_experts`].
+    ///
+    /// # Example
+    /// ```
+    /// use burn::module::Module;
+    /// use burn::tensor::Device;
+    /// use burn_moe::{MoeConfig, MoeParallel};
+    /// use burn_parallel::init::Init;
+    /// use burn_parallel::{ParallelDims, run_local};
+    /// use examples::gpt::{Gpt, GptConfig};
+    ///
+    /// let base = GptConfig { d_ff: 32, ..GptConfig::new(256, 1, 2, 8, 16) };
+    /// let config = GptConfig { moe: Some(MoeConfig::new(8, 16, 4, 2)), ..base };
+    /// run_local(2, |world| {
+    ///     let dims = ParallelDims { dp_shard: 2, ep: 2, ..ParallelDims::default() };
+    ///     let mesh = dims.build(&world).unwrap();
+    ///     let experts = MoeParallel::from_mesh(&dims, &mesh).unwrap();
+    ///     let plan = Gpt::fsdp_plan(mesh.group("dp_shard").unwrap(), &experts);
+    ///     let init = Init::new(config.seed, &Device::flex().autodiff());
+    ///     let model = Gpt::build_with_experts(&config, &init, Some(&plan), &experts).unwrap();
+    ///     assert!(model.blocks[0].is_sharded());
+    ///     // This rank's 2 experts are whole; the rest of the block is a flat shard.
+    ///     let mut held = 0;
+    ///     model.for_each_moe(&mut |_, moe| held += moe.experts.len()).unwrap();
+    ///     assert_eq!(held, 2);
+    ///     assert_eq!(experts.experts.len(), 2 * 2); // up and down weights of each
+    ///     Ok(())
+    /// })
+    /// .unwrap();
+    /// ```
+    pub fn fsdp_plan(group: &ProcessGroup, experts: &MoeParallel) -> FsdpPlan {
+        let experts = experts.experts.clone();
+        FsdpPlan::new(group)
+            .unit("blocks.*")
+            .keep_whole(move |id| experts.contains(&id))
     }
 
     /// Builds the model for any layout: `init` carries the seed, the device and the
@@ -1557,10 +1617,14 @@ impl Gpt {
         Ok(single)
     }
 
-    /// Calls `f(block index, layer)` for each MoE layer, in block order.
+    /// Calls `f(block index, layer)` for each MoE layer, in block order, without a collective:
+    /// in a sharded FSDP unit the layer is that of the unit's skeleton ([`Fsdp::skeleton`]):
+    /// its configuration, routing state and expert biases are there, and its experts when
+    /// they are kept whole (expert parallelism, [`Self::fsdp_plan`]), but its other parameters
+    /// (the router) are placeholders.
     ///
     /// # Errors
-    /// Collective errors (gathering a sharded FSDP unit).
+    /// None today (kept for callers that propagate collective errors).
     pub fn for_each_moe(
         &self,
         f: &mut dyn FnMut(usize, &MoeLayer),
@@ -1569,8 +1633,7 @@ impl Gpt {
             if !self.config.is_moe_block(i) {
                 continue;
             }
-            let unit = block.get()?;
-            if let Some(moe) = &unit.moe {
+            if let Some(moe) = &block.skeleton().moe {
                 f(i, moe);
             }
         }

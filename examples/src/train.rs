@@ -224,14 +224,17 @@ pub struct Parallelism {
 pub enum MoeLayoutError {
     /// A parallelism that is not composed with the MoE layers.
     #[error(
-        "{what} is not supported with a GPT-MoE (--moe-experts) yet; use data and expert \
-         parallelism (--ranks N --ep M) without {flag}"
+        "{what} is not supported with a GPT-MoE (--moe-experts) yet: {why}; a GPT-MoE trains \
+         with data and expert parallelism (--ranks N --ep M), composed with --tp [--sp] and \
+         --zero 3 [--hybrid R]: drop {flag}"
     )]
     Unsupported {
-        /// The parallelism (`"tensor parallelism"`, ...).
+        /// The parallelism (`"context parallelism"`, ...).
         what: &'static str,
         /// Its flag.
         flag: &'static str,
+        /// Why it is not composed with the MoE layers.
+        why: &'static str,
     },
     /// Expert parallelism for a dense model.
     #[error("--ep {ep} needs a GPT-MoE: set --moe-experts (or model.moe), or use --ep 1")]
@@ -296,10 +299,12 @@ impl Parallelism {
         }
     }
 
-    /// Checks the MoE side of the split: a GPT-MoE trains under data and expert parallelism
-    /// only (tensor/sequence, context parallelism, ZeRO and FSDP are refused until composed
-    /// with the MoE layers), and `ep` must divide the experts and the data-parallel ranks; a
-    /// dense GPT needs `ep` 1.
+    /// Checks the MoE side of the split: a GPT-MoE trains under data and expert parallelism,
+    /// composed with tensor parallelism (with or without sequence parallelism: every
+    /// tensor-parallel rank runs the whole MoE layer on the whole sequence) and with FSDP/HSDP
+    /// (`zero` stage 3: the experts stay whole, out of the flat shards). Context parallelism
+    /// and ZeRO-1/2 are refused (see [`MoeLayoutError::Unsupported`]). `ep` must divide the
+    /// experts and the data-parallel ranks; a dense GPT needs `ep` 1.
     ///
     /// # Errors
     /// [`MoeLayoutError`] naming the setting to change.
@@ -307,13 +312,16 @@ impl Parallelism {
     /// # Example
     /// ```
     /// use burn_moe::MoeConfig;
+    /// use burn_zero::Stage;
     /// use examples::gpt::GptConfig;
     /// use examples::train::{MoeLayoutError, Parallelism};
     ///
     /// let model = GptConfig { moe: Some(MoeConfig::new(128, 512, 8, 2)), ..GptConfig::default() };
     /// assert!(Parallelism { ep: 2, ..Parallelism::default() }.check_moe(&model, 4).is_ok());
-    /// let tp = Parallelism { tp: 2, ..Parallelism::default() };
-    /// assert!(matches!(tp.check_moe(&model, 4), Err(MoeLayoutError::Unsupported { .. })));
+    /// let tp_fsdp = Parallelism { ep: 2, tp: 2, zero: Some(Stage::Three), ..Parallelism::default() };
+    /// assert!(tp_fsdp.check_moe(&model, 8).is_ok());
+    /// let cp = Parallelism { cp: 2, ..Parallelism::default() };
+    /// assert!(matches!(cp.check_moe(&model, 4), Err(MoeLayoutError::Unsupported { .. })));
     /// ```
     pub fn check_moe(&self, model: &GptConfig, world: usize) -> Result<(), MoeLayoutError> {
         let ep = self.ep.max(1);
@@ -324,14 +332,25 @@ impl Parallelism {
             };
         };
         let refused = [
-            (self.tp > 1, "tensor parallelism", "--tp"),
-            (self.sp, "sequence parallelism", "--sp"),
-            (self.cp > 1, "context parallelism", "--cp"),
-            (self.zero == Some(Stage::Three), "FSDP (ZeRO-3)", "--zero 3"),
-            (self.zero.is_some(), "ZeRO-1/2", "--zero"),
+            (
+                self.cp > 1,
+                "context parallelism",
+                "--cp",
+                "each rank would route only its part of every sequence, so the \
+                 load-balancing loss, the token counts and the capacity groups would not be \
+                 those of the whole batch",
+            ),
+            (
+                matches!(self.zero, Some(Stage::One | Stage::Two)),
+                "ZeRO-1/2",
+                "--zero 1|2",
+                "its flat buffer would hold the expert parameters, which differ between \
+                 expert-parallel ranks and are reduced over the ranks holding the same experts \
+                 only",
+            ),
         ];
-        if let Some((_, what, flag)) = refused.into_iter().find(|r| r.0) {
-            return Err(MoeLayoutError::Unsupported { what, flag });
+        if let Some((_, what, flag, why)) = refused.into_iter().find(|r| r.0) {
+            return Err(MoeLayoutError::Unsupported { what, flag, why });
         }
         let dp = world / (self.tp.max(1) * self.cp.max(1));
         if !moe.n_experts.is_multiple_of(ep) || !dp.is_multiple_of(ep) {
@@ -552,11 +571,12 @@ pub fn train_gpt_parallel(
     let init = Init::new(config.model.seed, &device)
         .with_tp(&tp, Gpt::tp_plan(&config.model, parallel.sp))
         .map_err(|e| tp_error(world, e))?;
-    let fsdp = (parallel.zero == Some(Stage::Three)).then(|| Gpt::fsdp_plan(&shard));
     let experts = match config.model.moe {
         Some(_) => MoeParallel::from_mesh(&dims, &mesh).map_err(|e| invalid(world, op, e))?,
         None => MoeParallel::default(),
     };
+    // Expert parameters stay whole under FSDP (they differ between expert-parallel ranks).
+    let fsdp = (parallel.zero == Some(Stage::Three)).then(|| Gpt::fsdp_plan(&shard, &experts));
     let model = Gpt::build_with_experts(&config.model, &init, fsdp.as_ref(), &experts)
         .map_err(|e| zero_error(world, e))?
         .with_dropout_stream(dp.rank() as u64);
@@ -574,14 +594,26 @@ pub fn train_gpt_parallel(
         model
     };
     // Seeded init gives identical replicas; fail loudly if they are not. Under expert
-    // parallelism the replicas are the ranks holding the same experts.
-    let replicas = match experts.ep_size() {
-        1 => replicate.clone(),
-        _ => dims
-            .expert_data_parallel(&mesh)
-            .map_err(|e| invalid(world, op, e))?,
-    };
-    burn_parallel::verify_replicas(&model, &replicas).map_err(|e| invalid(world, op, e))?;
+    // parallelism the experts' replicas are the ranks holding the same experts; the other
+    // parameters' are those holding the same shards (`replicate`: every data rank without
+    // ZeRO/FSDP; the ranks of one shard position under FSDP).
+    match experts.ep_size() {
+        1 => burn_parallel::verify_replicas(&model, &replicate),
+        _ => {
+            let expert_dp = dims
+                .expert_data_parallel(&mesh)
+                .map_err(|e| invalid(world, op, e))?;
+            let is_expert = |path: &str| path.contains(".moe.experts.");
+            burn_parallel::replica::verify_replicas_in(&model, &[&expert_dp], is_expert).and_then(
+                |()| {
+                    burn_parallel::replica::verify_replicas_in(&model, &[&replicate], |p| {
+                        !is_expert(p)
+                    })
+                },
+            )
+        }
+    }
+    .map_err(|e| invalid(world, op, e))?;
     let adamw = AdamWConfig::new().with_weight_decay(config.weight_decay as f32);
     let mut engine = match parallel.zero {
         Some(stage @ (Stage::One | Stage::Two)) => {

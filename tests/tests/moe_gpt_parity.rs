@@ -1,11 +1,14 @@
 //! GPT-MoE (the bundled GPT with mixture-of-experts blocks) under data and expert parallelism
 //! reproduces single-device training: 20 steps of dropless GPT-MoE at ep 2, ep 2 x dp 2 and
-//! dp 2 (thread ranks) give the losses of the independent plain-Burn [`tests::reference_run`]
-//! over `Gpt::new` (relative difference <= 1e-5) and, with the experts gathered from the
+//! dp 2 (thread ranks), and composed with tensor (and sequence) parallelism and FSDP/HSDP for
+//! the non-expert layers (dp 2 x tp 2, FSDP 4, HSDP 2 x 2, FSDP 2 x tp 2, each with ep 2, with
+//! clipping), give the losses of the independent plain-Burn [`tests::reference_run`] over
+//! `Gpt::new` (relative difference <= 1e-5) and, with the experts gathered from the
 //! expert-parallel ranks, its final parameters. Capacity mode at ep 2 matches a single-device
 //! run with one capacity group per rank; bias balancing gives the same run at every layout; one
 //! run goes over 2 TCP processes through `burnrun` (the MoE configuration travels in the TOML
-//! file). Layouts not composed with the MoE layers are typed errors.
+//! file). Layouts not composed with the MoE layers (context parallelism, ZeRO-1/2) are typed
+//! errors.
 
 use burn::tensor::Device;
 use burn_moe::{Capacity, DropPolicy, MoeConfig, MoeParallel, ScoreFn};
@@ -62,8 +65,9 @@ fn check(reference: &Reference, world: usize, p: Parallelism, config: &TrainConf
     assert_matches_reference(reference, &report.losses, &report.final_params, TOL, what);
     // The trainer reports each MoE layer's routing: every token of the global batch, top-2.
     let tokens = (config.batch_size * config.seq_len) as f64;
+    let blocks = config.model.n_moe_blocks();
     for s in &steps {
-        assert_eq!(s.moe.len(), 2, "{what}: one figure per MoE block");
+        assert_eq!(s.moe.len(), blocks, "{what}: one figure per MoE block");
         for m in &s.moe {
             assert_eq!(m.tokens_per_expert().iter().sum::<f64>(), 2.0 * tokens);
             assert_eq!(m.drop_rate(), 0.0, "{what}: dropless");
@@ -218,25 +222,111 @@ fn gpt_moe_ep2_over_two_tcp_processes_through_burnrun() {
     }
 }
 
+/// `config` with clipping at a norm the reference run reaches (it changes the run).
+fn clipped(config: &TrainConfig) -> (TrainConfig, Reference) {
+    let mut clipped = config.clone();
+    clipped.max_grad_norm = Some(0.2);
+    let reference = reference_run(&clipped);
+    assert_ne!(
+        reference.losses,
+        reference_run(config).losses,
+        "clipping at 0.2 changes the run"
+    );
+    (clipped, reference)
+}
+
+/// Tensor parallelism for the non-expert layers: every tensor-parallel rank runs the whole MoE
+/// layer on the replicated tokens (under sequence parallelism, on the sequence gathered over
+/// the group), so expert gradients are the same on the tensor-parallel ranks and the clipping
+/// norm counts each expert once. dp 2 x tp 2 with the experts split over ep 2.
+#[test]
+fn dropless_gpt_moe_tp2_x_ep2_with_and_without_sp_matches_single_device() {
+    let (config, reference) = clipped(&moe_run());
+    let tp = |sp| Parallelism { tp: 2, sp, ..ep(2) };
+    check(
+        &reference,
+        4,
+        tp(false),
+        &config,
+        "GPT-MoE dp 2 x tp 2, ep 2",
+    );
+    check(
+        &reference,
+        4,
+        tp(true),
+        &config,
+        "GPT-MoE dp 2 x tp 2 + SP, ep 2",
+    );
+}
+
+/// FSDP and HSDP with expert parallelism: every block is an FSDP unit whose experts stay whole
+/// (they differ between expert-parallel ranks) while the rest is sharded; with dense and MoE
+/// blocks, SwiGLU experts, clipping; also with tensor parallelism, and without expert
+/// parallelism (the experts are then sharded with the rest of the block).
+#[test]
+fn dropless_gpt_moe_fsdp_and_hsdp_x_ep2_match_single_device() {
+    let mut config = moe_run();
+    config.model.moe_every = 2;
+    config.model.mlp = examples::gpt::MlpKind::SwiGlu;
+    if let Some(moe) = &mut config.model.moe {
+        moe.expert = burn_moe::ExpertKind::SwiGlu;
+    }
+    let (config, reference) = clipped(&config);
+    let fsdp = |ep: usize, tp: usize, replicate: usize| Parallelism {
+        zero: Some(Stage::Three),
+        tp,
+        replicate,
+        ..self::ep(ep)
+    };
+    check(
+        &reference,
+        4,
+        fsdp(2, 1, 1),
+        &config,
+        "GPT-MoE FSDP 4, ep 2",
+    );
+    check(
+        &reference,
+        4,
+        fsdp(2, 1, 2),
+        &config,
+        "GPT-MoE HSDP 2 x 2, ep 2",
+    );
+    check(
+        &reference,
+        4,
+        fsdp(2, 2, 1),
+        &config,
+        "GPT-MoE FSDP 2 x tp 2, ep 2",
+    );
+    check(
+        &reference,
+        2,
+        fsdp(1, 1, 1),
+        &config,
+        "GPT-MoE FSDP 2, ep 1",
+    );
+}
+
 #[test]
 fn layouts_not_composed_with_moe_are_typed_errors() {
     let config = moe_run();
     let cases = [
-        (Parallelism { tp: 2, ..ep(1) }, "--tp"),
         (Parallelism { cp: 2, ..ep(1) }, "--cp"),
-        (
-            Parallelism {
-                zero: Some(Stage::Three),
-                ..ep(1)
-            },
-            "--zero 3",
-        ),
         (
             Parallelism {
                 zero: Some(Stage::One),
                 ..ep(2)
             },
-            "--zero",
+            "--zero 1|2",
+        ),
+        (
+            Parallelism {
+                zero: Some(Stage::Two),
+                tp: 2,
+                ..ep(1)
+            },
+            "--zero 1|2",
         ),
     ];
     for (p, flag) in cases {
@@ -258,6 +348,21 @@ fn layouts_not_composed_with_moe_are_typed_errors() {
                 if reason.contains("not supported with a GPT-MoE")),
             "{err}"
         );
+    }
+    // What is composed is accepted.
+    for p in [
+        Parallelism {
+            tp: 2,
+            sp: true,
+            ..ep(2)
+        },
+        Parallelism {
+            zero: Some(Stage::Three),
+            replicate: 2,
+            ..ep(2)
+        },
+    ] {
+        assert_eq!(p.check_moe(&config.model, 4), Ok(()), "{p:?}");
     }
     assert_eq!(
         ep(3).check_moe(&config.model, 3),

@@ -108,7 +108,14 @@ impl MoeStep {
                 None => flat.extend(std::iter::repeat_n(0f32, shape.iter().product())),
             }
         }
-        if let Some(group) = &self.parallel.expert_dp {
+        // No expert parameter in sight (every expert inside a sharded FSDP unit, without
+        // expert parallelism): the same on every rank holding the same experts.
+        if let Some(group) = self
+            .parallel
+            .expert_dp
+            .as_ref()
+            .filter(|_| !taken.is_empty())
+        {
             let n = flat.len();
             flat = group
                 .all_reduce_data(TensorData::new(flat, [n]), ReduceOp::Sum)?

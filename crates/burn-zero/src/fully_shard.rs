@@ -19,7 +19,11 @@
 //!
 //! Frozen parameters (no `require_grad`) stay whole in the unit and are never updated; Burn's
 //! visitors and mappers see them at their own paths (records, checkpoints, replica checks),
-//! before the unit's `flat_shard`.
+//! before the unit's `flat_shard`. So do the trainable parameters a plan keeps whole
+//! ([`FsdpPlan::keep_whole`]), such as the experts of a mixture-of-experts layer under expert
+//! parallelism, which differ between the ranks of the shard group: they train as parameters
+//! outside the units do (their gradients are not reduce-scattered; the training step reduces
+//! them).
 //! This is the composable FSDP; [`crate::fsdp::FsdpUnit`] adds mixed precision, prefetch and
 //! accumulation without communication, with its own optimizer.
 //!
@@ -95,8 +99,9 @@ struct Sharded<M: Module> {
     /// Sequence parallelism: the tensor-parallel group and the ranges of the unit's flat space
     /// holding parameters used on sequence shards (norms), whose gradients are summed over it.
     sequence: Option<(ProcessGroup, Vec<Range<usize>>)>,
-    /// Paths (inside the unit) of the frozen parameters, kept whole in `template`.
-    frozen: Arc<HashSet<String>>,
+    /// Paths (inside the unit) of the parameters kept whole in `template`: the frozen ones and
+    /// those the plan keeps whole.
+    whole: Arc<HashSet<String>>,
 }
 
 impl<M: Module> fmt::Debug for Fsdp<M> {
@@ -154,12 +159,64 @@ impl<M: Module> Fsdp<M> {
     /// # Errors
     /// [`ZeroError::Config`] when the unit has no trainable parameter.
     pub fn shard(name: &str, module: M, shards: &DataShards, tp: &TpContext) -> Result<Self> {
-        let frozen = frozen_paths(&module);
-        let keep = |path: &str| !frozen.contains(path);
+        Self::shard_keeping(name, module, shards, tp, &|_| false)
+    }
+
+    /// [`Self::shard`], keeping whole (out of the flat parameter) the trainable parameters for
+    /// which `keep_whole` is true, besides the frozen ones: parameters that are not the same on
+    /// every rank of the shard group (the experts of an expert-parallel layer). They are seen
+    /// at their own paths by visitors and mappers, so the optimizer updates them, and their
+    /// gradients reach the training step unreduced (reduce them there, as those of parameters
+    /// outside the units).
+    ///
+    /// # Arguments
+    /// * `name` - the unit's path, for messages.
+    /// * `module` - the unit, the same on every rank for the parameters to shard.
+    /// * `shards` - where the flat shard is registered.
+    /// * `tp` - the tensor-parallel context the module was built with.
+    /// * `keep_whole` - which trainable parameters (by id) stay out of the flat parameter.
+    ///
+    /// # Returns
+    /// The unit, sharded.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] when the unit has no parameter left to shard.
+    ///
+    /// # Example
+    /// ```
+    /// use burn::module::Module;
+    /// use burn::tensor::Device;
+    /// use burn_parallel::init::{Init, LinearInit};
+    /// use burn_parallel::run_local;
+    /// use burn_parallel::train::DataShards;
+    /// use burn_zero::Fsdp;
+    ///
+    /// let counts = run_local(2, |group| {
+    ///     let init = Init::new(1, &Device::flex().autodiff());
+    ///     let fc = init.linear("fc", LinearInit::new(4, 4).with_bias(true)).unwrap(); // 16 + 4
+    ///     let bias = fc.bias.as_ref().unwrap().id;
+    ///     let shards = DataShards::new(&group);
+    ///     let unit = Fsdp::shard_keeping("fc", fc, &shards, &init.context(), &|id| id == bias)
+    ///         .unwrap();
+    ///     Ok(unit.num_params())
+    /// })
+    /// .unwrap();
+    /// assert_eq!(counts, vec![8 + 4, 8 + 4]); // half of the weight, the whole bias
+    /// ```
+    pub fn shard_keeping(
+        name: &str,
+        module: M,
+        shards: &DataShards,
+        tp: &TpContext,
+        keep_whole: &dyn Fn(ParamId) -> bool,
+    ) -> Result<Self> {
+        let whole = whole_paths(&module, keep_whole);
+        let keep = |path: &str| !whole.contains(path);
         let layout = FlatLayout::of(&module, keep);
         if layout.numel() == 0 {
             return Err(ZeroError::Config(format!(
-                "FSDP unit `{name}` has no trainable parameter to shard"
+                "FSDP unit `{name}` has no trainable parameter to shard (every parameter is \
+                 frozen or kept whole): do not make it a unit"
             )));
         }
         let group = shards.group().clone();
@@ -201,9 +258,21 @@ impl<M: Module> Fsdp<M> {
                 group,
                 name: name.to_string(),
                 sequence,
-                frozen: Arc::new(frozen),
+                whole: Arc::new(whole),
             })),
         })
+    }
+
+    /// The unit without a collective: the module itself when it is not sharded; when it is,
+    /// the module whose sharded parameters are one-element placeholders and whose parameters
+    /// kept whole (frozen, or kept whole by the plan) are real. For reading what the flat
+    /// parameter does not hold (configuration, `#[module(skip)]` state, kept-whole
+    /// parameters) without gathering; use [`Self::get`] to compute with the unit.
+    pub fn skeleton(&self) -> &M {
+        match &self.inner {
+            Inner::Plain(m) => m,
+            Inner::Sharded(s) => &s.template,
+        }
     }
 
     /// Whether the unit is sharded.
@@ -293,13 +362,15 @@ fn intersect(a: Range<usize>, b: &Range<usize>) -> Option<Range<usize>> {
     (start < end).then(|| start - b.start..end - b.start)
 }
 
-/// Paths of the parameters of `module` that do not require a gradient (on an autodiff device).
-fn frozen_paths<M: Module>(module: &M) -> HashSet<String> {
-    struct Frozen {
+/// Paths of the parameters of `module` that stay whole in a unit: those that do not require a
+/// gradient (on an autodiff device) and those `keep_whole` selects.
+fn whole_paths<M: Module>(module: &M, keep_whole: &dyn Fn(ParamId) -> bool) -> HashSet<String> {
+    struct Frozen<'a> {
         stack: Vec<String>,
         out: HashSet<String>,
+        keep_whole: &'a dyn Fn(ParamId) -> bool,
     }
-    impl ModuleVisitor for Frozen {
+    impl ModuleVisitor for Frozen<'_> {
         fn enter_module(&mut self, name: &str, _: &str) {
             self.stack.push(name.to_string());
         }
@@ -309,7 +380,7 @@ fn frozen_paths<M: Module>(module: &M) -> HashSet<String> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             // Off autodiff no tensor requires a gradient: there, every parameter is trainable.
             let value = param.val();
-            if value.is_autodiff() && !value.is_require_grad() {
+            if (value.is_autodiff() && !value.is_require_grad()) || (self.keep_whole)(param.id) {
                 self.out.insert(self.stack.join("."));
             }
         }
@@ -317,6 +388,7 @@ fn frozen_paths<M: Module>(module: &M) -> HashSet<String> {
     let mut v = Frozen {
         stack: Vec::new(),
         out: HashSet::new(),
+        keep_whole,
     };
     module.visit(&mut v);
     v.out
@@ -358,11 +430,11 @@ impl<M: Module> Module for Fsdp<M> {
         match &self.inner {
             Inner::Plain(m) => m.visit(visitor),
             Inner::Sharded(s) => {
-                // The frozen parameters, whole, at their own paths; then the flat shard.
-                s.template.visit(&mut FrozenOnly {
+                // The parameters kept whole, at their own paths; then the flat shard.
+                s.template.visit(&mut WholeOnly {
                     inner: visitor,
                     path: Vec::new(),
-                    frozen: &s.frozen,
+                    whole: &s.whole,
                 });
                 visitor.enter_module("flat_shard", "Struct:Fsdp");
                 Module::visit(&s.shard, visitor);
@@ -375,11 +447,11 @@ impl<M: Module> Module for Fsdp<M> {
         match self.inner {
             Inner::Plain(m) => Self::new(m.map(mapper)),
             Inner::Sharded(mut s) => {
-                let frozen = s.frozen.clone();
-                s.template = s.template.map(&mut FrozenOnly {
+                let whole = s.whole.clone();
+                s.template = s.template.map(&mut WholeOnly {
                     inner: mapper,
                     path: Vec::new(),
-                    frozen: &frozen,
+                    whole: &whole,
                 });
                 mapper.enter_module("flat_shard", "Struct:Fsdp");
                 s.shard = Module::map(s.shard, mapper);
@@ -392,21 +464,21 @@ impl<M: Module> Module for Fsdp<M> {
     }
 }
 
-/// Shows a visitor or mapper only the frozen parameters of a unit's template (the trainable
-/// ones there are placeholders; their values live in the flat shard).
-struct FrozenOnly<'a, T> {
+/// Shows a visitor or mapper only the parameters a unit's template keeps whole (frozen or kept
+/// whole by the plan; the others there are placeholders, their values live in the flat shard).
+struct WholeOnly<'a, T> {
     inner: &'a mut T,
     path: Vec<String>,
-    frozen: &'a HashSet<String>,
+    whole: &'a HashSet<String>,
 }
 
-impl<T> FrozenOnly<'_, T> {
-    fn is_frozen(&self) -> bool {
-        self.frozen.contains(&self.path.join("."))
+impl<T> WholeOnly<'_, T> {
+    fn is_whole(&self) -> bool {
+        self.whole.contains(&self.path.join("."))
     }
 }
 
-impl<V: ModuleVisitor> ModuleVisitor for FrozenOnly<'_, V> {
+impl<V: ModuleVisitor> ModuleVisitor for WholeOnly<'_, V> {
     fn enter_module(&mut self, name: &str, container_type: &str) {
         self.path.push(name.to_string());
         self.inner.enter_module(name, container_type);
@@ -416,13 +488,13 @@ impl<V: ModuleVisitor> ModuleVisitor for FrozenOnly<'_, V> {
         self.inner.exit_module(name, container_type);
     }
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if self.is_frozen() {
+        if self.is_whole() {
             self.inner.visit_float(param);
         }
     }
 }
 
-impl<Mp: ModuleMapper> ModuleMapper for FrozenOnly<'_, Mp> {
+impl<Mp: ModuleMapper> ModuleMapper for WholeOnly<'_, Mp> {
     fn enter_module(&mut self, name: &str, container_type: &str) {
         self.path.push(name.to_string());
         self.inner.enter_module(name, container_type);
@@ -432,7 +504,7 @@ impl<Mp: ModuleMapper> ModuleMapper for FrozenOnly<'_, Mp> {
         self.inner.exit_module(name, container_type);
     }
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-        if self.is_frozen() {
+        if self.is_whole() {
             self.inner.map_float(param)
         } else {
             param
@@ -442,7 +514,7 @@ impl<Mp: ModuleMapper> ModuleMapper for FrozenOnly<'_, Mp> {
 
 impl<M: Module> Fsdp<M> {
     /// Applies `plain` to an unsharded module, `shard` to the flat shard (and `plain` to the
-    /// template, which holds the frozen parameters).
+    /// template, which holds the parameters kept whole).
     fn map_inner(
         self,
         plain: impl Fn(M) -> M,
@@ -472,6 +544,9 @@ impl<M: Module> ModuleDisplay for Fsdp<M> {}
 /// Selects units by module path.
 type UnitPredicate = Arc<dyn Fn(&str) -> bool + Send + Sync>;
 
+/// Selects the parameters kept whole, by id.
+type ParamPredicate = Arc<dyn Fn(ParamId) -> bool + Send + Sync>;
+
 /// Which sub-modules of a model become FSDP units, by module path (globs as in
 /// [`burn_parallel::plan`]) or by a predicate, over which shard group; and the registry of the
 /// shards for [`TrainStep::with_fsdp`](burn_parallel::train::TrainStep::with_fsdp).
@@ -480,6 +555,7 @@ pub struct FsdpPlan {
     shards: DataShards,
     units: Vec<Glob>,
     predicate: Option<UnitPredicate>,
+    keep_whole: Option<ParamPredicate>,
     used: Arc<Mutex<Vec<bool>>>,
     errors: Vec<String>,
 }
@@ -500,6 +576,7 @@ impl FsdpPlan {
             shards: DataShards::new(group),
             units: Vec::new(),
             predicate: None,
+            keep_whole: None,
             used: Arc::new(Mutex::new(Vec::new())),
             errors: Vec::new(),
         }
@@ -520,6 +597,51 @@ impl FsdpPlan {
     /// Makes the sub-modules whose path passes `predicate` units.
     pub fn unit_if(mut self, predicate: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
         self.predicate = Some(Arc::new(predicate));
+        self
+    }
+
+    /// Keeps whole, in every unit, the trainable parameters whose id passes `predicate`
+    /// (checked once the unit is built, so ids registered while building it count): parameters
+    /// that differ between the ranks of the shard group, such as the experts of an
+    /// expert-parallel MoE layer. See [`Fsdp::shard_keeping`]; reduce their gradients in the
+    /// training step (for experts, `burn_moe::MoeStep` does).
+    ///
+    /// # Example
+    /// ```
+    /// use burn::module::{Module, ParamId};
+    /// use burn::tensor::Device;
+    /// use burn_parallel::init::{Init, LinearInit};
+    /// use burn_parallel::nn::Linear;
+    /// use burn_parallel::run_local;
+    /// use burn_zero::{Fsdp, FsdpPlan};
+    /// use std::sync::{Arc, Mutex};
+    ///
+    /// let counts = run_local(2, |group| {
+    ///     let init = Init::new(1, &Device::flex().autodiff());
+    ///     // The ids to keep whole become known while the unit is built.
+    ///     let kept: Arc<Mutex<Vec<ParamId>>> = Arc::default();
+    ///     let seen = kept.clone();
+    ///     let plan = FsdpPlan::new(&group)
+    ///         .unit("blocks.*")
+    ///         .keep_whole(move |id| seen.lock().unwrap().contains(&id));
+    ///     let block: Fsdp<Linear> = plan
+    ///         .wrap(&init.at("blocks").at(0), |init| {
+    ///             let fc = init.linear("fc", LinearInit::new(4, 4).with_bias(true))?;
+    ///             kept.lock().unwrap().push(fc.bias.as_ref().unwrap().id);
+    ///             Ok::<_, burn_zero::ZeroError>(fc)
+    ///         })
+    ///         .unwrap();
+    ///     plan.finish().unwrap();
+    ///     Ok(block.num_params())
+    /// })
+    /// .unwrap();
+    /// assert_eq!(counts, vec![12, 12]); // 8 of the 16 weights, the 4 biases whole
+    /// ```
+    pub fn keep_whole(
+        mut self,
+        predicate: impl Fn(ParamId) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.keep_whole = Some(Arc::new(predicate));
         self
     }
 
@@ -563,7 +685,17 @@ impl FsdpPlan {
         if !self.selects(path) || self.shards.group().size() == 1 {
             return Ok(Fsdp::new(module));
         }
-        Ok(Fsdp::shard(path, module, &self.shards, &init.context())?)
+        let keep_whole: &dyn Fn(ParamId) -> bool = match &self.keep_whole {
+            Some(predicate) => predicate.as_ref(),
+            None => &|_| false,
+        };
+        Ok(Fsdp::shard_keeping(
+            path,
+            module,
+            &self.shards,
+            &init.context(),
+            keep_whole,
+        )?)
     }
 
     /// Ends the construction: every pattern must have matched a unit.
