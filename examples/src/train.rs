@@ -226,7 +226,7 @@ pub enum MoeLayoutError {
     #[error(
         "{what} is not supported with a GPT-MoE (--moe-experts) yet: {why}; a GPT-MoE trains \
          with data and expert parallelism (--ranks N --ep M), composed with --tp [--sp] and \
-         --zero 3 [--hybrid R]: drop {flag}"
+         --zero 1|2|3 [--hybrid R]: drop {flag}"
     )]
     Unsupported {
         /// The parallelism (`"context parallelism"`, ...).
@@ -301,9 +301,10 @@ impl Parallelism {
 
     /// Checks the MoE side of the split: a GPT-MoE trains under data and expert parallelism,
     /// composed with tensor parallelism (with or without sequence parallelism: every
-    /// tensor-parallel rank runs the whole MoE layer on the whole sequence) and with FSDP/HSDP
-    /// (`zero` stage 3: the experts stay whole, out of the flat shards). Context parallelism
-    /// and ZeRO-1/2 are refused (see [`MoeLayoutError::Unsupported`]). `ep` must divide the
+    /// tensor-parallel rank runs the whole MoE layer on the whole sequence), with FSDP/HSDP
+    /// (`zero` stage 3: the experts stay whole, out of the flat shards) and with ZeRO-1/2 (the
+    /// experts stay out of the flat space and are stepped by a plain AdamW). Context
+    /// parallelism is refused (see [`MoeLayoutError::Unsupported`]). `ep` must divide the
     /// experts and the data-parallel ranks; a dense GPT needs `ep` 1.
     ///
     /// # Errors
@@ -331,24 +332,14 @@ impl Parallelism {
                 ep => Err(MoeLayoutError::EpWithoutExperts { ep }),
             };
         };
-        let refused = [
-            (
-                self.cp > 1,
-                "context parallelism",
-                "--cp",
-                "each rank would route only its part of every sequence, so the \
+        let refused = [(
+            self.cp > 1,
+            "context parallelism",
+            "--cp",
+            "each rank would route only its part of every sequence, so the \
                  load-balancing loss, the token counts and the capacity groups would not be \
                  those of the whole batch",
-            ),
-            (
-                matches!(self.zero, Some(Stage::One | Stage::Two)),
-                "ZeRO-1/2",
-                "--zero 1|2",
-                "its flat buffer would hold the expert parameters, which differ between \
-                 expert-parallel ranks and are reduced over the ranks holding the same experts \
-                 only",
-            ),
-        ];
+        )];
         if let Some((_, what, flag, why)) = refused.into_iter().find(|r| r.0) {
             return Err(MoeLayoutError::Unsupported { what, flag, why });
         }
@@ -517,7 +508,17 @@ enum Engine {
         optim: ModuleOptimizer,
         acc: GradientsAccumulator<Gpt>,
     },
-    Zero(Box<ZeroOptimizer<burn::optim::AdamW>>),
+    Zero(Box<ZeroOptimizer<burn::optim::AdamW>>, Option<ZeroExperts>),
+}
+
+/// GPT-MoE under ZeRO-1/2: the experts are left out of ZeRO's flat space (they differ between
+/// expert-parallel ranks); their gradients are accumulated here, reduced over the ranks
+/// holding the same experts ([`MoeStep::reduce_experts`]), clipped with the flat space's
+/// gradients under one global norm, and stepped by a plain AdamW.
+struct ZeroExperts {
+    moe: MoeStep,
+    optim: ModuleOptimizer,
+    acc: GradientsAccumulator<Gpt>,
 }
 
 /// Trains the GPT of `config` on `world` with the split `parallel` (every rank calls it): one
@@ -625,10 +626,18 @@ pub fn train_gpt_parallel(
             let zero = ZeroConfig::new(stage)
                 .with_max_grad_norm(config.max_grad_norm)
                 .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
-            let zero = ZeroOptimizer::new(&model, groups, zero, adamw.build())
-                .map_err(|e| zero_error(world, e))?
-                .with_tensor_parallel(&model.tp);
-            Engine::Zero(Box::new(zero))
+            let registry = experts.experts.clone();
+            let zero = ZeroOptimizer::new_excluding(&model, groups, zero, adamw.build(), |id| {
+                registry.contains(&id)
+            })
+            .map_err(|e| zero_error(world, e))?
+            .with_tensor_parallel(&model.tp);
+            let moe = config.model.moe.as_ref().map(|_| ZeroExperts {
+                moe: MoeStep::new(TrainStep::new(model.tp.clone()), &experts),
+                optim: adamw.init(),
+                acc: GradientsAccumulator::new(),
+            });
+            Engine::Zero(Box::new(zero), moe)
         }
         _ => {
             let ddp = DistributedDataParallel::new(reduce.clone())
@@ -659,6 +668,13 @@ pub fn train_gpt_parallel(
         }
     };
 
+    // The step engine divides each micro-step's loss by the micro-steps (ZeRO averages them
+    // itself): the MoE balancing losses, whose gradient is injected in the backward, are
+    // scaled the same way.
+    if matches!(engine, Engine::Step { .. }) {
+        model.set_moe_loss_scale(1.0 / config.grad_accum as f32);
+    }
+
     // ---- the loop ----
     let rows_per_rank = config.batch_size / dp.size();
     let micro_rows = rows_per_rank / config.grad_accum;
@@ -674,7 +690,11 @@ pub fn train_gpt_parallel(
         let mut local_loss = 0.0;
         let mut m = model.take().expect("the loop always holds the model");
         for micro in 0..config.grad_accum {
-            let first = dp.rank() * rows_per_rank + micro * micro_rows;
+            // Micro-step `micro` is the same rows of the global batch whatever the number of
+            // data-parallel ranks (each takes its part of them): what a micro-batch computes
+            // as a whole, such as an MoE layer's load-balancing loss over the token shares of
+            // the micro-batch, does not depend on the layout.
+            let first = micro * micro_rows * dp.size() + dp.rank() * micro_rows;
             let batch = corpus.batch_rows(
                 step as u64,
                 first..first + micro_rows,
@@ -690,9 +710,14 @@ pub fn train_gpt_parallel(
                     acc.accumulate(&m, GradientsParams::from_grads(loss.backward(), &m));
                 }
                 // ZeRO averages the micro-steps itself.
-                Engine::Zero(zero) => zero
-                    .accumulate(&m, GradientsParams::from_grads(loss.backward(), &m))
-                    .map_err(|e| zero_error(world, e))?,
+                Engine::Zero(zero, experts) => {
+                    let mut grads = GradientsParams::from_grads(loss.backward(), &m);
+                    if let Some(x) = experts {
+                        x.acc.accumulate(&m, x.moe.take_experts(&m, &mut grads));
+                    }
+                    zero.accumulate(&m, grads)
+                        .map_err(|e| zero_error(world, e))?
+                }
             }
         }
         let lr = config.lr_at(step);
@@ -711,7 +736,33 @@ pub fn train_gpt_parallel(
                 };
                 optim.step(lr, m, grads)
             }
-            Engine::Zero(zero) => zero.step(lr, m).map_err(|e| zero_error(world, e))?.0,
+            Engine::Zero(zero, None) => zero.step(lr, m).map_err(|e| zero_error(world, e))?.0,
+            Engine::Zero(zero, Some(x)) => {
+                let mut grads = x.acc.grads();
+                let mut experts = x
+                    .moe
+                    .reduce_experts(&m, &mut grads)
+                    .map_err(|e| moe_error(world, e))?;
+                experts.scale(1.0 / config.grad_accum as f32);
+                let outside = match config.max_grad_norm {
+                    Some(_) => x
+                        .moe
+                        .expert_squared_norm(&experts)
+                        .map_err(|e| moe_error(world, e))?,
+                    None => 0.0,
+                };
+                let (m, info) = zero
+                    .step_with_outside(lr, m, outside)
+                    .map_err(|e| zero_error(world, e))?;
+                if let (Some(max_norm), Some(norm)) = (config.max_grad_norm, info.grad_norm) {
+                    let coef = burn_zero::clip::clip_coefficient(norm, max_norm);
+                    if coef < 1.0 {
+                        experts.scale(coef as f32);
+                    }
+                }
+                let grads = experts.into_gradients(&m);
+                x.optim.step(lr, m, grads)
+            }
         };
         // Auxiliary-loss-free balancing: the biases move after each optimizer step, from the
         // token counts of the step (summed over the data-parallel ranks: the same everywhere).

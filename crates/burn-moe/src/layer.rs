@@ -192,6 +192,8 @@ struct State {
     bias: Vec<f32>,
     pending: Vec<f64>,
     last: Option<MoeStats>,
+    /// The gradient the balancing losses get in the backward ([`MoeLayer::set_loss_scale`]).
+    loss_scale: f32,
 }
 
 /// A mixture-of-experts layer: a router picks `top_k` of `n_experts` experts per token, the
@@ -203,7 +205,9 @@ struct State {
 /// The balancing losses are not returned: as in Megatron-Core, their gradient (coefficient
 /// times the loss's gradient) is injected into the backward pass through the layer's output,
 /// whose value they leave unchanged, so a plain training loop trains with them. Their values
-/// are in [`Self::last_stats`].
+/// are in [`Self::last_stats`]. A loop that scales its loss before the backward (gradient
+/// accumulation's `1 / micro-steps`, a loss scaler) sets the same scale with
+/// [`Self::set_loss_scale`]: the injected gradient does not pass through the loss.
 ///
 /// Parameters: `router.weight` `[d_model, n_experts]` (Normal(0, init_std)), `experts.{i}.up`,
 /// `.gate`, `.down` (this rank's experts, initialised at the path of their global index
@@ -322,6 +326,7 @@ impl MoeLayer {
                 bias: vec![0.0; config.n_experts],
                 pending: vec![0.0; config.n_experts],
                 last: None,
+                loss_scale: 1.0,
             })),
         })
     }
@@ -459,11 +464,12 @@ impl MoeLayer {
             // Megatron's aux-loss scaler: the forward value is unchanged, the backward gives
             // the loss term gradient 1 (its coefficients are inside `total`).
             let zero = Tensor::<2>::zeros([1, 1], (&device, dtype));
+            let scale = self.state.lock().expect("MoE state").loss_scale;
             let inject = attach(
                 total,
                 zero,
-                BackwardFn::new("moe_balancing_loss", |_| {
-                    Ok(TensorData::new(vec![1f32], [1]))
+                BackwardFn::new("moe_balancing_loss", move |_| {
+                    Ok(TensorData::new(vec![scale], [1]))
                 }),
             );
             out = out + inject;
@@ -585,6 +591,36 @@ impl MoeLayer {
             }
         }
         Some(state.bias.clone())
+    }
+
+    /// Sets the factor the training loop multiplies its loss by before the backward (1 by
+    /// default): the balancing losses' gradient, injected in the backward rather than through
+    /// the loss, is scaled by it too (Megatron-Core's `MoEAuxLossAutoScaler.set_loss_scale`).
+    /// Under gradient accumulation with the loss divided by the number of micro-steps, set
+    /// `1 / micro-steps`, so that the balancing losses weigh, relative to the loss, what their
+    /// coefficients say. Applies to the forward calls that follow.
+    ///
+    /// # Example
+    /// ```
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_moe::{MoeConfig, MoeLayer};
+    /// use burn_parallel::init::Init;
+    ///
+    /// let device = Device::flex().autodiff();
+    /// let config = MoeConfig { aux_loss: 0.1, ..MoeConfig::new(4, 8, 2, 1) };
+    /// let moe = MoeLayer::new(&config, &Init::new(0, &device)).unwrap();
+    /// let router_grad = |scale: f32| {
+    ///     moe.set_loss_scale(scale);
+    ///     let x = Tensor::<2>::ones([3, 4], &device);
+    ///     // A loss that does not depend on the output: only the balancing loss's gradient.
+    ///     let grads = (moe.forward(x).unwrap().sum() * 0.0).backward();
+    ///     moe.router.val().grad(&grads).unwrap().into_data().to_vec::<f32>().unwrap()
+    /// };
+    /// let (one, half) = (router_grad(1.0), router_grad(0.5));
+    /// assert!(one.iter().zip(&half).all(|(a, b)| (a * 0.5 - b).abs() < 1e-7));
+    /// ```
+    pub fn set_loss_scale(&self, scale: f32) {
+        self.state.lock().expect("MoE state").loss_scale = scale;
     }
 
     /// The expert biases (added to the scores for selection only).

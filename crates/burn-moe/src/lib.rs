@@ -24,4 +24,4 @@ pub mod step;
 
 pub use config::{Capacity, DropPolicy, ExpertKind, MoeConfig, MoeError, Result, ScoreFn};
 pub use layer::{Expert, ExpertParams, MoeLayer, MoeParallel, MoeStats, Routing};
-pub use step::MoeStep;
+pub use step::{ExpertGradients, MoeStep};

@@ -80,14 +80,7 @@ impl MoeStep {
         model: &M,
         mut grads: GradientsParams,
     ) -> Result<(GradientsParams, Option<f64>)> {
-        // Expert gradients out, in visiting order (the same on ranks holding the same experts).
-        let mut take = Take {
-            parallel: &self.parallel,
-            grads: &mut grads,
-            taken: Vec::new(),
-        };
-        model.visit(&mut take);
-        let taken = take.taken;
+        let taken = take_experts(model, &mut grads, &self.parallel);
         let (mut grads, inner_norm) = self.inner.reduce(model, grads)?;
         if inner_norm.is_some() {
             return Err(MoeError::Config {
@@ -97,6 +90,114 @@ impl MoeStep {
                     .into(),
             });
         }
+        let experts = self.reduce_taken(taken)?;
+        let norm = match self.max_grad_norm {
+            None => None,
+            Some(_) => Some(self.inner.global_norm(model, &grads)?),
+        };
+        let expert_sq = match norm {
+            Some(_) => self.expert_squared_norm(&experts)?,
+            None => 0.0,
+        };
+        experts.register_into(model, &mut grads);
+        let norm = match (self.max_grad_norm, norm) {
+            (Some(max_norm), Some(rest)) => {
+                let norm = (rest * rest + expert_sq).sqrt();
+                grads = clip_to_norm(model, grads, norm, max_norm);
+                Some(norm)
+            }
+            _ => None,
+        };
+        Ok((grads, norm))
+    }
+
+    /// Takes the expert gradients out of `grads`, unreduced (no communication): to accumulate
+    /// them over micro-steps before [`Self::reduce_experts`].
+    ///
+    /// # Arguments
+    /// * `model` - the model the MoE layers of this step's [`MoeParallel`] belong to.
+    /// * `grads` - this rank's gradients; the expert ones are removed.
+    ///
+    /// # Returns
+    /// The expert gradients.
+    pub fn take_experts<M: Module>(
+        &self,
+        model: &M,
+        grads: &mut GradientsParams,
+    ) -> GradientsParams {
+        let mut experts = GradientsParams::new();
+        struct Move<'a> {
+            parallel: &'a MoeParallel,
+            from: &'a mut GradientsParams,
+            to: &'a mut GradientsParams,
+        }
+        impl ModuleVisitor for Move<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if self.parallel.experts.contains(&param.id)
+                    && let Some(g) = self.from.remove::<D>(param.id)
+                {
+                    self.to.register::<D>(param.id, g);
+                }
+            }
+        }
+        model.visit(&mut Move {
+            parallel: &self.parallel,
+            from: grads,
+            to: &mut experts,
+        });
+        experts
+    }
+
+    /// Takes the expert gradients out of `grads` and reduces them over the ranks holding the
+    /// same experts (summed, divided by the data-parallel size), leaving the other gradients
+    /// in `grads`: for a training step that reduces the rest its own way (ZeRO's sharded
+    /// optimizer, whose flat space leaves the experts out). An expert no rank used gets no
+    /// gradient. A collective over [`MoeParallel::expert_dp`]: every rank calls it.
+    ///
+    /// # Arguments
+    /// * `model` - the model the MoE layers of this step's [`MoeParallel`] belong to.
+    /// * `grads` - this rank's gradients (summed over micro-steps, if any); the expert ones are
+    ///   removed.
+    ///
+    /// # Returns
+    /// The reduced expert gradients.
+    ///
+    /// # Errors
+    /// Collective errors.
+    pub fn reduce_experts<M: Module>(
+        &self,
+        model: &M,
+        grads: &mut GradientsParams,
+    ) -> Result<ExpertGradients> {
+        let taken = take_experts(model, grads, &self.parallel);
+        self.reduce_taken(taken)
+    }
+
+    /// The squared norm of the expert gradients of the whole model (each expert counted once:
+    /// the squares summed over the expert-parallel group). A collective over
+    /// [`MoeParallel::ep`].
+    ///
+    /// # Errors
+    /// Collective errors.
+    pub fn expert_squared_norm(&self, experts: &ExpertGradients) -> Result<f64> {
+        let local: f64 = experts
+            .grads
+            .iter()
+            .flat_map(|(_, g)| g.iter::<f32>())
+            .map(|g| f64::from(g) * f64::from(g))
+            .sum();
+        Ok(match &self.parallel.ep {
+            Some(ep) => ep
+                .all_reduce_data(TensorData::new(vec![local], [1]), ReduceOp::Sum)?
+                .try_to_vec::<f64>()
+                .expect("f64 in, f64 out")[0],
+            None => local,
+        })
+    }
+
+    /// Sums `taken` over the ranks holding the same experts and divides by the data-parallel
+    /// size.
+    fn reduce_taken(&self, taken: Vec<Taken>) -> Result<ExpertGradients> {
         // [presence flags..., values...] summed over the ranks holding the same experts.
         let mut flat: Vec<f32> = taken
             .iter()
@@ -108,8 +209,8 @@ impl MoeStep {
                 None => flat.extend(std::iter::repeat_n(0f32, shape.iter().product())),
             }
         }
-        // No expert parameter in sight (every expert inside a sharded FSDP unit, without
-        // expert parallelism): the same on every rank holding the same experts.
+        // No expert parameter in sight (every expert inside a sharded FSDP unit): the same on
+        // every rank holding the same experts.
         if let Some(group) = self
             .parallel
             .expert_dp
@@ -124,45 +225,16 @@ impl MoeStep {
         }
         let scale = 1.0 / self.parallel.dp_size() as f32;
         let mut at = taken.len();
-        let mut reduced = Vec::with_capacity(taken.len());
-        let mut expert_sq = 0f64;
+        let mut grads = Vec::with_capacity(taken.len());
         for (i, (id, shape, _)) in taken.iter().enumerate() {
             let len: usize = shape.iter().product();
             if flat[i] > 0.0 {
                 let values: Vec<f32> = flat[at..at + len].iter().map(|g| g * scale).collect();
-                expert_sq += values
-                    .iter()
-                    .map(|&g| f64::from(g) * f64::from(g))
-                    .sum::<f64>();
-                reduced.push((*id, TensorData::new(values, shape.clone())));
+                grads.push((*id, TensorData::new(values, shape.clone())));
             }
             at += len;
         }
-        let mut put = Put {
-            grads: &mut grads,
-            reduced: reduced.into_iter().collect(),
-        };
-        model.visit(&mut put);
-        let norm = match self.max_grad_norm {
-            None => None,
-            Some(max_norm) => {
-                let rest = self
-                    .inner
-                    .global_norm(model, &without_experts(model, &grads, &self.parallel))?;
-                // Each expert lives on one rank of the expert-parallel group.
-                let experts = match &self.parallel.ep {
-                    Some(ep) => ep
-                        .all_reduce_data(TensorData::new(vec![expert_sq], [1]), ReduceOp::Sum)?
-                        .try_to_vec::<f64>()
-                        .expect("f64 in, f64 out")[0],
-                    None => expert_sq,
-                };
-                let norm = (rest * rest + experts).sqrt();
-                grads = clip_to_norm(model, grads, norm, max_norm);
-                Some(norm)
-            }
-        };
-        Ok((grads, norm))
+        Ok(ExpertGradients { grads })
     }
 
     /// One step: backward of `loss`, [`Self::reduce`], `optim.step(lr, ..)`, then the bias
@@ -199,6 +271,67 @@ impl MoeStep {
 /// An expert parameter's id, shape and local gradient (if any).
 type Taken = (ParamId, Vec<usize>, Option<TensorData>);
 
+/// The expert gradients of one step, reduced over the ranks holding the same experts
+/// ([`MoeStep::reduce_experts`]), on the host.
+#[derive(Debug, Clone)]
+pub struct ExpertGradients {
+    grads: Vec<(ParamId, TensorData)>,
+}
+
+impl ExpertGradients {
+    /// Number of expert parameters with a gradient.
+    pub fn len(&self) -> usize {
+        self.grads.len()
+    }
+
+    /// Whether no expert parameter has a gradient.
+    pub fn is_empty(&self) -> bool {
+        self.grads.is_empty()
+    }
+
+    /// Multiplies every gradient by `factor` (averaging micro-steps, clipping).
+    pub fn scale(&mut self, factor: f32) {
+        for (_, g) in &mut self.grads {
+            let shape = g.shape().clone();
+            let values: Vec<f32> = g.iter::<f32>().map(|v| v * factor).collect();
+            *g = TensorData::new(values, shape);
+        }
+    }
+
+    /// The gradients as Burn's, for `model` (on each parameter's device and dtype): what an
+    /// optimizer takes.
+    pub fn into_gradients<M: Module>(self, model: &M) -> GradientsParams {
+        let mut grads = GradientsParams::new();
+        self.register_into(model, &mut grads);
+        grads
+    }
+
+    /// Registers the gradients in `grads`.
+    fn register_into<M: Module>(self, model: &M, grads: &mut GradientsParams) {
+        let mut put = Put {
+            grads,
+            reduced: self.grads.into_iter().collect(),
+        };
+        model.visit(&mut put);
+    }
+}
+
+/// Removes the expert gradients from `grads`, in visiting order (the same on ranks holding the
+/// same experts).
+fn take_experts<M: Module>(
+    model: &M,
+    grads: &mut GradientsParams,
+    parallel: &MoeParallel,
+) -> Vec<Taken> {
+    let mut take = Take {
+        parallel,
+        grads,
+        taken: Vec::new(),
+    };
+    model.visit(&mut take);
+    take.taken
+}
+
 struct Take<'a> {
     parallel: &'a MoeParallel,
     grads: &'a mut GradientsParams,
@@ -232,33 +365,4 @@ impl ModuleVisitor for Put<'_> {
             self.grads.register::<D>(param.id, g);
         }
     }
-}
-
-/// A copy of `grads` without the expert gradients.
-fn without_experts<M: Module>(
-    model: &M,
-    grads: &GradientsParams,
-    parallel: &MoeParallel,
-) -> GradientsParams {
-    struct Copy<'a> {
-        from: &'a GradientsParams,
-        to: GradientsParams,
-        parallel: &'a MoeParallel,
-    }
-    impl ModuleVisitor for Copy<'_> {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if !self.parallel.experts.contains(&param.id)
-                && let Some(g) = self.from.get::<D>(param.id)
-            {
-                self.to.register::<D>(param.id, g);
-            }
-        }
-    }
-    let mut copy = Copy {
-        from: grads,
-        to: GradientsParams::new(),
-        parallel,
-    };
-    model.visit(&mut copy);
-    copy.to
 }

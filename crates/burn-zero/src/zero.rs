@@ -331,11 +331,27 @@ impl ShardGroups {
         shards: &mut [Vec<f32>],
         max_norm: Option<f64>,
     ) -> Result<Option<f64>> {
+        self.clip_with(shards, max_norm, 0.0)
+    }
+
+    /// [`Self::clip`] with `outside_sq` (the same on every rank) added to the squared norm.
+    fn clip_with(
+        &self,
+        shards: &mut [Vec<f32>],
+        max_norm: Option<f64>,
+        outside_sq: f64,
+    ) -> Result<Option<f64>> {
         let Some(max_norm) = max_norm else {
             return Ok(None);
         };
         let local: f64 = shards.iter().map(|s| sum_of_squares(s)).sum();
-        let norm = global_norm(local, &self.shard)?;
+        let norm = if outside_sq == 0.0 {
+            global_norm(local, &self.shard)?
+        } else {
+            let data = TensorData::new(vec![local], [1]);
+            let total = self.shard.all_reduce_data(data, ReduceOp::Sum)?;
+            (total.try_to_vec::<f64>().expect("f64 in, f64 out")[0] + outside_sq).sqrt()
+        };
         let coef = clip_coefficient(norm, max_norm);
         if coef < 1.0 {
             let coef = coef as f32;
@@ -448,6 +464,56 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         config: ZeroConfig,
         optim: O,
     ) -> Result<Self> {
+        Self::new_excluding(module, groups, config, optim, |_| false)
+    }
+
+    /// [`Self::new`] for the trainable parameters of `module` except those `exclude` selects,
+    /// which stay out of the flat space, like frozen ones: no gradient reduction, no optimizer
+    /// state, no update here, and no replica check (they may differ between the ranks). For
+    /// parameters a caller trains its own way, such as the experts of an expert-parallel MoE
+    /// layer (reduced over the ranks holding the same experts); put their share of the global
+    /// gradient norm in [`Self::step_with_outside`].
+    ///
+    /// # Arguments
+    /// * `module` - the model, identical on every rank for the parameters in the flat space.
+    /// * `groups` - the shard (and replica) groups.
+    /// * `config` - the stage and options.
+    /// * `optim` - the element-wise optimizer of the flat space.
+    /// * `exclude` - which parameters (by id) to leave out.
+    ///
+    /// # Returns
+    /// The optimizer wrapper.
+    ///
+    /// # Errors
+    /// As [`Self::new`].
+    ///
+    /// # Example
+    /// ```
+    /// use burn::module::Module;
+    /// use burn::optim::AdamWConfig;
+    /// use burn::tensor::Device;
+    /// use burn_parallel::init::{Init, LinearInit};
+    /// use burn_parallel::run_local;
+    /// use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroOptimizer};
+    ///
+    /// let sizes = run_local(2, |group| {
+    ///     let init = Init::new(1, &Device::flex().autodiff());
+    ///     let fc = init.linear("fc", LinearInit::new(4, 4).with_bias(true)).unwrap();
+    ///     let bias = fc.bias.as_ref().unwrap().id;
+    ///     let zero = ZeroOptimizer::new_excluding(&fc, ShardGroups::flat(group),
+    ///         ZeroConfig::new(Stage::One), AdamWConfig::new().build(), |id| id == bias).unwrap();
+    ///     Ok(zero.layout().numel())
+    /// })
+    /// .unwrap();
+    /// assert_eq!(sizes, vec![16, 16]); // the weight only
+    /// ```
+    pub fn new_excluding<M: Module>(
+        module: &M,
+        groups: ShardGroups,
+        config: ZeroConfig,
+        optim: O,
+        exclude: impl Fn(ParamId) -> bool,
+    ) -> Result<Self> {
         if config.stage == Stage::Three {
             return Err(ZeroError::Config(
                 "ZeroOptimizer runs stages 1 and 2; for stage 3 wrap the model's units with \
@@ -455,14 +521,17 @@ impl<O: ElementWise> ZeroOptimizer<O> {
                     .into(),
             ));
         }
-        groups.verify_replicas(module, |_| true)?;
-        let layout = FlatLayout::trainable(module, |_| true);
+        let excluded = paths_where(module, exclude);
+        let keep = |path: &str| !excluded.contains(path);
+        groups.verify_replicas(module, keep)?;
+        let layout = FlatLayout::trainable(module, keep);
         let Some(device) = module.devices().into_iter().next() else {
             return Err(ZeroError::Config("the module has no parameters".into()));
         };
         if layout.numel() == 0 {
             return Err(ZeroError::Config(
-                "the module has no trainable parameter (all are frozen): nothing to optimize"
+                "the module has no trainable parameter (all are frozen or excluded): nothing \
+                 to optimize"
                     .into(),
             ));
         }
@@ -527,6 +596,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         grad: &mut [f32],
         tp: &ProcessGroup,
         ranges: &[Range<usize>],
+        outside_sq: f64,
     ) -> Result<Option<f64>> {
         let Some(max_norm) = self.config.max_grad_norm else {
             return Ok(None);
@@ -547,7 +617,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         let sums = sums.try_to_vec::<f64>().expect("f64 in, f64 out");
         let tp_sum = tp.all_reduce_data(TensorData::new(vec![sums[1]], [1]), ReduceOp::Sum)?;
         let tp_sum = tp_sum.try_to_vec::<f64>().expect("f64 in, f64 out")[0];
-        let norm = (sums[0] + tp_sum).sqrt();
+        let norm = (sums[0] + tp_sum + outside_sq).sqrt();
         let coef = clip_coefficient(norm, max_norm);
         if coef < 1.0 {
             grad.iter_mut().for_each(|g| *g *= coef as f32);
@@ -728,6 +798,31 @@ impl<O: ElementWise> ZeroOptimizer<O> {
     /// # Errors
     /// [`ZeroError::Config`] when nothing was accumulated; collective failures.
     pub fn step<M: Module>(&mut self, lr: LearningRate, module: M) -> Result<(M, StepInfo)> {
+        self.step_with_outside(lr, module, 0.0)
+    }
+
+    /// [`Self::step`] when some trainable parameters are outside the flat space
+    /// ([`Self::new_excluding`]) and clipping must see them: `outside_sq` is the sum of the
+    /// squares of their (reduced) gradients, the same value on every rank, added to the
+    /// flat space's in the global norm. Scale those gradients yourself by the same factor,
+    /// `clip::clip_coefficient(info.grad_norm, max_norm)`.
+    ///
+    /// # Arguments
+    /// * `lr` - the learning rate.
+    /// * `module` - the model.
+    /// * `outside_sq` - the squared norm of the gradients outside the flat space.
+    ///
+    /// # Returns
+    /// The updated model and what the step did (the norm counts `outside_sq`).
+    ///
+    /// # Errors
+    /// As [`Self::step`].
+    pub fn step_with_outside<M: Module>(
+        &mut self,
+        lr: LearningRate,
+        module: M,
+        outside_sq: f64,
+    ) -> Result<(M, StepInfo)> {
         let Some(acc) = self.acc.take() else {
             return Err(ZeroError::Config(
                 "step called without gradients; call accumulate after each backward".into(),
@@ -768,8 +863,12 @@ impl<O: ElementWise> ZeroOptimizer<O> {
             .and_then(|(tp, ranges)| Some((tp.group()?.clone(), ranges)))
             .filter(|(g, _)| g.size() > 1);
         let grad_norm = match tp_group {
-            Some((tp, ranges)) => self.clip_tensor_parallel(&mut shards[0], &tp, ranges)?,
-            None => self.groups.clip(&mut shards, self.config.max_grad_norm)?,
+            Some((tp, ranges)) => {
+                self.clip_tensor_parallel(&mut shards[0], &tp, ranges, outside_sq)?
+            }
+            None => self
+                .groups
+                .clip_with(&mut shards, self.config.max_grad_norm, outside_sq)?,
         };
         let grad = shards.pop().expect("one shard");
 
@@ -1106,4 +1205,36 @@ impl ModuleVisitor for Packer<'_> {
             self.next = b + 1;
         }
     }
+}
+
+/// Module paths of the parameters of `module` whose id passes `select`.
+fn paths_where<M: Module>(
+    module: &M,
+    select: impl Fn(ParamId) -> bool,
+) -> std::collections::HashSet<String> {
+    struct Paths<F> {
+        stack: Vec<String>,
+        select: F,
+        out: std::collections::HashSet<String>,
+    }
+    impl<F: Fn(ParamId) -> bool> ModuleVisitor for Paths<F> {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.stack.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.stack.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if (self.select)(param.id) {
+                self.out.insert(self.stack.join("."));
+            }
+        }
+    }
+    let mut paths = Paths {
+        stack: Vec::new(),
+        select,
+        out: std::collections::HashSet::new(),
+    };
+    module.visit(&mut paths);
+    paths.out
 }

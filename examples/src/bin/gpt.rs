@@ -419,8 +419,8 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    // A GPT-MoE under ZeRO/FSDP trains in the layout-generic trainer below (its check refuses
-    // ZeRO-1/2 with the reason), not in burn-zero's engines.
+    // A GPT-MoE under ZeRO/FSDP trains in the layout-generic trainer below (experts out of
+    // ZeRO-1/2's flat space, whole in the FSDP units), not in burn-zero's engines.
     let moe = config.model.moe.is_some();
     if moe && args.pipeline.pp > 1 {
         let refused = MoeLayoutError::Unsupported {
