@@ -12,8 +12,9 @@
 //! - [`dispatch`]: expert parallelism's token exchange (counts, uneven all-to-all, expert-major
 //!   permutation) and its inverse, each the other's backward.
 //! - [`MoeStep`]: the training step: expert gradients reduced over the ranks holding the same
-//!   experts, every other gradient over the data-parallel group, global-norm clipping over
-//!   both.
+//!   experts, every other gradient over the data-parallel group (or by tensor parallelism and
+//!   FSDP through `TrainStep`), global-norm clipping over both; [`MoeStep::reduce_experts`]
+//!   ([`ExpertGradients`]) for steps that reduce the rest their own way (ZeRO-1/2).
 //! - [`MoeStats`]: tokens per expert, drop rate, load imbalance, the auxiliary losses.
 
 pub mod config;
