@@ -75,6 +75,26 @@ pub enum CollectiveError {
     /// unreachable.
     #[error("rendezvous failed: {0}")]
     Rendezvous(String),
+    /// A timeout setting that cannot be used: not a positive finite number of seconds, or too
+    /// long for a deadline to be represented (see [`crate::comm::tcp::MAX_TIMEOUT`]).
+    #[error("{setting}={value} is not a usable timeout: {reason}")]
+    InvalidTimeout {
+        /// Where the value came from (an environment variable or a method).
+        setting: String,
+        /// The value as given.
+        value: String,
+        /// What is wrong and what to set instead.
+        reason: String,
+    },
+    /// The job token (`BURN_PARALLEL_JOB_TOKEN`) of this rank does not match the job's, or one
+    /// side of the rendezvous has a token and the other has none.
+    #[error("rank {rank}: job token (BURN_PARALLEL_JOB_TOKEN) refused: {reason}")]
+    JobToken {
+        /// Global rank of the caller.
+        rank: usize,
+        /// What was refused, and what to set.
+        reason: String,
+    },
     /// The device's backend is not one this build of `burn-parallel` supports.
     #[error(
         "the device {device} is on a backend this build of burn-parallel does not support: {hint}"

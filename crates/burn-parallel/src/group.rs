@@ -32,13 +32,19 @@ const SHM_MIN_BYTES: usize = 256 * 1024;
 /// Default timeout of every wait, unless `BURN_PARALLEL_TIMEOUT_SECS` says otherwise.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 
+/// `BURN_PARALLEL_TIMEOUT_SECS`, or [`DEFAULT_TIMEOUT`]. An unusable value (`inf`, `NaN`,
+/// negative, beyond [`crate::comm::tcp::MAX_TIMEOUT`]) is an error of the `tcp` backend's
+/// `connect`, before any group exists; a group of another backend warns once and keeps the
+/// default.
 fn default_timeout() -> Duration {
-    std::env::var("BURN_PARALLEL_TIMEOUT_SECS")
-        .ok()
-        .and_then(|s| s.parse::<f64>().ok())
-        .filter(|s| *s > 0.0)
-        .map(Duration::from_secs_f64)
-        .unwrap_or(DEFAULT_TIMEOUT)
+    match crate::comm::tcp::env::timeout_from_env("BURN_PARALLEL_TIMEOUT_SECS") {
+        Ok(timeout) => timeout.unwrap_or(DEFAULT_TIMEOUT),
+        Err(e) => {
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| eprintln!("burn-parallel: {e}; using {DEFAULT_TIMEOUT:?}"));
+            DEFAULT_TIMEOUT
+        }
+    }
 }
 
 /// A set of ranks that run collectives together: the world, or a sub-group of it.
@@ -140,7 +146,9 @@ impl ProcessGroup {
         self.timeout
     }
 
-    /// The same group with another timeout for every wait.
+    /// The same group with another timeout for every wait. A timeout too long for a deadline
+    /// to be represented (such as `Duration::MAX`) makes every wait fail with
+    /// [`CollectiveError::InvalidTimeout`]; [`crate::comm::tcp::MAX_TIMEOUT`] always works.
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self

@@ -19,12 +19,30 @@
 //! an explicit [`Transport::abort`] marks the rank as failed on every peer, whose pending and
 //! future collective calls then fail with an error naming it.
 //!
+//! Security: the job token ([`JobToken`], `BURN_PARALLEL_JOB_TOKEN`, which `burnrun` generates
+//! and hands to its ranks) authenticates every registration with rank 0's store and every data
+//! connection, by an HMAC-SHA256 over a fresh challenge of the accepting side; the token itself
+//! never crosses the wire. A process without the token (a stray connection, garbage, a forged or
+//! replayed registration, one that connects and stays silent) is dropped with a line on stderr
+//! and does not disturb the job; a rank whose token differs from rank 0's keeps retrying until
+//! the rendezvous timeout, then fails with [`CollectiveError::JobToken`]. Without a token (a job
+//! started by hand with no `BURN_PARALLEL_JOB_TOKEN`, or a [`TcpConfig`] without
+//! [`TcpConfig::with_job_token`]) every rank works unauthenticated, as long as no rank has one:
+//! [`init_from_env`] prints a one-line warning, and a token on one side of the rendezvous and
+//! none on the other is a [`CollectiveError::JobToken`] error. Authentication is not encryption:
+//! the tensors travel in clear; use a private network. Rank 0 serves the store on the
+//! `MASTER_ADDR` address only (not every interface); every other rank binds its data listener
+//! on the local address of its connection to the store, the interface that reaches rank 0.
+//!
 //! Environment knobs: `BURN_PARALLEL_RENDEZVOUS_TIMEOUT_SECS` (rendezvous bound of
 //! [`init_from_env`], default 300 s), `BURN_PARALLEL_TIMEOUT_SECS` (also bounds a write to a
-//! peer that stopped reading), `BURN_PARALLEL_TCP_SOCKET_BUFFER` (bytes for `SO_SNDBUF` and
-//! `SO_RCVBUF`; unset or 0 keeps the kernel's auto-tuning).
+//! peer that stopped reading), both positive, finite and at most [`MAX_TIMEOUT`] (anything
+//! else is a [`CollectiveError::InvalidTimeout`] error), `BURN_PARALLEL_TCP_SOCKET_BUFFER`
+//! (bytes for `SO_SNDBUF` and `SO_RCVBUF`; unset or 0 keeps the kernel's auto-tuning),
+//! `BURN_PARALLEL_JOB_TOKEN` (above).
 
-mod env;
+mod auth;
+pub(crate) mod env;
 mod rendezvous;
 mod wire;
 
@@ -35,7 +53,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
-pub use env::{DEFAULT_MASTER_PORT, DEFAULT_RENDEZVOUS_TIMEOUT, LaunchEnv, Launcher};
+pub use auth::{JOB_TOKEN_ENV, JobToken};
+pub use env::{DEFAULT_MASTER_PORT, DEFAULT_RENDEZVOUS_TIMEOUT, LaunchEnv, Launcher, MAX_TIMEOUT};
 
 use crate::comm::transport::{Frame, Mailbox, Transport};
 use crate::error::{CollectiveError, Result};
@@ -72,12 +91,17 @@ pub struct TcpConfig {
     pub master_addr: String,
     /// Port of the rendezvous.
     pub master_port: u16,
-    /// Bound on the whole rendezvous (registration, address table, mesh).
+    /// Bound on the whole rendezvous (registration, address table, mesh); positive and at
+    /// most [`MAX_TIMEOUT`].
     pub timeout: Duration,
+    /// The job's secret: when set, every registration and data connection must prove it
+    /// (see the module documentation). Every rank needs the same one, or none.
+    pub job_token: Option<JobToken>,
 }
 
 impl TcpConfig {
-    /// A configuration with the default timeout ([`DEFAULT_RENDEZVOUS_TIMEOUT`]).
+    /// A configuration with the default timeout ([`DEFAULT_RENDEZVOUS_TIMEOUT`]) and no job
+    /// token (an unauthenticated world; see [`TcpConfig::with_job_token`]).
     pub fn new(
         rank: usize,
         world_size: usize,
@@ -90,23 +114,63 @@ impl TcpConfig {
             master_addr: master_addr.into(),
             master_port,
             timeout: DEFAULT_RENDEZVOUS_TIMEOUT,
+            job_token: None,
         }
     }
 
-    /// The same configuration with another rendezvous timeout.
+    /// The same configuration with another rendezvous timeout. A timeout of zero or longer
+    /// than [`MAX_TIMEOUT`] makes [`connect`] fail with [`CollectiveError::InvalidTimeout`].
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
     }
 
+    /// The same configuration authenticated with `token` (every rank needs the same one).
+    ///
+    /// # Example
+    /// ```
+    /// use burn_parallel::comm::tcp::{JobToken, TcpConfig};
+    /// let token = JobToken::new("a long random secret shared by the ranks")?;
+    /// let config = TcpConfig::new(1, 2, "127.0.0.1", 29500).with_job_token(token);
+    /// assert!(config.job_token.is_some());
+    /// # Ok::<(), burn_parallel::CollectiveError>(())
+    /// ```
+    pub fn with_job_token(mut self, token: JobToken) -> Self {
+        self.job_token = Some(token);
+        self
+    }
+
     /// The configuration described by the launcher's environment (see [`LaunchEnv`]); the
-    /// timeout comes from `BURN_PARALLEL_RENDEZVOUS_TIMEOUT_SECS` (default 300 s).
+    /// timeout comes from `BURN_PARALLEL_RENDEZVOUS_TIMEOUT_SECS` (default 300 s) and the job
+    /// token from `BURN_PARALLEL_JOB_TOKEN`. Without a token, and with more than one rank, it
+    /// prints a one-line warning: the world will be unauthenticated.
     ///
     /// # Errors
-    /// [`CollectiveError::Rendezvous`] naming the missing or garbled variable.
+    /// [`CollectiveError::Rendezvous`] naming the missing or garbled variable;
+    /// [`CollectiveError::InvalidTimeout`] for a timeout that is not a positive number of
+    /// seconds up to [`MAX_TIMEOUT`]; [`CollectiveError::JobToken`] for an empty token.
     pub fn from_env() -> Result<Self> {
         let env = LaunchEnv::from_env()?;
-        Ok(Self::from_launch_env(&env).with_timeout(env::rendezvous_timeout_from_env()?))
+        let mut config =
+            Self::from_launch_env(&env).with_timeout(env::rendezvous_timeout_from_env()?);
+        match JobToken::from_env() {
+            Ok(Some(token)) => config.job_token = Some(token),
+            Ok(None) if env.world_size > 1 => eprintln!(
+                "burn-parallel rank {}: {JOB_TOKEN_ENV} is not set, so the rendezvous is not \
+                 authenticated (any process that reaches MASTER_ADDR:MASTER_PORT can join or \
+                 fail the job); burnrun sets one, or set the same secret on every rank",
+                env.rank
+            ),
+            Ok(None) => {}
+            Err(CollectiveError::JobToken { reason, .. }) => {
+                return Err(CollectiveError::JobToken {
+                    rank: env.rank,
+                    reason,
+                });
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(config)
     }
 
     /// The configuration of a [`LaunchEnv`], with the default timeout.
@@ -131,11 +195,7 @@ impl TcpConfig {
                 self.rank, self.world_size, self.world_size
             )));
         }
-        if self.timeout.is_zero() {
-            return Err(CollectiveError::Rendezvous(
-                "the rendezvous timeout must be positive".into(),
-            ));
-        }
+        env::check_timeout("TcpConfig::timeout", self.timeout)?;
         Ok(())
     }
 }
@@ -240,44 +300,58 @@ pub fn init_from_env() -> Result<ProcessGroup> {
     connect(&TcpConfig::from_env()?)
 }
 
-/// Where rank 0 listens for the rendezvous: `MASTER_ADDR` itself when it is a loopback address,
-/// otherwise every interface of its address family (like torchrun's store), so that a
-/// `MASTER_ADDR` that is a name, or an address this host is reached by but does not own,
-/// still works.
-fn store_bind_addr(config: &TcpConfig) -> Result<SocketAddr> {
-    let addr = (config.master_addr.as_str(), config.master_port)
+/// Rank 0's rendezvous listener on the `MASTER_ADDR` address itself (the first of its
+/// addresses that binds, for a name), not on every interface: the store is reachable only
+/// through the interface the job uses.
+///
+/// # Errors
+/// [`CollectiveError::Rendezvous`] when `MASTER_ADDR` does not resolve, when none of its
+/// addresses belongs to this machine (rank 0 must run on the `MASTER_ADDR` host), or when the
+/// port is taken.
+fn bind_store(config: &TcpConfig) -> Result<TcpRendezvous> {
+    let (host, port) = (config.master_addr.as_str(), config.master_port);
+    let addrs: Vec<SocketAddr> = (host, port)
         .to_socket_addrs()
         .map_err(|e| {
-            CollectiveError::Rendezvous(format!(
-                "cannot resolve MASTER_ADDR {:?}: {e}",
-                config.master_addr
-            ))
+            CollectiveError::Rendezvous(format!("cannot resolve MASTER_ADDR {host:?}: {e}"))
         })?
-        .next()
-        .ok_or_else(|| {
-            CollectiveError::Rendezvous(format!(
-                "MASTER_ADDR {:?} resolves to no address",
-                config.master_addr
-            ))
-        })?;
-    if addr.ip().is_loopback() {
-        Ok(addr)
-    } else {
-        Ok(SocketAddr::new(
-            rendezvous::unspecified_like(addr.ip()),
-            config.master_port,
-        ))
+        .collect();
+    let mut not_local = Vec::new();
+    let mut other = None;
+    for addr in &addrs {
+        match TcpListener::bind(addr) {
+            Ok(listener) => return Ok(TcpRendezvous { listener }),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrNotAvailable => not_local.push(*addr),
+            Err(e) => {
+                other.get_or_insert((*addr, e));
+            }
+        }
     }
+    Err(CollectiveError::Rendezvous(match other {
+        Some((addr, e)) => format!(
+            "rank 0 cannot listen for the rendezvous on {addr} (MASTER_ADDR {host:?}): {e} (is \
+             another job using this MASTER_PORT? pick another one)"
+        ),
+        None if not_local.is_empty() => format!("MASTER_ADDR {host:?} resolves to no address"),
+        None => format!(
+            "MASTER_ADDR {host:?} ({}) is not an address of this machine, so rank 0 cannot \
+             serve the rendezvous on it: run rank 0 on the host MASTER_ADDR names, or set \
+             MASTER_ADDR to an address of rank 0's host that the other ranks reach",
+            not_local
+                .iter()
+                .map(|a| a.ip().to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    }))
 }
 
 /// The stall timeout of writes: `BURN_PARALLEL_TIMEOUT_SECS` or [`DEFAULT_TIMEOUT`].
-fn io_timeout() -> Duration {
-    std::env::var("BURN_PARALLEL_TIMEOUT_SECS")
-        .ok()
-        .and_then(|s| s.trim().parse::<f64>().ok())
-        .filter(|s| s.is_finite() && *s > 0.0)
-        .map(Duration::from_secs_f64)
-        .unwrap_or(DEFAULT_TIMEOUT)
+///
+/// # Errors
+/// [`CollectiveError::InvalidTimeout`] when the variable is set to an unusable value.
+fn io_timeout() -> Result<Duration> {
+    Ok(env::timeout_from_env("BURN_PARALLEL_TIMEOUT_SECS")?.unwrap_or(DEFAULT_TIMEOUT))
 }
 
 /// `BURN_PARALLEL_TCP_SOCKET_BUFFER`, when set to a positive number of bytes.
@@ -351,8 +425,11 @@ impl TcpTransport {
     /// As [`connect`]; also when a rendezvous listener is given to a rank other than 0.
     pub fn connect(config: &TcpConfig, rendezvous: Option<TcpRendezvous>) -> Result<Arc<Self>> {
         config.validate()?;
-        let deadline = Instant::now() + config.timeout;
+        let deadline = env::deadline_after("TcpConfig::timeout", config.timeout)?;
+        // Checked now: an unusable value is an error before any connection is made.
+        let io_timeout = io_timeout()?;
         let (rank, world_size) = (config.rank, config.world_size);
+        let token = config.job_token.as_ref();
         if rendezvous.is_some() && rank != 0 {
             return Err(CollectiveError::Rendezvous(format!(
                 "rank {rank} was given a rendezvous listener; only rank 0 serves the rendezvous"
@@ -363,7 +440,7 @@ impl TcpTransport {
         } else if rank == 0 {
             let store = match rendezvous {
                 Some(store) => store,
-                None => TcpRendezvous::bind(store_bind_addr(config)?)?,
+                None => bind_store(config)?,
             };
             let store_ip = store.local_addr()?.ip();
             // Nobody dials rank 0 (it dials everyone), but the mesh code is the same for all.
@@ -373,29 +450,35 @@ impl TcpTransport {
                 &store.listener,
                 world_size,
                 own,
+                token,
                 deadline,
                 config.timeout,
             )?;
             drop(store);
-            rendezvous::form_mesh(rank, world_size, session, data, &addrs, deadline)?
+            rendezvous::form_mesh(rank, world_size, session, data, &addrs, token, deadline)?
         } else {
             let (data, session, addrs) = rendezvous::register(
                 rank,
                 world_size,
                 &config.master_addr,
                 config.master_port,
+                token,
                 deadline,
                 config.timeout,
             )?;
-            rendezvous::form_mesh(rank, world_size, session, data, &addrs, deadline)?
+            rendezvous::form_mesh(rank, world_size, session, data, &addrs, token, deadline)?
         };
-        Self::start(rank, world_size, mesh).map(Arc::new)
+        Self::start(rank, world_size, mesh, io_timeout).map(Arc::new)
     }
 
     /// Configures the connected sockets and starts the reader threads.
-    fn start(rank: usize, world_size: usize, mesh: Vec<Option<TcpStream>>) -> Result<Self> {
+    fn start(
+        rank: usize,
+        world_size: usize,
+        mesh: Vec<Option<TcpStream>>,
+        io_timeout: Duration,
+    ) -> Result<Self> {
         let mailbox = Arc::new(Mailbox::new());
-        let io_timeout = io_timeout();
         let buffer = socket_buffer();
         let mut transport = Self {
             rank,

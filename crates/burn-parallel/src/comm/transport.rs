@@ -150,6 +150,8 @@ impl Mailbox {
     /// * `op` - description of the waiting operation, for error messages.
     ///
     /// # Errors
+    /// [`CollectiveError::InvalidTimeout`] when `timeout` is too long for a deadline to be
+    /// represented (such as `Duration::MAX`);
     /// [`CollectiveError::Timeout`] after `timeout`; [`CollectiveError::PeerFailed`] as soon as
     /// any rank of the world is known to have failed, or `src` has shut down.
     pub fn recv(
@@ -160,7 +162,18 @@ impl Mailbox {
         timeout: Duration,
         op: &dyn Fn() -> String,
     ) -> Result<Frame> {
-        let deadline = Instant::now() + timeout;
+        let Some(deadline) = Instant::now().checked_add(timeout) else {
+            return Err(CollectiveError::InvalidTimeout {
+                setting: "ProcessGroup::with_timeout".into(),
+                value: format!("{timeout:?}"),
+                reason: format!(
+                    "rank {me}: {}: a deadline that far away cannot be represented; give at \
+                     most {} s",
+                    op(),
+                    crate::comm::tcp::MAX_TIMEOUT.as_secs()
+                ),
+            });
+        };
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             if let Some(frame) = state

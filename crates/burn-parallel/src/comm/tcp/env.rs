@@ -1,6 +1,6 @@
 //! Reading the launch environment of torchrun/burnrun or SLURM.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::error::{CollectiveError, Result};
 
@@ -206,23 +206,120 @@ impl LaunchEnv {
     }
 }
 
+/// Longest timeout the settings accept (a year): `BURN_PARALLEL_TIMEOUT_SECS`,
+/// `BURN_PARALLEL_RENDEZVOUS_TIMEOUT_SECS` and [`super::TcpConfig::timeout`]. To wait
+/// "forever", a year is as good, and its deadline can always be represented.
+pub const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+fn invalid_timeout(setting: &str, value: String, reason: String) -> CollectiveError {
+    CollectiveError::InvalidTimeout {
+        setting: setting.to_string(),
+        value,
+        reason,
+    }
+}
+
+/// Checks that `timeout` (from `setting`) is positive and at most [`MAX_TIMEOUT`].
+///
+/// # Errors
+/// [`CollectiveError::InvalidTimeout`] naming `setting`.
+pub(crate) fn check_timeout(setting: &str, timeout: Duration) -> Result<Duration> {
+    if timeout.is_zero() {
+        return Err(invalid_timeout(
+            setting,
+            format!("{timeout:?}"),
+            "it must be positive".into(),
+        ));
+    }
+    if timeout > MAX_TIMEOUT {
+        return Err(invalid_timeout(
+            setting,
+            format!("{timeout:?}"),
+            format!(
+                "it is longer than the {} s (a year) a timeout may be; give at most that",
+                MAX_TIMEOUT.as_secs()
+            ),
+        ));
+    }
+    Ok(timeout)
+}
+
+/// The instant `timeout` (from `setting`) after now.
+///
+/// # Errors
+/// [`CollectiveError::InvalidTimeout`] when the deadline cannot be represented.
+pub(crate) fn deadline_after(setting: &str, timeout: Duration) -> Result<Instant> {
+    Instant::now().checked_add(timeout).ok_or_else(|| {
+        invalid_timeout(
+            setting,
+            format!("{timeout:?}"),
+            format!(
+                "a deadline that far away cannot be represented; give at most {} s",
+                MAX_TIMEOUT.as_secs()
+            ),
+        )
+    })
+}
+
+/// Parses `raw`, the value of the variable `setting`, as a number of seconds: positive,
+/// finite and at most [`MAX_TIMEOUT`] (`inf`, `NaN`, `-1`, `1e30` and `0` are refused).
+///
+/// # Errors
+/// [`CollectiveError::InvalidTimeout`] naming `setting` and what to give instead.
+pub(crate) fn parse_timeout_secs(setting: &str, raw: &str) -> Result<Duration> {
+    let what = "set it to a positive number of seconds, such as 300";
+    let secs: f64 = raw.trim().parse().map_err(|_| {
+        invalid_timeout(
+            setting,
+            format!("{raw:?}"),
+            format!("not a number; {what}"),
+        )
+    })?;
+    if !secs.is_finite() || secs <= 0.0 {
+        return Err(invalid_timeout(
+            setting,
+            format!("{raw:?}"),
+            format!("it must be finite and positive; {what}"),
+        ));
+    }
+    if secs > MAX_TIMEOUT.as_secs_f64() {
+        return Err(invalid_timeout(
+            setting,
+            format!("{raw:?}"),
+            format!(
+                "it is longer than the {} s (a year) a timeout may be; give at most that",
+                MAX_TIMEOUT.as_secs()
+            ),
+        ));
+    }
+    let timeout = Duration::try_from_secs_f64(secs)
+        .map_err(|e| invalid_timeout(setting, format!("{raw:?}"), format!("{e}; {what}")))?;
+    // Below a nanosecond rounds to zero.
+    check_timeout(setting, timeout)
+        .map_err(|_| invalid_timeout(setting, format!("{raw:?}"), format!("too small; {what}")))
+}
+
+/// The variable `setting` as a timeout, `None` when it is not set.
+///
+/// # Errors
+/// [`CollectiveError::InvalidTimeout`] when it is set to something [`parse_timeout_secs`]
+/// refuses (or to bytes that are not UTF-8).
+pub(crate) fn timeout_from_env(setting: &str) -> Result<Option<Duration>> {
+    match std::env::var(setting) {
+        Ok(v) => parse_timeout_secs(setting, &v).map(Some),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(v)) => Err(invalid_timeout(
+            setting,
+            format!("{v:?}"),
+            "not valid UTF-8; set it to a positive number of seconds".into(),
+        )),
+    }
+}
+
 /// `BURN_PARALLEL_RENDEZVOUS_TIMEOUT_SECS`, or [`DEFAULT_RENDEZVOUS_TIMEOUT`].
 pub(crate) fn rendezvous_timeout_from_env() -> Result<Duration> {
-    match std::env::var("BURN_PARALLEL_RENDEZVOUS_TIMEOUT_SECS") {
-        Ok(v) => v
-            .trim()
-            .parse::<f64>()
-            .ok()
-            .filter(|s| s.is_finite() && *s > 0.0)
-            .map(Duration::from_secs_f64)
-            .ok_or_else(|| {
-                CollectiveError::Rendezvous(format!(
-                    "BURN_PARALLEL_RENDEZVOUS_TIMEOUT_SECS={v:?} is not a valid value: set it to \
-                     a positive number of seconds"
-                ))
-            }),
-        Err(_) => Ok(DEFAULT_RENDEZVOUS_TIMEOUT),
-    }
+    Ok(timeout_from_env("BURN_PARALLEL_RENDEZVOUS_TIMEOUT_SECS")?
+        .unwrap_or(DEFAULT_RENDEZVOUS_TIMEOUT))
 }
 
 #[cfg(test)]
@@ -236,5 +333,31 @@ mod tests {
         assert_eq!(first_host("a[2,4]-b[07-09]").as_deref(), Some("a2-b07"));
         assert_eq!(first_host("solo").as_deref(), Some("solo"));
         assert_eq!(first_host(""), None);
+    }
+
+    #[test]
+    fn unusable_timeouts_are_typed_errors() {
+        let setting = "BURN_PARALLEL_TIMEOUT_SECS";
+        for raw in ["inf", "-inf", "NaN", "-1", "0", "1e30", "1e-12", "ten", ""] {
+            match parse_timeout_secs(setting, raw) {
+                Err(CollectiveError::InvalidTimeout { setting: s, .. }) => assert_eq!(s, setting),
+                other => panic!("{raw:?} gave {other:?}"),
+            }
+        }
+        assert_eq!(
+            parse_timeout_secs(setting, " 2.5 ").unwrap(),
+            Duration::from_millis(2500)
+        );
+        assert_eq!(
+            parse_timeout_secs(setting, "31536000").unwrap(),
+            MAX_TIMEOUT
+        );
+        assert!(check_timeout("t", Duration::MAX).is_err());
+        assert!(check_timeout("t", Duration::ZERO).is_err());
+        assert!(matches!(
+            deadline_after("t", Duration::MAX),
+            Err(CollectiveError::InvalidTimeout { .. })
+        ));
+        assert!(deadline_after("t", MAX_TIMEOUT).is_ok());
     }
 }

@@ -1,39 +1,74 @@
 //! Forming a `tcp` world: the rendezvous store served by rank 0, then the full mesh.
 //!
-//! 1. Every rank binds a data listener on port 0 and registers `(rank, world size, data
-//!    address)` with rank 0's store at `MASTER_ADDR:MASTER_PORT`, retrying with backoff until
-//!    the store answers (rank 0 may start last).
-//! 2. Rank 0 validates each registration: a different world size, a rank out of range or a rank
-//!    claimed twice is refused, with a message sent to the offender and to every rank already
-//!    registered, and rank 0 fails too. Once every rank has registered, rank 0 sends the
-//!    address table and a random session number to all.
-//! 3. Every rank dials the data listeners of the higher ranks and accepts the lower ones; a
-//!    handshake carrying the session number, the world size and the dialer's rank identifies
-//!    each connection (a stray connection from another job is dropped).
+//! 1. Every rank binds a data listener on port 0 and connects to rank 0's store at
+//!    `MASTER_ADDR:MASTER_PORT`, retrying with backoff until the store answers (rank 0 may start
+//!    last). The store sends a fresh random challenge; the rank answers with its registration
+//!    `(rank, world size, data address, its own challenge)` and, when the job has a token, an
+//!    HMAC of the registration and the store's challenge (see [`super::auth`]).
+//! 2. Rank 0 serves every connection at once (a silent or slow one delays nobody) and drops,
+//!    with a log line, any that sends garbage, says nothing within [`MESSAGE_WAIT`], or fails
+//!    the HMAC (a wrong token, a replayed message); such a process is told `Rejected` and the
+//!    job goes on. An authenticated registration is then validated: a different world size, a
+//!    rank out of range or a rank claimed twice is refused, with a message sent to the offender
+//!    and to every rank already registered, and rank 0 fails too. Once every rank has
+//!    registered, rank 0 sends the address table and a random session number to all, with an
+//!    HMAC over each rank's own challenge.
+//! 3. Every rank dials the data listeners of the higher ranks and, at the same time (another
+//!    thread), accepts the lower ones. The accepting side sends a challenge; the dialer answers
+//!    with a hello (session, world size, both ranks, its own challenge, HMAC); the accepting
+//!    side checks it and answers with its own HMAC. A stray connection is dropped and logged.
+//!
+//! A rank whose registrations are all rejected (its token differs from rank 0's) keeps trying
+//! until the rendezvous timeout, then fails with [`CollectiveError::JobToken`]. A job token on
+//! one side of the rendezvous and none on the other fails at once with that error.
 //!
 //! Every step is bounded by the one deadline of [`super::TcpConfig::timeout`].
 
-use std::hash::{BuildHasher, Hasher, RandomState};
 use std::io::{self, Read, Write};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use super::auth::{JOB_TOKEN_ENV, JobToken, NONCE_LEN, Nonce, TAG_LEN, Tag, random_bytes};
 use crate::error::{CollectiveError, Result};
 
 /// Tags the messages of the rendezvous store.
 const STORE_MAGIC: &[u8; 4] = b"BPRV";
-/// Tags the handshake of a data connection.
+/// Tags the challenge of a data connection.
+const CHALLENGE_MAGIC: &[u8; 4] = b"BPHC";
+/// Tags the dialer's hello of a data connection.
 const HELLO_MAGIC: &[u8; 4] = b"BPHS";
-/// Version of the rendezvous protocol.
-const PROTOCOL: u8 = 1;
+/// Tags the accepting side's answer of a data connection.
+const ANSWER_MAGIC: &[u8; 4] = b"BPHA";
+/// Version of the rendezvous protocol (2: challenges and job-token HMACs).
+const PROTOCOL: u8 = 2;
 /// Largest store message accepted.
 const MAX_STORE_MESSAGE: u32 = 16 << 20;
 /// Longest wait for one message of a process that has connected.
 const MESSAGE_WAIT: Duration = Duration::from_secs(5);
+/// Most connections waiting for their first message at once; more are dropped at once.
+const MAX_PENDING: usize = 256;
+/// Most dropped connections reported one by one on stderr; the rest are counted.
+const MAX_LOGGED: usize = 16;
+
+/// HMAC labels, one per message.
+const REGISTER_LABEL: &str = "burn-parallel/rendezvous/v2/register";
+const ACCEPTED_LABEL: &str = "burn-parallel/rendezvous/v2/accepted";
+const REFUSED_LABEL: &str = "burn-parallel/rendezvous/v2/refused";
+const HELLO_LABEL: &str = "burn-parallel/mesh/v2/hello";
+const ANSWER_LABEL: &str = "burn-parallel/mesh/v2/answer";
+
+/// The store's first message on every connection.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Challenge {
+    nonce: Nonce,
+    /// Whether rank 0 has a job token (and so expects an HMAC).
+    authenticated: bool,
+}
 
 /// What a rank tells rank 0.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -42,6 +77,22 @@ struct Registration {
     world_size: usize,
     data_addr: SocketAddr,
     pid: u32,
+    /// The rank's challenge to the store, answered by the HMAC of the reply.
+    nonce: Nonce,
+    /// HMAC over the store's challenge and the fields above (job token only).
+    tag: Option<Tag>,
+}
+
+impl Registration {
+    fn tag_parts<'a>(&self, challenge: &'a Nonce, buf: &'a mut Vec<u8>) -> [&'a [u8]; 2] {
+        buf.clear();
+        buf.extend_from_slice(&(self.rank as u64).to_le_bytes());
+        buf.extend_from_slice(&(self.world_size as u64).to_le_bytes());
+        buf.extend_from_slice(&self.pid.to_le_bytes());
+        buf.extend_from_slice(&self.nonce);
+        buf.extend_from_slice(self.data_addr.to_string().as_bytes());
+        [challenge, buf]
+    }
 }
 
 /// Rank 0's answer.
@@ -51,9 +102,21 @@ enum Reply {
     Accepted {
         session: u64,
         addrs: Vec<SocketAddr>,
+        tag: Option<Tag>,
     },
     /// The world cannot be formed.
-    Refused { reason: String },
+    Refused { reason: String, tag: Option<Tag> },
+    /// This registration was not authenticated; the job goes on without this connection.
+    Rejected { reason: String },
+}
+
+fn accepted_parts(session: u64, addrs: &[SocketAddr]) -> Vec<u8> {
+    let mut buf = session.to_le_bytes().to_vec();
+    for addr in addrs {
+        buf.extend_from_slice(addr.to_string().as_bytes());
+        buf.push(b',');
+    }
+    buf
 }
 
 /// What the rendezvous produces: one connected socket per peer (`None` at this rank's index).
@@ -68,21 +131,27 @@ fn bounded(deadline: Instant, cap: Duration) -> Duration {
     remaining(deadline).min(cap).max(Duration::from_millis(1))
 }
 
-fn send_message(stream: &mut TcpStream, value: &impl Serialize) -> io::Result<()> {
+fn encode_message(value: &impl Serialize) -> io::Result<Vec<u8>> {
     let body = serde_json::to_vec(value).map_err(io::Error::other)?;
     let mut buf = Vec::with_capacity(9 + body.len());
     buf.extend_from_slice(STORE_MAGIC);
     buf.push(PROTOCOL);
     buf.extend_from_slice(&(body.len() as u32).to_le_bytes());
     buf.extend_from_slice(&body);
-    stream.write_all(&buf)?;
+    Ok(buf)
+}
+
+fn send_message(stream: &mut TcpStream, value: &impl Serialize) -> io::Result<()> {
+    stream.write_all(&encode_message(value)?)?;
     stream.flush()
 }
 
-fn recv_message<T: DeserializeOwned>(stream: &mut TcpStream) -> io::Result<T> {
-    let mut head = [0u8; 9];
-    stream.read_exact(&mut head)?;
-    let invalid = |what: String| io::Error::new(io::ErrorKind::InvalidData, what);
+fn invalid(what: String) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, what)
+}
+
+/// Checks the 9-byte head of a store message; returns the length of its body.
+fn check_head(head: &[u8]) -> io::Result<usize> {
     if &head[..4] != STORE_MAGIC {
         return Err(invalid(
             "not a burn-parallel rendezvous message (is another service using MASTER_PORT?)".into(),
@@ -98,22 +167,198 @@ fn recv_message<T: DeserializeOwned>(stream: &mut TcpStream) -> io::Result<T> {
     if len > MAX_STORE_MESSAGE {
         return Err(invalid(format!("rendezvous message of {len} bytes")));
     }
-    let mut body = vec![0u8; len as usize];
+    Ok(len as usize)
+}
+
+fn decode<T: DeserializeOwned>(body: &[u8]) -> io::Result<T> {
+    serde_json::from_slice(body).map_err(|e| invalid(format!("garbled rendezvous message: {e}")))
+}
+
+fn recv_message<T: DeserializeOwned>(stream: &mut TcpStream) -> io::Result<T> {
+    let mut head = [0u8; 9];
+    stream.read_exact(&mut head)?;
+    let len = check_head(&head)?;
+    let mut body = vec![0u8; len];
     stream.read_exact(&mut body)?;
-    serde_json::from_slice(&body).map_err(|e| invalid(format!("garbled rendezvous message: {e}")))
+    decode(&body)
 }
 
 /// A random number identifying one world, so that connections from another job are refused.
-fn new_session() -> u64 {
-    let mut hasher = RandomState::new().build_hasher();
-    hasher.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    hasher.write_u32(std::process::id());
-    hasher.finish()
+fn new_session() -> Result<u64> {
+    random_bytes::<8>().map(u64::from_le_bytes)
+}
+
+/// A connection accepted by a non-blocking listener, waiting for its first message.
+struct Pending {
+    stream: TcpStream,
+    from: SocketAddr,
+    /// The challenge sent on it.
+    nonce: Nonce,
+    buf: Vec<u8>,
+    since: Instant,
+}
+
+/// Whether a [`Pending`] connection's message is complete.
+enum Progress {
+    /// More bytes are needed.
+    Waiting,
+    /// The whole message (for a store message, its body).
+    Done(Vec<u8>),
+}
+
+impl Pending {
+    /// Reads what has arrived, without blocking, until `need(buf)` bytes are there;
+    /// `need` gives the total length of the message from what was read so far.
+    fn poll(&mut self, need: impl Fn(&[u8]) -> io::Result<usize>) -> io::Result<Progress> {
+        loop {
+            let want = need(&self.buf)?;
+            if self.buf.len() == want {
+                return Ok(Progress::Done(std::mem::take(&mut self.buf)));
+            }
+            let have = self.buf.len();
+            self.buf.resize(want, 0);
+            match self.stream.read(&mut self.buf[have..]) {
+                Ok(0) => {
+                    self.buf.truncate(have);
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        format!("closed the connection after {have} bytes"),
+                    ));
+                }
+                Ok(n) => self.buf.truncate(have + n),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                    self.buf.truncate(have);
+                    return Ok(Progress::Waiting);
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => self.buf.truncate(have),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+}
+
+/// The length of a store message given its first bytes.
+fn store_message_len(buf: &[u8]) -> io::Result<usize> {
+    if buf.len() < 9 {
+        Ok(9)
+    } else {
+        Ok(9 + check_head(&buf[..9])?)
+    }
+}
+
+/// The connections a listener dropped: logged on stderr (the first [`MAX_LOGGED`]) and kept
+/// for the error message of a rendezvous that fails.
+struct Dropped {
+    rank: usize,
+    what: &'static str,
+    reasons: Vec<String>,
+    count: usize,
+    token_rejections: usize,
+}
+
+impl Dropped {
+    fn new(rank: usize, what: &'static str) -> Self {
+        Self {
+            rank,
+            what,
+            reasons: Vec::new(),
+            count: 0,
+            token_rejections: 0,
+        }
+    }
+
+    fn record(&mut self, from: SocketAddr, why: impl std::fmt::Display) {
+        self.count += 1;
+        if self.count <= MAX_LOGGED {
+            let line = format!("{from}: {why}");
+            eprintln!(
+                "burn-parallel rank {}: dropped a connection to {}: {line}",
+                self.rank, self.what
+            );
+            self.reasons.push(line);
+        } else if self.count == MAX_LOGGED + 1 {
+            eprintln!(
+                "burn-parallel rank {}: more connections to {} dropped; not logging them",
+                self.rank, self.what
+            );
+        }
+    }
+
+    /// "; ignored connections: ..." for an error message, or nothing.
+    fn summary(&self) -> String {
+        if self.count == 0 {
+            return String::new();
+        }
+        let mut s = format!(
+            "; {} connection(s) ignored: {}",
+            self.count,
+            self.reasons.join("; ")
+        );
+        if self.count > self.reasons.len() {
+            s.push_str("; ...");
+        }
+        if self.token_rejections > 0 {
+            s.push_str(&format!(
+                " ({} registration(s) failed the job-token check: is a rank started with                  another {JOB_TOKEN_ENV}?)",
+                self.token_rejections
+            ));
+        }
+        s
+    }
+}
+
+/// Accepts every connection waiting on the non-blocking `listener` and sends each
+/// `challenge(nonce)`; returns whether any arrived.
+fn accept_pending(
+    listener: &TcpListener,
+    pending: &mut Vec<Pending>,
+    dropped: &mut Dropped,
+    challenge: impl Fn(&Nonce) -> io::Result<Vec<u8>>,
+) -> io::Result<bool> {
+    let mut any = false;
+    loop {
+        let (mut stream, from) = match listener.accept() {
+            Ok(accepted) => accepted,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(any),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
+                ) =>
+            {
+                continue;
+            }
+            Err(e) => return Err(e),
+        };
+        any = true;
+        if pending.len() >= MAX_PENDING {
+            dropped.record(
+                from,
+                format!("{MAX_PENDING} connections are already waiting to be heard"),
+            );
+            continue;
+        }
+        let nonce: Nonce = match random_bytes() {
+            Ok(n) => n,
+            Err(e) => return Err(io::Error::other(e.to_string())),
+        };
+        // A fresh socket's send buffer is empty: this small write does not block.
+        let sent = stream
+            .set_nonblocking(false)
+            .and_then(|()| stream.set_write_timeout(Some(MESSAGE_WAIT)))
+            .and_then(|()| stream.write_all(&challenge(&nonce)?))
+            .and_then(|()| stream.set_nonblocking(true));
+        match sent {
+            Ok(()) => pending.push(Pending {
+                stream,
+                from,
+                nonce,
+                buf: Vec::new(),
+                since: Instant::now(),
+            }),
+            Err(e) => dropped.record(from, format!("cannot send the challenge: {e}")),
+        }
+    }
 }
 
 /// Binds a listener on port 0 of `ip` (the interface that reaches rank 0).
@@ -121,14 +366,6 @@ pub(crate) fn bind_data_listener(ip: IpAddr) -> Result<TcpListener> {
     TcpListener::bind(SocketAddr::new(ip, 0)).map_err(|e| {
         CollectiveError::Rendezvous(format!("cannot open a data listener on {ip}: {e}"))
     })
-}
-
-/// The unspecified address of `ip`'s family.
-pub(crate) fn unspecified_like(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
-        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
-    }
 }
 
 /// Connects to `host:port`, retrying with backoff (rank 0 may not listen yet) until `deadline`.
@@ -166,12 +403,20 @@ pub(crate) fn connect_with_retry(
     }
 }
 
-/// Rank 0's side of step 2: serves the store on `store` until every rank has registered.
-/// Returns the session number and the address table.
+/// A registered rank, as rank 0 keeps it.
+struct Registered {
+    stream: TcpStream,
+    registration: Registration,
+    from: SocketAddr,
+}
+
+/// Rank 0's side of steps 1 and 2: serves the store on `store` until every rank has
+/// registered. Returns the session number and the address table.
 pub(crate) fn serve_store(
     store: &TcpListener,
     world_size: usize,
     own_data_addr: SocketAddr,
+    token: Option<&JobToken>,
     deadline: Instant,
     timeout: Duration,
 ) -> Result<(u64, Vec<SocketAddr>)> {
@@ -182,24 +427,25 @@ pub(crate) fn serve_store(
     store
         .set_nonblocking(true)
         .map_err(|e| CollectiveError::Rendezvous(format!("rendezvous listener: {e}")))?;
-    let mut registered: Vec<Option<(TcpStream, Registration, SocketAddr)>> =
-        (0..world_size).map(|_| None).collect();
+    let mut registered: Vec<Option<Registered>> = (0..world_size).map(|_| None).collect();
     let mut missing = world_size - 1;
-    let mut ignored: Vec<String> = Vec::new();
+    let mut pending: Vec<Pending> = Vec::new();
+    let mut dropped = Dropped::new(0, "the rendezvous store");
 
     // Refuses the world: tells every registered rank (and the offender) why, then fails.
-    let refuse = |registered: &mut Vec<Option<(TcpStream, Registration, SocketAddr)>>,
-                  offender: Option<&mut TcpStream>,
+    let refuse = |registered: &mut Vec<Option<Registered>>,
+                  offender: Option<(&mut TcpStream, &Nonce)>,
                   reason: String| {
         let reason = format!("rank 0 could not form the world: {reason}");
-        let reply = Reply::Refused {
+        let reply = |nonce: &Nonce| Reply::Refused {
             reason: reason.clone(),
+            tag: token.map(|t| t.tag(REFUSED_LABEL, &[nonce, reason.as_bytes()])),
         };
-        if let Some(stream) = offender {
-            let _ = send_message(stream, &reply);
+        if let Some((stream, nonce)) = offender {
+            let _ = send_message(stream, &reply(nonce));
         }
-        for (stream, _, _) in registered.iter_mut().flatten() {
-            let _ = send_message(stream, &reply);
+        for r in registered.iter_mut().flatten() {
+            let _ = send_message(&mut r.stream, &reply(&r.registration.nonce));
         }
         CollectiveError::Rendezvous(reason)
     };
@@ -209,124 +455,295 @@ pub(crate) fn serve_store(
             let waiting: Vec<usize> = (1..world_size)
                 .filter(|&r| registered[r].is_none())
                 .collect();
-            let mut reason = format!(
+            let reason = format!(
                 "timed out after {timeout:?} waiting for rank(s) {waiting:?} of a world of \
                  {world_size} to register at {store_addr} (are they started, with MASTER_ADDR \
-                 and MASTER_PORT pointing at rank 0, and the same WORLD_SIZE?)"
+                 and MASTER_PORT pointing at rank 0, and the same WORLD_SIZE?){}",
+                dropped.summary()
             );
-            if !ignored.is_empty() {
-                reason.push_str(&format!("; ignored connections: {}", ignored.join("; ")));
-            }
             return Err(refuse(&mut registered, None, reason));
         }
-        let (mut stream, from) = match store.accept() {
-            Ok(accepted) => accepted,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                thread::sleep(Duration::from_millis(2));
-                continue;
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => {
-                return Err(refuse(
+        let challenge = |nonce: &Nonce| {
+            encode_message(&Challenge {
+                nonce: *nonce,
+                authenticated: token.is_some(),
+            })
+        };
+        let mut progressed = accept_pending(store, &mut pending, &mut dropped, challenge)
+            .map_err(|e| {
+                refuse(
                     &mut registered,
                     None,
                     format!("accepting on {store_addr} failed: {e}"),
-                ));
-            }
-        };
-        let setup = stream
-            .set_nonblocking(false)
-            .and_then(|()| stream.set_read_timeout(Some(bounded(deadline, MESSAGE_WAIT))))
-            .and_then(|()| stream.set_write_timeout(Some(MESSAGE_WAIT)));
-        let registration = match setup.and_then(|()| recv_message::<Registration>(&mut stream)) {
-            Ok(r) => r,
-            Err(e) => {
-                ignored.push(format!("{from}: {e}"));
+                )
+            })?;
+
+        let mut i = 0;
+        while i < pending.len() {
+            let body = match pending[i].poll(store_message_len) {
+                Ok(Progress::Waiting) if pending[i].since.elapsed() < MESSAGE_WAIT => {
+                    i += 1;
+                    continue;
+                }
+                Ok(Progress::Waiting) => {
+                    let p = pending.swap_remove(i);
+                    dropped.record(p.from, format!("sent no registration within {MESSAGE_WAIT:?}"));
+                    continue;
+                }
+                Err(e) => {
+                    let p = pending.swap_remove(i);
+                    dropped.record(p.from, e);
+                    continue;
+                }
+                Ok(Progress::Done(message)) => message,
+            };
+            progressed = true;
+            let Pending {
+                mut stream,
+                from,
+                nonce,
+                ..
+            } = pending.swap_remove(i);
+            let registration = match decode::<Registration>(&body[9..]) {
+                Ok(r) => r,
+                Err(e) => {
+                    dropped.record(from, e);
+                    continue;
+                }
+            };
+            // Authenticate before believing anything the registration says.
+            let mut buf = Vec::new();
+            let rejection = match (token, registration.tag) {
+                (Some(token), Some(tag)) => (!token.verify(
+                    REGISTER_LABEL,
+                    &registration.tag_parts(&nonce, &mut buf),
+                    &tag,
+                ))
+                .then_some("wrong job token (the HMAC of the challenge does not match)"),
+                (Some(_), None) => Some("no job token, but this job has one"),
+                (None, Some(_)) => Some("a job token, but rank 0 has none"),
+                (None, None) => None,
+            };
+            if let Some(why) = rejection {
+                if registration.tag.is_some() && token.is_some() {
+                    dropped.token_rejections += 1;
+                }
+                let _ = stream.set_nonblocking(false).and_then(|()| {
+                    send_message(
+                        &mut stream,
+                        &Reply::Rejected {
+                            reason: why.to_string(),
+                        },
+                    )
+                });
+                dropped.record(
+                    from,
+                    format!("registration claiming rank {} rejected: {why}", registration.rank),
+                );
                 continue;
             }
-        };
-        let r = registration.rank;
-        if registration.world_size != world_size {
-            return Err(refuse(
-                &mut registered,
-                Some(&mut stream),
-                format!(
-                    "rank {r} (at {from}, pid {}) was started with WORLD_SIZE={} but rank 0 with \
-                     WORLD_SIZE={world_size}; start every rank with the same WORLD_SIZE",
-                    registration.pid, registration.world_size
-                ),
-            ));
+            if let Err(e) = stream.set_nonblocking(false) {
+                dropped.record(from, e);
+                continue;
+            }
+            let r = registration.rank;
+            let offender = Some((&mut stream, &registration.nonce));
+            if registration.world_size != world_size {
+                return Err(refuse(
+                    &mut registered,
+                    offender,
+                    format!(
+                        "rank {r} (at {from}, pid {}) was started with WORLD_SIZE={} but rank 0 \
+                         with WORLD_SIZE={world_size}; start every rank with the same WORLD_SIZE",
+                        registration.pid, registration.world_size
+                    ),
+                ));
+            }
+            if r >= world_size {
+                return Err(refuse(
+                    &mut registered,
+                    offender,
+                    format!(
+                        "rank {r} (at {from}, pid {}) is out of range for \
+                         WORLD_SIZE={world_size}; RANK must be in 0..{world_size}",
+                        registration.pid
+                    ),
+                ));
+            }
+            if r == 0 {
+                return Err(refuse(
+                    &mut registered,
+                    offender,
+                    format!(
+                        "a second process (at {from}, pid {}) claims rank 0, but rank 0 is the \
+                         process serving the rendezvous at {store_addr} (pid {}); every process \
+                         needs a distinct RANK",
+                        registration.pid,
+                        std::process::id()
+                    ),
+                ));
+            }
+            if let Some(first) = &registered[r] {
+                let reason = format!(
+                    "rank {r} is claimed by two processes (at {}, pid {}, and at {from}, pid \
+                     {}); every process needs a distinct RANK in 0..{world_size}",
+                    first.from, first.registration.pid, registration.pid
+                );
+                return Err(refuse(&mut registered, offender, reason));
+            }
+            registered[r] = Some(Registered {
+                stream,
+                registration,
+                from,
+            });
+            missing -= 1;
         }
-        if r >= world_size {
-            return Err(refuse(
-                &mut registered,
-                Some(&mut stream),
-                format!(
-                    "rank {r} (at {from}, pid {}) is out of range for WORLD_SIZE={world_size}; \
-                     RANK must be in 0..{world_size}",
-                    registration.pid
-                ),
-            ));
+        if !progressed {
+            thread::sleep(Duration::from_millis(1));
         }
-        if r == 0 {
-            return Err(refuse(
-                &mut registered,
-                Some(&mut stream),
-                format!(
-                    "a second process (at {from}, pid {}) claims rank 0, but rank 0 is the \
-                     process serving the rendezvous at {store_addr} (pid {}); every process \
-                     needs a distinct RANK",
-                    registration.pid,
-                    std::process::id()
-                ),
-            ));
-        }
-        if let Some((_, first, first_from)) = &registered[r] {
-            let reason = format!(
-                "rank {r} is claimed by two processes (at {first_from}, pid {}, and at {from}, \
-                 pid {}); every process needs a distinct RANK in 0..{world_size}",
-                first.pid, registration.pid
-            );
-            return Err(refuse(&mut registered, Some(&mut stream), reason));
-        }
-        registered[r] = Some((stream, registration, from));
-        missing -= 1;
     }
+    drop(pending);
 
-    let session = new_session();
+    let session = new_session()?;
     let mut addrs = vec![own_data_addr];
     addrs.extend(
         registered
             .iter()
             .skip(1)
-            .map(|entry| entry.as_ref().expect("every rank registered").1.data_addr),
+            .map(|r| r.as_ref().expect("every rank registered").registration.data_addr),
     );
-    let reply = Reply::Accepted {
-        session,
-        addrs: addrs.clone(),
-    };
+    let signed = accepted_parts(session, &addrs);
     for (rank, entry) in registered.iter_mut().enumerate().skip(1) {
-        let (stream, _, from) = entry.as_mut().expect("every rank registered");
-        send_message(stream, &reply).map_err(|e| {
-            CollectiveError::Rendezvous(format!(
-                "rank {rank} (at {from}) registered but could not be sent the address table: {e}"
-            ))
-        })?;
+        let r = entry.as_mut().expect("every rank registered");
+        let reply = Reply::Accepted {
+            session,
+            addrs: addrs.clone(),
+            tag: token.map(|t| t.tag(ACCEPTED_LABEL, &[&r.registration.nonce, &signed])),
+        };
+        r.stream
+            .set_write_timeout(Some(bounded(deadline, MESSAGE_WAIT)))
+            .and_then(|()| send_message(&mut r.stream, &reply))
+            .map_err(|e| {
+                CollectiveError::Rendezvous(format!(
+                    "rank {rank} (at {}) registered but could not be sent the address table: {e}",
+                    r.from
+                ))
+            })?;
     }
     Ok((session, addrs))
 }
 
 /// The store client of a rank other than 0: connects to rank 0 (retrying until `deadline`),
-/// binds this rank's data listener on the interface that reaches rank 0, registers, and waits
-/// for the address table.
+/// binds this rank's data listener on the interface that reaches rank 0, answers the store's
+/// challenge with its registration, and waits for the address table. A registration rejected
+/// for its job token is retried (a new connection, a new challenge) until `deadline`.
 pub(crate) fn register(
     rank: usize,
     world_size: usize,
     master_addr: &str,
     master_port: u16,
+    token: Option<&JobToken>,
     deadline: Instant,
     timeout: Duration,
 ) -> Result<(TcpListener, u64, Vec<SocketAddr>)> {
+    let mut listener: Option<TcpListener> = None;
+    let mut rejected: Option<(usize, String)> = None;
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        let outcome = register_once(
+            rank,
+            world_size,
+            master_addr,
+            master_port,
+            token,
+            &mut listener,
+            deadline,
+            timeout,
+        );
+        let reason = match outcome {
+            Ok(Some((session, addrs))) => {
+                return Ok((listener.expect("bound on success"), session, addrs));
+            }
+            Ok(None) => unreachable!("register_once answers or fails"),
+            Err(Attempt::Failed(e)) => {
+                return Err(match (e, &rejected) {
+                    // Rejected before, and now out of time: the token is the cause.
+                    (CollectiveError::Rendezvous(m), Some((n, why))) => {
+                        token_rejected(rank, master_addr, master_port, *n, why, timeout, &m)
+                    }
+                    (e, _) => e,
+                });
+            }
+            Err(Attempt::Rejected(reason)) => reason,
+        };
+        let n = rejected.as_ref().map_or(0, |(n, _)| *n) + 1;
+        rejected = Some((n, reason.clone()));
+        if Instant::now() + backoff >= deadline {
+            return Err(token_rejected(
+                rank,
+                master_addr,
+                master_port,
+                n,
+                &reason,
+                timeout,
+                "",
+            ));
+        }
+        thread::sleep(backoff);
+        backoff = (backoff * 2).min(Duration::from_secs(1));
+    }
+}
+
+fn token_rejected(
+    rank: usize,
+    master_addr: &str,
+    master_port: u16,
+    times: usize,
+    why: &str,
+    timeout: Duration,
+    last: &str,
+) -> CollectiveError {
+    let last = if last.is_empty() {
+        String::new()
+    } else {
+        format!("; last attempt: {last}")
+    };
+    CollectiveError::JobToken {
+        rank,
+        reason: format!(
+            "rank 0's rendezvous at {master_addr}:{master_port} rejected this rank's \
+             registration {times} time(s) ({why}) until the rendezvous timeout of {timeout:?}{last}; \
+             start every rank with the same {JOB_TOKEN_ENV} (burnrun gives its ranks one)"
+        ),
+    }
+}
+
+/// Why one registration attempt did not give the address table.
+enum Attempt {
+    /// The store rejected the registration's authentication (try again).
+    Rejected(String),
+    /// The rendezvous failed.
+    Failed(CollectiveError),
+}
+
+impl From<CollectiveError> for Attempt {
+    fn from(e: CollectiveError) -> Self {
+        Attempt::Failed(e)
+    }
+}
+
+/// One connection to the store: challenge, registration, reply.
+#[allow(clippy::too_many_arguments)]
+fn register_once(
+    rank: usize,
+    world_size: usize,
+    master_addr: &str,
+    master_port: u16,
+    token: Option<&JobToken>,
+    listener: &mut Option<TcpListener>,
+    deadline: Instant,
+    timeout: Duration,
+) -> std::result::Result<Option<(u64, Vec<SocketAddr>)>, Attempt> {
     let mut stream = connect_with_retry(
         master_addr,
         master_port,
@@ -344,39 +761,111 @@ pub(crate) fn register(
             "rank {rank}: {what} the rendezvous at {master_addr}:{master_port}: {e}"
         ))
     };
-    let local_ip = stream
-        .local_addr()
-        .map_err(|e| io_err("cannot talk to", e))?
-        .ip();
-    let listener = bind_data_listener(local_ip)?;
+    if listener.is_none() {
+        let local_ip = stream
+            .local_addr()
+            .map_err(|e| io_err("cannot talk to", e))?
+            .ip();
+        *listener = Some(bind_data_listener(local_ip)?);
+    }
     let data_addr = listener
+        .as_ref()
+        .expect("bound above")
         .local_addr()
         .map_err(|e| io_err("cannot set up the data listener for", e))?;
+
     stream
-        .set_write_timeout(Some(bounded(deadline, MESSAGE_WAIT)))
+        .set_read_timeout(Some(bounded(deadline, MESSAGE_WAIT)))
+        .and_then(|()| stream.set_write_timeout(Some(bounded(deadline, MESSAGE_WAIT))))
         .map_err(|e| io_err("cannot talk to", e))?;
-    send_message(
-        &mut stream,
-        &Registration {
-            rank,
-            world_size,
-            data_addr,
-            pid: std::process::id(),
-        },
-    )
-    .map_err(|e| io_err("cannot register with", e))?;
+    let challenge: Challenge =
+        recv_message(&mut stream).map_err(|e| io_err("did not get a challenge from", e))?;
+    match (challenge.authenticated, token) {
+        (true, None) => {
+            return Err(CollectiveError::JobToken {
+                rank,
+                reason: format!(
+                    "rank 0 has a job token but this rank has none: start every rank with the \
+                     same {JOB_TOKEN_ENV} (burnrun gives its ranks one), or none"
+                ),
+            }
+            .into());
+        }
+        (false, Some(_)) => {
+            return Err(CollectiveError::JobToken {
+                rank,
+                reason: format!(
+                    "this rank has a job token but rank 0 has none: start every rank with the \
+                     same {JOB_TOKEN_ENV}, or none"
+                ),
+            }
+            .into());
+        }
+        _ => {}
+    }
+    let mut registration = Registration {
+        rank,
+        world_size,
+        data_addr,
+        pid: std::process::id(),
+        nonce: random_bytes()?,
+        tag: None,
+    };
+    if let Some(token) = token {
+        let mut buf = Vec::new();
+        let tag = token.tag(
+            REGISTER_LABEL,
+            &registration.tag_parts(&challenge.nonce, &mut buf),
+        );
+        registration.tag = Some(tag);
+    }
+    send_message(&mut stream, &registration).map_err(|e| io_err("cannot register with", e))?;
     stream
         .set_read_timeout(Some(bounded(deadline, Duration::MAX)))
         .map_err(|e| io_err("cannot talk to", e))?;
+    let not_authenticated = |what: &str| {
+        Attempt::Failed(CollectiveError::JobToken {
+            rank,
+            reason: format!(
+                "the {what} of the rendezvous at {master_addr}:{master_port} does not carry a \
+                 valid HMAC of this job's token: is MASTER_ADDR:MASTER_PORT this job's rank 0?"
+            ),
+        })
+    };
     match recv_message::<Reply>(&mut stream) {
-        Ok(Reply::Accepted { session, addrs }) if addrs.len() == world_size => {
-            Ok((listener, session, addrs))
+        Ok(Reply::Accepted {
+            session,
+            addrs,
+            tag,
+        }) => {
+            if let Some(token) = token {
+                let signed = accepted_parts(session, &addrs);
+                if !tag.is_some_and(|tag| {
+                    token.verify(ACCEPTED_LABEL, &[&registration.nonce, &signed], &tag)
+                }) {
+                    return Err(not_authenticated("address table"));
+                }
+            }
+            if addrs.len() != world_size {
+                return Err(CollectiveError::Rendezvous(format!(
+                    "rank {rank}: rank 0 sent {} addresses for a world of {world_size}",
+                    addrs.len()
+                ))
+                .into());
+            }
+            Ok(Some((session, addrs)))
         }
-        Ok(Reply::Accepted { addrs, .. }) => Err(CollectiveError::Rendezvous(format!(
-            "rank {rank}: rank 0 sent {} addresses for a world of {world_size}",
-            addrs.len()
-        ))),
-        Ok(Reply::Refused { reason }) => Err(CollectiveError::Rendezvous(reason)),
+        Ok(Reply::Refused { reason, tag }) => {
+            if let Some(token) = token
+                && !tag.is_some_and(|tag| {
+                    token.verify(REFUSED_LABEL, &[&registration.nonce, reason.as_bytes()], &tag)
+                })
+            {
+                return Err(not_authenticated("refusal"));
+            }
+            Err(CollectiveError::Rendezvous(reason).into())
+        }
+        Ok(Reply::Rejected { reason }) => Err(Attempt::Rejected(reason)),
         Err(e)
             if matches!(
                 e.kind(),
@@ -387,132 +876,310 @@ pub(crate) fn register(
                 "rank {rank}: registered with rank 0 at {master_addr}:{master_port} but the \
                  world did not form within {timeout:?} (are all WORLD_SIZE={world_size} ranks \
                  started?)"
-            )))
+            ))
+            .into())
         }
-        Err(e) => Err(io_err("lost the connection to (did rank 0 fail?)", e)),
+        Err(e) => Err(io_err("lost the connection to (did rank 0 fail?)", e).into()),
     }
 }
 
-/// The handshake that opens a data connection (both directions use the same format).
-fn hello(session: u64, world_size: usize, rank: usize) -> [u8; 21] {
-    let mut buf = [0u8; 21];
-    buf[..4].copy_from_slice(HELLO_MAGIC);
-    buf[4] = PROTOCOL;
-    buf[5..13].copy_from_slice(&session.to_le_bytes());
-    buf[13..17].copy_from_slice(&(world_size as u32).to_le_bytes());
-    buf[17..21].copy_from_slice(&(rank as u32).to_le_bytes());
+/// The fields both ends of a data connection check: the session, the world size, the
+/// dialer's rank and the accepting rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Link {
+    session: u64,
+    world_size: u32,
+    from: u32,
+    to: u32,
+}
+
+impl Link {
+    const LEN: usize = 20;
+
+    fn encode(&self, buf: &mut Vec<u8>) {
+        buf.extend_from_slice(&self.session.to_le_bytes());
+        buf.extend_from_slice(&self.world_size.to_le_bytes());
+        buf.extend_from_slice(&self.from.to_le_bytes());
+        buf.extend_from_slice(&self.to.to_le_bytes());
+    }
+
+    fn decode(b: &[u8]) -> Self {
+        let u32_at = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"));
+        Self {
+            session: u64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
+            world_size: u32_at(8),
+            from: u32_at(12),
+            to: u32_at(16),
+        }
+    }
+}
+
+/// Challenge: magic, version, nonce.
+const CHALLENGE_LEN: usize = 5 + NONCE_LEN;
+/// Hello: magic, version, link, the dialer's nonce, tag.
+const HELLO_LEN: usize = 5 + Link::LEN + NONCE_LEN + TAG_LEN;
+/// Answer: magic, version, link (from the accepting rank), tag.
+const ANSWER_LEN: usize = 5 + Link::LEN + TAG_LEN;
+
+fn start_message(magic: &[u8; 4]) -> Vec<u8> {
+    let mut buf = Vec::with_capacity(HELLO_LEN);
+    buf.extend_from_slice(magic);
+    buf.push(PROTOCOL);
     buf
 }
 
-/// Reads a handshake; returns the sender's rank when it belongs to this world.
-fn read_hello(stream: &mut TcpStream, session: u64, world_size: usize) -> io::Result<usize> {
-    let mut buf = [0u8; 21];
-    stream.read_exact(&mut buf)?;
-    let invalid = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_string());
-    if &buf[..4] != HELLO_MAGIC || buf[4] != PROTOCOL {
-        return Err(invalid("not a burn-parallel handshake"));
+fn check_start(buf: &[u8], magic: &[u8; 4], what: &str) -> io::Result<()> {
+    if &buf[..4] != magic {
+        return Err(invalid(format!("not a burn-parallel {what}")));
     }
-    if u64::from_le_bytes(buf[5..13].try_into().expect("8 bytes")) != session {
-        return Err(invalid("handshake from another job (session differs)"));
+    if buf[4] != PROTOCOL {
+        return Err(invalid(format!(
+            "{what} of protocol version {} (this build speaks {PROTOCOL}): mixed builds?",
+            buf[4]
+        )));
     }
-    if u32::from_le_bytes(buf[13..17].try_into().expect("4 bytes")) as usize != world_size {
-        return Err(invalid("handshake with another world size"));
-    }
-    Ok(u32::from_le_bytes(buf[17..21].try_into().expect("4 bytes")) as usize)
+    Ok(())
 }
 
-/// Step 3: connects this rank to every other rank. Lower ranks dial higher ones; dials
-/// complete in the listener's backlog, so no rank waits on another's progress.
+/// The tag of a hello or answer (zeros without a job token).
+fn link_tag(token: Option<&JobToken>, label: &str, nonce: &Nonce, link: &[u8], extra: &[u8]) -> Tag {
+    token.map_or([0; TAG_LEN], |t| t.tag(label, &[nonce, link, extra]))
+}
+
+fn link_tag_ok(
+    token: Option<&JobToken>,
+    label: &str,
+    nonce: &Nonce,
+    link: &[u8],
+    extra: &[u8],
+    tag: &[u8],
+) -> bool {
+    token.is_none_or(|t| t.verify(label, &[nonce, link, extra], tag))
+}
+
+/// The dialer's side of a data connection to `peer`: reads the challenge, sends the hello,
+/// checks the answer.
+fn dial(
+    link: Link,
+    addr: SocketAddr,
+    token: Option<&JobToken>,
+    deadline: Instant,
+) -> std::result::Result<TcpStream, String> {
+    let peer = link.to;
+    let mut stream = connect_with_retry(
+        &addr.ip().to_string(),
+        addr.port(),
+        deadline,
+        &format!("the data listener of rank {peer}"),
+    )
+    .map_err(|e| e.to_string())?;
+    let fail = |what: &str, e: io::Error| format!("{what} rank {peer} at {addr} failed: {e}");
+    stream
+        .set_read_timeout(Some(bounded(deadline, MESSAGE_WAIT)))
+        .and_then(|()| stream.set_write_timeout(Some(bounded(deadline, MESSAGE_WAIT))))
+        .map_err(|e| fail("setting up the connection to", e))?;
+    let mut challenge = [0u8; CHALLENGE_LEN];
+    stream
+        .read_exact(&mut challenge)
+        .and_then(|()| check_start(&challenge, CHALLENGE_MAGIC, "data-connection challenge"))
+        .map_err(|e| fail("reading the challenge of", e))?;
+    let their_nonce: Nonce = challenge[5..].try_into().expect("nonce bytes");
+    let our_nonce: Nonce = random_bytes().map_err(|e| e.to_string())?;
+    let mut link_bytes = Vec::with_capacity(Link::LEN);
+    link.encode(&mut link_bytes);
+    let mut hello = start_message(HELLO_MAGIC);
+    hello.extend_from_slice(&link_bytes);
+    hello.extend_from_slice(&our_nonce);
+    hello.extend_from_slice(&link_tag(token, HELLO_LABEL, &their_nonce, &link_bytes, &our_nonce));
+    stream
+        .write_all(&hello)
+        .map_err(|e| fail("the handshake with", e))?;
+    let mut answer = [0u8; ANSWER_LEN];
+    stream
+        .read_exact(&mut answer)
+        .and_then(|()| check_start(&answer, ANSWER_MAGIC, "data-connection answer"))
+        .map_err(|e| fail("reading the answer of", e))?;
+    let body = &answer[5..5 + Link::LEN];
+    let expected = Link {
+        from: link.to,
+        to: link.from,
+        ..link
+    };
+    if Link::decode(body) != expected {
+        return Err(format!(
+            "the data listener of rank {peer} at {addr} answered for {:?}, expected {expected:?}",
+            Link::decode(body)
+        ));
+    }
+    if !link_tag_ok(token, ANSWER_LABEL, &our_nonce, body, &[], &answer[5 + Link::LEN..]) {
+        return Err(format!(
+            "the data listener of rank {peer} at {addr} does not prove this job's token (its \
+             HMAC does not match)"
+        ));
+    }
+    Ok(stream)
+}
+
+/// The accepting side of step 3: accepts the connections of the ranks below `rank` until
+/// each has proven itself, `deadline` passes, or `stop` is set.
+fn accept_lower(
+    rank: usize,
+    world_size: usize,
+    session: u64,
+    listener: &TcpListener,
+    token: Option<&JobToken>,
+    deadline: Instant,
+    stop: &AtomicBool,
+) -> std::result::Result<Vec<Option<TcpStream>>, String> {
+    let mut lower: Vec<Option<TcpStream>> = (0..rank).map(|_| None).collect();
+    let mut waiting = rank;
+    let mut pending: Vec<Pending> = Vec::new();
+    let mut dropped = Dropped::new(rank, "the data listener");
+    let challenge = |nonce: &Nonce| {
+        let mut buf = start_message(CHALLENGE_MAGIC);
+        buf.extend_from_slice(nonce);
+        Ok(buf)
+    };
+    while waiting > 0 {
+        if stop.load(Ordering::Relaxed) {
+            return Err("stopped".into());
+        }
+        if Instant::now() >= deadline {
+            let missing: Vec<usize> = (0..rank).filter(|&p| lower[p].is_none()).collect();
+            return Err(format!(
+                "rank(s) {missing:?} did not connect before the rendezvous timeout{}",
+                dropped.summary()
+            ));
+        }
+        let mut progressed = accept_pending(listener, &mut pending, &mut dropped, challenge)
+            .map_err(|e| format!("accepting a data connection failed: {e}"))?;
+        let mut i = 0;
+        while i < pending.len() {
+            let hello = match pending[i].poll(|_| Ok(HELLO_LEN)) {
+                Ok(Progress::Waiting) if pending[i].since.elapsed() < MESSAGE_WAIT => {
+                    i += 1;
+                    continue;
+                }
+                Ok(Progress::Waiting) => {
+                    let p = pending.swap_remove(i);
+                    dropped.record(p.from, format!("sent no hello within {MESSAGE_WAIT:?}"));
+                    continue;
+                }
+                Err(e) => {
+                    let p = pending.swap_remove(i);
+                    dropped.record(p.from, e);
+                    continue;
+                }
+                Ok(Progress::Done(hello)) => hello,
+            };
+            progressed = true;
+            let Pending {
+                mut stream,
+                from,
+                nonce,
+                ..
+            } = pending.swap_remove(i);
+            if let Err(e) = check_start(&hello, HELLO_MAGIC, "handshake") {
+                dropped.record(from, e);
+                continue;
+            }
+            let body = &hello[5..5 + Link::LEN];
+            let their_nonce = &hello[5 + Link::LEN..5 + Link::LEN + NONCE_LEN];
+            let tag = &hello[5 + Link::LEN + NONCE_LEN..];
+            let link = Link::decode(body);
+            let peer = link.from as usize;
+            let why = if !link_tag_ok(token, HELLO_LABEL, &nonce, body, their_nonce, tag) {
+                Some("wrong job token (the HMAC of the challenge does not match)".to_string())
+            } else if link.session != session {
+                Some("handshake from another job (session differs)".into())
+            } else if link.world_size as usize != world_size || link.to as usize != rank {
+                Some(format!("handshake for another world or rank: {link:?}"))
+            } else if peer >= rank || lower[peer].is_some() {
+                Some(format!("claimed rank {peer}, unexpected"))
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                dropped.record(from, why);
+                continue;
+            }
+            let reply = Link {
+                from: rank as u32,
+                to: peer as u32,
+                ..link
+            };
+            let mut reply_bytes = Vec::with_capacity(Link::LEN);
+            reply.encode(&mut reply_bytes);
+            let their_nonce: Nonce = their_nonce.try_into().expect("nonce bytes");
+            let mut answer = start_message(ANSWER_MAGIC);
+            answer.extend_from_slice(&reply_bytes);
+            answer.extend_from_slice(&link_tag(token, ANSWER_LABEL, &their_nonce, &reply_bytes, &[]));
+            stream
+                .set_nonblocking(false)
+                .and_then(|()| stream.set_write_timeout(Some(bounded(deadline, MESSAGE_WAIT))))
+                .and_then(|()| stream.write_all(&answer))
+                .map_err(|e| format!("handshake with rank {peer} failed: {e}"))?;
+            lower[peer] = Some(stream);
+            waiting -= 1;
+        }
+        if !progressed {
+            thread::sleep(Duration::from_millis(1));
+        }
+    }
+    Ok(lower)
+}
+
+/// Step 3: connects this rank to every other rank. Lower ranks dial higher ones; each rank
+/// accepts (on another thread) while it dials, so no rank waits on another's progress.
 pub(crate) fn form_mesh(
     rank: usize,
     world_size: usize,
     session: u64,
     listener: TcpListener,
     addrs: &[SocketAddr],
+    token: Option<&JobToken>,
     deadline: Instant,
 ) -> Result<Mesh> {
     let fail = |what: String| CollectiveError::Rendezvous(format!("rank {rank}: {what}"));
-    let mut mesh: Mesh = (0..world_size).map(|_| None).collect();
-
-    // Dial every higher rank and introduce ourselves.
-    for (peer, addr) in addrs.iter().enumerate().skip(rank + 1) {
-        let mut stream = connect_with_retry(
-            &addr.ip().to_string(),
-            addr.port(),
-            deadline,
-            &format!("the data listener of rank {peer}"),
-        )?;
-        stream
-            .set_write_timeout(Some(bounded(deadline, MESSAGE_WAIT)))
-            .and_then(|()| stream.write_all(&hello(session, world_size, rank)))
-            .map_err(|e| fail(format!("handshake with rank {peer} at {addr} failed: {e}")))?;
-        mesh[peer] = Some(stream);
-    }
-
-    // Accept every lower rank.
     listener
         .set_nonblocking(true)
         .map_err(|e| fail(format!("data listener: {e}")))?;
-    let mut waiting = rank;
-    let mut ignored: Vec<String> = Vec::new();
-    while waiting > 0 {
-        if Instant::now() >= deadline {
-            let missing: Vec<usize> = (0..rank).filter(|&p| mesh[p].is_none()).collect();
-            let mut what =
-                format!("rank(s) {missing:?} did not connect before the rendezvous timeout");
-            if !ignored.is_empty() {
-                what.push_str(&format!("; ignored connections: {}", ignored.join("; ")));
+    let stop = AtomicBool::new(false);
+    let (lower, higher) = thread::scope(|scope| {
+        let acceptor = thread::Builder::new()
+            .name(format!("burn-tcp-accept-{rank}"))
+            .spawn_scoped(scope, || {
+                accept_lower(rank, world_size, session, &listener, token, deadline, &stop)
+            })
+            .map_err(|e| fail(format!("cannot start the accepting thread: {e}")))?;
+        let mut higher = Vec::new();
+        for (peer, addr) in addrs.iter().enumerate().skip(rank + 1) {
+            let link = Link {
+                session,
+                world_size: world_size as u32,
+                from: rank as u32,
+                to: peer as u32,
+            };
+            match dial(link, *addr, token, deadline) {
+                Ok(stream) => higher.push(stream),
+                Err(e) => {
+                    stop.store(true, Ordering::Relaxed);
+                    let _ = acceptor.join();
+                    return Err(fail(e));
+                }
             }
-            return Err(fail(what));
         }
-        let (mut stream, from) = match listener.accept() {
-            Ok(accepted) => accepted,
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                thread::sleep(Duration::from_millis(1));
-                continue;
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(fail(format!("accepting a data connection failed: {e}"))),
-        };
-        let peer = stream
-            .set_nonblocking(false)
-            .and_then(|()| stream.set_read_timeout(Some(bounded(deadline, MESSAGE_WAIT))))
-            .and_then(|()| read_hello(&mut stream, session, world_size));
-        match peer {
-            Ok(peer) if peer < rank && mesh[peer].is_none() => {
-                stream
-                    .set_write_timeout(Some(bounded(deadline, MESSAGE_WAIT)))
-                    .and_then(|()| stream.write_all(&hello(session, world_size, rank)))
-                    .map_err(|e| fail(format!("handshake with rank {peer} failed: {e}")))?;
-                mesh[peer] = Some(stream);
-                waiting -= 1;
-            }
-            Ok(peer) => ignored.push(format!("{from} claimed rank {peer}, unexpected")),
-            Err(e) => ignored.push(format!("{from}: {e}")),
-        }
-    }
+        let lower = acceptor
+            .join()
+            .map_err(|_| fail("the accepting thread panicked".into()))?
+            .map_err(fail)?;
+        Ok((lower, higher))
+    })?;
     drop(listener);
-
-    // Read the answers of the higher ranks.
-    for (peer, slot) in mesh.iter_mut().enumerate().skip(rank + 1) {
-        let stream = slot.as_mut().expect("dialed above");
-        let answer = stream
-            .set_read_timeout(Some(bounded(deadline, Duration::MAX)))
-            .and_then(|()| read_hello(stream, session, world_size));
-        match answer {
-            Ok(p) if p == peer => {}
-            Ok(p) => {
-                return Err(fail(format!(
-                    "the data listener of rank {peer} answered as rank {p}"
-                )));
-            }
-            Err(e) => {
-                return Err(fail(format!(
-                    "rank {peer} did not complete the handshake: {e}"
-                )));
-            }
-        }
-    }
+    let mut mesh: Mesh = lower;
+    mesh.push(None);
+    mesh.extend(higher.into_iter().map(Some));
+    debug_assert_eq!(mesh.len(), world_size);
     Ok(mesh)
 }
 
