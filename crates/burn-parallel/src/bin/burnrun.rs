@@ -1,7 +1,8 @@
 //! `burnrun`: starts the processes of a distributed job on one node, like `torchrun`.
 //!
-//! Each process gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and
-//! `MASTER_PORT`, which `burn_parallel::init_from_env` reads. Every line a process prints is
+//! Each process gets `RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR`,
+//! `MASTER_PORT` and `BURN_PARALLEL_JOB_TOKEN` (the job's secret: burnrun's own when set, else
+//! a fresh random one), which `burn_parallel::init_from_env` reads. Every line a process prints is
 //! prefixed with `[rank R] `. When a process fails, the others are stopped and `burnrun` exits
 //! with the failed process's status.
 
@@ -14,6 +15,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
+use burn_parallel::comm::tcp::{JOB_TOKEN_ENV, JobToken};
 use clap::Parser;
 use signal_hook::consts::{SIGHUP, SIGINT, SIGKILL, SIGTERM};
 use signal_hook::iterator::Signals;
@@ -34,6 +36,10 @@ Environment of each process:
   LOCAL_WORLD_SIZE  nproc_per_node
   MASTER_ADDR       where rank 0 serves the rendezvous
   MASTER_PORT       its port
+  BURN_PARALLEL_JOB_TOKEN
+                    the job's secret, which authenticates the rendezvous and every connection
+                    between ranks: burnrun's own BURN_PARALLEL_JOB_TOKEN when set, else a fresh
+                    random one (with --nnodes > 1, set the same one on every node)
 
 Output: every line of a process's stdout (stderr) goes to burnrun's stdout (stderr),
 prefixed with \"[rank R] \". Standard input is closed.
@@ -107,10 +113,41 @@ fn run(args: Args) -> i32 {
         ));
         return 2;
     }
-    if !(args.grace_period.is_finite() && args.grace_period >= 0.0) {
-        eprint_line("--grace-period must be a non-negative number of seconds");
+    let Some(grace) = (args.grace_period >= 0.0)
+        .then(|| Duration::try_from_secs_f64(args.grace_period).ok())
+        .flatten()
+        .filter(|g| *g <= burn_parallel::comm::tcp::MAX_TIMEOUT)
+    else {
+        eprint_line(&format!(
+            "--grace-period {} is not usable: give a non-negative number of seconds, at most {}",
+            args.grace_period,
+            burn_parallel::comm::tcp::MAX_TIMEOUT.as_secs()
+        ));
         return 2;
-    }
+    };
+    // The job's secret: ours when set (so that the nodes of a job share it), else a new one.
+    let token = match JobToken::from_env() {
+        Ok(Some(token)) => token,
+        Ok(None) if args.nnodes > 1 => {
+            eprint_line(&format!(
+                "{JOB_TOKEN_ENV} is not set: with --nnodes > 1, set it to the same secret on \
+                 every node (for example `export {JOB_TOKEN_ENV}=$(openssl rand -hex 32)` on one \
+                 and copy it to the others), so that the ranks can authenticate each other"
+            ));
+            return 2;
+        }
+        Ok(None) => match JobToken::generate() {
+            Ok(token) => token,
+            Err(e) => {
+                eprint_line(&format!("cannot generate a job token: {e}"));
+                return 1;
+            }
+        },
+        Err(e) => {
+            eprint_line(&format!("{e}"));
+            return 2;
+        }
+    };
     let Some(world_size) = args.nnodes.checked_mul(args.nproc_per_node) else {
         eprint_line("--nnodes times --nproc-per-node is too large");
         return 2;
@@ -129,7 +166,6 @@ fn run(args: Args) -> i32 {
         },
         (None, _) => 29500,
     };
-    let grace = Duration::from_secs_f64(args.grace_period);
 
     // Handle signals before any process exists, so none is missed.
     let (events, receiver) = mpsc::channel::<i32>();
@@ -166,6 +202,7 @@ fn run(args: Args) -> i32 {
             .env("LOCAL_WORLD_SIZE", args.nproc_per_node.to_string())
             .env("MASTER_ADDR", &args.master_addr)
             .env("MASTER_PORT", master_port.to_string())
+            .env(JOB_TOKEN_ENV, token.as_str())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

@@ -392,13 +392,15 @@ pub(crate) fn connect_with_retry(
             }
             Err(e) => last_error = format!("cannot resolve {host:?}: {e}"),
         }
-        if Instant::now() + backoff >= deadline {
+        let left = remaining(deadline);
+        if left.is_zero() {
             return Err(CollectiveError::Rendezvous(format!(
                 "could not connect to {what} at {host}:{port} before the rendezvous timeout \
                  (last error: {last_error})"
             )));
         }
-        thread::sleep(backoff);
+        // One last attempt at the deadline.
+        thread::sleep(backoff.min(left));
         backoff = (backoff * 2).min(Duration::from_millis(500));
     }
 }
@@ -678,7 +680,10 @@ pub(crate) fn register(
         };
         let n = rejected.as_ref().map_or(0, |(n, _)| *n) + 1;
         rejected = Some((n, reason.clone()));
-        if Instant::now() + backoff >= deadline {
+        // Until the deadline: the rejection cannot be authenticated (this rank lacks the
+        // token that would check it), and a rank with the right token loses nothing.
+        thread::sleep(backoff.min(remaining(deadline)));
+        if Instant::now() >= deadline {
             return Err(token_rejected(
                 rank,
                 master_addr,
@@ -689,7 +694,6 @@ pub(crate) fn register(
                 "",
             ));
         }
-        thread::sleep(backoff);
         backoff = (backoff * 2).min(Duration::from_secs(1));
     }
 }
