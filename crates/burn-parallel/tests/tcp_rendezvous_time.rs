@@ -21,9 +21,7 @@ fn a_4_rank_rendezvous_takes_milliseconds() {
         let start = Instant::now();
         let groups = thread::scope(|scope| {
             let others: Vec<_> = (1..world)
-                .map(|rank| {
-                    scope.spawn(move || connect(&config(rank)))
-                })
+                .map(|rank| scope.spawn(move || connect(&config(rank))))
                 .collect();
             let mut groups = vec![connect_with_rendezvous(&config(0), rendezvous).unwrap()];
             groups.extend(others.into_iter().map(|h| h.join().unwrap().unwrap()));
@@ -36,7 +34,10 @@ fn a_4_rank_rendezvous_takes_milliseconds() {
                 .into_iter()
                 .map(|g| scope.spawn(move || g.all_reduce_f32(vec![1.0], ReduceOp::Sum).unwrap()))
                 .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap())
+                .collect::<Vec<_>>()
         });
         assert!(sums.iter().all(|s| s == &[world as f32]));
     }

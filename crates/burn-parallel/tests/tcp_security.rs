@@ -195,7 +195,10 @@ fn forged_stray_and_silent_connections_neither_join_nor_fail_the_job() {
     let (groups, formed) = groups.unwrap();
     // A silent connection delays nobody: the store serves connections at once, not one by one
     // with a wait of seconds for each.
-    assert!(formed < Duration::from_secs(4), "the world formed after {formed:?}");
+    assert!(
+        formed < Duration::from_secs(4),
+        "the world formed after {formed:?}"
+    );
 
     // The forger got a rejection, never the address table.
     let forged = forger.join().unwrap();
@@ -208,7 +211,10 @@ fn forged_stray_and_silent_connections_neither_join_nor_fail_the_job() {
     silent.read_to_end(&mut heard).unwrap();
     let challenge: Value = serde_json::from_slice(&heard[9..]).unwrap();
     assert!(challenge.get("nonce").is_some(), "{challenge}");
-    assert_eq!(heard.len(), 9 + serde_json::to_vec(&challenge).unwrap().len());
+    assert_eq!(
+        heard.len(),
+        9 + serde_json::to_vec(&challenge).unwrap().len()
+    );
 
     // The job works, with the right results.
     let results = thread::scope(|scope| {
@@ -219,7 +225,8 @@ fn forged_stray_and_silent_connections_neither_join_nor_fail_the_job() {
                     let rank = group.rank() as f32;
                     let sum = group.all_reduce_f32(vec![rank + 1.0, 10.0 * rank], ReduceOp::Sum)?;
                     let max = group.all_reduce_f32(vec![rank], ReduceOp::Max)?;
-                    let root: u32 = group.broadcast_object((group.rank() == 0).then_some(&7u32), 0)?;
+                    let root: u32 =
+                        group.broadcast_object((group.rank() == 0).then_some(&7u32), 0)?;
                     group.barrier()?;
                     Ok::<_, CollectiveError>((sum, max, root))
                 })
@@ -250,7 +257,8 @@ fn a_rank_with_a_wrong_token_fails_with_a_job_token_error_and_disturbs_nobody() 
             (result.map(|_| ()), start.elapsed())
         });
         thread::sleep(Duration::from_millis(200));
-        let rank0 = scope.spawn(|| connect_with_rendezvous(&config(0, 2, port, Some(TOKEN)), rendezvous));
+        let rank0 =
+            scope.spawn(|| connect_with_rendezvous(&config(0, 2, port, Some(TOKEN)), rendezvous));
         thread::sleep(Duration::from_millis(200));
         let rank1 = connect(&config(1, 2, port, Some(TOKEN))).unwrap();
         let rank0 = rank0.join().unwrap().unwrap();
@@ -263,7 +271,10 @@ fn a_rank_with_a_wrong_token_fails_with_a_job_token_error_and_disturbs_nobody() 
             other => panic!("the impostor got {other:?}"),
         }
         // It failed after its rendezvous timeout, not before, and did not hang.
-        assert!(elapsed >= short && elapsed < short + Duration::from_secs(3), "{elapsed:?}");
+        assert!(
+            elapsed >= short && elapsed < short + Duration::from_secs(3),
+            "{elapsed:?}"
+        );
         let sums = thread::scope(|s| {
             let a = s.spawn(|| rank0.all_reduce_f32(vec![1.0], ReduceOp::Sum));
             let b = rank1.all_reduce_f32(vec![2.0], ReduceOp::Sum);
@@ -293,7 +304,10 @@ fn rank_0_reports_the_token_rejections_when_a_rank_never_joins() {
         }
         other => panic!("rank 0 got {other:?}"),
     }
-    assert!(matches!(rank1, Err(CollectiveError::JobToken { rank: 1, .. })), "{rank1:?}");
+    assert!(
+        matches!(rank1, Err(CollectiveError::JobToken { rank: 1, .. })),
+        "{rank1:?}"
+    );
 }
 
 #[test]
@@ -380,7 +394,10 @@ fn the_store_listens_on_master_addr_only() {
     // Wait until it listens on its address.
     let deadline = Instant::now() + short;
     while TcpStream::connect((ip, port)).is_err() {
-        assert!(Instant::now() < deadline, "rank 0 never listened on {ip}:{port}");
+        assert!(
+            Instant::now() < deadline,
+            "rank 0 never listened on {ip}:{port}"
+        );
         thread::sleep(Duration::from_millis(10));
     }
     let through_loopback = TcpStream::connect(("127.0.0.1", port));
@@ -399,7 +416,11 @@ fn the_store_listens_on_master_addr_only() {
 
 #[test]
 fn a_timeout_too_long_to_represent_is_a_typed_error() {
-    for timeout in [Duration::MAX, Duration::from_secs(u64::MAX / 2), Duration::ZERO] {
+    for timeout in [
+        Duration::MAX,
+        Duration::from_secs(u64::MAX / 2),
+        Duration::ZERO,
+    ] {
         let config = TcpConfig::new(1, 2, "127.0.0.1", 1).with_timeout(timeout);
         match connect(&config) {
             Err(CollectiveError::InvalidTimeout { setting, .. }) => {
@@ -440,9 +461,8 @@ fn env_worker() {
     if std::env::var(WORKER).is_err() {
         return;
     }
-    let outcome: Result<Vec<f32>> = burn_parallel::init_from_env().and_then(|group| {
-        group.all_reduce_f32(vec![group.rank() as f32 + 1.0], ReduceOp::Sum)
-    });
+    let outcome: Result<Vec<f32>> = burn_parallel::init_from_env()
+        .and_then(|group| group.all_reduce_f32(vec![group.rank() as f32 + 1.0], ReduceOp::Sum));
     match outcome {
         Ok(sum) => println!("WORKER OK {sum:?}"),
         Err(e) => {
@@ -456,7 +476,13 @@ fn env_worker() {
 fn worker(vars: &[(&str, &str)]) -> Command {
     let mut command = Command::new(std::env::current_exe().unwrap());
     command
-        .args(["env_worker", "--exact", "--ignored", "--nocapture", "--quiet"])
+        .args([
+            "env_worker",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--quiet",
+        ])
         .args(["--test-threads", "1"])
         .env(WORKER, "1")
         .env_remove("BURN_PARALLEL_JOB_TOKEN")
@@ -510,7 +536,10 @@ fn unusable_timeout_variables_are_typed_errors_not_panics() {
 
 #[test]
 fn processes_with_different_tokens_fail_with_the_job_token_error() {
-    let port = TcpRendezvous::bind("127.0.0.1:0").unwrap().port().to_string();
+    let port = TcpRendezvous::bind("127.0.0.1:0")
+        .unwrap()
+        .port()
+        .to_string();
     let vars = |rank: &'static str| {
         vec![
             ("RANK", rank),
@@ -520,9 +549,13 @@ fn processes_with_different_tokens_fail_with_the_job_token_error() {
         ]
     };
     let mut rank0 = worker(&vars("0"));
-    rank0.env("MASTER_PORT", &port).env("BURN_PARALLEL_JOB_TOKEN", "token-a");
+    rank0
+        .env("MASTER_PORT", &port)
+        .env("BURN_PARALLEL_JOB_TOKEN", "token-a");
     let mut rank1 = worker(&vars("1"));
-    rank1.env("MASTER_PORT", &port).env("BURN_PARALLEL_JOB_TOKEN", "token-b");
+    rank1
+        .env("MASTER_PORT", &port)
+        .env("BURN_PARALLEL_JOB_TOKEN", "token-b");
     let (rank0, rank1) = (rank0.spawn().unwrap(), rank1.spawn().unwrap());
     let (rank0, rank1) = (
         rank0.wait_with_output().unwrap(),
@@ -539,22 +572,33 @@ fn processes_with_different_tokens_fail_with_the_job_token_error() {
     assert_eq!(rank0.status.code(), Some(3), "{out0}");
     assert!(out0.contains("failed the job-token check"), "{out0}");
     // Rank 0 logged the rejected registrations.
-    assert!(out0.contains("dropped a connection to the rendezvous store"), "{out0}");
+    assert!(
+        out0.contains("dropped a connection to the rendezvous store"),
+        "{out0}"
+    );
 
     // The same processes with the same token form the job.
-    let port = TcpRendezvous::bind("127.0.0.1:0").unwrap().port().to_string();
+    let port = TcpRendezvous::bind("127.0.0.1:0")
+        .unwrap()
+        .port()
+        .to_string();
     let children: Vec<_> = ["0", "1"]
         .into_iter()
         .map(|rank| {
             let mut c = worker(&vars(rank));
-            c.env("MASTER_PORT", &port).env("BURN_PARALLEL_JOB_TOKEN", "token-a");
+            c.env("MASTER_PORT", &port)
+                .env("BURN_PARALLEL_JOB_TOKEN", "token-a");
             c.spawn().unwrap()
         })
         .collect();
     for child in children {
         let output = child.wait_with_output().unwrap();
         assert!(output.status.success(), "{}", text(&output));
-        assert!(text(&output).contains("WORKER OK [3.0]"), "{}", text(&output));
+        assert!(
+            text(&output).contains("WORKER OK [3.0]"),
+            "{}",
+            text(&output)
+        );
     }
 }
 
@@ -581,7 +625,14 @@ fn burnrun_gives_its_ranks_a_token() {
     };
     let run = || {
         burnrun()
-            .args(["--nproc-per-node", "2", "--", "sh", "-c", "echo $BURN_PARALLEL_JOB_TOKEN"])
+            .args([
+                "--nproc-per-node",
+                "2",
+                "--",
+                "sh",
+                "-c",
+                "echo $BURN_PARALLEL_JOB_TOKEN",
+            ])
             .output()
             .unwrap()
     };
@@ -609,7 +660,10 @@ fn burnrun_gives_its_ranks_a_token() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("BURN_PARALLEL_JOB_TOKEN is not set"), "{stderr}");
+    assert!(
+        stderr.contains("BURN_PARALLEL_JOB_TOKEN is not set"),
+        "{stderr}"
+    );
 }
 
 #[test]
@@ -618,7 +672,13 @@ fn burnrun_runs_an_authenticated_job() {
     let out = burnrun()
         .args(["--nproc-per-node", "3", "--"])
         .arg(me)
-        .args(["env_worker", "--exact", "--ignored", "--nocapture", "--quiet"])
+        .args([
+            "env_worker",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--quiet",
+        ])
         .env(WORKER, "1")
         .env("BURN_PARALLEL_RENDEZVOUS_TIMEOUT_SECS", "20")
         .output()
@@ -626,10 +686,16 @@ fn burnrun_runs_an_authenticated_job() {
     let all = text(&out);
     assert!(out.status.success(), "{all}");
     for rank in 0..3 {
-        assert!(all.contains(&format!("[rank {rank}] WORKER OK [6.0]")), "{all}");
+        assert!(
+            all.contains(&format!("[rank {rank}] WORKER OK [6.0]")),
+            "{all}"
+        );
     }
     // A token was set: no warning about an unauthenticated rendezvous.
-    assert!(!all.contains("is not set, so the rendezvous is not authenticated"), "{all}");
+    assert!(
+        !all.contains("is not set, so the rendezvous is not authenticated"),
+        "{all}"
+    );
 }
 
 #[test]

@@ -269,11 +269,7 @@ pub(crate) fn deadline_after(setting: &str, timeout: Duration) -> Result<Instant
 pub(crate) fn parse_timeout_secs(setting: &str, raw: &str) -> Result<Duration> {
     let what = "set it to a positive number of seconds, such as 300";
     let secs: f64 = raw.trim().parse().map_err(|_| {
-        invalid_timeout(
-            setting,
-            format!("{raw:?}"),
-            format!("not a number; {what}"),
-        )
+        invalid_timeout(setting, format!("{raw:?}"), format!("not a number; {what}"))
     })?;
     if !secs.is_finite() || secs <= 0.0 {
         return Err(invalid_timeout(

@@ -471,8 +471,8 @@ pub(crate) fn serve_store(
                 authenticated: token.is_some(),
             })
         };
-        let mut progressed = accept_pending(store, &mut pending, &mut dropped, challenge)
-            .map_err(|e| {
+        let mut progressed =
+            accept_pending(store, &mut pending, &mut dropped, challenge).map_err(|e| {
                 refuse(
                     &mut registered,
                     None,
@@ -489,7 +489,10 @@ pub(crate) fn serve_store(
                 }
                 Ok(Progress::Waiting) => {
                     let p = pending.swap_remove(i);
-                    dropped.record(p.from, format!("sent no registration within {MESSAGE_WAIT:?}"));
+                    dropped.record(
+                        p.from,
+                        format!("sent no registration within {MESSAGE_WAIT:?}"),
+                    );
                     continue;
                 }
                 Err(e) => {
@@ -540,7 +543,10 @@ pub(crate) fn serve_store(
                 });
                 dropped.record(
                     from,
-                    format!("registration claiming rank {} rejected: {why}", registration.rank),
+                    format!(
+                        "registration claiming rank {} rejected: {why}",
+                        registration.rank
+                    ),
                 );
                 continue;
             }
@@ -608,12 +614,12 @@ pub(crate) fn serve_store(
 
     let session = new_session()?;
     let mut addrs = vec![own_data_addr];
-    addrs.extend(
-        registered
-            .iter()
-            .skip(1)
-            .map(|r| r.as_ref().expect("every rank registered").registration.data_addr),
-    );
+    addrs.extend(registered.iter().skip(1).map(|r| {
+        r.as_ref()
+            .expect("every rank registered")
+            .registration
+            .data_addr
+    }));
     let signed = accepted_parts(session, &addrs);
     for (rank, entry) in registered.iter_mut().enumerate().skip(1) {
         let r = entry.as_mut().expect("every rank registered");
@@ -862,7 +868,11 @@ fn register_once(
         Ok(Reply::Refused { reason, tag }) => {
             if let Some(token) = token
                 && !tag.is_some_and(|tag| {
-                    token.verify(REFUSED_LABEL, &[&registration.nonce, reason.as_bytes()], &tag)
+                    token.verify(
+                        REFUSED_LABEL,
+                        &[&registration.nonce, reason.as_bytes()],
+                        &tag,
+                    )
                 })
             {
                 return Err(not_authenticated("refusal"));
@@ -946,7 +956,13 @@ fn check_start(buf: &[u8], magic: &[u8; 4], what: &str) -> io::Result<()> {
 }
 
 /// The tag of a hello or answer (zeros without a job token).
-fn link_tag(token: Option<&JobToken>, label: &str, nonce: &Nonce, link: &[u8], extra: &[u8]) -> Tag {
+fn link_tag(
+    token: Option<&JobToken>,
+    label: &str,
+    nonce: &Nonce,
+    link: &[u8],
+    extra: &[u8],
+) -> Tag {
     token.map_or([0; TAG_LEN], |t| t.tag(label, &[nonce, link, extra]))
 }
 
@@ -994,7 +1010,13 @@ fn dial(
     let mut hello = start_message(HELLO_MAGIC);
     hello.extend_from_slice(&link_bytes);
     hello.extend_from_slice(&our_nonce);
-    hello.extend_from_slice(&link_tag(token, HELLO_LABEL, &their_nonce, &link_bytes, &our_nonce));
+    hello.extend_from_slice(&link_tag(
+        token,
+        HELLO_LABEL,
+        &their_nonce,
+        &link_bytes,
+        &our_nonce,
+    ));
     stream
         .write_all(&hello)
         .map_err(|e| fail("the handshake with", e))?;
@@ -1015,7 +1037,14 @@ fn dial(
             Link::decode(body)
         ));
     }
-    if !link_tag_ok(token, ANSWER_LABEL, &our_nonce, body, &[], &answer[5 + Link::LEN..]) {
+    if !link_tag_ok(
+        token,
+        ANSWER_LABEL,
+        &our_nonce,
+        body,
+        &[],
+        &answer[5 + Link::LEN..],
+    ) {
         return Err(format!(
             "the data listener of rank {peer} at {addr} does not prove this job's token (its \
              HMAC does not match)"
@@ -1117,7 +1146,13 @@ fn accept_lower(
             let their_nonce: Nonce = their_nonce.try_into().expect("nonce bytes");
             let mut answer = start_message(ANSWER_MAGIC);
             answer.extend_from_slice(&reply_bytes);
-            answer.extend_from_slice(&link_tag(token, ANSWER_LABEL, &their_nonce, &reply_bytes, &[]));
+            answer.extend_from_slice(&link_tag(
+                token,
+                ANSWER_LABEL,
+                &their_nonce,
+                &reply_bytes,
+                &[],
+            ));
             stream
                 .set_nonblocking(false)
                 .and_then(|()| stream.set_write_timeout(Some(bounded(deadline, MESSAGE_WAIT))))
