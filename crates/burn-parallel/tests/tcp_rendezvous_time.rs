@@ -3,20 +3,34 @@
 use std::thread;
 use std::time::{Duration, Instant};
 
-use burn_parallel::comm::tcp::{connect, connect_with_rendezvous};
+use burn_parallel::comm::tcp::{JobToken, connect, connect_with_rendezvous};
 use burn_parallel::{ReduceOp, TcpConfig, TcpRendezvous};
 
 const RUNS: usize = 20;
 
 #[test]
 fn a_4_rank_rendezvous_takes_milliseconds() {
+    let token = JobToken::generate().unwrap();
+    for token in [None, Some(token)] {
+        rendezvous_times(token);
+    }
+}
+
+/// Forms `RUNS` 4-rank worlds, with `token` or without, and prints the times.
+fn rendezvous_times(token: Option<JobToken>) {
     let world = 4;
+    let label = if token.is_some() { "with" } else { "without" };
     let mut times = Vec::with_capacity(RUNS);
     for _ in 0..RUNS {
         let rendezvous = TcpRendezvous::bind("127.0.0.1:0").unwrap();
         let port = rendezvous.port();
         let config = |rank| {
-            TcpConfig::new(rank, world, "127.0.0.1", port).with_timeout(Duration::from_secs(20))
+            let config = TcpConfig::new(rank, world, "127.0.0.1", port)
+                .with_timeout(Duration::from_secs(20));
+            match &token {
+                Some(t) => config.with_job_token(t.clone()),
+                None => config,
+            }
         };
         let start = Instant::now();
         let groups = thread::scope(|scope| {
@@ -44,7 +58,7 @@ fn a_4_rank_rendezvous_takes_milliseconds() {
     times.sort();
     let median = times[RUNS / 2];
     println!(
-        "4-rank loopback rendezvous over {RUNS} runs: min {:?}, median {median:?}, max {:?}",
+        "4-rank loopback rendezvous {label} a job token, {RUNS} runs: min {:?}, median {median:?}, max {:?}",
         times[0],
         times[RUNS - 1]
     );

@@ -307,6 +307,38 @@ impl Dropped {
     }
 }
 
+/// Longest a listener's loop waits for news, so that it sees its deadline, its stop flag and
+/// the silent connections to drop.
+const POLL_CAP: Duration = Duration::from_millis(50);
+
+/// Waits until `listener` has a connection to accept or a `pending` connection has bytes
+/// (or is closed), at most `timeout` (and [`POLL_CAP`]).
+#[cfg(unix)]
+fn wait_readable(listener: &TcpListener, pending: &[Pending], timeout: Duration) {
+    use std::os::fd::AsRawFd;
+    let mut fds: Vec<libc::pollfd> = std::iter::once(listener.as_raw_fd())
+        .chain(pending.iter().map(|p| p.stream.as_raw_fd()))
+        .map(|fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
+    let ms = timeout.min(POLL_CAP).as_millis().max(1) as libc::c_int;
+    // SAFETY: `fds` is an array of `fds.len()` initialised pollfd structs that lives across
+    // the call; the descriptors belong to `listener` and `pending`, borrowed for the call. An
+    // error (EINTR) only ends the wait early, which the caller's loop tolerates.
+    unsafe {
+        libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms);
+    }
+}
+
+/// Without poll(2): a short sleep.
+#[cfg(not(unix))]
+fn wait_readable(_listener: &TcpListener, _pending: &[Pending], timeout: Duration) {
+    thread::sleep(timeout.min(Duration::from_millis(1)));
+}
+
 /// Accepts every connection waiting on the non-blocking `listener` and sends each
 /// `challenge(nonce)`; returns whether any arrived.
 fn accept_pending(
@@ -607,7 +639,7 @@ pub(crate) fn serve_store(
             missing -= 1;
         }
         if !progressed {
-            thread::sleep(Duration::from_millis(1));
+            wait_readable(store, &pending, remaining(deadline));
         }
     }
     drop(pending);
@@ -1162,7 +1194,7 @@ fn accept_lower(
             waiting -= 1;
         }
         if !progressed {
-            thread::sleep(Duration::from_millis(1));
+            wait_readable(listener, &pending, remaining(deadline));
         }
     }
     Ok(lower)
