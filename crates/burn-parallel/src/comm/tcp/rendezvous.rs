@@ -1264,3 +1264,97 @@ pub(crate) fn rank0_data_addr(store: &TcpListener, data: &TcpListener) -> Socket
     let port = data.local_addr().map(|a| a.port()).unwrap_or(0);
     SocketAddr::new(ip, port)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A hello claiming to be rank 0 of `session`, for `their_nonce`, tagged with `token`.
+    fn hello_bytes(session: u64, token: &JobToken, their_nonce: &Nonce) -> Vec<u8> {
+        let link = Link {
+            session,
+            world_size: 2,
+            from: 0,
+            to: 1,
+        };
+        let mut link_bytes = Vec::new();
+        link.encode(&mut link_bytes);
+        let our_nonce = [3u8; NONCE_LEN];
+        let mut hello = start_message(HELLO_MAGIC);
+        hello.extend_from_slice(&link_bytes);
+        hello.extend_from_slice(&our_nonce);
+        hello.extend_from_slice(&link_tag(
+            Some(token),
+            HELLO_LABEL,
+            their_nonce,
+            &link_bytes,
+            &our_nonce,
+        ));
+        hello
+    }
+
+    /// Connects to `addr` and reads the data listener's challenge.
+    fn challenged(addr: SocketAddr) -> (TcpStream, Nonce) {
+        let mut stream = TcpStream::connect(addr).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut challenge = [0u8; CHALLENGE_LEN];
+        stream.read_exact(&mut challenge).unwrap();
+        assert_eq!(&challenge[..4], CHALLENGE_MAGIC);
+        (stream, challenge[5..].try_into().unwrap())
+    }
+
+    #[test]
+    fn forged_and_replayed_hellos_do_not_take_a_ranks_place() {
+        let token = JobToken::new("right").unwrap();
+        let wrong = JobToken::new("wrong").unwrap();
+        let session = 0x5eed;
+        let localhost = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        let listeners = [
+            bind_data_listener(localhost).unwrap(),
+            bind_data_listener(localhost).unwrap(),
+        ];
+        let addrs: Vec<SocketAddr> = listeners.iter().map(|l| l.local_addr().unwrap()).collect();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let [l0, l1] = listeners;
+        let (mesh0, mesh1, forged) = thread::scope(|scope| {
+            let rank1 =
+                scope.spawn(|| form_mesh(1, 2, session, l1, &addrs, Some(&token), deadline));
+            // A stray connection, garbage, a hello of the wrong token, and a hello of the right
+            // token replayed from another connection's challenge: rank 1 must drop them all.
+            let _silent = TcpStream::connect(addrs[1]).unwrap();
+            let (mut garbage, _) = challenged(addrs[1]);
+            garbage.write_all(&[0xAB; HELLO_LEN]).unwrap();
+            let (mut forged, nonce) = challenged(addrs[1]);
+            forged
+                .write_all(&hello_bytes(session, &wrong, &nonce))
+                .unwrap();
+            let (_, old_nonce) = challenged(addrs[1]);
+            let (mut replayed, _) = challenged(addrs[1]);
+            replayed
+                .write_all(&hello_bytes(session, &token, &old_nonce))
+                .unwrap();
+            // Then the real rank 0.
+            let mesh0 = form_mesh(0, 2, session, l0, &addrs, Some(&token), deadline).unwrap();
+            let mesh1 = rank1.join().unwrap().unwrap();
+            let answers: Vec<usize> = [forged, replayed, garbage]
+                .into_iter()
+                .map(|mut s| {
+                    let mut rest = Vec::new();
+                    let _ = s.read_to_end(&mut rest);
+                    rest.len()
+                })
+                .collect();
+            (mesh0, mesh1, answers)
+        });
+        // The forgers got no answer; rank 0 and rank 1 are connected to each other.
+        assert_eq!(forged, vec![0, 0, 0]);
+        let mut a = mesh0[1].as_ref().unwrap();
+        let mut b = mesh1[0].as_ref().unwrap();
+        a.write_all(b"ping").unwrap();
+        let mut got = [0u8; 4];
+        b.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"ping");
+    }
+}
