@@ -143,8 +143,12 @@ fn run(args: Args) -> i32 {
                 return 1;
             }
         },
+        Err(burn_parallel::CollectiveError::JobToken { reason, .. }) => {
+            eprint_line(&reason);
+            return 2;
+        }
         Err(e) => {
-            eprint_line(&format!("{e}"));
+            eprint_line(&e.to_string());
             return 2;
         }
     };

@@ -261,7 +261,12 @@ impl TcpRendezvous {
 ///
 /// # Errors
 /// [`CollectiveError::Rendezvous`] when the world cannot be formed within the timeout: rank 0
-/// unreachable, ranks missing, world sizes that disagree, a rank claimed twice or out of range.
+/// unreachable, ranks missing, world sizes that disagree, a rank claimed twice or out of range,
+/// `MASTER_ADDR` not an address of rank 0's machine;
+/// [`CollectiveError::JobToken`] when this rank's job token is refused until the timeout, or
+/// when it has a token and rank 0 none (or the reverse);
+/// [`CollectiveError::InvalidTimeout`] for a timeout (`config.timeout`,
+/// `BURN_PARALLEL_TIMEOUT_SECS`) that is zero or longer than [`MAX_TIMEOUT`].
 pub fn connect(config: &TcpConfig) -> Result<ProcessGroup> {
     Ok(ProcessGroup::world(TcpTransport::connect(config, None)?))
 }

@@ -701,10 +701,9 @@ pub(crate) fn register(
             timeout,
         );
         let reason = match outcome {
-            Ok(Some((session, addrs))) => {
+            Ok((session, addrs)) => {
                 return Ok((listener.expect("bound on success"), session, addrs));
             }
-            Ok(None) => unreachable!("register_once answers or fails"),
             Err(Attempt::Failed(e)) => {
                 return Err(match (e, &rejected) {
                     // Rejected before, and now out of time: the token is the cause.
@@ -785,7 +784,7 @@ fn register_once(
     listener: &mut Option<TcpListener>,
     deadline: Instant,
     timeout: Duration,
-) -> std::result::Result<Option<(u64, Vec<SocketAddr>)>, Attempt> {
+) -> std::result::Result<(u64, Vec<SocketAddr>), Attempt> {
     let mut stream = connect_with_retry(
         master_addr,
         master_port,
@@ -895,7 +894,7 @@ fn register_once(
                 ))
                 .into());
             }
-            Ok(Some((session, addrs)))
+            Ok((session, addrs))
         }
         Ok(Reply::Refused { reason, tag }) => {
             if let Some(token) = token
