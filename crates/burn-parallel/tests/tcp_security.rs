@@ -664,6 +664,15 @@ fn burnrun_gives_its_ranks_a_token() {
         stderr.contains("BURN_PARALLEL_JOB_TOKEN is not set"),
         "{stderr}"
     );
+    // An empty token is a mistake, not "no token".
+    let out = burnrun()
+        .env("BURN_PARALLEL_JOB_TOKEN", "")
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("the job token is empty"), "{stderr}");
 }
 
 #[test]
