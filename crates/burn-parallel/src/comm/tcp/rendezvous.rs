@@ -50,8 +50,9 @@ const PROTOCOL: u8 = 2;
 const MAX_STORE_MESSAGE: u32 = 16 << 20;
 /// Longest wait for one message of a process that has connected.
 const MESSAGE_WAIT: Duration = Duration::from_secs(5);
-/// Most connections waiting for their first message at once; more are dropped at once.
-const MAX_PENDING: usize = 256;
+/// Most connections waiting for their first message at once; more wait in the listener's
+/// backlog until some are heard or dropped.
+const MAX_PENDING: usize = 1024;
 /// Most dropped connections reported one by one on stderr; the rest are counted.
 const MAX_LOGGED: usize = 16;
 
@@ -316,7 +317,10 @@ const POLL_CAP: Duration = Duration::from_millis(50);
 #[cfg(unix)]
 fn wait_readable(listener: &TcpListener, pending: &[Pending], timeout: Duration) {
     use std::os::fd::AsRawFd;
-    let mut fds: Vec<libc::pollfd> = std::iter::once(listener.as_raw_fd())
+    // A full pending list accepts nothing: wait for the pending connections only.
+    let listening = (pending.len() < MAX_PENDING).then(|| listener.as_raw_fd());
+    let mut fds: Vec<libc::pollfd> = listening
+        .into_iter()
         .chain(pending.iter().map(|p| p.stream.as_raw_fd()))
         .map(|fd| libc::pollfd {
             fd,
@@ -348,7 +352,7 @@ fn accept_pending(
     challenge: impl Fn(&Nonce) -> io::Result<Vec<u8>>,
 ) -> io::Result<bool> {
     let mut any = false;
-    loop {
+    while pending.len() < MAX_PENDING {
         let (mut stream, from) = match listener.accept() {
             Ok(accepted) => accepted,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(any),
@@ -360,16 +364,21 @@ fn accept_pending(
             {
                 continue;
             }
+            // Out of descriptors or memory (a flood of connections?): leave the rest in the
+            // backlog until pending ones are heard or dropped.
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+                ) && !pending.is_empty() =>
+            {
+                // The listener stays readable meanwhile: do not spin on it.
+                thread::sleep(Duration::from_millis(5));
+                return Ok(any);
+            }
             Err(e) => return Err(e),
         };
         any = true;
-        if pending.len() >= MAX_PENDING {
-            dropped.record(
-                from,
-                format!("{MAX_PENDING} connections are already waiting to be heard"),
-            );
-            continue;
-        }
         let nonce: Nonce = match random_bytes() {
             Ok(n) => n,
             Err(e) => return Err(io::Error::other(e.to_string())),
@@ -391,6 +400,7 @@ fn accept_pending(
             Err(e) => dropped.record(from, format!("cannot send the challenge: {e}")),
         }
     }
+    Ok(any)
 }
 
 /// Binds a listener on port 0 of `ip` (the interface that reaches rank 0).
