@@ -122,7 +122,15 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             by_kind.push(peak);
         }
     }
-    if let [gpipe, gpipe_stages, gpipe_blocks, ofob, ofob_stages, ofob_blocks] = by_kind[..] {
+    if let [
+        gpipe,
+        gpipe_stages,
+        gpipe_blocks,
+        ofob,
+        ofob_stages,
+        ofob_blocks,
+    ] = by_kind[..]
+    {
         let saved = |a: usize, b: usize| 100.0 * (1.0 - a as f64 / b.max(1) as f64);
         println!(
             "1F1B / GPipe: {:.2}; recomputing stages saves {:.0}% (GPipe) and {:.0}% (1F1B), \
