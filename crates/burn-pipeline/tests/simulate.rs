@@ -189,10 +189,28 @@ fn chrome_trace_is_json_with_one_event_per_action() {
     let events = trace["traceEvents"].as_array().unwrap();
     let actions: usize = s.programs().iter().map(Vec::len).sum();
     assert_eq!(events.len(), actions + s.num_ranks());
-    let complete = events.iter().filter(|e| e["ph"] == "X").count();
+    // Computations are complete events; a receive that waits is one too, in `comm`.
+    let complete = events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["cat"] != "comm")
+        .count();
     assert_eq!(
         complete,
         s.compute_programs().iter().map(Vec::len).sum::<usize>()
+    );
+    let waits = events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["cat"] == "comm")
+        .count();
+    let waiting = r
+        .timeline
+        .iter()
+        .flatten()
+        .filter(|span| !span.action.is_compute() && span.end > span.start)
+        .count();
+    assert!(
+        waits > 0 && waits == waiting,
+        "{waits} waits, {waiting} waiting receives"
     );
     assert!(
         events
