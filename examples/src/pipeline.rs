@@ -27,19 +27,20 @@ use std::ops::Range;
 use std::time::Instant;
 
 use burn::module::{Module, ParamId};
-use burn::optim::{AdamW, AdamWConfig, GradientsParams, ModuleOptimizer};
+use burn::optim::{AdamW, AdamWConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::init::{Init, LinearInit};
 use burn_parallel::nn::{Embedding, Linear, LinearSplit, TpContext};
 use burn_parallel::tensor_parallel::SeededDropout;
-use burn_parallel::train::{TrainStep, clip_to_norm};
+use burn_parallel::train::TrainStep;
 use burn_parallel::{CollectiveError, ParallelDims, ProcessGroup, ReduceOp};
 use burn_pipeline::checkpoint::checkpoint;
 use burn_pipeline::deferred::WeightGradStore;
 use burn_pipeline::partition::{self, PartitionError};
-use burn_pipeline::runtime::{Checkpointing, Executor, PipelineError, StepReport, UpdateError};
+use burn_pipeline::runtime::{Checkpointing, Executor, PipelineError, StepReport};
 use burn_pipeline::stage::{Boundary, Stage, StageError, StageOutput};
 use burn_pipeline::trace::{StepTrack, Timeline};
+use burn_pipeline::update::{StageOptimizer, StageUpdater};
 use burn_pipeline::{ScheduleError, ScheduleKind, generators};
 use burn_zero::{ShardGroups, ZeroConfig, ZeroOptimizer};
 
@@ -720,10 +721,10 @@ pub fn train_gpt_pipeline(
         stages.insert(s, stage);
     }
     let adamw = AdamWConfig::new().with_weight_decay(config.weight_decay as f32);
-    let mut optims: BTreeMap<usize, StageOptim> = BTreeMap::new();
+    let mut optims: BTreeMap<usize, StageOptimizer<AdamW>> = BTreeMap::new();
     for (&s, stage) in &stages {
         let optim = match pipeline.zero {
-            None => StageOptim::Adam(adamw.init()),
+            None => StageOptimizer::Module(adamw.init()),
             Some(kind) => {
                 let zero = ZeroConfig::new(kind)
                     .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
@@ -734,7 +735,7 @@ pub fn train_gpt_pipeline(
                             reason: e.to_string(),
                         })?
                         .with_tensor_parallel(&stage.tp);
-                StageOptim::Zero(Box::new(zero))
+                StageOptimizer::Zero(Box::new(zero))
             }
         };
         optims.insert(s, optim);
@@ -747,29 +748,12 @@ pub fn train_gpt_pipeline(
                 .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize),
         );
     }
-    // Tied embeddings: the pipeline ranks of the first and the last stage sum the two copies'
-    // gradients (over this pair, or in memory when one rank holds both, as in ZBV).
-    let placement = executor.schedule().placement().clone();
-    let owners = [
-        placement.rank_of(0).expect("stage 0 is placed"),
-        placement
-            .rank_of(num_stages - 1)
-            .expect("the last stage is placed"),
-    ];
-    let tied_pair = match config.model.tied_embeddings && num_stages > 1 {
-        true if owners[0] != owners[1] && owners.contains(&pp.rank()) => Some(pp.split(&owners)?),
-        _ => None,
-    };
-    let mut updater = StageUpdater {
-        optims,
-        reduce,
-        hold_all: config.max_grad_norm.is_some(),
-        max_norm: config.max_grad_norm,
-        tied_pair,
-        pp: pp.clone(),
-        held: BTreeMap::new(),
-        lr: 0.0,
-    };
+    let mut updater = StageUpdater::new(&executor, optims, reduce)?.with_clip(config.max_grad_norm);
+    for (&s, stage) in &stages {
+        if let Some(id) = stage.tied_weight() {
+            updater = updater.with_tied(s, id)?;
+        }
+    }
 
     let rows_per_rank = config.batch_size / dp.size();
     let micro_rows = rows_per_rank / pipeline.microbatches;
@@ -792,7 +776,7 @@ pub fn train_gpt_pipeline(
             })
             .collect();
         let lr = config.lr_at(step);
-        updater.lr = lr;
+        updater.set_lr(lr);
         let report = executor.step(&mut stages, &batches, &mut |s, stage, grads| {
             updater.at_reduce(s, stage, grads)
         })?;
@@ -880,138 +864,6 @@ pub fn train_gpt_pipeline(
         split,
         timeline,
     })
-}
-
-/// The optimizer of one stage: AdamW over the stage's replicas (DDP), or ZeRO-1/2 sharding
-/// AdamW's state (and at stage 2 the gradients) over them.
-// One per local stage, built once: boxing the larger variant would buy nothing.
-#[allow(clippy::large_enum_variant)]
-enum StageOptim {
-    Adam(ModuleOptimizer),
-    Zero(Box<ZeroOptimizer<AdamW>>),
-}
-
-/// What happens at each stage's `REDUCE` and after the step: the data-parallel reduction and
-/// the optimizer step at once, or, when the step needs every stage (global-norm clipping) or
-/// another stage's gradient (a token table tied to the head), held until the step ends.
-struct StageUpdater {
-    optims: BTreeMap<usize, StageOptim>,
-    reduce: TrainStep,
-    hold_all: bool,
-    max_norm: Option<f64>,
-    /// The pair of pipeline ranks holding the two copies of a tied token table, when they
-    /// differ and this rank is one of them.
-    tied_pair: Option<ProcessGroup>,
-    pp: ProcessGroup,
-    held: BTreeMap<usize, GradientsParams>,
-    lr: f64,
-}
-
-impl StageUpdater {
-    fn at_reduce(
-        &mut self,
-        s: usize,
-        stage: GptStage,
-        grads: GradientsParams,
-    ) -> Result<GptStage, UpdateError> {
-        let hold = self.hold_all || stage.tied_weight().is_some();
-        let grads = match self.optims.get(&s) {
-            // DDP now, overlapping the rest of the pipeline; ZeRO reduces in its own step.
-            Some(StageOptim::Adam(_)) => self.reduce.reduce(&stage, grads)?.0,
-            _ => grads,
-        };
-        if hold {
-            self.held.insert(s, grads);
-            return Ok(stage);
-        }
-        Ok(self.apply(s, stage, grads)?)
-    }
-
-    fn apply(
-        &mut self,
-        s: usize,
-        stage: GptStage,
-        grads: GradientsParams,
-    ) -> Result<GptStage, GptPipelineError> {
-        let lr = self.lr;
-        match self
-            .optims
-            .get_mut(&s)
-            .expect("an optimizer per local stage")
-        {
-            StageOptim::Adam(optim) => Ok(optim.step(lr, stage, grads)),
-            StageOptim::Zero(zero) => {
-                let zero_error = |e: burn_zero::ZeroError| GptPipelineError::Build {
-                    stage: s,
-                    reason: e.to_string(),
-                };
-                zero.accumulate(&stage, grads).map_err(zero_error)?;
-                Ok(zero.step(lr, stage).map_err(zero_error)?.0)
-            }
-        }
-    }
-
-    /// Sums the tied copies' gradients, clips by the norm over every stage (the tied table
-    /// counted once), and steps the held stages.
-    fn finish(&mut self, stages: &mut BTreeMap<usize, GptStage>) -> Result<(), GptPipelineError> {
-        let held = std::mem::take(&mut self.held);
-        let mut held: Vec<(usize, GradientsParams)> = held.into_iter().collect();
-        // ---- tied token table ----
-        let mut tied = Vec::new();
-        for (s, grads) in &mut held {
-            if let Some(id) = stages[s].tied_weight() {
-                let g = grads.remove::<2>(id).ok_or_else(|| {
-                    GptPipelineError::Config(format!("stage {s}: no gradient for the tied table"))
-                })?;
-                tied.push((*s, id, g));
-            }
-        }
-        let sum = match (tied.len(), &self.tied_pair) {
-            (0, _) => None,
-            (1, Some(pair)) => Some(pair.all_reduce(tied[0].2.clone(), ReduceOp::Sum)?),
-            (2, None) => Some(tied[0].2.clone() + tied[1].2.clone()),
-            (n, _) => {
-                return Err(GptPipelineError::Config(format!(
-                    "{n} copies of the tied token table on one pipeline rank"
-                )));
-            }
-        };
-        // ---- global-norm clipping over every stage ----
-        let last = |s: usize| s + 1 == stages[&s].num_stages;
-        let norm = match self.max_norm {
-            None => None,
-            Some(_) => {
-                let mut squares = 0.0;
-                for (s, grads) in &mut held {
-                    // The tied table counts once: with the first stage.
-                    let tied_here = tied.iter().find(|t| t.0 == *s && !last(*s));
-                    if let (Some((_, id, _)), Some(g)) = (tied_here, &sum) {
-                        grads.register::<2>(*id, g.clone());
-                    }
-                    squares += self.reduce.global_norm(&stages[s], grads)?.powi(2);
-                }
-                let total = self
-                    .pp
-                    .all_reduce_data(TensorData::new(vec![squares], [1]), ReduceOp::Sum)?
-                    .try_to_vec::<f64>()
-                    .map_err(|e| GptPipelineError::Config(format!("the summed norm: {e:?}")))?;
-                Some(total[0].sqrt())
-            }
-        };
-        for (s, mut grads) in held {
-            if let (Some((_, id, _)), Some(g)) = (tied.iter().find(|t| t.0 == s), &sum) {
-                grads.register::<2>(*id, g.clone());
-            }
-            let stage = stages.remove(&s).expect("a local stage");
-            let grads = match (norm, self.max_norm) {
-                (Some(norm), Some(max)) => clip_to_norm(&stage, grads, norm, max),
-                _ => grads,
-            };
-            let stage = self.apply(s, stage, grads)?;
-            stages.insert(s, stage);
-        }
-        Ok(())
-    }
 }
 
 /// The `gpt` binary's pipeline flags.

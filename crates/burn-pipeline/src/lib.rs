@@ -19,6 +19,7 @@
 //! | [`checkpoint`] | activation checkpointing of one block inside a stage: graph-free forward, recomputed in the backward, its parameter gradients handed to the stage |
 //! | [`deferred`] | split backward: [`deferred::DeferredLinear`] (weight gradient deferred from `I` to `W`) and its [`deferred::WeightGradStore`] |
 //! | [`trace`] | one timeline type for measured and simulated steps: the measured bubble fraction, a Chrome/Perfetto trace with a track per rank |
+//! | [`update`] | [`update::StageUpdater`]: each stage's gradients reduced over its replicas (DDP, or ZeRO-1/2) and stepped; clipping by the norm over every stage; weights tied between the first and the last stage |
 //! | [`runtime`] | [`runtime::Executor`]: runs this rank's program, sends and receives boundaries, accumulates and hands over each stage's gradients at `REDUCE`; typed [`runtime::PipelineError`]s, never a hang |
 //!
 //! ```
@@ -152,6 +153,7 @@ pub mod schedule;
 pub mod simulate;
 pub mod stage;
 pub mod trace;
+pub mod update;
 pub mod validate;
 
 pub use schedule::{

@@ -1,0 +1,371 @@
+//! What happens to a stage's gradients at `REDUCE` and after the step: [`StageUpdater`], the
+//! `update` callback of [`crate::runtime::Executor::step`] for the usual training setups.
+//!
+//! Per stage, the gradients are reduced over the stage's data-parallel replicas and stepped:
+//! - with a Burn optimizer ([`StageOptimizer::Module`]): the stage's [`TrainStep`] (tensor
+//!   parallel fix-ups, then DDP) reduces them at once, overlapping the rest of the pipeline;
+//! - with ZeRO-1/2 ([`StageOptimizer::Zero`]): the stage's [`ZeroOptimizer`] reduces (stage 1)
+//!   or reduce-scatters (stage 2) them and steps its shard.
+//!
+//! Two things need more than one stage, so those stages' gradients are held until the step's
+//! programme has ended ([`StageUpdater::finish`]):
+//! - **global-norm clipping**: the norm is summed over every stage (over the pipeline group),
+//!   then every stage is clipped by the same factor, as on one device;
+//! - **tied weights** ([`StageUpdater::with_tied`], a token table tied to the head): the first
+//!   and the last stage each hold a copy; their gradients are summed (over the pair of ranks
+//!   holding them, or in memory when one rank holds both, as ZBV's V does) before either
+//!   steps, and the norm counts the weight once.
+//!
+//! ```
+//! use std::collections::BTreeMap;
+//! use burn::module::{Module, Param};
+//! use burn::optim::SgdConfig;
+//! use burn::tensor::{Device, Tensor};
+//! use burn_parallel::nn::TpContext;
+//! use burn_parallel::run_local;
+//! use burn_parallel::train::TrainStep;
+//! use burn_pipeline::generators::one_f_one_b;
+//! use burn_pipeline::runtime::Executor;
+//! use burn_pipeline::stage::{Boundary, Stage, StageError, StageOutput};
+//! use burn_pipeline::update::{StageOptimizer, StageUpdater};
+//!
+//! #[derive(Module, Debug)]
+//! struct Affine {
+//!     w: Param<Tensor<1>>,
+//!     #[module(skip)]
+//!     last: bool,
+//! }
+//!
+//! impl Stage<f32> for Affine {
+//!     fn forward(&self, input: Boundary, x: &f32) -> Result<StageOutput, StageError> {
+//!         let w = self.w.val();
+//!         let x = match input.is_empty() {
+//!             true => Tensor::<1>::from_floats([*x], &w.device()),
+//!             false => input.get::<1>(0)?,
+//!         };
+//!         let y = x * w;
+//!         Ok(match self.last {
+//!             true => StageOutput::Loss(y.powf_scalar(2.0)),
+//!             false => StageOutput::Boundary(Boundary::new().with(y)),
+//!         })
+//!     }
+//! }
+//!
+//! let norms = run_local(2, |group| {
+//!     let device = Device::flex().autodiff();
+//!     let mut exec = Executor::new(one_f_one_b(2, 4).unwrap(), group.clone(), device.clone())
+//!         .unwrap();
+//!     let w = Param::from_tensor(Tensor::from_floats([0.5], &device));
+//!     let mut stages = BTreeMap::from([(group.rank(), Affine { w, last: group.rank() == 1 })]);
+//!     let optimizers = BTreeMap::from([(group.rank(), StageOptimizer::module(SgdConfig::new().init()))]);
+//!     let mut updater = StageUpdater::new(&exec, optimizers, TrainStep::new(TpContext::single()))
+//!         .unwrap()
+//!         .with_clip(Some(0.01)); // the norm over both stages
+//!     updater.set_lr(0.1);
+//!     exec.step(&mut stages, &[1.0, 2.0, 3.0, 4.0], &mut |s, stage, g| updater.at_reduce(s, stage, g))
+//!         .unwrap();
+//!     Ok(updater.finish(&mut stages).unwrap())
+//! })
+//! .unwrap();
+//! assert!(norms[0].unwrap() > 0.01);
+//! assert_eq!(norms[0], norms[1]); // one norm for the whole model
+//! ```
+
+use std::collections::BTreeMap;
+
+use burn::module::{Module, ParamId};
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::TensorData;
+use burn_parallel::train::{TrainStep, clip_to_norm};
+use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
+use burn_zero::{ElementWise, ZeroOptimizer};
+
+use crate::runtime::{Executor, PipelineError, Result, UpdateError};
+
+/// The optimizer of one stage.
+// One per local stage, built once: boxing the larger variant would buy nothing.
+#[allow(clippy::large_enum_variant)]
+pub enum StageOptimizer<O: ElementWise> {
+    /// A Burn optimizer; the gradients are averaged over the replicas by the updater's
+    /// [`TrainStep`] (DDP) first.
+    Module(ModuleOptimizer),
+    /// ZeRO-1/2 over the stage's replicas (it reduces the gradients itself).
+    Zero(Box<ZeroOptimizer<O>>),
+}
+
+impl StageOptimizer<burn::optim::AdamW> {
+    /// A Burn optimizer (`AdamWConfig::new().init()`, `SgdConfig::new().init()`, ...).
+    pub fn module(optim: ModuleOptimizer) -> Self {
+        Self::Module(optim)
+    }
+}
+
+impl<O: ElementWise> std::fmt::Debug for StageOptimizer<O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Module(_) => "StageOptimizer::Module",
+            Self::Zero(_) => "StageOptimizer::Zero",
+        })
+    }
+}
+
+/// Reduces and applies each local stage's gradients (see the [module docs](self)).
+pub struct StageUpdater<O: ElementWise> {
+    optims: BTreeMap<usize, StageOptimizer<O>>,
+    reduce: TrainStep,
+    max_norm: Option<f64>,
+    pp: ProcessGroup,
+    rank: usize,
+    num_stages: usize,
+    /// Pipeline ranks of the first and the last stage.
+    ends: [usize; 2],
+    /// The local copies of a tied weight, by stage.
+    tied: BTreeMap<usize, ParamId>,
+    /// The pair of ranks holding the two copies of a tied weight, when they differ.
+    tied_pair: Option<ProcessGroup>,
+    held: BTreeMap<usize, GradientsParams>,
+    lr: f64,
+}
+
+impl<O: ElementWise> std::fmt::Debug for StageUpdater<O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StageUpdater")
+            .field("optims", &self.optims)
+            .field("max_norm", &self.max_norm)
+            .field("held", &self.held.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl<O: ElementWise> StageUpdater<O> {
+    /// An updater for `executor`'s local stages, each with its optimizer in `optims`;
+    /// `reduce` does the tensor-parallel fix-ups and the data-parallel average of the stages
+    /// stepped by a Burn optimizer (`TrainStep::new(tp).with_ddp(..)`).
+    ///
+    /// # Errors
+    /// [`PipelineError::StagesMismatch`] when `optims` does not hold exactly the local stages;
+    /// a collective error creating the group of the tied weight's owners.
+    pub fn new(
+        executor: &Executor,
+        optims: BTreeMap<usize, StageOptimizer<O>>,
+        reduce: TrainStep,
+    ) -> Result<Self> {
+        let pp = executor.group().clone();
+        let rank = pp.rank();
+        let expected = executor.local_stages();
+        let given: Vec<usize> = optims.keys().copied().collect();
+        if given != expected {
+            return Err(PipelineError::StagesMismatch {
+                rank,
+                expected,
+                given,
+            });
+        }
+        let placement = executor.schedule().placement();
+        let num_stages = executor.schedule().num_stages();
+        let owner = |s: usize| placement.rank_of(s).unwrap_or(0);
+        Ok(Self {
+            optims,
+            reduce,
+            max_norm: None,
+            pp,
+            rank,
+            num_stages,
+            ends: [owner(0), owner(num_stages - 1)],
+            tied: BTreeMap::new(),
+            tied_pair: None,
+            held: BTreeMap::new(),
+            lr: 0.0,
+        })
+    }
+
+    /// Clips by the global norm over every stage at `max_norm` (`None`: no clipping). Every
+    /// stage then steps after the step's programme ([`Self::finish`]).
+    pub fn with_clip(mut self, max_norm: Option<f64>) -> Self {
+        self.max_norm = max_norm;
+        self
+    }
+
+    /// Declares `id`, a 2-D weight of local stage `stage` (the first or the last), as one copy
+    /// of a weight tied between the first and the last stage (a token table tied to the head):
+    /// its gradient is summed with the other copy's before either steps. Call it on the ranks
+    /// of both copies, for each copy.
+    ///
+    /// # Errors
+    /// [`PipelineError::Protocol`] when `stage` is not a local first or last stage; a
+    /// collective error creating the group of the two owners.
+    pub fn with_tied(mut self, stage: usize, id: ParamId) -> Result<Self> {
+        let end = stage == 0 || stage + 1 == self.num_stages;
+        if !end || !self.optims.contains_key(&stage) || self.num_stages < 2 {
+            return Err(PipelineError::Protocol {
+                rank: self.rank,
+                action: format!("tying a weight of stage {stage}"),
+                reason: format!(
+                    "only the first and the last of {} stages can hold a tied weight, and only \
+                     on their own rank",
+                    self.num_stages
+                ),
+            });
+        }
+        if self.ends[0] != self.ends[1] && self.tied_pair.is_none() {
+            let pair = self
+                .pp
+                .split(&self.ends)
+                .map_err(|source| PipelineError::Collective {
+                    rank: self.rank,
+                    action: "the group of the tied weight's owners".into(),
+                    source,
+                })?;
+            self.tied_pair = Some(pair);
+        }
+        self.tied.insert(stage, id);
+        Ok(self)
+    }
+
+    /// The learning rate of the coming step.
+    pub fn set_lr(&mut self, lr: f64) {
+        self.lr = lr;
+    }
+
+    /// The `update` of [`Executor::step`]: reduces and steps stage `s` now, or holds its
+    /// gradients for [`Self::finish`] (clipping, tied weights).
+    ///
+    /// # Errors
+    /// The reduction's or the optimizer's error.
+    pub fn at_reduce<M: Module>(
+        &mut self,
+        s: usize,
+        stage: M,
+        grads: GradientsParams,
+    ) -> std::result::Result<M, UpdateError> {
+        let hold = self.max_norm.is_some() || self.tied.contains_key(&s);
+        let grads = match self.optims.get(&s) {
+            // DDP now, overlapping the rest of the pipeline; ZeRO reduces in its own step.
+            Some(StageOptimizer::Module(_)) => self.reduce.reduce(&stage, grads)?.0,
+            _ => grads,
+        };
+        if hold {
+            self.held.insert(s, grads);
+            return Ok(stage);
+        }
+        self.apply(s, stage, grads)
+    }
+
+    fn apply<M: Module>(
+        &mut self,
+        s: usize,
+        stage: M,
+        grads: GradientsParams,
+    ) -> std::result::Result<M, UpdateError> {
+        let lr = self.lr;
+        match self.optims.get_mut(&s) {
+            Some(StageOptimizer::Module(optim)) => Ok(optim.step(lr, stage, grads)),
+            Some(StageOptimizer::Zero(zero)) => {
+                zero.accumulate(&stage, grads)?;
+                Ok(zero.step(lr, stage)?.0)
+            }
+            None => Err(format!("no optimizer for stage {s}").into()),
+        }
+    }
+
+    /// After [`Executor::step`]: sums the tied copies' gradients, clips by the norm over every
+    /// stage (a tied weight counted once), and steps the held stages. Returns the global norm
+    /// when clipping.
+    ///
+    /// # Errors
+    /// Collective errors (the norm, the tied sum) as [`PipelineError::Collective`]; the
+    /// optimizer's as [`PipelineError::Update`].
+    pub fn finish<M: Module>(&mut self, stages: &mut BTreeMap<usize, M>) -> Result<Option<f64>> {
+        let rank = self.rank;
+        let collective = |action: &str, source: CollectiveError| PipelineError::Collective {
+            rank,
+            action: action.into(),
+            source,
+        };
+        let mut held: Vec<(usize, GradientsParams)> =
+            std::mem::take(&mut self.held).into_iter().collect();
+        // ---- tied weights ----
+        let mut tied = Vec::new();
+        for (s, grads) in &mut held {
+            if let Some(&id) = self.tied.get(s) {
+                let g = grads
+                    .remove::<2>(id)
+                    .ok_or_else(|| PipelineError::Protocol {
+                        rank,
+                        action: format!("REDUCE({s})"),
+                        reason: "no gradient for the tied weight".into(),
+                    })?;
+                tied.push((*s, id, g));
+            }
+        }
+        let sum = match (tied.len(), &self.tied_pair) {
+            (0, _) => None,
+            (1, Some(pair)) => Some(
+                pair.all_reduce(tied[0].2.clone(), ReduceOp::Sum)
+                    .map_err(|e| collective("summing the tied weight's gradients", e))?,
+            ),
+            (2, None) => Some(tied[0].2.clone() + tied[1].2.clone()),
+            (n, _) => {
+                return Err(PipelineError::Protocol {
+                    rank,
+                    action: "tied weights".into(),
+                    reason: format!(
+                        "{n} local copies of the tied weight, with the other on {}",
+                        if self.tied_pair.is_some() {
+                            "another rank"
+                        } else {
+                            "no rank"
+                        }
+                    ),
+                });
+            }
+        };
+        // ---- global-norm clipping over every stage ----
+        let last = self.num_stages - 1;
+        let norm = match self.max_norm {
+            None => None,
+            Some(_) => {
+                let mut squares = 0.0;
+                for (s, grads) in &mut held {
+                    // The tied weight counts once: with the first stage.
+                    let here = tied.iter().find(|t| t.0 == *s && *s != last);
+                    if let (Some((_, id, _)), Some(g)) = (here, &sum) {
+                        grads.register::<2>(*id, g.clone());
+                    }
+                    let stage = stages.get(s).expect("a held stage is local");
+                    let norm = self
+                        .reduce
+                        .global_norm(stage, grads)
+                        .map_err(|e| collective("the gradient norm", e))?;
+                    squares += norm * norm;
+                }
+                let total = self
+                    .pp
+                    .all_reduce_data(TensorData::new(vec![squares], [1]), ReduceOp::Sum)
+                    .map_err(|e| collective("summing the norm over the stages", e))?
+                    .try_to_vec::<f64>()
+                    .map_err(|e| PipelineError::Protocol {
+                        rank,
+                        action: "summing the norm over the stages".into(),
+                        reason: format!("{e:?}"),
+                    })?;
+                Some(total[0].sqrt())
+            }
+        };
+        for (s, mut grads) in held {
+            if let (Some((_, id, _)), Some(g)) = (tied.iter().find(|t| t.0 == s), &sum) {
+                grads.register::<2>(*id, g.clone());
+            }
+            let stage = stages.remove(&s).expect("a held stage is local");
+            let grads = match (norm, self.max_norm) {
+                (Some(norm), Some(max)) => clip_to_norm(&stage, grads, norm, max),
+                _ => grads,
+            };
+            let stage = self
+                .apply(s, stage, grads)
+                .map_err(|source| PipelineError::Update { stage: s, source })?;
+            stages.insert(s, stage);
+        }
+        Ok(norm)
+    }
+}
