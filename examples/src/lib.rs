@@ -38,3 +38,4 @@ pub mod train;
 pub mod train_vit;
 pub mod train_zero;
 pub mod vit;
+pub mod vit_pipeline;

@@ -405,7 +405,7 @@ fn valid(model: &Option<Vit>) -> Vit {
 }
 
 /// The rows `rows` of a host batch.
-fn batch_rows(batch: &DigitsBatch, rows: std::ops::Range<usize>) -> DigitsBatch {
+pub(crate) fn batch_rows(batch: &DigitsBatch, rows: std::ops::Range<usize>) -> DigitsBatch {
     DigitsBatch {
         images: batch.images[rows.start * Digits::PIXELS..rows.end * Digits::PIXELS].to_vec(),
         labels: batch.labels[rows].to_vec(),
@@ -422,7 +422,7 @@ fn eval_share(len: usize, rank: usize, size: usize) -> std::ops::Range<usize> {
 
 /// Test accuracy: each data-parallel rank classifies its share of `test` in chunks of
 /// `eval_batch`, the counts are summed over `dp`. Returns `(correct, total)`.
-fn evaluate(
+pub(crate) fn evaluate(
     model: &Vit,
     test: &Digits,
     dp: &ProcessGroup,

@@ -1,5 +1,5 @@
 //! The `vit` trainer ([`examples::train_vit`]) against plain single-device Burn training of the
-//! same ViT: DDP, ZeRO-1/2 and tensor (+ sequence) parallelism reproduce the losses (relative
+//! same ViT: DDP, ZeRO-1/2, tensor (+ sequence) and pipeline parallelism reproduce the losses (relative
 //! difference <= 1e-5, 20 steps) and the final parameters, with and without global-norm
 //! clipping; the test accuracy it reports is the accuracy of the model it returns, above chance
 //! after a short run; impossible layouts are typed errors.
@@ -11,6 +11,7 @@ use burn_zero::Stage;
 use examples::data::Digits;
 use examples::train_vit::{VitLayout, VitReport, VitTrainConfig, VitTrainError, run_vit_local};
 use examples::vit::{Vit, VitConfig};
+use examples::vit_pipeline::{VitPipeline, train_vit_pipeline};
 use tests::assert_same_losses;
 
 const STEPS: usize = 20;
@@ -225,6 +226,55 @@ fn ddp_and_zero_match_plain_burn_training() {
         "the test must clip: norms {norms:?}"
     );
     assert_matches(&reference, &report, "DDP 2 ranks, clip 0.5");
+}
+
+/// The ViT staged by the library's generic stage (`burn_pipeline::sequential::Sequential`):
+/// 1F1B at pp 2, ZBV at pp 2 x dp 2 with every block recomputed, and GPipe with global-norm
+/// clipping over the stages, each equal to plain single-device training.
+#[test]
+fn pipeline_parallel_matches_plain_burn_training() {
+    let mut config = tiny();
+    config.model.n_layers = 4;
+    let pipelined = |world: usize, p: VitPipeline, config: &VitTrainConfig| {
+        let digits = digits();
+        let reports = burn_parallel::run_local(world, |g| {
+            train_vit_pipeline(&g, config, &p, &digits, &mut |_| {}).map_err(|e| {
+                burn_parallel::CollectiveError::InvalidArgument {
+                    rank: g.rank(),
+                    op: "train_vit_pipeline".into(),
+                    reason: e.to_string(),
+                }
+            })
+        })
+        .unwrap_or_else(|e| panic!("{p:?}: {e}"));
+        reports.into_iter().next().unwrap()
+    };
+    let reference = plain_burn(&config);
+    let schedule = |name: &str| name.parse().unwrap();
+    let one_f_one_b = VitPipeline {
+        pp: 2,
+        schedule: schedule("1f1b"),
+        microbatches: 4,
+        ..VitPipeline::default()
+    };
+    let r = pipelined(2, one_f_one_b.clone(), &config);
+    assert_matches(&reference, &r, "vit pp 2 1f1b");
+    let zbv = VitPipeline {
+        schedule: schedule("zbv"),
+        microbatches: 2,
+        checkpoint_blocks: true,
+        ..one_f_one_b.clone()
+    };
+    let r = pipelined(4, zbv, &config);
+    assert_matches(&reference, &r, "vit pp 2 x dp 2 zbv, blocks recomputed");
+    config.max_grad_norm = Some(0.1);
+    let clipped = plain_burn(&config);
+    let gpipe = VitPipeline {
+        schedule: schedule("gpipe"),
+        ..one_f_one_b
+    };
+    let r = pipelined(2, gpipe, &config);
+    assert_matches(&clipped, &r, "vit pp 2 gpipe, clipped");
 }
 
 #[test]

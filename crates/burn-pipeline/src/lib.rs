@@ -14,6 +14,7 @@
 //! | [`validate`] | checks that dependencies hold, that sends and receives match, and that no deadlock can happen; each error is typed and names the rank, the action and what is missing |
 //! | [`simulate`] | makespan, bubble fraction, peak activations per rank and stage; a text timeline and a Chrome/Perfetto trace |
 //! | [`format`](mod@format) | CSV and TOML files (the grammar is in the module docs), and a side-by-side listing that marks the failing action |
+//! | [`sequential`] | [`sequential::Sequential`]: the stage of any input layer → layers → output layer model, from three small traits on the user's own modules |
 //! | [`stage`] | the [`stage::Stage`] trait (a Burn module whose forward takes a [`stage::Boundary`]: several tensors and serialisable metadata) |
 //! | [`partition`] | layers into stages: by count, balanced by cost (first and last stage may take fewer), or at explicit boundaries |
 //! | [`checkpoint`] | activation checkpointing of one block inside a stage: graph-free forward, recomputed in the backward, its parameter gradients handed to the stage |
@@ -150,6 +151,7 @@ pub mod generators;
 pub mod partition;
 pub mod runtime;
 pub mod schedule;
+pub mod sequential;
 pub mod simulate;
 pub mod stage;
 pub mod trace;
