@@ -590,6 +590,25 @@ pub fn run_vit_local(
     on_step: &mut (dyn FnMut(&VitStepStats) + Send),
 ) -> Result<VitReport, VitTrainError> {
     layout.validate(config, ranks)?;
+    run_local_ranks(ranks, on_step, &|world, report| {
+        train_vit(world, config, layout, digits, report)
+    })
+}
+
+/// Runs `train` (a trainer of the ViT) on `ranks` thread ranks of this process, calling
+/// `on_step` with rank 0's step figures, and returns rank 0's report.
+///
+/// # Errors
+/// The typed error of the rank that failed first; [`VitTrainError::Collective`] when a rank
+/// panicked or a collective failed.
+pub fn run_local_ranks(
+    ranks: usize,
+    on_step: &mut (dyn FnMut(&VitStepStats) + Send),
+    train: &(
+         dyn Fn(&ProcessGroup, &mut dyn FnMut(&VitStepStats)) -> Result<VitReport, VitTrainError>
+             + Sync
+     ),
+) -> Result<VitReport, VitTrainError> {
     let first_error: Mutex<Option<VitTrainError>> = Mutex::new(None);
     let on_step = Mutex::new(on_step);
     let outcome = run_local(ranks, |world| {
@@ -599,7 +618,7 @@ pub fn run_vit_local(
                 (on_step.lock().expect("the step callback"))(s);
             }
         };
-        match train_vit(&world, config, layout, digits, &mut report) {
+        match train(&world, &mut report) {
             Ok(report) => Ok(lead.then_some(report)),
             Err(e) => match e.flatten() {
                 VitTrainError::Collective(c) => Err(c),

@@ -14,7 +14,10 @@ use std::process::ExitCode;
 use burn_zero::Stage;
 use clap::Parser;
 use examples::data::Digits;
-use examples::train_vit::{VitLayout, VitReport, VitStepStats, VitTrainConfig, run_vit_local};
+use examples::train_vit::{
+    VitLayout, VitReport, VitStepStats, VitTrainConfig, run_local_ranks, run_vit_local,
+};
+use examples::vit_pipeline::{VitPipeline, train_vit_pipeline};
 use indicatif::{ProgressBar, ProgressStyle};
 
 /// Train a Vision Transformer on the 8x8 hand-written digits and print its test accuracy.
@@ -71,6 +74,22 @@ struct Args {
     /// AdamW weight decay.
     #[arg(long)]
     weight_decay: Option<f64>,
+    /// Pipeline-parallel size: the encoder blocks are split into stages over this many ranks
+    /// (mesh `pp x dp`); 1: no pipeline.
+    #[arg(long, default_value_t = 1)]
+    pp: usize,
+    /// The pipeline schedule: gpipe, 1f1b, interleaved, zb-h1 or zbv.
+    #[arg(long, default_value = "1f1b")]
+    schedule: burn_pipeline::ScheduleKind,
+    /// Micro-batches per step and data-parallel rank.
+    #[arg(long, default_value_t = 4)]
+    microbatches: usize,
+    /// Stages per rank of the interleaved schedule.
+    #[arg(long)]
+    virtual_stages: Option<usize>,
+    /// Recompute every block in the backward (pipeline only).
+    #[arg(long)]
+    checkpoint_blocks: bool,
 }
 
 fn config_from(args: &Args) -> VitTrainConfig {
@@ -118,7 +137,14 @@ fn main() -> ExitCode {
     let args = Args::parse();
     let config = config_from(&args);
     let layout = layout_from(&args);
-    if let Err(e) = layout.validate(&config, args.ranks) {
+    if args.pp > 1 && (args.tp > 1 || args.sp || args.zero.is_some()) {
+        eprintln!(
+            "error: --tp, --sp and --zero are not composed with the ViT's pipeline (--pp) yet; \
+             use --pp with data parallelism (--ranks)"
+        );
+        return ExitCode::from(2);
+    }
+    if let Err(e) = layout.validate(&config, args.ranks / args.pp.max(1)) {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
@@ -130,6 +156,20 @@ fn main() -> ExitCode {
         }
     };
     print_header(&config, &layout, args.ranks, &digits);
+    if args.pp > 1 {
+        println!(
+            "pipeline: pp {} x dp {}, schedule {} ({} micro-batches{})",
+            args.pp,
+            args.ranks / args.pp,
+            args.schedule,
+            args.microbatches,
+            if args.checkpoint_blocks {
+                ", blocks recomputed"
+            } else {
+                ""
+            }
+        );
+    }
 
     let bar = ProgressBar::new(config.steps as u64);
     bar.set_style(
@@ -174,7 +214,20 @@ fn main() -> ExitCode {
             }
         }
     };
-    let outcome = run_vit_local(args.ranks, &config, &layout, &digits, &mut on_step);
+    let outcome = if args.pp > 1 {
+        let pipeline = VitPipeline {
+            pp: args.pp,
+            schedule: args.schedule,
+            microbatches: args.microbatches,
+            virtual_stages: args.virtual_stages,
+            checkpoint_blocks: args.checkpoint_blocks,
+        };
+        run_local_ranks(args.ranks, &mut on_step, &|world, report| {
+            train_vit_pipeline(world, &config, &pipeline, &digits, report)
+        })
+    } else {
+        run_vit_local(args.ranks, &config, &layout, &digits, &mut on_step)
+    };
     bar.finish_and_clear();
     match outcome {
         Ok(report) => {
