@@ -595,6 +595,12 @@ pub fn run_vit_local(
     })
 }
 
+/// A trainer of the ViT on one rank of a world ([`train_vit`], or the pipeline's), reporting
+/// each step to its callback.
+pub type VitTrainer<'a> = dyn Fn(&ProcessGroup, &mut dyn FnMut(&VitStepStats)) -> Result<VitReport, VitTrainError>
+    + Sync
+    + 'a;
+
 /// Runs `train` (a trainer of the ViT) on `ranks` thread ranks of this process, calling
 /// `on_step` with rank 0's step figures, and returns rank 0's report.
 ///
@@ -604,10 +610,7 @@ pub fn run_vit_local(
 pub fn run_local_ranks(
     ranks: usize,
     on_step: &mut (dyn FnMut(&VitStepStats) + Send),
-    train: &(
-         dyn Fn(&ProcessGroup, &mut dyn FnMut(&VitStepStats)) -> Result<VitReport, VitTrainError>
-             + Sync
-     ),
+    train: &VitTrainer<'_>,
 ) -> Result<VitReport, VitTrainError> {
     let first_error: Mutex<Option<VitTrainError>> = Mutex::new(None);
     let on_step = Mutex::new(on_step);
