@@ -1,6 +1,7 @@
 //! The bring-your-own-model example's decoder (`examples/examples/byo_model/model.rs`, one model
-//! type written with `burn_parallel::nn` layers) under data, tensor and sequence parallelism,
-//! against plain single-device Burn training of the same type: losses and final parameters.
+//! type written with `burn_parallel::nn` layers) under data, tensor, sequence and pipeline
+//! parallelism, against plain single-device Burn training of the same type: losses and final
+//! parameters.
 
 #[path = "../../examples/examples/byo_model/model.rs"]
 #[allow(dead_code)]
@@ -15,8 +16,13 @@ use burn_parallel::plan::TpPlan;
 use burn_parallel::tensor_parallel::TpError;
 use burn_parallel::train::TrainStep;
 use burn_parallel::{MeshError, ParallelDims, run_local};
+use burn_pipeline::generators::generate;
+use burn_pipeline::partition::by_count;
+use burn_pipeline::runtime::Executor;
+use burn_pipeline::update::{StageOptimizer, StageUpdater};
 use burn_zero::{Fsdp, ZeroError};
 use model::{Config, Decoder, fsdp_plan, tp_plan};
+use std::collections::BTreeMap;
 
 const STEPS: usize = 20;
 const BATCH: usize = 8;
@@ -220,6 +226,121 @@ fn assert_matches(
             want[i]
         );
     }
+}
+
+/// The same training pipelined over `pp` stages (the model staged by
+/// `burn_pipeline::sequential`, see `model::stage`) x `dp` replicas x `tp`, each rank's rows
+/// split into `m` micro-batches. Returns rank 0's losses and the whole model's parameters.
+fn pipelined(
+    schedule: &str,
+    pp: usize,
+    m: usize,
+    dp: usize,
+    (tp, sequence_parallel): (usize, bool),
+    clip: Option<f64>,
+) -> (Vec<f32>, Params) {
+    let device = Device::flex().autodiff();
+    let dims = ParallelDims {
+        pp,
+        dp_replicate: dp,
+        tp,
+        ..ParallelDims::default()
+    };
+    let schedule = generate(schedule.parse().unwrap(), pp, m, None).unwrap();
+    let out = run_local(dims.world_size(), move |world| {
+        let mesh = dims.build(&world).unwrap();
+        let dp = dims.data_parallel(&mesh).unwrap();
+        let pp_group = mesh.group("pp").unwrap().clone();
+        let split = by_count(config().n_layers, schedule.num_stages()).unwrap();
+        let mut exec = Executor::new(schedule.clone(), pp_group.clone(), device.clone()).unwrap();
+        let init = Init::new(config().seed, &device)
+            .with_tp(mesh.group("tp").unwrap(), tp_plan(sequence_parallel))
+            .unwrap();
+        let mut stages = BTreeMap::new();
+        let mut optims = BTreeMap::new();
+        for s in exec.local_stages() {
+            let stage = model::stage(&init, &config(), s, split.len(), split[s].clone()).unwrap();
+            stages.insert(s, stage);
+            optims.insert(s, StageOptimizer::module(optimizer()));
+        }
+        let reduce = TrainStep::new(init.context()).with_data_parallel(dp.clone());
+        let mut updater = StageUpdater::new(&exec, optims, reduce)
+            .unwrap()
+            .with_clip(clip);
+        updater.set_lr(LR);
+        let rows = BATCH / dp.size() / m;
+        let mut losses = Vec::new();
+        for step in 0..STEPS {
+            let batches: Vec<examples::data::Batch> = (0..m)
+                .map(|k| {
+                    let first = dp.rank() * rows * m + k * rows;
+                    let (tokens, targets) = batch(step, first..first + rows, &Device::flex());
+                    examples::data::Batch {
+                        inputs: tokens.into_data().convert::<i64>().try_to_vec().unwrap(),
+                        targets: targets.into_data().convert::<i64>().try_to_vec().unwrap(),
+                        batch_size: rows,
+                        seq_len: SEQ,
+                    }
+                })
+                .collect();
+            let report = exec
+                .step(&mut stages, &batches, &mut |s, stage, g| {
+                    updater.at_reduce(s, stage, g)
+                })
+                .unwrap();
+            updater.finish(&mut stages).unwrap();
+            losses.push(dp.all_reduce_f32(vec![report.loss], burn_parallel::ReduceOp::Avg)?[0]);
+        }
+        // Each stage whole (tensor-parallel shards gathered), at the decoder's paths.
+        let mut mine = Vec::new();
+        for stage in stages.values() {
+            for (path, data) in init.context().full_params(&stage.valid())? {
+                let path = stage.global_path(&path);
+                let path = path
+                    .strip_prefix("input.")
+                    .or_else(|| path.strip_prefix("output."))
+                    .unwrap_or(&path)
+                    .to_string();
+                mine.push((path, data.shape().to_vec(), data.try_to_vec::<f32>().unwrap()));
+            }
+        }
+        let all = pp_group.all_gather_object(&mine)?;
+        let params: Params = all
+            .into_iter()
+            .flatten()
+            .map(|(path, shape, values)| (path, TensorData::new(values, shape)))
+            .collect();
+        Ok((losses, params))
+    })
+    .unwrap();
+    for other in &out[1..] {
+        assert_eq!(other.0, out[0].0, "every rank reports the same losses");
+    }
+    out.into_iter().next().unwrap()
+}
+
+/// The user's model staged by the library's generic stage: 1F1B at pp 2, GPipe at pp 2 x dp 2,
+/// and pp 2 x tp 2 with sequence parallelism and clipping over the stages.
+#[test]
+fn byo_model_matches_single_device_under_pipeline_parallelism() {
+    let flex = Device::flex();
+    let plain = reference(&flex, None);
+    assert_matches(
+        "pp 2 1f1b",
+        pipelined("1f1b", 2, 4, 1, (1, false), None),
+        &plain,
+    );
+    assert_matches(
+        "pp 2 x dp 2 gpipe",
+        pipelined("gpipe", 2, 2, 2, (1, false), None),
+        &plain,
+    );
+    let clipped = reference(&flex, Some(0.5));
+    assert_matches(
+        "pp 2 x tp 2 + sp, clipped",
+        pipelined("1f1b", 2, 4, 1, (2, true), Some(0.5)),
+        &clipped,
+    );
 }
 
 fn dims(dp_replicate: usize, tp: usize) -> ParallelDims {

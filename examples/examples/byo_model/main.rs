@@ -10,14 +10,18 @@
 //! cargo run --release -p examples --example byo_model -- --layout fsdp --ranks 2
 //! cargo run --release -p examples --example byo_model -- --layout fsdp-tp --ranks 4
 //! cargo run --release -p examples --example byo_model -- --layout hsdp --ranks 4
+//! cargo run --release -p examples --example byo_model -- --layout pp --ranks 2
 //! cargo run --release -p examples --example byo_model -- --all --ranks 4 --steps 20
 //! ```
 //!
 //! The layout-specific code is one line per layout: the `match` in `run_rank` that picks the
 //! mesh dimensions. Everything else (the plans, the step) is the same for every layout.
+//! Pipeline parallelism stages the same parts (`model::stage`) and runs them with
+//! `burn-pipeline`'s executor (`run_rank_pipeline`).
 
 mod model;
 
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 use burn::optim::AdamWConfig;
@@ -25,6 +29,11 @@ use burn::tensor::Device;
 use burn_parallel::init::Init;
 use burn_parallel::train::TrainStep;
 use burn_parallel::{ParallelDims, ProcessGroup, run_local};
+use burn_pipeline::ScheduleKind;
+use burn_pipeline::generators::generate;
+use burn_pipeline::partition::by_count;
+use burn_pipeline::runtime::Executor;
+use burn_pipeline::update::{StageOptimizer, StageUpdater};
 use clap::{Parser, ValueEnum};
 use examples::data::{Corpus, Split};
 use model::{Config, Decoder, fsdp_plan, tp_plan};
@@ -47,6 +56,9 @@ enum Layout {
     FsdpTp,
     /// HSDP: FSDP in pairs, replicated across pairs.
     Hsdp,
+    /// Pipeline over every rank (1F1B, 4 micro-batches), the model staged by
+    /// `burn_pipeline::sequential` (see `model::stage`).
+    Pp,
 }
 
 /// Train the bring-your-own-model decoder.
@@ -86,7 +98,59 @@ fn config() -> Config {
     }
 }
 
+/// `--layout pp`: every rank a stage of a 1F1B pipeline over 4 micro-batches.
+fn run_rank_pipeline(
+    world: ProcessGroup,
+    args: &Args,
+    corpus: &Corpus,
+) -> burn_parallel::Result<Vec<f32>> {
+    let fail = |e: &dyn std::fmt::Display| -> ! { panic!("{e}") };
+    let device = Device::flex().autodiff();
+    let m = 4;
+    let schedule =
+        generate(ScheduleKind::OneFOneB, world.size(), m, None).unwrap_or_else(|e| fail(&e));
+    let split = by_count(config().n_layers, schedule.num_stages()).unwrap_or_else(|e| fail(&e));
+    let mut executor =
+        Executor::new(schedule, world.clone(), device.clone()).unwrap_or_else(|e| fail(&e));
+    let init = Init::new(config().seed, &device);
+    let mut stages = BTreeMap::new();
+    let mut optims = BTreeMap::new();
+    for s in executor.local_stages() {
+        let n = split.len();
+        stages.insert(
+            s,
+            model::stage(&init, &config(), s, n, split[s].clone()).unwrap_or_else(|e| fail(&e)),
+        );
+        optims.insert(
+            s,
+            StageOptimizer::module(AdamWConfig::new().with_weight_decay(0.01).init()),
+        );
+    }
+    let mut updater = StageUpdater::new(&executor, optims, TrainStep::new(init.context()))
+        .unwrap_or_else(|e| fail(&e))
+        .with_clip(args.clip);
+    updater.set_lr(args.lr);
+    let rows = args.batch / m;
+    let mut losses = Vec::new();
+    for s in 0..args.steps {
+        let batches: Vec<_> = (0..m)
+            .map(|k| corpus.batch_rows(s as u64, k * rows..(k + 1) * rows, args.seq, Split::Train))
+            .collect();
+        let report = executor
+            .step(&mut stages, &batches, &mut |s, stage, g| {
+                updater.at_reduce(s, stage, g)
+            })
+            .unwrap_or_else(|e| fail(&e));
+        updater.finish(&mut stages).unwrap_or_else(|e| fail(&e));
+        losses.push(report.loss);
+    }
+    Ok(losses)
+}
+
 fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel::Result<Vec<f32>> {
+    if args.layout == Layout::Pp {
+        return run_rank_pipeline(world, args, corpus);
+    }
     let device = Device::flex().autodiff();
     let n = world.size();
     // ---- the layout: mesh dimensions and whether sequence parallelism is on ----
@@ -106,6 +170,7 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
         Layout::Fsdp => (dims(1, n, 1), false),
         Layout::FsdpTp => (dims(1, n / 2, 2), true),
         Layout::Hsdp => (dims(n / 2, 2, 1), false),
+        Layout::Pp => unreachable!("run_rank_pipeline"),
     };
     // ---- the same lines for every layout: the plans apply where the mesh has ranks ----
     let mesh = dims.build(&world).unwrap_or_else(|e| panic!("{e}"));

@@ -9,7 +9,10 @@ use burn_parallel::init::{Init, LinearInit};
 use burn_parallel::nn::{Embedding, Linear, TpContext};
 use burn_parallel::plan::TpPlan;
 use burn_parallel::tensor_parallel::TpResult;
+use burn_pipeline::sequential as seq;
+use burn_pipeline::stage::StageError;
 use burn_zero::{Fsdp, FsdpPlan};
+use examples::data::Batch;
 
 /// The model's shape.
 #[derive(Debug, Clone, Copy)]
@@ -138,6 +141,22 @@ pub struct Layer {
     pub mlp: Mlp,
 }
 
+impl Layer {
+    pub fn new(init: &Init, c: &Config) -> burn_zero::Result<Self> {
+        Ok(Self {
+            norm1: RmsNorm::new(&init.at("norm1"), c.d_model),
+            attn: Attention::new(&init.at("attn"), c)?,
+            norm2: RmsNorm::new(&init.at("norm2"), c.d_model),
+            mlp: Mlp::new(&init.at("mlp"), c)?,
+        })
+    }
+
+    pub fn forward(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
+        let x = x.clone() + self.attn.forward(self.norm1.forward(x))?;
+        Ok(x.clone() + self.mlp.forward(self.norm2.forward(x))?)
+    }
+}
+
 #[derive(Module, Debug)]
 pub struct Decoder {
     pub embed: Embedding,
@@ -152,14 +171,7 @@ impl Decoder {
     /// Builds the model from `init` (single device: `Init::new(seed, device)`; tensor-parallel:
     /// `Init::new(..).with_tp(group, tp_plan(sp))`), each layer an FSDP unit when `fsdp` says so.
     pub fn new(init: &Init, fsdp: Option<&FsdpPlan>, c: &Config) -> burn_zero::Result<Self> {
-        let layer = |init: &Init| -> burn_zero::Result<Layer> {
-            Ok(Layer {
-                norm1: RmsNorm::new(&init.at("norm1"), c.d_model),
-                attn: Attention::new(&init.at("attn"), c)?,
-                norm2: RmsNorm::new(&init.at("norm2"), c.d_model),
-                mlp: Mlp::new(&init.at("mlp"), c)?,
-            })
-        };
+        let layer = |init: &Init| Layer::new(init, c);
         let layers = (0..c.n_layers)
             .map(|i| {
                 let init = init.at("layers").at(i);
@@ -187,11 +199,85 @@ impl Decoder {
     pub fn loss(&self, tokens: Tensor<2, Int>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
         let mut x = self.tp.scatter_sequence(self.embed.forward(tokens)?)?;
         for layer in &self.layers {
-            let layer = layer.get()?; // all-gathers an FSDP unit
-            x = x.clone() + layer.attn.forward(layer.norm1.forward(x))?;
-            x = x.clone() + layer.mlp.forward(layer.norm2.forward(x))?;
+            x = layer.get()?.forward(x)?; // all-gathers an FSDP unit
         }
         let logits = self.head.forward(self.norm.forward(x))?;
         self.head.cross_entropy(logits, targets)
     }
+}
+
+// ---- pipeline parallelism: the same parts, staged by burn_pipeline::sequential ----
+
+/// The embedding, the input layer of a pipeline's first stage.
+#[derive(Module, Debug)]
+pub struct PipeEmbed {
+    pub embed: Embedding,
+    #[module(skip)]
+    pub tp: TpContext,
+}
+
+impl seq::InputLayer<Batch> for PipeEmbed {
+    fn forward(&self, batch: &Batch) -> Result<Tensor<3>, StageError> {
+        let (tokens, _) = batch.to_tensors(&self.embed.weight.device());
+        let x = self.embed.forward(tokens).map_err(StageError::new)?;
+        self.tp.scatter_sequence(x).map_err(StageError::new)
+    }
+}
+
+impl seq::Layer<Batch> for Layer {
+    fn forward(&self, x: Tensor<3>, _: &Batch) -> Result<Tensor<3>, StageError> {
+        Layer::forward(self, x).map_err(StageError::new)
+    }
+}
+
+/// The final norm, head and loss, the output layer of a pipeline's last stage.
+#[derive(Module, Debug)]
+pub struct PipeHead {
+    pub norm: RmsNorm,
+    pub head: Linear,
+}
+
+impl seq::OutputLayer<Batch> for PipeHead {
+    fn loss(&self, x: Tensor<3>, batch: &Batch) -> Result<Tensor<1>, StageError> {
+        let (_, targets) = batch.to_tensors(&x.device());
+        let logits = self
+            .head
+            .forward(self.norm.forward(x))
+            .map_err(StageError::new)?;
+        self.head
+            .cross_entropy(logits, targets)
+            .map_err(StageError::new)
+    }
+}
+
+/// One pipeline stage of the decoder.
+pub type Stage = seq::Sequential<PipeEmbed, Layer, PipeHead>;
+
+/// Stage `index` of `num_stages`, holding `layers`, from `init` (the same seeded values and
+/// plan paths as [`Decoder::new`], so a rank builds exactly its stage's share).
+pub fn stage(
+    init: &Init,
+    c: &Config,
+    index: usize,
+    num_stages: usize,
+    layers: std::ops::Range<usize>,
+) -> burn_zero::Result<Stage> {
+    seq::Sequential::build(
+        index,
+        num_stages,
+        layers,
+        || {
+            Ok(PipeEmbed {
+                embed: init.embedding("embed", c.vocab, c.d_model, 0.02)?,
+                tp: init.context(),
+            })
+        },
+        |i| Layer::new(&init.at("layers").at(i), c),
+        || {
+            Ok(PipeHead {
+                norm: RmsNorm::new(&init.at("norm"), c.d_model),
+                head: init.linear("head", LinearInit::new(c.d_model, c.vocab))?,
+            })
+        },
+    )
 }
