@@ -301,7 +301,11 @@ fn pipelined(
                     .or_else(|| path.strip_prefix("output."))
                     .unwrap_or(&path)
                     .to_string();
-                mine.push((path, data.shape().to_vec(), data.try_to_vec::<f32>().unwrap()));
+                mine.push((
+                    path,
+                    data.shape().to_vec(),
+                    data.try_to_vec::<f32>().unwrap(),
+                ));
             }
         }
         let all = pp_group.all_gather_object(&mine)?;
