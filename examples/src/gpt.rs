@@ -57,6 +57,7 @@ use burn::tensor::module::layer_norm;
 use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 use burn_moe::{MoeConfig, MoeError, MoeLayer, MoeParallel, MoeStats};
 use burn_parallel::ProcessGroup;
+use burn_parallel::autograd::WeightGradSink;
 use burn_parallel::context_parallel::{ContextParallel, CpError, SeqLayout};
 use burn_parallel::init::{Init, LinearInit};
 use burn_parallel::kernels;
@@ -65,6 +66,7 @@ use burn_parallel::plan::TpPlan;
 use burn_parallel::tensor_parallel::{DropoutSite, SeededDropout, TpError, TpResult, sp_param};
 use burn_zero::{Fsdp, FsdpPlan, Result as ZeroResult, ZeroError};
 use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 /// Standard deviation of the GPT-2 initialisation.
 pub const INIT_STD: f64 = 0.02;
@@ -903,6 +905,28 @@ pub struct Block {
 }
 
 impl Block {
+    /// Defers the weight gradients of the block's linear layers (attention and dense MLP; an
+    /// MoE's experts keep theirs) to `sink`, for a zero-bubble pipeline schedule's `W` step
+    /// (see [`burn_parallel::nn::Linear::with_deferred_weight`]); `None` turns it off.
+    pub fn with_deferred_weights(self, sink: Option<Arc<dyn WeightGradSink>>) -> Self {
+        let defer = |l: Linear| l.with_deferred_weight(sink.clone());
+        let Attention { q, k, v, o, .. } = self.attn;
+        let attn = Attention {
+            q: defer(q),
+            k: defer(k),
+            v: defer(v),
+            o: defer(o),
+            ..self.attn
+        };
+        let mlp = self.mlp.map(|m| Mlp {
+            up: defer(m.up),
+            gate: m.gate.map(defer),
+            down: defer(m.down),
+            ..m
+        });
+        Self { attn, mlp, ..self }
+    }
+
     /// Builds the block on one device; parameters are named `ln_1.weight`, `attn.q.weight`,
     /// ... under `init`.
     ///

@@ -24,11 +24,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::{Module, ParamId};
 use burn::optim::{AdamW, AdamWConfig};
 use burn::tensor::{Device, Tensor, TensorData};
+use burn_parallel::autograd::WeightGradSink;
 use burn_parallel::init::{Init, LinearInit};
 use burn_parallel::nn::{Embedding, Linear, LinearSplit, TpContext};
 use burn_parallel::tensor_parallel::SeededDropout;
@@ -41,7 +43,7 @@ use burn_pipeline::runtime::{Checkpointing, Executor, PipelineError, StepReport}
 use burn_pipeline::stage::{Boundary, Stage, StageError, StageOutput};
 use burn_pipeline::trace::{StepTrack, Timeline};
 use burn_pipeline::update::{StageOptimizer, StageUpdater};
-use burn_pipeline::{ScheduleError, ScheduleKind, generators};
+use burn_pipeline::{ActionKind, ScheduleError, ScheduleKind, generators};
 use burn_zero::{ShardGroups, ZeroConfig, ZeroOptimizer};
 
 use crate::data::{Batch, Corpus, Split};
@@ -379,7 +381,12 @@ pub struct GptStage {
     /// reach the runtime through `store`.
     #[module(skip)]
     pub checkpoint_blocks: bool,
-    /// Where recomputed blocks leave their parameter gradients.
+    /// The weight gradients of the linear layers are deferred to the schedule's `W` steps
+    /// (zero-bubble schedules, [`GptStage::with_deferred_weights`]).
+    #[module(skip)]
+    pub defer_weights: bool,
+    /// Where recomputed blocks leave their parameter gradients and deferred linears their
+    /// `(X, dY)`.
     #[module(skip)]
     pub store: WeightGradStore,
     /// Where the stage's tensors live.
@@ -481,6 +488,7 @@ impl GptStage {
             dropout_stream: 0,
             tp: init.context(),
             checkpoint_blocks: false,
+            defer_weights: false,
             store: WeightGradStore::new(),
             device: init.device().clone(),
         })
@@ -491,6 +499,25 @@ impl GptStage {
     pub fn with_checkpointed_blocks(self, on: bool) -> Self {
         Self {
             checkpoint_blocks: on,
+            ..self
+        }
+    }
+
+    /// Defers the weight gradients of every linear layer (attention, MLP, head) to the
+    /// schedule's `W` steps: `I` computes only the input gradient (and the small parameters'),
+    /// which is what makes ZB-H1 and ZBV zero-bubble. Harmless under schedules without `W`
+    /// (a full `B` computes the deferred gradients at once).
+    pub fn with_deferred_weights(self, on: bool) -> Self {
+        let sink: Option<Arc<dyn WeightGradSink>> =
+            on.then(|| Arc::new(self.store.clone()) as Arc<dyn WeightGradSink>);
+        Self {
+            blocks: self
+                .blocks
+                .into_iter()
+                .map(|b| b.with_deferred_weights(sink.clone()))
+                .collect(),
+            lm_head: self.lm_head.map(|h| h.with_deferred_weight(sink.clone())),
+            defer_weights: on,
             ..self
         }
     }
@@ -612,7 +639,7 @@ impl Stage<Batch> for GptStage {
     }
 
     fn deferred_weights(&self) -> Option<&WeightGradStore> {
-        self.checkpoint_blocks.then_some(&self.store)
+        (self.checkpoint_blocks || self.defer_weights).then_some(&self.store)
     }
 }
 
@@ -713,11 +740,19 @@ pub fn train_gpt_pipeline(
     let init = Init::new(config.model.seed, &device)
         .with_tp(&tp, Gpt::tp_plan(&config.model, pipeline.sp))
         .map_err(|e| GptPipelineError::Config(e.to_string()))?;
+    // Zero-bubble schedules split the backward: the linears defer their weight gradients.
+    let splits_backward = executor
+        .schedule()
+        .programs()
+        .iter()
+        .flatten()
+        .any(|a| a.kind() == ActionKind::BackwardWeight);
     let mut stages: BTreeMap<usize, GptStage> = BTreeMap::new();
     for s in executor.local_stages() {
         let stage = GptStage::build(&config.model, &init, s, num_stages, split[s].clone())?
             .with_dropout_stream(dp.rank() as u64)
-            .with_checkpointed_blocks(pipeline.recompute == Recompute::Blocks);
+            .with_checkpointed_blocks(pipeline.recompute == Recompute::Blocks)
+            .with_deferred_weights(splits_backward);
         stages.insert(s, stage);
     }
     let adamw = AdamWConfig::new().with_weight_decay(config.weight_decay as f32);

@@ -332,6 +332,46 @@ fn measured_times_give_a_heavy_head_fewer_blocks() {
     ));
 }
 
+/// Under a split backward the GPT's linear layers defer their weight gradients: a backward
+/// gives the input gradient and the norms' and biases' gradients but no linear weight's, and the
+/// stage's store computes exactly those at `W`.
+#[test]
+fn zero_bubble_schedules_defer_the_gpt_weight_gradients() {
+    use burn_pipeline::stage::{Boundary, Stage, StageOutput};
+    let config = config().model;
+    let device = Device::flex().autodiff();
+    let init = Init::new(config.seed, &device);
+    let stage = GptStage::build(&config, &init, 1, 2, 4..8)
+        .unwrap()
+        .with_deferred_weights(true);
+    let store = stage.deferred_weights().unwrap().clone();
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let batch = corpus.batch_rows(0, 0..2, 16, examples::data::Split::Train);
+    let x = burn::tensor::Tensor::<3>::ones([2, 16, config.d_model], &device).require_grad();
+    let StageOutput::Loss(loss) = stage
+        .forward(Boundary::new().with(x.clone()), &batch)
+        .unwrap()
+    else {
+        panic!("the last stage returns the loss")
+    };
+    store.begin(0);
+    let mut grads = loss.backward();
+    assert!(
+        x.grad_remove(&mut grads).is_some(),
+        "the input gradient comes at once"
+    );
+    let now = burn::optim::GradientsParams::from_grads(grads, &stage);
+    let head = stage.lm_head.as_ref().unwrap();
+    let q = &stage.blocks[0].attn.q;
+    assert!(now.get::<2>(q.weight.id).is_none() && now.get::<2>(head.weight.id).is_none());
+    assert!(now.get::<1>(stage.blocks[0].ln_1.weight.id).is_some());
+    // 4 blocks x (q, k, v, o, up, down) + the head.
+    assert_eq!(store.pending(0), 4 * 6 + 1);
+    let later = store.take(0, &stage);
+    assert!(later.get::<2>(q.weight.id).is_some() && later.get::<2>(head.weight.id).is_some());
+    assert_eq!(store.pending(0), 0);
+}
+
 #[test]
 fn stages_hold_their_single_device_parameters_and_nothing_else() {
     let config = config().model;

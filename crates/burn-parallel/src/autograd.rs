@@ -486,3 +486,64 @@ pub fn ring_shift<const D: usize>(
         }),
     ))
 }
+
+/// Where a layer's deferred weight gradients go: the pipeline's store of a zero-bubble
+/// schedule's `W` step (`burn_pipeline::deferred::WeightGradStore`).
+pub trait WeightGradSink: Send + Sync + fmt::Debug {
+    /// Records `compute`, one contribution to `param`'s gradient, for later.
+    fn defer(&self, param: burn::module::ParamId, compute: Box<dyn FnOnce() -> Tensor<2> + Send>);
+}
+
+/// `x W` for `x` `[rows, d_in]` and `weight` `[d_in, d_out]` whose backward computes the input
+/// gradient `dX = dY Wᵀ` at once and defers the weight gradient `dW = Xᵀ dY` to `sink`: the
+/// weight gets no gradient from `backward()` (the split backward of zero-bubble schedules).
+/// When the weight does not require a gradient (a module in `valid()` mode, a frozen weight),
+/// this is the plain product.
+///
+/// The product and the gradients go through host data ([`attach`]'s backward is host data).
+pub fn deferred_matmul(
+    x: Tensor<2>,
+    weight: &burn::module::Param<Tensor<2>>,
+    sink: Arc<dyn WeightGradSink>,
+) -> Tensor<2> {
+    let w = weight.val();
+    if !w.is_require_grad() {
+        return x.matmul(w);
+    }
+    let w = w.without_autodiff();
+    let device = w.device();
+    let x_inner = x.clone().without_autodiff();
+    let y = x_inner.clone().matmul(w.clone());
+    let y = crate::group::tensor_from_data::<2>(y.into_data(), &x.device());
+    let param = weight.id;
+    // The backward step must run even when the input needs no gradient (the first layer of
+    // the first stage): it then hangs off a fresh one-element leaf, whose gradient (zero)
+    // nobody reads.
+    let needs_dx = x.is_tracked();
+    let record = move |dy| {
+        let dy: Tensor<2> = crate::group::tensor_from_data(dy, &device);
+        let dx = needs_dx.then(|| dy.clone().matmul(w.clone().transpose()));
+        let x = x_inner.clone();
+        sink.defer(param, Box::new(move || x.transpose().matmul(dy)));
+        dx
+    };
+    if needs_dx {
+        attach(
+            x,
+            y,
+            BackwardFn::new("deferred_matmul", move |dy| {
+                Ok(record(dy).expect("dX is computed").into_data())
+            }),
+        )
+    } else {
+        let anchor = Tensor::<1>::zeros([1], &x.device()).require_grad();
+        attach(
+            anchor,
+            y,
+            BackwardFn::new("deferred_matmul", move |dy| {
+                record(dy);
+                Ok(TensorData::new(vec![0f32], [1]))
+            }),
+        )
+    }
+}

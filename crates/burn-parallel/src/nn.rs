@@ -66,7 +66,10 @@ use burn::tensor::activation::log_softmax;
 use burn::tensor::module::linear;
 use burn::tensor::{Int, Tensor, TensorData};
 
-use crate::autograd::{copy_to_group, gather_from_group, gather_from_sequence, scatter_to_group};
+use crate::autograd::{
+    WeightGradSink, copy_to_group, deferred_matmul, gather_from_group, gather_from_sequence,
+    scatter_to_group,
+};
 use crate::comm::host::ReduceOp;
 use crate::error::CollectiveError;
 use crate::group::ProcessGroup;
@@ -117,6 +120,10 @@ pub struct Linear {
     /// The layer's module path (error messages).
     #[module(skip)]
     pub name: String,
+    /// Where the weight's gradient is deferred to (a zero-bubble pipeline schedule's `W` step,
+    /// see [`Linear::with_deferred_weight`]); `None`: computed by `backward()` as usual.
+    #[module(skip)]
+    pub deferred: Option<Arc<dyn WeightGradSink>>,
 }
 
 impl Linear {
@@ -184,7 +191,35 @@ impl Linear {
             bias,
             split,
             name,
+            deferred: None,
         })
+    }
+
+    /// Defers the weight's gradient to `sink` (`burn_pipeline::deferred::WeightGradStore`):
+    /// `backward()` then computes the input gradient and the bias's, and records `(X, dY)` for
+    /// the schedule's `W` step, which computes `dW = Xᵀ dY` (the split backward of zero-bubble
+    /// schedules). The tensor-parallel split is unchanged: the deferred product is this rank's
+    /// part. `None` turns it off.
+    pub fn with_deferred_weight(mut self, sink: Option<Arc<dyn WeightGradSink>>) -> Self {
+        self.deferred = sink;
+        self
+    }
+
+    /// `x W (+ b)` on this rank's part, with the weight's gradient deferred when asked.
+    fn product<const D: usize>(&self, x: Tensor<D>, bias: Option<Tensor<1>>) -> Tensor<D> {
+        let Some(sink) = &self.deferred else {
+            return linear(x, self.weight.val(), bias);
+        };
+        let dims = x.dims();
+        let rows = dims[..D - 1].iter().product::<usize>();
+        let y = deferred_matmul(x.reshape([rows, dims[D - 1]]), &self.weight, sink.clone());
+        let mut out = dims;
+        out[D - 1] = self.weight.dims()[1];
+        let y = y.reshape(out);
+        match bias {
+            Some(b) => y + b.unsqueeze(),
+            None => y,
+        }
     }
 
     /// Applies the layer to `x` `[.., features]`.
@@ -218,7 +253,7 @@ impl Linear {
         }
         let bias = self.bias.as_ref().map(|b| b.val());
         match &self.split {
-            LinearSplit::Replicated => Ok(linear(x, self.weight.val(), bias)),
+            LinearSplit::Replicated => Ok(self.product(x, bias)),
             LinearSplit::Column {
                 group,
                 sequence_parallel,
@@ -229,14 +264,14 @@ impl Linear {
                 } else {
                     copy_to_group(x, group)
                 };
-                Ok(linear(x, self.weight.val(), bias))
+                Ok(self.product(x, bias))
             }
             LinearSplit::Row {
                 group,
                 sequence_parallel,
                 ..
             } => {
-                let partial = linear(x, self.weight.val(), None);
+                let partial = self.product(x, None);
                 let y = row_output(partial, group, *sequence_parallel)?.into_tensor();
                 Ok(match bias {
                     None => y,

@@ -22,9 +22,8 @@ use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::{Device, Tensor};
-use burn_parallel::autograd::{BackwardFn, attach};
-use burn_parallel::group::tensor_from_data;
+use burn::tensor::Tensor;
+use burn_parallel::autograd::{WeightGradSink, deferred_matmul};
 
 /// One deferred contribution to a micro-batch's parameter gradients.
 enum Pending {
@@ -178,6 +177,12 @@ fn merge<M: Module>(module: &M, mut parts: Vec<GradientsParams>) -> GradientsPar
     merge.out
 }
 
+impl WeightGradSink for WeightGradStore {
+    fn defer(&self, param: ParamId, compute: Box<dyn FnOnce() -> Tensor<2> + Send>) {
+        self.push(Pending::Weight { param, compute });
+    }
+}
+
 /// A linear layer `y = x W + b` (`W`: `[d_in, d_out]`, as Burn's `Linear`) whose weight
 /// gradient is deferred to the store's `W` step (see the module docs). The bias stays an
 /// ordinary tracked parameter.
@@ -229,45 +234,12 @@ impl DeferredLinear {
         let dims = x.dims();
         let d_in = dims[D - 1];
         let rows = dims[..D - 1].iter().product::<usize>();
-        let w = self.weight.val().without_autodiff();
-        let d_out = w.dims()[1];
-        let device: Device = w.device();
-        let x2 = x.reshape([rows, d_in]);
-        let x_inner = x2.clone().without_autodiff();
-        let y = x_inner.clone().matmul(w.clone());
-        let y = tensor_from_data::<2>(y.into_data(), &x2.device());
-        let store = self.store.clone();
-        let param = self.weight.id;
-        // The backward step must run even when the input needs no gradient (the first layer
-        // of the first stage): it then hangs off a fresh one-element leaf instead, whose
-        // gradient (zero) nobody reads.
-        let needs_dx = x2.is_tracked();
-        let record = move |dy| {
-            let dy: Tensor<2> = tensor_from_data(dy, &device);
-            let dx = needs_dx.then(|| dy.clone().matmul(w.clone().transpose()));
-            let x = x_inner.clone();
-            store.defer(param, move || x.transpose().matmul(dy));
-            dx
-        };
-        let y = if needs_dx {
-            attach(
-                x2,
-                y,
-                BackwardFn::new("deferred_linear", move |dy| {
-                    Ok(record(dy).expect("dX is computed").into_data())
-                }),
-            )
-        } else {
-            let anchor = Tensor::<1>::zeros([1], &x2.device()).require_grad();
-            attach(
-                anchor,
-                y,
-                BackwardFn::new("deferred_linear", move |dy| {
-                    record(dy);
-                    Ok(burn::tensor::TensorData::new(vec![0f32], [1]))
-                }),
-            )
-        };
+        let d_out = self.weight.dims()[1];
+        let y = deferred_matmul(
+            x.reshape([rows, d_in]),
+            &self.weight,
+            Arc::new(self.store.clone()),
+        );
         let mut out_dims = dims;
         out_dims[D - 1] = d_out;
         let y = y.reshape(out_dims);
