@@ -50,4 +50,5 @@ pub mod init;
 pub mod kernels;
 pub mod nn;
 pub mod plan;
+pub mod planner;
 pub mod train;

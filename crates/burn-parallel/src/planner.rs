@@ -1,0 +1,1311 @@
+//! Memory and FLOPs planner: which layouts of a transformer fit a device's memory, and how fast
+//! each is predicted to train.
+//!
+//! Give it the model ([`ModelShape`], built from numbers, with [`count_params`] to check it
+//! against a Burn module), the job ([`Training`]) and the device ([`Hardware`]); [`plan`] walks
+//! every layout `pp x dp_replicate x dp_shard x cp x tp` of the world (with the ZeRO stage,
+//! sequence parallelism, expert parallelism, the pipeline schedule and activation
+//! checkpointing) and returns a [`Plan`]: the layouts that fit, fastest first, and for every
+//! other one the reason ([`Rejection`]).
+//!
+//! # The model of memory (per rank, the worst pipeline stage)
+//!
+//! - **Model state**, with `P` the parameters the rank holds (its stage, `1/tp` of the split
+//!   layers, `1/ep` of the experts): parameters, gradients and optimizer state take 2 + 2 + 12
+//!   bytes per parameter in mixed precision (16-bit weights and gradients, fp32 master weights
+//!   and the optimizer's state: [`Training::optimizer_bytes`], 8 for Adam) and 4 + 4 + 8 in
+//!   fp32. ZeRO over the `dp_shard x cp` ranks divides the optimizer state (stage 1), the
+//!   gradients too (stage 2) and the parameters too (stage 3).
+//! - **Activations**: the Korthikanti et al. formulas of [`activation`], times the number of
+//!   micro-batches the schedule keeps in flight on the stage (GPipe: all `m`; 1F1B and ZB-H1:
+//!   `p - stage`; interleaved with `v` chunks: that times `1 + (p - 1) / (p v)`; ZB-V: `p`),
+//!   doubled for fp32; with recomputation per block, the inputs of the blocks plus one block's
+//!   activations; per stage, the stage's inputs plus one stage's activations. The last stage
+//!   adds the fp32 logits and softmax of the loss.
+//! - **Communication buffers**: two gradient buckets (DDP, ZeRO-1/2), or the largest gathered
+//!   unit and its gradient (ZeRO-3); a gathered activation (tp); the ring's key/value blocks
+//!   (cp); the send and receive boundary activations (pp); the all-to-all buffers (ep).
+//!
+//! # The model of time
+//!
+//! FLOPs per step are `6 N` per token (`N` the active parameters) plus `12 s h` per token and
+//! layer for the attention matrix, plus one more forward with recomputation. A rank's compute
+//! time is its stage's FLOPs over [`Hardware::flops_per_s`]; communication volumes (ring
+//! all-reduce `2 (n - 1) / n` of the buffer, all-gather and reduce-scatter `(n - 1) / n`, tensor
+//! parallelism's four collectives per layer, the ring's `3 (cp - 1)` key/value blocks per
+//! layer, pipeline sends, expert all-to-alls) go over [`Hardware::link_bytes_per_s`] and are
+//! not overlapped with compute, so the prediction leans pessimistic for data parallelism. The
+//! pipeline adds its bubble: `(p - 1)` micro-batch times for GPipe and 1F1B, `(p - 1) / v` for
+//! interleaved, a third of that for ZB-H1 and none for ZB-V (with equal forward, input-grad and
+//! weight-grad times).
+//!
+//! # Example
+//! ```
+//! use burn_parallel::planner::{Hardware, ModelShape, Training, plan};
+//!
+//! // A 12-layer GPT-2 small on 8 devices of 16 GiB.
+//! let shape = ModelShape::gpt(12, 768, 12, 50304, 1024);
+//! let training = Training::new(8, 64, 1024);
+//! let hw = Hardware::from_units(16.0, 100.0, 25.0);
+//! let plan = plan(&shape, &training, &hw).unwrap();
+//! let best = plan.best().expect("something fits");
+//! assert!(best.memory.total() <= hw.memory_bytes as f64);
+//! println!("{} predicted {:.3} s/step", best.layout, best.step_seconds);
+//! ```
+
+pub mod activation;
+
+use std::fmt;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::tensor::Tensor;
+use serde::Serialize;
+
+use crate::mesh::ParallelDims;
+use activation::MicroBatch;
+
+const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
+
+/// An input the planner cannot work with. Each variant names the field and what to do.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PlanError {
+    /// The model shape is inconsistent.
+    #[error("model shape: {field} {reason}")]
+    Shape {
+        /// The field at fault.
+        field: &'static str,
+        /// What is wrong and what to do.
+        reason: String,
+    },
+    /// The training setup is inconsistent.
+    #[error("training: {field} {reason}")]
+    Training {
+        /// The field at fault.
+        field: &'static str,
+        /// What is wrong and what to do.
+        reason: String,
+    },
+    /// The hardware figures are unusable.
+    #[error("hardware: {field} {reason}")]
+    Hardware {
+        /// The field at fault.
+        field: &'static str,
+        /// What is wrong and what to do.
+        reason: String,
+    },
+}
+
+/// Normalisation layers of a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum NormShape {
+    /// LayerNorm: weight and bias.
+    LayerNorm,
+    /// RMSNorm: weight only.
+    RmsNorm,
+}
+
+impl NormShape {
+    fn params(self, d: usize) -> usize {
+        match self {
+            NormShape::LayerNorm => 2 * d,
+            NormShape::RmsNorm => d,
+        }
+    }
+}
+
+/// The mixture-of-experts layers of a model.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MoeShape {
+    /// Routed experts per MoE layer.
+    pub experts: usize,
+    /// Experts each token uses.
+    pub top_k: usize,
+    /// Hidden width of each expert.
+    pub d_ff: usize,
+    /// Shared experts (one MLP of width `shared x d_ff` every token uses; 0: none).
+    pub shared: usize,
+    /// Gated (SwiGLU) experts.
+    pub gated: bool,
+    /// Biases in the experts.
+    pub bias: bool,
+    /// Blocks `every - 1`, `2 every - 1`, ... are MoE blocks (1: all of them).
+    pub every: usize,
+}
+
+/// The shape of a decoder transformer (GPT, LLaMA, MoE variants): everything the planner
+/// needs, as numbers. Fields are public; [`ModelShape::gpt`] gives GPT-2 defaults.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ModelShape {
+    /// Transformer blocks.
+    pub layers: usize,
+    /// Width of the residual stream (`h`).
+    pub d_model: usize,
+    /// Attention heads (`a`).
+    pub heads: usize,
+    /// Key/value heads (grouped-query attention; `heads` for multi-head attention).
+    pub kv_heads: usize,
+    /// Hidden width of the dense MLP.
+    pub d_ff: usize,
+    /// Vocabulary size.
+    pub vocab: usize,
+    /// Rows of a learned position table (0 for rotary positions).
+    pub position_table: usize,
+    /// Gated MLP (SwiGLU: two input projections).
+    pub gated_mlp: bool,
+    /// Biases in the linear layers.
+    pub bias: bool,
+    /// The norms.
+    pub norm: NormShape,
+    /// The output projection is the token embedding.
+    pub tied_embeddings: bool,
+    /// Mixture-of-experts layers, if any.
+    pub moe: Option<MoeShape>,
+    /// The exact parameter count, when measured from a module ([`count_params`]): the
+    /// per-rank figures are scaled by `measured / formula`. `None`: the formula's count.
+    pub measured_params: Option<usize>,
+}
+
+/// Parameters of one block, by how the layouts split them.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct LayerParams {
+    /// Split by tensor parallelism (weights and column-parallel biases).
+    tp_split: f64,
+    /// Replicated over tensor-parallel ranks (norms, row-parallel biases, router, shared
+    /// experts).
+    replicated: f64,
+    /// Routed experts (split by expert parallelism).
+    experts: f64,
+    /// Weights one token uses (for FLOPs).
+    active: f64,
+}
+
+impl ModelShape {
+    /// A GPT-2 style shape: GELU MLP of width `4 d_model`, learned positions for `seq` tokens,
+    /// LayerNorm, biases, untied embeddings, multi-head attention, no experts.
+    ///
+    /// # Arguments
+    /// `layers`, `d_model`, `heads`, `vocab`; `seq`: the position table's rows.
+    ///
+    /// # Returns
+    /// The shape (check it with [`ModelShape::validate`], which [`plan`] does).
+    pub fn gpt(layers: usize, d_model: usize, heads: usize, vocab: usize, seq: usize) -> Self {
+        Self {
+            layers,
+            d_model,
+            heads,
+            kv_heads: heads,
+            d_ff: 4 * d_model,
+            vocab,
+            position_table: seq,
+            gated_mlp: false,
+            bias: true,
+            norm: NormShape::LayerNorm,
+            tied_embeddings: false,
+            moe: None,
+            measured_params: None,
+        }
+    }
+
+    /// Checks the sizes.
+    ///
+    /// # Errors
+    /// [`PlanError::Shape`] for a zero size, heads that do not divide `d_model`, key/value
+    /// heads that do not divide the heads, or an MoE with `top_k` outside `1..=experts`.
+    pub fn validate(&self) -> Result<(), PlanError> {
+        let err = |field, reason: String| Err(PlanError::Shape { field, reason });
+        for (field, v) in [
+            ("layers", self.layers),
+            ("d_model", self.d_model),
+            ("heads", self.heads),
+            ("kv_heads", self.kv_heads),
+            ("d_ff", self.d_ff),
+            ("vocab", self.vocab),
+        ] {
+            if v == 0 {
+                return err(field, "is 0; give a positive size".into());
+            }
+        }
+        if !self.d_model.is_multiple_of(self.heads) {
+            return err(
+                "heads",
+                format!("{} do not divide d_model {}", self.heads, self.d_model),
+            );
+        }
+        if !self.heads.is_multiple_of(self.kv_heads) {
+            return err(
+                "kv_heads",
+                format!("{} do not divide the {} heads", self.kv_heads, self.heads),
+            );
+        }
+        if let Some(m) = &self.moe {
+            if m.experts == 0 || m.d_ff == 0 || m.every == 0 {
+                return err("moe", "experts, d_ff and every must be positive".into());
+            }
+            if m.top_k == 0 || m.top_k > m.experts {
+                return err(
+                    "moe.top_k",
+                    format!("{} must lie in 1..={} (the experts)", m.top_k, m.experts),
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether block `i` is a mixture-of-experts block.
+    pub fn is_moe_layer(&self, i: usize) -> bool {
+        self.moe
+            .as_ref()
+            .is_some_and(|m| (i + 1).is_multiple_of(m.every.max(1)))
+    }
+
+    fn mlp_params(&self, gated: bool, bias: bool, f: usize) -> usize {
+        let (d, b) = (self.d_model, usize::from(bias));
+        let inputs = if gated { 2 } else { 1 };
+        inputs * (d * f + b * f) + f * d + b * d
+    }
+
+    fn layer(&self, moe: bool) -> LayerParams {
+        let (d, b) = (self.d_model, usize::from(self.bias));
+        let kv = self.kv_heads * (d / self.heads);
+        // q and o are d x d, k and v d x kv; the output projection's bias is replicated.
+        let attn_weights = 2 * d * d + 2 * d * kv;
+        let attn_split = attn_weights + b * (d + 2 * kv);
+        let norms = 2 * self.norm.params(d);
+        let mut p = LayerParams {
+            tp_split: attn_split as f64,
+            replicated: (b * d + norms) as f64,
+            experts: 0.0,
+            active: attn_weights as f64,
+        };
+        match (&self.moe, moe) {
+            (Some(m), true) => {
+                let expert = self.mlp_params(m.gated, m.bias, m.d_ff);
+                let shared = if m.shared > 0 {
+                    self.mlp_params(m.gated, m.bias, m.shared * m.d_ff)
+                } else {
+                    0
+                };
+                let router = d * m.experts;
+                p.replicated += (router + shared) as f64;
+                p.experts = (m.experts * expert) as f64;
+                p.active += (router + shared + m.top_k * expert) as f64;
+            }
+            _ => {
+                let mlp = self.mlp_params(self.gated_mlp, self.bias, self.d_ff);
+                p.tp_split += (mlp - b * d) as f64;
+                p.replicated += (b * d) as f64;
+                p.active += mlp as f64;
+            }
+        }
+        p
+    }
+
+    /// Token embedding and learned position table.
+    fn embedding_params(&self) -> usize {
+        (self.vocab + self.position_table) * self.d_model
+    }
+
+    /// Untied output projection (0 when tied).
+    fn head_params(&self) -> usize {
+        if self.tied_embeddings {
+            0
+        } else {
+            self.d_model * self.vocab + usize::from(self.bias) * self.vocab
+        }
+    }
+
+    /// Parameters by the formula (ignores [`ModelShape::measured_params`]): embeddings,
+    /// blocks, final norm and head.
+    pub fn num_params(&self) -> usize {
+        let blocks: f64 = (0..self.layers)
+            .map(|i| {
+                let l = self.layer(self.is_moe_layer(i));
+                l.tp_split + l.replicated + l.experts
+            })
+            .sum();
+        self.embedding_params()
+            + blocks as usize
+            + self.norm.params(self.d_model)
+            + self.head_params()
+    }
+
+    /// Parameters one token uses: [`ModelShape::num_params`] with each MoE layer counting its
+    /// router, shared experts and `top_k` routed experts.
+    pub fn active_params(&self) -> usize {
+        let moe_layers = (0..self.layers).filter(|&i| self.is_moe_layer(i)).count();
+        match &self.moe {
+            Some(m) if moe_layers > 0 => {
+                let expert = self.mlp_params(m.gated, m.bias, m.d_ff);
+                self.num_params() - moe_layers * (m.experts - m.top_k) * expert
+            }
+            _ => self.num_params(),
+        }
+    }
+
+    fn scale(&self) -> f64 {
+        match self.measured_params {
+            Some(n) => n as f64 / self.num_params().max(1) as f64,
+            None => 1.0,
+        }
+    }
+}
+
+/// Parameters of a Burn module, counted by a [`ModuleVisitor`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct ParamCount {
+    /// Float parameters, in elements.
+    pub total: usize,
+    /// Number of parameter tensors.
+    pub tensors: usize,
+    /// The largest tensor: its path (`blocks.0.mlp.up.weight`) and elements.
+    pub largest: (String, usize),
+}
+
+struct Counter {
+    path: Vec<String>,
+    count: ParamCount,
+}
+
+impl ModuleVisitor for Counter {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let n = param.lazy_shape().num_elements();
+        self.count.total += n;
+        self.count.tensors += 1;
+        if n > self.count.largest.1 {
+            self.count.largest = (self.path.join("."), n);
+        }
+    }
+}
+
+/// Counts the float parameters of any Burn module without initialising lazy ones: for users
+/// who have a module rather than its shape (put the count in
+/// [`ModelShape::measured_params`]).
+///
+/// # Arguments
+/// - `module`: any module.
+///
+/// # Returns
+/// The total, the number of tensors and the largest tensor with its path.
+///
+/// # Example
+/// ```
+/// use burn::nn::LinearConfig;
+/// use burn::tensor::Device;
+/// use burn_parallel::planner::count_params;
+///
+/// let linear = LinearConfig::new(8, 4).init(&Device::flex());
+/// let count = count_params(&linear);
+/// assert_eq!(count.total, 8 * 4 + 4);
+/// assert_eq!(count.largest, ("weight".to_string(), 32));
+/// ```
+pub fn count_params<M: Module>(module: &M) -> ParamCount {
+    let mut counter = Counter {
+        path: Vec::new(),
+        count: ParamCount::default(),
+    };
+    module.visit(&mut counter);
+    counter.count
+}
+
+/// One device: its memory, its sustained compute and its link to the others.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Hardware {
+    /// Memory per device, bytes.
+    pub memory_bytes: u64,
+    /// Sustained FLOP/s of a device on the model's matrix products.
+    pub flops_per_s: f64,
+    /// Bandwidth of a device's link to the others, bytes per second (per direction).
+    pub link_bytes_per_s: f64,
+}
+
+impl Hardware {
+    /// A device of `memory_gib` GiB, `tflops` TFLOP/s and a link of `link_gb_per_s` GB/s.
+    ///
+    /// # Arguments
+    /// `memory_gib` (GiB = 2^30 bytes), `tflops` (10^12 FLOP/s), `link_gb_per_s` (10^9 B/s).
+    ///
+    /// # Returns
+    /// The hardware ([`plan`] checks that the figures are positive).
+    pub fn from_units(memory_gib: f64, tflops: f64, link_gb_per_s: f64) -> Self {
+        Self {
+            memory_bytes: (memory_gib * GIB) as u64,
+            flops_per_s: tflops * 1e12,
+            link_bytes_per_s: link_gb_per_s * 1e9,
+        }
+    }
+
+    fn validate(&self) -> Result<(), PlanError> {
+        let err = |field, v: f64| PlanError::Hardware {
+            field,
+            reason: format!("is {v}; give a positive, finite figure"),
+        };
+        if self.memory_bytes == 0 {
+            return Err(err("memory_bytes", 0.0));
+        }
+        for (field, v) in [
+            ("flops_per_s", self.flops_per_s),
+            ("link_bytes_per_s", self.link_bytes_per_s),
+        ] {
+            if !(v.is_finite() && v > 0.0) {
+                return Err(err(field, v));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The training job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Training {
+    /// Devices (ranks).
+    pub world: usize,
+    /// Sequences per optimizer step, over all ranks.
+    pub global_batch: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Sequences per micro-batch on one data-parallel replica.
+    pub micro_batch: usize,
+    /// 16-bit compute with fp32 master weights (2 + 2 + 12 bytes per parameter with Adam);
+    /// `false`: fp32 everywhere (4 + 4 + 8).
+    pub mixed_precision: bool,
+    /// Optimizer state per parameter, bytes, without the master copy (Adam: 8).
+    pub optimizer_bytes: usize,
+    /// Gradient bucket of DDP and ZeRO-1/2, bytes.
+    pub bucket_bytes: usize,
+}
+
+impl Training {
+    /// `world` ranks, `global_batch` sequences of `seq_len` tokens per step, micro-batches of
+    /// one sequence, mixed precision, Adam, 25 MB buckets.
+    ///
+    /// # Arguments
+    /// See the fields.
+    ///
+    /// # Returns
+    /// The setup ([`plan`] checks it).
+    pub fn new(world: usize, global_batch: usize, seq_len: usize) -> Self {
+        Self {
+            world,
+            global_batch,
+            seq_len,
+            micro_batch: 1,
+            mixed_precision: true,
+            optimizer_bytes: 8,
+            bucket_bytes: 25 * 1024 * 1024,
+        }
+    }
+
+    fn validate(&self) -> Result<(), PlanError> {
+        for (field, v) in [
+            ("world", self.world),
+            ("global_batch", self.global_batch),
+            ("seq_len", self.seq_len),
+            ("micro_batch", self.micro_batch),
+        ] {
+            if v == 0 {
+                return Err(PlanError::Training {
+                    field,
+                    reason: "is 0; give a positive number".into(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes per parameter of (parameters, gradients, optimizer state incl. master weights).
+    pub fn bytes_per_param(&self) -> (f64, f64, f64) {
+        let o = self.optimizer_bytes as f64;
+        if self.mixed_precision {
+            (2.0, 2.0, o + 4.0)
+        } else {
+            (4.0, 4.0, o)
+        }
+    }
+
+    fn activation_bytes(&self) -> f64 {
+        if self.mixed_precision { 2.0 } else { 4.0 }
+    }
+}
+
+/// A pipeline schedule (see `burn-pipeline`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Schedule {
+    /// No pipeline (`pp = 1`): micro-batches are gradient accumulation.
+    None,
+    /// All forwards, then all backwards.
+    GPipe,
+    /// One forward, one backward (PipeDream-flush).
+    OneFOneB,
+    /// 1F1B over `virtual_stages` model chunks per rank.
+    Interleaved {
+        /// Chunks per rank (`v`).
+        virtual_stages: usize,
+    },
+    /// Zero bubble H1: the weight gradients fill the 1F1B bubble.
+    ZbH1,
+    /// Zero bubble V: two chunks per rank in a V shape.
+    Zbv,
+}
+
+impl Schedule {
+    fn chunks(self) -> usize {
+        match self {
+            Schedule::Interleaved { virtual_stages } => virtual_stages,
+            Schedule::Zbv => 2,
+            _ => 1,
+        }
+    }
+
+    /// Micro-batch times of bubble per `p - 1`.
+    fn bubble_factor(self) -> f64 {
+        match self {
+            Schedule::None => 0.0,
+            Schedule::GPipe | Schedule::OneFOneB => 1.0,
+            Schedule::Interleaved { virtual_stages } => 1.0 / virtual_stages as f64,
+            Schedule::ZbH1 => 1.0 / 3.0,
+            Schedule::Zbv => 0.0,
+        }
+    }
+
+    /// Micro-batches of stage activations held on `stage` of `p` with `m` micro-batches.
+    fn held(self, stage: usize, p: usize, m: usize) -> f64 {
+        let in_flight = (p - stage).min(m) as f64;
+        match self {
+            Schedule::None => 1.0,
+            Schedule::GPipe => m as f64,
+            Schedule::OneFOneB | Schedule::ZbH1 => in_flight,
+            Schedule::Interleaved { virtual_stages } => {
+                in_flight * (1.0 + (p - 1) as f64 / (p * virtual_stages) as f64)
+            }
+            Schedule::Zbv => p.min(m) as f64,
+        }
+    }
+}
+
+impl fmt::Display for Schedule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Schedule::None => f.write_str("accum"),
+            Schedule::GPipe => f.write_str("gpipe"),
+            Schedule::OneFOneB => f.write_str("1f1b"),
+            Schedule::Interleaved { virtual_stages } => write!(f, "interleaved{virtual_stages}"),
+            Schedule::ZbH1 => f.write_str("zb-h1"),
+            Schedule::Zbv => f.write_str("zbv"),
+        }
+    }
+}
+
+/// Activation checkpointing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Checkpoint {
+    /// Keep every activation.
+    None,
+    /// Keep each block's input; recompute the block in its backward.
+    Block,
+    /// Keep each pipeline stage's input; recompute the stage in its backward.
+    Stage,
+}
+
+/// One layout: the mesh, the ZeRO stage and the per-technique choices.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Layout {
+    /// The mesh dimensions.
+    pub dims: ParallelDims,
+    /// ZeRO stage over the `dp_shard x cp` ranks: 0 (DDP, `dp_shard = 1`) to 3 (FSDP).
+    pub zero: u8,
+    /// Sequence parallelism (with `tp > 1`).
+    pub sp: bool,
+    /// The pipeline schedule ([`Schedule::None`] with `pp = 1`).
+    pub schedule: Schedule,
+    /// Micro-batches per step on each data-parallel replica.
+    pub micro_batches: usize,
+    /// Activation checkpointing.
+    pub checkpoint: Checkpoint,
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let d = &self.dims;
+        match (self.zero, d.dp_replicate) {
+            (0, r) => write!(f, "ddp{r}")?,
+            (z, 1) => write!(f, "zero{z}x{}", d.dp_shard)?,
+            (z, r) => write!(f, "rep{r}.zero{z}x{}", d.dp_shard)?,
+        }
+        if d.tp > 1 {
+            write!(f, " tp{}{}", d.tp, if self.sp { "+sp" } else { "" })?;
+        }
+        if d.cp > 1 {
+            write!(f, " cp{}", d.cp)?;
+        }
+        if d.ep > 1 {
+            write!(f, " ep{}", d.ep)?;
+        }
+        if d.pp > 1 {
+            write!(f, " pp{} {}", d.pp, self.schedule)?;
+        }
+        write!(f, " m{}", self.micro_batches)?;
+        match self.checkpoint {
+            Checkpoint::None => Ok(()),
+            Checkpoint::Block => f.write_str(" ckpt:block"),
+            Checkpoint::Stage => f.write_str(" ckpt:stage"),
+        }
+    }
+}
+
+/// Per-rank bytes of a layout, on its worst pipeline stage.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Memory {
+    /// Parameters (16-bit in mixed precision).
+    pub params: f64,
+    /// Gradients.
+    pub grads: f64,
+    /// Optimizer state, with the fp32 master weights in mixed precision.
+    pub optimizer: f64,
+    /// Activations kept for the backward.
+    pub activations: f64,
+    /// Communication buffers.
+    pub buffers: f64,
+    /// The pipeline stage these figures are for (the one needing the most).
+    pub stage: usize,
+}
+
+impl Memory {
+    /// Parameters + gradients + optimizer state.
+    pub fn model_state(&self) -> f64 {
+        self.params + self.grads + self.optimizer
+    }
+
+    /// Everything.
+    pub fn total(&self) -> f64 {
+        self.model_state() + self.activations + self.buffers
+    }
+
+    /// The largest part, named.
+    fn largest(&self) -> (&'static str, f64) {
+        [
+            ("parameters", self.params),
+            ("gradients", self.grads),
+            ("optimizer state", self.optimizer),
+            ("activations", self.activations),
+            ("communication buffers", self.buffers),
+        ]
+        .into_iter()
+        .fold(("", -1.0), |a, b| if b.1 > a.1 { b } else { a })
+    }
+}
+
+/// A layout with its predicted memory and speed.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Candidate {
+    /// The layout.
+    pub layout: Layout,
+    /// Per-rank memory (worst stage).
+    pub memory: Memory,
+    /// FLOPs of one step over the whole job (recomputation included).
+    pub flops_per_step: f64,
+    /// FLOPs of one step on the busiest rank.
+    pub flops_per_rank: f64,
+    /// Bytes one rank sends per step (all collectives).
+    pub comm_bytes_per_rank: f64,
+    /// Predicted seconds per step.
+    pub step_seconds: f64,
+    /// Part of the step that is pipeline bubble.
+    pub bubble_fraction: f64,
+    /// Predicted tokens per second.
+    pub tokens_per_s: f64,
+}
+
+/// Why a layout was not kept.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub enum Rejection {
+    /// A size does not divide another (heads by tp, layers by pp, batch by dp...).
+    Constraint(String),
+    /// The layout is valid but does not fit.
+    Memory {
+        /// Bytes per rank needed.
+        needed: f64,
+        /// Bytes per rank available.
+        available: f64,
+        /// The largest part and its bytes.
+        largest: (&'static str, f64),
+        /// ZeRO stage of the layout.
+        zero: u8,
+    },
+}
+
+impl fmt::Display for Rejection {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Rejection::Constraint(reason) => f.write_str(reason),
+            Rejection::Memory {
+                needed,
+                available,
+                largest,
+                zero,
+            } => write!(
+                f,
+                "needs {:.2} GiB per rank > {:.2} GiB: {} {:.2} GiB (ZeRO {zero})",
+                needed / GIB,
+                available / GIB,
+                largest.0,
+                largest.1 / GIB
+            ),
+        }
+    }
+}
+
+/// A layout that was not kept, and why.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Rejected {
+    /// The layout, printed (partial when a mesh dimension already failed).
+    pub layout: String,
+    /// The evaluated layout when it failed only on memory.
+    pub candidate: Option<Candidate>,
+    /// Why.
+    pub reason: Rejection,
+}
+
+/// The outcome of [`plan`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Plan {
+    /// Layouts that fit, fastest first (ties: least memory first).
+    pub fitting: Vec<Candidate>,
+    /// Layouts that do not: the constraint failures (one per distinct reason) first, then
+    /// the memory failures, closest to fitting first.
+    pub rejected: Vec<Rejected>,
+}
+
+impl Plan {
+    /// The fastest layout that fits.
+    pub fn best(&self) -> Option<&Candidate> {
+        self.fitting.first()
+    }
+}
+
+fn divisors(n: usize) -> Vec<usize> {
+    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
+}
+
+/// The per-rank parameters of one pipeline stage.
+#[derive(Debug, Clone, Copy, Default)]
+struct StageParams {
+    /// Parameters sharded by ZeRO over `dp_shard x cp` (everything but routed experts).
+    dense: f64,
+    /// Routed experts on this rank (sharded over `dp_shard x cp / ep`).
+    experts: f64,
+    /// The largest FSDP unit (embedding, one block, or norm + head), per rank.
+    largest_unit: f64,
+    /// Active weights per token of the stage, per rank, for FLOPs (`x 1/tp` applied).
+    active: f64,
+}
+
+fn stage_params(shape: &ModelShape, layout: &Layout, stage: usize) -> StageParams {
+    let d = &layout.dims;
+    let (p, t, e) = (d.pp, d.tp as f64, d.ep as f64);
+    let per = shape.layers / p;
+    let mut s = StageParams::default();
+    for i in stage * per..(stage + 1) * per {
+        let l = shape.layer(shape.is_moe_layer(i));
+        let rank = l.tp_split / t + l.replicated + l.experts / e;
+        s.dense += l.tp_split / t + l.replicated;
+        s.experts += l.experts / e;
+        s.largest_unit = s.largest_unit.max(rank);
+        s.active += l.active / t;
+    }
+    let embed =
+        (shape.vocab * shape.d_model) as f64 / t + (shape.position_table * shape.d_model) as f64;
+    let head = if shape.tied_embeddings {
+        (shape.vocab * shape.d_model) as f64 / t
+    } else {
+        shape.head_params() as f64 / t
+    } + shape.norm.params(shape.d_model) as f64;
+    if stage == 0 {
+        s.dense += embed;
+        s.largest_unit = s.largest_unit.max(embed);
+    }
+    if stage == p - 1 {
+        // With tied embeddings and one stage, the head is the embedding already counted.
+        let extra = if shape.tied_embeddings && p == 1 {
+            shape.norm.params(shape.d_model) as f64
+        } else {
+            head
+        };
+        s.dense += extra;
+        s.largest_unit = s.largest_unit.max(head);
+        s.active += (shape.vocab * shape.d_model) as f64 / t;
+    }
+    let k = shape.scale();
+    s.dense *= k;
+    s.experts *= k;
+    s.largest_unit *= k;
+    s
+}
+
+/// Checks a layout against the model and the job.
+fn check(shape: &ModelShape, training: &Training, layout: &Layout) -> Result<(), String> {
+    let d = &layout.dims;
+    let w = training.world;
+    if d.world_size() != w {
+        return Err(format!(
+            "pp {} x dp {} x {} x cp {} x tp {} = {} ranks, not the world of {w}",
+            d.pp,
+            d.dp_replicate,
+            d.dp_shard,
+            d.cp,
+            d.tp,
+            d.world_size()
+        ));
+    }
+    if !shape.heads.is_multiple_of(d.tp) {
+        return Err(format!("tp {} does not divide {} heads", d.tp, shape.heads));
+    }
+    if !shape.kv_heads.is_multiple_of(d.tp) {
+        return Err(format!(
+            "tp {} does not divide {} key/value heads",
+            d.tp, shape.kv_heads
+        ));
+    }
+    if !shape.d_ff.is_multiple_of(d.tp) {
+        return Err(format!("tp {} does not divide d_ff {}", d.tp, shape.d_ff));
+    }
+    if !shape.layers.is_multiple_of(d.pp) {
+        return Err(format!(
+            "pp {} does not divide {} layers",
+            d.pp, shape.layers
+        ));
+    }
+    let chunks = layout.schedule.chunks();
+    if !shape.layers.is_multiple_of(d.pp * chunks) {
+        return Err(format!(
+            "pp {} x {chunks} chunks of {} does not divide {} layers",
+            d.pp, layout.schedule, shape.layers
+        ));
+    }
+    if (d.pp == 1) != (layout.schedule == Schedule::None) {
+        return Err(format!(
+            "schedule {} does not go with pp {}",
+            layout.schedule, d.pp
+        ));
+    }
+    if !training.seq_len.is_multiple_of(d.cp) {
+        return Err(format!(
+            "cp {} does not divide the sequence of {} tokens",
+            d.cp, training.seq_len
+        ));
+    }
+    if layout.sp && (d.tp < 2 || !(training.seq_len / d.cp).is_multiple_of(d.tp)) {
+        return Err(format!(
+            "sequence parallelism needs tp > 1 dividing the {} tokens per cp rank (tp {})",
+            training.seq_len / d.cp,
+            d.tp
+        ));
+    }
+    let dp = d.dp_replicate * d.dp_shard;
+    match &shape.moe {
+        Some(m) => {
+            if !m.experts.is_multiple_of(d.ep) || !dp.is_multiple_of(d.ep) {
+                return Err(format!(
+                    "ep {} must divide the {} experts and the {dp} data-parallel ranks",
+                    d.ep, m.experts
+                ));
+            }
+        }
+        None if d.ep != 1 => return Err(format!("ep {} without experts", d.ep)),
+        None => {}
+    }
+    if !training.global_batch.is_multiple_of(dp) {
+        return Err(format!(
+            "dp {dp} (replicate {} x shard {}) does not divide the global batch of {} sequences",
+            d.dp_replicate, d.dp_shard, training.global_batch
+        ));
+    }
+    let per_replica = training.global_batch / dp;
+    if !per_replica.is_multiple_of(training.micro_batch)
+        || per_replica / training.micro_batch != layout.micro_batches
+    {
+        return Err(format!(
+            "micro-batches of {} sequences do not make {} micro-batches of the {per_replica} \
+             sequences per replica",
+            training.micro_batch, layout.micro_batches
+        ));
+    }
+    if matches!(layout.schedule, Schedule::Interleaved { .. })
+        && !layout.micro_batches.is_multiple_of(d.pp)
+    {
+        return Err(format!(
+            "interleaved needs the {} micro-batches to be a multiple of pp {}",
+            layout.micro_batches, d.pp
+        ));
+    }
+    let stage_ok = match layout.zero {
+        0 => d.dp_shard == 1,
+        1..=3 => d.dp_shard * d.cp >= 2,
+        _ => false,
+    };
+    if !stage_ok {
+        return Err(format!(
+            "ZeRO stage {} with dp_shard {} and cp {} (stage 0 needs dp_shard 1, stages 1-3 \
+             shard over dp_shard x cp >= 2 ranks)",
+            layout.zero, d.dp_shard, d.cp
+        ));
+    }
+    Ok(())
+}
+
+/// Predicts memory and time of one layout.
+///
+/// # Arguments
+/// - `shape`, `training`, `hw`: as for [`plan`]; `layout`: the layout to evaluate.
+///
+/// # Returns
+/// The [`Candidate`] (whether it fits or not: compare [`Memory::total`] with
+/// [`Hardware::memory_bytes`]).
+///
+/// # Errors
+/// [`PlanError`] for invalid inputs, and [`PlanError::Training`] naming the failed constraint
+/// when the layout does not suit the model or the job.
+pub fn evaluate(
+    shape: &ModelShape,
+    training: &Training,
+    hw: &Hardware,
+    layout: &Layout,
+) -> Result<Candidate, PlanError> {
+    shape.validate()?;
+    training.validate()?;
+    hw.validate()?;
+    check(shape, training, layout).map_err(|reason| PlanError::Training {
+        field: "layout",
+        reason,
+    })?;
+    Ok(predict(shape, training, hw, layout))
+}
+
+fn predict(shape: &ModelShape, training: &Training, hw: &Hardware, layout: &Layout) -> Candidate {
+    let d = &layout.dims;
+    let (p, t, c, e, m) = (d.pp, d.tp, d.cp, d.ep, layout.micro_batches);
+    let (bp, bg, bo) = training.bytes_per_param();
+    let ab = training.activation_bytes();
+    let shard = (d.dp_shard * c) as f64;
+    let shard_experts = if (d.dp_shard * c).is_multiple_of(e) {
+        ((d.dp_shard * c) / e).max(1) as f64
+    } else {
+        1.0
+    };
+    let mb = MicroBatch {
+        sequences: training.micro_batch,
+        local_tokens: training.seq_len / c,
+        key_tokens: training.seq_len,
+        tp: t,
+        sp: layout.sp,
+    };
+    let tokens_mb = (mb.sequences * mb.local_tokens) as f64;
+    let sbh = tokens_mb * shape.d_model as f64;
+    let seq_split = if layout.sp { t as f64 } else { 1.0 };
+    let recompute = layout.checkpoint != Checkpoint::None;
+    let per = shape.layers / p;
+    let (z, tf) = (layout.zero, t as f64);
+
+    let mut worst = Memory::default();
+    let mut worst_mb_seconds = 0.0f64;
+    let mut worst_flops = 0.0f64;
+    let mut comm_total = 0.0f64;
+    let mut dp_seconds = 0.0f64;
+    for stage in 0..p {
+        let sp_params = stage_params(shape, layout, stage);
+        let sharded = |n: f64, on: bool| if on { n / shard } else { n };
+        let sharded_e = |n: f64, on: bool| if on { n / shard_experts } else { n };
+        let held_params = sp_params.dense + sp_params.experts;
+        let mut mem = Memory {
+            params: bp * (sharded(sp_params.dense, z >= 3) + sharded_e(sp_params.experts, z >= 3)),
+            grads: bg * (sharded(sp_params.dense, z >= 2) + sharded_e(sp_params.experts, z >= 2)),
+            optimizer: bo
+                * (sharded(sp_params.dense, z >= 1) + sharded_e(sp_params.experts, z >= 1)),
+            stage,
+            ..Memory::default()
+        };
+
+        // Activations.
+        let layers: Vec<f64> = (stage * per..(stage + 1) * per)
+            .map(|i| {
+                let moe = if shape.is_moe_layer(i) {
+                    shape.moe.as_ref()
+                } else {
+                    None
+                };
+                activation::layer_bytes(shape, moe, &mb)
+            })
+            .collect();
+        let full: f64 = layers.iter().sum();
+        let largest_layer = layers.iter().cloned().fold(0.0, f64::max);
+        let held = layout.schedule.held(stage, p, m);
+        let ckpt = activation::checkpoint_bytes(shape, &mb);
+        let acts16 = match layout.checkpoint {
+            Checkpoint::None => held * full,
+            Checkpoint::Block => held * per as f64 * ckpt + largest_layer,
+            Checkpoint::Stage => held.ceil() * ckpt + full,
+        };
+        mem.activations = acts16 * ab / 2.0;
+        if stage == p - 1 {
+            mem.activations += held.min(m as f64) * activation::logits_bytes(shape, &mb);
+        }
+
+        // Communication buffers.
+        let grad_bytes = bg * held_params;
+        mem.buffers = match z {
+            0..=2 => 2.0 * grad_bytes.min(training.bucket_bytes as f64),
+            _ => sp_params.largest_unit * (bp + bg),
+        };
+        let kv_block =
+            2.0 * tokens_mb * (shape.kv_heads * (shape.d_model / shape.heads)) as f64 / tf * ab;
+        let moe_layers = (stage * per..(stage + 1) * per)
+            .filter(|&i| shape.is_moe_layer(i))
+            .count() as f64;
+        let top_k = shape.moe.as_ref().map_or(0, |m| m.top_k) as f64;
+        if t > 1 {
+            mem.buffers += 2.0 * sbh * ab;
+        }
+        if c > 1 {
+            mem.buffers += 2.0 * kv_block;
+        }
+        if p > 1 {
+            mem.buffers += 2.0 * sbh * ab / seq_split;
+        }
+        if e > 1 && moe_layers > 0.0 {
+            mem.buffers += 2.0 * sbh * top_k * ab;
+        }
+        if mem.total() > worst.total() {
+            worst = mem;
+        }
+
+        // Time of one micro-batch on this stage.
+        let passes = if recompute { 4.0 } else { 3.0 };
+        let attention = 4.0 * (training.seq_len * shape.d_model) as f64 / tf * per as f64;
+        let flops_mb = passes * tokens_mb * (2.0 * sp_params.active * shape.scale() + attention);
+        let mut comm = 0.0;
+        if t > 1 {
+            let ops = per as f64 * if recompute { 6.0 } else { 4.0 };
+            comm += ops * 2.0 * (tf - 1.0) / tf * sbh * ab;
+        }
+        if c > 1 {
+            comm += per as f64 * 3.0 * (c - 1) as f64 * kv_block;
+        }
+        if e > 1 {
+            comm += moe_layers * 4.0 * (e - 1) as f64 / e as f64 * sbh * top_k * ab;
+        }
+        if p > 1 {
+            comm += 2.0 * sbh * ab / seq_split;
+        }
+        let mb_seconds = flops_mb / hw.flops_per_s + comm / hw.link_bytes_per_s;
+        worst_mb_seconds = worst_mb_seconds.max(mb_seconds);
+        worst_flops = worst_flops.max(flops_mb * m as f64);
+
+        // Gradient synchronisation (and ZeRO-3's gathers) once per step.
+        let (r, n) = (d.dp_replicate as f64, shard);
+        let ring = |k: f64| if k > 1.0 { (k - 1.0) / k } else { 0.0 };
+        let dp_bytes = match z {
+            0 => 2.0 * ring(r * n) * grad_bytes,
+            1 | 2 => 2.0 * ring(n) * grad_bytes + 2.0 * ring(r) * grad_bytes / n,
+            _ => {
+                let gathers = 2.0 * m as f64 * ring(n) * bp * held_params;
+                gathers + ring(n) * grad_bytes + 2.0 * ring(r) * grad_bytes / n
+            }
+        };
+        dp_seconds = dp_seconds.max(dp_bytes / hw.link_bytes_per_s);
+        comm_total = comm_total.max(comm * m as f64 + dp_bytes);
+    }
+    let bubble = layout.schedule.bubble_factor() * (p - 1) as f64 * worst_mb_seconds;
+    let step_seconds = m as f64 * worst_mb_seconds + bubble + dp_seconds;
+    let tokens = (training.global_batch * training.seq_len) as f64;
+    let attention_all = 12.0 * (shape.layers * training.seq_len * shape.d_model) as f64;
+    let dense_flops = 6.0 * shape.active_params() as f64 * shape.scale()
+        + if recompute {
+            2.0 * shape.active_params() as f64 * shape.scale()
+        } else {
+            0.0
+        };
+    let attention_flops = attention_all * if recompute { 4.0 / 3.0 } else { 1.0 };
+    Candidate {
+        layout: *layout,
+        memory: worst,
+        flops_per_step: tokens * (dense_flops + attention_flops),
+        flops_per_rank: worst_flops,
+        comm_bytes_per_rank: comm_total,
+        step_seconds,
+        bubble_fraction: bubble / step_seconds,
+        tokens_per_s: tokens / step_seconds,
+    }
+}
+
+/// Every layout of the world, evaluated: the ones that fit ranked by predicted step time, the
+/// others with the reason.
+///
+/// Enumerates `pp`, `cp`, `tp` over the divisors of the world, every split of the remaining
+/// data-parallel ranks into `dp_replicate x dp_shard`, the ZeRO stages (0 when `dp_shard` is 1,
+/// and 1-3 whenever `dp_shard x cp` shards), sequence parallelism on and off when `tp > 1`,
+/// `ep` over the divisors of the data-parallel ranks and the experts, the five pipeline
+/// schedules (interleaved with 2 chunks) when `pp > 1`, and the three checkpointing choices.
+///
+/// # Arguments
+/// - `shape`: the model; `training`: the job; `hw`: one device.
+///
+/// # Returns
+/// The [`Plan`] (its `fitting` list may be empty: then read `rejected`).
+///
+/// # Errors
+/// [`PlanError`] naming the field when the shape, the job or the hardware is invalid.
+///
+/// # Example
+/// ```
+/// use burn_parallel::planner::{Hardware, ModelShape, Training, plan};
+///
+/// let shape = ModelShape::gpt(4, 256, 8, 1024, 256);
+/// // 3 heads' worth of tp cannot split 8 heads: said so, not silently skipped.
+/// let plan = plan(&shape, &Training::new(6, 12, 256), &Hardware::from_units(1.0, 10.0, 10.0))
+///     .unwrap();
+/// assert!(plan.rejected.iter().any(|r| r.reason.to_string() == "tp 3 does not divide 8 heads"));
+/// assert!(!plan.fitting.is_empty());
+/// ```
+pub fn plan(shape: &ModelShape, training: &Training, hw: &Hardware) -> Result<Plan, PlanError> {
+    shape.validate()?;
+    training.validate()?;
+    hw.validate()?;
+    let w = training.world;
+    let mut fitting = Vec::new();
+    let mut constraints: Vec<Rejected> = Vec::new();
+    let mut memory: Vec<Rejected> = Vec::new();
+    let experts = shape.moe.as_ref().map(|m| m.experts);
+    for pp in divisors(w) {
+        for cp in divisors(w / pp) {
+            for tp in divisors(w / (pp * cp)) {
+                let dp = w / (pp * cp * tp);
+                let schedules: Vec<Schedule> = if pp == 1 {
+                    vec![Schedule::None]
+                } else {
+                    vec![
+                        Schedule::GPipe,
+                        Schedule::OneFOneB,
+                        Schedule::Interleaved { virtual_stages: 2 },
+                        Schedule::ZbH1,
+                        Schedule::Zbv,
+                    ]
+                };
+                let eps: Vec<usize> = match experts {
+                    Some(n) => divisors(dp).into_iter().filter(|e| n % e == 0).collect(),
+                    None => vec![1],
+                };
+                for dp_shard in divisors(dp) {
+                    let dp_replicate = dp / dp_shard;
+                    let stages: Vec<u8> = match (dp_shard, cp) {
+                        (1, 1) => vec![0],
+                        (1, _) => vec![0, 1, 2, 3],
+                        _ => vec![1, 2, 3],
+                    };
+                    for &ep in &eps {
+                        for &zero in &stages {
+                            for sp in [false, true] {
+                                if sp && tp == 1 {
+                                    continue;
+                                }
+                                for &schedule in &schedules {
+                                    for checkpoint in
+                                        [Checkpoint::None, Checkpoint::Block, Checkpoint::Stage]
+                                    {
+                                        let per_replica = training.global_batch / dp.max(1);
+                                        let layout = Layout {
+                                            dims: ParallelDims {
+                                                pp,
+                                                dp_replicate,
+                                                dp_shard,
+                                                cp,
+                                                tp,
+                                                ep,
+                                            },
+                                            zero,
+                                            sp,
+                                            schedule,
+                                            micro_batches: (per_replica / training.micro_batch)
+                                                .max(1),
+                                            checkpoint,
+                                        };
+                                        consider(
+                                            shape,
+                                            training,
+                                            hw,
+                                            layout,
+                                            &mut fitting,
+                                            &mut constraints,
+                                            &mut memory,
+                                        );
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    fitting.sort_by(|a: &Candidate, b: &Candidate| {
+        a.step_seconds
+            .total_cmp(&b.step_seconds)
+            .then(a.memory.total().total_cmp(&b.memory.total()))
+    });
+    let needed = |r: &Rejected| match r.reason {
+        Rejection::Memory { needed, .. } => needed,
+        Rejection::Constraint(_) => 0.0,
+    };
+    memory.sort_by(|a, b| needed(a).total_cmp(&needed(b)));
+    constraints.extend(memory);
+    Ok(Plan {
+        fitting,
+        rejected: constraints,
+    })
+}
+
+fn consider(
+    shape: &ModelShape,
+    training: &Training,
+    hw: &Hardware,
+    layout: Layout,
+    fitting: &mut Vec<Candidate>,
+    constraints: &mut Vec<Rejected>,
+    memory: &mut Vec<Rejected>,
+) {
+    if let Err(reason) = check(shape, training, &layout) {
+        if !constraints
+            .iter()
+            .any(|r| r.reason == Rejection::Constraint(reason.clone()))
+        {
+            constraints.push(Rejected {
+                layout: layout.to_string(),
+                candidate: None,
+                reason: Rejection::Constraint(reason),
+            });
+        }
+        return;
+    }
+    let candidate = predict(shape, training, hw, &layout);
+    let available = hw.memory_bytes as f64;
+    if candidate.memory.total() <= available {
+        fitting.push(candidate);
+    } else {
+        memory.push(Rejected {
+            layout: layout.to_string(),
+            reason: Rejection::Memory {
+                needed: candidate.memory.total(),
+                available,
+                largest: candidate.memory.largest(),
+                zero: layout.zero,
+            },
+            candidate: Some(candidate),
+        });
+    }
+}
