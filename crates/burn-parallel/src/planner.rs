@@ -753,13 +753,29 @@ impl fmt::Display for Rejection {
                 zero,
             } => write!(
                 f,
-                "needs {:.2} GiB per rank > {:.2} GiB: {} {:.2} GiB (ZeRO {zero})",
-                needed / GIB,
-                available / GIB,
+                "needs {} per rank > {}: {} {} (ZeRO {zero})",
+                human_bytes(*needed),
+                human_bytes(*available),
                 largest.0,
-                largest.1 / GIB
+                human_bytes(largest.1)
             ),
         }
+    }
+}
+
+/// `bytes` with two decimals in GiB, MiB or KiB, whichever is the largest below it.
+///
+/// # Example
+/// ```
+/// assert_eq!(burn_parallel::planner::human_bytes(1.5 * 1024.0 * 1024.0), "1.50 MiB");
+/// ```
+pub fn human_bytes(bytes: f64) -> String {
+    if bytes >= GIB {
+        format!("{:.2} GiB", bytes / GIB)
+    } else if bytes >= 1024.0 * 1024.0 {
+        format!("{:.2} MiB", bytes / (1024.0 * 1024.0))
+    } else {
+        format!("{:.2} KiB", bytes / 1024.0)
     }
 }
 

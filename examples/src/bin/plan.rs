@@ -104,22 +104,18 @@ struct Args {
     json: Option<std::path::PathBuf>,
 }
 
-fn gib(bytes: f64) -> f64 {
-    bytes / (1024.0 * 1024.0 * 1024.0)
-}
-
-fn row(rank: usize, c: &Candidate) -> String {
+fn row(rank: usize, c: &Candidate, unit: f64) -> String {
     let m = &c.memory;
     format!(
-        "| {rank} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.3} | {:.0} | {:.0}% |",
+        "| {rank} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.0} | {:.0}% |",
         c.layout,
-        gib(m.params),
-        gib(m.grads),
-        gib(m.optimizer),
-        gib(m.activations),
-        gib(m.buffers),
-        gib(m.total()),
-        c.step_seconds,
+        m.params / unit,
+        m.grads / unit,
+        m.optimizer / unit,
+        m.activations / unit,
+        m.buffers / unit,
+        m.total() / unit,
+        1e3 * c.step_seconds,
         c.tokens_per_s,
         100.0 * c.bubble_fraction
     )
@@ -177,19 +173,27 @@ fn main() -> ExitCode {
         a.seq_len,
         if a.fp32 { "fp32" } else { "mixed precision" }
     );
+    let shown = &result.fitting[..a.top.min(result.fitting.len())];
+    let gib = 1024.0 * 1024.0 * 1024.0;
+    let (unit, unit_name) = if shown.iter().any(|c| c.memory.total() >= gib) {
+        (gib, "GiB")
+    } else {
+        (1024.0 * 1024.0, "MiB")
+    };
     println!(
-        "\n{} layouts fit, {} rejected; the {} fastest (GiB per rank, worst pipeline stage):\n",
+        "\n{} layouts fit, {} rejected; the {} fastest ({unit_name} per rank, worst pipeline \
+         stage):\n",
         result.fitting.len(),
         result.rejected.len(),
-        a.top.min(result.fitting.len())
+        shown.len()
     );
     println!(
-        "| # | layout | params | grads | optim | activ | buffers | total | s/step | tokens/s | \
+        "| # | layout | params | grads | optim | activ | buffers | total | ms/step | tokens/s | \
          bubble |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
-    for (i, c) in result.fitting.iter().take(a.top).enumerate() {
-        println!("{}", row(i + 1, c));
+    for (i, c) in shown.iter().enumerate() {
+        println!("{}", row(i + 1, c, unit));
     }
     if !result.rejected.is_empty() {
         println!(
