@@ -117,8 +117,8 @@ fn measured(dp: Dp, n: usize) -> (usize, usize, usize) {
     let reports = run_local(n, |world| {
         let (groups, stage) = match dp {
             Dp::Ddp => {
-                let mesh = DeviceMesh::new(&world, &[("dp_replicate", n), ("dp_shard", 1)])
-                    .expect("mesh");
+                let mesh =
+                    DeviceMesh::new(&world, &[("dp_replicate", n), ("dp_shard", 1)]).expect("mesh");
                 (ShardGroups::hybrid(&mesh).expect("groups"), Stage::One)
             }
             Dp::Zero(stage) => (ShardGroups::flat(world), stage),
