@@ -908,7 +908,7 @@ pub struct PipelineArgs {
     /// (mesh `pp x dp`, dp = ranks / pp). 1: no pipeline.
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
-    /// The pipeline schedule: gpipe, 1f1b, interleaved, zb-h1 or zbv.
+    /// The pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zbv or dualpipev.
     #[arg(long, default_value = "1f1b")]
     pub schedule: ScheduleKind,
     /// Micro-batches per step and data-parallel rank (they divide its rows).

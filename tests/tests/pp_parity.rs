@@ -114,6 +114,17 @@ fn zbv_matches_single_device() {
     check_schedule("zbv");
 }
 
+/// DualPipeV (m >= 2p): pp 2 and 4, and pp 2 x dp 2; the GPT's linears defer their weight
+/// gradients to its `W`s.
+#[test]
+fn dualpipev_matches_single_device() {
+    let config = config();
+    let reference = reference_run(&config);
+    check(&reference, 2, pipeline("dualpipev", 2, 4), &config);
+    check(&reference, 4, pipeline("dualpipev", 4, 8), &config);
+    check(&reference, 4, pipeline("dualpipev", 2, 4), &config);
+}
+
 #[test]
 fn pp2_x_dp2_matches_single_device() {
     let config = config();

@@ -308,6 +308,130 @@ pub fn zbv(pp: usize, microbatches: usize) -> Result<Schedule, ScheduleError> {
     finish(ScheduleKind::Zbv, placement, microbatches, compute)
 }
 
+/// DualPipeV: two stages per rank in V order (rank `r` holds stages `r` and `2p - 1 - r`, like
+/// ZBV), in the phases of DeepSeek's DualPipe cut in half. Writing `F0`/`F1` for a forward of
+/// the rank's first/second stage and `B`, `I`, `W` likewise, rank `r` of `p` runs:
+///
+/// 1. `2 (p - r - 1)` × `F0` (filling the way down);
+/// 2. `r + 1` × `F0 F1`;
+/// 3. `p - r - 1` × `I1 W F1` (the first backwards split, their `W` at once);
+/// 4. `m - 2p + r + 1` × `F0 B1 F1 B0`: the steady state, each forward paired with a backward
+///    of the other stage (DualPipe overlaps each pair's computation with the other's
+///    communication; here they run one after the other);
+/// 5. `p - r - 1` × `B1 F1 B0`;
+/// 6. `r + 1` × `B1 B0`, split (`I`) from the middle on;
+/// 7. `p - r - 1` × `W I0`;
+/// 8. `r + 1` × `W`.
+///
+/// Deferred `W`s run oldest first. It needs `m >= 2p`.
+///
+/// # Errors
+/// [`ScheduleError::NoRanks`], [`ScheduleError::NoMicrobatches`],
+/// [`ScheduleError::TooFewMicrobatches`] when `m < 2p`.
+///
+/// # Example
+/// ```
+/// let s = burn_pipeline::generators::dualpipe_v(4, 10).unwrap();
+/// assert_eq!(s.placement().stages_of(1), vec![1, 6]);
+/// s.validate().unwrap();
+/// assert!(burn_pipeline::generators::dualpipe_v(4, 7).is_err());
+/// ```
+pub fn dualpipe_v(pp: usize, microbatches: usize) -> Result<Schedule, ScheduleError> {
+    check_common(pp, microbatches)?;
+    if microbatches < 2 * pp {
+        return Err(ScheduleError::TooFewMicrobatches {
+            schedule: "DualPipeV",
+            microbatches,
+            ranks: pp,
+            needed: 2 * pp,
+        });
+    }
+    let placement = Placement::v_shape(pp, 2)?;
+    let compute = (0..pp)
+        .map(|r| dualpipe_v_rank(pp, r, microbatches))
+        .collect();
+    finish(ScheduleKind::DualPipeV, placement, microbatches, compute)
+}
+
+/// The computation order of rank `r` under DualPipeV (see [`dualpipe_v`]).
+fn dualpipe_v_rank(p: usize, r: usize, m: usize) -> Vec<Action> {
+    struct Program {
+        stages: [usize; 2],
+        forwards: [usize; 2],
+        backwards: [usize; 2],
+        deferred: std::collections::VecDeque<(usize, usize)>,
+        out: Vec<Action>,
+    }
+    impl Program {
+        fn f(&mut self, c: usize) {
+            let (stage, microbatch) = (self.stages[c], self.forwards[c]);
+            self.forwards[c] += 1;
+            self.out.push(Action::Forward { stage, microbatch });
+        }
+        fn b(&mut self, c: usize, split: bool) {
+            let (stage, microbatch) = (self.stages[c], self.backwards[c]);
+            self.backwards[c] += 1;
+            self.out.push(match split {
+                true => {
+                    self.deferred.push_back((stage, microbatch));
+                    Action::BackwardInput { stage, microbatch }
+                }
+                false => Action::Backward { stage, microbatch },
+            });
+        }
+        fn w(&mut self) {
+            if let Some((stage, microbatch)) = self.deferred.pop_front() {
+                self.out.push(Action::BackwardWeight { stage, microbatch });
+            }
+        }
+    }
+    let mut q = Program {
+        stages: [r, 2 * p - 1 - r],
+        forwards: [0; 2],
+        backwards: [0; 2],
+        deferred: Default::default(),
+        out: Vec::with_capacity(6 * m),
+    };
+    let down = p - r - 1;
+    for _ in 0..2 * down {
+        q.f(0);
+    }
+    for _ in 0..=r {
+        q.f(0);
+        q.f(1);
+    }
+    for _ in 0..down {
+        q.b(1, true);
+        q.w();
+        q.f(1);
+    }
+    for _ in 0..m + r + 1 - 2 * p {
+        q.f(0);
+        q.b(1, false);
+        q.f(1);
+        q.b(0, false);
+    }
+    for _ in 0..down {
+        q.b(1, false);
+        q.f(1);
+        q.b(0, false);
+    }
+    // The last backwards split from the middle on, so that their W fill the drain.
+    let half = r.div_ceil(2);
+    for i in 0..=r {
+        q.b(1, i > half || (i == half && r % 2 == 1));
+        q.b(0, i >= half);
+    }
+    for _ in 0..down {
+        q.w();
+        q.b(0, true);
+    }
+    for _ in 0..=r {
+        q.w();
+    }
+    q.out
+}
+
 /// Generates a schedule of `kind`.
 ///
 /// # Arguments
@@ -362,6 +486,10 @@ pub fn generate(
         ScheduleKind::Zbv => {
             fixed("ZBV", 2, "exactly 2")?;
             zbv(pp, microbatches)
+        }
+        ScheduleKind::DualPipeV => {
+            fixed("DualPipeV", 2, "exactly 2")?;
+            dualpipe_v(pp, microbatches)
         }
         ScheduleKind::Custom => Err(ScheduleError::UnknownKind {
             name: "custom".into(),

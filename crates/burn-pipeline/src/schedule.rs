@@ -524,6 +524,21 @@ pub enum ScheduleError {
         /// The nearest valid count above.
         upper: usize,
     },
+    /// The schedule needs more micro-batches than were asked for.
+    #[error(
+        "{schedule} needs at least {needed} micro-batches at pp = {ranks}, got {microbatches}; \
+         use {needed} or more"
+    )]
+    TooFewMicrobatches {
+        /// The schedule's name.
+        schedule: &'static str,
+        /// Micro-batches asked for.
+        microbatches: usize,
+        /// Pipeline ranks.
+        ranks: usize,
+        /// The least it runs with.
+        needed: usize,
+    },
     /// The generator does not support this number of virtual stages.
     #[error("{schedule} supports {supported} virtual stages per rank, got v = {virtual_stages}")]
     VirtualStages {
@@ -535,7 +550,10 @@ pub enum ScheduleError {
         supported: &'static str,
     },
     /// An unknown schedule name.
-    #[error("unknown schedule `{name}`; expected one of gpipe, 1f1b, interleaved, zb-h1, zbv")]
+    #[error(
+        "unknown schedule `{name}`; expected one of gpipe, 1f1b, interleaved, zb-h1, zbv, \
+         dualpipev"
+    )]
     UnknownKind {
         /// The name given.
         name: String,
@@ -700,6 +718,10 @@ pub enum ScheduleKind {
     ZbH1,
     /// Zero-bubble V: two stages per rank in V order, split backward.
     Zbv,
+    /// DualPipeV (DeepSeek's DualPipe cut in half, Sea AI Lab): two stages per rank in V
+    /// order, a forward of one stage paired with a backward of the other in the steady state,
+    /// the backward split at the ends.
+    DualPipeV,
     /// Anything else.
     Custom,
 }
@@ -713,6 +735,7 @@ impl ScheduleKind {
             ScheduleKind::Interleaved1F1B => "interleaved",
             ScheduleKind::ZbH1 => "zb-h1",
             ScheduleKind::Zbv => "zbv",
+            ScheduleKind::DualPipeV => "dualpipev",
             ScheduleKind::Custom => "custom",
         }
     }
@@ -736,6 +759,7 @@ impl FromStr for ScheduleKind {
             }
             "zb-h1" | "zbh1" => Ok(ScheduleKind::ZbH1),
             "zbv" | "zb-v" => Ok(ScheduleKind::Zbv),
+            "dualpipev" | "dualpipe-v" => Ok(ScheduleKind::DualPipeV),
             "custom" => Ok(ScheduleKind::Custom),
             _ => Err(ScheduleError::UnknownKind {
                 name: name.to_string(),

@@ -1,5 +1,5 @@
 //! The runtime against a plain single-device run of the same stages: every schedule (GPipe,
-//! 1F1B, interleaved with v = 2, ZB-H1, ZBV) at pp 2 and 4 gives the single-device losses and
+//! 1F1B, interleaved with v = 2, ZB-H1, ZBV, DualPipeV) at pp 2 and 4 gives the single-device losses and
 //! parameters over several SGD steps, with two tensors and metadata crossing every boundary.
 //! And the bad cases: a shape that changes, a stage that panics or fails, a dead peer, ranks
 //! holding different schedules, wrong stages or micro-batch counts: typed errors on every rank,
@@ -268,10 +268,19 @@ fn every_schedule_matches_single_device_training() {
         ("interleaved", Some(2)),
         ("zb-h1", None),
         ("zbv", None),
+        ("dualpipev", None),
     ] {
         for p in [2, 4] {
-            for m in [p, 2 * p] {
+            for m in [p, 2 * p, 2 * p + 2] {
                 let kind: ScheduleKind = kind.parse().unwrap();
+                // DualPipeV needs m >= 2p; the others run m = p and 2p.
+                let runs = match kind {
+                    ScheduleKind::DualPipeV => m >= 2 * p,
+                    _ => m <= 2 * p,
+                };
+                if !runs {
+                    continue;
+                }
                 let schedule = generate(kind, p, m, v).unwrap();
                 let stages = schedule.num_stages();
                 let (ref_losses, ref_params) = reference(stages, m, steps);

@@ -5,13 +5,14 @@ use burn_pipeline::generators::{generate, gpipe, interleaved_1f1b, one_f_one_b, 
 use burn_pipeline::validate::{CommModel, ValidationError, validate};
 use burn_pipeline::{Action, Placement, Schedule, ScheduleError, ScheduleKind};
 
-fn all_kinds() -> [ScheduleKind; 5] {
+fn all_kinds() -> [ScheduleKind; 6] {
     [
         ScheduleKind::GPipe,
         ScheduleKind::OneFOneB,
         ScheduleKind::Interleaved1F1B,
         ScheduleKind::ZbH1,
         ScheduleKind::Zbv,
+        ScheduleKind::DualPipeV,
     ]
 }
 
@@ -26,7 +27,7 @@ fn every_generator_is_valid_over_the_grid() {
                 for v in [1, 2] {
                     let result = generate(kind, p, m, Some(v));
                     let fixed_v = match kind {
-                        ScheduleKind::Zbv => Some(2),
+                        ScheduleKind::Zbv | ScheduleKind::DualPipeV => Some(2),
                         ScheduleKind::Interleaved1F1B => None,
                         _ => Some(1),
                     };
@@ -48,6 +49,13 @@ fn every_generator_is_valid_over_the_grid() {
                         assert!(err.to_string().contains("multiple"), "{err}");
                         continue;
                     }
+                    if kind == ScheduleKind::DualPipeV && m < 2 * p {
+                        assert!(
+                            matches!(result, Err(ScheduleError::TooFewMicrobatches { needed, .. }) if needed == 2 * p),
+                            "{kind} p={p} m={m}: {result:?}"
+                        );
+                        continue;
+                    }
                     let schedule = result.unwrap_or_else(|e| panic!("{kind} p={p} m={m}: {e}"));
                     validate(&schedule, CommModel::Eager)
                         .unwrap_or_else(|e| panic!("{kind} p={p} m={m} v={v}: {e}"));
@@ -58,8 +66,9 @@ fn every_generator_is_valid_over_the_grid() {
             }
         }
     }
-    // 3 ps x (3p+1) ms x (gpipe, 1f1b, zb-h1, zbv, interleaved v=1) + interleaved v=2 at m % p == 0.
-    assert_eq!(checked, (7 + 10 + 13) * 5 + (4 + 4 + 4));
+    // 3 ps x (3p+1) ms x (gpipe, 1f1b, zb-h1, zbv, interleaved v=1) + interleaved v=2 at
+    // m % p == 0 + DualPipeV at m >= 2p.
+    assert_eq!(checked, (7 + 10 + 13) * 5 + (4 + 4 + 4) + (5 + 7 + 9));
 }
 
 #[test]

@@ -154,7 +154,7 @@ struct Args {
     /// Device of the trainer, under every layout (`wgpu` needs a build with `--features wgpu`).
     #[arg(long, value_enum)]
     device: Option<DeviceArg>,
-    /// Pipeline parallelism: --pp N --schedule gpipe|1f1b|interleaved|zb-h1|zbv
+    /// Pipeline parallelism: --pp N --schedule gpipe|1f1b|interleaved|zb-h1|zbv|dualpipev
     /// --microbatches M [--virtual-stages V] [--balance-params].
     #[command(flatten)]
     pipeline: examples::pipeline::PipelineArgs,

@@ -78,7 +78,7 @@ struct Args {
     /// (mesh `pp x dp`); 1: no pipeline.
     #[arg(long, default_value_t = 1)]
     pp: usize,
-    /// The pipeline schedule: gpipe, 1f1b, interleaved, zb-h1 or zbv.
+    /// The pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zbv or dualpipev.
     #[arg(long, default_value = "1f1b")]
     schedule: burn_pipeline::ScheduleKind,
     /// Micro-batches per step and data-parallel rank.
