@@ -180,7 +180,8 @@ impl<O: ElementWise> StageUpdater<O> {
     }
 
     /// Clips by the global norm over every stage at `max_norm` (`None`: no clipping). Every
-    /// stage then steps after the step's programme ([`Self::finish`]).
+    /// stage then steps after the step's programme ([`Self::finish`]). Not with ZeRO stage
+    /// optimizers: [`Self::at_reduce`] then fails with an error saying so.
     pub fn with_clip(mut self, max_norm: Option<f64>) -> Self {
         self.max_norm = max_norm;
         self
@@ -238,6 +239,14 @@ impl<O: ElementWise> StageUpdater<O> {
         stage: M,
         grads: GradientsParams,
     ) -> std::result::Result<M, UpdateError> {
+        if let (Some(StageOptimizer::Zero(_)), Some(_)) = (self.optims.get(&s), self.max_norm) {
+            return Err(format!(
+                "stage {s}: clipping by the norm over every stage is not supported with a ZeRO \
+                 optimizer yet (ZeRO reduces and clips inside its own step, over one stage); \
+                 drop the clipping or use StageOptimizer::Module"
+            )
+            .into());
+        }
         let hold = self.max_norm.is_some() || self.tied.contains_key(&s);
         let grads = match self.optims.get(&s) {
             // DDP now, overlapping the rest of the pipeline; ZeRO reduces in its own step.

@@ -738,3 +738,46 @@ fn input_backward_gives_the_input_gradient_and_weight_backward_completes_the_res
         "dW",
     );
 }
+
+/// Clipping over the stages needs the reduced gradients, which a ZeRO stage optimizer only has
+/// inside its own step: asking for both is an error naming the stage, on every rank, not a
+/// silently wrong norm.
+#[test]
+fn clipping_with_a_zero_stage_optimizer_is_a_typed_error() {
+    use burn_parallel::nn::TpContext;
+    use burn_parallel::train::TrainStep;
+    use burn_pipeline::update::{StageOptimizer, StageUpdater};
+    use burn_zero::{ShardGroups, Stage as ZeroStage, ZeroConfig, ZeroOptimizer};
+    let schedule = generate(ScheduleKind::OneFOneB, 2, 2, None).unwrap();
+    let outcomes = run_local(2, |group| {
+        let device = Device::flex().autodiff();
+        let mut exec = Executor::new(schedule.clone(), group.clone(), device.clone()).unwrap();
+        let s = group.rank();
+        let mut stages = BTreeMap::from([(s, Dense::new(s, 2, &device))]);
+        let single = group.split(&[group.rank()])?;
+        let zero = ZeroOptimizer::new(
+            &stages[&s],
+            ShardGroups::flat(single),
+            ZeroConfig::new(ZeroStage::One),
+            burn::optim::AdamWConfig::new().build(),
+        )
+        .unwrap();
+        let optims = BTreeMap::from([(s, StageOptimizer::Zero(Box::new(zero)))]);
+        let mut updater = StageUpdater::new(&exec, optims, TrainStep::new(TpContext::single()))
+            .unwrap()
+            .with_clip(Some(1.0));
+        let batches: Vec<Batch> = (0..2).map(|mb| batch(0, mb, ROWS)).collect();
+        let outcome = exec.step(&mut stages, &batches, &mut |s, stage, g| {
+            updater.at_reduce(s, stage, g)
+        });
+        Ok(outcome.map(|_| ()).map_err(|e| e.to_string()))
+    })
+    .unwrap();
+    let errors: Vec<String> = outcomes.into_iter().map(Result::unwrap_err).collect();
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("not supported with a ZeRO optimizer")),
+        "{errors:?}"
+    );
+}
