@@ -36,8 +36,10 @@ pub mod mesh;
 
 pub use mesh::{DeviceMesh, MeshError, ParallelDims};
 pub mod ddp;
+pub mod diloco;
 
 pub use ddp::{DistributedDataParallel, GradAccumulator};
+pub use diloco::{DiLoCo, DiLoCoConfig, DiLoCoError, Islands};
 pub mod replica;
 pub use replica::{ReplicaError, verify_replicas};
 pub mod tensor_parallel;
