@@ -158,6 +158,10 @@ struct Args {
     /// --microbatches M [--virtual-stages V] [--balance-params].
     #[command(flatten)]
     pipeline: examples::pipeline::PipelineArgs,
+    /// DiLoCo: --diloco-islands N --inner-steps H --outer-lr X --outer-momentum M
+    /// [--diloco-compression f32|fp16|bf16|int8] [--diloco-fragments F].
+    #[command(flatten)]
+    diloco: examples::train_diloco::DiLoCoArgs,
     /// Hidden width of the dense MLP (default 4 x d_model).
     #[arg(long)]
     d_ff: Option<usize>,
@@ -419,6 +423,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    if let Some(run) = args.diloco.run(train_device(&args)) {
+        return run_diloco(&args, &config, &corpus, &run);
+    }
     // A GPT-MoE under ZeRO/FSDP trains in the layout-generic trainer below (experts out of
     // ZeRO-1/2's flat space, whole in the FSDP units), not in burn-zero's engines.
     let moe = config.model.moe.is_some();
@@ -794,6 +801,69 @@ fn run_pipeline(args: &Args, config: &TrainConfig, corpus: &Corpus) -> ExitCode 
                 }
                 println!("trace of the last step written to {}", path.display());
             }
+            let written = write_losses(args.losses_out.as_deref(), &report.train.losses);
+            if written != ExitCode::SUCCESS {
+                return written;
+            }
+            write_params(args.params_out.as_deref(), &report.train.final_params)
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `--diloco-islands N`: DiLoCo, see `examples::train_diloco`.
+fn run_diloco(
+    args: &Args,
+    config: &TrainConfig,
+    corpus: &Corpus,
+    run: &examples::train_diloco::DiLoCoRun,
+) -> ExitCode {
+    use examples::train_diloco::{DiLoCoTrainError, run_rank};
+    let parallel = Parallelism {
+        tp: args.tp,
+        cp: args.cp,
+        zero: args.zero.map(|_| Stage::One), // any stage: DiLoCo refuses --zero
+        ep: args.ep,
+        ..Parallelism::default()
+    };
+    let pp = DiLoCoTrainError::Unsupported {
+        flag: "--pp",
+        why: "the outer step reads whole parameters",
+    };
+    // Over TCP the world size is known once the world is formed: every rank checks then.
+    let checked = match (args.pipeline.pp > 1, args.backend) {
+        (true, _) => Err(pp),
+        (false, Backend::Local) => run.validate(config, &parallel, args.ranks),
+        (false, Backend::Tcp) => Ok(()),
+    };
+    if let Err(e) = checked {
+        eprintln!("error: {e}");
+        return ExitCode::from(2);
+    }
+    let rank = |world: ProcessGroup| {
+        run.validate(config, &parallel, world.size()).map_err(|e| {
+            CollectiveError::InvalidArgument {
+                rank: world.global_rank(),
+                op: "gpt --diloco-islands".into(),
+                reason: e.to_string(),
+            }
+        })?;
+        if world.rank() == 0 {
+            print_header(config, world.size(), world.backend(), corpus, &parallel);
+        }
+        run_rank(&world, config, run, corpus, args.log_every)
+    };
+    let outcome = match args.backend {
+        Backend::Local => run_local(args.ranks, rank).map(|mut r| r.swap_remove(0)),
+        Backend::Tcp => burn_parallel::comm::tcp::init_from_env().and_then(rank),
+    };
+    match outcome {
+        Ok(None) => ExitCode::SUCCESS,
+        Ok(Some(report)) => {
+            print_report(&report.train, corpus);
             let written = write_losses(args.losses_out.as_deref(), &report.train.losses);
             if written != ExitCode::SUCCESS {
                 return written;

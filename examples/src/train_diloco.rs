@@ -1,0 +1,443 @@
+//! The GPT trained with DiLoCo (`gpt --diloco-islands N --inner-steps H ...`): the technique is
+//! [`burn_parallel::diloco`]; this file only wires it to the GPT.
+//!
+//! The world's ranks form `N` islands of `ranks / N` ranks ([`Islands`]); each island trains
+//! with data parallelism inside (DDP over its ranks) and its own inner optimizer, and
+//! [`DiLoCo::sync`] runs the outer step every `H` steps (per fragment under streaming
+//! DiLoCo). The global batch of a step is that of [`crate::train::train_gpt_parallel`], cut
+//! over all ranks, so a run spends the same tokens as a DDP run of the same config: with inner
+//! SGD, `H` = 1, outer learning rate 1 and no momentum it *is* DDP with SGD.
+//!
+//! Every byte a rank sends goes through [`count_sent_bytes`]: the report gives the outer sync's
+//! bytes and the total (inner DDP and the loss figures included).
+
+use std::time::Instant;
+
+use burn::module::Module;
+use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig};
+use burn::tensor::Tensor;
+use burn_parallel::diloco::{
+    Compression, DiLoCo, DiLoCoConfig, DiLoCoError, Islands, count_sent_bytes,
+};
+use burn_parallel::train::TrainStep;
+use burn_parallel::{CollectiveError, DistributedDataParallel, ProcessGroup, ReduceOp};
+
+use crate::data::{Corpus, Split};
+use crate::gpt::Gpt;
+use crate::train::{
+    Parallelism, StepStats, TrainConfig, TrainDevice, TrainReport, generate, named_params,
+};
+
+/// The optimizer each island runs between syncs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum InnerOptimizer {
+    /// AdamW with the run's weight decay (DiLoCo's choice).
+    #[default]
+    AdamW,
+    /// Plain SGD (the identity test: DiLoCo with `H` = 1 and outer SGD lr 1 is DDP with SGD).
+    Sgd,
+}
+
+/// A DiLoCo run of the GPT.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DiLoCoRun {
+    /// Islands (they split the ranks evenly).
+    pub islands: usize,
+    /// The outer loop's settings.
+    pub diloco: DiLoCoConfig,
+    /// The inner optimizer.
+    pub inner: InnerOptimizer,
+    /// The device.
+    pub device: TrainDevice,
+}
+
+/// What a DiLoCo run gives: the trainer's report and the bytes this rank sent.
+#[derive(Debug, Clone)]
+pub struct DiLoCoReport {
+    /// Losses (global mean per step), validation loss of the final outer model, parameters.
+    pub train: TrainReport,
+    /// Payload bytes this rank sent in outer syncs.
+    pub outer_bytes: u64,
+    /// Payload bytes this rank sent in all (outer syncs, DDP inside its island, loss figures).
+    pub total_bytes: u64,
+    /// Fragment syncs this rank took part in (the final one of `DiLoCo::finish` included).
+    pub syncs: usize,
+}
+
+/// A DiLoCo run that cannot go.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum DiLoCoTrainError {
+    /// A parallelism DiLoCo is not composed with.
+    #[error(
+        "{flag} is not composed with DiLoCo (--diloco-islands) yet: {why}; DiLoCo runs with \
+         data parallelism inside each island (--ranks R, R/N ranks per island): drop {flag}"
+    )]
+    Unsupported {
+        /// The flag to drop.
+        flag: &'static str,
+        /// Why.
+        why: &'static str,
+    },
+    /// The run's config does not fit the ranks.
+    #[error("DiLoCo run: {0}")]
+    Config(String),
+    /// DiLoCo's own errors (settings, lost islands, collectives).
+    #[error(transparent)]
+    DiLoCo(#[from] DiLoCoError),
+}
+
+impl From<CollectiveError> for DiLoCoTrainError {
+    fn from(e: CollectiveError) -> Self {
+        DiLoCoTrainError::DiLoCo(DiLoCoError::Collective(e))
+    }
+}
+
+impl DiLoCoRun {
+    /// Checks the run on `world` ranks, with the other layout settings of `parallel` (which
+    /// DiLoCo refuses unless they are plain data parallelism), before anything is built.
+    ///
+    /// # Errors
+    /// [`DiLoCoTrainError`] naming the setting to change.
+    pub fn validate(
+        &self,
+        config: &TrainConfig,
+        parallel: &Parallelism,
+        world: usize,
+    ) -> Result<(), DiLoCoTrainError> {
+        let refused = [
+            (
+                parallel.tp > 1,
+                "--tp",
+                "the outer step reads whole parameters",
+            ),
+            (
+                parallel.cp > 1,
+                "--cp",
+                "the islands run plain data parallelism",
+            ),
+            (
+                parallel.zero.is_some(),
+                "--zero",
+                "the outer step reads whole parameters, not ZeRO's shards",
+            ),
+            (parallel.ep > 1, "--ep", "experts are not split over ranks"),
+            (
+                config.model.moe.is_some(),
+                "--moe-experts",
+                "the MoE routing figures and bias balancing are not wired into the DiLoCo loop",
+            ),
+        ];
+        if let Some((_, flag, why)) = refused.into_iter().find(|r| r.0) {
+            return Err(DiLoCoTrainError::Unsupported { flag, why });
+        }
+        self.diloco.validate()?;
+        if self.islands == 0 || !world.is_multiple_of(self.islands) {
+            return Err(DiLoCoError::IslandLayout {
+                world,
+                islands: self.islands,
+            }
+            .into());
+        }
+        config.validate(world).map_err(DiLoCoTrainError::Config)
+    }
+}
+
+/// Trains the GPT of `config` with DiLoCo on `world` (every rank calls it) and calls `on_step`
+/// after every inner step (the loss is the global batch's: averaged over every rank).
+///
+/// # Errors
+/// [`DiLoCoTrainError`]: invalid settings (before any communication), a lost island, collective
+/// failures.
+pub fn train_gpt_diloco(
+    world: &ProcessGroup,
+    config: &TrainConfig,
+    run: &DiLoCoRun,
+    corpus: &Corpus,
+    on_step: &mut dyn FnMut(&StepStats),
+) -> Result<DiLoCoReport, DiLoCoTrainError> {
+    let parallel = Parallelism {
+        device: run.device,
+        ..Parallelism::default()
+    };
+    run.validate(config, &parallel, world.size())?;
+    let (world, counter) = count_sent_bytes(world)?;
+    let islands = Islands::new(&world, run.islands)?;
+    let plain = run.device.device().map_err(DiLoCoTrainError::Config)?;
+    let device = plain.clone().autodiff();
+
+    // Seeded: the same weights on every rank; the broadcast makes sure.
+    let model = Gpt::new(&config.model, &device).with_dropout_stream(world.rank() as u64);
+    let model = islands.broadcast_module(model)?;
+    let mut diloco = DiLoCo::new(&islands, run.diloco, &model)?;
+    let mut step_engine = TrainStep::new(model.tp.clone()).with_clip(config.max_grad_norm);
+    if islands.size() > 1 {
+        let ddp = DistributedDataParallel::new(islands.island().clone())
+            .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
+        step_engine = step_engine.with_ddp(ddp);
+    }
+    let mut optim: ModuleOptimizer = match run.inner {
+        InnerOptimizer::AdamW => AdamWConfig::new()
+            .with_weight_decay(config.weight_decay as f32)
+            .init(),
+        InnerOptimizer::Sgd => SgdConfig::new().init(),
+    };
+
+    // Each rank takes its rows of the global batch, as a DDP rank would.
+    let ranks = world.size();
+    let micro_rows = config.batch_size / ranks / config.grad_accum;
+    let tokens_per_step = (config.batch_size * config.seq_len) as f64;
+    let start = Instant::now();
+    let (mut losses, mut timed, mut outer_bytes) = (Vec::with_capacity(config.steps), 0.0, 0);
+    let mut model = model;
+    for step in 0..config.steps {
+        let step_start = Instant::now();
+        let mut acc = GradientsAccumulator::<Gpt>::new();
+        let mut local_loss = 0.0;
+        for micro in 0..config.grad_accum {
+            let first = micro * micro_rows * ranks + world.rank() * micro_rows;
+            let batch = corpus.batch_rows(
+                step as u64,
+                first..first + micro_rows,
+                config.seq_len,
+                Split::Train,
+            );
+            let (inputs, targets) = batch.to_tensors(&device);
+            let loss = model
+                .loss(inputs, targets)
+                .map_err(|e| DiLoCoTrainError::Config(e.to_string()))?;
+            local_loss += scalar(&loss) / config.grad_accum as f64;
+            let loss = loss / config.grad_accum as f32;
+            acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+        }
+        let lr = config.lr_at(step);
+        let (grads, _norm) = step_engine.reduce(&model, acc.grads())?;
+        model = optim.step(lr, model, grads);
+        let before = counter.sent();
+        model = diloco.sync(step, model)?;
+        outer_bytes += counter.sent() - before;
+        let loss = world.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
+        losses.push(loss);
+        let seconds = step_start.elapsed().as_secs_f64();
+        if step > 0 {
+            timed += seconds;
+        }
+        on_step(&StepStats {
+            step,
+            loss,
+            lr,
+            tokens_per_sec: tokens_per_step / seconds,
+            elapsed: start.elapsed().as_secs_f64(),
+            moe: Vec::new(),
+        });
+    }
+    // The outer model: fragments not synced after the last step are synced now.
+    let before = counter.sent();
+    model = diloco.finish(model)?;
+    outer_bytes += counter.sent() - before;
+    let total_bytes = counter.sent();
+
+    let eval = model.valid();
+    let val_loss = validation_loss(&world, config, corpus, &eval, &plain)?;
+    let sample = if config.sample_len > 0 && world.rank() == 0 {
+        generate(&eval, &config.prompt, config, &plain)
+    } else {
+        String::new()
+    };
+    let timed_steps = (config.steps - 1).max(1) as f64;
+    Ok(DiLoCoReport {
+        train: TrainReport {
+            losses,
+            val_loss,
+            sample,
+            step_seconds: timed / timed_steps,
+            tokens_per_sec: tokens_per_step * timed_steps / f64::max(timed, 1e-9),
+            final_params: named_params(&eval),
+        },
+        outer_bytes,
+        total_bytes,
+        syncs: diloco.history().len(),
+    })
+}
+
+fn scalar(t: &Tensor<1>) -> f64 {
+    t.clone()
+        .into_data()
+        .try_into_vec_as::<f64>()
+        .expect("a float")[0]
+}
+
+/// Mean validation loss over `eval_batches` global batches, each rank evaluating its rows
+/// (every rank holds the outer model), averaged over the world.
+fn validation_loss(
+    world: &ProcessGroup,
+    config: &TrainConfig,
+    corpus: &Corpus,
+    model: &Gpt,
+    device: &burn::tensor::Device,
+) -> Result<f64, DiLoCoTrainError> {
+    let rows = config.batch_size / world.size();
+    let mut total = 0.0;
+    for b in 0..config.eval_batches {
+        let first = world.rank() * rows;
+        let batch = corpus.batch_rows(
+            b as u64,
+            first..first + rows,
+            config.seq_len,
+            Split::Validation,
+        );
+        let (inputs, targets) = batch.to_tensors(device);
+        let loss = model
+            .loss(inputs, targets)
+            .map_err(|e| DiLoCoTrainError::Config(e.to_string()))?;
+        total += scalar(&loss);
+    }
+    let local = (total / config.eval_batches.max(1) as f64) as f32;
+    Ok(world.all_reduce_f32(vec![local], ReduceOp::Avg)?[0] as f64)
+}
+
+/// How pseudo-gradients travel (`--diloco-compression`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum CompressionArg {
+    /// 4 bytes per element (ring all-reduce).
+    #[default]
+    F32,
+    /// IEEE half precision.
+    Fp16,
+    /// bfloat16.
+    Bf16,
+    /// int8 with an f32 scale per block of `--int8-block` elements.
+    Int8,
+}
+
+/// The inner optimizer (`--inner-optim`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum InnerOptimArg {
+    /// AdamW.
+    #[default]
+    Adamw,
+    /// Plain SGD.
+    Sgd,
+}
+
+/// The `gpt` binary's DiLoCo flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DiLoCoArgs {
+    /// DiLoCo: cut the ranks into this many islands (ranks/N each, DDP inside); islands
+    /// average their pseudo-gradients every --inner-steps steps.
+    #[arg(long = "diloco-islands")]
+    pub islands: Option<usize>,
+    /// DiLoCo: inner steps H between syncs.
+    #[arg(long, default_value_t = 50)]
+    pub inner_steps: usize,
+    /// DiLoCo: learning rate of the outer SGD.
+    #[arg(long, default_value_t = 0.7)]
+    pub outer_lr: f64,
+    /// DiLoCo: momentum of the outer SGD, in [0, 1).
+    #[arg(long, default_value_t = 0.9)]
+    pub outer_momentum: f64,
+    /// DiLoCo: plain momentum instead of Nesterov's.
+    #[arg(long)]
+    pub no_nesterov: bool,
+    /// DiLoCo: how pseudo-gradients travel.
+    #[arg(long = "diloco-compression", value_enum, default_value = "f32")]
+    pub compression: CompressionArg,
+    /// DiLoCo: elements per scale of int8 compression.
+    #[arg(long, default_value_t = 256)]
+    pub int8_block: usize,
+    /// Streaming DiLoCo: fragments synced at staggered steps.
+    #[arg(long = "diloco-fragments", default_value_t = 1)]
+    pub fragments: usize,
+    /// DiLoCo: the inner optimizer.
+    #[arg(long = "inner-optim", value_enum, default_value = "adamw")]
+    pub inner: InnerOptimArg,
+}
+
+impl DiLoCoArgs {
+    /// The run these flags ask for on `device`; `None` without `--diloco-islands`.
+    pub fn run(&self, device: TrainDevice) -> Option<DiLoCoRun> {
+        let compression = match self.compression {
+            CompressionArg::F32 => Compression::F32,
+            CompressionArg::Fp16 => Compression::Fp16,
+            CompressionArg::Bf16 => Compression::Bf16,
+            CompressionArg::Int8 => Compression::Int8 {
+                block_size: self.int8_block,
+            },
+        };
+        Some(DiLoCoRun {
+            islands: self.islands?,
+            diloco: DiLoCoConfig {
+                inner_steps: self.inner_steps,
+                outer_lr: self.outer_lr,
+                outer_momentum: self.outer_momentum,
+                nesterov: !self.no_nesterov,
+                compression,
+                fragments: self.fragments,
+            },
+            inner: match self.inner {
+                InnerOptimArg::Adamw => InnerOptimizer::AdamW,
+                InnerOptimArg::Sgd => InnerOptimizer::Sgd,
+            },
+            device,
+        })
+    }
+}
+
+/// Runs one rank of `gpt --diloco-islands`: trains, prints every `log_every` steps and the
+/// bytes sent (group rank 0), and returns rank 0's report.
+///
+/// # Errors
+/// As [`train_gpt_diloco`], as a [`CollectiveError`] for the launchers (a lost island keeps
+/// its message).
+pub fn run_rank(
+    world: &ProcessGroup,
+    config: &TrainConfig,
+    run: &DiLoCoRun,
+    corpus: &Corpus,
+    log_every: usize,
+) -> burn_parallel::Result<Option<DiLoCoReport>> {
+    let lead = world.rank() == 0;
+    if lead {
+        let d = &run.diloco;
+        println!(
+            "DiLoCo: {} islands x {} ranks, H = {}, outer SGD lr {} momentum {}{}, \
+             pseudo-gradients {}, {} fragment(s), inner {:?}",
+            run.islands,
+            world.size() / run.islands.max(1),
+            d.inner_steps,
+            d.outer_lr,
+            d.outer_momentum,
+            if d.nesterov { " (Nesterov)" } else { "" },
+            d.compression,
+            d.fragments,
+            run.inner
+        );
+    }
+    let mut on_step = |s: &StepStats| {
+        if lead && (s.step.is_multiple_of(log_every.max(1)) || s.step + 1 == config.steps) {
+            println!(
+                "step {:>5}  loss {:.4}  lr {:.2e}  {:>7.0} tok/s  {:>7.1}s",
+                s.step, s.loss, s.lr, s.tokens_per_sec, s.elapsed
+            );
+        }
+    };
+    let report =
+        train_gpt_diloco(world, config, run, corpus, &mut on_step).map_err(|e| match e {
+            DiLoCoTrainError::DiLoCo(DiLoCoError::Collective(c)) => c,
+            other => CollectiveError::InvalidArgument {
+                rank: world.global_rank(),
+                op: "gpt --diloco-islands".into(),
+                reason: other.to_string(),
+            },
+        })?;
+    // Every rank's bytes, on rank 0.
+    let bytes = world.all_gather_object(&(report.outer_bytes, report.total_bytes))?;
+    if lead {
+        for (rank, (outer, total)) in bytes.iter().enumerate() {
+            println!(
+                "rank {rank}: sent {outer} bytes in {} outer syncs, {total} bytes in all",
+                report.syncs
+            );
+        }
+    }
+    Ok(lead.then_some(report))
+}
