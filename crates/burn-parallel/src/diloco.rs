@@ -328,8 +328,8 @@ pub enum DiLoCoError {
     ModelChanged(String),
     /// An island stopped (a rank of it failed, exited or timed out) during a sync.
     #[error(
-        "rank {rank}: island {island} was lost during the DiLoCo sync (rank {peer} failed); \
-         DiLoCo cannot drop an island and go on, restart the job: {source}"
+        "island {island} was lost during the DiLoCo sync (rank {peer} failed); DiLoCo cannot \
+         drop an island and go on, restart the job: {source}"
     )]
     IslandLost {
         /// Global rank of the caller.
