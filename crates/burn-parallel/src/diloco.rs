@@ -22,6 +22,13 @@
 //!   read after the inner step that precedes it and written before the next one, and the burst
 //!   is already `F` times smaller.
 //!
+//! Every rank of an island takes part in the outer sync with the ranks at its position in the
+//! other islands, and syncs the whole fragment: the islands' replicas are identical, so each
+//! outer group computes the same average and no broadcast inside the island is needed, but the
+//! links between islands carry `ranks per island` copies of it. A hierarchical sync (each
+//! position averaging `1 / ranks per island` of the fragment, then an all-gather inside the
+//! island) would divide that traffic by the island size; it is not done here.
+//!
 //! An island that disappears is *not* dropped from the average: the group API marks the whole
 //! world failed when one rank fails (every pending and later call ends), so there is no clean
 //! way to go on with the survivors. A lost island is a typed error instead,

@@ -1,0 +1,186 @@
+//! DiLoCo against DDP on the bundled corpus, at the same token budget: the validation loss of
+//! each and the bytes each rank sends (counted on the wire by
+//! `burn_parallel::diloco::count_sent_bytes`). Prints a table and writes
+//! `target/diloco_figures.json`.
+//!
+//! ```text
+//! cargo run --release -p examples --example diloco_figures                  # 600 steps, H = 50
+//! cargo run --release -p examples --example diloco_figures -- --steps 200 --inner-steps 20
+//! ```
+
+use std::process::ExitCode;
+
+use burn_parallel::diloco::{Compression, DiLoCoConfig, count_sent_bytes};
+use burn_parallel::run_local;
+use clap::Parser;
+use examples::data::Corpus;
+use examples::train::{Parallelism, TrainConfig, train_gpt_parallel};
+use examples::train_diloco::{DiLoCoRun, InnerOptimizer, train_gpt_diloco};
+
+/// DiLoCo vs DDP: validation loss and bytes sent at the same token budget.
+#[derive(Debug, Parser)]
+struct Args {
+    /// Thread ranks; DiLoCo runs them as this many islands of one rank.
+    #[arg(long, default_value_t = 2)]
+    ranks: usize,
+    /// Optimizer steps (the token budget: steps x the global batch of 32 x 64 tokens).
+    #[arg(long, default_value_t = 600)]
+    steps: usize,
+    /// DiLoCo's H.
+    #[arg(long, default_value_t = 50)]
+    inner_steps: usize,
+    /// Streaming DiLoCo's fragments, for one extra run (1: no extra run).
+    #[arg(long, default_value_t = 1)]
+    fragments: usize,
+}
+
+/// One row of the table.
+#[derive(Debug, serde::Serialize)]
+struct Row {
+    run: String,
+    val_loss: f64,
+    final_train_loss: f64,
+    /// Bytes rank 0 sent in all.
+    bytes_sent: u64,
+    /// Bytes rank 0 sent in outer syncs (DiLoCo only).
+    outer_bytes: Option<u64>,
+    seconds: f64,
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let corpus = match Corpus::load_default() {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let config = TrainConfig {
+        steps: args.steps,
+        sample_len: 0,
+        ..TrainConfig::default()
+    };
+    let tokens = config.steps * config.batch_size * config.seq_len;
+    println!(
+        "GPT {:.2}M params, {} ranks, {} steps x {} x {} tokens = {tokens} tokens",
+        config.model.num_params() as f64 / 1e6,
+        args.ranks,
+        config.steps,
+        config.batch_size,
+        config.seq_len
+    );
+    let mut rows = Vec::new();
+
+    // DDP: every step all-reduces the gradients.
+    let start = std::time::Instant::now();
+    let ddp = run_local(args.ranks, |world| {
+        let (world, counter) = count_sent_bytes(&world)?;
+        let report = train_gpt_parallel(
+            &world,
+            &config,
+            &Parallelism::default(),
+            &corpus,
+            &mut |_| {},
+        )?;
+        Ok((report, counter.sent()))
+    });
+    match ddp {
+        Ok(mut r) => {
+            let (report, bytes) = r.swap_remove(0);
+            rows.push(Row {
+                run: "DDP".into(),
+                val_loss: report.val_loss,
+                final_train_loss: *report.losses.last().unwrap_or(&f64::NAN),
+                bytes_sent: bytes,
+                outer_bytes: None,
+                seconds: start.elapsed().as_secs_f64(),
+            });
+            print_row(rows.last().expect("pushed"), None);
+        }
+        Err(e) => {
+            eprintln!("error: DDP: {e}");
+            return ExitCode::FAILURE;
+        }
+    }
+
+    let mut runs = vec![
+        ("DiLoCo f32", Compression::F32, 1),
+        ("DiLoCo int8", Compression::INT8, 1),
+    ];
+    if args.fragments > 1 {
+        runs.push(("DiLoCo f32 streaming", Compression::F32, args.fragments));
+    }
+    for (name, compression, fragments) in runs {
+        let run = DiLoCoRun {
+            islands: args.ranks,
+            diloco: DiLoCoConfig {
+                inner_steps: args.inner_steps,
+                compression,
+                fragments,
+                ..DiLoCoConfig::default()
+            },
+            inner: InnerOptimizer::AdamW,
+            device: Default::default(),
+        };
+        let name = format!("{name} H={} F={fragments}", args.inner_steps);
+        let start = std::time::Instant::now();
+        let outcome = run_local(args.ranks, |world| {
+            train_gpt_diloco(&world, &config, &run, &corpus, &mut |_| {}).map_err(|e| {
+                burn_parallel::CollectiveError::InvalidArgument {
+                    rank: world.global_rank(),
+                    op: "diloco_figures".into(),
+                    reason: e.to_string(),
+                }
+            })
+        });
+        match outcome {
+            Ok(mut r) => {
+                let r = r.swap_remove(0);
+                rows.push(Row {
+                    run: name,
+                    val_loss: r.train.val_loss,
+                    final_train_loss: *r.train.losses.last().unwrap_or(&f64::NAN),
+                    bytes_sent: r.total_bytes,
+                    outer_bytes: Some(r.outer_bytes),
+                    seconds: start.elapsed().as_secs_f64(),
+                });
+                print_row(rows.last().expect("pushed"), Some(&rows[0]));
+            }
+            Err(e) => {
+                eprintln!("error: {name}: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
+    }
+    let json = serde_json::json!({ "ranks": args.ranks, "steps": args.steps,
+        "inner_steps": args.inner_steps, "tokens": tokens, "rows": rows });
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
+    let path = dir.join("diloco_figures.json");
+    if let Err(e) = std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::write(&path, serde_json::to_string_pretty(&json).expect("json")))
+    {
+        eprintln!("error: writing {}: {e}", path.display());
+        return ExitCode::FAILURE;
+    }
+    println!("written to {}", path.display());
+    ExitCode::SUCCESS
+}
+
+fn print_row(row: &Row, ddp: Option<&Row>) {
+    let versus = match ddp {
+        Some(d) => format!(
+            "  (val loss {:+.2}% vs DDP, {:.1}x fewer bytes)",
+            100.0 * (row.val_loss - d.val_loss) / d.val_loss,
+            d.bytes_sent as f64 / row.bytes_sent.max(1) as f64
+        ),
+        None => String::new(),
+    };
+    let outer = row
+        .outer_bytes
+        .map_or(String::new(), |b| format!(" ({b} in outer syncs)"));
+    println!(
+        "{:<28} val loss {:.4}  train loss {:.4}  rank 0 sent {} bytes{outer}  {:.0} s{versus}",
+        row.run, row.val_loss, row.final_train_loss, row.bytes_sent, row.seconds
+    );
+}
