@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! cargo run --release -p examples --example diloco_figures                  # 600 steps, H = 50
-//! cargo run --release -p examples --example diloco_figures -- --steps 200 --inner-steps 20
+//! cargo run --release -p examples --example diloco_figures -- --inner-steps 50,10,100 --fragments 5
 //! ```
 
 use std::process::ExitCode;
@@ -26,9 +26,16 @@ struct Args {
     /// Optimizer steps (the token budget: steps x the global batch of 32 x 64 tokens).
     #[arg(long, default_value_t = 600)]
     steps: usize,
-    /// DiLoCo's H.
-    #[arg(long, default_value_t = 50)]
-    inner_steps: usize,
+    /// DiLoCo's H: the first runs with f32, int8 (and streaming) pseudo-gradients, the others
+    /// (comma-separated) with f32 only, for the loss-against-bytes curve.
+    #[arg(long, value_delimiter = ',', default_value = "50")]
+    inner_steps: Vec<usize>,
+    /// Learning rate of the outer SGD.
+    #[arg(long, default_value_t = 0.7)]
+    outer_lr: f64,
+    /// Momentum (Nesterov) of the outer SGD.
+    #[arg(long, default_value_t = 0.9)]
+    outer_momentum: f64,
     /// Streaming DiLoCo's fragments, for one extra run (1: no extra run).
     #[arg(long, default_value_t = 1)]
     fragments: usize,
@@ -104,26 +111,35 @@ fn main() -> ExitCode {
         }
     }
 
+    let Some(&first_h) = args.inner_steps.first() else {
+        eprintln!("error: give at least one --inner-steps");
+        return ExitCode::from(2);
+    };
     let mut runs = vec![
-        ("DiLoCo f32", Compression::F32, 1),
-        ("DiLoCo int8", Compression::INT8, 1),
+        ("DiLoCo f32", Compression::F32, 1, first_h),
+        ("DiLoCo int8", Compression::INT8, 1, first_h),
     ];
     if args.fragments > 1 {
-        runs.push(("DiLoCo f32 streaming", Compression::F32, args.fragments));
+        runs.push(("DiLoCo f32", Compression::F32, args.fragments, first_h));
     }
-    for (name, compression, fragments) in runs {
+    for &h in &args.inner_steps[1..] {
+        runs.push(("DiLoCo f32", Compression::F32, 1, h));
+    }
+    for (name, compression, fragments, inner_steps) in runs {
         let run = DiLoCoRun {
             islands: args.ranks,
             diloco: DiLoCoConfig {
-                inner_steps: args.inner_steps,
+                inner_steps,
                 compression,
                 fragments,
+                outer_lr: args.outer_lr,
+                outer_momentum: args.outer_momentum,
                 ..DiLoCoConfig::default()
             },
             inner: InnerOptimizer::AdamW,
             device: Default::default(),
         };
-        let name = format!("{name} H={} F={fragments}", args.inner_steps);
+        let name = format!("{name} H={inner_steps} F={fragments}");
         let start = std::time::Instant::now();
         let outcome = run_local(args.ranks, |world| {
             train_gpt_diloco(&world, &config, &run, &corpus, &mut |_| {}).map_err(|e| {

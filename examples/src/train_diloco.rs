@@ -165,9 +165,11 @@ pub fn train_gpt_diloco(
     let plain = run.device.device().map_err(DiLoCoTrainError::Config)?;
     let device = plain.clone().autodiff();
 
-    // Seeded: the same weights on every rank; the broadcast makes sure.
+    // Seeded: the same weights on every rank; a hash comparison (not a broadcast: its bytes
+    // would count as DiLoCo's) makes sure.
     let model = Gpt::new(&config.model, &device).with_dropout_stream(world.rank() as u64);
-    let model = islands.broadcast_module(model)?;
+    burn_parallel::verify_replicas(&model, &world)
+        .map_err(|e| DiLoCoTrainError::Config(e.to_string()))?;
     let mut diloco = DiLoCo::new(&islands, run.diloco, &model)?;
     let mut step_engine = TrainStep::new(model.tp.clone()).with_clip(config.max_grad_norm);
     if islands.size() > 1 {
