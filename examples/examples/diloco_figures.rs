@@ -3,7 +3,14 @@
 //! `burn_parallel::diloco::count_sent_bytes`). Prints a table and writes
 //! `target/diloco_figures.json`.
 //!
+//! Measured on a 2-core CPU (2 islands of 1 rank, 600 steps, outer lr 0.7, Nesterov momentum
+//! 0.5): DDP validation loss 1.803 with 1.13 GB sent per rank; DiLoCo H = 50 1.858 (+3.0%)
+//! with 22.6 MB (50x fewer), int8 1.853 with 5.7 MB; streaming (5 fragments) 1.828 (+1.4%).
+//! With the paper's momentum 0.9 the 12 outer steps overshoot (2.078).
+//!
 //! ```text
+//! cargo run --release -p examples --example diloco_figures -- --outer-momentum 0.5 \
+//!     --inner-steps 50,10,100 --fragments 5                                # the figures above
 //! cargo run --release -p examples --example diloco_figures                  # 600 steps, H = 50
 //! cargo run --release -p examples --example diloco_figures -- --inner-steps 50,10,100 --fragments 5
 //! ```
