@@ -148,17 +148,21 @@ fn forged_stray_and_silent_connections_neither_join_nor_fail_the_job() {
     garbage
         .write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n\x00\xff\xfe")
         .unwrap();
-    let forger = thread::spawn(move || {
-        let (mut stream, challenge) = challenged(port);
-        let forged = forged_registration(1, 2, "a wrong token", &nonce_of(&challenge));
-        reply_to(&mut stream, &forged)
-    });
+    // The forger connects now (into the backlog, before the store serves anyone) and speaks
+    // once rank 0 serves it, below: a thread spawned here could be scheduled only after the
+    // rendezvous had ended on a loaded machine, and find the port closed.
+    let mut forger_stream = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    forger_stream.set_read_timeout(Some(TIMEOUT)).unwrap();
 
     let groups = thread::scope(|scope| {
         let rank0 = scope.spawn(|| {
             let group = connect_with_rendezvous(&config(0, 2, port, Some(TOKEN)), rendezvous)?;
             Ok::<_, CollectiveError>((group, start.elapsed()))
         });
+        // The forger of the backlog: right format, wrong token.
+        let challenge = read_store_message(&mut forger_stream).unwrap();
+        let forged = forged_registration(1, 2, "a wrong token", &nonce_of(&challenge));
+        let forged = reply_to(&mut forger_stream, &forged);
         // During the rendezvous: a replayed registration (signed with the right token, but
         // for the challenge of another connection), a registration claiming rank 0 with a
         // wrong token, and one with no token at all.
@@ -181,6 +185,7 @@ fn forged_stray_and_silent_connections_neither_join_nor_fail_the_job() {
         let rank1 = connect(&config(1, 2, port, Some(TOKEN)))?;
         let (rank0, formed) = rank0.join().unwrap()?;
         for (what, reply) in [
+            ("forged", &forged),
             ("replayed", &replayed),
             ("rank-0 claim", &rank0_claim),
             ("untagged", &untagged),
@@ -190,9 +195,9 @@ fn forged_stray_and_silent_connections_neither_join_nor_fail_the_job() {
                 "the {what} registration got {reply}"
             );
         }
-        Ok::<_, CollectiveError>((vec![rank0, rank1], formed))
+        Ok::<_, CollectiveError>((vec![rank0, rank1], formed, forged))
     });
-    let (groups, formed) = groups.unwrap();
+    let (groups, formed, forged) = groups.unwrap();
     // A silent connection delays nobody: the store serves connections at once, not one by one
     // with a wait of seconds for each.
     assert!(
@@ -201,7 +206,6 @@ fn forged_stray_and_silent_connections_neither_join_nor_fail_the_job() {
     );
 
     // The forger got a rejection, never the address table.
-    let forged = forger.join().unwrap();
     assert!(forged.get("Rejected").is_some(), "{forged}");
     assert!(forged.to_string().contains("wrong job token"), "{forged}");
     // The silent connection got its challenge, then was closed: nothing else.
