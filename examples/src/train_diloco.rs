@@ -329,33 +329,44 @@ pub struct DiLoCoArgs {
     #[arg(long = "diloco-islands")]
     pub islands: Option<usize>,
     /// DiLoCo: inner steps H between syncs.
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = 50, requires = "islands")]
     pub inner_steps: usize,
     /// DiLoCo: learning rate of the outer SGD.
-    #[arg(long, default_value_t = 0.7)]
+    #[arg(long, default_value_t = 0.7, requires = "islands")]
     pub outer_lr: f64,
     /// DiLoCo: momentum of the outer SGD, in [0, 1).
-    #[arg(long, default_value_t = 0.9)]
+    #[arg(long, default_value_t = 0.9, requires = "islands")]
     pub outer_momentum: f64,
     /// DiLoCo: plain momentum instead of Nesterov's.
-    #[arg(long)]
+    #[arg(long, requires = "islands")]
     pub no_nesterov: bool,
     /// DiLoCo: how pseudo-gradients travel.
-    #[arg(long = "diloco-compression", value_enum, default_value = "f32")]
+    #[arg(
+        long = "diloco-compression",
+        value_enum,
+        default_value = "f32",
+        requires = "islands"
+    )]
     pub compression: CompressionArg,
     /// DiLoCo: elements per scale of int8 compression.
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, requires = "islands")]
     pub int8_block: usize,
     /// Streaming DiLoCo: fragments synced at staggered steps.
-    #[arg(long = "diloco-fragments", default_value_t = 1)]
+    #[arg(long = "diloco-fragments", default_value_t = 1, requires = "islands")]
     pub fragments: usize,
     /// DiLoCo: the inner optimizer.
-    #[arg(long = "inner-optim", value_enum, default_value = "adamw")]
+    #[arg(
+        long = "inner-optim",
+        value_enum,
+        default_value = "adamw",
+        requires = "islands"
+    )]
     pub inner: InnerOptimArg,
 }
 
 impl DiLoCoArgs {
-    /// The run these flags ask for on `device`; `None` without `--diloco-islands`.
+    /// The run these flags ask for on `device`; `None` without `--diloco-islands` (the other
+    /// DiLoCo flags are refused without it rather than ignored).
     pub fn run(&self, device: TrainDevice) -> Option<DiLoCoRun> {
         let compression = match self.compression {
             CompressionArg::F32 => Compression::F32,
