@@ -858,7 +858,7 @@ impl Run {
     }
 }
 
-fn scalar(t: &Tensor<1>) -> f64 {
+pub(crate) fn scalar(t: &Tensor<1>) -> f64 {
     t.clone()
         .into_data()
         .try_into_vec_as::<f64>()
@@ -868,7 +868,7 @@ fn scalar(t: &Tensor<1>) -> f64 {
 /// Mean validation loss over `eval_batches` global batches, each data-parallel rank of `group`
 /// evaluating its rows with `loss_of` (on a plain device), averaged over `average` (the data
 /// ranks and any context-parallel ranks, which evaluate other tokens of the same rows).
-fn validation_loss(
+pub(crate) fn validation_loss(
     group: &ProcessGroup,
     average: &ProcessGroup,
     config: &TrainConfig,

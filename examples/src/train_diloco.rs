@@ -13,9 +13,9 @@
 
 use std::time::Instant;
 
+use crate::train::scalar;
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig};
-use burn::tensor::Tensor;
 use burn_parallel::diloco::{
     Compression, DiLoCo, DiLoCoConfig, DiLoCoError, Islands, count_sent_bytes,
 };
@@ -239,7 +239,21 @@ pub fn train_gpt_diloco(
     let total_bytes = counter.sent();
 
     let eval = model.valid();
-    let val_loss = validation_loss(&world, config, corpus, &eval, &plain)?;
+    let val_loss = crate::train::validation_loss(
+        &world,
+        &world,
+        config,
+        run.device,
+        corpus,
+        &|inputs, targets| {
+            eval.loss(inputs, targets)
+                .map_err(|e| CollectiveError::InvalidArgument {
+                    rank: world.global_rank(),
+                    op: "validation loss".into(),
+                    reason: e.to_string(),
+                })
+        },
+    )?;
     let sample = if config.sample_len > 0 && world.rank() == 0 {
         generate(&eval, &config.prompt, config, &plain)
     } else {
@@ -259,42 +273,6 @@ pub fn train_gpt_diloco(
         total_bytes,
         syncs: diloco.history().len(),
     })
-}
-
-fn scalar(t: &Tensor<1>) -> f64 {
-    t.clone()
-        .into_data()
-        .try_into_vec_as::<f64>()
-        .expect("a float")[0]
-}
-
-/// Mean validation loss over `eval_batches` global batches, each rank evaluating its rows
-/// (every rank holds the outer model), averaged over the world.
-fn validation_loss(
-    world: &ProcessGroup,
-    config: &TrainConfig,
-    corpus: &Corpus,
-    model: &Gpt,
-    device: &burn::tensor::Device,
-) -> Result<f64, DiLoCoTrainError> {
-    let rows = config.batch_size / world.size();
-    let mut total = 0.0;
-    for b in 0..config.eval_batches {
-        let first = world.rank() * rows;
-        let batch = corpus.batch_rows(
-            b as u64,
-            first..first + rows,
-            config.seq_len,
-            Split::Validation,
-        );
-        let (inputs, targets) = batch.to_tensors(device);
-        let loss = model
-            .loss(inputs, targets)
-            .map_err(|e| DiLoCoTrainError::Config(e.to_string()))?;
-        total += scalar(&loss);
-    }
-    let local = (total / config.eval_batches.max(1) as f64) as f32;
-    Ok(world.all_reduce_f32(vec![local], ReduceOp::Avg)?[0] as f64)
 }
 
 /// How pseudo-gradients travel (`--diloco-compression`).
