@@ -31,6 +31,7 @@ pub use comm::transport::Transport;
 pub use error::{CollectiveError, Result};
 pub use group::ProcessGroup;
 pub mod autograd;
+pub mod checkpoint;
 pub mod context_parallel;
 pub mod mesh;
 
