@@ -48,6 +48,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Tensor, TensorData};
 
+use crate::checkpoint::FlatParts;
 use crate::comm::host::ReduceOp;
 use crate::ddp::DistributedDataParallel;
 use crate::error::Result;
@@ -72,6 +73,8 @@ pub struct DataShards {
     group: ProcessGroup,
     /// In registration (model construction) order: the same on every rank, unlike ids.
     params: Arc<Mutex<Vec<ShardEntry>>>,
+    /// What each flat shard holds, for checkpoints ([`crate::checkpoint::ParamMap`]).
+    flats: Arc<Mutex<HashMap<ParamId, FlatParts>>>,
 }
 
 /// A flat shard and the ranges of its elements that belong to tensor-parallel shards.
@@ -83,6 +86,7 @@ impl DataShards {
         Self {
             group: group.clone(),
             params: Arc::new(Mutex::new(Vec::new())),
+            flats: Arc::new(Mutex::new(HashMap::new())),
         }
     }
 
@@ -98,6 +102,24 @@ impl DataShards {
             .lock()
             .expect("shard bookkeeping")
             .push((id, tp_ranges));
+    }
+
+    /// Records which parameters of its unit the flat shard `id` holds (for checkpoints that
+    /// load under another layout).
+    pub fn register_flat(&self, id: ParamId, parts: FlatParts) {
+        self.flats
+            .lock()
+            .expect("shard bookkeeping")
+            .insert(id, parts);
+    }
+
+    /// What the flat shard `id` holds, if it was registered with [`Self::register_flat`].
+    pub fn flat_parts(&self, id: ParamId) -> Option<FlatParts> {
+        self.flats
+            .lock()
+            .expect("shard bookkeeping")
+            .get(&id)
+            .cloned()
     }
 
     /// The registered shards, in registration order.

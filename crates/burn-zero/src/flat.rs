@@ -114,6 +114,25 @@ impl FlatLayout {
         self.numel
     }
 
+    /// The layout's parameters and the range `range` of it, as a checkpoint describes a flat
+    /// shard ([`burn_parallel::checkpoint::ParamMap`]).
+    pub fn parts(&self, range: Range<usize>) -> burn_parallel::checkpoint::FlatParts {
+        burn_parallel::checkpoint::FlatParts {
+            parts: self
+                .entries()
+                .iter()
+                .zip(self.ids())
+                .map(|(e, id)| burn_parallel::checkpoint::FlatPart {
+                    path: e.path.clone(),
+                    id: *id,
+                    shape: e.shape.clone(),
+                    offset: e.offset,
+                })
+                .collect(),
+            range,
+        }
+    }
+
     /// The parameters, in flat order.
     pub fn entries(&self) -> &[FlatEntry] {
         &self.entries

@@ -237,6 +237,7 @@ impl<M: Module> Fsdp<M> {
             .filter_map(|(e, _)| intersect(e.offset..e.offset + e.numel, &range))
             .collect();
         shards.register(shard.id, tp_ranges);
+        shards.register_flat(shard.id, layout.parts(range.clone()));
         let sequence_ids: HashSet<ParamId> = tp.sequence_param_ids().into_iter().collect();
         let sequence_ranges: Vec<Range<usize>> = layout
             .entries()

@@ -16,7 +16,6 @@ use std::collections::BTreeMap;
 
 use burn::optim::{LearningRate, Optimizer, RecordState, StateSink, StateSource};
 use burn::tensor::{Device, Tensor, TensorData};
-use burn_pack::Scalar;
 use serde_json::Value;
 
 use crate::error::{Result, ZeroError};
@@ -224,25 +223,4 @@ fn tensor_bytes<S: RecordState>(state: &S) -> usize {
     sink.tensors.iter().map(|(_, d)| d.as_bytes().len()).sum()
 }
 
-fn scalar_to_json(s: Scalar) -> Value {
-    match s {
-        Scalar::Int(v) => serde_json::json!({ "int": v }),
-        Scalar::UInt(v) => serde_json::json!({ "uint": v }),
-        Scalar::Float(v) => serde_json::json!({ "float": v }),
-        Scalar::Bool(v) => serde_json::json!({ "bool": v }),
-    }
-}
-
-fn scalar_from_json(v: &Value) -> Option<Scalar> {
-    let o = v.as_object()?;
-    if let Some(x) = o.get("int") {
-        return x.as_i64().map(Scalar::Int);
-    }
-    if let Some(x) = o.get("uint") {
-        return x.as_u64().map(Scalar::UInt);
-    }
-    if let Some(x) = o.get("float") {
-        return x.as_f64().map(Scalar::Float);
-    }
-    o.get("bool")?.as_bool().map(Scalar::Bool)
-}
+use burn_parallel::checkpoint::{scalar_from_json, scalar_json as scalar_to_json};

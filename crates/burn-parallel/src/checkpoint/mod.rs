@@ -49,6 +49,7 @@
 //! # std::fs::remove_dir_all(&root).unwrap();
 //! ```
 
+mod module;
 mod region;
 mod store;
 
@@ -63,6 +64,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::{CollectiveError, ProcessGroup};
+pub use module::{
+    FlatPart, FlatParts, LocalParam, LocalState, OPTIM, ParamKind, ParamMap, Segment,
+    flat_space_segments, merged_scalars, read_segments, read_state, scalar_from_json, scalar_json,
+    scalars_by_logical, segment_pieces,
+};
 pub use region::{Region, even_part, overlaps};
 pub use store::{CHUNK_BYTES, FileManifest};
 
