@@ -35,6 +35,7 @@ pub mod gpt;
 pub use burn_parallel::init;
 pub mod pipeline;
 pub mod train;
+pub mod train_checkpoint;
 pub mod train_diloco;
 pub mod train_vit;
 pub mod train_zero;

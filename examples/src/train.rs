@@ -24,6 +24,8 @@ use serde::{Deserialize, Serialize};
 use crate::data::{Corpus, Split};
 use crate::gpt::{Gpt, GptConfig};
 use crate::init::splitmix64;
+use crate::train_checkpoint::{self, CheckpointOptions};
+use burn_parallel::checkpoint::{Checkpointer, ParamKind, ParamMap, merged_scalars};
 
 /// Everything that defines a training run (the model included).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -521,6 +523,60 @@ struct ZeroExperts {
     acc: GradientsAccumulator<Gpt>,
 }
 
+impl Engine {
+    /// The optimizer's state as checkpoint pieces, and its scalars by logical parameter.
+    fn optimizer_state(
+        &self,
+        map: &ParamMap,
+        tp: &burn_parallel::nn::TpContext,
+        copies: (usize, usize),
+    ) -> Result<(Vec<burn_parallel::checkpoint::Piece>, serde_json::Value), String> {
+        match self {
+            Engine::Step { optim, .. } => map
+                .optimizer_pieces(optim.to_record())
+                .map_err(|e| e.to_string()),
+            Engine::Zero(zero, _) => {
+                let (pieces, scalars) = zero
+                    .checkpoint_state(tp, copies)
+                    .map_err(|e| e.to_string())?;
+                Ok((
+                    pieces,
+                    serde_json::to_value(scalars).expect("scalars serialise"),
+                ))
+            }
+        }
+    }
+
+    /// Restores the optimizer's state from a checkpoint saved under any layout.
+    fn load_optimizer(
+        &mut self,
+        map: &ParamMap,
+        checkpoint: &burn_parallel::checkpoint::Checkpoint,
+        tp: &burn_parallel::nn::TpContext,
+        scalars: &std::collections::BTreeMap<
+            String,
+            std::collections::BTreeMap<String, serde_json::Value>,
+        >,
+        fresh: impl Fn() -> ModuleOptimizer,
+    ) -> Result<(), String> {
+        match self {
+            Engine::Step { optim, .. } => {
+                if let Some(record) = map
+                    .load_optimizer(checkpoint, scalars)
+                    .map_err(|e| e.to_string())?
+                {
+                    let empty = std::mem::replace(optim, fresh());
+                    *optim = empty.load_record(record);
+                }
+                Ok(())
+            }
+            Engine::Zero(zero, _) => zero
+                .load_checkpoint_state(checkpoint, tp, scalars)
+                .map_err(|e| e.to_string()),
+        }
+    }
+}
+
 /// Trains the GPT of `config` on `world` with the split `parallel` (every rank calls it): one
 /// model type ([`Gpt::build`]) under every layout, the tensor-parallel plan [`Gpt::tp_plan`],
 /// the FSDP plan [`Gpt::fsdp_plan`], and the library's [`TrainStep`] (or ZeRO's optimizer).
@@ -538,10 +594,36 @@ pub fn train_gpt_parallel(
     corpus: &Corpus,
     on_step: &mut dyn FnMut(&StepStats),
 ) -> burn_parallel::Result<TrainReport> {
+    let none = CheckpointOptions::default();
+    train_gpt_checkpointed(world, config, parallel, corpus, &none, on_step)
+}
+
+/// [`train_gpt_parallel`] that saves distributed checkpoints and resumes from one
+/// ([`crate::train_checkpoint`]): any layout loads what any other saved, and the resumed run
+/// continues the saving run's losses (its [`TrainReport::losses`] include the steps done before
+/// the checkpoint).
+///
+/// # Errors
+/// As [`train_gpt_parallel`]; invalid options, a checkpoint that cannot be read or is of
+/// another model, and a failed save are reported as [`CollectiveError::InvalidArgument`].
+pub fn train_gpt_checkpointed(
+    world: &ProcessGroup,
+    config: &TrainConfig,
+    parallel: &Parallelism,
+    corpus: &Corpus,
+    checkpoints: &CheckpointOptions,
+    on_step: &mut dyn FnMut(&StepStats),
+) -> burn_parallel::Result<TrainReport> {
     let op = "train_gpt";
     parallel
         .validate(config, world.size())
         .map_err(|e| invalid(world, op, e))?;
+    if checkpoints.active() {
+        checkpoints
+            .validate()
+            .and_then(|()| train_checkpoint::check_layout(&config.model))
+            .map_err(|e| invalid(world, "checkpoint", e))?;
+    }
     let plain = parallel
         .device
         .device()
@@ -675,17 +757,54 @@ pub fn train_gpt_parallel(
         model.set_moe_loss_scale(1.0 / config.grad_accum as f32);
     }
 
+    // ---- checkpoints: what each rank holds of the logical model, and who writes what ----
+    let tp_ctx = model.tp.clone();
+    let data_shards = fsdp.as_ref().map(|plan| plan.shards().clone());
+    let holders = |group: &ProcessGroup| (group.size(), group.rank());
+    let (all, same_tp, same_shard) = (holders(world), holders(&reduce), holders(&replicate));
+    let map_of = |m: &Gpt| {
+        ParamMap::new(m, &tp_ctx, data_shards.as_ref())
+            .map(|map| {
+                map.with_replicas(|p| match p.kind {
+                    ParamKind::Replicated => all,
+                    ParamKind::TpSharded => same_tp,
+                    ParamKind::Flat => same_shard,
+                })
+            })
+            .map_err(|e| invalid(world, "checkpoint", e))
+    };
+    let mut first_step = 0;
+    let mut losses = Vec::with_capacity(config.steps);
+    let mut model = model;
+    if let Some(path) = &checkpoints.resume {
+        let fail = |e: &dyn std::fmt::Display| invalid(world, "resume", e);
+        let checkpoint = train_checkpoint::open_resume(path).map_err(|e| fail(&e))?;
+        let state = train_checkpoint::resume_state(&checkpoint, config).map_err(|e| fail(&e))?;
+        let map = map_of(&model)?;
+        model = map.load_params(model, &checkpoint).map_err(|e| fail(&e))?;
+        let scalars = merged_scalars(&checkpoint, train_checkpoint::OPTIM_SCALARS);
+        engine
+            .load_optimizer(&map, &checkpoint, &tp_ctx, &scalars, || adamw.init())
+            .map_err(|e| fail(&e))?;
+        first_step = checkpoint.step();
+        losses = state.losses;
+    }
+    let mut saver = match (&checkpoints.dir, checkpoints.save_every) {
+        (Some(dir), every) if every > 0 => Some(
+            Checkpointer::new(dir, checkpoints.keep, world)
+                .map_err(|e| invalid(world, "checkpoint", e))?,
+        ),
+        _ => None,
+    };
+
     // ---- the loop ----
     let rows_per_rank = config.batch_size / dp.size();
     let micro_rows = rows_per_rank / config.grad_accum;
     let tokens_per_step = (config.batch_size * config.seq_len) as f64;
     let start = Instant::now();
     let mut model = Some(model);
-    let mut run = Run {
-        losses: Vec::with_capacity(config.steps),
-        timed: 0.0,
-    };
-    for step in 0..config.steps {
+    let mut run = Run { losses, timed: 0.0 };
+    for step in first_step..config.steps {
         let step_start = Instant::now();
         let mut local_loss = 0.0;
         let mut m = model.take().expect("the loop always holds the model");
@@ -783,6 +902,30 @@ pub fn train_gpt_parallel(
             elapsed: start.elapsed().as_secs_f64(),
             moe,
         });
+        if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
+            let m = model.as_ref().expect("the loop always holds the model");
+            let map = map_of(m)?;
+            let fail = |e: &dyn std::fmt::Display| invalid(world, "checkpoint", e);
+            let mut pieces = map.param_pieces(m).map_err(|e| fail(&e))?;
+            let (optim, scalars) = engine
+                .optimizer_state(&map, &tp_ctx, same_shard)
+                .map_err(|e| fail(&e))?;
+            pieces.extend(optim);
+            let state = train_checkpoint::TrainerState {
+                losses: run.losses.clone(),
+                config: config.clone(),
+            };
+            let state = serde_json::to_value(state).expect("the trainer state serialises");
+            let rank_state = serde_json::json!({ train_checkpoint::OPTIM_SCALARS: scalars });
+            let saved = match checkpoints.asynchronous {
+                true => saver.save_async(step + 1, pieces, state, rank_state),
+                false => saver.save(step + 1, pieces, state, rank_state).map(|_| ()),
+            };
+            saved.map_err(|e| fail(&e))?;
+        }
+    }
+    if let Some(saver) = saver.as_mut() {
+        saver.wait().map_err(|e| invalid(world, "checkpoint", e))?;
     }
 
     // ---- evaluation on the layout, then the whole model for sampling and the report ----

@@ -14,6 +14,9 @@ pub enum ZeroError {
     /// A tensor-parallel layer or plan failed while building or running a unit.
     #[error(transparent)]
     Tp(#[from] burn_parallel::tensor_parallel::TpError),
+    /// A distributed checkpoint could not be saved or loaded.
+    #[error(transparent)]
+    Checkpoint(#[from] burn_parallel::checkpoint::CheckpointError),
     /// The replicas handed to a wrapper are not identical on every rank (checked with
     /// [`burn_parallel::replica::verify_replicas`] when a module is wrapped).
     #[error(transparent)]

@@ -691,6 +691,77 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         self.scaler.as_ref()
     }
 
+    /// This rank's optimizer state as pieces of a distributed checkpoint
+    /// ([`burn_parallel::checkpoint`]), named `optim/<state>/<logical parameter>` as Burn's
+    /// own optimizers' are by [`ParamMap::optimizer_pieces`](burn_parallel::checkpoint::ParamMap),
+    /// so that any layout (DDP, another ZeRO stage, FSDP, another tensor-parallel size) loads
+    /// it; and its scalars (step counters) by logical parameter, for the rank state.
+    ///
+    /// # Arguments
+    /// * `tp` - the tensor-parallel context the model was built with.
+    /// * `copies` - `(ranks holding this same shard, this rank's index among them)`: under
+    ///   hybrid sharding the replicas share the writing; `(1, 0)` otherwise.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] under mixed precision (the fp32 master weights are not written
+    /// by this path yet); [`ZeroError::Checkpoint`] when a parameter cannot be described.
+    pub fn checkpoint_state(
+        &self,
+        tp: &TpContext,
+        copies: (usize, usize),
+    ) -> Result<(
+        Vec<burn_parallel::checkpoint::Piece>,
+        std::collections::BTreeMap<String, std::collections::BTreeMap<String, serde_json::Value>>,
+    )> {
+        use burn_parallel::checkpoint::{
+            OPTIM, flat_space_segments, scalars_by_logical, segment_pieces,
+        };
+        if self.master.is_some() {
+            return Err(ZeroError::Config(
+                "distributed checkpoints of mixed-precision ZeRO are not supported yet: \
+                 train in fp32, or use burn_zero::checkpoint"
+                    .into(),
+            ));
+        }
+        let segments = flat_space_segments(tp, "", &self.layout.parts(self.range.clone()))?;
+        let writes: Vec<_> = segments
+            .iter()
+            .map(|s| s.part(copies.0, copies.1))
+            .collect();
+        let (state, scalars) = self.optim.export(0);
+        let mut pieces = Vec::new();
+        for (field, data) in &state {
+            pieces.extend(segment_pieces(&format!("{OPTIM}{field}/"), &writes, data)?);
+        }
+        Ok((pieces, scalars_by_logical(&segments, &scalars)))
+    }
+
+    /// Restores this rank's optimizer state from a distributed checkpoint saved under any
+    /// layout (see [`Self::checkpoint_state`]); `scalars` are the saving ranks' scalars by
+    /// logical parameter ([`burn_parallel::checkpoint::merged_scalars`]). A checkpoint without
+    /// optimizer state for these parameters leaves the state empty (as before a first step).
+    ///
+    /// # Errors
+    /// [`ZeroError::Checkpoint`] on a read error; [`ZeroError::Config`] when the state of the
+    /// shard's parameters is only partly there or does not fit this optimizer.
+    pub fn load_checkpoint_state(
+        &mut self,
+        checkpoint: &burn_parallel::checkpoint::Checkpoint,
+        tp: &TpContext,
+        scalars: &std::collections::BTreeMap<
+            String,
+            std::collections::BTreeMap<String, serde_json::Value>,
+        >,
+    ) -> Result<()> {
+        use burn_parallel::checkpoint::{flat_space_segments, read_state};
+        let segments = flat_space_segments(tp, "", &self.layout.parts(self.range.clone()))?;
+        let len = self.range.len();
+        let (state, scalars) = read_state(checkpoint, &segments, &[len], scalars)
+            .map_err(ZeroError::Config)?
+            .unwrap_or_default();
+        self.optim.import(0, state, &scalars, len, &self.device)
+    }
+
     /// The fp32 values of this rank's shard of the parameters (for checkpoints): the master
     /// shard, or the module's parameters in fp32.
     ///

@@ -92,8 +92,10 @@ impl Segment {
         }))
     }
 
-    /// Part `index` of `parts` equal flat parts of the segment.
-    fn part(&self, parts: usize, index: usize) -> Segment {
+    /// Part `index` of `parts` equal flat parts of the segment (the share of one of `parts`
+    /// ranks holding the same copy).
+    pub fn part(&self, parts: usize, index: usize) -> Segment {
+        let (parts, index) = (parts.max(1), index.min(parts.max(1) - 1));
         let range = even_part(self.region.numel(), parts, index);
         Segment {
             logical: self.logical.clone(),
@@ -264,11 +266,7 @@ impl ParamMap {
     pub fn with_replicas(mut self, replicas: impl Fn(&LocalParam) -> (usize, usize)) -> Self {
         for p in &mut self.params {
             let (copies, index) = replicas(p);
-            p.writes = p
-                .segments
-                .iter()
-                .map(|s| s.part(copies.max(1), index.min(copies.max(1) - 1)))
-                .collect();
+            p.writes = p.segments.iter().map(|s| s.part(copies, index)).collect();
         }
         self
     }

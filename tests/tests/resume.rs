@@ -1,0 +1,159 @@
+//! Distributed checkpoints of the GPT trainer: a run saves at step 6 of 16 under one layout;
+//! runs resumed from that checkpoint under the same and other layouts continue its loss curve
+//! (bit for bit under the same layout, within 1e-5 under another) and end with its parameters.
+//! Also: the `gpt` binary's `--save-every/--resume`, a SIGKILL during a save, and resuming
+//! from the checkpoint of another model.
+
+use std::path::{Path, PathBuf};
+
+use burn_parallel::run_local;
+use burn_zero::Stage;
+use examples::data::Corpus;
+use examples::train::{Parallelism, TrainConfig, TrainReport, train_gpt_checkpointed};
+use examples::train_checkpoint::CheckpointOptions;
+use tests::{Reference, assert_matches_reference, rank0_if_ranks_agree, tiny_gpt_run};
+
+const STEPS: usize = 16;
+const SAVED_AT: usize = 6;
+const TOL: f64 = 1e-5;
+
+fn config() -> TrainConfig {
+    let mut c = tiny_gpt_run(STEPS);
+    c.model.n_heads = 4;
+    c
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bp-resume-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn layout(tp: usize, zero: Option<Stage>) -> Parallelism {
+    Parallelism {
+        tp,
+        zero,
+        ..Parallelism::default()
+    }
+}
+
+/// Trains on `world` thread ranks with checkpoint `options`; rank 0's report (all ranks agree).
+fn run(
+    world: usize,
+    parallel: &Parallelism,
+    config: &TrainConfig,
+    options: &CheckpointOptions,
+) -> TrainReport {
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let reports = run_local(world, |g| {
+        train_gpt_checkpointed(&g, config, parallel, &corpus, options, &mut |_| {})
+    })
+    .unwrap_or_else(|e| panic!("{parallel:?} on {world} ranks: {e}"));
+    rank0_if_ranks_agree(reports, |r| (&r.losses, &r.final_params))
+}
+
+/// The uninterrupted run under `parallel`, saving every `SAVED_AT` steps under `dir`.
+fn saving_run(world: usize, parallel: &Parallelism, dir: &Path) -> Reference {
+    let save = CheckpointOptions {
+        dir: Some(dir.to_path_buf()),
+        save_every: SAVED_AT,
+        keep: 5,
+        ..CheckpointOptions::default()
+    };
+    Reference::of_run(run(world, parallel, &config(), &save))
+}
+
+fn resume_from(dir: &Path) -> CheckpointOptions {
+    CheckpointOptions {
+        resume: Some(dir.join(format!("step-{SAVED_AT:08}"))),
+        ..CheckpointOptions::default()
+    }
+}
+
+#[test]
+fn dp2_tp2_resumes_under_tp4_zero3_and_one_device() {
+    let dir = scratch("dp2tp2");
+    let reference = saving_run(4, &layout(2, None), &dir);
+    // The same layout: bit for bit.
+    let same = run(4, &layout(2, None), &config(), &resume_from(&dir));
+    assert_eq!(
+        same.losses, reference.losses,
+        "same layout: identical losses"
+    );
+    assert_matches_reference(
+        &reference,
+        &same.losses,
+        &same.final_params,
+        0.0,
+        "same layout",
+    );
+    // Other layouts: the continued curve within 1e-5, the same final parameters.
+    for (world, parallel, what) in [
+        (4, layout(4, None), "tp 4"),
+        (4, layout(1, Some(Stage::Three)), "dp 4 ZeRO-3"),
+        (1, layout(1, None), "one device"),
+    ] {
+        let r = run(world, &parallel, &config(), &resume_from(&dir));
+        assert_eq!(
+            r.losses[..SAVED_AT],
+            reference.losses[..SAVED_AT],
+            "{what}: saved losses"
+        );
+        assert_matches_reference(&reference, &r.losses, &r.final_params, TOL, what);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn zero1_tp2_resumes_under_zero3_and_ddp() {
+    let dir = scratch("zero1");
+    let reference = saving_run(4, &layout(2, Some(Stage::One)), &dir);
+    let same = run(
+        4,
+        &layout(2, Some(Stage::One)),
+        &config(),
+        &resume_from(&dir),
+    );
+    assert_eq!(
+        same.losses, reference.losses,
+        "same layout: identical losses"
+    );
+    for (world, parallel, what) in [
+        (4, layout(2, Some(Stage::Three)), "dp 2 x tp 2 ZeRO-3"),
+        (2, layout(1, Some(Stage::Two)), "dp 2 ZeRO-2"),
+        (2, layout(1, None), "dp 2 DDP"),
+    ] {
+        let r = run(world, &parallel, &config(), &resume_from(&dir));
+        assert_matches_reference(&reference, &r.losses, &r.final_params, TOL, what);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn a_checkpoint_of_another_model_is_refused_with_its_differences() {
+    let dir = scratch("other");
+    saving_run(2, &layout(1, None), &dir);
+    let mut other = config();
+    other.model.d_model = 48;
+    let corpus = Corpus::load_default().unwrap();
+    let errors = run_local(2, |g| {
+        let r = train_gpt_checkpointed(
+            &g,
+            &other,
+            &layout(1, None),
+            &corpus,
+            &resume_from(&dir),
+            &mut |_| {},
+        );
+        Ok(r.err().expect("refused").to_string())
+    })
+    .unwrap();
+    assert!(errors[0].contains("model"), "{}", errors[0]);
+    // No checkpoint at all: the path is named.
+    let missing = dir.join("nothing-here");
+    let err = examples::train_checkpoint::open_resume(&missing)
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("nothing-here"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
