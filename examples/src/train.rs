@@ -553,10 +553,7 @@ impl Engine {
         map: &ParamMap,
         checkpoint: &burn_parallel::checkpoint::Checkpoint,
         tp: &burn_parallel::nn::TpContext,
-        scalars: &std::collections::BTreeMap<
-            String,
-            std::collections::BTreeMap<String, serde_json::Value>,
-        >,
+        scalars: &burn_parallel::checkpoint::ScalarsByLogical,
         fresh: impl Fn() -> ModuleOptimizer,
     ) -> Result<(), String> {
         match self {

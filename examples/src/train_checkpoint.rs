@@ -171,3 +171,37 @@ pub(crate) fn check_layout(model: &GptConfig) -> Result<(), String> {
     }
     Ok(())
 }
+
+/// The `gpt` binary's checkpoint flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CheckpointArgs {
+    /// Save a distributed checkpoint after every N steps (under --checkpoint-dir).
+    #[arg(long, requires = "checkpoint_dir")]
+    pub save_every: Option<usize>,
+    /// Where checkpoints go (`D/step-00000100/`, ...).
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Complete checkpoints kept; older ones are deleted.
+    #[arg(long, default_value_t = 3)]
+    pub keep_checkpoints: usize,
+    /// Write checkpoints on a background thread while training goes on.
+    #[arg(long)]
+    pub async_checkpoint: bool,
+    /// Resume from a checkpoint directory, or from the newest complete one under a directory,
+    /// under any layout.
+    #[arg(long)]
+    pub resume: Option<PathBuf>,
+}
+
+impl CheckpointArgs {
+    /// The options of these flags.
+    pub fn options(&self) -> CheckpointOptions {
+        CheckpointOptions {
+            dir: self.checkpoint_dir.clone(),
+            save_every: self.save_every.unwrap_or(0),
+            keep: self.keep_checkpoints,
+            asynchronous: self.async_checkpoint,
+            resume: self.resume.clone(),
+        }
+    }
+}

@@ -145,7 +145,7 @@ fn a_checkpoint_of_another_model_is_refused_with_its_differences() {
             &resume_from(&dir),
             &mut |_| {},
         );
-        Ok(r.err().expect("refused").to_string())
+        Ok(r.map(|_| ()).expect_err("refused").to_string())
     })
     .unwrap();
     assert!(errors[0].contains("model"), "{}", errors[0]);
@@ -155,5 +155,89 @@ fn a_checkpoint_of_another_model_is_refused_with_its_differences() {
         .err()
         .unwrap();
     assert!(err.to_string().contains("nothing-here"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The `gpt` binary saving after every step is killed with SIGKILL (most likely during a
+/// save); `gpt --resume` over TCP processes then continues from the newest complete
+/// checkpoint, and ends with the losses and parameters of an uninterrupted run.
+#[test]
+fn gpt_killed_during_saves_resumes_from_the_last_complete_checkpoint() {
+    let dir = scratch("sigkill");
+    let ckpt = dir.join("ckpt");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut c = config();
+    c.steps = 40;
+    let config_path = dir.join("run.toml");
+    std::fs::write(&config_path, toml::to_string(&c).unwrap()).unwrap();
+    let gpt = tests::workspace_binary("examples", "gpt");
+    let mut child = std::process::Command::new(&gpt)
+        .args([
+            "--ranks",
+            "2",
+            "--save-every",
+            "1",
+            "--keep-checkpoints",
+            "3",
+        ])
+        .arg("--checkpoint-dir")
+        .arg(&ckpt)
+        .arg("--config")
+        .arg(&config_path)
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .expect("starting gpt");
+    // Once the checkpoint of step 4 is complete, kill it as soon as the save of step 5 has
+    // begun (its directory exists): it is then writing files, fsyncing or about to write the
+    // manifest.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    for started in ["step-00000004/manifest.json", "step-00000005"] {
+        while !ckpt.join(started).exists() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "gpt never wrote {started}"
+            );
+            if let Some(status) = child.try_wait().unwrap() {
+                panic!("gpt ended ({status}) before it was killed");
+            }
+            std::thread::sleep(std::time::Duration::from_micros(100));
+        }
+    }
+    child.kill().unwrap(); // SIGKILL
+    child.wait().unwrap();
+    let mut left: Vec<String> = std::fs::read_dir(&ckpt)
+        .unwrap()
+        .map(|e| {
+            let path = e.unwrap().path();
+            let complete = path.join("manifest.json").exists();
+            let name = path.file_name().unwrap().to_string_lossy().into_owned();
+            format!("{name}{}", if complete { "" } else { " (interrupted)" })
+        })
+        .collect();
+    left.sort();
+    eprintln!("after SIGKILL: {left:?}");
+    let newest = burn_parallel::checkpoint::Checkpointer::latest(&ckpt)
+        .unwrap()
+        .expect("a complete checkpoint survives");
+    assert!(newest.step() >= 4, "step {}", newest.step());
+    let reference = tests::gpt_through_burnrun(2, &c, &[]);
+    let resumed = tests::gpt_through_burnrun(2, &c, &["--resume", ckpt.to_str().unwrap()]);
+    tests::assert_same_losses(
+        &reference.losses,
+        &resumed.losses,
+        TOL,
+        "resumed after SIGKILL",
+    );
+    let reference = Reference {
+        losses: reference.losses,
+        params: tests::params_map(&reference.params),
+    };
+    assert_matches_reference(
+        &reference,
+        &resumed.losses,
+        &resumed.params,
+        TOL,
+        "after SIGKILL",
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }

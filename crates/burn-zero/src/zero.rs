@@ -711,7 +711,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         copies: (usize, usize),
     ) -> Result<(
         Vec<burn_parallel::checkpoint::Piece>,
-        std::collections::BTreeMap<String, std::collections::BTreeMap<String, serde_json::Value>>,
+        burn_parallel::checkpoint::ScalarsByLogical,
     )> {
         use burn_parallel::checkpoint::{
             OPTIM, flat_space_segments, scalars_by_logical, segment_pieces,
@@ -748,10 +748,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         &mut self,
         checkpoint: &burn_parallel::checkpoint::Checkpoint,
         tp: &TpContext,
-        scalars: &std::collections::BTreeMap<
-            String,
-            std::collections::BTreeMap<String, serde_json::Value>,
-        >,
+        scalars: &burn_parallel::checkpoint::ScalarsByLogical,
     ) -> Result<()> {
         use burn_parallel::checkpoint::{flat_space_segments, read_state};
         let segments = flat_space_segments(tp, "", &self.layout.parts(self.range.clone()))?;

@@ -13,6 +13,8 @@
 //! gpt --ranks 4 --cp 2 --cp-kind ring --cp-balance headtail       # dp 2 x cp 2, ring attention
 //! gpt --ranks 4 --moe-experts 8 --top-k 2 --ep 2 --dropless        # GPT-MoE, dp 4 with ep 2
 //! gpt --moe-experts 8 --moe-every 2 --capacity-factor 1.25 --aux-loss 0.01 --z-loss 0.001
+//! gpt --ranks 4 --tp 2 --save-every 100 --checkpoint-dir ckpt   # distributed checkpoints
+//! gpt --ranks 4 --zero 3 --resume ckpt                           # resume under another layout
 //! ```
 
 use std::path::PathBuf;
@@ -29,8 +31,9 @@ use examples::data::Corpus;
 use examples::gpt::{MlpKind, PositionKind};
 use examples::train::{
     MoeLayoutError, Parallelism, StepStats, TrainConfig, TrainDevice, TrainReport,
-    train_gpt_parallel,
+    train_gpt_checkpointed,
 };
+use examples::train_checkpoint::CheckpointOptions;
 use examples::train_zero::{ZeroReport, ZeroRunOptions, memory_line, train_gpt_zero};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -162,6 +165,10 @@ struct Args {
     /// [--diloco-compression f32|fp16|bf16|int8] [--diloco-fragments F].
     #[command(flatten)]
     diloco: examples::train_diloco::DiLoCoArgs,
+    /// Distributed checkpoints: --save-every N --checkpoint-dir D [--keep-checkpoints K]
+    /// [--async-checkpoint], and --resume D (under any dp/tp/ZeRO layout).
+    #[command(flatten)]
+    checkpoint: examples::train_checkpoint::CheckpointArgs,
     /// Hidden width of the dense MLP (default 4 x d_model).
     #[arg(long)]
     d_ff: Option<usize>,
@@ -370,6 +377,7 @@ fn run_rank(
     parallel: &Parallelism,
     corpus: &Corpus,
     log_every: usize,
+    checkpoints: &CheckpointOptions,
 ) -> burn_parallel::Result<TrainReport> {
     let lead = group.rank() == 0;
     let bar = if lead {
@@ -402,7 +410,7 @@ fn run_rank(
             }
         }
     };
-    let report = train_gpt_parallel(group, config, parallel, corpus, &mut on_step);
+    let report = train_gpt_checkpointed(group, config, parallel, corpus, checkpoints, &mut on_step);
     bar.finish_and_clear();
     report
 }
@@ -423,6 +431,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    let checkpoints = args.checkpoint.options();
+    if checkpoints.active() && (args.diloco.islands.is_some() || args.pipeline.pp > 1) {
+        eprintln!(
+            "error: --save-every/--resume are not supported with --pp or --diloco-islands yet; \
+             they work with --ranks, --tp/--sp, --zero 1|2|3, --hybrid and --cp"
+        );
+        return ExitCode::from(2);
+    }
     if let Some(run) = args.diloco.run(train_device(&args)) {
         return run_diloco(&args, &config, &corpus, &run);
     }
@@ -460,6 +476,7 @@ fn main() -> ExitCode {
         && args.tp == 1
         && args.cp == 1
         && !moe
+        && !checkpoints.active()
     {
         return run_zero(&args, &config, &corpus, stage as usize);
     }
@@ -493,7 +510,14 @@ fn main() -> ExitCode {
             }
             print_header(&config, args.ranks, "local", &corpus, &parallel);
             run_local(args.ranks, |group| {
-                run_rank(&group, &config, &parallel, &corpus, args.log_every)
+                run_rank(
+                    &group,
+                    &config,
+                    &parallel,
+                    &corpus,
+                    args.log_every,
+                    &checkpoints,
+                )
             })
             .map(|mut reports| Some(reports.swap_remove(0)))
         }
@@ -501,7 +525,14 @@ fn main() -> ExitCode {
             if group.rank() == 0 {
                 print_header(&config, group.size(), "tcp", &corpus, &parallel);
             }
-            let report = run_rank(&group, &config, &parallel, &corpus, args.log_every)?;
+            let report = run_rank(
+                &group,
+                &config,
+                &parallel,
+                &corpus,
+                args.log_every,
+                &checkpoints,
+            )?;
             // Rank 0 reports for everyone.
             Ok((group.rank() == 0).then_some(report))
         }),

@@ -65,9 +65,9 @@ use serde_json::Value;
 
 use crate::{CollectiveError, ProcessGroup};
 pub use module::{
-    FlatPart, FlatParts, LocalParam, LocalState, OPTIM, ParamKind, ParamMap, Segment,
-    flat_space_segments, merged_scalars, read_segments, read_state, scalar_from_json, scalar_json,
-    scalars_by_logical, segment_pieces,
+    FlatPart, FlatParts, LocalParam, LocalState, OPTIM, ParamKind, ParamMap, ScalarsByLogical,
+    Segment, flat_space_segments, merged_scalars, read_segments, read_state, scalar_from_json,
+    scalar_json, scalars_by_logical, segment_pieces,
 };
 pub use region::{Region, even_part, overlaps};
 pub use store::{CHUNK_BYTES, FileManifest};

@@ -404,7 +404,7 @@ impl ParamMap {
         let reader = burn_pack::Reader::from_bytes(bytes).map_err(|e| bad(format!("{e:?}")))?;
         let by_id: HashMap<u64, &LocalParam> =
             self.params.iter().map(|p| (p.id.val(), p)).collect();
-        let mut scalars: BTreeMap<String, BTreeMap<String, Value>> = BTreeMap::new();
+        let mut scalars = ScalarsByLogical::new();
         for (key, value) in reader.scalars() {
             let Some((id, field)) = split_key(key) else {
                 continue;
@@ -464,7 +464,7 @@ impl ParamMap {
     pub fn load_optimizer(
         &self,
         checkpoint: &Checkpoint,
-        scalars: &BTreeMap<String, BTreeMap<String, Value>>,
+        scalars: &ScalarsByLogical,
     ) -> Result<Option<OptimizerRecord>> {
         if !checkpoint
             .manifest()
@@ -535,7 +535,7 @@ pub fn read_state(
     checkpoint: &Checkpoint,
     segments: &[Segment],
     shape: &[usize],
-    scalars: &BTreeMap<String, BTreeMap<String, Value>>,
+    scalars: &ScalarsByLogical,
 ) -> std::result::Result<Option<LocalState>, String> {
     let mut fields: Option<Vec<String>> = None;
     for s in segments {
@@ -595,7 +595,7 @@ pub fn read_state(
 pub fn scalars_by_logical(
     segments: &[Segment],
     scalars: &BTreeMap<String, Value>,
-) -> BTreeMap<String, BTreeMap<String, Value>> {
+) -> ScalarsByLogical {
     segments
         .iter()
         .map(|s| (s.logical.clone(), scalars.clone()))
@@ -609,7 +609,7 @@ fn flat_segments(
     tp: &HashMap<ParamId, (usize, crate::tensor_parallel::Shard)>,
     unit: &str,
     flat: &FlatParts,
-) -> std::result::Result<(Vec<Segment>, BTreeMap<String, Vec<usize>>), String> {
+) -> std::result::Result<(Vec<Segment>, Shapes), String> {
     let shard = [flat.range.len()];
     let mut segments = Vec::new();
     let mut shapes = BTreeMap::new();
@@ -705,6 +705,12 @@ pub fn read_segments(
     Ok(TensorData::from_bytes_vec(bytes, shape.to_vec(), dtype))
 }
 
+/// Logical shapes by name.
+type Shapes = BTreeMap<String, Vec<usize>>;
+
+/// Optimizer scalars (step counters...) by logical parameter, then by state field.
+pub type ScalarsByLogical = BTreeMap<String, BTreeMap<String, Value>>;
+
 /// Prefix of the optimizer-state tensors' names.
 pub const OPTIM: &str = "optim/";
 /// The scalar Burn's optimizer records keep for each parameter's rank.
@@ -742,15 +748,13 @@ pub fn scalar_from_json(v: &Value) -> Option<burn_pack::Scalar> {
 }
 
 /// Merges the optimizer scalars of every saving rank's state (`rank_state[key]`).
-pub fn merged_scalars(
-    checkpoint: &Checkpoint,
-    key: &str,
-) -> BTreeMap<String, BTreeMap<String, Value>> {
+pub fn merged_scalars(checkpoint: &Checkpoint, key: &str) -> ScalarsByLogical {
     let mut all = BTreeMap::new();
     for state in &checkpoint.manifest().rank_states {
-        if let Some(map) = state.get(key).and_then(|v| {
-            serde_json::from_value::<BTreeMap<String, BTreeMap<String, Value>>>(v.clone()).ok()
-        }) {
+        if let Some(map) = state
+            .get(key)
+            .and_then(|v| serde_json::from_value::<ScalarsByLogical>(v.clone()).ok())
+        {
             all.extend(map);
         }
     }
