@@ -732,6 +732,11 @@ impl Checkpoint {
     /// [`CheckpointError::Piece`] when there is no such tensor or the region does not fit its
     /// shape; [`CheckpointError::Corrupt`] naming the file and tensor on a checksum mismatch.
     pub fn read(&self, name: &str, region: &Region) -> Result<TensorData> {
+        self.read_shaped(name, region, vec![region.numel()])
+    }
+
+    /// [`Checkpoint::read`] into a tensor of `shape` (with the region's number of elements).
+    fn read_shaped(&self, name: &str, region: &Region, shape: Vec<usize>) -> Result<TensorData> {
         let t = self.manifest.tensors.get(name).ok_or_else(|| {
             CheckpointError::piece(
                 name,
@@ -784,7 +789,7 @@ impl Checkpoint {
                 ),
             });
         }
-        Ok(TensorData::from_bytes_vec(out, vec![region.numel()], dtype))
+        Ok(TensorData::from_bytes_vec(out, shape, dtype))
     }
 
     /// Reads the whole of tensor `name` in its full shape.
@@ -796,13 +801,7 @@ impl Checkpoint {
             .shape(name)
             .ok_or_else(|| CheckpointError::piece(name, "not in the checkpoint"))?
             .to_vec();
-        let data = self.read(name, &Region::full(&shape))?;
-        let dtype = data.dtype();
-        Ok(TensorData::from_bytes_vec(
-            data.into_bytes().to_vec(),
-            shape,
-            dtype,
-        ))
+        self.read_shaped(name, &Region::full(&shape), shape.clone())
     }
 }
 

@@ -23,22 +23,17 @@ pub struct FileManifest {
     pub file: String,
     /// Length in bytes.
     pub bytes: u64,
-    /// FNV-1a 64 of the safetensors header (its 8-byte length and its JSON), hexadecimal.
-    pub header_fnv64: String,
+    /// CRC-32 of the safetensors header (its 8-byte length and its JSON), hexadecimal.
+    pub header_crc32: String,
     /// Size of the checksummed chunks of tensor data.
     pub chunk_bytes: u64,
-    /// For every tensor, the FNV-1a 64 of each chunk of its data, in order, hexadecimal.
+    /// For every tensor, the CRC-32 of each chunk of its data, in order, hexadecimal.
     pub chunks: BTreeMap<String, Vec<String>>,
 }
 
-/// FNV-1a 64 of `bytes`, hexadecimal.
-pub(crate) fn fnv64(bytes: &[u8]) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for &b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{h:016x}")
+/// CRC-32 of `bytes` (hardware-accelerated where the CPU has it), hexadecimal.
+pub(crate) fn checksum(bytes: &[u8]) -> String {
+    format!("{:08x}", crc32fast::hash(bytes))
 }
 
 /// The safetensors name of a Burn dtype.
@@ -95,17 +90,12 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         .map_err(|e| CheckpointError::io(&tmp, e))?;
     f.sync_all().map_err(|e| CheckpointError::io(&tmp, e))?;
     fs::rename(&tmp, path).map_err(|e| CheckpointError::io(path, e))?;
-    if let Some(parent) = path.parent()
-        && let Ok(dir) = File::open(parent)
-    {
-        // Makes the rename itself durable; not every file system supports it, hence no error.
-        let _ = dir.sync_all();
-    }
+    sync_parent(path);
     Ok(())
 }
 
-/// Serialises `tensors` (each flattened to 1-D) into `path` atomically and returns the file's
-/// manifest entry.
+/// Serialises `tensors` (each flattened to 1-D) into `path` atomically (streamed from the
+/// tensors' memory, no copy of the whole file) and returns the file's manifest entry.
 pub(crate) fn write_file(
     path: &Path,
     file: String,
@@ -121,26 +111,61 @@ pub(crate) fn write_file(
             Ok((name.clone(), view))
         })
         .collect::<Result<Vec<_>>>()?;
-    let bytes = safetensors::serialize(views, None)
-        .map_err(|e| CheckpointError::piece(&file, format!("serialising: {e}")))?;
-    let header = parse_header(&bytes).map_err(|reason| CheckpointError::Corrupt {
-        path: path.to_path_buf(),
+    let tmp = path.with_extension("tmp");
+    safetensors::serialize_to_file(views, None, &tmp)
+        .map_err(|e| CheckpointError::piece(&file, format!("writing {}: {e}", tmp.display())))?;
+    let mut f = File::open(&tmp).map_err(|e| CheckpointError::io(&tmp, e))?;
+    f.sync_all().map_err(|e| CheckpointError::io(&tmp, e))?;
+    let bytes = f
+        .metadata()
+        .map_err(|e| CheckpointError::io(&tmp, e))?
+        .len();
+    let head = read_header(&mut f).map_err(|reason| CheckpointError::Corrupt {
+        path: tmp.clone(),
         reason,
     })?;
-    let mut chunks = BTreeMap::new();
-    for (name, place) in &header.tensors {
-        let data = &bytes
-            [(header.data_start + place.begin) as usize..(header.data_start + place.end) as usize];
-        chunks.insert(name.clone(), data.chunks(CHUNK_BYTES).map(fnv64).collect());
-    }
-    write_atomic(path, &bytes)?;
+    // The data section holds each tensor's bytes as they are in memory (little-endian).
+    let chunks = tensors
+        .iter()
+        .map(|(name, data)| {
+            let sums = data.as_bytes().chunks(CHUNK_BYTES).map(checksum).collect();
+            (name.clone(), sums)
+        })
+        .collect();
+    fs::rename(&tmp, path).map_err(|e| CheckpointError::io(path, e))?;
+    sync_parent(path);
     Ok(FileManifest {
-        header_fnv64: fnv64(&bytes[..header.data_start as usize]),
-        bytes: bytes.len() as u64,
+        header_crc32: checksum(&head),
+        bytes,
         chunk_bytes: CHUNK_BYTES as u64,
         chunks,
         file,
     })
+}
+
+/// Reads the header (its 8-byte length and its JSON) at the start of `file`.
+fn read_header(file: &mut File) -> std::result::Result<Vec<u8>, String> {
+    let mut head = vec![0u8; 8];
+    file.read_exact(&mut head)
+        .map_err(|e| format!("cannot read the header: {e}"))?;
+    let json_len = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
+    if json_len > 100 << 20 {
+        return Err(format!("a header of {json_len} bytes is not plausible"));
+    }
+    head.resize(8 + json_len as usize, 0);
+    file.read_exact(&mut head[8..])
+        .map_err(|e| format!("cannot read the header: {e}"))?;
+    Ok(head)
+}
+
+/// Makes a rename in `path`'s directory durable (not every file system supports it, hence no
+/// error).
+fn sync_parent(path: &Path) {
+    if let Some(parent) = path.parent()
+        && let Ok(dir) = File::open(parent)
+    {
+        let _ = dir.sync_all();
+    }
 }
 
 /// Where a tensor's data lies, relative to the data section.
@@ -224,22 +249,13 @@ impl FileReader {
                 manifest.bytes
             )));
         }
-        let mut head = vec![0u8; 8];
-        file.read_exact(&mut head)
-            .map_err(|e| corrupt(format!("cannot read the header: {e}")))?;
-        let json_len = u64::from_le_bytes(head[..8].try_into().expect("8 bytes"));
-        if 8 + json_len > len {
-            return Err(corrupt("the header runs past the end of the file".into()));
-        }
-        head.resize(8 + json_len as usize, 0);
-        file.read_exact(&mut head[8..])
-            .map_err(|e| corrupt(format!("cannot read the header: {e}")))?;
-        let sum = fnv64(&head);
-        if sum != manifest.header_fnv64 {
+        let head = read_header(&mut file).map_err(&corrupt)?;
+        let sum = checksum(&head);
+        if sum != manifest.header_crc32 {
             return Err(corrupt(format!(
                 "header checksum {sum} differs from the manifest's {}: the file is corrupt; \
                  resume from an earlier checkpoint",
-                manifest.header_fnv64
+                manifest.header_crc32
             )));
         }
         let header = parse_header(&head).map_err(corrupt)?;
@@ -334,7 +350,7 @@ impl FileReader {
                     .and_then(|_| file.read_exact(&mut buf))
                     .map_err(|e| CheckpointError::io(&self.path, e))?;
                     read += buf.len() as u64;
-                    let sum = fnv64(&buf);
+                    let sum = checksum(&buf);
                     if sum != sums[c] {
                         return Err(corrupt(format!(
                             "checksum {sum} of bytes {start}..{end} differs from the \
