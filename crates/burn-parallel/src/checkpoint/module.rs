@@ -136,17 +136,20 @@ pub struct LocalParam {
 /// use burn_parallel::plan::TpPlan;
 /// use burn_parallel::run_local;
 ///
-/// let regions = run_local(2, |group| {
+/// let maps = run_local(2, |group| {
 ///     let init = Init::new(1, &Device::flex())
 ///         .with_tp(&group, TpPlan::new().colwise("fc"))
 ///         .unwrap();
-///     let fc = init.at("model").linear("fc", LinearInit::new(4, 6)).unwrap();
+///     let fc = init.linear("fc", LinearInit::new(4, 6)).unwrap();
 ///     let map = ParamMap::new(&fc, &init.context(), None).unwrap();
-///     Ok(map.logical_shapes())
+///     let weight = map.params().iter().find(|p| p.path == "weight").unwrap();
+///     Ok((map.logical_shapes(), weight.segments[0].region.bounds.clone()))
 /// })
 /// .unwrap();
-/// // Each rank holds 3 of the 6 output columns of the [4, 6] weight.
-/// assert_eq!(regions[0].get("model.fc.weight"), Some(&vec![4, 6]));
+/// // The logical [4, 6] weight; each rank holds 3 of its 6 output columns.
+/// assert_eq!(maps[0].0.get("weight"), Some(&vec![4, 6]));
+/// assert_eq!(maps[0].1, vec![0..4, 0..3]);
+/// assert_eq!(maps[1].1, vec![0..4, 3..6]);
 /// ```
 #[derive(Debug, Clone)]
 pub struct ParamMap {
