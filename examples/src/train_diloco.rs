@@ -10,6 +10,11 @@
 //!
 //! Every byte a rank sends goes through [`count_sent_bytes`]: the report gives the outer sync's
 //! bytes and the total (inner DDP and the loss figures included).
+//!
+//! With `--diloco-drop-lost` ([`DiLoCoConfig::drop_lost_islands`]) an island that disappears is
+//! dropped and the others go on: nothing then runs over the whole world after the start, so the
+//! step losses and the validation loss are those of this rank's island (its rows of the global
+//! batch), and each rank reports only its own bytes.
 
 use std::time::Instant;
 
@@ -62,6 +67,12 @@ pub struct DiLoCoReport {
     pub total_bytes: u64,
     /// Fragment syncs this rank took part in (the final one of `DiLoCo::finish` included).
     pub syncs: usize,
+    /// Islands dropped during the run, with the inner step after which each was dropped
+    /// (`None`: in the final sync).
+    pub dropped: Vec<(usize, Option<usize>)>,
+    /// Seconds per step spent in [`DiLoCo::sync`] (the stall of the outer syncs, first step
+    /// excluded like the step time).
+    pub sync_seconds: f64,
 }
 
 /// A DiLoCo run that cannot go.
@@ -190,6 +201,15 @@ pub fn train_gpt_diloco(
     let tokens_per_step = (config.batch_size * config.seq_len) as f64;
     let start = Instant::now();
     let (mut losses, mut timed, mut outer_bytes) = (Vec::with_capacity(config.steps), 0.0, 0);
+    let mut sync_timed = 0.0;
+    // Who the loss figures are averaged over: the world, or this island once islands may
+    // disappear.
+    let drop_lost = run.diloco.drop_lost_islands;
+    let loss_group = if drop_lost {
+        islands.island().clone()
+    } else {
+        world.clone()
+    };
     let mut model = model;
     for step in 0..config.steps {
         let step_start = Instant::now();
@@ -215,13 +235,16 @@ pub fn train_gpt_diloco(
         let (grads, _norm) = step_engine.reduce(&model, acc.grads())?;
         model = optim.step(lr, model, grads);
         let before = counter.sent();
+        let sync_start = Instant::now();
         model = diloco.sync(step, model)?;
+        let sync_seconds = sync_start.elapsed().as_secs_f64();
         outer_bytes += counter.sent() - before;
-        let loss = world.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
+        let loss = loss_group.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
         losses.push(loss);
         let seconds = step_start.elapsed().as_secs_f64();
         if step > 0 {
             timed += seconds;
+            sync_timed += sync_seconds;
         }
         on_step(&StepStats {
             step,
@@ -240,20 +263,25 @@ pub fn train_gpt_diloco(
 
     let eval = model.valid();
     let val_loss = crate::train::validation_loss(
-        &world,
-        &world,
+        &loss_group,
+        &loss_group,
         config,
         run.device,
         corpus,
         &|inputs, targets| {
             eval.loss(inputs, targets)
                 .map_err(|e| CollectiveError::InvalidArgument {
-                    rank: world.global_rank(),
+                    rank: loss_group.global_rank(),
                     op: "validation loss".into(),
                     reason: e.to_string(),
                 })
         },
     )?;
+    let dropped = diloco
+        .history()
+        .iter()
+        .flat_map(|e| e.dropped.iter().map(|&i| (i, e.step)))
+        .collect();
     let sample = if config.sample_len > 0 && world.rank() == 0 {
         generate(&eval, &config.prompt, config, &plain)
     } else {
@@ -272,6 +300,8 @@ pub fn train_gpt_diloco(
         outer_bytes,
         total_bytes,
         syncs: diloco.history().len(),
+        dropped,
+        sync_seconds: sync_timed / timed_steps,
     })
 }
 
@@ -332,6 +362,17 @@ pub struct DiLoCoArgs {
     /// Streaming DiLoCo: fragments synced at staggered steps.
     #[arg(long = "diloco-fragments", default_value_t = 1, requires = "islands")]
     pub fragments: usize,
+    /// Streaming DiLoCo's overlap: a fragment's outer exchange runs in the background during
+    /// the next N inner steps, and its update lands after them (0: at once, no overlap).
+    #[arg(long = "diloco-overlap", default_value_t = 0, requires = "islands")]
+    pub overlap: usize,
+    /// DiLoCo overlap: share of the local values kept when a delayed update lands, in [0, 1).
+    #[arg(long = "diloco-overlap-mix", default_value_t = 0.5, requires = "islands")]
+    pub overlap_mix: f64,
+    /// DiLoCo: an island that disappears (crash, exit, timeout) is dropped from the average
+    /// and the others go on, instead of stopping the job.
+    #[arg(long = "diloco-drop-lost", requires = "islands")]
+    pub drop_lost: bool,
     /// DiLoCo: the inner optimizer.
     #[arg(
         long = "inner-optim",
@@ -363,6 +404,9 @@ impl DiLoCoArgs {
                 nesterov: !self.no_nesterov,
                 compression,
                 fragments: self.fragments,
+                drop_lost_islands: self.drop_lost,
+                overlap_steps: self.overlap,
+                overlap_mix: self.overlap_mix,
             },
             inner: match self.inner {
                 InnerOptimArg::Adamw => InnerOptimizer::AdamW,
@@ -391,7 +435,7 @@ pub fn run_rank(
         let d = &run.diloco;
         println!(
             "DiLoCo: {} islands x {} ranks, H = {}, outer SGD lr {} momentum {}{}, \
-             pseudo-gradients {}, {} fragment(s), inner {:?}",
+             pseudo-gradients {}, {} fragment(s), overlap {} step(s), {}inner {:?}",
             run.islands,
             world.size() / run.islands.max(1),
             d.inner_steps,
@@ -400,6 +444,12 @@ pub fn run_rank(
             if d.nesterov { " (Nesterov)" } else { "" },
             d.compression,
             d.fragments,
+            d.overlap_steps,
+            if d.drop_lost_islands {
+                "lost islands dropped, "
+            } else {
+                ""
+            },
             run.inner
         );
     }
@@ -420,6 +470,28 @@ pub fn run_rank(
                 reason: other.to_string(),
             },
         })?;
+    if lead {
+        for (island, step) in &report.dropped {
+            match step {
+                Some(step) => println!("DiLoCo: island {island} dropped at the sync of step {step}"),
+                None => println!("DiLoCo: island {island} dropped at the final sync"),
+            }
+        }
+        println!(
+            "DiLoCo: {:.4} s per step in outer syncs (stall), {:.4} s per step in all",
+            report.sync_seconds, report.train.step_seconds
+        );
+    }
+    if run.diloco.drop_lost_islands {
+        // Islands may be gone: no collective over the world.
+        if lead {
+            println!(
+                "rank 0: sent {} bytes in {} outer syncs, {} bytes in all",
+                report.outer_bytes, report.syncs, report.total_bytes
+            );
+        }
+        return Ok(Some(report).filter(|_| lead));
+    }
     // Every rank's bytes, on rank 0.
     let bytes = world.all_gather_object(&(report.outer_bytes, report.total_bytes))?;
     if lead {

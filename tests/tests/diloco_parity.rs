@@ -111,6 +111,7 @@ fn identity_run(islands: usize) -> DiLoCoRun {
             nesterov: false,
             compression: Compression::F32,
             fragments: 1,
+            ..DiLoCoConfig::default()
         },
         inner: InnerOptimizer::Sgd,
         device: Default::default(),

@@ -69,9 +69,11 @@
 //! assert_eq!(weights[0], weights[1]); // both islands hold the outer model
 //! ```
 
-use std::collections::HashMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, mpsc};
+use std::thread;
+use std::time::{Duration, Instant};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
@@ -227,6 +229,19 @@ pub struct DiLoCoConfig {
     /// Streaming DiLoCo: fragments synced at staggered steps (1: the whole model at once); at
     /// most `inner_steps` and at most the number of trainable parameters.
     pub fragments: usize,
+    /// Drop an island that disappears (its rank failed, exited or timed out) from the average
+    /// and go on with the others, instead of failing with [`DiLoCoError::IslandLost`]. The
+    /// outer exchange is then made of point-to-point messages with a deadline (the outer
+    /// group's timeout) and an agreement round; see the module documentation.
+    pub drop_lost_islands: bool,
+    /// Streaming DiLoCo's overlap `τ`: a fragment's outer exchange sent after inner step `s`
+    /// runs on a background thread while the inner steps go on, and its update is applied
+    /// after inner step `s + τ` (merged with [`DiLoCoConfig::overlap_mix`]). 0: the exchange
+    /// runs on the calling thread and is applied at once. Less than `inner_steps`.
+    pub overlap_steps: usize,
+    /// The mixing factor `α` of the delayed merge (`overlap_steps` > 0): the fragment becomes
+    /// `α · local + (1 − α) · outer` (Streaming DiLoCo's rule; 0.5 there). In `[0, 1)`.
+    pub overlap_mix: f64,
 }
 
 impl Default for DiLoCoConfig {
@@ -238,6 +253,9 @@ impl Default for DiLoCoConfig {
             nesterov: true,
             compression: Compression::F32,
             fragments: 1,
+            drop_lost_islands: false,
+            overlap_steps: 0,
+            overlap_mix: 0.5,
         }
     }
 }
@@ -268,6 +286,15 @@ impl DiLoCoConfig {
                 fragments: self.fragments,
                 inner_steps: self.inner_steps,
             });
+        }
+        if self.overlap_steps >= self.inner_steps {
+            return Err(DiLoCoError::OverlapTooLong {
+                overlap_steps: self.overlap_steps,
+                inner_steps: self.inner_steps,
+            });
+        }
+        if !(0.0..1.0).contains(&self.overlap_mix) {
+            return Err(DiLoCoError::OverlapMix(self.overlap_mix));
         }
         Ok(())
     }
@@ -315,6 +342,60 @@ pub enum DiLoCoError {
         fragments: usize,
         /// Trainable parameters of the model.
         params: usize,
+    },
+    /// The overlap reaches the fragment's next sync.
+    #[error(
+        "an overlap of {overlap_steps} steps reaches the next sync of the fragment \
+         ({inner_steps} inner steps later): use --diloco-overlap / overlap_steps below \
+         {inner_steps}"
+    )]
+    OverlapTooLong {
+        /// Requested overlap `τ`.
+        overlap_steps: usize,
+        /// `H`.
+        inner_steps: usize,
+    },
+    /// The mixing factor of the delayed merge is outside `[0, 1)`.
+    #[error(
+        "the overlap mixing factor must lie in [0, 1) (the share of the local values kept when \
+         the outer update lands), got {0}; 0.5 is usual"
+    )]
+    OverlapMix(f64),
+    /// Every other island was dropped: there is nothing left to average with.
+    #[error(
+        "island {island}: every other island is gone (dropped: {dropped:?}); DiLoCo cannot go \
+         on alone, restart the job with the islands that are left"
+    )]
+    AllIslandsLost {
+        /// This rank's island.
+        island: usize,
+        /// The islands dropped, in order.
+        dropped: Vec<usize>,
+    },
+    /// The other islands dropped this one (it was too late, or they lost its messages).
+    #[error(
+        "island {island} was dropped by the other islands at an outer sync (its messages did \
+         not reach them within the timeout); it cannot rejoin, stop it or raise the timeout \
+         (BURN_PARALLEL_TIMEOUT_SECS)"
+    )]
+    Excluded {
+        /// This rank's island.
+        island: usize,
+    },
+    /// Two surviving islands hold different outer models (several islands failed during one
+    /// sync and the survivors saw them fail differently).
+    #[error(
+        "island {island} and island {other} hold different outer models of fragment \
+         {fragment}: several islands failed during one sync and the survivors disagree on \
+         which; restart from a checkpoint"
+    )]
+    Diverged {
+        /// This rank's island.
+        island: usize,
+        /// The island that disagrees.
+        other: usize,
+        /// The fragment compared.
+        fragment: usize,
     },
     /// The world cannot be cut into that many islands.
     #[error(
@@ -449,18 +530,24 @@ struct Tracked {
 }
 
 /// One sync of one fragment, as recorded by [`DiLoCo::history`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SyncEvent {
-    /// The inner step after which it ran (`None`: [`DiLoCo::finish`]).
+    /// The inner step after which its pseudo-gradient was sent (`None`: [`DiLoCo::finish`]).
     pub step: Option<usize>,
+    /// The inner step after which its update was applied: `step` without overlap, `step + τ`
+    /// with ([`DiLoCoConfig::overlap_steps`]); `None` in [`DiLoCo::finish`].
+    pub applied: Option<usize>,
     /// The fragment.
     pub fragment: usize,
     /// Elements of the fragment.
     pub elements: usize,
+    /// Islands averaged (the survivors).
+    pub islands: usize,
+    /// Islands dropped at this sync ([`DiLoCoConfig::drop_lost_islands`]), in order.
+    pub dropped: Vec<usize>,
 }
 
 /// The DiLoCo outer loop of one rank: call [`DiLoCo::sync`] after every inner optimizer step.
-#[derive(Debug)]
 pub struct DiLoCo {
     islands: Islands,
     config: DiLoCoConfig,
@@ -471,6 +558,30 @@ pub struct DiLoCo {
     last_step: Option<usize>,
     fresh: Vec<bool>,
     history: Vec<SyncEvent>,
+    /// Where outer exchanges run: here, or on the background thread of the overlap.
+    runner: Runner,
+    /// Exchanges in flight (overlap), in the order they were sent.
+    pending: VecDeque<Pending>,
+}
+
+impl std::fmt::Debug for DiLoCo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiLoCo")
+            .field("islands", &self.islands)
+            .field("config", &self.config)
+            .field("fragments", &self.fragments.len())
+            .field("last_step", &self.last_step)
+            .field("pending", &self.pending.len())
+            .finish()
+    }
+}
+
+/// A fragment whose exchange is in flight.
+#[derive(Debug, Clone, Copy)]
+struct Pending {
+    fragment: usize,
+    sent: usize,
+    apply_after: usize,
 }
 
 impl DiLoCo {
@@ -512,6 +623,43 @@ impl DiLoCo {
             &params.iter().map(|p| p.anchor.len()).collect::<Vec<_>>(),
             config.fragments,
         );
+        let mut island_sync = None;
+        if config.drop_lost_islands {
+            // A failure of another island's rank must not end this rank's other waits.
+            let world = islands.count * islands.size;
+            let mine = islands.index();
+            let others: Vec<usize> = (0..world)
+                .filter(|&r| islands.island_of(r) != mine)
+                .collect();
+            islands
+                .outer
+                .transport()
+                .mailbox()
+                .isolate_failures_of(&others);
+            if islands.size > 1 {
+                // The island's first rank runs the exchange and hands the outcome to the others
+                // (on a group of its own: the inner steps use `island` meanwhile). It waits at
+                // most two deadlines (data and agreement rounds): the others wait three.
+                let all: Vec<usize> = (0..islands.size).collect();
+                let timeout = islands.outer.timeout();
+                let group = islands.island.split(&all)?;
+                island_sync = Some(group.with_timeout(timeout.saturating_mul(3)));
+            }
+        }
+        let outer = Outer {
+            outer: islands.outer.clone(),
+            island_sync,
+            island_size: islands.size,
+            compression: config.compression,
+            resilient: config.drop_lost_islands,
+            live: (0..islands.count).collect(),
+            exchanges: 0,
+        };
+        let runner = if config.overlap_steps > 0 {
+            Runner::spawn(outer)?
+        } else {
+            Runner::Inline(Box::new(outer))
+        };
         Ok(Self {
             islands: islands.clone(),
             config,
@@ -520,6 +668,8 @@ impl DiLoCo {
             fragments,
             last_step: None,
             history: Vec::new(),
+            runner,
+            pending: VecDeque::new(),
         })
     }
 
@@ -537,7 +687,8 @@ impl DiLoCo {
     }
 
     /// The fragments synced after inner step `step` (0-based): fragment `f` when
-    /// `(step + 1) % H == f·H/F (mod H)`.
+    /// `(step + 1) % H == f·H/F (mod H)`. With an overlap `τ`, their pseudo-gradients are sent
+    /// then and their updates applied after step `step + τ`.
     pub fn fragments_due(&self, step: usize) -> Vec<usize> {
         let (h, n) = (self.config.inner_steps, self.config.fragments);
         (0..n)
@@ -545,71 +696,102 @@ impl DiLoCo {
             .collect()
     }
 
-    /// Whether [`DiLoCo::sync`] communicates after inner step `step`.
+    /// Whether [`DiLoCo::sync`] sends pseudo-gradients after inner step `step`.
     pub fn should_sync(&self, step: usize) -> bool {
         !self.fragments_due(step).is_empty()
     }
 
-    /// Every sync so far, in order.
+    /// Every sync so far, in the order their updates were applied.
     pub fn history(&self) -> &[SyncEvent] {
         &self.history
     }
 
-    /// Call after inner step `step` (0-based, every step, in order): syncs the fragments due
-    /// then ([`DiLoCo::fragments_due`]) and returns the model with their new values; returns
-    /// it unchanged when none is due.
+    /// The islands still averaged (all of them unless some were dropped; with an overlap, as of
+    /// the last update applied).
+    pub fn live_islands(&self) -> Vec<usize> {
+        let mut live: Vec<usize> = (0..self.islands.count).collect();
+        for event in &self.history {
+            live.retain(|i| !event.dropped.contains(i));
+        }
+        live
+    }
+
+    /// Call after inner step `step` (0-based, every step, in order): applies the updates due
+    /// then (with an overlap), syncs the fragments due then ([`DiLoCo::fragments_due`]) and
+    /// returns the model with their new values; returns it unchanged when nothing is due.
     ///
     /// # Errors
-    /// [`DiLoCoError::IslandLost`] when a rank of another island failed;
-    /// [`DiLoCoError::ModelChanged`] when `model` is not the model DiLoCo started from;
+    /// [`DiLoCoError::IslandLost`] when a rank of another island failed (without
+    /// [`DiLoCoConfig::drop_lost_islands`]); [`DiLoCoError::AllIslandsLost`],
+    /// [`DiLoCoError::Excluded`] or [`DiLoCoError::Diverged`] when dropping islands cannot go
+    /// on; [`DiLoCoError::ModelChanged`] when `model` is not the model DiLoCo started from;
     /// [`DiLoCoError::Collective`] for other collective failures.
-    pub fn sync<M: Module>(&mut self, step: usize, model: M) -> Result<M, DiLoCoError> {
+    pub fn sync<M: Module>(&mut self, step: usize, mut model: M) -> Result<M, DiLoCoError> {
         let due = self.fragments_due(step);
         self.last_step = Some(step);
         self.fresh.iter_mut().for_each(|f| *f = false);
-        self.sync_fragments(Some(step), &due, model)
-    }
-
-    /// Ends training: syncs every fragment not synced after the last inner step, so that every
-    /// rank holds the same (outer) model. A no-op when the last step synced everything.
-    ///
-    /// # Errors
-    /// As [`DiLoCo::sync`].
-    pub fn finish<M: Module>(&mut self, model: M) -> Result<M, DiLoCoError> {
-        let stale: Vec<usize> = (0..self.fragments.len())
-            .filter(|&f| !self.fresh[f])
-            .collect();
-        self.sync_fragments(None, &stale, model)
-    }
-
-    fn sync_fragments<M: Module>(
-        &mut self,
-        step: Option<usize>,
-        due: &[usize],
-        mut model: M,
-    ) -> Result<M, DiLoCoError> {
-        for &f in due {
-            model = self.sync_fragment(f, model)?;
-            self.fresh[f] = true;
-            self.history.push(SyncEvent {
-                step,
-                fragment: f,
-                elements: self.fragment_elements()[f],
-            });
+        while let Some(p) = self.pending.front().copied() {
+            if p.apply_after > step {
+                break;
+            }
+            self.pending.pop_front();
+            let outcome = self.runner.result()?;
+            let mix = Some(self.config.overlap_mix as f32);
+            model = self.apply(p.fragment, outcome, mix, model, Some(p.sent), Some(step))?;
+        }
+        for f in due {
+            let job = self.job(f, &model)?;
+            if self.config.overlap_steps > 0 {
+                self.runner.submit(job)?;
+                self.pending.push_back(Pending {
+                    fragment: f,
+                    sent: step,
+                    apply_after: step + self.config.overlap_steps,
+                });
+            } else {
+                let outcome = self.runner.run(job)?;
+                model = self.apply(f, outcome, None, model, Some(step), Some(step))?;
+                self.fresh[f] = true;
+            }
         }
         Ok(model)
     }
 
-    /// One outer step of fragment `f`.
-    fn sync_fragment<M: Module>(&mut self, f: usize, model: M) -> Result<M, DiLoCoError> {
+    /// Ends training so that every rank holds the same (outer) model: without an overlap,
+    /// syncs every fragment not synced after the last inner step (a no-op when the last step
+    /// synced everything); with one, applies the exchanges in flight, then syncs every
+    /// fragment at once.
+    ///
+    /// # Errors
+    /// As [`DiLoCo::sync`].
+    pub fn finish<M: Module>(&mut self, mut model: M) -> Result<M, DiLoCoError> {
+        while let Some(p) = self.pending.pop_front() {
+            let outcome = self.runner.result()?;
+            let mix = Some(self.config.overlap_mix as f32);
+            model = self.apply(p.fragment, outcome, mix, model, Some(p.sent), self.last_step)?;
+        }
+        let overlap = self.config.overlap_steps > 0;
+        let stale: Vec<usize> = (0..self.fragments.len())
+            .filter(|&f| overlap || !self.fresh[f])
+            .collect();
+        for f in stale {
+            let job = self.job(f, &model)?;
+            let outcome = self.runner.run(job)?;
+            model = self.apply(f, outcome, None, model, None, None)?;
+            self.fresh[f] = true;
+        }
+        Ok(model)
+    }
+
+    /// The current values of fragment `f`'s parameters, flat, checked against the anchors.
+    fn read<M: Module>(&self, f: usize, model: &M) -> Result<Vec<f32>, DiLoCoError> {
         let members = &self.fragments[f];
         let mut reader = Reader {
             wanted: members.iter().map(|&i| self.params[i].id).collect(),
             values: HashMap::new(),
         };
         model.visit(&mut reader);
-        // The pseudo-gradient Δ = θ_start − θ_end of the fragment, flat.
-        let mut delta =
+        let mut flat =
             Vec::with_capacity(members.iter().map(|&i| self.params[i].anchor.len()).sum());
         for &i in members {
             let p = &self.params[i];
@@ -624,21 +806,53 @@ impl DiLoCo {
                     p.anchor.len()
                 )));
             }
-            delta.extend(p.anchor.iter().zip(&current).map(|(a, c)| a - c));
+            flat.extend(current);
         }
-        let avg = self.average(delta).map_err(|e| self.lost(e))?;
+        Ok(flat)
+    }
+
+    /// The exchange of fragment `f`: its pseudo-gradient `Δ = θ_start − θ_end`, flat, and a
+    /// digest of its `θ_start` (every island must hold the same).
+    fn job<M: Module>(&self, f: usize, model: &M) -> Result<Job, DiLoCoError> {
+        let current = self.read(f, model)?;
+        let anchors = self.fragments[f].iter().flat_map(|&i| &self.params[i].anchor);
+        let delta = anchors.clone().zip(&current).map(|(a, c)| a - c).collect();
+        Ok(Job {
+            fragment: f,
+            delta,
+            digest: digest(anchors.copied()),
+        })
+    }
+
+    /// The outer step of fragment `f` from its averaged pseudo-gradient, and the model with the
+    /// new values: `θ_start` itself (`mix` = `None`), or `α · local + (1 − α) · θ_start`
+    /// (`mix` = `Some(α)`, the delayed merge of the overlap).
+    fn apply<M: Module>(
+        &mut self,
+        f: usize,
+        outcome: Outcome,
+        mix: Option<f32>,
+        model: M,
+        step: Option<usize>,
+        applied: Option<usize>,
+    ) -> Result<M, DiLoCoError> {
+        let local = match mix {
+            Some(_) => Some(self.read(f, &model)?),
+            None => None,
+        };
         // Outer SGD (PyTorch's convention): m ← μ·m + Δ; step = Δ + μ·m (Nesterov) or m.
         let (lr, mu) = (
             self.config.outer_lr as f32,
             self.config.outer_momentum as f32,
         );
         let nesterov = self.config.nesterov;
+        let members = &self.fragments[f];
         let mut at = 0;
         let mut new_values = HashMap::with_capacity(members.len());
         for &i in members {
             let p = &mut self.params[i];
-            let g = &avg[at..at + p.anchor.len()];
-            at += p.anchor.len();
+            let n = p.anchor.len();
+            let g = &outcome.avg[at..at + n];
             for ((a, m), &g) in p.anchor.iter_mut().zip(p.momentum.iter_mut()).zip(g) {
                 let update = if mu == 0.0 {
                     g
@@ -648,19 +862,202 @@ impl DiLoCo {
                 };
                 *a -= lr * update;
             }
-            new_values.insert(p.id, (p.shape.clone(), p.anchor.clone()));
+            let values = match (&local, mix) {
+                (Some(local), Some(alpha)) => p
+                    .anchor
+                    .iter()
+                    .zip(&local[at..at + n])
+                    .map(|(a, l)| alpha * l + (1.0 - alpha) * a)
+                    .collect(),
+                _ => p.anchor.clone(),
+            };
+            at += n;
+            new_values.insert(p.id, (p.shape.clone(), values));
         }
+        self.history.push(SyncEvent {
+            step,
+            applied,
+            fragment: f,
+            elements: at,
+            islands: outcome.islands,
+            dropped: outcome.dropped,
+        });
         Ok(model.map(&mut Writer { values: new_values }))
     }
+}
 
-    /// The average of `delta` over the islands, accumulated in f32.
+/// FNV-1a over the bits of `values`: equal on two ranks when the values are.
+fn digest(values: impl Iterator<Item = f32>) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for v in values {
+        for b in v.to_bits().to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+/// One outer exchange: a fragment's pseudo-gradient and the digest of its `θ_start`.
+struct Job {
+    fragment: usize,
+    delta: Vec<f32>,
+    digest: u64,
+}
+
+/// What an exchange gives: the average over the islands averaged, and those dropped.
+struct Outcome {
+    avg: Vec<f32>,
+    islands: usize,
+    dropped: Vec<usize>,
+}
+
+/// Where exchanges run.
+enum Runner {
+    /// On the calling thread.
+    Inline(Box<Outer>),
+    /// On a background thread, one after the other in the order they were submitted (every
+    /// rank submits the same exchanges in the same order).
+    Worker {
+        jobs: mpsc::Sender<Job>,
+        results: mpsc::Receiver<Result<Outcome, DiLoCoError>>,
+        /// Results submitted and not yet taken, and the results of jobs run through
+        /// [`Runner::run`] land in the same queue.
+        _thread: thread::JoinHandle<()>,
+    },
+}
+
+impl Runner {
+    fn spawn(mut outer: Outer) -> Result<Self, DiLoCoError> {
+        let (jobs, inbox) = mpsc::channel::<Job>();
+        let (outbox, results) = mpsc::channel();
+        let rank = outer.outer.global_rank();
+        let thread = thread::Builder::new()
+            .name(format!("diloco-{rank}"))
+            .spawn(move || {
+                for job in inbox {
+                    let result = outer.run(job);
+                    let failed = result.is_err();
+                    if outbox.send(result).is_err() || failed {
+                        return;
+                    }
+                }
+            })
+            .map_err(|e| {
+                DiLoCoError::Collective(CollectiveError::InvalidArgument {
+                    rank,
+                    op: "DiLoCo overlap".into(),
+                    reason: format!("cannot start the background thread of the overlap: {e}"),
+                })
+            })?;
+        Ok(Runner::Worker {
+            jobs,
+            results,
+            _thread: thread,
+        })
+    }
+
+    /// Hands `job` to the background thread.
+    fn submit(&mut self, job: Job) -> Result<(), DiLoCoError> {
+        match self {
+            Runner::Inline(_) => unreachable!("submit is only called with an overlap"),
+            Runner::Worker { jobs, .. } => jobs.send(job).map_err(|_| Self::gone()),
+        }
+    }
+
+    /// The outcome of the oldest job submitted (waits for it).
+    fn result(&mut self) -> Result<Outcome, DiLoCoError> {
+        match self {
+            Runner::Inline(_) => unreachable!("result is only called with an overlap"),
+            Runner::Worker { results, .. } => results.recv().map_err(|_| Self::gone())?,
+        }
+    }
+
+    /// Runs `job` now (after the jobs in flight) and returns its outcome.
+    fn run(&mut self, job: Job) -> Result<Outcome, DiLoCoError> {
+        match self {
+            Runner::Inline(outer) => outer.run(job),
+            Runner::Worker { .. } => {
+                self.submit(job)?;
+                self.result()
+            }
+        }
+    }
+
+    fn gone() -> DiLoCoError {
+        DiLoCoError::Collective(CollectiveError::InvalidArgument {
+            rank: usize::MAX,
+            op: "DiLoCo overlap".into(),
+            reason: "the background thread of the overlap stopped after an error reported \
+                     earlier; DiLoCo cannot go on"
+                .into(),
+        })
+    }
+}
+
+/// The outer exchanges of one rank, and the islands still averaged.
+struct Outer {
+    outer: ProcessGroup,
+    /// With [`DiLoCoConfig::drop_lost_islands`] and islands of several ranks: the island's
+    /// ranks, through which its first rank hands the outcome of its exchange to the others.
+    island_sync: Option<ProcessGroup>,
+    island_size: usize,
+    compression: Compression,
+    /// Point-to-point exchange that drops lost islands, instead of collectives.
+    resilient: bool,
+    /// The islands (outer ranks) still averaged, in order.
+    live: Vec<usize>,
+    /// Exchanges so far (the tag of the next one's messages).
+    exchanges: u64,
+}
+
+impl Outer {
+    fn run(&mut self, job: Job) -> Result<Outcome, DiLoCoError> {
+        if !self.resilient {
+            let islands = self.outer.size();
+            let avg = self.average(job.delta).map_err(|e| self.lost(e))?;
+            return Ok(Outcome {
+                avg,
+                islands,
+                dropped: Vec::new(),
+            });
+        }
+        match self.island_sync.clone() {
+            None => self.exchange(job),
+            Some(sync) if sync.rank() == 0 => {
+                let outcome = self.exchange(job);
+                let bytes = match &outcome {
+                    Ok(o) => encode_outcome(o),
+                    Err(e) => {
+                        let mut b = vec![1u8];
+                        b.extend(e.to_string().into_bytes());
+                        b
+                    }
+                };
+                sync.broadcast_bytes(bytes, 0)?;
+                outcome
+            }
+            Some(sync) => {
+                let bytes = sync.broadcast_bytes(Vec::new(), 0)?;
+                decode_outcome(&bytes, job.delta.len()).map_err(|reason| {
+                    DiLoCoError::Collective(CollectiveError::PeerFailed {
+                        rank: sync.global_rank(),
+                        op: format!("DiLoCo sync of fragment {}", job.fragment),
+                        peer: sync.members()[0],
+                        reason,
+                    })
+                })
+            }
+        }
+    }
+
+    /// The average of `delta` over the islands, accumulated in f32 (collectives).
     fn average(&self, delta: Vec<f32>) -> Result<Vec<f32>, CollectiveError> {
-        let outer = &self.islands.outer;
+        let outer = &self.outer;
         if outer.size() == 1 {
             return Ok(delta);
         }
         let n = delta.len();
-        match self.config.compression {
+        match self.compression {
             Compression::F32 => {
                 let data = outer.all_reduce_data(TensorData::new(delta, [n]), ReduceOp::Avg)?;
                 Ok(data.try_to_vec::<f32>().expect("f32 in, f32 out"))
@@ -684,6 +1081,158 @@ impl DiLoCo {
         }
     }
 
+    /// Whether `e` says that a rank of *another* island is gone (failed, exited or timed
+    /// out), which drops that island; failures of this rank's own island are not.
+    fn other_island_lost(&self, e: &CollectiveError) -> bool {
+        let me = self.outer.global_rank() / self.island_size;
+        match e {
+            CollectiveError::PeerFailed { peer, .. }
+            | CollectiveError::Timeout { peer, .. }
+            | CollectiveError::Transport { peer, .. } => *peer / self.island_size != me,
+            _ => false,
+        }
+    }
+
+    /// The resilient exchange (every island's rank at this position): a data round, where
+    /// each live island sends its encoded pseudo-gradient to every other and waits for theirs
+    /// until a deadline, then an agreement round, where each sends the set of islands it heard
+    /// from (and the digest of its `θ_start`) and waits for the sets of those islands. The
+    /// islands averaged are those every set received contains; the others are dropped for
+    /// good.
+    fn exchange(&mut self, job: Job) -> Result<Outcome, DiLoCoError> {
+        let me = self.outer.rank();
+        let start = self.live.clone();
+        let round = self.exchanges;
+        self.exchanges += 1;
+        let (data_tag, view_tag) = (2 * round, 2 * round + 1);
+        let n = job.delta.len();
+        let payload = self.compression.encode(&job.delta);
+        let len = payload.len();
+        let mut heard: BTreeMap<usize, Vec<u8>> = BTreeMap::new();
+        for &p in start.iter().filter(|&&p| p != me) {
+            let data = TensorData::new(payload.clone(), [len]);
+            if let Err(e) = self.outer.send_data(data, p, data_tag)
+                && !self.other_island_lost(&e)
+            {
+                return Err(self.lost(e));
+            }
+        }
+        heard.insert(me, payload);
+        let deadline = Instant::now() + self.outer.timeout();
+        for &p in start.iter().filter(|&&p| p != me) {
+            match self.recv_by(deadline, p, data_tag) {
+                Ok(data) if data.len() == len => {
+                    heard.insert(p, data);
+                }
+                Ok(data) => {
+                    return Err(DiLoCoError::Collective(CollectiveError::InvalidArgument {
+                        rank: self.outer.global_rank(),
+                        op: format!("DiLoCo sync of fragment {}", job.fragment),
+                        reason: format!(
+                            "island {p} sent {} bytes of pseudo-gradient, expected {len}",
+                            data.len()
+                        ),
+                    }));
+                }
+                Err(e) if self.other_island_lost(&e) => {}
+                Err(e) => return Err(self.lost(e)),
+            }
+        }
+        // Agreement: [digest, islands heard from...] to every island of the start (those
+        // this rank did not hear from learn that they are dropped).
+        let mut view: Vec<u64> = vec![job.digest];
+        view.extend(heard.keys().map(|&p| p as u64));
+        for &p in start.iter().filter(|&&p| p != me) {
+            let data = TensorData::new(view.clone(), [view.len()]);
+            if let Err(e) = self.outer.send_data(data, p, view_tag)
+                && !self.other_island_lost(&e)
+            {
+                return Err(self.lost(e));
+            }
+        }
+        let mut agreed: BTreeSet<usize> = heard.keys().copied().collect();
+        let deadline = Instant::now() + self.outer.timeout();
+        for &p in heard.keys().filter(|&&p| p != me) {
+            match self.recv_by(deadline, p, view_tag) {
+                Ok(bytes) => {
+                    let theirs: Vec<u64> = bytes
+                        .chunks_exact(8)
+                        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+                        .collect();
+                    let Some((&their_digest, islands)) = theirs.split_first() else {
+                        continue;
+                    };
+                    if their_digest != job.digest {
+                        return Err(DiLoCoError::Diverged {
+                            island: me,
+                            other: p,
+                            fragment: job.fragment,
+                        });
+                    }
+                    agreed.retain(|i| islands.contains(&(*i as u64)));
+                }
+                Err(e) if self.other_island_lost(&e) => {}
+                Err(e) => return Err(self.lost(e)),
+            }
+        }
+        let dropped: Vec<usize> = start
+            .iter()
+            .copied()
+            .filter(|p| !agreed.contains(p))
+            .collect();
+        if !agreed.contains(&me) {
+            return Err(DiLoCoError::Excluded { island: me });
+        }
+        if agreed.len() == 1 && start.len() > 1 {
+            let mut all_dropped: Vec<usize> = (0..self.outer.size()).filter(|&i| i != me).collect();
+            all_dropped.sort_unstable();
+            return Err(DiLoCoError::AllIslandsLost {
+                island: me,
+                dropped: all_dropped,
+            });
+        }
+        if !dropped.is_empty() {
+            eprintln!(
+                "DiLoCo: rank {} (island {me}): dropped island(s) {dropped:?} from the average \
+                 of fragment {} (outer exchange {round}); going on with islands {:?}",
+                self.outer.global_rank(),
+                job.fragment,
+                agreed
+            );
+        }
+        // The average over the islands agreed on, summed in island order: the same bits on
+        // every survivor.
+        let mut sum = vec![0.0f32; n];
+        for p in &agreed {
+            self.compression
+                .decode_add(&heard[p], &mut sum)
+                .map_err(|reason| {
+                    DiLoCoError::Collective(CollectiveError::InvalidArgument {
+                        rank: self.outer.global_rank(),
+                        op: format!("DiLoCo sync: pseudo-gradient of island {p}"),
+                        reason,
+                    })
+                })?;
+        }
+        let scale = 1.0 / agreed.len() as f32;
+        sum.iter_mut().for_each(|v| *v *= scale);
+        self.live = agreed.iter().copied().collect();
+        Ok(Outcome {
+            avg: sum,
+            islands: agreed.len(),
+            dropped,
+        })
+    }
+
+    /// The bytes sent by outer rank `p` under `tag`, waiting until `deadline` at most.
+    fn recv_by(&self, deadline: Instant, p: usize, tag: u64) -> Result<Vec<u8>, CollectiveError> {
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1));
+        let data = self.outer.clone().with_timeout(left).recv_data(p, tag)?;
+        Ok(data.as_bytes().to_vec())
+    }
+
     /// A collective error of a sync, naming the lost island when a peer is gone.
     fn lost(&self, e: CollectiveError) -> DiLoCoError {
         let peer = match &e {
@@ -692,17 +1241,62 @@ impl DiLoCo {
             | CollectiveError::Transport { peer, .. } => Some(*peer),
             _ => None,
         };
-        let rank = self.islands.outer.global_rank();
+        let rank = self.outer.global_rank();
         match peer {
             Some(peer) if peer != rank => DiLoCoError::IslandLost {
                 rank,
-                island: self.islands.island_of(peer),
+                island: peer / self.island_size,
                 peer,
                 source: e,
             },
             _ => DiLoCoError::Collective(e),
         }
     }
+}
+
+/// An exchange's outcome for the other ranks of the island: `0`, islands averaged (u32),
+/// dropped count (u32), dropped islands (u32 each), the average (f32 each); little-endian.
+fn encode_outcome(o: &Outcome) -> Vec<u8> {
+    let mut b = vec![0u8];
+    b.extend((o.islands as u32).to_le_bytes());
+    b.extend((o.dropped.len() as u32).to_le_bytes());
+    o.dropped
+        .iter()
+        .for_each(|&d| b.extend((d as u32).to_le_bytes()));
+    o.avg.iter().for_each(|v| b.extend(v.to_le_bytes()));
+    b
+}
+
+/// Reads [`encode_outcome`]'s bytes for `n` values, or the error message the island's first
+/// rank sent instead (`1`, then the message).
+fn decode_outcome(bytes: &[u8], n: usize) -> Result<Outcome, String> {
+    let u32_at = |at: usize| -> Option<u32> {
+        Some(u32::from_le_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
+    };
+    match bytes.first() {
+        Some(0) => {}
+        Some(1) => return Err(String::from_utf8_lossy(&bytes[1..]).into_owned()),
+        _ => return Err("malformed outcome of the outer exchange".into()),
+    }
+    let bad = || format!("the outcome of the outer exchange has {} bytes", bytes.len());
+    let islands = u32_at(1).ok_or_else(bad)? as usize;
+    let count = u32_at(5).ok_or_else(bad)? as usize;
+    let dropped = (0..count)
+        .map(|k| u32_at(9 + 4 * k).map(|d| d as usize).ok_or_else(bad))
+        .collect::<Result<Vec<_>, _>>()?;
+    let at = 9 + 4 * count;
+    if bytes.len() != at + 4 * n {
+        return Err(bad());
+    }
+    let avg = bytes[at..]
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    Ok(Outcome {
+        avg,
+        islands,
+        dropped,
+    })
 }
 
 /// Cuts parameters (by element count, in order) into `n` consecutive fragments of about the same

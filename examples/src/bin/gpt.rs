@@ -162,7 +162,8 @@ struct Args {
     #[command(flatten)]
     pipeline: examples::pipeline::PipelineArgs,
     /// DiLoCo: --diloco-islands N --inner-steps H --outer-lr X --outer-momentum M
-    /// [--diloco-compression f32|fp16|bf16|int8] [--diloco-fragments F].
+    /// [--diloco-compression f32|fp16|bf16|int8] [--diloco-fragments F] [--diloco-overlap T]
+    /// [--diloco-drop-lost].
     #[command(flatten)]
     diloco: examples::train_diloco::DiLoCoArgs,
     /// Distributed checkpoints: --save-every N --checkpoint-dir D [--keep-checkpoints K]

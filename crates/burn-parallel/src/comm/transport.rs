@@ -5,7 +5,7 @@
 //! travel. Incoming frames are sorted into a [`Mailbox`] by `(source, stream)`, so that
 //! collectives of different groups and tagged point-to-point messages never mix.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -90,6 +90,10 @@ struct MailboxState {
     gone: HashMap<usize, Gone>,
     /// First failure anywhere in the world: `(rank, reason)`.
     failure: Option<(usize, String)>,
+    /// Peers whose failure is theirs alone ([`Mailbox::isolate_failures_of`]), with the
+    /// reason once they failed.
+    isolated: HashSet<usize>,
+    isolated_failures: HashMap<usize, String>,
 }
 
 /// Frames that arrived for one rank, sorted by `(source, stream)`, plus what is known of the
@@ -119,10 +123,17 @@ impl Mailbox {
     }
 
     /// Records that `peer` failed: every wait in this mailbox ends with an error naming it.
+    /// A peer given to [`Mailbox::isolate_failures_of`] is only marked failed itself: waits on
+    /// it end, waits on other ranks go on.
     pub fn mark_failed(&self, peer: usize, reason: &str) {
         let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
         state.gone.insert(peer, Gone::Failed);
-        if state.failure.is_none() {
+        if state.isolated.contains(&peer) {
+            state
+                .isolated_failures
+                .entry(peer)
+                .or_insert_with(|| reason.to_string());
+        } else if state.failure.is_none() {
             state.failure = Some((peer, reason.to_string()));
         }
         drop(state);
@@ -135,6 +146,14 @@ impl Mailbox {
         state.gone.entry(peer).or_insert(Gone::Closed);
         drop(state);
         self.arrived.notify_all();
+    }
+
+    /// From now on, a failure of one of `peers` ends only the waits on that peer instead of
+    /// every wait of this mailbox (used by DiLoCo to drop a lost island and go on with the
+    /// others). A failure recorded before this call is not undone.
+    pub fn isolate_failures_of(&self, peers: &[usize]) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.isolated.extend(peers.iter().copied());
     }
 
     /// The first failure recorded in the world, if any: `(rank, reason)`.
@@ -188,6 +207,14 @@ impl Mailbox {
                     rank: me,
                     op: op(),
                     peer: *peer,
+                    reason: reason.clone(),
+                });
+            }
+            if let Some(reason) = state.isolated_failures.get(&src) {
+                return Err(CollectiveError::PeerFailed {
+                    rank: me,
+                    op: op(),
+                    peer: src,
                     reason: reason.clone(),
                 });
             }
