@@ -16,9 +16,9 @@ use burn::optim::{GradientsParams, SgdConfig};
 use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::diloco::{
-    Compression, DiLoCo, DiLoCoConfig, DiLoCoError, Islands, count_sent_bytes,
+    Compression, DiLoCo, DiLoCoConfig, DiLoCoError, Islands, SyncEvent, count_sent_bytes,
 };
-use burn_parallel::{CollectiveError, local_world, run_local};
+use burn_parallel::{CollectiveError, ProcessGroup, local_world, run_local};
 use examples::data::{Corpus, Split};
 use examples::gpt::{Gpt, GptConfig};
 use examples::train::{NamedParam, Parallelism, TrainConfig};
@@ -454,6 +454,25 @@ fn bad_settings_are_typed_errors() {
             },
             DiLoCoError::ZeroBlockSize,
         ),
+        (
+            DiLoCoConfig {
+                inner_steps: 4,
+                overlap_steps: 4,
+                ..ok
+            },
+            DiLoCoError::OverlapTooLong {
+                overlap_steps: 4,
+                inner_steps: 4,
+            },
+        ),
+        (
+            DiLoCoConfig {
+                overlap_steps: 1,
+                overlap_mix: 1.0,
+                ..ok
+            },
+            DiLoCoError::OverlapMix(1.0),
+        ),
     ];
     for (config, expected) in cases {
         assert_eq!(config.validate(), Err(expected.clone()));
@@ -570,4 +589,491 @@ fn byte_counter_counts_payloads() {
     })
     .unwrap();
     assert_eq!(sent, vec![8000, 0, 0]);
+}
+
+// ----------------------------------------------------------------------------------------
+// Dropped islands and the overlap of streaming DiLoCo, on the one-parameter model: island `i`
+// moves `w` by `-(i + 1)(s + 1)·0.1` in inner step `s`, so every outer step can be written out
+// by hand.
+
+/// The value of the one-parameter model.
+fn w_of(model: &Linear) -> f32 {
+    model.weight.val().into_data().try_to_vec::<f32>().unwrap()[0]
+}
+
+/// What a surviving rank of [`shifting_islands`] saw: `w` after every sync call and after
+/// `finish`, and the sync history.
+type Survivor = (Vec<f32>, Vec<SyncEvent>);
+
+/// `count` islands move the one-parameter model as above for `steps` steps, DiLoCo syncing
+/// after each; the ranks of island `dies.0` call `die` instead of inner step `dies.1` and stop
+/// (`None`).
+fn shifting_islands(
+    world: &ProcessGroup,
+    count: usize,
+    config: DiLoCoConfig,
+    steps: usize,
+    dies: Option<(usize, usize)>,
+    die: &dyn Fn(&ProcessGroup),
+) -> Result<Option<Survivor>, DiLoCoError> {
+    let islands = Islands::new(world, count)?;
+    let mut model = scalar_model(1.0, &Device::flex());
+    let mut diloco = DiLoCo::new(&islands, config, &model)?;
+    let mut values = Vec::new();
+    for step in 0..steps {
+        if dies == Some((islands.index(), step)) {
+            die(world);
+            return Ok(None);
+        }
+        let delta = (islands.index() + 1) as f32 * (step + 1) as f32 * 0.1;
+        model = shift_all(model, -delta);
+        model = diloco.sync(step, model)?;
+        values.push(w_of(&model));
+    }
+    model = diloco.finish(model)?;
+    values.push(w_of(&model));
+    Ok(Some((values, diloco.history().to_vec())))
+}
+
+/// [`shifting_islands`] written out by hand: per island, `w` after every step and after the
+/// final sync. The dead island sends nothing from step `dies.1` on: the average is over the
+/// others (re-normalised); an update in flight when it died keeps its average. With an overlap
+/// `τ` the update of the pseudo-gradient sent after step `s` lands after step `s + τ` (or at
+/// the end) as `α·w + (1 − α)·θ`, and the end syncs every island to `θ`.
+fn shifting_by_hand(
+    count: usize,
+    c: &DiLoCoConfig,
+    steps: usize,
+    dies: Option<(usize, usize)>,
+) -> Vec<Vec<f32>> {
+    let (lr, mu, alpha) = (c.outer_lr as f32, c.outer_momentum as f32, c.overlap_mix as f32);
+    let (h, tau) = (c.inner_steps, c.overlap_steps);
+    let (mut a, mut m) = (1.0f32, 0.0f32);
+    let mut w = vec![1.0f32; count];
+    let mut live: Vec<usize> = (0..count).collect();
+    let mut pending: std::collections::VecDeque<(usize, f32)> = Default::default();
+    let mut seen = vec![Vec::new(); count];
+    let mut outer = |a: &mut f32, g: f32| {
+        m = mu * m + g;
+        *a -= lr * if c.nesterov { g + mu * m } else { m };
+    };
+    let mut synced_last = true;
+    for s in 0..steps {
+        if let Some((d, at)) = dies
+            && at == s
+        {
+            live.retain(|&i| i != d);
+        }
+        for &i in &live {
+            w[i] -= (i + 1) as f32 * (s + 1) as f32 * 0.1;
+        }
+        while pending.front().is_some_and(|p| p.0 <= s) {
+            let (_, g) = pending.pop_front().unwrap();
+            outer(&mut a, g);
+            live.iter().for_each(|&i| w[i] = alpha * w[i] + (1.0 - alpha) * a);
+        }
+        synced_last = (s + 1) % h == 0;
+        if synced_last {
+            let g = live.iter().map(|&i| a - w[i]).sum::<f32>() / live.len() as f32;
+            if tau == 0 {
+                outer(&mut a, g);
+                live.iter().for_each(|&i| w[i] = a);
+            } else {
+                pending.push_back((s + tau, g));
+            }
+        }
+        live.iter().for_each(|&i| seen[i].push(w[i]));
+    }
+    while let Some((_, g)) = pending.pop_front() {
+        outer(&mut a, g);
+        live.iter().for_each(|&i| w[i] = alpha * w[i] + (1.0 - alpha) * a);
+    }
+    if tau > 0 || !synced_last {
+        let g = live.iter().map(|&i| a - w[i]).sum::<f32>() / live.len() as f32;
+        outer(&mut a, g);
+        live.iter().for_each(|&i| w[i] = a);
+    }
+    live.iter().for_each(|&i| seen[i].push(w[i]));
+    seen
+}
+
+/// Checks a surviving rank's values against the hand computation, within 1e-5.
+fn assert_by_hand(got: &[f32], expected: &[f32], what: &str) {
+    assert_eq!(got.len(), expected.len(), "{what}: {got:?} vs {expected:?}");
+    for (a, b) in got.iter().zip(expected) {
+        assert!((a - b).abs() < 1e-5, "{what}: {got:?} vs {expected:?}");
+    }
+}
+
+fn dropping(inner_steps: usize) -> DiLoCoConfig {
+    DiLoCoConfig {
+        inner_steps,
+        outer_lr: 0.7,
+        outer_momentum: 0.9,
+        drop_lost_islands: true,
+        ..DiLoCoConfig::default()
+    }
+}
+
+/// The survivors of [`shifting_islands`] (ranks of the islands other than `dead`) agree with
+/// each other and with the hand computation where `dead` stops at step `at`, and their
+/// history names `dead` as dropped at the sync of step `at` (the first one it missed), and
+/// only there.
+fn check_survivors(
+    outcomes: &[Option<Survivor>],
+    count: usize,
+    config: &DiLoCoConfig,
+    steps: usize,
+    (dead, at): (usize, usize),
+    what: &str,
+) {
+    let ranks_per_island = outcomes.len() / count;
+    let expected = shifting_by_hand(count, config, steps, Some((dead, at)));
+    let intact = shifting_by_hand(count, config, steps, None);
+    let first = outcomes[0].as_ref().expect("island 0 survives");
+    for (rank, outcome) in outcomes.iter().enumerate() {
+        let island = rank / ranks_per_island;
+        if island == dead {
+            assert!(outcome.is_none(), "{what}: rank {rank} died");
+            continue;
+        }
+        let (values, history) = outcome.as_ref().expect("a survivor");
+        assert_eq!(
+            values.last(),
+            first.0.last(),
+            "{what}: rank {rank} ends with island 0's outer model"
+        );
+        assert_by_hand(values, &expected[island], &format!("{what}, rank {rank}"));
+        let drops: Vec<(Option<usize>, Vec<usize>)> = history
+            .iter()
+            .filter(|e| !e.dropped.is_empty())
+            .map(|e| (e.step, e.dropped.clone()))
+            .collect();
+        // The first sync the dead island missed.
+        let sync_of = (at..)
+            .find(|s| (s + 1) % config.inner_steps == 0)
+            .unwrap();
+        assert_eq!(drops, vec![(Some(sync_of), vec![dead])], "{what}: rank {rank}");
+        for e in history {
+            let before = e.step.is_some_and(|s| s < sync_of);
+            assert_eq!(e.islands, if before { count } else { count - 1 }, "{what}: {e:?}");
+        }
+    }
+    // Not vacuous: the run without the loss differs.
+    assert!(
+        (first.0.last().unwrap() - intact[0].last().unwrap()).abs() > 1e-3,
+        "{what}: dropping an island must change the outer model"
+    );
+}
+
+/// Three islands of one rank and of two ranks (local threads, Nesterov outer SGD): island 2
+/// fails before step 3 (its ranks abort, as `run_local` does for a rank that fails); islands
+/// 0 and 1 drop it at once, average over the two of them from that sync on and finish with
+/// equal parameters, equal to the hand computation of that run.
+#[test]
+fn a_lost_island_is_dropped_and_the_others_go_on() {
+    for (ranks, h) in [(3, 1), (6, 2)] {
+        let config = dropping(h);
+        let steps = 8;
+        let start = std::time::Instant::now();
+        let outcomes = run_local(ranks, |world| {
+            let world = world.with_timeout(std::time::Duration::from_secs(60));
+            shifting_islands(&world, 3, config, steps, Some((2, 3)), &|world| {
+                world.abort("island 2 lost its machine")
+            })
+            .map_err(|e| CollectiveError::InvalidArgument {
+                rank: world.global_rank(),
+                op: "test".into(),
+                reason: e.to_string(),
+            })
+        })
+        .unwrap();
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(30),
+            "the loss was seen at once, not after the timeout"
+        );
+        check_survivors(
+            &outcomes,
+            3,
+            &config,
+            steps,
+            (2, 3),
+            &format!("{ranks} ranks, H = {h}"),
+        );
+    }
+}
+
+/// An island whose rank just returns (no failure reported: its peers only stop hearing from
+/// it) is dropped when the outer exchange's deadline (the group's timeout) passes.
+#[test]
+fn an_island_that_goes_silent_is_dropped_at_the_deadline() {
+    let config = dropping(1);
+    let timeout = std::time::Duration::from_secs(2);
+    let outcomes = run_local(3, |world| {
+        let world = world.with_timeout(timeout);
+        shifting_islands(&world, 3, config, 6, Some((2, 2)), &|_| {}).map_err(|e| {
+            CollectiveError::InvalidArgument {
+                rank: world.global_rank(),
+                op: "test".into(),
+                reason: e.to_string(),
+            }
+        })
+    })
+    .unwrap();
+    check_survivors(&outcomes, 3, &config, 6, (2, 2), "silent island");
+}
+
+/// The same over TCP (every rank a thread with its own loopback connections): rank 2 cuts its
+/// connections as a crashed process would; ranks 0 and 1 drop it at once and go on.
+#[test]
+fn a_crashed_tcp_rank_is_dropped_and_the_others_go_on() {
+    use burn_parallel::comm::tcp::TcpTransport;
+    use burn_parallel::{TcpConfig, TcpRendezvous};
+    let timeout = std::time::Duration::from_secs(60);
+    let config = dropping(2);
+    let rendezvous = TcpRendezvous::bind("127.0.0.1:0").unwrap();
+    let port = rendezvous.port();
+    let mut rendezvous = Some(rendezvous);
+    let start = std::time::Instant::now();
+    let outcomes: Vec<Option<Survivor>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..3)
+            .map(|rank| {
+                let rendezvous = if rank == 0 { rendezvous.take() } else { None };
+                scope.spawn(move || {
+                    let tcp = TcpConfig::new(rank, 3, "127.0.0.1", port).with_timeout(timeout);
+                    let transport = TcpTransport::connect(&tcp, rendezvous).unwrap();
+                    let world = ProcessGroup::world(transport.clone()).with_timeout(timeout);
+                    shifting_islands(&world, 3, config, 8, Some((2, 5)), &|_| {
+                        transport.disconnect_abruptly()
+                    })
+                    .unwrap_or_else(|e| panic!("rank {rank}: {e}"))
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert!(start.elapsed() < std::time::Duration::from_secs(30));
+    check_survivors(&outcomes, 3, &config, 8, (2, 5), "tcp");
+}
+
+/// When every other island is gone there is nothing to average with: a typed error naming
+/// them, at once.
+#[test]
+fn when_every_other_island_is_gone_it_is_a_typed_error() {
+    let outcomes = run_local(2, |world| {
+        let world = world.with_timeout(std::time::Duration::from_secs(60));
+        Ok(
+            shifting_islands(&world, 2, dropping(1), 4, Some((1, 1)), &|world| {
+                world.abort("island 1 lost its machine")
+            })
+            .err(),
+        )
+    })
+    .unwrap();
+    assert_eq!(
+        outcomes[0],
+        Some(DiLoCoError::AllIslandsLost {
+            island: 0,
+            dropped: vec![1]
+        })
+    );
+    println!("{}", outcomes[0].as_ref().unwrap());
+}
+
+fn overlapping(inner_steps: usize, overlap_steps: usize) -> DiLoCoConfig {
+    DiLoCoConfig {
+        inner_steps,
+        outer_lr: 0.7,
+        outer_momentum: 0.9,
+        overlap_steps,
+        overlap_mix: 0.5,
+        ..DiLoCoConfig::default()
+    }
+}
+
+/// The overlap against the delayed rule written out by hand (H = 4, τ = 1 and 3, mix 0.5,
+/// Nesterov): each update lands exactly once, `τ` steps after its pseudo-gradient left, merged
+/// half and half with the local values; and with an island dropped meanwhile.
+#[test]
+fn overlap_applies_each_update_once_tau_steps_later() {
+    for tau in [1, 3] {
+        let config = overlapping(4, tau);
+        let steps = 12;
+        let outcomes = run_local(2, |world| {
+            Ok(shifting_islands(&world, 2, config, steps, None, &|_| {})
+                .unwrap()
+                .unwrap())
+        })
+        .unwrap();
+        let expected = shifting_by_hand(2, &config, steps, None);
+        for (island, (values, history)) in outcomes.iter().enumerate() {
+            assert_by_hand(values, &expected[island], &format!("tau {tau}, island {island}"));
+            let sent: Vec<(Option<usize>, Option<usize>)> =
+                history.iter().map(|e| (e.step, e.applied)).collect();
+            // Sent after steps 3, 7 and 11; applied τ steps later (the last one at the end),
+            // then the final sync.
+            let expected_events = vec![
+                (Some(3), Some(3 + tau)),
+                (Some(7), Some(7 + tau)),
+                (Some(11), Some(11)),
+                (None, None),
+            ];
+            assert_eq!(sent, expected_events, "tau {tau}");
+        }
+        // The islands differ while updates are merged, and agree at the end.
+        assert_ne!(outcomes[0].0[5], outcomes[1].0[5]);
+        assert_eq!(outcomes[0].0.last(), outcomes[1].0.last());
+        // Not vacuous: without the overlap the outer model differs.
+        let direct = shifting_by_hand(2, &overlapping(4, 0), steps, None);
+        assert!((expected[0].last().unwrap() - direct[0].last().unwrap()).abs() > 1e-3);
+    }
+    // Overlap and a dropped island together (3 islands, island 2 fails before step 5).
+    let config = DiLoCoConfig {
+        drop_lost_islands: true,
+        ..overlapping(2, 1)
+    };
+    let outcomes = run_local(3, |world| {
+        let world = world.with_timeout(std::time::Duration::from_secs(60));
+        Ok(
+            shifting_islands(&world, 3, config, 8, Some((2, 5)), &|world| {
+                world.abort("island 2 lost its machine")
+            })
+            .unwrap(),
+        )
+    })
+    .unwrap();
+    let expected = shifting_by_hand(3, &config, 8, Some((2, 5)));
+    for island in 0..2 {
+        let (values, history) = outcomes[island].as_ref().unwrap();
+        assert_by_hand(values, &expected[island], &format!("overlap + drop, {island}"));
+        let dropped: Vec<_> = history.iter().filter(|e| !e.dropped.is_empty()).collect();
+        assert_eq!(dropped.len(), 1, "{history:?}");
+        assert_eq!((dropped[0].step, &dropped[0].dropped), (Some(5), &vec![2]));
+    }
+}
+
+/// Streaming DiLoCo with an overlap on the GPT (H = 6, F = 3, τ = 2): every fragment's
+/// pseudo-gradient is sent on its schedule and its update applied exactly once, 2 steps later
+/// (the last ones at the end); the islands end with equal parameters.
+#[test]
+fn streaming_overlap_applies_every_fragment_once_on_schedule() {
+    let (h, f, tau) = (6, 3, 2);
+    let observed = run_local(2, |world| {
+        let device = Device::flex();
+        let islands = Islands::new(&world, 2).unwrap();
+        let mut model = Gpt::new(&GptConfig::new(256, 2, 2, 16, 16), &device);
+        let settings = DiLoCoConfig {
+            inner_steps: h,
+            fragments: f,
+            overlap_steps: tau,
+            ..DiLoCoConfig::default()
+        };
+        let mut diloco = DiLoCo::new(&islands, settings, &model).unwrap();
+        for step in 0..2 * h {
+            model = shift_all(model, 0.01 * (islands.index() + 1) as f32);
+            model = diloco.sync(step, model).unwrap();
+        }
+        model = diloco.finish(model).unwrap();
+        let all: BTreeSet<String> = params_of(&model).into_keys().collect();
+        let equal = equal_across(&world, &params_of(&model));
+        Ok((diloco.history().to_vec(), equal == all))
+    })
+    .unwrap();
+    let (history, equal) = &observed[0];
+    assert!(equal, "the islands end with the same parameters");
+    let events: Vec<(usize, Option<usize>, Option<usize>)> = history
+        .iter()
+        .map(|e| (e.fragment, e.step, e.applied))
+        .collect();
+    let expected = vec![
+        (1, Some(1), Some(3)),
+        (2, Some(3), Some(5)),
+        (0, Some(5), Some(7)),
+        (1, Some(7), Some(9)),
+        (2, Some(9), Some(11)),
+        (0, Some(11), Some(11)), // in flight at the end: applied by finish
+        (0, None, None),
+        (1, None, None),
+        (2, None, None),
+    ];
+    assert_eq!(events, expected);
+}
+
+/// The process form: three `gpt --backend tcp --diloco-drop-lost` processes, rank 2 killed
+/// (SIGKILL) mid-run; ranks 0 and 1 drop its island, finish the run and exit cleanly, rank 0
+/// naming the island dropped. No hang: well within the 60 s timeout.
+#[test]
+fn a_killed_gpt_process_is_dropped_and_the_others_finish() {
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+    let gpt = tests::workspace_binary("examples", "gpt");
+    let port = {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.local_addr().unwrap().port()
+    };
+    let dir = std::env::temp_dir().join(format!("burn-parallel-diloco-kill-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config_path = dir.join("run.toml");
+    let config = TrainConfig {
+        batch_size: 6, // 2 rows per island
+        ..tiny_gpt_run(40)
+    };
+    std::fs::write(&config_path, toml::to_string(&config).unwrap()).unwrap();
+    let start = std::time::Instant::now();
+    let mut children: Vec<std::process::Child> = (0..3)
+        .map(|rank| {
+            Command::new(&gpt)
+                .args(["--backend", "tcp", "--diloco-islands", "3", "--inner-steps", "2"])
+                .args(["--diloco-drop-lost", "--log-every", "1", "--config"])
+                .arg(&config_path)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "3")
+                .env("LOCAL_RANK", rank.to_string())
+                .env("LOCAL_WORLD_SIZE", "3")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("BURN_PARALLEL_JOB_TOKEN", "diloco-kill-test")
+                .env("BURN_PARALLEL_TIMEOUT_SECS", "60")
+                .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    // Kill rank 2 once rank 0 has logged step 5.
+    let stdout = children[0].stdout.take().unwrap();
+    let mut lines = Vec::new();
+    let mut killed = false;
+    for line in BufReader::new(stdout).lines() {
+        let line = line.unwrap();
+        if !killed && line.starts_with("step") && line.contains("    5 ") {
+            children[2].kill().unwrap();
+            killed = true;
+        }
+        lines.push(line);
+    }
+    let out: String = lines.join("\n");
+    let statuses: Vec<_> = children.iter_mut().map(|c| c.wait().unwrap()).collect();
+    let stderr = |c: &mut std::process::Child| {
+        let mut s = String::new();
+        std::io::Read::read_to_string(c.stderr.as_mut().unwrap(), &mut s).unwrap();
+        s
+    };
+    let errs: Vec<String> = children.iter_mut().map(stderr).collect();
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(killed, "rank 0 logged step 5:\n{out}\n{}", errs[0]);
+    assert!(!statuses[2].success(), "rank 2 was killed");
+    for rank in [0, 1] {
+        assert!(
+            statuses[rank].success(),
+            "rank {rank}: {}\n{out}\n{}",
+            statuses[rank],
+            errs[rank]
+        );
+        assert!(errs[rank].contains("dropped island(s) [2]"), "rank {rank}: {}", errs[rank]);
+    }
+    assert!(out.contains("DiLoCo: island 2 dropped at the sync of step"), "{out}");
+    assert!(out.contains("step    39"), "{out}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(60), "no wait for the timeout");
+    println!("{out}\n{}", errs[0]);
 }
