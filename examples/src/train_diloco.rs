@@ -200,7 +200,7 @@ pub fn train_gpt_diloco(
     let micro_rows = config.batch_size / ranks / config.grad_accum;
     let tokens_per_step = (config.batch_size * config.seq_len) as f64;
     let start = Instant::now();
-    let (mut losses, mut timed, mut outer_bytes) = (Vec::with_capacity(config.steps), 0.0, 0);
+    let (mut losses, mut timed) = (Vec::with_capacity(config.steps), 0.0);
     let mut sync_timed = 0.0;
     // Who the loss figures are averaged over: the world, or this island once islands may
     // disappear.
@@ -234,11 +234,9 @@ pub fn train_gpt_diloco(
         let lr = config.lr_at(step);
         let (grads, _norm) = step_engine.reduce(&model, acc.grads())?;
         model = optim.step(lr, model, grads);
-        let before = counter.sent();
         let sync_start = Instant::now();
         model = diloco.sync(step, model)?;
         let sync_seconds = sync_start.elapsed().as_secs_f64();
-        outer_bytes += counter.sent() - before;
         let loss = loss_group.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
         losses.push(loss);
         let seconds = step_start.elapsed().as_secs_f64();
@@ -256,9 +254,10 @@ pub fn train_gpt_diloco(
         });
     }
     // The outer model: fragments not synced after the last step are synced now.
-    let before = counter.sent();
     model = diloco.finish(model)?;
-    outer_bytes += counter.sent() - before;
+    // The outer syncs' bytes are those of the outer group (sent by a background thread with an
+    // overlap, while the inner steps send theirs).
+    let outer_bytes = counter.sent_in(islands.outer());
     let total_bytes = counter.sent();
 
     let eval = model.valid();

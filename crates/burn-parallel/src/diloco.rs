@@ -71,7 +71,7 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, mpsc};
+use std::sync::{Arc, Mutex, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -1378,15 +1378,30 @@ impl ModuleMapper for Writer {
     }
 }
 
-/// Bytes sent by one rank, counted by the transport wrapper of [`count_sent_bytes`]. Cheap to
-/// clone (shared).
+/// Bytes sent by one rank, counted by the transport wrapper of [`count_sent_bytes`], in all
+/// and per group. Cheap to clone (shared).
 #[derive(Debug, Clone, Default)]
-pub struct ByteCounter(Arc<AtomicU64>);
+pub struct ByteCounter(Arc<Counts>);
+
+#[derive(Debug, Default)]
+struct Counts {
+    total: AtomicU64,
+    /// Per [`crate::comm::transport::StreamId::group`].
+    by_group: Mutex<HashMap<u64, u64>>,
+}
 
 impl ByteCounter {
     /// Payload bytes of every frame this rank sent so far (headers not included).
     pub fn sent(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
+        self.0.total.load(Ordering::Relaxed)
+    }
+
+    /// Payload bytes this rank sent so far in the messages of `group` (its collectives and
+    /// point-to-point messages; not those of its sub-groups), whichever thread sent them:
+    /// for instance the outer syncs of DiLoCo, `Islands::outer`, overlap or not.
+    pub fn sent_in(&self, group: &ProcessGroup) -> u64 {
+        let by_group = self.0.by_group.lock().unwrap_or_else(|e| e.into_inner());
+        by_group.get(&group.stream_group()).copied().unwrap_or(0)
     }
 }
 
@@ -1409,9 +1424,16 @@ impl Transport for CountingTransport {
         self.inner.backend_name()
     }
     fn send(&self, dst: usize, frame: Frame) -> crate::Result<()> {
-        self.sent
+        let bytes = frame.payload.len() as u64;
+        self.sent.0.total.fetch_add(bytes, Ordering::Relaxed);
+        *self
+            .sent
             .0
-            .fetch_add(frame.payload.len() as u64, Ordering::Relaxed);
+            .by_group
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(frame.header.stream.group)
+            .or_insert(0) += bytes;
         self.inner.send(dst, frame)
     }
     fn mailbox(&self) -> &Mailbox {

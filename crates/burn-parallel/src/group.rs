@@ -154,6 +154,11 @@ impl ProcessGroup {
         self
     }
 
+    /// The id its messages carry ([`StreamId::group`]).
+    pub(crate) fn stream_group(&self) -> u64 {
+        self.id
+    }
+
     /// The underlying transport.
     pub fn transport(&self) -> &Arc<dyn Transport> {
         &self.transport
