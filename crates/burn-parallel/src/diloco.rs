@@ -17,22 +17,61 @@
 //! - *streaming* DiLoCo (`fragments` > 1): the parameters are cut into `F` fragments of about the
 //!   same number of elements (consecutive parameters in module order); fragment `f` is synced
 //!   after the inner steps `s` with `(s + 1) % H == f·H/F`, so each fragment is still synced
-//!   every `H` steps, but the traffic is spread over the `H` steps instead of one burst. The
-//!   sync runs on the calling thread (no overlap with compute): the parameter values must be
-//!   read after the inner step that precedes it and written before the next one, and the burst
-//!   is already `F` times smaller.
+//!   every `H` steps, but the traffic is spread over the `H` steps instead of one burst.
+//! - *overlap* (`overlap_steps` = `τ` > 0, Streaming DiLoCo, Douillard et al. 2025): the
+//!   pseudo-gradient of a fragment due after inner step `s` is read on the calling thread and
+//!   handed to a background thread, which runs the outer exchange while the inner steps go on;
+//!   after inner step `s + τ` the outer step is taken on `θ_start` and the fragment becomes
+//!   `α · θ_local + (1 − α) · θ_start` (the paper's merge with mixing factor `α`,
+//!   `overlap_mix`, 0.5 by default; `α` = 0 replaces the `τ` local steps' progress with the
+//!   outer model). Exchanges run one after the other in the order they were sent, the same on
+//!   every rank; `τ` < `H`, so a fragment's update lands before its next send.
+//!   [`DiLoCo::finish`] applies the exchanges in flight and then syncs every fragment at once, so
+//!   that every island ends with the same outer model. `τ` = 0 is the synchronous sync above.
+//! - *dropped islands* (`drop_lost_islands`): an island that disappears is dropped from the
+//!   average and training goes on; see below.
 //!
 //! Every rank of an island takes part in the outer sync with the ranks at its position in the
 //! other islands, and syncs the whole fragment: the islands' replicas are identical, so each
 //! outer group computes the same average and no broadcast inside the island is needed, but the
 //! links between islands carry `ranks per island` copies of it. A hierarchical sync (each
 //! position averaging `1 / ranks per island` of the fragment, then an all-gather inside the
-//! island) would divide that traffic by the island size; it is not done here.
+//! island) would divide that traffic by the island size; it is not done here (with
+//! `drop_lost_islands` only the island's first rank exchanges, see below).
 //!
-//! An island that disappears is *not* dropped from the average: the group API marks the whole
-//! world failed when one rank fails (every pending and later call ends), so there is no clean
-//! way to go on with the survivors. A lost island is a typed error instead,
-//! [`DiLoCoError::IslandLost`], naming it, never a hang (collectives have timeouts).
+//! # Lost islands
+//!
+//! By default a lost island is a typed error, [`DiLoCoError::IslandLost`], naming it, never a
+//! hang (collectives have timeouts): the transports mark the whole world failed when one rank
+//! fails, so every pending and later call ends.
+//!
+//! With `drop_lost_islands`, [`DiLoCo::new`] first tells this rank's mailbox that failures of
+//! the *other* islands' ranks are theirs alone
+//! ([`crate::comm::transport::Mailbox::isolate_failures_of`]): waits on such a rank end, the
+//! rest of the world goes on (a failure inside this rank's own island still fails it). The
+//! outer exchange is then made of point-to-point messages on the outer group, in two rounds:
+//! 1. *data*: each live island sends its (encoded) pseudo-gradient to every other and waits for
+//!    theirs until a deadline (the outer group's timeout); an island that failed, exited or
+//!    said nothing in time is not heard from;
+//! 2. *agreement*: each sends the set of islands it heard from, with a digest of its `θ_start`,
+//!    to every island of the round (the ones it did not hear from learn that they are out), and
+//!    waits for the sets of the islands it heard from.
+//!
+//! The islands averaged are those in every set received: the average is re-normalised over
+//! them and summed in island order, so every survivor gets the same bits; the others are
+//! dropped for good (a [`SyncEvent::dropped`] entry and a line on stderr). This agrees on every
+//! survivor when at most one island fails during one exchange (an island that fails after
+//! sending its pseudo-gradient to everyone is still averaged that once; one that reached only
+//! some is left out by all). Several islands failing during the same exchange can, with bad
+//! timing, leave survivors with different sets: the digest of the next round then says so,
+//! [`DiLoCoError::Diverged`], instead of training on silently. An island that finds itself
+//! left out (too late) gets [`DiLoCoError::Excluded`]; one left alone,
+//! [`DiLoCoError::AllIslandsLost`]. With islands of several ranks, the island's first rank
+//! runs the exchange and hands the outcome to the others (a broadcast inside the island), so
+//! all ranks of an island drop the same islands. Every collective outside DiLoCo that spans
+//! several islands (a world-wide loss average, say) must be avoided once islands may vanish.
+//! The point-to-point exchange sends `islands − 1` copies of the pseudo-gradient per rank (the
+//! ring all-reduce of the default path, about 2).
 //!
 //! Bytes on the wire are counted by [`count_sent_bytes`], a transport wrapper that adds up the
 //! payload of every frame a rank sends (the same measure for DiLoCo and for a DDP baseline).
@@ -817,10 +856,16 @@ impl DiLoCo {
         let current = self.read(f, model)?;
         let anchors = self.fragments[f].iter().flat_map(|&i| &self.params[i].anchor);
         let delta = anchors.clone().zip(&current).map(|(a, c)| a - c).collect();
+        // Only the resilient exchange compares digests (it costs a pass over the fragment).
+        let digest = if self.config.drop_lost_islands {
+            digest(anchors.copied())
+        } else {
+            0
+        };
         Ok(Job {
             fragment: f,
             delta,
-            digest: digest(anchors.copied()),
+            digest,
         })
     }
 
@@ -836,10 +881,6 @@ impl DiLoCo {
         step: Option<usize>,
         applied: Option<usize>,
     ) -> Result<M, DiLoCoError> {
-        let local = match mix {
-            Some(_) => Some(self.read(f, &model)?),
-            None => None,
-        };
         // Outer SGD (PyTorch's convention): m ← μ·m + Δ; step = Δ + μ·m (Nesterov) or m.
         let (lr, mu) = (
             self.config.outer_lr as f32,
@@ -862,17 +903,8 @@ impl DiLoCo {
                 };
                 *a -= lr * update;
             }
-            let values = match (&local, mix) {
-                (Some(local), Some(alpha)) => p
-                    .anchor
-                    .iter()
-                    .zip(&local[at..at + n])
-                    .map(|(a, l)| alpha * l + (1.0 - alpha) * a)
-                    .collect(),
-                _ => p.anchor.clone(),
-            };
             at += n;
-            new_values.insert(p.id, (p.shape.clone(), values));
+            new_values.insert(p.id, (p.shape.clone(), p.anchor.clone()));
         }
         self.history.push(SyncEvent {
             step,
@@ -882,7 +914,10 @@ impl DiLoCo {
             islands: outcome.islands,
             dropped: outcome.dropped,
         });
-        Ok(model.map(&mut Writer { values: new_values }))
+        Ok(model.map(&mut Writer {
+            values: new_values,
+            mix,
+        }))
     }
 }
 
@@ -1358,9 +1393,12 @@ impl ModuleVisitor for Reader {
     }
 }
 
-/// Replaces the values of the parameters in `values` (dtype, device and `require_grad` kept).
+/// Replaces the values of the parameters in `values` (dtype, device and `require_grad` kept),
+/// or with `mix` = `Some(α)` merges them: `α · current + (1 − α) · value`, on the device (no
+/// read back of the current values).
 struct Writer {
     values: HashMap<ParamId, (Vec<usize>, Vec<f32>)>,
+    mix: Option<f32>,
 }
 
 impl ModuleMapper for Writer {
@@ -1373,6 +1411,10 @@ impl ModuleMapper for Writer {
             let require_grad = tensor.is_require_grad();
             let data = TensorData::new(values, shape).convert_dtype(tensor.dtype());
             let t = tensor_from_data::<D>(data, &device);
+            let t = match self.mix {
+                Some(alpha) => tensor.detach() * alpha + t * (1.0 - alpha),
+                None => t,
+            };
             if require_grad { t.require_grad() } else { t }
         })
     }
