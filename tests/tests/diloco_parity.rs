@@ -195,13 +195,18 @@ fn set_all<M: Module>(module: M, value: f32) -> M {
     module.map(&mut Set(value))
 }
 
-/// Every parameter of `module` moved by `delta`.
+/// Every parameter of `module` moved by `delta` (trainable ones stay trainable leaves).
 fn shift_all<M: Module>(module: M, delta: f32) -> M {
     struct Shift(f32);
     impl ModuleMapper for Shift {
         fn map_float<const D: usize>(&mut self, p: Param<Tensor<D>>) -> Param<Tensor<D>> {
             let d = self.0;
-            p.map(|t| t + d)
+            // A trainable leaf stays one, as after an optimizer step.
+            p.map(|t| {
+                let trainable = t.is_require_grad();
+                let t = (t + d).detach();
+                if trainable { t.require_grad() } else { t }
+            })
         }
     }
     module.map(&mut Shift(delta))
@@ -808,7 +813,7 @@ fn a_lost_island_is_dropped_and_the_others_go_on() {
 #[test]
 fn an_island_that_goes_silent_is_dropped_at_the_deadline() {
     let config = dropping(1);
-    let timeout = std::time::Duration::from_secs(2);
+    let timeout = std::time::Duration::from_secs(5);
     let outcomes = run_local(3, |world| {
         let world = world.with_timeout(timeout);
         shifting_islands(&world, 3, config, 6, Some((2, 2)), &|_| {}).map_err(|e| {
@@ -954,12 +959,13 @@ fn overlap_applies_each_update_once_tau_steps_later() {
 
 /// Streaming DiLoCo with an overlap on the GPT (H = 6, F = 3, τ = 2): every fragment's
 /// pseudo-gradient is sent on its schedule and its update applied exactly once, 2 steps later
-/// (the last ones at the end); the islands end with equal parameters.
+/// (the last ones at the end); the islands end with equal parameters, which still train.
 #[test]
 fn streaming_overlap_applies_every_fragment_once_on_schedule() {
     let (h, f, tau) = (6, 3, 2);
     let observed = run_local(2, |world| {
-        let device = Device::flex();
+        // Autodiff: merged parameters must stay trainable leaves.
+        let device = Device::flex().autodiff();
         let islands = Islands::new(&world, 2).unwrap();
         let mut model = Gpt::new(&GptConfig::new(256, 2, 2, 16, 16), &device);
         let settings = DiLoCoConfig {
@@ -976,6 +982,11 @@ fn streaming_overlap_applies_every_fragment_once_on_schedule() {
         model = diloco.finish(model).unwrap();
         let all: BTreeSet<String> = params_of(&model).into_keys().collect();
         let equal = equal_across(&world, &params_of(&model));
+        // The merged parameters are trainable leaves: a backward pass reaches all of them.
+        let tokens = Tensor::<2, burn::tensor::Int>::zeros([1, 16], &device);
+        let loss = model.forward(tokens).unwrap().mean();
+        let grads = GradientsParams::from_grads(loss.backward(), &model);
+        assert_eq!(grads.len(), all.len(), "every parameter gets a gradient");
         Ok((diloco.history().to_vec(), equal == all))
     })
     .unwrap();
@@ -997,6 +1008,26 @@ fn streaming_overlap_applies_every_fragment_once_on_schedule() {
         (2, None, None),
     ];
     assert_eq!(events, expected);
+}
+
+/// The GPT trainer with an overlap (H = 5, τ = 2, AdamW inside): it trains, the islands end
+/// with the same parameters, and the outer bytes, sent by the background thread while the
+/// inner steps run, are counted exactly: 4 sends and the final sync of every fragment, 4 bytes
+/// per element each (2 islands).
+#[test]
+fn the_gpt_trains_with_an_overlap_and_counts_its_outer_bytes() {
+    let config = tiny_gpt_run(20);
+    let mut run = compression_run(Compression::F32);
+    run.diloco.overlap_steps = 2;
+    let r = &diloco(2, &config, &run)[0];
+    let elements = Gpt::new(&config.model, &Device::flex()).num_params() as u64;
+    assert_eq!(r.syncs, 5);
+    assert_eq!(r.outer_bytes, 5 * 4 * elements);
+    let losses = &r.train.losses;
+    assert!(
+        losses[19] < losses[0] - 0.5 && r.train.val_loss.is_finite(),
+        "{losses:?}"
+    );
 }
 
 /// The process form: three `gpt --backend tcp --diloco-drop-lost` processes, rank 2 killed

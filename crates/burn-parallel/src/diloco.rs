@@ -953,10 +953,12 @@ enum Runner {
     /// On a background thread, one after the other in the order they were submitted (every
     /// rank submits the same exchanges in the same order).
     Worker {
+        /// This rank, for errors.
+        rank: usize,
         jobs: mpsc::Sender<Job>,
+        /// The outcomes, in the order the jobs were submitted.
         results: mpsc::Receiver<Result<Outcome, DiLoCoError>>,
-        /// Results submitted and not yet taken, and the results of jobs run through
-        /// [`Runner::run`] land in the same queue.
+        /// Detached when dropped: the thread ends after the exchange it is running.
         _thread: thread::JoinHandle<()>,
     },
 }
@@ -985,25 +987,35 @@ impl Runner {
                 })
             })?;
         Ok(Runner::Worker {
+            rank,
             jobs,
             results,
             _thread: thread,
         })
     }
 
-    /// Hands `job` to the background thread.
+    /// Hands `job` to the background thread (runs it now without one: its outcome is then
+    /// lost, so [`DiLoCo`] only submits with an overlap).
     fn submit(&mut self, job: Job) -> Result<(), DiLoCoError> {
         match self {
-            Runner::Inline(_) => unreachable!("submit is only called with an overlap"),
-            Runner::Worker { jobs, .. } => jobs.send(job).map_err(|_| Self::gone()),
+            Runner::Inline(outer) => outer.run(job).map(|_| ()),
+            Runner::Worker { rank, jobs, .. } => jobs.send(job).map_err(|_| Self::gone(*rank)),
         }
     }
 
     /// The outcome of the oldest job submitted (waits for it).
     fn result(&mut self) -> Result<Outcome, DiLoCoError> {
         match self {
-            Runner::Inline(_) => unreachable!("result is only called with an overlap"),
-            Runner::Worker { results, .. } => results.recv().map_err(|_| Self::gone())?,
+            Runner::Inline(outer) => {
+                Err(DiLoCoError::Collective(CollectiveError::InvalidArgument {
+                    rank: outer.outer.global_rank(),
+                    op: "DiLoCo overlap".into(),
+                    reason: "no exchange is in flight without an overlap".into(),
+                }))
+            }
+            Runner::Worker { rank, results, .. } => {
+                results.recv().map_err(|_| Self::gone(*rank))?
+            }
         }
     }
 
@@ -1018,9 +1030,9 @@ impl Runner {
         }
     }
 
-    fn gone() -> DiLoCoError {
+    fn gone(rank: usize) -> DiLoCoError {
         DiLoCoError::Collective(CollectiveError::InvalidArgument {
-            rank: usize::MAX,
+            rank,
             op: "DiLoCo overlap".into(),
             reason: "the background thread of the overlap stopped after an error reported \
                      earlier; DiLoCo cannot go on"
@@ -1412,7 +1424,8 @@ impl ModuleMapper for Writer {
             let data = TensorData::new(values, shape).convert_dtype(tensor.dtype());
             let t = tensor_from_data::<D>(data, &device);
             let t = match self.mix {
-                Some(alpha) => tensor.detach() * alpha + t * (1.0 - alpha),
+                // A new leaf, like the values written without the merge.
+                Some(alpha) => (tensor.detach() * alpha + t * (1.0 - alpha)).detach(),
                 None => t,
             };
             if require_grad { t.require_grad() } else { t }
