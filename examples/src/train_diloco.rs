@@ -366,7 +366,11 @@ pub struct DiLoCoArgs {
     #[arg(long = "diloco-overlap", default_value_t = 0, requires = "islands")]
     pub overlap: usize,
     /// DiLoCo overlap: share of the local values kept when a delayed update lands, in [0, 1).
-    #[arg(long = "diloco-overlap-mix", default_value_t = 0.5, requires = "islands")]
+    #[arg(
+        long = "diloco-overlap-mix",
+        default_value_t = 0.5,
+        requires = "islands"
+    )]
     pub overlap_mix: f64,
     /// DiLoCo: an island that disappears (crash, exit, timeout) is dropped from the average
     /// and the others go on, instead of stopping the job.
@@ -472,7 +476,9 @@ pub fn run_rank(
     if lead {
         for (island, step) in &report.dropped {
             match step {
-                Some(step) => println!("DiLoCo: island {island} dropped at the sync of step {step}"),
+                Some(step) => {
+                    println!("DiLoCo: island {island} dropped at the sync of step {step}")
+                }
                 None => println!("DiLoCo: island {island} dropped at the final sync"),
             }
         }

@@ -651,7 +651,11 @@ fn shifting_by_hand(
     steps: usize,
     dies: Option<(usize, usize)>,
 ) -> Vec<Vec<f32>> {
-    let (lr, mu, alpha) = (c.outer_lr as f32, c.outer_momentum as f32, c.overlap_mix as f32);
+    let (lr, mu, alpha) = (
+        c.outer_lr as f32,
+        c.outer_momentum as f32,
+        c.overlap_mix as f32,
+    );
     let (h, tau) = (c.inner_steps, c.overlap_steps);
     let (mut a, mut m) = (1.0f32, 0.0f32);
     let mut w = vec![1.0f32; count];
@@ -675,7 +679,8 @@ fn shifting_by_hand(
         while pending.front().is_some_and(|p| p.0 <= s) {
             let (_, g) = pending.pop_front().unwrap();
             outer(&mut a, g);
-            live.iter().for_each(|&i| w[i] = alpha * w[i] + (1.0 - alpha) * a);
+            live.iter()
+                .for_each(|&i| w[i] = alpha * w[i] + (1.0 - alpha) * a);
         }
         synced_last = (s + 1) % h == 0;
         if synced_last {
@@ -691,7 +696,8 @@ fn shifting_by_hand(
     }
     while let Some((_, g)) = pending.pop_front() {
         outer(&mut a, g);
-        live.iter().for_each(|&i| w[i] = alpha * w[i] + (1.0 - alpha) * a);
+        live.iter()
+            .for_each(|&i| w[i] = alpha * w[i] + (1.0 - alpha) * a);
     }
     if tau > 0 || !synced_last {
         let g = live.iter().map(|&i| a - w[i]).sum::<f32>() / live.len() as f32;
@@ -755,13 +761,19 @@ fn check_survivors(
             .map(|e| (e.step, e.dropped.clone()))
             .collect();
         // The first sync the dead island missed.
-        let sync_of = (at..)
-            .find(|s| (s + 1) % config.inner_steps == 0)
-            .unwrap();
-        assert_eq!(drops, vec![(Some(sync_of), vec![dead])], "{what}: rank {rank}");
+        let sync_of = (at..).find(|s| (s + 1) % config.inner_steps == 0).unwrap();
+        assert_eq!(
+            drops,
+            vec![(Some(sync_of), vec![dead])],
+            "{what}: rank {rank}"
+        );
         for e in history {
             let before = e.step.is_some_and(|s| s < sync_of);
-            assert_eq!(e.islands, if before { count } else { count - 1 }, "{what}: {e:?}");
+            assert_eq!(
+                e.islands,
+                if before { count } else { count - 1 },
+                "{what}: {e:?}"
+            );
         }
     }
     // Not vacuous: the run without the loss differs.
@@ -912,7 +924,11 @@ fn overlap_applies_each_update_once_tau_steps_later() {
         .unwrap();
         let expected = shifting_by_hand(2, &config, steps, None);
         for (island, (values, history)) in outcomes.iter().enumerate() {
-            assert_by_hand(values, &expected[island], &format!("tau {tau}, island {island}"));
+            assert_by_hand(
+                values,
+                &expected[island],
+                &format!("tau {tau}, island {island}"),
+            );
             let sent: Vec<(Option<usize>, Option<usize>)> =
                 history.iter().map(|e| (e.step, e.applied)).collect();
             // Sent after steps 3, 7 and 11; applied τ steps later (the last one at the end),
@@ -950,7 +966,11 @@ fn overlap_applies_each_update_once_tau_steps_later() {
     let expected = shifting_by_hand(3, &config, 8, Some((2, 5)));
     for island in 0..2 {
         let (values, history) = outcomes[island].as_ref().unwrap();
-        assert_by_hand(values, &expected[island], &format!("overlap + drop, {island}"));
+        assert_by_hand(
+            values,
+            &expected[island],
+            &format!("overlap + drop, {island}"),
+        );
         let dropped: Vec<_> = history.iter().filter(|e| !e.dropped.is_empty()).collect();
         assert_eq!(dropped.len(), 1, "{history:?}");
         assert_eq!((dropped[0].step, &dropped[0].dropped), (Some(5), &vec![2]));
@@ -1042,7 +1062,8 @@ fn a_killed_gpt_process_is_dropped_and_the_others_finish() {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.local_addr().unwrap().port()
     };
-    let dir = std::env::temp_dir().join(format!("burn-parallel-diloco-kill-{}", std::process::id()));
+    let dir =
+        std::env::temp_dir().join(format!("burn-parallel-diloco-kill-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let config_path = dir.join("run.toml");
     let config = TrainConfig {
@@ -1054,7 +1075,14 @@ fn a_killed_gpt_process_is_dropped_and_the_others_finish() {
     let mut children: Vec<std::process::Child> = (0..3)
         .map(|rank| {
             Command::new(&gpt)
-                .args(["--backend", "tcp", "--diloco-islands", "3", "--inner-steps", "2"])
+                .args([
+                    "--backend",
+                    "tcp",
+                    "--diloco-islands",
+                    "3",
+                    "--inner-steps",
+                    "2",
+                ])
                 .args(["--diloco-drop-lost", "--log-every", "1", "--config"])
                 .arg(&config_path)
                 .env("RANK", rank.to_string())
@@ -1065,7 +1093,11 @@ fn a_killed_gpt_process_is_dropped_and_the_others_finish() {
                 .env("MASTER_PORT", port.to_string())
                 .env("BURN_PARALLEL_JOB_TOKEN", "diloco-kill-test")
                 .env("BURN_PARALLEL_TIMEOUT_SECS", "60")
-                .stdout(if rank == 0 { Stdio::piped() } else { Stdio::null() })
+                .stdout(if rank == 0 {
+                    Stdio::piped()
+                } else {
+                    Stdio::null()
+                })
                 .stderr(Stdio::piped())
                 .spawn()
                 .unwrap()
@@ -1101,10 +1133,20 @@ fn a_killed_gpt_process_is_dropped_and_the_others_finish() {
             statuses[rank],
             errs[rank]
         );
-        assert!(errs[rank].contains("dropped island(s) [2]"), "rank {rank}: {}", errs[rank]);
+        assert!(
+            errs[rank].contains("dropped island(s) [2]"),
+            "rank {rank}: {}",
+            errs[rank]
+        );
     }
-    assert!(out.contains("DiLoCo: island 2 dropped at the sync of step"), "{out}");
+    assert!(
+        out.contains("DiLoCo: island 2 dropped at the sync of step"),
+        "{out}"
+    );
     assert!(out.contains("step    39"), "{out}");
-    assert!(start.elapsed() < std::time::Duration::from_secs(60), "no wait for the timeout");
+    assert!(
+        start.elapsed() < std::time::Duration::from_secs(60),
+        "no wait for the timeout"
+    );
     println!("{out}\n{}", errs[0]);
 }

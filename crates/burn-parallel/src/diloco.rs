@@ -19,8 +19,10 @@
 //!   after the inner steps `s` with `(s + 1) % H == f·H/F`, so each fragment is still synced
 //!   every `H` steps, but the traffic is spread over the `H` steps instead of one burst.
 //! - *overlap* (`overlap_steps` = `τ` > 0, Streaming DiLoCo, Douillard et al. 2025): the
-//!   pseudo-gradient of a fragment due after inner step `s` is read on the calling thread and
-//!   handed to a background thread, which runs the outer exchange while the inner steps go on;
+//!   calling thread only takes handles of a fragment's parameters after inner step `s` (tensors
+//!   are values: later steps make new ones) and hands them to a background thread, which reads
+//!   them to the host, forms the pseudo-gradient and runs the outer exchange while the inner
+//!   steps go on;
 //!   after inner step `s + τ` the outer step is taken on `θ_start` and the fragment becomes
 //!   `α · θ_local + (1 − α) · θ_start` (the paper's merge with mixing factor `α`,
 //!   `overlap_mix`, 0.5 by default; `α` = 0 replaces the `τ` local steps' progress with the
@@ -563,7 +565,7 @@ struct Tracked {
     id: ParamId,
     shape: Vec<usize>,
     /// `θ_start`: the outer model's value (host, f32).
-    anchor: Vec<f32>,
+    anchor: Arc<Vec<f32>>,
     /// The outer optimizer's momentum.
     momentum: Vec<f32>,
 }
@@ -649,7 +651,7 @@ impl DiLoCo {
                 id,
                 shape,
                 momentum: vec![0.0; values.len()],
-                anchor: values,
+                anchor: Arc::new(values),
             })
             .collect();
         if config.fragments > params.len() {
@@ -807,7 +809,14 @@ impl DiLoCo {
         while let Some(p) = self.pending.pop_front() {
             let outcome = self.runner.result()?;
             let mix = Some(self.config.overlap_mix as f32);
-            model = self.apply(p.fragment, outcome, mix, model, Some(p.sent), self.last_step)?;
+            model = self.apply(
+                p.fragment,
+                outcome,
+                mix,
+                model,
+                Some(p.sent),
+                self.last_step,
+            )?;
         }
         let overlap = self.config.overlap_steps > 0;
         let stale: Vec<usize> = (0..self.fragments.len())
@@ -822,50 +831,28 @@ impl DiLoCo {
         Ok(model)
     }
 
-    /// The current values of fragment `f`'s parameters, flat, checked against the anchors.
-    fn read<M: Module>(&self, f: usize, model: &M) -> Result<Vec<f32>, DiLoCoError> {
+    /// The exchange of fragment `f`: its parameters' current values (tensor handles, read to
+    /// the host where the exchange runs: on the background thread with an overlap) and their
+    /// `θ_start`.
+    fn job<M: Module>(&self, f: usize, model: &M) -> Result<Job, DiLoCoError> {
         let members = &self.fragments[f];
-        let mut reader = Reader {
+        let mut grabber = Grabber {
             wanted: members.iter().map(|&i| self.params[i].id).collect(),
             values: HashMap::new(),
         };
-        model.visit(&mut reader);
-        let mut flat =
-            Vec::with_capacity(members.iter().map(|&i| self.params[i].anchor.len()).sum());
+        model.visit(&mut grabber);
+        let mut parts = Vec::with_capacity(members.len());
         for &i in members {
             let p = &self.params[i];
-            let current = reader.values.remove(&p.id).ok_or_else(|| {
+            let current = grabber.values.remove(&p.id).ok_or_else(|| {
                 DiLoCoError::ModelChanged(format!("parameter {:?} is missing", p.id))
             })?;
-            if current.len() != p.anchor.len() {
-                return Err(DiLoCoError::ModelChanged(format!(
-                    "parameter {:?} has {} elements, DiLoCo started with {}",
-                    p.id,
-                    current.len(),
-                    p.anchor.len()
-                )));
-            }
-            flat.extend(current);
+            parts.push((p.id, current, p.anchor.clone()));
         }
-        Ok(flat)
-    }
-
-    /// The exchange of fragment `f`: its pseudo-gradient `Δ = θ_start − θ_end`, flat, and a
-    /// digest of its `θ_start` (every island must hold the same).
-    fn job<M: Module>(&self, f: usize, model: &M) -> Result<Job, DiLoCoError> {
-        let current = self.read(f, model)?;
-        let anchors = self.fragments[f].iter().flat_map(|&i| &self.params[i].anchor);
-        let delta = anchors.clone().zip(&current).map(|(a, c)| a - c).collect();
-        // Only the resilient exchange compares digests (it costs a pass over the fragment).
-        let digest = if self.config.drop_lost_islands {
-            digest(anchors.copied())
-        } else {
-            0
-        };
         Ok(Job {
             fragment: f,
-            delta,
-            digest,
+            parts,
+            digest: self.config.drop_lost_islands,
         })
     }
 
@@ -894,7 +881,8 @@ impl DiLoCo {
             let p = &mut self.params[i];
             let n = p.anchor.len();
             let g = &outcome.avg[at..at + n];
-            for ((a, m), &g) in p.anchor.iter_mut().zip(p.momentum.iter_mut()).zip(g) {
+            let anchor = Arc::make_mut(&mut p.anchor);
+            for ((a, m), &g) in anchor.iter_mut().zip(p.momentum.iter_mut()).zip(g) {
                 let update = if mu == 0.0 {
                     g
                 } else {
@@ -904,7 +892,7 @@ impl DiLoCo {
                 *a -= lr * update;
             }
             at += n;
-            new_values.insert(p.id, (p.shape.clone(), p.anchor.clone()));
+            new_values.insert(p.id, (p.shape.clone(), anchor.clone()));
         }
         self.history.push(SyncEvent {
             step,
@@ -932,11 +920,42 @@ fn digest(values: impl Iterator<Item = f32>) -> u64 {
     h
 }
 
-/// One outer exchange: a fragment's pseudo-gradient and the digest of its `θ_start`.
+/// One outer exchange: a fragment's parameters as they are after the inner step of the send
+/// (flat tensor handles, not yet read) with their `θ_start`, and whether the digest of the
+/// `θ_start` is wanted (the resilient exchange compares them).
 struct Job {
     fragment: usize,
-    delta: Vec<f32>,
-    digest: u64,
+    parts: Vec<(ParamId, Tensor<1>, Arc<Vec<f32>>)>,
+    digest: bool,
+}
+
+impl Job {
+    /// The pseudo-gradient `Δ = θ_start − θ_end`, flat, and the digest of `θ_start` (0 when
+    /// not wanted): reads the values to the host.
+    fn delta(self) -> Result<(Vec<f32>, u64), DiLoCoError> {
+        let n = self.parts.iter().map(|(_, _, a)| a.len()).sum();
+        let mut delta = Vec::with_capacity(n);
+        for (id, tensor, anchor) in &self.parts {
+            let current = tensor
+                .clone()
+                .try_into_vec_as::<f32>()
+                .expect("a float parameter reads as f32");
+            if current.len() != anchor.len() {
+                return Err(DiLoCoError::ModelChanged(format!(
+                    "parameter {id:?} has {} elements, DiLoCo started with {}",
+                    current.len(),
+                    anchor.len()
+                )));
+            }
+            delta.extend(anchor.iter().zip(&current).map(|(a, c)| a - c));
+        }
+        let digest = if self.digest {
+            digest(self.parts.iter().flat_map(|(_, _, a)| a.iter().copied()))
+        } else {
+            0
+        };
+        Ok((delta, digest))
+    }
 }
 
 /// What an exchange gives: the average over the islands averaged, and those dropped.
@@ -1059,9 +1078,11 @@ struct Outer {
 
 impl Outer {
     fn run(&mut self, job: Job) -> Result<Outcome, DiLoCoError> {
+        let fragment = job.fragment;
+        let (delta, digest) = job.delta()?;
         if !self.resilient {
             let islands = self.outer.size();
-            let avg = self.average(job.delta).map_err(|e| self.lost(e))?;
+            let avg = self.average(delta).map_err(|e| self.lost(e))?;
             return Ok(Outcome {
                 avg,
                 islands,
@@ -1069,9 +1090,9 @@ impl Outer {
             });
         }
         match self.island_sync.clone() {
-            None => self.exchange(job),
+            None => self.exchange(fragment, delta, digest),
             Some(sync) if sync.rank() == 0 => {
-                let outcome = self.exchange(job);
+                let outcome = self.exchange(fragment, delta, digest);
                 let bytes = match &outcome {
                     Ok(o) => encode_outcome(o),
                     Err(e) => {
@@ -1085,10 +1106,10 @@ impl Outer {
             }
             Some(sync) => {
                 let bytes = sync.broadcast_bytes(Vec::new(), 0)?;
-                decode_outcome(&bytes, job.delta.len()).map_err(|reason| {
+                decode_outcome(&bytes, delta.len()).map_err(|reason| {
                     DiLoCoError::Collective(CollectiveError::PeerFailed {
                         rank: sync.global_rank(),
-                        op: format!("DiLoCo sync of fragment {}", job.fragment),
+                        op: format!("DiLoCo sync of fragment {}", fragment),
                         peer: sync.members()[0],
                         reason,
                     })
@@ -1146,14 +1167,19 @@ impl Outer {
     /// from (and the digest of its `θ_start`) and waits for the sets of those islands. The
     /// islands averaged are those every set received contains; the others are dropped for
     /// good.
-    fn exchange(&mut self, job: Job) -> Result<Outcome, DiLoCoError> {
+    fn exchange(
+        &mut self,
+        fragment: usize,
+        delta: Vec<f32>,
+        digest: u64,
+    ) -> Result<Outcome, DiLoCoError> {
         let me = self.outer.rank();
         let start = self.live.clone();
         let round = self.exchanges;
         self.exchanges += 1;
         let (data_tag, view_tag) = (2 * round, 2 * round + 1);
-        let n = job.delta.len();
-        let payload = self.compression.encode(&job.delta);
+        let n = delta.len();
+        let payload = self.compression.encode(&delta);
         let len = payload.len();
         let mut heard: BTreeMap<usize, Vec<u8>> = BTreeMap::new();
         for &p in start.iter().filter(|&&p| p != me) {
@@ -1174,7 +1200,7 @@ impl Outer {
                 Ok(data) => {
                     return Err(DiLoCoError::Collective(CollectiveError::InvalidArgument {
                         rank: self.outer.global_rank(),
-                        op: format!("DiLoCo sync of fragment {}", job.fragment),
+                        op: format!("DiLoCo sync of fragment {}", fragment),
                         reason: format!(
                             "island {p} sent {} bytes of pseudo-gradient, expected {len}",
                             data.len()
@@ -1187,7 +1213,7 @@ impl Outer {
         }
         // Agreement: [digest, islands heard from...] to every island of the start (those
         // this rank did not hear from learn that they are dropped).
-        let mut view: Vec<u64> = vec![job.digest];
+        let mut view: Vec<u64> = vec![digest];
         view.extend(heard.keys().map(|&p| p as u64));
         for &p in start.iter().filter(|&&p| p != me) {
             let data = TensorData::new(view.clone(), [view.len()]);
@@ -1209,11 +1235,11 @@ impl Outer {
                     let Some((&their_digest, islands)) = theirs.split_first() else {
                         continue;
                     };
-                    if their_digest != job.digest {
+                    if their_digest != digest {
                         return Err(DiLoCoError::Diverged {
                             island: me,
                             other: p,
-                            fragment: job.fragment,
+                            fragment: fragment,
                         });
                     }
                     agreed.retain(|i| islands.contains(&(*i as u64)));
@@ -1243,7 +1269,7 @@ impl Outer {
                 "DiLoCo: rank {} (island {me}): dropped island(s) {dropped:?} from the average \
                  of fragment {} (outer exchange {round}); going on with islands {:?}",
                 self.outer.global_rank(),
-                job.fragment,
+                fragment,
                 agreed
             );
         }
@@ -1325,7 +1351,12 @@ fn decode_outcome(bytes: &[u8], n: usize) -> Result<Outcome, String> {
         Some(1) => return Err(String::from_utf8_lossy(&bytes[1..]).into_owned()),
         _ => return Err("malformed outcome of the outer exchange".into()),
     }
-    let bad = || format!("the outcome of the outer exchange has {} bytes", bytes.len());
+    let bad = || {
+        format!(
+            "the outcome of the outer exchange has {} bytes",
+            bytes.len()
+        )
+    };
     let islands = u32_at(1).ok_or_else(bad)? as usize;
     let count = u32_at(5).ok_or_else(bad)? as usize;
     let dropped = (0..count)
@@ -1387,20 +1418,18 @@ impl ModuleVisitor for Lister {
     }
 }
 
-/// The f32 values of the parameters in `wanted`.
-struct Reader {
+/// The parameters in `wanted`, flat and detached (handles: nothing is read).
+struct Grabber {
     wanted: Vec<ParamId>,
-    values: HashMap<ParamId, Vec<f32>>,
+    values: HashMap<ParamId, Tensor<1>>,
 }
 
-impl ModuleVisitor for Reader {
+impl ModuleVisitor for Grabber {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         if self.wanted.contains(&param.id) && !self.values.contains_key(&param.id) {
-            let values = param
-                .val()
-                .try_into_vec_as::<f32>()
-                .expect("a float parameter reads as f32");
-            self.values.insert(param.id, values);
+            let value = param.val().detach();
+            let n = value.dims().iter().product::<usize>();
+            self.values.insert(param.id, value.reshape([n]));
         }
     }
 }
