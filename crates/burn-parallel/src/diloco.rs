@@ -1239,7 +1239,7 @@ impl Outer {
                         return Err(DiLoCoError::Diverged {
                             island: me,
                             other: p,
-                            fragment: fragment,
+                            fragment,
                         });
                     }
                     agreed.retain(|i| islands.contains(&(*i as u64)));
