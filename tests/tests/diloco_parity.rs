@@ -6,7 +6,11 @@
 //! - the outer optimizer is SGD with (Nesterov) momentum on the averaged pseudo-gradient;
 //! - fp16, bf16 and int8 pseudo-gradients stay close to f32 and send the bytes they should;
 //! - streaming fragments are each synced exactly on their schedule;
-//! - settings that make no sense, and a lost island, are typed errors.
+//! - settings that make no sense, and a lost island, are typed errors;
+//! - with `drop_lost_islands`, a lost island (an abort, a silent rank, a TCP crash, a killed
+//!   `gpt` process) is dropped and the survivors match the outer steps written out by hand;
+//! - with an overlap, each update lands exactly once, `τ` steps after it was sent, as the
+//!   delayed merge written out by hand.
 
 use std::collections::BTreeSet;
 
