@@ -150,7 +150,7 @@ fn step_seconds(
         })
         .expect("training")
     });
-    let saves = if every == 0 { 0 } else { config.steps / every };
+    let saves = config.steps.checked_div(every).unwrap_or(0);
     (secs / config.steps as f64, saves)
 }
 
