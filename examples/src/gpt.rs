@@ -52,7 +52,7 @@
 //! ```
 
 use burn::module::{Module, ModuleMapper, Param};
-use burn::tensor::activation::{gelu, log_softmax, silu, softmax};
+use burn::tensor::activation::{gelu, gelu_approximate, log_softmax, silu, softmax};
 use burn::tensor::module::layer_norm;
 use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
 use burn_moe::{MoeConfig, MoeError, MoeLayer, MoeParallel, MoeStats};
@@ -101,6 +101,17 @@ pub enum MlpKind {
     Gelu,
     /// `down(silu(gate(x)) * up(x))` (LLaMA).
     SwiGlu,
+}
+
+/// Which GELU the [`MlpKind::Gelu`] feed-forward network applies.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum GeluKind {
+    /// The exact `x Φ(x)` (with `erf`).
+    #[default]
+    Erf,
+    /// The tanh approximation `x/2 (1 + tanh(sqrt(2/π) (x + 0.044715 x³)))`, GPT-2's
+    /// `gelu_new`.
+    Tanh,
 }
 
 /// How token positions are encoded.
@@ -157,6 +168,10 @@ pub struct GptConfig {
     /// Feed-forward kind.
     #[serde(default)]
     pub mlp: MlpKind,
+    /// The GELU of a [`MlpKind::Gelu`] feed-forward network (exact by default; GPT-2
+    /// checkpoints use [`GeluKind::Tanh`]).
+    #[serde(default)]
+    pub gelu: GeluKind,
     /// Position encoding.
     #[serde(default)]
     pub positions: PositionKind,
@@ -232,6 +247,7 @@ impl GptConfig {
             d_ff: 4 * d_model,
             max_seq_len,
             mlp: MlpKind::Gelu,
+            gelu: GeluKind::Erf,
             positions: PositionKind::Learned,
             tied_embeddings: false,
             norm: NormKind::LayerNorm,
@@ -347,6 +363,7 @@ impl GptConfig {
             n_heads: self.n_heads,
             d_ff: self.d_ff,
             mlp: self.mlp,
+            gelu: self.gelu,
             norm: self.norm,
             norm_eps: self.norm_eps,
             bias: self.bias,
@@ -403,6 +420,8 @@ pub struct BlockConfig {
     pub d_ff: usize,
     /// MLP kind.
     pub mlp: MlpKind,
+    /// The GELU of a [`MlpKind::Gelu`] MLP.
+    pub gelu: GeluKind,
     /// Norm kind.
     pub norm: NormKind,
     /// Norm epsilon.
@@ -819,6 +838,9 @@ pub struct Mlp {
     /// SwiGLU's gating through the fused kernel.
     #[module(skip)]
     pub fused: bool,
+    /// The GELU of a gate-less MLP.
+    #[module(skip)]
+    pub gelu: GeluKind,
 }
 
 impl Mlp {
@@ -842,6 +864,7 @@ impl Mlp {
             down: init.linear("down", spec(f, d, config.residual_std))?,
             drop: dropout(config.dropout, init, "drop"),
             fused: config.fused,
+            gelu: config.gelu,
         })
     }
 
@@ -851,7 +874,10 @@ impl Mlp {
     /// Shape and collective errors of the tensor-parallel layers.
     pub fn forward(&self, x: Tensor<3>, pass: &Pass) -> TpResult<Tensor<3>> {
         let hidden = match &self.gate {
-            None => gelu(self.up.forward(x)?),
+            None => match self.gelu {
+                GeluKind::Erf => gelu(self.up.forward(x)?),
+                GeluKind::Tanh => gelu_approximate(self.up.forward(x)?),
+            },
             Some(gate) if self.fused => {
                 kernels::swiglu(gate.forward(x.clone())?, self.up.forward(x)?)
                     .unwrap_or_else(|e| panic!("fused swiglu: {e}"))

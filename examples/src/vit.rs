@@ -32,8 +32,8 @@ use burn_zero::{Fsdp, FsdpPlan, Result as ZeroResult, ZeroError};
 use serde::{Deserialize, Serialize};
 
 use crate::gpt::{
-    Block, BlockConfig, ConfigError, INIT_STD, MlpKind, Norm, NormKind, Pass, build_blocks,
-    cross_entropy, gather_blocks, load_params,
+    Block, BlockConfig, ConfigError, GeluKind, INIT_STD, MlpKind, Norm, NormKind, Pass,
+    build_blocks, cross_entropy, gather_blocks, load_params,
 };
 use crate::init::{Init, LinearInit};
 
@@ -131,6 +131,7 @@ impl VitConfig {
             n_heads: self.n_heads,
             d_ff: self.d_ff,
             mlp: MlpKind::Gelu,
+            gelu: GeluKind::Erf,
             norm: NormKind::LayerNorm,
             norm_eps: 1e-5,
             bias: true,
