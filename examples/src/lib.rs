@@ -9,6 +9,8 @@
 //!   SwiGLU MLPs, learned or rotary positions, LayerNorm or RMSNorm, tied or untied embeddings;
 //! - [`vit`]: a Vision Transformer for small images ([`vit::Vit`], [`vit::VitConfig`]) built from
 //!   the same blocks;
+//! - [`hf`]: Hugging Face GPT-2 and LLaMA checkpoints (safetensors) in and out of the GPT, and
+//!   (feature `hf-tokenizer`) their `tokenizer.json`;
 //! - [`data`]: the bundled King James Bible as byte tokens ([`data::Corpus`]) and the 8x8
 //!   hand-written digits ([`data::Digits`]), with batches that are pure functions of the step.
 //!
@@ -32,6 +34,7 @@
 
 pub mod data;
 pub mod gpt;
+pub mod hf;
 pub use burn_parallel::init;
 pub mod pipeline;
 pub mod train;
