@@ -1221,6 +1221,17 @@ pub fn evaluate(model: &Gpt, tokens: &[u32], window: usize) -> Result<Perplexity
 
 /// A byte-level BPE (or any) tokenizer from a `tokenizer.json`, through the `tokenizers` crate
 /// (feature `hf-tokenizer`).
+///
+/// ```
+/// use examples::hf::Tokenizer;
+///
+/// let json = r#"{"version": "1.0", "added_tokens": [], "normalizer": null,
+///     "pre_tokenizer": null, "post_processor": null, "decoder": null,
+///     "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "ab": 2}, "merges": ["a b"]}}"#;
+/// let tokenizer = Tokenizer::from_bytes(json.as_bytes()).unwrap();
+/// assert_eq!(tokenizer.encode("abab").unwrap(), vec![2, 2]);
+/// assert_eq!(tokenizer.vocab_size(), 3);
+/// ```
 #[cfg(feature = "hf-tokenizer")]
 #[derive(Clone)]
 pub struct Tokenizer {

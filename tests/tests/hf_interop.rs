@@ -1017,9 +1017,13 @@ fn byte_level_bpe_round_trips_text() {
     let text = "In the beginning the heaven and\tthe earth, in ünïcode 🦀 too.\n";
     let ids = tokenizer.encode(text).unwrap();
     assert_eq!(tokenizer.decode(&ids).unwrap(), text);
-    // The merges apply: " the" is one token (three times), " in" one, and fewer ids than bytes.
+    // The merges apply: " the" is one token (twice; the one after the tab has no space),
+    // "the" after the tab is "t" + "he", " in" one token, and fewer ids than bytes.
     let the = vocab["Ġthe"];
-    assert_eq!(ids.iter().filter(|&&i| i == the).count(), 3, "{ids:?}");
+    assert_eq!(ids.iter().filter(|&&i| i == the).count(), 2, "{ids:?}");
+    let tab = vocab[&bytes_to_unicode()[b'\t' as usize].to_string()];
+    let after_tab = ids.iter().position(|&i| i == tab).unwrap();
+    assert_eq!(ids[after_tab + 1..after_tab + 3], [vocab["t"], vocab["he"]]);
     assert!(ids.contains(&vocab["Ġin"]));
     assert!(ids.len() < text.len());
     assert!(ids.iter().all(|&i| (i as usize) < tokenizer.vocab_size()));
