@@ -849,6 +849,32 @@ pub fn host_params<M: Module>(module: &M) -> BTreeMap<String, HostTensor> {
     c.out
 }
 
+/// The shape of every float parameter of `module` by module path (no data read back).
+fn param_shapes<M: Module>(module: &M) -> BTreeMap<String, Vec<usize>> {
+    struct Shapes {
+        path: Vec<String>,
+        out: BTreeMap<String, Vec<usize>>,
+    }
+    impl ModuleVisitor for Shapes {
+        fn enter_module(&mut self, name: &str, _: &str) {
+            self.path.push(name.to_string());
+        }
+        fn exit_module(&mut self, _: &str, _: &str) {
+            self.path.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let dims = param.val().dims().to_vec();
+            self.out.insert(self.path.join("."), dims);
+        }
+    }
+    let mut s = Shapes {
+        path: Vec::new(),
+        out: BTreeMap::new(),
+    };
+    module.visit(&mut s);
+    s.out
+}
+
 /// Builds the GPT of `config` on `device` from checkpoint tensors.
 ///
 /// # Arguments
@@ -870,10 +896,7 @@ pub fn import_tensors(
     let model = Gpt::build(&config.model, &Init::new(config.model.seed, device), None)
         .map_err(|e| HfError::Model(e.to_string()))?;
     // The mapping must cover the model exactly, shape for shape.
-    let expected: BTreeMap<String, Vec<usize>> = host_params(&model)
-        .into_iter()
-        .map(|(k, t)| (k, t.shape))
-        .collect();
+    let expected = param_shapes(&model);
     let got: BTreeMap<String, Vec<usize>> = params
         .iter()
         .map(|(k, t)| (k.clone(), t.shape.clone()))
