@@ -503,6 +503,21 @@ impl HfConfig {
                 "rope scaling is not implemented; only plain rotary (null)",
             ));
         }
+        // Newer `transformers` write the rotary settings as `rope_parameters`.
+        let mut rope_theta = f64_or(json, "rope_theta", 10_000.0)?;
+        if let Some(params) = json.get("rope_parameters")
+            && !params.is_null()
+        {
+            let kind = params.get("rope_type").cloned().unwrap_or(json!("default"));
+            if kind.as_str() != Some("default") {
+                return Err(unsupported(
+                    "rope_parameters.rope_type",
+                    &kind,
+                    "rope scaling is not implemented; only \"default\" rotary",
+                ));
+            }
+            rope_theta = f64_or(params, "rope_theta", rope_theta)?;
+        }
         require_bool(
             json,
             "attention_bias",
@@ -529,7 +544,7 @@ impl HfConfig {
                 tied_embeddings: bool_or(json, "tie_word_embeddings", false)?,
                 norm: NormKind::RmsNorm,
                 bias: false,
-                rope_theta: f64_or(json, "rope_theta", 10_000.0)?,
+                rope_theta,
                 norm_eps: f64_or(json, "rms_norm_eps", 1e-6)?,
                 ..GptConfig::new(1, 1, 1, 1, 1)
             },

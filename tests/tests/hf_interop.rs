@@ -869,6 +869,16 @@ fn unsupported_config_values_are_refused_by_name() {
             other => panic!("{name}: {other:?}"),
         }
     }
+    // The newer `rope_parameters` form: its theta is read, a scaled rope type refused.
+    let mut newer = llama_config(false);
+    newer.as_object_mut().unwrap().remove("rope_theta");
+    newer["rope_parameters"] = json!({"rope_type": "default", "rope_theta": 250.0});
+    assert_eq!(HfConfig::from_json(&newer).unwrap().model.rope_theta, 250.0);
+    newer["rope_parameters"]["rope_type"] = json!("llama3");
+    match HfConfig::from_json(&newer) {
+        Err(HfError::Unsupported { field, .. }) => assert_eq!(field, "rope_parameters.rope_type"),
+        other => panic!("{other:?}"),
+    }
     let gqa = HfConfig::from_json(&{
         let mut c = llama_config(false);
         c["num_key_value_heads"] = json!(1);
