@@ -69,6 +69,9 @@ pub enum TrainDevice {
     /// Burn's WGPU backend (needs the `wgpu` feature and an adapter), where
     /// `GptConfig::fused` runs the CubeCL kernels.
     Wgpu,
+    /// Burn's CUDA backend (needs the `cuda` feature and an NVIDIA GPU) on device `LOCAL_RANK`
+    /// (0 when the launcher does not set it): one GPU per process of a node.
+    Cuda,
 }
 
 impl TrainDevice {
@@ -85,6 +88,20 @@ impl TrainDevice {
             TrainDevice::Wgpu => {
                 Err("this build has no WGPU backend: rebuild with --features wgpu".into())
             }
+            #[cfg(feature = "cuda")]
+            TrainDevice::Cuda => {
+                let index = match std::env::var("LOCAL_RANK") {
+                    Ok(v) => v.trim().parse::<usize>().map_err(|_| {
+                        format!("LOCAL_RANK={v:?} is not a device index: set it to 0, 1, ...")
+                    })?,
+                    Err(_) => 0,
+                };
+                Ok(Device::cuda(index))
+            }
+            #[cfg(not(feature = "cuda"))]
+            TrainDevice::Cuda => Err("this build has no CUDA backend: rebuild with --features \
+                 cuda (the LLVM it needs: scripts/setup-llvm.sh)"
+                .into()),
         }
     }
 }

@@ -105,6 +105,26 @@ pub enum CollectiveError {
         /// What to enable.
         hint: String,
     },
+    /// A communication backend that this build or this machine cannot provide: a cargo feature
+    /// that was not enabled, a shared library (libnccl) or a driver (CUDA) that cannot be loaded.
+    #[error("the {backend} backend is unavailable: {reason}")]
+    BackendUnavailable {
+        /// The backend (`"nccl"`, ...).
+        backend: String,
+        /// What is missing, and what to install or rebuild with.
+        reason: String,
+    },
+    /// NCCL (or the CUDA driver under it) reported an error on this rank, synchronously or
+    /// asynchronously (`ncclCommGetAsyncError`); the communicator is aborted.
+    #[error("rank {rank}: NCCL {op} failed: {reason}")]
+    Nccl {
+        /// Global rank of the caller.
+        rank: usize,
+        /// The operation, with its shapes.
+        op: String,
+        /// NCCL's error and its last-error text.
+        reason: String,
+    },
 }
 
 impl CollectiveError {

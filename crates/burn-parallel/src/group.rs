@@ -82,12 +82,15 @@ pub struct ProcessGroup {
     timeout: Duration,
     /// How many groups with a given member list this rank created (for unique ids).
     registry: Arc<Mutex<HashMap<Vec<usize>, u64>>>,
+    /// NCCL communicators for CUDA tensors (the `nccl` backend, see [`crate::comm::nccl`]);
+    /// `None` on the host backends. Sub-groups get their own.
+    nccl: Option<crate::comm::nccl::DeviceComm>,
 }
 
 impl std::fmt::Debug for ProcessGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ProcessGroup")
-            .field("backend", &self.transport.backend_name())
+            .field("backend", &self.backend())
             .field("rank", &self.rank)
             .field("size", &self.members.len())
             .field("members", &self.members)
@@ -113,6 +116,7 @@ impl ProcessGroup {
             seq: Arc::new(AtomicU64::new(0)),
             timeout: default_timeout(),
             registry: Arc::new(Mutex::new(HashMap::new())),
+            nccl: None,
         }
     }
 
@@ -136,9 +140,25 @@ impl ProcessGroup {
         &self.members
     }
 
-    /// The name of the backend (`"local"`, `"tcp"`).
+    /// The name of the backend (`"local"`, `"tcp"`, or `"nccl"` once
+    /// [`crate::comm::nccl::attach`] attached NCCL to the group).
     pub fn backend(&self) -> &'static str {
-        self.transport.backend_name()
+        match self.nccl {
+            Some(_) => crate::comm::nccl::BACKEND,
+            None => self.transport.backend_name(),
+        }
+    }
+
+    /// The group with NCCL attached (see [`crate::comm::nccl::attach`]).
+    pub(crate) fn with_nccl(mut self, nccl: crate::comm::nccl::DeviceComm) -> Self {
+        self.nccl = Some(nccl);
+        self
+    }
+
+    /// The group's NCCL state, when NCCL is attached.
+    #[cfg_attr(not(all(feature = "nccl", feature = "cuda")), allow(dead_code))]
+    pub(crate) fn nccl(&self) -> Option<&crate::comm::nccl::DeviceComm> {
+        self.nccl.as_ref()
     }
 
     /// The timeout applied to every wait of this group.
@@ -221,6 +241,7 @@ impl ProcessGroup {
             seq: Arc::new(AtomicU64::new(0)),
             timeout: self.timeout,
             registry: self.registry.clone(),
+            nccl: self.nccl.as_ref().map(|nccl| nccl.for_subgroup()),
         })
     }
 
@@ -984,6 +1005,11 @@ impl ProcessGroup {
     /// # Errors
     /// See [`ProcessGroup::all_reduce_data`].
     pub fn all_reduce<const D: usize>(&self, tensor: Tensor<D>, op: ReduceOp) -> Result<Tensor<D>> {
+        #[cfg(all(feature = "nccl", feature = "cuda"))]
+        let tensor = match crate::comm::nccl::device::all_reduce(self, tensor, op)? {
+            Ok(out) => return Ok(out),
+            Err(tensor) => tensor,
+        };
         on_host(tensor, |data| self.all_reduce_data(data, op))
     }
 
@@ -992,6 +1018,11 @@ impl ProcessGroup {
     /// # Errors
     /// See [`ProcessGroup::all_gather_data`].
     pub fn all_gather<const D: usize>(&self, tensor: Tensor<D>, dim: usize) -> Result<Tensor<D>> {
+        #[cfg(all(feature = "nccl", feature = "cuda"))]
+        let tensor = match crate::comm::nccl::device::all_gather(self, tensor, dim)? {
+            Ok(out) => return Ok(out),
+            Err(tensor) => tensor,
+        };
         on_host(tensor, |data| self.all_gather_data(data, dim))
     }
 
@@ -1006,6 +1037,12 @@ impl ProcessGroup {
         op: ReduceOp,
         sizes: Option<&[usize]>,
     ) -> Result<Tensor<D>> {
+        #[cfg(all(feature = "nccl", feature = "cuda"))]
+        let tensor = match crate::comm::nccl::device::reduce_scatter(self, tensor, dim, op, sizes)?
+        {
+            Ok(out) => return Ok(out),
+            Err(tensor) => tensor,
+        };
         on_host(tensor, |data| {
             self.reduce_scatter_data(data, dim, op, sizes)
         })
@@ -1016,6 +1053,11 @@ impl ProcessGroup {
     /// # Errors
     /// See [`ProcessGroup::broadcast_data`].
     pub fn broadcast<const D: usize>(&self, tensor: Tensor<D>, root: usize) -> Result<Tensor<D>> {
+        #[cfg(all(feature = "nccl", feature = "cuda"))]
+        let tensor = match crate::comm::nccl::device::broadcast(self, tensor, root)? {
+            Ok(out) => return Ok(out),
+            Err(tensor) => tensor,
+        };
         on_host(tensor, |data| self.broadcast_data(data, root))
     }
 
@@ -1029,6 +1071,11 @@ impl ProcessGroup {
         dim: usize,
         send_sizes: &[usize],
     ) -> Result<Tensor<D>> {
+        #[cfg(all(feature = "nccl", feature = "cuda"))]
+        let tensor = match crate::comm::nccl::device::all_to_all(self, tensor, dim, send_sizes)? {
+            Ok(out) => return Ok(out),
+            Err(tensor) => tensor,
+        };
         on_host(tensor, |data| self.all_to_all_data(data, dim, send_sizes))
     }
 
@@ -1037,6 +1084,11 @@ impl ProcessGroup {
     /// # Errors
     /// See [`ProcessGroup::send_data`].
     pub fn send<const D: usize>(&self, tensor: Tensor<D>, peer: usize, tag: u64) -> Result<()> {
+        #[cfg(all(feature = "nccl", feature = "cuda"))]
+        let tensor = match crate::comm::nccl::device::send(self, tensor, peer, tag)? {
+            Ok(()) => return Ok(()),
+            Err(tensor) => tensor,
+        };
         self.send_data(tensor.into_data(), peer, tag)
     }
 
@@ -1050,6 +1102,25 @@ impl ProcessGroup {
         tag: u64,
         device: &burn::tensor::Device,
     ) -> Result<Tensor<D>> {
+        #[cfg(all(feature = "nccl", feature = "cuda"))]
+        let data = match crate::comm::nccl::device::recv(self, peer, tag, device)? {
+            Some(crate::comm::nccl::device::Received::Device(flat, shape)) => {
+                if shape.len() != D {
+                    return Err(self.invalid(
+                        "recv",
+                        format!(
+                            "expected a tensor of rank {D} from rank {peer} (tag {tag}) but got \
+                             shape {shape:?}"
+                        ),
+                    ));
+                }
+                let shape: [usize; D] = shape.try_into().expect("length checked");
+                return Ok((*flat).reshape(shape));
+            }
+            Some(crate::comm::nccl::device::Received::Host(data)) => data,
+            None => self.recv_data(peer, tag)?,
+        };
+        #[cfg(not(all(feature = "nccl", feature = "cuda")))]
         let data = self.recv_data(peer, tag)?;
         if data.shape().len() != D {
             return Err(self.invalid(

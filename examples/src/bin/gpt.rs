@@ -6,6 +6,7 @@
 //! cargo run --release -p examples --bin gpt                          # 2 thread ranks
 //! cargo run --release -p examples --bin gpt -- --ranks 1 --steps 50  # single device
 //! burnrun --nproc-per-node 2 -- target/release/gpt --backend tcp     # 2 processes
+//! burnrun --nproc-per-node 2 -- target/release/gpt --device cuda --backend nccl  # 2 GPUs
 //! gpt --config run.toml --steps 100                                  # TOML, then flags
 //! gpt --ranks 4 --tp 2 --sp                                          # dp 2 x tp 2, seq. parallel
 //! gpt --ranks 4 --zero 3 --tp 2 --sp --clip 1.0                      # FSDP 2 x tp 2, clipped
@@ -44,6 +45,17 @@ enum Backend {
     /// This process is one rank; the world comes from RANK, WORLD_SIZE, MASTER_ADDR,
     /// MASTER_PORT (set by `burnrun` or torchrun) or SLURM's variables.
     Tcp,
+    /// As `tcp`, with NCCL attached on CUDA device LOCAL_RANK: collectives on CUDA tensors run
+    /// through NCCL (build with `--features nccl,cuda`; see `--device cuda`).
+    Nccl,
+}
+
+/// The world of a multi-process backend (`tcp`, or `nccl` over it).
+fn process_world(backend: Backend) -> Result<ProcessGroup, CollectiveError> {
+    match backend {
+        Backend::Nccl => burn_parallel::comm::nccl::init_from_env(),
+        Backend::Tcp | Backend::Local => burn_parallel::comm::tcp::init_from_env(),
+    }
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -154,7 +166,8 @@ struct Args {
     /// Run norms, SwiGLU, RoPE and the cross-entropy through the fused kernels.
     #[arg(long)]
     fused: bool,
-    /// Device of the trainer, under every layout (`wgpu` needs a build with `--features wgpu`).
+    /// Device of the trainer, under every layout (`wgpu` needs a build with `--features wgpu`,
+    /// `cuda` one with `--features cuda`: device LOCAL_RANK of each process).
     #[arg(long, value_enum)]
     device: Option<DeviceArg>,
     /// Pipeline parallelism: --pp N --schedule gpipe|1f1b|interleaved|zb-h1|zbv|dualpipev
@@ -216,6 +229,8 @@ enum DeviceArg {
     Flex,
     #[cfg(feature = "wgpu")]
     Wgpu,
+    #[cfg(feature = "cuda")]
+    Cuda,
 }
 
 fn train_device(args: &Args) -> TrainDevice {
@@ -223,6 +238,8 @@ fn train_device(args: &Args) -> TrainDevice {
         None | Some(DeviceArg::Flex) => TrainDevice::Flex,
         #[cfg(feature = "wgpu")]
         Some(DeviceArg::Wgpu) => TrainDevice::Wgpu,
+        #[cfg(feature = "cuda")]
+        Some(DeviceArg::Cuda) => TrainDevice::Cuda,
     }
 }
 
@@ -522,9 +539,9 @@ fn main() -> ExitCode {
             })
             .map(|mut reports| Some(reports.swap_remove(0)))
         }
-        Backend::Tcp => burn_parallel::comm::tcp::init_from_env().and_then(|group| {
+        Backend::Tcp | Backend::Nccl => process_world(args.backend).and_then(|group| {
             if group.rank() == 0 {
-                print_header(&config, group.size(), "tcp", &corpus, &parallel);
+                print_header(&config, group.size(), group.backend(), &corpus, &parallel);
             }
             let report = run_rank(
                 &group,
@@ -707,7 +724,7 @@ fn run_zero(args: &Args, config: &TrainConfig, corpus: &Corpus, stage: usize) ->
     };
     let outcome = match args.backend {
         Backend::Local => run_local(args.ranks, run).map(|mut r| r.swap_remove(0)),
-        Backend::Tcp => burn_parallel::comm::tcp::init_from_env().and_then(run),
+        Backend::Tcp | Backend::Nccl => process_world(args.backend).and_then(run),
     };
     match outcome {
         Ok(None) => ExitCode::SUCCESS,
@@ -818,7 +835,7 @@ fn run_pipeline(args: &Args, config: &TrainConfig, corpus: &Corpus) -> ExitCode 
     };
     let outcome = match args.backend {
         Backend::Local => run_local(args.ranks, run).map(|mut r| r.swap_remove(0)),
-        Backend::Tcp => burn_parallel::comm::tcp::init_from_env().and_then(run),
+        Backend::Tcp | Backend::Nccl => process_world(args.backend).and_then(run),
     };
     match outcome {
         Ok(None) => ExitCode::SUCCESS,
@@ -869,7 +886,7 @@ fn run_diloco(
     let checked = match (args.pipeline.pp > 1, args.backend) {
         (true, _) => Err(pp),
         (false, Backend::Local) => run.validate(config, &parallel, args.ranks),
-        (false, Backend::Tcp) => Ok(()),
+        (false, Backend::Tcp | Backend::Nccl) => Ok(()),
     };
     if let Err(e) = checked {
         eprintln!("error: {e}");
@@ -890,7 +907,7 @@ fn run_diloco(
     };
     let outcome = match args.backend {
         Backend::Local => run_local(args.ranks, rank).map(|mut r| r.swap_remove(0)),
-        Backend::Tcp => burn_parallel::comm::tcp::init_from_env().and_then(rank),
+        Backend::Tcp | Backend::Nccl => process_world(args.backend).and_then(rank),
     };
     match outcome {
         Ok(None) => ExitCode::SUCCESS,

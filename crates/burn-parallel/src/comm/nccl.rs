@@ -1,0 +1,1439 @@
+//! The `nccl` backend: collectives on the device memory of Burn's CUDA tensors, through NCCL.
+//!
+//! The split is the one torch makes between gloo and NCCL. A group of this backend is an
+//! ordinary [`ProcessGroup`] over the `tcp` transport (formed by the same rendezvous, from the
+//! variables of `burnrun`, torchrun or SLURM), with NCCL communicators attached:
+//!
+//! - host-side frames (objects, metadata, `*_data` collectives, everything a technique sends as
+//!   [`burn::tensor::TensorData`]) keep using the `tcp` transport;
+//! - the tensor-level collectives of [`ProcessGroup`] ([`ProcessGroup::all_reduce`],
+//!   [`ProcessGroup::all_gather`], [`ProcessGroup::reduce_scatter`],
+//!   [`ProcessGroup::broadcast`], [`ProcessGroup::all_to_all`], [`ProcessGroup::send`] and
+//!   [`ProcessGroup::recv`]) run in device memory through NCCL when their tensor lives on a CUDA
+//!   device (features `nccl` and `cuda`); tensors of other backends take the host path.
+//!
+//! How the pieces fit:
+//!
+//! - **Loading.** `cudarc` loads `libcuda` and `libnccl` at run time, so this module builds on
+//!   machines without CUDA; [`probe`] reports a missing driver, device or library as
+//!   [`CollectiveError::BackendUnavailable`] saying what to install.
+//! - **Bootstrap.** A communicator is created per group, lazily, at the group's first device
+//!   collective (every member makes that call, so every member joins): group rank 0 makes the
+//!   NCCL unique id and broadcasts it over the group's host transport, then every member joins
+//!   in non-blocking mode. A sub-group made by [`ProcessGroup::split`] gets its own
+//!   communicator the same way (a new unique id through the host transport, which works with
+//!   every NCCL version, unlike `ncclCommSplit`). Lazy creation keeps `split` free of
+//!   communication and costs nothing for groups that never move CUDA tensors; [`connect`]
+//!   creates a group's communicator at once (needed when a group's first device operation is
+//!   a send/recv between some of its members, since creation needs all of them).
+//! - **Ordering with Burn.** CubeCL does not expose the CUDA stream of its server, so each
+//!   collective (1) binds the tensors' device buffers (which also orders them after the writes
+//!   of other CubeCL streams), (2) waits for Burn's queued work on the device (`client.sync()`),
+//!   (3) runs NCCL on the communicator's own stream and (4) waits for that stream before the
+//!   result tensor is handed back. Burn's later kernels therefore read finished data, and no
+//!   buffer is reused while NCCL still reads or writes it.
+//! - **Errors and timeouts.** While waiting, the communicator's asynchronous error
+//!   (`ncclCommGetAsyncError`) is polled: an NCCL failure (a dead peer's connection included)
+//!   becomes [`CollectiveError::Nccl`] naming the rank and the operation. A wait longer than the
+//!   group's timeout aborts the communicator (`ncclCommAbort`) instead of hanging; later calls
+//!   on the group then fail at once.
+//! - **Agreement.** Before NCCL runs, the members exchange the call's signature (operation,
+//!   dtype, shape, sizes) over the host transport, so a rank that calls another collective or
+//!   passes another shape gets [`CollectiveError::Mismatch`] instead of corrupt data. The same
+//!   exchange gives the sizes that uneven all-gathers and all-to-alls need.
+
+use crate::error::{CollectiveError, Result};
+use crate::group::ProcessGroup;
+
+/// The backend's name, as [`ProcessGroup::backend`] reports it.
+pub const BACKEND: &str = "nccl";
+
+/// `true` when this build has the NCCL backend (cargo feature `nccl` of `burn-parallel`).
+pub const BUILT: bool = cfg!(feature = "nccl");
+
+/// `true` when this build runs collectives on CUDA tensors' device memory (features `nccl` and
+/// `cuda`); with `nccl` alone the communicators and errors exist but tensors take the host path.
+pub const DEVICE_TENSORS: bool = cfg!(all(feature = "nccl", feature = "cuda"));
+
+/// What [`probe`] found on this machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NcclInfo {
+    /// NCCL's version, `(major, minor, patch)`.
+    pub version: (u32, u32, u32),
+    /// Number of CUDA devices the driver reports.
+    pub cuda_devices: usize,
+}
+
+fn not_built() -> CollectiveError {
+    CollectiveError::BackendUnavailable {
+        backend: BACKEND.into(),
+        reason: "this build of burn-parallel has no NCCL backend: rebuild with `--features \
+                 nccl` (and `cuda` for collectives on CUDA tensors; see scripts/setup-llvm.sh), \
+                 or use the `tcp` backend"
+            .into(),
+    }
+}
+
+/// Checks that NCCL can run here on CUDA device `cuda_device`: the CUDA driver loads, the
+/// device exists, and `libnccl` (2.14 or newer) loads.
+///
+/// # Arguments
+/// - `cuda_device`: the CUDA device index this rank will use (usually its `LOCAL_RANK`).
+///
+/// # Returns
+/// NCCL's version and the number of CUDA devices.
+///
+/// # Errors
+/// [`CollectiveError::BackendUnavailable`] naming what is missing (the `nccl` feature, the CUDA
+/// driver, the device, `libnccl`) and what to install.
+///
+/// # Example
+/// ```
+/// // On a machine without NVIDIA's driver or libnccl this is an error that says what to install.
+/// match burn_parallel::comm::nccl::probe(0) {
+///     Ok(info) => println!("NCCL {:?} with {} devices", info.version, info.cuda_devices),
+///     Err(e) => println!("{e}"),
+/// }
+/// ```
+pub fn probe(cuda_device: usize) -> Result<NcclInfo> {
+    #[cfg(feature = "nccl")]
+    {
+        imp::probe(cuda_device)
+    }
+    #[cfg(not(feature = "nccl"))]
+    {
+        let _ = cuda_device;
+        Err(not_built())
+    }
+}
+
+/// Forms the world from the environment of `burnrun`, torchrun or SLURM (as
+/// [`crate::comm::tcp::init_from_env`]) and attaches NCCL to it on CUDA device `LOCAL_RANK`
+/// (0 when the launcher does not say).
+///
+/// # Returns
+/// The world group: host frames over `tcp`, CUDA tensors through NCCL.
+///
+/// # Errors
+/// Those of [`crate::comm::tcp::init_from_env`] and of [`attach`].
+pub fn init_from_env() -> Result<ProcessGroup> {
+    if !BUILT {
+        return Err(not_built());
+    }
+    let env = crate::comm::tcp::env::LaunchEnv::from_env()?;
+    let world = crate::comm::tcp::init_from_env()?;
+    attach(world, env.local_rank.unwrap_or(0))
+}
+
+/// Attaches NCCL to `group`: every member checks that NCCL can run on its CUDA device, the
+/// members agree on the outcome (so that every rank reports the same failure instead of some
+/// hanging), and the returned group runs its tensor-level collectives on CUDA tensors through
+/// NCCL. Every member of `group` must call it.
+///
+/// # Arguments
+/// - `group`: a group of any host backend (`tcp`, or `local` for thread ranks on several GPUs).
+/// - `cuda_device`: this rank's CUDA device index.
+///
+/// # Returns
+/// The same group with NCCL attached; its sub-groups ([`ProcessGroup::split`]) get their own
+/// communicators.
+///
+/// # Errors
+/// [`CollectiveError::BackendUnavailable`] when this build has no `nccl` feature or when any
+/// member lacks the driver, the device or `libnccl` (the message names the rank); host-transport
+/// errors of the agreement.
+pub fn attach(group: ProcessGroup, cuda_device: usize) -> Result<ProcessGroup> {
+    if !BUILT {
+        return Err(not_built());
+    }
+    let local = probe(cuda_device);
+    let reasons: Vec<Option<String>> =
+        group.all_gather_object(&local.as_ref().err().map(|e| e.to_string()))?;
+    local?;
+    if let Some((rank, Some(reason))) = reasons
+        .into_iter()
+        .enumerate()
+        .find(|(_, reason)| reason.is_some())
+    {
+        return Err(CollectiveError::BackendUnavailable {
+            backend: BACKEND.into(),
+            reason: format!("group rank {rank} cannot run NCCL: {reason}"),
+        });
+    }
+    Ok(group.with_nccl(DeviceComm::new(cuda_device)))
+}
+
+/// Creates `group`'s NCCL communicator now instead of at its first device collective. Every
+/// member must call it (it is a collective). Useful before the first device operation of a
+/// group is a point-to-point one: creating a communicator needs every member, and a send
+/// between two of them would otherwise wait for the others.
+///
+/// # Errors
+/// [`CollectiveError::InvalidArgument`] when NCCL is not attached to `group` (see [`attach`]);
+/// [`CollectiveError::Nccl`] when NCCL fails to create the communicator or times out.
+pub fn connect(group: &ProcessGroup) -> Result<()> {
+    let Some(nccl) = group.nccl() else {
+        return Err(CollectiveError::InvalidArgument {
+            rank: group.global_rank(),
+            op: "nccl::connect".into(),
+            reason: format!(
+                "the group's backend is {}, not nccl: attach NCCL first (nccl::attach or \
+                 nccl::init_from_env)",
+                group.backend()
+            ),
+        });
+    };
+    #[cfg(feature = "nccl")]
+    {
+        imp::communicator(&nccl.slot, group, nccl.ordinal, "nccl::connect").map(|_| ())
+    }
+    #[cfg(not(feature = "nccl"))]
+    {
+        let _ = nccl;
+        Err(not_built())
+    }
+}
+
+/// The NCCL state a [`ProcessGroup`] carries: the group's communicator, created at its first
+/// device collective. [`ProcessGroup::split`] gives a sub-group a fresh one.
+#[derive(Clone)]
+pub struct DeviceComm {
+    /// This rank's CUDA device index, given to [`attach`].
+    #[cfg(feature = "nccl")]
+    ordinal: usize,
+    #[cfg(feature = "nccl")]
+    slot: std::sync::Arc<std::sync::Mutex<imp::Slot>>,
+}
+
+impl std::fmt::Debug for DeviceComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DeviceComm")
+    }
+}
+
+impl DeviceComm {
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    fn new(cuda_device: usize) -> Self {
+        let _ = cuda_device;
+        Self {
+            #[cfg(feature = "nccl")]
+            ordinal: cuda_device,
+            #[cfg(feature = "nccl")]
+            slot: Default::default(),
+        }
+    }
+
+    /// The state of a new sub-group: no communicator yet (its members create one at their
+    /// first device collective).
+    pub(crate) fn for_subgroup(&self) -> Self {
+        #[cfg(feature = "nccl")]
+        {
+            Self::new(self.ordinal)
+        }
+        #[cfg(not(feature = "nccl"))]
+        {
+            Self::new(0)
+        }
+    }
+}
+
+/// Library loading, communicators, waiting and error mapping: needs `libnccl` and the CUDA
+/// driver at run time only, so it builds (and its errors are tested) without Burn's `cuda`.
+#[cfg(feature = "nccl")]
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+mod imp {
+    use std::collections::HashMap;
+    use std::ffi::{CStr, c_char, c_int, c_uint, c_void};
+    use std::sync::{Arc, Mutex, MutexGuard};
+    use std::time::{Duration, Instant};
+
+    use cudarc::driver::result as cu;
+    use cudarc::driver::sys as cusys;
+    use cudarc::nccl::sys;
+
+    use super::{BACKEND, NcclInfo};
+    use crate::error::{CollectiveError, Result};
+    use crate::group::ProcessGroup;
+
+    /// NCCL before 2.14 has no non-blocking communicators (needed to time out instead of hang).
+    const MIN_VERSION: (u32, u32) = (2, 14);
+
+    fn unavailable(reason: String) -> CollectiveError {
+        CollectiveError::BackendUnavailable {
+            backend: BACKEND.into(),
+            reason,
+        }
+    }
+
+    pub(super) fn probe(cuda_device: usize) -> Result<NcclInfo> {
+        // SAFETY: only tries to dlopen the driver's library names.
+        if !unsafe { cusys::is_culib_present() } {
+            return Err(unavailable(
+                "the CUDA driver library (libcuda.so) cannot be loaded: this machine has no \
+                 NVIDIA driver; install it (and a GPU), or use the `tcp` backend"
+                    .into(),
+            ));
+        }
+        cu::init().map_err(|e| {
+            unavailable(format!(
+                "the CUDA driver loaded but cuInit failed ({e}): no usable NVIDIA GPU, or a \
+                 driver/kernel-module mismatch (check `nvidia-smi`)"
+            ))
+        })?;
+        let count = cu::device::get_count()
+            .map_err(|e| unavailable(format!("counting CUDA devices failed: {e}")))?;
+        let count = usize::try_from(count).unwrap_or(0);
+        if cuda_device >= count {
+            return Err(unavailable(format!(
+                "CUDA device {cuda_device} was asked for (LOCAL_RANK) but the driver sees \
+                 {count} device(s); start at most {count} ranks per node or check \
+                 CUDA_VISIBLE_DEVICES"
+            )));
+        }
+        // SAFETY: only tries to dlopen libnccl's names.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(unavailable(
+                "libnccl cannot be loaded (looked for libnccl.so and versioned names on the \
+                 library path): install NCCL 2.14 or newer (`apt install libnccl2 libnccl-dev`, \
+                 or `pip install nvidia-nccl-cu12` and put a `libnccl.so` link to its \
+                 `libnccl.so.2` on LD_LIBRARY_PATH)"
+                    .into(),
+            ));
+        }
+        let code = cudarc::nccl::result::get_nccl_version()
+            .map_err(|e| unavailable(format!("ncclGetVersion failed: {}", describe(e.0))))?;
+        let code = u32::try_from(code).unwrap_or(0);
+        // NCCL_VERSION(X, Y, Z) is X * 10000 + Y * 100 + Z since 2.9.
+        let version = (code / 10000, (code / 100) % 100, code % 100);
+        if (version.0, version.1) < MIN_VERSION {
+            return Err(unavailable(format!(
+                "libnccl {}.{}.{} is too old: install NCCL {}.{} or newer",
+                version.0, version.1, version.2, MIN_VERSION.0, MIN_VERSION.1
+            )));
+        }
+        Ok(NcclInfo {
+            version,
+            cuda_devices: count,
+        })
+    }
+
+    /// NCCL's name and text for a result code.
+    pub(super) fn describe(code: sys::ncclResult_t) -> String {
+        // SAFETY: ncclGetErrorString returns a static NUL-terminated string for any code.
+        let text = unsafe { sys::ncclGetErrorString(code) };
+        let text = if text.is_null() {
+            String::new()
+        } else {
+            // SAFETY: non-null, NUL-terminated and static (see above).
+            unsafe { CStr::from_ptr(text) }
+                .to_string_lossy()
+                .into_owned()
+        };
+        format!("{code:?} ({text})")
+    }
+
+    /// `ncclConfig_t` as NCCL 2.14 defined it. NCCL reads a configuration up to the `size` and
+    /// `version` it carries, so the oldest layout is understood by every newer library (the
+    /// newer layouts of cudarc's bindings are not understood by older ones).
+    #[repr(C)]
+    struct ConfigV21400 {
+        size: usize,
+        magic: c_uint,
+        version: c_uint,
+        blocking: c_int,
+        cga_cluster_size: c_int,
+        min_ctas: c_int,
+        max_ctas: c_int,
+        net_name: *const c_char,
+    }
+
+    impl ConfigV21400 {
+        /// `NCCL_CONFIG_INITIALIZER` with `blocking = 0`: calls return `ncclInProgress` and the
+        /// caller polls, which is what lets a wait time out and abort.
+        fn non_blocking() -> Self {
+            const UNDEF_INT: c_int = c_int::MIN;
+            Self {
+                size: std::mem::size_of::<Self>(),
+                magic: 0xcafe_beef,
+                version: 21400,
+                blocking: 0,
+                cga_cluster_size: UNDEF_INT,
+                min_ctas: UNDEF_INT,
+                max_ctas: UNDEF_INT,
+                net_name: std::ptr::null(),
+            }
+        }
+    }
+
+    /// The per-group state: the communicator once created, and the point-to-point counters.
+    #[derive(Default)]
+    pub(crate) struct Slot {
+        comm: Option<Arc<Communicator>>,
+        /// Device sends to each group rank so far (receivers check the order).
+        pub(crate) sent: HashMap<usize, u64>,
+        /// Device receives from each group rank so far.
+        pub(crate) received: HashMap<usize, u64>,
+    }
+
+    enum Health {
+        Ready,
+        Aborted(String),
+    }
+
+    /// One NCCL communicator and the CUDA stream its operations run on.
+    pub(crate) struct Communicator {
+        comm: sys::ncclComm_t,
+        stream: cusys::CUstream,
+        context: cusys::CUcontext,
+        /// CUDA device index.
+        pub(crate) ordinal: usize,
+        /// Global rank of the caller (for messages).
+        global_rank: usize,
+        /// Serialises the use of the communicator, and records whether it was aborted.
+        health: Mutex<Health>,
+    }
+
+    // SAFETY: the raw NCCL and CUDA handles are plain tokens usable from any thread; every use
+    // of the communicator goes through the `health` mutex, so NCCL never sees concurrent calls
+    // on it, and the CUDA context is made current on the calling thread before each use.
+    unsafe impl Send for Communicator {}
+    // SAFETY: see `Send`; shared access only reads the immutable handles or takes the mutex.
+    unsafe impl Sync for Communicator {}
+
+    impl Drop for Communicator {
+        fn drop(&mut self) {
+            let health = self.health.get_mut().unwrap_or_else(|e| e.into_inner());
+            if matches!(health, Health::Ready) {
+                // SAFETY: the communicator is alive (not aborted) and no call is in flight:
+                // every operation waited for its completion before returning. Abort rather
+                // than destroy: it never waits for peers, so teardown cannot hang.
+                let _ = unsafe { sys::ncclCommAbort(self.comm) };
+            }
+            // SAFETY: the stream was created by this communicator and is not used after this;
+            // CUDA releases it once pending work (none: every operation was waited for) ends.
+            let _ = unsafe { cu::stream::destroy(self.stream) };
+        }
+    }
+
+    /// The group's communicator, created at the first call (every member makes this call,
+    /// so every member joins).
+    pub(crate) fn communicator(
+        slot: &Mutex<Slot>,
+        group: &ProcessGroup,
+        ordinal: usize,
+        op: &str,
+    ) -> Result<Arc<Communicator>> {
+        let mut slot = lock(slot);
+        if let Some(comm) = &slot.comm {
+            if comm.ordinal != ordinal {
+                return Err(CollectiveError::InvalidArgument {
+                    rank: group.global_rank(),
+                    op: op.into(),
+                    reason: format!(
+                        "the tensor is on CUDA device {ordinal} but this group's NCCL \
+                         communicator is on device {}; keep each rank's tensors on one device \
+                         (Device::cuda(LOCAL_RANK))",
+                        comm.ordinal
+                    ),
+                });
+            }
+            return Ok(comm.clone());
+        }
+        let comm = Arc::new(Communicator::create(group, ordinal)?);
+        slot.comm = Some(comm.clone());
+        Ok(comm)
+    }
+
+    pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+        m.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn deadline(timeout: Duration) -> Option<Instant> {
+        // A timeout too long to be represented waits without a deadline (as long as asked).
+        Instant::now().checked_add(timeout)
+    }
+
+    fn context_of(ordinal: usize) -> std::result::Result<cusys::CUcontext, cu::DriverError> {
+        cu::init()?;
+        let device = cu::device::get(ordinal as c_int)?;
+        // SAFETY: `device` is a valid device handle. The primary context is the one CubeCL's
+        // CUDA runtime uses, so device pointers of Burn tensors are valid in it; retaining
+        // only increments its reference count.
+        unsafe { cu::primary_ctx::retain(device) }
+    }
+
+    impl Communicator {
+        fn create(group: &ProcessGroup, ordinal: usize) -> Result<Self> {
+            let global_rank = group.global_rank();
+            let op = format!("communicator creation ({} ranks)", group.size());
+            let cuda = |what: &str, e: cu::DriverError| CollectiveError::Nccl {
+                rank: global_rank,
+                op: op.clone(),
+                reason: format!("{what}: {e}"),
+            };
+            let context = context_of(ordinal).map_err(|e| cuda("retaining the CUDA context", e))?;
+            // SAFETY: `context` is a live primary context.
+            unsafe { cu::ctx::set_current(context) }
+                .map_err(|e| cuda("making the CUDA context current", e))?;
+
+            // Group rank 0 makes the unique id; an empty message tells the others it failed.
+            let mine = if group.rank() == 0 {
+                match cudarc::nccl::result::get_uniqueid() {
+                    Ok(id) => id.internal.iter().map(|&c| c as u8).collect(),
+                    Err(e) => {
+                        let _ = group.broadcast_bytes(Vec::new(), 0);
+                        return Err(CollectiveError::Nccl {
+                            rank: global_rank,
+                            op,
+                            reason: format!("ncclGetUniqueId: {}", describe(e.0)),
+                        });
+                    }
+                }
+            } else {
+                Vec::new()
+            };
+            let bytes = group.broadcast_bytes(mine, 0)?;
+            let mut id = sys::ncclUniqueId { internal: [0; 128] };
+            if bytes.len() != id.internal.len() {
+                return Err(CollectiveError::Nccl {
+                    rank: global_rank,
+                    op,
+                    reason: format!(
+                        "group rank 0 sent an NCCL unique id of {} bytes (expected 128): it \
+                         could not create one (see its error)",
+                        bytes.len()
+                    ),
+                });
+            }
+            for (dst, &src) in id.internal.iter_mut().zip(&bytes) {
+                *dst = src as c_char;
+            }
+
+            let stream = cu::stream::create(cu::stream::StreamKind::NonBlocking)
+                .map_err(|e| cuda("creating the communication stream", e))?;
+            let mut config = ConfigV21400::non_blocking();
+            let mut comm: sys::ncclComm_t = std::ptr::null_mut();
+            let (size, rank) = (group.size() as c_int, group.rank() as c_int);
+            // SAFETY: `comm` is written by NCCL; `config` outlives the call and has the layout
+            // of NCCL 2.14's `ncclConfig_t` (the probe checked the library is 2.14 or newer),
+            // which NCCL reads according to the size and version it carries.
+            let code = unsafe {
+                sys::ncclCommInitRankConfig(
+                    &mut comm,
+                    size,
+                    id,
+                    rank,
+                    (&mut config as *mut ConfigV21400).cast::<sys::ncclConfig_t>(),
+                )
+            };
+            let this = Communicator {
+                comm,
+                stream,
+                context,
+                ordinal,
+                global_rank,
+                health: Mutex::new(Health::Ready),
+            };
+            if comm.is_null() {
+                // `Drop` destroys the stream; there is no communicator to abort.
+                let mut this = this;
+                *this.health.get_mut().unwrap_or_else(|e| e.into_inner()) =
+                    Health::Aborted("never created".into());
+                return Err(CollectiveError::Nccl {
+                    rank: global_rank,
+                    op,
+                    reason: format!("ncclCommInitRankConfig: {}", describe(code)),
+                });
+            }
+            {
+                let mut health = lock(&this.health);
+                this.settle(
+                    &mut health,
+                    &op,
+                    code,
+                    deadline(group.timeout()),
+                    group.timeout(),
+                )?;
+            }
+            Ok(this)
+        }
+
+        /// Runs `launch` (which enqueues NCCL calls on the given communicator and stream) and
+        /// waits for its completion, polling NCCL's asynchronous error and the timeout.
+        ///
+        /// # Errors
+        /// [`CollectiveError::Nccl`] for an NCCL or CUDA failure, a timeout (the communicator
+        /// is aborted) or a communicator aborted earlier.
+        pub(crate) fn run(
+            &self,
+            op: &str,
+            timeout: Duration,
+            launch: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> sys::ncclResult_t,
+        ) -> Result<()> {
+            let mut health = lock(&self.health);
+            if let Health::Aborted(why) = &*health {
+                return Err(self.error(
+                    op,
+                    format!(
+                        "this group's NCCL communicator was aborted earlier ({why}); the group \
+                         cannot run device collectives any more"
+                    ),
+                ));
+            }
+            // SAFETY: the context is the live primary context retained at creation.
+            unsafe { cu::ctx::set_current(self.context) }
+                .map_err(|e| self.error(op, format!("making the CUDA context current: {e}")))?;
+            let until = deadline(timeout);
+            let code = launch(self.comm, self.stream.cast());
+            self.settle(&mut health, op, code, until, timeout)?;
+            self.wait_stream(&mut health, op, until, timeout)
+        }
+
+        fn error(&self, op: &str, reason: String) -> CollectiveError {
+            CollectiveError::Nccl {
+                rank: self.global_rank,
+                op: op.into(),
+                reason,
+            }
+        }
+
+        /// NCCL's last error text for this communicator.
+        fn last_error(&self) -> String {
+            // SAFETY: the communicator is alive; NCCL returns a NUL-terminated string it owns.
+            let text = unsafe { sys::ncclGetLastError(self.comm) };
+            if text.is_null() {
+                return String::new();
+            }
+            // SAFETY: non-null and NUL-terminated (see above); copied out at once.
+            unsafe { CStr::from_ptr(text) }
+                .to_string_lossy()
+                .into_owned()
+        }
+
+        /// Aborts the communicator and returns the error to report.
+        fn abort(&self, health: &mut Health, op: &str, reason: String) -> CollectiveError {
+            if matches!(health, Health::Ready) {
+                // SAFETY: the communicator is alive; after this it is never used again (the
+                // health says so to every later call and to `Drop`).
+                let _ = unsafe { sys::ncclCommAbort(self.comm) };
+                *health = Health::Aborted(format!("{op}: {reason}"));
+            }
+            self.error(
+                op,
+                format!("{reason}; the communicator was aborted (ncclCommAbort)"),
+            )
+        }
+
+        /// The communicator's asynchronous state: `Ok(true)` when still in progress.
+        fn poll(&self, health: &mut Health, op: &str) -> Result<bool> {
+            let mut state = sys::ncclResult_t::ncclSuccess;
+            // SAFETY: the communicator is alive and `state` outlives the call.
+            let code = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
+            if code != sys::ncclResult_t::ncclSuccess {
+                let reason = format!("ncclCommGetAsyncError: {}", describe(code));
+                return Err(self.abort(health, op, reason));
+            }
+            match state {
+                sys::ncclResult_t::ncclSuccess => Ok(false),
+                sys::ncclResult_t::ncclInProgress => Ok(true),
+                failed => {
+                    let reason = format!(
+                        "asynchronous error {} ({}); a peer may have died or failed",
+                        describe(failed),
+                        self.last_error()
+                    );
+                    Err(self.abort(health, op, reason))
+                }
+            }
+        }
+
+        fn timed_out(&self, health: &mut Health, op: &str, timeout: Duration) -> CollectiveError {
+            self.abort(
+                health,
+                op,
+                format!(
+                    "did not complete within {timeout:?} (is every rank alive and calling the \
+                     same collectives in the same order? raise the timeout with \
+                     ProcessGroup::with_timeout or BURN_PARALLEL_TIMEOUT_SECS)"
+                ),
+            )
+        }
+
+        /// Handles the return code of a non-blocking NCCL call: polls until the communicator
+        /// leaves `ncclInProgress`.
+        fn settle(
+            &self,
+            health: &mut Health,
+            op: &str,
+            code: sys::ncclResult_t,
+            until: Option<Instant>,
+            timeout: Duration,
+        ) -> Result<()> {
+            match code {
+                sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress => {}
+                failed => {
+                    let reason = format!("{} ({})", describe(failed), self.last_error());
+                    return Err(self.abort(health, op, reason));
+                }
+            }
+            let mut backoff = Backoff::default();
+            while self.poll(health, op)? {
+                if until.is_some_and(|t| Instant::now() >= t) {
+                    return Err(self.timed_out(health, op, timeout));
+                }
+                backoff.wait();
+            }
+            Ok(())
+        }
+
+        /// Waits for the stream's work, polling NCCL's asynchronous error meanwhile.
+        fn wait_stream(
+            &self,
+            health: &mut Health,
+            op: &str,
+            until: Option<Instant>,
+            timeout: Duration,
+        ) -> Result<()> {
+            let mut backoff = Backoff::default();
+            loop {
+                // SAFETY: the stream is alive and belongs to the current context.
+                let code = unsafe { cusys::cuStreamQuery(self.stream) };
+                match code {
+                    cusys::CUresult::CUDA_SUCCESS => return Ok(()),
+                    cusys::CUresult::CUDA_ERROR_NOT_READY => {}
+                    failed => {
+                        let reason = format!("the CUDA stream failed: {}", cu::DriverError(failed));
+                        return Err(self.abort(health, op, reason));
+                    }
+                }
+                self.poll(health, op)?;
+                if until.is_some_and(|t| Instant::now() >= t) {
+                    return Err(self.timed_out(health, op, timeout));
+                }
+                backoff.wait();
+            }
+        }
+    }
+
+    /// Polling interval: starts at a few microseconds (small collectives finish fast), grows to
+    /// one millisecond (long waits do not spin a core).
+    #[derive(Default)]
+    struct Backoff(u32);
+
+    impl Backoff {
+        fn wait(&mut self) {
+            self.0 = self.0.saturating_add(1);
+            if self.0 < 64 {
+                std::hint::spin_loop();
+                std::thread::yield_now();
+            } else {
+                let micros = (u64::from(self.0) - 63).min(1000);
+                std::thread::sleep(Duration::from_micros(micros));
+            }
+        }
+    }
+
+    /// A raw pointer argument for NCCL.
+    pub(crate) fn ptr(address: u64) -> *mut c_void {
+        address as usize as *mut c_void
+    }
+}
+
+/// The device path of the tensor-level collectives (features `nccl` and `cuda`).
+#[cfg(all(feature = "nccl", feature = "cuda"))]
+pub(crate) mod device {
+    use burn::backend::DispatchDevice;
+    use burn::tensor::{DType, Device, Shape, Tensor, TensorData};
+    use burn_cubecl::CubeBackend;
+    use burn_cubecl::kernel::into_contiguous;
+    use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+    use burn_cubecl::tensor::CubeTensor;
+    use cubecl::cuda::CudaRuntime;
+    use cubecl_runtime::runtime::Runtime;
+    use cudarc::nccl::sys;
+
+    use super::imp::{self, Communicator, lock, ptr};
+    use crate::comm::host::{ReduceOp, dtype_code, dtype_from_code};
+    use crate::error::{CollectiveError, Result};
+    use crate::group::ProcessGroup;
+
+    type CudaServer = <CudaRuntime as Runtime>::Server;
+
+    /// `Ok(result)` when the device path ran; `Err(tensor)` hands the tensor back to the host
+    /// path (not a CUDA tensor, a group without NCCL, a dtype NCCL has no type for).
+    pub(crate) type Routed<T, const D: usize> = std::result::Result<T, Tensor<D>>;
+
+    /// Marks a host frame announcing a tensor that follows through NCCL (`b"NCCLSEND"`).
+    const P2P_MAGIC: u64 = u64::from_le_bytes(*b"NCCLSEND");
+
+    /// The CUDA device index of `device`, if it is a CUDA device.
+    fn cuda_ordinal(device: &Device) -> Option<usize> {
+        match device.as_dispatch().clone().inner() {
+            DispatchDevice::Cube(cubecl::Device::Cuda(cuda)) => Some(cuda.index),
+            _ => None,
+        }
+    }
+
+    fn nccl_dtype(dtype: DType) -> Option<sys::ncclDataType_t> {
+        use sys::ncclDataType_t as N;
+        Some(match dtype {
+            DType::F64 => N::ncclFloat64,
+            DType::F32 => N::ncclFloat32,
+            DType::F16 => N::ncclFloat16,
+            DType::BF16 => N::ncclBfloat16,
+            DType::I64 => N::ncclInt64,
+            DType::I32 => N::ncclInt32,
+            DType::I8 => N::ncclInt8,
+            DType::U64 => N::ncclUint64,
+            DType::U32 => N::ncclUint32,
+            DType::U8 => N::ncclUint8,
+            _ => return None,
+        })
+    }
+
+    fn nccl_op(op: ReduceOp) -> sys::ncclRedOp_t {
+        match op {
+            ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+            ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
+            ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+            ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
+        }
+    }
+
+    /// What a device collective works with: the communicator, the CUDA device, whether the
+    /// input was an autodiff tensor, and its NCCL type.
+    struct Ctx<'a> {
+        group: &'a ProcessGroup,
+        comm: &'a std::sync::Mutex<imp::Slot>,
+        ordinal: usize,
+        autodiff: bool,
+        dtype: DType,
+        nccl: sys::ncclDataType_t,
+    }
+
+    /// Decides whether `tensor` takes the device path on `group`.
+    fn route<'a, const D: usize>(
+        group: &'a ProcessGroup,
+        tensor: &Tensor<D>,
+    ) -> Option<(Ctx<'a>, Tensor<D>)> {
+        let slot = group.nccl()?;
+        let ordinal = cuda_ordinal(&tensor.device())?;
+        let dtype = tensor.dtype();
+        let nccl = nccl_dtype(dtype)?;
+        let autodiff = tensor.is_autodiff();
+        Some((
+            Ctx {
+                group,
+                comm: &slot.slot,
+                ordinal,
+                autodiff,
+                dtype,
+                nccl,
+            },
+            tensor.clone().inner(),
+        ))
+    }
+
+    impl Ctx<'_> {
+        fn communicator(&self, op: &str) -> Result<std::sync::Arc<Communicator>> {
+            imp::communicator(self.comm, self.group, self.ordinal, op)
+        }
+
+        fn invalid(&self, op: &str, reason: String) -> CollectiveError {
+            CollectiveError::InvalidArgument {
+                rank: self.group.global_rank(),
+                op: op.into(),
+                reason,
+            }
+        }
+
+        /// Every member checks that the others call the same thing (`signature`) and learns
+        /// their `sizes`, over the host transport.
+        fn agree(&self, signature: &str, sizes: Vec<usize>) -> Result<Vec<Vec<usize>>> {
+            let all: Vec<(String, Vec<usize>)> = self
+                .group
+                .all_gather_object(&(signature.to_string(), sizes))?;
+            let mut out = Vec::with_capacity(all.len());
+            for (k, (theirs, sizes)) in all.into_iter().enumerate() {
+                if theirs != signature {
+                    return Err(CollectiveError::Mismatch {
+                        rank: self.group.global_rank(),
+                        peer: self.group.members()[k],
+                        ours: signature.into(),
+                        theirs,
+                    });
+                }
+                out.push(sizes);
+            }
+            Ok(out)
+        }
+
+        fn out<const D: usize>(&self, t: Tensor<D>) -> Tensor<D> {
+            if self.autodiff { t.autodiff() } else { t }
+        }
+    }
+
+    /// The contiguous CubeCL primitive of a (non-autodiff) CUDA tensor.
+    fn cube<const D: usize>(t: Tensor<D>, op: &str, group: &ProcessGroup) -> Result<CubeTensor> {
+        t.try_into_primitive::<CubeBackend>()
+            .map(into_contiguous)
+            .map_err(|e| CollectiveError::InvalidArgument {
+                rank: group.global_rank(),
+                op: op.into(),
+                reason: format!("a CUDA tensor that is not a CubeCL primitive: {e:?}"),
+            })
+    }
+
+    fn tensor<const D: usize>(t: CubeTensor) -> Tensor<D> {
+        Tensor::from_primitive::<CubeBackend>(t)
+    }
+
+    /// A new contiguous buffer on CUDA device `ordinal`.
+    fn alloc(ordinal: usize, dtype: DType, shape: Vec<usize>) -> CubeTensor {
+        let device = cubecl::Device::Cuda(cubecl::device::CudaDevice::new(ordinal));
+        empty_device_contiguous_dtype(device.client(), device, Shape::from(shape), dtype)
+    }
+
+    fn empty(like: &CubeTensor, shape: Vec<usize>) -> CubeTensor {
+        empty_device_contiguous_dtype(
+            like.client.clone(),
+            like.device.clone(),
+            Shape::from(shape),
+            like.dtype,
+        )
+    }
+
+    /// Binds `tensors`' device buffers (CubeCL neither frees nor moves a bound allocation),
+    /// waits for the work Burn queued on the device, and runs `f` with their addresses; the
+    /// buffers stay bound until `f` returns. So NCCL (on its own stream, waited for inside `f`)
+    /// reads finished inputs and writes outputs nothing else touches.
+    fn with_bound<R>(
+        tensors: &[&CubeTensor],
+        op: &str,
+        group: &ProcessGroup,
+        f: impl FnOnce(&[u64]) -> Result<R>,
+    ) -> Result<R> {
+        let error = |what: &str, e: String| CollectiveError::Nccl {
+            rank: group.global_rank(),
+            op: op.into(),
+            reason: format!("{what}: {e}"),
+        };
+        let mut held = Vec::with_capacity(tensors.len());
+        let mut addresses = Vec::with_capacity(tensors.len());
+        for t in tensors {
+            let resource = t
+                .client
+                .get_resource::<CudaServer>(t.handle.clone())
+                .map_err(|e| error("binding a device buffer", format!("{e:?}")))?;
+            addresses.push(resource.resource().ptr);
+            held.push(resource);
+        }
+        if let Some(first) = tensors.first() {
+            cubecl::future::block_on(first.client.sync())
+                .map_err(|e| error("waiting for Burn's queued work", format!("{e:?}")))?;
+        }
+        let out = f(&addresses);
+        drop(held);
+        out
+    }
+
+    fn count(t: &CubeTensor) -> usize {
+        t.meta.shape().num_elements()
+    }
+
+    /// All-reduce in device memory.
+    pub(crate) fn all_reduce<const D: usize>(
+        group: &ProcessGroup,
+        t: Tensor<D>,
+        op: ReduceOp,
+    ) -> Result<Routed<Tensor<D>, D>> {
+        let Some((ctx, x)) = route(group, &t) else {
+            return Ok(Err(t));
+        };
+        let shape = x.shape().as_slice().to_vec();
+        let sig = format!("nccl all_reduce({op} {:?}{shape:?})", ctx.dtype);
+        ctx.agree(&sig, vec![])?;
+        let comm = ctx.communicator(&sig)?;
+        let x = cube(x, &sig, group)?;
+        let y = empty(&x, shape);
+        let n = count(&x);
+        with_bound(&[&x, &y], &sig, group, |addresses| {
+            let (src, dst) = (addresses[0], addresses[1]);
+            comm.run(&sig, group.timeout(), |c, s| {
+                // SAFETY: `src` and `dst` are bound device buffers of `n` elements of this type,
+                // in the context NCCL runs in; they stay bound until `run` waited for completion.
+                unsafe { sys::ncclAllReduce(ptr(src), ptr(dst), n, ctx.nccl, nccl_op(op), c, s) }
+            })
+        })?;
+        Ok(Ok(ctx.out(tensor(y))))
+    }
+
+    /// Broadcast from group rank `root` in device memory.
+    pub(crate) fn broadcast<const D: usize>(
+        group: &ProcessGroup,
+        t: Tensor<D>,
+        root: usize,
+    ) -> Result<Routed<Tensor<D>, D>> {
+        let Some((ctx, x)) = route(group, &t) else {
+            return Ok(Err(t));
+        };
+        let shape = x.shape().as_slice().to_vec();
+        let sig = format!("nccl broadcast(root {root} {:?}{shape:?})", ctx.dtype);
+        if root >= group.size() {
+            return Err(ctx.invalid(&sig, format!("root {root} is out of range")));
+        }
+        ctx.agree(&sig, vec![])?;
+        let comm = ctx.communicator(&sig)?;
+        let x = cube(x, &sig, group)?;
+        let y = empty(&x, shape);
+        let n = count(&x);
+        with_bound(&[&x, &y], &sig, group, |addresses| {
+            let (src, dst) = (addresses[0], addresses[1]);
+            comm.run(&sig, group.timeout(), |c, s| {
+                // SAFETY: as in `all_reduce`: bound buffers of `n` elements, waited for.
+                unsafe { sys::ncclBroadcast(ptr(src), ptr(dst), n, ctx.nccl, root as i32, c, s) }
+            })
+        })?;
+        Ok(Ok(ctx.out(tensor(y))))
+    }
+
+    fn shape_except(shape: &[usize], dim: usize) -> Vec<String> {
+        shape
+            .iter()
+            .enumerate()
+            .map(|(i, d)| if i == dim { "*".into() } else { d.to_string() })
+            .collect()
+    }
+
+    /// All-gather along `dim` in device memory (uneven sizes along `dim` allowed).
+    pub(crate) fn all_gather<const D: usize>(
+        group: &ProcessGroup,
+        t: Tensor<D>,
+        dim: usize,
+    ) -> Result<Routed<Tensor<D>, D>> {
+        if dim >= D {
+            return Ok(Err(t)); // the host path reports the error
+        }
+        let Some((ctx, x)) = route(group, &t) else {
+            return Ok(Err(t));
+        };
+        let shape = x.shape().as_slice().to_vec();
+        let sig = format!(
+            "nccl all_gather(dim {dim} {:?}{:?})",
+            ctx.dtype,
+            shape_except(&shape, dim)
+        );
+        let sizes: Vec<usize> = ctx
+            .agree(&sig, vec![shape[dim]])?
+            .into_iter()
+            .map(|s| s[0])
+            .collect();
+        let n = group.size();
+        let comm = ctx.communicator(&sig)?;
+        let piece_shape = |k: usize| {
+            let mut s = shape.clone();
+            s[dim] = sizes[k];
+            s
+        };
+        let pieces: Vec<Tensor<D>> = if sizes.iter().all(|&s| s == sizes[0]) {
+            // Even: one ncclAllGather into rank-major storage.
+            let x = cube(x, &sig, group)?;
+            let each = count(&x);
+            let y = empty(&x, vec![n * each]);
+            with_bound(&[&x, &y], &sig, group, |addresses| {
+                let (src, dst) = (addresses[0], addresses[1]);
+                comm.run(&sig, group.timeout(), |c, s| {
+                    // SAFETY: `src` holds `each` elements, `dst` `n * each`; bound and waited for.
+                    unsafe { sys::ncclAllGather(ptr(src), ptr(dst), each, ctx.nccl, c, s) }
+                })
+            })?;
+            let flat: Tensor<1> = tensor(y);
+            (0..n)
+                .map(|k| {
+                    flat.clone()
+                        .narrow(0, k * each, each)
+                        .reshape(Shape::from(piece_shape(k)))
+                })
+                .collect()
+        } else {
+            // Uneven: every rank sends its piece to every other, grouped.
+            let x = cube(x, &sig, group)?;
+            let received: Vec<CubeTensor> = (0..n).map(|k| empty(&x, piece_shape(k))).collect();
+            let mut all: Vec<&CubeTensor> = vec![&x];
+            all.extend(received.iter());
+            let me = group.rank();
+            with_bound(&all, &sig, group, |addresses| {
+                let mine = count(&x);
+                let counts: Vec<usize> = received.iter().map(count).collect();
+                let addresses = addresses.to_vec();
+                comm.run(&sig, group.timeout(), |c, s| {
+                    grouped(|| {
+                        let mut code = sys::ncclResult_t::ncclSuccess;
+                        for k in (0..n).filter(|&k| k != me) {
+                            if mine > 0 {
+                                // SAFETY: bound buffer of `mine` elements; waited for.
+                                code = unsafe {
+                                    sys::ncclSend(ptr(addresses[0]), mine, ctx.nccl, k as i32, c, s)
+                                };
+                                if is_failure(code) {
+                                    return code;
+                                }
+                            }
+                            if counts[k] > 0 {
+                                // SAFETY: bound buffer of `counts[k]` elements; waited for.
+                                code = unsafe {
+                                    sys::ncclRecv(
+                                        ptr(addresses[k + 1]),
+                                        counts[k],
+                                        ctx.nccl,
+                                        k as i32,
+                                        c,
+                                        s,
+                                    )
+                                };
+                                if is_failure(code) {
+                                    return code;
+                                }
+                            }
+                        }
+                        code
+                    })
+                })
+            })?;
+            let x_tensor: Tensor<D> = tensor(x);
+            received
+                .into_iter()
+                .enumerate()
+                .map(|(k, r)| if k == me { x_tensor.clone() } else { tensor(r) })
+                .collect()
+        };
+        let pieces: Vec<Tensor<D>> = pieces
+            .into_iter()
+            .zip(&sizes)
+            .filter(|(_, s)| **s > 0)
+            .map(|(p, _)| p)
+            .collect();
+        if pieces.is_empty() {
+            return Err(ctx.invalid(&sig, "every rank passed an empty piece".into()));
+        }
+        Ok(Ok(ctx.out(Tensor::cat(pieces, dim))))
+    }
+
+    fn is_failure(code: sys::ncclResult_t) -> bool {
+        !matches!(
+            code,
+            sys::ncclResult_t::ncclSuccess | sys::ncclResult_t::ncclInProgress
+        )
+    }
+
+    /// Runs `calls` between `ncclGroupStart` and `ncclGroupEnd` (always ended, so a failed call
+    /// does not leave the thread inside a group).
+    fn grouped(calls: impl FnOnce() -> sys::ncclResult_t) -> sys::ncclResult_t {
+        // SAFETY: group calls only mark the thread's NCCL calls as one launch.
+        let start = unsafe { sys::ncclGroupStart() };
+        if is_failure(start) {
+            return start;
+        }
+        let inner = calls();
+        // SAFETY: closes the group opened above.
+        let end = unsafe { sys::ncclGroupEnd() };
+        if is_failure(inner) { inner } else { end }
+    }
+
+    /// Reduce-scatter along `dim` in device memory: pieces (of `sizes` along `dim`) are
+    /// flattened and padded to the largest, so one `ncclReduceScatter` serves uneven sizes.
+    pub(crate) fn reduce_scatter<const D: usize>(
+        group: &ProcessGroup,
+        t: Tensor<D>,
+        dim: usize,
+        op: ReduceOp,
+        sizes: Option<&[usize]>,
+    ) -> Result<Routed<Tensor<D>, D>> {
+        let n = group.size();
+        let shape = t.shape().as_slice().to_vec();
+        let sizes: Vec<usize> = match sizes {
+            _ if dim >= D => return Ok(Err(t)),
+            Some(s) if s.len() == n && s.iter().sum::<usize>() == shape[dim] => s.to_vec(),
+            None if shape[dim].is_multiple_of(n) => vec![shape[dim] / n; n],
+            // The host path reports the error.
+            _ => return Ok(Err(t)),
+        };
+        let Some((ctx, x)) = route(group, &t) else {
+            return Ok(Err(t));
+        };
+        let sig = format!(
+            "nccl reduce_scatter({op} dim {dim} sizes {sizes:?} {:?}{shape:?})",
+            ctx.dtype
+        );
+        ctx.agree(&sig, vec![])?;
+        let comm = ctx.communicator(&sig)?;
+        let numel = |s: usize| shape.iter().product::<usize>() / shape[dim].max(1) * s;
+        let widest = sizes.iter().map(|&s| numel(s)).max().unwrap_or(0);
+        let mut offset = 0;
+        let mut rows = Vec::with_capacity(n);
+        for &s in &sizes {
+            let piece: Tensor<1> = x.clone().narrow(dim, offset, s).flatten(0, D - 1);
+            offset += s;
+            let pad = widest - numel(s);
+            rows.push(if pad == 0 {
+                piece
+            } else {
+                let zeros = Tensor::<1>::zeros([pad], (&piece.device(), ctx.dtype));
+                Tensor::cat(vec![piece, zeros], 0)
+            });
+        }
+        let stacked = cube(Tensor::cat(rows, 0), &sig, group)?;
+        let y = empty(&stacked, vec![widest]);
+        with_bound(&[&stacked, &y], &sig, group, |addresses| {
+            let (src, dst) = (addresses[0], addresses[1]);
+            comm.run(&sig, group.timeout(), |c, s| {
+                // SAFETY: `src` holds `n * widest` elements and `dst` `widest`; bound, waited for.
+                unsafe {
+                    sys::ncclReduceScatter(ptr(src), ptr(dst), widest, ctx.nccl, nccl_op(op), c, s)
+                }
+            })
+        })?;
+        let mine = sizes[group.rank()];
+        let mut out_shape = shape.clone();
+        out_shape[dim] = mine;
+        let flat: Tensor<1> = tensor(y);
+        Ok(Ok(ctx.out(
+            flat.narrow(0, 0, numel(mine))
+                .reshape(Shape::from(out_shape)),
+        )))
+    }
+
+    /// All-to-all along `dim` in device memory, from grouped send/recv.
+    pub(crate) fn all_to_all<const D: usize>(
+        group: &ProcessGroup,
+        t: Tensor<D>,
+        dim: usize,
+        send_sizes: &[usize],
+    ) -> Result<Routed<Tensor<D>, D>> {
+        let n = group.size();
+        let shape = t.shape().as_slice().to_vec();
+        if dim >= D || send_sizes.len() != n || send_sizes.iter().sum::<usize>() != shape[dim] {
+            return Ok(Err(t)); // the host path reports the error
+        }
+        let Some((ctx, x)) = route(group, &t) else {
+            return Ok(Err(t));
+        };
+        let sig = format!(
+            "nccl all_to_all(dim {dim} {:?}{:?})",
+            ctx.dtype,
+            shape_except(&shape, dim)
+        );
+        let all = ctx.agree(&sig, send_sizes.to_vec())?;
+        let me = group.rank();
+        let recv_sizes: Vec<usize> = all.iter().map(|s| s[me]).collect();
+        let comm = ctx.communicator(&sig)?;
+        let mut offset = 0;
+        let mut outgoing = Vec::with_capacity(n);
+        for &s in send_sizes {
+            outgoing.push(x.clone().narrow(dim, offset, s));
+            offset += s;
+        }
+        let own = outgoing[me].clone();
+        drop(x);
+        let sends: Vec<Option<CubeTensor>> = outgoing
+            .into_iter()
+            .enumerate()
+            .map(|(k, p)| {
+                (k != me && send_sizes[k] > 0)
+                    .then(|| cube(p, &sig, group))
+                    .transpose()
+            })
+            .collect::<Result<_>>()?;
+        let recvs: Vec<Option<CubeTensor>> = (0..n)
+            .map(|k| {
+                (k != me && recv_sizes[k] > 0).then(|| {
+                    let mut s = shape.clone();
+                    s[dim] = recv_sizes[k];
+                    alloc(ctx.ordinal, ctx.dtype, s)
+                })
+            })
+            .collect();
+        let mut buffers: Vec<&CubeTensor> = sends.iter().flatten().collect();
+        buffers.extend(recvs.iter().flatten());
+        with_bound(&buffers, &sig, group, |addresses| {
+            // Addresses in the order bound: the sends, then the receives.
+            let mut next = addresses.iter().copied();
+            let send_at: Vec<Option<(u64, usize)>> = sends
+                .iter()
+                .map(|b| b.as_ref().map(|b| (next.next().expect("bound"), count(b))))
+                .collect();
+            let recv_at: Vec<Option<(u64, usize)>> = recvs
+                .iter()
+                .map(|b| b.as_ref().map(|b| (next.next().expect("bound"), count(b))))
+                .collect();
+            comm.run(&sig, group.timeout(), |c, s| {
+                grouped(|| {
+                    let mut code = sys::ncclResult_t::ncclSuccess;
+                    for k in 0..n {
+                        if let Some((address, len)) = send_at[k] {
+                            // SAFETY: bound buffer of `len` elements; waited for.
+                            code = unsafe {
+                                sys::ncclSend(ptr(address), len, ctx.nccl, k as i32, c, s)
+                            };
+                            if is_failure(code) {
+                                return code;
+                            }
+                        }
+                        if let Some((address, len)) = recv_at[k] {
+                            // SAFETY: bound buffer of `len` elements; waited for.
+                            code = unsafe {
+                                sys::ncclRecv(ptr(address), len, ctx.nccl, k as i32, c, s)
+                            };
+                            if is_failure(code) {
+                                return code;
+                            }
+                        }
+                    }
+                    code
+                })
+            })
+        })?;
+        let mut recvs = recvs;
+        let pieces: Vec<Tensor<D>> = (0..n)
+            .filter(|&k| recv_sizes[k] > 0)
+            .map(|k| {
+                if k == me {
+                    own.clone()
+                } else {
+                    tensor(recvs[k].take().expect("allocated for every sender"))
+                }
+            })
+            .collect();
+        // Nothing received: this rank's own (empty) piece has the result's shape.
+        let out = if pieces.is_empty() {
+            own
+        } else {
+            Tensor::cat(pieces, dim)
+        };
+        Ok(Ok(ctx.out(out)))
+    }
+
+    /// Sends a CUDA tensor to group rank `peer`: a host frame under `tag` announces it (dtype,
+    /// shape, order), the data follows through NCCL. Completes when the peer has received it.
+    pub(crate) fn send<const D: usize>(
+        group: &ProcessGroup,
+        t: Tensor<D>,
+        peer: usize,
+        tag: u64,
+    ) -> Result<Routed<(), D>> {
+        if peer >= group.size() || peer == group.rank() {
+            return Ok(Err(t)); // the host path reports the error
+        }
+        let Some((ctx, x)) = route(group, &t) else {
+            return Ok(Err(t));
+        };
+        let shape = x.shape().as_slice().to_vec();
+        let sig = format!("nccl send(to {peer}, tag {tag}, {:?}{shape:?})", ctx.dtype);
+        let comm = ctx.communicator(&sig)?;
+        let slot = &group.nccl().expect("routed").slot;
+        let order = {
+            let mut slot = lock(slot);
+            let counter = slot.sent.entry(peer).or_insert(0);
+            *counter += 1;
+            *counter
+        };
+        let code = dtype_code(ctx.dtype).expect("NCCL dtypes have codes");
+        let mut header = vec![P2P_MAGIC, order, code];
+        header.extend(shape.iter().map(|&d| d as u64));
+        let len = header.len();
+        group.send_data(TensorData::new(header, [len]), peer, tag)?;
+        let x = cube(x, &sig, group)?;
+        let n = count(&x);
+        with_bound(&[&x], &sig, group, |addresses| {
+            let src = addresses[0];
+            comm.run(&sig, group.timeout(), |c, s| {
+                // SAFETY: bound buffer of `n` elements; waited for.
+                unsafe { sys::ncclSend(ptr(src), n, ctx.nccl, peer as i32, c, s) }
+            })
+        })?;
+        Ok(Ok(()))
+    }
+
+    /// What [`recv`] got.
+    pub(crate) enum Received {
+        /// A host frame (the sender used the host path).
+        Host(TensorData),
+        /// A tensor that came through NCCL, flat, with its shape.
+        Device(Box<Tensor<1>>, Vec<usize>),
+    }
+
+    /// Receives a tensor from group rank `peer` under `tag` onto `device`: through NCCL when
+    /// the sender announced a device send, from the host frame otherwise. `None` when the
+    /// device path does not apply (no NCCL, or `device` is not a CUDA device).
+    pub(crate) fn recv(
+        group: &ProcessGroup,
+        peer: usize,
+        tag: u64,
+        device: &Device,
+    ) -> Result<Option<Received>> {
+        let (Some(slot), Some(ordinal)) = (group.nccl(), cuda_ordinal(device)) else {
+            return Ok(None);
+        };
+        if peer >= group.size() || peer == group.rank() {
+            return Ok(None); // the host path reports the error
+        }
+        let data = group.recv_data(peer, tag)?;
+        let header: Option<Vec<u64>> = (data.dtype() == DType::U64)
+            .then(|| data.try_to_vec::<u64>().ok())
+            .flatten()
+            .filter(|h| h.len() >= 3 && h[0] == P2P_MAGIC);
+        let Some(header) = header else {
+            return Ok(Some(Received::Host(data)));
+        };
+        let sig = format!("nccl recv(from {peer}, tag {tag})");
+        let bad = |reason: String| CollectiveError::Transport {
+            rank: group.global_rank(),
+            peer: group.members()[peer],
+            reason,
+        };
+        let dtype = dtype_from_code(header[2])
+            .ok_or_else(|| bad("unknown dtype in a device send".into()))?;
+        let nccl = nccl_dtype(dtype).ok_or_else(|| bad(format!("{dtype:?} cannot go by NCCL")))?;
+        let shape: Vec<usize> = header[3..].iter().map(|&d| d as usize).collect();
+        let expected = {
+            let mut slot = lock(&slot.slot);
+            let counter = slot.received.entry(peer).or_insert(0);
+            *counter += 1;
+            *counter
+        };
+        if header[1] != expected {
+            return Err(CollectiveError::Mismatch {
+                rank: group.global_rank(),
+                peer: group.members()[peer],
+                ours: format!(
+                    "{sig} as device message {expected} from that rank (NCCL delivers device \
+                     messages between two ranks in the order they were sent, whatever their tag)"
+                ),
+                theirs: format!("device message {} under tag {tag}", header[1]),
+            });
+        }
+        let ctx = Ctx {
+            group,
+            comm: &slot.slot,
+            ordinal,
+            autodiff: device.is_autodiff(),
+            dtype,
+            nccl,
+        };
+        let comm = ctx.communicator(&sig)?;
+        let y = alloc(ordinal, dtype, vec![shape.iter().product()]);
+        let n = count(&y);
+        with_bound(&[&y], &sig, group, |addresses| {
+            let dst = addresses[0];
+            comm.run(&sig, group.timeout(), |c, s| {
+                // SAFETY: bound buffer of `n` elements; waited for.
+                unsafe { sys::ncclRecv(ptr(dst), n, nccl, peer as i32, c, s) }
+            })
+        })?;
+        let received: Tensor<1> = tensor(y);
+        Ok(Some(Received::Device(
+            Box::new(ctx.out(received.reshape([n]))),
+            shape,
+        )))
+    }
+}

@@ -1,0 +1,362 @@
+//! The `nccl` backend.
+//!
+//! Everywhere (CI has no GPU): a build without the `nccl` feature, and a machine without the
+//! CUDA driver, a device or `libnccl`, give [`CollectiveError::BackendUnavailable`] saying what
+//! to install or rebuild with, on every rank and without a hang.
+//!
+//! With `--features nccl,cuda` on a machine with a CUDA device and `libnccl`: every
+//! collective on CUDA tensors (all-reduce, all-gather even and uneven, reduce-scatter even and
+//! uneven, broadcast, all-to-all, send/recv) matches the host path, sub-groups get their own
+//! communicators, a mismatched call is an error, and the GPT under DDP and TP on an NCCL group
+//! matches single-device training. Without a device these print a "skipped" notice.
+
+use burn_parallel::CollectiveError;
+use burn_parallel::comm::nccl;
+
+fn assert_unavailable(e: &CollectiveError, needles: &[&str]) {
+    let text = e.to_string();
+    assert!(
+        matches!(e, CollectiveError::BackendUnavailable { .. }),
+        "expected BackendUnavailable, got {e:?}"
+    );
+    assert!(
+        needles.iter().any(|n| text.contains(n)),
+        "the message should say one of {needles:?}: {text}"
+    );
+}
+
+/// Without the `nccl` feature, asking for the backend says to rebuild with it.
+#[cfg(not(feature = "nccl"))]
+#[test]
+fn without_the_feature_the_nccl_backend_says_to_rebuild() {
+    assert!(!nccl::BUILT);
+    let e = nccl::probe(0).unwrap_err();
+    assert_unavailable(&e, &["--features nccl"]);
+    let out = burn_parallel::run_local(2, |g| match nccl::attach(g, 0) {
+        Ok(_) => Ok(None),
+        Err(e) => Ok(Some(e)),
+    })
+    .unwrap();
+    for e in out {
+        assert_unavailable(&e.expect("attach must fail"), &["--features nccl"]);
+    }
+}
+
+/// What this machine lacks for NCCL, if anything.
+#[cfg(feature = "nccl")]
+fn nccl_or_skip(test: &str) -> Option<nccl::NcclInfo> {
+    match nccl::probe(0) {
+        Ok(info) => Some(info),
+        Err(e) => {
+            eprintln!("{test}: skipped: no CUDA device/libnccl here ({e})");
+            None
+        }
+    }
+}
+
+/// No driver, no device or no libnccl: every rank of `attach` gets the same typed error at
+/// once. On a machine with NCCL, a device index beyond the last one is the missing piece.
+#[cfg(feature = "nccl")]
+#[test]
+fn a_missing_driver_device_or_libnccl_is_a_typed_error_on_every_rank() {
+    let (device, needles): (usize, &[&str]) = match nccl::probe(0) {
+        Ok(info) => (info.cuda_devices + 7, &["CUDA device"]),
+        Err(e) => {
+            // This machine lacks something: the probe must say what.
+            assert_unavailable(&e, &["CUDA driver", "cuInit", "libnccl", "CUDA device"]);
+            (0, &["CUDA driver", "cuInit", "libnccl", "CUDA device"])
+        }
+    };
+    let e = nccl::probe(device).unwrap_err();
+    assert_unavailable(&e, needles);
+    let started = std::time::Instant::now();
+    let out = burn_parallel::run_local(3, |g| match nccl::attach(g, device) {
+        Ok(_) => Ok(None),
+        Err(e) => Ok(Some(e)),
+    })
+    .unwrap();
+    assert!(started.elapsed() < std::time::Duration::from_secs(30));
+    for e in out {
+        assert_unavailable(&e.expect("attach must fail on every rank"), needles);
+    }
+}
+
+/// `init_from_env` without a launcher's variables is a rendezvous error, not a hang.
+#[test]
+fn init_from_env_without_a_launcher_is_an_error() {
+    if std::env::var_os("WORLD_SIZE").is_some() || std::env::var_os("SLURM_PROCID").is_some() {
+        eprintln!("init_from_env_without_a_launcher_is_an_error: skipped: launched by a launcher");
+        return;
+    }
+    let e = nccl::init_from_env().unwrap_err();
+    if nccl::BUILT {
+        assert!(
+            matches!(e, CollectiveError::Rendezvous(_)),
+            "expected a rendezvous error, got {e:?}"
+        );
+    } else {
+        assert_unavailable(&e, &["--features nccl"]);
+    }
+}
+
+/// The device tests: CUDA tensors through NCCL against the host path.
+#[cfg(all(feature = "nccl", feature = "cuda"))]
+mod device {
+    use burn::tensor::{Device, Distribution, Tensor, TensorData, Tolerance};
+    use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp, run_local};
+    use examples::train::{Parallelism, TrainConfig, TrainDevice};
+
+    use super::{nccl, nccl_or_skip};
+
+    /// Thread ranks, one per CUDA device (NCCL refuses two ranks of a communicator on one
+    /// device), at most 4.
+    fn ranks(info: &nccl::NcclInfo) -> usize {
+        info.cuda_devices.min(4)
+    }
+
+    /// Runs `f` on `n` thread ranks with NCCL attached, rank r on CUDA device r.
+    fn on_nccl<T: Send>(
+        n: usize,
+        f: impl Fn(&ProcessGroup, &Device) -> burn_parallel::Result<T> + Sync,
+    ) -> Vec<T> {
+        run_local(n, |g| {
+            let rank = g.rank();
+            let g = nccl::attach(g, rank)?;
+            assert_eq!(g.backend(), "nccl");
+            f(&g, &Device::cuda(rank))
+        })
+        .unwrap_or_else(|e| panic!("nccl run on {n} ranks: {e}"))
+    }
+
+    /// Input of rank `r`: distinct per rank, reproducible.
+    fn input(r: usize, shape: [usize; 2], device: &Device) -> Tensor<2> {
+        let n = shape[0] * shape[1];
+        let values: Vec<f32> = (0..n)
+            .map(|i| (i * 7 + r * 13) as f32 * 0.25 - 3.0)
+            .collect();
+        Tensor::from_data(TensorData::new(values, shape), device)
+    }
+
+    fn host(t: Tensor<2>) -> TensorData {
+        t.into_data()
+    }
+
+    /// The same collective on a `local` group of Flex tensors (the host path).
+    fn on_host<T: Send>(n: usize, f: impl Fn(&ProcessGroup, &Device) -> T + Sync) -> Vec<T> {
+        run_local(n, |g| Ok(f(&g, &Device::flex()))).unwrap()
+    }
+
+    fn same(a: &[TensorData], b: &[TensorData], what: &str) {
+        assert_eq!(a.len(), b.len());
+        for (r, (x, y)) in a.iter().zip(b).enumerate() {
+            assert_eq!(x.shape(), y.shape(), "{what}: rank {r} shape");
+            x.assert_approx_eq::<f32>(y, Tolerance::absolute(1e-4));
+        }
+    }
+
+    #[test]
+    fn collectives_on_cuda_tensors_match_the_host_path() {
+        let Some(info) = nccl_or_skip("collectives_on_cuda_tensors_match_the_host_path") else {
+            return;
+        };
+        let n = ranks(&info);
+        eprintln!("NCCL {:?}, {n} rank(s), one per CUDA device", info.version);
+        type Case = (
+            &'static str,
+            fn(&ProcessGroup, Tensor<2>) -> burn_parallel::Result<Tensor<2>>,
+        );
+        let cases: Vec<Case> = vec![
+            ("all_reduce sum", |g, x| g.all_reduce(x, ReduceOp::Sum)),
+            ("all_reduce avg", |g, x| g.all_reduce(x, ReduceOp::Avg)),
+            ("all_reduce max", |g, x| g.all_reduce(x, ReduceOp::Max)),
+            ("all_gather dim 0", |g, x| g.all_gather(x, 0)),
+            ("all_gather dim 1", |g, x| g.all_gather(x, 1)),
+            ("all_gather uneven dim 1", |g, x| {
+                let keep = 1 + g.rank() % 3;
+                g.all_gather(x.narrow(1, 0, keep), 1)
+            }),
+            ("reduce_scatter even dim 0", |g, x| {
+                let rows = 2 * g.size();
+                g.reduce_scatter(x.narrow(0, 0, rows), 0, ReduceOp::Sum, None)
+            }),
+            ("reduce_scatter uneven dim 1", |g, x| {
+                let mut sizes = vec![1; g.size()];
+                sizes[0] = 5 - (g.size() - 1).min(4);
+                let total: usize = sizes.iter().sum();
+                g.reduce_scatter(x.narrow(1, 0, total), 1, ReduceOp::Sum, Some(&sizes))
+            }),
+            ("broadcast from last", |g, x| g.broadcast(x, g.size() - 1)),
+            ("all_to_all dim 0", |g, x| {
+                // Rank r sends k + 1 rows to rank k (uneven), the rest to itself.
+                let n = g.size();
+                let mut sizes: Vec<usize> = (0..n).map(|k| k + 1).collect();
+                let rest = 8 - sizes.iter().sum::<usize>().min(8);
+                sizes[g.rank()] += rest;
+                let total: usize = sizes.iter().sum();
+                g.all_to_all(x.narrow(0, 0, total), 0, &sizes)
+            }),
+        ];
+        for (what, op) in cases {
+            let shape = [8 + 2 * n, 5];
+            let got: Vec<TensorData> =
+                on_nccl(n, |g, d| op(g, input(g.rank(), shape, d)).map(host));
+            let want: Vec<TensorData> =
+                on_host(n, |g, d| host(op(g, input(g.rank(), shape, d)).unwrap()));
+            same(&got, &want, what);
+            eprintln!("{what}: NCCL matches the host path on {n} rank(s)");
+        }
+    }
+
+    #[test]
+    fn autodiff_and_other_dtypes_go_through_nccl() {
+        let Some(info) = nccl_or_skip("autodiff_and_other_dtypes_go_through_nccl") else {
+            return;
+        };
+        let n = ranks(&info);
+        let got = on_nccl(n, |g, d| {
+            let x = Tensor::<1>::from_floats([1.0, 2.0, 3.0], &d.clone().autodiff());
+            let y = g.all_reduce(x, ReduceOp::Sum)?;
+            assert!(
+                y.is_autodiff(),
+                "an autodiff input gives an autodiff output"
+            );
+            let h = Tensor::<1>::from_floats([0.5, 1.5], d).cast(burn::tensor::DType::F16);
+            let h = g.all_reduce(h, ReduceOp::Sum)?;
+            Ok((
+                y.into_data().try_to_vec::<f32>().unwrap(),
+                h.into_data().convert::<f32>().try_to_vec::<f32>().unwrap(),
+            ))
+        });
+        for (y, h) in got {
+            assert_eq!(y, vec![n as f32, 2.0 * n as f32, 3.0 * n as f32]);
+            assert_eq!(h, vec![0.5 * n as f32, 1.5 * n as f32]);
+        }
+    }
+
+    #[test]
+    fn send_recv_and_subgroups_on_cuda_tensors() {
+        let Some(info) = nccl_or_skip("send_recv_and_subgroups_on_cuda_tensors") else {
+            return;
+        };
+        let n = ranks(&info);
+        if n < 2 {
+            eprintln!("send_recv_and_subgroups_on_cuda_tensors: skipped: needs 2 CUDA devices");
+            return;
+        }
+        let got = on_nccl(n, |g, d| {
+            // A ring of sends (rank r to r + 1), each received in order, plus a host-path send
+            // received through the same `recv`.
+            let next = (g.rank() + 1) % g.size();
+            let prev = (g.rank() + g.size() - 1) % g.size();
+            let x = Tensor::<2>::random([3, 4], Distribution::Default, d);
+            let sent = x.clone().into_data();
+            // Even ranks send first, odd ranks receive first: device sends complete on receipt.
+            let (received, host) = if g.rank() % 2 == 0 {
+                g.send(x, next, 7)?;
+                g.send_data(TensorData::new(vec![g.rank() as f32], [1]), next, 8)?;
+                (g.recv::<2>(prev, 7, d)?, g.recv::<1>(prev, 8, d)?)
+            } else {
+                let r = (g.recv::<2>(prev, 7, d)?, g.recv::<1>(prev, 8, d)?);
+                g.send(x, next, 7)?;
+                g.send_data(TensorData::new(vec![g.rank() as f32], [1]), next, 8)?;
+                r
+            };
+            // A sub-group of the even ranks gets its own communicator.
+            let evens: Vec<usize> = (0..g.size()).step_by(2).collect();
+            let sub = if g.rank() % 2 == 0 {
+                let sub = g.split(&evens)?;
+                let s = sub.all_reduce(Tensor::<1>::ones([2], d), ReduceOp::Sum)?;
+                Some(s.into_data().try_to_vec::<f32>().unwrap())
+            } else {
+                let _ = g.split(&(1..g.size()).step_by(2).collect::<Vec<_>>())?;
+                None
+            };
+            Ok((
+                sent,
+                received.into_data(),
+                host.into_data(),
+                sub,
+                evens.len(),
+            ))
+        });
+        for (r, (_, received, host, sub, evens)) in got.iter().enumerate() {
+            let prev = (r + n - 1) % n;
+            assert_eq!(
+                received, &got[prev].0,
+                "rank {r} received rank {prev}'s tensor"
+            );
+            assert_eq!(host.try_to_vec::<f32>().unwrap(), vec![prev as f32]);
+            if let Some(sub) = sub {
+                assert_eq!(sub, &vec![*evens as f32; 2]);
+            }
+        }
+    }
+
+    #[test]
+    fn a_mismatched_call_is_an_error_not_corrupt_data() {
+        let Some(info) = nccl_or_skip("a_mismatched_call_is_an_error_not_corrupt_data") else {
+            return;
+        };
+        let n = ranks(&info);
+        if n < 2 {
+            eprintln!("a_mismatched_call_is_an_error_not_corrupt_data: skipped: needs 2 devices");
+            return;
+        }
+        let out = run_local(n, |g| {
+            let rank = g.rank();
+            let g = nccl::attach(g, rank)?;
+            let len = if rank == 0 { 4 } else { 5 };
+            let x = Tensor::<1>::ones([len], &Device::cuda(rank));
+            Ok(g.all_reduce(x, ReduceOp::Sum).err())
+        })
+        .unwrap();
+        for e in out {
+            assert!(
+                matches!(e, Some(CollectiveError::Mismatch { .. })),
+                "expected a mismatch, got {e:?}"
+            );
+        }
+    }
+
+    /// GPT under DDP and TP on an NCCL group (thread ranks on CUDA device 0: the techniques
+    /// run their host-data collectives over the group's transport) matches single-device
+    /// training on CUDA.
+    #[test]
+    fn gpt_ddp_and_tp_on_an_nccl_group_match_single_device() {
+        if nccl_or_skip("gpt_ddp_and_tp_on_an_nccl_group_match_single_device").is_none() {
+            return;
+        }
+        let corpus = examples::data::Corpus::load_default().unwrap();
+        let mut config: TrainConfig = tests::tiny_gpt_run(20);
+        config.model.n_heads = 2;
+        let cuda = |p: Parallelism| Parallelism {
+            device: TrainDevice::Cuda,
+            ..p
+        };
+        let reference = tests::Reference::of_run(tests::train_layout(
+            1,
+            &cuda(Parallelism::default()),
+            &config,
+        ));
+        for (what, p) in [
+            ("ddp 2", cuda(Parallelism::default())),
+            (
+                "tp 2 + sp",
+                cuda(Parallelism {
+                    tp: 2,
+                    sp: true,
+                    ..Parallelism::default()
+                }),
+            ),
+        ] {
+            let reports = run_local(2, |g| {
+                let g = nccl::attach(g, 0)?;
+                examples::train::train_gpt_parallel(&g, &config, &p, &corpus, &mut |_| {})
+            })
+            .unwrap_or_else(|e| panic!("{what} on nccl: {e}"));
+            let r = tests::rank0_if_ranks_agree(reports, |r| (&r.losses, &r.final_params));
+            tests::assert_matches_reference(&reference, &r.losses, &r.final_params, 1e-5, what);
+            eprintln!("{what} on an NCCL group matches single-device CUDA training");
+        }
+    }
+}
