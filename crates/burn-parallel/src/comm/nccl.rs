@@ -142,6 +142,25 @@ pub fn init_from_env() -> Result<ProcessGroup> {
 /// [`CollectiveError::BackendUnavailable`] when this build has no `nccl` feature or when any
 /// member lacks the driver, the device or `libnccl` (the message names the rank); host-transport
 /// errors of the agreement.
+///
+/// # Example
+/// ```
+/// use burn_parallel::{comm::nccl, run_local};
+///
+/// // Two thread ranks, rank r on CUDA device r. Without the `nccl` feature, a GPU per rank or
+/// // libnccl, every rank gets the same typed error, at once.
+/// let outcomes = run_local(2, |group| {
+///     let rank = group.rank();
+///     Ok(nccl::attach(group, rank).map(|g| g.backend()))
+/// })
+/// .unwrap();
+/// for outcome in outcomes {
+///     match outcome {
+///         Ok(backend) => assert_eq!(backend, "nccl"),
+///         Err(e) => println!("{e}"),
+///     }
+/// }
+/// ```
 pub fn attach(group: ProcessGroup, cuda_device: usize) -> Result<ProcessGroup> {
     if !BUILT {
         return Err(not_built());
