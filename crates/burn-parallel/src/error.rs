@@ -75,6 +75,31 @@ pub enum CollectiveError {
     /// unreachable.
     #[error("rendezvous failed: {0}")]
     Rendezvous(String),
+    /// A collective that the backend runs as one operation (MPI's) did not complete within the
+    /// timeout; the backend cannot tell which member is missing.
+    #[error(
+        "rank {rank}: {op} on the {backend} backend did not complete within {timeout:?} \
+         (is every rank of the group alive and calling the same collectives in the same order? \
+         raise the timeout with ProcessGroup::with_timeout or BURN_PARALLEL_TIMEOUT_SECS)"
+    )]
+    CollectiveTimeout {
+        /// Global rank of the caller.
+        rank: usize,
+        /// The operation, with its call number in the group.
+        op: String,
+        /// The backend (`"mpi"`).
+        backend: String,
+        /// The timeout that expired.
+        timeout: Duration,
+    },
+    /// A backend was asked for that this build does not include.
+    #[error("the {backend} backend is not built in: {hint}")]
+    BackendNotBuilt {
+        /// The backend asked for (`"mpi"`).
+        backend: String,
+        /// Which feature to enable, and what it needs installed.
+        hint: String,
+    },
     /// A timeout setting that cannot be used: not a positive finite number of seconds, or too
     /// long for a deadline to be represented (see [`crate::comm::tcp::MAX_TIMEOUT`]).
     #[error("{setting}={value} is not a usable timeout: {reason}")]

@@ -23,7 +23,7 @@ use crate::comm::host::{
 };
 use crate::comm::pool;
 use crate::comm::shm::{Board, SharedBuffer};
-use crate::comm::transport::{Frame, Header, StreamId, Transport};
+use crate::comm::transport::{Frame, Header, NativeCall, StreamId, Transport};
 use crate::error::{CollectiveError, Result};
 
 /// Below this size the shared-memory all-reduce's three barriers cost more than they save.
@@ -308,6 +308,17 @@ impl ProcessGroup {
         (self.rank + 1) % self.size()
     }
 
+    /// `call` as the backend's native collectives see it (see [`Transport::native`]).
+    fn native_call<'a>(&'a self, call: &'a Call) -> NativeCall<'a> {
+        NativeCall {
+            group: self.id,
+            members: &self.members,
+            rank: self.rank,
+            timeout: self.timeout,
+            signature: &call.signature,
+        }
+    }
+
     fn prev(&self) -> usize {
         (self.rank + self.size() - 1) % self.size()
     }
@@ -506,6 +517,11 @@ impl ProcessGroup {
         // The result is written over the input's own storage: no allocation for the output.
         let elem = dtype.size();
         let mut storage = data.into_bytes();
+        if let Some(native) = self.transport.native() {
+            let mut out = pool::tensor_storage(storage.len() / elem, dtype);
+            native.all_reduce(&self.native_call(&call), &storage, &mut out, dtype, op)?;
+            return Ok(TensorData::from_bytes(out, shape, dtype));
+        }
         if let Some(board) = self.transport.board()
             && storage.len() >= SHM_MIN_BYTES
         {
@@ -565,8 +581,15 @@ impl ProcessGroup {
         }
         let elem = dtype.size();
         let bytes = into_shared_bytes(data);
-        let pieces = self.ring_all_gather(&call, bytes, vec![shape[dim] as u64])?;
-        let sizes: Vec<usize> = pieces.iter().map(|(_, m)| m[0] as usize).collect();
+        let pieces: Vec<(Bytes, u64)> = match self.transport.native() {
+            Some(native) => native.all_gather(&self.native_call(&call), &bytes, shape[dim] as u64)?,
+            None => self
+                .ring_all_gather(&call, bytes, vec![shape[dim] as u64])?
+                .into_iter()
+                .map(|(p, m)| (p, m[0]))
+                .collect(),
+        };
+        let sizes: Vec<usize> = pieces.iter().map(|(_, m)| *m as usize).collect();
         let payloads: Vec<Bytes> = pieces.into_iter().map(|(p, _)| p).collect();
         let (outer, unit) = geometry(&shape, dim, elem);
         let mut out_shape = shape;
@@ -640,7 +663,14 @@ impl ProcessGroup {
         let bytes = into_shared_bytes(data);
         let pieces = split_along(&bytes, &shape, dim, &sizes, elem);
         let refs: Vec<&[u8]> = pieces.iter().map(|p| &p[..]).collect();
-        let mine = self.ring_reduce_scatter(&call, &refs, dtype, op)?;
+        let mine = match self.transport.native() {
+            Some(native) => {
+                let lens: Vec<usize> = refs.iter().map(|p| p.len()).collect();
+                let packed = packed(&bytes, &refs, &shape, dim, elem);
+                native.reduce_scatter(&self.native_call(&call), &packed, &lens, dtype, op)?
+            }
+            None => self.ring_reduce_scatter(&call, &refs, dtype, op)?,
+        };
         let mut out_shape = shape;
         out_shape[dim] = sizes[self.rank];
         let out = pool::tensor_data(out_shape, dtype, |out| out.copy_from_slice(&mine));
@@ -665,6 +695,11 @@ impl ProcessGroup {
                 &call.signature,
                 format!("root {root} is out of range for {} ranks", self.size()),
             ));
+        }
+        if let Some(native) = self.transport.native() {
+            let mut storage = data.into_bytes();
+            native.broadcast(&self.native_call(&call), &mut storage, root)?;
+            return Ok(TensorData::from_bytes(storage, shape, dtype));
         }
         if self.rank == root {
             self.star_broadcast(&call, root, || pool::copy_of(data.as_bytes()))?;
@@ -764,14 +799,41 @@ impl ProcessGroup {
         let mut shapes: Vec<Vec<usize>> = vec![Vec::new(); n];
         received[self.rank] = pieces[self.rank].clone();
         shapes[self.rank] = piece_shape(self.rank);
-        for s in 1..n {
-            let to = (self.rank + s) % n;
-            let meta = piece_shape(to).iter().map(|&d| d as u64).collect();
-            self.send_frame(&call, to, meta, pieces[to].clone())?;
-        }
+        let metas: Vec<Vec<u64>> = (0..n)
+            .map(|k| piece_shape(k).iter().map(|&d| d as u64).collect())
+            .collect();
+        let mut native = match self.transport.native() {
+            Some(native) => {
+                let refs: Vec<&[u8]> = pieces.iter().map(|p| &p[..]).collect();
+                let lens: Vec<usize> = refs.iter().map(|p| p.len()).collect();
+                let packed = packed(&bytes, &refs, &shape, split_dim, elem);
+                Some(native.all_to_all(&self.native_call(&call), &packed, &lens, &metas)?)
+            }
+            None => {
+                for s in 1..n {
+                    let to = (self.rank + s) % n;
+                    self.send_frame(&call, to, metas[to].clone(), pieces[to].clone())?;
+                }
+                None
+            }
+        };
         for s in 1..n {
             let from = (self.rank + n - s) % n;
-            let frame = self.recv_frame(&call, from)?;
+            let frame = match &mut native {
+                Some(incoming) => {
+                    let (payload, meta) = std::mem::take(&mut incoming[from]);
+                    Frame {
+                        header: Header {
+                            stream: StreamId { group: self.id, tag: StreamId::COLLECTIVE },
+                            seq: call.seq,
+                            signature: call.signature.clone(),
+                            meta,
+                        },
+                        payload,
+                    }
+                }
+                None => self.recv_frame(&call, from)?,
+            };
             let got: Vec<usize> = frame.header.meta.iter().map(|&d| d as usize).collect();
             let fits = got.len() == shape.len()
                 && got.iter().product::<usize>() * elem == frame.payload.len()
@@ -807,7 +869,12 @@ impl ProcessGroup {
     pub fn barrier(&self) -> Result<()> {
         let call = self.begin("barrier", String::new());
         if self.size() > 1 {
-            self.ring_all_gather(&call, Bytes::new(), vec![])?;
+            match self.transport.native() {
+                Some(native) => native.barrier(&self.native_call(&call))?,
+                None => {
+                    self.ring_all_gather(&call, Bytes::new(), vec![])?;
+                }
+            }
         }
         Ok(())
     }
@@ -1143,6 +1210,22 @@ fn shape_except(shape: &[usize], dim: usize) -> String {
         .map(|(i, d)| if i == dim { "*".into() } else { d.to_string() })
         .collect();
     format!("[{}]", parts.join(", "))
+}
+
+/// The pieces of `bytes` split along `dim`, packed in order: `bytes` itself when the split is
+/// along the first non-trivial dimension (the pieces are then consecutive), else a copy.
+fn packed<'a>(
+    bytes: &'a [u8],
+    pieces: &[&[u8]],
+    shape: &[usize],
+    dim: usize,
+    elem: usize,
+) -> std::borrow::Cow<'a, [u8]> {
+    if geometry(shape, dim, elem).0 == 1 {
+        std::borrow::Cow::Borrowed(bytes)
+    } else {
+        std::borrow::Cow::Owned(pieces.concat())
+    }
 }
 
 /// Keeps a tensor's storage alive inside a message payload.

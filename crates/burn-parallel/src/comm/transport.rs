@@ -73,6 +73,92 @@ pub trait Transport: Send + Sync + 'static {
     fn board(&self) -> Option<&crate::comm::shm::Board> {
         None
     }
+    /// The backend's own implementation of the host-data collectives, when it has one (MPI);
+    /// [`crate::ProcessGroup`] then runs its `*_data` collectives there instead of its ring
+    /// algorithms over [`Transport::send`]. `None` (the default) for `local` and `tcp`.
+    fn native(&self) -> Option<&dyn NativeCollectives> {
+        None
+    }
+}
+
+/// One collective call of a group, as [`crate::ProcessGroup`] hands it to a backend's
+/// [`NativeCollectives`].
+#[derive(Debug, Clone, Copy)]
+pub struct NativeCall<'a> {
+    /// The group's id (0 for the world; every member computes the same id for a sub-group).
+    pub group: u64,
+    /// Global rank of each member, in group-rank order.
+    pub members: &'a [usize],
+    /// The caller's rank in the group.
+    pub rank: usize,
+    /// How long any wait of the call may take.
+    pub timeout: Duration,
+    /// Operation, call number, dtype and the shape every member must agree on: the backend
+    /// checks that every member passes the same one before moving data.
+    pub signature: &'a str,
+}
+
+/// Host-data collectives that a backend runs with its own algorithms (MPI's). Every method is
+/// collective over `call.members`; data is raw row-major bytes of `dtype` elements.
+///
+/// Implementations must end every call with an error (never hang) when a member does not take
+/// part within `call.timeout`, and report members that call with another signature as
+/// [`CollectiveError::Mismatch`].
+pub trait NativeCollectives: Send + Sync {
+    /// Element-wise reduction of `input` over the members, written to `output` (same length).
+    ///
+    /// # Errors
+    /// Timeouts, mismatches and backend failures, typed.
+    fn all_reduce(
+        &self,
+        call: &NativeCall<'_>,
+        input: &[u8],
+        output: &mut [u8],
+        dtype: burn::tensor::DType,
+        op: crate::ReduceOp,
+    ) -> Result<()>;
+    /// Every member's bytes and one word of metadata, in rank order.
+    ///
+    /// # Errors
+    /// As [`NativeCollectives::all_reduce`].
+    fn all_gather(&self, call: &NativeCall<'_>, mine: &[u8], meta: u64)
+    -> Result<Vec<(Bytes, u64)>>;
+    /// `send` holds one piece per member, packed in rank order (`lens[k]` bytes for member
+    /// `k`); reduces piece `k` over the members and returns the reduced piece `call.rank`.
+    ///
+    /// # Errors
+    /// As [`NativeCollectives::all_reduce`].
+    fn reduce_scatter(
+        &self,
+        call: &NativeCall<'_>,
+        send: &[u8],
+        lens: &[usize],
+        dtype: burn::tensor::DType,
+        op: crate::ReduceOp,
+    ) -> Result<Vec<u8>>;
+    /// Overwrites `data` with the root's `data` (same length on every member).
+    ///
+    /// # Errors
+    /// As [`NativeCollectives::all_reduce`].
+    fn broadcast(&self, call: &NativeCall<'_>, data: &mut [u8], root: usize) -> Result<()>;
+    /// `send` holds one piece per member, packed in rank order (`lens[k]` bytes for member
+    /// `k`); sends piece `k` with its metadata `metas[k]` to member `k` and returns what every
+    /// member sent to the caller, with its metadata, in rank order.
+    ///
+    /// # Errors
+    /// As [`NativeCollectives::all_reduce`].
+    fn all_to_all(
+        &self,
+        call: &NativeCall<'_>,
+        send: &[u8],
+        lens: &[usize],
+        metas: &[Vec<u64>],
+    ) -> Result<Vec<(Bytes, Vec<u64>)>>;
+    /// Returns once every member has called it.
+    ///
+    /// # Errors
+    /// As [`NativeCollectives::all_reduce`].
+    fn barrier(&self, call: &NativeCall<'_>) -> Result<()>;
 }
 
 /// Why a peer is no longer there.
