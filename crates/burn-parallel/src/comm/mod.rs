@@ -2,6 +2,7 @@
 
 pub mod host;
 pub mod local;
+pub mod mpi;
 pub mod nccl;
 pub mod pool;
 pub mod shm;
