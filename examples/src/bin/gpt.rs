@@ -48,12 +48,16 @@ enum Backend {
     /// As `tcp`, with NCCL attached on CUDA device LOCAL_RANK: collectives on CUDA tensors run
     /// through NCCL (build with `--features nccl,cuda`; see `--device cuda`).
     Nccl,
+    /// This process is one rank of an MPI job: `mpirun -np N gpt --backend mpi`, or `srun`
+    /// (a build with `--features examples/mpi`).
+    Mpi,
 }
 
-/// The world of a multi-process backend (`tcp`, or `nccl` over it).
+/// The world of a multi-process backend (`tcp`, `nccl` over it, or `mpi`).
 fn process_world(backend: Backend) -> Result<ProcessGroup, CollectiveError> {
     match backend {
         Backend::Nccl => burn_parallel::comm::nccl::init_from_env(),
+        Backend::Mpi => burn_parallel::comm::mpi::init(),
         Backend::Tcp | Backend::Local => burn_parallel::comm::tcp::init_from_env(),
     }
 }
@@ -539,7 +543,7 @@ fn main() -> ExitCode {
             })
             .map(|mut reports| Some(reports.swap_remove(0)))
         }
-        Backend::Tcp | Backend::Nccl => process_world(args.backend).and_then(|group| {
+        Backend::Tcp | Backend::Nccl | Backend::Mpi => on_world(args.backend, |group| {
             if group.rank() == 0 {
                 print_header(&config, group.size(), group.backend(), &corpus, &parallel);
             }
@@ -570,6 +574,21 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// Runs `run` on this process's rank of a process-per-rank backend (`tcp`, `nccl`, `mpi`). On MPI a
+/// failed rank aborts the job (`MPI_Abort`), since MPI cannot tell the others to stop waiting.
+fn on_world<T>(
+    backend: Backend,
+    run: impl FnOnce(ProcessGroup) -> Result<T, CollectiveError>,
+) -> Result<T, CollectiveError> {
+    let world = process_world(backend)?;
+    let keep = (backend == Backend::Mpi).then(|| world.clone());
+    let outcome = run(world);
+    if let (Some(world), Err(e)) = (keep, &outcome) {
+        world.abort(&format!("error: {e}"));
+    }
+    outcome
 }
 
 fn print_header(
@@ -724,7 +743,7 @@ fn run_zero(args: &Args, config: &TrainConfig, corpus: &Corpus, stage: usize) ->
     };
     let outcome = match args.backend {
         Backend::Local => run_local(args.ranks, run).map(|mut r| r.swap_remove(0)),
-        Backend::Tcp | Backend::Nccl => process_world(args.backend).and_then(run),
+        Backend::Tcp | Backend::Nccl | Backend::Mpi => on_world(args.backend, run),
     };
     match outcome {
         Ok(None) => ExitCode::SUCCESS,
@@ -835,7 +854,7 @@ fn run_pipeline(args: &Args, config: &TrainConfig, corpus: &Corpus) -> ExitCode 
     };
     let outcome = match args.backend {
         Backend::Local => run_local(args.ranks, run).map(|mut r| r.swap_remove(0)),
-        Backend::Tcp | Backend::Nccl => process_world(args.backend).and_then(run),
+        Backend::Tcp | Backend::Nccl | Backend::Mpi => on_world(args.backend, run),
     };
     match outcome {
         Ok(None) => ExitCode::SUCCESS,
@@ -886,7 +905,7 @@ fn run_diloco(
     let checked = match (args.pipeline.pp > 1, args.backend) {
         (true, _) => Err(pp),
         (false, Backend::Local) => run.validate(config, &parallel, args.ranks),
-        (false, Backend::Tcp | Backend::Nccl) => Ok(()),
+        (false, Backend::Tcp | Backend::Nccl | Backend::Mpi) => Ok(()),
     };
     if let Err(e) = checked {
         eprintln!("error: {e}");
@@ -907,7 +926,7 @@ fn run_diloco(
     };
     let outcome = match args.backend {
         Backend::Local => run_local(args.ranks, rank).map(|mut r| r.swap_remove(0)),
-        Backend::Tcp | Backend::Nccl => process_world(args.backend).and_then(rank),
+        Backend::Tcp | Backend::Nccl | Backend::Mpi => on_world(args.backend, rank),
     };
     match outcome {
         Ok(None) => ExitCode::SUCCESS,
