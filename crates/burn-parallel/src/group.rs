@@ -582,7 +582,9 @@ impl ProcessGroup {
         let elem = dtype.size();
         let bytes = into_shared_bytes(data);
         let pieces: Vec<(Bytes, u64)> = match self.transport.native() {
-            Some(native) => native.all_gather(&self.native_call(&call), &bytes, shape[dim] as u64)?,
+            Some(native) => {
+                native.all_gather(&self.native_call(&call), &bytes, shape[dim] as u64)?
+            }
             None => self
                 .ring_all_gather(&call, bytes, vec![shape[dim] as u64])?
                 .into_iter()
@@ -824,7 +826,10 @@ impl ProcessGroup {
                     let (payload, meta) = std::mem::take(&mut incoming[from]);
                     Frame {
                         header: Header {
-                            stream: StreamId { group: self.id, tag: StreamId::COLLECTIVE },
+                            stream: StreamId {
+                                group: self.id,
+                                tag: StreamId::COLLECTIVE,
+                            },
                             seq: call.seq,
                             signature: call.signature.clone(),
                             meta,

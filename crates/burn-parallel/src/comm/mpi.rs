@@ -132,8 +132,9 @@ mod backend {
     type Comm = Handle<ffi::MPI_Comm>;
 
     /// The group of the world, created once per process.
-    static WORLD: OnceLock<std::result::Result<(ProcessGroup, Arc<MpiTransport>), CollectiveError>> =
-        OnceLock::new();
+    static WORLD: OnceLock<
+        std::result::Result<(ProcessGroup, Arc<MpiTransport>), CollectiveError>,
+    > = OnceLock::new();
 
     pub(super) fn world() -> Result<ProcessGroup> {
         WORLD
@@ -295,8 +296,7 @@ mod backend {
 
     fn start() -> Result<(ProcessGroup, Arc<MpiTransport>)> {
         let rendezvous = |why: String| CollectiveError::Rendezvous(format!("mpi: {why}"));
-        let Some((universe, provided)) = mpi::initialize_with_threading(Threading::Multiple)
-        else {
+        let Some((universe, provided)) = mpi::initialize_with_threading(Threading::Multiple) else {
             return Err(rendezvous(
                 "MPI was already initialised outside burn-parallel; let \
                  burn_parallel::comm::mpi::init() initialise it"
@@ -480,8 +480,7 @@ mod backend {
             loop {
                 let mut flag: c_int = 0;
                 // SAFETY: `request` is a live request of this process.
-                let code =
-                    unsafe { ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
+                let code = unsafe { ffi::MPI_Test(request, &mut flag, ffi::RSMPI_STATUS_IGNORE) };
                 check(code, "MPI_Test").map_err(Failed::Mpi)?;
                 if flag != 0 {
                     return Ok(());
@@ -571,7 +570,7 @@ mod backend {
             // SAFETY: receives the matched message into a buffer of its exact size.
             let code = unsafe {
                 ffi::MPI_Mrecv(
-                    head.as_mut_ptr().cast(),
+                    buf_mut(&mut head),
                     count,
                     u8_type(),
                     &mut message,
@@ -596,7 +595,7 @@ mod backend {
                         // the order of messages per source and tag) into its place.
                         let code = unsafe {
                             ffi::MPI_Recv(
-                                payload[range].as_mut_ptr().cast(),
+                                buf_mut(&mut payload[range]),
                                 len,
                                 u8_type(),
                                 source as c_int,
@@ -614,12 +613,18 @@ mod backend {
             Ok(true)
         }
 
-        fn isend(&self, outgoing: &mut Vec<Pending>, dst: usize, tag: c_int, data: Bytes) -> Result<()> {
+        fn isend(
+            &self,
+            outgoing: &mut Vec<Pending>,
+            dst: usize,
+            tag: c_int,
+            data: Bytes,
+        ) -> Result<()> {
             let mut request = MaybeUninit::uninit();
             // SAFETY: `data` stays alive in `outgoing` until the send completes.
             let code = unsafe {
                 ffi::MPI_Isend(
-                    data.as_ptr().cast(),
+                    buf_ptr(&data),
                     to_int(data.len()),
                     u8_type(),
                     dst as c_int,
@@ -689,7 +694,7 @@ mod backend {
                     let code = unsafe {
                         if receive {
                             ffi::MPI_Irecv(
-                                token.as_mut_ptr().cast(),
+                                buf_mut(&mut token),
                                 0,
                                 u8_type(),
                                 peer as c_int,
@@ -699,7 +704,7 @@ mod backend {
                             )
                         } else {
                             ffi::MPI_Isend(
-                                token.as_ptr().cast(),
+                                buf_ptr(&token),
                                 0,
                                 u8_type(),
                                 peer as c_int,
@@ -834,7 +839,13 @@ mod backend {
         /// Waits for a data transfer on buffers borrowed from the caller: a failure here cannot
         /// be returned (MPI could still write into memory the caller gets back), so the job is
         /// aborted with the typed error.
-        fn wait_data(&self, code: c_int, request: MaybeUninit<ffi::MPI_Request>, call: &NativeCall<'_>, what: &str) {
+        fn wait_data(
+            &self,
+            code: c_int,
+            request: MaybeUninit<ffi::MPI_Request>,
+            call: &NativeCall<'_>,
+            what: &str,
+        ) {
             if let Err(reason) = check(code, what) {
                 self.abort_job(
                     &CollectiveError::Transport {
@@ -873,12 +884,7 @@ mod backend {
         /// The first step of every collective: all members exchange the hash of their call's
         /// signature and up to a few words of `extra` (sizes). Returns every member's extra
         /// words, in rank order.
-        fn agree(
-            &self,
-            comm: Comm,
-            call: &NativeCall<'_>,
-            extra: &[u64],
-        ) -> Result<Vec<Vec<u64>>> {
+        fn agree(&self, comm: Comm, call: &NativeCall<'_>, extra: &[u64]) -> Result<Vec<Vec<u64>>> {
             let n = call.members.len();
             let deadline = self.deadline(call)?;
             let hash = signature_hash(call.signature);
@@ -894,10 +900,10 @@ mod backend {
             // SAFETY: both buffers are owned here and kept alive (or leaked) by `wait_owned`.
             let code = unsafe {
                 ffi::MPI_Iallgather(
-                    header.as_ptr().cast(),
+                    buf_ptr(&header),
                     HEADER_WORDS as c_int,
                     u64_type(),
-                    all.as_mut_ptr().cast(),
+                    buf_mut(&mut all),
                     HEADER_WORDS as c_int,
                     u64_type(),
                     comm.0,
@@ -908,6 +914,7 @@ mod backend {
             // SAFETY: posted successfully.
             let request = unsafe { request.assume_init() };
             let (_, all) = self.wait_owned(request, call, deadline, (header, all))?;
+
             let headers: Vec<&[u64]> = all.chunks(HEADER_WORDS).collect();
             if let Some(peer) = headers.iter().position(|h| h[0] != hash) {
                 let theirs = self.gather_signatures(comm, call, &headers, deadline)?;
@@ -920,7 +927,11 @@ mod backend {
             }
             let lens: Vec<usize> = headers.iter().map(|h| h[2] as usize).collect();
             if lens.iter().all(|&l| l <= INLINE_EXTRA) {
-                return Ok(headers.iter().zip(&lens).map(|(h, &l)| h[3..3 + l].to_vec()).collect());
+                return Ok(headers
+                    .iter()
+                    .zip(&lens)
+                    .map(|(h, &l)| h[3..3 + l].to_vec())
+                    .collect());
             }
             let words = self.all_gather_words(comm, call, extra, &lens, deadline)?;
             let mut at = 0;
@@ -958,10 +969,10 @@ mod backend {
             // SAFETY: every buffer is owned here and kept alive (or leaked) by `wait_owned`.
             let code = unsafe {
                 ffi::MPI_Iallgatherv(
-                    send.as_ptr().cast(),
+                    buf_ptr(&send),
                     to_int(send.len()),
                     u64_type(),
-                    out.as_mut_ptr().cast(),
+                    buf_mut(&mut out),
                     counts.as_ptr(),
                     displs.as_ptr(),
                     u64_type(),
@@ -972,7 +983,8 @@ mod backend {
             self.posted(code, call, "MPI_Iallgatherv")?;
             // SAFETY: posted successfully.
             let request = unsafe { request.assume_init() };
-            let (_, _, _, out) = self.wait_owned(request, call, deadline, (send, counts, displs, out))?;
+            let (_, _, _, out) =
+                self.wait_owned(request, call, deadline, (send, counts, displs, out))?;
             Ok(out)
         }
 
@@ -993,10 +1005,10 @@ mod backend {
             // SAFETY: every buffer is owned here and kept alive (or leaked) by `wait_owned`.
             let code = unsafe {
                 ffi::MPI_Iallgatherv(
-                    send.as_ptr().cast(),
+                    buf_ptr(&send),
                     to_int(send.len()),
                     u8_type(),
-                    out.as_mut_ptr().cast(),
+                    buf_mut(&mut out),
                     counts.as_ptr(),
                     displs.as_ptr(),
                     u8_type(),
@@ -1048,6 +1060,26 @@ mod backend {
         }
     }
 
+    /// A buffer's address for MPI. An empty slice's address is dangling (`0x1` for bytes),
+    /// which Open MPI takes for `MPI_IN_PLACE`: empty buffers get a real address instead.
+    fn buf_ptr<T>(buf: &[T]) -> *const c_void {
+        static EMPTY: [u64; 1] = [0];
+        if buf.is_empty() {
+            EMPTY.as_ptr().cast()
+        } else {
+            buf.as_ptr().cast()
+        }
+    }
+
+    /// [`buf_ptr`] for a receive buffer (MPI writes nothing into an empty one).
+    fn buf_mut<T>(buf: &mut [T]) -> *mut c_void {
+        if buf.is_empty() {
+            buf_ptr(buf).cast_mut()
+        } else {
+            buf.as_mut_ptr().cast()
+        }
+    }
+
     /// Exclusive prefix sums (MPI displacements).
     fn prefix(counts: &[c_int]) -> Vec<c_int> {
         let mut at = 0;
@@ -1077,7 +1109,12 @@ mod backend {
             45 + 8 * header.meta.len() + header.signature.len() + inline.map_or(0, <[u8]>::len),
         );
         out.push(u8::from(inline.is_some()));
-        for word in [header.stream.group, header.stream.tag, header.seq, payload_len as u64] {
+        for word in [
+            header.stream.group,
+            header.stream.tag,
+            header.seq,
+            payload_len as u64,
+        ] {
             out.extend_from_slice(&word.to_le_bytes());
         }
         out.extend_from_slice(&(header.meta.len() as u32).to_le_bytes());
@@ -1192,8 +1229,8 @@ mod backend {
                 // SAFETY: both slices are borrowed for the whole wait below.
                 let code = unsafe {
                     ffi::MPI_Iallreduce(
-                        input[bytes.clone()].as_ptr().cast(),
-                        output[bytes].as_mut_ptr().cast(),
+                        buf_ptr(&input[bytes.clone()]),
+                        buf_mut(&mut output[bytes]),
                         to_int(range.len()),
                         datatype,
                         mpi_op,
@@ -1249,10 +1286,10 @@ mod backend {
                 // SAFETY: every buffer is borrowed for the whole wait below.
                 let code = unsafe {
                     ffi::MPI_Iallgatherv(
-                        send.as_ptr().cast(),
+                        buf_ptr(&send),
                         to_int(send.len()),
                         u8_type(),
-                        recv.as_mut_ptr().cast(),
+                        buf_mut(recv),
                         counts.as_ptr(),
                         displs.as_ptr(),
                         u8_type(),
@@ -1311,7 +1348,11 @@ mod backend {
                         starts
                             .iter()
                             .zip(&ranges)
-                            .flat_map(|(s, r)| send[(s + r.start) * elem..(s + r.end) * elem].iter().copied())
+                            .flat_map(|(s, r)| {
+                                send[(s + r.start) * elem..(s + r.end) * elem]
+                                    .iter()
+                                    .copied()
+                            })
                             .collect(),
                     )
                 };
@@ -1321,8 +1362,8 @@ mod backend {
                 // SAFETY: every buffer is borrowed for the whole wait below.
                 let code = unsafe {
                     ffi::MPI_Ireduce_scatter(
-                        send.as_ptr().cast(),
-                        recv.as_mut_ptr().cast(),
+                        buf_ptr(&send),
+                        buf_mut(recv),
                         counts.as_ptr(),
                         datatype,
                         mpi_op,
@@ -1347,7 +1388,7 @@ mod backend {
                 // SAFETY: the slice is borrowed for the whole wait below.
                 let code = unsafe {
                     ffi::MPI_Ibcast(
-                        data[range].as_mut_ptr().cast(),
+                        buf_mut(&mut data[range]),
                         len,
                         u8_type(),
                         root as c_int,
@@ -1455,23 +1496,34 @@ mod backend {
                 } else {
                     &mut staging[..]
                 };
-                let mut request = MaybeUninit::uninit();
-                // SAFETY: every buffer is borrowed for the whole wait below.
+                // Blocking on purpose: every member has joined (the header exchange above), and
+                // Open MPI's nonblocking all-to-all-v (libnbc) desynchronises its internal tags
+                // when a rank sends and receives nothing in a call (an empty schedule), which
+                // made the next collective hang (seen with 2 ranks and rounds of 3 bytes).
+                // SAFETY: every buffer is borrowed for the whole call.
                 let code = unsafe {
-                    ffi::MPI_Ialltoallv(
-                        send.as_ptr().cast(),
+                    ffi::MPI_Alltoallv(
+                        buf_ptr(&send),
                         send_counts.as_ptr(),
                         send_displs.as_ptr(),
                         u8_type(),
-                        recv.as_mut_ptr().cast(),
+                        buf_mut(recv),
                         recv_counts.as_ptr(),
                         recv_displs.as_ptr(),
                         u8_type(),
                         comm.0,
-                        request.as_mut_ptr(),
                     )
                 };
-                self.wait_data(code, request, call, "MPI_Ialltoallv");
+                if let Err(reason) = check(code, "MPI_Alltoallv") {
+                    self.abort_job(
+                        &CollectiveError::Transport {
+                            rank: self.rank,
+                            peer: self.rank,
+                            reason: format!("{}: {reason}", call.signature),
+                        }
+                        .to_string(),
+                    );
+                }
                 if !rounds.direct() {
                     for s in 0..n {
                         let at = recv_offsets[s] + recvs[s].start;

@@ -121,8 +121,12 @@ pub trait NativeCollectives: Send + Sync {
     ///
     /// # Errors
     /// As [`NativeCollectives::all_reduce`].
-    fn all_gather(&self, call: &NativeCall<'_>, mine: &[u8], meta: u64)
-    -> Result<Vec<(Bytes, u64)>>;
+    fn all_gather(
+        &self,
+        call: &NativeCall<'_>,
+        mine: &[u8],
+        meta: u64,
+    ) -> Result<Vec<(Bytes, u64)>>;
     /// `send` holds one piece per member, packed in rank order (`lens[k]` bytes for member
     /// `k`); reduces piece `k` over the members and returns the reduced piece `call.rank`.
     ///

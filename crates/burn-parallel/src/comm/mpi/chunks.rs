@@ -95,7 +95,11 @@ mod tests {
                 let all: Vec<_> = chunks(len, limit).collect();
                 assert!(all.iter().all(|r| !r.is_empty() && r.len() <= limit));
                 let joined: Vec<usize> = all.iter().flat_map(|r| r.clone()).collect();
-                assert_eq!(joined, (0..len).collect::<Vec<_>>(), "len {len} limit {limit}");
+                assert_eq!(
+                    joined,
+                    (0..len).collect::<Vec<_>>(),
+                    "len {len} limit {limit}"
+                );
             }
         }
     }
@@ -126,7 +130,10 @@ mod tests {
                 next[k] = range.end;
                 packed += range.len();
             }
-            assert!(packed <= limit, "round {round} packs {packed} > {limit} units");
+            assert!(
+                packed <= limit,
+                "round {round} packs {packed} > {limit} units"
+            );
         }
         assert_eq!(next, lengths, "every unit of every piece moves");
         rounds
