@@ -456,6 +456,7 @@ fn build_binaries() -> HashMap<String, PathBuf> {
     for (on, feature) in [
         (cfg!(feature = "wgpu"), "examples/wgpu"),
         (cfg!(feature = "ndarray"), "examples/ndarray"),
+        (cfg!(feature = "mpi"), "examples/mpi"),
     ] {
         if on {
             cargo.args(["--features", feature]);
