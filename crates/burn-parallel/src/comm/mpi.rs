@@ -17,12 +17,14 @@
 //!   collective after a handshake among the members that has the group's timeout.
 //! - No count overflows: every MPI call moves at most `i32::MAX` units; larger buffers are
 //!   split into chunks or rounds (see [`chunks`]).
-//! - Timeouts: every collective is nonblocking and polled with `MPI_Test` under the group's
-//!   timeout. The header exchange fails with [`CollectiveError::CollectiveTimeout`] (a rank is
-//!   missing or elsewhere); after that the communicator still holds the unfinished call, so the
-//!   job cannot go on and ends with `MPI_Abort` when the process exits. A data transfer that
-//!   stalls after every rank has entered it (a rank died inside MPI) cannot be cancelled: the
-//!   rank prints the typed error and calls `MPI_Abort`, which ends the job instead of hanging.
+//! - Timeouts: the header exchange that starts every collective is nonblocking and polled with
+//!   `MPI_Test` under the group's timeout. A rank that does not join (dead, stuck, or calling
+//!   something else) makes it fail with [`CollectiveError::CollectiveTimeout`]; the unfinished
+//!   exchange then stays on the communicator, so the job cannot go on, and it ends with
+//!   `MPI_Abort` when the process exits. Once every member has joined, the data moves with
+//!   MPI's blocking collectives (Open MPI's tuned algorithms and their MCA settings apply); a
+//!   rank that dies inside one is seen by the MPI runtime, which ends the job, and an MPI error
+//!   there is printed as a typed error before `MPI_Abort` (the buffers are then unusable).
 //!
 //! Requires an MPI library providing `MPI_THREAD_MULTIPLE` (Open MPI and MPICH do).
 //!
@@ -836,16 +838,9 @@ mod backend {
             }
         }
 
-        /// Waits for a data transfer on buffers borrowed from the caller: a failure here cannot
-        /// be returned (MPI could still write into memory the caller gets back), so the job is
-        /// aborted with the typed error.
-        fn wait_data(
-            &self,
-            code: c_int,
-            request: MaybeUninit<ffi::MPI_Request>,
-            call: &NativeCall<'_>,
-            what: &str,
-        ) {
+        /// Ends the job when a blocking data transfer failed (the buffers are in an unknown
+        /// state, and the other members may have finished the call).
+        fn data_done(&self, code: c_int, call: &NativeCall<'_>, what: &str) {
             if let Err(reason) = check(code, what) {
                 self.abort_job(
                     &CollectiveError::Transport {
@@ -855,29 +850,6 @@ mod backend {
                     }
                     .to_string(),
                 );
-            }
-            // SAFETY: the call that posted it succeeded, so the request is written.
-            let mut request = unsafe { request.assume_init() };
-            let deadline = Instant::now().checked_add(call.timeout);
-            match self.poll(&mut request, deadline) {
-                Ok(()) => {}
-                Err(Failed::Timeout) => self.abort_job(
-                    &CollectiveError::CollectiveTimeout {
-                        rank: self.rank,
-                        op: format!("{} ({what}, after every rank had joined)", call.signature),
-                        backend: "mpi".into(),
-                        timeout: call.timeout,
-                    }
-                    .to_string(),
-                ),
-                Err(Failed::Mpi(reason)) => self.abort_job(
-                    &CollectiveError::Transport {
-                        rank: self.rank,
-                        peer: self.rank,
-                        reason: format!("{}: {reason}", call.signature),
-                    }
-                    .to_string(),
-                ),
             }
         }
 
@@ -1225,20 +1197,18 @@ mod backend {
             let (datatype, mpi_op) = self.reduction(dtype, op);
             for range in chunks(input.len() / elem, self.max_count) {
                 let bytes = range.start * elem..range.end * elem;
-                let mut request = MaybeUninit::uninit();
-                // SAFETY: both slices are borrowed for the whole wait below.
+                // SAFETY: both slices are borrowed for the whole call.
                 let code = unsafe {
-                    ffi::MPI_Iallreduce(
+                    ffi::MPI_Allreduce(
                         buf_ptr(&input[bytes.clone()]),
                         buf_mut(&mut output[bytes]),
                         to_int(range.len()),
                         datatype,
                         mpi_op,
                         comm.0,
-                        request.as_mut_ptr(),
                     )
                 };
-                self.wait_data(code, request, call, "MPI_Iallreduce");
+                self.data_done(code, call, "MPI_Allreduce");
             }
             if op == ReduceOp::Avg {
                 divide(output, dtype, call.members.len());
@@ -1282,10 +1252,9 @@ mod backend {
                     &mut staging[..]
                 };
                 let send = &mine[ranges[call.rank].clone()];
-                let mut request = MaybeUninit::uninit();
-                // SAFETY: every buffer is borrowed for the whole wait below.
+                // SAFETY: every buffer is borrowed for the whole call.
                 let code = unsafe {
-                    ffi::MPI_Iallgatherv(
+                    ffi::MPI_Allgatherv(
                         buf_ptr(&send),
                         to_int(send.len()),
                         u8_type(),
@@ -1294,10 +1263,9 @@ mod backend {
                         displs.as_ptr(),
                         u8_type(),
                         comm.0,
-                        request.as_mut_ptr(),
                     )
                 };
-                self.wait_data(code, request, call, "MPI_Iallgatherv");
+                self.data_done(code, call, "MPI_Allgatherv");
                 if !rounds.direct() {
                     for k in 0..n {
                         let at = offsets[k] + ranges[k].start;
@@ -1358,20 +1326,18 @@ mod backend {
                 };
                 let mine = ranges[call.rank].clone();
                 let recv = &mut out[mine.start * elem..mine.end * elem];
-                let mut request = MaybeUninit::uninit();
-                // SAFETY: every buffer is borrowed for the whole wait below.
+                // SAFETY: every buffer is borrowed for the whole call.
                 let code = unsafe {
-                    ffi::MPI_Ireduce_scatter(
+                    ffi::MPI_Reduce_scatter(
                         buf_ptr(&send),
                         buf_mut(recv),
                         counts.as_ptr(),
                         datatype,
                         mpi_op,
                         comm.0,
-                        request.as_mut_ptr(),
                     )
                 };
-                self.wait_data(code, request, call, "MPI_Ireduce_scatter");
+                self.data_done(code, call, "MPI_Reduce_scatter");
             }
             if op == ReduceOp::Avg {
                 divide(&mut out, dtype, n);
@@ -1384,19 +1350,17 @@ mod backend {
             self.agree(comm, call, &[])?;
             for range in chunks(data.len(), self.max_count) {
                 let len = to_int(range.len());
-                let mut request = MaybeUninit::uninit();
-                // SAFETY: the slice is borrowed for the whole wait below.
+                // SAFETY: the slice is borrowed for the whole call.
                 let code = unsafe {
-                    ffi::MPI_Ibcast(
+                    ffi::MPI_Bcast(
                         buf_mut(&mut data[range]),
                         len,
                         u8_type(),
                         root as c_int,
                         comm.0,
-                        request.as_mut_ptr(),
                     )
                 };
-                self.wait_data(code, request, call, "MPI_Ibcast");
+                self.data_done(code, call, "MPI_Bcast");
             }
             Ok(())
         }
