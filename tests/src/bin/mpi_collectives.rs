@@ -267,7 +267,7 @@ fn run(world: &ProcessGroup, mode: &str) -> burn_parallel::Result<()> {
                 collectives(&world.split(&evens)?, "evens")?;
             }
             // Mesh dimensions are sub-groups too: an all-reduce on each dimension.
-            if n % 2 == 0 {
+            if n.is_multiple_of(2) {
                 let dims = ParallelDims {
                     dp_replicate: n / 2,
                     tp: 2,

@@ -1067,7 +1067,7 @@ mod backend {
 
     /// Divides a sum by the group size (the second half of [`ReduceOp::Avg`]).
     fn divide(data: &mut [u8], dtype: DType, n: usize) {
-        const ZEROS: [u8; 1 << 16] = [0; 1 << 16];
+        static ZEROS: [u8; 1 << 16] = [0; 1 << 16];
         for chunk in data.chunks_mut(1 << 16) {
             let len = chunk.len();
             combine_into(chunk, &ZEROS[..len], dtype, ReduceOp::Sum, n);
@@ -1255,7 +1255,7 @@ mod backend {
                 // SAFETY: every buffer is borrowed for the whole call.
                 let code = unsafe {
                     ffi::MPI_Allgatherv(
-                        buf_ptr(&send),
+                        buf_ptr(send),
                         to_int(send.len()),
                         u8_type(),
                         buf_mut(recv),
@@ -1392,13 +1392,13 @@ mod backend {
             // lengths[s][d]: bytes from member s to member d; incoming metas for `me`.
             let mut lengths = vec![vec![0usize; n]; n];
             let mut incoming_meta = vec![Vec::new(); n];
-            for (s, words) in extras.iter().enumerate() {
+            for ((s, words), row) in extras.iter().enumerate().zip(&mut lengths) {
                 let mut at = 0;
-                for d in 0..n {
+                for (d, slot) in row.iter_mut().enumerate() {
                     let len = *words.get(at).ok_or_else(malformed)? as usize;
                     let meta_len = *words.get(at + 1).ok_or_else(malformed)? as usize;
                     let meta = words.get(at + 2..at + 2 + meta_len).ok_or_else(malformed)?;
-                    lengths[s][d] = len;
+                    *slot = len;
                     if d == me {
                         incoming_meta[s] = meta.to_vec();
                     }
