@@ -44,8 +44,9 @@ impl Rounds {
     ///
     /// # Returns
     /// One round moving whole pieces in place when `busiest <= limit`; otherwise rounds of
-    /// `limit / parties` units per piece, so that one round moves at most `limit` units per
-    /// buffer, and displacements into the packed staging buffer stay below `limit`.
+    /// `limit / parties` units per piece (at least 1), so that one round moves at most
+    /// `max(limit, parties)` units per buffer (`limit` whenever `parties <= limit`, as with
+    /// the real limit), and displacements into the packed staging buffer stay below that.
     ///
     /// # Panics
     /// If `limit` or `parties` is 0.
@@ -115,7 +116,8 @@ mod tests {
     }
 
     /// Every piece is covered exactly once, in order, and no round of any rank's buffer moves
-    /// more than the limit (so its counts and its packed displacements fit).
+    /// more than the limit (or one unit per piece when the limit is below the piece count), so
+    /// its counts and its packed displacements fit.
     fn check(lengths: &[usize], limit: usize) -> Rounds {
         let n = lengths.len();
         let longest = lengths.iter().copied().max().unwrap_or(0);
@@ -130,9 +132,10 @@ mod tests {
                 next[k] = range.end;
                 packed += range.len();
             }
+            let bound = limit.max(n);
             assert!(
-                packed <= limit,
-                "round {round} packs {packed} > {limit} units"
+                packed <= bound,
+                "round {round} packs {packed} > {bound} units"
             );
         }
         assert_eq!(next, lengths, "every unit of every piece moves");
