@@ -457,6 +457,11 @@ fn build_binaries() -> HashMap<String, PathBuf> {
         (cfg!(feature = "wgpu"), "examples/wgpu"),
         (cfg!(feature = "ndarray"), "examples/ndarray"),
         (cfg!(feature = "mpi"), "examples/mpi"),
+        (cfg!(feature = "nccl"), "examples/nccl"),
+        (cfg!(feature = "cuda"), "examples/cuda"),
+        // It turns on features of Burn's own dependencies: without it here, Cargo would build
+        // the whole Burn stack a second time for the binaries.
+        (cfg!(feature = "hf-tokenizer"), "examples/hf-tokenizer"),
     ] {
         if on {
             cargo.args(["--features", feature]);
