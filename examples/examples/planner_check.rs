@@ -15,12 +15,11 @@ use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
 use burn_parallel::planner::{
-    Checkpoint, Hardware, Layout, ModelShape, NormShape, Schedule, Training, evaluate, human_bytes,
+    Checkpoint, Hardware, Layout, Schedule, Training, evaluate, human_bytes,
 };
 use burn_parallel::{ParallelDims, run_local};
 use burn_zero::Stage;
 use examples::data::Corpus;
-use examples::gpt::{GptConfig, MlpKind, NormKind, PositionKind};
 use examples::train::{Parallelism, TrainConfig, train_gpt_parallel};
 
 struct Counting;
@@ -49,30 +48,6 @@ unsafe impl GlobalAlloc for Counting {
 
 #[global_allocator]
 static ALLOCATOR: Counting = Counting;
-
-fn shape_of(c: &GptConfig) -> ModelShape {
-    ModelShape {
-        layers: c.n_layers,
-        d_model: c.d_model,
-        heads: c.n_heads,
-        kv_heads: c.n_heads,
-        d_ff: c.d_ff,
-        vocab: c.vocab_size,
-        position_table: match c.positions {
-            PositionKind::Learned => c.max_seq_len,
-            PositionKind::Rotary => 0,
-        },
-        gated_mlp: c.mlp == MlpKind::SwiGlu,
-        bias: c.bias,
-        norm: match c.norm {
-            NormKind::LayerNorm => NormShape::LayerNorm,
-            NormKind::RmsNorm => NormShape::RmsNorm,
-        },
-        tied_embeddings: c.tied_embeddings,
-        moe: None,
-        measured_params: None,
-    }
-}
 
 /// The measured per-rank peak of step 2 (from 0) of `parallel` on `world` thread ranks.
 fn measure(world: usize, parallel: &Parallelism, config: &TrainConfig, corpus: &Corpus) -> f64 {
@@ -109,7 +84,7 @@ fn main() {
     config.eval_batches = 0;
     config.sample_len = 0;
     let corpus = Corpus::load_default().expect("the bundled corpus");
-    let shape = shape_of(&config.model);
+    let shape = config.model.planner_shape();
     let hw = Hardware::from_units(64.0, 1.0, 1.0);
     let layouts: Vec<(usize, Parallelism)> = vec![
         (1, Parallelism::default()),

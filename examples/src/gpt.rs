@@ -375,6 +375,40 @@ impl GptConfig {
         }
     }
 
+    /// The shape the memory and FLOPs planner ([`burn_parallel::planner`]) works with.
+    pub fn planner_shape(&self) -> burn_parallel::planner::ModelShape {
+        use burn_parallel::planner::{ModelShape, MoeShape, NormShape};
+        ModelShape {
+            layers: self.n_layers,
+            d_model: self.d_model,
+            heads: self.n_heads,
+            kv_heads: self.n_heads,
+            d_ff: self.d_ff,
+            vocab: self.vocab_size,
+            position_table: match self.positions {
+                PositionKind::Learned => self.max_seq_len,
+                PositionKind::Rotary => 0,
+            },
+            gated_mlp: self.mlp == MlpKind::SwiGlu,
+            bias: self.bias,
+            norm: match self.norm {
+                NormKind::LayerNorm => NormShape::LayerNorm,
+                NormKind::RmsNorm => NormShape::RmsNorm,
+            },
+            tied_embeddings: self.tied_embeddings,
+            moe: self.moe.as_ref().map(|m| MoeShape {
+                experts: m.n_experts,
+                top_k: m.top_k,
+                d_ff: m.d_ff,
+                shared: m.n_shared,
+                gated: m.expert == burn_moe::ExpertKind::SwiGlu,
+                bias: m.bias,
+                every: self.moe_every,
+            }),
+            measured_params: None,
+        }
+    }
+
     /// Number of parameters, computed from the configuration without building the model.
     /// Equals [`Gpt::num_params`].
     pub fn num_params(&self) -> usize {

@@ -11,8 +11,7 @@
 use burn::tensor::Device;
 use burn_moe::{ExpertKind, MoeConfig};
 use burn_parallel::planner::{
-    Checkpoint, Hardware, Layout, ModelShape, MoeShape, NormShape, Schedule, Training,
-    count_params, evaluate,
+    Checkpoint, Hardware, Layout, ModelShape, Schedule, Training, count_params, evaluate,
 };
 use burn_parallel::{DeviceMesh, ParallelDims, run_local};
 use burn_zero::{ShardGroups, Stage, ZeroConfig};
@@ -23,35 +22,7 @@ use tests::tiny_gpt_run;
 
 /// The planner's shape of a GPT configuration of `examples`.
 fn shape_of(c: &GptConfig) -> ModelShape {
-    ModelShape {
-        layers: c.n_layers,
-        d_model: c.d_model,
-        heads: c.n_heads,
-        kv_heads: c.n_heads,
-        d_ff: c.d_ff,
-        vocab: c.vocab_size,
-        position_table: match c.positions {
-            PositionKind::Learned => c.max_seq_len,
-            PositionKind::Rotary => 0,
-        },
-        gated_mlp: c.mlp == MlpKind::SwiGlu,
-        bias: c.bias,
-        norm: match c.norm {
-            NormKind::LayerNorm => NormShape::LayerNorm,
-            NormKind::RmsNorm => NormShape::RmsNorm,
-        },
-        tied_embeddings: c.tied_embeddings,
-        moe: c.moe.as_ref().map(|m| MoeShape {
-            experts: m.n_experts,
-            top_k: m.top_k,
-            d_ff: m.d_ff,
-            shared: m.n_shared,
-            gated: m.expert == ExpertKind::SwiGlu,
-            bias: m.bias,
-            every: c.moe_every,
-        }),
-        measured_params: None,
-    }
+    c.planner_shape()
 }
 
 #[test]
