@@ -563,11 +563,7 @@ fn main() -> ExitCode {
         Ok(None) => ExitCode::SUCCESS,
         Ok(Some(report)) => {
             print_report(&report, &corpus);
-            let written = write_losses(args.losses_out.as_deref(), &report.losses);
-            if written != ExitCode::SUCCESS {
-                return written;
-            }
-            write_params(args.params_out.as_deref(), &report.final_params)
+            write_outputs(&args, &report.losses, &report.final_params)
         }
         Err(e) => {
             eprintln!("error: {e}");
@@ -759,11 +755,7 @@ fn run_zero(args: &Args, config: &TrainConfig, corpus: &Corpus, stage: usize) ->
                 report.step_seconds,
                 report.num_params
             );
-            let written = write_losses(args.losses_out.as_deref(), &report.losses);
-            if written != ExitCode::SUCCESS {
-                return written;
-            }
-            write_params(args.params_out.as_deref(), &report.final_params)
+            write_outputs(args, &report.losses, &report.final_params)
         }
         Err(e) => {
             eprintln!("error: {e}");
@@ -780,27 +772,24 @@ fn invalid(world: &ProcessGroup, reason: String) -> CollectiveError {
     }
 }
 
-/// `--losses-out`: writes the per-step losses as a JSON list.
-fn write_losses(path: Option<&std::path::Path>, losses: &[f64]) -> ExitCode {
-    if let Some(path) = path
-        && let Err(e) = std::fs::write(path, serde_json::to_string(losses).expect("json"))
-    {
-        eprintln!("error: writing {}: {e}", path.display());
-        return ExitCode::FAILURE;
-    }
-    ExitCode::SUCCESS
-}
-
-/// `--params-out`: writes the trained parameters (path, shape, values) as JSON.
-fn write_params(
-    path: Option<&std::path::Path>,
-    params: &[examples::train::NamedParam],
-) -> ExitCode {
-    if let Some(path) = path
-        && let Err(e) = std::fs::write(path, serde_json::to_string(params).expect("json"))
-    {
-        eprintln!("error: writing {}: {e}", path.display());
-        return ExitCode::FAILURE;
+/// `--losses-out` and `--params-out`: the per-step losses as a JSON list, then the trained
+/// parameters (path, shape, values) as JSON.
+fn write_outputs(args: &Args, losses: &[f64], params: &[examples::train::NamedParam]) -> ExitCode {
+    let files: [(_, &dyn Fn() -> String); 2] = [
+        (args.losses_out.as_deref(), &|| {
+            serde_json::to_string(losses).expect("json")
+        }),
+        (args.params_out.as_deref(), &|| {
+            serde_json::to_string(params).expect("json")
+        }),
+    ];
+    for (path, json) in files {
+        if let Some(path) = path
+            && let Err(e) = std::fs::write(path, json())
+        {
+            eprintln!("error: writing {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
     }
     ExitCode::SUCCESS
 }
@@ -869,11 +858,7 @@ fn run_pipeline(args: &Args, config: &TrainConfig, corpus: &Corpus) -> ExitCode 
                 }
                 println!("trace of the last step written to {}", path.display());
             }
-            let written = write_losses(args.losses_out.as_deref(), &report.train.losses);
-            if written != ExitCode::SUCCESS {
-                return written;
-            }
-            write_params(args.params_out.as_deref(), &report.train.final_params)
+            write_outputs(args, &report.train.losses, &report.train.final_params)
         }
         Err(e) => {
             eprintln!("error: {e}");
@@ -932,11 +917,7 @@ fn run_diloco(
         Ok(None) => ExitCode::SUCCESS,
         Ok(Some(report)) => {
             print_report(&report.train, corpus);
-            let written = write_losses(args.losses_out.as_deref(), &report.train.losses);
-            if written != ExitCode::SUCCESS {
-                return written;
-            }
-            write_params(args.params_out.as_deref(), &report.train.final_params)
+            write_outputs(args, &report.train.losses, &report.train.final_params)
         }
         Err(e) => {
             eprintln!("error: {e}");
