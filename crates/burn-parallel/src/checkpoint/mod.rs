@@ -380,6 +380,15 @@ impl Drop for Checkpointer {
     }
 }
 
+/// The step of a checkpoint directory named by [`Checkpointer::dir_of`].
+fn step_of(dir: &Path) -> Option<usize> {
+    dir.file_name()?
+        .to_str()?
+        .strip_prefix("step-")?
+        .parse()
+        .ok()
+}
+
 /// Complete checkpoints (with a manifest) under `root`, oldest first.
 fn complete_steps(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
     let entries = match fs::read_dir(root) {
@@ -390,12 +399,7 @@ fn complete_steps(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
     let mut steps = Vec::new();
     for entry in entries {
         let entry = entry.map_err(|e| CheckpointError::io(root, e))?;
-        let name = entry.file_name();
-        let Some(step) = name
-            .to_str()
-            .and_then(|n| n.strip_prefix("step-"))
-            .and_then(|n| n.parse::<usize>().ok())
-        else {
+        let Some(step) = step_of(&entry.path()) else {
             continue;
         };
         if entry.path().join(MANIFEST).exists() {
@@ -419,12 +423,7 @@ fn prune(group: &ProcessGroup, root: &Path, keep: usize) -> Result<()> {
         // Interrupted saves older than the newest complete one will never complete.
         for entry in fs::read_dir(root).map_err(|e| CheckpointError::io(root, e))? {
             let path = entry.map_err(|e| CheckpointError::io(root, e))?.path();
-            let step = path
-                .file_name()
-                .and_then(|n| n.to_str())
-                .and_then(|n| n.strip_prefix("step-"))
-                .and_then(|n| n.parse::<usize>().ok());
-            if let (Some(step), Some(newest)) = (step, newest)
+            if let (Some(step), Some(newest)) = (step_of(&path), newest)
                 && step < newest
                 && !path.join(MANIFEST).exists()
             {

@@ -284,8 +284,25 @@ impl ParamMap {
         self.logical.clone()
     }
 
-    fn by_id(&self) -> HashMap<ParamId, &LocalParam> {
-        self.params.iter().map(|p| (p.id, p)).collect()
+    /// The host values of the module's parameters that the map knows, by id.
+    fn host_values<M: Module>(&self, module: &M) -> HashMap<ParamId, TensorData> {
+        struct Read<'a> {
+            ids: std::collections::HashSet<ParamId>,
+            values: &'a mut HashMap<ParamId, TensorData>,
+        }
+        impl ModuleVisitor for Read<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if self.ids.contains(&param.id) {
+                    self.values.insert(param.id, param.val().into_data());
+                }
+            }
+        }
+        let mut values = HashMap::new();
+        module.visit(&mut Read {
+            ids: self.params.iter().map(|p| p.id).collect(),
+            values: &mut values,
+        });
+        values
     }
 
     /// The pieces of the module's parameters this rank writes (copied to host memory).
@@ -293,22 +310,7 @@ impl ParamMap {
     /// # Errors
     /// [`CheckpointError::Piece`] when the module does not match the map.
     pub fn param_pieces<M: Module>(&self, module: &M) -> Result<Vec<Piece>> {
-        let mut values: HashMap<ParamId, TensorData> = HashMap::new();
-        struct Read<'a> {
-            ids: HashMap<ParamId, &'a LocalParam>,
-            values: &'a mut HashMap<ParamId, TensorData>,
-        }
-        impl ModuleVisitor for Read<'_> {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                if self.ids.contains_key(&param.id) {
-                    self.values.insert(param.id, param.val().into_data());
-                }
-            }
-        }
-        module.visit(&mut Read {
-            ids: self.by_id(),
-            values: &mut values,
-        });
+        let values = self.host_values(module);
         let mut pieces = Vec::new();
         for p in &self.params {
             let data = values.get(&p.id).ok_or_else(|| {
@@ -342,22 +344,7 @@ impl ParamMap {
             .collect();
         expected.extend(optim);
         checkpoint.check(expected)?;
-        let mut loaded: HashMap<ParamId, TensorData> = HashMap::new();
-        struct Current<'a> {
-            ids: HashMap<ParamId, &'a LocalParam>,
-            values: &'a mut HashMap<ParamId, TensorData>,
-        }
-        impl ModuleVisitor for Current<'_> {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                if self.ids.contains_key(&param.id) {
-                    self.values.insert(param.id, param.val().into_data());
-                }
-            }
-        }
-        module.visit(&mut Current {
-            ids: self.by_id(),
-            values: &mut loaded,
-        });
+        let mut loaded = self.host_values(&module);
         for p in &self.params {
             let data = loaded.remove(&p.id).ok_or_else(|| {
                 CheckpointError::piece(&p.path, "the module has no parameter with the map's id")
