@@ -217,6 +217,33 @@ fn reference_clip<M: Module>(model: &M, grads: GradientsParams, max_norm: f64) -
     scale.0
 }
 
+/// The oracle's loss of step `step`: the whole global batch on one device, cross-entropy written
+/// out as `-mean(gather(log_softmax(logits), targets))`.
+///
+/// # Panics
+/// When the model's forward fails.
+pub fn reference_loss(
+    model: &Gpt,
+    corpus: &Corpus,
+    config: &TrainConfig,
+    step: usize,
+    device: &Device,
+) -> Tensor<1> {
+    let batch = corpus.batch_rows(
+        step as u64,
+        0..config.batch_size,
+        config.seq_len,
+        Split::Train,
+    );
+    let (inputs, targets) = batch.to_tensors(device);
+    let logits = model.forward(inputs).expect("a single-device GPT");
+    let [b, s, v] = logits.dims();
+    log_softmax(logits.reshape([b * s, v]), 1)
+        .gather(1, targets.reshape([b * s, 1]))
+        .mean()
+        .neg()
+}
+
 /// Single-device training of `config` in plain Burn, independent of the training loops under
 /// test (`examples::train`, `burn-parallel`, `burn-zero`): the GPT of `config.model` (unfused)
 /// from its seed, the whole global batch of every step, the mean token cross-entropy, AdamW with
@@ -238,19 +265,7 @@ pub fn reference_run(config: &TrainConfig) -> Reference {
         .init();
     let mut losses = Vec::with_capacity(config.steps);
     for step in 0..config.steps {
-        let batch = corpus.batch_rows(
-            step as u64,
-            0..config.batch_size,
-            config.seq_len,
-            Split::Train,
-        );
-        let (inputs, targets) = batch.to_tensors(&device);
-        let logits = model.forward(inputs).expect("a single-device GPT");
-        let [b, s, v] = logits.dims();
-        let loss = log_softmax(logits.reshape([b * s, v]), 1)
-            .gather(1, targets.reshape([b * s, 1]))
-            .mean()
-            .neg();
+        let loss = reference_loss(&model, &corpus, config, step, &device);
         losses.push(loss.clone().try_into_vec_as::<f64>().expect("the loss")[0]);
         let mut grads = GradientsParams::from_grads(loss.backward(), &model);
         if let Some(max_norm) = config.max_grad_norm {

@@ -17,13 +17,12 @@ use std::collections::BTreeSet;
 use burn::module::{Module, ModuleMapper, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{GradientsParams, SgdConfig};
-use burn::tensor::activation::log_softmax;
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::diloco::{
     Compression, DiLoCo, DiLoCoConfig, DiLoCoError, Islands, SyncEvent, count_sent_bytes,
 };
 use burn_parallel::{CollectiveError, ProcessGroup, local_world, run_local};
-use examples::data::{Corpus, Split};
+use examples::data::Corpus;
 use examples::gpt::{Gpt, GptConfig};
 use examples::train::{NamedParam, Parallelism, TrainConfig};
 use examples::train_diloco::{
@@ -55,19 +54,7 @@ fn sgd_reference(config: &TrainConfig) -> Reference {
     let mut optim = SgdConfig::new().init();
     let mut losses = Vec::new();
     for step in 0..config.steps {
-        let batch = corpus.batch_rows(
-            step as u64,
-            0..config.batch_size,
-            config.seq_len,
-            Split::Train,
-        );
-        let (inputs, targets) = batch.to_tensors(&device);
-        let logits = model.forward(inputs).expect("a single-device GPT");
-        let [b, s, v] = logits.dims();
-        let loss = log_softmax(logits.reshape([b * s, v]), 1)
-            .gather(1, targets.reshape([b * s, 1]))
-            .mean()
-            .neg();
+        let loss = tests::reference_loss(&model, &corpus, config, step, &device);
         losses.push(loss.clone().try_into_vec_as::<f64>().expect("the loss")[0]);
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(config.lr_at(step), model, grads);
