@@ -468,7 +468,7 @@ pub struct BlockConfig {
     pub causal: bool,
     /// Std of the residual projections `attn.o` and `mlp.down`.
     pub residual_std: f64,
-    /// Norms and SwiGLU through the fused kernels.
+    /// Norms, attention, GELU/SwiGLU through the fused kernels.
     pub fused: bool,
     /// The block's feed-forward network is this mixture of experts instead of the MLP.
     pub moe: Option<MoeConfig>,
@@ -757,6 +757,10 @@ pub struct Attention {
     /// Mask future positions.
     #[module(skip)]
     pub causal: bool,
+    /// Attend through the blockwise kernel ([`kernels::attention`]) when there is no attention
+    /// dropout.
+    #[module(skip)]
+    pub fused: bool,
 }
 
 impl Attention {
@@ -782,6 +786,7 @@ impl Attention {
             head_dim,
             n_heads: config.n_heads,
             causal: config.causal,
+            fused: config.fused,
         })
     }
 
@@ -819,6 +824,13 @@ impl Attention {
                 .ctx
                 .attention(q, k, v, self.causal)
                 .map_err(cp_error)?
+                .swap_dims(1, 2)
+                .reshape([b, s, heads * self.head_dim]);
+            return Ok(residual_dropout(&self.resid_drop, self.o.forward(y)?, pass));
+        }
+        if self.fused && self.attn_drop.is_none() {
+            let y = kernels::attention(q, k, v, self.causal)
+                .unwrap_or_else(|e| panic!("fused attention: {e}"))
                 .swap_dims(1, 2)
                 .reshape([b, s, heads * self.head_dim]);
             return Ok(residual_dropout(&self.resid_drop, self.o.forward(y)?, pass));
@@ -908,6 +920,7 @@ impl Mlp {
     /// Shape and collective errors of the tensor-parallel layers.
     pub fn forward(&self, x: Tensor<3>, pass: &Pass) -> TpResult<Tensor<3>> {
         let hidden = match &self.gate {
+            None if self.fused => kernels::gelu(self.up.forward(x)?, self.gelu == GeluKind::Tanh),
             None => match self.gelu {
                 GeluKind::Erf => gelu(self.up.forward(x)?),
                 GeluKind::Tanh => gelu_approximate(self.up.forward(x)?),

@@ -54,4 +54,5 @@ pub mod kernels;
 pub mod nn;
 pub mod plan;
 pub mod planner;
+pub mod threads;
 pub mod train;

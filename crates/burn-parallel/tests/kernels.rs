@@ -233,6 +233,84 @@ fn check_swiglu(dev: &Device, shape: [usize; 3], tol: f32) {
     );
 }
 
+/// Attention of `q` `[b, h, tq, d]` over `k`, `v` `[b, h, tk, d]` against softmax of the
+/// masked scores composed from Burn ops.
+fn check_attention(dev: &Device, q_shape: [usize; 4], tk: usize, causal: bool, tol: f32) {
+    let oracle = Device::flex().autodiff();
+    let [b, h, tq, d] = q_shape;
+    let kv_shape = [b, h, tk, d];
+    let seed = (b * 1000 + h * 100 + tq * 10 + tk + d) as u64;
+    let make = |dev: &Device| {
+        (
+            tensor(q_shape, seed, 2.0, dev).require_grad(),
+            tensor(kv_shape, seed + 1, 2.0, dev).require_grad(),
+            tensor(kv_shape, seed + 2, 1.0, dev).require_grad(),
+            tensor(q_shape, seed + 3, 1.0, dev),
+        )
+    };
+    let (q, k, v, r) = make(dev);
+    let y = kernels::attention(q.clone(), k.clone(), v.clone(), causal).unwrap();
+    let g = (y.clone() * r).sum().backward();
+
+    let (qo, ko, vo, ro) = make(&oracle);
+    let mut scores = qo.clone().matmul(ko.clone().swap_dims(2, 3)) / (d as f64).sqrt();
+    if causal {
+        let ids = |n: usize| Tensor::<1, Int>::arange(0..n as i64, &oracle);
+        let hidden = ids(tk)
+            .reshape([1, tk])
+            .expand([tq, tk])
+            .greater(ids(tq).reshape([tq, 1]).expand([tq, tk]) + (tk - tq) as i64);
+        scores = scores.mask_fill(
+            hidden.unsqueeze::<4>().expand([b, h, tq, tk]),
+            f32::NEG_INFINITY,
+        );
+    }
+    let yo = burn::tensor::activation::softmax(scores, 3).matmul(vo.clone());
+    let go = (yo.clone() * ro).sum().backward();
+    let name = format!("attention q {q_shape:?} tk {tk} causal {causal}");
+    assert_close(&format!("{name} y"), &host(&y), &host(&yo), tol);
+    for (what, t, o) in [("dq", &q, &qo), ("dk", &k, &ko), ("dv", &v, &vo)] {
+        assert_close(
+            &format!("{name} {what}"),
+            &host(&t.grad(&g).unwrap()),
+            &host(&o.grad(&go).unwrap()),
+            tol,
+        );
+    }
+}
+
+/// Exact and tanh GELU against Burn's `gelu` / `gelu_approximate` under autodiff.
+fn check_gelu(dev: &Device, shape: [usize; 3], tol: f32) {
+    let oracle = Device::flex().autodiff();
+    let n: usize = shape.iter().product();
+    for approximate in [false, true] {
+        let make = |d: &Device| {
+            (
+                tensor(shape, n as u64 + 7, 5.0, d).require_grad(),
+                tensor(shape, n as u64 + 8, 1.0, d),
+            )
+        };
+        let (x, r) = make(dev);
+        let y = kernels::gelu(x.clone(), approximate);
+        let g = (y.clone() * r).sum().backward();
+        let (xo, ro) = make(&oracle);
+        let yo = if approximate {
+            burn::tensor::activation::gelu_approximate(xo.clone())
+        } else {
+            burn::tensor::activation::gelu(xo.clone())
+        };
+        let go = (yo.clone() * ro).sum().backward();
+        let name = format!("gelu {shape:?} approximate {approximate}");
+        assert_close(&format!("{name} y"), &host(&y), &host(&yo), tol);
+        assert_close(
+            &format!("{name} dx"),
+            &host(&x.grad(&g).unwrap()),
+            &host(&xo.grad(&go).unwrap()),
+            tol,
+        );
+    }
+}
+
 fn check_rope(dev: &Device, shape: [usize; 4], tol: f32) {
     let oracle = Device::flex().autodiff();
     let [_, _, seq, hd] = shape;
@@ -334,6 +412,40 @@ fn flex_swiglu_rope_match_naive_math() {
     let dev = Device::flex().autodiff();
     check_swiglu(&dev, [3, 5, 7], 1e-6);
     check_rope(&dev, [2, 3, 5, 6], 1e-6);
+}
+
+#[test]
+fn flex_attention_matches_naive_math() {
+    let dev = Device::flex().autodiff();
+    // Odd sizes: partial query blocks and key tiles, a single row, more keys than queries.
+    for (q_shape, tk, causal) in [
+        ([2, 3, 5, 4], 5, true),
+        ([1, 2, 70, 8], 70, true),
+        ([1, 1, 1, 3], 1, true),
+        ([2, 2, 37, 6], 130, false),
+        ([1, 2, 33, 5], 100, true),
+        ([1, 1, 129, 16], 129, true),
+    ] {
+        check_attention(&dev, q_shape, tk, causal, 1e-5);
+    }
+}
+
+#[test]
+fn flex_attention_threads_give_the_same_result() {
+    // Large enough to be split over threads; the result must not depend on the split.
+    let dev = Device::flex().autodiff();
+    burn_parallel::threads::set_intra_op_threads(Some(3));
+    check_attention(&dev, [2, 3, 150, 16], 150, true, 1e-5);
+    check_norm(&dev, 301, 64, false, 1e-5);
+    check_gelu(&dev, [3, 101, 257], 1e-5);
+    burn_parallel::threads::set_intra_op_threads(None);
+}
+
+#[test]
+fn flex_gelu_matches_naive_math() {
+    let dev = Device::flex().autodiff();
+    check_gelu(&dev, [3, 5, 7], 1e-5);
+    check_gelu(&dev, [1, 1, 1], 1e-5);
 }
 
 #[test]

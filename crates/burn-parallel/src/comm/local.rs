@@ -122,6 +122,8 @@ where
     F: Fn(ProcessGroup) -> Result<T> + Send + Sync,
 {
     let groups = local_world(world_size);
+    // The thread ranks share this process's cores (the intra-op thread policy).
+    crate::threads::launch(world_size, world_size);
     let f = &f;
     let outcomes: Vec<Result<T>> = thread::scope(|scope| {
         let handles: Vec<_> = groups

@@ -151,6 +151,8 @@ impl TcpConfig {
     /// seconds up to [`MAX_TIMEOUT`]; [`CollectiveError::JobToken`] for an empty token.
     pub fn from_env() -> Result<Self> {
         let env = LaunchEnv::from_env()?;
+        // The processes of this node share its cores (the intra-op thread policy).
+        crate::threads::launch(env.local_world_size.unwrap_or(1), 1);
         let mut config =
             Self::from_launch_env(&env).with_timeout(env::rendezvous_timeout_from_env()?);
         match JobToken::from_env() {

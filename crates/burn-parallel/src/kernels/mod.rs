@@ -34,6 +34,7 @@ use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
+use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{AutodiffBackend, Dispatch, Flex, backend_extension};
 use burn::tensor::{DType, Int, Tensor, TensorData};
@@ -43,6 +44,7 @@ use crate::comm::host::ReduceOp;
 use crate::error::CollectiveError;
 use crate::group::ProcessGroup;
 
+pub mod cpu;
 #[cfg(feature = "cube")]
 pub mod cube;
 pub mod reference;
@@ -204,6 +206,41 @@ pub trait FusedKernels: burn::backend::Backend {
         hyper: AdamWHyper,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
+    /// Attention over `heads` independent problems: `q` `[heads, tq, dim]`, `k`, `v`
+    /// `[heads, tk, dim]`, scores scaled by `scale`, causal (query `i` sees keys
+    /// `0..=i + tk - tq`) when `causal`. Returns `(out [heads, tq, dim], lse [heads, tq])`, the
+    /// row log-sum-exp of the scaled scores being all the backward keeps.
+    fn fused_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>);
+
+    /// Attention backward `(dq, dk, dv)` from the forward's output and log-sum-exp.
+    #[allow(clippy::too_many_arguments)]
+    fn fused_attention_backward(
+        dout: FloatTensor<Self>,
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
+    /// GELU, exact (`erf`) or, with `approximate`, GPT-2's tanh form.
+    fn fused_gelu_forward(x: FloatTensor<Self>, approximate: bool) -> FloatTensor<Self>;
+
+    /// `dy * gelu'(x)`.
+    fn fused_gelu_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        approximate: bool,
+    ) -> FloatTensor<Self>;
+
     /// Per-row partial softmax statistics `[rows, 2]` (max, sum of `exp(x - max)`).
     fn fused_ce_stats(logits: FloatTensor<Self>) -> FloatTensor<Self>;
 
@@ -230,7 +267,7 @@ pub trait FusedKernels: burn::backend::Backend {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Flex: the composed reference.
+// Flex: the CPU kernels of `cpu` for fp32, the composed reference for other dtypes.
 
 fn fx<const D: usize>(t: FloatTensor<Flex>) -> Tensor<D> {
     Tensor::from_primitive::<Flex>(t)
@@ -245,6 +282,69 @@ fn fp<const D: usize>(t: Tensor<D>) -> FloatTensor<Flex> {
         .expect("a reference on flex tensors stays on flex")
 }
 
+/// `t` as a contiguous fp32 Flex tensor, or `None` when it is not fp32 (the reference runs).
+fn f32_flex(t: &FlexTensor) -> Option<FlexTensor> {
+    if t.dtype() != DType::F32 {
+        return None;
+    }
+    Some(match t.as_slice::<f32>() {
+        Some(_) => t.clone(),
+        None => t.to_contiguous(),
+    })
+}
+
+/// All of `ts` as contiguous fp32 Flex tensors, or `None` when one is not fp32.
+fn all_f32<const N: usize>(ts: [&FlexTensor; N]) -> Option<[FlexTensor; N]> {
+    let mut out = Vec::with_capacity(N);
+    for t in ts {
+        out.push(f32_flex(t)?);
+    }
+    out.try_into().ok()
+}
+
+/// The values of a contiguous fp32 Flex tensor (see [`f32_flex`]).
+fn vals(t: &FlexTensor) -> &[f32] {
+    t.as_slice::<f32>()
+        .expect("f32_flex returns contiguous fp32 tensors")
+}
+
+fn dims_of(t: &FlexTensor) -> Vec<usize> {
+    t.layout().shape().to_vec()
+}
+
+fn flex_from(values: Vec<f32>, dims: Vec<usize>) -> FlexTensor {
+    FlexTensor::from_data(TensorData::new(values, dims))
+}
+
+fn last_dim(t: &FlexTensor) -> usize {
+    dims_of(t).last().copied().unwrap_or(1).max(1)
+}
+
+fn flex_targets(t: IntTensor<Flex>) -> Vec<i64> {
+    fi(t)
+        .into_data()
+        .convert::<i64>()
+        .try_into_vec::<i64>()
+        .expect("targets converted to i64")
+}
+
+fn attention_shape(
+    q: &FlexTensor,
+    k: &FlexTensor,
+    causal: bool,
+    scale: f64,
+) -> cpu::AttentionShape {
+    let (qd, kd) = (dims_of(q), dims_of(k));
+    cpu::AttentionShape {
+        heads: qd[0],
+        tq: qd[1],
+        tk: kd[1],
+        dim: qd[2],
+        causal,
+        scale: scale as f32,
+    }
+}
+
 impl FusedKernels for Flex {
     fn fused_norm_forward(
         x: FloatTensor<Self>,
@@ -253,6 +353,17 @@ impl FusedKernels for Flex {
         eps: f64,
         rms: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        if let Some([xc, wc, bc]) = all_f32([&x, &weight, &bias]) {
+            let (dims, cols) = (dims_of(&x), last_dim(&x));
+            let (y, mean, rstd) =
+                cpu::norm_forward(vals(&xc), cols, vals(&wc), vals(&bc), eps, rms);
+            let rows = mean.len();
+            return (
+                flex_from(y, dims),
+                flex_from(mean, vec![rows]),
+                flex_from(rstd, vec![rows]),
+            );
+        }
         let (y, mean, rstd) = reference::norm_forward(fx(x), fx(weight), fx(bias), eps, rms);
         (fp(y), fp(mean), fp(rstd))
     }
@@ -265,12 +376,32 @@ impl FusedKernels for Flex {
         rstd: FloatTensor<Self>,
         rms: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        if let Some([dyc, xc, wc, mc, rc]) = all_f32([&dy, &x, &weight, &mean, &rstd]) {
+            let (dims, cols) = (dims_of(&x), last_dim(&x));
+            let (dx, dw, db) = cpu::norm_backward(
+                vals(&dyc),
+                vals(&xc),
+                cols,
+                vals(&wc),
+                vals(&mc),
+                vals(&rc),
+                rms,
+            );
+            return (
+                flex_from(dx, dims),
+                flex_from(dw, vec![cols]),
+                flex_from(db, vec![cols]),
+            );
+        }
         let (dx, dw, db) =
             reference::norm_backward(fx(dy), fx(x), fx(weight), fx(mean), fx(rstd), rms);
         (fp(dx), fp(dw), fp(db))
     }
 
     fn fused_swiglu_forward(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        if let Some([ac, bc]) = all_f32([&a, &b]) {
+            return flex_from(cpu::swiglu_forward(vals(&ac), vals(&bc)), dims_of(&a));
+        }
         fp(reference::swiglu_forward::<1>(fx(a), fx(b)))
     }
 
@@ -279,6 +410,10 @@ impl FusedKernels for Flex {
         a: FloatTensor<Self>,
         b: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if let Some([dyc, ac, bc]) = all_f32([&dy, &a, &b]) {
+            let (da, db) = cpu::swiglu_backward(vals(&dyc), vals(&ac), vals(&bc));
+            return (flex_from(da, dims_of(&a)), flex_from(db, dims_of(&a)));
+        }
         let (da, db) = reference::swiglu_backward::<1>(fx(dy), fx(a), fx(b));
         (fp(da), fp(db))
     }
@@ -299,11 +434,108 @@ impl FusedKernels for Flex {
         v: FloatTensor<Self>,
         hyper: AdamWHyper,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        if let Some([pc, gc, mc, vc]) = all_f32([&param, &grad, &m, &v]) {
+            let dims = dims_of(&param);
+            let (mut p, mut m, mut v) =
+                (vals(&pc).to_vec(), vals(&mc).to_vec(), vals(&vc).to_vec());
+            cpu::adamw_step(&mut p, vals(&gc), &mut m, &mut v, &hyper);
+            return (
+                flex_from(p, dims.clone()),
+                flex_from(m, dims.clone()),
+                flex_from(v, dims),
+            );
+        }
         let (p, m, v) = reference::adamw_step::<1>(fx(param), fx(grad), fx(m), fx(v), &hyper);
         (fp(p), fp(m), fp(v))
     }
 
+    fn fused_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        if let Some([qc, kc, vc]) = all_f32([&q, &k, &v]) {
+            let shape = attention_shape(&q, &k, causal, scale);
+            let (out, lse) = cpu::attention_forward(vals(&qc), vals(&kc), vals(&vc), shape);
+            return (
+                flex_from(out, dims_of(&q)),
+                flex_from(lse, vec![shape.heads, shape.tq]),
+            );
+        }
+        let (out, lse) = reference::attention_forward(fx(q), fx(k), fx(v), causal, scale);
+        (fp(out), fp(lse))
+    }
+
+    fn fused_attention_backward(
+        dout: FloatTensor<Self>,
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        if let Some([dc, qc, kc, vc, oc, lc]) = all_f32([&dout, &q, &k, &v, &out, &lse]) {
+            let shape = attention_shape(&q, &k, causal, scale);
+            let (dq, dk, dv) = cpu::attention_backward(
+                vals(&dc),
+                vals(&qc),
+                vals(&kc),
+                vals(&vc),
+                vals(&oc),
+                vals(&lc),
+                shape,
+            );
+            return (
+                flex_from(dq, dims_of(&q)),
+                flex_from(dk, dims_of(&k)),
+                flex_from(dv, dims_of(&v)),
+            );
+        }
+        let (dq, dk, dv) = reference::attention_backward(
+            fx(dout),
+            fx(q),
+            fx(k),
+            fx(v),
+            fx(out),
+            fx(lse),
+            causal,
+            scale,
+        );
+        (fp(dq), fp(dk), fp(dv))
+    }
+
+    fn fused_gelu_forward(x: FloatTensor<Self>, approximate: bool) -> FloatTensor<Self> {
+        if let Some([xc]) = all_f32([&x]) {
+            return flex_from(cpu::gelu_forward(vals(&xc), approximate), dims_of(&x));
+        }
+        fp(reference::gelu_forward::<1>(fx(x), approximate))
+    }
+
+    fn fused_gelu_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        approximate: bool,
+    ) -> FloatTensor<Self> {
+        if let Some([dyc, xc]) = all_f32([&dy, &x]) {
+            return flex_from(
+                cpu::gelu_backward(vals(&dyc), vals(&xc), approximate),
+                dims_of(&x),
+            );
+        }
+        fp(reference::gelu_backward::<1>(fx(dy), fx(x), approximate))
+    }
+
     fn fused_ce_stats(logits: FloatTensor<Self>) -> FloatTensor<Self> {
+        if let Some([lc]) = all_f32([&logits]) {
+            let vocab = last_dim(&logits);
+            let stats = cpu::ce_stats(vals(&lc), vocab);
+            let rows = stats.len() / 2;
+            return flex_from(stats, vec![rows, 2]);
+        }
         fp(reference::ce_stats(fx(logits)))
     }
 
@@ -315,6 +547,21 @@ impl FusedKernels for Flex {
         count_lse: bool,
         ignore_index: i64,
     ) -> FloatTensor<Self> {
+        if let Some([lc, sc]) = all_f32([&logits, &lse]) {
+            let vocab = last_dim(&logits);
+            let targets = flex_targets(targets);
+            let rows = targets.len();
+            let nll = cpu::ce_nll(
+                vals(&lc),
+                vocab,
+                &targets,
+                vals(&sc),
+                vocab_start,
+                count_lse,
+                ignore_index,
+            );
+            return flex_from(nll, vec![rows]);
+        }
         fp(reference::ce_nll(
             fx(logits),
             fi(targets),
@@ -333,6 +580,20 @@ impl FusedKernels for Flex {
         vocab_start: usize,
         ignore_index: i64,
     ) -> FloatTensor<Self> {
+        if let Some([dc, lc, sc]) = all_f32([&dnll, &logits, &lse]) {
+            let vocab = last_dim(&logits);
+            let targets = flex_targets(targets);
+            let grad = cpu::ce_backward(
+                vals(&dc),
+                vals(&lc),
+                vocab,
+                &targets,
+                vals(&sc),
+                vocab_start,
+                ignore_index,
+            );
+            return flex_from(grad, dims_of(&logits));
+        }
         fp(reference::ce_backward(
             fx(dnll),
             fx(logits),
@@ -426,6 +687,50 @@ impl<B: FusedKernels> Backward<B, 1> for CrossEntropyBackward {
             let dlogits =
                 B::fused_ce_backward(dnll, logits, targets, lse, vocab_start, ignore_index);
             grads.register::<B>(node.id, dlogits);
+        }
+    }
+}
+
+#[derive(Debug)]
+struct AttentionBackward;
+
+impl<B: FusedKernels> Backward<B, 3> for AttentionBackward {
+    #[allow(clippy::type_complexity)]
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        bool,
+        f64,
+    );
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_q, node_k, node_v] = ops.parents;
+        let dout = grads.consume::<B>(&ops.node);
+        let (q, k, v, out, lse, causal, scale) = ops.state;
+        let (dq, dk, dv) = B::fused_attention_backward(dout, q, k, v, out, lse, causal, scale);
+        for (node, grad) in [(node_q, dq), (node_k, dk), (node_v, dv)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
+struct GeluBackward;
+
+impl<B: FusedKernels> Backward<B, 1> for GeluBackward {
+    type State = (FloatTensor<B>, bool);
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x] = ops.parents;
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, approximate) = ops.state;
+        if let Some(node) = node_x {
+            grads.register::<B>(node.id, B::fused_gelu_backward(dy, x, approximate));
         }
     }
 }
@@ -540,6 +845,80 @@ impl<B: FusedKernels, C: CheckpointStrategy> FusedKernels for Autodiff<B, C> {
             untracked::<B, C>(m),
             untracked::<B, C>(v),
         )
+    }
+
+    fn fused_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let nodes = [q.node(), k.node(), v.node()];
+        let (qp, kp, vp) = (q.into_primitive(), k.into_primitive(), v.into_primitive());
+        let (out, lse) =
+            B::fused_attention_forward(qp.clone(), kp.clone(), vp.clone(), causal, scale);
+        let y = match AttentionBackward
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let state = (qp, kp, vp, out.clone(), lse.clone(), causal, scale);
+                prep.finish(state, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(out),
+        };
+        (y, untracked::<B, C>(lse))
+    }
+
+    fn fused_attention_backward(
+        dout: FloatTensor<Self>,
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dq, dk, dv) = B::fused_attention_backward(
+            dout.into_primitive(),
+            q.into_primitive(),
+            k.into_primitive(),
+            v.into_primitive(),
+            out.into_primitive(),
+            lse.into_primitive(),
+            causal,
+            scale,
+        );
+        (
+            untracked::<B, C>(dq),
+            untracked::<B, C>(dk),
+            untracked::<B, C>(dv),
+        )
+    }
+
+    fn fused_gelu_forward(x: FloatTensor<Self>, approximate: bool) -> FloatTensor<Self> {
+        let nodes = [x.node()];
+        let xp = x.into_primitive();
+        let y = B::fused_gelu_forward(xp.clone(), approximate);
+        match GeluBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => prep.finish((xp, approximate), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn fused_gelu_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        approximate: bool,
+    ) -> FloatTensor<Self> {
+        untracked::<B, C>(B::fused_gelu_backward(
+            dy.into_primitive(),
+            x.into_primitive(),
+            approximate,
+        ))
     }
 
     fn fused_ce_stats(logits: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -712,6 +1091,87 @@ pub fn swiglu<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> KernelResult<Tensor
         b.reshape([n]).into_dispatch(),
     );
     Ok(Tensor::<1>::from_dispatch(y).reshape(dims))
+}
+
+/// GELU, element-wise, fused forward and backward: exact (`x/2 (1 + erf(x / sqrt 2))`, Burn's
+/// `gelu`) or, with `approximate`, GPT-2's tanh form (Burn's `gelu_approximate`). On Flex the
+/// forward is one pass and the backward one pass, where the composed form runs a dozen.
+///
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_parallel::kernels::gelu;
+///
+/// let x = Tensor::<2>::from_floats([[-1.0, 0.0, 2.0]], &Device::flex());
+/// let y = gelu(x.clone(), false);
+/// let expected = burn::tensor::activation::gelu(x);
+/// y.into_data().assert_approx_eq::<f32>(&expected.into_data(), Default::default());
+/// ```
+pub fn gelu<const D: usize>(x: Tensor<D>, approximate: bool) -> Tensor<D> {
+    let dims = x.dims();
+    let n = x.shape().num_elements();
+    let y = Dispatch::fused_gelu_forward(x.reshape([n]).into_dispatch(), approximate);
+    Tensor::<1>::from_dispatch(y).reshape(dims)
+}
+
+/// Scaled dot-product attention `softmax(q k^T / sqrt(head_dim)) v` of `q` `[batch, heads,
+/// tq, head_dim]` over `k`, `v` `[batch, heads, tk, head_dim]`, causal (query `i` sees keys
+/// `0..=i + tk - tq`) when `causal`.
+///
+/// On Flex (fp32) this is the blockwise kernel of [`cpu`]: online softmax over key tiles,
+/// tiles above the causal diagonal skipped, and only the output and a `[batch, heads, tq]`
+/// log-sum-exp kept for the backward, which recomputes each tile's probabilities; the
+/// `batch x heads x tq x tk` probabilities are never stored. Elsewhere it is the composed
+/// [`reference::attention_forward`].
+///
+/// ```
+/// use burn::tensor::{Device, Distribution, Tensor};
+/// use burn_parallel::kernels::attention;
+///
+/// let device = Device::flex();
+/// let q = Tensor::<4>::random([2, 4, 10, 8], Distribution::Default, &device);
+/// let y = attention(q.clone(), q.clone(), q, true).unwrap();
+/// assert_eq!(y.dims(), [2, 4, 10, 8]);
+/// ```
+///
+/// # Errors
+/// [`KernelError::Shape`] when batch, heads or head width differ between `q`, `k` and `v`,
+/// when `k` and `v` differ in length, or when a causal call has fewer keys than queries;
+/// [`KernelError::DType`] when dtypes differ.
+pub fn attention(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    causal: bool,
+) -> KernelResult<Tensor<4>> {
+    let op = "attention";
+    let [b, h, tq, d] = q.dims();
+    let [kb, kh, tk, kd] = k.dims();
+    if [kb, kh, kd] != [b, h, d] || v.dims() != k.dims() || d == 0 {
+        return Err(KernelError::Shape {
+            op,
+            reason: format!(
+                "q {:?}, k {:?} and v {:?} must share batch, heads and a positive head width, \
+                 and k and v must have the same shape",
+                q.dims(),
+                k.dims(),
+                v.dims()
+            ),
+        });
+    }
+    if causal && tk < tq {
+        return Err(KernelError::Shape {
+            op,
+            reason: format!(
+                "causal attention needs at least as many keys ({tk}) as queries ({tq})"
+            ),
+        });
+    }
+    same_dtype(op, &[("q", q.dtype()), ("k", k.dtype()), ("v", v.dtype())])?;
+    let scale = 1.0 / (d as f64).sqrt();
+    let flat = |t: Tensor<4>, t_len: usize| t.reshape([b * h, t_len, d]).into_dispatch();
+    let (out, _lse) =
+        Dispatch::fused_attention_forward(flat(q, tq), flat(k, tk), flat(v, tk), causal, scale);
+    Ok(Tensor::<3>::from_dispatch(out).reshape([b, h, tq, d]))
 }
 
 /// Rotary position embedding (half-split form, as `examples::gpt::Rope`) of `x`

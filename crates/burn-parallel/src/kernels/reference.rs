@@ -208,3 +208,105 @@ pub fn ce_backward(
         .float();
     (probs - onehot) * (dnll * valid).reshape([rows, 1])
 }
+
+/// `[tq, tk]` mask of the keys each query may not see (`true` = hidden): key `j` is hidden
+/// from query `i` when `j > i + tk - tq`.
+fn causal_hidden(
+    tq: usize,
+    tk: usize,
+    device: &burn::tensor::Device,
+) -> Tensor<2, burn::tensor::Bool> {
+    let offset = tk as i64 - tq as i64;
+    let rows = Tensor::<1, Int>::arange(0..tq as i64, device)
+        .reshape([tq, 1])
+        .expand([tq, tk]);
+    let cols = Tensor::<1, Int>::arange(0..tk as i64, device)
+        .reshape([1, tk])
+        .expand([tq, tk]);
+    cols.greater(rows + offset)
+}
+
+/// Scaled (and masked) scores `[heads, tq, tk]`; hidden entries are `-inf`.
+fn attention_scores(q: Tensor<3>, k: Tensor<3>, causal: bool, scale: f64) -> Tensor<3> {
+    let [heads, tq, _] = q.dims();
+    let tk = k.dims()[1];
+    let device = q.device();
+    let scores = q.matmul(k.swap_dims(1, 2)) * scale;
+    if causal {
+        let hidden = causal_hidden(tq, tk, &device)
+            .unsqueeze::<3>()
+            .expand([heads, tq, tk]);
+        scores.mask_fill(hidden, f32::NEG_INFINITY)
+    } else {
+        scores
+    }
+}
+
+/// Attention forward (the composed form of the blockwise kernel): `(out [heads, tq, dim],
+/// lse [heads, tq])` for `q` `[heads, tq, dim]` and `k`, `v` `[heads, tk, dim]`.
+pub fn attention_forward(
+    q: Tensor<3>,
+    k: Tensor<3>,
+    v: Tensor<3>,
+    causal: bool,
+    scale: f64,
+) -> (Tensor<3>, Tensor<2>) {
+    let [heads, tq, _] = q.dims();
+    let scores = attention_scores(q, k, causal, scale);
+    let max = scores.clone().max_dim(2);
+    let lse = (scores.clone() - max.clone()).exp().sum_dim(2).log() + max;
+    let probs = (scores - lse.clone()).exp();
+    (probs.matmul(v), lse.reshape([heads, tq]))
+}
+
+/// Gradients `(dq, dk, dv)` of [`attention_forward`] from its output and log-sum-exp.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    dout: Tensor<3>,
+    q: Tensor<3>,
+    k: Tensor<3>,
+    v: Tensor<3>,
+    out: Tensor<3>,
+    lse: Tensor<2>,
+    causal: bool,
+    scale: f64,
+) -> (Tensor<3>, Tensor<3>, Tensor<3>) {
+    let [heads, tq, _] = q.dims();
+    let probs =
+        (attention_scores(q.clone(), k.clone(), causal, scale) - lse.reshape([heads, tq, 1])).exp();
+    let dv = probs.clone().swap_dims(1, 2).matmul(dout.clone());
+    let dprobs = dout.clone().matmul(v.swap_dims(1, 2));
+    let delta = (dout * out).sum_dim(2);
+    let dscores = probs * (dprobs - delta) * scale;
+    let dq = dscores.clone().matmul(k);
+    let dk = dscores.swap_dims(1, 2).matmul(q);
+    (dq, dk, dv)
+}
+
+const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
+const GELU_CUBIC: f64 = 0.044_715;
+
+/// GELU: exact (`x/2 (1 + erf(x / sqrt 2))`) or the tanh approximation.
+pub fn gelu_forward<const D: usize>(x: Tensor<D>, approximate: bool) -> Tensor<D> {
+    if approximate {
+        burn::tensor::activation::gelu_approximate(x)
+    } else {
+        burn::tensor::activation::gelu(x)
+    }
+}
+
+/// `dy * gelu'(x)`.
+pub fn gelu_backward<const D: usize>(dy: Tensor<D>, x: Tensor<D>, approximate: bool) -> Tensor<D> {
+    let grad = if approximate {
+        let cube = x.clone().powf_scalar(3.0) * GELU_CUBIC;
+        let t = ((x.clone() + cube) * SQRT_2_OVER_PI).tanh();
+        let slope = (x.clone().square() * (3.0 * GELU_CUBIC) + 1.0) * SQRT_2_OVER_PI;
+        (t.clone() + 1.0) * 0.5 + x * (t.square().neg() + 1.0) * slope * 0.5
+    } else {
+        let cdf = ((x.clone() * std::f64::consts::FRAC_1_SQRT_2).erf() + 1.0) * 0.5;
+        let pdf = (x.clone().square() * -0.5).exp()
+            * (0.5 * std::f64::consts::FRAC_2_SQRT_PI * std::f64::consts::FRAC_1_SQRT_2);
+        cdf + x * pdf
+    };
+    dy * grad
+}

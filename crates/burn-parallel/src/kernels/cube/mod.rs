@@ -19,7 +19,7 @@ use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::{CubeCount, CubeDim, calculate_cube_count_elemwise};
 
-use super::{AdamWHyper, FusedKernels};
+use super::{AdamWHyper, FusedKernels, reference};
 
 /// Units per cube of the row kernels: a power of two (the tree reductions need one), 32 (one
 /// warp on NVIDIA) for every width. Measured on llvmpipe (`kernel_bench`): 256 units per row
@@ -67,6 +67,17 @@ fn ignore_arg(ignore_index: i64) -> (i32, bool) {
         Ok(v) => (v, true),
         Err(_) => (0, false),
     }
+}
+
+/// A CubeCL primitive as a tensor, for the composed reference.
+fn ct<const D: usize>(t: FloatTensor<CubeBackend>) -> burn::tensor::Tensor<D> {
+    burn::tensor::Tensor::from_primitive::<CubeBackend>(t)
+}
+
+/// A reference result back as a CubeCL primitive.
+fn cp<const D: usize>(t: burn::tensor::Tensor<D>) -> FloatTensor<CubeBackend> {
+    t.try_into_primitive::<CubeBackend>()
+        .expect("a reference on CubeCL tensors stays on CubeCL")
 }
 
 impl FusedKernels for CubeBackend {
@@ -282,6 +293,54 @@ impl FusedKernels for CubeBackend {
             dtype_to_storage_type(dtype),
         );
         (param, m, v)
+    }
+
+    // Attention and GELU run as the composed reference on CubeCL backends (Burn's own fused
+    // element-wise chains and matmuls): the blockwise kernel is the CPU one.
+    fn fused_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (out, lse) = reference::attention_forward(ct(q), ct(k), ct(v), causal, scale);
+        (cp(out), cp(lse))
+    }
+
+    fn fused_attention_backward(
+        dout: FloatTensor<Self>,
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dq, dk, dv) = reference::attention_backward(
+            ct(dout),
+            ct(q),
+            ct(k),
+            ct(v),
+            ct(out),
+            ct(lse),
+            causal,
+            scale,
+        );
+        (cp(dq), cp(dk), cp(dv))
+    }
+
+    fn fused_gelu_forward(x: FloatTensor<Self>, approximate: bool) -> FloatTensor<Self> {
+        cp(reference::gelu_forward::<1>(ct(x), approximate))
+    }
+
+    fn fused_gelu_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        approximate: bool,
+    ) -> FloatTensor<Self> {
+        cp(reference::gelu_backward::<1>(ct(dy), ct(x), approximate))
     }
 
     fn fused_ce_stats(logits: FloatTensor<Self>) -> FloatTensor<Self> {

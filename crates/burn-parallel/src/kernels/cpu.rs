@@ -1,0 +1,890 @@
+//! The CPU implementation of [`FusedKernels`](super::FusedKernels) on Flex: each method is
+//! one pass (or one blockwise sweep) over contiguous `f32` slices, split over the intra-op
+//! threads of [`crate::threads`].
+//!
+//! - **Attention**: blockwise over query blocks of [`BLOCK_Q`] rows and key/value tiles of
+//!   [`BLOCK_KV`] rows, online softmax (running max and sum), tiles above the causal diagonal
+//!   skipped. The forward keeps only the output and the per-row log-sum-exp; the backward
+//!   recomputes each tile's probabilities from it. Scratch is one `BLOCK_Q x BLOCK_KV` tile
+//!   per thread: the `batch x heads x seq x seq` probabilities are never stored. The tile
+//!   products go through the `gemm` crate (the one Flex's matmul uses).
+//! - **Norms**: one pass per row for the statistics and the output; the backward's
+//!   parameter gradients are per-thread partial sums added in thread order (deterministic for
+//!   a given thread count).
+//! - **Cross-entropy**, **AdamW**, **GELU**, **SwiGLU**: one pass each.
+//!
+//! `exp` and `erf` are branch-free polynomial approximations ([`exp`], [`erf`]) that the
+//! compiler vectorises, accurate to a few `f32` ulps (`exp`) and `1.5e-7` absolute (`erf`,
+//! Abramowitz and Stegun 7.1.26); the tests compare every kernel against the composed
+//! [`reference`](super::reference).
+
+use std::ops::Range;
+
+use crate::threads::intra_op_threads;
+
+/// Query rows per block of the blockwise attention.
+pub const BLOCK_Q: usize = 64;
+/// Key/value rows per tile of the blockwise attention.
+pub const BLOCK_KV: usize = 64;
+
+/// Below this many multiply-adds (or element visits) a kernel runs on the calling thread:
+/// spawning threads costs tens of microseconds.
+const PARALLEL_WORK: usize = 1 << 16;
+
+// ---------------------------------------------------------------------------------------------
+// Splitting work over threads.
+
+/// The mutable outputs of a kernel, each cut into `units` equal parts of `per_unit` elements.
+pub(crate) struct Outs<'a> {
+    slices: Vec<(&'a mut [f32], usize)>,
+}
+
+impl<'a> Outs<'a> {
+    pub(crate) fn new(slices: Vec<(&'a mut [f32], usize)>) -> Self {
+        Self { slices }
+    }
+}
+
+/// Runs `f(units, outputs)` over `units` split into contiguous ranges, one per intra-op thread
+/// (inline when `work` is small or one thread is configured). Each call receives the parts of
+/// every output that belong to its units, in the order given.
+pub(crate) fn par_units(
+    units: usize,
+    work: usize,
+    outs: Outs<'_>,
+    f: impl Fn(Range<usize>, &mut [&mut [f32]]) + Sync,
+) {
+    let threads = intra_op_threads().min(units).max(1);
+    if threads == 1 || work < PARALLEL_WORK {
+        let mut parts: Vec<&mut [f32]> = outs.slices.into_iter().map(|(s, _)| s).collect();
+        f(0..units, &mut parts);
+        return;
+    }
+    let per = units.div_ceil(threads);
+    let mut chunks: Vec<(Range<usize>, Vec<&mut [f32]>)> = Vec::with_capacity(threads);
+    let mut rest: Vec<(&mut [f32], usize)> = outs.slices;
+    let mut start = 0;
+    while start < units {
+        let end = (start + per).min(units);
+        let mut parts = Vec::with_capacity(rest.len());
+        let mut next = Vec::with_capacity(rest.len());
+        for (slice, per_unit) in rest {
+            let (head, tail) = slice.split_at_mut((end - start) * per_unit);
+            parts.push(head);
+            next.push((tail, per_unit));
+        }
+        rest = next;
+        chunks.push((start..end, parts));
+        start = end;
+    }
+    std::thread::scope(|s| {
+        let f = &f;
+        let mut chunks = chunks.into_iter();
+        let first = chunks.next();
+        for (range, mut parts) in chunks {
+            s.spawn(move || f(range, &mut parts));
+        }
+        if let Some((range, mut parts)) = first {
+            f(range, &mut parts);
+        }
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Vectorisable math.
+
+/// `e^x` for `f32`: `x = n ln 2 + r`, `|r| <= ln 2 / 2`, a degree-6 polynomial for `e^r` and
+/// `2^n` built in the exponent bits. Relative error below `2e-7` on `[-87, 88]`; inputs are
+/// clamped to that range (so `exp(-inf)` is `~1e-38`, not 0: callers mask explicitly).
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer without a branch.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.0, 88.0);
+    let n = (x * LOG2E + ROUND) - ROUND;
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    p * scale
+}
+
+/// The error function, Abramowitz and Stegun 7.1.26 (absolute error below `1.5e-7`).
+#[inline(always)]
+pub fn erf(x: f32) -> f32 {
+    let a = x.abs();
+    let t = 1.0 / (1.0 + 0.327_591_1 * a);
+    let poly = t
+        * (0.254_829_6
+            + t * (-0.284_496_74 + t * (1.421_413_8 + t * (-1.453_152 + t * 1.061_405_4))));
+    let y = 1.0 - poly * exp(-a * a);
+    y.copysign(x)
+}
+
+const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
+/// `1 / sqrt(2 pi)`.
+const FRAC_1_SQRT_2PI: f32 = 0.398_942_3;
+const GELU_CUBIC: f32 = 0.044_715;
+
+/// `tanh` through [`exp`].
+#[inline(always)]
+fn tanh(u: f32) -> f32 {
+    1.0 - 2.0 / (exp(2.0 * u) + 1.0)
+}
+
+/// GELU of one value: exact (`erf`) or GPT-2's tanh approximation.
+#[inline(always)]
+fn gelu_one(x: f32, approximate: bool) -> f32 {
+    if approximate {
+        0.5 * x * (1.0 + tanh(SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x)))
+    } else {
+        0.5 * x * (1.0 + erf(x * FRAC_1_SQRT_2))
+    }
+}
+
+/// Derivative of [`gelu_one`].
+#[inline(always)]
+fn gelu_grad_one(x: f32, approximate: bool) -> f32 {
+    if approximate {
+        let t = tanh(SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x));
+        0.5 * (1.0 + t)
+            + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x * x)
+    } else {
+        0.5 * (1.0 + erf(x * FRAC_1_SQRT_2)) + x * FRAC_1_SQRT_2PI * exp(-0.5 * x * x)
+    }
+}
+
+/// Whether this CPU runs AVX2 and FMA (checked once; std caches the answer).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+fn avx2_fma() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
+
+/// Defines a hot loop twice: once for the x86-64 baseline (4 lanes) and once compiled for AVX2
+/// and FMA (8 lanes, fused multiply-adds), picked at run time. The math it calls is
+/// `#[inline(always)]` so that it is compiled into each version.
+macro_rules! hot_loop {
+    ($(#[$meta:meta])* fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$meta])*
+        #[allow(clippy::too_many_arguments)]
+        fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn wide($($arg: $ty),*) $(-> $ret)? $body
+                if avx2_fma() {
+                    // SAFETY: `wide` only uses AVX2 and FMA, which `avx2_fma` found on this CPU.
+                    return unsafe { wide($($arg),*) };
+                }
+            }
+            $body
+        }
+    };
+}
+
+hot_loop! {
+    /// `out[i] = gelu(x[i])`.
+    fn gelu_slice(out: &mut [f32], x: &[f32], approximate: bool) {
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = gelu_one(v, approximate);
+        }
+    }
+}
+
+hot_loop! {
+    /// `out[i] = dy[i] gelu'(x[i])`.
+    fn gelu_grad_slice(out: &mut [f32], dy: &[f32], x: &[f32], approximate: bool) {
+        for ((o, &g), &v) in out.iter_mut().zip(dy).zip(x) {
+            *o = g * gelu_grad_one(v, approximate);
+        }
+    }
+}
+
+hot_loop! {
+    /// `row[i] = exp(row[i] - shift)` in place; returns the sum.
+    fn exp_shifted(row: &mut [f32], shift: f32) -> f32 {
+        let mut sum = 0.0f32;
+        for x in row.iter_mut() {
+            *x = exp(*x - shift);
+            sum += *x;
+        }
+        sum
+    }
+}
+
+hot_loop! {
+    /// `out[i] = scale exp(x[i] - shift)`.
+    fn scaled_exp(out: &mut [f32], x: &[f32], shift: f32, scale: f32) {
+        for (o, &v) in out.iter_mut().zip(x) {
+            *o = scale * exp(v - shift);
+        }
+    }
+}
+
+hot_loop! {
+    /// `sum exp(x[i] - shift)`.
+    fn sum_exp(x: &[f32], shift: f32) -> f32 {
+        x.iter().map(|&v| exp(v - shift)).sum()
+    }
+}
+
+hot_loop! {
+    /// AdamW over one chunk (see [`adamw_step`]): `(b1, b2, eps, bc1, bc2, decay, lr)`.
+    fn adamw_slice(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], k: [f32; 7]) {
+        let [b1, b2, eps, bc1, bc2, decay, lr] = k;
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            let mi = *m * b1 + g * (1.0 - b1);
+            let vi = *v * b2 + g * g * (1.0 - b2);
+            *m = mi;
+            *v = vi;
+            *p = *p * decay - (mi / bc1) / ((vi / bc2).sqrt() + eps) * lr;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Element-wise kernels.
+
+/// GELU of `x`.
+pub fn gelu_forward(x: &[f32], approximate: bool) -> Vec<f32> {
+    let mut y = vec![0.0; x.len()];
+    let n = x.len();
+    par_units(n, n * 16, Outs::new(vec![(&mut y, 1)]), |r, out| {
+        gelu_slice(out[0], &x[r], approximate)
+    });
+    y
+}
+
+/// `dy * gelu'(x)`.
+pub fn gelu_backward(dy: &[f32], x: &[f32], approximate: bool) -> Vec<f32> {
+    let mut dx = vec![0.0; x.len()];
+    let n = x.len();
+    par_units(n, n * 16, Outs::new(vec![(&mut dx, 1)]), |r, out| {
+        gelu_grad_slice(out[0], &dy[r.clone()], &x[r], approximate)
+    });
+    dx
+}
+
+/// `silu(a) * b`.
+pub fn swiglu_forward(a: &[f32], b: &[f32]) -> Vec<f32> {
+    let mut y = vec![0.0; a.len()];
+    let n = a.len();
+    par_units(n, n * 8, Outs::new(vec![(&mut y, 1)]), |r, out| {
+        for ((o, &x), &g) in out[0].iter_mut().zip(&a[r.clone()]).zip(&b[r]) {
+            *o = x / (1.0 + exp(-x)) * g;
+        }
+    });
+    y
+}
+
+/// `(da, db)` of `silu(a) * b`.
+pub fn swiglu_backward(dy: &[f32], a: &[f32], b: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let (mut da, mut db) = (vec![0.0; a.len()], vec![0.0; a.len()]);
+    let n = a.len();
+    par_units(
+        n,
+        n * 8,
+        Outs::new(vec![(&mut da, 1), (&mut db, 1)]),
+        |r, out| {
+            let (da, rest) = out.split_first_mut().expect("two outputs");
+            let db = &mut rest[0];
+            for (i, j) in r.enumerate() {
+                let (x, g) = (a[j], dy[j]);
+                let s = 1.0 / (1.0 + exp(-x));
+                let silu = x * s;
+                da[i] = g * b[j] * (s + silu * (1.0 - s));
+                db[i] = g * silu;
+            }
+        },
+    );
+    (da, db)
+}
+
+/// One AdamW step over flat fp32 slices, in place (Burn's `AdamW` semantics, as
+/// [`reference::adamw_step`](super::reference::adamw_step)).
+pub fn adamw_step(
+    param: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    h: &super::AdamWHyper,
+) {
+    let (bc1, bc2) = h.bias_corrections();
+    let decay = (1.0 - h.lr * h.weight_decay as f64) as f32;
+    let k = [h.beta1, h.beta2, h.eps, bc1, bc2, decay, h.lr as f32];
+    let n = param.len();
+    par_units(
+        n,
+        n * 8,
+        Outs::new(vec![(param, 1), (m, 1), (v, 1)]),
+        |r, out| {
+            let [p, m, v] = out else {
+                unreachable!("three outputs")
+            };
+            adamw_slice(p, &grad[r], m, v, k);
+        },
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Norms.
+
+/// LayerNorm (`rms == false`) or RMSNorm of `x` `[rows, cols]`: `(y, mean, rstd)`.
+pub fn norm_forward(
+    x: &[f32],
+    cols: usize,
+    weight: &[f32],
+    bias: &[f32],
+    eps: f64,
+    rms: bool,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let rows = x.len() / cols.max(1);
+    let mut y = vec![0.0; x.len()];
+    let (mut mean, mut rstd) = (vec![0.0; rows], vec![0.0; rows]);
+    let outs = Outs::new(vec![(&mut y, cols), (&mut mean, 1), (&mut rstd, 1)]);
+    par_units(rows, x.len() * 4, outs, |r, out| {
+        let [y, mean, rstd] = out else {
+            unreachable!("three outputs")
+        };
+        for (i, row) in r.enumerate() {
+            let xr = &x[row * cols..(row + 1) * cols];
+            let mu = if rms {
+                0.0
+            } else {
+                xr.iter().sum::<f32>() / cols as f32
+            };
+            let var = xr.iter().map(|&v| (v - mu) * (v - mu)).sum::<f32>() / cols as f32;
+            let rs = 1.0 / (var as f64 + eps).sqrt() as f32;
+            mean[i] = mu;
+            rstd[i] = rs;
+            let yr = &mut y[i * cols..(i + 1) * cols];
+            if rms {
+                for ((o, &v), &w) in yr.iter_mut().zip(xr).zip(weight) {
+                    *o = v * rs * w;
+                }
+            } else {
+                for (((o, &v), &w), &b) in yr.iter_mut().zip(xr).zip(weight).zip(bias) {
+                    *o = (v - mu) * rs * w + b;
+                }
+            }
+        }
+    });
+    (y, mean, rstd)
+}
+
+/// Backward of [`norm_forward`]: `(dx, dweight, dbias)` (`dbias` zeros for RMSNorm).
+pub fn norm_backward(
+    dy: &[f32],
+    x: &[f32],
+    cols: usize,
+    weight: &[f32],
+    mean: &[f32],
+    rstd: &[f32],
+    rms: bool,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let rows = x.len() / cols.max(1);
+    let threads = intra_op_threads().min(rows).max(1);
+    // Per-chunk partial sums of dweight and dbias, one row of 2 * cols per thread chunk.
+    let per = rows.div_ceil(threads.max(1)).max(1);
+    let chunks = rows.div_ceil(per);
+    let mut partial = vec![0.0f32; chunks * 2 * cols];
+    // Whole chunks (the last one padded), truncated after.
+    let mut dx = vec![0.0; chunks * per * cols];
+    // One unit = `per` rows, so that each chunk owns one partial row.
+    let outs = Outs::new(vec![(&mut dx, per * cols), (&mut partial, 2 * cols)]);
+    let dx_len = x.len();
+    par_units(chunks, x.len() * 6, outs, |units, out| {
+        let [dx, partial] = out else {
+            unreachable!("two outputs")
+        };
+        let mut g = vec![0.0f32; cols];
+        let first_unit = units.start;
+        for (u_local, unit) in units.enumerate() {
+            let (dw, db) = partial[u_local * 2 * cols..(u_local + 1) * 2 * cols].split_at_mut(cols);
+            let first_row = unit * per;
+            let last_row = ((unit + 1) * per).min(rows);
+            for row in first_row..last_row {
+                let xr = &x[row * cols..(row + 1) * cols];
+                let dyr = &dy[row * cols..(row + 1) * cols];
+                let (mu, rs) = (mean[row], rstd[row]);
+                let mut c1 = 0.0f32;
+                let mut c2 = 0.0f32;
+                for k in 0..cols {
+                    let xhat = (xr[k] - mu) * rs;
+                    let gk = dyr[k] * weight[k];
+                    g[k] = gk;
+                    c1 += gk;
+                    c2 += gk * xhat;
+                    dw[k] += dyr[k] * xhat;
+                    db[k] += dyr[k];
+                }
+                let (c1, c2) = (c1 / cols as f32, c2 / cols as f32);
+                let local = (row - first_unit * per) * cols;
+                let dxr = &mut dx[local..local + cols];
+                for k in 0..cols {
+                    let xhat = (xr[k] - mu) * rs;
+                    let inner = g[k] - xhat * c2;
+                    // LayerNorm also subtracts mean(g - xhat c2) = c1 (xhat has zero mean).
+                    dxr[k] = if rms { inner * rs } else { (inner - c1) * rs };
+                }
+            }
+        }
+    });
+    dx.truncate(dx_len);
+    let mut dweight = vec![0.0f32; cols];
+    let mut dbias = vec![0.0f32; cols];
+    for chunk in partial.chunks_exact(2 * cols) {
+        let (dw, db) = chunk.split_at(cols);
+        for k in 0..cols {
+            dweight[k] += dw[k];
+            dbias[k] += db[k];
+        }
+    }
+    if rms {
+        dbias.iter_mut().for_each(|v| *v = 0.0);
+    }
+    (dx, dweight, dbias)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy.
+
+/// Per-row `(max, sum exp(x - max))` of `logits` `[rows, vocab]`, interleaved `[rows, 2]`.
+pub fn ce_stats(logits: &[f32], vocab: usize) -> Vec<f32> {
+    let rows = logits.len() / vocab.max(1);
+    let mut stats = vec![0.0; rows * 2];
+    par_units(
+        rows,
+        logits.len() * 4,
+        Outs::new(vec![(&mut stats, 2)]),
+        |r, out| {
+            for (i, row) in r.enumerate() {
+                let xr = &logits[row * vocab..(row + 1) * vocab];
+                let max = xr.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                let sum = sum_exp(xr, max);
+                out[0][2 * i] = max;
+                out[0][2 * i + 1] = sum;
+            }
+        },
+    );
+    stats
+}
+
+/// The target of a row as a local column of a shard starting at `vocab_start`, `None` when it
+/// is ignored or in another shard; and whether the row counts at all.
+#[inline]
+fn local_target(
+    t: i64,
+    vocab: usize,
+    vocab_start: usize,
+    ignore_index: i64,
+) -> (bool, Option<usize>) {
+    if t == ignore_index {
+        return (false, None);
+    }
+    let local = t - vocab_start as i64;
+    (
+        true,
+        (local >= 0 && (local as usize) < vocab).then_some(local as usize),
+    )
+}
+
+/// Per-row NLL contribution of a shard (as [`reference::ce_nll`](super::reference::ce_nll)).
+pub fn ce_nll(
+    logits: &[f32],
+    vocab: usize,
+    targets: &[i64],
+    lse: &[f32],
+    vocab_start: usize,
+    count_lse: bool,
+    ignore_index: i64,
+) -> Vec<f32> {
+    targets
+        .iter()
+        .enumerate()
+        .map(|(row, &t)| {
+            let (valid, local) = local_target(t, vocab, vocab_start, ignore_index);
+            let picked = local.map_or(0.0, |c| logits[row * vocab + c]);
+            match (valid, count_lse) {
+                (false, _) => 0.0,
+                (true, true) => lse[row] - picked,
+                (true, false) => -picked,
+            }
+        })
+        .collect()
+}
+
+/// Gradient of the cross-entropy for a shard of logits: `dnll (softmax - onehot)`, zero on
+/// ignored rows (as [`reference::ce_backward`](super::reference::ce_backward)).
+pub fn ce_backward(
+    dnll: &[f32],
+    logits: &[f32],
+    vocab: usize,
+    targets: &[i64],
+    lse: &[f32],
+    vocab_start: usize,
+    ignore_index: i64,
+) -> Vec<f32> {
+    let rows = targets.len();
+    let mut grad = vec![0.0; logits.len()];
+    par_units(
+        rows,
+        logits.len() * 4,
+        Outs::new(vec![(&mut grad, vocab)]),
+        |r, out| {
+            for (i, row) in r.enumerate() {
+                let (valid, local) = local_target(targets[row], vocab, vocab_start, ignore_index);
+                if !valid {
+                    continue;
+                }
+                let (g, l) = (dnll[row], lse[row]);
+                let xr = &logits[row * vocab..(row + 1) * vocab];
+                let gr = &mut out[0][i * vocab..(i + 1) * vocab];
+                scaled_exp(gr, xr, l, g);
+                if let Some(c) = local {
+                    gr[c] -= g;
+                }
+            }
+        },
+    );
+    grad
+}
+
+// ---------------------------------------------------------------------------------------------
+// Attention.
+
+/// A row-major matrix view: element `(r, c)` at `ptr[r * rs + c * cs]`.
+#[derive(Clone, Copy)]
+struct View<'a> {
+    data: &'a [f32],
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a> View<'a> {
+    fn rows(data: &'a [f32], width: usize) -> Self {
+        Self {
+            data,
+            rs: width,
+            cs: 1,
+        }
+    }
+
+    fn transposed(data: &'a [f32], width: usize) -> Self {
+        Self {
+            data,
+            rs: 1,
+            cs: width,
+        }
+    }
+
+    /// Whether an `rows x cols` matrix with these strides lies inside the slice.
+    fn covers(&self, rows: usize, cols: usize) -> bool {
+        rows == 0 || cols == 0 || (rows - 1) * self.rs + (cols - 1) * self.cs < self.data.len()
+    }
+}
+
+/// `dst[m x n] (row stride dst_rs) = (accumulate ? dst : 0) + scale * a[m x k] b[k x n]`.
+fn matmul(
+    (m, n, k): (usize, usize, usize),
+    dst: &mut [f32],
+    dst_rs: usize,
+    accumulate: bool,
+    a: View<'_>,
+    b: View<'_>,
+    scale: f32,
+) {
+    assert!(
+        a.covers(m, k) && b.covers(k, n) && (m == 0 || n == 0 || (m - 1) * dst_rs + n <= dst.len()),
+        "attention tile product out of bounds: ({m} x {k}) ({k} x {n})"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            for r in 0..m {
+                dst[r * dst_rs..r * dst_rs + n].fill(0.0);
+            }
+        }
+        return;
+    }
+    // SAFETY: the assert above checks that every element the product reads (a: m x k, b:
+    // k x n with their strides) and writes (dst: m x n with row stride dst_rs) lies inside
+    // the borrowed slices; `dst` is borrowed mutably and does not alias `a` or `b`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            dst_rs as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr(),
+            b.cs as isize,
+            b.rs as isize,
+            1.0,
+            scale,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+/// Shape of one attention call: `heads` independent `(batch x heads)` problems of `tq` query
+/// and `tk` key rows of width `dim`.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionShape {
+    /// `batch * heads`.
+    pub heads: usize,
+    /// Query rows per head.
+    pub tq: usize,
+    /// Key/value rows per head.
+    pub tk: usize,
+    /// Head width (of queries, keys and values).
+    pub dim: usize,
+    /// Query row `i` sees keys `0..=i + (tk - tq)` only.
+    pub causal: bool,
+    /// Multiplies the scores (usually `1 / sqrt(dim)`).
+    pub scale: f32,
+}
+
+impl AttentionShape {
+    /// Keys visible to query row `i`: `0..visible(i)`.
+    #[inline]
+    fn visible(&self, i: usize) -> usize {
+        if self.causal {
+            (i + 1 + self.tk - self.tq.min(self.tk)).min(self.tk)
+        } else {
+            self.tk
+        }
+    }
+}
+
+/// Blockwise attention forward: `(out [heads, tq, dim], lse [heads, tq])`.
+pub fn attention_forward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    s: AttentionShape,
+) -> (Vec<f32>, Vec<f32>) {
+    let (tq, tk, d) = (s.tq, s.tk, s.dim);
+    let mut out = vec![0.0; s.heads * tq * d];
+    let mut lse = vec![0.0; s.heads * tq];
+    let work = s.heads * tq * tk * d * 2;
+    let outs = Outs::new(vec![(&mut out, tq * d), (&mut lse, tq)]);
+    par_units(s.heads, work, outs, |heads, parts| {
+        let [out, lse] = parts else {
+            unreachable!("two outputs")
+        };
+        let mut scores = vec![0.0f32; BLOCK_Q * BLOCK_KV];
+        let (mut row_max, mut row_sum) = (vec![0.0f32; BLOCK_Q], vec![0.0f32; BLOCK_Q]);
+        for (h_local, h) in heads.enumerate() {
+            let (qh, kh, vh) = (
+                &q[h * tq * d..(h + 1) * tq * d],
+                &k[h * tk * d..(h + 1) * tk * d],
+                &v[h * tk * d..(h + 1) * tk * d],
+            );
+            let oh = &mut out[h_local * tq * d..(h_local + 1) * tq * d];
+            let lh = &mut lse[h_local * tq..(h_local + 1) * tq];
+            for i0 in (0..tq).step_by(BLOCK_Q) {
+                let nr = BLOCK_Q.min(tq - i0);
+                let acc = &mut oh[i0 * d..(i0 + nr) * d];
+                acc.fill(0.0);
+                row_max[..nr].fill(f32::NEG_INFINITY);
+                row_sum[..nr].fill(0.0);
+                let last_visible = s.visible(i0 + nr - 1);
+                for j0 in (0..last_visible).step_by(BLOCK_KV) {
+                    let nc = BLOCK_KV.min(tk - j0);
+                    matmul(
+                        (nr, nc, d),
+                        &mut scores,
+                        BLOCK_KV,
+                        false,
+                        View::rows(&qh[i0 * d..], d),
+                        View::transposed(&kh[j0 * d..], d),
+                        s.scale,
+                    );
+                    for r in 0..nr {
+                        let limit = s.visible(i0 + r).saturating_sub(j0).min(nc);
+                        let sr = &mut scores[r * BLOCK_KV..r * BLOCK_KV + nc];
+                        let tile_max = sr[..limit].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                        let new_max = row_max[r].max(tile_max);
+                        if new_max == f32::NEG_INFINITY {
+                            sr.fill(0.0);
+                            continue;
+                        }
+                        let alpha = if row_max[r] == f32::NEG_INFINITY {
+                            0.0
+                        } else {
+                            exp(row_max[r] - new_max)
+                        };
+                        let sum = exp_shifted(&mut sr[..limit], new_max);
+                        sr[limit..].fill(0.0);
+                        row_sum[r] = row_sum[r] * alpha + sum;
+                        row_max[r] = new_max;
+                        if alpha != 1.0 {
+                            acc[r * d..(r + 1) * d].iter_mut().for_each(|a| *a *= alpha);
+                        }
+                    }
+                    matmul(
+                        (nr, d, nc),
+                        acc,
+                        d,
+                        true,
+                        View::rows(&scores, BLOCK_KV),
+                        View::rows(&vh[j0 * d..], d),
+                        1.0,
+                    );
+                }
+                for r in 0..nr {
+                    let inv = 1.0 / row_sum[r];
+                    acc[r * d..(r + 1) * d].iter_mut().for_each(|a| *a *= inv);
+                    lh[i0 + r] = row_max[r] + row_sum[r].ln();
+                }
+            }
+        }
+    });
+    (out, lse)
+}
+
+/// Blockwise attention backward from the forward's `out` and `lse`: `(dq, dk, dv)`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    dout: &[f32],
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    s: AttentionShape,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let (tq, tk, d) = (s.tq, s.tk, s.dim);
+    let mut dq = vec![0.0; s.heads * tq * d];
+    let mut dk = vec![0.0; s.heads * tk * d];
+    let mut dv = vec![0.0; s.heads * tk * d];
+    let work = s.heads * tq * tk * d * 4;
+    let outs = Outs::new(vec![
+        (&mut dq, tq * d),
+        (&mut dk, tk * d),
+        (&mut dv, tk * d),
+    ]);
+    par_units(s.heads, work, outs, |heads, parts| {
+        let [dq, dk, dv] = parts else {
+            unreachable!("three outputs")
+        };
+        let mut probs = vec![0.0f32; BLOCK_Q * BLOCK_KV];
+        let mut dprobs = vec![0.0f32; BLOCK_Q * BLOCK_KV];
+        let mut delta = vec![0.0f32; tq];
+        for (h_local, h) in heads.enumerate() {
+            let (qh, kh, vh) = (
+                &q[h * tq * d..(h + 1) * tq * d],
+                &k[h * tk * d..(h + 1) * tk * d],
+                &v[h * tk * d..(h + 1) * tk * d],
+            );
+            let (oh, doh, lh) = (
+                &out[h * tq * d..(h + 1) * tq * d],
+                &dout[h * tq * d..(h + 1) * tq * d],
+                &lse[h * tq..(h + 1) * tq],
+            );
+            let dqh = &mut dq[h_local * tq * d..(h_local + 1) * tq * d];
+            let dkh = &mut dk[h_local * tk * d..(h_local + 1) * tk * d];
+            let dvh = &mut dv[h_local * tk * d..(h_local + 1) * tk * d];
+            for i in 0..tq {
+                delta[i] = doh[i * d..(i + 1) * d]
+                    .iter()
+                    .zip(&oh[i * d..(i + 1) * d])
+                    .map(|(a, b)| a * b)
+                    .sum();
+            }
+            for j0 in (0..tk).step_by(BLOCK_KV) {
+                let nc = BLOCK_KV.min(tk - j0);
+                for i0 in (0..tq).step_by(BLOCK_Q) {
+                    let nr = BLOCK_Q.min(tq - i0);
+                    if s.visible(i0 + nr - 1) <= j0 {
+                        continue; // the whole tile is above the causal diagonal
+                    }
+                    matmul(
+                        (nr, nc, d),
+                        &mut probs,
+                        BLOCK_KV,
+                        false,
+                        View::rows(&qh[i0 * d..], d),
+                        View::transposed(&kh[j0 * d..], d),
+                        s.scale,
+                    );
+                    for r in 0..nr {
+                        let limit = s.visible(i0 + r).saturating_sub(j0).min(nc);
+                        let l = lh[i0 + r];
+                        let pr = &mut probs[r * BLOCK_KV..r * BLOCK_KV + nc];
+                        exp_shifted(&mut pr[..limit], l);
+                        pr[limit..].fill(0.0);
+                    }
+                    // dV_j += P^T dO_i
+                    matmul(
+                        (nc, d, nr),
+                        &mut dvh[j0 * d..],
+                        d,
+                        true,
+                        View::transposed(&probs, BLOCK_KV),
+                        View::rows(&doh[i0 * d..], d),
+                        1.0,
+                    );
+                    // dP = dO_i V_j^T
+                    matmul(
+                        (nr, nc, d),
+                        &mut dprobs,
+                        BLOCK_KV,
+                        false,
+                        View::rows(&doh[i0 * d..], d),
+                        View::transposed(&vh[j0 * d..], d),
+                        1.0,
+                    );
+                    // dS = P (dP - delta) scale, into dprobs.
+                    for r in 0..nr {
+                        let dl = delta[i0 + r];
+                        let pr = &probs[r * BLOCK_KV..r * BLOCK_KV + nc];
+                        let dr = &mut dprobs[r * BLOCK_KV..r * BLOCK_KV + nc];
+                        for (g, &p) in dr.iter_mut().zip(pr) {
+                            *g = p * (*g - dl) * s.scale;
+                        }
+                    }
+                    // dQ_i += dS K_j ; dK_j += dS^T Q_i
+                    matmul(
+                        (nr, d, nc),
+                        &mut dqh[i0 * d..],
+                        d,
+                        true,
+                        View::rows(&dprobs, BLOCK_KV),
+                        View::rows(&kh[j0 * d..], d),
+                        1.0,
+                    );
+                    matmul(
+                        (nc, d, nr),
+                        &mut dkh[j0 * d..],
+                        d,
+                        true,
+                        View::transposed(&dprobs, BLOCK_KV),
+                        View::rows(&qh[i0 * d..], d),
+                        1.0,
+                    );
+                }
+            }
+        }
+    });
+    (dq, dk, dv)
+}
