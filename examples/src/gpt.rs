@@ -198,8 +198,9 @@ pub struct GptConfig {
     /// Seed of the initialisation.
     #[serde(default)]
     pub seed: u64,
-    /// Run norms, SwiGLU, RoPE and the cross-entropy through the fused kernels of
-    /// [`burn_parallel::kernels`] (CubeCL kernels on WGPU, composed references elsewhere).
+    /// Run norms, attention, GELU/SwiGLU, RoPE and the cross-entropy through the fused kernels
+    /// of [`burn_parallel::kernels`] (one-pass CPU kernels and blockwise attention on Flex,
+    /// CubeCL kernels on WGPU, composed references elsewhere).
     #[serde(default)]
     pub fused: bool,
     /// Mixture of experts (GPT-MoE): the MLP of every `moe_every`-th block is this

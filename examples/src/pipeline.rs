@@ -830,6 +830,7 @@ pub fn train_gpt_pipeline(
             tokens_per_sec: tokens_per_step / seconds,
             elapsed: start.elapsed().as_secs_f64(),
             moe: Vec::new(), // a GPT-MoE is refused under pipeline parallelism
+            phases: Default::default(), // not split by phase here
         });
     }
 

@@ -110,6 +110,8 @@ impl Default for TrainConfig {
     fn default() -> Self {
         let mut model = GptConfig::new(256, 2, 4, 128, 64);
         model.seed = 42;
+        // The fastest correct path: the fused kernels (CPU kernels on Flex, CubeCL on WGPU).
+        model.fused = true;
         Self {
             model,
             steps: 600,
@@ -188,6 +190,37 @@ pub struct StepStats {
     /// counts over the data-parallel ranks; the auxiliary losses averaged over them). Empty
     /// for a dense GPT.
     pub moe: Vec<MoeStats>,
+    /// Where this rank's step time went (see [`StepPhases`]).
+    pub phases: StepPhases,
+}
+
+/// Seconds of one step on this rank by phase (Flex and NdArray run synchronously, so these
+/// are the phases' real costs; on a GPU backend they measure what the host waited for).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepPhases {
+    /// Forward passes and losses of every micro-step.
+    pub forward: f64,
+    /// Backward passes, and the gradient accumulation.
+    pub backward: f64,
+    /// Gradient communication and clipping (data-parallel reduce; MoE expert reduce).
+    pub reduce: f64,
+    /// The optimizer update (with ZeRO/FSDP, its reduce-scatter and gathers too).
+    pub optimizer: f64,
+}
+
+impl StepPhases {
+    /// The sum of the phases.
+    pub fn total(&self) -> f64 {
+        self.forward + self.backward + self.reduce + self.optimizer
+    }
+
+    /// Adds `other` phase by phase.
+    pub fn add(&mut self, other: &StepPhases) {
+        self.forward += other.forward;
+        self.backward += other.backward;
+        self.reduce += other.reduce;
+        self.optimizer += other.optimizer;
+    }
 }
 
 /// The outcome of a run.
@@ -821,6 +854,7 @@ pub fn train_gpt_checkpointed(
     for step in first_step..config.steps {
         let step_start = Instant::now();
         let mut local_loss = 0.0;
+        let mut phases = StepPhases::default();
         let mut m = model.take().expect("the loop always holds the model");
         for micro in 0..config.grad_accum {
             // Micro-step `micro` is the same rows of the global batch whatever the number of
@@ -835,8 +869,11 @@ pub fn train_gpt_checkpointed(
                 Split::Train,
             );
             let (inputs, targets) = batch.to_tensors(&device);
+            let t = Instant::now();
             let loss = m.loss(inputs, targets).map_err(|e| tp_error(world, e))?;
             local_loss += scalar(&loss) / config.grad_accum as f64;
+            phases.forward += t.elapsed().as_secs_f64();
+            let t = Instant::now();
             match &mut engine {
                 Engine::Step { acc, .. } => {
                     let loss = loss / config.grad_accum as f32;
@@ -852,8 +889,10 @@ pub fn train_gpt_checkpointed(
                         .map_err(|e| zero_error(world, e))?
                 }
             }
+            phases.backward += t.elapsed().as_secs_f64();
         }
         let lr = config.lr_at(step);
+        let t = Instant::now();
         m = match &mut engine {
             Engine::Step {
                 step,
@@ -867,9 +906,17 @@ pub fn train_gpt_checkpointed(
                         .map_err(|e| moe_error(world, e))?,
                     None => step.reduce(&m, acc.grads())?,
                 };
-                optim.step(lr, m, grads)
+                phases.reduce += t.elapsed().as_secs_f64();
+                let t = Instant::now();
+                let m = optim.step(lr, m, grads);
+                phases.optimizer += t.elapsed().as_secs_f64();
+                m
             }
-            Engine::Zero(zero, None) => zero.step(lr, m).map_err(|e| zero_error(world, e))?.0,
+            Engine::Zero(zero, None) => {
+                let m = zero.step(lr, m).map_err(|e| zero_error(world, e))?.0;
+                phases.optimizer += t.elapsed().as_secs_f64();
+                m
+            }
             Engine::Zero(zero, Some(x)) => {
                 let mut grads = x.acc.grads();
                 let mut experts = x
@@ -894,7 +941,9 @@ pub fn train_gpt_checkpointed(
                     }
                 }
                 let grads = experts.into_gradients(&m);
-                x.optim.step(lr, m, grads)
+                let m = x.optim.step(lr, m, grads);
+                phases.optimizer += t.elapsed().as_secs_f64();
+                m
             }
         };
         // Auxiliary-loss-free balancing: the biases move after each optimizer step, from the
@@ -915,6 +964,7 @@ pub fn train_gpt_checkpointed(
             tokens_per_sec: tokens_per_step / seconds,
             elapsed: start.elapsed().as_secs_f64(),
             moe,
+            phases,
         });
         if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
             let m = model.as_ref().expect("the loop always holds the model");

@@ -251,6 +251,7 @@ pub fn train_gpt_diloco(
             tokens_per_sec: tokens_per_step / seconds,
             elapsed: start.elapsed().as_secs_f64(),
             moe: Vec::new(),
+            phases: Default::default(), // not split by phase here
         });
     }
     // The outer model: fragments not synced after the last step are synced now.

@@ -51,6 +51,7 @@ pub use tensor_parallel::{
 };
 pub mod init;
 pub mod kernels;
+pub mod malloc;
 pub mod nn;
 pub mod plan;
 pub mod planner;

@@ -90,8 +90,10 @@ pub fn configure_pool(threads_in_process: usize) -> bool {
 
 /// Declares `ranks` ranks on this node of which `in_process` run in this process as threads,
 /// and sizes the rayon pool for them ([`configure_pool`]) unless `RAYON_NUM_THREADS` is set.
+/// Also keeps freed memory in the heap ([`crate::malloc::keep_freed_memory`]).
 pub(crate) fn launch(ranks: usize, in_process: usize) {
     set_ranks_per_node(ranks);
+    crate::malloc::keep_freed_memory();
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         configure_pool(intra_op_threads() * in_process.max(1));
     }

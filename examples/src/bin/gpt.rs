@@ -31,7 +31,7 @@ use clap::{Parser, ValueEnum};
 use examples::data::Corpus;
 use examples::gpt::{MlpKind, PositionKind};
 use examples::train::{
-    MoeLayoutError, Parallelism, StepStats, TrainConfig, TrainDevice, TrainReport,
+    MoeLayoutError, Parallelism, StepPhases, StepStats, TrainConfig, TrainDevice, TrainReport,
     train_gpt_checkpointed,
 };
 use examples::train_checkpoint::CheckpointOptions;
@@ -167,9 +167,22 @@ struct Args {
     /// Write the trained parameters (whole, fp32, by path) as JSON to this file (rank 0).
     #[arg(long)]
     params_out: Option<PathBuf>,
-    /// Run norms, SwiGLU, RoPE and the cross-entropy through the fused kernels.
-    #[arg(long)]
+    /// Run norms, attention, GELU/SwiGLU, RoPE and the cross-entropy through the fused kernels
+    /// (the default; kept for old command lines).
+    #[arg(long, conflicts_with = "unfused")]
     fused: bool,
+    /// Run the model as composed Burn operations instead of the fused kernels (the reference
+    /// the fused paths are checked against).
+    #[arg(long)]
+    unfused: bool,
+    /// Intra-op threads of each rank's CPU kernels (default: the cores divided by the ranks on
+    /// this machine; also BURN_PARALLEL_THREADS).
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Print where the step time went on rank 0 at the end (forward, backward, gradient
+    /// communication, optimizer; the first step excluded).
+    #[arg(long)]
+    profile: bool,
     /// Device of the trainer, under every layout (`wgpu` needs a build with `--features wgpu`,
     /// `cuda` one with `--features cuda`: device LOCAL_RANK of each process).
     #[arg(long, value_enum)]
@@ -296,6 +309,9 @@ fn config_from(args: &Args) -> Result<TrainConfig, String> {
     if args.fused {
         c.model.fused = true;
     }
+    if args.unfused {
+        c.model.fused = false;
+    }
     moe_from(args, &mut c)?;
     c.model.max_seq_len = c.model.max_seq_len.max(c.seq_len);
     Ok(c)
@@ -399,9 +415,22 @@ fn run_rank(
     parallel: &Parallelism,
     corpus: &Corpus,
     log_every: usize,
+    profile: bool,
     checkpoints: &CheckpointOptions,
 ) -> burn_parallel::Result<TrainReport> {
     let lead = group.rank() == 0;
+    if lead {
+        println!(
+            "kernels: {}, {} intra-op threads per rank",
+            if config.model.fused {
+                "fused"
+            } else {
+                "composed (--unfused)"
+            },
+            burn_parallel::threads::describe()
+        );
+    }
+    let mut phases = StepPhases::default();
     let bar = if lead {
         let bar = ProgressBar::new(config.steps as u64);
         bar.set_style(
@@ -415,6 +444,9 @@ fn run_rank(
         ProgressBar::hidden()
     };
     let mut on_step = |s: &StepStats| {
+        if s.step > 0 {
+            phases.add(&s.phases);
+        }
         bar.set_message(format!("loss {:.4}  {:.0} tok/s", s.loss, s.tokens_per_sec));
         bar.inc(1);
         if lead && (s.step.is_multiple_of(log_every.max(1)) || s.step + 1 == config.steps) {
@@ -434,11 +466,48 @@ fn run_rank(
     };
     let report = train_gpt_checkpointed(group, config, parallel, corpus, checkpoints, &mut on_step);
     bar.finish_and_clear();
+    if let (true, Ok(report)) = (profile && lead, &report) {
+        print_profile(&phases, report.step_seconds, config.steps.saturating_sub(1));
+    }
     report
+}
+
+/// The `--profile` table: mean milliseconds per step of each phase on rank 0.
+fn print_profile(phases: &StepPhases, step_seconds: f64, steps: usize) {
+    let steps = steps.max(1) as f64;
+    let step_ms = step_seconds * 1e3;
+    let rows = [
+        ("forward", phases.forward),
+        ("backward", phases.backward),
+        ("gradient communication", phases.reduce),
+        ("optimizer", phases.optimizer),
+    ];
+    println!("profile (rank 0, mean of {steps} steps, the first excluded): {step_ms:.1} ms/step");
+    for (name, seconds) in rows {
+        let ms = seconds / steps * 1e3;
+        println!(
+            "  {name:<24} {ms:>8.1} ms  {:>5.1}%",
+            100.0 * ms / step_ms.max(1e-9)
+        );
+    }
+    let other = step_ms - phases.total() / steps * 1e3;
+    println!(
+        "  {:<24} {other:>8.1} ms  {:>5.1}%",
+        "other (data, loss sync)",
+        100.0 * other / step_ms.max(1e-9)
+    );
 }
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    match args.threads {
+        Some(0) => {
+            eprintln!("error: --threads must be at least 1");
+            return ExitCode::from(2);
+        }
+        Some(n) => burn_parallel::threads::set_intra_op_threads(Some(n)),
+        None => {}
+    }
     let config = match config_from(&args) {
         Ok(c) => c,
         Err(e) => {
@@ -538,6 +607,7 @@ fn main() -> ExitCode {
                     &parallel,
                     &corpus,
                     args.log_every,
+                    args.profile,
                     &checkpoints,
                 )
             })
@@ -553,6 +623,7 @@ fn main() -> ExitCode {
                 &parallel,
                 &corpus,
                 args.log_every,
+                args.profile,
                 &checkpoints,
             )?;
             // Rank 0 reports for everyone.
