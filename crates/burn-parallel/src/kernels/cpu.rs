@@ -208,11 +208,35 @@ hot_loop! {
     }
 }
 
+/// Lanes of the manual reductions below. A float sum is not associative, so the compiler
+/// keeps `sum += x` sequential (and with it the whole loop scalar); eight independent partial
+/// sums let it vectorise, and are added in a fixed order (deterministic).
+const LANES: usize = 8;
+
+#[inline(always)]
+fn fold_lanes(acc: [f32; LANES], op: impl Fn(f32, f32) -> f32) -> f32 {
+    let a = [
+        op(acc[0], acc[4]),
+        op(acc[1], acc[5]),
+        op(acc[2], acc[6]),
+        op(acc[3], acc[7]),
+    ];
+    op(op(a[0], a[2]), op(a[1], a[3]))
+}
+
 hot_loop! {
     /// `row[i] = exp(row[i] - shift)` in place; returns the sum.
     fn exp_shifted(row: &mut [f32], shift: f32) -> f32 {
-        let mut sum = 0.0f32;
-        for x in row.iter_mut() {
+        let mut acc = [0.0f32; LANES];
+        let mut chunks = row.chunks_exact_mut(LANES);
+        for c in &mut chunks {
+            for (x, a) in c.iter_mut().zip(acc.iter_mut()) {
+                *x = exp(*x - shift);
+                *a += *x;
+            }
+        }
+        let mut sum = fold_lanes(acc, |a, b| a + b);
+        for x in chunks.into_remainder() {
             *x = exp(*x - shift);
             sum += *x;
         }
@@ -232,7 +256,90 @@ hot_loop! {
 hot_loop! {
     /// `sum exp(x[i] - shift)`.
     fn sum_exp(x: &[f32], shift: f32) -> f32 {
-        x.iter().map(|&v| exp(v - shift)).sum()
+        let mut acc = [0.0f32; LANES];
+        let mut chunks = x.chunks_exact(LANES);
+        for c in &mut chunks {
+            for (&v, a) in c.iter().zip(acc.iter_mut()) {
+                *a += exp(v - shift);
+            }
+        }
+        let mut sum = fold_lanes(acc, |a, b| a + b);
+        for &v in chunks.remainder() {
+            sum += exp(v - shift);
+        }
+        sum
+    }
+}
+
+hot_loop! {
+    /// The largest element (`-inf` for an empty slice).
+    fn max_of(x: &[f32]) -> f32 {
+        let mut acc = [f32::NEG_INFINITY; LANES];
+        let mut chunks = x.chunks_exact(LANES);
+        for c in &mut chunks {
+            for (&v, a) in c.iter().zip(acc.iter_mut()) {
+                *a = if v > *a { v } else { *a };
+            }
+        }
+        let mut max = fold_lanes(acc, f32::max);
+        for &v in chunks.remainder() {
+            max = max.max(v);
+        }
+        max
+    }
+}
+
+hot_loop! {
+    /// `sum a[i] (b[i] - shift)`.
+    fn dot_shifted(a: &[f32], b: &[f32], shift: f32) -> f32 {
+        let mut acc = [0.0f32; LANES];
+        let (mut ca, mut cb) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+        for (x, y) in (&mut ca).zip(&mut cb) {
+            for ((&u, &v), s) in x.iter().zip(y).zip(acc.iter_mut()) {
+                *s += u * (v - shift);
+            }
+        }
+        let mut sum = fold_lanes(acc, |p, q| p + q);
+        for (&u, &v) in ca.remainder().iter().zip(cb.remainder()) {
+            sum += u * (v - shift);
+        }
+        sum
+    }
+}
+
+hot_loop! {
+    /// `sum x[i]`.
+    fn sum_of(x: &[f32]) -> f32 {
+        let mut acc = [0.0f32; LANES];
+        let mut chunks = x.chunks_exact(LANES);
+        for c in &mut chunks {
+            for (&v, a) in c.iter().zip(acc.iter_mut()) {
+                *a += v;
+            }
+        }
+        let mut sum = fold_lanes(acc, |p, q| p + q);
+        for &v in chunks.remainder() {
+            sum += v;
+        }
+        sum
+    }
+}
+
+hot_loop! {
+    /// `sum (x[i] - shift)^2`.
+    fn squared_deviation(x: &[f32], shift: f32) -> f32 {
+        let mut acc = [0.0f32; LANES];
+        let mut chunks = x.chunks_exact(LANES);
+        for c in &mut chunks {
+            for (&v, a) in c.iter().zip(acc.iter_mut()) {
+                *a += (v - shift) * (v - shift);
+            }
+        }
+        let mut sum = fold_lanes(acc, |p, q| p + q);
+        for &v in chunks.remainder() {
+            sum += (v - shift) * (v - shift);
+        }
+        sum
     }
 }
 
@@ -356,12 +463,8 @@ pub fn norm_forward(
         };
         for (i, row) in r.enumerate() {
             let xr = &x[row * cols..(row + 1) * cols];
-            let mu = if rms {
-                0.0
-            } else {
-                xr.iter().sum::<f32>() / cols as f32
-            };
-            let var = xr.iter().map(|&v| (v - mu) * (v - mu)).sum::<f32>() / cols as f32;
+            let mu = if rms { 0.0 } else { sum_of(xr) / cols as f32 };
+            let var = squared_deviation(xr, mu) / cols as f32;
             let rs = 1.0 / (var as f64 + eps).sqrt() as f32;
             mean[i] = mu;
             rstd[i] = rs;
@@ -415,18 +518,16 @@ pub fn norm_backward(
                 let xr = &x[row * cols..(row + 1) * cols];
                 let dyr = &dy[row * cols..(row + 1) * cols];
                 let (mu, rs) = (mean[row], rstd[row]);
-                let mut c1 = 0.0f32;
-                let mut c2 = 0.0f32;
+                for ((gk, &d), &w) in g.iter_mut().zip(dyr).zip(weight) {
+                    *gk = d * w;
+                }
+                let c1 = sum_of(&g) / cols as f32;
+                let c2 = dot_shifted(&g, xr, mu) * rs / cols as f32;
                 for k in 0..cols {
                     let xhat = (xr[k] - mu) * rs;
-                    let gk = dyr[k] * weight[k];
-                    g[k] = gk;
-                    c1 += gk;
-                    c2 += gk * xhat;
                     dw[k] += dyr[k] * xhat;
                     db[k] += dyr[k];
                 }
-                let (c1, c2) = (c1 / cols as f32, c2 / cols as f32);
                 let local = (row - first_unit * per) * cols;
                 let dxr = &mut dx[local..local + cols];
                 for k in 0..cols {
@@ -468,7 +569,7 @@ pub fn ce_stats(logits: &[f32], vocab: usize) -> Vec<f32> {
         |r, out| {
             for (i, row) in r.enumerate() {
                 let xr = &logits[row * vocab..(row + 1) * vocab];
-                let max = xr.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                let max = max_of(xr);
                 let sum = sum_exp(xr, max);
                 out[0][2 * i] = max;
                 out[0][2 * i + 1] = sum;
@@ -722,7 +823,7 @@ pub fn attention_forward(
                     for r in 0..nr {
                         let limit = s.visible(i0 + r).saturating_sub(j0).min(nc);
                         let sr = &mut scores[r * BLOCK_KV..r * BLOCK_KV + nc];
-                        let tile_max = sr[..limit].iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+                        let tile_max = max_of(&sr[..limit]);
                         let new_max = row_max[r].max(tile_max);
                         if new_max == f32::NEG_INFINITY {
                             sr.fill(0.0);
@@ -805,11 +906,7 @@ pub fn attention_backward(
             let dkh = &mut dk[h_local * tk * d..(h_local + 1) * tk * d];
             let dvh = &mut dv[h_local * tk * d..(h_local + 1) * tk * d];
             for i in 0..tq {
-                delta[i] = doh[i * d..(i + 1) * d]
-                    .iter()
-                    .zip(&oh[i * d..(i + 1) * d])
-                    .map(|(a, b)| a * b)
-                    .sum();
+                delta[i] = dot_shifted(&doh[i * d..(i + 1) * d], &oh[i * d..(i + 1) * d], 0.0);
             }
             for j0 in (0..tk).step_by(BLOCK_KV) {
                 let nc = BLOCK_KV.min(tk - j0);
