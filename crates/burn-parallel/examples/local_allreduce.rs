@@ -109,7 +109,10 @@ fn measure(bytes: usize, iters: usize) -> (Vec<f64>, Vec<f64>) {
         }
         let values = data.as_slice::<f32>().expect("f32 data");
         if let Some(bad) = values.iter().position(|&v| v != 2.0) {
-            panic!("rank {rank}: element {bad} is {} instead of 2.0", values[bad]);
+            panic!(
+                "rank {rank}: element {bad} is {} instead of 2.0",
+                values[bad]
+            );
         }
         Ok((copies, reduces))
     })
@@ -162,11 +165,7 @@ fn bounds(bytes: usize, iters: usize, memcpy_best: f64) {
     };
     let copy = two_threads(iters, &|t| {
         let mut dst = dst_halves[t].lock().expect("half");
-        let from = if t == 0 {
-            &src[..half]
-        } else {
-            &src[half..]
-        };
+        let from = if t == 0 { &src[..half] } else { &src[half..] };
         dst.copy_from_slice(from);
     });
     drop(dst_halves);

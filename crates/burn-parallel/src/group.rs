@@ -18,15 +18,15 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use crate::comm::host::{
-    ReduceOp, combine_into, combine_to, concat_into, dtype_code, dtype_from_code, dtype_name,
-    geometry, reducible, split_along,
+    ReduceOp, combine_to, concat_into, dtype_code, dtype_from_code, dtype_name, geometry,
+    reducible, split_along,
 };
 use crate::comm::pool;
-use crate::comm::shm::{Board, SharedBuffer};
+use crate::comm::shm::{Board, SharedBuffer, reduce_chunk_everywhere};
 use crate::comm::transport::{Frame, Header, NativeCall, StreamId, Transport};
 use crate::error::{CollectiveError, Result};
 
-/// Below this size the shared-memory all-reduce's three barriers cost more than they save.
+/// Below this size the shared-memory all-reduce's two barriers cost more than they save.
 const SHM_MIN_BYTES: usize = 256 * 1024;
 
 /// Default timeout of every wait, unless `BURN_PARALLEL_TIMEOUT_SECS` says otherwise.
@@ -409,42 +409,26 @@ impl ProcessGroup {
                     })
                 })
                 .collect::<Result<Vec<_>>>()?;
+            if let Some(k) = peers.iter().position(|p| p.len() != mine.len()) {
+                return Err(self.invalid(
+                    &call.signature,
+                    format!(
+                        "rank {} posted {} bytes, this rank {} bytes",
+                        self.members[k],
+                        peers[k].len(),
+                        mine.len()
+                    ),
+                ));
+            }
             let elem = dtype.size();
             let count = mine.len() / elem;
             let (base, extra) = (count / n, count % n);
-            let chunk = |k: usize| {
-                let start = (k * base + k.min(extra)) * elem;
-                start..start + (base + usize::from(k < extra)) * elem
-            };
-            // Phase 1: chunk r of every buffer is touched by this rank only.
-            {
-                // SAFETY: chunk r of our own buffer is written by this rank alone in this phase
-                // (each rank writes only its own chunk of its own buffer).
-                let out = unsafe { mine.write(chunk(r)) };
-                let others: Vec<_> = peers
-                    .iter()
-                    .enumerate()
-                    .filter(|(k, _)| *k != r)
-                    .map(|(_, p)| p)
-                    .collect();
-                for (i, peer) in others.iter().enumerate() {
-                    // SAFETY: chunk r of a peer's buffer is only read, and only by this rank,
-                    // in this phase.
-                    let other = unsafe { peer.read(chunk(r)) };
-                    // The division of an average is fused into the last reduction.
-                    let last = i + 1 == others.len();
-                    let divide_by = if last && op == ReduceOp::Avg { n } else { 1 };
-                    combine_into(out, other, dtype, op, divide_by);
-                }
-            }
-            self.sync(call)?;
-            // Phase 2: every chunk k is final in its owner's buffer and written by nobody.
-            for (k, peer) in peers.iter().enumerate().filter(|(k, _)| *k != r) {
-                // SAFETY: chunk k != r of our buffer is written by this rank alone in this
-                // phase (peers read only chunk `their rank` of it); chunk k of rank k is only
-                // read in this phase.
-                unsafe { mine.write(chunk(k)).copy_from_slice(peer.read(chunk(k))) };
-            }
+            let start = (r * base + r.min(extra)) * elem;
+            let chunk = start..start + (base + usize::from(r < extra)) * elem;
+            // SAFETY: between the two barriers, chunk r of every buffer is read and written by
+            // this rank alone (rank k touches only chunk k, and the chunks are disjoint); every
+            // buffer has the same length (checked above) and the chunk ends on elements.
+            unsafe { reduce_chunk_everywhere(&peers, chunk, dtype, op) };
             drop(peers);
             // Nobody reads anybody's buffer after this.
             self.sync(call)
