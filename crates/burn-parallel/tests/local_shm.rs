@@ -151,13 +151,10 @@ fn check_dtype<T: Case>(n: usize) {
             assert_eq!(d.dtype(), T::dtype(), "n={n} {op}");
             assert_eq!(d.shape().as_slice(), &[LEN]);
             let got = d.as_slice::<T>().unwrap();
-            for i in 0..LEN {
+            for (i, &x) in got.iter().enumerate() {
                 let column: Vec<i64> = (0..n).map(|r| small(r, i, T::SIGNED)).collect();
                 let want = T::reduce(&column, op);
-                assert_eq!(
-                    got[i], want,
-                    "{dtype:?} n={n} {op}: rank {rank} element {i}"
-                );
+                assert_eq!(x, want, "{dtype:?} n={n} {op}: rank {rank} element {i}");
             }
         }
     }
