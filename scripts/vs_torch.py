@@ -513,7 +513,13 @@ def main() -> None:
     p.add_argument("--torch-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--shape", help=argparse.SUPPRESS)
     p.add_argument("--ranks", type=int, default=1, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    # `--extra-args "--fused"`: a value that starts with a dash would read as an option.
+    argv = sys.argv[1:]
+    for i, a in enumerate(argv[:-1]):
+        if a == "--extra-args":
+            argv[i : i + 2] = [f"--extra-args={argv[i + 1]}"]
+            break
+    args = p.parse_args(argv)
 
     if args.torch_worker:
         torch_worker(args)
@@ -548,6 +554,14 @@ def main() -> None:
         f"{f', torch threads {args.torch_threads}' if args.torch_threads else ''}; our extra args: {args.extra_args or '(none)'}",
         file=sys.stderr,
     )
+    load = os.getloadavg()[0]
+    if load > 0.5 * (os.cpu_count() or 1):
+        print(
+            f"# warning: the machine is busy (load average {load:.2f} on {os.cpu_count()} CPUs): "
+            "timings will be noisy, PyTorch's multi-threaded 1-process run most of all (its "
+            "intra-op threads wait on each other when a core is taken)",
+            file=sys.stderr,
+        )
     runs: list[RunResult] = []
     torch_info = {}
     for name in shapes:
