@@ -88,14 +88,30 @@ pub fn configure_pool(threads_in_process: usize) -> bool {
         .is_ok()
 }
 
-/// Declares `ranks` ranks on this node of which `in_process` run in this process as threads,
-/// and sizes the rayon pool for them ([`configure_pool`]) unless `RAYON_NUM_THREADS` is set.
-/// Also keeps freed memory in the heap ([`crate::malloc::keep_freed_memory`]).
-pub(crate) fn launch(ranks: usize, in_process: usize) {
+/// Declares `ranks` ranks on this node, keeps freed memory in the heap
+/// ([`crate::malloc::keep_freed_memory`]) and, for a process that is one rank
+/// (`size_global_pool`), sizes rayon's global pool ([`configure_pool`]) unless
+/// `RAYON_NUM_THREADS` is set. Thread ranks run in pools of their own ([`in_rank_pool`]).
+pub(crate) fn launch(ranks: usize, size_global_pool: bool) {
     set_ranks_per_node(ranks);
     crate::malloc::keep_freed_memory();
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        configure_pool(intra_op_threads() * in_process.max(1));
+    if size_global_pool && std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        configure_pool(intra_op_threads());
+    }
+}
+
+/// Runs `f` (one thread rank's work) inside a rayon pool of [`intra_op_threads`] threads, so
+/// that the matrix products Flex runs in rayon stay on this rank's share of the cores: two
+/// ranks on two cores each run their products on one thread instead of both queueing on one
+/// shared pool. Runs `f` on the calling thread if the pool cannot be built.
+pub fn in_rank_pool<R: Send>(rank: usize, f: impl FnOnce() -> R + Send) -> R {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(intra_op_threads())
+        .thread_name(move |i| format!("rank-{rank}-intra-op-{i}"))
+        .build();
+    match pool {
+        Ok(pool) => pool.install(f),
+        Err(_) => f(),
     }
 }
 

@@ -123,7 +123,7 @@ where
 {
     let groups = local_world(world_size);
     // The thread ranks share this process's cores (the intra-op thread policy).
-    crate::threads::launch(world_size, world_size);
+    crate::threads::launch(world_size, false);
     let f = &f;
     let outcomes: Vec<Result<T>> = thread::scope(|scope| {
         let handles: Vec<_> = groups
@@ -134,7 +134,9 @@ where
                     .name(format!("rank-{rank}"))
                     .spawn_scoped(scope, move || {
                         let transport = group.transport().clone();
-                        let outcome = catch_unwind(AssertUnwindSafe(|| f(group)));
+                        let outcome = catch_unwind(AssertUnwindSafe(|| {
+                            crate::threads::in_rank_pool(rank, || f(group))
+                        }));
                         match outcome {
                             Ok(Ok(value)) => Ok(value),
                             Ok(Err(err)) => {

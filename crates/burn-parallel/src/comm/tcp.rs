@@ -152,7 +152,7 @@ impl TcpConfig {
     pub fn from_env() -> Result<Self> {
         let env = LaunchEnv::from_env()?;
         // The processes of this node share its cores (the intra-op thread policy).
-        crate::threads::launch(env.local_world_size.unwrap_or(1), 1);
+        crate::threads::launch(env.local_world_size.unwrap_or(1), true);
         let mut config =
             Self::from_launch_env(&env).with_timeout(env::rendezvous_timeout_from_env()?);
         match JobToken::from_env() {

@@ -104,13 +104,18 @@ pub fn exp(x: f32) -> f32 {
     // 1.5 * 2^23: adding and subtracting it rounds to the nearest integer without a branch.
     const ROUND: f32 = 12_582_912.0;
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * LOG2E + ROUND) - ROUND;
+    // `t`'s low mantissa bits hold `n` (two's complement): the exponent of `2^n` comes from
+    // integer operations on the bits. A float-to-int `as` cast would not do: its saturating
+    // semantics keep the loop scalar.
+    let t = x * LOG2E + ROUND;
+    let n = t - ROUND;
     let r = x - n * LN2_HI - n * LN2_LO;
     let p = 1.0
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // (n + 127) << 23 from the low 9 bits of t's representation.
+    let scale = f32::from_bits(t.to_bits().wrapping_add(127) << 23);
     p * scale
 }
 
@@ -984,4 +989,35 @@ pub fn attention_backward(
         }
     });
     (dq, dk, dv)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_accurate_over_the_float_range() {
+        let mut worst = 0.0f64;
+        let mut x = -87.0f32;
+        while x <= 88.0 {
+            let want = (x as f64).exp();
+            let err = ((exp(x) as f64) - want).abs() / want;
+            worst = worst.max(err);
+            x += 0.0137;
+        }
+        assert!(worst < 3e-7, "relative error {worst:e}");
+        assert_eq!(exp(0.0), 1.0);
+    }
+
+    #[test]
+    fn lane_reductions_match_sequential_sums() {
+        let x: Vec<f32> = (0..37).map(|i| (i as f32 * 0.37).sin()).collect();
+        let seq: f32 = x.iter().sum();
+        assert!((sum_of(&x) - seq).abs() < 1e-5);
+        let max = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        assert_eq!(max_of(&x), max);
+        assert_eq!(max_of(&[]), f32::NEG_INFINITY);
+        let dot: f32 = x.iter().map(|v| v * (v - 0.5)).sum();
+        assert!((dot_shifted(&x, &x, 0.5) - dot).abs() < 1e-5);
+    }
 }
