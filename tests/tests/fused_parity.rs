@@ -1,9 +1,9 @@
 //! The fused kernels inside the reference GPT.
 //!
-//! - Always: GPT with `fused` on flex (the composed references with hand-written backward
-//!   steps) reproduces the independent single-device reference run of the unfused GPT
+//! - Always: GPT with `fused` on flex (the CPU kernels: blockwise attention, one-pass norms,
+//!   GELU/SwiGLU and cross-entropy, with their backward steps) reproduces the independent single-device reference run of the unfused GPT
 //!   ([`tests::reference_run`]) over 10 steps: losses and final parameters, relative difference
-//!   <= 1e-5.
+//!   <= 1e-5; so does the fused GPT under dp 2, dp 2 x tp 2 + sp and FSDP x tp 2 + sp.
 //! - Feature `wgpu`: GPT with `fused` on WGPU (the CubeCL kernels) reproduces the same reference
 //!   over 10 steps within 1e-4 relative (losses and final parameters), for the GPT-2 style model
 //!   (LayerNorm, GELU, learned positions) and the LLaMA style one (RMSNorm, SwiGLU, rotary).
@@ -54,6 +54,36 @@ fn fused_gpt_on_flex_matches_unfused() {
             1e-5,
             &format!("{name} fused on flex"),
         );
+    }
+}
+
+/// The fused CPU kernels (blockwise attention on the local heads, one-pass norms and GELU)
+/// under tensor, sequence and data parallelism and FSDP: the same single-device reference.
+#[test]
+fn fused_gpt_under_layouts_matches_unfused_single_device() {
+    use burn_zero::Stage;
+    use examples::train::Parallelism;
+    let mut config = tiny_gpt_run(STEPS);
+    let reference = reference_run(&config);
+    config.model.fused = true;
+    let tp = |tp, sp| Parallelism {
+        tp,
+        sp,
+        ..Parallelism::default()
+    };
+    for (world, p, what) in [
+        (2, Parallelism::default(), "fused dp 2"),
+        (4, tp(2, true), "fused dp 2 x tp 2 + sp"),
+        (
+            4,
+            Parallelism {
+                zero: Some(Stage::Three),
+                ..tp(2, true)
+            },
+            "fused FSDP 2 x tp 2 + sp",
+        ),
+    ] {
+        tests::check_layout(&reference, world, p, &config, 1e-5, what);
     }
 }
 
