@@ -208,7 +208,10 @@ impl Linear {
     /// `x W (+ b)` on this rank's part, with the weight's gradient deferred when asked.
     fn product<const D: usize>(&self, x: Tensor<D>, bias: Option<Tensor<1>>) -> Tensor<D> {
         let Some(sink) = &self.deferred else {
-            return linear(x, self.weight.val(), bias);
+            // The fused product (one pass, no copies on Flex; Burn's `linear` elsewhere). The
+            // shapes were checked by `forward`.
+            return crate::kernels::linear(x, self.weight.val(), bias)
+                .unwrap_or_else(|e| panic!("{}: {e}", self.name));
         };
         let dims = x.dims();
         let rows = dims[..D - 1].iter().product::<usize>();

@@ -279,6 +279,58 @@ fn check_attention(dev: &Device, q_shape: [usize; 4], tk: usize, causal: bool, t
     }
 }
 
+/// `x w (+ b)` against Burn's matmul and add under autodiff, with and without a bias.
+fn check_linear(dev: &Device, x_shape: [usize; 3], out: usize, tol: f32) {
+    let oracle = Device::flex().autodiff();
+    let k = x_shape[2];
+    let seed = (x_shape.iter().product::<usize>() + out) as u64;
+    for with_bias in [true, false] {
+        let make = |d: &Device| {
+            (
+                tensor(x_shape, seed, 2.0, d).require_grad(),
+                tensor([k, out], seed + 1, 1.0, d).require_grad(),
+                tensor([out], seed + 2, 1.0, d).require_grad(),
+                tensor([x_shape[0], x_shape[1], out], seed + 3, 1.0, d),
+            )
+        };
+        let (x, w, b, r) = make(dev);
+        let y = kernels::linear(x.clone(), w.clone(), with_bias.then(|| b.clone())).unwrap();
+        let g = (y.clone() * r).sum().backward();
+        let (xo, wo, bo, ro) = make(&oracle);
+        let mut yo = xo.clone().matmul(wo.clone().unsqueeze::<3>());
+        if with_bias {
+            yo = yo + bo.clone().unsqueeze::<3>();
+        }
+        let go = (yo.clone() * ro).sum().backward();
+        let name = format!("linear {x_shape:?} x [{k}, {out}] bias {with_bias}");
+        assert_close(&format!("{name} y"), &host(&y), &host(&yo), tol);
+        assert_close(
+            &format!("{name} dx"),
+            &host(&x.grad(&g).unwrap()),
+            &host(&xo.grad(&go).unwrap()),
+            tol,
+        );
+        assert_close(
+            &format!("{name} dw"),
+            &host(&w.grad(&g).unwrap()),
+            &host(&wo.grad(&go).unwrap()),
+            tol,
+        );
+        match with_bias {
+            true => assert_close(
+                &format!("{name} db"),
+                &host(&b.grad(&g).unwrap()),
+                &host(&bo.grad(&go).unwrap()),
+                tol,
+            ),
+            false => assert!(
+                b.grad(&g).is_none(),
+                "{name}: an absent bias got a gradient"
+            ),
+        }
+    }
+}
+
 /// Exact and tanh GELU against Burn's `gelu` / `gelu_approximate` under autodiff.
 fn check_gelu(dev: &Device, shape: [usize; 3], tol: f32) {
     let oracle = Device::flex().autodiff();
@@ -438,7 +490,16 @@ fn flex_attention_threads_give_the_same_result() {
     check_attention(&dev, [2, 3, 150, 16], 150, true, 1e-5);
     check_norm(&dev, 301, 64, false, 1e-5);
     check_gelu(&dev, [3, 101, 257], 1e-5);
+    check_linear(&dev, [4, 100, 160], 150, 1e-5);
     burn_parallel::threads::set_intra_op_threads(None);
+}
+
+#[test]
+fn flex_linear_matches_naive_math() {
+    let dev = Device::flex().autodiff();
+    check_linear(&dev, [2, 5, 7], 3, 1e-5);
+    check_linear(&dev, [1, 1, 1], 1, 1e-5);
+    check_linear(&dev, [3, 67, 130], 129, 1e-5);
 }
 
 #[test]

@@ -699,7 +699,8 @@ impl<'a> View<'a> {
 }
 
 /// `dst[m x n] (row stride dst_rs) = (accumulate ? dst : 0) + scale * a[m x k] b[k x n]`.
-fn matmul(
+#[allow(clippy::too_many_arguments)]
+fn matmul_par(
     (m, n, k): (usize, usize, usize),
     dst: &mut [f32],
     dst_rs: usize,
@@ -707,6 +708,7 @@ fn matmul(
     a: View<'_>,
     b: View<'_>,
     scale: f32,
+    parallelism: gemm::Parallelism,
 ) {
     assert!(
         a.covers(m, k) && b.covers(k, n) && (m == 0 || n == 0 || (m - 1) * dst_rs + n <= dst.len()),
@@ -746,8 +748,115 @@ fn matmul(
             false,
             false,
             false,
-            gemm::Parallelism::None,
+            parallelism,
         );
+    }
+}
+
+/// [`matmul_par`] on the calling thread (the attention tiles: the threads split the heads).
+fn matmul(
+    dims: (usize, usize, usize),
+    dst: &mut [f32],
+    dst_rs: usize,
+    accumulate: bool,
+    a: View<'_>,
+    b: View<'_>,
+    scale: f32,
+) {
+    matmul_par(
+        dims,
+        dst,
+        dst_rs,
+        accumulate,
+        a,
+        b,
+        scale,
+        gemm::Parallelism::None,
+    );
+}
+
+/// The intra-op threads for an `m x n x k` product: all of them from `128^3` multiply-adds
+/// (in the caller's rayon pool: a thread rank's own, see [`crate::threads::in_rank_pool`]).
+fn product_parallelism(m: usize, n: usize, k: usize) -> gemm::Parallelism {
+    let threads = intra_op_threads();
+    if threads > 1 && m.saturating_mul(n).saturating_mul(k) >= 128 * 128 * 128 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Linear layers.
+
+/// `y [rows, n] = x [rows, k] w [k, n] (+ b [n])`: the bias is written first and the product
+/// accumulated onto it, so the output is written once (no zeroing, no separate bias pass).
+pub fn linear_forward(x: &[f32], w: &[f32], b: Option<&[f32]>, k: usize, n: usize) -> Vec<f32> {
+    let rows = x.len() / k.max(1);
+    let y_len = rows * n;
+    let mut y = Vec::with_capacity(y_len);
+    match b {
+        Some(b) => (0..rows).for_each(|_| y.extend_from_slice(b)),
+        None => y.resize(y_len, 0.0),
+    }
+    matmul_par(
+        (rows, n, k),
+        &mut y,
+        n,
+        true,
+        View::rows(x, k),
+        View::rows(w, n),
+        1.0,
+        product_parallelism(rows, n, k),
+    );
+    y
+}
+
+/// Gradients of [`linear_forward`]: `(dx = dy w^T, dw = x^T dy, db = column sums of dy)`;
+/// the transposes are strides of the products, never copies.
+pub fn linear_backward(
+    dy: &[f32],
+    x: &[f32],
+    w: &[f32],
+    k: usize,
+    n: usize,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let rows = x.len() / k.max(1);
+    let mut dx = vec![0.0; rows * k];
+    matmul_par(
+        (rows, k, n),
+        &mut dx,
+        k,
+        false,
+        View::rows(dy, n),
+        View::transposed(w, n),
+        1.0,
+        product_parallelism(rows, k, n),
+    );
+    let mut dw = vec![0.0; k * n];
+    matmul_par(
+        (k, n, rows),
+        &mut dw,
+        n,
+        false,
+        View::transposed(x, k),
+        View::rows(dy, n),
+        1.0,
+        product_parallelism(k, n, rows),
+    );
+    let mut db = vec![0.0; n];
+    add_rows(&mut db, dy);
+    (dx, dw, db)
+}
+
+hot_loop! {
+    /// `acc[j] += sum_r rows[r * acc.len() + j]`.
+    fn add_rows(acc: &mut [f32], rows: &[f32]) {
+        for row in rows.chunks_exact(acc.len().max(1)) {
+            for (a, &v) in acc.iter_mut().zip(row) {
+                *a += v;
+            }
+        }
     }
 }
 

@@ -231,6 +231,22 @@ pub trait FusedKernels: burn::backend::Backend {
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
+    /// A linear layer `x [rows, k] w [k, n] (+ b [n] when has_bias)`.
+    fn fused_linear_forward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        has_bias: bool,
+    ) -> FloatTensor<Self>;
+
+    /// `(dx, dw, db)` of a linear layer (`db` zeros without a bias).
+    fn fused_linear_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        has_bias: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
+
     /// GELU, exact (`erf`) or, with `approximate`, GPT-2's tanh form.
     fn fused_gelu_forward(x: FloatTensor<Self>, approximate: bool) -> FloatTensor<Self>;
 
@@ -508,6 +524,44 @@ impl FusedKernels for Flex {
         (fp(dq), fp(dk), fp(dv))
     }
 
+    fn fused_linear_forward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        has_bias: bool,
+    ) -> FloatTensor<Self> {
+        if let Some([xc, wc, bc]) = all_f32([&x, &w, &b]) {
+            let (wd, rows) = (dims_of(&w), dims_of(&x)[0]);
+            let bias = has_bias.then(|| vals(&bc));
+            let y = cpu::linear_forward(vals(&xc), vals(&wc), bias, wd[0], wd[1]);
+            return flex_from(y, vec![rows, wd[1]]);
+        }
+        fp(reference::linear_forward(fx(x), fx(w), fx(b), has_bias))
+    }
+
+    fn fused_linear_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        has_bias: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        if let Some([dyc, xc, wc]) = all_f32([&dy, &x, &w]) {
+            let wd = dims_of(&w);
+            let (dx, dw, mut db) =
+                cpu::linear_backward(vals(&dyc), vals(&xc), vals(&wc), wd[0], wd[1]);
+            if !has_bias {
+                db.fill(0.0);
+            }
+            return (
+                flex_from(dx, dims_of(&x)),
+                flex_from(dw, wd.clone()),
+                flex_from(db, vec![wd[1]]),
+            );
+        }
+        let (dx, dw, db) = reference::linear_backward(fx(dy), fx(x), fx(w), has_bias);
+        (fp(dx), fp(dw), fp(db))
+    }
+
     fn fused_gelu_forward(x: FloatTensor<Self>, approximate: bool) -> FloatTensor<Self> {
         if let Some([xc]) = all_f32([&x]) {
             return flex_from(cpu::gelu_forward(vals(&xc), approximate), dims_of(&x));
@@ -720,6 +774,25 @@ impl<B: FusedKernels> Backward<B, 3> for AttentionBackward {
 }
 
 #[derive(Debug)]
+struct LinearBackward;
+
+impl<B: FusedKernels> Backward<B, 3> for LinearBackward {
+    type State = (FloatTensor<B>, FloatTensor<B>, bool);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [node_x, node_w, node_b] = ops.parents;
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, w, has_bias) = ops.state;
+        let (dx, dw, db) = B::fused_linear_backward(dy, x, w, has_bias);
+        for (node, grad) in [(node_x, dx), (node_w, dw), (node_b, db)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, grad);
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
 struct GeluBackward;
 
 impl<B: FusedKernels> Backward<B, 1> for GeluBackward {
@@ -896,6 +969,45 @@ impl<B: FusedKernels, C: CheckpointStrategy> FusedKernels for Autodiff<B, C> {
             untracked::<B, C>(dq),
             untracked::<B, C>(dk),
             untracked::<B, C>(dv),
+        )
+    }
+
+    fn fused_linear_forward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        has_bias: bool,
+    ) -> FloatTensor<Self> {
+        // Without a bias, `b` is an untracked placeholder: it gets no gradient.
+        let nodes = [x.node(), w.node(), b.node()];
+        let (xp, wp, bp) = (x.into_primitive(), w.into_primitive(), b.into_primitive());
+        let y = B::fused_linear_forward(xp.clone(), wp.clone(), bp, has_bias);
+        match LinearBackward
+            .prepare::<C>(nodes)
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish((xp, wp, has_bias), y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
+
+    fn fused_linear_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        has_bias: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dx, dw, db) = B::fused_linear_backward(
+            dy.into_primitive(),
+            x.into_primitive(),
+            w.into_primitive(),
+            has_bias,
+        );
+        (
+            untracked::<B, C>(dx),
+            untracked::<B, C>(dw),
+            untracked::<B, C>(db),
         )
     }
 
@@ -1111,6 +1223,65 @@ pub fn gelu<const D: usize>(x: Tensor<D>, approximate: bool) -> Tensor<D> {
     let n = x.shape().num_elements();
     let y = Dispatch::fused_gelu_forward(x.reshape([n]).into_dispatch(), approximate);
     Tensor::<1>::from_dispatch(y).reshape(dims)
+}
+
+/// A linear layer `x w (+ b)` over the last dimension of `x` (`w` `[in, out]`, Burn's
+/// layout), fused: on Flex (fp32) the bias is written first and the product accumulated onto
+/// it, and the backward's `dy w^T` and `x^T dy` read the transposes as strides, with no copy,
+/// zeroing or separate bias pass; the products use the rank's intra-op threads
+/// ([`crate::threads`]). Elsewhere it is Burn's `linear`.
+///
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_parallel::kernels::linear;
+///
+/// let device = Device::flex();
+/// let x = Tensor::<3>::ones([2, 3, 4], &device);
+/// let w = Tensor::<2>::ones([4, 5], &device);
+/// let y = linear(x, w, Some(Tensor::<1>::ones([5], &device))).unwrap();
+/// assert_eq!(y.dims(), [2, 3, 5]);
+/// assert_eq!(y.into_data().to_vec::<f32>().unwrap()[0], 5.0);
+/// ```
+///
+/// # Errors
+/// [`KernelError::Shape`] when `x`'s last dimension is not `w`'s first, or the bias is not
+/// `[out]`; [`KernelError::DType`] when dtypes differ.
+pub fn linear<const D: usize>(
+    x: Tensor<D>,
+    w: Tensor<2>,
+    b: Option<Tensor<1>>,
+) -> KernelResult<Tensor<D>> {
+    let op = "linear";
+    let dims = x.dims();
+    let [k, n] = w.dims();
+    let bias_ok = b.as_ref().is_none_or(|b| b.dims() == [n]);
+    if dims[D - 1] != k || !bias_ok {
+        return Err(KernelError::Shape {
+            op,
+            reason: format!(
+                "input {dims:?} and weight [{k}, {n}] need the input's last dimension {k} and a \
+                 bias of [{n}], got bias {:?}",
+                b.as_ref().map(|b| b.dims())
+            ),
+        });
+    }
+    let mut dtypes = vec![("x", x.dtype()), ("weight", w.dtype())];
+    if let Some(b) = &b {
+        dtypes.push(("bias", b.dtype()));
+    }
+    same_dtype(op, &dtypes)?;
+    let rows = dims[..D - 1].iter().product::<usize>();
+    let has_bias = b.is_some();
+    let b = b.unwrap_or_else(|| Tensor::<1>::zeros([n], &w.device()).cast(w.dtype()));
+    let y = Dispatch::fused_linear_forward(
+        x.reshape([rows, k]).into_dispatch(),
+        w.into_dispatch(),
+        b.into_dispatch(),
+        has_bias,
+    );
+    let mut out = dims;
+    out[D - 1] = n;
+    Ok(Tensor::<2>::from_dispatch(y).reshape(out))
 }
 
 /// Scaled dot-product attention `softmax(q k^T / sqrt(head_dim)) v` of `q` `[batch, heads,

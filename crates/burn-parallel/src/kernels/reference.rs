@@ -310,3 +310,27 @@ pub fn gelu_backward<const D: usize>(dy: Tensor<D>, x: Tensor<D>, approximate: b
     };
     dy * grad
 }
+
+/// `x [rows, k] w [k, n] (+ b [n] when has_bias)`.
+pub fn linear_forward(x: Tensor<2>, w: Tensor<2>, b: Tensor<1>, has_bias: bool) -> Tensor<2> {
+    let y = x.matmul(w);
+    if has_bias { y + b.unsqueeze::<2>() } else { y }
+}
+
+/// `(dx, dw, db)` of [`linear_forward`] (`db` is zeros without a bias).
+pub fn linear_backward(
+    dy: Tensor<2>,
+    x: Tensor<2>,
+    w: Tensor<2>,
+    has_bias: bool,
+) -> (Tensor<2>, Tensor<2>, Tensor<1>) {
+    let n = w.dims()[1];
+    let dx = dy.clone().matmul(w.transpose());
+    let dw = x.transpose().matmul(dy.clone());
+    let db = if has_bias {
+        dy.sum_dim(0).reshape([n])
+    } else {
+        Tensor::<1>::zeros([n], &dy.device())
+    };
+    (dx, dw, db)
+}

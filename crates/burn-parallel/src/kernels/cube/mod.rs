@@ -331,6 +331,25 @@ impl FusedKernels for CubeBackend {
         (cp(dq), cp(dk), cp(dv))
     }
 
+    fn fused_linear_forward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        has_bias: bool,
+    ) -> FloatTensor<Self> {
+        cp(reference::linear_forward(ct(x), ct(w), ct(b), has_bias))
+    }
+
+    fn fused_linear_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        has_bias: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dx, dw, db) = reference::linear_backward(ct(dy), ct(x), ct(w), has_bias);
+        (cp(dx), cp(dw), cp(db))
+    }
+
     fn fused_gelu_forward(x: FloatTensor<Self>, approximate: bool) -> FloatTensor<Self> {
         cp(reference::gelu_forward::<1>(ct(x), approximate))
     }
