@@ -333,13 +333,16 @@ impl GradAccumulator {
     }
 }
 
-fn numel_of(shape: &[usize]) -> usize {
+pub(crate) fn numel_of(shape: &[usize]) -> usize {
     shape.iter().product()
 }
 
 /// Groups parameter indices into consecutive buckets of one dtype of at least `bucket_bytes`
 /// (the last one may be smaller).
-fn plan_buckets(params: &[(ParamId, Vec<usize>, DType)], bucket_bytes: usize) -> Vec<Vec<usize>> {
+pub(crate) fn plan_buckets(
+    params: &[(ParamId, Vec<usize>, DType)],
+    bucket_bytes: usize,
+) -> Vec<Vec<usize>> {
     let mut buckets: Vec<Vec<usize>> = Vec::new();
     let mut bytes = 0;
     for (i, (_, shape, dtype)) in params.iter().enumerate() {
@@ -354,7 +357,7 @@ fn plan_buckets(params: &[(ParamId, Vec<usize>, DType)], bucket_bytes: usize) ->
     buckets
 }
 
-struct ParamLister<'a>(&'a mut Vec<(ParamId, Vec<usize>, DType)>);
+pub(crate) struct ParamLister<'a>(pub(crate) &'a mut Vec<(ParamId, Vec<usize>, DType)>);
 
 /// Whether `param` is frozen: on an autodiff device but not requiring a gradient. (On a device
 /// without autodiff no tensor tracks gradients, so nothing is considered frozen there.)

@@ -53,6 +53,7 @@ pub mod init;
 pub mod kernels;
 pub mod malloc;
 pub mod nn;
+pub mod overlap;
 pub mod plan;
 pub mod planner;
 pub mod threads;
