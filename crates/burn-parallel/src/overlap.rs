@@ -100,10 +100,11 @@ use crate::error::{CollectiveError, Result};
 use crate::group::{ProcessGroup, tensor_from_data};
 
 /// What a gradient hook is told when its backward step runs.
+#[derive(Debug)]
 pub struct HookEvent {
     /// The autodiff depth (Burn's `order`) of the hook's node: backward runs deeper steps first.
     pub order: usize,
-    /// The gradient, on the host (when the hook asked for it).
+    /// The gradient on the host, for a hook made with [`GradHook::take`].
     pub grad: Option<TensorData>,
 }
 
@@ -111,20 +112,35 @@ pub struct HookEvent {
 #[derive(Clone)]
 pub struct GradHook {
     name: &'static str,
-    wants_data: bool,
+    take: bool,
     f: Arc<dyn Fn(HookEvent) + Send + Sync>,
 }
 
 impl GradHook {
-    /// A hook that receives the gradient on the host (`wants_data`) or only its depth.
-    pub fn new(
-        name: &'static str,
-        wants_data: bool,
-        f: impl Fn(HookEvent) + Send + Sync + 'static,
-    ) -> Self {
+    /// A hook that sees when backward reaches it (and its depth); the gradient goes on to the
+    /// input unchanged.
+    ///
+    /// # Arguments
+    /// * `name` - for debugging output.
+    /// * `f` - called once, in backward, with the hook's depth (`grad` is `None`).
+    pub fn observe(name: &'static str, f: impl Fn(HookEvent) + Send + Sync + 'static) -> Self {
         Self {
             name,
-            wants_data,
+            take: false,
+            f: Arc::new(f),
+        }
+    }
+
+    /// A hook that takes the gradient: `f` receives it on the host, and the input gets no
+    /// gradient through this path (nothing is kept twice). [`OverlappedDdp`]'s hooks are these.
+    ///
+    /// # Arguments
+    /// * `name` - for debugging output.
+    /// * `f` - called once, in backward, with the gradient.
+    pub fn take(name: &'static str, f: impl Fn(HookEvent) + Send + Sync + 'static) -> Self {
+        Self {
+            name,
+            take: true,
             f: Arc::new(f),
         }
     }
@@ -136,8 +152,9 @@ impl fmt::Debug for GradHook {
     }
 }
 
-/// The backend extension of the gradient hook: an identity whose backward step calls a hook
-/// with the gradient, and passes the gradient on unchanged. The `anchor` is an untracked
+/// The backend extension of the gradient hook: an identity whose backward step calls a hook,
+/// and either passes the gradient on unchanged ([`GradHook::observe`]) or hands it to the hook
+/// ([`GradHook::take`]). The `anchor` is an untracked
 /// tensor whose autodiff depth sets the hook's own depth (depth = anchor's + 1): Burn runs the
 /// backward by depth, deepest first, so the anchor decides when the hook runs.
 #[backend_extension(
@@ -173,17 +190,16 @@ impl<B: HookBackend> Backward<B, 2> for HookBackward {
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [parent, _anchor] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
-        let host = ops.state.wants_data.then(|| {
-            try_read_sync(B::float_into_data(grad.clone()))
-                .expect("reading a gradient on the host")
-                .expect("reading a gradient on the host")
-        });
-        (ops.state.f)(HookEvent {
-            order: ops.node.order,
-            grad: host,
-        });
-        if let Some(parent) = parent {
-            grads.register::<B>(parent.id, grad);
+        let order = ops.node.order;
+        if ops.state.take {
+            // Moved, not cloned: on host backends the gradient's storage becomes the data.
+            let host = try_read_sync(B::float_into_data(grad)).and_then(|r| r.ok());
+            (ops.state.f)(HookEvent { order, grad: host });
+        } else {
+            (ops.state.f)(HookEvent { order, grad: None });
+            if let Some(parent) = parent {
+                grads.register::<B>(parent.id, grad);
+            }
         }
     }
 }
@@ -207,8 +223,38 @@ impl<B: HookBackend, C: CheckpointStrategy> HookBackend for Autodiff<B, C> {
     }
 }
 
-/// `x`, with `hook` run in backward when the gradient of this node is complete; `anchor`
-/// (untracked) sets the depth of the hook's node.
+/// `x` unchanged, with `hook` run in backward once the gradient of the returned tensor is
+/// complete (after the backward of every use of it).
+///
+/// # Arguments
+/// * `x` - the tensor to watch (returned as is when it is not tracked by autodiff).
+/// * `anchor` - an untracked tensor on `x`'s device: the hook's autodiff depth is one more than
+///   the larger of `x`'s and `anchor`'s, and Burn's backward runs deeper steps first, so a
+///   deeper anchor runs the hook earlier (`Tensor::zeros([1], &device)` has depth 0).
+/// * `hook` - [`GradHook::observe`] or [`GradHook::take`].
+///
+/// # Returns
+/// `x`, as a new node of the graph.
+///
+/// # Example
+/// ```
+/// use std::sync::{Arc, Mutex};
+/// use burn::tensor::{Device, Tensor};
+/// use burn_parallel::overlap::{GradHook, grad_hook};
+///
+/// let device = Device::flex().autodiff();
+/// let w = Tensor::<1>::from_floats([1.0, 2.0], &device).require_grad();
+/// let seen = Arc::new(Mutex::new(None));
+/// let hook = {
+///     let seen = seen.clone();
+///     GradHook::take("w", move |event| *seen.lock().unwrap() = event.grad)
+/// };
+/// let hooked = grad_hook(w.clone(), &Tensor::zeros([1], &device), hook);
+/// // Used twice: the hook runs once, with the sum of both uses' gradients.
+/// let _ = (hooked.clone() * 3.0 + hooked).sum().backward();
+/// let grad = seen.lock().unwrap().take().unwrap();
+/// assert_eq!(grad.to_vec::<f32>().unwrap(), vec![4.0, 4.0]);
+/// ```
 pub fn grad_hook<const D: usize>(x: Tensor<D>, anchor: &Tensor<1>, hook: GradHook) -> Tensor<D> {
     if !x.is_tracked() {
         return x;
@@ -649,10 +695,12 @@ impl OverlapStep {
     }
 
     /// `module` with each trainable parameter behind a gradient hook, for the forward of the
-    /// (last) micro-step. The hooked module shares the parameters of `module`: the graph's
-    /// leaves are `module`'s, so `GradientsParams::from_grads(grads, &module)` still finds the
-    /// local gradients and the optimizer steps `module`. Use the hooked module for one forward
-    /// and drop it.
+    /// (last) micro-step. The hooked module shares the parameters of `module` (the graph's
+    /// leaves are `module`'s own, so the optimizer steps `module`), but the hooks take their
+    /// gradients: Burn's `Gradients` hold none for them, [`Self::finish`] returns the averaged
+    /// ones. Use the hooked module for one forward, in place of `module` (a parameter used
+    /// through `module` directly in the same forward would miss that use's gradient), and drop
+    /// it.
     ///
     /// # Arguments
     /// * `module` - usually `model.clone()`.
@@ -677,7 +725,8 @@ impl OverlapStep {
     /// * `loss` - computed with the module from [`Self::hook`].
     ///
     /// # Returns
-    /// Burn's gradients, with the local (not averaged) gradients of the parameters.
+    /// Burn's gradients (of tracked tensors other than the hooked parameters, whose gradients
+    /// went to the buckets).
     pub fn backward(&self, loss: Tensor<1>) -> burn::tensor::Gradients {
         {
             // Parameters the forward never touched have no hook: they will get no gradient
@@ -703,7 +752,7 @@ impl OverlapStep {
         let measured = Arc::new(Mutex::new(None));
         let probe = {
             let measured = measured.clone();
-            GradHook::new("loss depth", false, move |event| {
+            GradHook::observe("loss depth", move |event| {
                 *lock(&measured) = Some(event.order);
             })
         };
@@ -855,7 +904,7 @@ fn hooked_value<const D: usize>(
     guard.hooks_created += 1;
     let anchor = lock(depth).anchor_for(k, &value.device());
     let weak: Weak<Mutex<Fill>> = Arc::downgrade(fill);
-    let hook = GradHook::new("overlap", true, move |event| {
+    let hook = GradHook::take("overlap", move |event| {
         if let Some(fill) = weak.upgrade() {
             lock(&fill).on_grad(index, event.grad);
         }
