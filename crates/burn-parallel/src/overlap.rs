@@ -741,12 +741,12 @@ impl OverlapStep {
             }
             fill.launch_ready();
         }
+        let hooks = lock(&self.fill).hooks_created;
         let mut depth = lock(&self.depth);
         if depth.calibration.is_some() || !loss.is_tracked() {
             drop(depth);
             return loss.backward();
         }
-        let hooks = lock(&self.fill).hooks_created;
         let anchor = depth.anchor_for(0, &loss.device());
         drop(depth);
         let measured = Arc::new(Mutex::new(None));

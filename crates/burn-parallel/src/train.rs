@@ -54,6 +54,7 @@ use crate::ddp::DistributedDataParallel;
 use crate::error::Result;
 use crate::group::ProcessGroup;
 use crate::nn::TpContext;
+use crate::overlap::OverlappedDdp;
 
 /// What a step reports.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -135,6 +136,7 @@ pub struct TrainStep {
     ddp: Option<DistributedDataParallel>,
     fsdp: Option<(DataShards, Option<ProcessGroup>)>,
     max_grad_norm: Option<f64>,
+    overlap: Option<OverlappedDdp>,
 }
 
 impl TrainStep {
@@ -146,6 +148,7 @@ impl TrainStep {
             ddp: None,
             fsdp: None,
             max_grad_norm: None,
+            overlap: None,
         }
     }
 
@@ -169,6 +172,14 @@ impl TrainStep {
     /// Uses `ddp` (for its bucket size) for the data-parallel reduction.
     pub fn with_ddp(mut self, ddp: DistributedDataParallel) -> Self {
         self.ddp = Some(ddp);
+        self
+    }
+
+    /// Averages gradients over `overlap`'s group *during* backward (see [`crate::overlap`]) in
+    /// [`Self::step_with`], in place of [`Self::with_data_parallel`]'s reduction after it.
+    /// Not with [`Self::with_fsdp`] (its units reduce in their own backward).
+    pub fn with_overlap(mut self, overlap: OverlappedDdp) -> Self {
+        self.overlap = Some(overlap);
         self
     }
 
@@ -204,6 +215,17 @@ impl TrainStep {
         model: &M,
         grads: GradientsParams,
     ) -> Result<(GradientsParams, Option<f64>)> {
+        self.reduce_with(model, grads, true)
+    }
+
+    /// [`Self::reduce`], with the data-parallel average left out (`data_parallel: false`) for
+    /// gradients that arrive averaged already.
+    fn reduce_with<M: Module>(
+        &self,
+        model: &M,
+        grads: GradientsParams,
+        data_parallel: bool,
+    ) -> Result<(GradientsParams, Option<f64>)> {
         let mut grads = self.tp.sync_gradients(grads)?;
         // FSDP shards leave the data-parallel all-reduce: they are averaged over their shard
         // group already, and only over the replicate group here.
@@ -217,8 +239,8 @@ impl TrainStep {
             }
         }
         let mut grads = match &self.ddp {
-            Some(ddp) => ddp.all_reduce_grads(model, grads)?,
-            None => grads,
+            Some(ddp) if data_parallel => ddp.all_reduce_grads(model, grads)?,
+            _ => grads,
         };
         for (id, g) in sharded {
             let g = match self.fsdp.as_ref().and_then(|(_, r)| r.as_ref()) {
@@ -255,6 +277,63 @@ impl TrainStep {
             None => local,
         };
         let (grads, grad_norm) = self.gradients(&model, loss)?;
+        let model = optim.step(lr, model, grads);
+        Ok((
+            model,
+            StepOutput {
+                loss: loss_avg,
+                grad_norm,
+            },
+        ))
+    }
+
+    /// One step whose forward is `forward`, run on the model it is given: with
+    /// [`Self::with_overlap`], a hooked copy of `model` whose gradients are averaged over the
+    /// data-parallel group while backward runs; otherwise `model` itself, then as
+    /// [`Self::step`].
+    ///
+    /// # Arguments
+    /// * `model` - the model to train.
+    /// * `forward` - computes this rank's loss with the module it receives.
+    /// * `optim`, `lr` - the optimizer and learning rate.
+    ///
+    /// # Returns
+    /// The updated model and the step's [`StepOutput`].
+    ///
+    /// # Errors
+    /// `forward`'s error, collective errors (converted into `E`, for example
+    /// [`crate::TpError`]), and [`crate::CollectiveError::InvalidArgument`] for overlap together
+    /// with FSDP units.
+    pub fn step_with<M: Module, E: From<crate::CollectiveError>>(
+        &self,
+        model: M,
+        forward: impl FnOnce(&M) -> std::result::Result<Tensor<1>, E>,
+        optim: &mut ModuleOptimizer,
+        lr: f64,
+    ) -> std::result::Result<(M, StepOutput), E> {
+        let Some(overlap) = &self.overlap else {
+            let loss = forward(&model)?;
+            return Ok(self.step(model, loss, optim, lr)?);
+        };
+        if self.fsdp.is_some() {
+            return Err(E::from(crate::CollectiveError::InvalidArgument {
+                rank: overlap.group().global_rank(),
+                op: "TrainStep::step_with".into(),
+                reason: "overlapped data parallelism does not combine with FSDP units; drop \
+                         with_overlap or with_fsdp"
+                    .into(),
+            }));
+        }
+        let pending = overlap.start(&model)?;
+        let hooked = pending.hook(model.clone());
+        let loss = forward(&hooked)?;
+        let local = loss.clone().into_scalar::<f32>();
+        pending.backward(loss);
+        drop(hooked);
+        // On the group itself: the buckets travel on a sub-group of their own meanwhile.
+        let loss_avg = overlap.group().all_reduce_f32(vec![local], ReduceOp::Avg)?[0];
+        let grads = pending.finish(&model)?;
+        let (grads, grad_norm) = self.reduce_with(&model, grads, false)?;
         let model = optim.step(lr, model, grads);
         Ok((
             model,

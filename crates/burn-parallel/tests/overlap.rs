@@ -524,3 +524,77 @@ fn misuse_is_a_typed_error() {
     assert!(empty.contains("nothing to reduce"), "{empty}");
     assert!(late.contains("accumulate was called after hook"), "{late}");
 }
+
+/// `TrainStep::step_with` with `with_overlap` gives the losses, gradient norms and parameters
+/// of the plain data-parallel `TrainStep` (AdamW, global-norm clipping that bites), 2 and 3
+/// ranks.
+#[test]
+fn train_step_with_overlap_matches_train_step() {
+    use burn_parallel::init::{Init, LinearInit};
+    use burn_parallel::train::TrainStep;
+
+    #[derive(Module, Debug)]
+    struct Two {
+        fc1: burn_parallel::nn::Linear,
+        fc2: burn_parallel::nn::Linear,
+    }
+
+    fn run(ranks: usize, overlap: bool) -> Vec<(Vec<(f32, Option<f64>)>, Vec<Vec<f32>>)> {
+        run_local(ranks, |group| {
+            let device = Device::flex().autodiff();
+            let init = Init::new(7, &device);
+            let mut model = Two {
+                fc1: init.linear("fc1", LinearInit::new(3, 8)).unwrap(),
+                fc2: init.linear("fc2", LinearInit::new(8, 1)).unwrap(),
+            };
+            let mut step = TrainStep::new(init.context())
+                .with_data_parallel(group.clone())
+                .with_clip(Some(0.005));
+            if overlap {
+                step = step.with_overlap(OverlappedDdp::new(group.clone()).with_bucket_bytes(64));
+            }
+            let mut optim = AdamWConfig::new().init();
+            let mut out = Vec::new();
+            for s in 0..4 {
+                let (x, y) = batch(s, 0, group.rank(), &device);
+                let (next, report) = step
+                    .step_with(
+                        model,
+                        |m: &Two| {
+                            let h = m.fc1.forward(x)?.tanh();
+                            let err = m.fc2.forward(h)? - y;
+                            Ok::<_, burn_parallel::TpError>((err.clone() * err).mean())
+                        },
+                        &mut optim,
+                        1e-2,
+                    )
+                    .unwrap();
+                model = next;
+                out.push((report.loss, report.grad_norm));
+            }
+            let mut params = Vec::new();
+            for p in [model.fc1.weight.val(), model.fc2.weight.val()] {
+                params.push(p.into_data().try_to_vec::<f32>().unwrap());
+            }
+            Ok((out, params))
+        })
+        .unwrap()
+    }
+    for ranks in [2, 3] {
+        let plain = run(ranks, false);
+        let over = run(ranks, true);
+        for (p, o) in plain.iter().zip(&over) {
+            for ((lp, np), (lo, no)) in p.0.iter().zip(&o.0) {
+                assert!(close(*lp, *lo), "loss {lp} vs {lo}");
+                let (np, no) = (np.unwrap(), no.unwrap());
+                assert!((np - no).abs() <= 1e-5 * np.max(1.0), "norm {np} vs {no}");
+                assert!(np > 0.005, "clipping is active: {np}");
+            }
+            for (a, b) in p.1.iter().zip(&o.1) {
+                for (x, y) in a.iter().zip(b) {
+                    assert!(close(*x, *y), "parameter {x} vs {y}");
+                }
+            }
+        }
+    }
+}
