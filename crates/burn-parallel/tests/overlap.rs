@@ -539,7 +539,10 @@ fn train_step_with_overlap_matches_train_step() {
         fc2: burn_parallel::nn::Linear,
     }
 
-    fn run(ranks: usize, overlap: bool) -> Vec<(Vec<(f32, Option<f64>)>, Vec<Vec<f32>>)> {
+    /// Per step (loss, gradient norm), and the final weights.
+    type Outcome = (Vec<(f32, Option<f64>)>, Vec<Vec<f32>>);
+
+    fn run(ranks: usize, overlap: bool) -> Vec<Outcome> {
         run_local(ranks, |group| {
             let device = Device::flex().autodiff();
             let init = Init::new(7, &device);
