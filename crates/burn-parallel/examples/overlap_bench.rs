@@ -4,12 +4,12 @@
 //!
 //! ```text
 //! cargo run --release -p burn-parallel --example overlap_bench -- [--width 1024] [--layers 6]
-//!     [--batch 16] [--steps 12] [--bucket-mb 4] [--mode threads|tcp|both]
+//!     [--batch 16] [--steps 30] [--bucket-mb 4] [--mode threads|tcp|both]
 //! ```
 //!
-//! Each rank runs, after two unmeasured steps, rounds of `--steps` steps of each path in turn
-//! (after backward, overlapped, and compute only: the same step without any communication,
-//! the floor) behind a barrier, and rank 0 prints the median step time of each path, the ratio
+//! Each rank runs, after two unmeasured steps, `--steps` steps of each path (after backward,
+//! overlapped, and compute only: the same step without any communication, the floor),
+//! interleaved step by step in a rotating order, each behind a barrier, and rank 0 prints the median step time of each path, the ratio
 //! overlapped / after backward, and the communication left exposed after backward (the time in
 //! `all_reduce_grads`, resp. in `OverlapStep::finish`). One JSON line per mode follows with
 //! `--json`.
@@ -59,7 +59,7 @@ fn parse() -> Result<(Args, bool), String> {
         width: 1024,
         layers: 6,
         batch: 16,
-        steps: 12,
+        steps: 30,
         bucket_mb: 4.0,
         threads: true,
         tcp: true,
@@ -130,11 +130,14 @@ fn bench(group: &ProcessGroup, a: Args) -> burn_parallel::Result<Figures> {
     let mut times: [Vec<Duration>; 3] = Default::default();
     let mut exposed: [Vec<Duration>; 2] = Default::default();
     let mut buckets = 0;
-    let rounds = 3;
-    for round in 0..=rounds {
-        for (p, path) in paths.iter().enumerate() {
-            let steps = if round == 0 { 2 } else { a.steps };
-            for _ in 0..steps {
+    // Two unmeasured steps, then `steps` measured ones; each runs the three paths, in an
+    // order that rotates, so that a change of load (other processes) hits all three alike.
+    for iter in 0..2 + a.steps {
+        let measured = iter >= 2;
+        for shift in 0..paths.len() {
+            let p = (iter + shift) % paths.len();
+            let path = paths[p];
+            {
                 group.barrier()?;
                 let start = Instant::now();
                 let model = models[p].clone();
@@ -144,7 +147,7 @@ fn bench(group: &ProcessGroup, a: Args) -> burn_parallel::Result<Figures> {
                         let grads = GradientsParams::from_grads(loss.backward(), &model);
                         let comm = Instant::now();
                         let grads = ddp.all_reduce_grads(&model, grads)?;
-                        if round > 0 {
+                        if measured {
                             exposed[0].push(comm.elapsed());
                         }
                         grads
@@ -162,14 +165,14 @@ fn bench(group: &ProcessGroup, a: Args) -> burn_parallel::Result<Figures> {
                         drop(hooked);
                         let comm = Instant::now();
                         let grads = step.finish(&model)?;
-                        if round > 0 {
+                        if measured {
                             exposed[1].push(comm.elapsed());
                         }
                         grads
                     }
                 };
                 models[p] = optims[p].step(1e-3, model, grads);
-                if round > 0 {
+                if measured {
                     times[p].push(start.elapsed());
                 }
             }
@@ -200,7 +203,7 @@ fn report(mode: &str, a: Args, (t, e, buckets): Figures) {
         a.batch
     );
     println!(
-        "  step (median of {} x 3): after backward {:.1} ms, overlapped {:.1} ms, compute only {:.1} ms",
+        "  step (median of {}): after backward {:.1} ms, overlapped {:.1} ms, compute only {:.1} ms",
         a.steps,
         ms(t[0]),
         ms(t[1]),
