@@ -69,6 +69,9 @@
 //!   buckets without communicating; the hooked last micro-step completes them.
 //! - A failed all-reduce ends [`OverlapStep::finish`] with its typed error (never a hang: every
 //!   collective has the group's timeout). Backward itself never fails because of communication.
+//!
+//! Not for the flat shards of FSDP units (their gradients arrive averaged over the shard group
+//! from the units' own backward); `TrainStep::with_overlap` refuses that combination.
 
 #![cfg_attr(feature = "ndarray", allow(deprecated))]
 
