@@ -229,6 +229,27 @@ fn fold_lanes(acc: [f32; LANES], op: impl Fn(f32, f32) -> f32) -> f32 {
     op(op(a[0], a[2]), op(a[1], a[3]))
 }
 
+/// Folds `x` with `step` into [`LANES`] independent accumulators (then the remainder into
+/// their combination): the shape of every reduction here. `#[inline(always)]`, so that it and
+/// its closures are compiled into each [`hot_loop!`] version.
+#[inline(always)]
+fn fold_lanes8(
+    x: &[f32],
+    init: f32,
+    step: impl Fn(f32, f32) -> f32,
+    combine: impl Fn(f32, f32) -> f32,
+) -> f32 {
+    let mut acc = [init; LANES];
+    let mut chunks = x.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (&v, a) in c.iter().zip(acc.iter_mut()) {
+            *a = step(*a, v);
+        }
+    }
+    let folded = fold_lanes(acc, combine);
+    chunks.remainder().iter().fold(folded, |a, &v| step(a, v))
+}
+
 hot_loop! {
     /// `row[i] = exp(row[i] - shift)` in place; returns the sum.
     fn exp_shifted(row: &mut [f32], shift: f32) -> f32 {
@@ -261,36 +282,14 @@ hot_loop! {
 hot_loop! {
     /// `sum exp(x[i] - shift)`.
     fn sum_exp(x: &[f32], shift: f32) -> f32 {
-        let mut acc = [0.0f32; LANES];
-        let mut chunks = x.chunks_exact(LANES);
-        for c in &mut chunks {
-            for (&v, a) in c.iter().zip(acc.iter_mut()) {
-                *a += exp(v - shift);
-            }
-        }
-        let mut sum = fold_lanes(acc, |a, b| a + b);
-        for &v in chunks.remainder() {
-            sum += exp(v - shift);
-        }
-        sum
+        fold_lanes8(x, 0.0, |a, v| a + exp(v - shift), |a, b| a + b)
     }
 }
 
 hot_loop! {
     /// The largest element (`-inf` for an empty slice).
     fn max_of(x: &[f32]) -> f32 {
-        let mut acc = [f32::NEG_INFINITY; LANES];
-        let mut chunks = x.chunks_exact(LANES);
-        for c in &mut chunks {
-            for (&v, a) in c.iter().zip(acc.iter_mut()) {
-                *a = if v > *a { v } else { *a };
-            }
-        }
-        let mut max = fold_lanes(acc, f32::max);
-        for &v in chunks.remainder() {
-            max = max.max(v);
-        }
-        max
+        fold_lanes8(x, f32::NEG_INFINITY, |a, v| if v > a { v } else { a }, f32::max)
     }
 }
 
@@ -315,36 +314,14 @@ hot_loop! {
 hot_loop! {
     /// `sum x[i]`.
     fn sum_of(x: &[f32]) -> f32 {
-        let mut acc = [0.0f32; LANES];
-        let mut chunks = x.chunks_exact(LANES);
-        for c in &mut chunks {
-            for (&v, a) in c.iter().zip(acc.iter_mut()) {
-                *a += v;
-            }
-        }
-        let mut sum = fold_lanes(acc, |p, q| p + q);
-        for &v in chunks.remainder() {
-            sum += v;
-        }
-        sum
+        fold_lanes8(x, 0.0, |a, v| a + v, |a, b| a + b)
     }
 }
 
 hot_loop! {
     /// `sum (x[i] - shift)^2`.
     fn squared_deviation(x: &[f32], shift: f32) -> f32 {
-        let mut acc = [0.0f32; LANES];
-        let mut chunks = x.chunks_exact(LANES);
-        for c in &mut chunks {
-            for (&v, a) in c.iter().zip(acc.iter_mut()) {
-                *a += (v - shift) * (v - shift);
-            }
-        }
-        let mut sum = fold_lanes(acc, |p, q| p + q);
-        for &v in chunks.remainder() {
-            sum += (v - shift) * (v - shift);
-        }
-        sum
+        fold_lanes8(x, 0.0, |a, v| a + (v - shift) * (v - shift), |a, b| a + b)
     }
 }
 
