@@ -502,6 +502,20 @@ fn flex_linear_matches_naive_math() {
     check_linear(&dev, [3, 67, 130], 129, 1e-5);
 }
 
+/// On a backend without the fused kernels (NdArray), `linear`, `attention` and `gelu` run as
+/// Burn's composed operations instead of failing (the plan-aware `Linear` calls `linear` on
+/// every backend).
+#[cfg(feature = "ndarray")]
+#[test]
+#[allow(deprecated)] // Burn 0.22 deprecates NdArray; users still run it.
+fn ndarray_falls_back_to_composed_operations() {
+    let dev = Device::ndarray().autodiff();
+    assert!(!kernels::supported(&dev));
+    check_linear(&dev, [2, 5, 7], 3, 1e-5);
+    check_attention(&dev, [1, 2, 9, 4], 9, true, 1e-5);
+    check_gelu(&dev, [3, 5, 7], 1e-5);
+}
+
 #[test]
 fn flex_gelu_matches_naive_math() {
     let dev = Device::flex().autodiff();

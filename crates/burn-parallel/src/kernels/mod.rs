@@ -1205,6 +1205,25 @@ pub fn swiglu<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> KernelResult<Tensor
     Ok(Tensor::<1>::from_dispatch(y).reshape(dims))
 }
 
+/// Whether `device`'s backend implements [`FusedKernels`] in this build: Flex, and the CubeCL
+/// backends with the `wgpu`/`cuda`/`cpu` features (autodiff or not). [`linear`], [`attention`]
+/// and [`gelu`] run as Burn's composed operations elsewhere (NdArray, for instance).
+///
+/// ```
+/// use burn::tensor::Device;
+/// assert!(burn_parallel::kernels::supported(&Device::flex().autodiff()));
+/// ```
+pub fn supported(device: &burn::tensor::Device) -> bool {
+    use burn::backend::DispatchDevice;
+    #[allow(unreachable_patterns)]
+    match device.as_dispatch().clone().inner() {
+        DispatchDevice::Flex(_) => true,
+        #[cfg(feature = "cube")]
+        DispatchDevice::Cube(_) => true,
+        _ => false,
+    }
+}
+
 /// GELU, element-wise, fused forward and backward: exact (`x/2 (1 + erf(x / sqrt 2))`, Burn's
 /// `gelu`) or, with `approximate`, GPT-2's tanh form (Burn's `gelu_approximate`). On Flex the
 /// forward is one pass and the backward one pass, where the composed form runs a dozen.
@@ -1219,6 +1238,9 @@ pub fn swiglu<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> KernelResult<Tensor
 /// y.into_data().assert_approx_eq::<f32>(&expected.into_data(), Default::default());
 /// ```
 pub fn gelu<const D: usize>(x: Tensor<D>, approximate: bool) -> Tensor<D> {
+    if !supported(&x.device()) {
+        return reference::gelu_forward(x, approximate);
+    }
     let dims = x.dims();
     let n = x.shape().num_elements();
     let y = Dispatch::fused_gelu_forward(x.reshape([n]).into_dispatch(), approximate);
@@ -1270,6 +1292,9 @@ pub fn linear<const D: usize>(
         dtypes.push(("bias", b.dtype()));
     }
     same_dtype(op, &dtypes)?;
+    if !supported(&x.device()) {
+        return Ok(burn::tensor::module::linear(x, w, b));
+    }
     let rows = dims[..D - 1].iter().product::<usize>();
     let has_bias = b.is_some();
     let b = b.unwrap_or_else(|| Tensor::<1>::zeros([n], &w.device()).cast(w.dtype()));
@@ -1339,6 +1364,12 @@ pub fn attention(
     }
     same_dtype(op, &[("q", q.dtype()), ("k", k.dtype()), ("v", v.dtype())])?;
     let scale = 1.0 / (d as f64).sqrt();
+    if !supported(&q.device()) {
+        let flat = |t: Tensor<4>, t_len: usize| t.reshape([b * h, t_len, d]);
+        let (out, _) =
+            reference::attention_forward(flat(q, tq), flat(k, tk), flat(v, tk), causal, scale);
+        return Ok(out.reshape([b, h, tq, d]));
+    }
     let flat = |t: Tensor<4>, t_len: usize| t.reshape([b * h, t_len, d]).into_dispatch();
     let (out, _lse) =
         Dispatch::fused_attention_forward(flat(q, tq), flat(k, tk), flat(v, tk), causal, scale);
