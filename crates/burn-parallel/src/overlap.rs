@@ -41,7 +41,7 @@
 //! Flex (or NdArray) parameter panics in `Dispatch::set_distributed_params` because only the
 //! Cube and Remote backends are listed as distributed in burn-backend-extension's catalog; and
 //! the sync server that would run the reduction calls the backend's in-process
-//! `DistributedOps::all_reduce`, which is `unimplemented!()` for Flex and has no notion of a
+//! `DistributedOps::all_reduce`, which Flex does not implement (Burn's default panics) and has no notion of a
 //! process group. `tests/overlap.rs` checks the panic.
 //!
 //! # When the hooks run
