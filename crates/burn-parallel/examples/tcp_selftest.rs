@@ -11,7 +11,10 @@
 //! - `exit RANK [CODE]`: rank `RANK` exits with status `CODE` (default 3) without closing its
 //!   group, as a crash would; the other ranks report the failure they see, then sleep (as if
 //!   stuck elsewhere) until `burnrun` stops them.
-//! - `panic RANK`: rank `RANK` panics; the others behave as above.
+//! - `crash RANK [CODE]`: rank `RANK` exits with status `CODE` (default 3); the others exit
+//!   with status 1 as soon as their collective reports the failure, as a program that passes
+//!   the error up with `?` does. The job's status must still be `CODE`.
+//! - `panic RANK`: rank `RANK` panics; the others report the failure, then sleep.
 //! - `sleep`: every rank sleeps for a minute after joining (to test signal forwarding).
 //!
 //! The same code runs in the `burnrun` integration test (`tests/burnrun.rs` includes this file).
@@ -26,8 +29,10 @@ use burn_parallel::{ProcessGroup, ReduceOp, init_from_env};
 pub enum Plan {
     /// Run the checks and print `OK`.
     Check,
-    /// Rank `rank` exits with `code`.
+    /// Rank `rank` exits with `code`; the others sleep after seeing it.
     Exit { rank: usize, code: i32 },
+    /// Rank `rank` exits with `code`; the others exit with 1 right after seeing it.
+    Crash { rank: usize, code: i32 },
     /// Rank `rank` panics.
     Panic { rank: usize },
     /// Every rank sleeps.
@@ -39,7 +44,7 @@ pub enum Plan {
 /// # Errors
 /// A usage message.
 pub fn parse(args: &[String]) -> Result<Plan, String> {
-    let usage = "usage: tcp_selftest [exit RANK [CODE] | panic RANK | sleep]";
+    let usage = "usage: tcp_selftest [exit RANK [CODE] | crash RANK [CODE] | panic RANK | sleep]";
     let number = |s: Option<&String>| -> Result<i64, String> {
         s.ok_or_else(|| usage.to_string())?
             .parse()
@@ -47,10 +52,15 @@ pub fn parse(args: &[String]) -> Result<Plan, String> {
     };
     match args.first().map(String::as_str) {
         None => Ok(Plan::Check),
-        Some("exit") => Ok(Plan::Exit {
-            rank: number(args.get(1))? as usize,
-            code: args.get(2).map_or(Ok(3), |_| number(args.get(2)))? as i32,
-        }),
+        Some(kind @ ("exit" | "crash")) => {
+            let rank = number(args.get(1))? as usize;
+            let code = args.get(2).map_or(Ok(3), |_| number(args.get(2)))? as i32;
+            Ok(if kind == "exit" {
+                Plan::Exit { rank, code }
+            } else {
+                Plan::Crash { rank, code }
+            })
+        }
         Some("panic") => Ok(Plan::Panic {
             rank: number(args.get(1))? as usize,
         }),
@@ -94,13 +104,13 @@ pub fn run(args: &[String]) -> i32 {
                 1
             }
         },
-        Plan::Exit { rank, .. } | Plan::Panic { rank } => {
+        Plan::Exit { rank, .. } | Plan::Crash { rank, .. } | Plan::Panic { rank } => {
             if let Err(e) = group.barrier() {
                 eprintln!("error: {e}");
                 return 1;
             }
             if group.rank() == rank {
-                if let Plan::Exit { code, .. } = plan {
+                if let Plan::Exit { code, .. } | Plan::Crash { code, .. } = plan {
                     eprintln!("exiting with status {code} on purpose");
                     std::process::exit(code);
                 }
@@ -110,7 +120,9 @@ pub fn run(args: &[String]) -> i32 {
                 Ok(_) => eprintln!("the failure of rank {rank} went unnoticed"),
                 Err(e) => eprintln!("saw the failure: {e}"),
             }
-            std::thread::sleep(Duration::from_secs(60));
+            if !matches!(plan, Plan::Crash { .. }) {
+                std::thread::sleep(Duration::from_secs(60));
+            }
             1
         }
         Plan::Sleep => {

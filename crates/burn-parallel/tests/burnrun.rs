@@ -199,6 +199,27 @@ fn a_rank_that_exits_with_3_stops_the_job_with_status_3() {
     }
 }
 
+/// The others fail *because* rank 1 crashed, milliseconds after it (their all-reduce sees the
+/// connection close): burnrun must still blame rank 1 and exit with its status. Before each
+/// exit was reported by its own waiter thread, two exits between two polls were blamed on the
+/// lower rank, here rank 0 (seen in most runs of this test).
+#[test]
+fn the_rank_that_crashed_first_is_blamed_not_the_peers_it_took_down() {
+    for _ in 0..4 {
+        for n in [2, 3] {
+            let outcome = run(burnrun(n, "crash 1 3"));
+            assert_eq!(outcome.code(), Some(3), "{}", outcome.dump());
+            assert!(
+                outcome
+                    .stderr
+                    .contains("rank 1 failed first (exited with status 3)"),
+                "{}",
+                outcome.dump()
+            );
+        }
+    }
+}
+
 #[test]
 fn a_panicking_rank_is_reported_with_its_status() {
     let outcome = run(burnrun(2, "panic 0"));

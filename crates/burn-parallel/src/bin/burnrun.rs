@@ -6,12 +6,13 @@
 //! prefixed with `[rank R] `. When a process fails, the others are stopped and `burnrun` exits
 //! with the failed process's status.
 
+use std::collections::BTreeMap;
 use std::ffi::OsString;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
+use std::sync::{Arc, Mutex, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -89,11 +90,19 @@ struct Args {
     command: Vec<OsString>,
 }
 
-/// A started process of the job.
+/// A started process of the job. Its `Child` is owned by the thread that waits for it.
 struct Rank {
     rank: u32,
-    child: Child,
+    pid: u32,
     status: Option<ExitStatus>,
+}
+
+/// What the supervisor reacts to, in the order it happened.
+enum Event {
+    /// burnrun received this signal.
+    Signal(i32),
+    /// A rank's process ended (or could not be waited for).
+    Exited(u32, io::Result<ExitStatus>),
 }
 
 fn main() {
@@ -172,7 +181,7 @@ fn run(args: Args) -> i32 {
     };
 
     // Handle signals before any process exists, so none is missed.
-    let (events, receiver) = mpsc::channel::<i32>();
+    let (events, receiver) = mpsc::channel::<Event>();
     let mut signals = match Signals::new([SIGINT, SIGTERM, SIGHUP]) {
         Ok(signals) => signals,
         Err(e) => {
@@ -181,11 +190,12 @@ fn run(args: Args) -> i32 {
         }
     };
     let signal_handle = signals.handle();
+    let signal_events = events.clone();
     thread::Builder::new()
         .name("signals".into())
         .spawn(move || {
             for signal in signals.forever() {
-                if events.send(signal).is_err() {
+                if signal_events.send(Event::Signal(signal)).is_err() {
                     break;
                 }
             }
@@ -193,6 +203,7 @@ fn run(args: Args) -> i32 {
         .expect("spawning the signal thread");
 
     let (output_done, output_finished) = mpsc::channel::<()>();
+    let causes = Causes::default();
     let mut ranks: Vec<Rank> = Vec::new();
     let mut outputs = 0;
     for local in 0..args.nproc_per_node {
@@ -222,8 +233,13 @@ fn run(args: Args) -> i32 {
                     args.command[0]
                 ));
                 signal_all(&ranks, SIGKILL);
-                for r in &mut ranks {
-                    let _ = r.child.wait();
+                let mut started = ranks.len();
+                while started > 0 {
+                    match receiver.recv() {
+                        Ok(Event::Exited(..)) => started -= 1,
+                        Ok(Event::Signal(_)) => {}
+                        Err(_) => break,
+                    }
                 }
                 return match e.kind() {
                     io::ErrorKind::NotFound => 127,
@@ -235,21 +251,30 @@ fn run(args: Args) -> i32 {
         let prefix = format!("[rank {rank}] ");
         if let Some(stdout) = child.stdout.take() {
             outputs += 1;
-            spawn_forwarder(stdout, prefix.clone(), false, output_done.clone());
+            let to = (rank, prefix.clone());
+            spawn_forwarder(stdout, to, false, causes.clone(), output_done.clone());
         }
         if let Some(stderr) = child.stderr.take() {
             outputs += 1;
-            spawn_forwarder(stderr, prefix, true, output_done.clone());
+            spawn_forwarder(
+                stderr,
+                (rank, prefix),
+                true,
+                causes.clone(),
+                output_done.clone(),
+            );
         }
         ranks.push(Rank {
             rank,
-            child,
+            pid: child.id(),
             status: None,
         });
+        spawn_waiter(child, rank, events.clone());
     }
     drop(output_done);
+    drop(events);
 
-    let code = supervise(&mut ranks, &receiver, grace);
+    let outcome = supervise(&mut ranks, &receiver, grace);
     signal_handle.close();
 
     // Let the forwarders print the last lines, but do not wait on a pipe that a leftover
@@ -264,48 +289,50 @@ fn run(args: Args) -> i32 {
         }
     }
     let _ = io::stdout().flush();
-    code
+    let causes = causes.lock().unwrap_or_else(|e| e.into_inner());
+    outcome.exit_code(&causes)
 }
 
-/// Waits for every rank; stops the others when one fails or a signal arrives. Returns the
-/// exit code of burnrun.
-fn supervise(ranks: &mut [Rank], signals: &mpsc::Receiver<i32>, grace: Duration) -> i32 {
-    let mut first_failure: Option<(u32, ExitStatus)> = None;
+/// Waits for every rank; stops the others when one fails or a signal arrives.
+///
+/// Each process is waited for by its own thread ([`spawn_waiter`]), which reports the exit as
+/// soon as the kernel does, so failures are listed in the order they were seen. That order
+/// alone cannot be trusted to name the crash: the peers it takes down fail milliseconds later,
+/// and on a busy machine their exits can be seen first. [`Outcome::exit_code`] settles it with
+/// what the ranks printed.
+fn supervise(ranks: &mut [Rank], events: &mpsc::Receiver<Event>, grace: Duration) -> Outcome {
+    let mut failures: Vec<(u32, ExitStatus)> = Vec::new();
     let mut received: Option<i32> = None;
     // When the other ranks were asked to stop (SIGTERM), and whether SIGKILL was sent.
     let mut stopping: Option<(Instant, bool)> = None;
-    loop {
-        for r in ranks.iter_mut().filter(|r| r.status.is_none()) {
-            match r.child.try_wait() {
-                Ok(Some(status)) => {
+    while ranks.iter().any(|r| r.status.is_none()) {
+        let wait = match stopping {
+            Some((since, false)) => grace.saturating_sub(since.elapsed()),
+            _ => Duration::from_secs(3600),
+        };
+        match events.recv_timeout(wait) {
+            Ok(Event::Exited(rank, result)) => {
+                let status = result.unwrap_or_else(|e| {
+                    eprint_line(&format!("cannot wait for rank {rank}: {e}"));
+                    ExitStatus::from_raw(1 << 8)
+                });
+                if let Some(r) = ranks.iter_mut().find(|r| r.rank == rank) {
                     r.status = Some(status);
-                    if !status.success() && first_failure.is_none() {
-                        first_failure = Some((r.rank, status));
+                }
+                if !status.success() {
+                    failures.push((rank, status));
+                    if stopping.is_none() {
+                        let alive = ranks.iter().filter(|r| r.status.is_none()).count();
+                        eprint_line(&format!(
+                            "rank {rank} failed ({}); stopping the {alive} other running rank(s)",
+                            describe(status)
+                        ));
+                        signal_all(ranks, SIGTERM);
+                        stopping = Some((Instant::now(), false));
                     }
                 }
-                Ok(None) => {}
-                Err(e) => {
-                    eprint_line(&format!("cannot wait for rank {}: {e}", r.rank));
-                    r.status = Some(ExitStatus::from_raw(1 << 8));
-                }
             }
-        }
-        let alive = ranks.iter().filter(|r| r.status.is_none()).count();
-        if let (Some((rank, status)), None) = (first_failure, stopping) {
-            if received.is_none() {
-                eprint_line(&format!(
-                    "rank {rank} failed first ({}); stopping the {alive} other running rank(s)",
-                    describe(status)
-                ));
-            }
-            signal_all(ranks, SIGTERM);
-            stopping = Some((Instant::now(), false));
-        }
-        if alive == 0 {
-            break;
-        }
-        match signals.recv_timeout(Duration::from_millis(20)) {
-            Ok(signal) => {
+            Ok(Event::Signal(signal)) => {
                 if received.is_none() {
                     eprint_line(&format!(
                         "received {}; forwarding it to the ranks",
@@ -327,7 +354,8 @@ fn supervise(ranks: &mut [Rank], signals: &mpsc::Receiver<i32>, grace: Duration)
                 }
             }
             Err(mpsc::RecvTimeoutError::Timeout) => {}
-            Err(mpsc::RecvTimeoutError::Disconnected) => thread::sleep(Duration::from_millis(20)),
+            // Every waiter and the signal thread are gone: nothing more can be learnt.
+            Err(mpsc::RecvTimeoutError::Disconnected) => break,
         }
         if let Some((since, false)) = stopping
             && since.elapsed() >= grace
@@ -346,17 +374,55 @@ fn supervise(ranks: &mut [Rank], signals: &mpsc::Receiver<i32>, grace: Duration)
             stopping = Some((since, true));
         }
     }
-    match (first_failure, received) {
-        (Some((rank, status)), _) => {
-            let code = exit_code(status);
-            if received.is_none() {
-                eprint_line(&format!("exiting with status {code} of rank {rank}"));
+    Outcome { failures, received }
+}
+
+/// How the job ended, as [`supervise`] saw it.
+struct Outcome {
+    /// The ranks that failed, in the order their exits were seen (before any was stopped).
+    failures: Vec<(u32, ExitStatus)>,
+    /// The first signal burnrun received.
+    received: Option<i32>,
+}
+
+impl Outcome {
+    /// burnrun's exit status: that of the rank that failed first, else 128 + the signal
+    /// received, else 0. A rank that said it failed because another failed rank did (its
+    /// `PeerFailed` error, in `causes`) is passed over for that rank, so a crash is blamed
+    /// rather than the peers it took down, even when their exits were seen first.
+    fn exit_code(&self, causes: &BTreeMap<u32, u32>) -> i32 {
+        let failed = |rank: u32| self.failures.iter().any(|&(r, _)| r == rank);
+        let root = self
+            .failures
+            .iter()
+            .find(|(rank, _)| !causes.get(rank).is_some_and(|&peer| failed(peer)))
+            .or(self.failures.first());
+        match (root, self.received) {
+            (Some(&(rank, status)), received) => {
+                let code = exit_code(status);
+                if received.is_none() {
+                    eprint_line(&format!(
+                        "rank {rank} failed first ({}); exiting with status {code}",
+                        describe(status)
+                    ));
+                }
+                code
             }
-            code
+            (None, Some(signal)) => 128 + signal,
+            (None, None) => 0,
         }
-        (None, Some(signal)) => 128 + signal,
-        (None, None) => 0,
     }
+}
+
+/// Waits for `child` on a thread of its own and reports its exit as soon as it happens.
+fn spawn_waiter(mut child: Child, rank: u32, events: mpsc::Sender<Event>) {
+    thread::Builder::new()
+        .name(format!("wait-rank-{rank}"))
+        .spawn(move || {
+            let status = child.wait();
+            let _ = events.send(Event::Exited(rank, status));
+        })
+        .expect("spawning a waiter thread");
 }
 
 /// Sends `signal` to the process group of every rank (including the processes it started).
@@ -364,7 +430,7 @@ fn supervise(ranks: &mut [Rank], signals: &mpsc::Receiver<i32>, grace: Duration)
 /// unrelated process; an empty group is simply not found.
 fn signal_all(ranks: &[Rank], signal: i32) {
     for r in ranks {
-        let Ok(pid) = libc::pid_t::try_from(r.child.id()) else {
+        let Ok(pid) = libc::pid_t::try_from(r.pid) else {
             continue;
         };
         // SAFETY: kill(2) has no memory-safety preconditions; a negative pid addresses the
@@ -399,11 +465,34 @@ fn die_with_parent(command: &mut Command) {
 #[cfg(not(target_os = "linux"))]
 fn die_with_parent(_command: &mut Command) {}
 
-/// Copies the lines of `from` to burnrun's stdout or stderr, each prefixed.
+/// Which rank each rank said it failed because of, from the
+/// [`CollectiveError::PeerFailed`](burn_parallel::CollectiveError::PeerFailed) lines it printed.
+type Causes = Arc<Mutex<BTreeMap<u32, u32>>>;
+
+/// The rank that `line` says its operation failed because of (the text of
+/// [`CollectiveError::PeerFailed`](burn_parallel::CollectiveError::PeerFailed):
+/// `... aborted because rank N failed: ...`).
+fn blamed_peer(line: &[u8]) -> Option<u32> {
+    const MARK: &[u8] = b"aborted because rank ";
+    let at = line.windows(MARK.len()).position(|w| w == MARK)? + MARK.len();
+    let digits = line[at..].iter().take_while(|b| b.is_ascii_digit()).count();
+    let rest = &line[at + digits..];
+    if digits == 0 || !rest.starts_with(b" failed") {
+        return None;
+    }
+    std::str::from_utf8(&line[at..at + digits])
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// Copies the lines of `from` to burnrun's stdout or stderr, each prefixed. The first peer a
+/// line of rank `rank` blames for its failure goes into `causes`.
 fn spawn_forwarder(
     from: impl Read + Send + 'static,
-    prefix: String,
+    (rank, prefix): (u32, String),
     to_stderr: bool,
+    causes: Causes,
     done: mpsc::Sender<()>,
 ) {
     thread::spawn(move || {
@@ -420,6 +509,10 @@ fn spawn_forwarder(
             }
             if !line.ends_with(b"\n") {
                 line.push(b'\n');
+            }
+            if let Some(peer) = blamed_peer(&line).filter(|&p| p != rank) {
+                let mut causes = causes.lock().unwrap_or_else(|e| e.into_inner());
+                causes.entry(rank).or_insert(peer);
             }
             out.clear();
             out.extend_from_slice(prefix.as_bytes());
@@ -477,4 +570,39 @@ fn signal_name(signal: i32) -> String {
         other => return format!("signal {other}"),
     };
     format!("{name} (signal {signal})")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_blamed_peer_is_read_from_a_peer_failed_error() {
+        let line =
+            b"error: rank 2: all_reduce(#3 sum f32[1]) aborted because rank 10 failed: lost\n";
+        assert_eq!(blamed_peer(line), Some(10));
+        assert_eq!(blamed_peer(b"aborted because rank failed"), None);
+        assert_eq!(blamed_peer(b"aborted because rank 3 was slow"), None);
+        assert_eq!(blamed_peer(b"rank 3 failed"), None);
+    }
+
+    #[test]
+    fn a_crash_is_blamed_rather_than_the_failures_it_caused() {
+        let status = |code: i32| ExitStatus::from_raw(code << 8);
+        // Rank 0 (status 1, blaming rank 1) was seen before rank 1 (status 3).
+        let outcome = Outcome {
+            failures: vec![(0, status(1)), (2, status(1)), (1, status(3))],
+            received: None,
+        };
+        let causes = BTreeMap::from([(0, 1), (2, 0)]);
+        assert_eq!(outcome.exit_code(&causes), 3);
+        // Without what the ranks printed, the order seen decides.
+        assert_eq!(outcome.exit_code(&BTreeMap::new()), 1);
+        // A blamed rank that did not fail (it was stopped by burnrun) does not count.
+        let outcome = Outcome {
+            failures: vec![(0, status(4))],
+            received: None,
+        };
+        assert_eq!(outcome.exit_code(&BTreeMap::from([(0, 1)])), 4);
+    }
 }
