@@ -135,7 +135,7 @@ fn step_seconds(
         save_every: every,
         keep: 2,
         asynchronous,
-        resume: None,
+        ..CheckpointOptions::default()
     };
     let (_, secs) = timed(|| {
         run_local(RANKS, |g| {

@@ -1064,6 +1064,34 @@ pub fn import(dir: &Path, device: &Device) -> Result<(HfConfig, Gpt)> {
     Ok((config, model))
 }
 
+/// The tensors of the checkpoint in `dir` under the GPT's parameter paths (its logical names),
+/// with the configuration they load into: the source from which a run of *any* layout starts
+/// ([`ParamMap::load_params`](burn_parallel::checkpoint::ParamMap::load_params): each rank
+/// reads its tensor-parallel box or FSDP range of each weight).
+///
+/// # Errors
+/// Those of [`HfConfig::from_dir`], [`read_checkpoint`] and [`to_gpt_params`].
+pub fn gpt_tensors(dir: &Path) -> Result<(HfConfig, BTreeMap<String, TensorData>)> {
+    let config = HfConfig::from_dir(dir)?;
+    let params = to_gpt_params(&config, read_checkpoint(dir)?)?;
+    let tensors = params
+        .into_iter()
+        .map(|(k, t)| (k, TensorData::new(t.values, t.shape)))
+        .collect();
+    Ok((config, tensors))
+}
+
+/// `model` with the training-only settings (`seed`, `dropout`, `fused`) of `run`, so that a
+/// model read from a checkpoint can be compared with, or replaced by, the one of a run.
+pub fn with_run_settings(model: &GptConfig, run: &GptConfig) -> GptConfig {
+    GptConfig {
+        seed: run.seed,
+        dropout: run.dropout,
+        fused: run.fused,
+        ..model.clone()
+    }
+}
+
 /// Checks that `config` is expressible in `arch`'s layout.
 fn check_exportable(config: &GptConfig, arch: HfArch) -> Result<()> {
     let not = |reason: String| Err(HfError::NotExportable { arch, reason });

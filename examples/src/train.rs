@@ -665,10 +665,11 @@ pub fn train_gpt_checkpointed(
     parallel
         .validate(config, world.size())
         .map_err(|e| invalid(world, op, e))?;
+    checkpoints
+        .validate()
+        .map_err(|e| invalid(world, "checkpoint", e))?;
     if checkpoints.active() {
-        checkpoints
-            .validate()
-            .and_then(|()| train_checkpoint::check_layout(&config.model))
+        train_checkpoint::check_layout(&config.model)
             .map_err(|e| invalid(world, "checkpoint", e))?;
     }
     let plain = parallel
@@ -835,6 +836,21 @@ pub fn train_gpt_checkpointed(
             .map_err(|e| fail(&e))?;
         first_step = checkpoint.step();
         losses = state.losses;
+    } else if let Some(dir) = &checkpoints.init_from_hf {
+        let fail = |e: &dyn std::fmt::Display| invalid(world, "init_from_hf", e);
+        let (hf, tensors) = crate::hf::gpt_tensors(dir).map_err(|e| fail(&e))?;
+        let saved = crate::hf::with_run_settings(&hf.model, &config.model);
+        if saved != config.model {
+            return Err(fail(&format!(
+                "{} holds the model {saved:?}, this run has {:?}: take the model from its \
+                 config.json (crate::hf::HfConfig::from_dir; `gpt --init-from-hf` does)",
+                dir.display(),
+                config.model
+            )));
+        }
+        model = map_of(&model)?
+            .load_params(model, &tensors)
+            .map_err(|e| fail(&e))?;
     }
     let mut saver = match (&checkpoints.dir, checkpoints.save_every) {
         (Some(dir), every) if every > 0 => Some(

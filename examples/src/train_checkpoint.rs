@@ -33,6 +33,10 @@ pub struct CheckpointOptions {
     /// Resume from this checkpoint: a checkpoint directory, or a directory of them (the newest
     /// complete one is taken).
     pub resume: Option<PathBuf>,
+    /// Start (at step 0) from the weights of this Hugging Face checkpoint directory
+    /// ([`crate::hf::gpt_tensors`]); the run's model must be the one its `config.json` describes
+    /// ([`crate::hf::HfConfig`]), up to seed, dropout and fused kernels.
+    pub init_from_hf: Option<PathBuf>,
 }
 
 impl Default for CheckpointOptions {
@@ -43,6 +47,7 @@ impl Default for CheckpointOptions {
             keep: 3,
             asynchronous: false,
             resume: None,
+            init_from_hf: None,
         }
     }
 }
@@ -63,6 +68,13 @@ impl CheckpointOptions {
         }
         if self.keep == 0 {
             return Err("--keep-checkpoints must be at least 1".into());
+        }
+        if self.resume.is_some() && self.init_from_hf.is_some() {
+            return Err(
+                "--resume and --init-from-hf both say where the weights come from: \
+                        give one (a resumed run already holds the weights it started from)"
+                    .into(),
+            );
         }
         Ok(())
     }
@@ -191,6 +203,11 @@ pub struct CheckpointArgs {
     /// under any layout.
     #[arg(long)]
     pub resume: Option<PathBuf>,
+    /// Start from the weights of a Hugging Face GPT-2 or LLaMA checkpoint directory
+    /// (`config.json` + safetensors), under any layout; the model is the one its config.json
+    /// describes (the model-shape flags are ignored).
+    #[arg(long, value_name = "DIR", conflicts_with = "resume")]
+    pub init_from_hf: Option<PathBuf>,
 }
 
 impl CheckpointArgs {
@@ -202,6 +219,7 @@ impl CheckpointArgs {
             keep: self.keep_checkpoints,
             asynchronous: self.async_checkpoint,
             resume: self.resume.clone(),
+            init_from_hf: self.init_from_hf.clone(),
         }
     }
 }

@@ -1,11 +1,17 @@
 //! Hugging Face interop: tiny random GPT-2 and LLaMA checkpoints written here in the
 //! `transformers` safetensors layout (no network), imported into the examples GPT, checked
 //! against an independent plain-f32 implementation computed from the file's arrays, exported
-//! and imported again; typed errors on bad checkpoints; the tokenizer round trip.
+//! and imported again; typed errors on bad checkpoints; the tokenizer round trip; training that
+//! starts from an imported checkpoint under several layouts.
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_parallel::run_local;
+use burn_zero::Stage;
+use examples::data::{Corpus, Split};
 use examples::gpt::{GeluKind, MlpKind, NormKind, PositionKind};
 use examples::hf::{self, HfArch, HfConfig, HfError, HostTensor};
+use examples::train::{Parallelism, train_gpt_checkpointed};
+use examples::train_checkpoint::CheckpointOptions;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use serde_json::{Value, json};
@@ -83,7 +89,8 @@ fn read_file(path: &Path) -> Tensors {
 
 // ---------------------------------------------------------------- tiny checkpoints
 
-const VOCAB: usize = 37;
+// 256: the bundled corpus's byte tokens fit (the fine-tuning test trains on it).
+const VOCAB: usize = 256;
 const D: usize = 16;
 const HEADS: usize = 2;
 const LAYERS: usize = 2;
@@ -1046,5 +1053,106 @@ fn byte_level_bpe_round_trips_text() {
         hf::Tokenizer::from_file(&path),
         Err(HfError::Tokenizer(_))
     ));
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A run that starts from a GPT-2 checkpoint (`gpt --init-from-hf`), under any layout: its
+/// first loss is the loss of the first batch computed by the plain reference from the file's
+/// arrays, and dp 2 × tp 2 and FSDP 2 × tp 2 follow the single-device run (losses and final
+/// parameters within 1e-5). A checkpoint of another shape is refused with the tensors named.
+#[test]
+fn training_starts_from_an_imported_gpt2_under_any_layout() {
+    let tensors = gpt2_tensors(5, "transformer.", false);
+    let dir = temp_dir("gpt2-finetune");
+    write_checkpoint(&dir, &gpt2_config(), &tensors);
+    let hf_config = HfConfig::from_dir(&dir).unwrap();
+    let mut config = tests::tiny_gpt_run(4);
+    config.model = hf::with_run_settings(&hf_config.model, &config.model);
+    config.seq_len = CTX;
+    config.batch_size = 4;
+    let options = CheckpointOptions {
+        init_from_hf: Some(dir.clone()),
+        ..CheckpointOptions::default()
+    };
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let run = |world: usize, parallel: Parallelism| {
+        let reports = run_local(world, |g| {
+            train_gpt_checkpointed(&g, &config, &parallel, &corpus, &options, &mut |_| {})
+        })
+        .unwrap_or_else(|e| panic!("{parallel:?}: {e}"));
+        tests::rank0_if_ranks_agree(reports, |r| (&r.losses, &r.final_params))
+    };
+    let single = run(1, Parallelism::default());
+
+    // The first loss, from the file's arrays by the plain reference, row by row.
+    let batch = corpus.batch_rows(0, 0..config.batch_size, config.seq_len, Split::Train);
+    let mut first = 0.0;
+    for r in 0..batch.batch_size {
+        let row = |v: &[i64]| -> Vec<usize> {
+            v[r * CTX..(r + 1) * CTX]
+                .iter()
+                .map(|&t| t as usize)
+                .collect()
+        };
+        let (inputs, targets) = (row(&batch.inputs), row(&batch.targets));
+        let logits = gpt2_reference(&tensors, "transformer.", &inputs);
+        // `reference_loss` scores token t + 1 of its input: give it the window shifted by one.
+        let mut shifted = vec![inputs[0]];
+        shifted.extend(&targets);
+        first += reference_loss(&logits, &shifted);
+    }
+    first /= batch.batch_size as f64;
+    assert!(
+        (single.losses[0] - first).abs() < 1e-4,
+        "first loss {} vs the reference's {first}",
+        single.losses[0]
+    );
+
+    let reference = tests::Reference::of_run(single);
+    for (world, parallel) in [
+        (
+            4,
+            Parallelism {
+                tp: 2,
+                ..Parallelism::default()
+            },
+        ),
+        (
+            4,
+            Parallelism {
+                tp: 2,
+                zero: Some(Stage::Three),
+                ..Parallelism::default()
+            },
+        ),
+    ] {
+        let what = format!("{parallel:?}");
+        let report = run(world, parallel);
+        tests::assert_matches_reference(
+            &reference,
+            &report.losses,
+            &report.final_params,
+            1e-5,
+            &what,
+        );
+    }
+
+    // Another model: the tensors that do not fit are named.
+    let mut wider = config.clone();
+    wider.model.d_ff *= 2;
+    let err = run_local(1, |g| {
+        train_gpt_checkpointed(
+            &g,
+            &wider,
+            &Parallelism::default(),
+            &corpus,
+            &options,
+            &mut |_| {},
+        )
+    })
+    .map(|_| ())
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("take the model from its config.json"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }

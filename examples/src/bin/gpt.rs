@@ -508,13 +508,50 @@ fn main() -> ExitCode {
         Some(n) => burn_parallel::threads::set_intra_op_threads(Some(n)),
         None => {}
     }
-    let config = match config_from(&args) {
+    let mut config = match config_from(&args) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }
     };
+    if let Some(dir) = &args.checkpoint.init_from_hf {
+        match examples::hf::HfConfig::from_dir(dir) {
+            Ok(hf) => {
+                config.model = examples::hf::with_run_settings(&hf.model, &config.model);
+                println!(
+                    "model from {}: {:?}, {} layers, d_model {}, {} heads, vocabulary {}",
+                    dir.join("config.json").display(),
+                    hf.arch,
+                    config.model.n_layers,
+                    config.model.d_model,
+                    config.model.n_heads,
+                    config.model.vocab_size
+                );
+            }
+            Err(e) => {
+                eprintln!("error: --init-from-hf {}: {e}", dir.display());
+                return ExitCode::from(2);
+            }
+        }
+        if config.seq_len > config.model.max_seq_len {
+            eprintln!(
+                "error: --seq-len {} is longer than the imported model's {} positions",
+                config.seq_len, config.model.max_seq_len
+            );
+            return ExitCode::from(2);
+        }
+        // The bundled corpus is byte-level: its tokens are the ids 0..256 of any vocabulary
+        // at least that large (for a BPE model they are not its own tokenisation of the text).
+        if config.model.vocab_size < 256 {
+            eprintln!(
+                "error: the imported model's vocabulary has {} tokens; the bundled corpus's \
+                 byte tokens need at least 256",
+                config.model.vocab_size
+            );
+            return ExitCode::from(2);
+        }
+    }
     let corpus = match Corpus::load_default() {
         Ok(c) => c,
         Err(e) => {
@@ -523,10 +560,12 @@ fn main() -> ExitCode {
         }
     };
     let checkpoints = args.checkpoint.options();
-    if checkpoints.active() && (args.diloco.islands.is_some() || args.pipeline.pp > 1) {
+    let starts_from = checkpoints.active() || checkpoints.init_from_hf.is_some();
+    if starts_from && (args.diloco.islands.is_some() || args.pipeline.pp > 1) {
         eprintln!(
-            "error: --save-every/--resume are not supported with --pp or --diloco-islands yet; \
-             they work with --ranks, --tp/--sp, --zero 1|2|3, --hybrid and --cp"
+            "error: --save-every/--resume/--init-from-hf are not supported with --pp or \
+             --diloco-islands yet; they work with --ranks, --tp/--sp, --zero 1|2|3, --hybrid \
+             and --cp"
         );
         return ExitCode::from(2);
     }
@@ -567,7 +606,7 @@ fn main() -> ExitCode {
         && args.tp == 1
         && args.cp == 1
         && !moe
-        && !checkpoints.active()
+        && !starts_from
     {
         return run_zero(&args, &config, &corpus, stage as usize);
     }

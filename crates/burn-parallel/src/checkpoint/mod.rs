@@ -51,6 +51,7 @@
 
 mod module;
 mod region;
+mod source;
 mod store;
 
 use std::collections::BTreeMap;
@@ -70,6 +71,7 @@ pub use module::{
     scalar_json, scalars_by_logical, segment_pieces,
 };
 pub use region::{Region, even_part, overlaps};
+pub use source::{TensorSource, check_tensors};
 pub use store::{CHUNK_BYTES, FileManifest};
 
 /// Version of the manifest format.
@@ -692,35 +694,7 @@ impl Checkpoint {
         &self,
         expected: impl IntoIterator<Item = (&'a str, &'a [usize])>,
     ) -> Result<()> {
-        let mut missing = Vec::new();
-        let mut shapes = Vec::new();
-        let mut seen = std::collections::HashSet::new();
-        for (name, shape) in expected {
-            seen.insert(name);
-            match self.manifest.tensors.get(name) {
-                None => missing.push((name.to_string(), shape.to_vec())),
-                Some(t) if t.shape != shape => {
-                    shapes.push((name.to_string(), t.shape.clone(), shape.to_vec()));
-                }
-                Some(_) => {}
-            }
-        }
-        let unexpected: Vec<_> = self
-            .manifest
-            .tensors
-            .iter()
-            .filter(|(n, _)| !seen.contains(n.as_str()))
-            .map(|(n, t)| (n.clone(), t.shape.clone()))
-            .collect();
-        if missing.is_empty() && unexpected.is_empty() && shapes.is_empty() {
-            Ok(())
-        } else {
-            Err(CheckpointError::Mismatch {
-                missing,
-                unexpected,
-                shapes,
-            })
-        }
+        check_tensors(self, expected)
     }
 
     /// Reads `region` of tensor `name` (its elements in the region's order, as a 1-D tensor of

@@ -15,7 +15,9 @@ use burn::optim::OptimizerRecord;
 use burn::tensor::{DType, Tensor, TensorData};
 use serde_json::Value;
 
-use super::{Checkpoint, CheckpointError, Piece, Region, Result, even_part};
+use super::{
+    Checkpoint, CheckpointError, Piece, Region, Result, TensorSource, check_tensors, even_part,
+};
 use crate::nn::TpContext;
 use crate::train::DataShards;
 
@@ -323,27 +325,27 @@ impl ParamMap {
 
     /// `module` with every parameter of the map read from `checkpoint` (each rank reads only
     /// the regions it holds; tensor-parallel padding keeps its value). Ids and whether a
-    /// parameter requires a gradient are kept.
+    /// parameter requires a gradient are kept. `checkpoint` is any [`TensorSource`]: a saved
+    /// [`Checkpoint`], or whole tensors in memory (a model imported from another format), so a
+    /// run of any layout can also start from those.
     ///
     /// # Errors
     /// [`CheckpointError::Mismatch`] listing missing, unexpected and reshaped tensors when the
     /// checkpoint is of another model; read errors.
-    pub fn load_params<M: Module>(&self, module: M, checkpoint: &Checkpoint) -> Result<M> {
+    pub fn load_params<M: Module, S: TensorSource + ?Sized>(
+        &self,
+        module: M,
+        checkpoint: &S,
+    ) -> Result<M> {
         let mut expected: Vec<(&str, &[usize])> = self
             .logical
             .iter()
             .map(|(n, s)| (n.as_str(), s.as_slice()))
             .collect();
         // Optimizer tensors are checked by `load_optimizer`.
-        let optim: Vec<(&str, &[usize])> = checkpoint
-            .manifest()
-            .tensors
-            .iter()
-            .filter(|(k, _)| k.starts_with(OPTIM))
-            .map(|(k, t)| (k.as_str(), t.shape.as_slice()))
-            .collect();
-        expected.extend(optim);
-        checkpoint.check(expected)?;
+        let shapes = checkpoint.shapes();
+        expected.extend(shapes.into_iter().filter(|(k, _)| k.starts_with(OPTIM)));
+        check_tensors(checkpoint, expected)?;
         let mut loaded = self.host_values(&module);
         for p in &self.params {
             let data = loaded.remove(&p.id).ok_or_else(|| {
