@@ -46,11 +46,29 @@ use crate::replica::ReplicaError;
 /// Default bucket size of the gradient all-reduce: 25 MB, as in PyTorch DDP.
 pub const DEFAULT_BUCKET_BYTES: usize = 25 * 1024 * 1024;
 
+/// Where [`DistributedDataParallel`] forms and reduces its gradient buckets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BucketPlace {
+    /// On the device when the group collects there ([`ProcessGroup::collects_on_device`]:
+    /// NCCL with CUDA gradients), else in host memory.
+    #[default]
+    Auto,
+    /// In host memory: gradients are copied into pooled flat buffers, and a communication
+    /// thread reduces each bucket while the next is packed. The fastest on CPU backends.
+    Host,
+    /// As tensors on the gradients' device: each bucket is concatenated there, reduced with
+    /// the group's tensor collective ([`ProcessGroup::all_reduce`]) and sliced back. With NCCL
+    /// the gradients never leave the GPU; elsewhere the collective stages the bucket through
+    /// host memory, with the same result as [`BucketPlace::Host`].
+    Device,
+}
+
 /// Data-parallel training over a process group.
 #[derive(Debug, Clone)]
 pub struct DistributedDataParallel {
     group: ProcessGroup,
     bucket_bytes: usize,
+    place: BucketPlace,
 }
 
 impl DistributedDataParallel {
@@ -59,7 +77,15 @@ impl DistributedDataParallel {
         Self {
             group,
             bucket_bytes: DEFAULT_BUCKET_BYTES,
+            place: BucketPlace::Auto,
         }
+    }
+
+    /// Sets where the gradient buckets are formed and reduced ([`BucketPlace::Auto`] by
+    /// default).
+    pub fn with_buckets(mut self, place: BucketPlace) -> Self {
+        self.place = place;
+        self
     }
 
     /// Sets the size at which a gradient bucket is sent (at least one parameter per bucket).
@@ -162,6 +188,20 @@ impl DistributedDataParallel {
         module.visit(&mut ParamLister(&mut params));
         params.reverse();
         let buckets = plan_buckets(&params, self.bucket_bytes);
+        let on_device = match self.place {
+            BucketPlace::Host => false,
+            BucketPlace::Device => true,
+            BucketPlace::Auto => {
+                let mut first = FirstDevice(None);
+                module.visit(&mut first);
+                first
+                    .0
+                    .is_some_and(|device| self.group.collects_on_device(&device))
+            }
+        };
+        if on_device {
+            return self.reduce_on_device(module, grads, local_scale, &params, &buckets);
+        }
         // This rank's gradients as host data (whatever the parameters' ranks).
         let mut taker = TakeGrads {
             grads: &mut grads,
@@ -258,6 +298,73 @@ impl DistributedDataParallel {
             });
             Ok(grads)
         })
+    }
+
+    /// [`Self::reduce_grads`] with buckets formed and reduced as tensors on the gradients'
+    /// device ([`BucketPlace::Device`]): the same buckets, order, presence flags and averages.
+    fn reduce_on_device<M: Module>(
+        &self,
+        module: &M,
+        mut grads: GradientsParams,
+        local_scale: f32,
+        params: &[(ParamId, Vec<usize>, DType)],
+        buckets: &[Vec<usize>],
+    ) -> Result<GradientsParams> {
+        let mut taker = TakeFlat {
+            grads: &mut grads,
+            scale: local_scale,
+            taken: HashMap::with_capacity(params.len()),
+            devices: HashMap::with_capacity(params.len()),
+        };
+        module.visit(&mut taker);
+        let (mut local, devices) = (taker.taken, taker.devices);
+        let present: Vec<f32> = params
+            .iter()
+            .map(|(id, _, _)| f32::from(u8::from(local.contains_key(id))))
+            .collect();
+        let count = present.len();
+        let used = self
+            .group
+            .all_reduce_data(TensorData::new(present, [count]), ReduceOp::Max)?;
+        let used = used
+            .as_slice::<f32>()
+            .map_err(|e| CollectiveError::InvalidArgument {
+                rank: self.group.global_rank(),
+                op: "all_reduce_grads".into(),
+                reason: format!("presence flags came back malformed: {e:?}"),
+            })?
+            .to_vec();
+        let mut reduced_grads = HashMap::with_capacity(params.len());
+        for bucket in buckets {
+            let parts: Vec<Tensor<1>> = bucket
+                .iter()
+                .map(|&i| {
+                    let (id, shape, dtype) = &params[i];
+                    // No gradient on this rank (parameter unused): contribute zeros.
+                    local.remove(id).unwrap_or_else(|| {
+                        Tensor::<1>::zeros([numel_of(shape)], (&devices[id], *dtype))
+                    })
+                })
+                .collect();
+            let reduced = self
+                .group
+                .all_reduce(Tensor::cat(parts, 0), ReduceOp::Avg)?;
+            let mut at = 0;
+            for &i in bucket {
+                let (id, shape, _) = &params[i];
+                let n = numel_of(shape);
+                // A parameter no rank has a gradient for stays without one.
+                if used[i] > 0.0 {
+                    reduced_grads.insert(*id, reduced.clone().slice(at..at + n));
+                }
+                at += n;
+            }
+        }
+        module.visit(&mut RegisterFlat {
+            grads: &mut grads,
+            reduced: reduced_grads,
+        });
+        Ok(grads)
     }
 
     /// Checks that `module` is identical on every rank of the group (a hash of every parameter,
@@ -441,6 +548,66 @@ impl ModuleVisitor for Register<'_> {
             let device = param.lazy_device().inner();
             self.grads
                 .register(param.id, tensor_from_data::<D>(data, &device));
+        }
+    }
+}
+
+/// The device of the first trainable parameter (where its gradient lives).
+struct FirstDevice(Option<burn::tensor::Device>);
+
+impl ModuleVisitor for FirstDevice {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if self.0.is_none() && !is_frozen(param) {
+            self.0 = Some(param.lazy_device().inner());
+        }
+    }
+}
+
+/// Removes every parameter's gradient from `grads` as a flat tensor on its device, scaled by
+/// `scale`, in the parameter's dtype; records every trainable parameter's device.
+struct TakeFlat<'a> {
+    grads: &'a mut GradientsParams,
+    scale: f32,
+    taken: HashMap<ParamId, Tensor<1>>,
+    devices: HashMap<ParamId, burn::tensor::Device>,
+}
+
+impl ModuleVisitor for TakeFlat<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if is_frozen(param) {
+            let _ = self.grads.remove::<D>(param.id);
+            return;
+        }
+        self.devices.insert(param.id, param.lazy_device().inner());
+        if let Some(grad) = self.grads.remove::<D>(param.id) {
+            let grad = if self.scale == 1.0 {
+                grad
+            } else {
+                grad * self.scale
+            };
+            let dtype = param.val().dtype();
+            let grad = if grad.dtype() == dtype {
+                grad
+            } else {
+                grad.cast(dtype)
+            };
+            let n = grad.shape().num_elements();
+            self.taken.insert(param.id, grad.reshape([n]));
+        }
+    }
+}
+
+/// Registers reduced flat gradients in each parameter's shape.
+struct RegisterFlat<'a> {
+    grads: &'a mut GradientsParams,
+    reduced: HashMap<ParamId, Tensor<1>>,
+}
+
+impl ModuleVisitor for RegisterFlat<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some(flat) = self.reduced.remove(&param.id) {
+            let shape: [usize; D] = param.val().dims();
+            self.grads.register(param.id, flat.reshape(shape));
         }
     }
 }

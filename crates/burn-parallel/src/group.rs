@@ -161,6 +161,28 @@ impl ProcessGroup {
         self.nccl.as_ref()
     }
 
+    /// Whether the tensor collectives ([`ProcessGroup::all_reduce`], ...) of this group move
+    /// tensors on `device` in device memory (NCCL attached and a CUDA device, with the `nccl`
+    /// and `cuda` features) rather than staging them through host memory.
+    ///
+    /// ```
+    /// use burn::tensor::Device;
+    /// burn_parallel::run_local(2, |group| {
+    ///     assert!(!group.collects_on_device(&Device::flex()));
+    ///     Ok(())
+    /// })
+    /// .unwrap();
+    /// ```
+    pub fn collects_on_device(&self, device: &burn::tensor::Device) -> bool {
+        #[cfg(all(feature = "nccl", feature = "cuda"))]
+        return crate::comm::nccl::device::routes(self, device);
+        #[cfg(not(all(feature = "nccl", feature = "cuda")))]
+        {
+            let _ = device;
+            false
+        }
+    }
+
     /// The timeout applied to every wait of this group.
     pub fn timeout(&self) -> Duration {
         self.timeout

@@ -5,7 +5,10 @@ use burn::module::{Module, Param};
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::GradientsParams;
 use burn::tensor::{Device, Tensor, TensorData};
-use burn_parallel::{DistributedDataParallel, run_local};
+use burn_parallel::{BucketPlace, DistributedDataParallel, run_local};
+
+/// Both ways of forming buckets must give the same results.
+const PLACES: [BucketPlace; 2] = [BucketPlace::Host, BucketPlace::Device];
 
 #[derive(Module, Debug)]
 struct TwoHeads {
@@ -30,12 +33,20 @@ fn values(t: Tensor<2>) -> Vec<f32> {
 
 #[test]
 fn broadcast_then_averaged_gradients_match_the_mean_of_per_rank_gradients() {
+    for place in PLACES {
+        averaged_gradients_match_the_mean(place);
+    }
+}
+
+fn averaged_gradients_match_the_mean(place: BucketPlace) {
     let n = 3;
     // Per-rank inputs; rank r's loss is sum(shared(x_r)) (+ sum(extra) on rank 0 only).
     let input = |r: usize, d: &Device| Tensor::<2>::from_floats([[1.0 + r as f32, 2.0, -1.0]], d);
     let out = run_local(n, |group| {
         let device = Device::flex().autodiff();
-        let ddp = DistributedDataParallel::new(group.clone()).with_bucket_bytes(8);
+        let ddp = DistributedDataParallel::new(group.clone())
+            .with_bucket_bytes(8)
+            .with_buckets(place);
         let m = ddp.broadcast_module(model(group.rank(), &device), 0)?;
         let mut loss = m.shared.forward(input(group.rank(), &device)).sum();
         if group.rank() == 0 {
@@ -70,9 +81,15 @@ fn broadcast_then_averaged_gradients_match_the_mean_of_per_rank_gradients() {
 
 #[test]
 fn accumulation_averages_micro_steps_and_ranks() {
+    for place in PLACES {
+        accumulation_averages(place);
+    }
+}
+
+fn accumulation_averages(place: BucketPlace) {
     let out = run_local(2, |group| {
         let device = Device::flex().autodiff();
-        let ddp = DistributedDataParallel::new(group.clone());
+        let ddp = DistributedDataParallel::new(group.clone()).with_buckets(place);
         let m = model(0, &device);
         let mut acc = ddp.accumulator();
         for micro in 0..3 {
@@ -116,10 +133,18 @@ struct PartlyFrozen {
 
 #[test]
 fn frozen_and_unused_parameters_get_no_gradient_no_state_and_keep_their_value() {
+    for place in PLACES {
+        frozen_and_unused(place);
+    }
+}
+
+fn frozen_and_unused(place: BucketPlace) {
     use burn::optim::AdamWConfig;
     let out = run_local(2, |group| {
         let device = Device::flex().autodiff();
-        let ddp = DistributedDataParallel::new(group.clone()).with_bucket_bytes(16);
+        let ddp = DistributedDataParallel::new(group.clone())
+            .with_bucket_bytes(16)
+            .with_buckets(place);
         let m = PartlyFrozen {
             trainable: model(0, &device).shared,
             frozen: model(1, &device).shared.no_grad(),
@@ -218,4 +243,77 @@ fn differing_replicas_are_an_error_on_every_rank() {
         }
         assert_eq!(after, Ok(()));
     }
+}
+
+/// Buckets formed as device tensors reduce to the same bits as host buckets: three ranks,
+/// buckets cut mid-model, a half-precision parameter (a bucket of its own dtype), a gradient
+/// in f32 for it (cast to the parameter's dtype), accumulation scaling.
+#[test]
+fn device_buckets_equal_host_buckets_bit_for_bit() {
+    use burn::tensor::DType;
+    #[derive(Module, Debug)]
+    struct Mixed {
+        a: Linear,
+        half: Param<Tensor<1>>,
+        b: Linear,
+    }
+    let run = |place: BucketPlace| {
+        run_local(3, |group| {
+            let device = Device::flex().autodiff();
+            let ddp = DistributedDataParallel::new(group.clone())
+                .with_bucket_bytes(40)
+                .with_buckets(place);
+            let r = group.rank() as f32;
+            // Deterministic weights, so both runs start from the same model.
+            let linear = |i: usize, o: usize| {
+                let mut l = LinearConfig::new(i, o).init(&device);
+                let w: Vec<f32> = (0..i * o)
+                    .map(|k| ((k * 7) % 11) as f32 * 0.1 - 0.5)
+                    .collect();
+                l.weight = Param::from_data(TensorData::new(w, [i, o]), &device);
+                l.bias = Some(Param::from_data(
+                    TensorData::new(vec![0.1f32; o], [o]),
+                    &device,
+                ));
+                l
+            };
+            let mut m = Mixed {
+                a: linear(5, 4),
+                half: Param::from_data(
+                    TensorData::new(vec![0.5f32, -1.5, 2.0], [3]).convert_dtype(DType::F16),
+                    &device,
+                ),
+                b: linear(4, 3),
+            };
+            m = ddp.broadcast_module(m, 0)?;
+            let mut acc = ddp.accumulator();
+            for micro in 0..2 {
+                let x = Tensor::<2>::from_floats(
+                    [[1.0 + r, 0.3 * micro as f32, -2.0, r * r, 0.7]],
+                    &device,
+                );
+                let h = m.b.forward(m.a.forward(x).tanh());
+                let loss = (h * m.half.val().cast(DType::F32).reshape([1, 3]))
+                    .powf_scalar(2.0)
+                    .sum();
+                acc.accumulate(&m, GradientsParams::from_grads(loss.backward(), &m));
+            }
+            let grads = acc.finish(&m)?;
+            let bits = |t: Tensor<1>| t.cast(DType::F32).into_data().try_to_vec::<f32>().unwrap();
+            let flat = |t: Tensor<2>| bits(t.flatten(0, 1));
+            Ok(vec![
+                flat(grads.get::<2>(m.a.weight.id).unwrap()),
+                bits(grads.get::<1>(m.a.bias.as_ref().unwrap().id).unwrap()),
+                bits(grads.get::<1>(m.half.id).unwrap()),
+                flat(grads.get::<2>(m.b.weight.id).unwrap()),
+                bits(grads.get::<1>(m.b.bias.as_ref().unwrap().id).unwrap()),
+            ])
+        })
+        .unwrap()
+    };
+    let (host, device) = (run(BucketPlace::Host), run(BucketPlace::Device));
+    assert_eq!(host, device);
+    // Every rank holds the same average, and it is not trivially zero.
+    assert!(host.iter().all(|r| *r == host[0]));
+    assert!(host[0].iter().flatten().any(|&g| g != 0.0));
 }

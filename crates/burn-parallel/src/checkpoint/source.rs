@@ -14,7 +14,7 @@
 //! // Rank 1 of tp 2 splitting the columns reads columns 2..4 of both rows.
 //! let region = Region::full(&[2, 4]).chunk(1, 2, 1).unwrap();
 //! let mine = tensors.read("w", &region).unwrap();
-//! assert_eq!(mine.to_vec::<f32>().unwrap(), vec![2.0, 3.0, 6.0, 7.0]);
+//! assert_eq!(mine.try_to_vec::<f32>().unwrap(), vec![2.0, 3.0, 6.0, 7.0]);
 //! ```
 
 use std::collections::{BTreeMap, HashSet};

@@ -785,6 +785,12 @@ pub(crate) mod device {
     /// Marks a host frame announcing a tensor that follows through NCCL (`b"NCCLSEND"`).
     const P2P_MAGIC: u64 = u64::from_le_bytes(*b"NCCLSEND");
 
+    /// Whether tensors on `device` take the device path on `group` (NCCL attached, a CUDA
+    /// device).
+    pub(crate) fn routes(group: &ProcessGroup, device: &Device) -> bool {
+        group.nccl().is_some() && cuda_ordinal(device).is_some()
+    }
+
     /// The CUDA device index of `device`, if it is a CUDA device.
     fn cuda_ordinal(device: &Device) -> Option<usize> {
         match device.as_dispatch().clone().inner() {
