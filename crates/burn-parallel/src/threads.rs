@@ -44,9 +44,11 @@ pub fn set_ranks_per_node(ranks: usize) {
     RANKS_PER_NODE.store(ranks, Ordering::Relaxed);
 }
 
-/// The cores of this machine (as the OS reports them to this process).
+/// The cores of this machine (as the OS reports them to this process, read once: the answer
+/// comes from the cgroup files, and every CPU kernel asks).
 pub fn cores() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 /// The thread count of the automatic policy for `ranks` ranks per node.

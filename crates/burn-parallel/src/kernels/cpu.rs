@@ -122,13 +122,21 @@ pub fn exp(x: f32) -> f32 {
 /// The error function, Abramowitz and Stegun 7.1.26 (absolute error below `1.5e-7`).
 #[inline(always)]
 pub fn erf(x: f32) -> f32 {
+    erf_and_gauss(x).0
+}
+
+/// `(erf(x), e^(-x²))`: A&S 7.1.26 computes `e^(-x²)` anyway, and GELU's derivative needs it
+/// too (one `exp` instead of two).
+#[inline(always)]
+fn erf_and_gauss(x: f32) -> (f32, f32) {
     let a = x.abs();
     let t = 1.0 / (1.0 + 0.327_591_1 * a);
     let poly = t
         * (0.254_829_6
             + t * (-0.284_496_74 + t * (1.421_413_8 + t * (-1.453_152 + t * 1.061_405_4))));
-    let y = 1.0 - poly * exp(-a * a);
-    y.copysign(x)
+    let gauss = exp(-a * a);
+    let y = 1.0 - poly * gauss;
+    (y.copysign(x), gauss)
 }
 
 const SQRT_2_OVER_PI: f32 = 0.797_884_6;
@@ -161,7 +169,9 @@ fn gelu_grad_one(x: f32, approximate: bool) -> f32 {
         0.5 * (1.0 + t)
             + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x * x)
     } else {
-        0.5 * (1.0 + erf(x * FRAC_1_SQRT_2)) + x * FRAC_1_SQRT_2PI * exp(-0.5 * x * x)
+        // e^(-(x/√2)²) = e^(-x²/2): the Gaussian density's exponential.
+        let (erf, gauss) = erf_and_gauss(x * FRAC_1_SQRT_2);
+        0.5 * (1.0 + erf) + x * FRAC_1_SQRT_2PI * gauss
     }
 }
 
