@@ -49,8 +49,9 @@ Failures: when a process exits with a non-zero status or is killed by a signal, 
 names it, sends SIGTERM to the other processes (SIGKILL after the grace period), and exits
 with the status of the rank that failed first (128 + the signal number for a signal). A rank
 that printed that it failed because another rank did (burn-parallel's \"aborted because rank N
-failed\") is not blamed when rank N failed too: a crash is reported, not the peers it took down. SIGINT, SIGTERM and SIGHUP sent
-to burnrun are forwarded to every process, which then get the same grace period.";
+failed\") is not blamed when rank N failed too: a crash is reported, not the peers it took down.
+SIGINT, SIGTERM and SIGHUP sent to burnrun are forwarded to every process, which then get the
+same grace period.";
 
 /// Launch the processes of a distributed burn-parallel job on this node.
 #[derive(Parser, Debug)]
