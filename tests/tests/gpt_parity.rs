@@ -127,6 +127,35 @@ fn gpt_dp2_x_tp2_matches_single_device() {
     check(&reference, 4, tp(2, true), &config, "dp 2 x tp 2 + sp");
 }
 
+/// The path an NCCL job takes on CUDA, here staged through host memory: DDP's gradient buckets
+/// formed as tensors on the device and the tensor and sequence parallel collectives on tensors
+/// (`ProcessGroup::with_tensor_path`, inherited by the mesh's sub-groups), dp 2 x tp 2 + sp,
+/// against single-device training.
+#[test]
+fn gpt_dp2_x_tp2_on_the_tensor_path_matches_single_device() {
+    let config = config();
+    let reference = reference_run(&config);
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let reports = run_local(4, |g| {
+        train_gpt_parallel(
+            &g.with_tensor_path(true),
+            &config,
+            &tp(2, true),
+            &corpus,
+            &mut |_| {},
+        )
+    })
+    .expect("dp 2 x tp 2 + sp on the tensor path");
+    let report = tests::rank0_if_ranks_agree(reports, |r| (&r.losses, &r.final_params));
+    assert_matches_reference(
+        &reference,
+        &report.losses,
+        &report.final_params,
+        TOL,
+        "dp 2 x tp 2 + sp, tensor path",
+    );
+}
+
 #[test]
 fn gpt_zero_and_fsdp_x_tp_match_single_device() {
     let config = config();

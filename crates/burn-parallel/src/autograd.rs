@@ -34,7 +34,7 @@ use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Dispatch, Flex, TensorMetadata, backend_extension, try_read_sync};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DispatchTensor, Tensor, TensorData};
 
 use crate::comm::host::ReduceOp;
 use crate::error::{CollectiveError, Result};
@@ -46,10 +46,13 @@ use crate::group::ProcessGroup;
 pub struct BackwardFn {
     name: &'static str,
     f: Arc<dyn Fn(TensorData) -> Result<TensorData> + Send + Sync>,
+    /// The same map on the gradient as a tensor on its device, when given
+    /// ([`BackwardFn::on_device`]): used instead of `f`, so the gradient stays on the device.
+    device: Option<Arc<dyn Fn(DispatchTensor) -> Result<DispatchTensor> + Send + Sync>>,
 }
 
 impl BackwardFn {
-    /// Wraps a closure; `name` appears in panic messages.
+    /// Wraps a closure on the gradient's host data; `name` appears in panic messages.
     pub fn new(
         name: &'static str,
         f: impl Fn(TensorData) -> Result<TensorData> + Send + Sync + 'static,
@@ -57,7 +60,30 @@ impl BackwardFn {
         Self {
             name,
             f: Arc::new(f),
+            device: None,
         }
+    }
+
+    /// Also gives the map on the gradient as a tensor of rank `D` on its (non-autodiff)
+    /// device, used instead of the host closure: for collectives that run in device memory
+    /// (NCCL), so the gradient never leaves the device. Both must compute the same thing.
+    pub fn on_device<const D: usize>(
+        mut self,
+        f: impl Fn(Tensor<D>) -> Result<Tensor<D>> + Send + Sync + 'static,
+    ) -> Self {
+        self.device = Some(Arc::new(move |grad| {
+            f(Tensor::<D>::from_dispatch(grad)).map(Tensor::into_dispatch)
+        }));
+        self
+    }
+
+    /// [`BackwardFn::on_device`] when `on` (the group collects on the device), else `self`.
+    fn on_device_if<const D: usize>(
+        self,
+        on: bool,
+        f: impl Fn(Tensor<D>) -> Result<Tensor<D>> + Send + Sync + 'static,
+    ) -> Self {
+        if on { self.on_device(f) } else { self }
     }
 }
 
@@ -101,6 +127,39 @@ impl CommBackend for burn::backend::NdArray {}
 #[cfg(feature = "cube")]
 impl CommBackend for burn::backend::Cube {}
 
+/// Moves a gradient between a backend's primitive and Burn's dispatch tensor, so that a
+/// [`BackwardFn::on_device`] map can run tensor operations (and device collectives) on it.
+pub trait GradDispatch: burn::backend::Backend {
+    /// The gradient as a dispatch tensor (no copy).
+    fn grad_to_dispatch(grad: FloatTensor<Self>) -> DispatchTensor;
+    /// The dispatch tensor's primitive on this backend.
+    ///
+    /// # Panics
+    /// When the tensor lives on another backend (a map that moved it).
+    fn grad_from_dispatch(grad: DispatchTensor) -> FloatTensor<Self>;
+}
+
+macro_rules! grad_dispatch {
+    ($backend:ty) => {
+        impl GradDispatch for $backend {
+            fn grad_to_dispatch(grad: FloatTensor<Self>) -> DispatchTensor {
+                Tensor::<1>::from_primitive::<$backend>(grad).into_dispatch()
+            }
+            fn grad_from_dispatch(grad: DispatchTensor) -> FloatTensor<Self> {
+                Tensor::<1>::from_dispatch(grad)
+                    .try_into_primitive::<$backend>()
+                    .expect("a device map returns its gradient on the backend it received it")
+            }
+        }
+    };
+}
+
+grad_dispatch!(Flex);
+#[cfg(feature = "ndarray")]
+grad_dispatch!(burn::backend::NdArray);
+#[cfg(feature = "cube")]
+grad_dispatch!(burn::backend::Cube);
+
 /// Checks that the differentiable collectives (and so every technique built on them) can run on
 /// `device`'s backend in this build.
 ///
@@ -136,13 +195,21 @@ pub fn check_device(device: &burn::tensor::Device) -> Result<()> {
 #[derive(Debug)]
 struct CommBackward;
 
-impl<B: CommBackend> Backward<B, 1> for CommBackward {
+impl<B: CommBackend + GradDispatch> Backward<B, 1> for CommBackward {
     type State = BackwardFn;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [parent] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let Some(parent) = parent else { return };
+        if let Some(f) = &ops.state.device {
+            let grad_in = match f(B::grad_to_dispatch(grad)) {
+                Ok(g) => g,
+                Err(e) => panic!("backward of {} failed: {e}", ops.state.name),
+            };
+            grads.register::<B>(parent.id, B::grad_from_dispatch(grad_in));
+            return;
+        }
         let device = grad.device();
         let data = try_read_sync(B::float_into_data(grad))
             .expect("reading a gradient on the host")
@@ -155,7 +222,7 @@ impl<B: CommBackend> Backward<B, 1> for CommBackward {
     }
 }
 
-impl<B: CommBackend, C: CheckpointStrategy> CommBackend for Autodiff<B, C> {
+impl<B: CommBackend + GradDispatch, C: CheckpointStrategy> CommBackend for Autodiff<B, C> {
     fn attach_backward(
         x: FloatTensor<Self>,
         y: FloatTensor<Self>,
@@ -231,15 +298,33 @@ pub fn even_split(total: usize, n: usize) -> Vec<usize> {
 /// assert_eq!(grads[0], vec![3.0, 3.0]); // 1 + 2 from the two ranks
 /// ```
 pub fn copy_to_group<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> Tensor<D> {
-    let g = group.clone();
+    let (g, gd) = (group.clone(), group.clone());
+    let on_device = group.collects_on_device(&x.device());
     let y = x.clone().detach();
     attach(
         x,
         y,
         BackwardFn::new("copy_to_group", move |grad| {
             g.all_reduce_data(grad, ReduceOp::Sum)
-        }),
+        })
+        .on_device_if::<D>(on_device, move |grad| gd.all_reduce(grad, ReduceOp::Sum)),
     )
+}
+
+/// A collective on `x`'s value, detached from its graph: with the group's tensor-level
+/// collective `on_device` when the group collects on `x`'s device
+/// ([`ProcessGroup::collects_on_device`]), else on its host data.
+fn forward_collective<const D: usize>(
+    group: &ProcessGroup,
+    x: &Tensor<D>,
+    on_device: impl FnOnce(Tensor<D>) -> Result<Tensor<D>>,
+    on_host: impl FnOnce(TensorData) -> Result<TensorData>,
+) -> Result<Tensor<D>> {
+    if group.collects_on_device(&x.device()) {
+        on_device(x.clone().detach())
+    } else {
+        Ok(to_device(on_host(host(x))?, x))
+    }
 }
 
 /// Megatron's *g*: all-reduce (sum) forward, identity backward. Put it where the partial
@@ -248,8 +333,15 @@ pub fn copy_to_group<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> Tens
 /// # Errors
 /// When the forward all-reduce fails (see [`CollectiveError`]).
 pub fn reduce_from_group<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> Result<Tensor<D>> {
-    let y = to_device(group.all_reduce_data(host(&x), ReduceOp::Sum)?, &x);
-    Ok(attach(x, y, BackwardFn::new("reduce_from_group", Ok)))
+    let y = forward_collective(
+        group,
+        &x,
+        |t| group.all_reduce(t, ReduceOp::Sum),
+        |d| group.all_reduce_data(d, ReduceOp::Sum),
+    )?;
+    let on_device = group.collects_on_device(&x.device());
+    let backward = BackwardFn::new("reduce_from_group", Ok).on_device_if::<D>(on_device, Ok);
+    Ok(attach(x, y, backward))
 }
 
 fn check_dim<const D: usize>(group: &ProcessGroup, op: &str, dim: usize) -> Result<()> {
@@ -283,11 +375,13 @@ pub fn scatter_to_group<const D: usize>(
 ) -> Result<Tensor<D>> {
     check_dim::<D>(group, "scatter_to_group", dim)?;
     let y = local_slice(x.clone().detach(), group, dim);
-    let g = group.clone();
+    let (g, gd) = (group.clone(), group.clone());
+    let on_device = group.collects_on_device(&x.device());
     Ok(attach(
         x,
         y,
-        BackwardFn::new("scatter_to_group", move |grad| g.all_gather_data(grad, dim)),
+        BackwardFn::new("scatter_to_group", move |grad| g.all_gather_data(grad, dim))
+            .on_device_if::<D>(on_device, move |grad| gd.all_gather(grad, dim)),
     ))
 }
 
@@ -302,17 +396,23 @@ pub fn gather_from_group<const D: usize>(
     dim: usize,
 ) -> Result<Tensor<D>> {
     check_dim::<D>(group, "gather_from_group", dim)?;
-    let gathered = group.all_gather_data(host(&x), dim)?;
+    let y = forward_collective(
+        group,
+        &x,
+        |t| group.all_gather(t, dim),
+        |d| group.all_gather_data(d, dim),
+    )?;
     let (start, len) = shard_range(group, &x, dim)?;
-    let y = to_device(gathered, &x);
     let device = x.device();
+    let on_device = group.collects_on_device(&device);
     Ok(attach(
         x,
         y,
         BackwardFn::new("gather_from_group", move |grad| {
             let g = crate::group::tensor_from_data::<D>(grad, &device);
             Ok(g.narrow(dim, start, len).into_data())
-        }),
+        })
+        .on_device_if::<D>(on_device, move |grad| Ok(grad.narrow(dim, start, len))),
     ))
 }
 
@@ -340,13 +440,23 @@ pub fn gather_from_sequence<const D: usize>(
 ) -> Result<Tensor<D>> {
     check_dim::<D>(group, "gather_from_sequence", dim)?;
     let sizes = group.all_gather_object(&x.dims()[dim])?;
-    let y = to_device(group.all_gather_data(host(&x), dim)?, &x);
-    let g = group.clone();
+    let y = forward_collective(
+        group,
+        &x,
+        |t| group.all_gather(t, dim),
+        |d| group.all_gather_data(d, dim),
+    )?;
+    let (g, gd) = (group.clone(), group.clone());
+    let on_device = group.collects_on_device(&x.device());
+    let device_sizes = sizes.clone();
     Ok(attach(
         x,
         y,
         BackwardFn::new("gather_from_sequence", move |grad| {
             g.reduce_scatter_data(grad, dim, ReduceOp::Sum, Some(&sizes))
+        })
+        .on_device_if::<D>(on_device, move |grad| {
+            gd.reduce_scatter(grad, dim, ReduceOp::Sum, Some(&device_sizes))
         }),
     ))
 }
@@ -364,17 +474,21 @@ pub fn reduce_scatter_to_sequence<const D: usize>(
     sizes: Option<&[usize]>,
 ) -> Result<Tensor<D>> {
     check_dim::<D>(group, "reduce_scatter_to_sequence", dim)?;
-    let y = to_device(
-        group.reduce_scatter_data(host(&x), dim, ReduceOp::Sum, sizes)?,
+    let y = forward_collective(
+        group,
         &x,
-    );
-    let g = group.clone();
+        |t| group.reduce_scatter(t, dim, ReduceOp::Sum, sizes),
+        |d| group.reduce_scatter_data(d, dim, ReduceOp::Sum, sizes),
+    )?;
+    let (g, gd) = (group.clone(), group.clone());
+    let on_device = group.collects_on_device(&x.device());
     Ok(attach(
         x,
         y,
         BackwardFn::new("reduce_scatter_to_sequence", move |grad| {
             g.all_gather_data(grad, dim)
-        }),
+        })
+        .on_device_if::<D>(on_device, move |grad| gd.all_gather(grad, dim)),
     ))
 }
 

@@ -85,6 +85,9 @@ pub struct ProcessGroup {
     /// NCCL communicators for CUDA tensors (the `nccl` backend, see [`crate::comm::nccl`]);
     /// `None` on the host backends. Sub-groups get their own.
     nccl: Option<crate::comm::nccl::DeviceComm>,
+    /// Take the tensor-level paths even where the transport stages tensors through host memory
+    /// ([`ProcessGroup::with_tensor_path`]); inherited by sub-groups.
+    tensor_path: bool,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -117,6 +120,7 @@ impl ProcessGroup {
             timeout: default_timeout(),
             registry: Arc::new(Mutex::new(HashMap::new())),
             nccl: None,
+            tensor_path: false,
         }
     }
 
@@ -161,19 +165,28 @@ impl ProcessGroup {
         self.nccl.as_ref()
     }
 
-    /// Whether the tensor collectives ([`ProcessGroup::all_reduce`], ...) of this group move
-    /// tensors on `device` in device memory (NCCL attached and a CUDA device, with the `nccl`
-    /// and `cuda` features) rather than staging them through host memory.
+    /// Whether the techniques should hand this group tensors on `device` (the tensor-level
+    /// collectives, [`ProcessGroup::all_reduce`], ...) rather than host data: true when those
+    /// move them in device memory (NCCL attached and a CUDA device, with the `nccl` and `cuda`
+    /// features), or when [`ProcessGroup::with_tensor_path`] asks for it.
+    ///
+    /// Where it is true, DDP forms its gradient buckets on the device and the differentiable
+    /// collectives of [`crate::autograd`] (tensor and sequence parallelism) communicate
+    /// activations and gradients without leaving it.
     ///
     /// ```
     /// use burn::tensor::Device;
     /// burn_parallel::run_local(2, |group| {
     ///     assert!(!group.collects_on_device(&Device::flex()));
+    ///     assert!(group.with_tensor_path(true).collects_on_device(&Device::flex()));
     ///     Ok(())
     /// })
     /// .unwrap();
     /// ```
     pub fn collects_on_device(&self, device: &burn::tensor::Device) -> bool {
+        if self.tensor_path {
+            return true;
+        }
         #[cfg(all(feature = "nccl", feature = "cuda"))]
         return crate::comm::nccl::device::routes(self, device);
         #[cfg(not(all(feature = "nccl", feature = "cuda")))]
@@ -181,6 +194,16 @@ impl ProcessGroup {
             let _ = device;
             false
         }
+    }
+
+    /// Makes [`ProcessGroup::collects_on_device`] true on every device, for this group and the
+    /// sub-groups split from it: the techniques then take their tensor-level path, which on a
+    /// transport without device collectives stages each tensor through host memory inside the
+    /// collective (the same result, more copies). For testing that path, and the device path of
+    /// an NCCL job, on machines without a GPU.
+    pub fn with_tensor_path(mut self, on: bool) -> Self {
+        self.tensor_path = on;
+        self
     }
 
     /// The timeout applied to every wait of this group.
@@ -264,6 +287,7 @@ impl ProcessGroup {
             timeout: self.timeout,
             registry: self.registry.clone(),
             nccl: self.nccl.as_ref().map(|nccl| nccl.for_subgroup()),
+            tensor_path: self.tensor_path,
         })
     }
 

@@ -1,5 +1,6 @@
 //! Gradient checks of the differentiable collectives: on n ranks, the gradient each rank gets
-//! must equal the gradient of the single-device computation the collective replaces.
+//! must equal the gradient of the single-device computation the collective replaces, on the
+//! host path and on the tensor-level (device) path.
 
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::autograd::{
@@ -47,8 +48,14 @@ fn for_sizes(f: impl Fn(usize) + Sync) {
     }
 }
 
+/// Runs `f` on `n` ranks twice: with the collectives on host data, and on the tensor-level path
+/// that NCCL runs on the device (`with_tensor_path`; here it stages through host memory inside
+/// the collective): both must pass the same checks.
 fn run(n: usize, f: impl Fn(ProcessGroup) -> burn_parallel::Result<()> + Send + Sync) {
-    run_local(n, f).unwrap();
+    for tensor_path in [false, true] {
+        run_local(n, |g| f(g.with_tensor_path(tensor_path)))
+            .unwrap_or_else(|e| panic!("tensor path {tensor_path}: {e}"));
+    }
 }
 
 #[test]
