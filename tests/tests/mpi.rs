@@ -68,6 +68,10 @@ fn assert_all_ranks_ok(np: usize, output: &Output, limited: bool) {
             stdout.contains(&format!("rank {r}: ok all")),
             "rank {r} did not finish:\n{all}"
         );
+        assert!(
+            stdout.contains(&format!("rank {r}: ok threads")),
+            "rank {r} did not check its thread policy:\n{all}"
+        );
         for check in [
             "world all_reduce avg BF16 [1000]",
             "world all_gather dim 1",

@@ -257,6 +257,14 @@ fn run(world: &ProcessGroup, mode: &str) -> burn_parallel::Result<()> {
     match mode {
         "collectives" => {
             assert_eq!(world.backend(), "mpi");
+            // The thread policy counted the ranks on this node (all of them, under one mpirun).
+            let threads = burn_parallel::threads::intra_op_threads();
+            assert_eq!(
+                threads,
+                burn_parallel::threads::auto_threads(n),
+                "rank {r}: intra-op threads"
+            );
+            println!("rank {r}: ok threads {threads} for {n} ranks on this node");
             collectives(world, "world")?;
             // A sub-group of the ranks in reverse order, and one of every other rank (its
             // communicator is created by its members only).

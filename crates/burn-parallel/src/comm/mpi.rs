@@ -344,6 +344,8 @@ mod backend {
             )
             .map_err(rendezvous)?;
         }
+        // The intra-op thread policy: the ranks on this node share its cores.
+        crate::threads::launch(node_local_size().map_err(rendezvous)?, true);
         let max_count = max_count_from_env(rank as usize)?;
         let transport = Arc::new(MpiTransport {
             rank: rank as usize,
@@ -375,6 +377,36 @@ mod backend {
         let group = ProcessGroup::world(transport.clone());
         *lock(&transport.exit_timeout) = group.timeout();
         Ok((group, transport))
+    }
+
+    /// How many ranks of the world run on this node (MPI-3's shared-memory split; collective
+    /// over the world).
+    fn node_local_size() -> std::result::Result<usize, String> {
+        let mut local = MaybeUninit::uninit();
+        let (mut rank, mut size): (c_int, c_int) = (0, 0);
+        // SAFETY: splits the world communicator by shared-memory node into `local`, reads its
+        // size into a local integer and frees it; every rank of the world makes the same call.
+        unsafe {
+            check(
+                ffi::MPI_Comm_rank(ffi::RSMPI_COMM_WORLD, &mut rank),
+                "MPI_Comm_rank",
+            )?;
+            check(
+                ffi::MPI_Comm_split_type(
+                    ffi::RSMPI_COMM_WORLD,
+                    ffi::RSMPI_COMM_TYPE_SHARED,
+                    rank,
+                    ffi::RSMPI_INFO_NULL,
+                    local.as_mut_ptr(),
+                ),
+                "MPI_Comm_split_type(MPI_COMM_TYPE_SHARED)",
+            )?;
+            let mut local = local.assume_init();
+            let sized = check(ffi::MPI_Comm_size(local, &mut size), "MPI_Comm_size");
+            check(ffi::MPI_Comm_free(&mut local), "MPI_Comm_free")?;
+            sized?;
+        }
+        Ok(usize::try_from(size).unwrap_or(1).max(1))
     }
 
     fn max_count_from_env(rank: usize) -> Result<usize> {
