@@ -508,6 +508,23 @@ pub fn all_to_all<const D: usize>(
 ) -> Result<Tensor<D>> {
     check_dim::<D>(group, "all_to_all", split_dim)?;
     check_dim::<D>(group, "all_to_all", concat_dim)?;
+    if split_dim == concat_dim && group.collects_on_device(&x.device()) {
+        // Expert parallelism's exchange on the device. What each rank receives is what the
+        // others send it: one small exchange of the send sizes gives the backward's sizes.
+        let dim = split_dim;
+        let sent: Vec<Vec<usize>> = group.all_gather_object(&send_sizes.to_vec())?;
+        let recv_sizes: Vec<usize> = sent.iter().map(|s| s[group.rank()]).collect();
+        let y = group.all_to_all(x.clone().detach(), dim, send_sizes)?;
+        let (g, gd, host_sizes) = (group.clone(), group.clone(), recv_sizes.clone());
+        return Ok(attach(
+            x,
+            y,
+            BackwardFn::new("all_to_all", move |grad| {
+                g.all_to_all_data(grad, dim, &host_sizes)
+            })
+            .on_device::<D>(move |grad| gd.all_to_all(grad, dim, &recv_sizes)),
+        ));
+    }
     let (out, recv_sizes) =
         group.all_to_all_dims_data(host(&x), split_dim, send_sizes, concat_dim)?;
     let y = to_device(out, &x);
