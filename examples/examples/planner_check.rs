@@ -15,7 +15,7 @@ use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
 use burn_parallel::planner::{
-    Checkpoint, Hardware, Layout, Schedule, Training, evaluate, human_bytes,
+    Attention, Checkpoint, Hardware, Layout, Schedule, Training, evaluate, human_bytes,
 };
 use burn_parallel::{ParallelDims, run_local};
 use burn_zero::Stage;
@@ -26,6 +26,7 @@ struct Counting;
 
 static LIVE: AtomicIsize = AtomicIsize::new(0);
 static PEAK: AtomicIsize = AtomicIsize::new(0);
+static PEAK_SIZE: AtomicIsize = AtomicIsize::new(0);
 
 // SAFETY: every call is forwarded to the system allocator unchanged; the counters only observe.
 unsafe impl GlobalAlloc for Counting {
@@ -35,7 +36,9 @@ unsafe impl GlobalAlloc for Counting {
         if !p.is_null() {
             let live =
                 LIVE.fetch_add(layout.size() as isize, Ordering::Relaxed) + layout.size() as isize;
-            PEAK.fetch_max(live, Ordering::Relaxed);
+            if PEAK.fetch_max(live, Ordering::Relaxed) < live {
+                PEAK_SIZE.store(layout.size() as isize, Ordering::Relaxed);
+            }
         }
         p
     }
@@ -60,7 +63,11 @@ fn measure(world: usize, parallel: &Parallelism, config: &TrainConfig, corpus: &
                 return;
             }
             match s.step {
-                1 => PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed),
+                1 => {
+                    let live = LIVE.load(Ordering::Relaxed);
+                    eprintln!("steady (after step 1): {}", live - base);
+                    PEAK.store(live, Ordering::Relaxed)
+                }
                 2 => *peak.lock().unwrap() = PEAK.load(Ordering::Relaxed),
                 _ => {}
             }
@@ -71,7 +78,67 @@ fn measure(world: usize, parallel: &Parallelism, config: &TrainConfig, corpus: &
     (peak - base) as f64 / world as f64
 }
 
+/// Live bytes one forward keeps and the peak of its backward, relative to before the forward,
+/// for a single-device GPT: the per-tensor derivation's check.
+fn probe_one(model: &examples::gpt::GptConfig, batch: usize, seq: usize, corpus: &Corpus) -> (isize, isize, isize) {
+    use examples::data::Split;
+    use examples::gpt::Gpt;
+    let device = burn::tensor::Device::flex().autodiff();
+    let gpt = Gpt::new(model, &device);
+    let (inputs, targets) = corpus.batch_rows(0, 0..batch, seq, Split::Train).to_tensors(&device);
+    let base = LIVE.load(Ordering::Relaxed);
+    let loss = gpt.loss(inputs, targets).expect("loss");
+    let fwd = LIVE.load(Ordering::Relaxed) - base;
+    PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
+    let grads = loss.backward();
+    let peak = PEAK.load(Ordering::Relaxed) - base;
+    let after = LIVE.load(Ordering::Relaxed) - base;
+    drop(grads);
+    (fwd, peak, after)
+}
+
+fn probe_steady(corpus: &Corpus) {
+    use burn::optim::{AdamWConfig, GradientsParams};
+    use examples::data::Split;
+    use examples::gpt::Gpt;
+    let device = burn::tensor::Device::flex().autodiff();
+    let base = LIVE.load(Ordering::Relaxed);
+    let mut m = examples::gpt::GptConfig::new(256, 4, 4, 128, 128);
+    m.fused = true;
+    let mut gpt = Gpt::new(&m, &device);
+    println!("params {} built {}", m.num_params(), LIVE.load(Ordering::Relaxed) - base);
+    let mut optim = AdamWConfig::new().init();
+    for step in 0..3 {
+        let (inputs, targets) = corpus.batch_rows(step, 0..16, 128, Split::Train).to_tensors(&device);
+        let loss = gpt.loss(inputs, targets).expect("loss");
+        let grads = GradientsParams::from_grads(loss.backward(), &gpt);
+        println!("grads {}", LIVE.load(Ordering::Relaxed) - base);
+        gpt = optim.step(1e-3, gpt, grads);
+        println!("step {step} steady {}", LIVE.load(Ordering::Relaxed) - base);
+    }
+    drop(optim);
+    println!("no optim {}", LIVE.load(Ordering::Relaxed) - base);
+    drop(gpt);
+    println!("no model {}", LIVE.load(Ordering::Relaxed) - base);
+}
+
+fn probe(corpus: &Corpus) {
+    probe_steady(corpus);
+    for fused in [true, false] {
+        for (layers, batch) in [(1, 8), (2, 8), (1, 16), (2, 16), (4, 16)] {
+            let mut m = examples::gpt::GptConfig::new(256, layers, 4, 128, 128);
+            m.fused = fused;
+            let (f, p, a) = probe_one(&m, batch, 128, corpus);
+            println!("fused {fused} L{layers} B{batch}: fwd {f} peak {p} after {a} peak-fwd {} set by {}", p - f, PEAK_SIZE.load(Ordering::Relaxed));
+        }
+    }
+}
+
 fn main() {
+    if std::env::args().any(|a| a == "--probe") {
+        probe(&Corpus::load_default().expect("the bundled corpus"));
+        return;
+    }
     let mut config = TrainConfig::default();
     config.model.d_model = 128;
     config.model.d_ff = 512;
@@ -179,6 +246,13 @@ fn main() {
             mixed_precision: false,
             optimizer_bytes: 8,
             bucket_bytes: (config.bucket_mb * 1024.0 * 1024.0) as usize,
+            attention: if config.model.fused {
+                Attention::Flash
+            } else {
+                Attention::Materialized
+            },
+            dropout: config.model.dropout > 0.0,
+            fused: config.model.fused,
         };
         let predicted = evaluate(&shape, &training, &hw, &layout).expect("a valid layout");
         let measured = measure(world, &parallel, &config, &corpus);

@@ -481,11 +481,37 @@ pub struct Training {
     pub optimizer_bytes: usize,
     /// Gradient bucket of DDP and ZeRO-1/2, bytes.
     pub bucket_bytes: usize,
+    /// How attention is computed: the `b a s^2` scores kept for the backward
+    /// ([`Attention::Materialized`]) or only a log-sum-exp per query ([`Attention::Flash`]).
+    pub attention: Attention,
+    /// Dropout probability above 0: its masks are kept for the backward (and, in the
+    /// fp32 model, attention dropout materialises the scores whatever [`Training::attention`]
+    /// says, as the GPT of `examples` does).
+    pub dropout: bool,
+    /// The fused kernels of [`crate::kernels`] (norms that keep their input, a cross-entropy
+    /// that keeps the logits and a log-sum-exp); `false`: Burn's composed norms and
+    /// cross-entropy. Only the fp32 model (`mixed_precision: false`) looks at it.
+    pub fused: bool,
+}
+
+/// How the attention of a layer is computed, which decides what its backward keeps.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Attention {
+    /// Scores, probabilities (and the dropout mask) `[b, a, s, s]` are kept: Korthikanti's
+    /// `5 a s / h` term in 16 bits; Burn's composed softmax keeps three fp32 `[b, a, s, s]`
+    /// tensors (the shifted scores the `exp` saves, its output the division saves, the
+    /// probabilities the product with `V` saves).
+    Materialized,
+    /// Blockwise (flash) attention: only the output and a `[b, a, s]` log-sum-exp are kept;
+    /// the backward recomputes the probabilities tile by tile
+    /// ([`crate::kernels::attention`]).
+    Flash,
 }
 
 impl Training {
     /// `world` ranks, `global_batch` sequences of `seq_len` tokens per step, micro-batches of
-    /// one sequence, mixed precision, Adam, 25 MB buckets.
+    /// one sequence, mixed precision, Adam, 25 MB buckets, materialised attention with dropout
+    /// (the setting of Korthikanti et al.), Burn's composed kernels.
     ///
     /// # Arguments
     /// See the fields.
@@ -501,6 +527,9 @@ impl Training {
             mixed_precision: true,
             optimizer_bytes: 8,
             bucket_bytes: 25 * 1024 * 1024,
+            attention: Attention::Materialized,
+            dropout: true,
+            fused: false,
         }
     }
 
@@ -674,6 +703,19 @@ pub struct Memory {
     pub activations: f64,
     /// Communication buffers.
     pub buffers: f64,
+    /// ZeRO-3/FSDP parameters gathered in the forward and kept alive by autodiff until the
+    /// unit's backward (the fp32 model of this implementation: every unit of the stage at the
+    /// start of the backward); 0 in the mixed-precision model.
+    pub gathered: f64,
+    /// What the backward allocates in its first steps, while every activation is still live
+    /// (the gradient of the logits), plus the tensor-, context- and pipeline-parallel
+    /// buffers of the forward and backward (fp32 model; 0 in the mixed-precision model).
+    pub transient: f64,
+    /// `true` (fp32 model): the gradients and the gradient buckets exist only once the backward
+    /// has released the activations (Burn's engines run the whole backward, then reduce and
+    /// step), so [`Memory::total`] takes the larger of the two phases; `false`
+    /// (mixed-precision model): everything is summed, as the usual accounting does.
+    pub phased: bool,
     /// The pipeline stage these figures are for (the one needing the most).
     pub stage: usize,
 }
@@ -684,9 +726,18 @@ impl Memory {
         self.params + self.grads + self.optimizer
     }
 
-    /// Everything.
+    /// The per-rank peak: parameters and optimizer state, plus, when [`Memory::phased`],
+    /// the larger of the forward/backward phase (activations, gathered parameters, the
+    /// backward's transient) and the update phase (gradients, buckets); otherwise the sum
+    /// of every part.
     pub fn total(&self) -> f64 {
-        self.model_state() + self.activations + self.buffers
+        let forward = self.activations + self.gathered + self.transient;
+        let update = self.grads + self.buffers;
+        if self.phased {
+            self.params + self.optimizer + forward.max(update)
+        } else {
+            self.params + self.optimizer + forward + update
+        }
     }
 
     /// The largest part, named.
@@ -697,6 +748,8 @@ impl Memory {
             ("optimizer state", self.optimizer),
             ("activations", self.activations),
             ("communication buffers", self.buffers),
+            ("gathered parameters", self.gathered),
+            ("backward transient", self.transient),
         ]
         .into_iter()
         .fold(("", -1.0), |a, b| if b.1 > a.1 { b } else { a })

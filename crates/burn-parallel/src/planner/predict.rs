@@ -222,6 +222,12 @@ pub(super) fn predict(
         };
 
         // Activations.
+        let fp32 = !training.mixed_precision;
+        let kernels = activation::Kernels {
+            attention: training.attention,
+            fused: training.fused,
+            dropout: training.dropout,
+        };
         let layers: Vec<f64> = (stage * per..(stage + 1) * per)
             .map(|i| {
                 let moe = if shape.is_moe_layer(i) {
@@ -229,22 +235,50 @@ pub(super) fn predict(
                 } else {
                     None
                 };
-                activation::layer_bytes(shape, moe, &mb)
+                if fp32 {
+                    activation::fp32_layer_bytes(shape, moe, &mb, &kernels)
+                } else {
+                    activation::paper_layer_bytes(
+                        shape,
+                        moe,
+                        &mb,
+                        training.attention,
+                        training.dropout,
+                    )
+                }
             })
             .collect();
         let full: f64 = layers.iter().sum();
         let largest_layer = layers.iter().cloned().fold(0.0, f64::max);
         let held = layout.schedule.held(stage, p, m);
-        let ckpt = activation::checkpoint_bytes(shape, &mb);
-        let acts16 = match layout.checkpoint {
+        // The paper's checkpoint is 16-bit; the fp32 block input is twice that.
+        let ckpt = activation::checkpoint_bytes(shape, &mb) * if fp32 { 2.0 } else { 1.0 };
+        mem.activations = match layout.checkpoint {
             Checkpoint::None => held * full,
             Checkpoint::Block => held * per as f64 * ckpt + largest_layer,
             Checkpoint::Stage => held.ceil() * ckpt + full,
         };
-        mem.activations = acts16 * ab / 2.0;
-        if stage == p - 1 {
-            mem.activations += held.min(m as f64) * activation::logits_bytes(shape, &mb);
+        let in_flight = held.min(m as f64);
+        if fp32 {
+            // One rank holds the whole vocabulary with the fused kernels: the fused loss.
+            let fused_loss = training.fused && t == 1;
+            if stage == p - 1 {
+                let (kept, transient) =
+                    activation::fp32_head_bytes(shape, &mb, &kernels, fused_loss);
+                mem.activations += in_flight * kept;
+                mem.transient += transient;
+            }
+            if stage == 0 {
+                mem.activations += in_flight * activation::fp32_embedding_bytes(shape, &mb, &kernels);
+            }
+            // FSDP: autodiff keeps every gathered unit of the stage until its backward.
+            if z >= 3 {
+                mem.gathered = bp * held_params;
+            }
+        } else if stage == p - 1 {
+            mem.activations += in_flight * activation::logits_bytes(shape, &mb);
         }
+        mem.phased = fp32;
 
         // Communication buffers.
         let grad_bytes = bg * held_params;
@@ -258,17 +292,25 @@ pub(super) fn predict(
             .filter(|&i| shape.is_moe_layer(i))
             .count() as f64;
         let top_k = shape.moe.as_ref().map_or(0, |m| m.top_k) as f64;
+        // The forward's and backward's buffers: in the fp32 model they live while the
+        // activations do.
+        let mut passes = 0.0;
         if t > 1 {
-            mem.buffers += 2.0 * sbh * ab;
+            passes += 2.0 * sbh * ab;
         }
         if c > 1 {
-            mem.buffers += 2.0 * kv_block;
+            passes += 2.0 * kv_block;
         }
         if p > 1 {
-            mem.buffers += 2.0 * sbh * ab / seq_split;
+            passes += 2.0 * sbh * ab / seq_split;
         }
         if e > 1 && moe_layers > 0.0 {
-            mem.buffers += 2.0 * sbh * top_k * ab;
+            passes += 2.0 * sbh * top_k * ab;
+        }
+        if fp32 {
+            mem.transient += passes;
+        } else {
+            mem.buffers += passes;
         }
         if mem.total() > worst.total() {
             worst = mem;
