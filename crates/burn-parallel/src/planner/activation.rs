@@ -51,8 +51,8 @@
 //! |---|---|---|
 //! | `ln_1`, `ln_2`, fused | the input (the block input, then the residual after attention), mean and 1/std | `2 N d + 4 N` |
 //! | `ln_1`, `ln_2`, composed | centred input (kept by `x * x` and the division), normalised input (kept by `* weight`) | `4 N d + 4 N` |
-//! | `q`, `k`, `v` (column-parallel) | their common input, `ln_1`'s output, whole on every rank | `N d` |
-//! | `up` (and `gate`) | `ln_2`'s output, whole | `N d` |
+//! | `q`, `k`, `v` (column-parallel) | their common input, `ln_1`'s output, whole on every rank; under sp each its own all-gathered copy | `N d`; sp: `3 N d` |
+//! | `up` (and `gate`) | `ln_2`'s output, whole; under sp each its own gathered copy | `N d`; sp: `N d` (`2 N d` gated) |
 //! | flash attention | contiguous copies of `Q`, `K`, `V` (the `[b, s, a, hd] -> [b a, s, hd]` reshape copies), the output, the log-sum-exp | `N d (2 + 2 kv) / t + b a s / t` |
 //! | materialised attention | the `q`, `k`, `v` outputs (the matmuls keep views of them), the shifted scores (`exp` keeps its input), `exp` (the division keeps it), the probabilities (the product with `V` keeps them); with dropout also its fp32 mask | `N d (1 + 2 kv) / t + (3 or 4) b a s^2 / t`, and the causal mask's `s^2` bytes |
 //! | `o` (row-parallel) | its input, the `[b, s, a hd]` copy of the attention output | `N d / t` |
@@ -63,8 +63,11 @@
 //! Adds, residual additions, reshapes and the all-reduces of tensor parallelism keep nothing.
 //! Sequence parallelism (ours): the norms run on `N / t` tokens, so their inputs and masks
 //! are split by `t`, but the all-gathered (whole-sequence) inputs of `q/k/v` and `up` are what
-//! the column-parallel matmuls keep: unlike Megatron, which keeps the sequence shards and
-//! gathers them again in the backward, our sp saves only the norms' part.
+//! the column-parallel matmuls keep, and each column-parallel layer gathers its input itself
+//! (`nn::Linear::forward`): `q`, `k` and `v` keep three gathered copies of the same tensor.
+//! Unlike Megatron, which keeps the sequence shards and gathers them again in the backward,
+//! our sp therefore keeps more than tp alone as soon as `t` is small (`t = 2`: `N d` more per
+//! layer); the measured table of `planner_check` shows it.
 //!
 //! Outside the blocks ([`fp32_head_bytes`], [`fp32_embedding_bytes`]): `ln_f` as a norm, the
 //! output layer's input `N d` (whole), the logits `N V / t` (the fused cross-entropy keeps
@@ -248,8 +251,13 @@ pub fn fp32_layer_bytes(
     // The two norms: inputs (fused) or centred and normalised inputs (composed), and the
     // per-row statistics; split by t under sequence parallelism.
     let norms = if kernels.fused { 2.0 * nd } else { 4.0 * nd } / seq + 4.0 * n / seq;
-    // The whole (gathered under sp) inputs of the column-parallel q/k/v and up/gate.
-    let matmul_inputs = 2.0 * nd;
+    // The whole inputs of the column-parallel q/k/v and up/gate: one shared norm output per
+    // sub-layer, or under sp one all-gathered copy per projection (each gathers for itself).
+    let ffn_inputs = match moe {
+        None if shape.gated_mlp => 2.0,
+        _ => 1.0,
+    };
+    let matmul_inputs = if mb.sp { (3.0 + ffn_inputs) * nd } else { 2.0 * nd };
     let materialized = kernels.attention == Attention::Materialized || kernels.dropout;
     let key_tokens = mb.key_tokens as f64;
     let queries = mb.sequences as f64 * a * mb.local_tokens as f64;
