@@ -78,12 +78,19 @@ fn measure(world: usize, parallel: &Parallelism, config: &TrainConfig, corpus: &
 
 /// Live bytes one forward keeps and the peak of its backward, relative to before the forward,
 /// for a single-device GPT: the per-tensor derivation's check.
-fn probe_one(model: &examples::gpt::GptConfig, batch: usize, seq: usize, corpus: &Corpus) -> (isize, isize, isize) {
+fn probe_one(
+    model: &examples::gpt::GptConfig,
+    batch: usize,
+    seq: usize,
+    corpus: &Corpus,
+) -> (isize, isize, isize) {
     use examples::data::Split;
     use examples::gpt::Gpt;
     let device = burn::tensor::Device::flex().autodiff();
     let gpt = Gpt::new(model, &device);
-    let (inputs, targets) = corpus.batch_rows(0, 0..batch, seq, Split::Train).to_tensors(&device);
+    let (inputs, targets) = corpus
+        .batch_rows(0, 0..batch, seq, Split::Train)
+        .to_tensors(&device);
     let base = LIVE.load(Ordering::Relaxed);
     let loss = gpt.loss(inputs, targets).expect("loss");
     let fwd = LIVE.load(Ordering::Relaxed) - base;
@@ -283,7 +290,9 @@ fn main() {
             error
         );
     }
-    println!("{within} of {rows} layouts within ±{TOLERANCE_PERCENT}% (at least {REQUIRED} needed)");
+    println!(
+        "{within} of {rows} layouts within ±{TOLERANCE_PERCENT}% (at least {REQUIRED} needed)"
+    );
     if within < REQUIRED {
         eprintln!(
             "planner_check: only {within} of {rows} layouts within ±{TOLERANCE_PERCENT}%: the \

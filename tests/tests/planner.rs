@@ -197,3 +197,130 @@ fn predicted_model_state_matches_burn_zero_under_ddp_and_zero() {
     }
     assert!(failures.is_empty(), "{failures:#?}");
 }
+
+/// The fp32 per-tensor derivation of `burn_parallel::planner::activation` for the GPT of
+/// `examples` (d 128, 4 heads, f 512, vocabulary 256, 16 sequences of 128 tokens), counted by
+/// hand, tensor by tensor, from what each op of the block keeps for Burn's backward; and the
+/// peak `evaluate` builds from it on one rank.
+#[test]
+fn fp32_activations_follow_the_tensors_autodiff_keeps() {
+    use burn_parallel::planner::Attention;
+    use burn_parallel::planner::activation::{self, Kernels, MicroBatch};
+
+    let model = GptConfig::new(256, 4, 4, 128, 128);
+    let shape = shape_of(&model);
+    let (b, s, d, f, a, v) = (16.0, 128.0, 128.0, 512.0, 4.0, 256.0);
+    let n = b * s;
+    let mb = |tp, sp| MicroBatch {
+        sequences: 16,
+        local_tokens: 128,
+        key_tokens: 128,
+        tp,
+        sp,
+    };
+    let flash = Kernels {
+        attention: Attention::Flash,
+        fused: true,
+        dropout: false,
+    };
+    // Fused norms keep their inputs x and x + attn (2 N d) and mean, 1/std (4 N); q/k/v keep
+    // ln_1's output, up keeps ln_2's (2 N d); flash attention keeps copies of Q, K, V, its
+    // output (4 N d) and the log-sum-exp (b a s); o keeps its input (N d); the MLP keeps up's
+    // and the GELU's outputs (2 N f).
+    let by_hand =
+        4.0 * (2.0 * n * d + 4.0 * n + 2.0 * n * d + 4.0 * n * d + b * a * s + n * d + 2.0 * n * f);
+    assert_eq!(
+        activation::fp32_layer_bytes(&shape, None, &mb(1, false), &flash),
+        by_hand
+    );
+
+    // Tensor parallel over 2: the norms and the matmul inputs stay whole, the rest halves.
+    let tp2 = 4.0
+        * (2.0 * n * d
+            + 4.0 * n
+            + 2.0 * n * d
+            + (4.0 * n * d + b * a * s + n * d + 2.0 * n * f) / 2.0);
+    assert_eq!(
+        activation::fp32_layer_bytes(&shape, None, &mb(2, false), &flash),
+        tp2
+    );
+    // Our sequence parallelism: the norms' part halves, but q, k, v and up each keep their own
+    // all-gathered whole input (4 N d instead of 2 N d).
+    let sp2 = 4.0
+        * ((2.0 * n * d + 4.0 * n) / 2.0
+            + 4.0 * n * d
+            + (4.0 * n * d + b * a * s + n * d + 2.0 * n * f) / 2.0);
+    assert_eq!(
+        activation::fp32_layer_bytes(&shape, None, &mb(2, true), &flash),
+        sp2
+    );
+
+    // Burn's composed norms keep the centred and the normalised input (4 N d); materialised
+    // attention keeps the q, k, v outputs (3 N d) and three b a s^2 tensors (shifted scores,
+    // exp, probabilities), plus the causal mask's s^2 bytes.
+    let composed = Kernels {
+        attention: Attention::Materialized,
+        fused: false,
+        dropout: false,
+    };
+    let materialized = 4.0
+        * (4.0 * n * d
+            + 4.0 * n
+            + 2.0 * n * d
+            + 3.0 * n * d
+            + 3.0 * b * a * s * s
+            + n * d
+            + 2.0 * n * f)
+        + s * s;
+    assert_eq!(
+        activation::fp32_layer_bytes(&shape, None, &mb(1, false), &composed),
+        materialized
+    );
+    // Dropout adds the fp32 masks of the probabilities and of the two residual branches.
+    let dropout = Kernels {
+        dropout: true,
+        ..composed
+    };
+    assert_eq!(
+        activation::fp32_layer_bytes(&shape, None, &mb(1, false), &dropout),
+        materialized + 4.0 * (b * a * s * s + 2.0 * n * d)
+    );
+
+    // One rank, the whole model: parameters and AdamW's two moments (12 bytes per parameter)
+    // stay; at the start of the backward every activation is live (4 layers, ln_f's input and
+    // output, the logits and their log-sum-exp, token ids and targets at 8 bytes) and the
+    // fused cross-entropy allocates the logits' gradient. The gradients come after the
+    // activations are released, so they are not part of the peak.
+    let training = Training {
+        micro_batch: 16,
+        mixed_precision: false,
+        attention: Attention::Flash,
+        dropout: false,
+        fused: true,
+        ..Training::new(1, 16, 128)
+    };
+    let single = Layout {
+        dims: ParallelDims::default(),
+        zero: 0,
+        sp: false,
+        schedule: Schedule::None,
+        micro_batches: 1,
+        checkpoint: Checkpoint::None,
+    };
+    let c = evaluate(
+        &shape,
+        &training,
+        &Hardware::from_units(1.0, 1.0, 1.0),
+        &single,
+    )
+    .expect("a valid layout");
+    let p = model.num_params() as f64;
+    let head = 4.0 * (n * d + 2.0 * n + n * d + n * v + n) + 8.0 * n;
+    let embedding = 8.0 * n;
+    assert_eq!(c.memory.activations, 4.0 * by_hand + head + embedding);
+    assert_eq!(c.memory.transient, 4.0 * n * v);
+    assert_eq!(
+        c.memory.total(),
+        12.0 * p + 4.0 * by_hand + head + embedding + 4.0 * n * v
+    );
+}

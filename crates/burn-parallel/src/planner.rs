@@ -16,16 +16,41 @@
 //!   and the optimizer's state: [`Training::optimizer_bytes`], 8 for Adam) and 4 + 4 + 8 in
 //!   fp32. ZeRO over the `dp_shard x cp` ranks divides the optimizer state (stage 1), the
 //!   gradients too (stage 2) and the parameters too (stage 3).
-//! - **Activations**: the Korthikanti et al. formulas of [`activation`], times the number of
-//!   micro-batches the schedule keeps in flight on the stage (GPipe: all `m`; 1F1B and ZB-H1:
-//!   `p - stage`; interleaved with `v` chunks: that times `1 + (p - 1) / (p v)`; ZB-V: `p`),
-//!   doubled for fp32; with recomputation per block, the inputs of the blocks plus one block's
-//!   activations; per stage, the stage's inputs plus one stage's activations. The last stage
-//!   adds the fp32 logits and softmax of the loss.
+//! - **Activations**, two models ([`activation`]). Mixed precision: the Korthikanti et al.
+//!   formulas (16-bit, masks when [`Training::dropout`], the `5 a s / h` scores unless
+//!   [`Attention::Flash`]), plus the fp32 logits and softmax of the loss on the last stage.
+//!   fp32 ([`Training::mixed_precision`] `false`): what this implementation keeps, derived
+//!   tensor by tensor from what each op of the block hands Burn's autodiff
+//!   ([`activation::fp32_layer_bytes`]: the norms keep their inputs (fused) or centred and
+//!   normalised inputs (composed), the column-parallel matmuls their whole input, flash
+//!   attention copies of `Q`, `K`, `V`, its output and a log-sum-exp, materialised attention
+//!   three `b a s^2` fp32 tensors), plus the output layer, the logits and the token ids. Both
+//!   are multiplied by the micro-batches the schedule keeps in flight on the stage (GPipe: all
+//!   `m`; 1F1B and ZB-H1: `p - stage`; interleaved with `v` chunks: that times
+//!   `1 + (p - 1) / (p v)`; ZB-V: `p`); with recomputation per block, the inputs of the blocks
+//!   plus one block's activations; per stage, the stage's inputs plus one stage's activations.
 //! - **Communication buffers**: two gradient buckets (DDP, ZeRO-1/2), or the largest gathered
 //!   unit and its gradient (ZeRO-3); a gathered activation (tp); the ring's key/value blocks
 //!   (cp); the send and receive boundary activations (pp); the all-to-all buffers (ep).
 //!
+//! # Where this implementation differs from the textbook (the fp32 model)
+//!
+//! Checked against the measured per-rank peak of the GPT trainer with a counting allocator
+//! (`cargo run -p examples --example planner_check`, 12 layouts, within ±10%):
+//! - **The peak is phased** ([`Memory::phased`]): Burn's engines run the whole backward,
+//!   then reduce and step, so the gradients and buckets exist only after the activations are
+//!   gone. The peak is at the start of the backward: parameters, optimizer state, every
+//!   activation and the logits' gradient ([`Memory::transient`]).
+//! - **FSDP keeps its gathered units**: autodiff keeps the gathered parameters each unit's
+//!   matmuls saved until that unit's backward, so at the peak a ZeRO-3 rank holds its shards
+//!   *and* the whole stage's parameters ([`Memory::gathered`]); ZeRO-3 saves optimizer
+//!   state, not parameter memory at the peak.
+//! - **Sequence parallelism keeps the gathered inputs**: each column-parallel projection
+//!   all-gathers its input itself and keeps the whole-sequence copy, so sp saves only the
+//!   norms' share and, at tp 2, keeps more than tp alone.
+//!
+//! The mixed-precision model keeps the paper's accounting (everything summed, no gathered
+//! units), as a plan for a GPU run of a framework that frees as Megatron does.
 //! # The model of time
 //!
 //! FLOPs per step are `6 N` per token (`N` the active parameters) plus `12 s h` per token and

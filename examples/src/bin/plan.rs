@@ -15,7 +15,7 @@
 use std::process::ExitCode;
 
 use burn_parallel::planner::{
-    Candidate, Hardware, ModelShape, MoeShape, NormShape, Training, plan,
+    Attention, Candidate, Hardware, ModelShape, MoeShape, NormShape, Training, plan,
 };
 use clap::Parser;
 
@@ -90,9 +90,19 @@ struct Args {
     /// Link bandwidth per device, GB/s.
     #[arg(long, default_value_t = 25.0)]
     link_gbps: f64,
-    /// fp32 everywhere (default: mixed precision, 2 + 2 + 12 bytes per parameter).
+    /// fp32 everywhere (default: mixed precision, 2 + 2 + 12 bytes per parameter); the
+    /// activations are then those this implementation keeps, tensor by tensor.
     #[arg(long)]
     fp32: bool,
+    /// Flash (blockwise) attention: no `b a s^2` scores kept (default: materialised).
+    #[arg(long)]
+    flash: bool,
+    /// No dropout (its masks are not kept).
+    #[arg(long)]
+    no_dropout: bool,
+    /// The fused norms and cross-entropy of `burn_parallel::kernels` (fp32 model only).
+    #[arg(long)]
+    fused: bool,
     /// Rows of the table of fitting layouts.
     #[arg(long, default_value_t = 15)]
     top: usize,
@@ -107,13 +117,16 @@ struct Args {
 fn row(rank: usize, c: &Candidate, unit: f64) -> String {
     let m = &c.memory;
     format!(
-        "| {rank} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | {:.0} | {:.0}% |",
+        "| {rank} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | \
+         {:.0} | {:.0}% |",
         c.layout,
         m.params / unit,
         m.grads / unit,
         m.optimizer / unit,
         m.activations / unit,
         m.buffers / unit,
+        m.gathered / unit,
+        m.transient / unit,
         m.total() / unit,
         1e3 * c.step_seconds,
         c.tokens_per_s,
@@ -149,6 +162,13 @@ fn main() -> ExitCode {
     let training = Training {
         micro_batch: a.micro_batch,
         mixed_precision: !a.fp32,
+        attention: if a.flash {
+            Attention::Flash
+        } else {
+            Attention::Materialized
+        },
+        dropout: !a.no_dropout,
+        fused: a.fused,
         ..Training::new(a.world, a.batch, a.seq_len)
     };
     let hw = Hardware::from_units(a.memory_gib, a.tflops, a.link_gbps);
@@ -188,10 +208,14 @@ fn main() -> ExitCode {
         shown.len()
     );
     println!(
-        "| # | layout | params | grads | optim | activ | buffers | total | ms/step | tokens/s | \
-         bubble |"
+        "(fp32: total = params + optim + max(activ + gathered + transient, grads + buffers): \
+         the gradients exist once the backward has released the activations)"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!(
+        "| # | layout | params | grads | optim | activ | buffers | gathered | transient | total | \
+         ms/step | tokens/s | bubble |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for (i, c) in shown.iter().enumerate() {
         println!("{}", row(i + 1, c, unit));
     }

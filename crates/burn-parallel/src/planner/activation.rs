@@ -83,7 +83,8 @@
 //! against 31,539,200 (materialised, composed); the rest is autodiff's graph bookkeeping.
 //!
 //! MoE layers keep the paper's generalisation at 4 bytes; context parallelism uses `s / c`
-//! local tokens against `s` keys.
+//! local tokens against `s` keys, and its ring attention is counted as flash attention (it
+//! keeps no scores; measured within 2% at cp 2 with either kernel setting).
 
 use super::{Attention, ModelShape, MoeShape};
 
@@ -115,7 +116,10 @@ fn linear_terms(shape: &ModelShape, moe: Option<&MoeShape>, dropout: bool) -> (f
         let per = if gated { 8.0 } else { 4.0 };
         per * f as f64 / h
     };
-    (unsplit, attention + ffn_terms(moe, shape.gated_mlp, shape.d_ff, h, &inner))
+    (
+        unsplit,
+        attention + ffn_terms(moe, shape.gated_mlp, shape.d_ff, h, &inner),
+    )
 }
 
 /// The feed-forward network's per-token term (the inner activations), by `inner`.
@@ -257,8 +261,15 @@ pub fn fp32_layer_bytes(
         None if shape.gated_mlp => 2.0,
         _ => 1.0,
     };
-    let matmul_inputs = if mb.sp { (3.0 + ffn_inputs) * nd } else { 2.0 * nd };
-    let materialized = kernels.attention == Attention::Materialized || kernels.dropout;
+    let matmul_inputs = if mb.sp {
+        (3.0 + ffn_inputs) * nd
+    } else {
+        2.0 * nd
+    };
+    // Context parallelism (fewer local queries than keys) runs ring attention, which keeps
+    // per-block statistics rather than scores, whatever the kernels.
+    let ring = mb.local_tokens < mb.key_tokens;
+    let materialized = (kernels.attention == Attention::Materialized && !ring) || kernels.dropout;
     let key_tokens = mb.key_tokens as f64;
     let queries = mb.sequences as f64 * a * mb.local_tokens as f64;
     let (attention, mask_bytes) = if materialized {
@@ -300,7 +311,11 @@ pub fn fp32_head_bytes(
     let norm = if kernels.fused { nd } else { 2.0 * nd } / seq + 2.0 * n / seq;
     let logits = n * shape.vocab as f64 / t;
     let kept = 4.0 * (norm + nd + logits + n) + 8.0 * n;
-    let transient = if fused_loss { 4.0 * logits } else { 8.0 * logits };
+    let transient = if fused_loss {
+        4.0 * logits
+    } else {
+        8.0 * logits
+    };
     (kept, transient)
 }
 

@@ -269,7 +269,8 @@ pub(super) fn predict(
                 mem.transient += transient;
             }
             if stage == 0 {
-                mem.activations += in_flight * activation::fp32_embedding_bytes(shape, &mb, &kernels);
+                mem.activations +=
+                    in_flight * activation::fp32_embedding_bytes(shape, &mb, &kernels);
             }
             // FSDP: autodiff keeps every gathered unit of the stage until its backward.
             if z >= 3 {
