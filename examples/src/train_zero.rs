@@ -526,11 +526,7 @@ fn load(
         Engine::Zero3 { model, .. } => {
             for shard in model.shards() {
                 let prefix = unit_prefix(shard.name());
-                expected.extend(burn_zero::dcp::logical_shapes(
-                    &tp,
-                    prefix,
-                    shard.layout(),
-                )?);
+                expected.extend(burn_zero::dcp::logical_shapes(&tp, prefix, shard.layout())?);
             }
         }
     }
@@ -568,7 +564,10 @@ fn load(
 
 /// Refuses a checkpoint of another model: its parameters must be `expected` (name, shape);
 /// optimizer state is checked as it is read.
-fn check_model(checkpoint: &Checkpoint, expected: &[(String, Vec<usize>)]) -> Result<(), ZeroError> {
+fn check_model(
+    checkpoint: &Checkpoint,
+    expected: &[(String, Vec<usize>)],
+) -> Result<(), ZeroError> {
     let mut names: Vec<(&str, &[usize])> = expected
         .iter()
         .map(|(n, s)| (n.as_str(), s.as_slice()))

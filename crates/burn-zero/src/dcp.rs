@@ -15,7 +15,8 @@ use std::ops::Range;
 
 use burn::tensor::{DType, Device, TensorData};
 use burn_parallel::checkpoint::{
-    Checkpoint, OPTIM, Piece, ScalarsByLogical, Segment, flat_space_segments, read_state, scalars_by_logical, segment_pieces,
+    Checkpoint, OPTIM, Piece, ScalarsByLogical, Segment, flat_space_segments, read_state,
+    scalars_by_logical, segment_pieces,
 };
 use burn_parallel::nn::TpContext;
 
@@ -122,18 +123,22 @@ pub fn read_params(checkpoint: &Checkpoint, segments: &[Segment], len: usize) ->
             data = data.convert_dtype(DType::F32);
         }
         let values = data.as_slice::<f32>().map_err(|e| {
-            ZeroError::Config(format!("parameter {} read from the checkpoint: {e:?}", s.logical))
+            ZeroError::Config(format!(
+                "parameter {} read from the checkpoint: {e:?}",
+                s.logical
+            ))
         })?;
         let mut at = 0;
         for run in s.local.runs() {
             let n = run.len();
-            out.get_mut(run).ok_or_else(|| {
-                ZeroError::Config(format!(
-                    "parameter {}: a segment beyond the shard of {len} elements",
-                    s.logical
-                ))
-            })?
-            .copy_from_slice(&values[at..at + n]);
+            out.get_mut(run)
+                .ok_or_else(|| {
+                    ZeroError::Config(format!(
+                        "parameter {}: a segment beyond the shard of {len} elements",
+                        s.logical
+                    ))
+                })?
+                .copy_from_slice(&values[at..at + n]);
             at += n;
         }
     }

@@ -58,7 +58,11 @@ fn a_load_reads_only_this_ranks_ranges() {
         Ok(())
     })
     .unwrap();
-    let dir = Checkpointer::latest(&root).unwrap().unwrap().dir().to_path_buf();
+    let dir = Checkpointer::latest(&root)
+        .unwrap()
+        .unwrap()
+        .dir()
+        .to_path_buf();
     let total: u64 = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().metadata().unwrap().len())
