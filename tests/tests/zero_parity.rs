@@ -232,7 +232,7 @@ fn agreed(reports: Vec<ZeroReport>) -> ZeroReport {
 }
 
 #[test]
-fn checkpoint_saved_on_4_ranks_resumes_on_2_and_1_and_at_another_stage() {
+fn checkpoint_saved_on_4_ranks_resumes_on_2_and_1_at_another_stage_and_from_hybrid() {
     let config = tiny_gpt_run(15);
     let base = std::env::temp_dir().join(format!("burn-zero-ckpt-{}", std::process::id()));
     for (stage, other) in [(Stage::Three, Stage::Two), (Stage::Two, Stage::One)] {
@@ -270,6 +270,34 @@ fn checkpoint_saved_on_4_ranks_resumes_on_2_and_1_and_at_another_stage() {
             assert_same_params(&uninterrupted_params, &resumed.final_params, tol, &what);
         }
     }
+    // Hybrid sharding (2 replicas x 2 shards): replica 0 writes; a plain 2-rank run resumes.
+    let dir = base.join("hybrid");
+    let zero = ZeroConfig::new(Stage::Three).with_max_grad_norm(Some(CLIP));
+    let options = ckpt_options(Some(&dir), 10, None);
+    let uninterrupted = agreed(zero_run(4, true, &config, &zero, &options));
+    let saved = burn_parallel::checkpoint::Checkpointer::latest(&dir)
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        saved.manifest().world_size,
+        2,
+        "the shard ranks of replica 0 write"
+    );
+    let resumed = agreed(zero_run(
+        2,
+        false,
+        &config,
+        &zero,
+        &ckpt_options(None, 0, Some(&dir)),
+    ));
+    let what = "hybrid 2x2 stage 3 checkpoint resumed on 2 ranks";
+    assert_same_losses(&uninterrupted.losses, &resumed.losses, TOL, what);
+    assert_same_params(
+        &params_map(&uninterrupted.final_params),
+        &resumed.final_params,
+        TOL,
+        what,
+    );
     // A truncated shard file is refused with a typed error naming it.
     let dir = base.join("stage3");
     let step = dir.join("step-00000010");
@@ -287,8 +315,7 @@ fn checkpoint_saved_on_4_ranks_resumes_on_2_and_1_and_at_another_stage() {
                 &corpus(),
                 &options,
             )
-            .err()
-            .expect("a broken checkpoint must not load"))
+            .expect_err("a broken checkpoint must not load"))
         })
         .unwrap()
         .swap_remove(0)
