@@ -231,6 +231,29 @@ fn agreed(reports: Vec<ZeroReport>) -> ZeroReport {
     tests::rank0_if_ranks_agree(reports, |r| (&r.losses, &r.final_params))
 }
 
+/// A run saving every `every` steps under `dir` (rank 0's report).
+fn saving_run(
+    ranks: usize,
+    hybrid: bool,
+    config: &TrainConfig,
+    zero: &ZeroConfig,
+    (dir, every): (&std::path::Path, usize),
+) -> ZeroReport {
+    let options = ckpt_options(Some(dir), every, None);
+    agreed(zero_run(ranks, hybrid, config, zero, &options))
+}
+
+/// A run resumed from `from` (rank 0's report).
+fn resumed_run(
+    ranks: usize,
+    config: &TrainConfig,
+    zero: &ZeroConfig,
+    from: &std::path::Path,
+) -> ZeroReport {
+    let options = ckpt_options(None, 0, Some(from));
+    agreed(zero_run(ranks, false, config, zero, &options))
+}
+
 #[test]
 fn checkpoint_saved_on_4_ranks_resumes_on_2_and_1_at_another_stage_and_from_hybrid() {
     let config = tiny_gpt_run(15);
@@ -238,24 +261,12 @@ fn checkpoint_saved_on_4_ranks_resumes_on_2_and_1_at_another_stage_and_from_hybr
     for (stage, other) in [(Stage::Three, Stage::Two), (Stage::Two, Stage::One)] {
         let dir = base.join(format!("stage{}", stage.number()));
         let zero = ZeroConfig::new(stage).with_max_grad_norm(Some(CLIP));
-        let uninterrupted = agreed(zero_run(
-            4,
-            false,
-            &config,
-            &zero,
-            &ckpt_options(Some(&dir), 10, None),
-        ));
+        let uninterrupted = saving_run(4, false, &config, &zero, (&dir, 10));
         let uninterrupted_params = params_map(&uninterrupted.final_params);
         let resumes = [(2usize, stage), (1, stage), (2, other)];
         for (m, at) in resumes {
             let zero = ZeroConfig::new(at).with_max_grad_norm(Some(CLIP));
-            let resumed = agreed(zero_run(
-                m,
-                false,
-                &config,
-                &zero,
-                &ckpt_options(None, 0, Some(&dir)),
-            ));
+            let resumed = resumed_run(m, &config, &zero, &dir);
             let what = format!(
                 "stage {} checkpoint resumed at stage {} on {m} ranks",
                 stage.number(),
@@ -273,8 +284,7 @@ fn checkpoint_saved_on_4_ranks_resumes_on_2_and_1_at_another_stage_and_from_hybr
     // Hybrid sharding (2 replicas x 2 shards): replica 0 writes; a plain 2-rank run resumes.
     let dir = base.join("hybrid");
     let zero = ZeroConfig::new(Stage::Three).with_max_grad_norm(Some(CLIP));
-    let options = ckpt_options(Some(&dir), 10, None);
-    let uninterrupted = agreed(zero_run(4, true, &config, &zero, &options));
+    let uninterrupted = saving_run(4, true, &config, &zero, (&dir, 10));
     let saved = burn_parallel::checkpoint::Checkpointer::latest(&dir)
         .unwrap()
         .unwrap();
@@ -283,13 +293,7 @@ fn checkpoint_saved_on_4_ranks_resumes_on_2_and_1_at_another_stage_and_from_hybr
         2,
         "the shard ranks of replica 0 write"
     );
-    let resumed = agreed(zero_run(
-        2,
-        false,
-        &config,
-        &zero,
-        &ckpt_options(None, 0, Some(&dir)),
-    ));
+    let resumed = resumed_run(2, &config, &zero, &dir);
     let what = "hybrid 2x2 stage 3 checkpoint resumed on 2 ranks";
     assert_same_losses(&uninterrupted.losses, &resumed.losses, TOL, what);
     assert_same_params(
@@ -342,13 +346,7 @@ fn zero_engine_checkpoint_resumes_in_the_layout_generic_trainer() {
     let config = tiny_gpt_run(12);
     let dir = std::env::temp_dir().join(format!("burn-zero-generic-{}", std::process::id()));
     let zero = ZeroConfig::new(Stage::Two);
-    let uninterrupted = agreed(zero_run(
-        2,
-        false,
-        &config,
-        &zero,
-        &ckpt_options(Some(&dir), 8, None),
-    ));
+    let uninterrupted = saving_run(2, false, &config, &zero, (&dir, 8));
     let uninterrupted_params = params_map(&uninterrupted.final_params);
     let corpus = corpus();
     for (ranks, stage) in [(2usize, None), (4, Some(Stage::Three))] {
@@ -408,13 +406,7 @@ fn mixed_precision_checkpoints_resume() {
                 .with_precision(precision)
                 .with_loss_scaler(scaler.clone())
         };
-        let uninterrupted = agreed(zero_run(
-            2,
-            false,
-            &config,
-            &zero_at(stage),
-            &ckpt_options(Some(&dir), 6, None),
-        ));
+        let uninterrupted = saving_run(2, false, &config, &zero_at(stage), (&dir, 6));
         if scaler.is_some() {
             assert_eq!(
                 uninterrupted.loss_scale, 4096.0,
@@ -426,15 +418,7 @@ fn mixed_precision_checkpoints_resume() {
         for (param, t) in &saved.manifest().tensors {
             assert_eq!(t.dtype, "F32", "{name}: {param} is saved in fp32");
         }
-        let resume = |ranks: usize, at: Stage| {
-            agreed(zero_run(
-                ranks,
-                false,
-                &config,
-                &zero_at(at),
-                &ckpt_options(None, 0, Some(&step)),
-            ))
-        };
+        let resume = |ranks: usize, at: Stage| resumed_run(ranks, &config, &zero_at(at), &step);
         // The same layout: bit for bit.
         let same = resume(2, stage);
         assert_eq!(
