@@ -14,22 +14,31 @@
 //! current scale before `backward` and overflowing steps are skipped by the wrapper (counted in
 //! [`ZeroReport::skipped_steps`]). Stage-3 prefetch ([`ZeroConfig::prefetch`]) gathers the next
 //! unit on a background thread while the current one computes ([`FsdpGpt::loss`]).
+//!
+//! Checkpoints ([`ZeroRunOptions::checkpoints`]) are the distributed checkpoints of
+//! [`burn_parallel::checkpoint`], as the other trainers write them
+//! ([`crate::train_checkpoint`]): the logical parameters (the fp32 master weights, whatever the
+//! compute dtype) and AdamW state, each rank writing its flat shard's segments of them
+//! ([`burn_zero::dcp`]); the losses so far, the configuration and the loss scaler's state in
+//! the trainer state. So a checkpoint saved at one stage and shard count resumes at any other,
+//! in fp32 or mixed precision, and in `train_gpt_checkpointed`'s layouts (DDP, tp, `Fsdp<M>`).
 
-use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Int, Tensor};
 use burn_parallel::ProcessGroup;
-use burn_zero::checkpoint::{self, CheckpointReader, UnitShard};
+use burn_parallel::checkpoint::{Checkpoint, Checkpointer, OPTIM, Piece, merged_scalars};
+use burn_parallel::nn::TpContext;
 use burn_zero::{
-    FlatShard, FsdpContext, FsdpOptimizer, FsdpUnit, MemoryReport, ShardGroups, Stage, ZeroConfig,
-    ZeroError, ZeroOptimizer,
+    FlatShard, FsdpContext, FsdpOptimizer, FsdpUnit, LossScalerState, MemoryReport, ShardGroups,
+    Stage, ZeroConfig, ZeroError, ZeroOptimizer,
 };
 
 use crate::data::{Corpus, Split};
 use crate::gpt::{Block, Gpt, GptConfig};
 use crate::train::{NamedParam, TrainConfig};
+use crate::train_checkpoint::{self, CheckpointOptions, OPTIM_SCALARS, TrainerState};
 
 /// The GPT wrapped for ZeRO stage 3: embeddings, each block, and the head are FSDP units.
 pub struct FsdpGpt {
@@ -149,10 +158,12 @@ impl FsdpGpt {
 /// Checkpointing and resuming of a ZeRO run.
 #[derive(Debug, Clone, Default)]
 pub struct ZeroRunOptions {
-    /// Resume from this checkpoint (its step becomes the first step).
-    pub resume: Option<PathBuf>,
-    /// Save a checkpoint after this many steps into this directory.
-    pub save: Option<(usize, PathBuf)>,
+    /// Where and how often to save, and what to resume from (a checkpoint directory, or the
+    /// newest complete one under a directory): the options of `gpt --save-every N
+    /// --checkpoint-dir D [--keep-checkpoints K] [--async-checkpoint] | --resume D`.
+    /// `init_from_hf` is refused here (the trainer of [`crate::train`] takes it). With hybrid
+    /// sharding, replica 0 writes; every rank reads what it needs.
+    pub checkpoints: CheckpointOptions,
     /// Gather the trained parameters whole into [`ZeroReport::final_params`] at the end (one
     /// all-gather per unit on every rank; off by default, as it holds the full model).
     pub final_params: bool,
@@ -161,7 +172,7 @@ pub struct ZeroRunOptions {
 /// The outcome of a ZeRO run.
 #[derive(Debug, Clone)]
 pub struct ZeroReport {
-    /// Global mean loss of every step run.
+    /// Global mean loss of every step (a resumed run: those of the checkpoint, then its own).
     pub losses: Vec<f64>,
     /// Global gradient norms before clipping (when clipping is on).
     pub grad_norms: Vec<f64>,
@@ -171,7 +182,8 @@ pub struct ZeroReport {
     pub num_params: usize,
     /// Mean seconds per step, the first step excluded.
     pub step_seconds: f64,
-    /// Steps skipped because the gradients overflowed under loss scaling.
+    /// Steps skipped because the gradients overflowed under loss scaling (a resumed run counts
+    /// those before the checkpoint too).
     pub skipped_steps: usize,
     /// The loss scale after the last step (1 without loss scaling).
     pub loss_scale: f64,
@@ -204,7 +216,8 @@ enum Engine {
 /// Runs steps `start..config.steps`, where `start` is 0 or the resumed checkpoint's step.
 ///
 /// # Errors
-/// Invalid config, collective failures, checkpoint errors.
+/// Invalid config or checkpoint options, collective failures, checkpoint errors (a checkpoint
+/// of another model or run configuration is refused, naming what differs).
 pub fn train_gpt_zero(
     groups: &ShardGroups,
     config: &TrainConfig,
@@ -234,16 +247,41 @@ pub fn train_gpt_zero(
         let model = zero.prepare_module(model)?;
         Engine::Zero12 { model, zero }
     };
-    let start = match &options.resume {
-        Some(dir) => load(&mut engine, dir, groups, &device)?,
+    let checkpoints = &options.checkpoints;
+    checkpoints.validate().map_err(ZeroError::Config)?;
+    if checkpoints.init_from_hf.is_some() {
+        return Err(ZeroError::Config(
+            "train_gpt_zero does not start from Hugging Face weights: use \
+             train::train_gpt_checkpointed (gpt --init-from-hf), which runs ZeRO too"
+                .into(),
+        ));
+    }
+    if checkpoints.active() {
+        train_checkpoint::check_layout(&config.model).map_err(ZeroError::Config)?;
+    }
+    let mut losses = Vec::new();
+    let mut skipped_steps = 0;
+    let start = match &checkpoints.resume {
+        Some(path) => {
+            let resumed = load(&mut engine, path, config)?;
+            losses = resumed.losses;
+            skipped_steps = resumed.skipped;
+            resumed.step
+        }
         None => 0,
+    };
+    // Replica 0 writes (with hybrid sharding the other replicas hold the same shards).
+    let writer = groups.replicate().is_none_or(|r| r.rank() == 0);
+    let mut saver = match (&checkpoints.dir, checkpoints.save_every) {
+        (Some(dir), every) if every > 0 && writer => {
+            Some(Checkpointer::new(dir, checkpoints.keep, groups.shard())?)
+        }
+        _ => None,
     };
 
     let rows_per_rank = config.batch_size / groups.data_size();
     let micro_rows = rows_per_rank / config.grad_accum;
-    let mut losses = Vec::new();
     let mut grad_norms = Vec::new();
-    let mut skipped_steps = 0;
     let mut timed = 0.0;
     for step in start..config.steps {
         let t0 = Instant::now();
@@ -296,11 +334,18 @@ pub fn train_gpt_zero(
         if step > start {
             timed += t0.elapsed().as_secs_f64();
         }
-        if let Some((at, dir)) = &options.save
-            && step + 1 == *at
-        {
-            save(&engine, dir, groups, step + 1)?;
+        if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
+            let (pieces, state, rank_state) = checkpoint_of(&engine, config, &losses)?;
+            match checkpoints.asynchronous {
+                true => saver.save_async(step + 1, pieces, state, rank_state)?,
+                false => {
+                    saver.save(step + 1, pieces, state, rank_state)?;
+                }
+            }
         }
+    }
+    if let Some(saver) = saver.as_mut() {
+        saver.wait()?;
     }
     let (memory, loss_scale) = match &engine {
         Engine::Zero12 { zero, .. } => (zero.memory(), zero.loss_scale()),
@@ -384,91 +429,158 @@ fn tiny_placeholder() -> GptConfig {
     }
 }
 
-fn save(
-    engine: &Engine,
-    dir: &std::path::Path,
-    groups: &ShardGroups,
-    step: usize,
-) -> Result<(), ZeroError> {
-    let meta = serde_json::json!({ "optimizer": "AdamW", "saved_by": "examples::train_zero" });
-    match engine {
-        Engine::Zero12 { model, zero } => {
-            let range = zero.range();
-            let params = zero.param_shard(model)?;
-            let (state, scalars) = zero.optimizer().export(0);
-            let unit = UnitShard {
-                name: "model",
-                layout: zero.layout(),
-                range,
-                params,
-                state,
-                scalars,
-            };
-            checkpoint::save(dir, groups, step, &[unit], meta)
-        }
-        Engine::Zero3 { model, fsdp } => {
-            let units: Vec<UnitShard<'_>> = model
-                .shards()
-                .into_iter()
-                .enumerate()
-                .map(|(i, s)| {
-                    let (state, scalars) = fsdp.optimizer().export(i);
-                    UnitShard {
-                        name: s.name(),
-                        layout: s.layout(),
-                        range: s.range(),
-                        params: s.values(),
-                        state,
-                        scalars,
-                    }
-                })
-                .collect();
-            checkpoint::save(dir, groups, step, &units, meta)
-        }
+/// The tensor-parallel context of the engines' models (none: `train_gpt_zero` is pure data
+/// parallelism).
+fn no_tp() -> TpContext {
+    TpContext::single()
+}
+
+/// The path prefix of the logical parameters of a stage-3 unit: the embedding and head units
+/// wrap a whole-GPT shell, so their layouts' paths are already whole-model paths; a block unit
+/// is named by its path in the GPT.
+fn unit_prefix(unit: &str) -> &str {
+    match unit {
+        "embed" | "head" => "",
+        block => block,
     }
 }
 
-fn load(
-    engine: &mut Engine,
-    dir: &std::path::Path,
-    _groups: &ShardGroups,
-    device: &Device,
-) -> Result<usize, ZeroError> {
-    let reader = CheckpointReader::open(dir)?;
-    let inner = device.clone().inner();
-    match engine {
+/// What this rank saves: its pieces of the parameters (fp32 masters) and AdamW state, the
+/// trainer state (losses so far, configuration, loss scaler) and its rank state (the
+/// optimizer's scalars by logical parameter).
+fn checkpoint_of(
+    engine: &Engine,
+    config: &TrainConfig,
+    losses: &[f64],
+) -> Result<(Vec<Piece>, serde_json::Value, serde_json::Value), ZeroError> {
+    let tp = no_tp();
+    // Plain ZeRO and replica 0 of hybrid sharding write whole shards.
+    let copies = (1, 0);
+    let mut pieces = Vec::new();
+    let mut scalars = burn_parallel::checkpoint::ScalarsByLogical::new();
+    let scaler = match engine {
         Engine::Zero12 { model, zero } => {
-            reader.check_units(&[("model", zero.layout())])?;
-            let numel = zero.layout().numel();
-            let full = reader.read("model", "param", 0..numel)?;
-            let taken = std::mem::replace(model, Gpt::new(&tiny_placeholder(), &inner));
-            *model = zero.set_params(taken, full)?;
-            let range = zero.range();
-            let state = reader.state("model", range.clone())?;
-            let scalars = reader.scalars("model")?;
-            zero.optimizer_mut()
-                .import(0, state, &scalars, range.len(), &inner)?;
+            pieces.extend(zero.checkpoint_params(model, &tp, copies)?);
+            let (state, by_logical) = zero.checkpoint_state(&tp, copies)?;
+            pieces.extend(state);
+            scalars.extend(by_logical);
+            zero.scaler().map(|s| s.state())
         }
         Engine::Zero3 { model, fsdp } => {
-            let names: Vec<(String, burn_zero::flat::FlatLayout)> = model
-                .shards()
-                .iter()
-                .map(|s| (s.name().to_string(), s.layout().clone()))
-                .collect();
-            let refs: Vec<(&str, &burn_zero::flat::FlatLayout)> =
-                names.iter().map(|(n, l)| (n.as_str(), l)).collect();
-            reader.check_units(&refs)?;
-            for (i, shard) in model.shards_mut().into_iter().enumerate() {
-                let range = shard.range();
-                shard.set_values(reader.read(shard.name(), "param", range.clone())?)?;
-                let state = reader.state(shard.name(), range.clone())?;
-                let scalars = reader.scalars(shard.name())?;
-                fsdp.optimizer_mut()
-                    .import(i, state, &scalars, range.len(), &inner)?;
+            for (i, shard) in model.shards().into_iter().enumerate() {
+                let prefix = unit_prefix(shard.name());
+                pieces.extend(shard.checkpoint_params(&tp, prefix, copies)?);
+                let (state, by_logical) = fsdp.checkpoint_state(i, shard, &tp, prefix, copies)?;
+                pieces.extend(state);
+                scalars.extend(by_logical);
+            }
+            fsdp.scaler().map(|s| s.state())
+        }
+    };
+    let trainer = TrainerState {
+        losses: losses.to_vec(),
+        config: config.clone(),
+    };
+    let mut state = serde_json::to_value(trainer).expect("the trainer state serialises");
+    state[LOSS_SCALER] = serde_json::to_value(scaler).expect("the scaler state serialises");
+    let rank_state = serde_json::json!({ OPTIM_SCALARS: scalars });
+    Ok((pieces, state, rank_state))
+}
+
+/// Key of the loss scaler's state ([`LossScalerState`], `null` without a scaler) in the trainer
+/// state.
+pub const LOSS_SCALER: &str = "loss_scaler";
+
+/// What a resume restored besides tensors.
+struct Resumed {
+    step: usize,
+    losses: Vec<f64>,
+    skipped: usize,
+}
+
+/// Restores the engine from the checkpoint at `path` (or the newest complete one under it),
+/// saved under any stage, shard count or precision.
+fn load(
+    engine: &mut Engine,
+    path: &std::path::Path,
+    config: &TrainConfig,
+) -> Result<Resumed, ZeroError> {
+    let checkpoint = train_checkpoint::open_resume(path)?;
+    let trainer = train_checkpoint::resume_state(&checkpoint, config).map_err(ZeroError::Config)?;
+    let saved_scaler: Option<LossScalerState> = match checkpoint.state().get(LOSS_SCALER) {
+        None | Some(serde_json::Value::Null) => None,
+        Some(v) => Some(serde_json::from_value(v.clone()).map_err(|e| {
+            ZeroError::Config(format!(
+                "{}: the loss scaler's state {v} is not readable ({e})",
+                checkpoint.dir().display()
+            ))
+        })?),
+    };
+    let tp = no_tp();
+    let scalars = merged_scalars(&checkpoint, OPTIM_SCALARS);
+    let mut expected: Vec<(String, Vec<usize>)> = Vec::new();
+    match &*engine {
+        Engine::Zero12 { zero, .. } => {
+            expected.extend(burn_zero::dcp::logical_shapes(&tp, "", zero.layout())?);
+        }
+        Engine::Zero3 { model, .. } => {
+            for shard in model.shards() {
+                let prefix = unit_prefix(shard.name());
+                expected.extend(burn_zero::dcp::logical_shapes(&tp, prefix, shard.layout())?);
             }
         }
     }
-    Ok(reader.manifest().step)
+    check_model(&checkpoint, &expected)?;
+    let scaler = match engine {
+        Engine::Zero12 { model, zero } => {
+            let inner = Gpt::new(&tiny_placeholder(), &Device::flex());
+            let taken = std::mem::replace(model, inner);
+            *model = zero.load_checkpoint_params(taken, &checkpoint, &tp)?;
+            zero.load_checkpoint_state(&checkpoint, &tp, &scalars)?;
+            zero.scaler_mut()
+        }
+        Engine::Zero3 { model, fsdp } => {
+            for (i, shard) in model.shards_mut().into_iter().enumerate() {
+                let prefix = unit_prefix(shard.name()).to_string();
+                shard.load_checkpoint_params(&checkpoint, &tp, &prefix)?;
+                fsdp.load_checkpoint_state(i, shard, &checkpoint, (&tp, &prefix), &scalars)?;
+            }
+            fsdp.scaler_mut()
+        }
+    };
+    // A run without a scaler ignores a saved one; a run with one whose checkpoint has none
+    // (an fp32 run's) starts from its configured scale.
+    let mut skipped = 0;
+    if let (Some(scaler), Some(saved)) = (scaler, saved_scaler) {
+        scaler.restore(&saved)?;
+        skipped = saved.skipped;
+    }
+    Ok(Resumed {
+        step: checkpoint.step(),
+        losses: trainer.losses,
+        skipped,
+    })
+}
+
+/// Refuses a checkpoint of another model: its parameters must be `expected` (name, shape);
+/// optimizer state is checked as it is read.
+fn check_model(
+    checkpoint: &Checkpoint,
+    expected: &[(String, Vec<usize>)],
+) -> Result<(), ZeroError> {
+    let mut names: Vec<(&str, &[usize])> = expected
+        .iter()
+        .map(|(n, s)| (n.as_str(), s.as_slice()))
+        .collect();
+    names.extend(
+        checkpoint
+            .manifest()
+            .tensors
+            .iter()
+            .filter(|(k, _)| k.starts_with(OPTIM))
+            .map(|(k, t)| (k.as_str(), t.shape.as_slice())),
+    );
+    Ok(checkpoint.check(names)?)
 }
 
 fn scalar(t: &Tensor<1>) -> f64 {

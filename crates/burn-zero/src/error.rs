@@ -1,7 +1,5 @@
 //! Typed errors of burn-zero. Every message says what went wrong and what to do about it.
 
-use std::path::PathBuf;
-
 use burn_parallel::CollectiveError;
 use burn_parallel::replica::ReplicaError;
 
@@ -24,30 +22,6 @@ pub enum ZeroError {
     /// The configuration or the call sequence cannot work.
     #[error("invalid burn-zero usage: {0}")]
     Config(String),
-    /// A checkpoint is incomplete, truncated or corrupt; it was not loaded.
-    #[error("checkpoint {path}: {reason}")]
-    CorruptCheckpoint {
-        /// The file or directory at fault.
-        path: PathBuf,
-        /// What is wrong with it.
-        reason: String,
-    },
-    /// A checkpoint is valid but was saved for another model or optimizer.
-    #[error("checkpoint {path} does not match this run: {reason}")]
-    CheckpointMismatch {
-        /// The checkpoint directory.
-        path: PathBuf,
-        /// The first difference found.
-        reason: String,
-    },
-    /// A file-system operation failed.
-    #[error("I/O error on {path}: {source}")]
-    Io {
-        /// The path involved.
-        path: PathBuf,
-        /// The underlying error.
-        source: std::io::Error,
-    },
     /// A background prefetch (stage 3) did not complete.
     #[error("prefetch of unit {unit} failed: {reason}")]
     Prefetch {
@@ -66,15 +40,6 @@ pub enum ZeroError {
         /// What to do instead.
         hint: String,
     },
-}
-
-impl ZeroError {
-    pub(crate) fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        ZeroError::Io {
-            path: path.into(),
-            source,
-        }
-    }
 }
 
 /// Shorthand for burn-zero results.

@@ -34,8 +34,8 @@
 //! them out of the trainable flat space, rather than masking them out of its update, spares the
 //! optimizer state, the gradient reduce-scatter and the mask; a unit with frozen parameters pays
 //! one more all-gather (no extra round trip with prefetch, which fetches both). They are not
-//! part of the checkpoints of [`crate::checkpoint`] (which hold what training changes): restore
-//! them as they were first loaded.
+//! part of the checkpoints of [`crate::dcp`] (which hold what training changes): restore them
+//! as they were first loaded.
 //!
 //! Replicas: [`FsdpUnit::new`] checks that the unit's parameters are identical on every rank
 //! ([`burn_parallel::replica::verify_replicas`]) before keeping this rank's slice.
@@ -55,6 +55,8 @@ use burn::tensor::Gradients;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_parallel::ReduceOp;
 use burn_parallel::autograd::{BackwardFn, attach};
+use burn_parallel::checkpoint::{Checkpoint, Piece, ScalarsByLogical};
+use burn_parallel::nn::TpContext;
 
 use crate::error::{Result, ZeroError};
 use crate::flat::{FlatLayout, host_f32, shard_range, shard_sizes, strip_params, tensor_1d};
@@ -185,6 +187,46 @@ impl FlatShard {
         let device = self.param.device();
         self.param = tensor_1d(values, &device).require_grad();
         Ok(())
+    }
+
+    /// This rank's fp32 master shard as pieces of a distributed checkpoint, named by logical
+    /// parameter (see [`crate::dcp`]), so that a checkpoint saved by any number of ranks loads
+    /// at any other, at any stage.
+    ///
+    /// # Arguments
+    /// * `tp` - the tensor-parallel context the unit's module was built with
+    ///   (`TpContext::single()` for none).
+    /// * `prefix` - the unit's path in the whole model (`"blocks.3"`; `""` when its layout's
+    ///   paths already are whole-model paths).
+    /// * `copies` - `(ranks holding this same shard, this rank's index among them)`: under
+    ///   hybrid sharding the replicas share the writing; `(1, 0)` otherwise.
+    ///
+    /// # Errors
+    /// [`ZeroError::Checkpoint`] when a parameter cannot be described.
+    pub fn checkpoint_params(
+        &self,
+        tp: &TpContext,
+        prefix: &str,
+        copies: (usize, usize),
+    ) -> Result<Vec<Piece>> {
+        let segments = crate::dcp::segments(tp, prefix, &self.layout, self.range.clone())?;
+        crate::dcp::param_pieces(self.values(), &segments, copies)
+    }
+
+    /// Replaces the master shard by this rank's range read from a distributed checkpoint saved
+    /// under any layout (see [`Self::checkpoint_params`]).
+    ///
+    /// # Errors
+    /// [`ZeroError::Checkpoint`] when a parameter is missing or cannot be read.
+    pub fn load_checkpoint_params(
+        &mut self,
+        checkpoint: &Checkpoint,
+        tp: &TpContext,
+        prefix: &str,
+    ) -> Result<()> {
+        let segments = crate::dcp::segments(tp, prefix, &self.layout, self.range.clone())?;
+        let values = crate::dcp::read_params(checkpoint, &segments, self.range.len())?;
+        self.set_values(values)
     }
 }
 
@@ -573,6 +615,58 @@ impl<O: ElementWise> FsdpOptimizer<O> {
     /// The loss scaler, when the config has one.
     pub fn scaler(&self) -> Option<&LossScaler> {
         self.scaler.as_ref()
+    }
+
+    /// The loss scaler, mutable (to restore its state from a checkpoint with
+    /// [`LossScaler::restore`]).
+    pub fn scaler_mut(&mut self) -> Option<&mut LossScaler> {
+        self.scaler.as_mut()
+    }
+
+    /// Unit `unit`'s optimizer state (`shard` is that unit's shard) as pieces of a distributed
+    /// checkpoint, named `optim/<state>/<logical parameter>` like every other layout's, and its
+    /// scalars by logical parameter, for the rank state (see [`FlatShard::checkpoint_params`]
+    /// for `tp`, `prefix` and `copies`).
+    ///
+    /// # Errors
+    /// [`ZeroError::Checkpoint`] when a parameter cannot be described.
+    pub fn checkpoint_state(
+        &self,
+        unit: usize,
+        shard: &FlatShard,
+        tp: &TpContext,
+        prefix: &str,
+        copies: (usize, usize),
+    ) -> Result<(Vec<Piece>, ScalarsByLogical)> {
+        let segments = crate::dcp::segments(tp, prefix, &shard.layout, shard.range.clone())?;
+        crate::dcp::state_pieces(&self.optim, unit, &segments, copies)
+    }
+
+    /// Restores unit `unit`'s optimizer state from a distributed checkpoint saved under any
+    /// layout; `scalars` are the saving ranks' scalars by logical parameter
+    /// ([`burn_parallel::checkpoint::merged_scalars`]). No state there leaves it empty, as
+    /// before a first step.
+    ///
+    /// # Errors
+    /// [`ZeroError::Checkpoint`] on a read error; [`ZeroError::Config`] when the state of the
+    /// shard's parameters is only partly there or does not fit this optimizer.
+    pub fn load_checkpoint_state(
+        &mut self,
+        unit: usize,
+        shard: &FlatShard,
+        checkpoint: &Checkpoint,
+        (tp, prefix): (&TpContext, &str),
+        scalars: &ScalarsByLogical,
+    ) -> Result<()> {
+        let segments = crate::dcp::segments(tp, prefix, &shard.layout, shard.range.clone())?;
+        crate::dcp::load_state(
+            &mut self.optim,
+            (unit, shard.range.len()),
+            checkpoint,
+            &segments,
+            scalars,
+            &self.ctx.device.clone().inner(),
+        )
     }
 
     /// The sharded optimizer (for checkpoints).

@@ -13,7 +13,7 @@
 //! | global-norm clipping over shards | [`clip`] |
 //! | mixed precision, loss scaling | [`precision`] |
 //! | memory accounting | [`memory`] |
-//! | sharded reshardable checkpoints (safetensors) | [`checkpoint`] |
+//! | the engines' state in distributed checkpoints ([`burn_parallel::checkpoint`]) | [`dcp`] |
 //!
 //! With fp32 Adam (16 bytes per parameter) and `N` ranks, a rank holds `8P + 8P/N` bytes at
 //! stage 1, `4P + 12P/N` at stage 2 and `16P/N` plus the largest gathered unit at stage 3; the
@@ -48,8 +48,8 @@
 //! assert_eq!(norms[0], norms[1]); // the norm of the full gradient, on every rank
 //! ```
 
-pub mod checkpoint;
 pub mod clip;
+pub mod dcp;
 pub mod error;
 pub mod flat;
 pub mod fsdp;
@@ -64,5 +64,5 @@ pub use fsdp::{FlatShard, FsdpContext, FsdpOptimizer, FsdpUnit, Gathered};
 pub use fully_shard::{Fsdp, FsdpPlan, Unit};
 pub use memory::{MemoryReport, MemoryTracker};
 pub use optim::ElementWise;
-pub use precision::{LossScaler, MixedPrecision};
+pub use precision::{LossScaler, LossScalerState, MixedPrecision};
 pub use zero::{ShardGroups, Stage, StepInfo, ZeroConfig, ZeroOptimizer};

@@ -16,6 +16,7 @@
 
 use burn::tensor::{DType, Device};
 use burn_parallel::{ProcessGroup, ReduceOp};
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, ZeroError};
 
@@ -208,6 +209,53 @@ impl LossScaler {
         self.good_steps
     }
 
+    /// What changes while training (scale, clean-step counter, skipped steps), for a
+    /// checkpoint: the same on every rank, so it belongs to the trainer's state. The factors
+    /// and interval are configuration and stay with the run.
+    pub fn state(&self) -> LossScalerState {
+        LossScalerState {
+            scale: self.scale,
+            good_steps: self.good_steps,
+            skipped: self.skipped,
+        }
+    }
+
+    /// Restores the state [`LossScaler::state`] saved, so that a resumed run scales its next
+    /// loss, and grows or backs off, exactly as the uninterrupted run would.
+    ///
+    /// # Arguments
+    /// * `state` - the saved state.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] when the saved scale is not positive and finite (a corrupt or
+    /// foreign trainer state); the scaler is left unchanged.
+    ///
+    /// # Example
+    /// ```
+    /// use burn_zero::precision::LossScaler;
+    /// let mut run = LossScaler::new(1024.0).with_growth_interval(2);
+    /// run.update(true); // an overflow: 512
+    /// run.update(false); // one clean step
+    /// let mut resumed = LossScaler::new(1024.0).with_growth_interval(2);
+    /// resumed.restore(&run.state()).unwrap();
+    /// assert_eq!(resumed, run);
+    /// assert!(resumed.update(false)); // the second clean step: grows, as `run` would
+    /// assert_eq!(resumed.scale(), 1024.0);
+    /// ```
+    pub fn restore(&mut self, state: &LossScalerState) -> Result<()> {
+        if !(state.scale.is_finite() && state.scale > 0.0) {
+            return Err(ZeroError::Config(format!(
+                "a saved loss scale of {} cannot be restored (it must be positive and finite): \
+                 the trainer state is corrupt or not a loss scaler's",
+                state.scale
+            )));
+        }
+        self.scale = state.scale;
+        self.good_steps = state.good_steps;
+        self.skipped = state.skipped;
+        Ok(())
+    }
+
     /// Whether any rank of `group` saw a non-finite value in its gradient shard.
     ///
     /// # Errors
@@ -234,4 +282,16 @@ impl LossScaler {
         }
         true
     }
+}
+
+/// The state of a [`LossScaler`] that training changes ([`LossScaler::state`]), serialisable
+/// into a checkpoint's trainer state.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LossScalerState {
+    /// The current scale.
+    pub scale: f64,
+    /// Clean steps since the last overflow or growth.
+    pub good_steps: usize,
+    /// Steps skipped because of overflows so far.
+    pub skipped: usize,
 }

@@ -691,11 +691,20 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         self.scaler.as_ref()
     }
 
+    /// The loss scaler, mutable (to restore its state from a checkpoint with
+    /// [`LossScaler::restore`]).
+    pub fn scaler_mut(&mut self) -> Option<&mut LossScaler> {
+        self.scaler.as_mut()
+    }
+
     /// This rank's optimizer state as pieces of a distributed checkpoint
     /// ([`burn_parallel::checkpoint`]), named `optim/<state>/<logical parameter>` as Burn's
     /// own optimizers' are by [`ParamMap::optimizer_pieces`](burn_parallel::checkpoint::ParamMap),
     /// so that any layout (DDP, another ZeRO stage, FSDP, another tensor-parallel size) loads
-    /// it; and its scalars (step counters) by logical parameter, for the rank state.
+    /// it; and its scalars (step counters) by logical parameter, for the rank state. The state
+    /// is fp32 under every precision policy. Under mixed precision, save the parameters with
+    /// [`Self::checkpoint_params`] (the fp32 master weights), not from the module, which holds
+    /// only their low-precision copy.
     ///
     /// # Arguments
     /// * `tp` - the tensor-parallel context the model was built with.
@@ -703,8 +712,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
     ///   hybrid sharding the replicas share the writing; `(1, 0)` otherwise.
     ///
     /// # Errors
-    /// [`ZeroError::Config`] under mixed precision (the fp32 master weights are not written
-    /// by this path yet); [`ZeroError::Checkpoint`] when a parameter cannot be described.
+    /// [`ZeroError::Checkpoint`] when a parameter cannot be described.
     pub fn checkpoint_state(
         &self,
         tp: &TpContext,
@@ -713,27 +721,8 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         Vec<burn_parallel::checkpoint::Piece>,
         burn_parallel::checkpoint::ScalarsByLogical,
     )> {
-        use burn_parallel::checkpoint::{
-            OPTIM, flat_space_segments, scalars_by_logical, segment_pieces,
-        };
-        if self.master.is_some() {
-            return Err(ZeroError::Config(
-                "distributed checkpoints of mixed-precision ZeRO are not supported yet: \
-                 train in fp32, or use burn_zero::checkpoint"
-                    .into(),
-            ));
-        }
-        let segments = flat_space_segments(tp, "", &self.layout.parts(self.range.clone()))?;
-        let writes: Vec<_> = segments
-            .iter()
-            .map(|s| s.part(copies.0, copies.1))
-            .collect();
-        let (state, scalars) = self.optim.export(0);
-        let mut pieces = Vec::new();
-        for (field, data) in &state {
-            pieces.extend(segment_pieces(&format!("{OPTIM}{field}/"), &writes, data)?);
-        }
-        Ok((pieces, scalars_by_logical(&segments, &scalars)))
+        let segments = crate::dcp::segments(tp, "", &self.layout, self.range.clone())?;
+        crate::dcp::state_pieces(&self.optim, 0, &segments, copies)
     }
 
     /// Restores this rank's optimizer state from a distributed checkpoint saved under any
@@ -750,13 +739,92 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         tp: &TpContext,
         scalars: &burn_parallel::checkpoint::ScalarsByLogical,
     ) -> Result<()> {
-        use burn_parallel::checkpoint::{flat_space_segments, read_state};
-        let segments = flat_space_segments(tp, "", &self.layout.parts(self.range.clone()))?;
-        let len = self.range.len();
-        let (state, scalars) = read_state(checkpoint, &segments, &[len], scalars)
-            .map_err(ZeroError::Config)?
-            .unwrap_or_default();
-        self.optim.import(0, state, &scalars, len, &self.device)
+        let segments = crate::dcp::segments(tp, "", &self.layout, self.range.clone())?;
+        crate::dcp::load_state(
+            &mut self.optim,
+            (0, self.range.len()),
+            checkpoint,
+            &segments,
+            scalars,
+            &self.device.clone().inner(),
+        )
+    }
+
+    /// This rank's shard of the parameters, in fp32, as pieces of a distributed checkpoint
+    /// named by logical parameter (see [`crate::dcp`]): the master shard under mixed
+    /// precision, the module's own values in fp32. The shard ranks together write every
+    /// element once (`copies` shares the writing among replicas, as in
+    /// [`Self::checkpoint_state`]).
+    ///
+    /// # Arguments
+    /// * `module` - the wrapped module.
+    /// * `tp` - the tensor-parallel context the model was built with.
+    /// * `copies` - `(ranks holding this same shard, this rank's index among them)`.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] when `module` is not the wrapped module; [`ZeroError::Checkpoint`]
+    /// when a parameter cannot be described.
+    ///
+    /// # Example
+    /// ```
+    /// use burn::nn::LinearConfig;
+    /// use burn::optim::AdamWConfig;
+    /// use burn::tensor::Device;
+    /// use burn_parallel::checkpoint::Checkpointer;
+    /// use burn_parallel::nn::TpContext;
+    /// use burn_parallel::{DistributedDataParallel, run_local};
+    /// use burn_zero::{MixedPrecision, ShardGroups, Stage, ZeroConfig, ZeroOptimizer};
+    ///
+    /// let root = std::env::temp_dir().join(format!("zero-params-doc-{}", std::process::id()));
+    /// run_local(2, |group| {
+    ///     let device = Device::flex().autodiff();
+    ///     let model = LinearConfig::new(4, 3).init(&device);
+    ///     let model = DistributedDataParallel::new(group.clone()).broadcast_module(model, 0)?;
+    ///     let config = ZeroConfig::new(Stage::One).with_precision(MixedPrecision::bf16());
+    ///     let zero = ZeroOptimizer::new(&model, ShardGroups::flat(group.clone()), config,
+    ///         AdamWConfig::new().build()).unwrap();
+    ///     let model = zero.prepare_module(model).unwrap(); // bf16 from here on
+    ///     let tp = TpContext::single();
+    ///     let pieces = zero.checkpoint_params(&model, &tp, (1, 0)).unwrap();
+    ///     Checkpointer::new(&root, 1, &group).unwrap()
+    ///         .save(0, pieces, serde_json::Value::Null, serde_json::Value::Null).unwrap();
+    ///     Ok(())
+    /// })
+    /// .unwrap();
+    /// let ckpt = Checkpointer::latest(&root).unwrap().unwrap();
+    /// // The fp32 master weights, whole, under the logical names.
+    /// assert_eq!(ckpt.manifest().tensors["weight"].dtype, "F32");
+    /// assert_eq!(ckpt.shape("weight"), Some(&[4usize, 3][..]));
+    /// # std::fs::remove_dir_all(&root).unwrap();
+    /// ```
+    pub fn checkpoint_params<M: Module>(
+        &self,
+        module: &M,
+        tp: &TpContext,
+        copies: (usize, usize),
+    ) -> Result<Vec<burn_parallel::checkpoint::Piece>> {
+        let segments = crate::dcp::segments(tp, "", &self.layout, self.range.clone())?;
+        crate::dcp::param_pieces(self.param_shard(module)?, &segments, copies)
+    }
+
+    /// `module` with its parameters read from a distributed checkpoint saved under any layout
+    /// (the logical parameters, in whatever dtype they were saved: converted to fp32, they
+    /// become the master shard, and the module gets them in the compute dtype). Every rank
+    /// reads the whole model, which ZeRO-1/2 replicates. Frozen parameters are not read.
+    ///
+    /// # Errors
+    /// [`ZeroError::Checkpoint`] when a parameter is missing or cannot be read;
+    /// [`ZeroError::Config`] for a foreign module.
+    pub fn load_checkpoint_params<M: Module>(
+        &mut self,
+        module: M,
+        checkpoint: &burn_parallel::checkpoint::Checkpoint,
+        tp: &TpContext,
+    ) -> Result<M> {
+        let numel = self.layout.numel();
+        let segments = crate::dcp::segments(tp, "", &self.layout, 0..numel)?;
+        let full = crate::dcp::read_params(checkpoint, &segments, numel)?;
+        self.set_params(module, full)
     }
 
     /// The fp32 values of this rank's shard of the parameters (for checkpoints): the master
