@@ -737,7 +737,8 @@ impl Checkpoint {
         let size = dtype.size();
         let want = region.runs();
         let mut out = vec![0u8; region.numel() * size];
-        let mut filled = vec![false; region.numel()];
+        // The element ranges of the region filled so far (pieces may overlap).
+        let mut filled: Vec<(usize, usize)> = Vec::new();
         for p in &t.pieces {
             let hits = overlaps(&want, &p.region.runs());
             if hits.is_empty() {
@@ -746,15 +747,24 @@ impl Checkpoint {
             let read = self.files[p.file].read_ranges(
                 name,
                 hits.iter().map(|&(_, h, n)| (h * size, n * size)),
-                |k, bytes| {
-                    let (w, _, n) = hits[k];
-                    out[w * size..(w + n) * size].copy_from_slice(bytes);
-                    filled[w..w + n].iter_mut().for_each(|f| *f = true);
+                |k, at, bytes| {
+                    let start = hits[k].0 * size + at;
+                    out[start..start + bytes.len()].copy_from_slice(bytes);
                 },
             )?;
+            filled.extend(hits.iter().map(|&(w, _, n)| (w, w + n)));
             self.bytes_read.fetch_add(read, Ordering::Relaxed);
         }
-        if let Some(first) = filled.iter().position(|f| !f) {
+        filled.sort_unstable();
+        let mut covered = 0;
+        for &(start, end) in &filled {
+            if start > covered {
+                break;
+            }
+            covered = covered.max(end);
+        }
+        if covered < region.numel() {
+            let first = covered;
             return Err(CheckpointError::Corrupt {
                 path: self.dir.join(MANIFEST),
                 reason: format!(

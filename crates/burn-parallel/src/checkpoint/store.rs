@@ -305,13 +305,14 @@ impl FileReader {
     }
 
     /// Reads byte ranges `(offset, len)` of tensor `name` (in increasing offset order), checking
-    /// every chunk they touch, and hands each range's bytes to `sink(index, bytes)`. Returns the
+    /// every chunk they touch, and hands each range's bytes to `sink(index, offset, bytes)`, one
+    /// chunk's part at a time (`offset`: where `bytes` start within the range). Returns the
     /// bytes read from disk.
     pub(crate) fn read_ranges(
         &self,
         name: &str,
         ranges: impl Iterator<Item = (usize, usize)>,
-        mut sink: impl FnMut(usize, &[u8]),
+        mut sink: impl FnMut(usize, usize, &[u8]),
     ) -> Result<u64> {
         let corrupt = |reason: String| CheckpointError::Corrupt {
             path: self.path.clone(),
@@ -329,7 +330,6 @@ impl FileReader {
         // The chunk in hand: its index and bytes.
         let mut held: Option<(usize, Vec<u8>)> = None;
         let mut read = 0u64;
-        let mut piece = Vec::new();
         for (k, (offset, n)) in ranges.enumerate() {
             if offset + n > len {
                 return Err(corrupt(format!(
@@ -337,7 +337,6 @@ impl FileReader {
                     offset + n
                 )));
             }
-            piece.clear();
             let mut at = offset;
             while at < offset + n {
                 let c = at / chunk;
@@ -364,10 +363,10 @@ impl FileReader {
                 let (_, buf) = held.as_ref().expect("a chunk is held");
                 let start = c * chunk;
                 let stop = (offset + n).min(start + buf.len());
-                piece.extend_from_slice(&buf[at - start..stop - start]);
+                // Handed over chunk by chunk: no copy of the whole range is ever held.
+                sink(k, at - offset, &buf[at - start..stop - start]);
                 at = stop;
             }
-            sink(k, &piece);
         }
         Ok(read)
     }
