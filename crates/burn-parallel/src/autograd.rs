@@ -311,6 +311,20 @@ pub fn copy_to_group<const D: usize>(x: Tensor<D>, group: &ProcessGroup) -> Tens
     )
 }
 
+/// The all-gather of `x`'s value along `dim` ([`forward_collective`]).
+fn gather_forward<const D: usize>(
+    group: &ProcessGroup,
+    x: &Tensor<D>,
+    dim: usize,
+) -> Result<Tensor<D>> {
+    forward_collective(
+        group,
+        x,
+        |t| group.all_gather(t, dim),
+        |d| group.all_gather_data(d, dim),
+    )
+}
+
 /// A collective on `x`'s value, detached from its graph: with the group's tensor-level
 /// collective `on_device` when the group collects on `x`'s device
 /// ([`ProcessGroup::collects_on_device`]), else on its host data.
@@ -396,12 +410,7 @@ pub fn gather_from_group<const D: usize>(
     dim: usize,
 ) -> Result<Tensor<D>> {
     check_dim::<D>(group, "gather_from_group", dim)?;
-    let y = forward_collective(
-        group,
-        &x,
-        |t| group.all_gather(t, dim),
-        |d| group.all_gather_data(d, dim),
-    )?;
+    let y = gather_forward(group, &x, dim)?;
     let (start, len) = shard_range(group, &x, dim)?;
     let device = x.device();
     let on_device = group.collects_on_device(&device);
@@ -440,12 +449,7 @@ pub fn gather_from_sequence<const D: usize>(
 ) -> Result<Tensor<D>> {
     check_dim::<D>(group, "gather_from_sequence", dim)?;
     let sizes = group.all_gather_object(&x.dims()[dim])?;
-    let y = forward_collective(
-        group,
-        &x,
-        |t| group.all_gather(t, dim),
-        |d| group.all_gather_data(d, dim),
-    )?;
+    let y = gather_forward(group, &x, dim)?;
     let (g, gd) = (group.clone(), group.clone());
     let on_device = group.collects_on_device(&x.device());
     let device_sizes = sizes.clone();

@@ -266,14 +266,7 @@ impl DistributedDataParallel {
                         reason: "the communication thread stopped".into(),
                     })
             };
-            let used = receive()??;
-            let used = used
-                .as_slice::<f32>()
-                .map_err(|e| CollectiveError::InvalidArgument {
-                    rank: self.group.global_rank(),
-                    op: "all_reduce_grads".into(),
-                    reason: format!("presence flags came back malformed: {e:?}"),
-                })?;
+            let used = self.presence(receive()??)?;
             let mut reduced_grads = HashMap::with_capacity(params.len());
             for bucket in &buckets {
                 let data = receive()??;
@@ -300,6 +293,17 @@ impl DistributedDataParallel {
         })
     }
 
+    /// The all-reduced presence flags (one per parameter: used on some rank when positive).
+    fn presence(&self, flags: TensorData) -> Result<Vec<f32>> {
+        flags
+            .try_to_vec::<f32>()
+            .map_err(|e| CollectiveError::InvalidArgument {
+                rank: self.group.global_rank(),
+                op: "all_reduce_grads".into(),
+                reason: format!("presence flags came back malformed: {e:?}"),
+            })
+    }
+
     /// [`Self::reduce_grads`] with buckets formed and reduced as tensors on the gradients'
     /// device ([`BucketPlace::Device`]): the same buckets, order, presence flags and averages.
     fn reduce_on_device<M: Module>(
@@ -323,17 +327,10 @@ impl DistributedDataParallel {
             .map(|(id, _, _)| f32::from(u8::from(local.contains_key(id))))
             .collect();
         let count = present.len();
-        let used = self
-            .group
-            .all_reduce_data(TensorData::new(present, [count]), ReduceOp::Max)?;
-        let used = used
-            .as_slice::<f32>()
-            .map_err(|e| CollectiveError::InvalidArgument {
-                rank: self.group.global_rank(),
-                op: "all_reduce_grads".into(),
-                reason: format!("presence flags came back malformed: {e:?}"),
-            })?
-            .to_vec();
+        let used = self.presence(
+            self.group
+                .all_reduce_data(TensorData::new(present, [count]), ReduceOp::Max)?,
+        )?;
         let mut reduced_grads = HashMap::with_capacity(params.len());
         for bucket in buckets {
             let parts: Vec<Tensor<1>> = bucket
