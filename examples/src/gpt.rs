@@ -811,9 +811,10 @@ impl Attention {
     /// # Errors
     /// Shape and collective errors of the tensor-parallel layers.
     pub fn forward(&self, x: Tensor<3>, pass: &Pass) -> TpResult<Tensor<3>> {
-        let mut q = self.split_heads(self.q.forward(x.clone())?);
-        let mut k = self.split_heads(self.k.forward(x.clone())?);
-        let v = self.split_heads(self.v.forward(x)?);
+        // One entry into the tensor-parallel region for the three projections: under sequence
+        // parallelism one all-gathered copy of `x`, kept once for their backward.
+        let [q, k, v] = Linear::forward_shared([&self.q, &self.k, &self.v], x)?;
+        let (mut q, mut k, v) = (self.split_heads(q), self.split_heads(k), self.split_heads(v));
         if let Some(rope) = &pass.rope {
             q = rope.apply(q);
             k = rope.apply(k);
@@ -926,11 +927,16 @@ impl Mlp {
                 GeluKind::Erf => gelu(self.up.forward(x)?),
                 GeluKind::Tanh => gelu_approximate(self.up.forward(x)?),
             },
-            Some(gate) if self.fused => {
-                kernels::swiglu(gate.forward(x.clone())?, self.up.forward(x)?)
-                    .unwrap_or_else(|e| panic!("fused swiglu: {e}"))
+            Some(gate) => {
+                // `gate` and `up` share one entry into the tensor-parallel region (one gathered
+                // input under sequence parallelism).
+                let [g, u] = Linear::forward_shared([gate, &self.up], x)?;
+                if self.fused {
+                    kernels::swiglu(g, u).unwrap_or_else(|e| panic!("fused swiglu: {e}"))
+                } else {
+                    silu(g) * u
+                }
             }
-            Some(gate) => silu(gate.forward(x.clone())?) * self.up.forward(x)?,
         };
         Ok(residual_dropout(
             &self.drop,

@@ -225,6 +225,121 @@ impl Linear {
         }
     }
 
+    /// Checks that an input of `width` features is what this rank's part takes.
+    fn check_width(&self, width: usize) -> TpResult<()> {
+        let expected = self.weight.dims()[0];
+        if width == expected {
+            return Ok(());
+        }
+        let hint = match &self.split {
+            LinearSplit::Row { .. } => {
+                " (a row-parallel layer takes the feature shard of the column-parallel layer \
+                 before it: is that layer planned colwise?)"
+            }
+            _ => "",
+        };
+        Err(TpError::Shape {
+            layer: self.name.clone(),
+            reason: format!("input has {width} features, this rank's part takes {expected}{hint}"),
+        })
+    }
+
+    /// How a column-parallel layer enters its region for an input of rank `D`: its group and
+    /// whether the input is all-gathered along the sequence (`true`) or only marked with *f*
+    /// (`false`). `None` for replicated and row-parallel layers (no entry).
+    fn column_entry<const D: usize>(&self) -> Option<(&ProcessGroup, bool)> {
+        match &self.split {
+            LinearSplit::Column {
+                group,
+                sequence_parallel,
+                ..
+            } => Some((group, *sequence_parallel && D >= 3)),
+            _ => None,
+        }
+    }
+
+    /// Enters the column-parallel region as `entry` says: the sequence all-gather (backward:
+    /// reduce-scatter) or Megatron's *f* (backward: all-reduce).
+    fn enter<const D: usize>(
+        x: Tensor<D>,
+        (group, gather): (&ProcessGroup, bool),
+    ) -> TpResult<Tensor<D>> {
+        Ok(if gather {
+            gather_from_sequence(x, group, SEQ_DIM)?
+        } else {
+            copy_to_group(x, group)
+        })
+    }
+
+    /// Applies several layers to the same input `x`, entering the tensor-parallel region once:
+    /// the projections of one sub-layer (attention's `q`, `k`, `v`; a gated MLP's `gate` and
+    /// `up`). Under sequence parallelism the column-parallel layers of the same group share one
+    /// all-gathered copy of `x`, so the backward keeps one whole-sequence input rather than one
+    /// per layer, and their input gradients are summed before the one reduce-scatter (one
+    /// all-reduce without sequence parallelism). A layer split otherwise than the first
+    /// (replicated, or over another group) enters on its own, as [`Self::forward`] does, so
+    /// the result is always that of `K` calls of [`Self::forward`].
+    ///
+    /// # Arguments
+    /// - `layers`: the layers, all taking `x`'s features.
+    /// - `x`: `[.., features]`, as [`Self::forward`] takes it (this rank's tokens
+    ///   `[batch, tokens, features]` under sequence parallelism).
+    ///
+    /// # Returns
+    /// The `K` outputs, in the order of `layers`.
+    ///
+    /// # Errors
+    /// [`TpError::Shape`] when a layer does not take `x`'s width on this rank; collective
+    /// errors.
+    ///
+    /// # Example
+    /// ```
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_parallel::init::{Init, LinearInit};
+    /// use burn_parallel::nn::Linear;
+    ///
+    /// let init = Init::new(3, &Device::flex());
+    /// let q = init.linear("q", LinearInit::new(4, 4)).unwrap();
+    /// let k = init.linear("k", LinearInit::new(4, 4)).unwrap();
+    /// init.finish().unwrap();
+    /// let x = Tensor::<3>::ones([2, 5, 4], &Device::flex());
+    /// let [yq, yk] = Linear::forward_shared([&q, &k], x.clone()).unwrap();
+    /// yq.into_data().assert_eq(&q.forward(x.clone()).unwrap().into_data(), true);
+    /// yk.into_data().assert_eq(&k.forward(x).unwrap().into_data(), true);
+    /// ```
+    pub fn forward_shared<const D: usize, const K: usize>(
+        layers: [&Linear; K],
+        x: Tensor<D>,
+    ) -> TpResult<[Tensor<D>; K]> {
+        let width = x.dims()[D - 1];
+        for layer in layers {
+            layer.check_width(width)?;
+        }
+        let same = |a: (&ProcessGroup, bool), b: (&ProcessGroup, bool)| {
+            a.1 == b.1 && a.0.members() == b.0.members()
+        };
+        // The entry of the first column-parallel layer, made once.
+        let shared_entry = layers.iter().find_map(|l| l.column_entry::<D>());
+        let shared = match shared_entry {
+            Some(entry) => Some(Self::enter(x.clone(), entry)?),
+            None => None,
+        };
+        let mut out = Vec::with_capacity(K);
+        for layer in layers {
+            let y = match (layer.column_entry::<D>(), shared_entry, &shared) {
+                (Some(entry), Some(first), Some(entered)) if same(entry, first) => {
+                    let bias = layer.bias.as_ref().map(|b| b.val());
+                    layer.product(entered.clone(), bias)
+                }
+                _ => layer.forward(x.clone())?,
+            };
+            out.push(y);
+        }
+        Ok(out
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one output per layer")))
+    }
+
     /// Applies the layer to `x` `[.., features]`.
     ///
     /// - replicated: `x W + b`;
@@ -233,41 +348,20 @@ impl Linear {
     /// - row: `x` holds this rank's input features (a column layer's output); returns the
     ///   replicated result (sequence-sharded under sequence parallelism).
     ///
+    /// Several column-parallel layers applied to the same input share one entry into the
+    /// region with [`Self::forward_shared`].
+    ///
     /// # Errors
     /// [`TpError::Shape`] when the width of `x` is not what the layer takes on this rank;
     /// collective errors.
     pub fn forward<const D: usize>(&self, x: Tensor<D>) -> TpResult<Tensor<D>> {
-        let width = x.dims()[D - 1];
-        let expected = self.weight.dims()[0];
-        if width != expected {
-            let hint = match &self.split {
-                LinearSplit::Row { .. } => {
-                    " (a row-parallel layer takes the feature shard of the column-parallel layer \
-                     before it: is that layer planned colwise?)"
-                }
-                _ => "",
-            };
-            return Err(TpError::Shape {
-                layer: self.name.clone(),
-                reason: format!(
-                    "input has {width} features, this rank's part takes {expected}{hint}"
-                ),
-            });
-        }
+        self.check_width(x.dims()[D - 1])?;
         let bias = self.bias.as_ref().map(|b| b.val());
         match &self.split {
             LinearSplit::Replicated => Ok(self.product(x, bias)),
-            LinearSplit::Column {
-                group,
-                sequence_parallel,
-                ..
-            } => {
-                let x = if *sequence_parallel && D >= 3 {
-                    gather_from_sequence(x, group, SEQ_DIM)?
-                } else {
-                    copy_to_group(x, group)
-                };
-                Ok(self.product(x, bias))
+            LinearSplit::Column { .. } => {
+                let entry = self.column_entry::<D>().expect("a column split");
+                Ok(self.product(Self::enter(x, entry)?, bias))
             }
             LinearSplit::Row {
                 group,
