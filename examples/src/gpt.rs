@@ -814,7 +814,11 @@ impl Attention {
         // One entry into the tensor-parallel region for the three projections: under sequence
         // parallelism one all-gathered copy of `x`, kept once for their backward.
         let [q, k, v] = Linear::forward_shared([&self.q, &self.k, &self.v], x)?;
-        let (mut q, mut k, v) = (self.split_heads(q), self.split_heads(k), self.split_heads(v));
+        let (mut q, mut k, v) = (
+            self.split_heads(q),
+            self.split_heads(k),
+            self.split_heads(v),
+        );
         if let Some(rope) = &pass.rope {
             q = rope.apply(q);
             k = rope.apply(k);

@@ -682,3 +682,178 @@ pub fn deferred_matmul(
         )
     }
 }
+
+/// Sequence parallelism's entry for column-parallel products that keep only the sequence
+/// shard (Megatron's saving): the shard `x` is all-gathered once along `dim` for the forward
+/// products, but the autodiff graph keeps only `x`; each product's backward all-gathers the
+/// shard again for its weight gradient and reduce-scatters its input gradient back to the
+/// shard. Use it for the projections that share one input (attention's `q`, `k`, `v`).
+///
+/// Every rank must apply the same products in the same order (the backward collectives then
+/// match, as the autodiff graph's order is the same on every rank).
+#[derive(Debug, Clone)]
+pub struct GatheredSequence<const D: usize> {
+    /// This rank's shard, in the autodiff graph.
+    shard: Tensor<D>,
+    /// The whole sequence, detached: only the forward products read it.
+    full: Tensor<D>,
+    /// Every rank's shard length along `dim`.
+    sizes: Vec<usize>,
+    group: ProcessGroup,
+    dim: usize,
+}
+
+impl<const D: usize> GatheredSequence<D> {
+    /// All-gathers the sequence shard `x` along `dim` over `group`, once.
+    ///
+    /// # Arguments
+    /// - `x`: this rank's shard of the sequence (for example `[batch, tokens, features]`).
+    /// - `group`: the sequence-parallel group; `dim`: the sequence dimension.
+    ///
+    /// # Returns
+    /// The gathered sequence, ready for [`Self::linear`].
+    ///
+    /// # Errors
+    /// When `dim` is out of range or the all-gather fails.
+    ///
+    /// # Example
+    /// ```
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_parallel::autograd::GatheredSequence;
+    /// use burn_parallel::run_local;
+    ///
+    /// let out = run_local(2, |group| {
+    ///     let device = Device::flex().autodiff();
+    ///     let x = Tensor::<3>::ones([1, 2, 3], &device).require_grad();
+    ///     let w = Tensor::<2>::ones([3, 4], &device).require_grad();
+    ///     let gathered = GatheredSequence::new(x.clone(), &group, 1)?;
+    ///     let y = gathered.linear(w.clone(), None); // [1, 4, 4]: the whole sequence
+    ///     let grads = y.sum().backward();
+    ///     Ok((
+    ///         x.grad(&grads).unwrap().dims(),
+    ///         w.grad(&grads).unwrap().into_data().to_vec::<f32>().unwrap()[0],
+    ///     ))
+    /// })
+    /// .unwrap();
+    /// assert_eq!(out[0].0, [1, 2, 3]); // the shard's gradient
+    /// assert_eq!(out[0].1, 4.0); // the 4 tokens of the whole sequence
+    /// ```
+    pub fn new(x: Tensor<D>, group: &ProcessGroup, dim: usize) -> Result<Self> {
+        check_dim::<D>(group, "GatheredSequence", dim)?;
+        let sizes = group.all_gather_object(&x.dims()[dim])?;
+        let full = forward_collective(
+            group,
+            &x,
+            |t| group.all_gather(t, dim),
+            |d| group.all_gather_data(d, dim),
+        )?
+        // Off the autodiff backend: an untracked autodiff operation reading it would keep it
+        // alive with the graph (burn-autodiff registers untracked steps too).
+        .without_autodiff();
+        Ok(Self {
+            shard: x,
+            full,
+            sizes,
+            group: group.clone(),
+            dim,
+        })
+    }
+
+    /// The whole sequence, on the inner (non-autodiff) backend: what the products read.
+    pub fn full(&self) -> Tensor<D> {
+        self.full.clone()
+    }
+
+    /// `x_full W (+ b)` over the whole sequence, `weight` `[d_in, d_out]`, keeping only the
+    /// shard for the backward: the weight's gradient is `x_fullᵀ dY` with `x_full` all-gathered
+    /// again, the shard's the reduce-scatter (sum) of `dY Wᵀ`; the bias's is autodiff's.
+    ///
+    /// # Panics
+    /// When `weight` does not take the input's features (callers check the shapes); during the
+    /// backward, when a collective fails (see the module docs).
+    pub fn linear(&self, weight: Tensor<2>, bias: Option<Tensor<1>>) -> Tensor<D> {
+        // The product off the autodiff backend (nothing of it is kept), then back on it.
+        let y = crate::kernels::linear(self.full.clone(), weight.clone().without_autodiff(), None)
+            .unwrap_or_else(|e| panic!("sequence-parallel linear: {e}"));
+        let y = if self.shard.is_autodiff() {
+            y.autodiff()
+        } else {
+            y
+        };
+        let dims = y.dims();
+        let n = dims[D - 1];
+        let k = self.full.dims()[D - 1];
+        let rows = |t: &Tensor<D>| t.dims()[..D - 1].iter().product::<usize>();
+        let (dim, group) = (self.dim, self.group.clone());
+        let on_device = group.collects_on_device(&self.shard.device());
+        let mut y = y;
+        if weight.is_tracked() {
+            // dW = x_fullᵀ dY, the shard all-gathered again.
+            let shard = self.shard.clone().without_autodiff();
+            let w_device = weight.device().without_autodiff();
+            let g = group.clone();
+            let d_weight = move |dy: Tensor<D>| -> Result<Tensor<2>> {
+                let full = if on_device {
+                    g.all_gather(shard.clone(), dim)?
+                } else {
+                    to_device(g.all_gather_data(host(&shard), dim)?, &shard)
+                };
+                let r = rows(&full);
+                let dy = dy.reshape([r, n]);
+                Ok(full.reshape([r, k]).transpose().matmul(dy))
+            };
+            let d_weight = Arc::new(d_weight);
+            let host_fn = d_weight.clone();
+            let device_fn = d_weight;
+            let backward = BackwardFn {
+                name: "sequence-parallel linear (weight)",
+                f: Arc::new(move |dy: TensorData| {
+                    let dy = crate::group::tensor_from_data::<D>(dy, &w_device);
+                    host_fn(dy).map(|dw| dw.into_data())
+                }),
+                device: on_device.then(|| {
+                    Arc::new(move |dy: DispatchTensor| {
+                        device_fn(Tensor::<D>::from_dispatch(dy)).map(Tensor::into_dispatch)
+                    })
+                        as Arc<dyn Fn(DispatchTensor) -> Result<DispatchTensor> + Send + Sync>
+                }),
+            };
+            y = attach(weight.clone(), y, backward);
+        }
+        if self.shard.is_tracked() {
+            // dX = reduce-scatter(dY Wᵀ) back to the shard.
+            let w = weight.without_autodiff();
+            let sizes = self.sizes.clone();
+            let full_dims = self.full.dims();
+            let g = group.clone();
+            let d_input = move |dy: Tensor<D>| -> Result<Tensor<D>> {
+                let r = rows(&dy);
+                let dx = dy
+                    .reshape([r, n])
+                    .matmul(w.clone().transpose())
+                    .reshape(full_dims);
+                if on_device {
+                    g.reduce_scatter(dx, dim, ReduceOp::Sum, Some(&sizes))
+                } else {
+                    let out = g.reduce_scatter_data(host(&dx), dim, ReduceOp::Sum, Some(&sizes))?;
+                    Ok(to_device(out, &dx))
+                }
+            };
+            let d_input = Arc::new(d_input);
+            let (host_fn, device_fn) = (d_input.clone(), d_input);
+            let device = self.shard.device().without_autodiff();
+            let backward = BackwardFn::new("sequence-parallel linear (input)", move |dy| {
+                let dy = crate::group::tensor_from_data::<D>(dy, &device);
+                host_fn(dy).map(|dx| dx.into_data())
+            })
+            .on_device_if::<D>(on_device, move |dy| device_fn(dy));
+            // The input's gradient hangs off a zero added to the product (a transient).
+            let zero = Tensor::<D>::zeros(dims, &y.device());
+            y = y + attach(self.shard.clone(), zero, backward);
+        }
+        match bias {
+            Some(b) => y + b.unsqueeze(),
+            None => y,
+        }
+    }
+}

@@ -67,8 +67,8 @@ use burn::tensor::module::linear;
 use burn::tensor::{Int, Tensor, TensorData};
 
 use crate::autograd::{
-    WeightGradSink, copy_to_group, deferred_matmul, gather_from_group, gather_from_sequence,
-    scatter_to_group,
+    GatheredSequence, WeightGradSink, copy_to_group, deferred_matmul, gather_from_group,
+    gather_from_sequence, scatter_to_group,
 };
 use crate::comm::host::ReduceOp;
 use crate::error::CollectiveError;
@@ -80,6 +80,14 @@ use crate::tensor_parallel::{
     CrossEntropyOptions, Placement, SEQ_DIM, Shard, Split, TpError, TpResult, TpTensor, sp_param,
     vocab_parallel_cross_entropy,
 };
+
+/// An input that entered a column-parallel region ([`Linear::forward_shared`]).
+enum Entered<const D: usize> {
+    /// The whole input in the graph (replicated with *f*, or all-gathered).
+    Whole(Tensor<D>),
+    /// Sequence parallelism: the shard in the graph, the gathered sequence for the products.
+    Sequence(GatheredSequence<D>),
+}
 
 /// How a [`Linear`] is split.
 #[derive(Debug, Clone)]
@@ -258,17 +266,32 @@ impl Linear {
         }
     }
 
-    /// Enters the column-parallel region as `entry` says: the sequence all-gather (backward:
-    /// reduce-scatter) or Megatron's *f* (backward: all-reduce).
+    /// Enters the column-parallel region as `entry` says. Under sequence parallelism the
+    /// sequence is all-gathered once for the forward products, and the graph keeps only the
+    /// shard ([`GatheredSequence`]: each product's backward gathers it again and
+    /// reduce-scatters its input gradient), unless `deferred` (a layer defers its weight
+    /// gradient, which needs the gathered input): then the gathered input itself enters the
+    /// graph ([`gather_from_sequence`], backward: reduce-scatter). Otherwise Megatron's *f*
+    /// (backward: all-reduce).
     fn enter<const D: usize>(
         x: Tensor<D>,
         (group, gather): (&ProcessGroup, bool),
-    ) -> TpResult<Tensor<D>> {
-        Ok(if gather {
-            gather_from_sequence(x, group, SEQ_DIM)?
-        } else {
-            copy_to_group(x, group)
+        deferred: bool,
+    ) -> TpResult<Entered<D>> {
+        Ok(match (gather, deferred) {
+            (true, false) => Entered::Sequence(GatheredSequence::new(x, group, SEQ_DIM)?),
+            (true, true) => Entered::Whole(gather_from_sequence(x, group, SEQ_DIM)?),
+            (false, _) => Entered::Whole(copy_to_group(x, group)),
         })
+    }
+
+    /// This layer's product on an input that entered its region.
+    fn apply_entered<const D: usize>(&self, entered: &Entered<D>) -> Tensor<D> {
+        let bias = self.bias.as_ref().map(|b| b.val());
+        match entered {
+            Entered::Whole(x) => self.product(x.clone(), bias),
+            Entered::Sequence(gathered) => gathered.linear(self.weight.val(), bias),
+        }
     }
 
     /// Applies several layers to the same input `x`, entering the tensor-parallel region once:
@@ -320,17 +343,19 @@ impl Linear {
         };
         // The entry of the first column-parallel layer, made once.
         let shared_entry = layers.iter().find_map(|l| l.column_entry::<D>());
+        let shares = |l: &Linear| match (l.column_entry::<D>(), shared_entry) {
+            (Some(entry), Some(first)) => same(entry, first),
+            _ => false,
+        };
+        let deferred = layers.iter().any(|l| shares(l) && l.deferred.is_some());
         let shared = match shared_entry {
-            Some(entry) => Some(Self::enter(x.clone(), entry)?),
+            Some(entry) => Some(Self::enter(x.clone(), entry, deferred)?),
             None => None,
         };
         let mut out = Vec::with_capacity(K);
         for layer in layers {
-            let y = match (layer.column_entry::<D>(), shared_entry, &shared) {
-                (Some(entry), Some(first), Some(entered)) if same(entry, first) => {
-                    let bias = layer.bias.as_ref().map(|b| b.val());
-                    layer.product(entered.clone(), bias)
-                }
+            let y = match &shared {
+                Some(entered) if shares(layer) => layer.apply_entered(entered),
                 _ => layer.forward(x.clone())?,
             };
             out.push(y);
@@ -361,7 +386,8 @@ impl Linear {
             LinearSplit::Replicated => Ok(self.product(x, bias)),
             LinearSplit::Column { .. } => {
                 let entry = self.column_entry::<D>().expect("a column split");
-                Ok(self.product(Self::enter(x, entry)?, bias))
+                let entered = Self::enter(x, entry, self.deferred.is_some())?;
+                Ok(self.apply_entered(&entered))
             }
             LinearSplit::Row {
                 group,
