@@ -177,6 +177,14 @@ fn main() {
             },
         ),
         (
+            4,
+            Parallelism {
+                tp: 4,
+                sp: true,
+                ..Parallelism::default()
+            },
+        ),
+        (
             2,
             Parallelism {
                 zero: Some(Stage::One),

@@ -812,7 +812,7 @@ impl Attention {
     /// Shape and collective errors of the tensor-parallel layers.
     pub fn forward(&self, x: Tensor<3>, pass: &Pass) -> TpResult<Tensor<3>> {
         // One entry into the tensor-parallel region for the three projections: under sequence
-        // parallelism one all-gathered copy of `x`, kept once for their backward.
+        // parallelism one all-gather of `x`, and only this rank's shard kept for the backward.
         let [q, k, v] = Linear::forward_shared([&self.q, &self.k, &self.v], x)?;
         let (mut q, mut k, v) = (
             self.split_heads(q),
@@ -932,8 +932,8 @@ impl Mlp {
                 GeluKind::Tanh => gelu_approximate(self.up.forward(x)?),
             },
             Some(gate) => {
-                // `gate` and `up` share one entry into the tensor-parallel region (one gathered
-                // input under sequence parallelism).
+                // `gate` and `up` share one entry into the tensor-parallel region (one
+                // all-gather under sequence parallelism).
                 let [g, u] = Linear::forward_shared([gate, &self.up], x)?;
                 if self.fused {
                     kernels::swiglu(g, u).unwrap_or_else(|e| panic!("fused swiglu: {e}"))

@@ -244,12 +244,14 @@ fn fp32_activations_follow_the_tensors_autodiff_keeps() {
         activation::fp32_layer_bytes(&shape, None, &mb(2, false), &flash),
         tp2
     );
-    // Our sequence parallelism: the norms' part halves, but q, k, v and up each keep their own
-    // all-gathered whole input (4 N d instead of 2 N d).
+    // Sequence parallelism: the norms' part halves, and q/k/v and up keep only the sequence
+    // shard of their input (gathered once per sub-layer, again in the backward): everything
+    // halves.
     let sp2 = 4.0
         * ((2.0 * n * d + 4.0 * n) / 2.0
-            + 4.0 * n * d
+            + 2.0 * n * d / 2.0
             + (4.0 * n * d + b * a * s + n * d + 2.0 * n * f) / 2.0);
+    assert_eq!(sp2, by_hand / 2.0);
     assert_eq!(
         activation::fp32_layer_bytes(&shape, None, &mb(2, true), &flash),
         sp2

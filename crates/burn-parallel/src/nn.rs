@@ -82,6 +82,8 @@ use crate::tensor_parallel::{
 };
 
 /// An input that entered a column-parallel region ([`Linear::forward_shared`]).
+// A short-lived local of one forward call: the size of its variants does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Entered<const D: usize> {
     /// The whole input in the graph (replicated with *f*, or all-gathered).
     Whole(Tensor<D>),
@@ -296,10 +298,13 @@ impl Linear {
 
     /// Applies several layers to the same input `x`, entering the tensor-parallel region once:
     /// the projections of one sub-layer (attention's `q`, `k`, `v`; a gated MLP's `gate` and
-    /// `up`). Under sequence parallelism the column-parallel layers of the same group share one
-    /// all-gathered copy of `x`, so the backward keeps one whole-sequence input rather than one
-    /// per layer, and their input gradients are summed before the one reduce-scatter (one
-    /// all-reduce without sequence parallelism). A layer split otherwise than the first
+    /// `up`). Under sequence parallelism the sequence shard `x` is all-gathered once for the
+    /// column-parallel layers of the same group, and the backward keeps only the shard
+    /// (Megatron's saving, [`GatheredSequence`]: each layer's backward gathers it again for its
+    /// weight gradient and reduce-scatters its input gradient); without sequence parallelism
+    /// they share one *f*, so their input gradients are summed before one all-reduce. A layer
+    /// that defers its weight gradient ([`Self::with_deferred_weight`]) makes the gathered
+    /// input enter the graph whole instead. A layer split otherwise than the first
     /// (replicated, or over another group) enters on its own, as [`Self::forward`] does, so
     /// the result is always that of `K` calls of [`Self::forward`].
     ///

@@ -51,8 +51,8 @@
 //! |---|---|---|
 //! | `ln_1`, `ln_2`, fused | the input (the block input, then the residual after attention), mean and 1/std | `2 N d + 4 N` |
 //! | `ln_1`, `ln_2`, composed | centred input (kept by `x * x` and the division), normalised input (kept by `* weight`) | `4 N d + 4 N` |
-//! | `q`, `k`, `v` (column-parallel) | their common input, `ln_1`'s output, whole on every rank; under sp each its own all-gathered copy | `N d`; sp: `3 N d` |
-//! | `up` (and `gate`) | `ln_2`'s output, whole; under sp each its own gathered copy | `N d`; sp: `N d` (`2 N d` gated) |
+//! | `q`, `k`, `v` (column-parallel) | their common input, `ln_1`'s output, whole on every rank; under sp only its sequence shard (Megatron's) | `N d`; sp: `N d / t` |
+//! | `up` (and `gate`) | `ln_2`'s output, whole; under sp its shard | `N d`; sp: `N d / t` |
 //! | flash attention | contiguous copies of `Q`, `K`, `V` (the `[b, s, a, hd] -> [b a, s, hd]` reshape copies), the output, the log-sum-exp | `N d (2 + 2 kv) / t + b a s / t` |
 //! | materialised attention | the `q`, `k`, `v` outputs (the matmuls keep views of them), the shifted scores (`exp` keeps its input), `exp` (the division keeps it), the probabilities (the product with `V` keeps them); with dropout also its fp32 mask | `N d (1 + 2 kv) / t + (3 or 4) b a s^2 / t`, and the causal mask's `s^2` bytes |
 //! | `o` (row-parallel) | its input, the `[b, s, a hd]` copy of the attention output | `N d / t` |
@@ -61,13 +61,14 @@
 //! | residual dropout (p > 0) | the two fp32 masks | `2 N d` |
 //!
 //! Adds, residual additions, reshapes and the all-reduces of tensor parallelism keep nothing.
-//! Sequence parallelism (ours): the norms run on `N / t` tokens, so their inputs and masks
-//! are split by `t`, but the all-gathered (whole-sequence) inputs of `q/k/v` and `up` are what
-//! the column-parallel matmuls keep, and each column-parallel layer gathers its input itself
-//! (`nn::Linear::forward`): `q`, `k` and `v` keep three gathered copies of the same tensor.
-//! Unlike Megatron, which keeps the sequence shards and gathers them again in the backward,
-//! our sp therefore keeps more than tp alone as soon as `t` is small (`t = 2`: `N d` more per
-//! layer); the measured table of `planner_check` shows it.
+//! Sequence parallelism: the norms run on `N / t` tokens, so their inputs and masks are
+//! split by `t`; the projections of a sub-layer all-gather their common input once
+//! (`nn::Linear::forward_shared`) and keep only the sequence shard, as Megatron does
+//! (`autograd::GatheredSequence`: the backward gathers it again for the weight gradients and
+//! reduce-scatters the input gradient). Everything a layer keeps is then split by `t` but the
+//! attention's and the MLP's inner terms, which tensor parallelism splits already. (Before,
+//! each column-parallel layer gathered for itself and kept its gathered copy: `3 N d + N d`
+//! per layer, more than tp alone.)
 //!
 //! Outside the blocks ([`fp32_head_bytes`], [`fp32_embedding_bytes`]): `ln_f` as a norm, the
 //! output layer's input `N d` (whole), the logits `N V / t` (the fused cross-entropy keeps
@@ -255,17 +256,9 @@ pub fn fp32_layer_bytes(
     // The two norms: inputs (fused) or centred and normalised inputs (composed), and the
     // per-row statistics; split by t under sequence parallelism.
     let norms = if kernels.fused { 2.0 * nd } else { 4.0 * nd } / seq + 4.0 * n / seq;
-    // The whole inputs of the column-parallel q/k/v and up/gate: one shared norm output per
-    // sub-layer, or under sp one all-gathered copy per projection (each gathers for itself).
-    let ffn_inputs = match moe {
-        None if shape.gated_mlp => 2.0,
-        _ => 1.0,
-    };
-    let matmul_inputs = if mb.sp {
-        (3.0 + ffn_inputs) * nd
-    } else {
-        2.0 * nd
-    };
+    // The inputs of the column-parallel q/k/v and up/gate: one shared norm output per
+    // sub-layer, whole, or under sp its sequence shard (gathered again in the backward).
+    let matmul_inputs = 2.0 * nd / seq;
     // Context parallelism (fewer local queries than keys) runs ring attention, which keeps
     // per-block statistics rather than scores, whatever the kernels.
     let ring = mb.local_tokens < mb.key_tokens;
