@@ -741,15 +741,10 @@ impl<const D: usize> GatheredSequence<D> {
     pub fn new(x: Tensor<D>, group: &ProcessGroup, dim: usize) -> Result<Self> {
         check_dim::<D>(group, "GatheredSequence", dim)?;
         let sizes = group.all_gather_object(&x.dims()[dim])?;
-        let full = forward_collective(
-            group,
-            &x,
-            |t| group.all_gather(t, dim),
-            |d| group.all_gather_data(d, dim),
-        )?
-        // Off the autodiff backend: an untracked autodiff operation reading it would keep it
-        // alive with the graph (burn-autodiff registers untracked steps too).
-        .without_autodiff();
+        let full = gather_forward(group, &x, dim)?
+            // Off the autodiff backend: an untracked autodiff operation reading it would keep it
+            // alive with the graph (burn-autodiff registers untracked steps too).
+            .without_autodiff();
         Ok(Self {
             shard: x,
             full,
