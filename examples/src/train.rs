@@ -571,6 +571,8 @@ struct ZeroExperts {
     moe: MoeStep,
     optim: ModuleOptimizer,
     acc: GradientsAccumulator<Gpt>,
+    /// The expert parameters.
+    registry: burn_moe::ExpertParams,
 }
 
 impl Engine {
@@ -585,14 +587,24 @@ impl Engine {
             Engine::Step { optim, .. } => map
                 .optimizer_pieces(optim.to_record())
                 .map_err(|e| e.to_string()),
-            Engine::Zero(zero, _) => {
-                let (pieces, scalars) = zero
+            Engine::Zero(zero, experts) => {
+                let (mut pieces, scalars) = zero
                     .checkpoint_state(tp, copies)
                     .map_err(|e| e.to_string())?;
-                Ok((
-                    pieces,
-                    serde_json::to_value(scalars).expect("scalars serialise"),
-                ))
+                let mut scalars = serde_json::to_value(scalars).expect("scalars serialise");
+                // GPT-MoE: the experts, out of ZeRO's flat space, have their own AdamW.
+                if let Some(x) = experts {
+                    let (more, more_scalars) = expert_map(map, x)
+                        .optimizer_pieces(x.optim.to_record())
+                        .map_err(|e| e.to_string())?;
+                    pieces.extend(more);
+                    if let (Some(all), serde_json::Value::Object(more)) =
+                        (scalars.as_object_mut(), more_scalars)
+                    {
+                        all.extend(more);
+                    }
+                }
+                Ok((pieces, scalars))
             }
         }
     }
@@ -617,11 +629,27 @@ impl Engine {
                 }
                 Ok(())
             }
-            Engine::Zero(zero, _) => zero
-                .load_checkpoint_state(checkpoint, tp, scalars)
-                .map_err(|e| e.to_string()),
+            Engine::Zero(zero, experts) => {
+                zero.load_checkpoint_state(checkpoint, tp, scalars)
+                    .map_err(|e| e.to_string())?;
+                if let Some(x) = experts
+                    && let Some(record) = expert_map(map, x)
+                        .load_optimizer(checkpoint, scalars)
+                        .map_err(|e| e.to_string())?
+                {
+                    let empty = std::mem::replace(&mut x.optim, fresh());
+                    x.optim = empty.load_record(record);
+                }
+                Ok(())
+            }
         }
     }
+}
+
+/// The part of `map` that the experts' own AdamW steps under ZeRO-1/2.
+fn expert_map(map: &ParamMap, experts: &ZeroExperts) -> ParamMap {
+    let registry = &experts.registry;
+    map.clone().only(|p| registry.contains(&p.id))
 }
 
 /// Trains the GPT of `config` on `world` with the split `parallel` (every rank calls it): one
@@ -668,10 +696,6 @@ pub fn train_gpt_checkpointed(
     checkpoints
         .validate()
         .map_err(|e| invalid(world, "checkpoint", e))?;
-    if checkpoints.active() {
-        train_checkpoint::check_layout(&config.model)
-            .map_err(|e| invalid(world, "checkpoint", e))?;
-    }
     let plain = parallel
         .device
         .device()
@@ -728,14 +752,18 @@ pub fn train_gpt_checkpointed(
     // parallelism the experts' replicas are the ranks holding the same experts; the other
     // parameters' are those holding the same shards (`replicate`: every data rank without
     // ZeRO/FSDP; the ranks of one shard position under FSDP).
-    match experts.ep_size() {
-        1 => burn_parallel::verify_replicas(&model, &replicate),
-        _ => {
-            let expert_dp = dims
-                .expert_data_parallel(&mesh)
-                .map_err(|e| invalid(world, op, e))?;
+    let expert_dp = match experts.ep_size() {
+        1 => None,
+        _ => Some(
+            dims.expert_data_parallel(&mesh)
+                .map_err(|e| invalid(world, op, e))?,
+        ),
+    };
+    match &expert_dp {
+        None => burn_parallel::verify_replicas(&model, &replicate),
+        Some(expert_dp) => {
             let is_expert = |path: &str| path.contains(".moe.experts.");
-            burn_parallel::replica::verify_replicas_in(&model, &[&expert_dp], is_expert).and_then(
+            burn_parallel::replica::verify_replicas_in(&model, &[expert_dp], is_expert).and_then(
                 |()| {
                     burn_parallel::replica::verify_replicas_in(&model, &[&replicate], |p| {
                         !is_expert(p)
@@ -766,6 +794,7 @@ pub fn train_gpt_checkpointed(
                 moe: MoeStep::new(TrainStep::new(model.tp.clone()), &experts),
                 optim: adamw.init(),
                 acc: GradientsAccumulator::new(),
+                registry: experts.experts.clone(),
             });
             Engine::Zero(Box::new(zero), moe)
         }
@@ -810,15 +839,30 @@ pub fn train_gpt_checkpointed(
     let data_shards = fsdp.as_ref().map(|plan| plan.shards().clone());
     let holders = |group: &ProcessGroup| (group.size(), group.rank());
     let (all, same_tp, same_shard) = (holders(world), holders(&reduce), holders(&replicate));
+    // Under expert parallelism an expert is held by the ranks holding the same experts, each
+    // with the whole expert on every tensor-parallel rank.
+    let same_experts = expert_dp
+        .as_ref()
+        .map(|g| (g.size() * tp.size(), g.rank() * tp.size() + tp.rank()));
+    let registry = experts.experts.clone();
     let map_of = |m: &Gpt| {
         ParamMap::new(m, &tp_ctx, data_shards.as_ref())
             .map(|map| {
-                map.with_replicas(|p| match p.kind {
-                    ParamKind::Replicated => all,
-                    ParamKind::TpSharded => same_tp,
-                    ParamKind::Flat => same_shard,
+                map.with_replicas(|p| match (p.kind, same_experts) {
+                    (_, Some(holders)) if registry.contains(&p.id) => holders,
+                    (ParamKind::Replicated, _) => all,
+                    (ParamKind::TpSharded, _) => same_tp,
+                    (ParamKind::Flat, _) => same_shard,
                 })
+                .with_logical_names(train_checkpoint::expert_names(m))
             })
+            .map_err(|e| invalid(world, "checkpoint", e))
+    };
+    // The map for a load: it checks the checkpoint against the whole model's tensors, also
+    // those other ranks hold (other experts).
+    let load_map_of = |m: &Gpt| {
+        map_of(m)?
+            .with_logical_of(world)
             .map_err(|e| invalid(world, "checkpoint", e))
     };
     let mut first_step = 0;
@@ -828,12 +872,15 @@ pub fn train_gpt_checkpointed(
         let fail = |e: &dyn std::fmt::Display| invalid(world, "resume", e);
         let checkpoint = train_checkpoint::open_resume(path).map_err(|e| fail(&e))?;
         let state = train_checkpoint::resume_state(&checkpoint, config).map_err(|e| fail(&e))?;
-        let map = map_of(&model)?;
+        let map = load_map_of(&model)?;
         model = map.load_params(model, &checkpoint).map_err(|e| fail(&e))?;
         let scalars = merged_scalars(&checkpoint, train_checkpoint::OPTIM_SCALARS);
         engine
             .load_optimizer(&map, &checkpoint, &tp_ctx, &scalars, || adamw.init())
             .map_err(|e| fail(&e))?;
+        train_checkpoint::restore_dropout(&checkpoint, &train_checkpoint::dropout_layers(&model))
+            .map_err(|e| fail(&e))?;
+        train_checkpoint::restore_moe_bias(&checkpoint, &model).map_err(|e| fail(&e))?;
         first_step = checkpoint.step();
         losses = state.losses;
     } else if let Some(dir) = &checkpoints.init_from_hf {
@@ -848,7 +895,7 @@ pub fn train_gpt_checkpointed(
                 config.model
             )));
         }
-        model = map_of(&model)?
+        model = load_map_of(&model)?
             .load_params(model, &tensors)
             .map_err(|e| fail(&e))?;
     }
@@ -996,7 +1043,12 @@ pub fn train_gpt_checkpointed(
                 config: config.clone(),
             };
             let state = serde_json::to_value(state).expect("the trainer state serialises");
-            let rank_state = serde_json::json!({ train_checkpoint::OPTIM_SCALARS: scalars });
+            let rank_state = serde_json::json!({
+                train_checkpoint::OPTIM_SCALARS: scalars,
+                train_checkpoint::DROPOUT_CALLS:
+                    train_checkpoint::dropout_calls(&train_checkpoint::dropout_layers(m)),
+                train_checkpoint::MOE_BIAS: train_checkpoint::moe_bias(m),
+            });
             let saved = match checkpoints.asynchronous {
                 true => saver.save_async(step + 1, pieces, state, rank_state),
                 false => saver.save(step + 1, pieces, state, rank_state).map(|_| ()),

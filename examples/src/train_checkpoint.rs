@@ -9,13 +9,26 @@
 //! it continues the loss curve of the run that saved it: bit for bit under the same layout, and
 //! under another layout (other dp, tp, ZeRO stage) within the rounding of the other reduction
 //! order.
+//!
+//! **Dropout.** A mask is a function of the seed, the layer, the data-parallel stream (the
+//! data-parallel rank), the layer's call counter and the element's position in the rank's
+//! micro-batch ([`SeededDropout`]). The counters are saved (each rank's, by logical layer name)
+//! and restored, so a resumed run draws the masks the saving run would have drawn: bit for bit
+//! at the same layout, and within 1e-5 at another tensor-parallel, sequence-parallel or ZeRO
+//! layout with the *same data-parallel size and gradient accumulation* (their masks do not
+//! depend on those). The masks do depend on the data-parallel size (each replica draws its own
+//! stream over its own rows), so at another data-parallel size a resumed run trains on, as
+//! that layout always does, other masks: a valid continuation, not the saving run's curve.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use burn_parallel::checkpoint::{Checkpoint, CheckpointError, Checkpointer};
+use burn_parallel::tensor_parallel::SeededDropout;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::gpt::GptConfig;
+use crate::gpt::{Block, Gpt, GptConfig};
 use crate::train::TrainConfig;
 
 /// Where and how often a run saves, and where it resumes from.
@@ -97,6 +110,185 @@ pub(crate) struct TrainerState {
 /// Name of the optimizer scalars in each rank's state.
 pub(crate) const OPTIM_SCALARS: &str = "optim_scalars";
 
+/// Name of the dropout layers' call counters in each rank's state.
+pub(crate) const DROPOUT_CALLS: &str = "dropout_calls";
+
+/// The dropout layers of a block whose logical path is `prefix` (`blocks.3`).
+pub(crate) fn block_dropouts(prefix: &str, block: &Block, out: &mut Vec<(String, SeededDropout)>) {
+    let mut add = |name: &str, drop: &Option<SeededDropout>| {
+        if let Some(drop) = drop {
+            out.push((format!("{prefix}.{name}"), drop.clone()));
+        }
+    };
+    add("attn.attn_drop", &block.attn.attn_drop);
+    add("attn.resid_drop", &block.attn.resid_drop);
+    if let Some(mlp) = &block.mlp {
+        add("mlp.drop", &mlp.drop);
+    }
+    add("moe_drop", &block.moe_drop);
+}
+
+/// The dropout layers of `model` by logical name (`drop`, `blocks.3.attn.attn_drop`, ...):
+/// clones that share the model's call counters ([`SeededDropout::calls`]). Empty without
+/// dropout.
+pub(crate) fn dropout_layers(model: &Gpt) -> Vec<(String, SeededDropout)> {
+    let mut out = Vec::new();
+    if let Some(drop) = &model.drop {
+        out.push(("drop".to_string(), drop.clone()));
+    }
+    for (i, block) in model.blocks.iter().enumerate() {
+        block_dropouts(&format!("blocks.{i}"), block.skeleton(), &mut out);
+    }
+    out
+}
+
+/// The call counters of `layers`, for a rank state under [`DROPOUT_CALLS`].
+pub(crate) fn dropout_calls(layers: &[(String, SeededDropout)]) -> serde_json::Value {
+    let calls: BTreeMap<&str, u64> = layers
+        .iter()
+        .map(|(n, d)| (n.as_str(), d.calls()))
+        .collect();
+    serde_json::to_value(calls).expect("counters serialise")
+}
+
+/// Name of the MoE layers' expert biases in each rank's state.
+pub(crate) const MOE_BIAS: &str = "moe_bias";
+
+/// The MoE layers of `model`: the logical path of each block holding one, and its layer.
+fn moe_layers(model: &Gpt) -> Vec<(String, &burn_moe::MoeLayer)> {
+    model
+        .blocks
+        .iter()
+        .enumerate()
+        .filter_map(|(i, b)| Some((format!("blocks.{i}"), b.skeleton().moe.as_ref()?)))
+        .collect()
+}
+
+/// The logical name of a local parameter name of `model`: under expert parallelism a rank's
+/// local expert `i` of an MoE layer (`blocks.N.moe.experts.i.*`) is the layer's global expert
+/// `first_expert + i`, the index it has on one device; every other name is kept.
+pub(crate) fn expert_names(model: &Gpt) -> impl Fn(&str) -> String + use<> {
+    let layers: Vec<(String, usize)> = moe_layers(model)
+        .into_iter()
+        .filter(|(_, moe)| moe.first_expert > 0)
+        .map(|(block, moe)| (format!("{block}.moe.experts."), moe.first_expert))
+        .collect();
+    move |name: &str| {
+        for (prefix, first) in &layers {
+            let Some(rest) = name.strip_prefix(prefix.as_str()) else {
+                continue;
+            };
+            let (index, tail) = rest.split_once('.').unwrap_or((rest, ""));
+            if let Ok(i) = index.parse::<usize>() {
+                let sep = if tail.is_empty() { "" } else { "." };
+                return format!("{prefix}{}{sep}{tail}", first + i);
+            }
+        }
+        name.to_string()
+    }
+}
+
+/// The expert biases of `model`'s MoE layers (auxiliary-loss-free balancing; the same on
+/// every rank), for a rank state under [`MOE_BIAS`].
+pub(crate) fn moe_bias(model: &Gpt) -> serde_json::Value {
+    let bias: BTreeMap<String, Vec<f32>> = moe_layers(model)
+        .into_iter()
+        .map(|(block, moe)| (format!("{block}.moe"), moe.expert_bias()))
+        .collect();
+    serde_json::to_value(bias).expect("biases serialise")
+}
+
+/// Sets the expert biases of `model`'s MoE layers to those saved in `checkpoint`.
+///
+/// # Errors
+/// A sentence naming an MoE layer whose biases the checkpoint does not hold or holds for
+/// another number of experts.
+pub(crate) fn restore_moe_bias(checkpoint: &Checkpoint, model: &Gpt) -> Result<(), String> {
+    let layers = moe_layers(model);
+    if layers.is_empty() {
+        return Ok(());
+    }
+    let saved: BTreeMap<String, Vec<f32>> = merged_rank_values(checkpoint, MOE_BIAS)?;
+    for (block, moe) in layers {
+        let name = format!("{block}.moe");
+        let bias = saved.get(&name).ok_or_else(|| {
+            format!(
+                "{} holds no expert biases for {name}: resume with the model that saved it",
+                checkpoint.dir().display()
+            )
+        })?;
+        moe.set_expert_bias(bias)
+            .map_err(|e| format!("{}: {name}: {e}", checkpoint.dir().display()))?;
+    }
+    Ok(())
+}
+
+/// The values saved under `key` in the rank states of `checkpoint`, merged by name over the
+/// saving ranks (a name saved by several ranks must have the same value on each).
+///
+/// # Errors
+/// A sentence naming the value two saving ranks disagree on, or a rank state that does not
+/// parse.
+pub(crate) fn merged_rank_values<T: DeserializeOwned + PartialEq + std::fmt::Debug>(
+    checkpoint: &Checkpoint,
+    key: &str,
+) -> Result<BTreeMap<String, T>, String> {
+    let mut all: BTreeMap<String, (usize, T)> = BTreeMap::new();
+    for (rank, state) in checkpoint.manifest().rank_states.iter().enumerate() {
+        let Some(values) = state.get(key) else {
+            continue;
+        };
+        let values: BTreeMap<String, T> = serde_json::from_value(values.clone()).map_err(|e| {
+            format!(
+                "{}: rank {rank}'s {key} does not parse ({e}); the checkpoint is damaged",
+                checkpoint.dir().display()
+            )
+        })?;
+        for (name, value) in values {
+            match all.get(&name) {
+                Some((first, v)) if *v != value => {
+                    return Err(format!(
+                        "{}: ranks {first} and {rank} saved {key} {name} as {v:?} and \
+                         {value:?}; the checkpoint is inconsistent, resume from another one",
+                        checkpoint.dir().display()
+                    ));
+                }
+                Some(_) => {}
+                None => {
+                    all.insert(name, (rank, value));
+                }
+            }
+        }
+    }
+    Ok(all.into_iter().map(|(n, (_, v))| (n, v)).collect())
+}
+
+/// Sets the call counters of `layers` to those saved in `checkpoint`, so that the resumed run
+/// draws the masks the saving run would have drawn next.
+///
+/// # Errors
+/// A sentence naming a dropout layer whose counter the checkpoint does not hold.
+pub(crate) fn restore_dropout(
+    checkpoint: &Checkpoint,
+    layers: &[(String, SeededDropout)],
+) -> Result<(), String> {
+    if layers.is_empty() {
+        return Ok(());
+    }
+    let saved: BTreeMap<String, u64> = merged_rank_values(checkpoint, DROPOUT_CALLS)?;
+    for (name, drop) in layers {
+        let calls = saved.get(name).ok_or_else(|| {
+            format!(
+                "{} holds no dropout position for {name} (saved without that dropout layer): \
+                 resume with the model that saved it",
+                checkpoint.dir().display()
+            )
+        })?;
+        drop.set_calls(*calls);
+    }
+    Ok(())
+}
+
 /// Opens the checkpoint to resume from: `path` itself, or the newest complete one under it.
 ///
 /// # Errors
@@ -162,22 +354,25 @@ pub(crate) fn resume_state(
     Ok(state)
 }
 
-/// Refuses the layouts whose checkpoints are not supported yet.
+/// Refuses the models whose checkpoints burn-zero's engines ([`crate::train_zero`]) do not
+/// support: they build no GPT-MoE and save no dropout counters. The layout-generic trainer
+/// ([`crate::train::train_gpt_checkpointed`]) saves and resumes both, ZeRO included.
 ///
 /// # Errors
-/// A sentence naming the flag to drop.
+/// A sentence naming the setting to change.
 pub(crate) fn check_layout(model: &GptConfig) -> Result<(), String> {
     if model.moe.is_some() {
         return Err(
-            "checkpoints of a GPT-MoE are not supported yet (expert-parallel ranks hold \
-                    other experts under the same local names): drop --save-every/--resume"
+            "burn-zero's engines (train_gpt_zero) do not checkpoint a GPT-MoE: use \
+                    train::train_gpt_checkpointed (gpt --zero N --save-every ...), which does"
                 .into(),
         );
     }
     if model.dropout > 0.0 {
         return Err(
-            "checkpoints with dropout are not supported yet (the masks' call counters \
-                    are not saved, so a resumed run would draw other masks): use --dropout 0"
+            "burn-zero's engines (train_gpt_zero) do not save the dropout masks' call \
+             counters: use train::train_gpt_checkpointed (gpt --zero N --save-every ...), \
+             which does, or dropout 0"
                 .into(),
         );
     }

@@ -6,6 +6,7 @@
 
 use std::path::{Path, PathBuf};
 
+use burn_moe::{MoeConfig, ScoreFn};
 use burn_parallel::run_local;
 use burn_zero::Stage;
 use examples::data::Corpus;
@@ -54,13 +55,49 @@ fn run(
 
 /// The uninterrupted run under `parallel`, saving every `SAVED_AT` steps under `dir`.
 fn saving_run(world: usize, parallel: &Parallelism, dir: &Path) -> Reference {
+    saving_run_of(world, parallel, &config(), (dir, SAVED_AT))
+}
+
+/// [`saving_run`] of `config`, saving every `every` steps.
+fn saving_run_of(
+    world: usize,
+    parallel: &Parallelism,
+    config: &TrainConfig,
+    (dir, every): (&Path, usize),
+) -> Reference {
     let save = CheckpointOptions {
         dir: Some(dir.to_path_buf()),
-        save_every: SAVED_AT,
+        save_every: every,
         keep: 5,
         ..CheckpointOptions::default()
     };
-    Reference::of_run(run(world, parallel, &config(), &save))
+    Reference::of_run(run(world, parallel, config, &save))
+}
+
+/// A run resumed from the checkpoint of step `saved` under `dir`, under `parallel`, continues
+/// `reference`: bit for bit (`tol` 0) or within `tol`.
+fn check_resume(
+    reference: &Reference,
+    (dir, saved): (&Path, usize),
+    (world, parallel): (usize, Parallelism),
+    config: &TrainConfig,
+    tol: f64,
+    what: &str,
+) {
+    let resume = CheckpointOptions {
+        resume: Some(dir.join(format!("step-{saved:08}"))),
+        ..CheckpointOptions::default()
+    };
+    let r = run(world, &parallel, config, &resume);
+    assert_eq!(
+        r.losses[..saved],
+        reference.losses[..saved],
+        "{what}: saved losses"
+    );
+    if tol == 0.0 {
+        assert_eq!(r.losses, reference.losses, "{what}: identical losses");
+    }
+    assert_matches_reference(reference, &r.losses, &r.final_params, tol, what);
 }
 
 fn resume_from(dir: &Path) -> CheckpointOptions {
@@ -126,6 +163,111 @@ fn zero1_tp2_resumes_under_zero3_and_ddp() {
         let r = run(world, &parallel, &config(), &resume_from(&dir));
         assert_matches_reference(&reference, &r.losses, &r.final_params, TOL, what);
     }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Dropout: each layer's call counter (with the seed, the layer and the data-parallel rank it
+/// decides the masks) is saved and restored, so the resumed run draws the masks the saving
+/// run drew; at another tensor-parallel / ZeRO layout with the same data-parallel size the
+/// masks are the same too.
+#[test]
+fn dropout_resumes_with_the_masks_of_the_saving_run() {
+    let dir = scratch("dropout");
+    let mut c = config();
+    c.model.dropout = 0.1;
+    c.grad_accum = 2;
+    let reference = saving_run_of(4, &layout(2, None), &c, (&dir, SAVED_AT));
+    let saved = (dir.as_path(), SAVED_AT);
+    check_resume(
+        &reference,
+        saved,
+        (4, layout(2, None)),
+        &c,
+        0.0,
+        "same layout",
+    );
+    let sp = Parallelism {
+        sp: true,
+        zero: Some(Stage::One),
+        ..layout(2, None)
+    };
+    check_resume(
+        &reference,
+        saved,
+        (4, sp),
+        &c,
+        TOL,
+        "dp 2 x tp 2 + sp ZeRO-1",
+    );
+    let zero3 = layout(1, Some(Stage::Three));
+    check_resume(&reference, saved, (2, zero3), &c, TOL, "dp 2 ZeRO-3");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// A GPT-MoE (4 experts, top-2, balancing losses and auxiliary-loss-free bias balancing).
+fn moe_config() -> TrainConfig {
+    let mut c = config();
+    c.model.moe = Some(MoeConfig {
+        aux_loss: 0.01,
+        z_loss: 0.001,
+        bias: true,
+        score: ScoreFn::Sigmoid,
+        bias_update_rate: 0.05,
+        ..MoeConfig::new(c.model.d_model, 48, 4, 2)
+    });
+    c
+}
+
+fn with_ep(ep: usize, parallel: Parallelism) -> Parallelism {
+    Parallelism { ep, ..parallel }
+}
+
+/// Expert parallelism: each rank saves its experts under their global index (rank r's local
+/// expert i is expert 2r + i at ep 2), with their AdamW state and the expert biases, so that
+/// a checkpoint saved at ep 2 loads at ep 2, on one device, under ZeRO-1 without expert
+/// parallelism and under FSDP x tp 2 at ep 2; and one saved under ZeRO-1 x ep 2 (the experts'
+/// own AdamW beside ZeRO's flat state) loads under DDP at ep 1.
+#[test]
+fn moe_checkpoints_name_experts_by_their_global_index() {
+    let c = moe_config();
+    // Saved after step 5: the biases, which move by ±0.05 each step, are not back at 0.
+    let dir = scratch("moe");
+    let reference = saving_run_of(2, &with_ep(2, layout(1, None)), &c, (&dir, 5));
+    let saved = (dir.as_path(), 5);
+    check_resume(
+        &reference,
+        saved,
+        (2, with_ep(2, layout(1, None))),
+        &c,
+        0.0,
+        "ep 2",
+    );
+    for (world, parallel, what) in [
+        (1, layout(1, None), "one device"),
+        (2, layout(1, Some(Stage::One)), "dp 2 ZeRO-1, ep 1"),
+        (
+            4,
+            with_ep(2, layout(2, Some(Stage::Three))),
+            "FSDP 2 x tp 2, ep 2",
+        ),
+    ] {
+        check_resume(&reference, saved, (world, parallel), &c, TOL, what);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let dir = scratch("moe-zero1");
+    let zero1 = with_ep(2, layout(1, Some(Stage::One)));
+    let reference = saving_run_of(2, &zero1, &c, (&dir, 5));
+    let saved = (dir.as_path(), 5);
+    check_resume(&reference, saved, (2, zero1), &c, 0.0, "ZeRO-1 x ep 2");
+    check_resume(
+        &reference,
+        saved,
+        (2, layout(1, None)),
+        &c,
+        TOL,
+        "dp 2 DDP, ep 1",
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

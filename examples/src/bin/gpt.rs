@@ -197,7 +197,8 @@ struct Args {
     #[command(flatten)]
     diloco: examples::train_diloco::DiLoCoArgs,
     /// Distributed checkpoints: --save-every N --checkpoint-dir D [--keep-checkpoints K]
-    /// [--async-checkpoint], and --resume D (under any dp/tp/ZeRO layout).
+    /// [--async-checkpoint], and --resume D (under any dp/tp/ZeRO/ep layout; GPT-MoE and
+    /// dropout included).
     #[command(flatten)]
     checkpoint: examples::train_checkpoint::CheckpointArgs,
     /// Hidden width of the dense MLP (default 4 x d_model).
@@ -564,8 +565,8 @@ fn main() -> ExitCode {
     if starts_from && (args.diloco.islands.is_some() || args.pipeline.pp > 1) {
         eprintln!(
             "error: --save-every/--resume/--init-from-hf are not supported with --pp or \
-             --diloco-islands yet; they work with --ranks, --tp/--sp, --zero 1|2|3, --hybrid \
-             and --cp"
+             --diloco-islands yet; they work with --ranks, --tp/--sp, --zero 1|2|3, --hybrid, \
+             --cp and --ep"
         );
         return ExitCode::from(2);
     }

@@ -276,6 +276,100 @@ impl ParamMap {
         self
     }
 
+    /// Gives logical tensors other names than their local paths, for layouts where a rank
+    /// holds some entries of a list under local indices: expert parallelism (this rank's local
+    /// expert `i` of a layer is global expert `first + i`), pipeline parallelism (a stage's
+    /// local block `i` is the model's block `first + i`). `rename(local logical name)` gives
+    /// the model's (single-device) name; checkpoints then hold the model's names whatever the
+    /// layout, optimizer state and scalars included.
+    ///
+    /// # Arguments
+    /// * `rename` - the logical name of a local logical name (identity for the others).
+    ///
+    /// # Returns
+    /// The map with every segment and logical shape renamed.
+    ///
+    /// # Example
+    /// ```
+    /// use burn::tensor::Device;
+    /// use burn_parallel::checkpoint::ParamMap;
+    /// use burn_parallel::init::{Init, LinearInit};
+    /// use burn_parallel::nn::TpContext;
+    ///
+    /// // An expert-parallel rank holding global expert 3 as its local expert 0.
+    /// let init = Init::new(1, &Device::flex());
+    /// let expert = init.linear("up", LinearInit::new(4, 6)).unwrap();
+    /// let map = ParamMap::new(&expert, &TpContext::single(), None)
+    ///     .unwrap()
+    ///     .with_logical_names(|name| format!("experts.3.{name}"));
+    /// assert!(map.logical_shapes().contains_key("experts.3.weight"));
+    /// assert_eq!(map.params()[0].segments[0].logical, "experts.3.weight");
+    /// ```
+    pub fn with_logical_names(mut self, rename: impl Fn(&str) -> String) -> Self {
+        for p in &mut self.params {
+            for s in p.segments.iter_mut().chain(p.writes.iter_mut()) {
+                s.logical = rename(&s.logical);
+            }
+        }
+        self.logical = std::mem::take(&mut self.logical)
+            .into_iter()
+            .map(|(name, shape)| (rename(&name), shape))
+            .collect();
+        self
+    }
+
+    /// Completes the logical tensors with those the other ranks of `group` hold (a collective:
+    /// every rank of `group` calls it). Where ranks hold different parts of the model under
+    /// the same layout (pipeline stages, expert-parallel ranks), each rank's map knows only
+    /// its own tensors; loading checks the checkpoint against the whole model's.
+    ///
+    /// # Arguments
+    /// * `group` - the ranks that together hold the whole model (the world is always right).
+    ///
+    /// # Errors
+    /// [`CheckpointError::Collective`] when the exchange fails; [`CheckpointError::Piece`]
+    /// naming a tensor two ranks give different full shapes.
+    pub fn with_logical_of(mut self, group: &crate::ProcessGroup) -> Result<Self> {
+        for (rank, theirs) in group
+            .all_gather_object(&self.logical)?
+            .into_iter()
+            .enumerate()
+        {
+            for (name, shape) in theirs {
+                match self.logical.get(&name) {
+                    Some(mine) if *mine != shape => {
+                        return Err(CheckpointError::piece(
+                            &name,
+                            format!(
+                                "full shape {mine:?} here but {shape:?} on rank {rank} of the \
+                                 group: the ranks do not build the same model"
+                            ),
+                        ));
+                    }
+                    Some(_) => {}
+                    None => {
+                        self.logical.insert(name, shape);
+                    }
+                }
+            }
+        }
+        Ok(self)
+    }
+
+    /// The map restricted to the parameters `keep` selects, for an optimizer that steps only
+    /// those (so that its state is saved and loaded for them alone). The logical tensors are
+    /// kept whole.
+    ///
+    /// # Arguments
+    /// * `keep` - whether a parameter belongs to the restricted map.
+    ///
+    /// # Returns
+    /// The restricted map.
+    pub fn only(mut self, keep: impl Fn(&LocalParam) -> bool) -> Self {
+        self.params.retain(|p| keep(p));
+        self
+    }
+
     /// The parameters this rank holds.
     pub fn params(&self) -> &[LocalParam] {
         &self.params

@@ -116,6 +116,37 @@ impl SeededDropout {
         self.calls.store(0, Ordering::SeqCst);
     }
 
+    /// The number of masks drawn so far: with the seed, the site and the stream, it decides
+    /// every later mask (a checkpoint saves it, [`Self::set_calls`] restores it).
+    pub fn calls(&self) -> u64 {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    /// Sets the call counter (shared by the clones), so that the next call draws mask number
+    /// `calls`: a run resumed from a checkpoint draws the masks the saving run would have drawn.
+    ///
+    /// # Arguments
+    /// * `calls` - the value [`Self::calls`] gave when the state was saved.
+    ///
+    /// # Example
+    /// ```
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_parallel::tensor_parallel::{DropoutSite, SeededDropout};
+    ///
+    /// let drop = SeededDropout::new(0.5, 7, "drop");
+    /// let x = || Tensor::<1>::ones([16], &Device::flex().autodiff()).require_grad();
+    /// let site = DropoutSite::full(&[16]);
+    /// drop.forward(x(), &site);
+    /// let saved = drop.calls();
+    /// let second = drop.forward(x(), &site).into_data();
+    /// let resumed = SeededDropout::new(0.5, 7, "drop");
+    /// resumed.set_calls(saved);
+    /// assert_eq!(resumed.forward(x(), &site).into_data(), second);
+    /// ```
+    pub fn set_calls(&self, calls: u64) {
+        self.calls.store(calls, Ordering::SeqCst);
+    }
+
     /// Zeroes the dropped elements of `x` and scales the others by `1 / (1 - p)`; the identity
     /// when `p == 0` or when `x` is not tracked by autodiff (evaluation).
     ///
