@@ -16,6 +16,9 @@
 //! recomputes each stage's forward in its backward ([`burn_pipeline::runtime::Checkpointing`]).
 //! [`PipelineReport::timeline`] is the last step's timeline of every rank, for a
 //! Chrome/Perfetto trace (`--trace FILE`) and the measured bubble.
+//! [`train_gpt_pipeline_checkpointed`] saves and resumes distributed checkpoints under the
+//! whole model's names (`gpt --pp 2 --save-every N --checkpoint-dir D`, `--resume D`), which
+//! any other split or layout loads (not yet with ZeRO stage optimizers).
 //!
 //! Limits, each a typed error: tied embeddings across stages (the owners' all-reduce is not
 //! written), tensor or context parallelism and ZeRO inside a pipeline (not composed yet),
@@ -52,6 +55,8 @@ use crate::gpt::{
     fused_sequence_cross_entropy, load_params,
 };
 use crate::train::{NamedParam, StepStats, TrainConfig, TrainDevice, TrainReport, named_params};
+use crate::train_checkpoint::{self, CheckpointOptions};
+use burn_parallel::checkpoint::{Checkpointer, ParamKind, ParamMap, Piece, merged_scalars};
 
 /// Errors of the pipelined GPT: its configuration, its build, its run.
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +84,10 @@ pub enum GptPipelineError {
         /// What failed.
         reason: String,
     },
+    /// A checkpoint could not be saved, or the run could not resume from one; the message
+    /// names the checkpoint and what to change.
+    #[error("checkpoint: {0}")]
+    Checkpoint(String),
 }
 
 /// How the GPT's blocks are split into stages.
@@ -678,7 +687,43 @@ pub fn train_gpt_pipeline(
     corpus: &Corpus,
     on_step: &mut dyn FnMut(&StepStats),
 ) -> Result<PipelineReport, GptPipelineError> {
+    let none = CheckpointOptions::default();
+    train_gpt_pipeline_checkpointed(world, config, pipeline, corpus, &none, on_step)
+}
+
+/// [`train_gpt_pipeline`] that saves distributed checkpoints and resumes from one
+/// ([`crate::train_checkpoint`]). Each stage's parameters and AdamW state are saved under the
+/// whole model's names (a stage's local block `i` is block `first_layer + i`; a tied token
+/// table is written once), so a pipelined checkpoint loads under another pipeline split, and
+/// under the non-pipelined layouts of [`crate::train::train_gpt_checkpointed`], and the other
+/// way round; the dropout layers' call counters are saved and restored too.
+///
+/// # Errors
+/// As [`train_gpt_pipeline`]; [`GptPipelineError::Checkpoint`] for a checkpoint that cannot be
+/// read or is of another model, a failed save, and ZeRO stage optimizers or `init_from_hf`
+/// with checkpoints (not supported yet).
+pub fn train_gpt_pipeline_checkpointed(
+    world: &ProcessGroup,
+    config: &TrainConfig,
+    pipeline: &PipelineConfig,
+    corpus: &Corpus,
+    checkpoints: &CheckpointOptions,
+    on_step: &mut dyn FnMut(&StepStats),
+) -> Result<PipelineReport, GptPipelineError> {
     pipeline.validate(config, world.size())?;
+    checkpoints.validate().map_err(GptPipelineError::Config)?;
+    if checkpoints.active() && pipeline.zero.is_some() {
+        return Err(GptPipelineError::Config(
+            "checkpoints of a pipeline with ZeRO stage optimizers (--pp with --zero) are not \
+             supported yet: drop --zero, or --save-every/--resume"
+                .into(),
+        ));
+    }
+    if checkpoints.init_from_hf.is_some() {
+        return Err(GptPipelineError::Config(
+            "--init-from-hf is not supported with --pp yet: start without --pp".into(),
+        ));
+    }
     let plain = pipeline.device.device().map_err(GptPipelineError::Config)?;
     let device = plain.clone().autodiff();
     let dims = ParallelDims {
@@ -783,6 +828,50 @@ pub fn train_gpt_pipeline(
                 .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize),
         );
     }
+    // ---- checkpoints: each stage's share of the whole model, under the model's names ----
+    let ckpt = StageCheckpoints {
+        world,
+        dp: &dp,
+        tp: &tp,
+        both_ends: stages.contains_key(&0) && stages.contains_key(&(num_stages - 1)),
+    };
+    let mut first_step = 0;
+    let mut losses = Vec::with_capacity(config.steps);
+    if let Some(path) = &checkpoints.resume {
+        let fail = |e: &dyn std::fmt::Display| GptPipelineError::Checkpoint(e.to_string());
+        let checkpoint = train_checkpoint::open_resume(path).map_err(|e| fail(&e))?;
+        let state = train_checkpoint::resume_state(&checkpoint, config).map_err(|e| fail(&e))?;
+        let maps = ckpt.load_maps(&stages)?;
+        let scalars = merged_scalars(&checkpoint, train_checkpoint::OPTIM_SCALARS);
+        for (s, map) in maps {
+            let stage = stages.remove(&s).expect("a map per local stage");
+            stages.insert(
+                s,
+                map.load_params(stage, &checkpoint).map_err(|e| fail(&e))?,
+            );
+            let record = map
+                .load_optimizer(&checkpoint, &scalars)
+                .map_err(|e| fail(&e))?;
+            if let (Some(record), Some(StageOptimizer::Module(optim))) =
+                (record, optims.get_mut(&s))
+            {
+                let empty = std::mem::replace(optim, adamw.init());
+                *optim = empty.load_record(record);
+            }
+        }
+        train_checkpoint::restore_dropout(&checkpoint, &stage_dropouts(&stages))
+            .map_err(|e| fail(&e))?;
+        first_step = checkpoint.step();
+        losses = state.losses;
+    }
+    let mut saver = match (&checkpoints.dir, checkpoints.save_every) {
+        (Some(dir), every) if every > 0 => Some(
+            Checkpointer::new(dir, checkpoints.keep, world)
+                .map_err(|e| GptPipelineError::Checkpoint(e.to_string()))?,
+        ),
+        _ => None,
+    };
+
     let mut updater = StageUpdater::new(&executor, optims, reduce)?.with_clip(config.max_grad_norm);
     for (&s, stage) in &stages {
         if let Some(id) = stage.tied_weight() {
@@ -794,10 +883,9 @@ pub fn train_gpt_pipeline(
     let micro_rows = rows_per_rank / pipeline.microbatches;
     let tokens_per_step = (config.batch_size * config.seq_len) as f64;
     let start = Instant::now();
-    let mut losses = Vec::with_capacity(config.steps);
     let mut timed = 0.0;
     let mut last_step = None;
-    for step in 0..config.steps {
+    for step in first_step..config.steps {
         let step_start = Instant::now();
         let batches: Vec<Batch> = (0..pipeline.microbatches)
             .map(|mb| {
@@ -820,7 +908,8 @@ pub fn train_gpt_pipeline(
         losses.push(loss);
         last_step = Some(report);
         let seconds = step_start.elapsed().as_secs_f64();
-        if step > 0 {
+        // The first step run (warm-up) is not timed.
+        if step > first_step {
             timed += seconds;
         }
         on_step(&StepStats {
@@ -832,6 +921,30 @@ pub fn train_gpt_pipeline(
             moe: Vec::new(), // a GPT-MoE is refused under pipeline parallelism
             phases: Default::default(), // not split by phase here
         });
+        if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
+            let fail = |e: &dyn std::fmt::Display| GptPipelineError::Checkpoint(e.to_string());
+            let (pieces, scalars) = ckpt.pieces(&stages, &updater)?;
+            let state = train_checkpoint::TrainerState {
+                losses: losses.clone(),
+                config: config.clone(),
+            };
+            let state = serde_json::to_value(state).expect("the trainer state serialises");
+            let rank_state = serde_json::json!({
+                train_checkpoint::OPTIM_SCALARS: scalars,
+                train_checkpoint::DROPOUT_CALLS:
+                    train_checkpoint::dropout_calls(&stage_dropouts(&stages)),
+            });
+            let saved = match checkpoints.asynchronous {
+                true => saver.save_async(step + 1, pieces, state, rank_state),
+                false => saver.save(step + 1, pieces, state, rank_state).map(|_| ()),
+            };
+            saved.map_err(|e| fail(&e))?;
+        }
+    }
+    if let Some(saver) = saver.as_mut() {
+        saver
+            .wait()
+            .map_err(|e| GptPipelineError::Checkpoint(e.to_string()))?;
     }
 
     // ---- the last step's timeline of every rank ----
@@ -885,7 +998,7 @@ pub fn train_gpt_pipeline(
     } else {
         String::new()
     };
-    let timed_steps = (config.steps - 1).max(1) as f64;
+    let timed_steps = (config.steps - first_step).saturating_sub(1).max(1) as f64;
     Ok(PipelineReport {
         train: TrainReport {
             losses,
@@ -900,6 +1013,134 @@ pub fn train_gpt_pipeline(
         split,
         timeline,
     })
+}
+
+/// The dropout layers of a rank's stages, by the whole model's names.
+fn stage_dropouts(stages: &BTreeMap<usize, GptStage>) -> Vec<(String, SeededDropout)> {
+    let mut out = Vec::new();
+    for stage in stages.values() {
+        if let Some(drop) = &stage.drop {
+            out.push(("drop".to_string(), drop.clone()));
+        }
+        for (i, block) in stage.blocks.iter().enumerate() {
+            let name = format!("blocks.{}", stage.first_layer + i);
+            train_checkpoint::block_dropouts(&name, block, &mut out);
+        }
+    }
+    out
+}
+
+/// How a pipeline rank's stages map onto the whole model's tensors.
+struct StageCheckpoints<'a> {
+    world: &'a ProcessGroup,
+    /// The stage's replicas.
+    dp: &'a ProcessGroup,
+    tp: &'a ProcessGroup,
+    /// This rank holds both the first and the last stage (ZBV's V order).
+    both_ends: bool,
+}
+
+impl StageCheckpoints<'_> {
+    /// The map of `stage`: its parameters under the model's names, each written by one of
+    /// the ranks holding the same copy (the stage's data- and tensor-parallel replicas; for a
+    /// token table tied to the head, the two end stages' replicas together).
+    fn map(&self, stage: &GptStage) -> Result<ParamMap, GptPipelineError> {
+        let (dp, tp) = (self.dp, self.tp);
+        let tied = stage.tied_weight();
+        // Both copies of a tied table on one rank: the first stage's is written.
+        let pair = match self.both_ends {
+            true => (1, 0),
+            false => (2, usize::from(stage.index != 0)),
+        };
+        let first_layer = stage.first_layer;
+        let map = ParamMap::new(stage, &stage.tp, None)
+            .map_err(|e| GptPipelineError::Checkpoint(e.to_string()))?
+            .with_replicas(|p| {
+                let (copies, index) = match p.kind {
+                    ParamKind::TpSharded => (dp.size(), dp.rank()),
+                    _ => (dp.size() * tp.size(), dp.rank() * tp.size() + tp.rank()),
+                };
+                match tied == Some(p.id) {
+                    true => (copies * pair.0, pair.1 * copies + index),
+                    false => (copies, index),
+                }
+            })
+            .with_logical_names(move |name| match name.strip_prefix("blocks.") {
+                Some(rest) => {
+                    let (local, tail) = rest.split_once('.').unwrap_or((rest, ""));
+                    match local.parse::<usize>() {
+                        Ok(i) => format!("blocks.{}.{tail}", first_layer + i),
+                        Err(_) => name.to_string(),
+                    }
+                }
+                None => name.to_string(),
+            });
+        Ok(map)
+    }
+
+    /// The maps of the local stages for a load: each knows the whole model's tensors (those
+    /// of the other stages, gathered from every rank), so a checkpoint of another model is
+    /// refused with its differences.
+    fn load_maps(
+        &self,
+        stages: &BTreeMap<usize, GptStage>,
+    ) -> Result<Vec<(usize, ParamMap)>, GptPipelineError> {
+        let fail = |e: &dyn std::fmt::Display| GptPipelineError::Checkpoint(e.to_string());
+        let maps = stages
+            .iter()
+            .map(|(&s, stage)| Ok((s, self.map(stage)?)))
+            .collect::<Result<Vec<_>, GptPipelineError>>()?;
+        let mut mine = BTreeMap::new();
+        for (_, map) in &maps {
+            mine.extend(map.logical_shapes());
+        }
+        let all = self.world.all_gather_object(&mine)?;
+        maps.into_iter()
+            .map(|(s, map)| {
+                let map = all.iter().enumerate().try_fold(map, |map, (rank, theirs)| {
+                    map.with_logical_shapes(theirs.clone(), &format!("rank {rank}"))
+                });
+                Ok((s, map.map_err(|e| fail(&e))?))
+            })
+            .collect()
+    }
+
+    /// This rank's pieces (parameters and AdamW state of its stages) and the optimizer
+    /// scalars by logical parameter.
+    fn pieces(
+        &self,
+        stages: &BTreeMap<usize, GptStage>,
+        updater: &StageUpdater<AdamW>,
+    ) -> Result<(Vec<Piece>, serde_json::Value), GptPipelineError> {
+        let fail = |e: &dyn std::fmt::Display| GptPipelineError::Checkpoint(e.to_string());
+        let mut pieces = Vec::new();
+        let mut scalars = serde_json::Map::new();
+        for (s, stage) in stages {
+            let map = self.map(stage)?;
+            let mut mine = map.param_pieces(stage).map_err(|e| fail(&e))?;
+            match updater.optimizers().get(s) {
+                Some(StageOptimizer::Module(optim)) => {
+                    let (state, more) = map
+                        .optimizer_pieces(optim.to_record())
+                        .map_err(|e| fail(&e))?;
+                    mine.extend(state);
+                    if let serde_json::Value::Object(more) = more {
+                        scalars.extend(more);
+                    }
+                }
+                _ => {
+                    return Err(GptPipelineError::Checkpoint(format!(
+                        "stage {s} has no plain optimizer whose state could be saved"
+                    )));
+                }
+            }
+            // The second copy of a tied table on this rank is not written.
+            let tied = stage.tied_weight().is_some() && self.both_ends && *s != 0;
+            mine.retain(|p| !(tied && (p.name == "wte.weight" || p.name.ends_with("/wte.weight"))));
+            pieces.extend(mine);
+        }
+        Ok((pieces, serde_json::Value::Object(scalars)))
+    }
 }
 
 /// The `gpt` binary's pipeline flags.
@@ -973,8 +1214,9 @@ impl PipelineArgs {
     }
 }
 
-/// Runs `gpt --pp N ...` on `world` (thread ranks or one TCP process) and returns group rank
-/// 0's report; prints a line per `log_every` steps and the layout on rank 0.
+/// Runs `gpt --pp N ...` on `world` (thread ranks or one TCP process), saving and resuming
+/// as `checkpoints` says, and returns group rank 0's report; prints a line per `log_every`
+/// steps and the layout on rank 0.
 ///
 /// # Errors
 /// As [`train_gpt_pipeline`].
@@ -984,6 +1226,7 @@ pub fn run_rank(
     pipeline: &PipelineConfig,
     corpus: &Corpus,
     log_every: usize,
+    checkpoints: &CheckpointOptions,
 ) -> Result<Option<PipelineReport>, GptPipelineError> {
     let lead = world.rank() == 0;
     if lead {
@@ -1018,6 +1261,13 @@ pub fn run_rank(
             );
         }
     };
-    let report = train_gpt_pipeline(world, config, pipeline, corpus, &mut on_step)?;
+    let report = train_gpt_pipeline_checkpointed(
+        world,
+        config,
+        pipeline,
+        corpus,
+        checkpoints,
+        &mut on_step,
+    )?;
     Ok(lead.then_some(report))
 }

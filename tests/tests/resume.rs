@@ -8,8 +8,10 @@ use std::path::{Path, PathBuf};
 
 use burn_moe::{MoeConfig, ScoreFn};
 use burn_parallel::run_local;
+use burn_pipeline::ScheduleKind;
 use burn_zero::Stage;
 use examples::data::Corpus;
+use examples::pipeline::{PipelineConfig, train_gpt_pipeline_checkpointed};
 use examples::train::{Parallelism, TrainConfig, TrainReport, train_gpt_checkpointed};
 use examples::train_checkpoint::CheckpointOptions;
 use tests::{Reference, assert_matches_reference, rank0_if_ranks_agree, tiny_gpt_run};
@@ -268,6 +270,93 @@ fn moe_checkpoints_name_experts_by_their_global_index() {
         TOL,
         "dp 2 DDP, ep 1",
     );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Trains the pipelined GPT on `world` thread ranks with checkpoint `options`; rank 0's
+/// report (all ranks agree).
+fn run_pipeline(
+    world: usize,
+    pipeline: &PipelineConfig,
+    config: &TrainConfig,
+    options: &CheckpointOptions,
+) -> TrainReport {
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let reports = run_local(world, |g| {
+        train_gpt_pipeline_checkpointed(&g, config, pipeline, &corpus, options, &mut |_| {})
+            .map_err(|e| burn_parallel::CollectiveError::InvalidArgument {
+                rank: g.rank(),
+                op: "train_gpt_pipeline".into(),
+                reason: e.to_string(),
+            })
+    })
+    .unwrap_or_else(|e| panic!("{pipeline:?} on {world} ranks: {e}"));
+    rank0_if_ranks_agree(reports, |r| (&r.train.losses, &r.train.final_params)).train
+}
+
+fn pp2(schedule: ScheduleKind) -> PipelineConfig {
+    PipelineConfig {
+        pp: 2,
+        schedule,
+        microbatches: 4,
+        ..PipelineConfig::default()
+    }
+}
+
+/// Pipeline parallelism: each stage saves its blocks under the whole model's indices, with
+/// their AdamW state, and the token table tied to the head once. Saved at pp 2 under ZBV
+/// (rank 0 holds the first and the last stage, both copies of the tied table): resumes
+/// bit-identically under ZBV, and within 1e-5 at pp 2 x dp 2 under 1F1B, on one device and
+/// at dp 2 without a pipeline. Saved at pp 2 under 1F1B (the two copies on two ranks):
+/// resumes on one device. And a checkpoint of dp 2 resumes at pp 2.
+#[test]
+fn pipeline_checkpoints_carry_the_whole_models_names() {
+    let mut c = config();
+    c.model.n_layers = 4;
+    c.model.tied_embeddings = true;
+    let save = |dir: &Path| CheckpointOptions {
+        dir: Some(dir.to_path_buf()),
+        save_every: SAVED_AT,
+        keep: 5,
+        ..CheckpointOptions::default()
+    };
+    let resume = |dir: &Path| resume_from(dir);
+    let same = |what: &str, reference: &Reference, r: &TrainReport, tol: f64| {
+        assert_eq!(
+            r.losses[..SAVED_AT],
+            reference.losses[..SAVED_AT],
+            "{what}: saved losses"
+        );
+        if tol == 0.0 {
+            assert_eq!(r.losses, reference.losses, "{what}: identical losses");
+        }
+        assert_matches_reference(reference, &r.losses, &r.final_params, tol, what);
+    };
+
+    let dir = scratch("pp-zbv");
+    let zbv = pp2(ScheduleKind::Zbv);
+    let reference = Reference::of_run(run_pipeline(2, &zbv, &c, &save(&dir)));
+    let r = run_pipeline(2, &zbv, &c, &resume(&dir));
+    same("ZBV pp 2", &reference, &r, 0.0);
+    let r = run_pipeline(4, &pp2(ScheduleKind::OneFOneB), &c, &resume(&dir));
+    same("1F1B pp 2 x dp 2", &reference, &r, TOL);
+    for (world, what) in [(1, "one device"), (2, "dp 2")] {
+        let r = run(world, &layout(1, None), &c, &resume(&dir));
+        same(what, &reference, &r, TOL);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let dir = scratch("pp-1f1b");
+    let one_f = pp2(ScheduleKind::OneFOneB);
+    let reference = Reference::of_run(run_pipeline(2, &one_f, &c, &save(&dir)));
+    let r = run(1, &layout(1, None), &c, &resume(&dir));
+    same("1F1B pp 2 on one device", &reference, &r, TOL);
+    std::fs::remove_dir_all(&dir).unwrap();
+
+    let dir = scratch("dp-to-pp");
+    let reference = saving_run_of(2, &layout(1, None), &c, (&dir, SAVED_AT));
+    let r = run_pipeline(2, &one_f, &c, &resume(&dir));
+    same("dp 2 resumed at 1F1B pp 2", &reference, &r, TOL);
     std::fs::remove_dir_all(&dir).unwrap();
 }
 

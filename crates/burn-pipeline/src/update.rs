@@ -223,6 +223,11 @@ impl<O: ElementWise> StageUpdater<O> {
         Ok(self)
     }
 
+    /// The optimizer of each local stage, by stage index (to save its state in a checkpoint).
+    pub fn optimizers(&self) -> &BTreeMap<usize, StageOptimizer<O>> {
+        &self.optims
+    }
+
     /// The learning rate of the coming step.
     pub fn set_lr(&mut self, lr: f64) {
         self.lr = lr;

@@ -197,8 +197,8 @@ struct Args {
     #[command(flatten)]
     diloco: examples::train_diloco::DiLoCoArgs,
     /// Distributed checkpoints: --save-every N --checkpoint-dir D [--keep-checkpoints K]
-    /// [--async-checkpoint], and --resume D (under any dp/tp/ZeRO/ep layout; GPT-MoE and
-    /// dropout included).
+    /// [--async-checkpoint], and --resume D (under any dp/tp/ZeRO/ep/pp layout; GPT-MoE and
+    /// dropout included; not yet with --diloco-islands, nor --pp with --zero).
     #[command(flatten)]
     checkpoint: examples::train_checkpoint::CheckpointArgs,
     /// Hidden width of the dense MLP (default 4 x d_model).
@@ -562,11 +562,11 @@ fn main() -> ExitCode {
     };
     let checkpoints = args.checkpoint.options();
     let starts_from = checkpoints.active() || checkpoints.init_from_hf.is_some();
-    if starts_from && (args.diloco.islands.is_some() || args.pipeline.pp > 1) {
+    if starts_from && args.diloco.islands.is_some() {
         eprintln!(
-            "error: --save-every/--resume/--init-from-hf are not supported with --pp or \
+            "error: --save-every/--resume/--init-from-hf are not supported with \
              --diloco-islands yet; they work with --ranks, --tp/--sp, --zero 1|2|3, --hybrid, \
-             --cp and --ep"
+             --cp, --ep and --pp"
         );
         return ExitCode::from(2);
     }
@@ -599,7 +599,7 @@ fn main() -> ExitCode {
             );
             return ExitCode::from(2);
         }
-        return run_pipeline(&args, &config, &corpus);
+        return run_pipeline(&args, &config, &corpus, &checkpoints);
     }
     // ZeRO on its own runs burn-zero's engines (memory accounting, checkpoints); with tensor
     // parallelism it runs in the layout-generic trainer below.
@@ -932,7 +932,12 @@ fn print_bubble(pipeline: &examples::pipeline::PipelineConfig, timeline: &Timeli
 }
 
 /// `--pp N`: pipeline parallelism (mesh `pp x dp x tp`), see `examples::pipeline`.
-fn run_pipeline(args: &Args, config: &TrainConfig, corpus: &Corpus) -> ExitCode {
+fn run_pipeline(
+    args: &Args,
+    config: &TrainConfig,
+    corpus: &Corpus,
+    checkpoints: &CheckpointOptions,
+) -> ExitCode {
     let zero = match args.zero.map(|n| Stage::from_number(n.into())).transpose() {
         Ok(zero) => zero,
         Err(e) => {
@@ -944,13 +949,19 @@ fn run_pipeline(args: &Args, config: &TrainConfig, corpus: &Corpus) -> ExitCode 
         .pipeline
         .config(train_device(args), args.tp, args.sp, zero);
     let run = |world: ProcessGroup| {
-        examples::pipeline::run_rank(&world, config, &pipeline, corpus, args.log_every).map_err(
-            |e| CollectiveError::InvalidArgument {
-                rank: world.global_rank(),
-                op: "gpt --pp".into(),
-                reason: e.to_string(),
-            },
+        examples::pipeline::run_rank(
+            &world,
+            config,
+            &pipeline,
+            corpus,
+            args.log_every,
+            checkpoints,
         )
+        .map_err(|e| CollectiveError::InvalidArgument {
+            rank: world.global_rank(),
+            op: "gpt --pp".into(),
+            reason: e.to_string(),
+        })
     };
     let outcome = match args.backend {
         Backend::Local => run_local(args.ranks, run).map(|mut r| r.swap_remove(0)),

@@ -329,27 +329,44 @@ impl ParamMap {
     /// # Errors
     /// [`CheckpointError::Collective`] when the exchange fails; [`CheckpointError::Piece`]
     /// naming a tensor two ranks give different full shapes.
-    pub fn with_logical_of(mut self, group: &crate::ProcessGroup) -> Result<Self> {
-        for (rank, theirs) in group
-            .all_gather_object(&self.logical)?
-            .into_iter()
+    pub fn with_logical_of(self, group: &crate::ProcessGroup) -> Result<Self> {
+        let all = group.all_gather_object(&self.logical)?;
+        all.into_iter()
             .enumerate()
-        {
-            for (name, shape) in theirs {
-                match self.logical.get(&name) {
-                    Some(mine) if *mine != shape => {
-                        return Err(CheckpointError::piece(
-                            &name,
-                            format!(
-                                "full shape {mine:?} here but {shape:?} on rank {rank} of the \
-                                 group: the ranks do not build the same model"
-                            ),
-                        ));
-                    }
-                    Some(_) => {}
-                    None => {
-                        self.logical.insert(name, shape);
-                    }
+            .try_fold(self, |map, (rank, theirs)| {
+                map.with_logical_shapes(theirs, &format!("rank {rank} of the group"))
+            })
+    }
+
+    /// Adds logical tensors (name and full shape) that other ranks, or other modules of this
+    /// rank (a pipeline rank's other stages), hold; loading then checks the checkpoint
+    /// against them too.
+    ///
+    /// # Arguments
+    /// * `shapes` - the logical tensors to add.
+    /// * `whose` - who holds them, for the error message.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Piece`] naming a tensor given another full shape than the map's.
+    pub fn with_logical_shapes(
+        mut self,
+        shapes: BTreeMap<String, Vec<usize>>,
+        whose: &str,
+    ) -> Result<Self> {
+        for (name, shape) in shapes {
+            match self.logical.get(&name) {
+                Some(mine) if *mine != shape => {
+                    return Err(CheckpointError::piece(
+                        &name,
+                        format!(
+                            "full shape {mine:?} here but {shape:?} on {whose}: the ranks do \
+                             not build the same model"
+                        ),
+                    ));
+                }
+                Some(_) => {}
+                None => {
+                    self.logical.insert(name, shape);
                 }
             }
         }
