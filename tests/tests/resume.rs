@@ -307,8 +307,9 @@ fn pp2(schedule: ScheduleKind) -> PipelineConfig {
 /// their AdamW state, and the token table tied to the head once. Saved at pp 2 under ZBV
 /// (rank 0 holds the first and the last stage, both copies of the tied table): resumes
 /// bit-identically under ZBV, and within 1e-5 at pp 2 x dp 2 under 1F1B, on one device and
-/// at dp 2 without a pipeline. Saved at pp 2 under 1F1B (the two copies on two ranks):
-/// resumes on one device. And a checkpoint of dp 2 resumes at pp 2.
+/// at dp 2 without a pipeline. Saved at pp 2 x tp 2 + sp under 1F1B (the two copies of the
+/// table on two ranks, tensor-parallel shards): resumes on one device. And a checkpoint of
+/// dp 2 resumes at pp 2.
 #[test]
 fn pipeline_checkpoints_carry_the_whole_models_names() {
     let mut c = config();
@@ -347,11 +348,16 @@ fn pipeline_checkpoints_carry_the_whole_models_names() {
     std::fs::remove_dir_all(&dir).unwrap();
 
     let dir = scratch("pp-1f1b");
-    let one_f = pp2(ScheduleKind::OneFOneB);
-    let reference = Reference::of_run(run_pipeline(2, &one_f, &c, &save(&dir)));
+    let tp_sp = PipelineConfig {
+        tp: 2,
+        sp: true,
+        ..pp2(ScheduleKind::OneFOneB)
+    };
+    let reference = Reference::of_run(run_pipeline(4, &tp_sp, &c, &save(&dir)));
     let r = run(1, &layout(1, None), &c, &resume(&dir));
-    same("1F1B pp 2 on one device", &reference, &r, TOL);
+    same("1F1B pp 2 x tp 2 + sp on one device", &reference, &r, TOL);
     std::fs::remove_dir_all(&dir).unwrap();
+    let one_f = pp2(ScheduleKind::OneFOneB);
 
     let dir = scratch("dp-to-pp");
     let reference = saving_run_of(2, &layout(1, None), &c, (&dir, SAVED_AT));
