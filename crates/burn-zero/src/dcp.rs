@@ -15,8 +15,8 @@ use std::ops::Range;
 
 use burn::tensor::{DType, Device, TensorData};
 use burn_parallel::checkpoint::{
-    Checkpoint, OPTIM, Piece, ScalarsByLogical, Segment, flat_space_segments, read_state,
-    scalars_by_logical, segment_pieces,
+    Checkpoint, OPTIM, Piece, ScalarsByLogical, Segment, flat_space_segments, read_segments,
+    read_state, scalars_by_logical, segment_pieces,
 };
 use burn_parallel::nn::TpContext;
 
@@ -116,33 +116,9 @@ pub fn param_pieces(
 /// cannot be read.
 pub fn read_params(checkpoint: &Checkpoint, segments: &[Segment], len: usize) -> Result<Vec<f32>> {
     // Segment by segment, straight into the shard: the staging is one segment's read.
-    let mut out = vec![0.0f32; len];
-    for s in segments {
-        let mut data = checkpoint.read(&s.logical, &s.region)?;
-        if data.dtype() != DType::F32 {
-            data = data.convert_dtype(DType::F32);
-        }
-        let values = data.as_slice::<f32>().map_err(|e| {
-            ZeroError::Config(format!(
-                "parameter {} read from the checkpoint: {e:?}",
-                s.logical
-            ))
-        })?;
-        let mut at = 0;
-        for run in s.local.runs() {
-            let n = run.len();
-            out.get_mut(run)
-                .ok_or_else(|| {
-                    ZeroError::Config(format!(
-                        "parameter {}: a segment beyond the shard of {len} elements",
-                        s.logical
-                    ))
-                })?
-                .copy_from_slice(&values[at..at + n]);
-            at += n;
-        }
-    }
-    Ok(out)
+    read_segments(checkpoint, "", segments, &[len], Some(DType::F32))?
+        .try_into_vec::<f32>()
+        .map_err(|e| ZeroError::Config(format!("parameters read from the checkpoint: {e:?}")))
 }
 
 /// Unit `unit`'s optimizer state as pieces `optim/<state>/<logical>`, and its scalars by
