@@ -168,18 +168,23 @@ fn the_selftest_passes_on_2_and_3_processes() {
     }
 }
 
+/// burnrun exited with rank 1's status 3 and named rank 1 as the rank that failed first.
+fn assert_rank_1_blamed_with_status_3(outcome: &Outcome) {
+    assert_eq!(outcome.code(), Some(3), "{}", outcome.dump());
+    assert!(
+        outcome
+            .stderr
+            .contains("rank 1 failed first (exited with status 3)"),
+        "{}",
+        outcome.dump()
+    );
+}
+
 #[test]
 fn a_rank_that_exits_with_3_stops_the_job_with_status_3() {
     for n in [2, 3] {
         let outcome = run(burnrun(n, "exit 1 3"));
-        assert_eq!(outcome.code(), Some(3), "{}", outcome.dump());
-        assert!(
-            outcome
-                .stderr
-                .contains("rank 1 failed first (exited with status 3)"),
-            "{}",
-            outcome.dump()
-        );
+        assert_rank_1_blamed_with_status_3(&outcome);
         assert!(
             outcome
                 .stderr
@@ -207,15 +212,7 @@ fn a_rank_that_exits_with_3_stops_the_job_with_status_3() {
 fn the_rank_that_crashed_first_is_blamed_not_the_peers_it_took_down() {
     for _ in 0..4 {
         for n in [2, 3] {
-            let outcome = run(burnrun(n, "crash 1 3"));
-            assert_eq!(outcome.code(), Some(3), "{}", outcome.dump());
-            assert!(
-                outcome
-                    .stderr
-                    .contains("rank 1 failed first (exited with status 3)"),
-                "{}",
-                outcome.dump()
-            );
+            assert_rank_1_blamed_with_status_3(&run(burnrun(n, "crash 1 3")));
         }
     }
 }
