@@ -165,6 +165,19 @@ pub enum HfError {
         /// Why.
         reason: String,
     },
+    /// A run asked to start from a checkpoint of another model.
+    #[error(
+        "{dir} holds the model {saved:?}, this run has {run:?}: take the model from its \
+         config.json (HfConfig::from_dir; `gpt --init-from-hf` does)"
+    )]
+    OtherModel {
+        /// The checkpoint's directory.
+        dir: PathBuf,
+        /// Its model, with the run's training-only settings.
+        saved: Box<GptConfig>,
+        /// The run's model.
+        run: Box<GptConfig>,
+    },
     /// The imported configuration does not build a GPT.
     #[error("the imported configuration does not build a GPT: {0}")]
     Model(String),
@@ -1079,6 +1092,25 @@ pub fn gpt_tensors(dir: &Path) -> Result<(HfConfig, BTreeMap<String, TensorData>
         .map(|(k, t)| (k, TensorData::new(t.values, t.shape)))
         .collect();
     Ok((config, tensors))
+}
+
+/// [`gpt_tensors`] of the checkpoint in `dir` for a run of model `run`: the tensors a run of
+/// any layout starts from (`gpt --init-from-hf DIR`).
+///
+/// # Errors
+/// Those of [`gpt_tensors`]; [`HfError::OtherModel`] when the checkpoint holds another model
+/// than `run` (the training-only settings of [`with_run_settings`] aside).
+pub fn gpt_tensors_for(dir: &Path, run: &GptConfig) -> Result<BTreeMap<String, TensorData>> {
+    let (hf, tensors) = gpt_tensors(dir)?;
+    let saved = with_run_settings(&hf.model, run);
+    if &saved != run {
+        return Err(HfError::OtherModel {
+            dir: dir.to_path_buf(),
+            saved: Box::new(saved),
+            run: Box::new(run.clone()),
+        });
+    }
+    Ok(tensors)
 }
 
 /// `model` with the training-only settings (`seed`, `dropout`, `fused`) of `run`, so that a

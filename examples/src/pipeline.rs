@@ -18,11 +18,12 @@
 //! Chrome/Perfetto trace (`--trace FILE`) and the measured bubble.
 //! [`train_gpt_pipeline_checkpointed`] saves and resumes distributed checkpoints under the
 //! whole model's names (`gpt --pp 2 --save-every N --checkpoint-dir D`, `--resume D`), which
-//! any other split or layout loads (not yet with ZeRO stage optimizers).
+//! any other split or layout loads, ZeRO stage optimizers' sharded state included; and starts
+//! from a Hugging Face checkpoint (`--init-from-hf DIR`), each stage reading its own tensors.
 //!
-//! Limits, each a typed error: tied embeddings across stages (the owners' all-reduce is not
-//! written), tensor or context parallelism and ZeRO inside a pipeline (not composed yet),
-//! dropout with activation checkpointing (the recomputed masks would differ), and
+//! Limits, each a typed error ([`PipelineConfig::validate`]): FSDP (`--zero 3`), context
+//! parallelism and a GPT-MoE inside a pipeline (not composed yet), `--clip` with ZeRO stage
+//! optimizers, dropout with activation checkpointing (the recomputed masks would differ), and
 //! `grad_accum` other than 1 (the micro-batches are the accumulation).
 
 use std::collections::{BTreeMap, HashMap};
@@ -700,8 +701,8 @@ pub fn train_gpt_pipeline(
 ///
 /// # Errors
 /// As [`train_gpt_pipeline`]; [`GptPipelineError::Checkpoint`] for a checkpoint that cannot be
-/// read or is of another model, a failed save, and ZeRO stage optimizers or `init_from_hf`
-/// with checkpoints (not supported yet).
+/// read or is of another model, a Hugging Face checkpoint (`init_from_hf`) that cannot be read
+/// or is of another model, and a failed save.
 pub fn train_gpt_pipeline_checkpointed(
     world: &ProcessGroup,
     config: &TrainConfig,
@@ -712,18 +713,6 @@ pub fn train_gpt_pipeline_checkpointed(
 ) -> Result<PipelineReport, GptPipelineError> {
     pipeline.validate(config, world.size())?;
     checkpoints.validate().map_err(GptPipelineError::Config)?;
-    if checkpoints.active() && pipeline.zero.is_some() {
-        return Err(GptPipelineError::Config(
-            "checkpoints of a pipeline with ZeRO stage optimizers (--pp with --zero) are not \
-             supported yet: drop --zero, or --save-every/--resume"
-                .into(),
-        ));
-    }
-    if checkpoints.init_from_hf.is_some() {
-        return Err(GptPipelineError::Config(
-            "--init-from-hf is not supported with --pp yet: start without --pp".into(),
-        ));
-    }
     let plain = pipeline.device.device().map_err(GptPipelineError::Config)?;
     let device = plain.clone().autodiff();
     let dims = ParallelDims {
@@ -814,7 +803,8 @@ pub fn train_gpt_pipeline_checkpointed(
                             stage: s,
                             reason: e.to_string(),
                         })?
-                        .with_tensor_parallel(&stage.tp);
+                        .with_tensor_parallel(&stage.tp)
+                        .with_logical_names(model_names(stage.first_layer));
                 StageOptimizer::Zero(Box::new(zero))
             }
         };
@@ -849,20 +839,35 @@ pub fn train_gpt_pipeline_checkpointed(
                 s,
                 map.load_params(stage, &checkpoint).map_err(|e| fail(&e))?,
             );
-            let record = map
-                .load_optimizer(&checkpoint, &scalars)
-                .map_err(|e| fail(&e))?;
-            if let (Some(record), Some(StageOptimizer::Module(optim))) =
-                (record, optims.get_mut(&s))
-            {
-                let empty = std::mem::replace(optim, adamw.init());
-                *optim = empty.load_record(record);
+            match optims.get_mut(&s) {
+                Some(StageOptimizer::Module(optim)) => {
+                    let record = map
+                        .load_optimizer(&checkpoint, &scalars)
+                        .map_err(|e| fail(&e))?;
+                    if let Some(record) = record {
+                        let empty = std::mem::replace(optim, adamw.init());
+                        *optim = empty.load_record(record);
+                    }
+                }
+                Some(StageOptimizer::Zero(zero)) => {
+                    let stage = &stages[&s];
+                    zero.load_checkpoint_state(&checkpoint, &stage.tp, &scalars)
+                        .map_err(|e| fail(&e))?;
+                }
+                None => {}
             }
         }
         train_checkpoint::restore_dropout(&checkpoint, &stage_dropouts(&stages))
             .map_err(|e| fail(&e))?;
         first_step = checkpoint.step();
         losses = state.losses;
+    } else if let Some(dir) = &checkpoints.init_from_hf {
+        let fail = |e: &dyn std::fmt::Display| GptPipelineError::Checkpoint(e.to_string());
+        let tensors = crate::hf::gpt_tensors_for(dir, &config.model).map_err(|e| fail(&e))?;
+        for (s, map) in ckpt.load_maps(&stages)? {
+            let stage = stages.remove(&s).expect("a map per local stage");
+            stages.insert(s, map.load_params(stage, &tensors).map_err(|e| fail(&e))?);
+        }
     }
     let mut saver = match (&checkpoints.dir, checkpoints.save_every) {
         (Some(dir), every) if every > 0 => Some(
@@ -1030,6 +1035,21 @@ fn stage_dropouts(stages: &BTreeMap<usize, GptStage>) -> Vec<(String, SeededDrop
     out
 }
 
+/// The whole model's name of a parameter path of a stage whose first block is model block
+/// `first_layer`: its local block `i` is block `first_layer + i`; other paths are unchanged.
+fn model_names(first_layer: usize) -> impl Fn(&str) -> String + Send + Sync + Clone + 'static {
+    move |name| match name.strip_prefix("blocks.") {
+        Some(rest) => {
+            let (local, tail) = rest.split_once('.').unwrap_or((rest, ""));
+            match local.parse::<usize>() {
+                Ok(i) => format!("blocks.{}.{tail}", first_layer + i),
+                Err(_) => name.to_string(),
+            }
+        }
+        None => name.to_string(),
+    }
+}
+
 /// How a pipeline rank's stages map onto the whole model's tensors.
 struct StageCheckpoints<'a> {
     world: &'a ProcessGroup,
@@ -1065,16 +1085,7 @@ impl StageCheckpoints<'_> {
                     false => (copies, index),
                 }
             })
-            .with_logical_names(move |name| match name.strip_prefix("blocks.") {
-                Some(rest) => {
-                    let (local, tail) = rest.split_once('.').unwrap_or((rest, ""));
-                    match local.parse::<usize>() {
-                        Ok(i) => format!("blocks.{}.{tail}", first_layer + i),
-                        Err(_) => name.to_string(),
-                    }
-                }
-                None => name.to_string(),
-            });
+            .with_logical_names(model_names(first_layer));
         Ok(map)
     }
 
@@ -1118,25 +1129,41 @@ impl StageCheckpoints<'_> {
         for (s, stage) in stages {
             let map = self.map(stage)?;
             let mut mine = map.param_pieces(stage).map_err(|e| fail(&e))?;
-            match updater.optimizers().get(s) {
-                Some(StageOptimizer::Module(optim)) => {
-                    let (state, more) = map
-                        .optimizer_pieces(optim.to_record())
+            let tied = stage.tied_weight().is_some() && *s != 0;
+            let (mut state, more) = match updater.optimizers().get(s) {
+                Some(StageOptimizer::Module(optim)) => map
+                    .optimizer_pieces(optim.to_record())
+                    .map_err(|e| fail(&e))?,
+                Some(StageOptimizer::Zero(zero)) => {
+                    // The stage's shard of its flat space (the replicas are its shard
+                    // ranks: each writes its own range).
+                    let (state, more) = zero
+                        .checkpoint_state(&stage.tp, (1, 0))
                         .map_err(|e| fail(&e))?;
-                    mine.extend(state);
-                    if let serde_json::Value::Object(more) = more {
-                        scalars.extend(more);
-                    }
+                    // The last stage's copy of a tied table steps as the first's does: the
+                    // first stage's shard ranks write its state.
+                    let state = state
+                        .into_iter()
+                        .filter(|p| !(tied && p.name.ends_with("/wte.weight")))
+                        .collect();
+                    let more = serde_json::to_value(more).expect("scalars serialise");
+                    (state, more)
                 }
-                _ => {
+                None => {
                     return Err(GptPipelineError::Checkpoint(format!(
-                        "stage {s} has no plain optimizer whose state could be saved"
+                        "stage {s} has no optimizer whose state could be saved"
                     )));
                 }
-            }
+            };
             // The second copy of a tied table on this rank is not written.
-            let tied = stage.tied_weight().is_some() && self.both_ends && *s != 0;
-            mine.retain(|p| !(tied && (p.name == "wte.weight" || p.name.ends_with("/wte.weight"))));
+            if tied && self.both_ends {
+                mine.retain(|p| p.name != "wte.weight");
+                state.retain(|p| !p.name.ends_with("/wte.weight"));
+            }
+            mine.extend(state);
+            if let serde_json::Value::Object(more) = more {
+                scalars.extend(more);
+            }
             pieces.extend(mine);
         }
         Ok((pieces, serde_json::Value::Object(scalars)))

@@ -885,16 +885,7 @@ pub fn train_gpt_checkpointed(
         losses = state.losses;
     } else if let Some(dir) = &checkpoints.init_from_hf {
         let fail = |e: &dyn std::fmt::Display| invalid(world, "init_from_hf", e);
-        let (hf, tensors) = crate::hf::gpt_tensors(dir).map_err(|e| fail(&e))?;
-        let saved = crate::hf::with_run_settings(&hf.model, &config.model);
-        if saved != config.model {
-            return Err(fail(&format!(
-                "{} holds the model {saved:?}, this run has {:?}: take the model from its \
-                 config.json (crate::hf::HfConfig::from_dir; `gpt --init-from-hf` does)",
-                dir.display(),
-                config.model
-            )));
-        }
+        let tensors = crate::hf::gpt_tensors_for(dir, &config.model).map_err(|e| fail(&e))?;
         model = load_map_of(&model)?
             .load_params(model, &tensors)
             .map_err(|e| fail(&e))?;

@@ -21,8 +21,16 @@ use std::time::Instant;
 use crate::train::scalar;
 use burn::module::Module;
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig};
+use std::collections::{BTreeMap, HashMap};
+
+use burn::module::ParamId;
+use burn::tensor::{DType, TensorData};
+use burn_parallel::checkpoint::{
+    Checkpoint, Checkpointer, ParamMap, Piece, TensorSource, merged_scalars,
+};
 use burn_parallel::diloco::{
-    Compression, DiLoCo, DiLoCoConfig, DiLoCoError, Islands, count_sent_bytes,
+    Compression, DiLoCo, DiLoCoConfig, DiLoCoError, DiLoCoMeta, DiLoCoState, Islands,
+    count_sent_bytes,
 };
 use burn_parallel::train::TrainStep;
 use burn_parallel::{CollectiveError, DistributedDataParallel, ProcessGroup, ReduceOp};
@@ -32,6 +40,7 @@ use crate::gpt::Gpt;
 use crate::train::{
     Parallelism, StepStats, TrainConfig, TrainDevice, TrainReport, generate, named_params,
 };
+use crate::train_checkpoint::{self, CheckpointOptions};
 
 /// The optimizer each island runs between syncs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -92,6 +101,9 @@ pub enum DiLoCoTrainError {
     /// The run's config does not fit the ranks.
     #[error("DiLoCo run: {0}")]
     Config(String),
+    /// A checkpoint that cannot be read or written, or is of another run.
+    #[error("DiLoCo checkpoint: {0}")]
+    Checkpoint(String),
     /// DiLoCo's own errors (settings, lost islands, collectives).
     #[error(transparent)]
     DiLoCo(#[from] DiLoCoError),
@@ -166,6 +178,46 @@ pub fn train_gpt_diloco(
     corpus: &Corpus,
     on_step: &mut dyn FnMut(&StepStats),
 ) -> Result<DiLoCoReport, DiLoCoTrainError> {
+    let none = CheckpointOptions::default();
+    train_gpt_diloco_checkpointed(world, config, run, corpus, &none, on_step)
+}
+
+/// [`train_gpt_diloco`] that saves distributed checkpoints and resumes from one
+/// (`gpt --diloco-islands N --save-every S --checkpoint-dir D`, `--resume D`). A checkpoint
+/// holds:
+/// - the outer model `θ_start` under the model's own names, so that any other layout resumes
+///   from it (or evaluates or exports it) as from a plain run's checkpoint, without optimizer
+///   state;
+/// - the outer momentum (`diloco/momentum/<name>`) and the averaged pseudo-gradients of the
+///   exchanges in flight under an overlap (`diloco/in_flight.<j>/<name>`), with DiLoCo's
+///   bookkeeping in the trainer state ([`burn_parallel::diloco::DiLoCoState`]);
+/// - each island's own model and inner optimizer state (`diloco/island.<k>/<name>`,
+///   `optim/<state>/diloco/island.<k>/<name>`), written by the island's ranks together.
+///
+/// A DiLoCo run resumed from it with the same settings and number of islands (the ranks per
+/// island may change) continues the loss curve; bit for bit under the same layout. It saves
+/// after any inner step: between syncs the islands' models differ, and each is kept.
+///
+/// # Errors
+/// As [`train_gpt_diloco`]; [`DiLoCoTrainError::Checkpoint`] for a checkpoint that cannot be
+/// read, is of another run (model, DiLoCo settings, islands) or cannot be written, and for
+/// `init_from_hf` (not supported with DiLoCo).
+pub fn train_gpt_diloco_checkpointed(
+    world: &ProcessGroup,
+    config: &TrainConfig,
+    run: &DiLoCoRun,
+    corpus: &Corpus,
+    checkpoints: &CheckpointOptions,
+    on_step: &mut dyn FnMut(&StepStats),
+) -> Result<DiLoCoReport, DiLoCoTrainError> {
+    checkpoints.validate().map_err(DiLoCoTrainError::Config)?;
+    if checkpoints.init_from_hf.is_some() {
+        return Err(DiLoCoTrainError::Checkpoint(
+            "--init-from-hf is not supported with --diloco-islands yet: start from a \
+             checkpoint instead (convert it with a run without DiLoCo and --save-every)"
+                .into(),
+        ));
+    }
     let parallel = Parallelism {
         device: run.device,
         ..Parallelism::default()
@@ -188,12 +240,15 @@ pub fn train_gpt_diloco(
             .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
         step_engine = step_engine.with_ddp(ddp);
     }
-    let mut optim: ModuleOptimizer = match run.inner {
-        InnerOptimizer::AdamW => AdamWConfig::new()
-            .with_weight_decay(config.weight_decay as f32)
-            .init(),
-        InnerOptimizer::Sgd => SgdConfig::new().init(),
+    let inner = || -> ModuleOptimizer {
+        match run.inner {
+            InnerOptimizer::AdamW => AdamWConfig::new()
+                .with_weight_decay(config.weight_decay as f32)
+                .init(),
+            InnerOptimizer::Sgd => SgdConfig::new().init(),
+        }
     };
+    let mut optim = inner();
 
     // Each rank takes its rows of the global batch, as a DDP rank would.
     let ranks = world.size();
@@ -211,7 +266,26 @@ pub fn train_gpt_diloco(
         world.clone()
     };
     let mut model = model;
-    for step in 0..config.steps {
+    let names = DiLoCoNames::new(&model, &world, &islands)?;
+    let mut first_step = 0;
+    if let Some(path) = &checkpoints.resume {
+        let fail = |e: &dyn std::fmt::Display| DiLoCoTrainError::Checkpoint(e.to_string());
+        let checkpoint = train_checkpoint::open_resume(path).map_err(|e| fail(&e))?;
+        let state = train_checkpoint::resume_state(&checkpoint, config).map_err(|e| fail(&e))?;
+        model = names.load(model, (&mut optim, &inner), &mut diloco, &checkpoint)?;
+        train_checkpoint::restore_dropout(&checkpoint, &train_checkpoint::dropout_layers(&model))
+            .map_err(|e| fail(&e))?;
+        first_step = checkpoint.step();
+        losses = state.losses;
+    }
+    let mut saver = match (&checkpoints.dir, checkpoints.save_every) {
+        (Some(dir), every) if every > 0 => Some(
+            Checkpointer::new(dir, checkpoints.keep, &world)
+                .map_err(|e| DiLoCoTrainError::Checkpoint(e.to_string()))?,
+        ),
+        _ => None,
+    };
+    for step in first_step..config.steps {
         let step_start = Instant::now();
         let mut acc = GradientsAccumulator::<Gpt>::new();
         let mut local_loss = 0.0;
@@ -240,7 +314,7 @@ pub fn train_gpt_diloco(
         let loss = loss_group.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
         losses.push(loss);
         let seconds = step_start.elapsed().as_secs_f64();
-        if step > 0 {
+        if step > first_step {
             timed += seconds;
             sync_timed += sync_seconds;
         }
@@ -253,6 +327,31 @@ pub fn train_gpt_diloco(
             moe: Vec::new(),
             phases: Default::default(), // not split by phase here
         });
+        if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
+            let fail = |e: &dyn std::fmt::Display| DiLoCoTrainError::Checkpoint(e.to_string());
+            let (pieces, meta, scalars) = names.pieces(&model, &optim, &mut diloco)?;
+            let trainer = train_checkpoint::TrainerState {
+                losses: losses.clone(),
+                config: config.clone(),
+            };
+            let mut state = serde_json::to_value(trainer).expect("the trainer state serialises");
+            state[DILOCO_STATE] = serde_json::to_value(meta).expect("DiLoCo's state serialises");
+            let rank_state = serde_json::json!({
+                train_checkpoint::OPTIM_SCALARS: scalars,
+                train_checkpoint::DROPOUT_CALLS:
+                    train_checkpoint::dropout_calls(&train_checkpoint::dropout_layers(&model)),
+            });
+            let saved = match checkpoints.asynchronous {
+                true => saver.save_async(step + 1, pieces, state, rank_state),
+                false => saver.save(step + 1, pieces, state, rank_state).map(|_| ()),
+            };
+            saved.map_err(|e| fail(&e))?;
+        }
+    }
+    if let Some(saver) = saver.as_mut() {
+        saver
+            .wait()
+            .map_err(|e| DiLoCoTrainError::Checkpoint(e.to_string()))?;
     }
     // The outer model: fragments not synced after the last step are synced now.
     model = diloco.finish(model)?;
@@ -287,7 +386,7 @@ pub fn train_gpt_diloco(
     } else {
         String::new()
     };
-    let timed_steps = (config.steps - 1).max(1) as f64;
+    let timed_steps = (config.steps - first_step).saturating_sub(1).max(1) as f64;
     Ok(DiLoCoReport {
         train: TrainReport {
             losses,
@@ -433,6 +532,7 @@ pub fn run_rank(
     run: &DiLoCoRun,
     corpus: &Corpus,
     log_every: usize,
+    checkpoints: &CheckpointOptions,
 ) -> burn_parallel::Result<Option<DiLoCoReport>> {
     let lead = world.rank() == 0;
     if lead {
@@ -466,14 +566,15 @@ pub fn run_rank(
         }
     };
     let report =
-        train_gpt_diloco(world, config, run, corpus, &mut on_step).map_err(|e| match e {
-            DiLoCoTrainError::DiLoCo(DiLoCoError::Collective(c)) => c,
-            other => CollectiveError::InvalidArgument {
-                rank: world.global_rank(),
-                op: "gpt --diloco-islands".into(),
-                reason: other.to_string(),
-            },
-        })?;
+        train_gpt_diloco_checkpointed(world, config, run, corpus, checkpoints, &mut on_step)
+            .map_err(|e| match e {
+                DiLoCoTrainError::DiLoCo(DiLoCoError::Collective(c)) => c,
+                other => CollectiveError::InvalidArgument {
+                    rank: world.global_rank(),
+                    op: "gpt --diloco-islands".into(),
+                    reason: other.to_string(),
+                },
+            })?;
     if lead {
         for (island, step) in &report.dropped {
             match step {
@@ -509,4 +610,162 @@ pub fn run_rank(
         }
     }
     Ok(lead.then_some(report))
+}
+
+/// Key of DiLoCo's bookkeeping ([`burn_parallel::diloco::DiLoCoMeta`]) in the trainer state.
+const DILOCO_STATE: &str = "diloco";
+
+/// Where a DiLoCo run's tensors go in a checkpoint (see [`train_gpt_diloco_checkpointed`]).
+struct DiLoCoNames {
+    /// The model under its own names, each tensor written by one rank of the world (the outer
+    /// model and the outer optimizer's state are the same everywhere).
+    shared: ParamMap,
+    /// This island's model, under `diloco/island.<k>/`, written by the island's ranks.
+    island: ParamMap,
+    /// The outer model and every island's model: what a checkpoint of this run must hold
+    /// besides DiLoCo's and the optimizers' state.
+    expected: BTreeMap<String, Vec<usize>>,
+}
+
+impl DiLoCoNames {
+    fn new(model: &Gpt, world: &ProcessGroup, islands: &Islands) -> Result<Self, DiLoCoTrainError> {
+        let fail = |e: &dyn std::fmt::Display| DiLoCoTrainError::Checkpoint(e.to_string());
+        let plain = ParamMap::new(model, &model.tp, None).map_err(|e| fail(&e))?;
+        let shared = plain
+            .clone()
+            .with_replicas(|_| (world.size(), world.rank()));
+        let (size, rank) = (islands.island().size(), islands.island().rank());
+        let island = plain
+            .clone()
+            .with_replicas(|_| (size, rank))
+            .with_logical_names(|name| island_name(islands.index(), name));
+        let shapes = plain.logical_shapes();
+        let mut expected = shapes.clone();
+        for k in 0..islands.count() {
+            expected.extend(shapes.iter().map(|(n, s)| (island_name(k, n), s.clone())));
+        }
+        Ok(Self {
+            shared,
+            island,
+            expected,
+        })
+    }
+
+    /// This rank's pieces, DiLoCo's bookkeeping and the inner optimizer's scalars.
+    fn pieces(
+        &self,
+        model: &Gpt,
+        optim: &ModuleOptimizer,
+        diloco: &mut DiLoCo,
+    ) -> Result<(Vec<Piece>, DiLoCoMeta, serde_json::Value), DiLoCoTrainError> {
+        let fail = |e: &dyn std::fmt::Display| DiLoCoTrainError::Checkpoint(e.to_string());
+        let state = diloco.state()?;
+        let mut pieces = self.island.param_pieces(model).map_err(|e| fail(&e))?;
+        let (inner, scalars) = self
+            .island
+            .optimizer_pieces(optim.to_record())
+            .map_err(|e| fail(&e))?;
+        pieces.extend(inner);
+        let shared = |prefix: &str, values: &HashMap<ParamId, TensorData>| {
+            self.shared
+                .clone()
+                .only(|p| values.contains_key(&p.id))
+                .value_pieces(prefix, values)
+                .map_err(|e| fail(&e))
+        };
+        pieces.extend(shared("", &state.outer)?);
+        pieces.extend(shared(MOMENTUM, &state.momentum)?);
+        for (j, grads) in state.in_flight.iter().enumerate() {
+            pieces.extend(shared(&in_flight(j), grads)?);
+        }
+        Ok((pieces, state.meta, scalars))
+    }
+
+    /// `model` (this island's) and `optim` as saved (`fresh` makes an empty one of its kind),
+    /// and `diloco`'s state restored.
+    fn load(
+        &self,
+        model: Gpt,
+        (optim, fresh): (&mut ModuleOptimizer, &dyn Fn() -> ModuleOptimizer),
+        diloco: &mut DiLoCo,
+        checkpoint: &Checkpoint,
+    ) -> Result<Gpt, DiLoCoTrainError> {
+        let fail = |e: &dyn std::fmt::Display| DiLoCoTrainError::Checkpoint(e.to_string());
+        let meta: DiLoCoMeta = match checkpoint.state().get(DILOCO_STATE) {
+            Some(meta) => serde_json::from_value(meta.clone()).map_err(|e| {
+                fail(&format!(
+                    "{}: DiLoCo's state does not parse ({e}); the checkpoint is damaged",
+                    checkpoint.dir().display()
+                ))
+            })?,
+            None => {
+                return Err(fail(&format!(
+                    "{} was not saved by a DiLoCo run (it holds no outer momentum nor the \
+                     islands' models): resume it without --diloco-islands, or start DiLoCo \
+                     from its weights with a run that saves again",
+                    checkpoint.dir().display()
+                )));
+            }
+        };
+        // The islands' models are checked with the model (the other tensors, named with a
+        // `/`, as they are read).
+        let island = self
+            .island
+            .clone()
+            .with_logical_shapes(self.expected.clone(), "the DiLoCo run")
+            .map_err(|e| fail(&e))?;
+        let model = island
+            .load_params(model, checkpoint)
+            .map_err(|e| fail(&e))?;
+        let scalars = merged_scalars(checkpoint, train_checkpoint::OPTIM_SCALARS);
+        if let Some(record) = island
+            .load_optimizer(checkpoint, &scalars)
+            .map_err(|e| fail(&e))?
+        {
+            let empty = std::mem::replace(optim, fresh());
+            *optim = empty.load_record(record);
+        }
+        let read = |prefix: &str| {
+            let names: std::collections::HashSet<&str> = checkpoint
+                .shapes()
+                .into_iter()
+                .filter_map(|(n, _)| n.strip_prefix(prefix))
+                .collect();
+            self.shared
+                .clone()
+                .only(|p| {
+                    p.segments
+                        .iter()
+                        .all(|s| names.contains(s.logical.as_str()))
+                })
+                .read_values(checkpoint, prefix, DType::F32)
+                .map_err(|e| fail(&e))
+        };
+        let state = DiLoCoState {
+            outer: read("")?,
+            momentum: read(MOMENTUM)?,
+            in_flight: (0..meta.in_flight())
+                .map(|j| read(&in_flight(j)))
+                .collect::<Result<_, _>>()?,
+            meta,
+        };
+        diloco.restore(state)?;
+        Ok(model)
+    }
+}
+
+/// Prefix of the outer momentum's tensors.
+const MOMENTUM: &str = "diloco/momentum/";
+
+/// Prefix of the tensors of the exchanges in flight.
+const IN_FLIGHT: &str = "diloco/in_flight.";
+
+/// Prefix of the averaged pseudo-gradient of exchange `j` in flight.
+fn in_flight(j: usize) -> String {
+    format!("{IN_FLIGHT}{j}/")
+}
+
+/// The name of island `k`'s copy of parameter `name`.
+fn island_name(k: usize, name: &str) -> String {
+    format!("diloco/island.{k}/{name}")
 }

@@ -10,6 +10,7 @@ use burn_zero::Stage;
 use examples::data::{Corpus, Split};
 use examples::gpt::{GeluKind, MlpKind, NormKind, PositionKind};
 use examples::hf::{self, HfArch, HfConfig, HfError, HostTensor};
+use examples::pipeline::{PipelineConfig, train_gpt_pipeline_checkpointed};
 use examples::train::{Parallelism, train_gpt_checkpointed};
 use examples::train_checkpoint::CheckpointOptions;
 use safetensors::Dtype;
@@ -1058,8 +1059,9 @@ fn byte_level_bpe_round_trips_text() {
 
 /// A run that starts from a GPT-2 checkpoint (`gpt --init-from-hf`), under any layout: its
 /// first loss is the loss of the first batch computed by the plain reference from the file's
-/// arrays, and dp 2 × tp 2 and FSDP 2 × tp 2 follow the single-device run (losses and final
-/// parameters within 1e-5). A checkpoint of another shape is refused with the tensors named.
+/// arrays, and dp 2 × tp 2, FSDP 2 × tp 2, pp 2 × tp 2 and pp 2 × dp 2 with ZeRO-1 follow the
+/// single-device run (losses and final parameters within 1e-5). A checkpoint of another shape
+/// is refused with the tensors named.
 #[test]
 fn training_starts_from_an_imported_gpt2_under_any_layout() {
     let tensors = gpt2_tensors(5, "transformer.", false);
@@ -1132,6 +1134,48 @@ fn training_starts_from_an_imported_gpt2_under_any_layout() {
             &reference,
             &report.losses,
             &report.final_params,
+            1e-5,
+            &what,
+        );
+    }
+    // Pipelined: each stage reads its own blocks (the tied table on both end stages), at
+    // pp 2 x tp 2 and at pp 2 x dp 2 with ZeRO-1.
+    for (world, pipeline) in [
+        (
+            4,
+            PipelineConfig {
+                pp: 2,
+                tp: 2,
+                microbatches: 2,
+                ..PipelineConfig::default()
+            },
+        ),
+        (
+            4,
+            PipelineConfig {
+                pp: 2,
+                zero: Some(Stage::One),
+                microbatches: 2,
+                ..PipelineConfig::default()
+            },
+        ),
+    ] {
+        let what = format!("{pipeline:?}");
+        let reports = run_local(world, |g| {
+            train_gpt_pipeline_checkpointed(&g, &config, &pipeline, &corpus, &options, &mut |_| {})
+                .map_err(|e| burn_parallel::CollectiveError::InvalidArgument {
+                    rank: g.rank(),
+                    op: "train_gpt_pipeline".into(),
+                    reason: e.to_string(),
+                })
+        })
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
+        let report =
+            tests::rank0_if_ranks_agree(reports, |r| (&r.train.losses, &r.train.final_params));
+        tests::assert_matches_reference(
+            &reference,
+            &report.train.losses,
+            &report.train.final_params,
             1e-5,
             &what,
         );

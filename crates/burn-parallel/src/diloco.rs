@@ -126,7 +126,7 @@ use crate::error::CollectiveError;
 use crate::group::{ProcessGroup, tensor_from_data};
 
 /// How pseudo-gradients travel between islands.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum Compression {
     /// 4 bytes per element, averaged by a ring all-reduce.
     #[default]
@@ -254,7 +254,7 @@ impl std::fmt::Display for Compression {
 
 /// The settings of DiLoCo. The defaults are the paper's: `H` = 50 inner steps, outer SGD with
 /// learning rate 0.7 and Nesterov momentum 0.9, f32 pseudo-gradients, one fragment.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct DiLoCoConfig {
     /// `H`: inner steps between two syncs of a fragment (at least 1).
     pub inner_steps: usize,
@@ -449,6 +449,10 @@ pub enum DiLoCoError {
         /// Requested islands.
         islands: usize,
     },
+    /// A saved state cannot be restored into this DiLoCo ([`DiLoCo::restore`]), or no state
+    /// can be taken now ([`DiLoCo::state`]).
+    #[error("DiLoCo state: {0}")]
+    State(String),
     /// The model passed to a sync is not the one DiLoCo was created for.
     #[error(
         "the model has changed since DiLoCo::new: {0}; pass the same model (the inner \
@@ -571,7 +575,7 @@ struct Tracked {
 }
 
 /// One sync of one fragment, as recorded by [`DiLoCo::history`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SyncEvent {
     /// The inner step after which its pseudo-gradient was sent (`None`: [`DiLoCo::finish`]).
     pub step: Option<usize>,
@@ -603,6 +607,48 @@ pub struct DiLoCo {
     runner: Runner,
     /// Exchanges in flight (overlap), in the order they were sent.
     pending: VecDeque<Pending>,
+    /// Outcomes of the oldest exchanges in flight, already received ([`DiLoCo::state`] waits
+    /// for them; [`DiLoCo::restore`] brings them back): taken before the runner's.
+    received: VecDeque<Outcome>,
+}
+
+/// DiLoCo's own state, for a checkpoint ([`DiLoCo::state`], [`DiLoCo::restore`]): the outer
+/// model `θ_start`, the outer momentum and the averaged pseudo-gradients of the exchanges in
+/// flight, as host tensors by parameter id (to be saved under the parameters' names), and the
+/// rest ([`DiLoCoMeta`]). It is the same on every rank. The islands' own models and inner
+/// optimizers are not in it: save them as a run without DiLoCo would, per island.
+#[derive(Debug, Clone)]
+pub struct DiLoCoState {
+    /// `θ_start` of every trainable parameter, f32 in the parameter's shape.
+    pub outer: HashMap<ParamId, TensorData>,
+    /// The outer momentum of every trainable parameter (empty without momentum).
+    pub momentum: HashMap<ParamId, TensorData>,
+    /// The averaged pseudo-gradients of the exchanges sent but not applied yet (overlap), in
+    /// the order they were sent: those of their fragment's parameters.
+    pub in_flight: Vec<HashMap<ParamId, TensorData>>,
+    /// Everything else; serialise it with the trainer's state.
+    pub meta: DiLoCoMeta,
+}
+
+/// The small part of [`DiLoCoState`]: the settings and islands it was taken under (a restore
+/// checks them), the step and sync bookkeeping and the history.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct DiLoCoMeta {
+    config: DiLoCoConfig,
+    islands: usize,
+    params: usize,
+    last_step: Option<usize>,
+    fresh: Vec<bool>,
+    /// `(fragment, sent, apply_after, islands averaged)` of each exchange in flight.
+    pending: Vec<(usize, usize, usize, usize)>,
+    history: Vec<SyncEvent>,
+}
+
+impl DiLoCoMeta {
+    /// Exchanges in flight ([`DiLoCoState::in_flight`] holds as many pseudo-gradients).
+    pub fn in_flight(&self) -> usize {
+        self.pending.len()
+    }
 }
 
 impl std::fmt::Debug for DiLoCo {
@@ -711,6 +757,7 @@ impl DiLoCo {
             history: Vec::new(),
             runner,
             pending: VecDeque::new(),
+            received: VecDeque::new(),
         })
     }
 
@@ -776,7 +823,7 @@ impl DiLoCo {
                 break;
             }
             self.pending.pop_front();
-            let outcome = self.runner.result()?;
+            let outcome = self.next_outcome()?;
             let mix = Some(self.config.overlap_mix as f32);
             model = self.apply(p.fragment, outcome, mix, model, Some(p.sent), Some(step))?;
         }
@@ -807,7 +854,7 @@ impl DiLoCo {
     /// As [`DiLoCo::sync`].
     pub fn finish<M: Module>(&mut self, mut model: M) -> Result<M, DiLoCoError> {
         while let Some(p) = self.pending.pop_front() {
-            let outcome = self.runner.result()?;
+            let outcome = self.next_outcome()?;
             let mix = Some(self.config.overlap_mix as f32);
             model = self.apply(
                 p.fragment,
@@ -829,6 +876,185 @@ impl DiLoCo {
             self.fresh[f] = true;
         }
         Ok(model)
+    }
+
+    /// The outcome of the oldest exchange in flight.
+    fn next_outcome(&mut self) -> Result<Outcome, DiLoCoError> {
+        match self.received.pop_front() {
+            Some(outcome) => Ok(outcome),
+            None => self.runner.result(),
+        }
+    }
+
+    /// The state to checkpoint, after the sync of some inner step: waits for the outcomes of
+    /// the exchanges in flight (the islands' updates still land at their step), then copies
+    /// `θ_start`, the momentum and those outcomes to the state. With the islands' models and
+    /// inner optimizers, a run restored from it ([`DiLoCo::restore`]) goes on bit for bit as
+    /// the run that saved it.
+    ///
+    /// # Errors
+    /// [`DiLoCoError::State`] once an island was dropped (a restart would start with every
+    /// island again: restart from a checkpoint taken before); the errors of the exchanges in
+    /// flight.
+    pub fn state(&mut self) -> Result<DiLoCoState, DiLoCoError> {
+        if let Some(event) = self.history.iter().find(|e| !e.dropped.is_empty()) {
+            return Err(DiLoCoError::State(format!(
+                "island(s) {:?} were dropped at the sync of step {:?}; a restarted job has                  every island again, so the state after that is not saved: restart from a                  checkpoint taken before",
+                event.dropped, event.step
+            )));
+        }
+        while self.received.len() < self.pending.len() {
+            let outcome = self.runner.result()?;
+            self.received.push_back(outcome);
+        }
+        let tensor =
+            |p: &Tracked, values: &[f32]| TensorData::new(values.to_vec(), p.shape.clone());
+        let outer = self
+            .params
+            .iter()
+            .map(|p| (p.id, tensor(p, &p.anchor)))
+            .collect();
+        let momentum = match self.config.outer_momentum {
+            0.0 => HashMap::new(),
+            _ => self
+                .params
+                .iter()
+                .map(|p| (p.id, tensor(p, &p.momentum)))
+                .collect(),
+        };
+        let in_flight = self
+            .pending
+            .iter()
+            .zip(&self.received)
+            .map(|(p, outcome)| {
+                let mut at = 0;
+                self.fragments[p.fragment]
+                    .iter()
+                    .map(|&i| {
+                        let param = &self.params[i];
+                        let n = param.anchor.len();
+                        at += n;
+                        (param.id, tensor(param, &outcome.avg[at - n..at]))
+                    })
+                    .collect()
+            })
+            .collect();
+        let meta = DiLoCoMeta {
+            config: self.config,
+            islands: self.islands.count,
+            params: self.params.len(),
+            last_step: self.last_step,
+            fresh: self.fresh.clone(),
+            pending: self
+                .pending
+                .iter()
+                .zip(&self.received)
+                .map(|(p, o)| (p.fragment, p.sent, p.apply_after, o.islands))
+                .collect(),
+            history: self.history.clone(),
+        };
+        Ok(DiLoCoState {
+            outer,
+            momentum,
+            in_flight,
+            meta,
+        })
+    }
+
+    /// Restores a state taken by [`DiLoCo::state`] (after the islands' models were loaded: it
+    /// does not touch the model); call it before the first [`DiLoCo::sync`], on every rank.
+    ///
+    /// # Errors
+    /// [`DiLoCoError::State`] when the state was taken under other settings, another number of
+    /// islands or for another model (parameters missing or of other shapes), or when this
+    /// DiLoCo has synced already.
+    pub fn restore(&mut self, state: DiLoCoState) -> Result<(), DiLoCoError> {
+        let bad = |what: String| Err(DiLoCoError::State(what));
+        let meta = state.meta;
+        if self.last_step.is_some() || !self.pending.is_empty() {
+            return bad("restore before the first sync".into());
+        }
+        if meta.config != self.config {
+            return bad(format!(
+                "saved with the settings {:?}, this run has {:?}; resume with the saved ones",
+                meta.config, self.config
+            ));
+        }
+        if meta.islands != self.islands.count {
+            return bad(format!(
+                "saved with {} islands, this run has {}; resume with {} islands (the ranks \
+                 per island may change)",
+                meta.islands, self.islands.count, meta.islands
+            ));
+        }
+        if meta.params != self.params.len() || meta.fresh.len() != self.fragments.len() {
+            return bad(format!(
+                "saved for a model of {} trainable parameters, this one has {}",
+                meta.params,
+                self.params.len()
+            ));
+        }
+        let values = |what: &str, id: ParamId, p: &Tracked, map: &HashMap<ParamId, TensorData>| {
+            let data = map.get(&id).ok_or_else(|| {
+                DiLoCoError::State(format!("{what} of parameter {id:?} is missing"))
+            })?;
+            if data.shape().as_slice() != p.shape.as_slice() {
+                return Err(DiLoCoError::State(format!(
+                    "{what} of parameter {id:?} has shape {:?}, the parameter {:?}",
+                    data.shape(),
+                    p.shape
+                )));
+            }
+            data.clone()
+                .convert::<f32>()
+                .try_into_vec::<f32>()
+                .map_err(|e| DiLoCoError::State(format!("{what} of parameter {id:?}: {e:?}")))
+        };
+        let mut received = VecDeque::new();
+        for (&(fragment, _, _, islands), grads) in meta.pending.iter().zip(&state.in_flight) {
+            let members = self.fragments.get(fragment).ok_or_else(|| {
+                DiLoCoError::State(format!("an exchange of fragment {fragment} is in flight"))
+            })?;
+            let mut avg = Vec::new();
+            for &i in members {
+                let p = &self.params[i];
+                avg.extend(values("an exchange in flight", p.id, p, grads)?);
+            }
+            received.push_back(Outcome {
+                avg,
+                islands,
+                dropped: Vec::new(),
+            });
+        }
+        if received.len() != meta.pending.len() {
+            return bad(format!(
+                "{} exchanges in flight, {} pseudo-gradients saved",
+                meta.pending.len(),
+                received.len()
+            ));
+        }
+        let mut params = self.params.clone();
+        for p in &mut params {
+            p.anchor = Arc::new(values("the outer model", p.id, p, &state.outer)?);
+            if self.config.outer_momentum != 0.0 {
+                p.momentum = values("the outer momentum", p.id, p, &state.momentum)?;
+            }
+        }
+        self.params = params;
+        self.received = received;
+        self.pending = meta
+            .pending
+            .iter()
+            .map(|&(fragment, sent, apply_after, _)| Pending {
+                fragment,
+                sent,
+                apply_after,
+            })
+            .collect();
+        self.last_step = meta.last_step;
+        self.fresh = meta.fresh;
+        self.history = meta.history;
+        Ok(())
     }
 
     /// The exchange of fragment `f`: its parameters' current values (tensor handles, read to

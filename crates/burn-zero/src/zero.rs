@@ -444,7 +444,12 @@ pub struct ZeroOptimizer<O: ElementWise> {
     /// Tensor parallelism: the model's context and the ranges of the flat space that hold
     /// tensor-parallel shards (their squares are summed over the group in the global norm).
     tp: Option<(TpContext, Vec<Range<usize>>)>,
+    /// The checkpoint name of each parameter path ([`Self::with_logical_names`]).
+    logical_names: Option<LogicalNames>,
 }
+
+/// Renames a module's parameter paths to the whole model's names in checkpoints.
+type LogicalNames = std::sync::Arc<dyn Fn(&str) -> String + Send + Sync>;
 
 impl<O: ElementWise> ZeroOptimizer<O> {
     /// Wraps `optim` for the trainable parameters of `module`, whose parameters must already be
@@ -565,6 +570,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
             device,
             master,
             tp: None,
+            logical_names: None,
         })
     }
 
@@ -586,6 +592,57 @@ impl<O: ElementWise> ZeroOptimizer<O> {
             .collect();
         self.tp = Some((tp.clone(), ranges));
         self
+    }
+
+    /// Names the parameters in checkpoints by the whole model's names when the wrapped module
+    /// is a part of it: `rename` maps a parameter path of the module (after tensor-parallel
+    /// logical naming) to its name in the whole model. A pipeline stage holding blocks 4..8 of
+    /// a GPT as its local blocks 0..4, say, renames `blocks.0.*` to `blocks.4.*`, so that its
+    /// optimizer state loads under any other pipeline split and without one. Used by
+    /// [`Self::checkpoint_state`], [`Self::load_checkpoint_state`],
+    /// [`Self::checkpoint_params`] and [`Self::load_checkpoint_params`].
+    ///
+    /// # Example
+    /// ```
+    /// use burn::nn::LinearConfig;
+    /// use burn::optim::AdamWConfig;
+    /// use burn::tensor::Device;
+    /// use burn_parallel::nn::TpContext;
+    /// use burn_parallel::run_local;
+    /// use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroOptimizer};
+    ///
+    /// run_local(1, |group| {
+    ///     let model = LinearConfig::new(4, 3).init(&Device::flex().autodiff());
+    ///     let zero = ZeroOptimizer::new(&model, ShardGroups::flat(group.clone()),
+    ///         ZeroConfig::new(Stage::One), AdamWConfig::new().build()).unwrap()
+    ///         .with_logical_names(|path| format!("blocks.7.mlp.{path}"));
+    ///     let pieces = zero.checkpoint_params(&model, &TpContext::single(), (1, 0)).unwrap();
+    ///     assert_eq!(pieces[0].name, "blocks.7.mlp.weight");
+    ///     Ok(())
+    /// })
+    /// .unwrap();
+    /// ```
+    pub fn with_logical_names(
+        mut self,
+        rename: impl Fn(&str) -> String + Send + Sync + 'static,
+    ) -> Self {
+        self.logical_names = Some(std::sync::Arc::new(rename));
+        self
+    }
+
+    /// The logical segments of `range` of the flat space, under the checkpoint names.
+    fn segments(
+        &self,
+        tp: &TpContext,
+        range: Range<usize>,
+    ) -> Result<Vec<burn_parallel::checkpoint::Segment>> {
+        let mut segments = crate::dcp::segments(tp, "", &self.layout, range)?;
+        if let Some(rename) = &self.logical_names {
+            for s in &mut segments {
+                s.logical = rename(&s.logical);
+            }
+        }
+        Ok(segments)
     }
 
     /// Clips this rank's gradient shard `grad` (at `self.range` of the flat space) by the
@@ -721,7 +778,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         Vec<burn_parallel::checkpoint::Piece>,
         burn_parallel::checkpoint::ScalarsByLogical,
     )> {
-        let segments = crate::dcp::segments(tp, "", &self.layout, self.range.clone())?;
+        let segments = self.segments(tp, self.range.clone())?;
         crate::dcp::state_pieces(&self.optim, 0, &segments, copies)
     }
 
@@ -739,7 +796,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         tp: &TpContext,
         scalars: &burn_parallel::checkpoint::ScalarsByLogical,
     ) -> Result<()> {
-        let segments = crate::dcp::segments(tp, "", &self.layout, self.range.clone())?;
+        let segments = self.segments(tp, self.range.clone())?;
         crate::dcp::load_state(
             &mut self.optim,
             (0, self.range.len()),
@@ -803,7 +860,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         tp: &TpContext,
         copies: (usize, usize),
     ) -> Result<Vec<burn_parallel::checkpoint::Piece>> {
-        let segments = crate::dcp::segments(tp, "", &self.layout, self.range.clone())?;
+        let segments = self.segments(tp, self.range.clone())?;
         crate::dcp::param_pieces(self.param_shard(module)?, &segments, copies)
     }
 
@@ -822,7 +879,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         tp: &TpContext,
     ) -> Result<M> {
         let numel = self.layout.numel();
-        let segments = crate::dcp::segments(tp, "", &self.layout, 0..numel)?;
+        let segments = self.segments(tp, 0..numel)?;
         let full = crate::dcp::read_params(checkpoint, &segments, numel)?;
         self.set_params(module, full)
     }

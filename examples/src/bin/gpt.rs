@@ -562,16 +562,15 @@ fn main() -> ExitCode {
     };
     let checkpoints = args.checkpoint.options();
     let starts_from = checkpoints.active() || checkpoints.init_from_hf.is_some();
-    if starts_from && args.diloco.islands.is_some() {
+    if checkpoints.init_from_hf.is_some() && args.diloco.islands.is_some() {
         eprintln!(
-            "error: --save-every/--resume/--init-from-hf are not supported with \
-             --diloco-islands yet; they work with --ranks, --tp/--sp, --zero 1|2|3, --hybrid, \
-             --cp, --ep and --pp"
+            "error: --init-from-hf is not supported with --diloco-islands yet; it works with \
+             --ranks, --tp/--sp, --zero 1|2|3, --hybrid, --cp, --ep and --pp"
         );
         return ExitCode::from(2);
     }
     if let Some(run) = args.diloco.run(train_device(&args)) {
-        return run_diloco(&args, &config, &corpus, &run);
+        return run_diloco(&args, &config, &corpus, &run, &checkpoints);
     }
     // A GPT-MoE under ZeRO/FSDP trains in the layout-generic trainer below (experts out of
     // ZeRO-1/2's flat space, whole in the FSDP units), not in burn-zero's engines.
@@ -995,6 +994,7 @@ fn run_diloco(
     config: &TrainConfig,
     corpus: &Corpus,
     run: &examples::train_diloco::DiLoCoRun,
+    checkpoints: &examples::train_checkpoint::CheckpointOptions,
 ) -> ExitCode {
     use examples::train_diloco::{DiLoCoTrainError, run_rank};
     let parallel = Parallelism {
@@ -1029,7 +1029,7 @@ fn run_diloco(
         if world.rank() == 0 {
             print_header(config, world.size(), world.backend(), corpus, &parallel);
         }
-        run_rank(&world, config, run, corpus, args.log_every)
+        run_rank(&world, config, run, corpus, args.log_every, checkpoints)
     };
     let outcome = match args.backend {
         Backend::Local => run_local(args.ranks, rank).map(|mut r| r.swap_remove(0)),

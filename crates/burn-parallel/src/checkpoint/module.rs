@@ -423,15 +423,78 @@ impl ParamMap {
     /// # Errors
     /// [`CheckpointError::Piece`] when the module does not match the map.
     pub fn param_pieces<M: Module>(&self, module: &M) -> Result<Vec<Piece>> {
-        let values = self.host_values(module);
+        self.value_pieces("", &self.host_values(module))
+    }
+
+    /// The pieces this rank writes of tensors laid out as its parameters, by parameter id,
+    /// named `<name_prefix><logical parameter>`: state that has the parameters' shapes but is
+    /// not the module's (an outer optimizer's model and momentum, say). Read them back with
+    /// [`ParamMap::read_values`].
+    ///
+    /// # Errors
+    /// [`CheckpointError::Piece`] when a parameter has no value or a value of another shape.
+    ///
+    /// # Example
+    /// ```
+    /// use std::collections::HashMap;
+    /// use burn::nn::LinearConfig;
+    /// use burn::tensor::{Device, TensorData};
+    /// use burn_parallel::checkpoint::ParamMap;
+    /// use burn_parallel::nn::TpContext;
+    ///
+    /// let fc = LinearConfig::new(2, 3).init(&Device::flex());
+    /// let map = ParamMap::new(&fc, &TpContext::single(), None).unwrap();
+    /// let zeros: HashMap<_, _> = map.params().iter()
+    ///     .map(|p| (p.id, TensorData::zeros::<f32, _>(p.shape.clone())))
+    ///     .collect();
+    /// let pieces = map.value_pieces("outer/", &zeros).unwrap();
+    /// assert!(pieces.iter().any(|p| p.name == "outer/weight"));
+    /// ```
+    pub fn value_pieces(
+        &self,
+        name_prefix: &str,
+        values: &HashMap<ParamId, TensorData>,
+    ) -> Result<Vec<Piece>> {
         let mut pieces = Vec::new();
         for p in &self.params {
             let data = values.get(&p.id).ok_or_else(|| {
-                CheckpointError::piece(&p.path, "the module has no parameter with the map's id")
+                CheckpointError::piece(&p.path, "no value for the parameter with the map's id")
             })?;
-            pieces.extend(segment_pieces("", &p.writes, data)?);
+            if data.shape().as_slice() != p.shape.as_slice() {
+                return Err(CheckpointError::piece(
+                    &p.path,
+                    format!(
+                        "a value of shape {:?} for a parameter of {:?}",
+                        data.shape(),
+                        p.shape
+                    ),
+                ));
+            }
+            pieces.extend(segment_pieces(name_prefix, &p.writes, data)?);
         }
         Ok(pieces)
+    }
+
+    /// Tensors `<name_prefix><logical parameter>` of `checkpoint`, read into each parameter's
+    /// local layout (only the regions this rank holds), by parameter id, in `dtype`: what
+    /// [`ParamMap::value_pieces`] wrote.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Piece`] when a tensor is missing or does not fit; read errors.
+    pub fn read_values(
+        &self,
+        checkpoint: &Checkpoint,
+        name_prefix: &str,
+        dtype: DType,
+    ) -> Result<HashMap<ParamId, TensorData>> {
+        self.params
+            .iter()
+            .map(|p| {
+                let data =
+                    read_segments(checkpoint, name_prefix, &p.segments, &p.shape, Some(dtype))?;
+                Ok((p.id, data))
+            })
+            .collect()
     }
 
     /// `module` with every parameter of the map read from `checkpoint` (each rank reads only
@@ -439,6 +502,9 @@ impl ParamMap {
     /// parameter requires a gradient are kept. `checkpoint` is any [`TensorSource`]: a saved
     /// [`Checkpoint`], or whole tensors in memory (a model imported from another format), so a
     /// run of any layout can also start from those.
+    ///
+    /// Tensors whose names hold a `/` are other components' state (`optim/...`, DiLoCo's
+    /// `diloco/...`), not parameters: they are neither read nor reported as unexpected.
     ///
     /// # Errors
     /// [`CheckpointError::Mismatch`] listing missing, unexpected and reshaped tensors when the
@@ -453,9 +519,11 @@ impl ParamMap {
             .iter()
             .map(|(n, s)| (n.as_str(), s.as_slice()))
             .collect();
-        // Optimizer tensors are checked by `load_optimizer`.
+        // A name with a `/` is the state of a component, not a parameter (Burn's paths are
+        // dotted): optimizer tensors are checked by `load_optimizer`, others by their owner
+        // (DiLoCo's `diloco/...`).
         let shapes = checkpoint.shapes();
-        expected.extend(shapes.into_iter().filter(|(k, _)| k.starts_with(OPTIM)));
+        expected.extend(shapes.into_iter().filter(|(k, _)| k.contains('/')));
         check_tensors(checkpoint, expected)?;
         let mut loaded = self.host_values(&module);
         for p in &self.params {
