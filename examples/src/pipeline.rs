@@ -888,7 +888,7 @@ pub fn train_gpt_pipeline_checkpointed(
     let micro_rows = rows_per_rank / pipeline.microbatches;
     let tokens_per_step = (config.batch_size * config.seq_len) as f64;
     let start = Instant::now();
-    let mut timed = 0.0;
+    let mut timer = crate::train::StepTimer::default();
     let mut last_step = None;
     for step in first_step..config.steps {
         let step_start = Instant::now();
@@ -913,10 +913,7 @@ pub fn train_gpt_pipeline_checkpointed(
         losses.push(loss);
         last_step = Some(report);
         let seconds = step_start.elapsed().as_secs_f64();
-        // The first step run (warm-up) is not timed.
-        if step > first_step {
-            timed += seconds;
-        }
+        timer.add(step == first_step, seconds);
         on_step(&StepStats {
             step,
             loss,
@@ -1003,14 +1000,14 @@ pub fn train_gpt_pipeline_checkpointed(
     } else {
         String::new()
     };
-    let timed_steps = (config.steps - first_step).saturating_sub(1).max(1) as f64;
+    let (step_seconds, tokens_per_sec) = timer.figures(tokens_per_step);
     Ok(PipelineReport {
         train: TrainReport {
             losses,
             val_loss,
             sample,
-            step_seconds: timed / timed_steps,
-            tokens_per_sec: tokens_per_step * timed_steps / timed.max(1e-9),
+            step_seconds,
+            tokens_per_sec,
             final_params: named_params(&full),
         },
         last_step,

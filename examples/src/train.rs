@@ -904,7 +904,10 @@ pub fn train_gpt_checkpointed(
     let tokens_per_step = (config.batch_size * config.seq_len) as f64;
     let start = Instant::now();
     let mut model = Some(model);
-    let mut run = Run { losses, timed: 0.0 };
+    let mut run = Run {
+        losses,
+        timer: StepTimer::default(),
+    };
     for step in first_step..config.steps {
         let step_start = Instant::now();
         let mut local_loss = 0.0;
@@ -1008,9 +1011,7 @@ pub fn train_gpt_checkpointed(
         let loss = reduce.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
         run.losses.push(loss);
         let seconds = step_start.elapsed().as_secs_f64();
-        if step > 0 {
-            run.timed += seconds;
-        }
+        run.timer.add(step == first_step, seconds);
         on_step(&StepStats {
             step,
             loss,
@@ -1100,7 +1101,7 @@ fn moe_figures(model: &Gpt, average: &ProcessGroup) -> burn_parallel::Result<Vec
 struct Run {
     losses: Vec<f64>,
     /// Seconds of all steps but the first.
-    timed: f64,
+    timer: StepTimer,
 }
 
 impl Run {
@@ -1112,14 +1113,50 @@ impl Run {
         final_params: Vec<NamedParam>,
     ) -> TrainReport {
         let tokens_per_step = (config.batch_size * config.seq_len) as f64;
-        let timed_steps = (config.steps - 1).max(1) as f64;
+        let (step_seconds, tokens_per_sec) = self.timer.figures(tokens_per_step);
         TrainReport {
             losses: self.losses,
             val_loss,
             sample,
-            step_seconds: self.timed / timed_steps,
-            tokens_per_sec: tokens_per_step * timed_steps / self.timed.max(1e-9),
+            step_seconds,
+            tokens_per_sec,
             final_params,
+        }
+    }
+}
+
+/// The time of a run's steps: the first step a run takes (warm-up, and the first after a
+/// resume) is not timed.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct StepTimer {
+    seconds: f64,
+    steps: usize,
+}
+
+impl StepTimer {
+    /// Adds a step of `seconds`, unless it is the run's `first`.
+    pub(crate) fn add(&mut self, first: bool, seconds: f64) {
+        if !first {
+            self.seconds += seconds;
+            self.steps += 1;
+        }
+    }
+
+    /// Mean seconds of the timed steps: 0 when none was timed (a run of one step, or resumed
+    /// at its end).
+    pub(crate) fn step_seconds(&self) -> f64 {
+        match self.steps {
+            0 => 0.0,
+            n => self.seconds / n as f64,
+        }
+    }
+
+    /// Seconds per step and tokens per second at `tokens_per_step`; zeros when no step was
+    /// timed.
+    pub(crate) fn figures(&self, tokens_per_step: f64) -> (f64, f64) {
+        match self.step_seconds() {
+            0.0 => (0.0, 0.0),
+            s => (s, tokens_per_step / s),
         }
     }
 }

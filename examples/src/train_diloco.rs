@@ -16,14 +16,11 @@
 //! step losses and the validation loss are those of this rank's island (its rows of the global
 //! batch), and each rank reports only its own bytes.
 
+use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
-use crate::train::scalar;
-use burn::module::Module;
+use burn::module::{Module, ParamId};
 use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig};
-use std::collections::{BTreeMap, HashMap};
-
-use burn::module::ParamId;
 use burn::tensor::{DType, TensorData};
 use burn_parallel::checkpoint::{
     Checkpoint, Checkpointer, ParamMap, Piece, TensorSource, merged_scalars,
@@ -38,7 +35,8 @@ use burn_parallel::{CollectiveError, DistributedDataParallel, ProcessGroup, Redu
 use crate::data::{Corpus, Split};
 use crate::gpt::Gpt;
 use crate::train::{
-    Parallelism, StepStats, TrainConfig, TrainDevice, TrainReport, generate, named_params,
+    Parallelism, StepStats, StepTimer, TrainConfig, TrainDevice, TrainReport, generate,
+    named_params, scalar,
 };
 use crate::train_checkpoint::{self, CheckpointOptions};
 
@@ -255,8 +253,8 @@ pub fn train_gpt_diloco_checkpointed(
     let micro_rows = config.batch_size / ranks / config.grad_accum;
     let tokens_per_step = (config.batch_size * config.seq_len) as f64;
     let start = Instant::now();
-    let (mut losses, mut timed) = (Vec::with_capacity(config.steps), 0.0);
-    let mut sync_timed = 0.0;
+    let mut losses = Vec::with_capacity(config.steps);
+    let (mut timer, mut sync_timer) = (StepTimer::default(), StepTimer::default());
     // Who the loss figures are averaged over: the world, or this island once islands may
     // disappear.
     let drop_lost = run.diloco.drop_lost_islands;
@@ -314,10 +312,8 @@ pub fn train_gpt_diloco_checkpointed(
         let loss = loss_group.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
         losses.push(loss);
         let seconds = step_start.elapsed().as_secs_f64();
-        if step > first_step {
-            timed += seconds;
-            sync_timed += sync_seconds;
-        }
+        timer.add(step == first_step, seconds);
+        sync_timer.add(step == first_step, sync_seconds);
         on_step(&StepStats {
             step,
             loss,
@@ -386,21 +382,21 @@ pub fn train_gpt_diloco_checkpointed(
     } else {
         String::new()
     };
-    let timed_steps = (config.steps - first_step).saturating_sub(1).max(1) as f64;
+    let (step_seconds, tokens_per_sec) = timer.figures(tokens_per_step);
     Ok(DiLoCoReport {
         train: TrainReport {
             losses,
             val_loss,
             sample,
-            step_seconds: timed / timed_steps,
-            tokens_per_sec: tokens_per_step * timed_steps / f64::max(timed, 1e-9),
+            step_seconds,
+            tokens_per_sec,
             final_params: named_params(&eval),
         },
         outer_bytes,
         total_bytes,
         syncs: diloco.history().len(),
         dropped,
-        sync_seconds: sync_timed / timed_steps,
+        sync_seconds: sync_timer.step_seconds(),
     })
 }
 

@@ -775,14 +775,16 @@ fn print_header(
 }
 
 fn print_report(report: &TrainReport, corpus: &Corpus) {
+    let speed = match report.step_seconds {
+        0.0 => "no step timed (the first step is warm-up)".to_string(),
+        s => format!("{s:.3} s/step, {:.0} tokens/s", report.tokens_per_sec),
+    };
     println!(
         "final train loss {:.4}, validation loss {:.4} nats/byte (unigram entropy {:.3}), \
-         {:.3} s/step, {:.0} tokens/s",
+         {speed}",
         report.losses.last().copied().unwrap_or(f64::NAN),
         report.val_loss,
         corpus.unigram_entropy_nats(),
-        report.step_seconds,
-        report.tokens_per_sec
     );
     println!("sample:\n{}", report.sample);
 }
