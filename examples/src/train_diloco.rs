@@ -198,8 +198,9 @@ pub fn train_gpt_diloco(
 ///
 /// # Errors
 /// As [`train_gpt_diloco`]; [`DiLoCoTrainError::Checkpoint`] for a checkpoint that cannot be
-/// read, is of another run (model, DiLoCo settings, islands) or cannot be written, and for
-/// `init_from_hf` (not supported with DiLoCo).
+/// read, is of another run (model, DiLoCo settings, islands) or cannot be written, and for a
+/// Hugging Face checkpoint (`init_from_hf`, every island's start) that cannot be read or is of
+/// another model.
 pub fn train_gpt_diloco_checkpointed(
     world: &ProcessGroup,
     config: &TrainConfig,
@@ -209,13 +210,6 @@ pub fn train_gpt_diloco_checkpointed(
     on_step: &mut dyn FnMut(&StepStats),
 ) -> Result<DiLoCoReport, DiLoCoTrainError> {
     checkpoints.validate().map_err(DiLoCoTrainError::Config)?;
-    if checkpoints.init_from_hf.is_some() {
-        return Err(DiLoCoTrainError::Checkpoint(
-            "--init-from-hf is not supported with --diloco-islands yet: start from a \
-             checkpoint instead (convert it with a run without DiLoCo and --save-every)"
-                .into(),
-        ));
-    }
     let parallel = Parallelism {
         device: run.device,
         ..Parallelism::default()
@@ -228,7 +222,19 @@ pub fn train_gpt_diloco_checkpointed(
 
     // Seeded: the same weights on every rank; a hash comparison (not a broadcast: its bytes
     // would count as DiLoCo's) makes sure.
-    let model = Gpt::new(&config.model, &device).with_dropout_stream(world.rank() as u64);
+    let mut model = Gpt::new(&config.model, &device).with_dropout_stream(world.rank() as u64);
+    if let Some(dir) = checkpoints
+        .init_from_hf
+        .as_ref()
+        .filter(|_| checkpoints.resume.is_none())
+    {
+        // Every island starts from the imported weights: they are the first outer model.
+        let fail = |e: &dyn std::fmt::Display| DiLoCoTrainError::Checkpoint(e.to_string());
+        let tensors = crate::hf::gpt_tensors_for(dir, &config.model).map_err(|e| fail(&e))?;
+        model = ParamMap::new(&model, &model.tp, None)
+            .and_then(|map| map.load_params(model, &tensors))
+            .map_err(|e| fail(&e))?;
+    }
     burn_parallel::verify_replicas(&model, &world)
         .map_err(|e| DiLoCoTrainError::Config(e.to_string()))?;
     let mut diloco = DiLoCo::new(&islands, run.diloco, &model)?;
@@ -263,7 +269,6 @@ pub fn train_gpt_diloco_checkpointed(
     } else {
         world.clone()
     };
-    let mut model = model;
     let names = DiLoCoNames::new(&model, &world, &islands)?;
     let mut first_step = 0;
     if let Some(path) = &checkpoints.resume {

@@ -5,6 +5,7 @@
 //! starts from an imported checkpoint under several layouts.
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_parallel::diloco::DiLoCoConfig;
 use burn_parallel::run_local;
 use burn_zero::Stage;
 use examples::data::{Corpus, Split};
@@ -13,6 +14,7 @@ use examples::hf::{self, HfArch, HfConfig, HfError, HostTensor};
 use examples::pipeline::{PipelineConfig, train_gpt_pipeline_checkpointed};
 use examples::train::{Parallelism, train_gpt_checkpointed};
 use examples::train_checkpoint::CheckpointOptions;
+use examples::train_diloco::{DiLoCoRun, InnerOptimizer, train_gpt_diloco_checkpointed};
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use serde_json::{Value, json};
@@ -1060,8 +1062,8 @@ fn byte_level_bpe_round_trips_text() {
 /// A run that starts from a GPT-2 checkpoint (`gpt --init-from-hf`), under any layout: its
 /// first loss is the loss of the first batch computed by the plain reference from the file's
 /// arrays, and dp 2 × tp 2, FSDP 2 × tp 2, pp 2 × tp 2 and pp 2 × dp 2 with ZeRO-1 follow the
-/// single-device run (losses and final parameters within 1e-5). A checkpoint of another shape
-/// is refused with the tensors named.
+/// single-device run (losses and final parameters within 1e-5), and DiLoCo's islands start
+/// from it. A checkpoint of another shape is refused with the tensors named.
 #[test]
 fn training_starts_from_an_imported_gpt2_under_any_layout() {
     let tensors = gpt2_tensors(5, "transformer.", false);
@@ -1180,6 +1182,34 @@ fn training_starts_from_an_imported_gpt2_under_any_layout() {
             &what,
         );
     }
+
+    // DiLoCo: both islands start from the imported weights, so the first step's loss (the
+    // mean over the islands' rows of the global batch) is the single-device one.
+    let run = DiLoCoRun {
+        islands: 2,
+        diloco: DiLoCoConfig {
+            inner_steps: 2,
+            ..DiLoCoConfig::default()
+        },
+        inner: InnerOptimizer::AdamW,
+        device: Default::default(),
+    };
+    let reports = run_local(2, |g| {
+        train_gpt_diloco_checkpointed(&g, &config, &run, &corpus, &options, &mut |_| {}).map_err(
+            |e| burn_parallel::CollectiveError::InvalidArgument {
+                rank: g.rank(),
+                op: "diloco".into(),
+                reason: e.to_string(),
+            },
+        )
+    })
+    .unwrap_or_else(|e| panic!("DiLoCo: {e}"));
+    let first = reports[0].train.losses[0];
+    assert!(
+        (first - reference.losses[0]).abs() < 1e-5,
+        "DiLoCo's first loss {first} vs {}",
+        reference.losses[0]
+    );
 
     // Another model: the tensors that do not fit are named.
     let mut wider = config.clone();

@@ -562,13 +562,6 @@ fn main() -> ExitCode {
     };
     let checkpoints = args.checkpoint.options();
     let starts_from = checkpoints.active() || checkpoints.init_from_hf.is_some();
-    if checkpoints.init_from_hf.is_some() && args.diloco.islands.is_some() {
-        eprintln!(
-            "error: --init-from-hf is not supported with --diloco-islands yet; it works with \
-             --ranks, --tp/--sp, --zero 1|2|3, --hybrid, --cp, --ep and --pp"
-        );
-        return ExitCode::from(2);
-    }
     if let Some(run) = args.diloco.run(train_device(&args)) {
         return run_diloco(&args, &config, &corpus, &run, &checkpoints);
     }
