@@ -22,8 +22,8 @@
 //! from a Hugging Face checkpoint (`--init-from-hf DIR`), each stage reading its own tensors.
 //!
 //! Limits, each a typed error ([`PipelineConfig::validate`]): FSDP (`--zero 3`), context
-//! parallelism and a GPT-MoE inside a pipeline (not composed yet), `--clip` with ZeRO stage
-//! optimizers, dropout with activation checkpointing (the recomputed masks would differ), and
+//! parallelism and a GPT-MoE inside a pipeline (not composed yet), dropout with activation
+//! checkpointing (the recomputed masks would differ), and
 //! `grad_accum` other than 1 (the micro-batches are the accumulation).
 
 use std::collections::{BTreeMap, HashMap};
@@ -226,13 +226,6 @@ impl PipelineConfig {
             return bad(
                 "FSDP (--zero 3) is not composed with pipeline parallelism yet; use --zero 1 or \
                  2 (optimizer state and gradients sharded over each stage's replicas)"
-                    .into(),
-            );
-        }
-        if self.zero.is_some() && config.max_grad_norm.is_some() {
-            return bad(
-                "--clip with --zero under --pp is not supported yet (ZeRO clips by the norm of \
-                 one stage, not of the whole model); drop --clip or --zero"
                     .into(),
             );
         }
@@ -795,8 +788,10 @@ pub fn train_gpt_pipeline_checkpointed(
         let optim = match pipeline.zero {
             None => StageOptimizer::Module(adamw.init()),
             Some(kind) => {
+                // Clipped by the norm over every stage ([`StageUpdater::finish`]).
                 let zero = ZeroConfig::new(kind)
-                    .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
+                    .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize)
+                    .with_max_grad_norm(config.max_grad_norm);
                 let zero =
                     ZeroOptimizer::new(stage, ShardGroups::flat(dp.clone()), zero, adamw.build())
                         .map_err(|e| GptPipelineError::Build {

@@ -5,7 +5,9 @@
 //! - with a Burn optimizer ([`StageOptimizer::Module`]): the stage's [`TrainStep`] (tensor
 //!   parallel fix-ups, then DDP) reduces them at once, overlapping the rest of the pipeline;
 //! - with ZeRO-1/2 ([`StageOptimizer::Zero`]): the stage's [`ZeroOptimizer`] reduces (stage 1)
-//!   or reduce-scatters (stage 2) them and steps its shard.
+//!   or reduce-scatters (stage 2) them and steps its shard; under clipping it gives the squares
+//!   of its reduced gradients ([`ZeroOptimizer::gradient_squares`]) to the norm over every
+//!   stage and clips by it (build it with the same `max_grad_norm`).
 //!
 //! Two things need more than one stage, so those stages' gradients are held until the step's
 //! programme has ended ([`StageUpdater::finish`]):
@@ -244,14 +246,6 @@ impl<O: ElementWise> StageUpdater<O> {
         stage: M,
         grads: GradientsParams,
     ) -> std::result::Result<M, UpdateError> {
-        if let (Some(StageOptimizer::Zero(_)), Some(_)) = (self.optims.get(&s), self.max_norm) {
-            return Err(format!(
-                "stage {s}: clipping by the norm over every stage is not supported with a ZeRO \
-                 optimizer yet (ZeRO reduces and clips inside its own step, over one stage); \
-                 drop the clipping or use StageOptimizer::Module"
-            )
-            .into());
-        }
         let hold = self.max_norm.is_some() || self.tied.contains_key(&s);
         let grads = match self.optims.get(&s) {
             // DDP now, overlapping the rest of the pipeline; ZeRO reduces in its own step.
@@ -336,17 +330,41 @@ impl<O: ElementWise> StageUpdater<O> {
         };
         // ---- global-norm clipping over every stage ----
         let last = self.num_stages - 1;
+        // A ZeRO stage's squared norm, tied weight included: the step's own part of the norm.
+        let mut zero_squares = BTreeMap::new();
         let norm = match self.max_norm {
             None => None,
             Some(_) => {
                 let mut squares = 0.0;
                 for (s, grads) in &mut held {
-                    // The tied weight counts once: with the first stage.
-                    let here = tied.iter().find(|t| t.0 == *s && *s != last);
-                    if let (Some((_, id, _)), Some(g)) = (here, &sum) {
-                        grads.register::<2>(*id, g.clone());
-                    }
                     let stage = stages.get(s).expect("a held stage is local");
+                    let tied_here = tied.iter().find(|t| t.0 == *s).map(|t| t.1);
+                    if let Some(StageOptimizer::Zero(zero)) = self.optims.get_mut(s) {
+                        // ZeRO reduces the gradients itself: it takes them now (both copies of
+                        // a tied weight get the sum) and gives the squares of its reduced ones.
+                        if let (Some(id), Some(g)) = (tied_here, &sum) {
+                            grads.register::<2>(id, g.clone());
+                        }
+                        let update = |source: burn_zero::ZeroError| PipelineError::Update {
+                            stage: *s,
+                            source: source.into(),
+                        };
+                        let grads = std::mem::replace(grads, GradientsParams::new());
+                        zero.accumulate(stage, grads).map_err(update)?;
+                        let all = zero.gradient_squares(|_| true).map_err(update)?;
+                        // The tied weight counts once: with the first stage.
+                        let counted = match tied_here.filter(|_| *s == last) {
+                            Some(id) => all - zero.gradient_squares(|p| p == id).map_err(update)?,
+                            None => all,
+                        };
+                        zero_squares.insert(*s, all);
+                        squares += counted;
+                        continue;
+                    }
+                    // The tied weight counts once: with the first stage.
+                    if let (Some(id), Some(g)) = (tied_here.filter(|_| *s != last), &sum) {
+                        grads.register::<2>(id, g.clone());
+                    }
                     let norm = self
                         .reduce
                         .global_norm(stage, grads)
@@ -367,10 +385,23 @@ impl<O: ElementWise> StageUpdater<O> {
             }
         };
         for (s, mut grads) in held {
+            let stage = stages.remove(&s).expect("a held stage is local");
+            if let (Some(StageOptimizer::Zero(zero)), Some(own), Some(norm)) =
+                (self.optims.get_mut(&s), zero_squares.get(&s), norm)
+            {
+                // Clipped by the norm over every stage: the other stages' part is "outside".
+                let (stage, _) = zero
+                    .step_with_outside(self.lr, stage, (norm * norm - own).max(0.0))
+                    .map_err(|source| PipelineError::Update {
+                        stage: s,
+                        source: source.into(),
+                    })?;
+                stages.insert(s, stage);
+                continue;
+            }
             if let (Some((_, id, _)), Some(g)) = (tied.iter().find(|t| t.0 == s), &sum) {
                 grads.register::<2>(*id, g.clone());
             }
-            let stage = stages.remove(&s).expect("a held stage is local");
             let grads = match (norm, self.max_norm) {
                 (Some(norm), Some(max)) => clip_to_norm(&stage, grads, norm, max),
                 _ => grads,

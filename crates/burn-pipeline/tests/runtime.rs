@@ -739,45 +739,97 @@ fn input_backward_gives_the_input_gradient_and_weight_backward_completes_the_res
     );
 }
 
-/// Clipping over the stages needs the reduced gradients, which a ZeRO stage optimizer only has
-/// inside its own step: asking for both is an error naming the stage, on every rank, not a
-/// silently wrong norm.
+/// Clipping over the stages with ZeRO stage optimizers (each stage's replicas sharding its
+/// state): each gives the squares of its reduced gradients to the norm over every stage and is
+/// clipped by it, so the run is the run of plain AdamW stages clipped the same way (pp 2 x
+/// dp 2, a norm small enough that every step clips).
 #[test]
-fn clipping_with_a_zero_stage_optimizer_is_a_typed_error() {
+fn clipping_with_zero_stage_optimizers_matches_plain_ones() {
+    use burn_parallel::DistributedDataParallel;
+    use burn_parallel::mesh::ParallelDims;
     use burn_parallel::nn::TpContext;
     use burn_parallel::train::TrainStep;
     use burn_pipeline::update::{StageOptimizer, StageUpdater};
     use burn_zero::{ShardGroups, Stage as ZeroStage, ZeroConfig, ZeroOptimizer};
+    const MAX_NORM: f64 = 1e-3;
     let schedule = generate(ScheduleKind::OneFOneB, 2, 2, None).unwrap();
-    let outcomes = run_local(2, |group| {
-        let device = Device::flex().autodiff();
-        let mut exec = Executor::new(schedule.clone(), group.clone(), device.clone()).unwrap();
-        let s = group.rank();
-        let mut stages = BTreeMap::from([(s, Dense::new(s, 2, &device))]);
-        let single = group.split(&[group.rank()])?;
-        let zero = ZeroOptimizer::new(
-            &stages[&s],
-            ShardGroups::flat(single),
-            ZeroConfig::new(ZeroStage::One),
-            burn::optim::AdamWConfig::new().build(),
-        )
-        .unwrap();
-        let optims = BTreeMap::from([(s, StageOptimizer::Zero(Box::new(zero)))]);
-        let mut updater = StageUpdater::new(&exec, optims, TrainStep::new(TpContext::single()))
-            .unwrap()
-            .with_clip(Some(1.0));
-        let batches: Vec<Batch> = (0..2).map(|mb| batch(0, mb, ROWS)).collect();
-        let outcome = exec.step(&mut stages, &batches, &mut |s, stage, g| {
-            updater.at_reduce(s, stage, g)
-        });
-        Ok(outcome.map(|_| ()).map_err(|e| e.to_string()))
-    })
-    .unwrap();
-    let errors: Vec<String> = outcomes.into_iter().map(Result::unwrap_err).collect();
+    let run = |zero: Option<ZeroStage>| {
+        run_local(4, |world| {
+            let device = Device::flex().autodiff();
+            let dims = ParallelDims {
+                pp: 2,
+                dp_replicate: 2,
+                ..ParallelDims::default()
+            };
+            let mesh = dims.build(&world).unwrap();
+            let pp = mesh.group("pp").unwrap().clone();
+            let dp = dims.data_parallel(&mesh).unwrap();
+            let mut exec = Executor::new(schedule.clone(), pp.clone(), device.clone()).unwrap();
+            let s = pp.rank();
+            let mut stages = BTreeMap::from([(s, Dense::new(s, 2, &device))]);
+            let adamw = burn::optim::AdamWConfig::new();
+            let optim = match zero {
+                None => StageOptimizer::Module(adamw.init()),
+                Some(stage) => {
+                    let config = ZeroConfig::new(stage).with_max_grad_norm(Some(MAX_NORM));
+                    let zero = ZeroOptimizer::new(
+                        &stages[&s],
+                        ShardGroups::flat(dp.clone()),
+                        config,
+                        adamw.build(),
+                    )
+                    .unwrap();
+                    StageOptimizer::Zero(Box::new(zero))
+                }
+            };
+            let reduce = TrainStep::new(TpContext::single())
+                .with_ddp(DistributedDataParallel::new(dp.clone()));
+            let mut updater = StageUpdater::new(&exec, BTreeMap::from([(s, optim)]), reduce)
+                .unwrap()
+                .with_clip(Some(MAX_NORM));
+            updater.set_lr(0.05);
+            let mut norms = Vec::new();
+            for step in 0..3 {
+                let batches: Vec<Batch> = (0..2)
+                    .map(|mb| batch(step, dp.rank() * 2 + mb, ROWS))
+                    .collect();
+                exec.step(&mut stages, &batches, &mut |s, stage, g| {
+                    updater.at_reduce(s, stage, g)
+                })
+                .unwrap();
+                norms.push(updater.finish(&mut stages).unwrap().expect("a norm"));
+            }
+            let stage = &stages[&s];
+            let values = |t: Tensor<2>| t.try_into_vec_as::<f32>().unwrap();
+            Ok((
+                norms,
+                values(stage.w.val()),
+                stage.b.val().try_into_vec_as::<f32>().unwrap(),
+            ))
+        })
+        .unwrap()
+    };
+    let plain = run(None);
     assert!(
-        errors
-            .iter()
-            .any(|e| e.contains("not supported with a ZeRO optimizer")),
-        "{errors:?}"
+        plain[0].0[0] > MAX_NORM * 10.0,
+        "every step clips: {:?}",
+        plain[0].0
     );
+    for stage in [ZeroStage::One, ZeroStage::Two] {
+        let zero = run(Some(stage));
+        for (rank, (z, p)) in zero.iter().zip(&plain).enumerate() {
+            for (a, b) in z.0.iter().zip(&p.0) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * b,
+                    "{stage:?} rank {rank}: norm {a} vs {b}"
+                );
+            }
+            for (a, b) in z.1.iter().chain(&z.2).zip(p.1.iter().chain(&p.2)) {
+                assert!(
+                    (a - b).abs() <= 1e-5,
+                    "{stage:?} rank {rank}: parameter {a} vs {b}"
+                );
+            }
+        }
+    }
 }

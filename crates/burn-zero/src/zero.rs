@@ -446,6 +446,18 @@ pub struct ZeroOptimizer<O: ElementWise> {
     tp: Option<(TpContext, Vec<Range<usize>>)>,
     /// The checkpoint name of each parameter path ([`Self::with_logical_names`]).
     logical_names: Option<LogicalNames>,
+    /// The coming step's gradient shard, reduced ahead of it ([`Self::gradient_squares`]).
+    reduced: Option<ReducedShard>,
+}
+
+/// This rank's gradient shard of a step, reduced over the data-parallel ranks and unscaled.
+struct ReducedShard {
+    shard: Vec<f32>,
+    /// Bytes of the gradient buffer the step releases.
+    grad_bytes: usize,
+    loss_scale: f64,
+    /// Non-finite somewhere under loss scaling: the step is skipped.
+    overflow: bool,
 }
 
 /// Renames a module's parameter paths to the whole model's names in checkpoints.
@@ -571,6 +583,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
             master,
             tp: None,
             logical_names: None,
+            reduced: None,
         })
     }
 
@@ -1016,31 +1029,18 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         module: M,
         outside_sq: f64,
     ) -> Result<(M, StepInfo)> {
-        let Some(acc) = self.acc.take() else {
-            return Err(ZeroError::Config(
-                "step called without gradients; call accumulate after each backward".into(),
-            ));
+        let ReducedShard {
+            shard,
+            grad_bytes,
+            loss_scale,
+            overflow,
+        } = match self.reduced.take() {
+            Some(reduced) => reduced,
+            None => self.reduce_shard()?,
         };
-        let micro = std::mem::take(&mut self.micro);
         let numel = self.layout.numel();
-        let grad_bytes = acc.len() * 4;
-        let shard = match self.config.stage {
-            Stage::One => {
-                let wire = self.config.precision.reduce_dtype;
-                let mut data = TensorData::new(acc, [numel]);
-                if wire != DType::F32 {
-                    data = data.convert_dtype(wire);
-                }
-                let reduced = self.groups.shard.all_reduce_data(data, ReduceOp::Sum)?;
-                let all = reduced.convert::<f32>().try_into_vec::<f32>().expect("f32");
-                all[self.range.clone()].to_vec()
-            }
-            // Stage 2: already reduce-scattered, bucket by bucket, at each accumulate.
-            _ => acc,
-        };
-        let loss_scale = self.loss_scale();
-        let mut shards = vec![self.groups.finish_shard_grad(shard, micro, loss_scale)?];
-        if check_overflow(&self.groups, self.scaler.as_mut(), &shards)? {
+        let mut shards = vec![shard];
+        if overflow {
             self.tracker.sub(Category::Grads, grad_bytes);
             self.tracker.finish_step();
             let info = StepInfo {
@@ -1064,7 +1064,139 @@ impl<O: ElementWise> ZeroOptimizer<O> {
                 .clip_with(&mut shards, self.config.max_grad_norm, outside_sq)?,
         };
         let grad = shards.pop().expect("one shard");
+        self.apply_shard(lr, module, grad, (numel, grad_bytes))
+            .map(|module| {
+                let info = StepInfo {
+                    grad_norm,
+                    skipped: false,
+                    loss_scale,
+                };
+                (module, info)
+            })
+    }
 
+    /// The squared norm of the coming step's reduced gradients of the parameters `select`
+    /// picks, over the whole flat space (every shard rank's part; a tensor-parallel shard once
+    /// per shard, a replicated parameter once): for a caller that clips by a norm over more
+    /// than this flat space, such as the stages of a pipeline (sum the stages' squares, then
+    /// pass each stage the rest as [`Self::step_with_outside`]'s `outside_sq`). The first call
+    /// after the accumulation reduces the gradients (the collective of the step, which then
+    /// reuses them); every shard rank calls it alike.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] without accumulated gradients; collective errors.
+    ///
+    /// # Example
+    /// ```
+    /// use burn::nn::LinearConfig;
+    /// use burn::optim::{AdamWConfig, GradientsParams};
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_parallel::run_local;
+    /// use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroOptimizer};
+    ///
+    /// run_local(2, |group| {
+    ///     let device = Device::flex().autodiff();
+    ///     let model = LinearConfig::new(4, 3).init(&device);
+    ///     let config = ZeroConfig::new(Stage::Two).with_max_grad_norm(Some(0.1));
+    ///     let mut zero = ZeroOptimizer::new(&model, ShardGroups::flat(group.clone()), config,
+    ///         AdamWConfig::new().build()).unwrap();
+    ///     let loss = model.forward(Tensor::<2>::ones([2, 4], &device)).sum();
+    ///     zero.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model)).unwrap();
+    ///     let weight = model.weight.id;
+    ///     let all = zero.gradient_squares(|_| true).unwrap();
+    ///     let of_weight = zero.gradient_squares(|id| id == weight).unwrap();
+    ///     assert!(of_weight > 0.0 && of_weight < all);
+    ///     // Another part of the model holds gradients of squared norm 3.0: one norm for both.
+    ///     let (_model, info) = zero.step_with_outside(1e-3, model, 3.0).unwrap();
+    ///     assert!((info.grad_norm.unwrap() - (all + 3.0).sqrt()).abs() < 1e-6);
+    ///     Ok(())
+    /// })
+    /// .unwrap();
+    /// ```
+    pub fn gradient_squares(&mut self, select: impl Fn(ParamId) -> bool) -> Result<f64> {
+        if self.reduced.is_none() {
+            self.reduced = Some(self.reduce_shard()?);
+        }
+        let reduced = self.reduced.as_ref().expect("reduced just now");
+        if reduced.overflow {
+            return Ok(f64::NAN);
+        }
+        let sharded = self.tp.as_ref().map(|(tp, _)| tp.sharded_ids());
+        // [replicated, tensor-parallel shard] squares of this rank's range.
+        let mut local = [0.0f64; 2];
+        for (id, e) in self.layout.ids().iter().zip(self.layout.entries()) {
+            let (a, b) = (
+                e.offset.max(self.range.start),
+                (e.offset + e.numel).min(self.range.end),
+            );
+            if a >= b || !select(*id) {
+                continue;
+            }
+            let in_tp = sharded.as_ref().is_some_and(|s| s.contains(id));
+            let part = &reduced.shard[a - self.range.start..b - self.range.start];
+            local[usize::from(in_tp)] += sum_of_squares(part);
+        }
+        let sums = self
+            .groups
+            .shard
+            .all_reduce_data(TensorData::new(local.to_vec(), [2]), ReduceOp::Sum)?
+            .try_to_vec::<f64>()
+            .expect("f64 in, f64 out");
+        let tp_sum = match self.tp.as_ref().and_then(|(tp, _)| tp.group().cloned()) {
+            Some(tp) if tp.size() > 1 => tp
+                .all_reduce_data(TensorData::new(vec![sums[1]], [1]), ReduceOp::Sum)?
+                .try_to_vec::<f64>()
+                .expect("f64 in, f64 out")[0],
+            _ => sums[1],
+        };
+        Ok(sums[0] + tp_sum)
+    }
+
+    /// This rank's reduced and unscaled gradient shard of the step (the accumulated
+    /// gradients are taken).
+    fn reduce_shard(&mut self) -> Result<ReducedShard> {
+        let Some(acc) = self.acc.take() else {
+            return Err(ZeroError::Config(
+                "step called without gradients; call accumulate after each backward".into(),
+            ));
+        };
+        let micro = std::mem::take(&mut self.micro);
+        let numel = self.layout.numel();
+        let grad_bytes = acc.len() * 4;
+        let shard = match self.config.stage {
+            Stage::One => {
+                let wire = self.config.precision.reduce_dtype;
+                let mut data = TensorData::new(acc, [numel]);
+                if wire != DType::F32 {
+                    data = data.convert_dtype(wire);
+                }
+                let reduced = self.groups.shard.all_reduce_data(data, ReduceOp::Sum)?;
+                let all = reduced.convert::<f32>().try_into_vec::<f32>().expect("f32");
+                all[self.range.clone()].to_vec()
+            }
+            // Stage 2: already reduce-scattered, bucket by bucket, at each accumulate.
+            _ => acc,
+        };
+        let loss_scale = self.loss_scale();
+        let shards = vec![self.groups.finish_shard_grad(shard, micro, loss_scale)?];
+        let overflow = check_overflow(&self.groups, self.scaler.as_mut(), &shards)?;
+        Ok(ReducedShard {
+            shard: shards.into_iter().next().expect("one shard"),
+            grad_bytes,
+            loss_scale,
+            overflow,
+        })
+    }
+
+    /// Steps this rank's shard with gradient `grad` and all-gathers the new parameters into
+    /// `module`; `(numel, grad_bytes)`: the flat space's size and the gradient bytes released.
+    fn apply_shard<M: Module>(
+        &mut self,
+        lr: LearningRate,
+        module: M,
+        grad: Vec<f32>,
+        (numel, grad_bytes): (usize, usize),
+    ) -> Result<M> {
         let inner = self.device.clone().inner();
         let param_shard = match &self.master {
             Some(master) => master.clone(),
@@ -1095,12 +1227,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         // Gradients are released after the step.
         self.tracker.sub(Category::Grads, grad_bytes);
         self.tracker.finish_step();
-        let info = StepInfo {
-            grad_norm,
-            skipped: false,
-            loss_scale,
-        };
-        Ok((module, info))
+        Ok(module)
     }
 
     /// The memory this wrapper held over the last step (see [`crate::memory`]).
