@@ -263,20 +263,12 @@ fn fold_lanes8(
 hot_loop! {
     /// `row[i] = exp(row[i] - shift)` in place; returns the sum.
     fn exp_shifted(row: &mut [f32], shift: f32) -> f32 {
-        let mut acc = [0.0f32; LANES];
-        let mut chunks = row.chunks_exact_mut(LANES);
-        for c in &mut chunks {
-            for (x, a) in c.iter_mut().zip(acc.iter_mut()) {
-                *x = exp(*x - shift);
-                *a += *x;
-            }
-        }
-        let mut sum = fold_lanes(acc, |a, b| a + b);
-        for x in chunks.into_remainder() {
+        // Two simple loops: the map vectorises to full-width registers, which a loop that
+        // also carries the sum's lanes did not.
+        for x in row.iter_mut() {
             *x = exp(*x - shift);
-            sum += *x;
         }
-        sum
+        fold_lanes8(row, 0.0, |a, v| a + v, |a, b| a + b)
     }
 }
 
