@@ -921,21 +921,14 @@ pub fn train_gpt_pipeline_checkpointed(
         if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
             let fail = |e: &dyn std::fmt::Display| GptPipelineError::Checkpoint(e.to_string());
             let (pieces, scalars) = ckpt.pieces(&stages, &updater)?;
-            let state = train_checkpoint::TrainerState {
-                losses: losses.clone(),
-                config: config.clone(),
-            };
-            let state = serde_json::to_value(state).expect("the trainer state serialises");
+            let state = train_checkpoint::TrainerState::json(&losses, config);
             let rank_state = serde_json::json!({
                 train_checkpoint::OPTIM_SCALARS: scalars,
                 train_checkpoint::DROPOUT_CALLS:
                     train_checkpoint::dropout_calls(&stage_dropouts(&stages)),
             });
-            let saved = match checkpoints.asynchronous {
-                true => saver.save_async(step + 1, pieces, state, rank_state),
-                false => saver.save(step + 1, pieces, state, rank_state).map(|_| ()),
-            };
-            saved.map_err(|e| fail(&e))?;
+            train_checkpoint::save_after(saver, checkpoints, step, pieces, (state, rank_state))
+                .map_err(|e| fail(&e))?;
         }
     }
     if let Some(saver) = saver.as_mut() {

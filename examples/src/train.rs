@@ -1030,22 +1030,15 @@ pub fn train_gpt_checkpointed(
                 .optimizer_state(&map, &tp_ctx, same_shard)
                 .map_err(|e| fail(&e))?;
             pieces.extend(optim);
-            let state = train_checkpoint::TrainerState {
-                losses: run.losses.clone(),
-                config: config.clone(),
-            };
-            let state = serde_json::to_value(state).expect("the trainer state serialises");
+            let state = train_checkpoint::TrainerState::json(&run.losses, config);
             let rank_state = serde_json::json!({
                 train_checkpoint::OPTIM_SCALARS: scalars,
                 train_checkpoint::DROPOUT_CALLS:
                     train_checkpoint::dropout_calls(&train_checkpoint::dropout_layers(m)),
                 train_checkpoint::MOE_BIAS: train_checkpoint::moe_bias(m),
             });
-            let saved = match checkpoints.asynchronous {
-                true => saver.save_async(step + 1, pieces, state, rank_state),
-                false => saver.save(step + 1, pieces, state, rank_state).map(|_| ()),
-            };
-            saved.map_err(|e| fail(&e))?;
+            train_checkpoint::save_after(saver, checkpoints, step, pieces, (state, rank_state))
+                .map_err(|e| fail(&e))?;
         }
     }
     if let Some(saver) = saver.as_mut() {

@@ -23,7 +23,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use burn_parallel::checkpoint::{Checkpoint, CheckpointError, Checkpointer};
+use burn_parallel::checkpoint::{Checkpoint, CheckpointError, Checkpointer, Piece};
 use burn_parallel::tensor_parallel::SeededDropout;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -105,6 +105,35 @@ pub(crate) struct TrainerState {
     pub losses: Vec<f64>,
     /// The run's configuration (the model must match on resume).
     pub config: TrainConfig,
+}
+
+impl TrainerState {
+    /// The state of a run of `config` after `losses`, as saved.
+    pub(crate) fn json(losses: &[f64], config: &TrainConfig) -> serde_json::Value {
+        let state = TrainerState {
+            losses: losses.to_vec(),
+            config: config.clone(),
+        };
+        serde_json::to_value(state).expect("the trainer state serialises")
+    }
+}
+
+/// Saves the checkpoint taken after step `step` (0-based) with `saver`: on a background
+/// thread when `options` say so ([`CheckpointOptions::asynchronous`]), else now.
+///
+/// # Errors
+/// The save's errors (a background save's surface at the next save or `wait`).
+pub(crate) fn save_after(
+    saver: &mut Checkpointer,
+    options: &CheckpointOptions,
+    step: usize,
+    pieces: Vec<Piece>,
+    (state, rank_state): (serde_json::Value, serde_json::Value),
+) -> Result<(), CheckpointError> {
+    match options.asynchronous {
+        true => saver.save_async(step + 1, pieces, state, rank_state),
+        false => saver.save(step + 1, pieces, state, rank_state).map(|_| ()),
+    }
 }
 
 /// Name of the optimizer scalars in each rank's state.

@@ -331,22 +331,15 @@ pub fn train_gpt_diloco_checkpointed(
         if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
             let fail = |e: &dyn std::fmt::Display| DiLoCoTrainError::Checkpoint(e.to_string());
             let (pieces, meta, scalars) = names.pieces(&model, &optim, &mut diloco)?;
-            let trainer = train_checkpoint::TrainerState {
-                losses: losses.clone(),
-                config: config.clone(),
-            };
-            let mut state = serde_json::to_value(trainer).expect("the trainer state serialises");
+            let mut state = train_checkpoint::TrainerState::json(&losses, config);
             state[DILOCO_STATE] = serde_json::to_value(meta).expect("DiLoCo's state serialises");
             let rank_state = serde_json::json!({
                 train_checkpoint::OPTIM_SCALARS: scalars,
                 train_checkpoint::DROPOUT_CALLS:
                     train_checkpoint::dropout_calls(&train_checkpoint::dropout_layers(&model)),
             });
-            let saved = match checkpoints.asynchronous {
-                true => saver.save_async(step + 1, pieces, state, rank_state),
-                false => saver.save(step + 1, pieces, state, rank_state).map(|_| ()),
-            };
-            saved.map_err(|e| fail(&e))?;
+            train_checkpoint::save_after(saver, checkpoints, step, pieces, (state, rank_state))
+                .map_err(|e| fail(&e))?;
         }
     }
     if let Some(saver) = saver.as_mut() {

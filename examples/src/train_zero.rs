@@ -336,12 +336,7 @@ pub fn train_gpt_zero(
         }
         if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
             let (pieces, state, rank_state) = checkpoint_of(&engine, config, &losses)?;
-            match checkpoints.asynchronous {
-                true => saver.save_async(step + 1, pieces, state, rank_state)?,
-                false => {
-                    saver.save(step + 1, pieces, state, rank_state)?;
-                }
-            }
+            train_checkpoint::save_after(saver, checkpoints, step, pieces, (state, rank_state))?;
         }
     }
     if let Some(saver) = saver.as_mut() {
@@ -477,11 +472,7 @@ fn checkpoint_of(
             fsdp.scaler().map(|s| s.state())
         }
     };
-    let trainer = TrainerState {
-        losses: losses.to_vec(),
-        config: config.clone(),
-    };
-    let mut state = serde_json::to_value(trainer).expect("the trainer state serialises");
+    let mut state = TrainerState::json(losses, config);
     state[LOSS_SCALER] = serde_json::to_value(scaler).expect("the scaler state serialises");
     let rank_state = serde_json::json!({ OPTIM_SCALARS: scalars });
     Ok((pieces, state, rank_state))

@@ -91,6 +91,12 @@ fn check_resume(
         ..CheckpointOptions::default()
     };
     let r = run(world, &parallel, config, &resume);
+    continues(reference, &r, saved, tol, what);
+}
+
+/// `r`, resumed from the checkpoint of step `saved`, continues `reference`: the saved losses,
+/// then the rest bit for bit (`tol` 0) or within `tol`, and the final parameters.
+fn continues(reference: &Reference, r: &TrainReport, saved: usize, tol: f64, what: &str) {
     assert_eq!(
         r.losses[..saved],
         reference.losses[..saved],
@@ -100,6 +106,16 @@ fn check_resume(
         assert_eq!(r.losses, reference.losses, "{what}: identical losses");
     }
     assert_matches_reference(reference, &r.losses, &r.final_params, tol, what);
+}
+
+/// Saves every `SAVED_AT` steps under `dir`.
+fn saving_to(dir: &Path) -> CheckpointOptions {
+    CheckpointOptions {
+        dir: Some(dir.to_path_buf()),
+        save_every: SAVED_AT,
+        keep: 5,
+        ..CheckpointOptions::default()
+    }
 }
 
 fn resume_from(dir: &Path) -> CheckpointOptions {
@@ -315,23 +331,10 @@ fn pipeline_checkpoints_carry_the_whole_models_names() {
     let mut c = config();
     c.model.n_layers = 4;
     c.model.tied_embeddings = true;
-    let save = |dir: &Path| CheckpointOptions {
-        dir: Some(dir.to_path_buf()),
-        save_every: SAVED_AT,
-        keep: 5,
-        ..CheckpointOptions::default()
-    };
-    let resume = |dir: &Path| resume_from(dir);
+    let save = saving_to;
+    let resume = resume_from;
     let same = |what: &str, reference: &Reference, r: &TrainReport, tol: f64| {
-        assert_eq!(
-            r.losses[..SAVED_AT],
-            reference.losses[..SAVED_AT],
-            "{what}: saved losses"
-        );
-        if tol == 0.0 {
-            assert_eq!(r.losses, reference.losses, "{what}: identical losses");
-        }
-        assert_matches_reference(reference, &r.losses, &r.final_params, tol, what);
+        continues(reference, r, SAVED_AT, tol, what)
     };
 
     let dir = scratch("pp-zbv");
@@ -377,22 +380,8 @@ fn pipeline_zero_checkpoints_resume_under_any_layout() {
     let mut c = config();
     c.model.n_layers = 4;
     c.model.tied_embeddings = true;
-    let save = CheckpointOptions {
-        dir: None,
-        save_every: SAVED_AT,
-        keep: 5,
-        ..CheckpointOptions::default()
-    };
     let same = |what: &str, reference: &Reference, r: &TrainReport, tol: f64| {
-        assert_eq!(
-            r.losses[..SAVED_AT],
-            reference.losses[..SAVED_AT],
-            "{what}: saved losses"
-        );
-        if tol == 0.0 {
-            assert_eq!(r.losses, reference.losses, "{what}: identical losses");
-        }
-        assert_matches_reference(reference, &r.losses, &r.final_params, tol, what);
+        continues(reference, r, SAVED_AT, tol, what)
     };
     let with_zero = |pipeline: PipelineConfig, zero: Stage| PipelineConfig {
         zero: Some(zero),
@@ -401,11 +390,7 @@ fn pipeline_zero_checkpoints_resume_under_any_layout() {
 
     let dir = scratch("pp-zero");
     let zero2 = with_zero(pp2(ScheduleKind::OneFOneB), Stage::Two);
-    let saving = CheckpointOptions {
-        dir: Some(dir.clone()),
-        ..save.clone()
-    };
-    let reference = Reference::of_run(run_pipeline(4, &zero2, &c, &saving));
+    let reference = Reference::of_run(run_pipeline(4, &zero2, &c, &saving_to(&dir)));
     let r = run_pipeline(4, &zero2, &c, &resume_from(&dir));
     same("pp 2 x dp 2 ZeRO-2", &reference, &r, 0.0);
     let r = run_pipeline(2, &pp2(ScheduleKind::OneFOneB), &c, &resume_from(&dir));
