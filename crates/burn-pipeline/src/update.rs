@@ -349,6 +349,20 @@ impl<O: ElementWise> StageUpdater<O> {
                             stage: *s,
                             source: source.into(),
                         };
+                        if zero.max_grad_norm() != self.max_norm {
+                            return Err(PipelineError::Update {
+                                stage: *s,
+                                source: format!(
+                                    "the updater clips to the norm {:?} but the stage's ZeRO \
+                                     optimizer to {:?}: build it with \
+                                     ZeroConfig::with_max_grad_norm({:?})",
+                                    self.max_norm,
+                                    zero.max_grad_norm(),
+                                    self.max_norm
+                                )
+                                .into(),
+                            });
+                        }
                         let grads = std::mem::replace(grads, GradientsParams::new());
                         zero.accumulate(stage, grads).map_err(update)?;
                         let all = zero.gradient_squares(|_| true).map_err(update)?;

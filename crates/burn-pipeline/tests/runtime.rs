@@ -742,7 +742,8 @@ fn input_backward_gives_the_input_gradient_and_weight_backward_completes_the_res
 /// Clipping over the stages with ZeRO stage optimizers (each stage's replicas sharding its
 /// state): each gives the squares of its reduced gradients to the norm over every stage and is
 /// clipped by it, so the run is the run of plain AdamW stages clipped the same way (pp 2 x
-/// dp 2, a norm small enough that every step clips).
+/// dp 2, a norm small enough that every step clips). A ZeRO optimizer built with another norm
+/// is an error.
 #[test]
 fn clipping_with_zero_stage_optimizers_matches_plain_ones() {
     use burn_parallel::DistributedDataParallel;
@@ -753,7 +754,8 @@ fn clipping_with_zero_stage_optimizers_matches_plain_ones() {
     use burn_zero::{ShardGroups, Stage as ZeroStage, ZeroConfig, ZeroOptimizer};
     const MAX_NORM: f64 = 1e-3;
     let schedule = generate(ScheduleKind::OneFOneB, 2, 2, None).unwrap();
-    let run = |zero: Option<ZeroStage>| {
+    // `zero`: the stages' ZeRO stage and the norm their ZeRO optimizers clip to.
+    let run = |zero: Option<(ZeroStage, Option<f64>)>| {
         run_local(4, |world| {
             let device = Device::flex().autodiff();
             let dims = ParallelDims {
@@ -770,8 +772,8 @@ fn clipping_with_zero_stage_optimizers_matches_plain_ones() {
             let adamw = burn::optim::AdamWConfig::new();
             let optim = match zero {
                 None => StageOptimizer::Module(adamw.init()),
-                Some(stage) => {
-                    let config = ZeroConfig::new(stage).with_max_grad_norm(Some(MAX_NORM));
+                Some((stage, clip)) => {
+                    let config = ZeroConfig::new(stage).with_max_grad_norm(clip);
                     let zero = ZeroOptimizer::new(
                         &stages[&s],
                         ShardGroups::flat(dp.clone()),
@@ -797,26 +799,32 @@ fn clipping_with_zero_stage_optimizers_matches_plain_ones() {
                     updater.at_reduce(s, stage, g)
                 })
                 .unwrap();
-                norms.push(updater.finish(&mut stages).unwrap().expect("a norm"));
+                match updater.finish(&mut stages) {
+                    Ok(norm) => norms.push(norm.expect("a norm")),
+                    Err(e) => return Ok(Err(e.to_string())),
+                }
             }
             let stage = &stages[&s];
             let values = |t: Tensor<2>| t.try_into_vec_as::<f32>().unwrap();
-            Ok((
+            Ok(Ok((
                 norms,
                 values(stage.w.val()),
                 stage.b.val().try_into_vec_as::<f32>().unwrap(),
-            ))
+            )))
         })
         .unwrap()
     };
-    let plain = run(None);
+    let plain: Vec<_> = run(None).into_iter().map(Result::unwrap).collect();
     assert!(
         plain[0].0[0] > MAX_NORM * 10.0,
         "every step clips: {:?}",
         plain[0].0
     );
     for stage in [ZeroStage::One, ZeroStage::Two] {
-        let zero = run(Some(stage));
+        let zero: Vec<_> = run(Some((stage, Some(MAX_NORM))))
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
         for (rank, (z, p)) in zero.iter().zip(&plain).enumerate() {
             for (a, b) in z.0.iter().zip(&p.0) {
                 assert!(
@@ -831,5 +839,11 @@ fn clipping_with_zero_stage_optimizers_matches_plain_ones() {
                 );
             }
         }
+    }
+    // A ZeRO optimizer built without the updater's norm would not clip: an error, not a
+    // silently unclipped run.
+    for outcome in run(Some((ZeroStage::One, None))) {
+        let e = outcome.unwrap_err();
+        assert!(e.contains("with_max_grad_norm(Some(0.001))"), "{e}");
     }
 }

@@ -607,6 +607,11 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         self
     }
 
+    /// The norm the step clips the gradients to ([`ZeroConfig::with_max_grad_norm`]).
+    pub fn max_grad_norm(&self) -> Option<f64> {
+        self.config.max_grad_norm
+    }
+
     /// Names the parameters in checkpoints by the whole model's names when the wrapped module
     /// is a part of it: `rename` maps a parameter path of the module (after tensor-parallel
     /// logical naming) to its name in the whole model. A pipeline stage holding blocks 4..8 of
