@@ -896,6 +896,36 @@ impl DiLoCo {
     /// [`DiLoCoError::State`] once an island was dropped (a restart would start with every
     /// island again: restart from a checkpoint taken before); the errors of the exchanges in
     /// flight.
+    ///
+    /// # Example
+    /// ```
+    /// use burn::nn::{Initializer, LinearConfig};
+    /// use burn::tensor::Device;
+    /// use burn_parallel::diloco::{DiLoCo, DiLoCoConfig, Islands};
+    /// use burn_parallel::run_local;
+    ///
+    /// run_local(2, |world| {
+    ///     let model = LinearConfig::new(3, 2)
+    ///         .with_initializer(Initializer::Constant { value: 0.5 })
+    ///         .init(&Device::flex());
+    ///     let islands = Islands::new(&world, 2).unwrap();
+    ///     let config = DiLoCoConfig { inner_steps: 2, ..DiLoCoConfig::default() };
+    ///     let mut diloco = DiLoCo::new(&islands, config, &model).unwrap();
+    ///     let model = diloco.sync(0, model).unwrap(); // nothing due after step 0
+    ///     let state = diloco.state().unwrap();
+    ///     assert_eq!(state.outer.len(), 2); // the weight and the bias
+    ///     // A restarted run: a fresh DiLoCo with the saved state.
+    ///     let mut restarted = DiLoCo::new(&islands, config, &model).unwrap();
+    ///     restarted.restore(state.clone()).unwrap();
+    ///     assert_eq!(restarted.state().unwrap().meta, state.meta);
+    ///     // Another number of islands is refused.
+    ///     let one = Islands::new(&world, 1).unwrap();
+    ///     let mut other = DiLoCo::new(&one, config, &model).unwrap();
+    ///     assert!(other.restore(state).is_err());
+    ///     Ok(())
+    /// })
+    /// .unwrap();
+    /// ```
     pub fn state(&mut self) -> Result<DiLoCoState, DiLoCoError> {
         if let Some(event) = self.history.iter().find(|e| !e.dropped.is_empty()) {
             return Err(DiLoCoError::State(format!(

@@ -945,6 +945,13 @@ impl<O: ElementWise> ZeroOptimizer<O> {
     /// dtype than the policy's (call [`ZeroOptimizer::prepare_module`]); collective failures at
     /// stage 2.
     pub fn accumulate<M: Module>(&mut self, module: &M, grads: GradientsParams) -> Result<()> {
+        if self.reduced.is_some() {
+            return Err(ZeroError::Config(
+                "accumulate called after gradient_squares reduced the step's gradients: step \
+                 first (gradient_squares ends the accumulation)"
+                    .into(),
+            ));
+        }
         let want = self.config.precision.param_dtype;
         if self.master.is_some()
             && let Some(found) = first_param_dtype(module)
