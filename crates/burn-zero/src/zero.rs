@@ -1100,7 +1100,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
     ///
     /// # Example
     /// ```
-    /// use burn::nn::LinearConfig;
+    /// use burn::nn::{Initializer, LinearConfig};
     /// use burn::optim::{AdamWConfig, GradientsParams};
     /// use burn::tensor::{Device, Tensor};
     /// use burn_parallel::run_local;
@@ -1108,7 +1108,10 @@ impl<O: ElementWise> ZeroOptimizer<O> {
     ///
     /// run_local(2, |group| {
     ///     let device = Device::flex().autodiff();
-    ///     let model = LinearConfig::new(4, 3).init(&device);
+    ///     // The same weights on every rank.
+    ///     let model = LinearConfig::new(4, 3)
+    ///         .with_initializer(Initializer::Constant { value: 0.1 })
+    ///         .init(&device);
     ///     let config = ZeroConfig::new(Stage::Two).with_max_grad_norm(Some(0.1));
     ///     let mut zero = ZeroOptimizer::new(&model, ShardGroups::flat(group.clone()), config,
     ///         AdamWConfig::new().build()).unwrap();
