@@ -929,7 +929,9 @@ impl DiLoCo {
     pub fn state(&mut self) -> Result<DiLoCoState, DiLoCoError> {
         if let Some(event) = self.history.iter().find(|e| !e.dropped.is_empty()) {
             return Err(DiLoCoError::State(format!(
-                "island(s) {:?} were dropped at the sync of step {:?}; a restarted job has                  every island again, so the state after that is not saved: restart from a                  checkpoint taken before",
+                "island(s) {:?} were dropped at the sync of step {:?}; a restarted job has \
+                 every island again, so the state after that is not saved: restart from a \
+                 checkpoint taken before",
                 event.dropped, event.step
             )));
         }
@@ -1024,7 +1026,8 @@ impl DiLoCo {
                 self.params.len()
             ));
         }
-        let values = |what: &str, id: ParamId, p: &Tracked, map: &HashMap<ParamId, TensorData>| {
+        let values = |what: &str, p: &Tracked, map: &HashMap<ParamId, TensorData>| {
+            let id = p.id;
             let data = map.get(&id).ok_or_else(|| {
                 DiLoCoError::State(format!("{what} of parameter {id:?} is missing"))
             })?;
@@ -1048,7 +1051,7 @@ impl DiLoCo {
             let mut avg = Vec::new();
             for &i in members {
                 let p = &self.params[i];
-                avg.extend(values("an exchange in flight", p.id, p, grads)?);
+                avg.extend(values("an exchange in flight", p, grads)?);
             }
             received.push_back(Outcome {
                 avg,
@@ -1065,9 +1068,9 @@ impl DiLoCo {
         }
         let mut params = self.params.clone();
         for p in &mut params {
-            p.anchor = Arc::new(values("the outer model", p.id, p, &state.outer)?);
+            p.anchor = Arc::new(values("the outer model", p, &state.outer)?);
             if self.config.outer_momentum != 0.0 {
-                p.momentum = values("the outer momentum", p.id, p, &state.momentum)?;
+                p.momentum = values("the outer momentum", p, &state.momentum)?;
             }
         }
         self.params = params;

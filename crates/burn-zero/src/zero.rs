@@ -331,27 +331,11 @@ impl ShardGroups {
         shards: &mut [Vec<f32>],
         max_norm: Option<f64>,
     ) -> Result<Option<f64>> {
-        self.clip_with(shards, max_norm, 0.0)
-    }
-
-    /// [`Self::clip`] with `outside_sq` (the same on every rank) added to the squared norm.
-    fn clip_with(
-        &self,
-        shards: &mut [Vec<f32>],
-        max_norm: Option<f64>,
-        outside_sq: f64,
-    ) -> Result<Option<f64>> {
         let Some(max_norm) = max_norm else {
             return Ok(None);
         };
         let local: f64 = shards.iter().map(|s| sum_of_squares(s)).sum();
-        let norm = if outside_sq == 0.0 {
-            global_norm(local, &self.shard)?
-        } else {
-            let data = TensorData::new(vec![local], [1]);
-            let total = self.shard.all_reduce_data(data, ReduceOp::Sum)?;
-            (total.try_to_vec::<f64>().expect("f64 in, f64 out")[0] + outside_sq).sqrt()
-        };
+        let norm = global_norm(local, &self.shard)?;
         let coef = clip_coefficient(norm, max_norm);
         if coef < 1.0 {
             let coef = coef as f32;
@@ -661,43 +645,6 @@ impl<O: ElementWise> ZeroOptimizer<O> {
             }
         }
         Ok(segments)
-    }
-
-    /// Clips this rank's gradient shard `grad` (at `self.range` of the flat space) by the
-    /// global norm over the shard group and, for the tensor-parallel shards, the
-    /// tensor-parallel group.
-    fn clip_tensor_parallel(
-        &self,
-        grad: &mut [f32],
-        tp: &ProcessGroup,
-        ranges: &[Range<usize>],
-        outside_sq: f64,
-    ) -> Result<Option<f64>> {
-        let Some(max_norm) = self.config.max_grad_norm else {
-            return Ok(None);
-        };
-        let start = self.range.start;
-        let in_tp: f64 = ranges
-            .iter()
-            .filter_map(|r| {
-                let (a, b) = (r.start.max(start), r.end.min(self.range.end));
-                (a < b).then(|| sum_of_squares(&grad[a - start..b - start]))
-            })
-            .sum();
-        let local = [sum_of_squares(grad) - in_tp, in_tp];
-        let sums = self
-            .groups
-            .shard
-            .all_reduce_data(TensorData::new(local.to_vec(), [2]), ReduceOp::Sum)?;
-        let sums = sums.try_to_vec::<f64>().expect("f64 in, f64 out");
-        let tp_sum = tp.all_reduce_data(TensorData::new(vec![sums[1]], [1]), ReduceOp::Sum)?;
-        let tp_sum = tp_sum.try_to_vec::<f64>().expect("f64 in, f64 out")[0];
-        let norm = (sums[0] + tp_sum + outside_sq).sqrt();
-        let coef = clip_coefficient(norm, max_norm);
-        if coef < 1.0 {
-            grad.iter_mut().for_each(|g| *g *= coef as f32);
-        }
-        Ok(Some(norm))
     }
 
     /// Returns `module` with its parameters in the policy's compute dtype, the trainable ones as
@@ -1051,7 +998,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
             None => self.reduce_shard()?,
         };
         let numel = self.layout.numel();
-        let mut shards = vec![shard];
+        let mut grad = shard;
         if overflow {
             self.tracker.sub(Category::Grads, grad_bytes);
             self.tracker.finish_step();
@@ -1062,20 +1009,19 @@ impl<O: ElementWise> ZeroOptimizer<O> {
             };
             return Ok((module, info));
         }
-        let tp_group = self
-            .tp
-            .as_ref()
-            .and_then(|(tp, ranges)| Some((tp.group()?.clone(), ranges)))
-            .filter(|(g, _)| g.size() > 1);
-        let grad_norm = match tp_group {
-            Some((tp, ranges)) => {
-                self.clip_tensor_parallel(&mut shards[0], &tp, ranges, outside_sq)?
+        // Clipped by the global norm: this flat space's (over the shard group, and the
+        // tensor-parallel group for its shards) and what lies outside it.
+        let grad_norm = match self.config.max_grad_norm {
+            None => None,
+            Some(max_norm) => {
+                let norm = (self.squares_of(&grad, |_| true)? + outside_sq).sqrt();
+                let coef = clip_coefficient(norm, max_norm);
+                if coef < 1.0 {
+                    grad.iter_mut().for_each(|g| *g *= coef as f32);
+                }
+                Some(norm)
             }
-            None => self
-                .groups
-                .clip_with(&mut shards, self.config.max_grad_norm, outside_sq)?,
         };
-        let grad = shards.pop().expect("one shard");
         self.apply_shard(lr, module, grad, (numel, grad_bytes))
             .map(|module| {
                 let info = StepInfo {
@@ -1136,7 +1082,17 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         if reduced.overflow {
             return Ok(f64::NAN);
         }
-        let sharded = self.tp.as_ref().map(|(tp, _)| tp.sharded_ids());
+        self.squares_of(&reduced.shard, select)
+    }
+
+    /// The squared norm of the parameters `select` picks in the gradient shard `grad` (at
+    /// `self.range` of the flat space), over every shard rank and, for tensor-parallel shards,
+    /// every tensor-parallel rank (a replicated parameter counts once).
+    fn squares_of(&self, grad: &[f32], select: impl Fn(ParamId) -> bool) -> Result<f64> {
+        let tp_ranges = self
+            .tp
+            .as_ref()
+            .map_or(&[][..], |(_, ranges)| ranges.as_slice());
         // [replicated, tensor-parallel shard] squares of this rank's range.
         let mut local = [0.0f64; 2];
         for (id, e) in self.layout.ids().iter().zip(self.layout.entries()) {
@@ -1147,8 +1103,8 @@ impl<O: ElementWise> ZeroOptimizer<O> {
             if a >= b || !select(*id) {
                 continue;
             }
-            let in_tp = sharded.as_ref().is_some_and(|s| s.contains(id));
-            let part = &reduced.shard[a - self.range.start..b - self.range.start];
+            let in_tp = tp_ranges.iter().any(|r| r.start == e.offset);
+            let part = &grad[a - self.range.start..b - self.range.start];
             local[usize::from(in_tp)] += sum_of_squares(part);
         }
         let sums = self

@@ -300,7 +300,8 @@ impl Dropped {
         }
         if self.token_rejections > 0 {
             s.push_str(&format!(
-                " ({} registration(s) failed the job-token check: is a rank started with                  another {JOB_TOKEN_ENV}?)",
+                " ({} registration(s) failed the job-token check: is a rank started with \
+                 another {JOB_TOKEN_ENV}?)",
                 self.token_rejections
             ));
         }
