@@ -1115,24 +1115,21 @@ impl StageCheckpoints<'_> {
             let map = self.map(stage)?;
             let mut mine = map.param_pieces(stage).map_err(|e| fail(&e))?;
             let tied = stage.tied_weight().is_some() && *s != 0;
-            let (mut state, more) = match updater.optimizers().get(s) {
-                Some(StageOptimizer::Module(optim)) => map
-                    .optimizer_pieces(optim.to_record())
-                    .map_err(|e| fail(&e))?,
+            // `sharded`: ZeRO's state, whose writing the map's replicas do not share.
+            let (mut state, more, sharded) = match updater.optimizers().get(s) {
+                Some(StageOptimizer::Module(optim)) => {
+                    let (state, more) = map
+                        .optimizer_pieces(optim.to_record())
+                        .map_err(|e| fail(&e))?;
+                    (state, more, false)
+                }
                 Some(StageOptimizer::Zero(zero)) => {
-                    // The stage's shard of its flat space (the replicas are its shard
-                    // ranks: each writes its own range).
+                    // Each of the stage's shard ranks writes its own range.
                     let (state, more) = zero
                         .checkpoint_state(&stage.tp, (1, 0))
                         .map_err(|e| fail(&e))?;
-                    // The last stage's copy of a tied table steps as the first's does: the
-                    // first stage's shard ranks write its state.
-                    let state = state
-                        .into_iter()
-                        .filter(|p| !(tied && p.name.ends_with("/wte.weight")))
-                        .collect();
                     let more = serde_json::to_value(more).expect("scalars serialise");
-                    (state, more)
+                    (state, more, true)
                 }
                 None => {
                     return Err(GptPipelineError::Checkpoint(format!(
@@ -1140,10 +1137,13 @@ impl StageCheckpoints<'_> {
                     )));
                 }
             };
-            // The second copy of a tied table on this rank is not written.
+            // The last stage's copy of a tied table steps as the first's does: it is written
+            // by the first stage when this rank holds both, and its ZeRO state always.
+            if tied && (self.both_ends || sharded) {
+                state.retain(|p| !p.name.ends_with("/wte.weight"));
+            }
             if tied && self.both_ends {
                 mine.retain(|p| p.name != "wte.weight");
-                state.retain(|p| !p.name.ends_with("/wte.weight"));
             }
             mine.extend(state);
             if let serde_json::Value::Object(more) = more {

@@ -229,11 +229,10 @@ pub fn train_gpt_diloco_checkpointed(
         .filter(|_| checkpoints.resume.is_none())
     {
         // Every island starts from the imported weights: they are the first outer model.
-        let fail = |e: &dyn std::fmt::Display| DiLoCoTrainError::Checkpoint(e.to_string());
-        let tensors = crate::hf::gpt_tensors_for(dir, &config.model).map_err(|e| fail(&e))?;
+        let tensors = crate::hf::gpt_tensors_for(dir, &config.model).map_err(checkpoint_error)?;
         model = ParamMap::new(&model, &model.tp, None)
             .and_then(|map| map.load_params(model, &tensors))
-            .map_err(|e| fail(&e))?;
+            .map_err(checkpoint_error)?;
     }
     burn_parallel::verify_replicas(&model, &world)
         .map_err(|e| DiLoCoTrainError::Config(e.to_string()))?;
@@ -272,20 +271,19 @@ pub fn train_gpt_diloco_checkpointed(
     let names = DiLoCoNames::new(&model, &world, &islands)?;
     let mut first_step = 0;
     if let Some(path) = &checkpoints.resume {
-        let fail = |e: &dyn std::fmt::Display| DiLoCoTrainError::Checkpoint(e.to_string());
-        let checkpoint = train_checkpoint::open_resume(path).map_err(|e| fail(&e))?;
-        let state = train_checkpoint::resume_state(&checkpoint, config).map_err(|e| fail(&e))?;
+        let checkpoint = train_checkpoint::open_resume(path).map_err(checkpoint_error)?;
+        let state =
+            train_checkpoint::resume_state(&checkpoint, config).map_err(checkpoint_error)?;
         model = names.load(model, (&mut optim, &inner), &mut diloco, &checkpoint)?;
         train_checkpoint::restore_dropout(&checkpoint, &train_checkpoint::dropout_layers(&model))
-            .map_err(|e| fail(&e))?;
+            .map_err(checkpoint_error)?;
         first_step = checkpoint.step();
         losses = state.losses;
     }
     let mut saver = match (&checkpoints.dir, checkpoints.save_every) {
-        (Some(dir), every) if every > 0 => Some(
-            Checkpointer::new(dir, checkpoints.keep, &world)
-                .map_err(|e| DiLoCoTrainError::Checkpoint(e.to_string()))?,
-        ),
+        (Some(dir), every) if every > 0 => {
+            Some(Checkpointer::new(dir, checkpoints.keep, &world).map_err(checkpoint_error)?)
+        }
         _ => None,
     };
     for step in first_step..config.steps {
@@ -329,7 +327,6 @@ pub fn train_gpt_diloco_checkpointed(
             phases: Default::default(), // not split by phase here
         });
         if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
-            let fail = |e: &dyn std::fmt::Display| DiLoCoTrainError::Checkpoint(e.to_string());
             let (pieces, meta, scalars) = names.pieces(&model, &optim, &mut diloco)?;
             let mut state = train_checkpoint::TrainerState::json(&losses, config);
             state[DILOCO_STATE] = serde_json::to_value(meta).expect("DiLoCo's state serialises");
@@ -339,13 +336,11 @@ pub fn train_gpt_diloco_checkpointed(
                     train_checkpoint::dropout_calls(&train_checkpoint::dropout_layers(&model)),
             });
             train_checkpoint::save_after(saver, checkpoints, step, pieces, (state, rank_state))
-                .map_err(|e| fail(&e))?;
+                .map_err(checkpoint_error)?;
         }
     }
     if let Some(saver) = saver.as_mut() {
-        saver
-            .wait()
-            .map_err(|e| DiLoCoTrainError::Checkpoint(e.to_string()))?;
+        saver.wait().map_err(checkpoint_error)?;
     }
     // The outer model: fragments not synced after the last step are synced now.
     model = diloco.finish(model)?;
@@ -623,8 +618,7 @@ struct DiLoCoNames {
 
 impl DiLoCoNames {
     fn new(model: &Gpt, world: &ProcessGroup, islands: &Islands) -> Result<Self, DiLoCoTrainError> {
-        let fail = |e: &dyn std::fmt::Display| DiLoCoTrainError::Checkpoint(e.to_string());
-        let plain = ParamMap::new(model, &model.tp, None).map_err(|e| fail(&e))?;
+        let plain = ParamMap::new(model, &model.tp, None).map_err(checkpoint_error)?;
         let shared = plain
             .clone()
             .with_replicas(|_| (world.size(), world.rank()));
@@ -652,20 +646,19 @@ impl DiLoCoNames {
         optim: &ModuleOptimizer,
         diloco: &mut DiLoCo,
     ) -> Result<(Vec<Piece>, DiLoCoMeta, serde_json::Value), DiLoCoTrainError> {
-        let fail = |e: &dyn std::fmt::Display| DiLoCoTrainError::Checkpoint(e.to_string());
         let state = diloco.state()?;
-        let mut pieces = self.island.param_pieces(model).map_err(|e| fail(&e))?;
+        let mut pieces = self.island.param_pieces(model).map_err(checkpoint_error)?;
         let (inner, scalars) = self
             .island
             .optimizer_pieces(optim.to_record())
-            .map_err(|e| fail(&e))?;
+            .map_err(checkpoint_error)?;
         pieces.extend(inner);
         let shared = |prefix: &str, values: &HashMap<ParamId, TensorData>| {
             self.shared
                 .clone()
                 .only(|p| values.contains_key(&p.id))
                 .value_pieces(prefix, values)
-                .map_err(|e| fail(&e))
+                .map_err(checkpoint_error)
         };
         pieces.extend(shared("", &state.outer)?);
         pieces.extend(shared(MOMENTUM, &state.momentum)?);
@@ -684,16 +677,15 @@ impl DiLoCoNames {
         diloco: &mut DiLoCo,
         checkpoint: &Checkpoint,
     ) -> Result<Gpt, DiLoCoTrainError> {
-        let fail = |e: &dyn std::fmt::Display| DiLoCoTrainError::Checkpoint(e.to_string());
         let meta: DiLoCoMeta = match checkpoint.state().get(DILOCO_STATE) {
             Some(meta) => serde_json::from_value(meta.clone()).map_err(|e| {
-                fail(&format!(
+                checkpoint_error(format!(
                     "{}: DiLoCo's state does not parse ({e}); the checkpoint is damaged",
                     checkpoint.dir().display()
                 ))
             })?,
             None => {
-                return Err(fail(&format!(
+                return Err(checkpoint_error(format!(
                     "{} was not saved by a DiLoCo run (it holds no outer momentum nor the \
                      islands' models): resume it without --diloco-islands, or start DiLoCo \
                      from its weights with a run that saves again",
@@ -707,14 +699,14 @@ impl DiLoCoNames {
             .island
             .clone()
             .with_logical_shapes(self.expected.clone(), "the DiLoCo run")
-            .map_err(|e| fail(&e))?;
+            .map_err(checkpoint_error)?;
         let model = island
             .load_params(model, checkpoint)
-            .map_err(|e| fail(&e))?;
+            .map_err(checkpoint_error)?;
         let scalars = merged_scalars(checkpoint, train_checkpoint::OPTIM_SCALARS);
         if let Some(record) = island
             .load_optimizer(checkpoint, &scalars)
-            .map_err(|e| fail(&e))?
+            .map_err(checkpoint_error)?
         {
             let empty = std::mem::replace(optim, fresh());
             *optim = empty.load_record(record);
@@ -733,7 +725,7 @@ impl DiLoCoNames {
                         .all(|s| names.contains(s.logical.as_str()))
                 })
                 .read_values(checkpoint, prefix, DType::F32)
-                .map_err(|e| fail(&e))
+                .map_err(checkpoint_error)
         };
         let state = DiLoCoState {
             outer: read("")?,
@@ -751,12 +743,14 @@ impl DiLoCoNames {
 /// Prefix of the outer momentum's tensors.
 const MOMENTUM: &str = "diloco/momentum/";
 
-/// Prefix of the tensors of the exchanges in flight.
-const IN_FLIGHT: &str = "diloco/in_flight.";
-
 /// Prefix of the averaged pseudo-gradient of exchange `j` in flight.
 fn in_flight(j: usize) -> String {
-    format!("{IN_FLIGHT}{j}/")
+    format!("diloco/in_flight.{j}/")
+}
+
+/// A checkpoint error of a DiLoCo run.
+fn checkpoint_error(e: impl std::fmt::Display) -> DiLoCoTrainError {
+    DiLoCoTrainError::Checkpoint(e.to_string())
 }
 
 /// The name of island `k`'s copy of parameter `name`.

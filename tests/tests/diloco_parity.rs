@@ -1263,18 +1263,23 @@ fn a_diloco_run_resumes_from_a_checkpoint_between_syncs() {
         steps: SAVED,
         ..config.clone()
     };
-    let plain = run_local(1, |g| {
-        examples::train::train_gpt_checkpointed(
-            &g,
-            &at_save,
-            &Parallelism::default(),
-            &corpus,
-            &resume,
-            &mut |_| {},
-        )
-    })
-    .unwrap()
-    .remove(0);
+    // The first SAVED steps of a run without DiLoCo on `ranks` ranks, with `options`.
+    let plain_run = |ranks: usize, options: &CheckpointOptions| {
+        run_local(ranks, |g| {
+            let parallel = Parallelism::default();
+            examples::train::train_gpt_checkpointed(
+                &g,
+                &at_save,
+                &parallel,
+                &corpus,
+                options,
+                &mut |_| {},
+            )
+        })
+        .unwrap()
+        .remove(0)
+    };
+    let plain = plain_run(1, &resume);
     let checkpoint =
         burn_parallel::checkpoint::Checkpoint::open(&dir.join(format!("step-{SAVED:08}"))).unwrap();
     for p in &plain.final_params {
@@ -1293,17 +1298,7 @@ fn a_diloco_run_resumes_from_a_checkpoint_between_syncs() {
         dir: Some(plain_dir.clone()),
         ..save.clone()
     };
-    run_local(2, |g| {
-        examples::train::train_gpt_checkpointed(
-            &g,
-            &at_save,
-            &Parallelism::default(),
-            &corpus,
-            &plain_save,
-            &mut |_| {},
-        )
-    })
-    .unwrap();
+    plain_run(2, &plain_save);
     let from_plain = CheckpointOptions {
         resume: Some(plain_dir.clone()),
         ..CheckpointOptions::default()
