@@ -90,12 +90,39 @@ impl Reference {
 /// # Panics
 /// When the run fails (with the layout and the error) or ranks disagree.
 pub fn train_layout(world: usize, parallel: &Parallelism, config: &TrainConfig) -> TrainReport {
+    train_layout_on(world, parallel, config, false)
+}
+
+/// [`train_layout`] with `tensor_path` set on the world (`ProcessGroup::with_tensor_path`,
+/// inherited by the mesh's sub-groups): the path an NCCL job takes on CUDA, where every
+/// technique communicates tensors on the device; here each collective stages them through host
+/// memory inside.
+pub fn train_layout_on(
+    world: usize,
+    parallel: &Parallelism,
+    config: &TrainConfig,
+    tensor_path: bool,
+) -> TrainReport {
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let reports = burn_parallel::run_local(world, |g| {
+        let g = g.with_tensor_path(tensor_path);
         examples::train::train_gpt_parallel(&g, config, parallel, &corpus, &mut |_| {})
     })
-    .unwrap_or_else(|e| panic!("{parallel:?} on {world} ranks: {e}"));
+    .unwrap_or_else(|e| panic!("{parallel:?} on {world} ranks (tensor path {tensor_path}): {e}"));
     rank0_if_ranks_agree(reports, |r| (&r.losses, &r.final_params))
+}
+
+/// [`check_layout`] on the tensor-level path ([`train_layout_on`]).
+pub fn check_layout_on_tensor_path(
+    reference: &Reference,
+    world: usize,
+    parallel: Parallelism,
+    config: &TrainConfig,
+    tol: f64,
+    what: &str,
+) {
+    let r = train_layout_on(world, &parallel, config, true);
+    assert_matches_reference(reference, &r.losses, &r.final_params, tol, what);
 }
 
 /// The first of `reports` (one per rank), after checking that every rank reports the same losses

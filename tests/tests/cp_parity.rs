@@ -120,6 +120,34 @@ fn gpt_ulysses_matches_single_device() {
     );
 }
 
+/// The path an NCCL job takes on CUDA (`ProcessGroup::with_tensor_path`; here each collective
+/// stages through host memory): the ring's rotations as `ProcessGroup::send_recv` exchanges and
+/// its backward on the gradient tensor, Ulysses' all-to-alls on tensors, against single-device
+/// training.
+#[test]
+fn gpt_cp_on_the_tensor_path_matches_single_device() {
+    let config = config();
+    let reference = reference_run(&config);
+    let cases = [
+        (
+            cp(4, CpKind::Ring, CpBalance::HeadTail),
+            "ring cp 4 headtail, tensor path",
+        ),
+        (
+            cp(2, CpKind::Ring, CpBalance::None),
+            "ring cp 2, tensor path",
+        ),
+        (
+            cp(4, CpKind::Ulysses, CpBalance::None),
+            "ulysses cp 4, tensor path",
+        ),
+    ];
+    for (p, what) in cases {
+        let world = p.cp;
+        tests::check_layout_on_tensor_path(&reference, world, p, &config, TOL, what);
+    }
+}
+
 #[test]
 fn gpt_cp_x_dp_and_cp_x_tp_match_single_device() {
     let config = config();

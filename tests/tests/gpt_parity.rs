@@ -128,31 +128,20 @@ fn gpt_dp2_x_tp2_matches_single_device() {
 }
 
 /// The path an NCCL job takes on CUDA, here staged through host memory: DDP's gradient buckets
-/// formed as tensors on the device and the tensor and sequence parallel collectives on tensors
-/// (`ProcessGroup::with_tensor_path`, inherited by the mesh's sub-groups), dp 2 x tp 2 + sp,
-/// against single-device training.
+/// formed as tensors on the device, the tensor and sequence parallel collectives on tensors, and
+/// FSDP's all-gathers, reduce-scatters and sequence-parallel norm sums on tensors
+/// (`ProcessGroup::with_tensor_path`, inherited by the mesh's sub-groups), against
+/// single-device training.
 #[test]
 fn gpt_dp2_x_tp2_on_the_tensor_path_matches_single_device() {
     let config = config();
     let reference = reference_run(&config);
-    let corpus = Corpus::load_default().expect("the bundled corpus");
-    let reports = run_local(4, |g| {
-        train_gpt_parallel(
-            &g.with_tensor_path(true),
-            &config,
-            &tp(2, true),
-            &corpus,
-            &mut |_| {},
-        )
-    })
-    .expect("dp 2 x tp 2 + sp on the tensor path");
-    let report = tests::rank0_if_ranks_agree(reports, |r| (&r.losses, &r.final_params));
-    assert_matches_reference(
-        &reference,
-        &report.losses,
-        &report.final_params,
-        TOL,
-        "dp 2 x tp 2 + sp, tensor path",
+    let on_tensors =
+        |p, what| tests::check_layout_on_tensor_path(&reference, 4, p, &config, TOL, what);
+    on_tensors(tp(2, true), "dp 2 x tp 2 + sp, tensor path");
+    on_tensors(
+        zero(Stage::Three, 2, true),
+        "FSDP 2 x tp 2 + sp, tensor path",
     );
 }
 

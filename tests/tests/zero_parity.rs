@@ -51,8 +51,22 @@ fn zero_run(
     zero: &ZeroConfig,
     options: &ZeroRunOptions,
 ) -> Vec<ZeroReport> {
+    zero_run_on(ranks, hybrid, config, zero, options, false)
+}
+
+/// [`zero_run`] with `tensor_path` set on the world (`ProcessGroup::with_tensor_path`): the
+/// collectives an NCCL job runs on the device, here staged through host memory.
+fn zero_run_on(
+    ranks: usize,
+    hybrid: bool,
+    config: &TrainConfig,
+    zero: &ZeroConfig,
+    options: &ZeroRunOptions,
+    tensor_path: bool,
+) -> Vec<ZeroReport> {
     let corpus = corpus();
     run_local(ranks, |world| {
+        let world = world.with_tensor_path(tensor_path);
         let groups = if hybrid {
             let mesh =
                 DeviceMesh::new(&world, &[("dp_replicate", 2), ("dp_shard", ranks / 2)]).unwrap();
@@ -655,6 +669,53 @@ fn fsdp_prefetch_gives_identical_losses() {
         assert!(
             double > single && double <= 2 * single,
             "{what}: gathered peak {double} with prefetch vs {single} without"
+        );
+    }
+}
+
+/// Stage 3's all-gathers and gradient reduce-scatters on tensors (the path an NCCL job takes on
+/// CUDA, `ProcessGroup::with_tensor_path`; here staged through host memory) give exactly the
+/// run of the host path: synchronous and prefetched gathers, with gradient accumulation (the
+/// unsharded leaf), in bf16 (gathered in the compute dtype) and hybrid-sharded.
+#[test]
+fn fsdp_on_the_tensor_path_gives_the_host_paths_run() {
+    let config = tiny_gpt_run(6);
+    let accum = TrainConfig {
+        grad_accum: 2,
+        ..config.clone()
+    };
+    let options = ZeroRunOptions {
+        final_params: true,
+        ..Default::default()
+    };
+    let base = ZeroConfig::new(Stage::Three).with_max_grad_norm(Some(CLIP));
+    let cases = [
+        (2, false, &config, base.clone(), "2 ranks"),
+        (
+            2,
+            false,
+            &config,
+            base.clone().with_prefetch(true),
+            "2 ranks, prefetch",
+        ),
+        (2, false, &accum, base.clone(), "2 ranks, accumulation"),
+        (4, false, &config, base.clone(), "4 ranks"),
+        (
+            2,
+            false,
+            &config,
+            base.clone().with_precision(MixedPrecision::bf16()),
+            "2 ranks, bf16",
+        ),
+        (4, true, &config, base.clone(), "hybrid 2 x 2"),
+    ];
+    for (ranks, hybrid, cfg, zero, what) in cases {
+        let host = zero_run_on(ranks, hybrid, cfg, &zero, &options, false);
+        let tensors = zero_run_on(ranks, hybrid, cfg, &zero, &options, true);
+        assert_eq!(tensors[0].losses, host[0].losses, "{what}: losses");
+        assert!(
+            tensors[0].final_params == host[0].final_params,
+            "{what}: final parameters differ"
         );
     }
 }

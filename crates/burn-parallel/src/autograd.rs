@@ -77,8 +77,10 @@ impl BackwardFn {
         self
     }
 
-    /// [`BackwardFn::on_device`] when `on` (the group collects on the device), else `self`.
-    fn on_device_if<const D: usize>(
+    /// [`BackwardFn::on_device`] when `on`, else `self`: pass
+    /// [`ProcessGroup::collects_on_device`] of the gradient's device, so the gradient stays on
+    /// the device exactly when the group's collectives run there.
+    pub fn on_device_if<const D: usize>(
         self,
         on: bool,
         f: impl Fn(Tensor<D>) -> Result<Tensor<D>> + Send + Sync + 'static,
@@ -529,6 +531,29 @@ pub fn all_to_all<const D: usize>(
             .on_device::<D>(move |grad| gd.all_to_all(grad, dim, &recv_sizes)),
         ));
     }
+    let n = group.size();
+    let piece = x.dims()[split_dim] / n.max(1);
+    if group.collects_on_device(&x.device())
+        && send_sizes.len() == n
+        && send_sizes.iter().all(|&s| s == piece)
+        && piece * n == x.dims()[split_dim]
+    {
+        // Ulysses' swap on the device, with even pieces: laid side by side along `concat_dim`,
+        // the pieces make it one all-to-all along that dim; the backward is the same swap back.
+        let y = swap_dims_all_to_all(group, x.clone().detach(), split_dim, concat_dim)?;
+        let (g, gd) = (group.clone(), group.clone());
+        let width = x.dims()[concat_dim];
+        let recv_sizes = vec![width; n];
+        return Ok(attach(
+            x,
+            y,
+            BackwardFn::new("all_to_all", move |grad| {
+                g.all_to_all_dims_data(grad, concat_dim, &recv_sizes, split_dim)
+                    .map(|(data, _)| data)
+            })
+            .on_device::<D>(move |grad| swap_dims_all_to_all(&gd, grad, concat_dim, split_dim)),
+        ));
+    }
     let (out, recv_sizes) =
         group.all_to_all_dims_data(host(&x), split_dim, send_sizes, concat_dim)?;
     let y = to_device(out, &x);
@@ -541,6 +566,25 @@ pub fn all_to_all<const D: usize>(
                 .map(|(data, _)| data)
         }),
     ))
+}
+
+/// The all-to-all that cuts `x` into `group.size()` even pieces along `split_dim` and
+/// concatenates what arrives along `concat_dim`, as the group's tensor-level all-to-all along
+/// `concat_dim` (on the device where the group collects there): the pieces are laid side by
+/// side along `concat_dim` first. Every rank's `x` has the same shape.
+fn swap_dims_all_to_all<const D: usize>(
+    group: &ProcessGroup,
+    x: Tensor<D>,
+    split_dim: usize,
+    concat_dim: usize,
+) -> Result<Tensor<D>> {
+    let n = group.size();
+    let piece = x.dims()[split_dim] / n;
+    let width = x.dims()[concat_dim];
+    let pieces = (0..n)
+        .map(|k| x.clone().narrow(split_dim, k * piece, piece))
+        .collect();
+    group.all_to_all(Tensor::cat(pieces, concat_dim), concat_dim, &vec![width; n])
 }
 
 /// Sends `x` to group rank `peer` under `tag` and returns a one-element zero tensor that

@@ -1235,6 +1235,108 @@ impl ProcessGroup {
         }
         Ok(tensor_from_data(data, device))
     }
+    /// Starts the exchange of a ring: sends `tensor` to group rank `to` and receives a tensor
+    /// of rank `D` from group rank `from`, both under `tag`; [`SendRecv::wait`] completes it
+    /// and returns what was received, on `tensor`'s device.
+    ///
+    /// On host transports the send leaves at once (sends never wait for the receiver), so the
+    /// caller can compute while it travels and wait afterwards. When the group collects on the
+    /// tensor's device (NCCL with CUDA tensors), the send and the receive run at `wait` as one
+    /// grouped NCCL operation: a ring of ranks that each send first and receive second would
+    /// otherwise deadlock on NCCL's blocking sends. So every rank of a ring calls `send_recv`
+    /// and `wait` in the same order.
+    ///
+    /// # Errors
+    /// [`CollectiveError::InvalidArgument`] when `to` or `from` is not another rank of the
+    /// group or `tag` is reserved; those of [`ProcessGroup::send`] and [`ProcessGroup::recv`].
+    ///
+    /// # Example
+    /// ```
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_parallel::run_local;
+    ///
+    /// // Three ranks pass their rank to the next one around the ring.
+    /// let got = run_local(3, |group| {
+    ///     let (r, n) = (group.rank(), group.size());
+    ///     let mine = Tensor::<1>::from_floats([r as f32], &Device::flex());
+    ///     let shift = group.send_recv(mine, (r + 1) % n, (r + n - 1) % n, 7)?;
+    ///     // ... compute here while the block travels ...
+    ///     Ok(shift.wait()?.into_data().to_vec::<f32>().unwrap()[0])
+    /// })
+    /// .unwrap();
+    /// assert_eq!(got, vec![2.0, 0.0, 1.0]);
+    /// ```
+    pub fn send_recv<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        to: usize,
+        from: usize,
+        tag: u64,
+    ) -> Result<SendRecv<D>> {
+        self.check_peer("send_recv", to, tag)?;
+        self.check_peer("send_recv", from, tag)?;
+        let device = tensor.device();
+        #[cfg(all(feature = "nccl", feature = "cuda"))]
+        if crate::comm::nccl::device::routes(self, &device) {
+            return Ok(SendRecv {
+                group: self.clone(),
+                from,
+                tag,
+                device,
+                deferred: Some((tensor, to)),
+            });
+        }
+        self.send(tensor, to, tag)?;
+        Ok(SendRecv {
+            group: self.clone(),
+            from,
+            tag,
+            device,
+            deferred: None,
+        })
+    }
+}
+
+/// An exchange started by [`ProcessGroup::send_recv`]; [`SendRecv::wait`] completes it.
+#[must_use = "the receive (and on NCCL the send) completes only in SendRecv::wait"]
+#[derive(Debug)]
+pub struct SendRecv<const D: usize> {
+    group: ProcessGroup,
+    from: usize,
+    tag: u64,
+    device: burn::tensor::Device,
+    /// The tensor and its destination when the send runs at `wait`, grouped with the receive
+    /// (NCCL); `None` when it has left already.
+    deferred: Option<(Tensor<D>, usize)>,
+}
+
+impl<const D: usize> SendRecv<D> {
+    /// Completes the exchange: returns the tensor received from `from`, on the device of the
+    /// tensor sent.
+    ///
+    /// # Errors
+    /// Those of [`ProcessGroup::recv`] (a dead peer, a timeout, a tensor of another rank than
+    /// `D`); on NCCL, [`CollectiveError::Mismatch`] when the peer did not send through NCCL.
+    pub fn wait(self) -> Result<Tensor<D>> {
+        match self.deferred {
+            Some((tensor, to)) => {
+                #[cfg(all(feature = "nccl", feature = "cuda"))]
+                return crate::comm::nccl::device::send_recv(
+                    &self.group,
+                    tensor,
+                    to,
+                    self.from,
+                    self.tag,
+                );
+                #[cfg(not(all(feature = "nccl", feature = "cuda")))]
+                unreachable!(
+                    "deferred sends exist only with NCCL: {:?} to {to}",
+                    tensor.shape()
+                )
+            }
+            None => self.group.recv(self.from, self.tag, &self.device),
+        }
+    }
 }
 
 /// Shape with `dim` shown as `*` (the part of a shape every rank must agree on).

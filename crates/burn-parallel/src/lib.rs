@@ -29,7 +29,7 @@ pub use comm::local::{local_world, run_local};
 pub use comm::tcp::{TcpConfig, TcpRendezvous, init_from_env};
 pub use comm::transport::Transport;
 pub use error::{CollectiveError, Result};
-pub use group::ProcessGroup;
+pub use group::{ProcessGroup, SendRecv};
 pub mod autograd;
 pub mod checkpoint;
 pub mod context_parallel;

@@ -53,10 +53,10 @@ use burn::module::Module;
 use burn::optim::LearningRate;
 use burn::tensor::Gradients;
 use burn::tensor::{DType, Device, Tensor, TensorData};
-use burn_parallel::ReduceOp;
 use burn_parallel::autograd::{BackwardFn, attach};
 use burn_parallel::checkpoint::{Checkpoint, Piece, ScalarsByLogical};
 use burn_parallel::nn::TpContext;
+use burn_parallel::{ProcessGroup, ReduceOp};
 
 use crate::error::{Result, ZeroError};
 use crate::flat::{FlatLayout, host_f32, shard_range, shard_sizes, strip_params, tensor_1d};
@@ -245,8 +245,9 @@ pub struct FsdpUnit<M: Module> {
 }
 
 /// What a unit's all-gathers bring: the trainable flat space (when the unit has trainable
-/// parameters) and the frozen one (when it has frozen parameters).
-type Fetched = (Option<TensorData>, Option<TensorData>);
+/// parameters) and the frozen one (when it has frozen parameters), on the device of the slices
+/// they were gathered from (in device memory when the shard group collects there: NCCL).
+type Fetched = (Option<Tensor<1>>, Option<Tensor<1>>);
 
 /// How a unit's shard travels in the all-gather.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -364,9 +365,22 @@ impl<M: Module> FsdpUnit<M> {
         self.shard.layout.numel() > 0
     }
 
-    /// The host data of this rank's frozen slice (compute dtype), when there is one.
-    fn frozen_input(&self) -> Option<TensorData> {
-        self.frozen.as_ref().map(|(_, t)| t.clone().into_data())
+    /// This rank's frozen slice (compute dtype, no autodiff), when there is one.
+    fn frozen_input(&self) -> Option<Tensor<1>> {
+        self.frozen.as_ref().map(|(_, t)| t.clone())
+    }
+
+    /// The all-gathers of the unit's slices (`trainable`: the detached trainable slice, when
+    /// the unit has one), tensor-level so that they run in device memory where the shard group
+    /// collects there.
+    fn all_gather(
+        group: &ProcessGroup,
+        trainable: Option<Tensor<1>>,
+        frozen: Option<Tensor<1>>,
+    ) -> Result<Fetched> {
+        let data = trainable.map(|t| group.all_gather(t, 0)).transpose()?;
+        let frozen = frozen.map(|t| group.all_gather(t, 0)).transpose()?;
+        Ok((data, frozen))
     }
 
     fn is_cached(&self) -> bool {
@@ -390,19 +404,13 @@ impl<M: Module> FsdpUnit<M> {
         if inflight.is_some() || self.is_cached() {
             return Ok(());
         }
-        // Reading the shard is a local copy; the communication is what runs in the background.
-        let data = self
-            .trainable()
-            .then(|| self.gather_input(true).into_data());
+        // Only the communication runs in the background.
+        let data = self.trainable().then(|| self.gather_input(true));
         let frozen = self.frozen_input();
         let group = self.ctx.groups.shard().clone();
         let handle = std::thread::Builder::new()
             .name(format!("fsdp-prefetch-{}", self.shard.name))
-            .spawn(move || -> Result<Fetched> {
-                let data = data.map(|d| group.all_gather_data(d, 0)).transpose()?;
-                let frozen = frozen.map(|d| group.all_gather_data(d, 0)).transpose()?;
-                Ok((data, frozen))
-            })
+            .spawn(move || Self::all_gather(&group, data, frozen))
             .map_err(|e| ZeroError::Prefetch {
                 unit: self.shard.name.clone(),
                 reason: format!("cannot start the prefetch thread: {e}"),
@@ -459,35 +467,32 @@ impl<M: Module> FsdpUnit<M> {
                 self.ctx.tracker.sub(Category::Gathered, bytes);
             })?,
             None => {
-                let group = self.ctx.groups.shard();
-                let data = self
-                    .trainable()
-                    .then(|| group.all_gather_data(input.clone().into_data(), 0))
-                    .transpose()?;
-                let frozen = self
-                    .frozen_input()
-                    .map(|d| group.all_gather_data(d, 0))
-                    .transpose()?;
+                let trainable = self.trainable().then(|| input.clone().detach());
+                let fetched =
+                    Self::all_gather(self.ctx.groups.shard(), trainable, self.frozen_input())?;
                 self.ctx.tracker.add(Category::Gathered, bytes);
-                (data, frozen)
+                fetched
             }
         };
         let low = self.ctx.precision.param_dtype;
         let mut module = self.template.clone();
         if let (Some((layout, _)), Some(frozen)) = (&self.frozen, frozen) {
             // No backward, no gradient: the frozen parameters come back frozen.
-            let full = Tensor::<1>::from_data(frozen, (&self.ctx.device, low));
+            let full = if self.ctx.device.is_autodiff() {
+                frozen.autodiff()
+            } else {
+                frozen
+            };
             module = layout.unflatten(module, full, false)?;
         }
         let Some(data) = data else {
             return Ok(self.keep_gathered(module, bytes));
         };
-        let wire = input.dtype();
         let numel = self.shard.layout.numel();
         let full = match self.mode() {
             GatherMode::Unsharded => {
                 // No backward collective: a fresh leaf whose local gradient is kept unsharded.
-                let leaf = Tensor::<1>::from_data(data, (&self.ctx.device, wire)).require_grad();
+                let leaf = data.require_grad();
                 self.shard
                     .pending
                     .lock()
@@ -496,14 +501,18 @@ impl<M: Module> FsdpUnit<M> {
                 leaf
             }
             GatherMode::Low | GatherMode::Full => {
-                let y = Tensor::<1>::from_data(data, (&self.ctx.device, wire));
                 let group = self.ctx.groups.shard().clone();
+                let on_device = group.collects_on_device(&data.device());
                 let sizes = shard_sizes(numel, group.size());
+                let (group_d, sizes_d) = (group.clone(), sizes.clone());
                 attach(
                     input,
-                    y,
+                    data,
                     BackwardFn::new("fsdp_gather", move |grad| {
                         group.reduce_scatter_data(grad, 0, ReduceOp::Sum, Some(&sizes))
+                    })
+                    .on_device_if::<1>(on_device, move |grad| {
+                        group_d.reduce_scatter(grad, 0, ReduceOp::Sum, Some(&sizes_d))
                     }),
                 )
             }

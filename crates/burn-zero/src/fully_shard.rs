@@ -63,7 +63,6 @@ use burn::module::{
 };
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::autograd::{BackwardFn, attach};
-use burn_parallel::group::tensor_from_data;
 use burn_parallel::init::Init;
 use burn_parallel::nn::TpContext;
 use burn_parallel::plan::Glob;
@@ -292,11 +291,11 @@ impl<M: Module> Fsdp<M> {
             Inner::Sharded(s) => s,
         };
         let shard = s.shard.val();
-        let data = s
-            .group
-            .all_gather_data(shard.clone().detach().into_data(), 0)?;
-        let full = tensor_from_data::<1>(data, &shard.device());
+        // On the device when the group collects there (NCCL), else through host memory.
+        let full = s.group.all_gather(shard.clone().detach(), 0)?;
+        let on_device = s.group.collects_on_device(&shard.device());
         let (group, sizes, sequence) = (s.group.clone(), s.sizes.clone(), s.sequence.clone());
+        let (group_d, sizes_d, sequence_d) = (group.clone(), sizes.clone(), sequence.clone());
         let full = attach(
             shard,
             full,
@@ -306,6 +305,13 @@ impl<M: Module> Fsdp<M> {
                     None => grad,
                 };
                 group.reduce_scatter_data(grad, 0, ReduceOp::Avg, Some(&sizes))
+            })
+            .on_device_if::<1>(on_device, move |grad| {
+                let grad = match &sequence_d {
+                    Some((tp, ranges)) => sum_ranges_on_device(grad, tp, ranges)?,
+                    None => grad,
+                };
+                group_d.reduce_scatter(grad, 0, ReduceOp::Avg, Some(&sizes_d))
             }),
         );
         let module = s
@@ -356,6 +362,30 @@ fn sum_ranges(
     }
     let len = values.len();
     Ok(TensorData::new(values, [len]).convert_dtype(dtype))
+}
+
+/// [`sum_ranges`] on the gradient as a tensor on its device (the group's tensor-level
+/// all-reduce: NCCL when the group collects there).
+fn sum_ranges_on_device(
+    grad: Tensor<1>,
+    group: &ProcessGroup,
+    ranges: &[Range<usize>],
+) -> std::result::Result<Tensor<1>, CollectiveError> {
+    let picked = Tensor::cat(
+        ranges
+            .iter()
+            .map(|r| grad.clone().slice(r.clone()))
+            .collect(),
+        0,
+    );
+    let summed = group.all_reduce(picked, ReduceOp::Sum)?;
+    let mut at = 0;
+    let mut grad = grad;
+    for r in ranges {
+        grad = grad.slice_assign(r.clone(), summed.clone().narrow(0, at, r.len()));
+        at += r.len();
+    }
+    Ok(grad)
 }
 
 fn intersect(a: Range<usize>, b: &Range<usize>) -> Option<Range<usize>> {

@@ -1,8 +1,10 @@
 //! Ring attention.
 //!
 //! **Forward.** Each rank starts with its own K/V block. For `cp` steps it posts the block it
-//! holds to the next rank (`rank + 1`) *before* computing on it (the send does not wait, so
-//! the transfer overlaps the block's compute), attends its queries to the block, merges the
+//! holds to the next rank (`rank + 1`) *before* computing on it (on host transports the send
+//! does not wait, so the transfer overlaps the block's compute; on NCCL the send and the
+//! receive run as one grouped operation after the compute, see
+//! [`ProcessGroup::send_recv`]), attends its queries to the block, merges the
 //! partial result into its running output with the log-sum-exp rule, and receives the next
 //! block from `rank - 1`: `cp - 1` rotations. Only one `[local_seq, block]` score matrix per
 //! (query segment, key segment) pair exists at a time; no rank builds the full attention
@@ -28,7 +30,7 @@ use burn::tensor::{Bool, Tensor, TensorData};
 use super::{CpError, CpResult, SeqLayout, check_qkv};
 use crate::autograd::{BackwardFn, attach};
 use crate::error::CollectiveError;
-use crate::group::{ProcessGroup, tensor_from_data};
+use crate::group::{ProcessGroup, SendRecv, tensor_from_data};
 
 /// Point-to-point tag of the forward K/V rotation.
 pub const TAG_KV_FORWARD: u64 = 0x6370_0001;
@@ -137,6 +139,13 @@ struct Ring {
     dims: [usize; 4],
 }
 
+/// A rotation of the ring in flight.
+struct Shift {
+    exchange: SendRecv<4>,
+    /// The rank the block comes from.
+    from: usize,
+}
+
 impl Ring {
     fn next(&self) -> usize {
         (self.group.rank() + 1) % self.group.size()
@@ -146,33 +155,33 @@ impl Ring {
         (self.group.rank() + self.group.size() - 1) % self.group.size()
     }
 
-    fn send(&self, x: &Tensor<4>, peer: usize, tag: u64) -> CpResult<()> {
-        Ok(self.group.send_data(x.clone().into_data(), peer, tag)?)
+    /// Starts one rotation of the ring: sends `x` to `to`, receives from `from`
+    /// ([`ProcessGroup::send_recv`]: the send leaves now on host transports, and runs grouped
+    /// with the receive at [`Ring::finish`] on NCCL).
+    fn shift(&self, x: &Tensor<4>, to: usize, from: usize, tag: u64) -> CpResult<Shift> {
+        Ok(Shift {
+            exchange: self.group.send_recv(x.clone(), to, from, tag)?,
+            from,
+        })
     }
 
-    /// Receives a `[rows * b, h, n, d]` block from `peer`, checking its shape.
-    fn recv(
-        &self,
-        peer: usize,
-        tag: u64,
-        rows: usize,
-        device: &burn::tensor::Device,
-    ) -> CpResult<Tensor<4>> {
-        let data = self.group.recv_data(peer, tag)?;
+    /// Completes a rotation: the `[2 * b, h, n, d]` block received, its shape checked.
+    fn finish(&self, shift: Shift) -> CpResult<Tensor<4>> {
+        let block = shift.exchange.wait()?;
         let [b, h, n, d] = self.dims;
-        let want = [rows * b, h, n, d];
-        if data.shape().as_slice() != want {
+        let want = [2 * b, h, n, d];
+        if block.dims() != want {
             return Err(CpError::Shape {
                 op: "ring_attention".into(),
                 reason: format!(
                     "rank {} sent a block of shape {:?}, this rank expected {want:?}: every rank \
                      must pass q, k, v of the same shape",
-                    self.group.members()[peer],
-                    data.shape().as_slice()
+                    self.group.members()[shift.from],
+                    block.dims()
                 ),
             });
         }
-        Ok(tensor_from_data(data, device))
+        Ok(block)
     }
 
     /// The (query segment, key segment) pairs to compute with a block from `src`, with their
@@ -211,9 +220,9 @@ impl Ring {
         let mut kv = kv;
         for step in 0..cp {
             let src = (rank + cp - step) % cp;
-            if step + 1 < cp {
-                self.send(&kv, self.next(), TAG_KV_FORWARD)?;
-            }
+            let shift = (step + 1 < cp)
+                .then(|| self.shift(&kv, self.next(), self.prev(), TAG_KV_FORWARD))
+                .transpose()?;
             let k = kv.clone().narrow(0, 0, b);
             let v = kv.clone().narrow(0, b, b);
             for (qi, qs, ks, mask) in self.pairs(src, &device) {
@@ -230,8 +239,8 @@ impl Ring {
                     p.matmul(v.clone().narrow(2, ks.local.start, ks.local.len())) / sum.clone();
                 acc[qi] = Some(merge(acc[qi].take(), (out, max + sum.log())));
             }
-            if step + 1 < cp {
-                kv = self.recv(self.prev(), TAG_KV_FORWARD, 2, &device)?;
+            if let Some(shift) = shift {
+                kv = self.finish(shift)?;
             }
         }
         let (outs, lses): (Vec<_>, Vec<_>) = acc
@@ -258,15 +267,14 @@ impl Ring {
         let q_segs = segments(&self.layout, rank);
         let mut dq: Vec<Option<Tensor<4>>> = vec![None; q_segs.len()];
         let mut kv = last_kv.clone();
+        // The partial `dK`/`dV` sums of the block held, as received from `rank + 1`.
+        let mut incoming: Option<Tensor<4>> = None;
         let mut dkv = None;
         for step in 0..cp {
             let src = (rank + 1 + step) % cp;
-            if step > 0 {
-                kv = self.recv(self.next(), TAG_KV_BACKWARD, 2, &device)?;
-            }
-            if step + 1 < cp {
-                self.send(&kv, self.prev(), TAG_KV_BACKWARD)?;
-            }
+            let shift = (step + 1 < cp)
+                .then(|| self.shift(&kv, self.prev(), self.next(), TAG_KV_BACKWARD))
+                .transpose()?;
             let k = kv.clone().narrow(0, 0, b);
             let v = kv.clone().narrow(0, b, b);
             let mut dk = k.zeros_like();
@@ -298,13 +306,15 @@ impl Ring {
                     .slice_assign(range.clone(), dv.slice(range) + dv_s);
             }
             let contribution = Tensor::cat(vec![dk, dv], 0);
-            let total = if step > 0 {
-                self.recv(self.next(), TAG_DKV_BACKWARD, 2, &device)? + contribution
-            } else {
-                contribution
+            let total = match incoming.take() {
+                Some(partial) => partial + contribution,
+                None => contribution,
             };
-            if step + 1 < cp {
-                self.send(&total, self.prev(), TAG_DKV_BACKWARD)?;
+            if let Some(shift) = shift {
+                // The sums travel with their block: to `rank - 1`, as the block did.
+                let sums = self.shift(&total, self.prev(), self.next(), TAG_DKV_BACKWARD)?;
+                incoming = Some(self.finish(sums)?);
+                kv = self.finish(shift)?;
             }
             dkv = Some(total);
         }
@@ -373,11 +383,9 @@ pub fn ring_attention(
     let x = Tensor::cat(vec![q, k, v], 0);
     let inner_device = qd.device();
     let saved_out = out.clone();
-    Ok(attach(
-        x,
-        out.autodiff(),
-        BackwardFn::new("ring_attention", move |grad| {
-            let dout = tensor_from_data::<4>(grad, &inner_device);
+    // The second ring pass, on the gradient where it lives (it never needs the host).
+    let backward = std::sync::Arc::new(
+        move |dout: Tensor<4>| -> Result<Tensor<4>, CollectiveError> {
             let (dq, dk, dv) = ring
                 .backward(&qd, &saved_out, &lse, &last_kv, dout)
                 .map_err(|e| match e {
@@ -388,7 +396,16 @@ pub fn ring_attention(
                         reason: other.to_string(),
                     },
                 })?;
-            Ok(Tensor::cat(vec![dq, dk, dv], 0).into_data())
-        }),
+            Ok(Tensor::cat(vec![dq, dk, dv], 0))
+        },
+    );
+    let on_host = backward.clone();
+    Ok(attach(
+        x,
+        out.autodiff(),
+        BackwardFn::new("ring_attention", move |grad| {
+            Ok(on_host(tensor_from_data::<4>(grad, &inner_device))?.into_data())
+        })
+        .on_device::<4>(move |dout| backward(dout)),
     ))
 }
