@@ -112,19 +112,6 @@ pub fn train_layout_on(
     rank0_if_ranks_agree(reports, |r| (&r.losses, &r.final_params))
 }
 
-/// [`check_layout`] on the tensor-level path ([`train_layout_on`]).
-pub fn check_layout_on_tensor_path(
-    reference: &Reference,
-    world: usize,
-    parallel: Parallelism,
-    config: &TrainConfig,
-    tol: f64,
-    what: &str,
-) {
-    let r = train_layout_on(world, &parallel, config, true);
-    assert_matches_reference(reference, &r.losses, &r.final_params, tol, what);
-}
-
 /// The first of `reports` (one per rank), after checking that every rank reports the same losses
 /// and gathered the same parameters (`view` picks them out of a report).
 ///
@@ -155,7 +142,23 @@ pub fn check_layout(
     tol: f64,
     what: &str,
 ) {
-    let r = train_layout(world, &parallel, config);
+    check_layout_on(reference, world, parallel, config, tol, what, false);
+}
+
+/// [`check_layout`], on the tensor-level path when `tensor_path` ([`train_layout_on`]).
+///
+/// # Panics
+/// As [`check_layout`].
+pub fn check_layout_on(
+    reference: &Reference,
+    world: usize,
+    parallel: Parallelism,
+    config: &TrainConfig,
+    tol: f64,
+    what: &str,
+    tensor_path: bool,
+) {
+    let r = train_layout_on(world, &parallel, config, tensor_path);
     assert_matches_reference(reference, &r.losses, &r.final_params, tol, what);
 }
 

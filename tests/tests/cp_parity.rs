@@ -144,7 +144,7 @@ fn gpt_cp_on_the_tensor_path_matches_single_device() {
     ];
     for (p, what) in cases {
         let world = p.cp;
-        tests::check_layout_on_tensor_path(&reference, world, p, &config, TOL, what);
+        tests::check_layout_on(&reference, world, p, &config, TOL, what, true);
     }
 }
 

@@ -136,8 +136,7 @@ fn gpt_dp2_x_tp2_matches_single_device() {
 fn gpt_dp2_x_tp2_on_the_tensor_path_matches_single_device() {
     let config = config();
     let reference = reference_run(&config);
-    let on_tensors =
-        |p, what| tests::check_layout_on_tensor_path(&reference, 4, p, &config, TOL, what);
+    let on_tensors = |p, what| tests::check_layout_on(&reference, 4, p, &config, TOL, what, true);
     on_tensors(tp(2, true), "dp 2 x tp 2 + sp, tensor path");
     on_tensors(
         zero(Stage::Three, 2, true),

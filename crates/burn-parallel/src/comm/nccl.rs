@@ -14,9 +14,13 @@
 //!
 //! How the pieces fit:
 //!
-//! - **Loading.** `cudarc` loads `libcuda` and `libnccl` at run time, so this module builds on
-//!   machines without CUDA; [`probe`] reports a missing driver, device or library as
-//!   [`CollectiveError::BackendUnavailable`] saying what to install.
+//! - **Loading.** Everything is loaded at run time, so this module builds on machines without
+//!   CUDA: `cudarc` loads the CUDA driver (`libcuda`), and this crate loads NCCL itself (once
+//!   per process) from the file named by `BURN_PARALLEL_NCCL_LIB` when that is set (and only
+//!   from it), otherwise as `libnccl.so.2` (NCCL's soname, which runtime-only installs such as
+//!   the `libnccl2` package have) and then `libnccl.so`, on the library path. [`probe`] reports
+//!   a missing driver, device or library as [`CollectiveError::BackendUnavailable`] saying what
+//!   was tried and what to install.
 //! - **Bootstrap.** A communicator is created per group, lazily, at the group's first device
 //!   collective (every member makes that call, so every member joins): group rank 0 makes the
 //!   NCCL unique id and broadcasts it over the group's host transport, then every member joins
@@ -75,7 +79,12 @@ fn not_built() -> CollectiveError {
 }
 
 /// Checks that NCCL can run here on CUDA device `cuda_device`: the CUDA driver loads, the
-/// device exists, and `libnccl` (2.14 or newer) loads.
+/// device exists, and `libnccl` (2.14 or newer) loads: the file named by the environment
+/// variable `BURN_PARALLEL_NCCL_LIB` when it is set (no other then), otherwise `libnccl.so.2`
+/// or, failing that, `libnccl.so` on the library path (`LD_LIBRARY_PATH`, the `ld.so` cache).
+/// For a pip install (`nvidia-nccl-cu12`), set `BURN_PARALLEL_NCCL_LIB` to its
+/// `site-packages/nvidia/nccl/lib/libnccl.so.2` or put that folder on `LD_LIBRARY_PATH`. The
+/// library is loaded once per process; the variable is read then.
 ///
 /// # Arguments
 /// - `cuda_device`: the CUDA device index this rank will use (usually its `LOCAL_RANK`).
@@ -85,7 +94,7 @@ fn not_built() -> CollectiveError {
 ///
 /// # Errors
 /// [`CollectiveError::BackendUnavailable`] naming what is missing (the `nccl` feature, the CUDA
-/// driver, the device, `libnccl`) and what to install.
+/// driver, the device, `libnccl`: every candidate tried and why it failed) and what to install.
 ///
 /// # Example
 /// ```
@@ -256,8 +265,9 @@ impl DeviceComm {
     }
 }
 
-/// Library loading, communicators, waiting and error mapping: needs `libnccl` and the CUDA
-/// driver at run time only, so it builds (and its errors are tested) without Burn's `cuda`.
+/// Communicators, waiting and error mapping: needs `libnccl` (loaded by
+/// [`crate::comm::nccl_lib`]) and the CUDA driver at run time only, so it builds (and its errors
+/// are tested) without Burn's `cuda`.
 #[cfg(feature = "nccl")]
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 mod imp {
@@ -271,6 +281,7 @@ mod imp {
     use cudarc::nccl::sys;
 
     use super::{BACKEND, NcclInfo};
+    use crate::comm::nccl_lib::{self, Nccl};
     use crate::error::{CollectiveError, Result};
     use crate::group::ProcessGroup;
 
@@ -309,25 +320,30 @@ mod imp {
                  CUDA_VISIBLE_DEVICES"
             )));
         }
-        // SAFETY: only tries to dlopen libnccl's names.
-        if !unsafe { sys::is_culib_present() } {
-            return Err(unavailable(
-                "libnccl cannot be loaded (looked for libnccl.so and versioned names on the \
-                 library path): install NCCL 2.14 or newer (`apt install libnccl2 libnccl-dev`, \
-                 or `pip install nvidia-nccl-cu12` and put a `libnccl.so` link to its \
-                 `libnccl.so.2` on LD_LIBRARY_PATH)"
-                    .into(),
-            ));
+        // BURN_PARALLEL_NCCL_LIB, else libnccl.so.2, else libnccl.so; the error lists them.
+        let nccl = nccl_lib::get()?;
+        let mut code: c_int = 0;
+        // SAFETY: `code` outlives the call; ncclGetVersion only writes the version into it.
+        let result = unsafe { (nccl.get_version)(&mut code) };
+        if result != sys::ncclResult_t::ncclSuccess {
+            return Err(unavailable(format!(
+                "ncclGetVersion of libnccl {} failed: {}",
+                nccl.origin(),
+                describe(result)
+            )));
         }
-        let code = cudarc::nccl::result::get_nccl_version()
-            .map_err(|e| unavailable(format!("ncclGetVersion failed: {}", describe(e.0))))?;
         let code = u32::try_from(code).unwrap_or(0);
         // NCCL_VERSION(X, Y, Z) is X * 10000 + Y * 100 + Z since 2.9.
         let version = (code / 10000, (code / 100) % 100, code % 100);
         if (version.0, version.1) < MIN_VERSION {
             return Err(unavailable(format!(
-                "libnccl {}.{}.{} is too old: install NCCL {}.{} or newer",
-                version.0, version.1, version.2, MIN_VERSION.0, MIN_VERSION.1
+                "libnccl {}.{}.{} ({}) is too old: install NCCL {}.{} or newer",
+                version.0,
+                version.1,
+                version.2,
+                nccl.origin(),
+                MIN_VERSION.0,
+                MIN_VERSION.1
             )));
         }
         Ok(NcclInfo {
@@ -336,10 +352,13 @@ mod imp {
         })
     }
 
-    /// NCCL's name and text for a result code.
+    /// NCCL's name and text for a result code (the name alone if NCCL is not loaded).
     pub(super) fn describe(code: sys::ncclResult_t) -> String {
+        let Ok(nccl) = nccl_lib::get() else {
+            return format!("{code:?}");
+        };
         // SAFETY: ncclGetErrorString returns a static NUL-terminated string for any code.
-        let text = unsafe { sys::ncclGetErrorString(code) };
+        let text = unsafe { (nccl.get_error_string)(code) };
         let text = if text.is_null() {
             String::new()
         } else {
@@ -401,6 +420,8 @@ mod imp {
 
     /// One NCCL communicator and the CUDA stream its operations run on.
     pub(crate) struct Communicator {
+        /// The loaded NCCL the communicator belongs to.
+        nccl: &'static Nccl,
         comm: sys::ncclComm_t,
         stream: cusys::CUstream,
         context: cusys::CUcontext,
@@ -426,7 +447,7 @@ mod imp {
                 // SAFETY: the communicator is alive (not aborted) and no call is in flight:
                 // every operation waited for its completion before returning. Abort rather
                 // than destroy: it never waits for peers, so teardown cannot hang.
-                let _ = unsafe { sys::ncclCommAbort(self.comm) };
+                let _ = unsafe { (self.nccl.comm_abort)(self.comm) };
             }
             // SAFETY: the stream was created by this communicator and is not used after this;
             // CUDA releases it once pending work (none: every operation was waited for) ends.
@@ -490,6 +511,8 @@ mod imp {
                 op: op.clone(),
                 reason: format!("{what}: {e}"),
             };
+            // Loaded already by `probe` (through `attach`); an error here is that same one.
+            let nccl = nccl_lib::get()?;
             let context = context_of(ordinal).map_err(|e| cuda("retaining the CUDA context", e))?;
             // SAFETY: `context` is a live primary context.
             unsafe { cu::ctx::set_current(context) }
@@ -497,17 +520,18 @@ mod imp {
 
             // Group rank 0 makes the unique id; an empty message tells the others it failed.
             let mine = if group.rank() == 0 {
-                match cudarc::nccl::result::get_uniqueid() {
-                    Ok(id) => id.internal.iter().map(|&c| c as u8).collect(),
-                    Err(e) => {
-                        let _ = group.broadcast_bytes(Vec::new(), 0);
-                        return Err(CollectiveError::Nccl {
-                            rank: global_rank,
-                            op,
-                            reason: format!("ncclGetUniqueId: {}", describe(e.0)),
-                        });
-                    }
+                let mut id = sys::ncclUniqueId { internal: [0; 128] };
+                // SAFETY: `id` outlives the call; ncclGetUniqueId only writes it.
+                let code = unsafe { (nccl.get_unique_id)(&mut id) };
+                if code != sys::ncclResult_t::ncclSuccess {
+                    let _ = group.broadcast_bytes(Vec::new(), 0);
+                    return Err(CollectiveError::Nccl {
+                        rank: global_rank,
+                        op,
+                        reason: format!("ncclGetUniqueId: {}", describe(code)),
+                    });
                 }
+                id.internal.iter().map(|&c| c as u8).collect()
             } else {
                 Vec::new()
             };
@@ -537,7 +561,7 @@ mod imp {
             // of NCCL 2.14's `ncclConfig_t` (the probe checked the library is 2.14 or newer),
             // which NCCL reads according to the size and version it carries.
             let code = unsafe {
-                sys::ncclCommInitRankConfig(
+                (nccl.comm_init_rank_config)(
                     &mut comm,
                     size,
                     id,
@@ -546,6 +570,7 @@ mod imp {
                 )
             };
             let this = Communicator {
+                nccl,
                 comm,
                 stream,
                 context,
@@ -577,8 +602,9 @@ mod imp {
             Ok(this)
         }
 
-        /// Runs `launch` (which enqueues NCCL calls on the given communicator and stream) and
-        /// waits for its completion, polling NCCL's asynchronous error and the timeout.
+        /// Runs `launch` (which enqueues NCCL calls, through the given library table, on the
+        /// given communicator and stream) and waits for its completion, polling NCCL's
+        /// asynchronous error and the timeout.
         ///
         /// # Errors
         /// [`CollectiveError::Nccl`] for an NCCL or CUDA failure, a timeout (the communicator
@@ -587,7 +613,7 @@ mod imp {
             &self,
             op: &str,
             timeout: Duration,
-            launch: impl FnOnce(sys::ncclComm_t, sys::cudaStream_t) -> sys::ncclResult_t,
+            launch: impl FnOnce(&Nccl, sys::ncclComm_t, sys::cudaStream_t) -> sys::ncclResult_t,
         ) -> Result<()> {
             let mut health = lock(&self.health);
             if let Health::Aborted(why) = &*health {
@@ -603,7 +629,7 @@ mod imp {
             unsafe { cu::ctx::set_current(self.context) }
                 .map_err(|e| self.error(op, format!("making the CUDA context current: {e}")))?;
             let until = deadline(timeout);
-            let code = launch(self.comm, self.stream.cast());
+            let code = launch(self.nccl, self.comm, self.stream.cast());
             self.settle(&mut health, op, code, until, timeout)?;
             self.wait_stream(&mut health, op, until, timeout)
         }
@@ -619,7 +645,7 @@ mod imp {
         /// NCCL's last error text for this communicator.
         fn last_error(&self) -> String {
             // SAFETY: the communicator is alive; NCCL returns a NUL-terminated string it owns.
-            let text = unsafe { sys::ncclGetLastError(self.comm) };
+            let text = unsafe { (self.nccl.get_last_error)(self.comm) };
             if text.is_null() {
                 return String::new();
             }
@@ -634,7 +660,7 @@ mod imp {
             if matches!(health, Health::Ready) {
                 // SAFETY: the communicator is alive; after this it is never used again (the
                 // health says so to every later call and to `Drop`).
-                let _ = unsafe { sys::ncclCommAbort(self.comm) };
+                let _ = unsafe { (self.nccl.comm_abort)(self.comm) };
                 *health = Health::Aborted(format!("{op}: {reason}"));
             }
             self.error(
@@ -647,7 +673,7 @@ mod imp {
         fn poll(&self, health: &mut Health, op: &str) -> Result<bool> {
             let mut state = sys::ncclResult_t::ncclSuccess;
             // SAFETY: the communicator is alive and `state` outlives the call.
-            let code = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut state) };
+            let code = unsafe { (self.nccl.comm_get_async_error)(self.comm, &mut state) };
             if code != sys::ncclResult_t::ncclSuccess {
                 let reason = format!("ncclCommGetAsyncError: {}", describe(code));
                 return Err(self.abort(health, op, reason));
@@ -773,6 +799,7 @@ pub(crate) mod device {
 
     use super::imp::{self, Communicator, lock, ptr};
     use crate::comm::host::{ReduceOp, dtype_code, dtype_from_code};
+    use crate::comm::nccl_lib::Nccl;
     use crate::error::{CollectiveError, Result};
     use crate::group::ProcessGroup;
 
@@ -984,10 +1011,10 @@ pub(crate) mod device {
         let n = count(&x);
         with_bound(&[&x, &y], &sig, group, |addresses| {
             let (src, dst) = (addresses[0], addresses[1]);
-            comm.run(&sig, group.timeout(), |c, s| {
+            comm.run(&sig, group.timeout(), |lib, c, s| {
                 // SAFETY: `src` and `dst` are bound device buffers of `n` elements of this type,
                 // in the context NCCL runs in; they stay bound until `run` waited for completion.
-                unsafe { sys::ncclAllReduce(ptr(src), ptr(dst), n, ctx.nccl, nccl_op(op), c, s) }
+                unsafe { (lib.all_reduce)(ptr(src), ptr(dst), n, ctx.nccl, nccl_op(op), c, s) }
             })
         })?;
         Ok(Ok(ctx.out(tensor(y))))
@@ -1014,9 +1041,9 @@ pub(crate) mod device {
         let n = count(&x);
         with_bound(&[&x, &y], &sig, group, |addresses| {
             let (src, dst) = (addresses[0], addresses[1]);
-            comm.run(&sig, group.timeout(), |c, s| {
+            comm.run(&sig, group.timeout(), |lib, c, s| {
                 // SAFETY: as in `all_reduce`: bound buffers of `n` elements, waited for.
-                unsafe { sys::ncclBroadcast(ptr(src), ptr(dst), n, ctx.nccl, root as i32, c, s) }
+                unsafe { (lib.broadcast)(ptr(src), ptr(dst), n, ctx.nccl, root as i32, c, s) }
             })
         })?;
         Ok(Ok(ctx.out(tensor(y))))
@@ -1067,9 +1094,9 @@ pub(crate) mod device {
             let y = empty(&x, vec![n * each]);
             with_bound(&[&x, &y], &sig, group, |addresses| {
                 let (src, dst) = (addresses[0], addresses[1]);
-                comm.run(&sig, group.timeout(), |c, s| {
+                comm.run(&sig, group.timeout(), |lib, c, s| {
                     // SAFETY: `src` holds `each` elements, `dst` `n * each`; bound and waited for.
-                    unsafe { sys::ncclAllGather(ptr(src), ptr(dst), each, ctx.nccl, c, s) }
+                    unsafe { (lib.all_gather)(ptr(src), ptr(dst), each, ctx.nccl, c, s) }
                 })
             })?;
             let flat: Tensor<1> = tensor(y);
@@ -1091,14 +1118,14 @@ pub(crate) mod device {
                 let mine = count(&x);
                 let counts: Vec<usize> = received.iter().map(count).collect();
                 let addresses = addresses.to_vec();
-                comm.run(&sig, group.timeout(), |c, s| {
-                    grouped(|| {
+                comm.run(&sig, group.timeout(), |lib, c, s| {
+                    grouped(lib, || {
                         let mut code = sys::ncclResult_t::ncclSuccess;
                         for k in (0..n).filter(|&k| k != me) {
                             if mine > 0 {
                                 // SAFETY: bound buffer of `mine` elements; waited for.
                                 code = unsafe {
-                                    sys::ncclSend(ptr(addresses[0]), mine, ctx.nccl, k as i32, c, s)
+                                    (lib.send)(ptr(addresses[0]), mine, ctx.nccl, k as i32, c, s)
                                 };
                                 if is_failure(code) {
                                     return code;
@@ -1107,7 +1134,7 @@ pub(crate) mod device {
                             if counts[k] > 0 {
                                 // SAFETY: bound buffer of `counts[k]` elements; waited for.
                                 code = unsafe {
-                                    sys::ncclRecv(
+                                    (lib.recv)(
                                         ptr(addresses[k + 1]),
                                         counts[k],
                                         ctx.nccl,
@@ -1151,17 +1178,17 @@ pub(crate) mod device {
         )
     }
 
-    /// Runs `calls` between `ncclGroupStart` and `ncclGroupEnd` (always ended, so a failed call
-    /// does not leave the thread inside a group).
-    fn grouped(calls: impl FnOnce() -> sys::ncclResult_t) -> sys::ncclResult_t {
+    /// Runs `calls` between `ncclGroupStart` and `ncclGroupEnd` of `lib` (always ended, so a
+    /// failed call does not leave the thread inside a group).
+    fn grouped(lib: &Nccl, calls: impl FnOnce() -> sys::ncclResult_t) -> sys::ncclResult_t {
         // SAFETY: group calls only mark the thread's NCCL calls as one launch.
-        let start = unsafe { sys::ncclGroupStart() };
+        let start = unsafe { (lib.group_start)() };
         if is_failure(start) {
             return start;
         }
         let inner = calls();
         // SAFETY: closes the group opened above.
-        let end = unsafe { sys::ncclGroupEnd() };
+        let end = unsafe { (lib.group_end)() };
         if is_failure(inner) { inner } else { end }
     }
 
@@ -1211,10 +1238,10 @@ pub(crate) mod device {
         let y = empty(&stacked, vec![widest]);
         with_bound(&[&stacked, &y], &sig, group, |addresses| {
             let (src, dst) = (addresses[0], addresses[1]);
-            comm.run(&sig, group.timeout(), |c, s| {
+            comm.run(&sig, group.timeout(), |lib, c, s| {
                 // SAFETY: `src` holds `n * widest` elements and `dst` `widest`; bound, waited for.
                 unsafe {
-                    sys::ncclReduceScatter(ptr(src), ptr(dst), widest, ctx.nccl, nccl_op(op), c, s)
+                    (lib.reduce_scatter)(ptr(src), ptr(dst), widest, ctx.nccl, nccl_op(op), c, s)
                 }
             })
         })?;
@@ -1291,24 +1318,22 @@ pub(crate) mod device {
                 .iter()
                 .map(|b| b.as_ref().map(|b| (next.next().expect("bound"), count(b))))
                 .collect();
-            comm.run(&sig, group.timeout(), |c, s| {
-                grouped(|| {
+            comm.run(&sig, group.timeout(), |lib, c, s| {
+                grouped(lib, || {
                     let mut code = sys::ncclResult_t::ncclSuccess;
                     for k in 0..n {
                         if let Some((address, len)) = send_at[k] {
                             // SAFETY: bound buffer of `len` elements; waited for.
-                            code = unsafe {
-                                sys::ncclSend(ptr(address), len, ctx.nccl, k as i32, c, s)
-                            };
+                            code =
+                                unsafe { (lib.send)(ptr(address), len, ctx.nccl, k as i32, c, s) };
                             if is_failure(code) {
                                 return code;
                             }
                         }
                         if let Some((address, len)) = recv_at[k] {
                             // SAFETY: bound buffer of `len` elements; waited for.
-                            code = unsafe {
-                                sys::ncclRecv(ptr(address), len, ctx.nccl, k as i32, c, s)
-                            };
+                            code =
+                                unsafe { (lib.recv)(ptr(address), len, ctx.nccl, k as i32, c, s) };
                             if is_failure(code) {
                                 return code;
                             }
@@ -1355,25 +1380,14 @@ pub(crate) mod device {
         let shape = x.shape().as_slice().to_vec();
         let sig = format!("nccl send(to {peer}, tag {tag}, {:?}{shape:?})", ctx.dtype);
         let comm = ctx.communicator(&sig)?;
-        let slot = &group.nccl().expect("routed").slot;
-        let order = {
-            let mut slot = lock(slot);
-            let counter = slot.sent.entry(peer).or_insert(0);
-            *counter += 1;
-            *counter
-        };
-        let code = dtype_code(ctx.dtype).expect("NCCL dtypes have codes");
-        let mut header = vec![P2P_MAGIC, order, code];
-        header.extend(shape.iter().map(|&d| d as u64));
-        let len = header.len();
-        group.send_data(TensorData::new(header, [len]), peer, tag)?;
+        announce(group, ctx.dtype, &shape, peer, tag)?;
         let x = cube(x, &sig, group)?;
         let n = count(&x);
         with_bound(&[&x], &sig, group, |addresses| {
             let src = addresses[0];
-            comm.run(&sig, group.timeout(), |c, s| {
+            comm.run(&sig, group.timeout(), |lib, c, s| {
                 // SAFETY: bound buffer of `n` elements; waited for.
-                unsafe { sys::ncclSend(ptr(src), n, ctx.nccl, peer as i32, c, s) }
+                unsafe { (lib.send)(ptr(src), n, ctx.nccl, peer as i32, c, s) }
             })
         })?;
         Ok(Ok(()))
@@ -1403,14 +1417,75 @@ pub(crate) mod device {
             return Ok(None); // the host path reports the error
         }
         let data = group.recv_data(peer, tag)?;
+        let sig = format!("nccl recv(from {peer}, tag {tag})");
+        let Some((dtype, nccl, shape)) = device_header(group, &data, peer, tag, &sig)? else {
+            return Ok(Some(Received::Host(data)));
+        };
+        let ctx = Ctx {
+            group,
+            comm: &slot.slot,
+            ordinal,
+            autodiff: device.is_autodiff(),
+            dtype,
+            nccl,
+        };
+        let comm = ctx.communicator(&sig)?;
+        let y = alloc(ordinal, dtype, vec![shape.iter().product()]);
+        let n = count(&y);
+        with_bound(&[&y], &sig, group, |addresses| {
+            let dst = addresses[0];
+            comm.run(&sig, group.timeout(), |lib, c, s| {
+                // SAFETY: bound buffer of `n` elements; waited for.
+                unsafe { (lib.recv)(ptr(dst), n, nccl, peer as i32, c, s) }
+            })
+        })?;
+        let received: Tensor<1> = tensor(y);
+        Ok(Some(Received::Device(
+            Box::new(ctx.out(received.reshape([n]))),
+            shape,
+        )))
+    }
+
+    /// Announces a device send to `peer` under `tag`: a host frame with the message's order
+    /// between the two ranks, its dtype and its shape (NCCL's data follows).
+    fn announce(
+        group: &ProcessGroup,
+        dtype: DType,
+        shape: &[usize],
+        peer: usize,
+        tag: u64,
+    ) -> Result<()> {
+        let slot = &group.nccl().expect("routed").slot;
+        let order = {
+            let mut slot = lock(slot);
+            let counter = slot.sent.entry(peer).or_insert(0);
+            *counter += 1;
+            *counter
+        };
+        let code = dtype_code(dtype).expect("NCCL dtypes have codes");
+        let mut header = vec![P2P_MAGIC, order, code];
+        header.extend(shape.iter().map(|&d| d as u64));
+        let len = header.len();
+        group.send_data(TensorData::new(header, [len]), peer, tag)
+    }
+
+    /// Reads the announcement of a device send from `peer` ([`announce`]): the dtype, its
+    /// NCCL type and the shape, after checking the message's order; `None` when `data` is a
+    /// host frame (the sender took the host path).
+    fn device_header(
+        group: &ProcessGroup,
+        data: &TensorData,
+        peer: usize,
+        tag: u64,
+        sig: &str,
+    ) -> Result<Option<(DType, sys::ncclDataType_t, Vec<usize>)>> {
         let header: Option<Vec<u64>> = (data.dtype() == DType::U64)
             .then(|| data.try_to_vec::<u64>().ok())
             .flatten()
             .filter(|h| h.len() >= 3 && h[0] == P2P_MAGIC);
         let Some(header) = header else {
-            return Ok(Some(Received::Host(data)));
+            return Ok(None);
         };
-        let sig = format!("nccl recv(from {peer}, tag {tag})");
         let bad = |reason: String| CollectiveError::Transport {
             rank: group.global_rank(),
             peer: group.members()[peer],
@@ -1420,8 +1495,9 @@ pub(crate) mod device {
             .ok_or_else(|| bad("unknown dtype in a device send".into()))?;
         let nccl = nccl_dtype(dtype).ok_or_else(|| bad(format!("{dtype:?} cannot go by NCCL")))?;
         let shape: Vec<usize> = header[3..].iter().map(|&d| d as usize).collect();
+        let slot = &group.nccl().expect("routed").slot;
         let expected = {
-            let mut slot = lock(&slot.slot);
+            let mut slot = lock(slot);
             let counter = slot.received.entry(peer).or_insert(0);
             *counter += 1;
             *counter
@@ -1437,28 +1513,72 @@ pub(crate) mod device {
                 theirs: format!("device message {} under tag {tag}", header[1]),
             });
         }
-        let ctx = Ctx {
-            group,
-            comm: &slot.slot,
-            ordinal,
-            autodiff: device.is_autodiff(),
-            dtype,
-            nccl,
+        Ok(Some((dtype, nccl, shape)))
+    }
+
+    /// The exchange of a ring ([`ProcessGroup::send_recv`]): sends the CUDA tensor `t` to group
+    /// rank `to` and receives one from group rank `from` under `tag`, the NCCL send and receive
+    /// launched as one group so that a ring of them cannot deadlock. The caller checked that
+    /// `t` routes to the device ([`routes`]) and that both peers are other ranks.
+    pub(crate) fn send_recv<const D: usize>(
+        group: &ProcessGroup,
+        t: Tensor<D>,
+        to: usize,
+        from: usize,
+        tag: u64,
+    ) -> Result<Tensor<D>> {
+        let invalid = |reason: String| CollectiveError::InvalidArgument {
+            rank: group.global_rank(),
+            op: format!("send_recv(to {to}, from {from}, tag {tag})"),
+            reason,
         };
+        let Some((ctx, x)) = route(group, &t) else {
+            return Err(invalid(format!(
+                "a {:?} tensor on {:?} cannot go through NCCL",
+                t.dtype(),
+                t.device()
+            )));
+        };
+        let shape = x.shape().as_slice().to_vec();
+        let sig = format!(
+            "nccl send_recv(to {to}, from {from}, tag {tag}, {:?}{shape:?})",
+            ctx.dtype
+        );
         let comm = ctx.communicator(&sig)?;
-        let y = alloc(ordinal, dtype, vec![shape.iter().product()]);
-        let n = count(&y);
-        with_bound(&[&y], &sig, group, |addresses| {
-            let dst = addresses[0];
-            comm.run(&sig, group.timeout(), |c, s| {
-                // SAFETY: bound buffer of `n` elements; waited for.
-                unsafe { sys::ncclRecv(ptr(dst), n, nccl, peer as i32, c, s) }
+        announce(group, ctx.dtype, &shape, to, tag)?;
+        let data = group.recv_data(from, tag)?;
+        let Some((dtype, nccl, in_shape)) = device_header(group, &data, from, tag, &sig)? else {
+            return Err(CollectiveError::Mismatch {
+                rank: group.global_rank(),
+                peer: group.members()[from],
+                ours: sig,
+                theirs: "a host send (its tensor is not on a CUDA device of this NCCL group)"
+                    .into(),
+            });
+        };
+        let dims: [usize; D] = in_shape.clone().try_into().map_err(|_| {
+            invalid(format!(
+                "expected a tensor of rank {D} from rank {from} but got shape {in_shape:?}"
+            ))
+        })?;
+        let x = cube(x, &sig, group)?;
+        let y = alloc(ctx.ordinal, dtype, vec![in_shape.iter().product()]);
+        let (n_out, n_in) = (count(&x), count(&y));
+        with_bound(&[&x, &y], &sig, group, |addresses| {
+            let (src, dst) = (addresses[0], addresses[1]);
+            comm.run(&sig, group.timeout(), |lib, c, s| {
+                grouped(lib, || {
+                    // SAFETY: bound buffer of `n_out` elements of this type; waited for.
+                    let code = unsafe { (lib.send)(ptr(src), n_out, ctx.nccl, to as i32, c, s) };
+                    if is_failure(code) {
+                        return code;
+                    }
+                    // SAFETY: bound buffer of `n_in` elements of this type; waited for.
+                    unsafe { (lib.recv)(ptr(dst), n_in, nccl, from as i32, c, s) }
+                })
             })
         })?;
         let received: Tensor<1> = tensor(y);
-        Ok(Some(Received::Device(
-            Box::new(ctx.out(received.reshape([n]))),
-            shape,
-        )))
+        Ok(ctx.out(received.reshape(dims)))
     }
 }
