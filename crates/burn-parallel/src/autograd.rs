@@ -77,6 +77,37 @@ impl BackwardFn {
         self
     }
 
+    /// A backward made of tensor operations (and tensor-level collectives), run on the
+    /// gradient where it lives, never read to the host: `f` maps the gradient, a tensor of rank
+    /// `D` on the (non-autodiff) `device` of the forward's input. Should Burn hand the step a
+    /// gradient as host data, it is put on `device` first.
+    ///
+    /// # Example
+    /// ```
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_parallel::autograd::{BackwardFn, attach};
+    ///
+    /// let device = Device::flex().autodiff();
+    /// let x = Tensor::<1>::from_floats([1.0, 2.0], &device).require_grad();
+    /// // y = x, but the backward doubles the gradient.
+    /// let double = BackwardFn::on_tensors::<1>("double", device.clone().inner(), |g| Ok(g * 2.0));
+    /// let y = attach(x.clone(), x.clone().detach(), double);
+    /// let grads = y.sum().backward();
+    /// assert_eq!(x.grad(&grads).unwrap().to_data().to_vec::<f32>().unwrap(), vec![2.0, 2.0]);
+    /// ```
+    pub fn on_tensors<const D: usize>(
+        name: &'static str,
+        device: burn::tensor::Device,
+        f: impl Fn(Tensor<D>) -> Result<Tensor<D>> + Send + Sync + 'static,
+    ) -> Self {
+        let f = Arc::new(f);
+        let on_host = f.clone();
+        Self::new(name, move |grad| {
+            Ok(on_host(crate::group::tensor_from_data(grad, &device))?.into_data())
+        })
+        .on_device::<D>(move |grad| f(grad))
+    }
+
     /// [`BackwardFn::on_device`] when `on`, else `self`: pass
     /// [`ProcessGroup::collects_on_device`] of the gradient's device, so the gradient stays on
     /// the device exactly when the group's collectives run there.

@@ -14,8 +14,14 @@
 //! backward). Burn's autodiff keeps the slices its backward needs (as it keeps activations), so
 //! no second gather is needed for the backward.
 //!
+//! Where the bytes travel: the gathers and the gradient reduce-scatters are the shard group's
+//! tensor-level collectives, so on NCCL with CUDA tensors they run in device memory; on the
+//! other transports they stage through host memory. The optimizer side ([`FsdpOptimizer`])
+//! reads each rank's gradient *shard* on the host (1/N of the unit) for its clipping and
+//! loss-scale checks.
+//!
 //! Prefetch ([`ZeroConfig::prefetch`], [`FsdpUnit::prefetch`]): the forward all-gather of a unit
-//! is split in two halves. [`FsdpUnit::prefetch`] starts the host all-gather of the shard on a
+//! is split in two halves. [`FsdpUnit::prefetch`] starts the all-gather of the shard on a
 //! background thread and returns at once; the plan then runs the current unit's forward while
 //! the bytes travel; the next [`FsdpUnit::gather`] joins the thread and attaches the gathered
 //! tensor to the shard's autodiff graph with [`burn_parallel::autograd::attach`], whose

@@ -269,21 +269,20 @@ impl ContextParallel {
     pub fn shard<const D: usize>(&self, x: Tensor<D>, dim: usize) -> CpResult<Tensor<D>> {
         let layout = self.layout(dim_len(&x, dim, "shard")?)?;
         let y = layout.local(x.clone().detach(), dim)?;
-        let (group, device) = (self.group.clone(), x.device());
+        let (group, device) = (self.group.clone(), x.device().inner());
         Ok(attach(
             x,
             y,
-            BackwardFn::new("context_parallel::shard", move |grad| {
-                let gathered = group.all_gather_data(grad, dim)?;
-                let gathered = crate::group::tensor_from_data::<D>(gathered, &device);
-                let global = layout.to_global(gathered, dim).map_err(|e| {
-                    CollectiveError::InvalidArgument {
+            // On the device where the group collects there (NCCL).
+            BackwardFn::on_tensors::<D>("context_parallel::shard", device, move |grad| {
+                let gathered = group.all_gather(grad, dim)?;
+                layout
+                    .to_global(gathered, dim)
+                    .map_err(|e| CollectiveError::InvalidArgument {
                         rank: group.global_rank(),
                         op: "context_parallel::shard backward".into(),
                         reason: e.to_string(),
-                    }
-                })?;
-                Ok(global.into_data())
+                    })
             }),
         ))
     }
@@ -295,24 +294,22 @@ impl ContextParallel {
     /// [`CpError::SeqNotDivisible`], [`CpError::Shape`]; collective errors.
     pub fn unshard<const D: usize>(&self, x: Tensor<D>, dim: usize) -> CpResult<Tensor<D>> {
         let layout = self.layout(dim_len(&x, dim, "unshard")? * self.size())?;
-        let device = x.device();
-        let gathered = self.group.all_gather_data(x.clone().into_data(), dim)?;
-        let y = layout.to_global(crate::group::tensor_from_data::<D>(gathered, &device), dim)?;
+        let device = x.device().inner();
+        // On the device where the group collects there (NCCL).
+        let gathered = self.group.all_gather(x.clone().detach(), dim)?;
+        let y = layout.to_global(gathered, dim)?;
         let group = self.group.clone();
         Ok(attach(
             x,
             y,
-            BackwardFn::new("context_parallel::unshard", move |grad| {
-                let grad = crate::group::tensor_from_data::<D>(grad, &device);
-                let local =
-                    layout
-                        .local(grad, dim)
-                        .map_err(|e| CollectiveError::InvalidArgument {
-                            rank: group.global_rank(),
-                            op: "context_parallel::unshard backward".into(),
-                            reason: e.to_string(),
-                        })?;
-                Ok(local.into_data())
+            BackwardFn::on_tensors::<D>("context_parallel::unshard", device, move |grad| {
+                layout
+                    .local(grad, dim)
+                    .map_err(|e| CollectiveError::InvalidArgument {
+                        rank: group.global_rank(),
+                        op: "context_parallel::unshard backward".into(),
+                        reason: e.to_string(),
+                    })
             }),
         ))
     }

@@ -30,7 +30,7 @@ use burn::tensor::{Bool, Tensor, TensorData};
 use super::{CpError, CpResult, SeqLayout, check_qkv};
 use crate::autograd::{BackwardFn, attach};
 use crate::error::CollectiveError;
-use crate::group::{ProcessGroup, SendRecv, tensor_from_data};
+use crate::group::{ProcessGroup, SendRecv};
 
 /// Point-to-point tag of the forward K/V rotation.
 pub const TAG_KV_FORWARD: u64 = 0x6370_0001;
@@ -383,9 +383,11 @@ pub fn ring_attention(
     let x = Tensor::cat(vec![q, k, v], 0);
     let inner_device = qd.device();
     let saved_out = out.clone();
-    // The second ring pass, on the gradient where it lives (it never needs the host).
-    let backward = std::sync::Arc::new(
-        move |dout: Tensor<4>| -> Result<Tensor<4>, CollectiveError> {
+    Ok(attach(
+        x,
+        out.autodiff(),
+        // The second ring pass, on the gradient where it lives (it never needs the host).
+        BackwardFn::on_tensors::<4>("ring_attention", inner_device, move |dout| {
             let (dq, dk, dv) = ring
                 .backward(&qd, &saved_out, &lse, &last_kv, dout)
                 .map_err(|e| match e {
@@ -397,15 +399,6 @@ pub fn ring_attention(
                     },
                 })?;
             Ok(Tensor::cat(vec![dq, dk, dv], 0))
-        },
-    );
-    let on_host = backward.clone();
-    Ok(attach(
-        x,
-        out.autodiff(),
-        BackwardFn::new("ring_attention", move |grad| {
-            Ok(on_host(tensor_from_data::<4>(grad, &inner_device))?.into_data())
-        })
-        .on_device::<4>(move |dout| backward(dout)),
+        }),
     ))
 }
