@@ -233,27 +233,79 @@ fn check_swiglu(dev: &Device, shape: [usize; 3], tol: f32) {
     );
 }
 
+/// How an attention operand `[b, h, t, d]` is laid out in memory.
+#[derive(Clone, Copy, Debug)]
+enum Layout {
+    /// Contiguous `[b, h, t, d]`.
+    Heads,
+    /// The `swap_dims(1, 2)` view of a contiguous `[b, t, h, d]` (a model's projections with
+    /// the heads split off): read in place.
+    Rows,
+    /// The `swap_dims(2, 3)` view of a contiguous `[b, h, d, t]`: columns not contiguous,
+    /// made contiguous first.
+    Cols,
+}
+
+/// A random leaf in `layout` and its `[b, h, t, d]` view.
+fn operand(
+    [b, h, t, d]: [usize; 4],
+    seed: u64,
+    scale: f32,
+    layout: Layout,
+    dev: &Device,
+) -> (Tensor<4>, Tensor<4>) {
+    let leaf = match layout {
+        Layout::Heads => tensor([b, h, t, d], seed, scale, dev),
+        Layout::Rows => tensor([b, t, h, d], seed, scale, dev),
+        Layout::Cols => tensor([b, h, d, t], seed, scale, dev),
+    }
+    .require_grad();
+    let view = as_heads(leaf.clone(), layout);
+    (leaf, view)
+}
+
+/// `x` (laid out as `layout`) seen as `[b, h, t, d]`.
+fn as_heads(x: Tensor<4>, layout: Layout) -> Tensor<4> {
+    match layout {
+        Layout::Heads => x,
+        Layout::Rows => x.swap_dims(1, 2),
+        Layout::Cols => x.swap_dims(2, 3),
+    }
+}
+
 /// Attention of `q` `[b, h, tq, d]` over `k`, `v` `[b, h, tk, d]` against softmax of the
 /// masked scores composed from Burn ops.
 fn check_attention(dev: &Device, q_shape: [usize; 4], tk: usize, causal: bool, tol: f32) {
+    check_attention_in(dev, q_shape, tk, causal, [Layout::Heads; 3], tol);
+}
+
+/// [`check_attention`] with `q`, `k`, `v` laid out as `layouts`.
+fn check_attention_in(
+    dev: &Device,
+    q_shape: [usize; 4],
+    tk: usize,
+    causal: bool,
+    layouts: [Layout; 3],
+    tol: f32,
+) {
     let oracle = Device::flex().autodiff();
     let [b, h, tq, d] = q_shape;
     let kv_shape = [b, h, tk, d];
     let seed = (b * 1000 + h * 100 + tq * 10 + tk + d) as u64;
     let make = |dev: &Device| {
         (
-            tensor(q_shape, seed, 2.0, dev).require_grad(),
-            tensor(kv_shape, seed + 1, 2.0, dev).require_grad(),
-            tensor(kv_shape, seed + 2, 1.0, dev).require_grad(),
+            operand(q_shape, seed, 2.0, layouts[0], dev),
+            operand(kv_shape, seed + 1, 2.0, layouts[1], dev),
+            operand(kv_shape, seed + 2, 1.0, layouts[2], dev),
             tensor(q_shape, seed + 3, 1.0, dev),
         )
     };
-    let (q, k, v, r) = make(dev);
-    let y = kernels::attention(q.clone(), k.clone(), v.clone(), causal).unwrap();
+    let ((q, qv), (k, kv), (v, vv), r) = make(dev);
+    let y = kernels::attention(qv, kv, vv, causal).unwrap();
     let g = (y.clone() * r).sum().backward();
 
-    let (qo, ko, vo, ro) = make(&oracle);
-    let mut scores = qo.clone().matmul(ko.clone().swap_dims(2, 3)) / (d as f64).sqrt();
+    let ((qo, qov), (ko, kov), (vo, vov), ro) = make(&oracle);
+    let mut scores = qov.matmul(kov.swap_dims(2, 3)) / (d as f64).sqrt();
     if causal {
         let ids = |n: usize| Tensor::<1, Int>::arange(0..n as i64, &oracle);
         let hidden = ids(tk)
@@ -265,15 +317,18 @@ fn check_attention(dev: &Device, q_shape: [usize; 4], tk: usize, causal: bool, t
             f32::NEG_INFINITY,
         );
     }
-    let yo = burn::tensor::activation::softmax(scores, 3).matmul(vo.clone());
+    let yo = burn::tensor::activation::softmax(scores, 3).matmul(vov);
     let go = (yo.clone() * ro).sum().backward();
-    let name = format!("attention q {q_shape:?} tk {tk} causal {causal}");
+    let name = format!("attention q {q_shape:?} tk {tk} causal {causal} {layouts:?}");
     assert_close(&format!("{name} y"), &host(&y), &host(&yo), tol);
-    for (what, t, o) in [("dq", &q, &qo), ("dk", &k, &ko), ("dv", &v, &vo)] {
+    for (i, (what, t, o)) in [("dq", &q, &qo), ("dk", &k, &ko), ("dv", &v, &vo)]
+        .into_iter()
+        .enumerate()
+    {
         assert_close(
             &format!("{name} {what}"),
-            &host(&t.grad(&g).unwrap()),
-            &host(&o.grad(&go).unwrap()),
+            &host(&as_heads(t.grad(&g).unwrap(), layouts[i])),
+            &host(&as_heads(o.grad(&go).unwrap(), layouts[i])),
             tol,
         );
     }
@@ -480,6 +535,28 @@ fn flex_attention_matches_naive_math() {
     ] {
         check_attention(&dev, q_shape, tk, causal, 1e-5);
     }
+}
+
+/// The layout a model hands attention (`[b, s, h, d]` projections seen as `[b, h, s, d]`),
+/// which the kernel reads and writes in place, mixed layouts, and columns that are not
+/// contiguous, all against the naive math, on one thread and split over three.
+#[test]
+fn flex_attention_reads_strided_layouts() {
+    use Layout::{Cols, Heads, Rows};
+    let dev = Device::flex().autodiff();
+    for threads in [1, 3] {
+        burn_parallel::threads::set_intra_op_threads(Some(threads));
+        for (q_shape, tk, causal, layouts) in [
+            ([2, 3, 70, 8], 70, true, [Rows; 3]),
+            ([3, 2, 37, 6], 37, false, [Rows; 3]),
+            ([2, 2, 33, 5], 100, true, [Rows; 3]),
+            ([2, 3, 21, 4], 21, true, [Rows, Heads, Rows]),
+            ([1, 2, 9, 4], 30, false, [Cols, Rows, Heads]),
+        ] {
+            check_attention_in(&dev, q_shape, tk, causal, layouts, 1e-5);
+        }
+    }
+    burn_parallel::threads::set_intra_op_threads(None);
 }
 
 #[test]

@@ -839,11 +839,13 @@ hot_loop! {
     }
 }
 
-/// Shape of one attention call: `heads` independent `(batch x heads)` problems of `tq` query
-/// and `tk` key rows of width `dim`.
+/// Shape of one attention call: `batch x heads` independent problems of `tq` query and `tk`
+/// key rows of width `dim`.
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionShape {
-    /// `batch * heads`.
+    /// Batch size.
+    pub batch: usize,
+    /// Heads per batch element.
     pub heads: usize,
     /// Query rows per head.
     pub tq: usize,
@@ -869,36 +871,129 @@ impl AttentionShape {
     }
 }
 
-/// Blockwise attention forward: `(out [heads, tq, dim], lse [heads, tq])`.
+/// Where the `(batch, head)` matrices of an attention operand lie in its slice: row `r` of head
+/// `(b, h)` starts at `offset + b * batch + h * head + r * row`, its `dim` columns contiguous.
+/// Any strided view with unit column stride is one, so a `[batch, seq, heads, dim]` tensor seen
+/// as `[batch, heads, seq, dim]` is read in place, without a permute.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadLayout {
+    /// Element offset of head `(0, 0)`.
+    pub offset: usize,
+    /// Stride between batch elements.
+    pub batch: usize,
+    /// Stride between heads.
+    pub head: usize,
+    /// Stride between rows.
+    pub row: usize,
+}
+
+impl HeadLayout {
+    /// `[batch, heads, rows, dim]`, contiguous.
+    pub fn heads_major(heads: usize, rows: usize, dim: usize) -> Self {
+        Self {
+            offset: 0,
+            batch: heads * rows * dim,
+            head: rows * dim,
+            row: dim,
+        }
+    }
+
+    /// `[batch, rows, heads, dim]`, contiguous: the storage of a sequence-major tensor whose
+    /// heads are split off its last dim (`[b, s, h * d]` reshaped to `[b, s, h, d]`).
+    pub fn rows_major(heads: usize, rows: usize, dim: usize) -> Self {
+        Self {
+            offset: 0,
+            batch: rows * heads * dim,
+            head: dim,
+            row: heads * dim,
+        }
+    }
+
+    /// The layout of an output: rows-major or heads-major, contiguous.
+    fn output(rows_major: bool, heads: usize, rows: usize, dim: usize) -> Self {
+        if rows_major {
+            Self::rows_major(heads, rows, dim)
+        } else {
+            Self::heads_major(heads, rows, dim)
+        }
+    }
+
+    /// First element of head `(b, h)`.
+    #[inline]
+    fn start(&self, b: usize, h: usize) -> usize {
+        self.offset + b * self.batch + h * self.head
+    }
+
+    /// Rows `from..` of head `(b, h)` of `data` as a matrix (rows of `dim` columns).
+    fn rows<'a>(&self, data: &'a [f32], b: usize, h: usize, from: usize) -> View<'a> {
+        View {
+            data: &data[self.start(b, h) + from * self.row..],
+            rs: self.row,
+            cs: 1,
+        }
+    }
+
+    /// The transpose of [`HeadLayout::rows`].
+    fn columns<'a>(&self, data: &'a [f32], b: usize, h: usize, from: usize) -> View<'a> {
+        View {
+            data: &data[self.start(b, h) + from * self.row..],
+            rs: 1,
+            cs: self.row,
+        }
+    }
+}
+
+/// How the outputs of an attention call are split over threads: into units of whole batch
+/// elements when they are rows-major (a head's rows interleave with the other heads' there),
+/// of single heads otherwise. Returns `(units, heads per unit)`.
+fn attention_units(s: &AttentionShape, rows_major: bool) -> (usize, usize) {
+    if rows_major {
+        (s.batch, s.heads)
+    } else {
+        (s.batch * s.heads, 1)
+    }
+}
+
+/// Blockwise attention forward: `(out, lse [batch * heads, tq])`, `out` rows-major
+/// (`[batch, tq, heads, dim]`) when `rows_major`, else `[batch, heads, tq, dim]`.
+#[allow(clippy::too_many_arguments)]
 pub fn attention_forward(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    (q, ql): (&[f32], HeadLayout),
+    (k, kl): (&[f32], HeadLayout),
+    (v, vl): (&[f32], HeadLayout),
+    rows_major: bool,
     s: AttentionShape,
 ) -> (Vec<f32>, Vec<f32>) {
     let (tq, tk, d) = (s.tq, s.tk, s.dim);
-    let mut out = vec![0.0; s.heads * tq * d];
-    let mut lse = vec![0.0; s.heads * tq];
-    let work = s.heads * tq * tk * d * 2;
-    let outs = Outs::new(vec![(&mut out, tq * d), (&mut lse, tq)]);
-    par_units(s.heads, work, outs, |heads, parts| {
+    let ol = HeadLayout::output(rows_major, s.heads, tq, d);
+    let total = s.batch * s.heads;
+    let mut out = vec![0.0; total * tq * d];
+    let mut lse = vec![0.0; total * tq];
+    let work = total * tq * tk * d * 2;
+    let (units, per_unit) = attention_units(&s, rows_major);
+    let outs = Outs::new(vec![
+        (&mut out, per_unit * tq * d),
+        (&mut lse, per_unit * tq),
+    ]);
+    par_units(units, work, outs, |range, parts| {
         let [out, lse] = parts else {
             unreachable!("two outputs")
         };
+        // Where this thread's parts start in the whole outputs.
+        let (out_base, lse_base) = (range.start * per_unit * tq * d, range.start * per_unit * tq);
         let mut scores = vec![0.0f32; BLOCK_Q * BLOCK_KV];
         let (mut row_max, mut row_sum) = (vec![0.0f32; BLOCK_Q], vec![0.0f32; BLOCK_Q]);
-        for (h_local, h) in heads.enumerate() {
-            let (qh, kh, vh) = (
-                &q[h * tq * d..(h + 1) * tq * d],
-                &k[h * tk * d..(h + 1) * tk * d],
-                &v[h * tk * d..(h + 1) * tk * d],
-            );
-            let oh = &mut out[h_local * tq * d..(h_local + 1) * tq * d];
-            let lh = &mut lse[h_local * tq..(h_local + 1) * tq];
+        for g in range.start * per_unit..range.end * per_unit {
+            let (b, h) = (g / s.heads, g % s.heads);
+            let orow = ol.row;
+            let o_at = ol.start(b, h) - out_base;
+            let lh = &mut lse[g * tq - lse_base..(g + 1) * tq - lse_base];
             for i0 in (0..tq).step_by(BLOCK_Q) {
                 let nr = BLOCK_Q.min(tq - i0);
-                let acc = &mut oh[i0 * d..(i0 + nr) * d];
-                acc.fill(0.0);
+                let acc = &mut out[o_at + i0 * orow..];
+                for r in 0..nr {
+                    acc[r * orow..r * orow + d].fill(0.0);
+                }
                 row_max[..nr].fill(f32::NEG_INFINITY);
                 row_sum[..nr].fill(0.0);
                 let last_visible = s.visible(i0 + nr - 1);
@@ -909,8 +1004,8 @@ pub fn attention_forward(
                         &mut scores,
                         BLOCK_KV,
                         false,
-                        View::rows(&qh[i0 * d..], d),
-                        View::transposed(&kh[j0 * d..], d),
+                        ql.rows(q, b, h, i0),
+                        kl.columns(k, b, h, j0),
                         s.scale,
                     );
                     for r in 0..nr {
@@ -932,22 +1027,26 @@ pub fn attention_forward(
                         row_sum[r] = row_sum[r] * alpha + sum;
                         row_max[r] = new_max;
                         if alpha != 1.0 {
-                            acc[r * d..(r + 1) * d].iter_mut().for_each(|a| *a *= alpha);
+                            acc[r * orow..r * orow + d]
+                                .iter_mut()
+                                .for_each(|a| *a *= alpha);
                         }
                     }
                     matmul(
                         (nr, d, nc),
                         acc,
-                        d,
+                        orow,
                         true,
                         View::rows(&scores, BLOCK_KV),
-                        View::rows(&vh[j0 * d..], d),
+                        vl.rows(v, b, h, j0),
                         1.0,
                     );
                 }
                 for r in 0..nr {
                     let inv = 1.0 / row_sum[r];
-                    acc[r * d..(r + 1) * d].iter_mut().for_each(|a| *a *= inv);
+                    acc[r * orow..r * orow + d]
+                        .iter_mut()
+                        .for_each(|a| *a *= inv);
                     lh[i0 + r] = row_max[r] + row_sum[r].ln();
                 }
             }
@@ -956,50 +1055,53 @@ pub fn attention_forward(
     (out, lse)
 }
 
-/// Blockwise attention backward from the forward's `out` and `lse`: `(dq, dk, dv)`.
+/// Blockwise attention backward from the forward's `out` and `lse` (`[batch * heads, tq]`):
+/// `(dq, dk, dv)`, rows-major when `rows_major` (as [`attention_forward`]'s output).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
-    dout: &[f32],
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    out: &[f32],
+    (dout, dl): (&[f32], HeadLayout),
+    (q, ql): (&[f32], HeadLayout),
+    (k, kl): (&[f32], HeadLayout),
+    (v, vl): (&[f32], HeadLayout),
+    (out, ol): (&[f32], HeadLayout),
     lse: &[f32],
+    rows_major: bool,
     s: AttentionShape,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let (tq, tk, d) = (s.tq, s.tk, s.dim);
-    let mut dq = vec![0.0; s.heads * tq * d];
-    let mut dk = vec![0.0; s.heads * tk * d];
-    let mut dv = vec![0.0; s.heads * tk * d];
-    let work = s.heads * tq * tk * d * 4;
+    let total = s.batch * s.heads;
+    let (dql, dkl) = (
+        HeadLayout::output(rows_major, s.heads, tq, d),
+        HeadLayout::output(rows_major, s.heads, tk, d),
+    );
+    let mut dq = vec![0.0; total * tq * d];
+    let mut dk = vec![0.0; total * tk * d];
+    let mut dv = vec![0.0; total * tk * d];
+    let work = total * tq * tk * d * 4;
+    let (units, per_unit) = attention_units(&s, rows_major);
     let outs = Outs::new(vec![
-        (&mut dq, tq * d),
-        (&mut dk, tk * d),
-        (&mut dv, tk * d),
+        (&mut dq, per_unit * tq * d),
+        (&mut dk, per_unit * tk * d),
+        (&mut dv, per_unit * tk * d),
     ]);
-    par_units(s.heads, work, outs, |heads, parts| {
+    par_units(units, work, outs, |range, parts| {
         let [dq, dk, dv] = parts else {
             unreachable!("three outputs")
         };
+        let (q_base, k_base) = (
+            range.start * per_unit * tq * d,
+            range.start * per_unit * tk * d,
+        );
         let mut probs = vec![0.0f32; BLOCK_Q * BLOCK_KV];
         let mut dprobs = vec![0.0f32; BLOCK_Q * BLOCK_KV];
         let mut delta = vec![0.0f32; tq];
-        for (h_local, h) in heads.enumerate() {
-            let (qh, kh, vh) = (
-                &q[h * tq * d..(h + 1) * tq * d],
-                &k[h * tk * d..(h + 1) * tk * d],
-                &v[h * tk * d..(h + 1) * tk * d],
-            );
-            let (oh, doh, lh) = (
-                &out[h * tq * d..(h + 1) * tq * d],
-                &dout[h * tq * d..(h + 1) * tq * d],
-                &lse[h * tq..(h + 1) * tq],
-            );
-            let dqh = &mut dq[h_local * tq * d..(h_local + 1) * tq * d];
-            let dkh = &mut dk[h_local * tk * d..(h_local + 1) * tk * d];
-            let dvh = &mut dv[h_local * tk * d..(h_local + 1) * tk * d];
-            for i in 0..tq {
-                delta[i] = dot_shifted(&doh[i * d..(i + 1) * d], &oh[i * d..(i + 1) * d], 0.0);
+        for g in range.start * per_unit..range.end * per_unit {
+            let (b, h) = (g / s.heads, g % s.heads);
+            let lh = &lse[g * tq..(g + 1) * tq];
+            let (dq_at, dk_at) = (dql.start(b, h) - q_base, dkl.start(b, h) - k_base);
+            for (i, di) in delta.iter_mut().enumerate() {
+                let (o, g_o) = (ol.start(b, h) + i * ol.row, dl.start(b, h) + i * dl.row);
+                *di = dot_shifted(&dout[g_o..g_o + d], &out[o..o + d], 0.0);
             }
             for j0 in (0..tk).step_by(BLOCK_KV) {
                 let nc = BLOCK_KV.min(tk - j0);
@@ -1013,8 +1115,8 @@ pub fn attention_backward(
                         &mut probs,
                         BLOCK_KV,
                         false,
-                        View::rows(&qh[i0 * d..], d),
-                        View::transposed(&kh[j0 * d..], d),
+                        ql.rows(q, b, h, i0),
+                        kl.columns(k, b, h, j0),
                         s.scale,
                     );
                     for r in 0..nr {
@@ -1027,11 +1129,11 @@ pub fn attention_backward(
                     // dV_j += P^T dO_i
                     matmul(
                         (nc, d, nr),
-                        &mut dvh[j0 * d..],
-                        d,
+                        &mut dv[dk_at + j0 * dkl.row..],
+                        dkl.row,
                         true,
                         View::transposed(&probs, BLOCK_KV),
-                        View::rows(&doh[i0 * d..], d),
+                        dl.rows(dout, b, h, i0),
                         1.0,
                     );
                     // dP = dO_i V_j^T
@@ -1040,36 +1142,36 @@ pub fn attention_backward(
                         &mut dprobs,
                         BLOCK_KV,
                         false,
-                        View::rows(&doh[i0 * d..], d),
-                        View::transposed(&vh[j0 * d..], d),
+                        dl.rows(dout, b, h, i0),
+                        vl.columns(v, b, h, j0),
                         1.0,
                     );
                     // dS = P (dP - delta) scale, into dprobs.
                     for r in 0..nr {
-                        let dl = delta[i0 + r];
+                        let shift = delta[i0 + r];
                         let pr = &probs[r * BLOCK_KV..r * BLOCK_KV + nc];
                         let dr = &mut dprobs[r * BLOCK_KV..r * BLOCK_KV + nc];
                         for (g, &p) in dr.iter_mut().zip(pr) {
-                            *g = p * (*g - dl) * s.scale;
+                            *g = p * (*g - shift) * s.scale;
                         }
                     }
                     // dQ_i += dS K_j ; dK_j += dS^T Q_i
                     matmul(
                         (nr, d, nc),
-                        &mut dqh[i0 * d..],
-                        d,
+                        &mut dq[dq_at + i0 * dql.row..],
+                        dql.row,
                         true,
                         View::rows(&dprobs, BLOCK_KV),
-                        View::rows(&kh[j0 * d..], d),
+                        kl.rows(k, b, h, j0),
                         1.0,
                     );
                     matmul(
                         (nc, d, nr),
-                        &mut dkh[j0 * d..],
-                        d,
+                        &mut dk[dk_at + j0 * dkl.row..],
+                        dkl.row,
                         true,
                         View::transposed(&dprobs, BLOCK_KV),
-                        View::rows(&qh[i0 * d..], d),
+                        ql.rows(q, b, h, i0),
                         1.0,
                     );
                 }

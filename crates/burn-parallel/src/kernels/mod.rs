@@ -206,10 +206,12 @@ pub trait FusedKernels: burn::backend::Backend {
         hyper: AdamWHyper,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>);
 
-    /// Attention over `heads` independent problems: `q` `[heads, tq, dim]`, `k`, `v`
-    /// `[heads, tk, dim]`, scores scaled by `scale`, causal (query `i` sees keys
-    /// `0..=i + tk - tq`) when `causal`. Returns `(out [heads, tq, dim], lse [heads, tq])`, the
-    /// row log-sum-exp of the scaled scores being all the backward keeps.
+    /// Attention over `batch x heads` independent problems: `q` `[batch, heads, tq, dim]`,
+    /// `k`, `v` `[batch, heads, tk, dim]` (any strides: a `[batch, seq, heads, dim]` tensor
+    /// seen through `swap_dims(1, 2)` may be read in place), scores scaled by `scale`, causal
+    /// (query `i` sees keys `0..=i + tk - tq`) when `causal`. Returns
+    /// `(out [batch, heads, tq, dim], lse [batch * heads, tq])`, the row log-sum-exp of the
+    /// scaled scores being all the backward keeps.
     fn fused_attention_forward(
         q: FloatTensor<Self>,
         k: FloatTensor<Self>,
@@ -218,7 +220,8 @@ pub trait FusedKernels: burn::backend::Backend {
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>);
 
-    /// Attention backward `(dq, dk, dv)` from the forward's output and log-sum-exp.
+    /// Attention backward `(dq, dk, dv)` (the shapes of `q`, `k`, `v`) from the forward's
+    /// output and log-sum-exp.
     #[allow(clippy::too_many_arguments)]
     fn fused_attention_backward(
         dout: FloatTensor<Self>,
@@ -352,12 +355,59 @@ fn attention_shape(
 ) -> cpu::AttentionShape {
     let (qd, kd) = (dims_of(q), dims_of(k));
     cpu::AttentionShape {
-        heads: qd[0],
-        tq: qd[1],
-        tk: kd[1],
-        dim: qd[2],
+        batch: qd[0],
+        heads: qd[1],
+        tq: qd[2],
+        tk: kd[2],
+        dim: qd[3],
         causal,
         scale: scale as f32,
+    }
+}
+
+/// An fp32 attention operand `[batch, heads, rows, dim]` and where its heads lie in its
+/// storage: read in place when its columns are contiguous and its strides positive (the
+/// `swap_dims(1, 2)` view of a `[batch, rows, heads, dim]` tensor is), made contiguous
+/// otherwise. `None` when it is not fp32 (the reference runs).
+fn heads_of(t: &FlexTensor) -> Option<(FlexTensor, cpu::HeadLayout)> {
+    if t.dtype() != DType::F32 {
+        return None;
+    }
+    let layout = t.layout();
+    if let [b, h, r, 1] = *layout.strides()
+        && b >= 0
+        && h >= 0
+        && r >= 0
+    {
+        let heads = cpu::HeadLayout {
+            offset: layout.start_offset(),
+            batch: b as usize,
+            head: h as usize,
+            row: r as usize,
+        };
+        return Some((t.clone(), heads));
+    }
+    let dims = dims_of(t);
+    let heads = cpu::HeadLayout::heads_major(dims[1], dims[2], dims[3]);
+    Some((t.to_contiguous(), heads))
+}
+
+/// Whether the attention operand `t` (`[batch, heads, rows, dim]`) is the `swap_dims(1, 2)`
+/// view of a contiguous `[batch, rows, heads, dim]` tensor: then the kernels write its
+/// gradient (and `q`'s output) in that layout too, so that the caller's swap back is free.
+fn is_rows_major(t: &FlexTensor, heads: cpu::HeadLayout) -> bool {
+    let dims = dims_of(t);
+    heads == cpu::HeadLayout::rows_major(dims[1], dims[2], dims[3])
+}
+
+/// A kernel output in the layout [`is_rows_major`] chose: `values` holds `[batch, rows,
+/// heads, dim]` (returned as its `[batch, heads, rows, dim]` view) when `rows_major`, else
+/// `[batch, heads, rows, dim]`.
+fn heads_output(values: Vec<f32>, dims: Vec<usize>, rows_major: bool) -> FlexTensor {
+    if rows_major {
+        flex_from(values, vec![dims[0], dims[2], dims[1], dims[3]]).transpose(1, 2)
+    } else {
+        flex_from(values, dims)
     }
 }
 
@@ -472,15 +522,26 @@ impl FusedKernels for Flex {
         causal: bool,
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        if let Some([qc, kc, vc]) = all_f32([&q, &k, &v]) {
+        if let (Some((qc, ql)), Some((kc, kl)), Some((vc, vl))) =
+            (heads_of(&q), heads_of(&k), heads_of(&v))
+        {
             let shape = attention_shape(&q, &k, causal, scale);
-            let (out, lse) = cpu::attention_forward(vals(&qc), vals(&kc), vals(&vc), shape);
+            let rows_major = [(&qc, ql), (&kc, kl), (&vc, vl)]
+                .into_iter()
+                .all(|(t, l)| is_rows_major(t, l));
+            let (out, lse) = cpu::attention_forward(
+                (qc.storage(), ql),
+                (kc.storage(), kl),
+                (vc.storage(), vl),
+                rows_major,
+                shape,
+            );
             return (
-                flex_from(out, dims_of(&q)),
-                flex_from(lse, vec![shape.heads, shape.tq]),
+                heads_output(out, dims_of(&q), rows_major),
+                flex_from(lse, vec![shape.batch * shape.heads, shape.tq]),
             );
         }
-        let (out, lse) = reference::attention_forward(fx(q), fx(k), fx(v), causal, scale);
+        let (out, lse) = reference::attention_forward_4d(fx(q), fx(k), fx(v), causal, scale);
         (fp(out), fp(lse))
     }
 
@@ -494,24 +555,35 @@ impl FusedKernels for Flex {
         causal: bool,
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        if let Some([dc, qc, kc, vc, oc, lc]) = all_f32([&dout, &q, &k, &v, &out, &lse]) {
+        if let (Some((dc, dl)), Some((qc, ql)), Some((kc, kl)), Some((vc, vl)), Some((oc, ol))) = (
+            heads_of(&dout),
+            heads_of(&q),
+            heads_of(&k),
+            heads_of(&v),
+            heads_of(&out),
+        ) && let Some([lc]) = all_f32([&lse])
+        {
             let shape = attention_shape(&q, &k, causal, scale);
+            let rows_major = [(&qc, ql), (&kc, kl), (&vc, vl)]
+                .into_iter()
+                .all(|(t, l)| is_rows_major(t, l));
             let (dq, dk, dv) = cpu::attention_backward(
-                vals(&dc),
-                vals(&qc),
-                vals(&kc),
-                vals(&vc),
-                vals(&oc),
+                (dc.storage(), dl),
+                (qc.storage(), ql),
+                (kc.storage(), kl),
+                (vc.storage(), vl),
+                (oc.storage(), ol),
                 vals(&lc),
+                rows_major,
                 shape,
             );
             return (
-                flex_from(dq, dims_of(&q)),
-                flex_from(dk, dims_of(&k)),
-                flex_from(dv, dims_of(&v)),
+                heads_output(dq, dims_of(&q), rows_major),
+                heads_output(dk, dims_of(&k), rows_major),
+                heads_output(dv, dims_of(&v), rows_major),
             );
         }
-        let (dq, dk, dv) = reference::attention_backward(
+        let (dq, dk, dv) = reference::attention_backward_4d(
             fx(dout),
             fx(q),
             fx(k),
@@ -1316,7 +1388,10 @@ pub fn linear<const D: usize>(
 /// On Flex (fp32) this is the blockwise kernel of [`cpu`]: online softmax over key tiles,
 /// tiles above the causal diagonal skipped, and only the output and a `[batch, heads, tq]`
 /// log-sum-exp kept for the backward, which recomputes each tile's probabilities; the
-/// `batch x heads x tq x tk` probabilities are never stored. Elsewhere it is the composed
+/// `batch x heads x tq x tk` probabilities are never stored. `q`, `k`, `v` may be the
+/// `swap_dims(1, 2)` views of `[batch, seq, heads, head_dim]` tensors (a model's projections
+/// with the heads split off): Flex reads them in place and returns the output as the same kind
+/// of view, so no permute is copied either way. Elsewhere it is the composed
 /// [`reference::attention_forward`].
 ///
 /// ```
@@ -1365,15 +1440,20 @@ pub fn attention(
     same_dtype(op, &[("q", q.dtype()), ("k", k.dtype()), ("v", v.dtype())])?;
     let scale = 1.0 / (d as f64).sqrt();
     if !supported(&q.device()) {
-        let flat = |t: Tensor<4>, t_len: usize| t.reshape([b * h, t_len, d]);
-        let (out, _) =
-            reference::attention_forward(flat(q, tq), flat(k, tk), flat(v, tk), causal, scale);
-        return Ok(out.reshape([b, h, tq, d]));
+        let (out, _) = reference::attention_forward_4d(q, k, v, causal, scale);
+        return Ok(out);
     }
-    let flat = |t: Tensor<4>, t_len: usize| t.reshape([b * h, t_len, d]).into_dispatch();
-    let (out, _lse) =
-        Dispatch::fused_attention_forward(flat(q, tq), flat(k, tk), flat(v, tk), causal, scale);
-    Ok(Tensor::<3>::from_dispatch(out).reshape([b, h, tq, d]))
+    // The 4-D tensors go as they are: on Flex, the `swap_dims(1, 2)` view of a
+    // `[batch, seq, heads, head_dim]` tensor is read in place and the output (and, in the
+    // backward, the gradients) come back in that layout, so the caller's swap back is free.
+    let (out, _lse) = Dispatch::fused_attention_forward(
+        q.into_dispatch(),
+        k.into_dispatch(),
+        v.into_dispatch(),
+        causal,
+        scale,
+    );
+    Ok(Tensor::<4>::from_dispatch(out))
 }
 
 /// Rotary position embedding (half-split form, as `examples::gpt::Rope`) of `x`

@@ -283,6 +283,52 @@ pub fn attention_backward(
     (dq, dk, dv)
 }
 
+/// [`attention_forward`] on `[batch, heads, rows, dim]` tensors (the fused kernels' contract):
+/// `(out [batch, heads, tq, dim], lse [batch * heads, tq])`.
+pub fn attention_forward_4d(
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    causal: bool,
+    scale: f64,
+) -> (Tensor<4>, Tensor<2>) {
+    let dims = q.dims();
+    let (out, lse) = attention_forward(flat(q), flat(k), flat(v), causal, scale);
+    (out.reshape(dims), lse)
+}
+
+/// [`attention_backward`] on `[batch, heads, rows, dim]` tensors, `lse` `[batch * heads, tq]`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward_4d(
+    dout: Tensor<4>,
+    q: Tensor<4>,
+    k: Tensor<4>,
+    v: Tensor<4>,
+    out: Tensor<4>,
+    lse: Tensor<2>,
+    causal: bool,
+    scale: f64,
+) -> (Tensor<4>, Tensor<4>, Tensor<4>) {
+    let (qd, kd) = (q.dims(), k.dims());
+    let (dq, dk, dv) = attention_backward(
+        flat(dout),
+        flat(q),
+        flat(k),
+        flat(v),
+        flat(out),
+        lse,
+        causal,
+        scale,
+    );
+    (dq.reshape(qd), dk.reshape(kd), dv.reshape(kd))
+}
+
+/// `[batch, heads, rows, dim]` as `[batch * heads, rows, dim]`.
+fn flat(t: Tensor<4>) -> Tensor<3> {
+    let [b, h, r, d] = t.dims();
+    t.reshape([b * h, r, d])
+}
+
 const SQRT_2_OVER_PI: f64 = 0.797_884_560_802_865_4;
 const GELU_CUBIC: f64 = 0.044_715;
 

@@ -304,7 +304,7 @@ impl FusedKernels for CubeBackend {
         causal: bool,
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (out, lse) = reference::attention_forward(ct(q), ct(k), ct(v), causal, scale);
+        let (out, lse) = reference::attention_forward_4d(ct(q), ct(k), ct(v), causal, scale);
         (cp(out), cp(lse))
     }
 
@@ -318,7 +318,7 @@ impl FusedKernels for CubeBackend {
         causal: bool,
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let (dq, dk, dv) = reference::attention_backward(
+        let (dq, dk, dv) = reference::attention_backward_4d(
             ct(dout),
             ct(q),
             ct(k),
