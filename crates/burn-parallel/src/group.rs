@@ -1235,6 +1235,7 @@ impl ProcessGroup {
         }
         Ok(tensor_from_data(data, device))
     }
+
     /// Starts the exchange of a ring: sends `tensor` to group rank `to` and receives a tensor
     /// of rank `D` from group rank `from`, both under `tag`; [`SendRecv::wait`] completes it
     /// and returns what was received, on `tensor`'s device.
