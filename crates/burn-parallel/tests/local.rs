@@ -200,6 +200,62 @@ fn send_recv_tags_and_barrier() {
     .unwrap();
 }
 
+/// `ProcessGroup::send_recv`, the exchange of a ring: rotations both ways at 2 to 4 ranks
+/// (at 2 the next and the previous rank are the same one), two exchanges in flight under
+/// different tags, and the typed errors: itself as a peer, a reserved tag, a tensor of
+/// another rank than the receiver expects.
+#[test]
+fn send_recv_rotates_a_ring_and_rejects_bad_peers() {
+    for n in [2, 3, 4] {
+        let got = run_local(n, |g| {
+            let device = Device::flex();
+            let (r, next, prev) = (g.rank(), (g.rank() + 1) % n, (g.rank() + n - 1) % n);
+            let mine = Tensor::<2>::from_data(data(r, 2, 3), &device);
+            let forward = g.send_recv(mine.clone(), next, prev, 1)?;
+            let backward = g.send_recv(mine, prev, next, 2)?;
+            let (from_prev, from_next) = (forward.wait()?, backward.wait()?);
+            Ok((vec_of(from_prev.into_data()), vec_of(from_next.into_data())))
+        })
+        .unwrap();
+        for (r, (from_prev, from_next)) in got.into_iter().enumerate() {
+            assert_eq!(
+                from_prev,
+                values((r + n - 1) % n, 2, 3),
+                "{n} ranks, rank {r}"
+            );
+            assert_eq!(from_next, values((r + 1) % n, 2, 3), "{n} ranks, rank {r}");
+        }
+    }
+    let errors = run_local(2, |g| {
+        let g = short(g);
+        let device = Device::flex();
+        let x = Tensor::<1>::from_floats([1.0, 2.0], &device);
+        let me = g.rank();
+        let to_self = g.send_recv(x.clone(), me, 1 - me, 3).err();
+        let reserved = g.send_recv(x.clone(), 1 - me, 1 - me, u64::MAX).err();
+        // Rank 0 sends a vector, rank 1 a matrix; each expects its own rank back.
+        let wrong_rank = if me == 0 {
+            g.send_recv(x, 1, 1, 4)?.wait().err()
+        } else {
+            let m = Tensor::<2>::zeros([1, 2], &device);
+            g.send_recv(m, 0, 0, 4)?.wait().err()
+        };
+        Ok([to_self, reserved, wrong_rank])
+    })
+    .unwrap();
+    for (rank, errors) in errors.into_iter().enumerate() {
+        for (what, e) in ["itself as a peer", "a reserved tag", "another tensor rank"]
+            .into_iter()
+            .zip(errors)
+        {
+            match e {
+                Some(CollectiveError::InvalidArgument { .. }) => {}
+                other => panic!("rank {rank}, {what}: expected InvalidArgument, got {other:?}"),
+            }
+        }
+    }
+}
+
 #[test]
 fn objects_and_bytes() {
     let out = run_local(3, |g| {
