@@ -956,7 +956,6 @@ fn attention_units(s: &AttentionShape, rows_major: bool) -> (usize, usize) {
 
 /// Blockwise attention forward: `(out, lse [batch * heads, tq])`, `out` rows-major
 /// (`[batch, tq, heads, dim]`) when `rows_major`, else `[batch, heads, tq, dim]`.
-#[allow(clippy::too_many_arguments)]
 pub fn attention_forward(
     (q, ql): (&[f32], HeadLayout),
     (k, kl): (&[f32], HeadLayout),

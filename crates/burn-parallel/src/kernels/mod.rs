@@ -400,6 +400,18 @@ fn is_rows_major(t: &FlexTensor, heads: cpu::HeadLayout) -> bool {
     heads == cpu::HeadLayout::rows_major(dims[1], dims[2], dims[3])
 }
 
+/// `q`, `k`, `v` as [`heads_of`] reads them, and whether all three are rows-major (then the
+/// kernels write their outputs rows-major too); `None` when one is not fp32.
+fn qkv_heads(
+    q: &FlexTensor,
+    k: &FlexTensor,
+    v: &FlexTensor,
+) -> Option<([(FlexTensor, cpu::HeadLayout); 3], bool)> {
+    let operands = [heads_of(q)?, heads_of(k)?, heads_of(v)?];
+    let rows_major = operands.iter().all(|(t, l)| is_rows_major(t, *l));
+    Some((operands, rows_major))
+}
+
 /// A kernel output in the layout [`is_rows_major`] chose: `values` holds `[batch, rows,
 /// heads, dim]` (returned as its `[batch, heads, rows, dim]` view) when `rows_major`, else
 /// `[batch, heads, rows, dim]`.
@@ -522,13 +534,8 @@ impl FusedKernels for Flex {
         causal: bool,
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        if let (Some((qc, ql)), Some((kc, kl)), Some((vc, vl))) =
-            (heads_of(&q), heads_of(&k), heads_of(&v))
-        {
+        if let Some(([(qc, ql), (kc, kl), (vc, vl)], rows_major)) = qkv_heads(&q, &k, &v) {
             let shape = attention_shape(&q, &k, causal, scale);
-            let rows_major = [(&qc, ql), (&kc, kl), (&vc, vl)]
-                .into_iter()
-                .all(|(t, l)| is_rows_major(t, l));
             let (out, lse) = cpu::attention_forward(
                 (qc.storage(), ql),
                 (kc.storage(), kl),
@@ -555,18 +562,11 @@ impl FusedKernels for Flex {
         causal: bool,
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        if let (Some((dc, dl)), Some((qc, ql)), Some((kc, kl)), Some((vc, vl)), Some((oc, ol))) = (
-            heads_of(&dout),
-            heads_of(&q),
-            heads_of(&k),
-            heads_of(&v),
-            heads_of(&out),
-        ) && let Some([lc]) = all_f32([&lse])
+        if let (Some(([(qc, ql), (kc, kl), (vc, vl)], rows_major)), Some((dc, dl)), Some((oc, ol))) =
+            (qkv_heads(&q, &k, &v), heads_of(&dout), heads_of(&out))
+            && let Some([lc]) = all_f32([&lse])
         {
             let shape = attention_shape(&q, &k, causal, scale);
-            let rows_major = [(&qc, ql), (&kc, kl), (&vc, vl)]
-                .into_iter()
-                .all(|(t, l)| is_rows_major(t, l));
             let (dq, dk, dv) = cpu::attention_backward(
                 (dc.storage(), dl),
                 (qc.storage(), ql),
