@@ -77,12 +77,15 @@ pub(crate) fn par_units(
         chunks.push((start..end, parts));
         start = end;
     }
-    std::thread::scope(|s| {
+    // The caller's rayon pool (a thread rank's own, see `crate::threads::in_rank_pool`): its
+    // threads are already running, where a scoped thread per part would cost a spawn (a
+    // `clone`, a fresh stack) per kernel call.
+    rayon::scope(|s| {
         let f = &f;
         let mut chunks = chunks.into_iter();
         let first = chunks.next();
         for (range, mut parts) in chunks {
-            s.spawn(move || f(range, &mut parts));
+            s.spawn(move |_| f(range, &mut parts));
         }
         if let Some((range, mut parts)) = first {
             f(range, &mut parts);
@@ -690,8 +693,76 @@ fn matmul_par(
     parallelism: gemm::Parallelism,
 ) {
     assert!(
-        a.covers(m, k) && b.covers(k, n) && (m == 0 || n == 0 || (m - 1) * dst_rs + n <= dst.len()),
-        "attention tile product out of bounds: ({m} x {k}) ({k} x {n})"
+        m == 0 || n == 0 || (m - 1) * dst_rs + n <= dst.len(),
+        "product output out of bounds: {m} x {n} rows of stride {dst_rs} in {}",
+        dst.len()
+    );
+    // SAFETY: the assert above keeps every element written inside `dst`, which is borrowed
+    // mutably, initialised (so `accumulate` may read it) and aliases neither operand.
+    unsafe {
+        gemm_into(
+            dst.as_mut_ptr(),
+            (m, n, k),
+            dst_rs,
+            accumulate,
+            a,
+            b,
+            scale,
+            parallelism,
+        )
+    }
+}
+
+/// A new row-major `m x n` matrix `a[m x k] b[k x n]`, written by the product alone: the
+/// buffer is never zeroed first (a pass over the whole output that the product overwrites).
+fn product(
+    (m, n, k): (usize, usize, usize),
+    a: View<'_>,
+    b: View<'_>,
+    parallelism: gemm::Parallelism,
+) -> Vec<f32> {
+    let len = m * n;
+    let mut out = Vec::with_capacity(len);
+    // SAFETY: `out` has capacity for the `m x n` rows-major output (row stride `n`) and is a
+    // fresh allocation, aliasing nothing. With `accumulate` false `gemm_into` writes every one
+    // of those elements without reading any (gemm stores `beta * a b` when `read_dst` is
+    // false; `k == 0` writes zeros), so all `len` elements are initialised when `set_len`
+    // runs.
+    unsafe {
+        gemm_into(
+            out.as_mut_ptr(),
+            (m, n, k),
+            n,
+            false,
+            a,
+            b,
+            1.0,
+            parallelism,
+        );
+        out.set_len(len);
+    }
+    out
+}
+
+/// The product behind [`matmul_par`] and [`product`], checking the operands' bounds.
+///
+/// # Safety
+/// `dst` must be valid for writes of the `m x n` output at row stride `dst_rs` (and for reads
+/// of it, initialised, when `accumulate` is set), and must not alias `a` or `b`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_into(
+    dst: *mut f32,
+    (m, n, k): (usize, usize, usize),
+    dst_rs: usize,
+    accumulate: bool,
+    a: View<'_>,
+    b: View<'_>,
+    scale: f32,
+    parallelism: gemm::Parallelism,
+) {
+    assert!(
+        a.covers(m, k) && b.covers(k, n),
+        "product operands out of bounds: ({m} x {k}) ({k} x {n})"
     );
     if m == 0 || n == 0 {
         return;
@@ -699,20 +770,21 @@ fn matmul_par(
     if k == 0 {
         if !accumulate {
             for r in 0..m {
-                dst[r * dst_rs..r * dst_rs + n].fill(0.0);
+                // SAFETY: row `r`'s `n` elements are inside the output (the caller's contract).
+                unsafe { std::ptr::write_bytes(dst.add(r * dst_rs), 0, n) };
             }
         }
         return;
     }
     // SAFETY: the assert above checks that every element the product reads (a: m x k, b:
-    // k x n with their strides) and writes (dst: m x n with row stride dst_rs) lies inside
-    // the borrowed slices; `dst` is borrowed mutably and does not alias `a` or `b`.
+    // k x n with their strides) lies inside the borrowed slices; the caller guarantees the
+    // output (m x n at row stride dst_rs) and that it aliases neither operand.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            dst.as_mut_ptr(),
+            dst,
             1,
             dst_rs as isize,
             accumulate,
@@ -769,15 +841,21 @@ fn product_parallelism(m: usize, n: usize, k: usize) -> gemm::Parallelism {
 // Linear layers.
 
 /// `y [rows, n] = x [rows, k] w [k, n] (+ b [n])`: the bias is written first and the product
-/// accumulated onto it, so the output is written once (no zeroing, no separate bias pass).
+/// accumulated onto it (without a bias the product writes `y` alone), so the output is never
+/// zeroed and there is no separate bias pass.
 pub fn linear_forward(x: &[f32], w: &[f32], b: Option<&[f32]>, k: usize, n: usize) -> Vec<f32> {
     let rows = x.len() / k.max(1);
-    let y_len = rows * n;
-    let mut y = Vec::with_capacity(y_len);
-    match b {
-        Some(b) => (0..rows).for_each(|_| y.extend_from_slice(b)),
-        None => y.resize(y_len, 0.0),
-    }
+    let parallelism = product_parallelism(rows, n, k);
+    let Some(b) = b else {
+        return product(
+            (rows, n, k),
+            View::rows(x, k),
+            View::rows(w, n),
+            parallelism,
+        );
+    };
+    let mut y = Vec::with_capacity(rows * n);
+    (0..rows).for_each(|_| y.extend_from_slice(b));
     matmul_par(
         (rows, n, k),
         &mut y,
@@ -786,7 +864,7 @@ pub fn linear_forward(x: &[f32], w: &[f32], b: Option<&[f32]>, k: usize, n: usiz
         View::rows(x, k),
         View::rows(w, n),
         1.0,
-        product_parallelism(rows, n, k),
+        parallelism,
     );
     y
 }
@@ -801,26 +879,16 @@ pub fn linear_backward(
     n: usize,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let rows = x.len() / k.max(1);
-    let mut dx = vec![0.0; rows * k];
-    matmul_par(
+    let dx = product(
         (rows, k, n),
-        &mut dx,
-        k,
-        false,
         View::rows(dy, n),
         View::transposed(w, n),
-        1.0,
         product_parallelism(rows, k, n),
     );
-    let mut dw = vec![0.0; k * n];
-    matmul_par(
+    let dw = product(
         (k, n, rows),
-        &mut dw,
-        n,
-        false,
         View::transposed(x, k),
         View::rows(dy, n),
-        1.0,
         product_parallelism(k, n, rows),
     );
     let mut db = vec![0.0; n];
