@@ -203,18 +203,62 @@ fn gelu_grad_one(x: f32, approximate: bool) -> f32 {
     }
 }
 
-/// Whether this CPU runs AVX2 and FMA (checked once; std caches the answer).
-#[cfg(target_arch = "x86_64")]
-#[inline]
-fn avx2_fma() -> bool {
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+/// The vector instructions the CPU kernels' [`hot_loop!`]s use, narrowest first.
+///
+/// Every tier gives bit-identical results: the reductions keep eight partial sums whatever the
+/// vector width, and the polynomials are fused multiply-adds in every tier (libm's exact
+/// `fmaf` in the baseline).
+///
+/// ```
+/// use burn_parallel::kernels::cpu::{limit_simd, simd, Simd};
+///
+/// limit_simd(Simd::Avx2); // e.g. to keep a machine that throttles under AVX-512 off it
+/// assert!(simd() <= Simd::Avx2);
+/// limit_simd(Simd::Avx512); // back to the widest the CPU has
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Simd {
+    /// The target's baseline (x86-64: SSE2, 4 lanes), or any CPU that is not x86-64.
+    Baseline,
+    /// AVX2 and FMA: 8 lanes.
+    Avx2,
+    /// AVX-512F (with AVX2 and FMA): 16 lanes and 32 vector registers.
+    Avx512,
 }
 
-/// Whether this CPU runs AVX-512F besides AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[inline]
-fn avx512() -> bool {
-    std::arch::is_x86_feature_detected!("avx512f") && avx2_fma()
+/// The widest tier allowed ([`limit_simd`]), as `Simd as u8`.
+static SIMD_LIMIT: std::sync::atomic::AtomicU8 =
+    std::sync::atomic::AtomicU8::new(Simd::Avx512 as u8);
+
+/// Caps the tier of the CPU kernels at `limit` (process-wide; the default is no cap).
+pub fn limit_simd(limit: Simd) {
+    SIMD_LIMIT.store(limit as u8, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// The tier the CPU kernels use now: the widest this CPU runs, within [`limit_simd`]'s cap.
+pub fn simd() -> Simd {
+    let limit = SIMD_LIMIT.load(std::sync::atomic::Ordering::Relaxed);
+    detected_simd().min(match limit {
+        0 => Simd::Baseline,
+        1 => Simd::Avx2,
+        _ => Simd::Avx512,
+    })
+}
+
+/// The widest tier this CPU runs (std caches the feature checks).
+fn detected_simd() -> Simd {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx2") && has!("fma") {
+            return if has!("avx512f") {
+                Simd::Avx512
+            } else {
+                Simd::Avx2
+            };
+        }
+    }
+    Simd::Baseline
 }
 
 /// Defines a hot loop three times: for the x86-64 baseline (4 lanes), for AVX2 and FMA (8
@@ -232,15 +276,17 @@ macro_rules! hot_loop {
                 #[target_feature(enable = "avx512f,avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
                 unsafe fn wide16($($arg: $ty),*) $(-> $ret)? $body
-                if avx512() {
-                    // SAFETY: `wide16` only uses AVX-512F, AVX2 and FMA, which `avx512` found.
+                let tier = simd();
+                if tier == Simd::Avx512 {
+                    // SAFETY: `wide16` only uses AVX-512F, AVX2 and FMA, which `simd` found on
+                    // this CPU.
                     return unsafe { wide16($($arg),*) };
                 }
                 #[target_feature(enable = "avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
                 unsafe fn wide($($arg: $ty),*) $(-> $ret)? $body
-                if avx2_fma() {
-                    // SAFETY: `wide` only uses AVX2 and FMA, which `avx2_fma` found on this CPU.
+                if tier == Simd::Avx2 {
+                    // SAFETY: `wide` only uses AVX2 and FMA, which `simd` found on this CPU.
                     return unsafe { wide($($arg),*) };
                 }
             }
@@ -1316,6 +1362,109 @@ mod tests {
         }
         assert!(worst < 3e-7, "relative error {worst:e}");
         assert_eq!(exp(0.0), 1.0);
+    }
+
+    /// Every output of every element-wise, norm, cross-entropy, attention and AdamW kernel on
+    /// odd sizes, at the current tier.
+    fn all_kernel_outputs() -> Vec<Vec<f32>> {
+        let wave = |i: usize, p: usize, q: usize, scale: f32, shift: f32| {
+            ((i * p) % q) as f32 * scale - shift
+        };
+        let n = 61 * 19;
+        let x: Vec<f32> = (0..n).map(|i| wave(i, 7919, 2001, 0.005, 5.0)).collect();
+        let dy: Vec<f32> = (0..n).map(|i| wave(i, 104_729, 997, 0.002, 1.0)).collect();
+        let mut outs = vec![
+            gelu_forward(&x, false),
+            gelu_forward(&x, true),
+            gelu_backward(&dy, &x, false),
+            gelu_backward(&dy, &x, true),
+            swiglu_forward(&x, &dy),
+        ];
+        let (da, db) = swiglu_backward(&dy, &x, &dy);
+        outs.extend([da, db]);
+        let cols = 61;
+        let (weight, bias) = (dy[..cols].to_vec(), x[..cols].to_vec());
+        for rms in [false, true] {
+            let (y, mean, rstd) = norm_forward(&x, cols, &weight, &bias, 1e-5, rms);
+            let (dx, dw, dbias) = norm_backward(&dy, &x, cols, &weight, &mean, &rstd, rms);
+            outs.extend([y, mean, rstd, dx, dw, dbias]);
+        }
+        let lse = ce_stats(&x, cols);
+        let targets: Vec<i64> = (0..n / cols).map(|r| (r * 13 % cols) as i64).collect();
+        let lse_of_rows: Vec<f32> = lse.chunks(2).map(|c| c[0] + c[1].ln()).collect();
+        let dnll = vec![0.25; targets.len()];
+        outs.push(ce_backward(
+            &dnll,
+            &x,
+            cols,
+            &targets,
+            &lse_of_rows,
+            0,
+            -100,
+        ));
+        outs.push(lse);
+        let shape = AttentionShape {
+            batch: 1,
+            heads: 2,
+            tq: 70,
+            tk: 70,
+            dim: 8,
+            causal: true,
+            scale: 0.35,
+        };
+        let len = 2 * 70 * 8;
+        let l = HeadLayout::heads_major(2, 70, 8);
+        let (q, k, v, dout) = (&x[..len], &x[3..3 + len], &dy[..len], &dy[5..5 + len]);
+        let (out, lse) = attention_forward((q, l), (k, l), (v, l), false, shape);
+        let (dq, dk, dv) = attention_backward(
+            (dout, l),
+            (q, l),
+            (k, l),
+            (v, l),
+            (&out, l),
+            &lse,
+            false,
+            shape,
+        );
+        outs.extend([out, lse, dq, dk, dv]);
+        let (mut p, mut m, mut v) = (x.clone(), dy.clone(), vec![0.5; n]);
+        let hyper = super::super::AdamWHyper {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-5,
+            weight_decay: 0.1,
+            step: 3,
+        };
+        adamw_step(&mut p, &dy, &mut m, &mut v, &hyper);
+        outs.extend([p, m, v]);
+        outs
+    }
+
+    #[test]
+    fn every_simd_tier_gives_the_same_bits() {
+        limit_simd(Simd::Baseline);
+        assert_eq!(simd(), Simd::Baseline);
+        let want = all_kernel_outputs();
+        let mut checked = vec![Simd::Baseline];
+        for tier in [Simd::Avx2, Simd::Avx512] {
+            if tier > detected_simd() {
+                continue;
+            }
+            limit_simd(tier);
+            assert_eq!(simd(), tier);
+            let got = all_kernel_outputs();
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(g), bits(w), "output {i} differs at {tier:?}");
+            }
+            checked.push(tier);
+        }
+        limit_simd(Simd::Avx512);
+        println!(
+            "tiers checked: {checked:?} (this CPU: {:?})",
+            detected_simd()
+        );
     }
 
     #[test]
