@@ -18,6 +18,7 @@
 //! Abramowitz and Stegun 7.1.26); the tests compare every kernel against the composed
 //! [`reference`](super::reference).
 
+use std::mem::MaybeUninit;
 use std::ops::Range;
 
 use crate::threads::intra_op_threads;
@@ -34,35 +35,44 @@ const PARALLEL_WORK: usize = 1 << 16;
 // ---------------------------------------------------------------------------------------------
 // Splitting work over threads.
 
-/// The mutable outputs of a kernel, each cut into `units` equal parts of `per_unit` elements.
-pub(crate) struct Outs<'a> {
-    slices: Vec<(&'a mut [f32], usize)>,
+/// The mutable outputs of a kernel, each cut into `units` equal parts of `per_unit` elements:
+/// `f32`s to update, or `MaybeUninit<f32>`s of a new vector to write ([`uninit`]).
+pub(crate) struct Outs<'a, T = f32> {
+    slices: Vec<(&'a mut [T], usize)>,
 }
 
-impl<'a> Outs<'a> {
-    pub(crate) fn new(slices: Vec<(&'a mut [f32], usize)>) -> Self {
+impl<'a, T> Outs<'a, T> {
+    pub(crate) fn new(slices: Vec<(&'a mut [T], usize)>) -> Self {
         Self { slices }
     }
+}
+
+/// The first `len` elements of `v`'s spare capacity (reserved here), for a kernel to write.
+/// Once every one is written, `v.set_len(len)` takes them: outputs are never zeroed first (a
+/// serial pass over memory the kernel overwrites anyway).
+fn uninit(v: &mut Vec<f32>, len: usize) -> &mut [MaybeUninit<f32>] {
+    v.reserve_exact(len);
+    &mut v.spare_capacity_mut()[..len]
 }
 
 /// Runs `f(units, outputs)` over `units` split into contiguous ranges, one per intra-op thread
 /// (inline when `work` is small or one thread is configured). Each call receives the parts of
 /// every output that belong to its units, in the order given.
-pub(crate) fn par_units(
+pub(crate) fn par_units<T: Send>(
     units: usize,
     work: usize,
-    outs: Outs<'_>,
-    f: impl Fn(Range<usize>, &mut [&mut [f32]]) + Sync,
+    outs: Outs<'_, T>,
+    f: impl Fn(Range<usize>, &mut [&mut [T]]) + Sync,
 ) {
     let threads = intra_op_threads().min(units).max(1);
     if threads == 1 || work < PARALLEL_WORK {
-        let mut parts: Vec<&mut [f32]> = outs.slices.into_iter().map(|(s, _)| s).collect();
+        let mut parts: Vec<&mut [T]> = outs.slices.into_iter().map(|(s, _)| s).collect();
         f(0..units, &mut parts);
         return;
     }
     let per = units.div_ceil(threads);
-    let mut chunks: Vec<(Range<usize>, Vec<&mut [f32]>)> = Vec::with_capacity(threads);
-    let mut rest: Vec<(&mut [f32], usize)> = outs.slices;
+    let mut chunks: Vec<(Range<usize>, Vec<&mut [T]>)> = Vec::with_capacity(threads);
+    let mut rest: Vec<(&mut [T], usize)> = outs.slices;
     let mut start = 0;
     while start < units {
         let end = (start + per).min(units);
@@ -301,25 +311,25 @@ const CHUNK: usize = 32;
 
 hot_loop! {
     /// `out[i] = gelu(x[i])`.
-    fn gelu_slice(out: &mut [f32], x: &[f32], approximate: bool) {
+    fn gelu_slice(out: &mut [MaybeUninit<f32>], x: &[f32], approximate: bool) {
         let mut oc = out.chunks_exact_mut(CHUNK);
         let mut xc = x.chunks_exact(CHUNK);
         for (o, x) in (&mut oc).zip(&mut xc) {
             for i in 0..CHUNK {
-                o[i] = gelu_one(x[i], approximate);
+                o[i].write(gelu_one(x[i], approximate));
             }
         }
         for (o, &v) in oc.into_remainder().iter_mut().zip(xc.remainder()) {
-            *o = gelu_one(v, approximate);
+            o.write(gelu_one(v, approximate));
         }
     }
 }
 
 hot_loop! {
     /// `out[i] = dy[i] gelu'(x[i])`.
-    fn gelu_grad_slice(out: &mut [f32], dy: &[f32], x: &[f32], approximate: bool) {
+    fn gelu_grad_slice(out: &mut [MaybeUninit<f32>], dy: &[f32], x: &[f32], approximate: bool) {
         for ((o, &g), &v) in out.iter_mut().zip(dy).zip(x) {
-            *o = g * gelu_grad_one(v, approximate);
+            o.write(g * gelu_grad_one(v, approximate));
         }
     }
 }
@@ -447,44 +457,69 @@ hot_loop! {
 
 /// GELU of `x`.
 pub fn gelu_forward(x: &[f32], approximate: bool) -> Vec<f32> {
-    let mut y = vec![0.0; x.len()];
     let n = x.len();
-    par_units(n, n * 16, Outs::new(vec![(&mut y, 1)]), |r, out| {
-        gelu_slice(out[0], &x[r], approximate)
-    });
+    let mut y = Vec::new();
+    par_units(
+        n,
+        n * 16,
+        Outs::new(vec![(uninit(&mut y, n), 1)]),
+        |r, out| gelu_slice(out[0], &x[r], approximate),
+    );
+    // SAFETY: `par_units` hands out every unit, and `gelu_slice` writes each of its part.
+    unsafe { y.set_len(n) };
     y
 }
 
 /// `dy * gelu'(x)`.
 pub fn gelu_backward(dy: &[f32], x: &[f32], approximate: bool) -> Vec<f32> {
-    let mut dx = vec![0.0; x.len()];
     let n = x.len();
-    par_units(n, n * 16, Outs::new(vec![(&mut dx, 1)]), |r, out| {
-        gelu_grad_slice(out[0], &dy[r.clone()], &x[r], approximate)
-    });
+    assert_eq!(dy.len(), n, "gelu_backward: dy and x differ in length");
+    let mut dx = Vec::new();
+    par_units(
+        n,
+        n * 16,
+        Outs::new(vec![(uninit(&mut dx, n), 1)]),
+        |r, out| gelu_grad_slice(out[0], &dy[r.clone()], &x[r], approximate),
+    );
+    // SAFETY: `par_units` hands out every unit, and `gelu_grad_slice` writes each of its part
+    // (`dy` is as long as `x`, checked above).
+    unsafe { dx.set_len(n) };
     dx
 }
 
 /// `silu(a) * b`.
 pub fn swiglu_forward(a: &[f32], b: &[f32]) -> Vec<f32> {
-    let mut y = vec![0.0; a.len()];
     let n = a.len();
-    par_units(n, n * 8, Outs::new(vec![(&mut y, 1)]), |r, out| {
-        for ((o, &x), &g) in out[0].iter_mut().zip(&a[r.clone()]).zip(&b[r]) {
-            *o = x / (1.0 + exp(-x)) * g;
-        }
-    });
+    assert_eq!(b.len(), n, "swiglu_forward: a and b differ in length");
+    let mut y = Vec::new();
+    par_units(
+        n,
+        n * 8,
+        Outs::new(vec![(uninit(&mut y, n), 1)]),
+        |r, out| {
+            for ((o, &x), &g) in out[0].iter_mut().zip(&a[r.clone()]).zip(&b[r]) {
+                o.write(x / (1.0 + exp(-x)) * g);
+            }
+        },
+    );
+    // SAFETY: `par_units` hands out every unit, and the loop writes each of its part (`a`
+    // and `b` have `n` elements: asserted).
+    unsafe { y.set_len(n) };
     y
 }
 
 /// `(da, db)` of `silu(a) * b`.
 pub fn swiglu_backward(dy: &[f32], a: &[f32], b: &[f32]) -> (Vec<f32>, Vec<f32>) {
-    let (mut da, mut db) = (vec![0.0; a.len()], vec![0.0; a.len()]);
     let n = a.len();
+    assert!(
+        b.len() == n && dy.len() == n,
+        "swiglu_backward: dy, a and b differ in length"
+    );
+    let (mut da, mut db) = (Vec::new(), Vec::new());
     par_units(
         n,
         n * 8,
-        Outs::new(vec![(&mut da, 1), (&mut db, 1)]),
+        Outs::new(vec![(uninit(&mut da, n), 1), (uninit(&mut db, n), 1)]),
         |r, out| {
             let (da, rest) = out.split_first_mut().expect("two outputs");
             let db = &mut rest[0];
@@ -492,11 +527,16 @@ pub fn swiglu_backward(dy: &[f32], a: &[f32], b: &[f32]) -> (Vec<f32>, Vec<f32>)
                 let (x, g) = (a[j], dy[j]);
                 let s = 1.0 / (1.0 + exp(-x));
                 let silu = x * s;
-                da[i] = g * b[j] * (s + silu * (1.0 - s));
-                db[i] = g * silu;
+                da[i].write(g * b[j] * (s + silu * (1.0 - s)));
+                db[i].write(g * silu);
             }
         },
     );
+    // SAFETY: `par_units` hands out every unit, and the loop writes `da` and `db` at each.
+    unsafe {
+        da.set_len(n);
+        db.set_len(n);
+    }
     (da, db)
 }
 
@@ -539,9 +579,24 @@ pub fn norm_forward(
     rms: bool,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let rows = x.len() / cols.max(1);
-    let mut y = vec![0.0; x.len()];
-    let (mut mean, mut rstd) = (vec![0.0; rows], vec![0.0; rows]);
-    let outs = Outs::new(vec![(&mut y, cols), (&mut mean, 1), (&mut rstd, 1)]);
+    assert_eq!(
+        rows * cols,
+        x.len(),
+        "norm_forward: {} values are not rows of {cols}",
+        x.len()
+    );
+    assert!(
+        weight.len() == cols && (rms || bias.len() == cols),
+        "norm_forward: {cols} columns but weight {} and bias {}",
+        weight.len(),
+        bias.len()
+    );
+    let (mut y, mut mean, mut rstd) = (Vec::new(), Vec::new(), Vec::new());
+    let outs = Outs::new(vec![
+        (uninit(&mut y, rows * cols), cols),
+        (uninit(&mut mean, rows), 1),
+        (uninit(&mut rstd, rows), 1),
+    ]);
     par_units(rows, x.len() * 4, outs, |r, out| {
         let [y, mean, rstd] = out else {
             unreachable!("three outputs")
@@ -551,20 +606,28 @@ pub fn norm_forward(
             let mu = if rms { 0.0 } else { sum_of(xr) / cols as f32 };
             let var = squared_deviation(xr, mu) / cols as f32;
             let rs = 1.0 / (var as f64 + eps).sqrt() as f32;
-            mean[i] = mu;
-            rstd[i] = rs;
+            mean[i].write(mu);
+            rstd[i].write(rs);
             let yr = &mut y[i * cols..(i + 1) * cols];
             if rms {
                 for ((o, &v), &w) in yr.iter_mut().zip(xr).zip(weight) {
-                    *o = v * rs * w;
+                    o.write(v * rs * w);
                 }
             } else {
                 for (((o, &v), &w), &b) in yr.iter_mut().zip(xr).zip(weight).zip(bias) {
-                    *o = (v - mu) * rs * w + b;
+                    o.write((v - mu) * rs * w + b);
                 }
             }
         }
     });
+    // SAFETY: `par_units` hands out every row, and the loop above writes each row's `cols`
+    // outputs (`weight` and, for LayerNorm, `bias` have `cols` elements: asserted), its
+    // mean and its rstd.
+    unsafe {
+        y.set_len(rows * cols);
+        mean.set_len(rows);
+        rstd.set_len(rows);
+    }
     (y, mean, rstd)
 }
 
@@ -952,8 +1015,28 @@ pub fn linear_forward(x: &[f32], w: &[f32], b: Option<&[f32]>, k: usize, n: usiz
             parallelism,
         );
     };
-    let mut y = Vec::with_capacity(rows * n);
-    (0..rows).for_each(|_| y.extend_from_slice(b));
+    assert_eq!(
+        b.len(),
+        n,
+        "linear_forward: bias of {} for {n} outputs",
+        b.len()
+    );
+    let mut y = Vec::new();
+    par_units(
+        rows,
+        rows * n,
+        Outs::new(vec![(uninit(&mut y, rows * n), n)]),
+        |_, out| {
+            for row in out[0].chunks_exact_mut(n) {
+                for (o, &v) in row.iter_mut().zip(b) {
+                    o.write(v);
+                }
+            }
+        },
+    );
+    // SAFETY: `par_units` hands out every row, and the loop writes each row's `n` elements
+    // (`b` has `n`: asserted).
+    unsafe { y.set_len(rows * n) };
     matmul_par(
         (rows, n, k),
         &mut y,
