@@ -1072,16 +1072,20 @@ pub fn linear_backward(
         View::rows(dy, n),
         product_parallelism(k, n, rows),
     );
+    // Threads split the columns: each column is summed over the rows in order, whatever the
+    // thread count (the same bits as one thread).
     let mut db = vec![0.0; n];
-    add_rows(&mut db, dy);
+    par_units(n, dy.len(), Outs::new(vec![(&mut db, 1)]), |cols, out| {
+        add_rows(out[0], dy, n, cols.start)
+    });
     (dx, dw, db)
 }
 
 hot_loop! {
-    /// `acc[j] += sum_r rows[r * acc.len() + j]`.
-    fn add_rows(acc: &mut [f32], rows: &[f32]) {
-        for row in rows.chunks_exact(acc.len().max(1)) {
-            for (a, &v) in acc.iter_mut().zip(row) {
+    /// `acc[j] += sum_r rows[r * width + first + j]`.
+    fn add_rows(acc: &mut [f32], rows: &[f32], width: usize, first: usize) {
+        for row in rows.chunks_exact(width.max(1)) {
+            for (a, &v) in acc.iter_mut().zip(&row[first..]) {
                 *a += v;
             }
         }
