@@ -106,14 +106,24 @@ pub(crate) fn par_units<T: Send>(
 // ---------------------------------------------------------------------------------------------
 // Vectorisable math.
 
-/// `c[0] + x (c[1] + x (c[2] + ...))`, one fused multiply-add per coefficient: half the
-/// instructions of separate products and sums (Rust never contracts `a * b + c` itself), and
-/// one rounding each. Where the CPU has no FMA (the x86-64 baseline of [`hot_loop!`]),
-/// `mul_add` is libm's exact `fmaf`: slower, same results.
+/// `a b + c`: one fused multiply-add (one rounding) with `FMA`, else a product and a sum.
+///
+/// The math below takes `FMA` as a parameter because Rust never contracts `a * b + c` by
+/// itself, and `mul_add` on a CPU without FMA is a call to a software `fmaf` per operation:
+/// the [`hot_loop!`] versions for AVX2 and AVX-512 pass `true` (half the instructions of
+/// separate products and sums), the baseline passes `false`.
 #[inline(always)]
-fn horner(x: f32, c: &[f32]) -> f32 {
+fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA { a.mul_add(b, c) } else { a * b + c }
+}
+
+/// `c[0] + x (c[1] + x (c[2] + ...))` by Horner's rule, one [`madd`] per coefficient.
+#[inline(always)]
+fn horner<const FMA: bool>(x: f32, c: &[f32]) -> f32 {
     let (&last, rest) = c.split_last().expect("at least one coefficient");
-    rest.iter().rev().fold(last, |acc, &ci| acc.mul_add(x, ci))
+    rest.iter()
+        .rev()
+        .fold(last, |acc, &ci| madd::<FMA>(acc, x, ci))
 }
 
 /// `e^x` for `f32`: `x = n ln 2 + r`, `|r| <= ln 2 / 2`, a degree-6 polynomial for `e^r` and
@@ -121,6 +131,13 @@ fn horner(x: f32, c: &[f32]) -> f32 {
 /// clamped to that range (so `exp(-inf)` is `~1e-38`, not 0: callers mask explicitly).
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
+    // Scalar callers are compiled without FMA, where `mul_add` would be a call per operation.
+    exp_with::<false>(x)
+}
+
+/// [`exp`], its polynomial in [`madd`]s of the given kind.
+#[inline(always)]
+fn exp_with<const FMA: bool>(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_145_75;
     const LN2_LO: f32 = 1.428_606_8e-6;
@@ -130,10 +147,10 @@ pub fn exp(x: f32) -> f32 {
     // `t`'s low mantissa bits hold `n` (two's complement): the exponent of `2^n` comes from
     // integer operations on the bits. A float-to-int `as` cast would not do: its saturating
     // semantics keep the loop scalar.
-    let t = x.mul_add(LOG2E, ROUND);
+    let t = madd::<FMA>(x, LOG2E, ROUND);
     let n = t - ROUND;
-    let r = (-n).mul_add(LN2_LO, (-n).mul_add(LN2_HI, x));
-    let p = horner(
+    let r = madd::<FMA>(-n, LN2_LO, madd::<FMA>(-n, LN2_HI, x));
+    let p = horner::<FMA>(
         r,
         &[
             1.0,
@@ -153,16 +170,16 @@ pub fn exp(x: f32) -> f32 {
 /// The error function, Abramowitz and Stegun 7.1.26 (absolute error below `1.5e-7`).
 #[inline(always)]
 pub fn erf(x: f32) -> f32 {
-    erf_and_gauss(x).0
+    erf_and_gauss::<false>(x).0
 }
 
 /// `(erf(x), e^(-x²))`: A&S 7.1.26 computes `e^(-x²)` anyway, and GELU's derivative needs it
 /// too (one `exp` instead of two).
 #[inline(always)]
-fn erf_and_gauss(x: f32) -> (f32, f32) {
+fn erf_and_gauss<const FMA: bool>(x: f32) -> (f32, f32) {
     let a = x.abs();
-    let t = 1.0 / a.mul_add(0.327_591_1, 1.0);
-    let poly = t * horner(
+    let t = 1.0 / madd::<FMA>(a, 0.327_591_1, 1.0);
+    let poly = t * horner::<FMA>(
         t,
         &[
             0.254_829_6,
@@ -172,8 +189,8 @@ fn erf_and_gauss(x: f32) -> (f32, f32) {
             1.061_405_4,
         ],
     );
-    let gauss = exp(-a * a);
-    let y = (-poly).mul_add(gauss, 1.0);
+    let gauss = exp_with::<FMA>(-a * a);
+    let y = madd::<FMA>(-poly, gauss, 1.0);
     (y.copysign(x), gauss)
 }
 
@@ -185,39 +202,40 @@ const GELU_CUBIC: f32 = 0.044_715;
 
 /// `tanh` through [`exp`].
 #[inline(always)]
-fn tanh(u: f32) -> f32 {
-    1.0 - 2.0 / (exp(2.0 * u) + 1.0)
+fn tanh<const FMA: bool>(u: f32) -> f32 {
+    1.0 - 2.0 / (exp_with::<FMA>(2.0 * u) + 1.0)
 }
 
 /// GELU of one value: exact (`erf`) or GPT-2's tanh approximation.
 #[inline(always)]
-fn gelu_one(x: f32, approximate: bool) -> f32 {
+fn gelu_one<const FMA: bool>(x: f32, approximate: bool) -> f32 {
     if approximate {
-        0.5 * x * (1.0 + tanh(SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x)))
+        0.5 * x * (1.0 + tanh::<FMA>(SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x)))
     } else {
-        0.5 * x * (1.0 + erf(x * FRAC_1_SQRT_2))
+        0.5 * x * (1.0 + erf_and_gauss::<FMA>(x * FRAC_1_SQRT_2).0)
     }
 }
 
 /// Derivative of [`gelu_one`].
 #[inline(always)]
-fn gelu_grad_one(x: f32, approximate: bool) -> f32 {
+fn gelu_grad_one<const FMA: bool>(x: f32, approximate: bool) -> f32 {
     if approximate {
-        let t = tanh(SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x));
+        let t = tanh::<FMA>(SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x));
         0.5 * (1.0 + t)
             + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x * x)
     } else {
         // e^(-(x/√2)²) = e^(-x²/2): the Gaussian density's exponential.
-        let (erf, gauss) = erf_and_gauss(x * FRAC_1_SQRT_2);
+        let (erf, gauss) = erf_and_gauss::<FMA>(x * FRAC_1_SQRT_2);
         0.5 * (1.0 + erf) + x * FRAC_1_SQRT_2PI * gauss
     }
 }
 
 /// The vector instructions the CPU kernels' [`hot_loop!`]s use, narrowest first.
 ///
-/// Every tier gives bit-identical results: the reductions keep eight partial sums whatever the
-/// vector width, and the polynomials are fused multiply-adds in every tier (libm's exact
-/// `fmaf` in the baseline).
+/// AVX2 and AVX-512 give bit-identical results: the reductions keep eight partial sums
+/// whatever the vector width, and the polynomials are fused multiply-adds in both. The
+/// baseline evaluates them as separate products and sums (a software `fmaf` per operation
+/// would be far slower), so its results differ in the last bits.
 ///
 /// ```
 /// use burn_parallel::kernels::cpu::{limit_simd, simd, Simd};
@@ -281,11 +299,18 @@ macro_rules! hot_loop {
         $(#[$meta])*
         #[allow(clippy::too_many_arguments)]
         fn $name($($arg: $ty),*) $(-> $ret)? {
+            // The baseline's math: separate products and sums (see `madd`).
+            #[allow(dead_code)]
+            const FMA: bool = false;
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx512f,avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
-                unsafe fn wide16($($arg: $ty),*) $(-> $ret)? $body
+                unsafe fn wide16($($arg: $ty),*) $(-> $ret)? {
+                    #[allow(dead_code)]
+                    const FMA: bool = true;
+                    $body
+                }
                 let tier = simd();
                 if tier == Simd::Avx512 {
                     // SAFETY: `wide16` only uses AVX-512F, AVX2 and FMA, which `simd` found on
@@ -294,7 +319,11 @@ macro_rules! hot_loop {
                 }
                 #[target_feature(enable = "avx2,fma")]
                 #[allow(clippy::too_many_arguments)]
-                unsafe fn wide($($arg: $ty),*) $(-> $ret)? $body
+                unsafe fn wide($($arg: $ty),*) $(-> $ret)? {
+                    #[allow(dead_code)]
+                    const FMA: bool = true;
+                    $body
+                }
                 if tier == Simd::Avx2 {
                     // SAFETY: `wide` only uses AVX2 and FMA, which `simd` found on this CPU.
                     return unsafe { wide($($arg),*) };
@@ -316,11 +345,11 @@ hot_loop! {
         let mut xc = x.chunks_exact(CHUNK);
         for (o, x) in (&mut oc).zip(&mut xc) {
             for i in 0..CHUNK {
-                o[i].write(gelu_one(x[i], approximate));
+                o[i].write(gelu_one::<FMA>(x[i], approximate));
             }
         }
         for (o, &v) in oc.into_remainder().iter_mut().zip(xc.remainder()) {
-            o.write(gelu_one(v, approximate));
+            o.write(gelu_one::<FMA>(v, approximate));
         }
     }
 }
@@ -329,7 +358,7 @@ hot_loop! {
     /// `out[i] = dy[i] gelu'(x[i])`.
     fn gelu_grad_slice(out: &mut [MaybeUninit<f32>], dy: &[f32], x: &[f32], approximate: bool) {
         for ((o, &g), &v) in out.iter_mut().zip(dy).zip(x) {
-            o.write(g * gelu_grad_one(v, approximate));
+            o.write(g * gelu_grad_one::<FMA>(v, approximate));
         }
     }
 }
@@ -377,7 +406,7 @@ hot_loop! {
         // Two simple loops: the map vectorises to full-width registers, which a loop that
         // also carries the sum's lanes did not.
         for x in row.iter_mut() {
-            *x = exp(*x - shift);
+            *x = exp_with::<FMA>(*x - shift);
         }
         fold_lanes8(row, 0.0, |a, v| a + v, |a, b| a + b)
     }
@@ -387,7 +416,7 @@ hot_loop! {
     /// `out[i] = scale exp(x[i] - shift)`.
     fn scaled_exp(out: &mut [f32], x: &[f32], shift: f32, scale: f32) {
         for (o, &v) in out.iter_mut().zip(x) {
-            *o = scale * exp(v - shift);
+            *o = scale * exp_with::<FMA>(v - shift);
         }
     }
 }
@@ -395,7 +424,7 @@ hot_loop! {
 hot_loop! {
     /// `sum exp(x[i] - shift)`.
     fn sum_exp(x: &[f32], shift: f32) -> f32 {
-        fold_lanes8(x, 0.0, |a, v| a + exp(v - shift), |a, b| a + b)
+        fold_lanes8(x, 0.0, |a, v| a + exp_with::<FMA>(v - shift), |a, b| a + b)
     }
 }
 
@@ -487,6 +516,33 @@ pub fn gelu_backward(dy: &[f32], x: &[f32], approximate: bool) -> Vec<f32> {
     dx
 }
 
+hot_loop! {
+    /// `out[i] = silu(a[i]) b[i]`.
+    fn swiglu_slice(out: &mut [MaybeUninit<f32>], a: &[f32], b: &[f32]) {
+        for ((o, &x), &g) in out.iter_mut().zip(a).zip(b) {
+            o.write(x / (1.0 + exp_with::<FMA>(-x)) * g);
+        }
+    }
+}
+
+hot_loop! {
+    /// `(da[i], db[i])` of `silu(a[i]) b[i]` under `dy[i]`.
+    fn swiglu_grad_slice(
+        da: &mut [MaybeUninit<f32>],
+        db: &mut [MaybeUninit<f32>],
+        dy: &[f32],
+        a: &[f32],
+        b: &[f32],
+    ) {
+        for ((((da, db), &g), &x), &bj) in da.iter_mut().zip(db.iter_mut()).zip(dy).zip(a).zip(b) {
+            let s = 1.0 / (1.0 + exp_with::<FMA>(-x));
+            let silu = x * s;
+            da.write(g * bj * (s + silu * (1.0 - s)));
+            db.write(g * silu);
+        }
+    }
+}
+
 /// `silu(a) * b`.
 pub fn swiglu_forward(a: &[f32], b: &[f32]) -> Vec<f32> {
     let n = a.len();
@@ -496,11 +552,7 @@ pub fn swiglu_forward(a: &[f32], b: &[f32]) -> Vec<f32> {
         n,
         n * 8,
         Outs::new(vec![(uninit(&mut y, n), 1)]),
-        |r, out| {
-            for ((o, &x), &g) in out[0].iter_mut().zip(&a[r.clone()]).zip(&b[r]) {
-                o.write(x / (1.0 + exp(-x)) * g);
-            }
-        },
+        |r, out| swiglu_slice(out[0], &a[r.clone()], &b[r]),
     );
     // SAFETY: `par_units` hands out every unit, and the loop writes each of its part (`a`
     // and `b` have `n` elements: asserted).
@@ -521,15 +573,10 @@ pub fn swiglu_backward(dy: &[f32], a: &[f32], b: &[f32]) -> (Vec<f32>, Vec<f32>)
         n * 8,
         Outs::new(vec![(uninit(&mut da, n), 1), (uninit(&mut db, n), 1)]),
         |r, out| {
-            let (da, rest) = out.split_first_mut().expect("two outputs");
-            let db = &mut rest[0];
-            for (i, j) in r.enumerate() {
-                let (x, g) = (a[j], dy[j]);
-                let s = 1.0 / (1.0 + exp(-x));
-                let silu = x * s;
-                da[i].write(g * b[j] * (s + silu * (1.0 - s)));
-                db[i].write(g * silu);
-            }
+            let [da, db] = out else {
+                unreachable!("two outputs")
+            };
+            swiglu_grad_slice(da, db, &dy[r.clone()], &a[r.clone()], &b[r]);
         },
     );
     // SAFETY: `par_units` hands out every unit, and the loop writes `da` and `db` at each.
@@ -1439,15 +1486,17 @@ mod tests {
 
     #[test]
     fn exp_is_accurate_over_the_float_range() {
-        let mut worst = 0.0f64;
-        let mut x = -87.0f32;
-        while x <= 88.0 {
-            let want = (x as f64).exp();
-            let err = ((exp(x) as f64) - want).abs() / want;
-            worst = worst.max(err);
-            x += 0.0137;
+        for fused in [false, true] {
+            let mut worst = 0.0f64;
+            let mut x = -87.0f32;
+            while x <= 88.0 {
+                let want = (x as f64).exp();
+                let got = if fused { exp_with::<true>(x) } else { exp(x) };
+                worst = worst.max(((got as f64) - want).abs() / want);
+                x += 0.0137;
+            }
+            assert!(worst < 3e-7, "relative error {worst:e} (fused {fused})");
         }
-        assert!(worst < 3e-7, "relative error {worst:e}");
         assert_eq!(exp(0.0), 1.0);
     }
 
@@ -1528,26 +1577,45 @@ mod tests {
         outs
     }
 
+    /// The SIMD tiers agree: AVX2 and AVX-512 bit for bit (both fuse their multiply-adds),
+    /// the baseline within a few ulps (it does not).
     #[test]
-    fn every_simd_tier_gives_the_same_bits() {
-        limit_simd(Simd::Baseline);
-        assert_eq!(simd(), Simd::Baseline);
-        let want = all_kernel_outputs();
-        let mut checked = vec![Simd::Baseline];
-        for tier in [Simd::Avx2, Simd::Avx512] {
-            if tier > detected_simd() {
-                continue;
-            }
-            limit_simd(tier);
-            assert_eq!(simd(), tier);
-            let got = all_kernel_outputs();
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(g), bits(w), "output {i} differs at {tier:?}");
-            }
-            checked.push(tier);
-        }
+    fn simd_tiers_agree() {
+        let tiers = [Simd::Baseline, Simd::Avx2, Simd::Avx512];
+        let runs: Vec<(Simd, Vec<Vec<f32>>)> = tiers
+            .into_iter()
+            .filter(|&tier| tier <= detected_simd())
+            .map(|tier| {
+                limit_simd(tier);
+                assert_eq!(simd(), tier);
+                (tier, all_kernel_outputs())
+            })
+            .collect();
         limit_simd(Simd::Avx512);
+        let (_, baseline) = &runs[0];
+        for (tier, got) in &runs[1..] {
+            for (i, (g, w)) in got.iter().zip(baseline).enumerate() {
+                assert_eq!(g.len(), w.len());
+                for (j, (&a, &b)) in g.iter().zip(w).enumerate() {
+                    let tol = 1e-5 * a.abs().max(b.abs()).max(1.0);
+                    assert!(
+                        (a - b).abs() <= tol,
+                        "output {i}[{j}]: {a} at {tier:?}, {b} at the baseline"
+                    );
+                }
+            }
+        }
+        if let [(_, avx2), (_, avx512)] = &runs[1..] {
+            for (i, (g, w)) in avx512.iter().zip(avx2).enumerate() {
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(g),
+                    bits(w),
+                    "output {i} differs between AVX-512 and AVX2"
+                );
+            }
+        }
+        let checked: Vec<Simd> = runs.iter().map(|(tier, _)| *tier).collect();
         println!(
             "tiers checked: {checked:?} (this CPU: {:?})",
             detected_simd()
