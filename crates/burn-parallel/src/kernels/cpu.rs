@@ -55,6 +55,31 @@ fn uninit(v: &mut Vec<f32>, len: usize) -> &mut [MaybeUninit<f32>] {
     &mut v.spare_capacity_mut()[..len]
 }
 
+/// A new vector of `units * per_unit` elements, each unit's part written by `f` on the
+/// intra-op threads ([`par_units`] over one [`uninit`] output).
+///
+/// # Safety
+/// `f` must write every element of the part it is given.
+unsafe fn par_new(
+    units: usize,
+    per_unit: usize,
+    work: usize,
+    f: impl Fn(Range<usize>, &mut [MaybeUninit<f32>]) + Sync,
+) -> Vec<f32> {
+    let len = units * per_unit;
+    let mut v = Vec::new();
+    par_units(
+        units,
+        work,
+        Outs::new(vec![(uninit(&mut v, len), per_unit)]),
+        |r, out| f(r, out[0]),
+    );
+    // SAFETY: `par_units` hands out every unit, and `f` wrote each element of its part (the
+    // caller's contract).
+    unsafe { v.set_len(len) };
+    v
+}
+
 /// Runs `f(units, outputs)` over `units` split into contiguous ranges, one per intra-op thread
 /// (inline when `work` is small or one thread is configured). Each call receives the parts of
 /// every output that belong to its units, in the order given.
@@ -487,33 +512,21 @@ hot_loop! {
 /// GELU of `x`.
 pub fn gelu_forward(x: &[f32], approximate: bool) -> Vec<f32> {
     let n = x.len();
-    let mut y = Vec::new();
-    par_units(
-        n,
-        n * 16,
-        Outs::new(vec![(uninit(&mut y, n), 1)]),
-        |r, out| gelu_slice(out[0], &x[r], approximate),
-    );
-    // SAFETY: `par_units` hands out every unit, and `gelu_slice` writes each of its part.
-    unsafe { y.set_len(n) };
-    y
+    // SAFETY: `gelu_slice` writes each element of its part.
+    unsafe { par_new(n, 1, n * 16, |r, out| gelu_slice(out, &x[r], approximate)) }
 }
 
 /// `dy * gelu'(x)`.
 pub fn gelu_backward(dy: &[f32], x: &[f32], approximate: bool) -> Vec<f32> {
     let n = x.len();
     assert_eq!(dy.len(), n, "gelu_backward: dy and x differ in length");
-    let mut dx = Vec::new();
-    par_units(
-        n,
-        n * 16,
-        Outs::new(vec![(uninit(&mut dx, n), 1)]),
-        |r, out| gelu_grad_slice(out[0], &dy[r.clone()], &x[r], approximate),
-    );
-    // SAFETY: `par_units` hands out every unit, and `gelu_grad_slice` writes each of its part
-    // (`dy` is as long as `x`, checked above).
-    unsafe { dx.set_len(n) };
-    dx
+    // SAFETY: `gelu_grad_slice` writes each element of its part (`dy` is as long as `x`,
+    // checked above).
+    unsafe {
+        par_new(n, 1, n * 16, |r, out| {
+            gelu_grad_slice(out, &dy[r.clone()], &x[r], approximate)
+        })
+    }
 }
 
 hot_loop! {
@@ -547,17 +560,13 @@ hot_loop! {
 pub fn swiglu_forward(a: &[f32], b: &[f32]) -> Vec<f32> {
     let n = a.len();
     assert_eq!(b.len(), n, "swiglu_forward: a and b differ in length");
-    let mut y = Vec::new();
-    par_units(
-        n,
-        n * 8,
-        Outs::new(vec![(uninit(&mut y, n), 1)]),
-        |r, out| swiglu_slice(out[0], &a[r.clone()], &b[r]),
-    );
-    // SAFETY: `par_units` hands out every unit, and the loop writes each of its part (`a`
-    // and `b` have `n` elements: asserted).
-    unsafe { y.set_len(n) };
-    y
+    // SAFETY: `swiglu_slice` writes each element of its part (`a` and `b` have `n` elements:
+    // asserted).
+    unsafe {
+        par_new(n, 1, n * 8, |r, out| {
+            swiglu_slice(out, &a[r.clone()], &b[r])
+        })
+    }
 }
 
 /// `(da, db)` of `silu(a) * b`.
@@ -1068,22 +1077,16 @@ pub fn linear_forward(x: &[f32], w: &[f32], b: Option<&[f32]>, k: usize, n: usiz
         "linear_forward: bias of {} for {n} outputs",
         b.len()
     );
-    let mut y = Vec::new();
-    par_units(
-        rows,
-        rows * n,
-        Outs::new(vec![(uninit(&mut y, rows * n), n)]),
-        |_, out| {
-            for row in out[0].chunks_exact_mut(n) {
+    // SAFETY: the loop writes each row's `n` elements (`b` has `n`: asserted).
+    let mut y = unsafe {
+        par_new(rows, n, rows * n, |_, out| {
+            for row in out.chunks_exact_mut(n.max(1)) {
                 for (o, &v) in row.iter_mut().zip(b) {
                     o.write(v);
                 }
             }
-        },
-    );
-    // SAFETY: `par_units` hands out every row, and the loop writes each row's `n` elements
-    // (`b` has `n`: asserted).
-    unsafe { y.set_len(rows * n) };
+        })
+    };
     matmul_par(
         (rows, n, k),
         &mut y,
