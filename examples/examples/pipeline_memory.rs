@@ -85,6 +85,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         sample_len: 0,
         prompt: String::new(),
         max_grad_norm: None,
+        precision: Default::default(),
     };
     println!(
         "GPT {layers} layers x width 128, sequence 128, micro-batch 4 rows; pp {pp}, m {m}; \

@@ -120,6 +120,7 @@ fn train_config(model: GptConfig, steps: usize, batch_size: usize, seq_len: usiz
         sample_len: 0,
         prompt: String::new(),
         max_grad_norm: None,
+        precision: Default::default(),
     }
 }
 

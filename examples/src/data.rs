@@ -23,8 +23,10 @@ use crate::init::splitmix64;
 pub enum DataError {
     /// The file does not exist.
     #[error(
-        "data file {path} is missing: it ships with the repository under examples/data/ \
-         (see examples/data/README.md for how it was produced)"
+        "data file {path} is missing: give the folder that holds it with `--data-dir DIR` or \
+         the environment variable BURN_PARALLEL_DATA_DIR (a binary copied to another machine \
+         needs one of them); it ships with the repository under examples/data/ (see \
+         examples/data/README.md for how it was produced)"
     )]
     Missing {
         /// The path that was tried.
@@ -80,9 +82,31 @@ pub fn read_gz(path: &Path) -> Result<Vec<u8>, DataError> {
     Ok(bytes)
 }
 
-/// The directory of the bundled data files (`examples/data`).
+/// The environment variable naming the folder of the data files, for a binary run away from
+/// its source tree (`gpt --data-dir` overrides it).
+pub const DATA_DIR_ENV: &str = "BURN_PARALLEL_DATA_DIR";
+
+/// The folder of the data files: the one [`DATA_DIR_ENV`] names when it is set (and not
+/// empty), else the bundled `examples/data` of the source tree this binary was built from.
 pub fn data_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("data")
+    data_dir_from(std::env::var_os(DATA_DIR_ENV))
+}
+
+/// [`data_dir`] for a given value of [`DATA_DIR_ENV`].
+///
+/// ```
+/// use std::path::PathBuf;
+/// use examples::data::data_dir_from;
+///
+/// assert_eq!(data_dir_from(Some("/srv/data".into())), PathBuf::from("/srv/data"));
+/// assert!(data_dir_from(None).ends_with("examples/data"));
+/// assert_eq!(data_dir_from(Some("".into())), data_dir_from(None));
+/// ```
+pub fn data_dir_from(env: Option<std::ffi::OsString>) -> PathBuf {
+    match env {
+        Some(dir) if !dir.is_empty() => PathBuf::from(dir),
+        _ => Path::new(env!("CARGO_MANIFEST_DIR")).join("data"),
+    }
 }
 
 /// Which part of a data set.
@@ -174,9 +198,12 @@ impl Corpus {
     /// Vocabulary size of byte-level tokens.
     pub const VOCAB_SIZE: usize = 256;
 
-    /// Path of the bundled King James Bible, `examples/data/kjv.txt.gz`.
+    /// File name of the King James Bible in a data folder.
+    pub const FILE: &str = "kjv.txt.gz";
+
+    /// Path of the King James Bible in [`data_dir`] (bundled: `examples/data/kjv.txt.gz`).
     pub fn default_path() -> PathBuf {
-        data_dir().join("kjv.txt.gz")
+        data_dir().join(Self::FILE)
     }
 
     /// Loads the bundled King James Bible (about 4.4 MB of text).
@@ -383,9 +410,12 @@ impl Digits {
     /// Number of classes.
     pub const N_CLASSES: usize = 10;
 
-    /// Path of the bundled file, `examples/data/digits.csv.gz`.
+    /// File name of the digits in a data folder.
+    pub const FILE: &str = "digits.csv.gz";
+
+    /// Path of the digits in [`data_dir`] (bundled: `examples/data/digits.csv.gz`).
     pub fn default_path() -> PathBuf {
-        data_dir().join("digits.csv.gz")
+        data_dir().join(Self::FILE)
     }
 
     /// Loads the bundled digits (1,797 images).
@@ -578,7 +608,10 @@ mod tests {
     fn missing_file_is_a_clear_error() {
         let err = Corpus::load(Path::new("/nonexistent/kjv.txt.gz")).unwrap_err();
         assert!(matches!(err, DataError::Missing { .. }));
-        assert!(err.to_string().contains("examples/data/README.md"));
+        let message = err.to_string();
+        for what in ["examples/data/README.md", "--data-dir", DATA_DIR_ENV] {
+            assert!(message.contains(what), "{message} does not name {what}");
+        }
     }
 
     #[test]

@@ -997,6 +997,7 @@ pub fn train_gpt_pipeline_checkpointed(
             step_seconds,
             tokens_per_sec,
             final_params: named_params(&full),
+            skipped_steps: 0,
         },
         last_step,
         held_params,

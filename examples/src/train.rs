@@ -13,8 +13,9 @@ use burn::tensor::{Device, Int, Tensor, TensorData, activation};
 use burn_moe::{MoeError, MoeParallel, MoeStats, MoeStep};
 use burn_parallel::context_parallel::{ContextParallel, CpBalance, CpKind, CpSettings};
 use burn_parallel::init::Init;
+use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::tensor_parallel::TpError;
-use burn_parallel::train::TrainStep;
+use burn_parallel::train::{Reduced, TrainStep};
 use burn_parallel::{
     CollectiveError, DistributedDataParallel, ParallelDims, ProcessGroup, ReduceOp,
 };
@@ -57,6 +58,50 @@ pub struct TrainConfig {
     pub prompt: String,
     /// Clips the global norm of the averaged gradient to this value (`None`: no clipping).
     pub max_grad_norm: Option<f64>,
+    /// The arithmetic of the forward and backward (`gpt --precision`): fp32, or bf16/fp16 with
+    /// fp32 master weights and optimizer state.
+    pub precision: Precision,
+}
+
+/// The precision of a training run, as the `gpt` trainer takes it.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Precision {
+    /// Everything in fp32.
+    #[default]
+    F32,
+    /// bf16 compute, gradients averaged in bf16, fp32 master weights and optimizer state.
+    Bf16,
+    /// fp16 compute with dynamic loss scaling, gradients averaged in fp32, fp32 master weights
+    /// and optimizer state.
+    Fp16,
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp16 => "fp16",
+        })
+    }
+}
+
+impl Precision {
+    /// The library's policy for it.
+    pub fn policy(self) -> burn_parallel::precision::MixedPrecision {
+        use burn_parallel::precision::MixedPrecision;
+        match self {
+            Precision::F32 => MixedPrecision::full(),
+            Precision::Bf16 => MixedPrecision::bf16(),
+            Precision::Fp16 => MixedPrecision::f16(),
+        }
+    }
+
+    /// The loss scaler it needs (fp16: starting at 2^16, as PyTorch's `GradScaler`).
+    pub fn scaler(self) -> Option<burn_parallel::precision::LossScaler> {
+        (self == Precision::Fp16).then(|| burn_parallel::precision::LossScaler::new(65536.0))
+    }
 }
 
 /// The device of a training run.
@@ -88,20 +133,12 @@ impl TrainDevice {
             TrainDevice::Wgpu => {
                 Err("this build has no WGPU backend: rebuild with --features wgpu".into())
             }
-            #[cfg(feature = "cuda")]
+            // The driver and the device are checked first: a typed error, not cudarc's panic.
             TrainDevice::Cuda => {
-                let index = match std::env::var("LOCAL_RANK") {
-                    Ok(v) => v.trim().parse::<usize>().map_err(|_| {
-                        format!("LOCAL_RANK={v:?} is not a device index: set it to 0, 1, ...")
-                    })?,
-                    Err(_) => 0,
-                };
-                Ok(Device::cuda(index))
+                use burn_parallel::cuda;
+                let (index, from) = cuda::local_device_index().map_err(|e| e.to_string())?;
+                cuda::cuda_device(index, from).map_err(|e| e.to_string())
             }
-            #[cfg(not(feature = "cuda"))]
-            TrainDevice::Cuda => Err("this build has no CUDA backend: rebuild with --features \
-                 cuda (the LLVM it needs: scripts/setup-llvm.sh)"
-                .into()),
         }
     }
 }
@@ -126,6 +163,7 @@ impl Default for TrainConfig {
             sample_len: 200,
             prompt: "And God said, ".into(),
             max_grad_norm: None,
+            precision: Precision::F32,
         }
     }
 }
@@ -239,6 +277,8 @@ pub struct TrainReport {
     /// The trained model's parameters, whole (gathered from the shards under tensor
     /// parallelism), by path: what the parity tests compare with single-device training.
     pub final_params: Vec<NamedParam>,
+    /// Steps skipped because the loss-scaled gradients overflowed (fp16).
+    pub skipped_steps: usize,
 }
 
 /// How the world is split for [`train_gpt_parallel`]: tensor parallelism inside groups of `tp`
@@ -414,6 +454,16 @@ impl Parallelism {
     pub fn validate(&self, config: &TrainConfig, world: usize) -> Result<(), String> {
         self.check_moe(&config.model, world)
             .map_err(|e| e.to_string())?;
+        if config.precision != Precision::F32
+            && (self.zero.is_some() || self.cp > 1 || config.model.moe.is_some())
+        {
+            return Err(format!(
+                "--precision {} trains under data and tensor parallelism (--ranks, --tp, \
+                 --sp) in this trainer; ZeRO/FSDP (--zero), context parallelism (--cp) and \
+                 GPT-MoE are not composed with it yet: drop --precision or those flags",
+                config.precision
+            ));
+        }
         if self.tp == 0 || !world.is_multiple_of(self.tp) {
             return Err(format!(
                 "the world of {world} ranks cannot be split into tensor-parallel groups of {}; \
@@ -806,7 +856,12 @@ pub fn train_gpt_checkpointed(
                 Some(_) => None,
                 None => config.max_grad_norm,
             };
-            let mut step = TrainStep::new(model.tp.clone()).with_clip(clip);
+            let mut step = TrainStep::new(model.tp.clone())
+                .with_clip(clip)
+                .with_precision(config.precision.policy());
+            if let Some(scaler) = config.precision.scaler() {
+                step = step.with_loss_scaler(scaler);
+            }
             if reduce.size() > 1 {
                 step = step.with_ddp(ddp);
             }
@@ -818,10 +873,18 @@ pub fn train_gpt_checkpointed(
                 .moe
                 .as_ref()
                 .map(|_| MoeStep::new(step.clone(), &experts).with_clip(config.max_grad_norm));
+            // The fused path steps each parameter with one AdamW kernel; `--unfused` keeps
+            // Burn's composed AdamW.
+            let optim = match config.model.fused {
+                true => FusedAdamWConfig::new()
+                    .with_weight_decay(config.weight_decay as f32)
+                    .init(),
+                false => adamw.init(),
+            };
             Engine::Step {
                 step,
                 moe,
-                optim: adamw.init(),
+                optim,
                 acc: GradientsAccumulator::new(),
             }
         }
@@ -907,6 +970,7 @@ pub fn train_gpt_checkpointed(
     let mut run = Run {
         losses,
         timer: StepTimer::default(),
+        skipped: 0,
     };
     for step in first_step..config.steps {
         let step_start = Instant::now();
@@ -927,13 +991,21 @@ pub fn train_gpt_checkpointed(
             );
             let (inputs, targets) = batch.to_tensors(&device);
             let t = Instant::now();
-            let loss = m.loss(inputs, targets).map_err(|e| tp_error(world, e))?;
+            // Under mixed precision the forward runs on the compute copy (parameters cast to
+            // the compute dtype); the gradients land on `m`'s fp32 parameters.
+            let loss = match &engine {
+                Engine::Step { step, .. } if !step.precision().is_full() => {
+                    step.compute_model(&m).loss(inputs, targets)
+                }
+                _ => m.loss(inputs, targets),
+            }
+            .map_err(|e| tp_error(world, e))?;
             local_loss += scalar(&loss) / config.grad_accum as f64;
             phases.forward += t.elapsed().as_secs_f64();
             let t = Instant::now();
             match &mut engine {
-                Engine::Step { acc, .. } => {
-                    let loss = loss / config.grad_accum as f32;
+                Engine::Step { acc, step, .. } => {
+                    let loss = step.scaled_loss(loss / config.grad_accum as f32);
                     acc.accumulate(&m, GradientsParams::from_grads(loss.backward(), &m));
                 }
                 // ZeRO averages the micro-steps itself.
@@ -957,15 +1029,23 @@ pub fn train_gpt_checkpointed(
                 optim,
                 acc,
             } => {
-                let (grads, _norm) = match moe {
-                    Some(moe) => moe
-                        .reduce(&m, acc.grads())
-                        .map_err(|e| moe_error(world, e))?,
-                    None => step.reduce(&m, acc.grads())?,
+                let reduced = match moe {
+                    Some(moe) => {
+                        let (grads, grad_norm) = moe
+                            .reduce(&m, acc.grads())
+                            .map_err(|e| moe_error(world, e))?;
+                        Reduced {
+                            grads,
+                            grad_norm,
+                            overflow: false,
+                        }
+                    }
+                    None => step.reduce_scaled(&m, acc.grads())?,
                 };
                 phases.reduce += t.elapsed().as_secs_f64();
                 let t = Instant::now();
-                let m = optim.step(lr, m, grads);
+                let (m, skipped) = step.apply(m, reduced, optim, lr);
+                run.skipped += usize::from(skipped);
                 phases.optimizer += t.elapsed().as_secs_f64();
                 m
             }
@@ -1095,6 +1175,8 @@ struct Run {
     losses: Vec<f64>,
     /// Seconds of all steps but the first.
     timer: StepTimer,
+    /// Steps skipped on a loss-scaling overflow.
+    skipped: usize,
 }
 
 impl Run {
@@ -1114,6 +1196,7 @@ impl Run {
             step_seconds,
             tokens_per_sec,
             final_params,
+            skipped_steps: self.skipped,
         }
     }
 }

@@ -384,6 +384,7 @@ pub fn train_gpt_diloco_checkpointed(
             step_seconds,
             tokens_per_sec,
             final_params: named_params(&eval),
+            skipped_steps: 0,
         },
         outer_bytes,
         total_bytes,

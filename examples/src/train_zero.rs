@@ -37,7 +37,7 @@ use burn_zero::{
 
 use crate::data::{Corpus, Split};
 use crate::gpt::{Block, Gpt, GptConfig};
-use crate::train::{NamedParam, TrainConfig};
+use crate::train::{NamedParam, TrainConfig, TrainDevice};
 use crate::train_checkpoint::{self, CheckpointOptions, OPTIM_SCALARS, TrainerState};
 
 /// The GPT wrapped for ZeRO stage 3: embeddings, each block, and the head are FSDP units.
@@ -155,7 +155,7 @@ impl FsdpGpt {
     }
 }
 
-/// Checkpointing and resuming of a ZeRO run.
+/// The device, checkpointing and resuming of a ZeRO run.
 #[derive(Debug, Clone, Default)]
 pub struct ZeroRunOptions {
     /// Where and how often to save, and what to resume from (a checkpoint directory, or the
@@ -167,6 +167,9 @@ pub struct ZeroRunOptions {
     /// Gather the trained parameters whole into [`ZeroReport::final_params`] at the end (one
     /// all-gather per unit on every rank; off by default, as it holds the full model).
     pub final_params: bool,
+    /// Where the engine trains (`gpt --device`): the model, its shards and the batches live
+    /// there. A device this build or machine cannot open is an error, never a silent fallback.
+    pub device: TrainDevice,
 }
 
 /// The outcome of a ZeRO run.
@@ -228,7 +231,11 @@ pub fn train_gpt_zero(
     config
         .validate(groups.data_size())
         .map_err(ZeroError::Config)?;
-    let device = Device::flex().autodiff();
+    let device = options
+        .device
+        .device()
+        .map_err(|e| ZeroError::Config(format!("--device {:?}: {e}", options.device)))?
+        .autodiff();
     let adamw = AdamWConfig::new()
         .with_weight_decay(config.weight_decay as f32)
         .build();
@@ -263,7 +270,7 @@ pub fn train_gpt_zero(
     let mut skipped_steps = 0;
     let start = match &checkpoints.resume {
         Some(path) => {
-            let resumed = load(&mut engine, path, config)?;
+            let resumed = load(&mut engine, path, config, &device.clone().inner())?;
             losses = resumed.losses;
             skipped_steps = resumed.skipped;
             resumed.step
@@ -495,6 +502,7 @@ fn load(
     engine: &mut Engine,
     path: &std::path::Path,
     config: &TrainConfig,
+    device: &Device,
 ) -> Result<Resumed, ZeroError> {
     let checkpoint = train_checkpoint::open_resume(path)?;
     let trainer = train_checkpoint::resume_state(&checkpoint, config).map_err(ZeroError::Config)?;
@@ -524,7 +532,7 @@ fn load(
     check_model(&checkpoint, &expected)?;
     let scaler = match engine {
         Engine::Zero12 { model, zero } => {
-            let inner = Gpt::new(&tiny_placeholder(), &Device::flex());
+            let inner = Gpt::new(&tiny_placeholder(), device);
             let taken = std::mem::replace(model, inner);
             *model = zero.load_checkpoint_params(taken, &checkpoint, &tp)?;
             zero.load_checkpoint_state(&checkpoint, &tp, &scalars)?;

@@ -36,6 +36,7 @@ pub fn tiny_gpt_run(steps: usize) -> TrainConfig {
         sample_len: 0,
         prompt: String::new(),
         max_grad_norm: None,
+        precision: examples::train::Precision::F32,
     }
 }
 

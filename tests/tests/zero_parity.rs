@@ -237,6 +237,7 @@ fn ckpt_options(
             ..CheckpointOptions::default()
         },
         final_params: true,
+        ..Default::default()
     }
 }
 
@@ -717,5 +718,31 @@ fn fsdp_on_the_tensor_path_gives_the_host_paths_run() {
             tensors[0].final_params == host[0].final_params,
             "{what}: final parameters differ"
         );
+    }
+}
+
+/// The engines train where `--device` says: a device this build cannot open is an error naming
+/// it, never a silent run on the CPU (before, `train_gpt_zero` always took `Device::flex()`).
+#[cfg(not(feature = "cuda"))]
+#[test]
+fn the_engines_train_on_the_device_asked_for() {
+    let config = tiny_gpt_run(2);
+    for stage in [Stage::One, Stage::Three] {
+        let options = ZeroRunOptions {
+            device: examples::train::TrainDevice::Cuda,
+            ..Default::default()
+        };
+        let corpus = corpus();
+        let err = run_local(2, |world| {
+            let groups = ShardGroups::flat(world);
+            Ok(train_gpt_zero(&groups, &config, &ZeroConfig::new(stage), &corpus, &options).err())
+        })
+        .unwrap();
+        for e in err {
+            let message = e
+                .expect("training on a device this build lacks must fail")
+                .to_string();
+            assert!(message.contains("no CUDA backend"), "{message}");
+        }
     }
 }

@@ -263,6 +263,7 @@ impl MoeStep {
             StepOutput {
                 loss: loss_avg,
                 grad_norm,
+                skipped: false,
             },
         ))
     }

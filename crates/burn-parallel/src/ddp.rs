@@ -69,6 +69,8 @@ pub struct DistributedDataParallel {
     group: ProcessGroup,
     bucket_bytes: usize,
     place: BucketPlace,
+    /// The dtype gradients travel and are averaged in (`None`: each parameter's own).
+    reduce_dtype: Option<DType>,
 }
 
 impl DistributedDataParallel {
@@ -78,7 +80,17 @@ impl DistributedDataParallel {
             group,
             bucket_bytes: DEFAULT_BUCKET_BYTES,
             place: BucketPlace::Auto,
+            reduce_dtype: None,
         }
+    }
+
+    /// Averages the gradients in `dtype` (bf16 or f16 halve the bytes on the wire; `F32` for
+    /// exact fp32 sums of low-precision gradients): each gradient is cast to it before its
+    /// bucket is reduced and back to its parameter's dtype after. By default every gradient
+    /// is reduced in its parameter's dtype.
+    pub fn with_reduce_dtype(mut self, dtype: DType) -> Self {
+        self.reduce_dtype = Some(dtype);
+        self
     }
 
     /// Sets where the gradient buckets are formed and reduced ([`BucketPlace::Auto`] by
@@ -187,6 +199,9 @@ impl DistributedDataParallel {
         let mut params: Vec<(ParamId, Vec<usize>, DType)> = Vec::new();
         module.visit(&mut ParamLister(&mut params));
         params.reverse();
+        if let Some(dtype) = self.reduce_dtype {
+            params.iter_mut().for_each(|p| p.2 = dtype);
+        }
         let buckets = plan_buckets(&params, self.bucket_bytes);
         let on_device = match self.place {
             BucketPlace::Host => false,
@@ -206,6 +221,7 @@ impl DistributedDataParallel {
         let mut taker = TakeGrads {
             grads: &mut grads,
             scale: local_scale,
+            dtype: self.reduce_dtype,
             taken: HashMap::with_capacity(params.len()),
         };
         module.visit(&mut taker);
@@ -317,6 +333,7 @@ impl DistributedDataParallel {
         let mut taker = TakeFlat {
             grads: &mut grads,
             scale: local_scale,
+            dtype: self.reduce_dtype,
             taken: HashMap::with_capacity(params.len()),
             devices: HashMap::with_capacity(params.len()),
         };
@@ -505,6 +522,8 @@ impl ModuleVisitor for Adder<'_> {
 struct TakeGrads<'a> {
     grads: &'a mut GradientsParams,
     scale: f32,
+    /// The reduction dtype, when not the parameter's.
+    dtype: Option<DType>,
     taken: HashMap<ParamId, TensorData>,
 }
 
@@ -522,7 +541,7 @@ impl ModuleVisitor for TakeGrads<'_> {
                 grad * self.scale
             };
             let data = grad.into_data();
-            let dtype = param.val().dtype();
+            let dtype = self.dtype.unwrap_or_else(|| param.val().dtype());
             let data = if data.dtype() == dtype {
                 data
             } else {
@@ -543,8 +562,8 @@ impl ModuleVisitor for Register<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         if let Some(data) = self.reduced.remove(&param.id) {
             let device = param.lazy_device().inner();
-            self.grads
-                .register(param.id, tensor_from_data::<D>(data, &device));
+            let grad = tensor_from_data::<D>(data, &device);
+            self.grads.register(param.id, in_dtype_of(grad, param));
         }
     }
 }
@@ -565,6 +584,8 @@ impl ModuleVisitor for FirstDevice {
 struct TakeFlat<'a> {
     grads: &'a mut GradientsParams,
     scale: f32,
+    /// The reduction dtype, when not the parameter's.
+    dtype: Option<DType>,
     taken: HashMap<ParamId, Tensor<1>>,
     devices: HashMap<ParamId, burn::tensor::Device>,
 }
@@ -582,7 +603,7 @@ impl ModuleVisitor for TakeFlat<'_> {
             } else {
                 grad * self.scale
             };
-            let dtype = param.val().dtype();
+            let dtype = self.dtype.unwrap_or_else(|| param.val().dtype());
             let grad = if grad.dtype() == dtype {
                 grad
             } else {
@@ -604,7 +625,18 @@ impl ModuleVisitor for RegisterFlat<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         if let Some(flat) = self.reduced.remove(&param.id) {
             let shape: [usize; D] = param.val().dims();
-            self.grads.register(param.id, flat.reshape(shape));
+            self.grads
+                .register(param.id, in_dtype_of(flat.reshape(shape), param));
         }
+    }
+}
+
+/// `grad` in `param`'s dtype (a gradient reduced in another dtype comes back to it).
+fn in_dtype_of<const D: usize>(grad: Tensor<D>, param: &Param<Tensor<D>>) -> Tensor<D> {
+    let dtype = param.val().dtype();
+    if grad.dtype() == dtype {
+        grad
+    } else {
+        grad.cast(dtype)
     }
 }

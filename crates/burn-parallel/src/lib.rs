@@ -33,6 +33,7 @@ pub use group::{ProcessGroup, SendRecv};
 pub mod autograd;
 pub mod checkpoint;
 pub mod context_parallel;
+pub mod cuda;
 pub mod mesh;
 
 pub use mesh::{DeviceMesh, MeshError, ParallelDims};
@@ -52,9 +53,12 @@ pub use tensor_parallel::{
 pub mod init;
 pub mod kernels;
 pub mod malloc;
+pub mod mfu;
 pub mod nn;
+pub mod optim;
 pub mod overlap;
 pub mod plan;
 pub mod planner;
+pub mod precision;
 pub mod threads;
 pub mod train;

@@ -368,6 +368,35 @@ impl ModelShape {
         }
     }
 
+    /// Weights each token is multiplied by: every block's projections (under MoE its router,
+    /// shared experts and `top_k` routed experts) and the output projection (tied or not).
+    /// Embedding lookups and norms are not products and are not counted.
+    pub fn matmul_params(&self) -> usize {
+        let blocks: f64 = (0..self.layers)
+            .map(|i| self.layer(self.is_moe_layer(i)).active)
+            .sum();
+        blocks as usize + self.d_model * self.vocab
+    }
+
+    /// Training FLOPs per token at sequence length `seq` (forward and backward, no
+    /// recomputation), the count MFU is quoted against (PaLM's appendix B, Megatron-LM):
+    /// `6 * matmul_params + 12 * layers * seq * d_model`. The first term is a multiply-add per
+    /// weight, three times (forward, and the input and weight gradients); the second is the
+    /// attention scores and their weighting of the values, which grow with `seq`. Causal
+    /// masking is not discounted.
+    ///
+    /// ```
+    /// use burn_parallel::planner::ModelShape;
+    ///
+    /// // GPT-2 small's body at seq 1024: 85.0M weights in the blocks, 0.2M in the byte head.
+    /// let shape = ModelShape::gpt(12, 768, 12, 256, 1024);
+    /// let per_token = shape.train_flops_per_token(1024);
+    /// assert!((per_token / 1e6 - 624.3).abs() < 0.1, "{per_token}");
+    /// ```
+    pub fn train_flops_per_token(&self, seq: usize) -> f64 {
+        6.0 * self.matmul_params() as f64 + 12.0 * (self.layers * seq * self.d_model) as f64
+    }
+
     fn scale(&self) -> f64 {
         match self.measured_params {
             Some(n) => n as f64 / self.num_params().max(1) as f64,

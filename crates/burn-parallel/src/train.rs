@@ -55,6 +55,7 @@ use crate::error::Result;
 use crate::group::ProcessGroup;
 use crate::nn::TpContext;
 use crate::overlap::OverlappedDdp;
+use crate::precision::{LossScaler, MixedPrecision};
 
 /// What a step reports.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -63,6 +64,21 @@ pub struct StepOutput {
     pub loss: f32,
     /// The global gradient norm before clipping, when clipping is on.
     pub grad_norm: Option<f64>,
+    /// Whether the step was skipped because the loss-scaled gradients overflowed (the model
+    /// and the optimizer state are untouched; see [`TrainStep::with_loss_scaler`]).
+    pub skipped: bool,
+}
+
+/// Gradients ready for the optimizer ([`TrainStep::reduce_scaled`]).
+#[derive(Debug)]
+pub struct Reduced {
+    /// Reduced, unscaled and clipped gradients.
+    pub grads: GradientsParams,
+    /// The global norm before clipping, when clipping is on.
+    pub grad_norm: Option<f64>,
+    /// Whether the loss-scaled gradients overflowed somewhere (then the step must be skipped;
+    /// the loss scaler has already backed off).
+    pub overflow: bool,
 }
 
 /// The parameters that are flat shards of FSDP units over a data-parallel *shard* group: for
@@ -137,6 +153,9 @@ pub struct TrainStep {
     fsdp: Option<(DataShards, Option<ProcessGroup>)>,
     max_grad_norm: Option<f64>,
     overlap: Option<OverlappedDdp>,
+    precision: MixedPrecision,
+    /// Shared by the clones of this step: the scale changes as training goes.
+    scaler: Option<Arc<Mutex<LossScaler>>>,
 }
 
 impl TrainStep {
@@ -149,6 +168,81 @@ impl TrainStep {
             fsdp: None,
             max_grad_norm: None,
             overlap: None,
+            precision: MixedPrecision::full(),
+            scaler: None,
+        }
+    }
+
+    /// Trains under the mixed-precision policy `precision` (see [`crate::precision`]): the
+    /// forward of [`Self::step_with`] runs on [`MixedPrecision::compute_copy`] of the model
+    /// (parameters cast to `param_dtype`, the fp32 ones being the master weights the optimizer
+    /// updates), and the data-parallel average runs in `reduce_dtype`. Check the policy against
+    /// the device with [`MixedPrecision::validate`] first.
+    ///
+    /// ```
+    /// use burn::optim::AdamWConfig;
+    /// use burn::tensor::{DType, Device, Tensor};
+    /// use burn_parallel::init::{Init, LinearInit};
+    /// use burn_parallel::precision::{LossScaler, MixedPrecision};
+    /// use burn_parallel::train::TrainStep;
+    /// use burn_parallel::nn::TpContext;
+    ///
+    /// let device = Device::flex().autodiff();
+    /// let model = Init::new(1, &device).linear("fc", LinearInit::new(4, 2)).unwrap();
+    /// let step = TrainStep::new(TpContext::single())
+    ///     .with_precision(MixedPrecision::f16())
+    ///     .with_loss_scaler(LossScaler::new(1024.0));
+    /// let mut optim = AdamWConfig::new().init();
+    /// let x = Tensor::<2>::ones([3, 4], &device);
+    /// let (model, out) = step
+    ///     .step_with(model, |m| m.forward(x.clone().cast(DType::F16)).map(|y| y.sum()),
+    ///                &mut optim, 1e-3)
+    ///     .unwrap();
+    /// assert!(!out.skipped);
+    /// assert_eq!(model.weight.val().dtype(), DType::F32); // fp32 master weights
+    /// ```
+    pub fn with_precision(mut self, precision: MixedPrecision) -> Self {
+        self.precision = precision;
+        self
+    }
+
+    /// Scales the loss by `scaler`'s scale before backward, unscales the gradients after their
+    /// reduction, and skips the step (backing the scale off) when they overflowed on any rank:
+    /// dynamic loss scaling for f16 (see [`LossScaler`]).
+    pub fn with_loss_scaler(mut self, scaler: LossScaler) -> Self {
+        self.scaler = Some(Arc::new(Mutex::new(scaler)));
+        self
+    }
+
+    /// The precision policy.
+    pub fn precision(&self) -> MixedPrecision {
+        self.precision
+    }
+
+    /// The loss scaler's state, for a checkpoint (`None` without a scaler).
+    pub fn loss_scaler(&self) -> Option<LossScaler> {
+        self.scaler
+            .as_ref()
+            .map(|s| s.lock().expect("loss scaler").clone())
+    }
+
+    /// The current loss scale (1 without a scaler).
+    pub fn loss_scale(&self) -> f64 {
+        self.loss_scaler().map_or(1.0, |s| s.scale())
+    }
+
+    /// What the forward should run on: `model` itself in fp32, its compute copy under a
+    /// low-precision policy ([`MixedPrecision::compute_copy`]).
+    pub fn compute_model<M: Module>(&self, model: &M) -> M {
+        self.precision.compute_copy(model)
+    }
+
+    /// `loss` as backward should see it: multiplied by the loss scale (unchanged without a
+    /// scaler).
+    pub fn scaled_loss(&self, loss: Tensor<1>) -> Tensor<1> {
+        match self.loss_scale() {
+            1.0 => loss,
+            scale => loss * scale,
         }
     }
 
@@ -202,6 +296,32 @@ impl TrainStep {
         self.reduce(model, GradientsParams::from_grads(loss.backward(), model))
     }
 
+    /// [`Self::reduce`] for gradients of a loss scaled by [`Self::scaled_loss`]: also unscales
+    /// them and checks them for overflow (before clipping), updating the loss scaler.
+    ///
+    /// # Errors
+    /// Collective errors.
+    pub fn reduce_scaled<M: Module>(&self, model: &M, grads: GradientsParams) -> Result<Reduced> {
+        self.reduce_all(model, grads, true)
+    }
+
+    /// The optimizer step on reduced gradients (`reduced`), or none when they overflowed.
+    ///
+    /// # Returns
+    /// The model and whether the step was skipped.
+    pub fn apply<M: Module>(
+        &self,
+        model: M,
+        reduced: Reduced,
+        optim: &mut ModuleOptimizer,
+        lr: f64,
+    ) -> (M, bool) {
+        if reduced.overflow {
+            return (model, true);
+        }
+        (optim.step(lr, model, reduced.grads), false)
+    }
+
     /// [`Self::gradients`] for gradients already computed, such as the sum of several
     /// micro-batches' gradients (gradient accumulation: scale each micro-batch's loss by
     /// `1 / micro-batches` and sum their gradients with Burn's `GradientsAccumulator`; the
@@ -215,17 +335,30 @@ impl TrainStep {
         model: &M,
         grads: GradientsParams,
     ) -> Result<(GradientsParams, Option<f64>)> {
-        self.reduce_with(model, grads, true)
+        if let Some(scaler) = &self.scaler {
+            let scale = scaler.lock().expect("loss scaler").scale();
+            return Err(crate::CollectiveError::InvalidArgument {
+                rank: self.tp.group().map_or(0, |g| g.global_rank()),
+                op: "TrainStep::reduce".into(),
+                reason: format!(
+                    "this step has a loss scaler (scale {scale}): an overflow must skip the \
+                     step, which `reduce` cannot say; call `reduce_scaled` and `apply`"
+                ),
+            });
+        }
+        let reduced = self.reduce_all(model, grads, true)?;
+        Ok((reduced.grads, reduced.grad_norm))
     }
 
-    /// [`Self::reduce`], with the data-parallel average left out (`data_parallel: false`) for
-    /// gradients that arrive averaged already.
-    fn reduce_with<M: Module>(
+    /// The reductions, with the data-parallel average left out (`data_parallel: false`) for
+    /// gradients that arrive averaged already, then the unscaling and overflow check, then
+    /// clipping.
+    fn reduce_all<M: Module>(
         &self,
         model: &M,
         grads: GradientsParams,
         data_parallel: bool,
-    ) -> Result<(GradientsParams, Option<f64>)> {
+    ) -> Result<Reduced> {
         let mut grads = self.tp.sync_gradients(grads)?;
         // FSDP shards leave the data-parallel all-reduce: they are averaged over their shard
         // group already, and only over the replicate group here.
@@ -239,6 +372,10 @@ impl TrainStep {
             }
         }
         let mut grads = match &self.ddp {
+            Some(ddp) if data_parallel && !self.precision.is_full() => ddp
+                .clone()
+                .with_reduce_dtype(self.precision.reduce_dtype)
+                .all_reduce_grads(model, grads)?,
             Some(ddp) if data_parallel => ddp.all_reduce_grads(model, grads)?,
             _ => grads,
         };
@@ -249,6 +386,21 @@ impl TrainStep {
             };
             grads.register::<1>(id, g);
         }
+        if let Some(scaler) = &self.scaler {
+            let scale = scaler.lock().expect("loss scaler").scale();
+            if scale != 1.0 {
+                grads = scale_grads(model, grads, (1.0 / scale) as f32);
+            }
+            let overflow = self.overflowed(model, &grads)?;
+            let apply = scaler.lock().expect("loss scaler").update(overflow);
+            if !apply {
+                return Ok(Reduced {
+                    grads,
+                    grad_norm: None,
+                    overflow: true,
+                });
+            }
+        }
         let norm = match self.max_grad_norm {
             None => None,
             Some(max_norm) => {
@@ -257,7 +409,54 @@ impl TrainStep {
                 Some(norm)
             }
         };
-        Ok((grads, norm))
+        Ok(Reduced {
+            grads,
+            grad_norm: norm,
+            overflow: false,
+        })
+    }
+
+    /// Whether any gradient holds an inf or NaN on any rank: one sum of absolute values per
+    /// gradient on its device, one scalar read, then a max over the groups whose ranks hold
+    /// different gradients (tensor-parallel shards, FSDP shards; data-parallel ranks hold the
+    /// same averaged gradients, and an inf or NaN survives the average).
+    fn overflowed<M: Module>(&self, model: &M, grads: &GradientsParams) -> Result<bool> {
+        struct Total<'a> {
+            grads: &'a GradientsParams,
+            total: Option<Tensor<1>>,
+        }
+        impl ModuleVisitor for Total<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if let Some(g) = self.grads.get::<D>(param.id) {
+                    let s = g.abs().sum().cast(burn::tensor::DType::F32);
+                    // Sums on one device: a model spread over devices adds on the first.
+                    self.total = Some(match self.total.take() {
+                        None => s,
+                        Some(t) => {
+                            let device = t.device();
+                            t + s.to_device(&device)
+                        }
+                    });
+                }
+            }
+        }
+        let mut visit = Total { grads, total: None };
+        model.visit(&mut visit);
+        let local = visit
+            .total
+            .map_or(0.0, |t| t.into_scalar::<f32>())
+            .is_finite();
+        let mut bad = f32::from(u8::from(!local));
+        let shard_group = self.fsdp.as_ref().map(|(shards, _)| shards.group().clone());
+        for group in [self.tp.group().cloned(), shard_group]
+            .into_iter()
+            .flatten()
+        {
+            if group.size() > 1 {
+                bad = group.all_reduce_f32(vec![bad], ReduceOp::Max)?[0];
+            }
+        }
+        Ok(bad > 0.0)
     }
 
     /// One step: backward of `loss`, reductions, clipping, `optim.step(lr, ..)`.
@@ -276,13 +475,16 @@ impl TrainStep {
             Some(ddp) => ddp.group().all_reduce_f32(vec![local], ReduceOp::Avg)?[0],
             None => local,
         };
-        let (grads, grad_norm) = self.gradients(&model, loss)?;
-        let model = optim.step(lr, model, grads);
+        let grads = GradientsParams::from_grads(self.scaled_loss(loss).backward(), &model);
+        let reduced = self.reduce_scaled(&model, grads)?;
+        let grad_norm = reduced.grad_norm;
+        let (model, skipped) = self.apply(model, reduced, optim, lr);
         Ok((
             model,
             StepOutput {
                 loss: loss_avg,
                 grad_norm,
+                skipped,
             },
         ))
     }
@@ -312,9 +514,19 @@ impl TrainStep {
         lr: f64,
     ) -> std::result::Result<(M, StepOutput), E> {
         let Some(overlap) = &self.overlap else {
-            let loss = forward(&model)?;
+            let loss = forward(&self.compute_model(&model))?;
             return Ok(self.step(model, loss, optim, lr)?);
         };
+        if !self.precision.is_full() || self.scaler.is_some() {
+            return Err(E::from(crate::CollectiveError::InvalidArgument {
+                rank: overlap.group().global_rank(),
+                op: "TrainStep::step_with".into(),
+                reason: "overlapped data parallelism does not combine with mixed precision or \
+                         loss scaling yet; drop with_overlap (the reduction then runs after \
+                         the backward)"
+                    .into(),
+            }));
+        }
         if self.fsdp.is_some() {
             return Err(E::from(crate::CollectiveError::InvalidArgument {
                 rank: overlap.group().global_rank(),
@@ -333,13 +545,15 @@ impl TrainStep {
         // On the group itself: the buckets travel on a sub-group of their own meanwhile.
         let loss_avg = overlap.group().all_reduce_f32(vec![local], ReduceOp::Avg)?[0];
         let grads = pending.finish(&model)?;
-        let (grads, grad_norm) = self.reduce_with(&model, grads, false)?;
-        let model = optim.step(lr, model, grads);
+        let reduced = self.reduce_all(&model, grads, false)?;
+        let grad_norm = reduced.grad_norm;
+        let (model, skipped) = self.apply(model, reduced, optim, lr);
         Ok((
             model,
             StepOutput {
                 loss: loss_avg,
                 grad_norm,
+                skipped,
             },
         ))
     }

@@ -386,11 +386,11 @@ fn the_store_listens_on_master_addr_only() {
         return;
     };
     // Rank 0 on this machine's network address: the store is not reachable through loopback.
-    let port = std::net::TcpListener::bind((ip, 0))
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // The port is one free on the address whose loopback twin this test holds, bound but not
+    // listening: no other test's listener can answer on 127.0.0.1:port (which once made this
+    // test fail), a connection there is refused unless the store listens on loopback, and a
+    // store bound to every interface could not bind the port at all.
+    let (port, _loopback) = port_free_on_both(ip);
     let short = Duration::from_secs(3);
     let rank0 = thread::spawn(move || {
         connect(&TcpConfig::new(0, 2, ip.to_string(), port).with_timeout(short)).map(|_| ())
@@ -413,6 +413,24 @@ fn the_store_listens_on_master_addr_only() {
     let rank1 = connect(&TcpConfig::new(1, 2, ip.to_string(), port).with_timeout(short));
     assert!(rank1.is_ok(), "{rank1:?}");
     assert!(rank0.join().unwrap().is_ok());
+}
+
+/// A port free on `ip`, and a socket bound (not listening) to `127.0.0.1` on that port.
+fn port_free_on_both(ip: std::net::IpAddr) -> (u16, socket2::Socket) {
+    use socket2::{Domain, Socket, Type};
+    for _ in 0..100 {
+        let port = std::net::TcpListener::bind((ip, 0))
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let loopback = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        if loopback.bind(&addr.into()).is_ok() {
+            return (port, loopback);
+        }
+    }
+    panic!("no port free on both {ip} and 127.0.0.1 in 100 tries");
 }
 
 // ----------------------------------------------------------------------------------------

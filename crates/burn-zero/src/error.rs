@@ -44,3 +44,22 @@ pub enum ZeroError {
 
 /// Shorthand for burn-zero results.
 pub type Result<T> = std::result::Result<T, ZeroError>;
+
+impl From<burn_parallel::precision::PrecisionError> for ZeroError {
+    fn from(e: burn_parallel::precision::PrecisionError) -> Self {
+        use burn_parallel::precision::PrecisionError as P;
+        match e {
+            P::UnsupportedDType {
+                dtype,
+                device,
+                hint,
+            } => ZeroError::UnsupportedDType {
+                dtype,
+                device,
+                hint,
+            },
+            P::Config(reason) => ZeroError::Config(reason),
+            P::Collective(c) => ZeroError::Collective(c),
+        }
+    }
+}

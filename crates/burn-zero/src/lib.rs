@@ -56,7 +56,8 @@ pub mod fsdp;
 pub mod fully_shard;
 pub mod memory;
 pub mod optim;
-pub mod precision;
+/// The mixed-precision policy and loss scaler, shared with every layout of burn-parallel.
+pub use burn_parallel::precision;
 pub mod zero;
 
 pub use error::{Result, ZeroError};

@@ -190,7 +190,7 @@ impl ZeroConfig {
         if let Some(scaler) = &self.loss_scaler {
             scaler.validate()?;
         }
-        self.precision.validate(device)
+        Ok(self.precision.validate(device)?)
     }
 }
 

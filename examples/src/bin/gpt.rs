@@ -22,6 +22,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use burn_moe::{Capacity, DropPolicy, ExpertKind, MoeConfig};
+use burn_parallel::mfu::{Math, Mfu, peak_tflops};
 use burn_parallel::{CollectiveError, DeviceMesh, ProcessGroup, run_local};
 use burn_pipeline::generators::generate;
 use burn_pipeline::simulate::{Costs, simulate};
@@ -31,8 +32,8 @@ use clap::{Parser, ValueEnum};
 use examples::data::Corpus;
 use examples::gpt::{MlpKind, PositionKind};
 use examples::train::{
-    MoeLayoutError, Parallelism, StepPhases, StepStats, TrainConfig, TrainDevice, TrainReport,
-    train_gpt_checkpointed,
+    MoeLayoutError, Parallelism, Precision, StepPhases, StepStats, TrainConfig, TrainDevice,
+    TrainReport, train_gpt_checkpointed,
 };
 use examples::train_checkpoint::CheckpointOptions;
 use examples::train_zero::{ZeroReport, ZeroRunOptions, memory_line, train_gpt_zero};
@@ -78,6 +79,10 @@ enum Positions {
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Args {
+    /// Folder of the data files (`kjv.txt.gz`), for a binary run away from its source tree;
+    /// default: $BURN_PARALLEL_DATA_DIR, else the bundled examples/data.
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<std::path::PathBuf>,
     /// A TOML file with a `TrainConfig` (flags given here override it).
     #[arg(long)]
     config: Option<PathBuf>,
@@ -129,6 +134,10 @@ struct Args {
     /// Print a line every N steps (the progress bar shows every step).
     #[arg(long, default_value_t = 10)]
     log_every: usize,
+    /// Peak TFLOP/s of one device, for the MFU on the log lines (default: looked up from the
+    /// CUDA device's name; none on other devices, where only the model TFLOP/s are shown).
+    #[arg(long, value_name = "TFLOPS")]
+    peak_tflops: Option<f64>,
     /// Tensor-parallel size: each model is split over this many ranks (Megatron-style); the
     /// ranks form a `dp x tp` mesh with `dp = ranks / tp`.
     #[arg(long, default_value_t = 1)]
@@ -175,6 +184,10 @@ struct Args {
     /// the fused paths are checked against).
     #[arg(long)]
     unfused: bool,
+    /// Arithmetic of the forward and backward: f32, or bf16 / fp16 (loss-scaled) with fp32
+    /// master weights and optimizer state (data and tensor parallelism).
+    #[arg(long, value_enum)]
+    precision: Option<PrecisionArg>,
     /// Intra-op threads of each rank's CPU kernels (default: the cores divided by the ranks on
     /// this machine; also BURN_PARALLEL_THREADS).
     #[arg(long)]
@@ -243,6 +256,13 @@ struct Args {
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
+enum PrecisionArg {
+    F32,
+    Bf16,
+    Fp16,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
 enum DeviceArg {
     Flex,
     #[cfg(feature = "wgpu")]
@@ -287,6 +307,14 @@ fn config_from(args: &Args) -> Result<TrainConfig, String> {
     set!(c.bucket_mb, args.bucket_mb);
     set!(c.model.seed, args.seed);
     set!(c.max_grad_norm, args.clip.map(Some));
+    set!(
+        c.precision,
+        args.precision.map(|p| match p {
+            PrecisionArg::F32 => Precision::F32,
+            PrecisionArg::Bf16 => Precision::Bf16,
+            PrecisionArg::Fp16 => Precision::Fp16,
+        })
+    );
     if let Some(d) = args.d_model {
         c.model.d_model = d;
         c.model.d_ff = 4 * d;
@@ -415,10 +443,11 @@ fn run_rank(
     config: &TrainConfig,
     parallel: &Parallelism,
     corpus: &Corpus,
-    log_every: usize,
-    profile: bool,
+    log: &Logging,
     checkpoints: &CheckpointOptions,
 ) -> burn_parallel::Result<TrainReport> {
+    let (log_every, profile) = (log.every, log.profile);
+    let mfu = log.mfu(config, group.size());
     let lead = group.rank() == 0;
     if lead {
         println!(
@@ -430,6 +459,7 @@ fn run_rank(
             },
             burn_parallel::threads::describe()
         );
+        println!("{}", log.describe(config));
     }
     let mut phases = StepPhases::default();
     let bar = if lead {
@@ -452,8 +482,13 @@ fn run_rank(
         bar.inc(1);
         if lead && (s.step.is_multiple_of(log_every.max(1)) || s.step + 1 == config.steps) {
             let line = format!(
-                "step {:>5}  loss {:.4}  lr {:.2e}  {:>7.0} tok/s  {:>7.1}s",
-                s.step, s.loss, s.lr, s.tokens_per_sec, s.elapsed
+                "step {:>5}  loss {:.4}  lr {:.2e}  {:>7.0} tok/s  {}  {:>7.1}s",
+                s.step,
+                s.loss,
+                s.lr,
+                s.tokens_per_sec,
+                mfu.describe(s.tokens_per_sec),
+                s.elapsed
             );
             // A bar drawn nowhere (output not a terminal) would swallow the line.
             for line in std::iter::once(line).chain(moe_lines(s)) {
@@ -553,7 +588,12 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    let corpus = match Corpus::load_default() {
+    let corpus = match args
+        .data_dir
+        .as_ref()
+        .map_or_else(Corpus::load_default, |dir| {
+            Corpus::load(&dir.join(Corpus::FILE))
+        }) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");
@@ -625,6 +665,7 @@ fn main() -> ExitCode {
         cp_balance: args.cp_balance,
         ep: args.ep,
     };
+    let log = Logging::new(&args);
     let outcome = match args.backend {
         Backend::Local => {
             if let Err(e) = parallel.validate(&config, args.ranks) {
@@ -633,15 +674,7 @@ fn main() -> ExitCode {
             }
             print_header(&config, args.ranks, "local", &corpus, &parallel);
             run_local(args.ranks, |group| {
-                run_rank(
-                    &group,
-                    &config,
-                    &parallel,
-                    &corpus,
-                    args.log_every,
-                    args.profile,
-                    &checkpoints,
-                )
+                run_rank(&group, &config, &parallel, &corpus, &log, &checkpoints)
             })
             .map(|mut reports| Some(reports.swap_remove(0)))
         }
@@ -649,15 +682,7 @@ fn main() -> ExitCode {
             if group.rank() == 0 {
                 print_header(&config, group.size(), group.backend(), &corpus, &parallel);
             }
-            let report = run_rank(
-                &group,
-                &config,
-                &parallel,
-                &corpus,
-                args.log_every,
-                args.profile,
-                &checkpoints,
-            )?;
+            let report = run_rank(&group, &config, &parallel, &corpus, &log, &checkpoints)?;
             // Rank 0 reports for everyone.
             Ok((group.rank() == 0).then_some(report))
         }),
@@ -688,6 +713,80 @@ fn on_world<T>(
         world.abort(&format!("error: {e}"));
     }
     outcome
+}
+
+/// What the log lines show: every how many steps, the profile, and MFU's peak.
+struct Logging {
+    every: usize,
+    profile: bool,
+    /// Peak FLOP/s of one device, and where it came from (or why there is none).
+    peak: (Option<f64>, String),
+}
+
+impl Logging {
+    fn new(args: &Args) -> Self {
+        Self {
+            every: args.log_every,
+            profile: args.profile,
+            peak: device_peak(args),
+        }
+    }
+
+    /// MFU of `config` over `devices` ranks.
+    fn mfu(&self, config: &TrainConfig, devices: usize) -> Mfu {
+        let shape = config.model.planner_shape();
+        Mfu {
+            flops_per_token: shape.train_flops_per_token(config.seq_len),
+            peak_per_device: self.peak.0,
+            devices,
+        }
+    }
+
+    /// The line describing the MFU figures.
+    fn describe(&self, config: &TrainConfig) -> String {
+        let per_token = self.mfu(config, 1).flops_per_token;
+        let peak = match self.peak.0 {
+            Some(p) => format!("{:.1} TFLOP/s per device ({})", p / 1e12, self.peak.1),
+            None => format!("no peak, no MFU ({})", self.peak.1),
+        };
+        format!(
+            "model FLOPs: {:.2} MFLOP/token (6 x matmul weights + 12 x layers x seq x width); \
+             {peak}",
+            per_token / 1e6
+        )
+    }
+}
+
+/// The peak FLOP/s of one device: `--peak-tflops`, or the data sheet of the CUDA device the
+/// driver names, for the arithmetic of `--precision`.
+fn device_peak(args: &Args) -> (Option<f64>, String) {
+    let math = match args.precision {
+        None | Some(PrecisionArg::F32) => Math::F32,
+        Some(PrecisionArg::Bf16 | PrecisionArg::Fp16) => Math::Half,
+    };
+    if let Some(t) = args.peak_tflops {
+        return (Some(t * 1e12), "--peak-tflops".into());
+    }
+    match train_device(args) {
+        TrainDevice::Cuda => {
+            let name = burn_parallel::cuda::local_device_index()
+                .and_then(|(index, _)| burn_parallel::cuda::device_name(index));
+            match name {
+                Ok(name) => match peak_tflops(&name, math) {
+                    Some(t) => (Some(t * 1e12), format!("{name}, {math} data sheet")),
+                    None => (
+                        None,
+                        format!("{name} is not in the table: give --peak-tflops"),
+                    ),
+                },
+                Err(e) => (None, e.to_string()),
+            }
+        }
+        _ => (
+            None,
+            "give the device's peak with --peak-tflops to see MFU".into(),
+        ),
+    }
 }
 
 fn print_header(
@@ -785,7 +884,11 @@ fn print_report(report: &TrainReport, corpus: &Corpus) {
 /// `--zero`: trains with burn-zero's sharded data parallelism and prints every rank's memory.
 fn run_zero(args: &Args, config: &TrainConfig, corpus: &Corpus, stage: usize) -> ExitCode {
     let zero = match Stage::from_number(stage) {
-        Ok(stage) => ZeroConfig::new(stage).with_max_grad_norm(args.clip),
+        // burn-zero's engines keep fp32 master shards and reduce in the policy's dtype.
+        Ok(stage) => ZeroConfig::new(stage)
+            .with_max_grad_norm(args.clip)
+            .with_precision(config.precision.policy())
+            .with_loss_scaler(config.precision.scaler()),
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
@@ -826,6 +929,7 @@ fn run_zero(args: &Args, config: &TrainConfig, corpus: &Corpus, stage: usize) ->
         };
         let options = ZeroRunOptions {
             final_params: args.params_out.is_some(),
+            device: train_device(args),
             ..Default::default()
         };
         let report =

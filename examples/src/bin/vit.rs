@@ -24,6 +24,10 @@ use indicatif::{ProgressBar, ProgressStyle};
 #[derive(Debug, Parser)]
 #[command(version, about)]
 struct Args {
+    /// Folder of the data files (`digits.csv.gz`), for a binary run away from its source tree;
+    /// default: $BURN_PARALLEL_DATA_DIR, else the bundled examples/data.
+    #[arg(long, value_name = "DIR")]
+    data_dir: Option<std::path::PathBuf>,
     /// Thread ranks.
     #[arg(long, default_value_t = 2)]
     ranks: usize,
@@ -148,7 +152,12 @@ fn main() -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
-    let digits = match Digits::load_default() {
+    let digits = match args
+        .data_dir
+        .as_ref()
+        .map_or_else(Digits::load_default, |dir| {
+            Digits::load(&dir.join(Digits::FILE))
+        }) {
         Ok(d) => d,
         Err(e) => {
             eprintln!("error: {e}");

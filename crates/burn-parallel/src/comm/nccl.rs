@@ -296,30 +296,8 @@ mod imp {
     }
 
     pub(super) fn probe(cuda_device: usize) -> Result<NcclInfo> {
-        // SAFETY: only tries to dlopen the driver's library names.
-        if !unsafe { cusys::is_culib_present() } {
-            return Err(unavailable(
-                "the CUDA driver library (libcuda.so) cannot be loaded: this machine has no \
-                 NVIDIA driver; install it (and a GPU), or use the `tcp` backend"
-                    .into(),
-            ));
-        }
-        cu::init().map_err(|e| {
-            unavailable(format!(
-                "the CUDA driver loaded but cuInit failed ({e}): no usable NVIDIA GPU, or a \
-                 driver/kernel-module mismatch (check `nvidia-smi`)"
-            ))
-        })?;
-        let count = cu::device::get_count()
-            .map_err(|e| unavailable(format!("counting CUDA devices failed: {e}")))?;
-        let count = usize::try_from(count).unwrap_or(0);
-        if cuda_device >= count {
-            return Err(unavailable(format!(
-                "CUDA device {cuda_device} was asked for (LOCAL_RANK) but the driver sees \
-                 {count} device(s); start at most {count} ranks per node or check \
-                 CUDA_VISIBLE_DEVICES"
-            )));
-        }
+        let count = crate::cuda::check_device(cuda_device, "LOCAL_RANK")
+            .map_err(|e| unavailable(format!("{e}; or use the `tcp` backend")))?;
         // BURN_PARALLEL_NCCL_LIB, else libnccl.so.2, else libnccl.so; the error lists them.
         let nccl = nccl_lib::get()?;
         let mut code: c_int = 0;
@@ -787,9 +765,9 @@ mod imp {
 /// The device path of the tensor-level collectives (features `nccl` and `cuda`).
 #[cfg(all(feature = "nccl", feature = "cuda"))]
 pub(crate) mod device {
+    use burn::backend::Cube;
     use burn::backend::DispatchDevice;
     use burn::tensor::{DType, Device, Shape, Tensor, TensorData};
-    use burn_cubecl::CubeBackend;
     use burn_cubecl::kernel::into_contiguous;
     use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
     use burn_cubecl::tensor::CubeTensor;
@@ -802,6 +780,7 @@ pub(crate) mod device {
     use crate::comm::nccl_lib::Nccl;
     use crate::error::{CollectiveError, Result};
     use crate::group::ProcessGroup;
+    use crate::kernels::cube::fusion::{from_cube, to_cube};
 
     type CudaServer = <CudaRuntime as Runtime>::Server;
 
@@ -927,8 +906,8 @@ pub(crate) mod device {
 
     /// The contiguous CubeCL primitive of a (non-autodiff) CUDA tensor.
     fn cube<const D: usize>(t: Tensor<D>, op: &str, group: &ProcessGroup) -> Result<CubeTensor> {
-        t.try_into_primitive::<CubeBackend>()
-            .map(into_contiguous)
+        t.try_into_primitive::<Cube>()
+            .map(|t| into_contiguous(to_cube(t)))
             .map_err(|e| CollectiveError::InvalidArgument {
                 rank: group.global_rank(),
                 op: op.into(),
@@ -937,7 +916,7 @@ pub(crate) mod device {
     }
 
     fn tensor<const D: usize>(t: CubeTensor) -> Tensor<D> {
-        Tensor::from_primitive::<CubeBackend>(t)
+        Tensor::from_primitive::<Cube>(from_cube(t))
     }
 
     /// A new contiguous buffer on CUDA device `ordinal`.

@@ -121,7 +121,12 @@ impl AdamWHyper {
         (1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t))
     }
 
-    fn validate(&self) -> KernelResult<()> {
+    /// Checks the hyper-parameters as [`adamw_step`] does.
+    ///
+    /// # Errors
+    /// [`KernelError::Argument`] for step 0, betas outside `[0, 1)`, a non-positive epsilon or
+    /// a learning rate or weight decay that is not finite.
+    pub fn validate(&self) -> KernelResult<()> {
         let bad = |reason: String| {
             Err(KernelError::Argument {
                 op: "adamw_step",

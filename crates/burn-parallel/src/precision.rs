@@ -1,26 +1,60 @@
 //! Mixed-precision policy: parameters and compute in a low-precision dtype, fp32 master weights
-//! and optimizer state, a configurable reduction dtype, and dynamic loss scaling for f16.
+//! and optimizer state, a configurable reduction dtype, and dynamic loss scaling for f16. One
+//! policy for every layout: [`crate::train::TrainStep::with_precision`] (one device, DDP,
+//! TP/SP, FSDP units that are modules) and burn-zero's engines take the same types.
 //!
-//! Stages 1 and 2 ([`crate::ZeroOptimizer`]): the module's parameters live in `param_dtype`
+//! Under [`TrainStep`](crate::train::TrainStep) the module keeps fp32 parameters (the master
+//! weights, which the optimizer updates with fp32 state); each step runs the forward on a
+//! *compute copy* ([`MixedPrecision::compute_copy`]) whose parameters are the fp32 ones cast
+//! to `param_dtype`, tracked: the casts' backward brings the low-precision gradients back to
+//! fp32 on the master parameters, as PyTorch's autocast and FSDP's `MixedPrecision` do. The
+//! gradients are then reduced across data-parallel ranks in `reduce_dtype`.
+//!
+//! burn-zero's stages 1 and 2 (`burn_zero::ZeroOptimizer`): the module's parameters live in `param_dtype`
 //! (full, on every rank: they are what the forward reads), the fp32 master copy of this rank's
 //! shard lives in the wrapper next to its fp32 optimizer state. Low-precision gradients are
 //! summed over micro-steps in an fp32 host buffer, reduced in `reduce_dtype` (half the bytes on
 //! the wire with bf16/f16), unscaled and clipped in fp32, applied to the fp32 master shard, and
 //! the new shard is cast to `param_dtype` *before* the all-gather.
 //!
-//! Where the casts sit (stage 3): the fp32 master shard is the leaf the optimizer updates; it is
+//! Where the casts sit (burn-zero's stage 3): the fp32 master shard is the leaf the optimizer updates; it is
 //! cast to `param_dtype` *before* the all-gather when `reduce_dtype == param_dtype` (half the
 //! bytes on the wire both ways: the backward reduce-scatter then runs in `param_dtype`), or
 //! *after* it when `reduce_dtype` is `f32` (the gather and the gradient reduce-scatter run in
 //! fp32, the cast's backward turning low-precision gradients into fp32 first).
 
-use burn::tensor::{DType, Device};
-use burn_parallel::{ProcessGroup, ReduceOp};
+use burn::module::{Module, ModuleMapper, Param};
+use burn::tensor::{DType, Device, Tensor};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Result, ZeroError};
+use crate::comm::host::ReduceOp;
+use crate::group::ProcessGroup;
 
-/// Which dtypes the wrapper computes and reduces in. Master weights and optimizer state are
+/// What is wrong with a precision policy or a loss scaler.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum PrecisionError {
+    /// The requested dtype cannot be used on this device.
+    #[error("dtype {dtype:?} is not supported on device {device}: {hint}")]
+    UnsupportedDType {
+        /// The dtype asked for.
+        dtype: DType,
+        /// The device, as text.
+        device: String,
+        /// What to use instead.
+        hint: String,
+    },
+    /// The configuration cannot work (says why).
+    #[error("invalid mixed-precision setting: {0}")]
+    Config(String),
+    /// The overflow check's all-reduce failed.
+    #[error(transparent)]
+    Collective(#[from] crate::CollectiveError),
+}
+
+/// Result of the precision policy's checks.
+pub type Result<T> = std::result::Result<T, PrecisionError>;
+
+/// Which dtypes training computes and reduces in. Master weights and optimizer state are
 /// always `f32`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MixedPrecision {
@@ -72,20 +106,56 @@ impl MixedPrecision {
         self.param_dtype == DType::F32 && self.reduce_dtype == DType::F32
     }
 
+    /// The model the forward runs on: `model` itself when `param_dtype` is f32, else a copy
+    /// whose float parameters are those of `model` cast to `param_dtype`. The casts are
+    /// recorded by autodiff: the backward of a loss computed on the copy brings the gradients
+    /// back to fp32 on `model`'s own parameters (the master weights), where
+    /// `GradientsParams::from_grads(grads, &model)` finds them and the optimizer updates them
+    /// with fp32 state. The copy holds the cast parameters only while it lives (one step).
+    ///
+    /// ```
+    /// use burn::tensor::{DType, Device};
+    /// use burn_parallel::init::{Init, LinearInit};
+    /// use burn_parallel::precision::MixedPrecision;
+    ///
+    /// let device = Device::flex().autodiff();
+    /// let model = Init::new(1, &device).linear("fc", LinearInit::new(4, 2)).unwrap();
+    /// let compute = MixedPrecision::bf16().compute_copy(&model);
+    /// assert_eq!(compute.weight.val().dtype(), DType::BF16);
+    /// let x = burn::tensor::Tensor::<2>::ones([3, 4], (&device, DType::BF16));
+    /// let grads = compute.forward(x).unwrap().sum().backward();
+    /// let g = model.weight.val().grad(&grads).unwrap();
+    /// assert_eq!(g.dtype(), DType::F32); // on the fp32 master weight
+    /// ```
+    pub fn compute_copy<M: Module>(&self, model: &M) -> M {
+        struct Cast(DType);
+        impl ModuleMapper for Cast {
+            fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+                let dtype = self.0;
+                param.map(|t| if t.dtype() == dtype { t } else { t.cast(dtype) })
+            }
+        }
+        if self.param_dtype == DType::F32 {
+            return model.clone();
+        }
+        model.clone().map(&mut Cast(self.param_dtype))
+    }
+
     /// Checks the policy and that `device` supports its dtypes.
     ///
     /// # Errors
-    /// [`ZeroError::UnsupportedDType`] naming the dtype and what to use instead;
-    /// [`ZeroError::Config`] for a reduction dtype that is neither f32 nor the parameter dtype.
+    /// [`PrecisionError::UnsupportedDType`] naming the dtype and what to use instead;
+    /// [`PrecisionError::Config`] for a reduction dtype that is neither f32 nor the parameter
+    /// dtype.
     pub fn validate(&self, device: &Device) -> Result<()> {
         for dtype in [self.param_dtype, self.reduce_dtype] {
             if !matches!(dtype, DType::F32 | DType::BF16 | DType::F16) {
-                return Err(ZeroError::Config(format!(
+                return Err(PrecisionError::Config(format!(
                     "mixed precision supports f32, bf16 and f16, not {dtype:?}"
                 )));
             }
             if !device.supports_dtype(dtype) {
-                return Err(ZeroError::UnsupportedDType {
+                return Err(PrecisionError::UnsupportedDType {
                     dtype,
                     device: format!("{device:?}"),
                     hint: "use MixedPrecision::full(), or a dtype this backend supports \
@@ -95,7 +165,7 @@ impl MixedPrecision {
             }
         }
         if self.reduce_dtype != DType::F32 && self.reduce_dtype != self.param_dtype {
-            return Err(ZeroError::Config(format!(
+            return Err(PrecisionError::Config(format!(
                 "reduce_dtype must be F32 or the param_dtype ({:?}), not {:?}",
                 self.param_dtype, self.reduce_dtype
             )));
@@ -110,13 +180,15 @@ impl MixedPrecision {
 /// untouched) and multiply the scale by `backoff_factor`; after `growth_interval` clean steps in
 /// a row multiply it by `growth_factor`.
 ///
-/// The wrappers own the scaler: put one in [`crate::ZeroConfig::loss_scaler`], scale the loss
-/// with the wrapper's `loss_scale()` before `backward`, and read [`crate::StepInfo::skipped`].
+/// The trainers own the scaler: [`crate::train::TrainStep::with_loss_scaler`] scales the loss
+/// itself and reports [`crate::train::StepOutput::skipped`]; burn-zero's engines take one in
+/// `ZeroConfig::loss_scaler` (scale the loss with the wrapper's `loss_scale()` before
+/// `backward`, and read `StepInfo::skipped`).
 /// With powers of two as scale and factors (the defaults), scaling and unscaling are exact in
 /// floating point: an fp32 run with a scaler gives the same losses as one without.
 ///
 /// ```
-/// use burn_zero::precision::LossScaler;
+/// use burn_parallel::precision::LossScaler;
 /// let mut s = LossScaler::new(1024.0).with_growth_interval(2);
 /// assert!(!s.update(true)); // overflow: skip the step
 /// assert_eq!(s.scale(), 512.0);
@@ -173,12 +245,12 @@ impl LossScaler {
     /// Checks that the scale and factors can work.
     ///
     /// # Errors
-    /// [`ZeroError::Config`] for a scale or minimum that is not positive and finite, a growth
+    /// [`PrecisionError::Config`] for a scale or minimum that is not positive and finite, a growth
     /// factor not above 1 or a back-off factor outside (0, 1).
     pub fn validate(&self) -> Result<()> {
         let positive = |v: f64| v.is_finite() && v > 0.0;
         if !positive(self.scale) || !positive(self.min_scale) {
-            return Err(ZeroError::Config(format!(
+            return Err(PrecisionError::Config(format!(
                 "loss scale {} and minimum {} must be positive and finite",
                 self.scale, self.min_scale
             )));
@@ -186,7 +258,7 @@ impl LossScaler {
         let growth_ok = self.growth_factor.is_finite() && self.growth_factor > 1.0;
         let backoff_ok = self.backoff_factor > 0.0 && self.backoff_factor < 1.0;
         if !growth_ok || !backoff_ok {
-            return Err(ZeroError::Config(format!(
+            return Err(PrecisionError::Config(format!(
                 "loss-scale growth factor {} must be > 1 and back-off factor {} in (0, 1)",
                 self.growth_factor, self.backoff_factor
             )));
@@ -227,12 +299,12 @@ impl LossScaler {
     /// * `state` - the saved state.
     ///
     /// # Errors
-    /// [`ZeroError::Config`] when the saved scale is not positive and finite (a corrupt or
+    /// [`PrecisionError::Config`] when the saved scale is not positive and finite (a corrupt or
     /// foreign trainer state); the scaler is left unchanged.
     ///
     /// # Example
     /// ```
-    /// use burn_zero::precision::LossScaler;
+    /// use burn_parallel::precision::LossScaler;
     /// let mut run = LossScaler::new(1024.0).with_growth_interval(2);
     /// run.update(true); // an overflow: 512
     /// run.update(false); // one clean step
@@ -244,7 +316,7 @@ impl LossScaler {
     /// ```
     pub fn restore(&mut self, state: &LossScalerState) -> Result<()> {
         if !(state.scale.is_finite() && state.scale > 0.0) {
-            return Err(ZeroError::Config(format!(
+            return Err(PrecisionError::Config(format!(
                 "a saved loss scale of {} cannot be restored (it must be positive and finite): \
                  the trainer state is corrupt or not a loss scaler's",
                 state.scale

@@ -1,0 +1,409 @@
+//! [`FusedKernels`] on Burn's `Fusion<CubeBackend>`: the `Cube` backend of every build with
+//! our `wgpu`, `cuda` or `cpu` feature, which turns on Burn's kernel fusion and autotune.
+//!
+//! Under fusion a tensor primitive is a lazy handle: Burn records operations on a stream and
+//! compiles runs of element-wise work into one kernel when the stream is flushed. Each method
+//! here does one of two things:
+//!
+//! - **A kernel of ours** (norms, SwiGLU, RoPE, AdamW, the cross-entropy pieces) is queued as
+//!   one opaque custom operation ([`custom`]): its output shapes and dtypes are known now, the
+//!   launch (the functions of [`super`], on the resolved `CubeTensor`s) runs when the stream
+//!   executes. Nothing waits, nothing is read back.
+//! - **A composed method** (attention, the linear layer, GELU) is written with Burn's tensor
+//!   operations on the lazy tensors themselves ([`reference`]), so fusion sees each operation:
+//!   GELU's element-wise chain becomes one kernel and the linear layer's product takes Burn's
+//!   autotuned matmul with the bias add fused after it.
+//!
+//! [`to_cube`] and [`from_cube`] move a tensor between the lazy and the resolved form, for the
+//! code (NCCL) that needs device buffers.
+
+use burn::backend::Cube;
+use burn::backend::fusion::custom::{
+    CustomOpIr, HandleContainer, OperationFn, OperationIr, StreamId, TensorIr, TensorSpec,
+};
+use burn::backend::fusion::{FusionBackend, FusionRuntime, FusionTensor, NoOp};
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::tensor::{DType, Shape, Tensor};
+use burn_cubecl::CubeBackend;
+use burn_cubecl::tensor::CubeTensor;
+use burn_ir::{BackendIr, InitOperationIr};
+
+use crate::kernels::{AdamWHyper, FusedKernels, reference};
+
+type Runtime = <CubeBackend as FusionBackend>::FusionRuntime;
+type Handles = HandleContainer<<Runtime as FusionRuntime>::FusionHandle>;
+type Lazy = FusionTensor<Runtime>;
+
+/// An input of a custom operation.
+enum Input {
+    Float(Lazy),
+    Int(Lazy),
+}
+
+/// The resolved device tensor of a lazy one: flushes the work that produces it.
+pub(crate) fn to_cube(t: FloatTensor<Cube>) -> CubeTensor {
+    let client = t.client.clone();
+    client.resolve_tensor_float::<CubeBackend>(t)
+}
+
+/// A resolved device tensor as a lazy one (registered with the fusion stream of its device).
+pub(crate) fn from_cube(t: CubeTensor) -> FloatTensor<Cube> {
+    let client = burn::backend::fusion::get_client::<CubeBackend>(&t.device);
+    let (shape, dtype) = (t.meta.shape().clone(), t.dtype);
+    let handle = <CubeBackend as BackendIr>::float_tensor_handle(t);
+    let desc = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
+    let [out] = client
+        .register(
+            StreamId::current(),
+            OperationIr::Init(desc),
+            NoOp::<CubeBackend>::new(),
+        )
+        .try_into()
+        .expect("an init operation has one output");
+    out
+}
+
+/// Queues `run` as one custom operation `id` over `inputs`, with outputs described by
+/// `outputs`, and returns the outputs as lazy tensors.
+fn custom<const O: usize>(
+    id: &'static str,
+    inputs: Vec<Input>,
+    outputs: [TensorSpec; O],
+    run: impl Fn(Vec<CubeTensor>) -> [CubeTensor; O] + Send + Sync + 'static,
+) -> [FloatTensor<Cube>; O] {
+    let client = match &inputs[0] {
+        Input::Float(t) | Input::Int(t) => t.client.clone(),
+    };
+    let mut irs = Vec::with_capacity(inputs.len());
+    let mut ints = Vec::with_capacity(inputs.len());
+    for input in inputs {
+        let (t, int) = match input {
+            Input::Float(t) => (t, false),
+            Input::Int(t) => (t, true),
+        };
+        irs.push(t.into_ir());
+        ints.push(int);
+    }
+    let outs: Vec<TensorIr> = outputs
+        .into_iter()
+        .map(|s| TensorIr::uninit(client.create_empty_handle(), s.shape, s.dtype))
+        .collect();
+    let desc = CustomOpIr {
+        id: id.into(),
+        inputs: irs.clone(),
+        outputs: outs.clone(),
+        scalars: Vec::new(),
+    };
+    let ids: Vec<_> = outs.iter().map(|o| o.id).collect();
+    let op = OperationFn(move |handles: &mut Handles| {
+        let tensors = irs
+            .iter()
+            .zip(&ints)
+            .map(|(ir, &int)| match int {
+                true => handles.get_int_tensor::<CubeBackend>(ir),
+                false => handles.get_float_tensor::<CubeBackend>(ir),
+            })
+            .collect();
+        for (id, t) in ids.iter().zip(run(tensors)) {
+            handles.register_float_tensor::<CubeBackend>(id, t);
+        }
+        Ok(())
+    });
+    client
+        .register(StreamId::current(), OperationIr::Custom(desc), op)
+        .try_into()
+        .unwrap_or_else(|v: Vec<Lazy>| panic!("{id}: {} outputs, expected {O}", v.len()))
+}
+
+/// The inputs of a custom operation, in order, as an array.
+fn take<const N: usize>(ts: Vec<CubeTensor>) -> [CubeTensor; N] {
+    ts.try_into()
+        .unwrap_or_else(|v: Vec<CubeTensor>| panic!("{} inputs, expected {N}", v.len()))
+}
+
+fn spec(t: &Lazy) -> TensorSpec {
+    TensorSpec::new(t.shape.clone(), t.dtype)
+}
+
+fn spec_of(shape: impl Into<Shape>, dtype: DType) -> TensorSpec {
+    TensorSpec::new(shape.into(), dtype)
+}
+
+/// `(rows, cols)` of a tensor seen as 2-D over its last dimension.
+fn rows_cols(t: &Lazy) -> (usize, usize) {
+    let cols = t.shape.last().copied().unwrap_or(1);
+    (t.shape.num_elements() / cols.max(1), cols)
+}
+
+/// A lazy primitive as a tensor, for the composed methods.
+fn ct<const D: usize>(t: FloatTensor<Cube>) -> Tensor<D> {
+    Tensor::from_primitive::<Cube>(t)
+}
+
+/// A composed result back as a lazy primitive.
+fn cp<const D: usize>(t: Tensor<D>) -> FloatTensor<Cube> {
+    t.try_into_primitive::<Cube>()
+        .expect("operations on Cube tensors stay on Cube")
+}
+
+impl FusedKernels for Cube {
+    fn fused_norm_forward(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        eps: f64,
+        rms: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (rows, _) = rows_cols(&x);
+        let stats = spec_of([rows], x.dtype);
+        let [y, mean, rstd] = custom(
+            "fused_norm_forward",
+            vec![
+                Input::Float(x.clone()),
+                Input::Float(weight),
+                Input::Float(bias),
+            ],
+            [spec(&x), stats.clone(), stats],
+            move |t| {
+                let [x, w, b] = take(t);
+                let (y, mean, rstd) = super::norm_forward(x, w, b, eps, rms);
+                [y, mean, rstd]
+            },
+        );
+        (y, mean, rstd)
+    }
+
+    fn fused_norm_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        mean: FloatTensor<Self>,
+        rstd: FloatTensor<Self>,
+        rms: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (_, cols) = rows_cols(&x);
+        let param = spec_of([cols], x.dtype);
+        let inputs = [dy, x.clone(), weight, mean, rstd].map(Input::Float);
+        let [dx, dw, db] = custom(
+            "fused_norm_backward",
+            inputs.into(),
+            [spec(&x), param.clone(), param],
+            move |t| {
+                let [dy, x, w, mean, rstd] = take(t);
+                let (dx, dw, db) = super::norm_backward(dy, x, w, mean, rstd, rms);
+                [dx, dw, db]
+            },
+        );
+        (dx, dw, db)
+    }
+
+    fn fused_swiglu_forward(a: FloatTensor<Self>, b: FloatTensor<Self>) -> FloatTensor<Self> {
+        let out = spec(&a);
+        let [y] = custom(
+            "fused_swiglu_forward",
+            vec![Input::Float(a), Input::Float(b)],
+            [out],
+            |t| {
+                let [a, b] = take(t);
+                [super::swiglu_forward(a, b)]
+            },
+        );
+        y
+    }
+
+    fn fused_swiglu_backward(
+        dy: FloatTensor<Self>,
+        a: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let out = spec(&a);
+        let [da, db] = custom(
+            "fused_swiglu_backward",
+            [dy, a, b].map(Input::Float).into(),
+            [out.clone(), out],
+            |t| {
+                let [dy, a, b] = take(t);
+                let (da, db) = super::swiglu_backward(dy, a, b);
+                [da, db]
+            },
+        );
+        (da, db)
+    }
+
+    fn fused_rope(
+        x: FloatTensor<Self>,
+        cos: FloatTensor<Self>,
+        sin: FloatTensor<Self>,
+        inverse: bool,
+    ) -> FloatTensor<Self> {
+        let out = spec(&x);
+        let [y] = custom(
+            "fused_rope",
+            [x, cos, sin].map(Input::Float).into(),
+            [out],
+            move |t| {
+                let [x, cos, sin] = take(t);
+                [super::rope(x, cos, sin, inverse)]
+            },
+        );
+        y
+    }
+
+    fn fused_adamw_step(
+        param: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        m: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        hyper: AdamWHyper,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let outs = [spec(&param), spec(&m), spec(&v)];
+        let [param, m, v] = custom(
+            "fused_adamw_step",
+            [param, grad, m, v].map(Input::Float).into(),
+            outs,
+            move |t| {
+                let [param, grad, m, v] = take(t);
+                let (param, m, v) = super::adamw_step(param, grad, m, v, hyper);
+                [param, m, v]
+            },
+        );
+        (param, m, v)
+    }
+
+    fn fused_attention_forward(
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let (out, lse) = reference::attention_forward_4d(ct(q), ct(k), ct(v), causal, scale);
+        (cp(out), cp(lse))
+    }
+
+    fn fused_attention_backward(
+        dout: FloatTensor<Self>,
+        q: FloatTensor<Self>,
+        k: FloatTensor<Self>,
+        v: FloatTensor<Self>,
+        out: FloatTensor<Self>,
+        lse: FloatTensor<Self>,
+        causal: bool,
+        scale: f64,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dq, dk, dv) = reference::attention_backward_4d(
+            ct(dout),
+            ct(q),
+            ct(k),
+            ct(v),
+            ct(out),
+            ct(lse),
+            causal,
+            scale,
+        );
+        (cp(dq), cp(dk), cp(dv))
+    }
+
+    fn fused_linear_forward(
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        b: FloatTensor<Self>,
+        has_bias: bool,
+    ) -> FloatTensor<Self> {
+        cp(reference::linear_forward(ct(x), ct(w), ct(b), has_bias))
+    }
+
+    fn fused_linear_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        w: FloatTensor<Self>,
+        has_bias: bool,
+    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        let (dx, dw, db) = reference::linear_backward(ct(dy), ct(x), ct(w), has_bias);
+        (cp(dx), cp(dw), cp(db))
+    }
+
+    fn fused_gelu_forward(x: FloatTensor<Self>, approximate: bool) -> FloatTensor<Self> {
+        cp(reference::gelu_forward::<1>(ct(x), approximate))
+    }
+
+    fn fused_gelu_backward(
+        dy: FloatTensor<Self>,
+        x: FloatTensor<Self>,
+        approximate: bool,
+    ) -> FloatTensor<Self> {
+        cp(reference::gelu_backward::<1>(ct(dy), ct(x), approximate))
+    }
+
+    fn fused_ce_stats(logits: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (rows, _) = rows_cols(&logits);
+        let out = spec_of([rows, 2], logits.dtype);
+        let [stats] = custom("fused_ce_stats", vec![Input::Float(logits)], [out], |t| {
+            let [logits] = take(t);
+            [super::ce_stats(logits)]
+        });
+        stats
+    }
+
+    fn fused_ce_nll(
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        vocab_start: usize,
+        count_lse: bool,
+        ignore_index: i64,
+    ) -> FloatTensor<Self> {
+        let (rows, _) = rows_cols(&logits);
+        let out = spec_of([rows], logits.dtype);
+        let [nll] = custom(
+            "fused_ce_nll",
+            vec![Input::Float(logits), Input::Int(targets), Input::Float(lse)],
+            [out],
+            move |t| {
+                let [logits, targets, lse] = take(t);
+                [super::ce_nll(
+                    logits,
+                    targets,
+                    lse,
+                    vocab_start,
+                    count_lse,
+                    ignore_index,
+                )]
+            },
+        );
+        nll
+    }
+
+    fn fused_ce_backward(
+        dnll: FloatTensor<Self>,
+        logits: FloatTensor<Self>,
+        targets: IntTensor<Self>,
+        lse: FloatTensor<Self>,
+        vocab_start: usize,
+        ignore_index: i64,
+    ) -> FloatTensor<Self> {
+        let out = spec(&logits);
+        let [dlogits] = custom(
+            "fused_ce_backward",
+            vec![
+                Input::Float(dnll),
+                Input::Float(logits),
+                Input::Int(targets),
+                Input::Float(lse),
+            ],
+            [out],
+            move |t| {
+                let [dnll, logits, targets, lse] = take(t);
+                [super::ce_backward(
+                    dnll,
+                    logits,
+                    targets,
+                    lse,
+                    vocab_start,
+                    ignore_index,
+                )]
+            },
+        );
+        dlogits
+    }
+}
