@@ -881,6 +881,136 @@ mod wgpu {
         assert_close("swiglu f16", &host(&y), &host(&(silu(a) * b)), 5e-3);
     }
 
+    /// Flash attention, fp32, tolerance 1e-4 relative, forward and every gradient against the
+    /// naive math: causal and not, odd head widths (3, 5, 24), fewer queries than keys, a single
+    /// row, and rows past one cube (64) and one shared tile (32 keys at width 64, 16 at 128).
+    #[test]
+    fn attention_fp32() {
+        let Some(dev) = device("attention_fp32") else {
+            return;
+        };
+        let dev = dev.autodiff();
+        for (q_shape, tk, causal) in [
+            ([2, 3, 37, 24], 37, true),
+            ([2, 3, 37, 24], 37, false),
+            ([1, 2, 19, 8], 45, true),
+            ([1, 2, 19, 8], 45, false),
+            ([1, 2, 130, 64], 130, true),
+            ([1, 1, 130, 64], 130, false),
+            ([1, 1, 1, 3], 1, true),
+            ([2, 1, 70, 5], 200, true),
+            ([1, 1, 40, 128], 75, true),
+        ] {
+            check_attention(&dev, q_shape, tk, causal, 1e-4);
+        }
+    }
+
+    /// Flash attention forward and backward give bit-identical results run after run (each
+    /// output element is written by one unit; no atomics).
+    #[test]
+    fn attention_is_deterministic() {
+        let Some(dev) = device("attention_is_deterministic") else {
+            return;
+        };
+        let dev = dev.autodiff();
+        let run = || {
+            let q = tensor([1, 2, 130, 64], 1, 2.0, &dev).require_grad();
+            let k = tensor([1, 2, 150, 64], 2, 2.0, &dev).require_grad();
+            let v = tensor([1, 2, 150, 64], 3, 1.0, &dev).require_grad();
+            let y = kernels::attention(q.clone(), k.clone(), v.clone(), true).unwrap();
+            let g = (y.clone() * tensor([1, 2, 130, 64], 4, 1.0, &dev))
+                .sum()
+                .backward();
+            [
+                host(&y),
+                host(&q.grad(&g).unwrap()),
+                host(&k.grad(&g).unwrap()),
+                host(&v.grad(&g).unwrap()),
+            ]
+        };
+        let (a, b) = (run(), run());
+        for (what, (x, y)) in ["y", "dq", "dk", "dv"].iter().zip(a.iter().zip(&b)) {
+            assert!(
+                x.iter().zip(y).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "attention {what} differs between runs"
+            );
+        }
+    }
+
+    /// Flash attention on strided operands (`[b, s, h, d]` projections seen as `[b, h, s, d]`,
+    /// mixed layouts, non-contiguous columns), fp32, tolerance 1e-4 relative.
+    #[test]
+    fn attention_strided_fp32() {
+        use Layout::{Cols, Heads, Rows};
+        let Some(dev) = device("attention_strided_fp32") else {
+            return;
+        };
+        let dev = dev.autodiff();
+        for (q_shape, tk, causal, layouts) in [
+            ([2, 3, 70, 8], 70, true, [Rows; 3]),
+            ([2, 2, 33, 5], 100, true, [Rows; 3]),
+            ([2, 3, 21, 4], 21, false, [Rows, Heads, Rows]),
+            ([1, 2, 9, 4], 30, false, [Cols, Rows, Heads]),
+        ] {
+            check_attention_in(&dev, q_shape, tk, causal, layouts, 1e-4);
+        }
+    }
+
+    /// Flash attention with f16 inputs (fp32 arithmetic) against the fp32 naive math, forward
+    /// and gradients (through casts), tolerance 1e-2 relative, when the adapter supports f16.
+    #[test]
+    fn attention_f16() {
+        let Some(dev) = f16_device("attention_f16") else {
+            return;
+        };
+        let dev = dev.autodiff();
+        let oracle = Device::flex().autodiff();
+        let (q_shape, tk) = ([2, 2, 37, 24], 45);
+        let kv_shape = [2, 2, tk, 24];
+        for causal in [true, false] {
+            let make = |d: &Device| {
+                (
+                    tensor(q_shape, 1, 2.0, d).require_grad(),
+                    tensor(kv_shape, 2, 2.0, d).require_grad(),
+                    tensor(kv_shape, 3, 1.0, d).require_grad(),
+                    tensor(q_shape, 4, 1.0, d),
+                )
+            };
+            let (q, k, v, r) = make(&dev);
+            let half = |t: &Tensor<4>| t.clone().cast(DType::F16);
+            let y = kernels::attention(half(&q), half(&k), half(&v), causal)
+                .unwrap()
+                .cast(DType::F32);
+            let g = (y.clone() * r).sum().backward();
+            let (qo, ko, vo, ro) = make(&oracle);
+            let mut scores = qo.clone().matmul(ko.clone().swap_dims(2, 3)) / (24f64).sqrt();
+            if causal {
+                let ids = |n: usize| Tensor::<1, Int>::arange(0..n as i64, &oracle);
+                let tq = q_shape[2];
+                let hidden = ids(tk)
+                    .reshape([1, tk])
+                    .expand([tq, tk])
+                    .greater(ids(tq).reshape([tq, 1]).expand([tq, tk]) + (tk - tq) as i64);
+                scores = scores.mask_fill(
+                    hidden.unsqueeze::<4>().expand([2, 2, tq, tk]),
+                    f32::NEG_INFINITY,
+                );
+            }
+            let yo = burn::tensor::activation::softmax(scores, 3).matmul(vo.clone());
+            let go = (yo.clone() * ro).sum().backward();
+            let name = format!("attention f16 causal {causal}");
+            assert_close(&format!("{name} y"), &host(&y), &host(&yo), 1e-2);
+            for (what, t, o) in [("dq", &q, &qo), ("dk", &k, &ko), ("dv", &v, &vo)] {
+                assert_close(
+                    &format!("{name} {what}"),
+                    &host(&t.grad(&g).unwrap()),
+                    &host(&o.grad(&go).unwrap()),
+                    1e-2,
+                );
+            }
+        }
+    }
+
     /// Fused AdamW on WGPU equals the flex reference bit-for-bit up to fp32 rounding (1e-6).
     #[test]
     fn adamw_matches_flex_reference() {

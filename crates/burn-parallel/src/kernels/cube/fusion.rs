@@ -5,14 +5,15 @@
 //! compiles runs of element-wise work into one kernel when the stream is flushed. Each method
 //! here does one of two things:
 //!
-//! - **A kernel of ours** (norms, SwiGLU, RoPE, AdamW, the cross-entropy pieces) is queued as
-//!   one opaque custom operation ([`custom`]): its output shapes and dtypes are known now, the
-//!   launch (the functions of [`super`], on the resolved `CubeTensor`s) runs when the stream
-//!   executes. Nothing waits, nothing is read back.
-//! - **A composed method** (attention, the linear layer, GELU) is written with Burn's tensor
-//!   operations on the lazy tensors themselves ([`reference`]), so fusion sees each operation:
-//!   GELU's element-wise chain becomes one kernel and the linear layer's product takes Burn's
-//!   autotuned matmul with the bias add fused after it.
+//! - **A kernel of ours** (norms, SwiGLU, RoPE, AdamW, attention, the cross-entropy pieces) is
+//!   queued as one opaque custom operation ([`custom`]): its output shapes and dtypes are known
+//!   now, the launch (the functions of [`super`] and [`super::attention`], on the resolved
+//!   `CubeTensor`s) runs when the stream executes. Nothing waits, nothing is read back.
+//!   Attention is the flash kernels of [`super::attention`]: never a `tq x tk` buffer.
+//! - **A composed method** (the linear layer, GELU; attention past the flash kernels' widest
+//!   head) is written with Burn's tensor operations on the lazy tensors themselves
+//!   ([`reference`]), so fusion sees each operation: GELU's element-wise chain becomes one
+//!   kernel and the linear layer's product takes Burn's autotuned matmul.
 //!
 //! [`to_cube`] and [`from_cube`] move a tensor between the lazy and the resolved form, for the
 //! code (NCCL) that needs device buffers.
@@ -21,7 +22,7 @@ use burn::backend::Cube;
 use burn::backend::fusion::custom::{
     CustomOpIr, HandleContainer, OperationFn, OperationIr, StreamId, TensorIr, TensorSpec,
 };
-use burn::backend::fusion::{FusionBackend, FusionRuntime, FusionTensor, NoOp};
+use burn::backend::fusion::{ExecutionError, FusionBackend, FusionRuntime, FusionTensor, NoOp};
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape, Tensor};
 use burn_cubecl::CubeBackend;
@@ -52,15 +53,15 @@ pub(crate) fn from_cube(t: CubeTensor) -> FloatTensor<Cube> {
     let (shape, dtype) = (t.meta.shape().clone(), t.dtype);
     let handle = <CubeBackend as BackendIr>::float_tensor_handle(t);
     let desc = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
-    let [out] = client
+    client
         .register(
             StreamId::current(),
             OperationIr::Init(desc),
             NoOp::<CubeBackend>::new(),
         )
-        .try_into()
-        .expect("an init operation has one output");
-    out
+        .into_iter()
+        .next()
+        .expect("an init operation has one output")
 }
 
 /// Queues `run` as one custom operation `id` over `inputs`, with outputs described by
@@ -107,7 +108,7 @@ fn custom<const O: usize>(
         for (id, t) in ids.iter().zip(run(tensors)) {
             handles.register_float_tensor::<CubeBackend>(id, t);
         }
-        Ok(())
+        Ok::<(), ExecutionError>(())
     });
     client
         .register(StreamId::current(), OperationIr::Custom(desc), op)
@@ -156,14 +157,11 @@ impl FusedKernels for Cube {
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let (rows, _) = rows_cols(&x);
         let stats = spec_of([rows], x.dtype);
+        let out = spec(&x);
         let [y, mean, rstd] = custom(
             "fused_norm_forward",
-            vec![
-                Input::Float(x.clone()),
-                Input::Float(weight),
-                Input::Float(bias),
-            ],
-            [spec(&x), stats.clone(), stats],
+            vec![Input::Float(x), Input::Float(weight), Input::Float(bias)],
+            [out, stats.clone(), stats],
             move |t| {
                 let [x, w, b] = take(t);
                 let (y, mean, rstd) = super::norm_forward(x, w, b, eps, rms);
@@ -183,11 +181,12 @@ impl FusedKernels for Cube {
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
         let (_, cols) = rows_cols(&x);
         let param = spec_of([cols], x.dtype);
-        let inputs = [dy, x.clone(), weight, mean, rstd].map(Input::Float);
+        let out = spec(&x);
+        let inputs = [dy, x, weight, mean, rstd].map(Input::Float);
         let [dx, dw, db] = custom(
             "fused_norm_backward",
             inputs.into(),
-            [spec(&x), param.clone(), param],
+            [out, param.clone(), param],
             move |t| {
                 let [dy, x, w, mean, rstd] = take(t);
                 let (dx, dw, db) = super::norm_backward(dy, x, w, mean, rstd, rms);
@@ -277,8 +276,24 @@ impl FusedKernels for Cube {
         causal: bool,
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        let (out, lse) = reference::attention_forward_4d(ct(q), ct(k), ct(v), causal, scale);
-        (cp(out), cp(lse))
+        let (qs, ks, vs) = (&q.shape, &k.shape, &v.shape);
+        if !super::attention::supported(qs[3], qs[2], ks[2]) {
+            let (out, lse) = reference::attention_forward_4d(ct(q), ct(k), ct(v), causal, scale);
+            return (cp(out), cp(lse));
+        }
+        let out = spec_of([qs[0], qs[1], qs[2], vs[3]], q.dtype);
+        let lse = spec_of([qs[0] * qs[1], qs[2]], q.dtype);
+        let [out, lse] = custom(
+            "fused_attention_forward",
+            [q, k, v].map(Input::Float).into(),
+            [out, lse],
+            move |t| {
+                let [q, k, v] = take(t);
+                let (out, lse) = super::attention::forward(q, k, v, causal, scale);
+                [out, lse]
+            },
+        );
+        (out, lse)
     }
 
     fn fused_attention_backward(
@@ -291,17 +306,33 @@ impl FusedKernels for Cube {
         causal: bool,
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let (dq, dk, dv) = reference::attention_backward_4d(
-            ct(dout),
-            ct(q),
-            ct(k),
-            ct(v),
-            ct(out),
-            ct(lse),
-            causal,
-            scale,
+        if !super::attention::supported(q.shape[3], q.shape[2], k.shape[2]) {
+            let (dq, dk, dv) = reference::attention_backward_4d(
+                ct(dout),
+                ct(q),
+                ct(k),
+                ct(v),
+                ct(out),
+                ct(lse),
+                causal,
+                scale,
+            );
+            return (cp(dq), cp(dk), cp(dv));
+        }
+        // The kernels compute in, and return, `q`'s dtype.
+        let specs = [&q, &k, &v].map(|t| spec_of(t.shape.clone(), q.dtype));
+        let [dq, dk, dv] = custom(
+            "fused_attention_backward",
+            [dout, q, k, v, out, lse].map(Input::Float).into(),
+            specs,
+            move |t| {
+                let [dout, q, k, v, out, lse] = take(t);
+                let (dq, dk, dv) =
+                    super::attention::backward(dout, q, k, v, out, lse, causal, scale);
+                [dq, dk, dv]
+            },
         );
-        (cp(dq), cp(dk), cp(dv))
+        (dq, dk, dv)
     }
 
     fn fused_linear_forward(

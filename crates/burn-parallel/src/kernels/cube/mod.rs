@@ -7,6 +7,7 @@
 //! Every launch makes its inputs contiguous first and allocates contiguous outputs, so kernels
 //! index with plain row-major offsets. Arithmetic is fp32 for every storage dtype.
 
+pub mod attention;
 pub mod cross_entropy;
 pub mod elementwise;
 pub mod fusion;
