@@ -751,6 +751,12 @@ pub fn train_gpt_checkpointed(
         .device()
         .map_err(|e| invalid(world, op, e))?;
     let device = plain.clone().autodiff();
+    // A compute dtype the device lacks (f16/bf16 on some WGPU adapters) is a clear error.
+    config
+        .precision
+        .policy()
+        .validate(&plain)
+        .map_err(|e| invalid(world, op, e))?;
     let dims = parallel.dims(world.size());
     let mesh = dims.build(world).map_err(|e| invalid(world, op, e))?;
     let group = |name: &str| mesh.group(name).cloned().map_err(|e| invalid(world, op, e));

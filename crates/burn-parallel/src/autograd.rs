@@ -918,7 +918,7 @@ impl<const D: usize> GatheredSequence<D> {
             })
             .on_device_if::<D>(on_device, move |dy| device_fn(dy));
             // The input's gradient hangs off a zero added to the product (a transient).
-            let zero = Tensor::<D>::zeros(dims, &y.device());
+            let zero = Tensor::<D>::zeros(dims, (&y.device(), y.dtype()));
             y = y + attach(self.shard.clone(), zero, backward);
         }
         match bias {

@@ -514,7 +514,11 @@ impl TrainStep {
         lr: f64,
     ) -> std::result::Result<(M, StepOutput), E> {
         let Some(overlap) = &self.overlap else {
-            let loss = forward(&self.compute_model(&model))?;
+            // In fp32 the model itself (no copy: state a forward updates stays with it).
+            let loss = match self.precision.is_full() {
+                true => forward(&model)?,
+                false => forward(&self.compute_model(&model))?,
+            };
             return Ok(self.step(model, loss, optim, lr)?);
         };
         if !self.precision.is_full() || self.scaler.is_some() {

@@ -602,7 +602,17 @@ fn main() -> ExitCode {
     };
     let checkpoints = args.checkpoint.options();
     let starts_from = checkpoints.active() || checkpoints.init_from_hf.is_some();
-    if let Some(run) = args.diloco.run(train_device(&args)) {
+    // The pipeline and DiLoCo trainers compute in fp32 only: refused, never silently ignored.
+    let diloco = args.diloco.run(train_device(&args));
+    if config.precision != Precision::F32 && (args.pipeline.pp > 1 || diloco.is_some()) {
+        eprintln!(
+            "error: --precision {} is not composed with pipeline parallelism (--pp) or DiLoCo \
+             yet; drop --precision or those flags",
+            config.precision
+        );
+        return ExitCode::from(2);
+    }
+    if let Some(run) = diloco {
         return run_diloco(&args, &config, &corpus, &run, &checkpoints);
     }
     // A GPT-MoE under ZeRO/FSDP trains in the layout-generic trainer below (experts out of

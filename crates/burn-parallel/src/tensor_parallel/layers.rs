@@ -22,7 +22,7 @@ fn take_shard<const D: usize>(full: Tensor<D>, dim: usize, shard: &Shard) -> Ten
     if shard.stored > shard.len {
         let mut shape = full.dims();
         shape[dim] = shard.stored - shard.len;
-        let pad = Tensor::<D>::zeros(shape, &full.device());
+        let pad = Tensor::<D>::zeros(shape, (&full.device(), full.dtype()));
         part = if shard.len == 0 {
             pad
         } else {
