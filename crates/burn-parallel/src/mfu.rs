@@ -87,7 +87,7 @@ impl Mfu {
     /// ```
     pub fn of(&self, tokens_per_sec: f64) -> Option<f64> {
         let peak = self.peak_per_device? * self.devices.max(1) as f64;
-        (peak > 0.0).then(|| tokens_per_sec * self.flops_per_token / peak)
+        (peak > 0.0).then_some(tokens_per_sec * self.flops_per_token / peak)
     }
 
     /// `"12.3 TFLOP/s  mfu 4.5%"`, or the TFLOP/s alone without a peak.

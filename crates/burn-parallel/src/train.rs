@@ -240,10 +240,8 @@ impl TrainStep {
     /// `loss` as backward should see it: multiplied by the loss scale (unchanged without a
     /// scaler).
     pub fn scaled_loss(&self, loss: Tensor<1>) -> Tensor<1> {
-        match self.loss_scale() {
-            1.0 => loss,
-            scale => loss * scale,
-        }
+        let scale = self.loss_scale();
+        if scale == 1.0 { loss } else { loss * scale }
     }
 
     /// Trains FSDP units whose flat shards are registered in `shards`: their gradients come
