@@ -252,6 +252,7 @@ mod tests {
     }
 
     #[cfg(feature = "ndarray")]
+    #[allow(deprecated)] // Burn 0.22 deprecates NdArray; users still run it.
     #[test]
     fn fused_adamw_falls_back_to_burn_adamw_on_ndarray() {
         check_against_burn(&Device::ndarray().autodiff());

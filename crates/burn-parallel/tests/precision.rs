@@ -114,7 +114,6 @@ fn data_parallel_bf16_averages_in_the_chosen_dtype() {
         dw > 0.0,
         "the reduction dtype made no difference: it was not used"
     );
-    let _ = device;
 }
 
 #[test]

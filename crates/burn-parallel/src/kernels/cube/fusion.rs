@@ -41,14 +41,16 @@ enum Input {
     Int(Lazy),
 }
 
-/// The resolved device tensor of a lazy one: flushes the work that produces it.
-pub(crate) fn to_cube(t: FloatTensor<Cube>) -> CubeTensor {
+/// The resolved device tensor of a lazy one (flushes the work that produces it): for code
+/// that needs device buffers, such as NCCL or a kernel of the user's.
+pub fn to_cube(t: FloatTensor<Cube>) -> CubeTensor {
     let client = t.client.clone();
     client.resolve_tensor_float::<CubeBackend>(t)
 }
 
-/// A resolved device tensor as a lazy one (registered with the fusion stream of its device).
-pub(crate) fn from_cube(t: CubeTensor) -> FloatTensor<Cube> {
+/// A resolved device tensor as a lazy one (registered with the fusion stream of its device),
+/// the way back from [`to_cube`].
+pub fn from_cube(t: CubeTensor) -> FloatTensor<Cube> {
     let client = burn::backend::fusion::get_client::<CubeBackend>(&t.device);
     let (shape, dtype) = (t.meta.shape().clone(), t.dtype);
     let handle = <CubeBackend as BackendIr>::float_tensor_handle(t);
