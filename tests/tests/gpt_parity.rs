@@ -344,52 +344,75 @@ fn gpt_on_wgpu_under_tp_sp_and_fsdp_x_tp_matches_single_device() {
     check(&reference, 4, fsdp_tp, &config, "wgpu FSDP 2 x tp 2 + sp");
 }
 
-/// bf16 against fp32, relative loss difference per step over the 20 steps (the measured
-/// figure and the bound are in the test).
-const BF16_LOSS_TOL: f64 = 2e-2;
+/// bf16 against fp32, relative loss difference per step over the 20 steps: about 2.8 times the
+/// worst measured (7.1e-4).
+const BF16_LOSS_TOL: f64 = 2e-3;
 
 /// `gpt --precision bf16`: bf16 compute with fp32 master weights and optimizer state tracks
 /// the fp32 single-device reference over 20 steps, on one rank, under dp 2 (gradients averaged
-/// in bf16) and under tp 2 with sequence parallelism; fp16 with loss scaling too.
+/// in bf16) and under tp 2 with sequence parallelism (measured: 6.8e-4, 6.7e-4 and 7.1e-4
+/// worst relative loss difference).
 #[test]
-fn bf16_and_fp16_training_track_fp32() {
+fn bf16_training_tracks_fp32() {
     let reference = reference_run(&config());
-    let worst = |report: &TrainReport| {
-        report
+    for (world, layout) in [
+        (1, Parallelism::default()),
+        (2, Parallelism::default()),
+        (2, tp(2, true)),
+    ] {
+        let run = TrainConfig {
+            precision: examples::train::Precision::Bf16,
+            ..config()
+        };
+        let report = parallel(world, &layout, &run);
+        let err = report
             .losses
             .iter()
             .zip(&reference.losses)
             .map(|(a, b)| ((a - b) / b).abs())
-            .fold(0.0, f64::max)
-    };
-    for (precision, world, layout) in [
-        (examples::train::Precision::Bf16, 1, Parallelism::default()),
-        (examples::train::Precision::Bf16, 2, Parallelism::default()),
-        (examples::train::Precision::Bf16, 2, tp(2, true)),
-        (examples::train::Precision::Fp16, 1, Parallelism::default()),
-    ] {
-        let run = TrainConfig {
-            precision,
-            ..config()
-        };
-        let report = parallel(world, &layout, &run);
-        let err = worst(&report);
-        println!(
-            "{precision} on {world} ranks, {layout:?}: worst relative loss difference {err:.2e}"
-        );
+            .fold(0.0, f64::max);
         assert!(
             err < BF16_LOSS_TOL,
-            "{precision} on {world} ranks ({layout:?}) drifts from fp32 by {err:.2e}: {:?} \
-             against {:?}",
+            "bf16 on {world} ranks ({layout:?}) drifts from fp32 by {err:.2e}: {:?} against {:?}",
             report.losses,
             reference.losses
         );
         assert!(
             err > 0.0,
-            "{precision} gave fp32's losses: the compute copy was not used"
+            "bf16 gave fp32's losses: the compute copy was not used"
         );
         assert_eq!(report.skipped_steps, 0);
     }
+}
+
+/// `gpt --precision fp16`: the loss scaler starts at 2^16 (as PyTorch's `GradScaler`), so
+/// the first step overflows and is skipped, then the run trains: its model lags the fp32
+/// reference by the skipped steps (measured: one skipped, final loss 1.9% above the
+/// reference's). The step-by-step fp16 checks are in `burn-parallel/tests/precision.rs`.
+#[test]
+fn fp16_training_skips_its_overflowing_first_steps_and_trains() {
+    let reference = reference_run(&config());
+    let run = TrainConfig {
+        precision: examples::train::Precision::Fp16,
+        ..config()
+    };
+    let report = parallel(1, &Parallelism::default(), &run);
+    assert!(
+        (1..=3).contains(&report.skipped_steps),
+        "{} skipped steps",
+        report.skipped_steps
+    );
+    let (last, reference_last) = (report.losses[STEPS - 1], reference.losses[STEPS - 1]);
+    assert!(
+        ((last - reference_last) / reference_last).abs() < 0.05,
+        "fp16 ends at {last}, fp32 at {reference_last}: {:?}",
+        report.losses
+    );
+    assert!(
+        last < report.losses[0] - 1.0,
+        "fp16 did not train: {:?}",
+        report.losses
+    );
 }
 
 /// Layouts the precision policy does not reach yet are refused with the flags to drop.
