@@ -206,6 +206,20 @@ impl Corpus {
         data_dir().join(Self::FILE)
     }
 
+    /// Loads the King James Bible from the folder `dir` (`--data-dir`), or from [`data_dir`]
+    /// when `None`.
+    ///
+    /// # Errors
+    ///
+    /// [`DataError`] if the file is missing (naming `--data-dir` and [`DATA_DIR_ENV`]),
+    /// unreadable or empty.
+    pub fn load_from(dir: Option<&Path>) -> Result<Self, DataError> {
+        Self::load(
+            &dir.map_or_else(data_dir, Path::to_path_buf)
+                .join(Self::FILE),
+        )
+    }
+
     /// Loads the bundled King James Bible (about 4.4 MB of text).
     ///
     /// # Errors
@@ -416,6 +430,20 @@ impl Digits {
     /// Path of the digits in [`data_dir`] (bundled: `examples/data/digits.csv.gz`).
     pub fn default_path() -> PathBuf {
         data_dir().join(Self::FILE)
+    }
+
+    /// Loads the digits from the folder `dir` (`--data-dir`), or from [`data_dir`] when
+    /// `None`.
+    ///
+    /// # Errors
+    ///
+    /// [`DataError`] if the file is missing (naming `--data-dir` and [`DATA_DIR_ENV`]),
+    /// unreadable or malformed.
+    pub fn load_from(dir: Option<&Path>) -> Result<Self, DataError> {
+        Self::load(
+            &dir.map_or_else(data_dir, Path::to_path_buf)
+                .join(Self::FILE),
+        )
     }
 
     /// Loads the bundled digits (1,797 images).

@@ -588,12 +588,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    let corpus = match args
-        .data_dir
-        .as_ref()
-        .map_or_else(Corpus::load_default, |dir| {
-            Corpus::load(&dir.join(Corpus::FILE))
-        }) {
+    let corpus = match Corpus::load_from(args.data_dir.as_deref()) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");

@@ -152,12 +152,7 @@ fn main() -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
-    let digits = match args
-        .data_dir
-        .as_ref()
-        .map_or_else(Digits::load_default, |dir| {
-            Digits::load(&dir.join(Digits::FILE))
-        }) {
+    let digits = match Digits::load_from(args.data_dir.as_deref()) {
         Ok(d) => d,
         Err(e) => {
             eprintln!("error: {e}");
