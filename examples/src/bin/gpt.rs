@@ -188,6 +188,10 @@ struct Args {
     /// master weights and optimizer state (data and tensor parallelism).
     #[arg(long, value_enum)]
     precision: Option<PrecisionArg>,
+    /// Let fp32 matrix products run in TF32 where the device has it (CUDA: cuBLASLt's TF32
+    /// mode), as PyTorch's `allow_tf32`; bf16/fp16 products are unaffected.
+    #[arg(long)]
+    tf32: bool,
     /// Intra-op threads of each rank's CPU kernels (default: the cores divided by the ranks on
     /// this machine; also BURN_PARALLEL_THREADS).
     #[arg(long)]
@@ -544,6 +548,7 @@ fn main() -> ExitCode {
         Some(n) => burn_parallel::threads::set_intra_op_threads(Some(n)),
         None => {}
     }
+    burn_parallel::kernels::allow_tf32(args.tf32);
     let mut config = match config_from(&args) {
         Ok(c) => c,
         Err(e) => {
@@ -766,6 +771,7 @@ impl Logging {
 /// driver names, for the arithmetic of `--precision`.
 fn device_peak(args: &Args) -> (Option<f64>, String) {
     let math = match args.precision {
+        None | Some(PrecisionArg::F32) if args.tf32 => Math::Tf32,
         None | Some(PrecisionArg::F32) => Math::F32,
         Some(PrecisionArg::Bf16 | PrecisionArg::Fp16) => Math::Half,
     };

@@ -1282,6 +1282,29 @@ pub fn swiglu<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> KernelResult<Tensor
     Ok(Tensor::<1>::from_dispatch(y).reshape(dims))
 }
 
+static TF32: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Lets fp32 matrix products of [`linear`] run in TF32 (10-bit mantissa inputs, fp32
+/// accumulation) where the device has it: on CUDA, cuBLASLt's `CUBLAS_COMPUTE_32F_FAST_TF32`,
+/// several times faster than exact fp32 on Ampere and later. Off by default, as PyTorch's
+/// `torch.backends.cuda.matmul.allow_tf32`; bf16 and fp16 products are not affected, and
+/// neither is Flex (exact fp32 always). Process-wide; takes effect at the next product.
+///
+/// ```
+/// use burn_parallel::kernels::{allow_tf32, tf32_allowed};
+/// allow_tf32(true);
+/// assert!(tf32_allowed());
+/// allow_tf32(false);
+/// ```
+pub fn allow_tf32(allow: bool) {
+    TF32.store(allow, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Whether [`allow_tf32`] turned TF32 products on.
+pub fn tf32_allowed() -> bool {
+    TF32.load(std::sync::atomic::Ordering::Relaxed)
+}
+
 /// Whether `device`'s backend implements [`FusedKernels`] in this build: Flex, and the CubeCL
 /// backends with the `wgpu`/`cuda`/`cpu` features (autodiff or not). [`linear`], [`attention`]
 /// and [`gelu`] run as Burn's composed operations elsewhere (NdArray, for instance).

@@ -119,6 +119,14 @@ fn custom<const O: usize>(
 }
 
 /// The inputs of a custom operation, in order, as an array.
+/// Whether the linear layer `x [rows, k] w [k, n]` takes cuBLASLt (a CUDA device, a dtype it
+/// multiplies, no empty dimension).
+#[cfg(feature = "cuda")]
+fn cublas_routes(x: &Lazy, w: &Lazy) -> bool {
+    let nonempty = x.shape.iter().chain(w.shape.iter()).all(|&d| d > 0);
+    nonempty && x.dtype == w.dtype && super::cublas::routes(x.client.device(), x.dtype)
+}
+
 fn take<const N: usize>(ts: Vec<CubeTensor>) -> [CubeTensor; N] {
     ts.try_into()
         .unwrap_or_else(|v: Vec<CubeTensor>| panic!("{} inputs, expected {N}", v.len()))
@@ -343,6 +351,21 @@ impl FusedKernels for Cube {
         b: FloatTensor<Self>,
         has_bias: bool,
     ) -> FloatTensor<Self> {
+        #[cfg(feature = "cuda")]
+        if cublas_routes(&x, &w) {
+            let (rows, n) = (x.shape[0], w.shape[1]);
+            let out = spec_of([rows, n], x.dtype);
+            let [y] = custom(
+                "cublas_linear_forward",
+                [x, w, b].map(Input::Float).into(),
+                [out],
+                move |t| {
+                    let [x, w, b] = take(t);
+                    [super::cublas::forward(x, w, has_bias.then_some(b))]
+                },
+            );
+            return y;
+        }
         cp(reference::linear_forward(ct(x), ct(w), ct(b), has_bias))
     }
 
@@ -352,6 +375,27 @@ impl FusedKernels for Cube {
         w: FloatTensor<Self>,
         has_bias: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        #[cfg(feature = "cuda")]
+        if cublas_routes(&x, &w) {
+            let n = w.shape[1];
+            let db = if has_bias {
+                ct::<2>(dy.clone()).sum_dim(0).reshape([n])
+            } else {
+                Tensor::<1>::zeros([n], &ct::<2>(dy.clone()).device()).cast(dy.dtype)
+            };
+            let specs = [spec(&x), spec(&w)];
+            let [dx, dw] = custom(
+                "cublas_linear_backward",
+                [dy, x, w].map(Input::Float).into(),
+                specs,
+                |t| {
+                    let [dy, x, w] = take(t);
+                    let (dx, dw) = super::cublas::backward(dy, x, w);
+                    [dx, dw]
+                },
+            );
+            return (dx, dw, cp(db));
+        }
         let (dx, dw, db) = reference::linear_backward(ct(dy), ct(x), ct(w), has_bias);
         (cp(dx), cp(dw), cp(db))
     }

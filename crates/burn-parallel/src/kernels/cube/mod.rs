@@ -9,6 +9,8 @@
 
 pub mod attention;
 pub mod cross_entropy;
+#[cfg(feature = "cuda")]
+pub(crate) mod cublas;
 pub mod elementwise;
 pub mod fusion;
 pub mod norm;
