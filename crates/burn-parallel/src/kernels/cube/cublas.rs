@@ -12,11 +12,19 @@
 //!   column-major `[cols, rows]`, its transpose; each product is written as the transposed one
 //!   (`y^T = w^T x^T` and so on), so nothing is copied.
 //! - **Ordering with Burn's queued work.** CubeCL does not expose the CUDA stream of its
-//!   server. Each call binds the buffers it reads and writes (CubeCL neither frees nor moves a
-//!   bound allocation, and binding orders them after other CubeCL streams' writes), waits for
-//!   Burn's queued work (`client.sync()`), runs cuBLASLt on this module's own stream and waits
-//!   for that stream before the outputs are handed back, as the NCCL path does. The backward's
-//!   two products share one such round.
+//!   server, so cuBLASLt runs on this module's own stream, and each call binds the buffers it
+//!   reads and writes (CubeCL neither frees nor moves a bound allocation, and binding orders
+//!   them after other CubeCL streams' writes). Two orderings (`BURN_PARALLEL_CUBLAS_ORDER`):
+//!   - `device` (the default): nothing waits on the host. A one-thread CubeCL kernel queued
+//!     after Burn's work stores a sequence number `s` in a device word; cuBLASLt's stream waits
+//!     for that word (`cuStreamWaitValue32`), multiplies, and writes `s` to a second word
+//!     (`cuStreamWriteValue32`); a one-thread CubeCL kernel queued next spins (atomic loads)
+//!     until it reads `s`, so Burn's later kernels, and any reuse of the buffers, come after
+//!     the product. Where the device refuses stream memory operations, `sync` is used.
+//!   - `sync`: wait for Burn's queued work (`client.sync()`), multiply, wait for cuBLASLt's
+//!     stream, as the NCCL path does: two host round trips per call.
+//!
+//!   The backward's two products share one call.
 //! - **Plans.** A product's descriptors, layouts and the algorithm cuBLASLt's heuristic picks
 //!   (with a 32 MiB workspace) are made once per shape, dtype and transposition and kept.
 //! - **Choice.** `BURN_PARALLEL_MATMUL=cube` keeps every product on CubeCL's autotuned matmul;
@@ -28,9 +36,10 @@ use std::sync::{Mutex, OnceLock};
 
 use burn::tensor::DType;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
+use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
+use cubecl::prelude::*;
 use cubecl_runtime::runtime::Runtime;
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys as ltsys;
@@ -121,6 +130,45 @@ struct Plan {
     algo: ltsys::cublasLtMatmulAlgo_t,
 }
 
+/// How cuBLASLt's stream is ordered with CubeCL's (see the module documentation).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Order {
+    Device,
+    Sync,
+}
+
+/// `BURN_PARALLEL_CUBLAS_ORDER`, read once.
+fn order() -> Order {
+    static ORDER: OnceLock<Order> = OnceLock::new();
+    *ORDER.get_or_init(|| {
+        match std::env::var("BURN_PARALLEL_CUBLAS_ORDER")
+            .unwrap_or_default()
+            .trim()
+        {
+            "" | "device" => Order::Device,
+            "sync" => Order::Sync,
+            other => {
+                eprintln!(
+                    "warning: BURN_PARALLEL_CUBLAS_ORDER={other:?} is neither `device` nor \
+                     `sync`; using `device`"
+                );
+                Order::Device
+            }
+        }
+    })
+}
+
+/// The two device words of [`Order::Device`]: `[ready, done]`, `u32`, bound for the life of
+/// the process.
+struct Flags {
+    tensor: CubeTensor,
+    /// The binding that keeps the words in place (never read).
+    _bound: Box<dyn std::any::Any>,
+    ready: cusys::CUdeviceptr,
+    done: cusys::CUdeviceptr,
+    seq: u32,
+}
+
 /// One device's cuBLASLt handle, stream, workspace and plans.
 struct DeviceLt {
     context: cusys::CUcontext,
@@ -128,14 +176,23 @@ struct DeviceLt {
     stream: cusys::CUstream,
     workspace: cusys::CUdeviceptr,
     plans: HashMap<Gemm, Plan>,
+    /// `None` until the first call under [`Order::Device`], and when the device refused
+    /// stream memory operations (then [`Order::Sync`]).
+    flags: Option<Flags>,
+    /// Set when stream memory operations failed once: every later call syncs.
+    device_order_refused: bool,
 }
 
-// SAFETY: the raw handles are used only under the `DEVICES` mutex, after making their context
+// SAFETY: the raw handles (and the ordering words' binding) are used only under the `DEVICES` mutex, after making their context
 // current on the calling thread; CUDA and cuBLASLt objects may be used from any thread that
 // way.
 unsafe impl Send for DeviceLt {}
 
-static DEVICES: Mutex<Vec<(usize, DeviceLt)>> = Mutex::new(Vec::new());
+/// The state of each (CUDA device, thread) pair. Per thread because CubeCL queues a thread's
+/// work on a stream of that thread's own: each gets its own cuBLASLt stream and ordering
+/// words, so one thread's products never wait behind another's (which, with buffers passed
+/// between threads, could wait in a circle).
+static DEVICES: Mutex<Vec<((usize, std::thread::ThreadId), DeviceLt)>> = Mutex::new(Vec::new());
 
 fn cuda_type(dtype: DType) -> ltsys::cudaDataType {
     match dtype {
@@ -176,6 +233,8 @@ impl DeviceLt {
             stream,
             workspace,
             plans: HashMap::new(),
+            flags: None,
+            device_order_refused: false,
         }
     }
 
@@ -325,11 +384,97 @@ impl DeviceLt {
     }
 }
 
-/// Binds `tensors`' buffers, waits for Burn's queued work, runs `f` with this device's
-/// cuBLASLt state and the buffers' addresses, and waits for the stream.
+/// The CubeCL half of [`Order::Device`]: stores `value` in `flags[0]` (ready).
+#[cube(launch)]
+fn signal_kernel(flags: &mut Tensor<Atomic<u32>>, value: u32) {
+    if ABSOLUTE_POS == 0 {
+        flags[0].store(value);
+    }
+}
+
+/// The CubeCL half of [`Order::Device`]: spins until `flags[1]` (done) has reached `value`.
+#[cube(launch)]
+fn wait_kernel(flags: &mut Tensor<Atomic<u32>>, value: u32) {
+    if ABSOLUTE_POS == 0 {
+        loop {
+            if flags[1].load() >= value {
+                break;
+            }
+        }
+    }
+}
+
+fn signal(flags: &CubeTensor, value: u32) {
+    signal_kernel::launch(
+        &flags.client.clone(),
+        CubeCount::Static(1, 1, 1),
+        CubeDim::new_1d(1),
+        flags.clone().into_tensor_arg(),
+        value,
+    );
+}
+
+fn wait(flags: &CubeTensor, value: u32) {
+    wait_kernel::launch(
+        &flags.client.clone(),
+        CubeCount::Static(1, 1, 1),
+        CubeDim::new_1d(1),
+        flags.clone().into_tensor_arg(),
+        value,
+    );
+}
+
+impl DeviceLt {
+    /// The device words of [`Order::Device`] on `like`'s device (made at the first call).
+    fn flags(&mut self, like: &CubeTensor) -> &mut Flags {
+        self.flags.get_or_insert_with(|| {
+            let tensor = zeros_client(
+                like.client.clone(),
+                like.device.clone(),
+                [2].into(),
+                DType::U32,
+            );
+            let bound = tensor
+                .client
+                .get_resource::<CudaServer>(tensor.handle.clone())
+                .unwrap_or_else(|e| fail("binding the ordering words", e));
+            let ready = bound.resource().ptr;
+            Flags {
+                tensor,
+                _bound: Box::new(bound),
+                ready,
+                done: ready + 4,
+                seq: 0,
+            }
+        })
+    }
+}
+
+/// Runs `f` (cuBLASLt calls on this device's stream, given the state and the buffers'
+/// addresses) ordered after Burn's queued work on `tensors` and before Burn's later work, the
+/// buffers bound meanwhile (see [`Order`]).
 fn with_bound(tensors: &[&CubeTensor], f: impl FnOnce(&mut DeviceLt, &[u64])) {
     let first = tensors[0];
     let ordinal = cuda_index(&first.device).expect("`routes` admits CUDA devices only");
+    let key = (ordinal, std::thread::current().id());
+    let mut devices = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
+    let at = match devices.iter().position(|(k, _)| *k == key) {
+        Some(at) => at,
+        None => {
+            devices.push((key, DeviceLt::new(ordinal)));
+            devices.len() - 1
+        }
+    };
+    let lt = &mut devices[at].1;
+    let device_order = order() == Order::Device && !lt.device_order_refused;
+    // Under device ordering the ready word is stored before the buffers are bound: binding
+    // only orders across CubeCL streams, it never waits for the device.
+    let seq = device_order.then(|| {
+        let flags = lt.flags(first);
+        flags.seq = flags.seq.wrapping_add(1).max(1);
+        signal(&flags.tensor, flags.seq);
+        flags.seq
+    });
     let mut held = Vec::with_capacity(tensors.len());
     let mut addresses = Vec::with_capacity(tensors.len());
     for t in tensors {
@@ -340,24 +485,63 @@ fn with_bound(tensors: &[&CubeTensor], f: impl FnOnce(&mut DeviceLt, &[u64])) {
         addresses.push(resource.resource().ptr);
         held.push(resource);
     }
-    cubecl::future::block_on(first.client.sync())
-        .unwrap_or_else(|e| fail("waiting for Burn's queued work", e));
-    let mut devices = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
-    let at = match devices.iter().position(|(o, _)| *o == ordinal) {
-        Some(at) => at,
-        None => {
-            devices.push((ordinal, DeviceLt::new(ordinal)));
-            devices.len() - 1
-        }
-    };
-    let lt = &mut devices[at].1;
     // SAFETY: the context is live (retained by `DeviceLt::new`).
     unsafe { cu::ctx::set_current(lt.context) }
         .unwrap_or_else(|e| fail("making the CUDA context current", e));
+    let waited = match seq {
+        Some(seq) => {
+            let ready = lt.flags.as_ref().map(|f| f.ready).unwrap_or_default();
+            // SAFETY: `ready` is a bound device word of this context; the stream is live.
+            let code = unsafe {
+                cusys::cuStreamWaitValue32(
+                    lt.stream,
+                    ready,
+                    seq,
+                    cusys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+                )
+            };
+            if code != cusys::CUresult::CUDA_SUCCESS {
+                eprintln!(
+                    "warning: cuStreamWaitValue32 failed ({code:?}): cuBLASLt's products now wait \
+                     on the host for Burn's work (BURN_PARALLEL_CUBLAS_ORDER=sync)"
+                );
+                lt.device_order_refused = true;
+            }
+            code == cusys::CUresult::CUDA_SUCCESS
+        }
+        None => false,
+    };
+    if !waited {
+        cubecl::future::block_on(first.client.sync())
+            .unwrap_or_else(|e| fail("waiting for Burn's queued work", e));
+    }
     f(lt, &addresses);
-    // SAFETY: the stream is live and belongs to the current context.
-    unsafe { cu::stream::synchronize(lt.stream) }
-        .unwrap_or_else(|e| fail("waiting for cuBLASLt", e));
+    let signalled = match (waited, seq, lt.flags.as_ref()) {
+        (true, Some(seq), Some(flags)) => {
+            // SAFETY: `done` is a bound device word of this context; the stream is live.
+            let code = unsafe {
+                cusys::cuStreamWriteValue32(
+                    lt.stream,
+                    flags.done,
+                    seq,
+                    cusys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+                )
+            };
+            if code == cusys::CUresult::CUDA_SUCCESS {
+                wait(&flags.tensor, seq);
+                true
+            } else {
+                lt.device_order_refused = true;
+                false
+            }
+        }
+        _ => false,
+    };
+    if !signalled {
+        // SAFETY: the stream is live and belongs to the current context.
+        unsafe { cu::stream::synchronize(lt.stream) }
+            .unwrap_or_else(|e| fail("waiting for cuBLASLt", e));
+    }
     drop(held);
 }
 
