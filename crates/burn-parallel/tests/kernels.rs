@@ -336,6 +336,12 @@ fn check_attention_in(
 
 /// `x w (+ b)` against Burn's matmul and add under autodiff, with and without a bias.
 fn check_linear(dev: &Device, x_shape: [usize; 3], out: usize, tol: f32) {
+    check_linear_in(dev, x_shape, out, DType::F32, tol);
+}
+
+/// [`check_linear`] with the layer computing in `dtype` (its inputs cast from the fp32 leaves,
+/// its output cast back), against the fp32 oracle.
+fn check_linear_in(dev: &Device, x_shape: [usize; 3], out: usize, dtype: DType, tol: f32) {
     let oracle = Device::flex().autodiff();
     let k = x_shape[2];
     let seed = (x_shape.iter().product::<usize>() + out) as u64;
@@ -349,7 +355,10 @@ fn check_linear(dev: &Device, x_shape: [usize; 3], out: usize, tol: f32) {
             )
         };
         let (x, w, b, r) = make(dev);
-        let y = kernels::linear(x.clone(), w.clone(), with_bias.then(|| b.clone())).unwrap();
+        let bias = with_bias.then(|| b.clone().cast(dtype));
+        let y = kernels::linear(x.clone().cast(dtype), w.clone().cast(dtype), bias)
+            .unwrap()
+            .cast(DType::F32);
         let g = (y.clone() * r).sum().backward();
         let (xo, wo, bo, ro) = make(&oracle);
         let mut yo = xo.clone().matmul(wo.clone().unsqueeze::<3>());
@@ -357,7 +366,7 @@ fn check_linear(dev: &Device, x_shape: [usize; 3], out: usize, tol: f32) {
             yo = yo + bo.clone().unsqueeze::<3>();
         }
         let go = (yo.clone() * ro).sum().backward();
-        let name = format!("linear {x_shape:?} x [{k}, {out}] bias {with_bias}");
+        let name = format!("linear {dtype:?} {x_shape:?} x [{k}, {out}] bias {with_bias}");
         assert_close(&format!("{name} y"), &host(&y), &host(&yo), tol);
         assert_close(
             &format!("{name} dx"),
@@ -1037,5 +1046,77 @@ mod wgpu {
         assert_close("p", &a.0, &b.0, 1e-6);
         assert_close("m", &a.1, &b.1, 1e-6);
         assert_close("v", &a.2, &b.2, 1e-6);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CUDA: the linear layer's products through cuBLASLt (they run only where a GPU is).
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use super::*;
+
+    /// CUDA device 0, or `None` (with a visible `SKIPPED` line) where there is no NVIDIA driver
+    /// or GPU; with `BURN_PARALLEL_REQUIRE_CUDA=1` their absence fails the test instead.
+    fn device(test: &str) -> Option<Device> {
+        match burn_parallel::cuda::cuda_device(0, "the test's device") {
+            Ok(d) => Some(d),
+            Err(e) => {
+                if std::env::var("BURN_PARALLEL_REQUIRE_CUDA").as_deref() == Ok("1") {
+                    panic!("{test}: BURN_PARALLEL_REQUIRE_CUDA=1 but {e}");
+                }
+                use std::io::Write;
+                let line = format!("SKIPPED cuda::{test}: {e}\n");
+                let _ = std::io::stderr().lock().write_all(line.as_bytes());
+                None
+            }
+        }
+    }
+
+    /// fp32 (exact: no TF32 unless allowed), 1e-5 relative: odd widths, one row, more rows
+    /// than a tile, a 256-wide output; an input that starts inside its buffer (a row slice:
+    /// an address 4-byte aligned only), for which the plan must follow the real alignment;
+    /// then TF32 once allowed, 5e-3 relative (10-bit mantissa inputs). One test: TF32 is a
+    /// process-wide switch, and the fp32 checks must not run while it is on.
+    #[test]
+    fn linear_fp32_offsets_and_tf32() {
+        let Some(dev) = device("linear_fp32_offsets_and_tf32") else {
+            return;
+        };
+        let ad = dev.clone().autodiff();
+        for (x, out) in [
+            ([2, 5, 7], 3),
+            ([1, 1, 1], 1),
+            ([3, 67, 130], 129),
+            ([2, 64, 96], 256),
+        ] {
+            check_linear_in(&ad, x, out, DType::F32, 1e-5);
+        }
+        let make = |d: &Device| {
+            let x = tensor([9, 7], 11, 1.0, d).slice([1..9, 0..7]);
+            (x, tensor([7, 5], 12, 1.0, d), tensor([5], 13, 1.0, d))
+        };
+        let (x, w, b) = make(&dev);
+        let y = kernels::linear(x, w, Some(b)).unwrap();
+        let (xo, wo, bo) = make(&Device::flex());
+        let yo = xo.matmul(wo) + bo.unsqueeze::<2>();
+        assert_close("linear on a row slice", &host(&y), &host(&yo), 1e-5);
+        kernels::allow_tf32(true);
+        check_linear_in(&ad, [2, 65, 128], 96, DType::F32, 5e-3);
+        kernels::allow_tf32(false);
+    }
+
+    /// bf16 and fp16 inputs with fp32 accumulation, against the fp32 oracle: 2e-2 relative
+    /// (bf16's 8-bit mantissa on inputs and output).
+    #[test]
+    fn linear_half() {
+        let Some(dev) = device("linear_half") else {
+            return;
+        };
+        let dev = dev.autodiff();
+        for dtype in [DType::BF16, DType::F16] {
+            check_linear_in(&dev, [2, 37, 64], 48, dtype, 2e-2);
+            check_linear_in(&dev, [1, 3, 5], 7, dtype, 2e-2);
+        }
     }
 }

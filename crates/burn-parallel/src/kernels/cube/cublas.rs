@@ -250,13 +250,9 @@ impl DeviceLt {
             let scale = ltsys::cudaDataType::CUDA_R_32F;
             let desc =
                 lt::create_matmul_desc(compute, scale).unwrap_or_else(|e| fail("a descriptor", e));
-            let op = |t: bool| {
-                if t {
-                    ltsys::cublasOperation_t::CUBLAS_OP_T
-                } else {
-                    ltsys::cublasOperation_t::CUBLAS_OP_N
-                }
-            };
+            // cuBLAS's `cublasOperation_t` (an `int32`): CUBLAS_OP_N = 0, CUBLAS_OP_T = 1 (the
+            // enum lives in cuBLAS's header, which cudarc's cuBLASLt bindings do not include).
+            let op = |t: bool| -> i32 { i32::from(t) };
             let set = |attr: A, value: *const c_void, size: usize| {
                 // SAFETY: `desc` is live and `value` points at `size` bytes of the attribute's
                 // type.
@@ -493,7 +489,7 @@ fn with_bound(tensors: &[&CubeTensor], f: impl FnOnce(&mut DeviceLt, &[u64])) {
             let ready = lt.flags.as_ref().map(|f| f.ready).unwrap_or_default();
             // SAFETY: `ready` is a bound device word of this context; the stream is live.
             let code = unsafe {
-                cusys::cuStreamWaitValue32(
+                cusys::cuStreamWaitValue32_v2(
                     lt.stream,
                     ready,
                     seq,
@@ -520,7 +516,7 @@ fn with_bound(tensors: &[&CubeTensor], f: impl FnOnce(&mut DeviceLt, &[u64])) {
         (true, Some(seq), Some(flags)) => {
             // SAFETY: `done` is a bound device word of this context; the stream is live.
             let code = unsafe {
-                cusys::cuStreamWriteValue32(
+                cusys::cuStreamWriteValue32_v2(
                     lt.stream,
                     flags.done,
                     seq,

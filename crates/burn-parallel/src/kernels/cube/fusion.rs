@@ -127,6 +127,13 @@ fn cublas_routes(x: &Lazy, w: &Lazy) -> bool {
     nonempty && x.dtype == w.dtype && super::cublas::routes(x.client.device(), x.dtype)
 }
 
+/// Whether attention takes the flash kernels: yes unless `BURN_PARALLEL_FLASH=0` (then the
+/// composed reference, which materialises the scores: for comparisons), read once.
+fn flash() -> bool {
+    static FLASH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FLASH.get_or_init(|| std::env::var("BURN_PARALLEL_FLASH").as_deref() != Ok("0"))
+}
+
 fn take<const N: usize>(ts: Vec<CubeTensor>) -> [CubeTensor; N] {
     ts.try_into()
         .unwrap_or_else(|v: Vec<CubeTensor>| panic!("{} inputs, expected {N}", v.len()))
@@ -287,7 +294,7 @@ impl FusedKernels for Cube {
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let (qs, ks, vs) = (&q.shape, &k.shape, &v.shape);
-        if !super::attention::supported(qs[3], qs[2], ks[2]) {
+        if !flash() || !super::attention::supported(qs[3], qs[2], ks[2]) {
             let (out, lse) = reference::attention_forward_4d(ct(q), ct(k), ct(v), causal, scale);
             return (cp(out), cp(lse));
         }
@@ -316,7 +323,7 @@ impl FusedKernels for Cube {
         causal: bool,
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        if !super::attention::supported(q.shape[3], q.shape[2], k.shape[2]) {
+        if !flash() || !super::attention::supported(q.shape[3], q.shape[2], k.shape[2]) {
             let (dq, dk, dv) = reference::attention_backward_4d(
                 ct(dout),
                 ct(q),
