@@ -9,7 +9,7 @@
 # Sections, in the order given (default: all but `plain`):
 #   check    the trainer's default shape, 20 steps, 1 and 2 ranks: f32 and bf16 with the
 #            products on cuBLASLt (ordered on the device, and by host syncs), bf16 with
-#            attention composed (BURN_PARALLEL_FLASH=0); losses and final parameters compared
+#            attention composed (BURN_PARALLEL_COMPOSED=attention); losses and final parameters compared
 #            with scripts/compare_runs.py, and each run's validation loss.
 #   cube     the same 20 steps with the products on CubeCL (BURN_PARALLEL_MATMUL=cube;
 #            its autotune makes the first step slow).
@@ -64,10 +64,10 @@ for section in $sections; do
       check f32_r1 1 f32
       check bf16_r1 1 bf16
       check bf16_r1_sync 1 bf16 BURN_PARALLEL_CUBLAS_ORDER=sync
-      check bf16_r1_noflash 1 bf16 BURN_PARALLEL_FLASH=0
+      check bf16_r1_noflash 1 bf16 BURN_PARALLEL_COMPOSED=attention
       check f32_r2 2 f32
       check bf16_r2 2 bf16
-      check bf16_r2_noflash 2 bf16 BURN_PARALLEL_FLASH=0
+      check bf16_r2_noflash 2 bf16 BURN_PARALLEL_COMPOSED=attention
       compare f32_r1 bf16_r1 bf16_r1_sync bf16_r1_noflash f32_r2 bf16_r2 bf16_r2_noflash
       ;;
     cube)

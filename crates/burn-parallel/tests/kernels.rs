@@ -144,6 +144,11 @@ fn rope_tables(seq: usize, head_dim: usize, device: &Device) -> (Tensor<4>, Tens
 // autodiff flex, compare forward and gradients with tolerance `tol`.
 
 fn check_norm(dev: &Device, rows: usize, cols: usize, rms: bool, tol: f32) {
+    check_norm_in(dev, rows, cols, rms, DType::F32, tol);
+}
+
+/// [`check_norm`] computing in `dtype` (inputs cast from the fp32 leaves, output cast back).
+fn check_norm_in(dev: &Device, rows: usize, cols: usize, rms: bool, dtype: DType, tol: f32) {
     let oracle = Device::flex().autodiff();
     let seed = (rows * 31 + cols) as u64;
     let make = |d: &Device| {
@@ -159,11 +164,17 @@ fn check_norm(dev: &Device, rows: usize, cols: usize, rms: bool, tol: f32) {
         )
     };
     let (x, w, b, r) = make(dev);
+    let (xc, wc, bc) = (
+        x.clone().cast(dtype),
+        w.clone().cast(dtype),
+        b.clone().cast(dtype),
+    );
     let y = if rms {
-        kernels::rms_norm(x.clone(), w.clone(), 1e-5).unwrap()
+        kernels::rms_norm(xc, wc, 1e-5).unwrap()
     } else {
-        kernels::layer_norm(x.clone(), w.clone(), Some(b.clone()), 1e-5).unwrap()
-    };
+        kernels::layer_norm(xc, wc, Some(bc), 1e-5).unwrap()
+    }
+    .cast(DType::F32);
     let g = (y.clone() * r).sum().backward();
 
     let (xo, wo, bo, ro) = make(&oracle);
@@ -174,7 +185,7 @@ fn check_norm(dev: &Device, rows: usize, cols: usize, rms: bool, tol: f32) {
     };
     let go = (yo.clone() * ro).sum().backward();
     let name = format!(
-        "{} [{rows}, {cols}]",
+        "{} {dtype:?} [{rows}, {cols}]",
         if rms { "rms_norm" } else { "layer_norm" }
     );
     assert_close(&format!("{name} y"), &host(&y), &host(&yo), tol);
@@ -454,17 +465,31 @@ fn check_rope(dev: &Device, shape: [usize; 4], tol: f32) {
 }
 
 fn check_ce(dev: &Device, rows: usize, vocab: usize, ignore: Option<i64>, tol: f32) {
+    check_ce_in(dev, rows, vocab, ignore, DType::F32, tol);
+}
+
+/// [`check_ce`] on logits cast to `dtype` (the loss cast back to fp32).
+fn check_ce_in(
+    dev: &Device,
+    rows: usize,
+    vocab: usize,
+    ignore: Option<i64>,
+    dtype: DType,
+    tol: f32,
+) {
     let oracle = Device::flex().autodiff();
     let seed = (rows * 13 + vocab) as u64;
     let x = tensor([rows, vocab], seed, 8.0, dev).require_grad();
     let t = targets(rows, vocab, seed, ignore, dev);
-    let loss = kernels::cross_entropy(x.clone(), t, ignore).unwrap();
+    let loss = kernels::cross_entropy(x.clone().cast(dtype), t, ignore)
+        .unwrap()
+        .cast(DType::F32);
     let g = (loss.clone() * 1.5).backward();
     let xo = tensor([rows, vocab], seed, 8.0, &oracle).require_grad();
     let to = targets(rows, vocab, seed, ignore, &oracle);
     let lo = naive_ce(xo.clone(), to, ignore);
     let go = (lo.clone() * 1.5).backward();
-    let what = format!("cross_entropy [{rows}, {vocab}] ignore {ignore:?}");
+    let what = format!("cross_entropy {dtype:?} [{rows}, {vocab}] ignore {ignore:?}");
     assert_close(&format!("{what} loss"), &host(&loss), &host(&lo), tol);
     assert_close(
         &format!("{what} dlogits"),
@@ -888,6 +913,26 @@ mod wgpu {
         let b = tensor([3, 5, 7], 4, 3.0, &dev);
         let y = kernels::swiglu(a.clone().cast(DType::F16), b.clone().cast(DType::F16)).unwrap();
         assert_close("swiglu f16", &host(&y), &host(&(silu(a) * b)), 5e-3);
+    }
+
+    /// Norms and the cross-entropy in f16, forward and every gradient, against the fp32 naive
+    /// math (2e-2 relative: f16 inputs and outputs, fp32 statistics); then the same shapes in
+    /// fp32 in the same thread (1e-5), so an fp32 call after an f16 one of the same kernel
+    /// must get the fp32 kernel, as a mixed-precision run's fp32 evaluation does.
+    #[test]
+    fn norms_and_cross_entropy_f16_then_fp32() {
+        let Some(dev) = f16_device("norms_and_cross_entropy_f16_then_fp32") else {
+            return;
+        };
+        let dev = dev.autodiff();
+        for dtype in [DType::F16, DType::F32] {
+            let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+            check_norm_in(&dev, 37, 19, false, dtype, tol);
+            check_norm_in(&dev, 37, 19, true, dtype, tol);
+            check_norm_in(&dev, 64, 128, false, dtype, tol);
+            check_ce_in(&dev, 29, 67, Some(3), dtype, tol);
+            check_ce_in(&dev, 64, 256, None, dtype, tol);
+        }
     }
 
     /// Flash attention, fp32, tolerance 1e-4 relative, forward and every gradient against the

@@ -771,8 +771,6 @@ pub(crate) mod device {
     use burn_cubecl::kernel::into_contiguous;
     use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
     use burn_cubecl::tensor::CubeTensor;
-    use cubecl::cuda::CudaRuntime;
-    use cubecl_runtime::runtime::Runtime;
     use cudarc::nccl::sys;
 
     use super::imp::{self, Communicator, lock, ptr};
@@ -780,9 +778,8 @@ pub(crate) mod device {
     use crate::comm::nccl_lib::Nccl;
     use crate::error::{CollectiveError, Result};
     use crate::group::ProcessGroup;
+    use crate::kernels::cube::cublas::bind;
     use crate::kernels::cube::fusion::{from_cube, to_cube};
-
-    type CudaServer = <CudaRuntime as Runtime>::Server;
 
     /// `Ok(result)` when the device path ran; `Err(tensor)` hands the tensor back to the host
     /// path (not a CUDA tensor, a group without NCCL, a dtype NCCL has no type for).
@@ -949,16 +946,7 @@ pub(crate) mod device {
             op: op.into(),
             reason: format!("{what}: {e}"),
         };
-        let mut held = Vec::with_capacity(tensors.len());
-        let mut addresses = Vec::with_capacity(tensors.len());
-        for t in tensors {
-            let resource = t
-                .client
-                .get_resource::<CudaServer>(t.handle.clone())
-                .map_err(|e| error("binding a device buffer", format!("{e:?}")))?;
-            addresses.push(resource.resource().ptr);
-            held.push(resource);
-        }
+        let (held, addresses) = bind(tensors).map_err(|e| error("binding a device buffer", e))?;
         if let Some(first) = tensors.first() {
             cubecl::future::block_on(first.client.sync())
                 .map_err(|e| error("waiting for Burn's queued work", format!("{e:?}")))?;

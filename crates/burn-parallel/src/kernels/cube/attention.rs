@@ -106,8 +106,9 @@ fn max_shared(t: &CubeTensor) -> usize {
 }
 
 /// Flash attention forward on `q` `[b, h, tq, d]`, `k`, `v` `[b, h, tk, d]` (any strides; `k`,
-/// `v` cast to the dtype of `q` if they differ): `(out [b, h, tq, d], lse [b * h, tq])`, both
-/// in the dtype of `q`. Requires [`supported`].
+/// `v` cast to the dtype of `q` if they differ): `(out [b, h, tq, d], lse [b * h, tq])`, `out`
+/// in the dtype of `q`, `lse` in fp32 (rounded to bf16 it would skew the backward's
+/// probabilities). Requires [`supported`].
 pub fn forward(
     q: CubeTensor,
     k: CubeTensor,
@@ -120,7 +121,7 @@ pub fn forward(
     let (heads, tq, dim) = dims(&q);
     let tk = dims(&k).1;
     let out = empty_like(&q, q.meta.shape().clone(), dtype);
-    let lse = empty_like(&q, Shape::new([heads, tq]), dtype);
+    let lse = empty_like(&q, Shape::new([heads, tq]), DType::F32);
     let tile = tile_rows(max_shared(&q), 2 * dim);
     attention_forward_kernel::launch(
         &q.client.clone(),
@@ -297,7 +298,7 @@ pub(crate) fn attention_forward_kernel<F: Float>(
     k: &Tensor<F>,
     v: &Tensor<F>,
     out: &mut Tensor<F>,
-    lse: &mut Tensor<F>,
+    lse: &mut Tensor<f32>,
     heads: u32,
     tq: u32,
     tk: u32,
@@ -395,7 +396,7 @@ pub(crate) fn attention_forward_kernel<F: Float>(
         for c in 0..d {
             out[q_at + c] = F::cast_from(acc[c] * inv);
         }
-        lse[head * tq + row] = F::cast_from(m + l.ln());
+        lse[head * tq + row] = m + l.ln();
     }
 }
 

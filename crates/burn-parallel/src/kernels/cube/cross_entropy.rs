@@ -5,6 +5,9 @@
 //! - NLL: one unit per row (`lse - x[target]`, shard and ignore aware);
 //! - backward: one unit per logit, `dnll * (exp(x - lse) - onehot)`: the probabilities are
 //!   recomputed, never stored.
+//!
+//! The statistics, the log-sum-exp, the NLL and its gradient are fp32 whatever the logits'
+//! dtype: bf16 logits keep an fp32 loss.
 
 // Kernel signatures are launch ABIs: every tensor, scalar and comptime switch is a parameter.
 #![allow(clippy::too_many_arguments)]
@@ -16,7 +19,7 @@ use super::norm::grid_row;
 #[cube(launch)]
 pub(crate) fn ce_stats_kernel<F: Float>(
     logits: &Tensor<F>,
-    stats: &mut Tensor<F>,
+    stats: &mut Tensor<f32>,
     rows: u32,
     cols: u32,
     #[comptime] block: u32,
@@ -63,8 +66,8 @@ pub(crate) fn ce_stats_kernel<F: Float>(
         stride /= 2;
     }
     if tid == 0 {
-        stats[2 * row] = F::cast_from(sh_m[0]);
-        stats[2 * row + 1] = F::cast_from(sh_s[0]);
+        stats[2 * row] = sh_m[0];
+        stats[2 * row + 1] = sh_s[0];
     }
 }
 
@@ -72,8 +75,8 @@ pub(crate) fn ce_stats_kernel<F: Float>(
 pub(crate) fn ce_nll_kernel<F: Float, I: Numeric>(
     logits: &Tensor<F>,
     targets: &Tensor<I>,
-    lse: &Tensor<F>,
-    nll: &mut Tensor<F>,
+    lse: &Tensor<f32>,
+    nll: &mut Tensor<f32>,
     cols: u32,
     vocab_start: i32,
     ignore_index: i32,
@@ -94,21 +97,21 @@ pub(crate) fn ce_nll_kernel<F: Float, I: Numeric>(
     let mut out = 0.0f32;
     if valid {
         if count_lse {
-            out = f32::cast_from(lse[row]);
+            out = lse[row];
         }
         if local >= 0 && local < cols as i32 {
             out -= f32::cast_from(logits[row * cols as usize + local as usize]);
         }
     }
-    nll[row] = F::cast_from(out);
+    nll[row] = out;
 }
 
 #[cube(launch)]
 pub(crate) fn ce_backward_kernel<F: Float, I: Numeric>(
-    dnll: &Tensor<F>,
+    dnll: &Tensor<f32>,
     logits: &Tensor<F>,
     targets: &Tensor<I>,
-    lse: &Tensor<F>,
+    lse: &Tensor<f32>,
     dlogits: &mut Tensor<F>,
     cols: u32,
     vocab_start: i32,
@@ -124,7 +127,7 @@ pub(crate) fn ce_backward_kernel<F: Float, I: Numeric>(
     let row = idx / cols;
     let j = idx % cols;
     let t = i32::cast_from(targets[row]);
-    let mut g = f32::cast_from(dnll[row]);
+    let mut g = dnll[row];
     // `has_ignore` is a comptime switch (resolved when the kernel is expanded), `t` a runtime
     // value: two `if`s on purpose.
     #[allow(clippy::collapsible_if)]
@@ -133,7 +136,7 @@ pub(crate) fn ce_backward_kernel<F: Float, I: Numeric>(
             g = 0.0f32;
         }
     }
-    let mut p = (f32::cast_from(logits[idx]) - f32::cast_from(lse[row])).exp();
+    let mut p = (f32::cast_from(logits[idx]) - lse[row]).exp();
     if j as i32 + vocab_start == t {
         p -= 1.0f32;
     }

@@ -380,44 +380,52 @@ impl DeviceLt {
     }
 }
 
-/// The CubeCL half of [`Order::Device`]: stores `value` in `flags[0]` (ready).
+/// The CubeCL halves of [`Order::Device`], one unit: without `wait`, store `value` in
+/// `flags[0]` (ready); with `wait`, spin until `flags[1]` (done) has reached `value`.
 #[cube(launch)]
-fn signal_kernel(flags: &mut Tensor<Atomic<u32>>, value: u32) {
+fn order_kernel(flags: &mut Tensor<Atomic<u32>>, value: u32, #[comptime] wait: bool) {
     if ABSOLUTE_POS == 0 {
-        flags[0].store(value);
-    }
-}
-
-/// The CubeCL half of [`Order::Device`]: spins until `flags[1]` (done) has reached `value`.
-#[cube(launch)]
-fn wait_kernel(flags: &mut Tensor<Atomic<u32>>, value: u32) {
-    if ABSOLUTE_POS == 0 {
-        loop {
-            if flags[1].load() >= value {
-                break;
+        if wait {
+            loop {
+                if flags[1].load() >= value {
+                    break;
+                }
             }
+        } else {
+            flags[0].store(value);
         }
     }
 }
 
-fn signal(flags: &CubeTensor, value: u32) {
-    signal_kernel::launch(
+/// Queues [`order_kernel`] on `flags`' stream.
+fn order(flags: &CubeTensor, value: u32, wait: bool) {
+    order_kernel::launch(
         &flags.client.clone(),
         CubeCount::Static(1, 1, 1),
         CubeDim::new_1d(1),
         flags.clone().into_tensor_arg(),
         value,
+        wait,
     );
 }
 
-fn wait(flags: &CubeTensor, value: u32) {
-    wait_kernel::launch(
-        &flags.client.clone(),
-        CubeCount::Static(1, 1, 1),
-        CubeDim::new_1d(1),
-        flags.clone().into_tensor_arg(),
-        value,
-    );
+/// Binds `tensors`' device buffers: CubeCL neither frees nor moves a bound allocation, and
+/// binding orders it after the writes of other CubeCL streams (it does not wait for the
+/// device). Returns what keeps them bound (drop it when done) and their addresses.
+pub(crate) fn bind(
+    tensors: &[&CubeTensor],
+) -> Result<(Vec<Box<dyn std::any::Any>>, Vec<u64>), String> {
+    let mut held: Vec<Box<dyn std::any::Any>> = Vec::with_capacity(tensors.len());
+    let mut addresses = Vec::with_capacity(tensors.len());
+    for t in tensors {
+        let resource = t
+            .client
+            .get_resource::<CudaServer>(t.handle.clone())
+            .map_err(|e| format!("{e:?}"))?;
+        addresses.push(resource.resource().ptr);
+        held.push(Box::new(resource));
+    }
+    Ok((held, addresses))
 }
 
 impl DeviceLt {
@@ -430,11 +438,9 @@ impl DeviceLt {
                 [2].into(),
                 DType::U32,
             );
-            let bound = tensor
-                .client
-                .get_resource::<CudaServer>(tensor.handle.clone())
-                .unwrap_or_else(|e| fail("binding the ordering words", e));
-            let ready = bound.resource().ptr;
+            let (bound, addresses) =
+                bind(&[&tensor]).unwrap_or_else(|e| fail("binding the ordering words", e));
+            let ready = addresses[0];
             Flags {
                 tensor,
                 _bound: Box::new(bound),
@@ -468,19 +474,10 @@ fn with_bound(tensors: &[&CubeTensor], f: impl FnOnce(&mut DeviceLt, &[u64])) {
     let seq = device_order.then(|| {
         let flags = lt.flags(first);
         flags.seq = flags.seq.wrapping_add(1).max(1);
-        signal(&flags.tensor, flags.seq);
+        order(&flags.tensor, flags.seq, false);
         flags.seq
     });
-    let mut held = Vec::with_capacity(tensors.len());
-    let mut addresses = Vec::with_capacity(tensors.len());
-    for t in tensors {
-        let resource = t
-            .client
-            .get_resource::<CudaServer>(t.handle.clone())
-            .unwrap_or_else(|e| fail("binding a device buffer", e));
-        addresses.push(resource.resource().ptr);
-        held.push(resource);
-    }
+    let (held, addresses) = bind(tensors).unwrap_or_else(|e| fail("binding a device buffer", e));
     // SAFETY: the context is live (retained by `DeviceLt::new`).
     unsafe { cu::ctx::set_current(lt.context) }
         .unwrap_or_else(|e| fail("making the CUDA context current", e));
@@ -524,7 +521,7 @@ fn with_bound(tensors: &[&CubeTensor], f: impl FnOnce(&mut DeviceLt, &[u64])) {
                 )
             };
             if code == cusys::CUresult::CUDA_SUCCESS {
-                wait(&flags.tensor, seq);
+                order(&flags.tensor, seq, true);
                 true
             } else {
                 lt.device_order_refused = true;

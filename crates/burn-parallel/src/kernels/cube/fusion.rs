@@ -24,7 +24,7 @@ use burn::backend::fusion::custom::{
 };
 use burn::backend::fusion::{ExecutionError, FusionBackend, FusionRuntime, FusionTensor, NoOp};
 use burn::backend::tensor::{FloatTensor, IntTensor};
-use burn::tensor::{DType, Shape, Tensor};
+use burn::tensor::{DType, Int, Shape, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::tensor::CubeTensor;
 use burn_ir::{BackendIr, InitOperationIr};
@@ -127,11 +127,21 @@ fn cublas_routes(x: &Lazy, w: &Lazy) -> bool {
     nonempty && x.dtype == w.dtype && super::cublas::routes(x.client.device(), x.dtype)
 }
 
-/// Whether attention takes the flash kernels: yes unless `BURN_PARALLEL_FLASH=0` (then the
-/// composed reference, which materialises the scores: for comparisons), read once.
-fn flash() -> bool {
-    static FLASH: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *FLASH.get_or_init(|| std::env::var("BURN_PARALLEL_FLASH").as_deref() != Ok("0"))
+/// Whether `BURN_PARALLEL_COMPOSED` (a comma-separated list of `attention`, `norm`, `ce`) asks
+/// for the composed reference instead of our kernel for `op`: for comparisons and bisecting,
+/// read once. Unset: every kernel of ours runs.
+fn composed(op: &str) -> bool {
+    static LIST: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    LIST.get_or_init(|| {
+        let list = std::env::var("BURN_PARALLEL_COMPOSED").unwrap_or_default();
+        list.split(',').map(|s| s.trim().to_string()).collect()
+    })
+    .iter()
+    .any(|s| s == op)
+}
+
+fn ci(t: IntTensor<Cube>) -> Tensor<1, Int> {
+    Tensor::from_primitive::<Cube>(t)
 }
 
 fn take<const N: usize>(ts: Vec<CubeTensor>) -> [CubeTensor; N] {
@@ -172,8 +182,12 @@ impl FusedKernels for Cube {
         eps: f64,
         rms: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        if composed("norm") {
+            let (y, mean, rstd) = reference::norm_forward(ct(x), ct(weight), ct(bias), eps, rms);
+            return (cp(y), cp(mean), cp(rstd));
+        }
         let (rows, _) = rows_cols(&x);
-        let stats = spec_of([rows], x.dtype);
+        let stats = spec_of([rows], DType::F32);
         let out = spec(&x);
         let [y, mean, rstd] = custom(
             "fused_norm_forward",
@@ -196,6 +210,11 @@ impl FusedKernels for Cube {
         rstd: FloatTensor<Self>,
         rms: bool,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+        if composed("norm") {
+            let (dx, dw, db) =
+                reference::norm_backward(ct(dy), ct(x), ct(weight), ct(mean), ct(rstd), rms);
+            return (cp(dx), cp(dw), cp(db));
+        }
         let (_, cols) = rows_cols(&x);
         let param = spec_of([cols], x.dtype);
         let out = spec(&x);
@@ -294,12 +313,12 @@ impl FusedKernels for Cube {
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
         let (qs, ks, vs) = (&q.shape, &k.shape, &v.shape);
-        if !flash() || !super::attention::supported(qs[3], qs[2], ks[2]) {
+        if composed("attention") || !super::attention::supported(qs[3], qs[2], ks[2]) {
             let (out, lse) = reference::attention_forward_4d(ct(q), ct(k), ct(v), causal, scale);
             return (cp(out), cp(lse));
         }
         let out = spec_of([qs[0], qs[1], qs[2], vs[3]], q.dtype);
-        let lse = spec_of([qs[0] * qs[1], qs[2]], q.dtype);
+        let lse = spec_of([qs[0] * qs[1], qs[2]], DType::F32);
         let [out, lse] = custom(
             "fused_attention_forward",
             [q, k, v].map(Input::Float).into(),
@@ -323,7 +342,8 @@ impl FusedKernels for Cube {
         causal: bool,
         scale: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        if !flash() || !super::attention::supported(q.shape[3], q.shape[2], k.shape[2]) {
+        if composed("attention") || !super::attention::supported(q.shape[3], q.shape[2], k.shape[2])
+        {
             let (dq, dk, dv) = reference::attention_backward_4d(
                 ct(dout),
                 ct(q),
@@ -420,8 +440,11 @@ impl FusedKernels for Cube {
     }
 
     fn fused_ce_stats(logits: FloatTensor<Self>) -> FloatTensor<Self> {
+        if composed("ce") {
+            return cp(reference::ce_stats(ct(logits)));
+        }
         let (rows, _) = rows_cols(&logits);
-        let out = spec_of([rows, 2], logits.dtype);
+        let out = spec_of([rows, 2], DType::F32);
         let [stats] = custom("fused_ce_stats", vec![Input::Float(logits)], [out], |t| {
             let [logits] = take(t);
             [super::ce_stats(logits)]
@@ -437,8 +460,13 @@ impl FusedKernels for Cube {
         count_lse: bool,
         ignore_index: i64,
     ) -> FloatTensor<Self> {
+        if composed("ce") {
+            let (lse, t) = (ct(lse), ci(targets));
+            let nll = reference::ce_nll(ct(logits), t, lse, vocab_start, count_lse, ignore_index);
+            return cp(nll);
+        }
         let (rows, _) = rows_cols(&logits);
-        let out = spec_of([rows], logits.dtype);
+        let out = spec_of([rows], DType::F32);
         let [nll] = custom(
             "fused_ce_nll",
             vec![Input::Float(logits), Input::Int(targets), Input::Float(lse)],
@@ -466,6 +494,11 @@ impl FusedKernels for Cube {
         vocab_start: usize,
         ignore_index: i64,
     ) -> FloatTensor<Self> {
+        if composed("ce") {
+            let (dnll, t) = (ct(dnll), ci(targets));
+            let d = reference::ce_backward(dnll, ct(logits), t, ct(lse), vocab_start, ignore_index);
+            return cp(d);
+        }
         let out = spec(&logits);
         let [dlogits] = custom(
             "fused_ce_backward",

@@ -5,7 +5,9 @@
 //! backend of a build with Burn's `fusion` feature) by queueing them as custom operations.
 //!
 //! Every launch makes its inputs contiguous first and allocates contiguous outputs, so kernels
-//! index with plain row-major offsets. Arithmetic is fp32 for every storage dtype.
+//! index with plain row-major offsets. Arithmetic is fp32 for every storage dtype, and so is
+//! what a forward saves for its backward (norm statistics, attention's and the cross-entropy's
+//! log-sum-exp) and the cross-entropy's per-row loss.
 
 pub mod attention;
 pub mod cross_entropy;
@@ -36,6 +38,17 @@ fn row_grid(rows: usize) -> CubeCount {
     let x = rows.clamp(1, 65_535);
     let y = rows.div_ceil(x).max(1);
     CubeCount::Static(x as u32, y as u32, 1)
+}
+
+/// `t` contiguous and fp32 (statistics and loss values are kept in fp32 for every storage
+/// dtype; a caller may still hand them over in another).
+fn f32_contiguous(t: CubeTensor) -> CubeTensor {
+    let t = if t.dtype == DType::F32 {
+        t
+    } else {
+        CubeBackend::float_cast(t, DType::F32.into())
+    };
+    into_contiguous(t)
 }
 
 fn empty_like(like: &CubeTensor, shape: Shape, dtype: DType) -> CubeTensor {
@@ -87,8 +100,8 @@ pub(crate) fn norm_forward(
     let (rows, cols) = dims2(&x);
     let dtype = x.dtype;
     let y = empty_like(&x, x.meta.shape().clone(), dtype);
-    let mean = empty_like(&x, Shape::new([rows]), dtype);
-    let rstd = empty_like(&x, Shape::new([rows]), dtype);
+    let mean = empty_like(&x, Shape::new([rows]), DType::F32);
+    let rstd = empty_like(&x, Shape::new([rows]), DType::F32);
     let block = ROW_BLOCK;
     norm::norm_forward_kernel::launch(
         &x.client,
@@ -121,7 +134,7 @@ pub(crate) fn norm_backward(
 ) -> (CubeTensor, CubeTensor, CubeTensor) {
     let (dy, x) = (into_contiguous(dy), into_contiguous(x));
     let weight = into_contiguous(weight);
-    let (mean, rstd) = (into_contiguous(mean), into_contiguous(rstd));
+    let (mean, rstd) = (f32_contiguous(mean), f32_contiguous(rstd));
     let (rows, cols) = dims2(&x);
     let dtype = x.dtype;
     let dx = empty_like(&x, x.meta.shape().clone(), dtype);
@@ -294,7 +307,7 @@ pub(crate) fn ce_stats(logits: CubeTensor) -> CubeTensor {
     let logits = into_contiguous(logits);
     let (rows, cols) = dims2(&logits);
     let dtype = logits.dtype;
-    let stats = empty_like(&logits, Shape::new([rows, 2]), dtype);
+    let stats = empty_like(&logits, Shape::new([rows, 2]), DType::F32);
     let block = ROW_BLOCK;
     cross_entropy::ce_stats_kernel::launch(
         &logits.client.clone(),
@@ -322,11 +335,11 @@ pub(crate) fn ce_nll(
     let (logits, targets, lse) = (
         into_contiguous(logits),
         into_contiguous(targets),
-        into_contiguous(lse),
+        f32_contiguous(lse),
     );
     let (rows, cols) = dims2(&logits);
     let (fdtype, idtype) = (logits.dtype, targets.dtype);
-    let nll = empty_like(&logits, Shape::new([rows]), fdtype);
+    let nll = empty_like(&logits, Shape::new([rows]), DType::F32);
     let (count, dim) = elemwise(&logits, rows);
     let (ignore, has_ignore) = ignore_arg(ignore_index);
     cross_entropy::ce_nll_kernel::launch(
@@ -356,8 +369,8 @@ pub(crate) fn ce_backward(
     vocab_start: usize,
     ignore_index: i64,
 ) -> CubeTensor {
-    let (dnll, logits) = (into_contiguous(dnll), into_contiguous(logits));
-    let (targets, lse) = (into_contiguous(targets), into_contiguous(lse));
+    let (dnll, logits) = (f32_contiguous(dnll), into_contiguous(logits));
+    let (targets, lse) = (into_contiguous(targets), f32_contiguous(lse));
     let (_, cols) = dims2(&logits);
     let (fdtype, idtype) = (logits.dtype, targets.dtype);
     let shape = logits.meta.shape().clone();

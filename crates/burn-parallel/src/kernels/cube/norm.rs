@@ -5,7 +5,9 @@
 //! memory (Chan's formula), then writes `y`. Backward: one cube per row for `dx` (two sums per
 //! row), and a 2-D grid of column blocks x row groups for the parameter gradients, each unit
 //! summing its column over a contiguous group of rows into a partial buffer that is then summed
-//! over the groups: deterministic, no atomics.
+//! over the groups: deterministic, no atomics. The saved statistics (mean, 1/std) are fp32
+//! whatever the storage dtype: rounded to bf16 they would make the backward's `xhat` disagree
+//! with the forward's.
 
 // Kernel signatures are launch ABIs: every tensor, scalar and comptime switch is a parameter.
 #![allow(clippy::too_many_arguments)]
@@ -24,8 +26,8 @@ pub(crate) fn norm_forward_kernel<F: Float>(
     weight: &Tensor<F>,
     bias: &Tensor<F>,
     y: &mut Tensor<F>,
-    mean_out: &mut Tensor<F>,
-    rstd_out: &mut Tensor<F>,
+    mean_out: &mut Tensor<f32>,
+    rstd_out: &mut Tensor<f32>,
     rows: u32,
     cols: u32,
     eps: f32,
@@ -101,8 +103,8 @@ pub(crate) fn norm_forward_kernel<F: Float>(
         j += bs;
     }
     if tid == 0 {
-        mean_out[row] = F::cast_from(mean);
-        rstd_out[row] = F::cast_from(rstd);
+        mean_out[row] = mean;
+        rstd_out[row] = rstd;
     }
 }
 
@@ -111,8 +113,8 @@ pub(crate) fn norm_backward_dx_kernel<F: Float>(
     dy: &Tensor<F>,
     x: &Tensor<F>,
     weight: &Tensor<F>,
-    mean_in: &Tensor<F>,
-    rstd_in: &Tensor<F>,
+    mean_in: &Tensor<f32>,
+    rstd_in: &Tensor<f32>,
     dx: &mut Tensor<F>,
     rows: u32,
     cols: u32,
@@ -129,8 +131,8 @@ pub(crate) fn norm_backward_dx_kernel<F: Float>(
     let shared = block as usize;
     let tid = UNIT_POS_X as usize;
     let base = row * cols;
-    let mean = f32::cast_from(mean_in[row]);
-    let rstd = f32::cast_from(rstd_in[row]);
+    let mean = mean_in[row];
+    let rstd = rstd_in[row];
 
     // Partial sums of g = dy * w and g * xhat.
     let mut sum_g = 0.0f32;
@@ -181,8 +183,8 @@ pub(crate) fn norm_backward_dx_kernel<F: Float>(
 pub(crate) fn norm_backward_params_kernel<F: Float>(
     dy: &Tensor<F>,
     x: &Tensor<F>,
-    mean_in: &Tensor<F>,
-    rstd_in: &Tensor<F>,
+    mean_in: &Tensor<f32>,
+    rstd_in: &Tensor<f32>,
     partial_w: &mut Tensor<f32>,
     partial_b: &mut Tensor<f32>,
     rows: u32,
@@ -206,8 +208,7 @@ pub(crate) fn norm_backward_params_kernel<F: Float>(
     let mut r = start;
     while r < end {
         let d = f32::cast_from(dy[r * cols + col]);
-        let xhat = (f32::cast_from(x[r * cols + col]) - f32::cast_from(mean_in[r]))
-            * f32::cast_from(rstd_in[r]);
+        let xhat = (f32::cast_from(x[r * cols + col]) - mean_in[r]) * rstd_in[r];
         acc_w += d * xhat;
         acc_b += d;
         r += 1;
