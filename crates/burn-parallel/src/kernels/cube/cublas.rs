@@ -398,7 +398,7 @@ fn order_kernel(flags: &mut Tensor<Atomic<u32>>, value: u32, #[comptime] wait: b
 }
 
 /// Queues [`order_kernel`] on `flags`' stream.
-fn order(flags: &CubeTensor, value: u32, wait: bool) {
+fn queue_order(flags: &CubeTensor, value: u32, wait: bool) {
     order_kernel::launch(
         &flags.client.clone(),
         CubeCount::Static(1, 1, 1),
@@ -409,13 +409,14 @@ fn order(flags: &CubeTensor, value: u32, wait: bool) {
     );
 }
 
+/// What keeps a set of device buffers bound: dropping it releases them.
+pub(crate) type Held = Vec<Box<dyn std::any::Any>>;
+
 /// Binds `tensors`' device buffers: CubeCL neither frees nor moves a bound allocation, and
 /// binding orders it after the writes of other CubeCL streams (it does not wait for the
 /// device). Returns what keeps them bound (drop it when done) and their addresses.
-pub(crate) fn bind(
-    tensors: &[&CubeTensor],
-) -> Result<(Vec<Box<dyn std::any::Any>>, Vec<u64>), String> {
-    let mut held: Vec<Box<dyn std::any::Any>> = Vec::with_capacity(tensors.len());
+pub(crate) fn bind(tensors: &[&CubeTensor]) -> Result<(Held, Vec<u64>), String> {
+    let mut held: Held = Vec::with_capacity(tensors.len());
     let mut addresses = Vec::with_capacity(tensors.len());
     for t in tensors {
         let resource = t
@@ -474,7 +475,7 @@ fn with_bound(tensors: &[&CubeTensor], f: impl FnOnce(&mut DeviceLt, &[u64])) {
     let seq = device_order.then(|| {
         let flags = lt.flags(first);
         flags.seq = flags.seq.wrapping_add(1).max(1);
-        order(&flags.tensor, flags.seq, false);
+        queue_order(&flags.tensor, flags.seq, false);
         flags.seq
     });
     let (held, addresses) = bind(tensors).unwrap_or_else(|e| fail("binding a device buffer", e));
@@ -521,7 +522,7 @@ fn with_bound(tensors: &[&CubeTensor], f: impl FnOnce(&mut DeviceLt, &[u64])) {
                 )
             };
             if code == cusys::CUresult::CUDA_SUCCESS {
-                order(&flags.tensor, seq, true);
+                queue_order(&flags.tensor, seq, true);
                 true
             } else {
                 lt.device_order_refused = true;
