@@ -474,6 +474,8 @@ fn with_bound(tensors: &[&CubeTensor], f: impl FnOnce(&mut DeviceLt, &[u64])) {
     // only orders across CubeCL streams, it never waits for the device.
     let seq = device_order.then(|| {
         let flags = lt.flags(first);
+        // Limit: the words compare with `>=`, so after 2^32 products on one thread (about 30
+        // million GPT-2-small steps) a wrapped number would pass early; not handled.
         flags.seq = flags.seq.wrapping_add(1).max(1);
         queue_order(&flags.tensor, flags.seq, false);
         flags.seq
