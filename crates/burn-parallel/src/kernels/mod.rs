@@ -1282,6 +1282,22 @@ pub fn swiglu<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> KernelResult<Tensor
     Ok(Tensor::<1>::from_dispatch(y).reshape(dims))
 }
 
+/// Whether `BURN_PARALLEL_COMPOSED` (a comma-separated list of `attention`, `norm`, `linear`,
+/// `gelu`) asks for Burn's composed operations instead of our kernel for `op`: for comparisons
+/// and bisecting, read once. `linear` and `gelu` take Burn's own operations and autodiff on
+/// every backend; `attention` and `norm` take the composed reference inside the CubeCL
+/// kernels' place. Unset: every kernel of ours runs. (The cross-entropy has no such switch:
+/// the composed reference's ignore-index masking does not run on WGPU's 32-bit integers.)
+pub(crate) fn composed(op: &str) -> bool {
+    static LIST: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    LIST.get_or_init(|| {
+        let list = std::env::var("BURN_PARALLEL_COMPOSED").unwrap_or_default();
+        list.split(',').map(|s| s.trim().to_string()).collect()
+    })
+    .iter()
+    .any(|s| s == op)
+}
+
 static TF32: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// Lets fp32 matrix products of [`linear`] run in TF32 (10-bit mantissa inputs, fp32
@@ -1338,7 +1354,7 @@ pub fn supported(device: &burn::tensor::Device) -> bool {
 /// y.into_data().assert_approx_eq::<f32>(&expected.into_data(), Default::default());
 /// ```
 pub fn gelu<const D: usize>(x: Tensor<D>, approximate: bool) -> Tensor<D> {
-    if !supported(&x.device()) {
+    if !supported(&x.device()) || composed("gelu") {
         return reference::gelu_forward(x, approximate);
     }
     let dims = x.dims();
@@ -1392,7 +1408,7 @@ pub fn linear<const D: usize>(
         dtypes.push(("bias", b.dtype()));
     }
     same_dtype(op, &dtypes)?;
-    if !supported(&x.device()) {
+    if !supported(&x.device()) || composed("linear") {
         return Ok(burn::tensor::module::linear(x, w, b));
     }
     let rows = dims[..D - 1].iter().product::<usize>();

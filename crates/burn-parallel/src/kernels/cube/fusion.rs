@@ -29,7 +29,7 @@ use burn_cubecl::CubeBackend;
 use burn_cubecl::tensor::CubeTensor;
 use burn_ir::{BackendIr, InitOperationIr};
 
-use crate::kernels::{AdamWHyper, FusedKernels, reference};
+use crate::kernels::{AdamWHyper, FusedKernels, composed, reference};
 
 type Runtime = <CubeBackend as FusionBackend>::FusionRuntime;
 type Handles = HandleContainer<<Runtime as FusionRuntime>::FusionHandle>;
@@ -125,20 +125,6 @@ fn custom<const O: usize>(
 fn cublas_routes(x: &Lazy, w: &Lazy) -> bool {
     let nonempty = x.shape.iter().chain(w.shape.iter()).all(|&d| d > 0);
     nonempty && x.dtype == w.dtype && super::cublas::routes(x.client.device(), x.dtype)
-}
-
-/// Whether `BURN_PARALLEL_COMPOSED` (a comma-separated list of `attention`, `norm`) asks for
-/// the composed reference instead of our kernel for `op`: for comparisons and bisecting, read
-/// once. Unset: every kernel of ours runs. (The cross-entropy has no such switch: the composed
-/// reference's ignore-index masking does not run on WGPU's 32-bit integers.)
-fn composed(op: &str) -> bool {
-    static LIST: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
-    LIST.get_or_init(|| {
-        let list = std::env::var("BURN_PARALLEL_COMPOSED").unwrap_or_default();
-        list.split(',').map(|s| s.trim().to_string()).collect()
-    })
-    .iter()
-    .any(|s| s == op)
 }
 
 fn take<const N: usize>(ts: Vec<CubeTensor>) -> [CubeTensor; N] {
