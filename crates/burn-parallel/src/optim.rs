@@ -118,7 +118,9 @@ pub struct FusedAdamW {
 impl FusedAdamW {
     /// Whether the fused kernel takes a parameter of `dtype` on `device`.
     fn fused(device: &Device, dtype: DType) -> bool {
-        kernels::supported(device) && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+        kernels::supported(device)
+            && matches!(dtype, DType::F32 | DType::BF16 | DType::F16)
+            && !kernels::composed("adamw")
     }
 }
 

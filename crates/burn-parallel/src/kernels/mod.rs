@@ -1283,9 +1283,9 @@ pub fn swiglu<const D: usize>(a: Tensor<D>, b: Tensor<D>) -> KernelResult<Tensor
 }
 
 /// Whether `BURN_PARALLEL_COMPOSED` (a comma-separated list of `attention`, `norm`, `linear`,
-/// `gelu`) asks for Burn's composed operations instead of our kernel for `op`: for comparisons
-/// and bisecting, read once. `linear` and `gelu` take Burn's own operations and autodiff on
-/// every backend; `attention` and `norm` take the composed reference inside the CubeCL
+/// `gelu`, `adamw`) asks for Burn's composed operations instead of our kernel for `op`: for
+/// comparisons and bisecting, read once. `linear` and `gelu` take Burn's own operations and
+/// autodiff on every backend, `adamw` Burn's AdamW inside `FusedAdamW`; `attention` and `norm` take the composed reference inside the CubeCL
 /// kernels' place. Unset: every kernel of ours runs. (The cross-entropy has no such switch:
 /// the composed reference's ignore-index masking does not run on WGPU's 32-bit integers.)
 pub(crate) fn composed(op: &str) -> bool {
