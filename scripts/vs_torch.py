@@ -455,8 +455,9 @@ def run_checked(cmd: list[str], what: str, env=None) -> tuple[str, float]:
     return proc.stdout, wall
 
 
-def ours_cmd(args, shape: Shape, ranks: int, tcp: bool, config_path: str | None) -> list[str]:
-    flags = [
+def shape_flags(args, shape: Shape) -> list[str]:
+    """The step count, the shape and the logging, as `gpt` and `plain_burn_gpt` both take them."""
+    return [
         "--steps", str(args.steps),
         "--layers", str(shape.layers),
         "--d-model", str(shape.d_model),
@@ -466,6 +467,10 @@ def ours_cmd(args, shape: Shape, ranks: int, tcp: bool, config_path: str | None)
         # Every step's line when steps beyond the first are left out of the timing.
         "--log-every", "1000" if args.warmup == 1 else "1",
     ]  # fmt: skip
+
+
+def ours_cmd(args, shape: Shape, ranks: int, tcp: bool, config_path: str | None) -> list[str]:
+    flags = shape_flags(args, shape)
     if config_path:
         flags += ["--config", config_path]
     if args.device == "cuda":
@@ -479,17 +484,8 @@ def ours_cmd(args, shape: Shape, ranks: int, tcp: bool, config_path: str | None)
 
 def plain_cmd(args, shape: Shape) -> list[str]:
     """`plain_burn_gpt` on the same shape and device (fp32: plain Burn has no mixed precision)."""
-    return [
-        args.plain_binary,
-        "--steps", str(args.steps),
-        "--layers", str(shape.layers),
-        "--d-model", str(shape.d_model),
-        "--heads", str(shape.heads),
-        "--seq-len", str(shape.seq_len),
-        "--batch-size", str(shape.batch),
-        "--device", "cuda" if args.device == "cuda" else "flex",
-        "--log-every", "1000" if args.warmup == 1 else "1",
-    ]  # fmt: skip
+    device = "cuda" if args.device == "cuda" else "flex"
+    return [args.plain_binary] + shape_flags(args, shape) + ["--device", device]
 
 
 def run_ours(args, shape, layout, tcp, repeat, config_path, plain: bool = False) -> RunResult:
