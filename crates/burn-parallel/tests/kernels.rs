@@ -16,6 +16,8 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_parallel::kernels::{self, AdamWHyper, KernelError};
 use burn_parallel::run_local;
 
+mod common;
+
 /// Deterministic values in `[-scale, scale)` (a 64-bit LCG).
 fn values(n: usize, seed: u64, scale: f32) -> Vec<f32> {
     let mut s = seed
@@ -785,45 +787,12 @@ fn flex_vocab_parallel_cross_entropy_matches_single_device() {
 mod wgpu {
     use super::*;
 
-    /// Writes a `SKIPPED` line through a `std::io::stderr()` handle: libtest captures
-    /// `print!`/`eprint!` but not such writes, so the line shows in `cargo test` output without
-    /// `--nocapture`.
-    fn skipped(test: &str, reason: &str) {
-        use std::io::Write;
-        // One write of the whole line, so that it does not interleave with libtest's output.
-        let line = format!("SKIPPED wgpu::{test}: {reason}\n");
-        let _ = std::io::stderr().lock().write_all(line.as_bytes());
-    }
-
-    /// The WGPU device for `test`, or `None` (with a visible `SKIPPED` line) when there is no
-    /// adapter; with `BURN_PARALLEL_REQUIRE_WGPU=1` a missing adapter fails the test instead.
     fn device(test: &str) -> Option<Device> {
-        match kernels::wgpu_device() {
-            Ok(d) => Some(d),
-            Err(e) => {
-                if std::env::var("BURN_PARALLEL_REQUIRE_WGPU").as_deref() == Ok("1") {
-                    panic!("{test}: BURN_PARALLEL_REQUIRE_WGPU=1 but {e}");
-                }
-                // `e` reads "no WGPU adapter: <why>".
-                skipped(
-                    test,
-                    &format!("{e}; set BURN_PARALLEL_REQUIRE_WGPU=1 to fail instead"),
-                );
-                None
-            }
-        }
+        common::wgpu_device(&format!("wgpu::{test}"))
     }
 
-    /// `device(test)` when the adapter also supports f16; `None` with a visible `SKIPPED` line
-    /// otherwise.
     fn f16_device(test: &str) -> Option<Device> {
-        let dev = device(test)?;
-        if dev.supports_dtype(DType::F16) {
-            Some(dev)
-        } else {
-            skipped(test, "the WGPU adapter does not support f16");
-            None
-        }
+        common::wgpu_f16_device(&format!("wgpu::{test}"))
     }
 
     /// fp32, tolerance 1e-5 relative: odd rows and widths, a single row, width 1, rows wider
@@ -1101,21 +1070,8 @@ mod wgpu {
 mod cuda {
     use super::*;
 
-    /// CUDA device 0, or `None` (with a visible `SKIPPED` line) where there is no NVIDIA driver
-    /// or GPU; with `BURN_PARALLEL_REQUIRE_CUDA=1` their absence fails the test instead.
     fn device(test: &str) -> Option<Device> {
-        match burn_parallel::cuda::cuda_device(0, "the test's device") {
-            Ok(d) => Some(d),
-            Err(e) => {
-                if std::env::var("BURN_PARALLEL_REQUIRE_CUDA").as_deref() == Ok("1") {
-                    panic!("{test}: BURN_PARALLEL_REQUIRE_CUDA=1 but {e}");
-                }
-                use std::io::Write;
-                let line = format!("SKIPPED cuda::{test}: {e}\n");
-                let _ = std::io::stderr().lock().write_all(line.as_bytes());
-                None
-            }
-        }
+        common::cuda_device(&format!("cuda::{test}"))
     }
 
     /// fp32 (exact: no TF32 unless allowed), 1e-5 relative: odd widths, one row, more rows

@@ -9,6 +9,8 @@ use burn_parallel::precision::{LossScaler, MixedPrecision};
 use burn_parallel::run_local;
 use burn_parallel::train::TrainStep;
 
+mod common;
+
 fn model(device: &Device) -> Linear {
     Init::new(5, device)
         .linear("fc", LinearInit::new(16, 8).with_bias(true))
@@ -118,7 +120,23 @@ fn data_parallel_bf16_averages_in_the_chosen_dtype() {
 
 #[test]
 fn fp16_loss_scaling_skips_an_overflowing_step_and_recovers() {
-    let device = Device::flex().autodiff();
+    fp16_loss_scaling_on(&Device::flex().autodiff());
+}
+
+/// The same on WGPU (CubeCL's f16 kernels, Burn's fusion): an overflow there is an inf too,
+/// and the step is skipped.
+#[cfg(feature = "wgpu")]
+#[test]
+fn fp16_loss_scaling_on_wgpu_skips_an_overflowing_step_and_recovers() {
+    if let Some(device) = common::wgpu_f16_device("fp16_loss_scaling_on_wgpu") {
+        fp16_loss_scaling_on(&device.autodiff());
+    }
+}
+
+/// An overflowing step skipped (weights untouched, scale backed off), the next ones applied,
+/// and fp16 with scaling within 5e-3 of fp32, on `device`.
+fn fp16_loss_scaling_on(device: &Device) {
+    let device = device.clone();
     // 2^40 times any loss overflows fp16 (max 65504): the first step must be skipped, the
     // scale backed off to 2^10, and the next steps applied.
     let scaler = LossScaler::new(2f64.powi(40)).with_factors(2.0, 2f64.powi(-30));
