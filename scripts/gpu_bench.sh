@@ -19,11 +19,14 @@
 #   f32      the same, f32 against torch fp32; then tf32 (ours --tf32) against torch TF32.
 #   profile  `gpt --profile` at GPT-2 small's shape, bf16 and f32.
 #   default  vs_torch.py at the trainer's default shape, f32.
+#   curve    the default shape for 40 steps (past the learning-rate peak at step 19, where even
+#            f32 spikes), f32, bf16, and bf16 with the products on CubeCL: the loss curves side
+#            by side and each run's validation loss (does bf16 diverge where f32 does not?).
 #   plain    vs_torch.py with plain Burn beside (`--plain-burn`), GPT-2 small's shape, f32.
 set -u
 out=${1:?usage: gpu_bench.sh OUTDIR [SECTION ...]}
 shift
-sections=${*:-check cube matmul bf16 f32 profile default}
+sections=${*:-check curve cube matmul bf16 f32 profile default}
 mkdir -p "$out/logs"
 sum="$out/summary.txt"
 note() { echo "== $(date +%T) $*" | tee -a "$sum"; }
@@ -87,6 +90,27 @@ for section in $sections; do
       run profile_f32 90 "$GPT" --device cuda --ranks 1 --precision f32 $G2 --steps 12 --profile
       ;;
     default) run vs_f32_default 90 $VS --precision f32 --shapes default ;;
+    curve)
+      for tag in f32 bf16 bf16_cube; do
+        env=()
+        [ "$tag" = bf16_cube ] && env=(BURN_PARALLEL_MATMUL=cube)
+        run "curve_$tag" 150 env "${env[@]}" "$GPT" --device cuda --ranks 1 \
+          --precision "${tag%_cube}" --steps 40 --log-every 100 \
+          --losses-out "$out/logs/curve_$tag.json"
+      done
+      python3 - "$out/logs" <<'PY' | tee -a "$sum"
+import json, os, sys
+tags = ["f32", "bf16", "bf16_cube"]
+curves = {}
+for t in tags:
+    path = os.path.join(sys.argv[1], f"curve_{t}.json")
+    if os.path.exists(path):
+        curves[t] = json.load(open(path))
+print("step " + " ".join(f"{t:>9}" for t in curves))
+for i in range(max(map(len, curves.values()), default=0)):
+    print(f"{i:4} " + " ".join(f"{c[i]:9.4f}" if i < len(c) else " " * 9 for c in curves.values()))
+PY
+      ;;
     plain) [ -n "$PLAIN" ] && run vs_plain_gpt2 300 $VS --precision f32 --shapes gpt2 \
       --plain-burn --plain-binary "$PLAIN" ;;
     *) note "unknown section $section" ;;
