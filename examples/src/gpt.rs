@@ -54,7 +54,7 @@
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::activation::{gelu, gelu_approximate, log_softmax, silu, softmax};
 use burn::tensor::module::layer_norm;
-use burn::tensor::{Bool, DType, Device, Int, Tensor, TensorData};
+use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_moe::{MoeConfig, MoeError, MoeLayer, MoeParallel, MoeStats};
 use burn_parallel::ProcessGroup;
 use burn_parallel::autograd::WeightGradSink;
@@ -649,15 +649,6 @@ impl Rope {
     }
 }
 
-/// The causal mask of `seq_len` positions: `true` where key `j` lies in the future of query `i`
-/// (`j > i`), shape `[seq_len, seq_len]`.
-pub fn causal_mask(seq_len: usize, device: &Device) -> Tensor<2, Bool> {
-    let values: Vec<bool> = (0..seq_len)
-        .flat_map(|i| (0..seq_len).map(move |j| j > i))
-        .collect();
-    Tensor::from_data(TensorData::new(values, [seq_len, seq_len]), device)
-}
-
 /// What a block's forward pass needs to know about the whole sequence: the rotary tables (for
 /// every position of the sequence), the sequence length, and which tokens this rank holds
 /// between the sub-layers (all of them unless sequence parallelism splits them).
@@ -844,7 +835,7 @@ impl Attention {
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let mut scores = q.matmul(k.swap_dims(2, 3)) * scale; // [b, h, s, s]
         if self.causal {
-            let mask = causal_mask(s, &scores.device())
+            let mask = kernels::causal_mask(0..s, 0..s, &scores.device())
                 .reshape([1, 1, s, s])
                 .expand([b, heads, s, s]);
             scores = scores.mask_fill(mask, f32::NEG_INFINITY);

@@ -4,8 +4,9 @@
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::{silu, softmax};
-use burn::tensor::{Bool, Device, Int, Tensor, TensorData};
+use burn::tensor::{Int, Tensor};
 use burn_parallel::init::{Init, LinearInit};
+use burn_parallel::kernels::causal_mask;
 use burn_parallel::nn::{Embedding, Linear, TpContext};
 use burn_parallel::plan::TpPlan;
 use burn_parallel::tensor_parallel::TpResult;
@@ -96,7 +97,9 @@ impl Attention {
         );
         let [b, h, s, _] = q.dims();
         let scores = q.matmul(k.swap_dims(2, 3)) / (self.head_dim as f32).sqrt();
-        let mask = causal_mask(s, &scores.device()).expand([b, h, s, s]);
+        let mask = causal_mask(0..s, 0..s, &scores.device())
+            .reshape([1, 1, s, s])
+            .expand([b, h, s, s]);
         let scores = scores.mask_fill(mask, -1e9);
         let y = softmax(scores, 3)
             .matmul(v)
@@ -104,11 +107,6 @@ impl Attention {
             .reshape([b, s, h * self.head_dim]);
         self.o.forward(y)
     }
-}
-
-fn causal_mask(s: usize, device: &Device) -> Tensor<4, Bool> {
-    let data: Vec<bool> = (0..s * s).map(|i| i % s > i / s).collect();
-    Tensor::<2, Bool>::from_data(TensorData::new(data, [s, s]), device).reshape([1, 1, s, s])
 }
 
 #[derive(Module, Debug)]

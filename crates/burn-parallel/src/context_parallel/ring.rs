@@ -25,12 +25,13 @@
 
 use std::ops::Range;
 
-use burn::tensor::{Bool, Tensor, TensorData};
+use burn::tensor::{Bool, Tensor};
 
 use super::{CpError, CpResult, SeqLayout, check_qkv};
 use crate::autograd::{BackwardFn, attach};
 use crate::error::CollectiveError;
 use crate::group::{ProcessGroup, SendRecv};
+use crate::kernels::causal_mask;
 
 /// Point-to-point tag of the forward K/V rotation.
 pub const TAG_KV_FORWARD: u64 = 0x6370_0001;
@@ -83,24 +84,6 @@ fn segments(layout: &SeqLayout, rank: usize) -> Vec<Segment> {
             Segment { local, global }
         })
         .collect()
-}
-
-/// The `[1, 1, lq, lk]` mask (true = masked: key after query) of two global ranges, expanded
-/// to `[b, h, lq, lk]`.
-fn causal_mask(
-    q: &Range<usize>,
-    k: &Range<usize>,
-    b: usize,
-    h: usize,
-    device: &burn::tensor::Device,
-) -> Tensor<4, Bool> {
-    let values: Vec<bool> = q
-        .clone()
-        .flat_map(|i| k.clone().map(move |j| j > i))
-        .collect();
-    Tensor::<2, Bool>::from_data(TensorData::new(values, [q.len(), k.len()]), device)
-        .reshape([1, 1, q.len(), k.len()])
-        .expand([b, h, q.len(), k.len()])
 }
 
 /// Scores of one (query segment, key segment) pair, scaled and masked.
@@ -201,7 +184,14 @@ impl Ring {
                 let mask = match visibility(&qs.global, &ks.global, self.causal) {
                     Visibility::Skip => continue,
                     Visibility::Full => None,
-                    Visibility::Partial => Some(causal_mask(&qs.global, &ks.global, b, h, device)),
+                    Visibility::Partial => {
+                        let (lq, lk) = (qs.global.len(), ks.global.len());
+                        Some(
+                            causal_mask(qs.global.clone(), ks.global.clone(), device)
+                                .reshape([1, 1, lq, lk])
+                                .expand([b, h, lq, lk]),
+                        )
+                    }
                 };
                 out.push((qi, qs.clone(), ks, mask));
             }

@@ -1425,6 +1425,37 @@ pub fn linear<const D: usize>(
     Ok(Tensor::<2>::from_dispatch(y).reshape(out))
 }
 
+/// The causal mask of queries at positions `queries` over keys at positions `keys` (global
+/// positions in one sequence): `[queries.len(), keys.len()]`, `true` where the key comes after
+/// the query (`key > query`: hidden), built on `device` without a host copy. The whole
+/// sequence is `causal_mask(0..s, 0..s, ..)`; [`attention`]'s `tq` queries over `tk` keys are
+/// `causal_mask(tk - tq..tk, 0..tk, ..)`; a context-parallel block pairs two segments. The one
+/// mask every composed attention of the suite uses (with `mask_fill` of `-inf`).
+///
+/// ```
+/// use burn::tensor::Device;
+/// use burn_parallel::kernels::causal_mask;
+///
+/// let hidden = causal_mask(0..3, 0..3, &Device::flex());
+/// let rows = hidden.into_data().to_vec::<bool>().unwrap();
+/// assert_eq!(rows, [false, true, true, false, false, true, false, false, false]);
+/// // the last query of a block over the keys of an earlier one sees them all
+/// let block = causal_mask(4..6, 0..2, &Device::flex());
+/// assert!(block.into_data().to_vec::<bool>().unwrap().iter().all(|h| !h));
+/// ```
+pub fn causal_mask(
+    queries: std::ops::Range<usize>,
+    keys: std::ops::Range<usize>,
+    device: &burn::tensor::Device,
+) -> Tensor<2, burn::tensor::Bool> {
+    let (lq, lk) = (queries.len(), keys.len());
+    let positions =
+        |r: std::ops::Range<usize>| Tensor::<1, Int>::arange(r.start as i64..r.end as i64, device);
+    let rows = positions(queries).reshape([lq, 1]).expand([lq, lk]);
+    let cols = positions(keys).reshape([1, lk]).expand([lq, lk]);
+    cols.greater(rows)
+}
+
 /// Scaled dot-product attention `softmax(q k^T / sqrt(head_dim)) v` of `q` `[batch, heads,
 /// tq, head_dim]` over `k`, `v` `[batch, heads, tk, head_dim]`, causal (query `i` sees keys
 /// `0..=i + tk - tq`) when `causal`.

@@ -209,23 +209,6 @@ pub fn ce_backward(
     (probs - onehot) * (dnll * valid).reshape([rows, 1])
 }
 
-/// `[tq, tk]` mask of the keys each query may not see (`true` = hidden): key `j` is hidden
-/// from query `i` when `j > i + tk - tq`.
-fn causal_hidden(
-    tq: usize,
-    tk: usize,
-    device: &burn::tensor::Device,
-) -> Tensor<2, burn::tensor::Bool> {
-    let offset = tk as i64 - tq as i64;
-    let rows = Tensor::<1, Int>::arange(0..tq as i64, device)
-        .reshape([tq, 1])
-        .expand([tq, tk]);
-    let cols = Tensor::<1, Int>::arange(0..tk as i64, device)
-        .reshape([1, tk])
-        .expand([tq, tk]);
-    cols.greater(rows + offset)
-}
-
 /// Scaled (and masked) scores `[heads, tq, tk]`; hidden entries are `-inf`.
 fn attention_scores(q: Tensor<3>, k: Tensor<3>, causal: bool, scale: f64) -> Tensor<3> {
     let [heads, tq, _] = q.dims();
@@ -233,7 +216,7 @@ fn attention_scores(q: Tensor<3>, k: Tensor<3>, causal: bool, scale: f64) -> Ten
     let device = q.device();
     let scores = q.matmul(k.swap_dims(1, 2)) * scale;
     if causal {
-        let hidden = causal_hidden(tq, tk, &device)
+        let hidden = super::causal_mask(tk - tq..tk, 0..tk, &device)
             .unsqueeze::<3>()
             .expand([heads, tq, tk]);
         scores.mask_fill(hidden, f32::NEG_INFINITY)

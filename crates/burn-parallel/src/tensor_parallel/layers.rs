@@ -591,14 +591,6 @@ impl VocabParallelEmbedding {
     }
 }
 
-/// The causal mask: `true` where key `j > i`, shape `[seq, seq]`.
-fn causal_mask(seq: usize, device: &Device) -> Tensor<2, Bool> {
-    let values: Vec<bool> = (0..seq)
-        .flat_map(|i| (0..seq).map(move |j| j > i))
-        .collect();
-    Tensor::from_data(TensorData::new(values, [seq, seq]), device)
-}
-
 /// Multi-head self-attention with the heads split over the group: `q`, `k`, `v` are
 /// column-parallel (by whole heads), `o` row-parallel. The input is entered once (one
 /// all-reduce of its gradient, or one all-gather under sequence parallelism) for all three
@@ -743,7 +735,7 @@ impl ParallelAttention {
         let scale = 1.0 / (self.head_dim as f64).sqrt();
         let mut scores = q.matmul(k.swap_dims(2, 3)) * scale;
         if self.causal {
-            let mask = causal_mask(s, &scores.device())
+            let mask = crate::kernels::causal_mask(0..s, 0..s, &scores.device())
                 .reshape([1, 1, s, s])
                 .expand([b, heads, s, s]);
             scores = scores.mask_fill(mask, f32::NEG_INFINITY);

@@ -3,8 +3,6 @@
 
 #![allow(dead_code)] // each test binary uses its own part
 
-use burn::tensor::{DType, Device};
-
 /// Writes `SKIPPED <test>: <reason>` through a `std::io::stderr()` handle: libtest captures
 /// `print!`/`eprint!` but not such writes, so the line shows in `cargo test` output without
 /// `--nocapture`.
@@ -18,7 +16,7 @@ pub fn skipped(test: &str, reason: &str) {
 /// The WGPU device for `test`, or `None` (with a visible `SKIPPED` line) when there is no
 /// adapter; with `BURN_PARALLEL_REQUIRE_WGPU=1` a missing adapter fails the test instead.
 #[cfg(feature = "wgpu")]
-pub fn wgpu_device(test: &str) -> Option<Device> {
+pub fn wgpu_device(test: &str) -> Option<burn::tensor::Device> {
     match burn_parallel::kernels::wgpu_device() {
         Ok(d) => Some(d),
         Err(e) => {
@@ -38,9 +36,9 @@ pub fn wgpu_device(test: &str) -> Option<Device> {
 /// [`wgpu_device`] when the adapter also supports f16; `None` with a visible `SKIPPED` line
 /// otherwise.
 #[cfg(feature = "wgpu")]
-pub fn wgpu_f16_device(test: &str) -> Option<Device> {
+pub fn wgpu_f16_device(test: &str) -> Option<burn::tensor::Device> {
     let dev = wgpu_device(test)?;
-    if dev.supports_dtype(DType::F16) {
+    if dev.supports_dtype(burn::tensor::DType::F16) {
         Some(dev)
     } else {
         skipped(test, "the WGPU adapter does not support f16");
@@ -51,7 +49,7 @@ pub fn wgpu_f16_device(test: &str) -> Option<Device> {
 /// CUDA device 0, or `None` (with a visible `SKIPPED` line) where there is no NVIDIA driver
 /// or GPU; with `BURN_PARALLEL_REQUIRE_CUDA=1` their absence fails the test instead.
 #[cfg(feature = "cuda")]
-pub fn cuda_device(test: &str) -> Option<Device> {
+pub fn cuda_device(test: &str) -> Option<burn::tensor::Device> {
     match burn_parallel::cuda::cuda_device(0, "the test's device") {
         Ok(d) => Some(d),
         Err(e) => {
