@@ -1,5 +1,5 @@
 //! Fused training kernels: RMSNorm/LayerNorm, SwiGLU, rotary embedding, softmax
-//! cross-entropy (vocabulary-parallel capable) and AdamW, each with its backward.
+//! cross-entropy and AdamW, each with its backward.
 //!
 //! # Layers
 //!
@@ -10,7 +10,7 @@
 //!   implementation records hand-written backward steps that call the backward methods of
 //!   the inner backend, so gradients are fused too.
 //! - The functions of this module ([`rms_norm`], [`layer_norm`], [`swiglu`], [`rope`],
-//!   [`cross_entropy`], [`vocab_parallel_cross_entropy`], [`adamw_step`]) take ordinary
+//!   [`cross_entropy`], [`adamw_step`]) take ordinary
 //!   `Tensor`s of any rank, validate them and return typed [`KernelError`]s.
 //!
 //! # Memory of the cross-entropy
@@ -22,10 +22,9 @@
 //!
 //! # Vocabulary parallelism
 //!
-//! [`vocab_parallel_cross_entropy`] runs on one shard of the vocabulary per rank: the partial
-//! statistics ([`ce_partial_stats`], `[rows, 2]` = max and sum of exponentials) are combined
-//! across the group (max all-reduce, then a rescaled sum all-reduce), so no rank ever holds
-//! full logits, as in [`crate::tensor_parallel::vocab_parallel_cross_entropy`].
+//! The cross-entropy of vocabulary-sharded logits is
+//! [`crate::tensor_parallel::vocab_parallel_cross_entropy`] (what the `nn` output layers use):
+//! one implementation, with padding, label smoothing and collectives on the device.
 
 use std::fmt;
 
@@ -38,11 +37,6 @@ use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::backend::{AutodiffBackend, Dispatch, Flex, backend_extension};
 use burn::tensor::{DType, Int, Tensor, TensorData};
-
-use crate::autograd::reduce_from_group;
-use crate::comm::host::ReduceOp;
-use crate::error::CollectiveError;
-use crate::group::ProcessGroup;
 
 pub mod cpu;
 #[cfg(feature = "cube")]
@@ -76,9 +70,6 @@ pub enum KernelError {
         /// Which argument and why.
         reason: String,
     },
-    /// A collective of the vocabulary-parallel cross-entropy failed.
-    #[error("collective failed in a fused kernel: {0}")]
-    Collective(#[from] CollectiveError),
     /// No WGPU adapter could be initialised.
     #[error("no WGPU adapter: {0}")]
     NoAdapter(String),
@@ -1666,73 +1657,6 @@ pub fn cross_entropy(
         ignore_index.unwrap_or(NO_IGNORE),
     );
     Ok(mean_over(Tensor::from_dispatch(nll), counted))
-}
-
-/// Vocabulary-parallel mean cross-entropy: this rank holds the logits of the global ids
-/// `vocab_start .. vocab_start + logits.dims()[1]` (`targets` are global ids; `vocab` is the
-/// global vocabulary size, for the range check). The partial statistics are all-reduced over
-/// `group` (max, then the rescaled sum of exponentials), each rank computes its NLL
-/// contribution with the fused kernel and the contributions are summed with
-/// [`reduce_from_group`]; the gradient of each shard is `softmax - onehot` of that shard.
-/// The result `[1]` is the same on every rank.
-///
-/// Put [`crate::autograd::copy_to_group`] on the replicated hidden state before a
-/// column-parallel output layer, as for the unfused version.
-///
-/// # Errors
-/// As [`cross_entropy`], and [`KernelError::Collective`] when a collective fails.
-pub fn vocab_parallel_cross_entropy(
-    logits: Tensor<2>,
-    targets: Tensor<1, Int>,
-    vocab_start: usize,
-    vocab: usize,
-    ignore_index: Option<i64>,
-    group: &ProcessGroup,
-) -> KernelResult<Tensor<1>> {
-    let op = "vocab_parallel_cross_entropy";
-    let (rows, shard) = check_ce(op, &logits, &targets)?;
-    if vocab_start + shard > vocab {
-        return Err(KernelError::Shape {
-            op,
-            reason: format!(
-                "shard [{vocab_start}, {}) exceeds the vocabulary of {vocab}",
-                vocab_start + shard
-            ),
-        });
-    }
-    let counted = count_targets(op, &targets, vocab, ignore_index)?;
-    let device = logits.device();
-    let stats: Vec<f32> = ce_partial_stats(logits.clone())
-        .into_data()
-        .try_into_vec_as::<f32>()
-        .map_err(|e| KernelError::DType {
-            op,
-            reason: format!("statistics: {e:?}"),
-        })?;
-    let local_max: Vec<f32> = stats.chunks(2).map(|s| s[0]).collect();
-    let global_max = group.all_reduce_f32(local_max.clone(), ReduceOp::Max)?;
-    let rescaled: Vec<f32> = stats
-        .chunks(2)
-        .zip(&global_max)
-        .map(|(s, &g)| s[1] * (s[0] - g).exp())
-        .collect();
-    let sum = group.all_reduce_f32(rescaled, ReduceOp::Sum)?;
-    let lse: Vec<f32> = global_max
-        .iter()
-        .zip(&sum)
-        .map(|(&m, &s)| m + s.ln())
-        .collect();
-    let lse = Tensor::<1>::from_data(TensorData::new(lse, [rows]), &device).cast(logits.dtype());
-    let nll = Dispatch::fused_ce_nll(
-        logits.into_dispatch(),
-        targets.into_dispatch(),
-        lse.into_dispatch(),
-        vocab_start,
-        group.rank() == 0,
-        ignore_index.unwrap_or(NO_IGNORE),
-    );
-    let nll = reduce_from_group(Tensor::<1>::from_dispatch(nll), group)?;
-    Ok(mean_over(nll, counted))
 }
 
 /// One fused AdamW step on (flat or any-rank) `param`, `grad`, and fp32 moments `m`, `v`,
