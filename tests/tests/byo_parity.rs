@@ -1,7 +1,7 @@
 //! The bring-your-own-model example's decoder (`examples/examples/byo_model/model.rs`, one model
 //! type written with `burn_parallel::nn` layers) under data, tensor, sequence and pipeline
-//! parallelism, against plain single-device Burn training of the same type: losses and final
-//! parameters.
+//! parallelism, with gradient accumulation and in bf16, against plain single-device Burn
+//! training of the same type: losses and final parameters.
 
 #[path = "../../examples/examples/byo_model/model.rs"]
 #[allow(dead_code)]
@@ -13,6 +13,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_parallel::init::{Init, splitmix64};
 use burn_parallel::nn::TpContext;
 use burn_parallel::plan::TpPlan;
+use burn_parallel::precision::MixedPrecision;
 use burn_parallel::tensor_parallel::TpError;
 use burn_parallel::train::TrainStep;
 use burn_parallel::{MeshError, ParallelDims, run_local};
@@ -28,6 +29,15 @@ const STEPS: usize = 20;
 const BATCH: usize = 8;
 const SEQ: usize = 10; // 3 + 3 + 2 + 2 tokens per rank at tp 4 under sequence parallelism
 const LR: f64 = 3e-3;
+/// bf16 against fp32, worst relative loss difference over the 20 steps: 2.4 times the
+/// measured 2.1e-3 (bf16 keeps 8 bits of mantissa: one rounding is up to 2^-9 = 2e-3).
+const BF16_LOSS_TOL: f32 = 5e-3;
+/// bf16 against fp32, worst final parameter difference (absolute below 1, relative to the
+/// tensor's largest entry above): 3.2 times the measured 6.3e-3 (`layers.0.attn.k.weight`).
+/// AdamW normalises each update, so a gradient component that rounding flips moves its weight
+/// by up to `lr` a step: over the 20 steps the bound is 20 x 3e-3 = 6e-2, which this stays
+/// well under.
+const BF16_PARAM_TOL: f32 = 2e-2;
 
 /// Vocabulary 37 and MLP width 50 do not divide by 2 or 4: padded vocabulary shards and uneven
 /// hidden splits.
@@ -147,6 +157,27 @@ fn parallel(
     sequence_parallel: bool,
     clip: Option<f64>,
 ) -> (Vec<f32>, Params) {
+    parallel_with(
+        device,
+        dims,
+        sequence_parallel,
+        clip,
+        1,
+        MixedPrecision::full(),
+    )
+}
+
+/// [`parallel`] with each rank's rows split into `micro_batches` micro-batches
+/// ([`TrainStep::step_accumulated`]) and the forward and backward in `precision` (fp32 master
+/// weights and optimizer state).
+fn parallel_with(
+    device: &Device,
+    dims: ParallelDims,
+    sequence_parallel: bool,
+    clip: Option<f64>,
+    micro_batches: usize,
+    precision: MixedPrecision,
+) -> (Vec<f32>, Params) {
     let device = device.clone().autodiff();
     let out = run_local(dims.world_size(), move |world| {
         let mesh = dims.build(&world).unwrap();
@@ -162,14 +193,27 @@ fn parallel(
                 fsdp.shards().clone(),
                 Some(mesh.group("dp_replicate").unwrap().clone()),
             )
-            .with_clip(clip);
+            .with_clip(clip)
+            .with_precision(precision);
         let mut optim = optimizer();
         let rows = BATCH / dp.size();
+        let micro_rows = rows / micro_batches;
         let mut losses = Vec::new();
         for step in 0..STEPS {
-            let (tokens, targets) = batch(step, dp.rank() * rows..(dp.rank() + 1) * rows, &device);
-            let loss = model.loss(tokens, targets).unwrap();
-            let (next, out) = train.step(model, loss, &mut optim, LR)?;
+            let first = dp.rank() * rows;
+            let (next, out) = train
+                .step_accumulated::<_, TpError>(
+                    model,
+                    micro_batches,
+                    |m, k| {
+                        let start = first + k * micro_rows;
+                        let (tokens, targets) = batch(step, start..start + micro_rows, &device);
+                        m.loss(tokens, targets)
+                    },
+                    &mut optim,
+                    LR,
+                )
+                .unwrap_or_else(|e| panic!("{e}"));
             model = next;
             losses.push(out.loss);
         }
@@ -427,6 +471,70 @@ fn byo_model_matches_single_device_under_fsdp_hsdp_and_tp() {
         "hsdp 2 x 2 x tp 2",
         parallel(&flex, layout, false, None),
         &reference,
+    );
+}
+
+/// Gradient accumulation ([`TrainStep::step_accumulated`]): each rank's rows in 2 or 4
+/// micro-batches give the step of the whole batch, under dp, tp + sp and FSDP.
+#[test]
+fn byo_model_matches_single_device_with_gradient_accumulation() {
+    let flex = Device::flex();
+    let whole = reference(&flex, None);
+    let full = MixedPrecision::full;
+    assert_matches(
+        "dp 2, 2 micro-batches",
+        parallel_with(&flex, dims(2, 1), false, None, 2, full()),
+        &whole,
+    );
+    assert_matches(
+        "tp 2 + sp, 4 micro-batches",
+        parallel_with(&flex, dims(1, 2), true, None, 4, full()),
+        &whole,
+    );
+    assert_matches(
+        "fsdp 2, 2 micro-batches, clip",
+        parallel_with(&flex, fsdp_dims(1, 2, 1), false, Some(0.05), 2, full()),
+        &reference(&flex, Some(0.05)),
+    );
+}
+
+/// bf16 compute (fp32 master weights and optimizer state, gradients averaged in bf16) under
+/// dp 2 x tp 2 + sp against the fp32 single device: worst relative loss difference over the
+/// 20 steps and worst parameter difference within [`BF16_LOSS_TOL`] and [`BF16_PARAM_TOL`].
+#[test]
+fn byo_model_in_bf16_tracks_fp32_single_device() {
+    let flex = Device::flex();
+    let reference = reference(&flex, None);
+    let (losses, params) = parallel_with(&flex, dims(2, 2), true, None, 1, MixedPrecision::bf16());
+    let loss_err = losses
+        .iter()
+        .zip(&reference.0)
+        .map(|(a, b)| ((a - b) / b).abs())
+        .fold(0f32, f32::max);
+    let (worst_path, param_err) = params
+        .iter()
+        .zip(&reference.1)
+        .map(|((path, got), (_, want))| {
+            let (got, want) = (
+                got.clone().convert::<f32>().try_to_vec::<f32>().unwrap(),
+                want.clone().convert::<f32>().try_to_vec::<f32>().unwrap(),
+            );
+            let scale = want.iter().fold(1f32, |m, w| m.max(w.abs()));
+            let err = got
+                .iter()
+                .zip(&want)
+                .fold(0f32, |m, (g, w)| m.max((g - w).abs() / scale));
+            (path.clone(), err)
+        })
+        .fold((String::new(), 0f32), |a, b| if b.1 > a.1 { b } else { a });
+    assert!(
+        loss_err < BF16_LOSS_TOL && param_err < BF16_PARAM_TOL,
+        "bf16 drifts from fp32: losses {loss_err:.2e} (tolerance {BF16_LOSS_TOL:.0e}), \
+         parameters {param_err:.2e} at {worst_path} (tolerance {BF16_PARAM_TOL:.0e})"
+    );
+    assert!(
+        loss_err > 0.0,
+        "bf16 gave fp32's losses: the compute copy was not used"
     );
 }
 

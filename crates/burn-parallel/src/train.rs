@@ -45,7 +45,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Tensor, TensorData};
 
 use crate::checkpoint::FlatParts;
@@ -512,12 +512,14 @@ impl TrainStep {
         lr: f64,
     ) -> std::result::Result<(M, StepOutput), E> {
         let Some(overlap) = &self.overlap else {
-            // In fp32 the model itself (no copy: state a forward updates stays with it).
-            let loss = match self.precision.is_full() {
-                true => forward(&model)?,
-                false => forward(&self.compute_model(&model))?,
-            };
-            return Ok(self.step(model, loss, optim, lr)?);
+            let mut forward = Some(forward);
+            return self.step_accumulated(
+                model,
+                1,
+                |m, _| (forward.take().expect("one micro-batch"))(m),
+                optim,
+                lr,
+            );
         };
         if !self.precision.is_full() || self.scaler.is_some() {
             return Err(E::from(crate::CollectiveError::InvalidArgument {
@@ -548,6 +550,102 @@ impl TrainStep {
         let loss_avg = overlap.group().all_reduce_f32(vec![local], ReduceOp::Avg)?[0];
         let grads = pending.finish(&model)?;
         let reduced = self.reduce_all(&model, grads, false)?;
+        let grad_norm = reduced.grad_norm;
+        let (model, skipped) = self.apply(model, reduced, optim, lr);
+        Ok((
+            model,
+            StepOutput {
+                loss: loss_avg,
+                grad_norm,
+                skipped,
+            },
+        ))
+    }
+
+    /// One optimizer step over `micro_batches` micro-batches (gradient accumulation):
+    /// `forward(model, k)` computes the mean loss of micro-batch `k` on the module it receives
+    /// (the compute copy under mixed precision, `model` itself in fp32); each loss is divided
+    /// by `micro_batches` (and multiplied by the loss scale) before its backward, the
+    /// gradients are summed locally, and the layout's reductions, unscaling, overflow check,
+    /// clipping and the optimizer run once, as for one batch of all the micro-batches' rows
+    /// (FSDP units still reduce-scatter in each backward). With equal micro-batches this is
+    /// the step of the whole batch, as Megatron's and torchtitan's accumulation are.
+    ///
+    /// ```
+    /// use burn::optim::AdamWConfig;
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_parallel::init::{Init, LinearInit};
+    /// use burn_parallel::train::TrainStep;
+    ///
+    /// let device = Device::flex().autodiff();
+    /// let init = Init::new(1, &device);
+    /// let model = init.linear("fc", LinearInit::new(4, 1)).unwrap();
+    /// let rows = Tensor::<2>::ones([4, 4], &device);
+    /// let mut optim = AdamWConfig::new().init();
+    /// let step = TrainStep::new(init.context());
+    /// // two micro-batches of two rows each
+    /// let (model, out) = step
+    ///     .step_accumulated(
+    ///         model,
+    ///         2,
+    ///         |m, k| m.forward(rows.clone().narrow(0, 2 * k, 2)).map(|y| y.powi_scalar(2).mean()),
+    ///         &mut optim,
+    ///         1e-2,
+    ///     )
+    ///     .unwrap();
+    /// assert!(!out.skipped);
+    /// # let _ = model;
+    /// ```
+    ///
+    /// # Returns
+    /// The updated model and the step's [`StepOutput`] (its loss: the mean over the
+    /// micro-batches and the data-parallel ranks).
+    ///
+    /// # Errors
+    /// `forward`'s error; collective errors (converted into `E`);
+    /// [`crate::CollectiveError::InvalidArgument`] for zero micro-batches, and for more than
+    /// one with [`Self::with_overlap`] (whose hooks reduce during each backward).
+    pub fn step_accumulated<M: Module, E: From<crate::CollectiveError>>(
+        &self,
+        model: M,
+        micro_batches: usize,
+        mut forward: impl FnMut(&M, usize) -> std::result::Result<Tensor<1>, E>,
+        optim: &mut ModuleOptimizer,
+        lr: f64,
+    ) -> std::result::Result<(M, StepOutput), E> {
+        let invalid = |reason: &str| {
+            E::from(crate::CollectiveError::InvalidArgument {
+                rank: self.tp.group().map_or(0, |g| g.global_rank()),
+                op: "TrainStep::step_accumulated".into(),
+                reason: reason.into(),
+            })
+        };
+        if micro_batches == 0 {
+            return Err(invalid("zero micro-batches: give at least one"));
+        }
+        if self.overlap.is_some() && micro_batches > 1 {
+            return Err(invalid(
+                "overlapped data parallelism reduces during each backward, so it cannot \
+                 accumulate micro-batches yet; drop with_overlap or use one micro-batch",
+            ));
+        }
+        // In fp32 the model itself (no copy: state a forward updates stays with it).
+        let compute = (!self.precision.is_full()).then(|| self.compute_model(&model));
+        let mut acc = GradientsAccumulator::<M>::new();
+        let mut local = 0.0f64;
+        for k in 0..micro_batches {
+            let loss = forward(compute.as_ref().unwrap_or(&model), k)?;
+            local += f64::from(loss.clone().into_scalar::<f32>());
+            let loss = self.scaled_loss(loss / micro_batches as f32);
+            acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+        }
+        drop(compute);
+        let local = (local / micro_batches as f64) as f32;
+        let loss_avg = match &self.ddp {
+            Some(ddp) => ddp.group().all_reduce_f32(vec![local], ReduceOp::Avg)?[0],
+            None => local,
+        };
+        let reduced = self.reduce_scaled(&model, acc.grads())?;
         let grad_norm = reduced.grad_norm;
         let (model, skipped) = self.apply(model, reduced, optim, lr);
         Ok((

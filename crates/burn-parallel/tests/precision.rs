@@ -185,3 +185,30 @@ fn reduce_refuses_to_hide_an_overflow() {
     let err = step.reduce(&m, grads).unwrap_err().to_string();
     assert!(err.contains("reduce_scaled"), "{err}");
 }
+
+/// `step_accumulated` refuses zero micro-batches, and several under overlapped data
+/// parallelism (whose hooks reduce in each backward), as typed errors naming what to change.
+#[test]
+fn step_accumulated_refuses_what_it_cannot_do() {
+    use burn_parallel::overlap::OverlappedDdp;
+    let errors = run_local(2, |group| {
+        let device = Device::flex().autodiff();
+        let mut optim = AdamWConfig::new().init();
+        let forward = |m: &Linear, k: usize| m.forward(batch(0, k, &device)).map(|y| y.mean());
+        let zero = TrainStep::new(TpContext::single())
+            .step_accumulated(model(&device), 0, forward, &mut optim, 1e-2)
+            .unwrap_err();
+        let overlap = TrainStep::new(TpContext::single())
+            .with_overlap(OverlappedDdp::new(group.clone()))
+            .step_accumulated(model(&device), 2, forward, &mut optim, 1e-2)
+            .unwrap_err();
+        Ok([zero.to_string(), overlap.to_string()])
+    })
+    .unwrap();
+    let [zero, overlap] = &errors[0];
+    assert!(zero.contains("zero micro-batches"), "{zero}");
+    assert!(
+        overlap.contains("drop with_overlap or use one micro-batch"),
+        "{overlap}"
+    );
+}
