@@ -11,11 +11,16 @@
 //! cargo run --release -p examples --example byo_model -- --layout fsdp-tp --ranks 4
 //! cargo run --release -p examples --example byo_model -- --layout hsdp --ranks 4
 //! cargo run --release -p examples --example byo_model -- --layout pp --ranks 2
+//! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4 --precision bf16
+//! cargo run --release -p examples --example byo_model -- --layout fsdp --ranks 2 --grad-accum 4
 //! cargo run --release -p examples --example byo_model -- --all --ranks 4 --steps 20
 //! ```
 //!
 //! The layout-specific code is one line per layout: the `match` in `run_rank` that picks the
-//! mesh dimensions. Everything else (the plans, the step) is the same for every layout.
+//! mesh dimensions. Everything else (the plans, the step) is the same for every layout, and so
+//! are mixed precision (`--precision`: bf16 or fp16 compute, fp32 master weights and optimizer
+//! state, loss scaling for fp16) and gradient accumulation (`--grad-accum`), which are options
+//! of the library's `TrainStep`.
 //! Pipeline parallelism stages the same parts (`model::stage`) and runs them with
 //! `burn-pipeline`'s executor (`run_rank_pipeline`).
 
@@ -27,6 +32,8 @@ use std::time::Instant;
 use burn::optim::AdamWConfig;
 use burn::tensor::Device;
 use burn_parallel::init::Init;
+use burn_parallel::precision::{LossScaler, MixedPrecision};
+use burn_parallel::tensor_parallel::TpError;
 use burn_parallel::train::TrainStep;
 use burn_parallel::{ParallelDims, ProcessGroup, run_local};
 use burn_pipeline::ScheduleKind;
@@ -37,6 +44,17 @@ use burn_pipeline::update::{StageOptimizer, StageUpdater};
 use clap::{Parser, ValueEnum};
 use examples::data::{Corpus, Split};
 use model::{Config, Decoder, fsdp_plan, tp_plan};
+
+/// Arithmetic of the forward and backward.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
+enum Precision {
+    /// Everything in fp32.
+    F32,
+    /// bf16 compute, gradients averaged in bf16, fp32 master weights and optimizer state.
+    Bf16,
+    /// fp16 compute with dynamic loss scaling, gradients averaged in fp32.
+    Fp16,
+}
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
 enum Layout {
@@ -81,6 +99,11 @@ struct Args {
     /// Global-norm clipping.
     #[arg(long)]
     clip: Option<f64>,
+    /// Micro-batches per optimizer step (each rank's rows split evenly between them).
+    #[arg(long, default_value_t = 1)]
+    grad_accum: usize,
+    #[arg(long, value_enum, default_value = "f32")]
+    precision: Precision,
     /// Run every layout in turn (on `--ranks`, one rank for `single`) and print each one's
     /// step time relative to single-device training.
     #[arg(long)]
@@ -149,6 +172,15 @@ fn run_rank_pipeline(
 
 fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel::Result<Vec<f32>> {
     if args.layout == Layout::Pp {
+        if args.precision != Precision::F32 || args.grad_accum > 1 {
+            return Err(burn_parallel::CollectiveError::InvalidArgument {
+                rank: world.global_rank(),
+                op: "byo_model".into(),
+                reason: "the pipeline runs in f32 with its own micro-batches: drop --precision \
+                         and --grad-accum with --layout pp"
+                    .into(),
+            });
+        }
         return run_rank_pipeline(world, args, corpus);
     }
     let device = Device::flex().autodiff();
@@ -181,21 +213,56 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
     let fsdp = fsdp_plan(&group("dp_shard"));
     let mut model = Decoder::new(&init, Some(&fsdp), &config()).unwrap_or_else(|e| panic!("{e}"));
     let dp = dims.data_parallel(&mesh).expect("built by ParallelDims");
-    let step = TrainStep::new(init.context())
+    let mut step = TrainStep::new(init.context())
         .with_data_parallel(dp.clone())
         .with_fsdp(fsdp.shards().clone(), Some(group("dp_replicate")))
         .with_clip(args.clip);
+    step = match args.precision {
+        Precision::F32 => step,
+        Precision::Bf16 => step.with_precision(MixedPrecision::bf16()),
+        Precision::Fp16 => step
+            .with_precision(MixedPrecision::f16())
+            .with_loss_scaler(LossScaler::new(65536.0)),
+    };
     let mut optim = AdamWConfig::new().with_weight_decay(0.01).init();
     let rows = args.batch / dp.size();
+    let micro_rows = rows / args.grad_accum.max(1);
+    if micro_rows == 0 || micro_rows * args.grad_accum != rows {
+        return Err(burn_parallel::CollectiveError::InvalidArgument {
+            rank: world.global_rank(),
+            op: "byo_model".into(),
+            reason: format!(
+                "{rows} rows per data-parallel rank do not split into --grad-accum {} equal \
+                 micro-batches: make --batch a multiple of {}",
+                args.grad_accum,
+                dp.size() * args.grad_accum.max(1)
+            ),
+        });
+    }
     let mut losses = Vec::new();
     for s in 0..args.steps {
-        let mine = dp.rank() * rows..(dp.rank() + 1) * rows;
-        let batch = corpus.batch_rows(s as u64, mine, args.seq, Split::Train);
-        let (tokens, targets) = batch.to_tensors(&device);
-        let loss = model
-            .loss(tokens, targets)
-            .unwrap_or_else(|e| panic!("{e}"));
-        let (next, out) = step.step(model, loss, &mut optim, args.lr)?;
+        let first = dp.rank() * rows;
+        let (next, out) = step.step_accumulated(
+            model,
+            args.grad_accum,
+            |m, k| {
+                let start = first + k * micro_rows;
+                let batch =
+                    corpus.batch_rows(s as u64, start..start + micro_rows, args.seq, Split::Train);
+                let (tokens, targets) = batch.to_tensors(&device);
+                m.loss(tokens, targets)
+            },
+            &mut optim,
+            args.lr,
+        )
+        .map_err(|e| match e {
+            TpError::Collective(e) => e,
+            other => burn_parallel::CollectiveError::InvalidArgument {
+                rank: world.global_rank(),
+                op: "byo_model".into(),
+                reason: other.to_string(),
+            },
+        })?;
         model = next;
         losses.push(out.loss);
     }
