@@ -469,11 +469,26 @@ impl TrainStep {
         lr: f64,
     ) -> Result<(M, StepOutput)> {
         let local = loss.clone().into_scalar::<f32>();
-        let loss_avg = match &self.ddp {
-            Some(ddp) => ddp.group().all_reduce_f32(vec![local], ReduceOp::Avg)?[0],
-            None => local,
-        };
         let grads = GradientsParams::from_grads(self.scaled_loss(loss).backward(), &model);
+        self.finish(model, local, grads, optim, lr)
+    }
+
+    /// The end of every step but the overlapped one: the loss averaged over the data-parallel
+    /// ranks, then the reductions, unscaling, overflow check, clipping and the update.
+    fn finish<M: Module>(
+        &self,
+        model: M,
+        local_loss: f32,
+        grads: GradientsParams,
+        optim: &mut ModuleOptimizer,
+        lr: f64,
+    ) -> Result<(M, StepOutput)> {
+        let loss_avg = match &self.ddp {
+            Some(ddp) => ddp
+                .group()
+                .all_reduce_f32(vec![local_loss], ReduceOp::Avg)?[0],
+            None => local_loss,
+        };
         let reduced = self.reduce_scaled(&model, grads)?;
         let grad_norm = reduced.grad_norm;
         let (model, skipped) = self.apply(model, reduced, optim, lr);
@@ -641,21 +656,7 @@ impl TrainStep {
         }
         drop(compute);
         let local = (local / micro_batches as f64) as f32;
-        let loss_avg = match &self.ddp {
-            Some(ddp) => ddp.group().all_reduce_f32(vec![local], ReduceOp::Avg)?[0],
-            None => local,
-        };
-        let reduced = self.reduce_scaled(&model, acc.grads())?;
-        let grad_norm = reduced.grad_norm;
-        let (model, skipped) = self.apply(model, reduced, optim, lr);
-        Ok((
-            model,
-            StepOutput {
-                loss: loss_avg,
-                grad_norm,
-                skipped,
-            },
-        ))
+        Ok(self.finish(model, local, acc.grads(), optim, lr)?)
     }
 
     /// The norm of the whole model's gradient: the squares of tensor-parallel shards summed over

@@ -242,27 +242,32 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
     let mut losses = Vec::new();
     for s in 0..args.steps {
         let first = dp.rank() * rows;
-        let (next, out) = step.step_accumulated(
-            model,
-            args.grad_accum,
-            |m, k| {
-                let start = first + k * micro_rows;
-                let batch =
-                    corpus.batch_rows(s as u64, start..start + micro_rows, args.seq, Split::Train);
-                let (tokens, targets) = batch.to_tensors(&device);
-                m.loss(tokens, targets)
-            },
-            &mut optim,
-            args.lr,
-        )
-        .map_err(|e| match e {
-            TpError::Collective(e) => e,
-            other => burn_parallel::CollectiveError::InvalidArgument {
-                rank: world.global_rank(),
-                op: "byo_model".into(),
-                reason: other.to_string(),
-            },
-        })?;
+        let (next, out) = step
+            .step_accumulated(
+                model,
+                args.grad_accum,
+                |m, k| {
+                    let start = first + k * micro_rows;
+                    let batch = corpus.batch_rows(
+                        s as u64,
+                        start..start + micro_rows,
+                        args.seq,
+                        Split::Train,
+                    );
+                    let (tokens, targets) = batch.to_tensors(&device);
+                    m.loss(tokens, targets)
+                },
+                &mut optim,
+                args.lr,
+            )
+            .map_err(|e| match e {
+                TpError::Collective(e) => e,
+                other => burn_parallel::CollectiveError::InvalidArgument {
+                    rank: world.global_rank(),
+                    op: "byo_model".into(),
+                    reason: other.to_string(),
+                },
+            })?;
         model = next;
         losses.push(out.loss);
     }
