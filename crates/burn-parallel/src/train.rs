@@ -536,6 +536,18 @@ impl TrainStep {
                 lr,
             );
         };
+        self.step_overlapped(overlap, model, forward, optim, lr)
+    }
+
+    /// [`Self::step_with`] under [`Self::with_overlap`].
+    fn step_overlapped<M: Module, E: From<crate::CollectiveError>>(
+        &self,
+        overlap: &OverlappedDdp,
+        model: M,
+        forward: impl FnOnce(&M) -> std::result::Result<Tensor<1>, E>,
+        optim: &mut ModuleOptimizer,
+        lr: f64,
+    ) -> std::result::Result<(M, StepOutput), E> {
         if !self.precision.is_full() || self.scaler.is_some() {
             return Err(E::from(crate::CollectiveError::InvalidArgument {
                 rank: overlap.group().global_rank(),
@@ -638,11 +650,17 @@ impl TrainStep {
         if micro_batches == 0 {
             return Err(invalid("zero micro-batches: give at least one"));
         }
-        if self.overlap.is_some() && micro_batches > 1 {
-            return Err(invalid(
-                "overlapped data parallelism reduces during each backward, so it cannot \
-                 accumulate micro-batches yet; drop with_overlap or use one micro-batch",
-            ));
+        if self.overlap.is_some() {
+            if micro_batches > 1 {
+                return Err(invalid(
+                    "overlapped data parallelism reduces during each backward, so it cannot \
+                     accumulate micro-batches yet; drop with_overlap or use one micro-batch",
+                ));
+            }
+            // One micro-batch: the overlapped step (its hooks are the data-parallel reduction).
+            if let Some(overlap) = &self.overlap {
+                return self.step_overlapped(overlap, model, |m| forward(m, 0), optim, lr);
+            }
         }
         // In fp32 the model itself (no copy: state a forward updates stays with it).
         let compute = (!self.precision.is_full()).then(|| self.compute_model(&model));

@@ -212,3 +212,33 @@ fn step_accumulated_refuses_what_it_cannot_do() {
         "{overlap}"
     );
 }
+
+/// Under overlapped data parallelism one micro-batch is the overlapped step itself: the
+/// replicas train on different rows and still end identical (their gradients were averaged).
+#[test]
+fn step_accumulated_with_overlap_averages_over_the_replicas() {
+    use burn_parallel::overlap::OverlappedDdp;
+    let weights = run_local(2, |group| {
+        let device = Device::flex().autodiff();
+        let mut optim = AdamWConfig::new().init();
+        let step =
+            TrainStep::new(TpContext::single()).with_overlap(OverlappedDdp::new(group.clone()));
+        let rank = group.rank();
+        let x = batch(0, rank, &device);
+        let (m, _) = step
+            .step_accumulated(
+                model(&device),
+                1,
+                |m, _| m.forward(x.clone()).map(|y| y.powi_scalar(2).mean()),
+                &mut optim,
+                1e-2,
+            )
+            .unwrap();
+        Ok(m.weight.val().into_data().try_to_vec::<f32>().unwrap())
+    })
+    .unwrap();
+    assert_eq!(
+        weights[0], weights[1],
+        "the replicas diverged: no reduction ran"
+    );
+}
