@@ -102,6 +102,7 @@ struct Args {
     /// Micro-batches per optimizer step (each rank's rows split evenly between them).
     #[arg(long, default_value_t = 1)]
     grad_accum: usize,
+    /// Arithmetic of the forward and backward (master weights and optimizer state stay fp32).
     #[arg(long, value_enum, default_value = "f32")]
     precision: Precision,
     /// Run every layout in turn (on `--ranks`, one rank for `single`) and print each one's
