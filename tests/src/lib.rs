@@ -56,6 +56,16 @@ pub fn assert_same_losses(reference: &[f64], other: &[f64], tol: f64, what: &str
     }
 }
 
+/// The worst relative difference, step by step, of the loss curve `other` from `reference`
+/// (`|other - reference| / |reference|`): how far a lower-precision run drifts.
+pub fn max_relative_loss_diff(other: &[f64], reference: &[f64]) -> f64 {
+    other
+        .iter()
+        .zip(reference)
+        .map(|(a, b)| ((a - b) / b).abs())
+        .fold(0.0, f64::max)
+}
+
 /// Final parameters by module path: shape and values.
 pub type Params = BTreeMap<String, (Vec<usize>, Vec<f32>)>;
 

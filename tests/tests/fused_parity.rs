@@ -135,12 +135,7 @@ fn fused_fp16_on_wgpu_tracks_fp32() {
         ..tiny_gpt_run(20)
     };
     let fp16 = train_fused(&config, TrainDevice::Wgpu);
-    let loss_err = fp16
-        .losses
-        .iter()
-        .zip(&reference.losses)
-        .map(|(a, b)| ((a - b) / b).abs())
-        .fold(0.0, f64::max);
+    let loss_err = tests::max_relative_loss_diff(&fp16.losses, &reference.losses);
     let (param_err, worst) =
         tests::compare_params(&reference.params, &fp16.final_params, f64::INFINITY)
             .expect("the same parameters");

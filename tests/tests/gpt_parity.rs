@@ -365,12 +365,7 @@ fn bf16_training_tracks_fp32() {
             ..config()
         };
         let report = parallel(world, &layout, &run);
-        let err = report
-            .losses
-            .iter()
-            .zip(&reference.losses)
-            .map(|(a, b)| ((a - b) / b).abs())
-            .fold(0.0, f64::max);
+        let err = tests::max_relative_loss_diff(&report.losses, &reference.losses);
         assert!(
             err < BF16_LOSS_TOL,
             "bf16 on {world} ranks ({layout:?}) drifts from fp32 by {err:.2e}: {:?} against {:?}",

@@ -1568,9 +1568,9 @@ pub fn rope<const D: usize>(
     Ok(Tensor::<3>::from_dispatch(y).reshape(dims))
 }
 
-/// Per-row partial softmax statistics `[rows, 2]` (max, `sum exp(x - max)`) of a shard of
-/// logits `[rows, vocab_shard]`: the quantity a vocabulary-parallel group combines. Detached.
-pub fn ce_partial_stats(logits: Tensor<2>) -> Tensor<2> {
+/// Per-row softmax statistics `[rows, 2]` (max, `sum exp(x - max)`) of logits `[rows, vocab]`,
+/// from which [`cross_entropy`] takes the log-sum-exp. Detached.
+fn ce_partial_stats(logits: Tensor<2>) -> Tensor<2> {
     Tensor::from_dispatch(Dispatch::fused_ce_stats(logits.detach().into_dispatch()))
 }
 
