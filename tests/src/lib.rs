@@ -294,13 +294,26 @@ pub fn reference_loss(
 /// # Panics
 /// When the bundled corpus does not load.
 pub fn reference_run(config: &TrainConfig) -> Reference {
-    let corpus = Corpus::load_default().expect("the bundled corpus");
-    let device = Device::flex().autodiff();
     let model_config = GptConfig {
         fused: false,
         ..config.model.clone()
     };
-    let mut model = Gpt::new(&model_config, &device);
+    reference_run_from(config, Gpt::new(&model_config, &reference_device()))
+}
+
+/// The device of the oracle: Flex with autodiff.
+pub fn reference_device() -> Device {
+    Device::flex().autodiff()
+}
+
+/// [`reference_run`] from the initial weights of `model` (on [`reference_device`]; built with
+/// the unfused kernels), for example a checkpoint imported from another implementation.
+///
+/// # Panics
+/// When the bundled corpus does not load.
+pub fn reference_run_from(config: &TrainConfig, mut model: Gpt) -> Reference {
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let device = reference_device();
     let mut optim = AdamWConfig::new()
         .with_weight_decay(config.weight_decay as f32)
         .init();
