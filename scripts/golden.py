@@ -8,13 +8,16 @@ semantics (not from our Rust code), trained in fp32 with `torch.optim.AdamW` on 
 data loader draws, 20 steps. `tests/tests/golden.rs` (no PyTorch needed) imports the initial
 weights through our Hugging Face importer, trains single-device and compares.
 
-For each `tests/golden/<arch>/` this writes:
+For the GPT-2 and the LLaMA, each `tests/golden/<arch>/` gets:
   config.json           the `transformers` config our importer reads
   model.safetensors     the initial weights (names and layouts of `transformers`)
   trajectory.json       the hyper-parameters, the losses, the gradient norms, the learning rates
   final.safetensors     the weights after the last step
 from `tests/golden/batches.safetensors` (inputs/targets, int64 [steps, batch, seq]), written by
-`cargo test -p tests --test golden -- --ignored write_golden_batches`.
+`cargo test -p tests --test golden -- --ignored write_golden_batches`. The third,
+`tests/golden/byo/`, is the bring-your-own-model decoder (examples/examples/byo_model): its
+initial weights and batches come from `cargo test -p tests --test byo_parity -- --ignored
+write_golden_byo_inputs`, and the script adds trajectory.json and final.safetensors.
 
 Usage: python3 scripts/golden.py [tests/golden]   (needs torch, safetensors, numpy)
 """
@@ -210,6 +213,81 @@ def llama_logits(w, cfg, tokens):
     return rms(x, "model.norm.weight") @ w["lm_head.weight"].t()
 
 
+def byo_logits(w, heads, tokens):
+    """The bring-your-own-model decoder (examples/examples/byo_model/model.rs): RMSNorm
+    (eps 1e-5), causal attention without positions, SwiGLU, untied head, no biases; linear
+    weights stored [d_in, d_out] as Burn keeps them."""
+
+    def rms(x, name):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w[name]
+
+    x = w["embed.weight"][tokens]
+    b, s, d = x.shape
+    hd = d // heads
+    layers = sorted({int(k.split(".")[1]) for k in w if k.startswith("layers.")})
+
+    def split(t):
+        return t.view(b, s, heads, hd).transpose(1, 2)
+
+    for i in layers:
+        p = f"layers.{i}"
+        a = rms(x, f"{p}.norm1.weight")
+        q, k, v = (split(a @ w[f"{p}.attn.{n}.weight"]) for n in "qkv")
+        o = causal_attention(q, k, v).transpose(1, 2).reshape(b, s, d)
+        x = x + o @ w[f"{p}.attn.o.weight"]
+        m = rms(x, f"{p}.norm2.weight")
+        g = torch.nn.functional.silu(m @ w[f"{p}.mlp.gate.weight"])
+        x = x + (g * (m @ w[f"{p}.mlp.up.weight"])) @ w[f"{p}.mlp.down.weight"]
+    return rms(x, "norm.weight") @ w["head.weight"]
+
+
+def adamw(params, lr):
+    return torch.optim.AdamW(
+        params.values(),
+        lr=lr,
+        betas=tuple(HYPER["betas"]),
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+    )
+
+
+def train_byo(out_dir):
+    """The decoder from the initial weights and batches that `byo_parity`'s
+    write_golden_byo_inputs wrote: constant learning rate 3e-3, as its tests train."""
+    lr = 3e-3
+    initial = load_file(os.path.join(out_dir, "model.safetensors"))
+    batches = load_file(os.path.join(out_dir, "batches.safetensors"))
+    inputs, targets = batches["inputs"], batches["targets"]
+    vocab = initial["embed.weight"].shape[0]
+    params = {k: torch.nn.Parameter(v.clone()) for k, v in initial.items()}
+    optim = adamw(params, lr)
+    losses, grad_norms = [], []
+    for step in range(inputs.shape[0]):
+        optim.zero_grad()
+        logits = byo_logits(params, 4, inputs[step])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), targets[step].reshape(-1))
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(params.values(), HYPER["max_grad_norm"])
+        optim.step()
+        losses.append(loss.item())
+        grad_norms.append(norm.item())
+        print(f"byo step {step:2d} loss {loss.item():.6f} grad norm {norm.item():.4f}")
+    save_file({k: v.detach().contiguous() for k, v in params.items()}, os.path.join(out_dir, "final.safetensors"))
+    write_trajectory(out_dir, {"arch": "byo", "steps": inputs.shape[0], "lrs": [lr] * inputs.shape[0], **HYPER, "lr": lr}, losses, grad_norms)
+
+
+def write_trajectory(out_dir, fields, losses, grad_norms):
+    trajectory = {
+        "implementation": f"scripts/golden.py, torch {torch.__version__}, float32, CPU",
+        **fields,
+        "losses": losses,
+        "grad_norms": grad_norms,
+    }
+    with open(os.path.join(out_dir, "trajectory.json"), "w") as f:
+        json.dump(trajectory, f, indent=2)
+        f.write("\n")
+
+
 def train(arch, out_dir, seed, inputs, targets):
     cfg = CONFIGS[arch]
     os.makedirs(out_dir, exist_ok=True)
@@ -224,13 +302,7 @@ def train(arch, out_dir, seed, inputs, targets):
 
     params = {k: torch.nn.Parameter(v.clone()) for k, v in initial.items()}
     logits_of = gpt2_logits if arch == "gpt2" else llama_logits
-    optim = torch.optim.AdamW(
-        params.values(),
-        lr=HYPER["lr"],
-        betas=tuple(HYPER["betas"]),
-        eps=HYPER["eps"],
-        weight_decay=HYPER["weight_decay"],
-    )
+    optim = adamw(params, HYPER["lr"])
     losses, grad_norms, lrs = [], [], []
     for step in range(steps):
         lr = lr_at(step, steps)
@@ -248,21 +320,16 @@ def train(arch, out_dir, seed, inputs, targets):
         print(f"{arch} step {step:2d} loss {loss.item():.6f} grad norm {norm.item():.4f} lr {lr:.2e}")
 
     save_file({k: v.detach().contiguous() for k, v in params.items()}, os.path.join(out_dir, "final.safetensors"))
-    trajectory = {
-        "implementation": f"scripts/golden.py, torch {torch.__version__}, float32, CPU",
+    fields = {
         "arch": arch,
         "seed": seed,
         "steps": steps,
         "batch_size": inputs.shape[1],
         "seq_len": inputs.shape[2],
         **HYPER,
-        "losses": losses,
-        "grad_norms": grad_norms,
         "lrs": lrs,
     }
-    with open(os.path.join(out_dir, "trajectory.json"), "w") as f:
-        json.dump(trajectory, f, indent=2)
-        f.write("\n")
+    write_trajectory(out_dir, fields, losses, grad_norms)
 
 
 def main():
@@ -272,6 +339,7 @@ def main():
     batches = load_file(os.path.join(root, "batches.safetensors"))
     for seed, arch in enumerate(CONFIGS):
         train(arch, os.path.join(root, arch), seed, batches["inputs"], batches["targets"])
+    train_byo(os.path.join(root, "byo"))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ use examples::data::{Corpus, Split};
 use examples::gpt::{Gpt, GptConfig};
 use examples::train::{NamedParam, Parallelism, TrainConfig, TrainReport};
 
+pub mod golden;
+
 /// A GPT run small enough for CI: 2 layers, width 32, global batch 8 x 16 tokens.
 pub fn tiny_gpt_run(steps: usize) -> TrainConfig {
     let mut model = GptConfig::new(256, 2, 2, 32, 16);

@@ -694,3 +694,94 @@ fn sharded_init_holds_only_the_shard() {
         shapes[0].3
     );
 }
+
+// ---- the oracle checked from outside (see tests/golden.rs) ----
+
+/// The golden run clips the global gradient norm at this.
+const GOLDEN_CLIP: f64 = 1.0;
+
+fn host_tensors(params: Params) -> BTreeMap<String, examples::hf::HostTensor> {
+    params
+        .into_iter()
+        .map(|(path, data)| {
+            let shape = data.shape().to_vec();
+            let values = data.try_to_vec::<f32>().expect("f32 parameters");
+            (path, examples::hf::HostTensor::new(shape, values))
+        })
+        .collect()
+}
+
+fn golden_batches() -> tests::golden::Batches {
+    let device = Device::flex();
+    let (mut inputs, mut targets) = (Vec::new(), Vec::new());
+    for step in 0..STEPS {
+        let (tokens, next) = batch(step, 0..BATCH, &device);
+        inputs.extend(tokens.try_into_vec_as::<i64>().expect("token ids"));
+        targets.extend(next.try_into_vec_as::<i64>().expect("token ids"));
+    }
+    tests::golden::Batches {
+        shape: [STEPS, BATCH, SEQ],
+        inputs,
+        targets,
+    }
+}
+
+/// Writes `tests/golden/byo/`'s inputs of `scripts/golden.py`: the decoder's seeded initial
+/// weights (`model.safetensors`, Burn's parameter paths, `[d_in, d_out]` linear weights) and
+/// the 20 batches.
+#[test]
+#[ignore = "writes the golden inputs; run by hand before scripts/golden.py"]
+fn write_golden_byo_inputs() {
+    let dir = tests::golden::dir("byo");
+    golden_batches().write(&dir.join("batches.safetensors"));
+    let model = Decoder::new(&Init::new(config().seed, &Device::flex()), None, &config()).unwrap();
+    let params = TpContext::single().full_params(&model).unwrap();
+    examples::hf::write_safetensors(&dir.join("model.safetensors"), &host_tensors(params))
+        .expect("model.safetensors written");
+}
+
+/// The plain single-device training of the decoder (the reference of every test above) against
+/// `scripts/golden.py`'s PyTorch decoder from the same initial weights on the same batches:
+/// losses and final weights within 1e-4 (measured: see the output).
+#[test]
+fn byo_oracle_matches_pytorch() {
+    let golden = tests::golden::Trajectory::load("byo");
+    golden.assert_burn_adamw();
+    let dir = tests::golden::dir("byo");
+    golden_batches().assert_committed_at(&dir.join("batches.safetensors"));
+    assert_eq!(
+        (
+            golden.f64("lr"),
+            golden.f64("weight_decay"),
+            golden.f64("max_grad_norm")
+        ),
+        (LR, 0.01, GOLDEN_CLIP),
+        "the golden run's constant learning rate, weight decay and clipping"
+    );
+    let initial =
+        Decoder::new(&Init::new(config().seed, &Device::flex()), None, &config()).unwrap();
+    let initial = host_tensors(TpContext::single().full_params(&initial).unwrap());
+    assert_eq!(
+        initial,
+        tests::golden::tensors("byo", "model.safetensors"),
+        "the committed initial weights are not the decoder's seeded ones: regenerate"
+    );
+    let (losses, params) = reference(&Device::flex(), Some(GOLDEN_CLIP));
+    let losses: Vec<f64> = losses.into_iter().map(f64::from).collect();
+    let what = "byo decoder: the single-device oracle vs PyTorch";
+    tests::golden::report_losses(what, &losses, &golden.losses());
+    tests::assert_same_losses(&golden.losses(), &losses, 1e-4, what);
+    let reference: tests::Params = tests::golden::tensors("byo", "final.safetensors")
+        .into_iter()
+        .map(|(path, t)| (path, (t.shape, t.values)))
+        .collect();
+    let ours: Vec<_> = host_tensors(params)
+        .into_iter()
+        .map(|(path, t)| examples::train::NamedParam {
+            path,
+            shape: t.shape,
+            values: t.values,
+        })
+        .collect();
+    tests::assert_same_params(&reference, &ours, 1e-4, what);
+}
