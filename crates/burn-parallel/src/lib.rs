@@ -46,10 +46,7 @@ pub mod replica;
 pub use replica::{ReplicaError, verify_replicas};
 pub mod tensor_parallel;
 
-pub use tensor_parallel::{
-    ColumnParallelLinear, ParallelAttention, ParallelMlp, Placement, RowParallelLinear, TpError,
-    TpTensor, VocabParallelEmbedding, vocab_parallel_cross_entropy,
-};
+pub use tensor_parallel::{Placement, TpError, TpTensor, vocab_parallel_cross_entropy};
 pub mod init;
 pub mod kernels;
 pub mod malloc;

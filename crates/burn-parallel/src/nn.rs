@@ -75,7 +75,7 @@ use crate::error::CollectiveError;
 use crate::group::ProcessGroup;
 use crate::init::{Init, Initializer, LinearInit};
 use crate::plan::TpStyle;
-use crate::tensor_parallel::layers::row_output;
+use crate::tensor_parallel::region::row_output;
 use crate::tensor_parallel::{
     CrossEntropyOptions, Placement, SEQ_DIM, Shard, Split, TpError, TpResult, TpTensor, sp_param,
     vocab_parallel_cross_entropy,

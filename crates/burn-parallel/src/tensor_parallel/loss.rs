@@ -22,9 +22,9 @@ pub struct CrossEntropyOptions {
 }
 
 /// Mean cross-entropy of vocabulary-sharded `logits` (`[n, vocab]`, sharded along dim 1, as a
-/// [`ColumnParallelLinear`](super::ColumnParallelLinear) or
-/// [`VocabParallelEmbedding::attend`](super::VocabParallelEmbedding::attend) produces them)
-/// against global class ids `targets` `[n]`. The result `[1]` is replicated over the group.
+/// vocabulary-split [`crate::nn::Linear`] head or [`crate::nn::Embedding::attend`] produces
+/// them; [`crate::nn::Linear::cross_entropy`] calls this) against global class ids `targets`
+/// `[n]`. The result `[1]` is replicated over the group.
 ///
 /// # Errors
 /// [`TpError::Layout`] when `logits` are not sharded along dim 1 (gathered logits: use the
@@ -36,14 +36,14 @@ pub struct CrossEntropyOptions {
 /// use burn::tensor::{Device, Int, Tensor};
 /// use burn_parallel::run_local;
 /// use burn_parallel::tensor_parallel::{
-///     vocab_parallel_cross_entropy, ColumnParallelLinear, CrossEntropyOptions, Split, TpTensor,
+///     vocab_parallel_cross_entropy, CrossEntropyOptions, Placement, Split, TpTensor,
 /// };
 /// let losses = run_local(2, |group| {
 ///     let device = Device::flex();
-///     let head = ColumnParallelLinear::from_full(
-///         Tensor::<2>::zeros([4, 5], &device), None, Split::Padded { multiple: 1 }, &group, &device,
-///     ).unwrap();
-///     let logits = head.forward(TpTensor::replicated(Tensor::<2>::ones([3, 4], &device), &group)).unwrap();
+///     // 5 classes over 2 ranks, padded to 3 columns each; this rank's logits are all zero.
+///     let shard = Split::Padded { multiple: 1 }.shard(5, 2, group.rank(), "vocab").unwrap();
+///     let local = Tensor::<2>::zeros([3, shard.stored], &device);
+///     let logits = TpTensor::new(local, Placement::Shard { dim: 1, shard }, &group).unwrap();
 ///     let targets = Tensor::<1, Int>::from_data([0, 4, 2], &device);
 ///     let loss = vocab_parallel_cross_entropy(logits, targets, CrossEntropyOptions::default()).unwrap();
 ///     Ok(loss.into_data().to_vec::<f32>().unwrap()[0])
@@ -64,8 +64,8 @@ pub fn vocab_parallel_cross_entropy(
                 layer: layer.into(),
                 expected: "logits sharded along the vocabulary (dim 1)".into(),
                 got: other.to_string(),
-                hint: "use the ordinary cross-entropy on gathered logits, or build the output \
-                       layer without gather_output"
+                hint: "use the ordinary cross-entropy on gathered logits, or pass the head's \
+                       vocabulary shard without gathering it"
                     .into(),
             });
         }

@@ -1,21 +1,19 @@
-//! Tensor parallelism and sequence parallelism (Megatron-LM; Korthikanti et al. 2022).
+//! Tensor parallelism and sequence parallelism (Megatron-LM; Korthikanti et al. 2022): the
+//! pieces under the layers of [`crate::nn`].
 //!
-//! The layers split each weight matrix over the ranks of a *tensor-parallel group*:
+//! A model is written once with [`crate::nn::Linear`] and [`crate::nn::Embedding`]; a
+//! [`TpPlan`](crate::plan::TpPlan) given to [`Init::with_tp`](crate::init::Init::with_tp) splits
+//! them (column- or row-parallel linears, vocabulary-split embeddings and heads). This module
+//! holds what those layers share and what a user writing their own tensor-parallel operation
+//! needs:
 //!
-//! | layer | weight split | input | output |
-//! |---|---|---|---|
-//! | [`ColumnParallelLinear`] | output features | replicated (sequence-sharded under SP) | feature-sharded (or gathered) |
-//! | [`RowParallelLinear`] | input features | feature-sharded | replicated by all-reduce (sequence-sharded by reduce-scatter under SP) |
-//! | [`VocabParallelEmbedding`] | vocabulary rows (padded) | token ids | replicated (sequence-sharded under SP) |
-//! | [`vocab_parallel_cross_entropy`] | - | vocab-sharded logits | replicated loss |
-//! | [`ParallelAttention`] / [`ParallelMlp`] | heads / hidden units | as column | as row |
-//!
-//! Every activation between layers travels as a [`TpTensor`]: the local tensor plus its
-//! [`Placement`] in the group (replicated, sharded along a dimension, or a partial sum). Layers
-//! check the placement they receive, so a mis-paired composition (a row-parallel output fed to a
-//! layer that expects a shard, a norm applied to a feature shard, a residual add of a
-//! sequence shard to a replicated tensor, shards of different partitions...) is a
-//! [`TpError::Layout`] naming the layer and what to change, instead of a silently wrong loss.
+//! | piece | what |
+//! |---|---|
+//! | [`Split`], [`Shard`] | how a dimension is split over the group (even, padded, whole blocks) |
+//! | [`TpTensor`], [`Placement`] | a local tensor and its place in the group (replicated, sharded, partial sum), checked before use |
+//! | [`vocab_parallel_cross_entropy`] | the loss of vocabulary-sharded logits, without gathering them |
+//! | [`sequence_shard`], [`sp_param`], [`SEQ_DIM`] | sequence parallelism: a rank's tokens, replicated parameters used on sequence shards |
+//! | [`SeededDropout`] | dropout whose masks do not depend on the layout |
 //!
 //! Communication is the conjugate pairs of [`crate::autograd`]: *f* = [`copy_to_group`] before
 //! a column-parallel layer, *g* = [`reduce_from_group`] after a row-parallel layer, and under
@@ -25,31 +23,34 @@
 //! backward all-reduces their partial gradients over the group, so no separate "reduce the norm
 //! gradients" step exists to be forgotten.
 //!
-//! # Example
+//! # Example: a [`TpTensor`] refuses what its placement does not allow
 //! ```
 //! use burn::tensor::{Device, Tensor};
 //! use burn_parallel::run_local;
-//! use burn_parallel::tensor_parallel::{ColumnParallelLinear, RowParallelLinear, Split, TpTensor};
+//! use burn_parallel::tensor_parallel::{Placement, Split, TpError, TpTensor};
 //!
-//! let widths = run_local(2, |group| {
+//! run_local(2, |group| {
 //!     let device = Device::flex();
-//!     let w1 = Tensor::<2>::ones([4, 8], &device);
-//!     let w2 = Tensor::<2>::ones([8, 4], &device);
-//!     let up = ColumnParallelLinear::from_full(w1, None, Split::Even, &group, &device).unwrap();
-//!     let down = RowParallelLinear::from_full(w2, None, Split::Even, &group, &device).unwrap();
-//!     let x = TpTensor::replicated(Tensor::<2>::ones([3, 4], &device), &group);
-//!     let hidden = up.forward(x).unwrap(); // [3, 4] on each rank: half of the 8 features
-//!     let y = down.forward(hidden.clone()).unwrap(); // all-reduced: [3, 4], each value 32
-//!     assert_eq!(y.tensor().to_data().to_vec::<f32>().unwrap()[0], 32.0);
-//!     Ok(hidden.dims()[1])
+//!     let shard = Split::Even.shard(8, group.size(), group.rank(), "hidden").unwrap();
+//!     let hidden = TpTensor::new(
+//!         Tensor::<2>::ones([3, 4], &device),
+//!         Placement::Shard { dim: 1, shard },
+//!         &group,
+//!     )
+//!     .unwrap();
+//!     // A norm needs whole feature vectors: on a feature shard it is a typed error.
+//!     let err = hidden.clone().map_features("ln", |t| t).unwrap_err();
+//!     assert!(matches!(err, TpError::Layout { .. }));
+//!     // Gathering the shards gives the whole width back on every rank.
+//!     assert_eq!(hidden.to_replicated().unwrap().dims(), [3, 8]);
+//!     Ok(())
 //! })
 //! .unwrap();
-//! assert_eq!(widths, vec![4, 4]);
 //! ```
 
 pub mod dropout;
-pub mod layers;
 pub mod loss;
+pub(crate) mod region;
 
 use std::fmt;
 
@@ -62,11 +63,8 @@ use crate::error::CollectiveError;
 use crate::group::ProcessGroup;
 
 pub use dropout::{DropoutSite, SeededDropout};
-pub use layers::{
-    ColumnParallelLinear, MlpActivation, ParallelAttention, ParallelMlp, RowParallelLinear,
-    VocabParallelEmbedding, VocabSplit,
-};
 pub use loss::{CrossEntropyOptions, vocab_parallel_cross_entropy};
+pub use region::VocabSplit;
 
 /// The sequence dimension of activations `[batch, seq, ..]` under sequence parallelism.
 pub const SEQ_DIM: usize = 1;
@@ -402,9 +400,8 @@ impl<const D: usize> TpTensor<D> {
                 expected: "whole feature vectors (replicated, or sharded along the sequence)"
                     .into(),
                 got: self.placement.to_string(),
-                hint: "a feature shard comes out of a ColumnParallelLinear: feed it to the \
-                       matching RowParallelLinear, or build the column layer with \
-                       gather_output"
+                hint: "a feature shard comes out of a column-parallel linear: feed it to the \
+                       matching row-parallel one, or gather it first (to_replicated)"
                     .into(),
             });
         }
@@ -524,12 +521,6 @@ impl<const D: usize> TpTensor<D> {
             },
             group: self.group,
         })
-    }
-
-    /// For a replicated tensor entering a tensor-parallel region: Megatron's *f* (identity
-    /// forward, all-reduce of the gradient backward).
-    pub(crate) fn enter_region(self) -> Tensor<D> {
-        copy_to_group(self.tensor, &self.group)
     }
 }
 
