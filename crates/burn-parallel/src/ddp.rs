@@ -26,8 +26,10 @@
 //! .unwrap();
 //! ```
 //!
-//! With gradient accumulation, sum micro-step gradients locally with a [`GradAccumulator`]
-//! and communicate once, on the last micro-step.
+//! With gradient accumulation, scale each micro-batch's loss by `1 / k`, sum the gradients
+//! locally with Burn's [`GradientsAccumulator`](burn::optim::GradientsAccumulator) and call
+//! [`DistributedDataParallel::all_reduce_grads`] once, after the last micro-batch:
+//! [`TrainStep::step_accumulated`](crate::train::TrainStep::step_accumulated) does exactly that.
 
 use std::collections::HashMap;
 use std::sync::mpsc;
@@ -392,66 +394,6 @@ impl DistributedDataParallel {
     pub fn verify_replicas<M: Module>(&self, module: &M) -> std::result::Result<(), ReplicaError> {
         crate::replica::verify_replicas(module, &self.group)
     }
-
-    /// A local gradient accumulator for this data-parallel group.
-    pub fn accumulator(&self) -> GradAccumulator {
-        GradAccumulator {
-            ddp: self.clone(),
-            grads: None,
-            steps: 0,
-        }
-    }
-}
-
-/// Sums gradients over micro-steps without communicating; [`GradAccumulator::finish`] averages
-/// them over the micro-steps and the ranks in one bucketed all-reduce.
-pub struct GradAccumulator {
-    ddp: DistributedDataParallel,
-    grads: Option<(Vec<ParamId>, GradientsParams)>,
-    steps: usize,
-}
-
-impl GradAccumulator {
-    /// Adds one micro-step's gradients (local only).
-    pub fn accumulate<M: Module>(&mut self, module: &M, grads: GradientsParams) {
-        self.steps += 1;
-        let mut params: Vec<(ParamId, Vec<usize>, DType)> = Vec::new();
-        module.visit(&mut ParamLister(&mut params));
-        let ids: Vec<ParamId> = params.iter().map(|p| p.0).collect();
-        let mut incoming = grads;
-        match self.grads.take() {
-            None => self.grads = Some((ids, incoming)),
-            Some((ids, mut sum)) => {
-                module.visit(&mut Adder {
-                    sum: &mut sum,
-                    incoming: &mut incoming,
-                });
-                self.grads = Some((ids, sum));
-            }
-        }
-    }
-
-    /// Number of micro-steps accumulated so far.
-    pub fn steps(&self) -> usize {
-        self.steps
-    }
-
-    /// Averages the accumulated gradients over micro-steps and ranks (the one communication of
-    /// the step) and resets the accumulator.
-    ///
-    /// # Errors
-    /// When nothing was accumulated, or the all-reduce fails.
-    pub fn finish<M: Module>(&mut self, module: &M) -> Result<GradientsParams> {
-        let steps = std::mem::take(&mut self.steps);
-        let Some((_, grads)) = self.grads.take() else {
-            return Err(CollectiveError::InvalidArgument {
-                rank: self.ddp.group.global_rank(),
-                op: "GradAccumulator::finish".into(),
-                reason: "no gradients were accumulated; call accumulate first".into(),
-            });
-        };
-        self.ddp.reduce_grads(module, grads, 1.0 / steps as f32)
-    }
 }
 
 pub(crate) fn numel_of(shape: &[usize]) -> usize {
@@ -497,24 +439,6 @@ impl ModuleVisitor for ParamLister<'_> {
         let value = param.val();
         self.0
             .push((param.id, value.dims().to_vec(), value.dtype()));
-    }
-}
-
-struct Adder<'a> {
-    sum: &'a mut GradientsParams,
-    incoming: &'a mut GradientsParams,
-}
-
-impl ModuleVisitor for Adder<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        match (
-            self.sum.remove::<D>(param.id),
-            self.incoming.remove::<D>(param.id),
-        ) {
-            (Some(a), Some(b)) => self.sum.register(param.id, a + b),
-            (Some(a), None) | (None, Some(a)) => self.sum.register(param.id, a),
-            (None, None) => {}
-        }
     }
 }
 

@@ -40,7 +40,7 @@ pub use mesh::{DeviceMesh, MeshError, ParallelDims};
 pub mod ddp;
 pub mod diloco;
 
-pub use ddp::{BucketPlace, DistributedDataParallel, GradAccumulator};
+pub use ddp::{BucketPlace, DistributedDataParallel};
 pub use diloco::{DiLoCo, DiLoCoConfig, DiLoCoError, Islands};
 pub mod replica;
 pub use replica::{ReplicaError, verify_replicas};

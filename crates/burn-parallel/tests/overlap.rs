@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use burn::module::{Module, Param, ParamId};
 use burn::nn::Linear;
-use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer, SgdConfig};
+use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::overlap::{GradHook, OverlappedDdp, grad_hook};
 use burn_parallel::{CollectiveError, DistributedDataParallel, ProcessGroup, ReduceOp, run_local};
@@ -176,7 +176,8 @@ fn global_loss(group: &ProcessGroup, local: f32) -> burn_parallel::Result<f32> {
     Ok(group.all_reduce_f32(vec![local], ReduceOp::Avg)?[0])
 }
 
-/// DDP with the all-reduce after backward (`all_reduce_grads`, or `GradAccumulator`).
+/// DDP with the all-reduce after backward: micro-batch gradients summed locally (Burn's
+/// `GradientsAccumulator`, losses scaled by `1 / k`), then one `all_reduce_grads`.
 fn after_backward(s: Setup) -> Vec<Run> {
     run_local(s.ranks, |group| {
         let device = Device::flex().autodiff();
@@ -186,16 +187,17 @@ fn after_backward(s: Setup) -> Vec<Run> {
         let mut optim = s.opt.init();
         let mut losses = Vec::new();
         for step in 0..s.steps {
-            let mut acc = ddp.accumulator();
+            let mut acc = GradientsAccumulator::new();
             let mut local = 0.0;
             for micro in 0..s.micro_steps {
                 let (x, y) = batch(step, micro, rank, &device);
                 let loss = model.loss(x, y, rank, s.variant);
                 local += loss.clone().into_scalar::<f32>() / s.micro_steps as f32;
+                let loss = loss / s.micro_steps as f32;
                 acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
             }
             losses.push(global_loss(&group, local)?);
-            let grads = acc.finish(&model)?;
+            let grads = ddp.all_reduce_grads(&model, acc.grads())?;
             model = optim.step(s.opt.lr(), model, grads);
         }
         Ok((losses, flat(&model)))
