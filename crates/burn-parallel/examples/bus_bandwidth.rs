@@ -16,7 +16,8 @@
 use std::time::{Duration, Instant};
 
 use burn::tensor::TensorData;
-use burn_parallel::comm::tcp::{TcpConfig, TcpRendezvous, connect, connect_with_rendezvous};
+use burn_parallel::comm::tcp::{TcpConfig, TcpRendezvous};
+use burn_parallel::world::{connect_tcp, connect_tcp_with_rendezvous};
 use burn_parallel::{ProcessGroup, ReduceOp};
 
 /// Mean seconds of one all-reduce of `bytes` bytes of f32 on `group`.
@@ -52,17 +53,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if sizes_mb.is_empty() {
         sizes_mb = vec![1, 4, 16, 64, 256];
     }
-    let mpi = burn_parallel::comm::mpi::init()?;
+    let mpi = burn_parallel::world::init_mpi()?;
     let (rank, n) = (mpi.rank(), mpi.size());
     // The tcp world of the same processes, on loopback.
     let tcp = if rank == 0 {
         let rendezvous = TcpRendezvous::bind("127.0.0.1:0")?;
         let port = rendezvous.port();
         mpi.broadcast_object(Some(&port), 0)?;
-        connect_with_rendezvous(&TcpConfig::new(0, n, "127.0.0.1", port), rendezvous)?
+        connect_tcp_with_rendezvous(&TcpConfig::new(0, n, "127.0.0.1", port), rendezvous)?
     } else {
         let port: u16 = mpi.broadcast_object(None, 0)?;
-        connect(&TcpConfig::new(rank, n, "127.0.0.1", port))?
+        connect_tcp(&TcpConfig::new(rank, n, "127.0.0.1", port))?
     };
     if rank == 0 {
         println!("all-reduce (sum, f32) on {n} ranks, one machine; MB = 10^6 bytes");

@@ -244,7 +244,7 @@ fn run_tcp(quick: bool) -> Vec<Row> {
 }
 
 fn tcp_worker(quick: bool) {
-    let group = burn_parallel::comm::tcp::init_from_env().expect("tcp rendezvous");
+    let group = burn_parallel::init_from_env().expect("tcp rendezvous");
     for &bytes in &sizes(quick) {
         let secs = time_all_reduce(&group, bytes);
         if group.rank() == 0 {

@@ -29,8 +29,7 @@ use crate::error::{CollectiveError, Result};
 /// Below this size the shared-memory all-reduce's two barriers cost more than they save.
 const SHM_MIN_BYTES: usize = 256 * 1024;
 
-/// Default timeout of every wait, unless `BURN_PARALLEL_TIMEOUT_SECS` says otherwise.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+pub use crate::comm::transport::DEFAULT_TIMEOUT;
 
 /// `BURN_PARALLEL_TIMEOUT_SECS`, or [`DEFAULT_TIMEOUT`]. An unusable value (`inf`, `NaN`,
 /// negative, beyond [`crate::comm::tcp::MAX_TIMEOUT`]) is an error of the `tcp` backend's

@@ -25,11 +25,12 @@ pub mod error;
 pub mod group;
 
 pub use comm::host::ReduceOp;
-pub use comm::local::{local_world, run_local};
-pub use comm::tcp::{TcpConfig, TcpRendezvous, init_from_env};
+pub use comm::tcp::{TcpConfig, TcpRendezvous};
 pub use comm::transport::Transport;
 pub use error::{CollectiveError, Result};
 pub use group::{ProcessGroup, SendRecv};
+pub mod world;
+pub use world::{init_from_env, local_world, run_local};
 pub mod autograd;
 pub mod checkpoint;
 pub mod context_parallel;

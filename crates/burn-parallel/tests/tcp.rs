@@ -9,7 +9,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use burn::tensor::{DType, Device, Tensor, TensorData};
-use burn_parallel::comm::tcp::{LaunchEnv, Launcher, TcpTransport, connect};
+use burn_parallel::comm::tcp::{LaunchEnv, Launcher, TcpTransport};
+use burn_parallel::world::connect_tcp;
 use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp, Result, TcpConfig, TcpRendezvous};
 
 /// Bound on the rendezvous and on every wait: failures must be detected well before it.
@@ -461,7 +462,7 @@ fn sub_groups_from_split() {
 
 #[test]
 fn world_of_one_needs_no_network() {
-    let group = connect(&TcpConfig::new(0, 1, "256.0.0.1", 1).with_timeout(TIMEOUT)).unwrap();
+    let group = connect_tcp(&TcpConfig::new(0, 1, "256.0.0.1", 1).with_timeout(TIMEOUT)).unwrap();
     assert_eq!((group.rank(), group.size(), group.backend()), (0, 1, "tcp"));
     assert_eq!(
         group.all_reduce_f32(vec![2.0], ReduceOp::Sum).unwrap(),

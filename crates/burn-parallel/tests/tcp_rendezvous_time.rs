@@ -3,7 +3,8 @@
 use std::thread;
 use std::time::{Duration, Instant};
 
-use burn_parallel::comm::tcp::{JobToken, connect, connect_with_rendezvous};
+use burn_parallel::comm::tcp::JobToken;
+use burn_parallel::world::{connect_tcp, connect_tcp_with_rendezvous};
 use burn_parallel::{ReduceOp, TcpConfig, TcpRendezvous};
 
 const RUNS: usize = 20;
@@ -35,9 +36,9 @@ fn rendezvous_times(token: Option<JobToken>) {
         let start = Instant::now();
         let groups = thread::scope(|scope| {
             let others: Vec<_> = (1..world)
-                .map(|rank| scope.spawn(move || connect(&config(rank))))
+                .map(|rank| scope.spawn(move || connect_tcp(&config(rank))))
                 .collect();
-            let mut groups = vec![connect_with_rendezvous(&config(0), rendezvous).unwrap()];
+            let mut groups = vec![connect_tcp_with_rendezvous(&config(0), rendezvous).unwrap()];
             groups.extend(others.into_iter().map(|h| h.join().unwrap().unwrap()));
             groups
         });

@@ -11,7 +11,8 @@ use std::process::{Command, Output, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use burn_parallel::comm::tcp::{JobToken, TcpTransport, connect, connect_with_rendezvous};
+use burn_parallel::comm::tcp::{JobToken, TcpTransport};
+use burn_parallel::world::{connect_tcp, connect_tcp_with_rendezvous};
 use burn_parallel::{
     CollectiveError, ProcessGroup, ReduceOp, Result, TcpConfig, TcpRendezvous, run_local,
 };
@@ -113,7 +114,7 @@ fn the_forgers_message_format_is_the_stores() {
     let rendezvous = TcpRendezvous::bind("127.0.0.1:0").unwrap();
     let port = rendezvous.port();
     let short = config(0, 2, port, Some(TOKEN)).with_timeout(Duration::from_secs(2));
-    let rank0 = thread::spawn(move || connect_with_rendezvous(&short, rendezvous).map(|_| ()));
+    let rank0 = thread::spawn(move || connect_tcp_with_rendezvous(&short, rendezvous).map(|_| ()));
     let (mut stream, challenge) = challenged(port);
     assert_eq!(challenge["authenticated"], json!(true), "{challenge}");
     let reply = reply_to(
@@ -156,7 +157,7 @@ fn forged_stray_and_silent_connections_neither_join_nor_fail_the_job() {
 
     let groups = thread::scope(|scope| {
         let rank0 = scope.spawn(|| {
-            let group = connect_with_rendezvous(&config(0, 2, port, Some(TOKEN)), rendezvous)?;
+            let group = connect_tcp_with_rendezvous(&config(0, 2, port, Some(TOKEN)), rendezvous)?;
             Ok::<_, CollectiveError>((group, start.elapsed()))
         });
         // The forger of the backlog: right format, wrong token.
@@ -182,7 +183,7 @@ fn forged_stray_and_silent_connections_neither_join_nor_fail_the_job() {
         let untagged = reply_to(&mut fourth, &untagged);
 
         // Now the real rank 1.
-        let rank1 = connect(&config(1, 2, port, Some(TOKEN)))?;
+        let rank1 = connect_tcp(&config(1, 2, port, Some(TOKEN)))?;
         let (rank0, formed) = rank0.join().unwrap()?;
         for (what, reply) in [
             ("forged", &forged),
@@ -257,14 +258,15 @@ fn a_rank_with_a_wrong_token_fails_with_a_job_token_error_and_disturbs_nobody() 
         // The impostor starts first, and keeps trying during the whole rendezvous.
         let impostor = scope.spawn(|| {
             let start = Instant::now();
-            let result = connect(&config(1, 2, port, Some("not the token")).with_timeout(short));
+            let result =
+                connect_tcp(&config(1, 2, port, Some("not the token")).with_timeout(short));
             (result.map(|_| ()), start.elapsed())
         });
         thread::sleep(Duration::from_millis(200));
-        let rank0 =
-            scope.spawn(|| connect_with_rendezvous(&config(0, 2, port, Some(TOKEN)), rendezvous));
+        let rank0 = scope
+            .spawn(|| connect_tcp_with_rendezvous(&config(0, 2, port, Some(TOKEN)), rendezvous));
         thread::sleep(Duration::from_millis(200));
-        let rank1 = connect(&config(1, 2, port, Some(TOKEN))).unwrap();
+        let rank1 = connect_tcp(&config(1, 2, port, Some(TOKEN))).unwrap();
         let rank0 = rank0.join().unwrap().unwrap();
         let (result, elapsed) = impostor.join().unwrap();
         match result {
@@ -294,8 +296,9 @@ fn rank_0_reports_the_token_rejections_when_a_rank_never_joins() {
     let port = rendezvous.port();
     let short = Duration::from_millis(800);
     let (rank0, rank1) = thread::scope(|scope| {
-        let rank1 = scope.spawn(|| connect(&config(1, 2, port, Some("other")).with_timeout(short)));
-        let rank0 = connect_with_rendezvous(
+        let rank1 =
+            scope.spawn(|| connect_tcp(&config(1, 2, port, Some("other")).with_timeout(short)));
+        let rank0 = connect_tcp_with_rendezvous(
             &config(0, 2, port, Some(TOKEN)).with_timeout(short),
             rendezvous,
         );
@@ -323,9 +326,12 @@ fn a_token_on_one_side_only_is_a_job_token_error_at_once() {
         let start = Instant::now();
         let rank1 = thread::scope(|scope| {
             let rank0 = scope.spawn(|| {
-                connect_with_rendezvous(&config(0, 2, port, token0).with_timeout(short), rendezvous)
+                connect_tcp_with_rendezvous(
+                    &config(0, 2, port, token0).with_timeout(short),
+                    rendezvous,
+                )
             });
-            let rank1 = connect(&config(1, 2, port, token1).with_timeout(short));
+            let rank1 = connect_tcp(&config(1, 2, port, token1).with_timeout(short));
             let elapsed = start.elapsed();
             assert!(rank0.join().unwrap().is_err());
             (rank1.map(|_| ()), elapsed)
@@ -374,7 +380,7 @@ fn the_store_listens_on_master_addr_only() {
     // A MASTER_ADDR that is not an address of this machine: a typed error, not a store on
     // every interface.
     let config = TcpConfig::new(0, 2, "203.0.113.7", 29999).with_timeout(Duration::from_secs(1));
-    match connect(&config) {
+    match connect_tcp(&config) {
         Err(CollectiveError::Rendezvous(m)) => {
             assert!(m.contains("not an address of this machine"), "{m}")
         }
@@ -393,7 +399,7 @@ fn the_store_listens_on_master_addr_only() {
     let (port, _loopback) = port_free_on_both(ip);
     let short = Duration::from_secs(3);
     let rank0 = thread::spawn(move || {
-        connect(&TcpConfig::new(0, 2, ip.to_string(), port).with_timeout(short)).map(|_| ())
+        connect_tcp(&TcpConfig::new(0, 2, ip.to_string(), port).with_timeout(short)).map(|_| ())
     });
     // Wait until it listens on its address.
     let deadline = Instant::now() + short;
@@ -410,7 +416,7 @@ fn the_store_listens_on_master_addr_only() {
         "the store at {ip}:{port} is also reachable through 127.0.0.1"
     );
     // The job itself forms through MASTER_ADDR.
-    let rank1 = connect(&TcpConfig::new(1, 2, ip.to_string(), port).with_timeout(short));
+    let rank1 = connect_tcp(&TcpConfig::new(1, 2, ip.to_string(), port).with_timeout(short));
     assert!(rank1.is_ok(), "{rank1:?}");
     assert!(rank0.join().unwrap().is_ok());
 }
@@ -444,7 +450,7 @@ fn a_timeout_too_long_to_represent_is_a_typed_error() {
         Duration::ZERO,
     ] {
         let config = TcpConfig::new(1, 2, "127.0.0.1", 1).with_timeout(timeout);
-        match connect(&config) {
+        match connect_tcp(&config) {
             Err(CollectiveError::InvalidTimeout { setting, .. }) => {
                 assert_eq!(setting, "TcpConfig::timeout")
             }

@@ -58,8 +58,8 @@ enum Backend {
 fn process_world(backend: Backend) -> Result<ProcessGroup, CollectiveError> {
     match backend {
         Backend::Nccl => burn_parallel::comm::nccl::init_from_env(),
-        Backend::Mpi => burn_parallel::comm::mpi::init(),
-        Backend::Tcp | Backend::Local => burn_parallel::comm::tcp::init_from_env(),
+        Backend::Mpi => burn_parallel::world::init_mpi(),
+        Backend::Tcp | Backend::Local => burn_parallel::init_from_env(),
     }
 }
 

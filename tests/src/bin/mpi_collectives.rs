@@ -355,7 +355,7 @@ fn main() -> ExitCode {
     let mode = std::env::args()
         .nth(1)
         .unwrap_or_else(|| "collectives".into());
-    let world = match burn_parallel::comm::mpi::init() {
+    let world = match burn_parallel::world::init_mpi() {
         Ok(world) => world,
         Err(e) => {
             eprintln!("error: {e}");

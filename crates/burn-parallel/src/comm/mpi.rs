@@ -1,7 +1,7 @@
 //! The `mpi` backend (feature `mpi`): ranks are the processes of an MPI job, started by
 //! `mpirun -np N prog` or SLURM's `srun prog`; rank and world size come from MPI itself.
 //!
-//! - The host-data collectives of [`ProcessGroup`] (all-reduce, all-gather, reduce-scatter,
+//! - The host-data collectives of [`ProcessGroup`](crate::ProcessGroup) (all-reduce, all-gather, reduce-scatter,
 //!   broadcast, all-to-all, barrier) run on MPI's own algorithms, through
 //!   [`NativeCollectives`]. Before moving data, every call all-gathers a small header (a hash of
 //!   the call's signature: operation, call number, dtype, shape), so a rank calling another
@@ -12,7 +12,7 @@
 //!   waits for the receiver), and a progress thread receives every incoming frame into the
 //!   [`Mailbox`], completes finished sends, and drives MPI's progress. This keeps one
 //!   [`Transport`] contract for every backend, so every technique runs unchanged.
-//! - Sub-groups ([`ProcessGroup::split`], called by the members only) get their communicator
+//! - Sub-groups ([`ProcessGroup::split`](crate::ProcessGroup::split), called by the members only) get their communicator
 //!   from `MPI_Comm_create_group`, which only the members call, created at the group's first
 //!   collective after a handshake among the members that has the group's timeout.
 //! - No count overflows: every MPI call moves at most `i32::MAX` units; larger buffers are
@@ -32,16 +32,17 @@
 //! ```no_run
 //! use burn_parallel::ReduceOp;
 //! // In a program started by `mpirun -np 4 prog` (or `srun prog`):
-//! let world = burn_parallel::comm::mpi::init()?;
+//! let world = burn_parallel::world::init_mpi()?;
 //! let total = world.all_reduce_f32(vec![world.rank() as f32], ReduceOp::Sum)?;
 //! assert_eq!(total, vec![6.0]);
 //! # Ok::<(), burn_parallel::CollectiveError>(())
 //! ```
 
 #[cfg(feature = "mpi")]
+use std::sync::Arc;
+
 use crate::comm::transport::{Mailbox, NativeCall, NativeCollectives, Transport};
 use crate::error::{CollectiveError, Result};
-use crate::group::ProcessGroup;
 
 #[path = "mpi/chunks.rs"]
 pub mod chunks;
@@ -56,30 +57,16 @@ pub const NOT_BUILT_HINT: &str = "build with the `mpi` feature of burn-parallel 
 /// Only useful to exercise the chunked paths with small buffers in tests.
 pub const MAX_COUNT_VAR: &str = "BURN_PARALLEL_MPI_MAX_COUNT";
 
-/// The process group of `MPI_COMM_WORLD`: initialises MPI (with `MPI_THREAD_MULTIPLE`) on the
-/// first call and returns the same group (clones of it) on later calls. MPI is finalised when
-/// the process exits, after a barrier with the group's timeout; a job whose collectives failed
-/// ends with `MPI_Abort` instead, so that no rank waits forever for a failed one.
-///
-/// # Returns
-/// The world group: rank and size are MPI's (`mpirun -np N`, `srun`).
+/// The transport of `MPI_COMM_WORLD`, created (MPI initialised with `MPI_THREAD_MULTIPLE`) on
+/// the first call and shared by later ones; [`crate::world::init_mpi`] makes the world group
+/// on it.
 ///
 /// # Errors
-/// [`CollectiveError::BackendNotBuilt`] when burn-parallel was built without the `mpi`
-/// feature; [`CollectiveError::Rendezvous`] when MPI cannot be initialised or does not
-/// provide `MPI_THREAD_MULTIPLE`; [`CollectiveError::InvalidArgument`] for a bad
-/// `BURN_PARALLEL_MPI_MAX_COUNT`.
-///
-/// # Example
-/// ```no_run
-/// let world = burn_parallel::comm::mpi::init()?;
-/// println!("rank {} of {}", world.rank(), world.size());
-/// # Ok::<(), burn_parallel::CollectiveError>(())
-/// ```
-pub fn init() -> Result<ProcessGroup> {
+/// As [`crate::world::init_mpi`].
+pub(crate) fn world_transport() -> Result<Arc<dyn Transport>> {
     #[cfg(feature = "mpi")]
     {
-        backend::world()
+        backend::world().map(|t| t as Arc<dyn Transport>)
     }
     #[cfg(not(feature = "mpi"))]
     {
@@ -88,6 +75,14 @@ pub fn init() -> Result<ProcessGroup> {
             hint: NOT_BUILT_HINT.into(),
         })
     }
+}
+
+/// How long the exit barrier waits for the other ranks (the world group's timeout).
+pub(crate) fn set_exit_timeout(timeout: std::time::Duration) {
+    #[cfg(feature = "mpi")]
+    backend::set_exit_timeout(timeout);
+    #[cfg(not(feature = "mpi"))]
+    let _ = timeout;
 }
 
 #[cfg(feature = "mpi")]
@@ -133,17 +128,18 @@ mod backend {
 
     type Comm = Handle<ffi::MPI_Comm>;
 
-    /// The group of the world, created once per process.
-    static WORLD: OnceLock<
-        std::result::Result<(ProcessGroup, Arc<MpiTransport>), CollectiveError>,
-    > = OnceLock::new();
+    /// The transport of the world, created once per process.
+    static WORLD: OnceLock<std::result::Result<Arc<MpiTransport>, CollectiveError>> =
+        OnceLock::new();
 
-    pub(super) fn world() -> Result<ProcessGroup> {
-        WORLD
-            .get_or_init(start)
-            .as_ref()
-            .map(|(group, _)| group.clone())
-            .map_err(Clone::clone)
+    pub(super) fn world() -> Result<Arc<MpiTransport>> {
+        WORLD.get_or_init(start).clone()
+    }
+
+    pub(super) fn set_exit_timeout(timeout: Duration) {
+        if let Some(Ok(transport)) = WORLD.get() {
+            *lock(&transport.exit_timeout) = timeout;
+        }
     }
 
     fn mpi_error(code: c_int) -> String {
@@ -296,12 +292,12 @@ mod backend {
         exit_timeout: Mutex<Duration>,
     }
 
-    fn start() -> Result<(ProcessGroup, Arc<MpiTransport>)> {
+    fn start() -> Result<Arc<MpiTransport>> {
         let rendezvous = |why: String| CollectiveError::Rendezvous(format!("mpi: {why}"));
         let Some((universe, provided)) = mpi::initialize_with_threading(Threading::Multiple) else {
             return Err(rendezvous(
                 "MPI was already initialised outside burn-parallel; let \
-                 burn_parallel::comm::mpi::init() initialise it"
+                 burn_parallel::world::init_mpi() initialise it"
                     .into(),
             ));
         };
@@ -362,7 +358,7 @@ mod backend {
             stop: AtomicBool::new(false),
             progress: Mutex::new(None),
             finished: AtomicBool::new(false),
-            exit_timeout: Mutex::new(crate::group::DEFAULT_TIMEOUT),
+            exit_timeout: Mutex::new(crate::comm::transport::DEFAULT_TIMEOUT),
         });
         let runner = transport.clone();
         let handle = std::thread::Builder::new()
@@ -374,9 +370,7 @@ mod backend {
         if unsafe { libc::atexit(exit_hook) } != 0 {
             return Err(rendezvous("registering the exit hook failed".into()));
         }
-        let group = ProcessGroup::world(transport.clone());
-        *lock(&transport.exit_timeout) = group.timeout();
-        Ok((group, transport))
+        Ok(transport)
     }
 
     /// How many ranks of the world run on this node (MPI-3's shared-memory split; collective
@@ -431,7 +425,7 @@ mod backend {
     }
 
     extern "C" fn exit_hook() {
-        if let Some(Ok((_, transport))) = WORLD.get() {
+        if let Some(Ok(transport)) = WORLD.get() {
             transport.shutdown();
         }
     }

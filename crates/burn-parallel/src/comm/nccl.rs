@@ -117,20 +117,20 @@ pub fn probe(cuda_device: usize) -> Result<NcclInfo> {
 }
 
 /// Forms the world from the environment of `burnrun`, torchrun or SLURM (as
-/// [`crate::comm::tcp::init_from_env`]) and attaches NCCL to it on CUDA device `LOCAL_RANK`
+/// [`crate::world::init_from_env`]) and attaches NCCL to it on CUDA device `LOCAL_RANK`
 /// (0 when the launcher does not say).
 ///
 /// # Returns
 /// The world group: host frames over `tcp`, CUDA tensors through NCCL.
 ///
 /// # Errors
-/// Those of [`crate::comm::tcp::init_from_env`] and of [`attach`].
+/// Those of [`crate::world::init_from_env`] and of [`attach`].
 pub fn init_from_env() -> Result<ProcessGroup> {
     if !BUILT {
         return Err(not_built());
     }
     let env = crate::comm::tcp::env::LaunchEnv::from_env()?;
-    let world = crate::comm::tcp::init_from_env()?;
+    let world = crate::world::init_from_env()?;
     attach(world, env.local_rank.unwrap_or(0))
 }
 

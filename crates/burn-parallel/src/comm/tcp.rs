@@ -1,6 +1,6 @@
 //! The `tcp` backend: every rank is a process, ranks talk over TCP.
 //!
-//! Forming the world ([`connect`], [`init_from_env`]): rank 0 serves a small rendezvous store on
+//! Forming the world ([`connect_tcp`](crate::world::connect_tcp), [`init_from_env`](crate::world::init_from_env)): rank 0 serves a small rendezvous store on
 //! `MASTER_ADDR:MASTER_PORT`; every rank registers its data address there, rank 0 checks that
 //! the ranks agree (world size, distinct ranks) and sends everyone the address table, then the
 //! ranks connect into a full mesh, one TCP connection per pair of ranks. The whole rendezvous
@@ -13,7 +13,7 @@
 //! sized from the header. The frame format (versioned, with a magic number) is described in the
 //! `wire` module.
 //!
-//! Failures: dropping the transport (the last clone of the [`ProcessGroup`]) says goodbye to
+//! Failures: dropping the transport (the last clone of the [`ProcessGroup`](crate::ProcessGroup)) says goodbye to
 //! every peer, which then treats this rank as finished. A connection that ends without a
 //! goodbye (the process crashed or exited without dropping its group), a malformed frame, or
 //! an explicit [`Transport::abort`] marks the rank as failed on every peer, whose pending and
@@ -28,14 +28,14 @@
 //! the rendezvous timeout, then fails with [`CollectiveError::JobToken`]. Without a token (a job
 //! started by hand with no `BURN_PARALLEL_JOB_TOKEN`, or a [`TcpConfig`] without
 //! [`TcpConfig::with_job_token`]) every rank works unauthenticated, as long as no rank has one:
-//! [`init_from_env`] prints a one-line warning, and a token on one side of the rendezvous and
+//! [`init_from_env`](crate::world::init_from_env) prints a one-line warning, and a token on one side of the rendezvous and
 //! none on the other is a [`CollectiveError::JobToken`] error. Authentication is not encryption:
 //! the tensors travel in clear; use a private network. Rank 0 serves the store on the
 //! `MASTER_ADDR` address only (not every interface); every other rank binds its data listener
 //! on the local address of its connection to the store, the interface that reaches rank 0.
 //!
 //! Environment knobs: `BURN_PARALLEL_RENDEZVOUS_TIMEOUT_SECS` (rendezvous bound of
-//! [`init_from_env`], default 300 s), `BURN_PARALLEL_TIMEOUT_SECS` (also bounds a write to a
+//! [`init_from_env`](crate::world::init_from_env), default 300 s), `BURN_PARALLEL_TIMEOUT_SECS` (also bounds a write to a
 //! peer that stopped reading), both positive, finite and at most [`MAX_TIMEOUT`] (anything
 //! else is a [`CollectiveError::InvalidTimeout`] error), `BURN_PARALLEL_TCP_SOCKET_BUFFER`
 //! (bytes for `SO_SNDBUF` and `SO_RCVBUF`; unset or 0 keeps the kernel's auto-tuning),
@@ -56,9 +56,9 @@ use std::time::{Duration, Instant};
 pub use auth::{JOB_TOKEN_ENV, JobToken};
 pub use env::{DEFAULT_MASTER_PORT, DEFAULT_RENDEZVOUS_TIMEOUT, LaunchEnv, Launcher, MAX_TIMEOUT};
 
+use crate::comm::transport::DEFAULT_TIMEOUT;
 use crate::comm::transport::{Frame, Mailbox, Transport};
 use crate::error::{CollectiveError, Result};
-use crate::group::{DEFAULT_TIMEOUT, ProcessGroup};
 
 /// How long [`Drop`] waits for the peers to close their side after our goodbye, so that no
 /// unread byte turns the close into a reset.
@@ -75,10 +75,11 @@ const READ_BUFFER: usize = 256 * 1024;
 /// # Example
 /// ```no_run
 /// use std::time::Duration;
-/// use burn_parallel::comm::tcp::{TcpConfig, connect};
+/// use burn_parallel::comm::tcp::TcpConfig;
+/// use burn_parallel::world::connect_tcp;
 /// // On each of 2 processes, with its own rank:
 /// let config = TcpConfig::new(0, 2, "10.0.0.1", 29500).with_timeout(Duration::from_secs(60));
-/// let group = connect(&config)?;
+/// let group = connect_tcp(&config)?;
 /// # Ok::<(), burn_parallel::CollectiveError>(())
 /// ```
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -119,7 +120,7 @@ impl TcpConfig {
     }
 
     /// The same configuration with another rendezvous timeout. A timeout of zero or longer
-    /// than [`MAX_TIMEOUT`] makes [`connect`] fail with [`CollectiveError::InvalidTimeout`].
+    /// than [`MAX_TIMEOUT`] makes [`connect_tcp`](crate::world::connect_tcp) fail with [`CollectiveError::InvalidTimeout`].
     pub fn with_timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -202,20 +203,22 @@ impl TcpConfig {
     }
 }
 
-/// Rank 0's rendezvous listener, bound ahead of [`connect_with_rendezvous`]: bind it on port 0
+/// Rank 0's rendezvous listener, bound ahead of
+/// [`connect_tcp_with_rendezvous`](crate::world::connect_tcp_with_rendezvous): bind it on port 0
 /// and hand [`TcpRendezvous::port`] to the other ranks, so that tests never race for a port.
 ///
 /// # Example
 /// ```
 /// use std::time::Duration;
-/// use burn_parallel::comm::tcp::{TcpConfig, TcpRendezvous, connect, connect_with_rendezvous};
+/// use burn_parallel::comm::tcp::{TcpConfig, TcpRendezvous};
+/// use burn_parallel::world::{connect_tcp, connect_tcp_with_rendezvous};
 /// let rendezvous = TcpRendezvous::bind("127.0.0.1:0").unwrap();
 /// let port = rendezvous.port();
 /// let other = std::thread::spawn(move || {
-///     connect(&TcpConfig::new(1, 2, "127.0.0.1", port).with_timeout(Duration::from_secs(10)))
+///     connect_tcp(&TcpConfig::new(1, 2, "127.0.0.1", port).with_timeout(Duration::from_secs(10)))
 /// });
 /// let config = TcpConfig::new(0, 2, "127.0.0.1", port).with_timeout(Duration::from_secs(10));
-/// let group = connect_with_rendezvous(&config, rendezvous).unwrap();
+/// let group = connect_tcp_with_rendezvous(&config, rendezvous).unwrap();
 /// let peer = other.join().unwrap().unwrap();
 /// assert_eq!((group.rank(), peer.rank(), group.size()), (0, 1, 2));
 /// ```
@@ -254,57 +257,6 @@ impl TcpRendezvous {
     pub fn port(&self) -> u16 {
         self.listener.local_addr().map(|a| a.port()).unwrap_or(0)
     }
-}
-
-/// Forms the world described by `config` and returns its world group.
-///
-/// Rank 0 binds `master_addr:master_port` and serves the rendezvous; the other ranks retry
-/// connecting to it until `config.timeout`, so the processes may start in any order.
-///
-/// # Errors
-/// [`CollectiveError::Rendezvous`] when the world cannot be formed within the timeout: rank 0
-/// unreachable, ranks missing, world sizes that disagree, a rank claimed twice or out of range,
-/// `MASTER_ADDR` not an address of rank 0's machine;
-/// [`CollectiveError::JobToken`] when this rank's job token is refused until the timeout, or
-/// when it has a token and rank 0 none (or the reverse);
-/// [`CollectiveError::InvalidTimeout`] for a timeout (`config.timeout`,
-/// `BURN_PARALLEL_TIMEOUT_SECS`) that is zero or longer than [`MAX_TIMEOUT`].
-pub fn connect(config: &TcpConfig) -> Result<ProcessGroup> {
-    Ok(ProcessGroup::world(TcpTransport::connect(config, None)?))
-}
-
-/// Like [`connect`], for rank 0, serving the rendezvous on a listener bound beforehand.
-///
-/// # Errors
-/// As [`connect`]; also when `config.rank` is not 0.
-pub fn connect_with_rendezvous(
-    config: &TcpConfig,
-    rendezvous: TcpRendezvous,
-) -> Result<ProcessGroup> {
-    Ok(ProcessGroup::world(TcpTransport::connect(
-        config,
-        Some(rendezvous),
-    )?))
-}
-
-/// Forms the world described by the environment of `burnrun`, `torchrun` or SLURM (see
-/// [`LaunchEnv`]) and returns its world group.
-///
-/// # Errors
-/// [`CollectiveError::Rendezvous`] naming a missing or garbled variable and what to set, or
-/// when the world cannot be formed (see [`connect`]).
-///
-/// # Example
-/// ```no_run
-/// use burn_parallel::{ReduceOp, comm::tcp::init_from_env};
-/// // Run with: burnrun --nproc-per-node 4 -- ./my_program
-/// let group = init_from_env()?;
-/// let total = group.all_reduce_f32(vec![1.0], ReduceOp::Sum)?;
-/// assert_eq!(total, vec![group.size() as f32]);
-/// # Ok::<(), burn_parallel::CollectiveError>(())
-/// ```
-pub fn init_from_env() -> Result<ProcessGroup> {
-    connect(&TcpConfig::from_env()?)
 }
 
 /// Rank 0's rendezvous listener on the `MASTER_ADDR` address itself (the first of its
@@ -402,7 +354,7 @@ struct Peer {
 /// One rank's end of a `tcp` world: a connection to every other rank, each with a reader
 /// thread that fills this rank's [`Mailbox`].
 ///
-/// Obtained through [`connect`] or [`init_from_env`] (as a [`ProcessGroup`]) or
+/// Obtained through [`connect_tcp`](crate::world::connect_tcp) or [`init_from_env`](crate::world::init_from_env) (as a [`ProcessGroup`](crate::ProcessGroup)) or
 /// [`TcpTransport::connect`]. Dropping it says goodbye to every peer (or, when dropped while a
 /// panic unwinds, reports this rank as failed), waits briefly for them to close their side, and
 /// joins the reader threads. A process that exits without dropping it (for example through
@@ -425,11 +377,11 @@ impl std::fmt::Debug for TcpTransport {
 }
 
 impl TcpTransport {
-    /// Forms the world described by `config` (see [`connect`]); `rendezvous` is rank 0's
+    /// Forms the world described by `config` (see [`connect_tcp`](crate::world::connect_tcp)); `rendezvous` is rank 0's
     /// listener bound beforehand, or `None` to bind `master_addr:master_port`.
     ///
     /// # Errors
-    /// As [`connect`]; also when a rendezvous listener is given to a rank other than 0.
+    /// As [`connect_tcp`](crate::world::connect_tcp); also when a rendezvous listener is given to a rank other than 0.
     pub fn connect(config: &TcpConfig, rendezvous: Option<TcpRendezvous>) -> Result<Arc<Self>> {
         config.validate()?;
         let deadline = env::deadline_after("TcpConfig::timeout", config.timeout)?;

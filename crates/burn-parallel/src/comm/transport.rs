@@ -13,6 +13,9 @@ use bytes::Bytes;
 
 use crate::error::{CollectiveError, Result};
 
+/// Default timeout of every wait, unless `BURN_PARALLEL_TIMEOUT_SECS` says otherwise.
+pub const DEFAULT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// Identifies an independent ordered message stream between two ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct StreamId {

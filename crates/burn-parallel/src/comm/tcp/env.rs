@@ -7,7 +7,7 @@ use crate::error::{CollectiveError, Result};
 /// Port of the rendezvous when SLURM launched the job and `MASTER_PORT` is not set.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 
-/// Bound on the rendezvous of [`super::init_from_env`] unless
+/// Bound on the rendezvous of [`init_from_env`](crate::world::init_from_env)(crate::world::init_from_env) unless
 /// `BURN_PARALLEL_RENDEZVOUS_TIMEOUT_SECS` says otherwise.
 pub const DEFAULT_RENDEZVOUS_TIMEOUT: Duration = Duration::from_secs(300);
 
