@@ -21,7 +21,7 @@ use burn_pipeline::generators::generate;
 use burn_pipeline::partition::by_count;
 use burn_pipeline::runtime::Executor;
 use burn_pipeline::update::{StageOptimizer, StageUpdater};
-use burn_zero::{Fsdp, ZeroError};
+use burn_zero::{Fsdp, ShardGroups, Stage, ZeroConfig, ZeroError, ZeroOptimizer};
 use model::{Config, Decoder, fsdp_plan, tp_plan};
 use std::collections::BTreeMap;
 
@@ -498,14 +498,13 @@ fn byo_model_matches_single_device_with_gradient_accumulation() {
     );
 }
 
-/// bf16 compute (fp32 master weights and optimizer state, gradients averaged in bf16) under
-/// dp 2 x tp 2 + sp against the fp32 single device: worst relative loss difference over the
-/// 20 steps and worst parameter difference within [`BF16_LOSS_TOL`] and [`BF16_PARAM_TOL`].
-#[test]
-fn byo_model_in_bf16_tracks_fp32_single_device() {
-    let flex = Device::flex();
-    let reference = reference(&flex, None);
-    let (losses, params) = parallel_with(&flex, dims(2, 2), true, None, 1, MixedPrecision::bf16());
+/// How far a bf16 run drifts from the fp32 reference: the worst relative loss difference over
+/// the steps, and the worst parameter difference (absolute below 1, relative to the tensor's
+/// largest entry above) with its path.
+fn bf16_drift(
+    (losses, params): &(Vec<f32>, Params),
+    reference: &(Vec<f32>, Params),
+) -> (f32, f32, String) {
     let loss_err = losses
         .iter()
         .zip(&reference.0)
@@ -527,15 +526,133 @@ fn byo_model_in_bf16_tracks_fp32_single_device() {
             (path.clone(), err)
         })
         .fold((String::new(), 0f32), |a, b| if b.1 > a.1 { b } else { a });
+    (loss_err, param_err, worst_path)
+}
+
+/// Asserts that a bf16 run stays within [`BF16_LOSS_TOL`] and [`BF16_PARAM_TOL`] of the fp32
+/// reference, and differs from it at all (the compute copy was used).
+fn assert_bf16_tracks(what: &str, run: &(Vec<f32>, Params), reference: &(Vec<f32>, Params)) {
+    let (loss_err, param_err, worst_path) = bf16_drift(run, reference);
+    println!(
+        "{what}: bf16 vs fp32: losses {loss_err:.2e}, parameters {param_err:.2e} at {worst_path}"
+    );
     assert!(
         loss_err < BF16_LOSS_TOL && param_err < BF16_PARAM_TOL,
-        "bf16 drifts from fp32: losses {loss_err:.2e} (tolerance {BF16_LOSS_TOL:.0e}), \
+        "{what}: bf16 drifts from fp32: losses {loss_err:.2e} (tolerance {BF16_LOSS_TOL:.0e}), \
          parameters {param_err:.2e} at {worst_path} (tolerance {BF16_PARAM_TOL:.0e})"
     );
     assert!(
         loss_err > 0.0,
-        "bf16 gave fp32's losses: the compute copy was not used"
+        "{what}: bf16 gave fp32's losses: the compute copy was not used"
     );
+}
+
+/// bf16 compute (fp32 master weights and optimizer state, gradients averaged in bf16) under
+/// dp 2 x tp 2 + sp against the fp32 single device: worst relative loss difference over the
+/// 20 steps and worst parameter difference within [`BF16_LOSS_TOL`] and [`BF16_PARAM_TOL`].
+#[test]
+fn byo_model_in_bf16_tracks_fp32_single_device() {
+    let flex = Device::flex();
+    let reference = reference(&flex, None);
+    let run = parallel_with(&flex, dims(2, 2), true, None, 1, MixedPrecision::bf16());
+    assert_bf16_tracks("dp 2 x tp 2 + sp", &run, &reference);
+}
+
+/// The same training with `burn-zero`'s ZeRO-1/2 optimizer over the data-parallel ranks of
+/// `dims` (what `byo_model --zero` runs): the sharded optimizer owns the reduction, the
+/// clipping and the precision policy; tensor parallelism as the model was built.
+fn zero_parallel(
+    dims: ParallelDims,
+    sequence_parallel: bool,
+    stage: Stage,
+    clip: Option<f64>,
+    micro_batches: usize,
+    precision: MixedPrecision,
+) -> (Vec<f32>, Params) {
+    let device = Device::flex().autodiff();
+    let out = run_local(dims.world_size(), move |world| {
+        let mesh = dims.build(&world).unwrap();
+        let dp = dims.data_parallel(&mesh).unwrap();
+        let init = Init::new(config().seed, &device)
+            .with_tp(mesh.group("tp").unwrap(), tp_plan(sequence_parallel))
+            .unwrap();
+        let mut model = Decoder::new(&init, None, &config()).unwrap();
+        let zero_config = ZeroConfig::new(stage)
+            .with_max_grad_norm(clip)
+            .with_precision(precision);
+        let adamw = AdamWConfig::new().with_weight_decay(0.01).build();
+        let mut zero =
+            ZeroOptimizer::new(&model, ShardGroups::flat(dp.clone()), zero_config, adamw)
+                .unwrap()
+                .with_tensor_parallel(&model.tp);
+        model = zero.prepare_module(model).unwrap();
+        let rows = BATCH / dp.size();
+        let micro_rows = rows / micro_batches;
+        let mut losses = Vec::new();
+        for step in 0..STEPS {
+            let mut local = 0.0;
+            for k in 0..micro_batches {
+                let start = dp.rank() * rows + k * micro_rows;
+                let (tokens, targets) = batch(step, start..start + micro_rows, &device);
+                let loss = model.loss(tokens, targets).unwrap();
+                local += loss.clone().into_scalar::<f32>() / micro_batches as f32;
+                let grads = GradientsParams::from_grads(loss.backward(), &model);
+                zero.accumulate(&model, grads).unwrap();
+            }
+            model = zero.step(LR, model).unwrap().0;
+            losses.push(dp.all_reduce_f32(vec![local], burn_parallel::ReduceOp::Avg)?[0]);
+        }
+        let params = model.tp.full_params(&model.valid())?;
+        Ok((losses, params))
+    })
+    .unwrap();
+    for other in &out[1..] {
+        assert_eq!(other.0, out[0].0, "every rank reports the same losses");
+    }
+    out.into_iter().next().unwrap()
+}
+
+#[test]
+fn byo_model_matches_single_device_under_zero_1_and_2() {
+    let flex = Device::flex();
+    let whole = reference(&flex, None);
+    let full = MixedPrecision::full;
+    for stage in [Stage::One, Stage::Two] {
+        let what = format!("dp 2, ZeRO-{}", stage.number());
+        let run = zero_parallel(dims(2, 1), false, stage, None, 1, full());
+        assert_matches(&what, run, &whole);
+    }
+    assert_matches(
+        "dp 2 x tp 2 + sp, ZeRO-2",
+        zero_parallel(dims(2, 2), true, Stage::Two, None, 1, full()),
+        &whole,
+    );
+    assert_matches(
+        "dp 4, ZeRO-1, 2 micro-batches",
+        zero_parallel(dims(4, 1), false, Stage::One, None, 2, full()),
+        &whole,
+    );
+    assert_matches(
+        "dp 2 x tp 2, ZeRO-2, clip",
+        zero_parallel(dims(2, 2), false, Stage::Two, Some(0.05), 1, full()),
+        &reference(&flex, Some(0.05)),
+    );
+}
+
+/// ZeRO-2's own precision policy (bf16 module, fp32 master shard and optimizer state) against
+/// the fp32 single device, with the same tolerances as `TrainStep`'s bf16.
+#[test]
+fn byo_model_under_zero_2_in_bf16_tracks_fp32_single_device() {
+    let flex = Device::flex();
+    let run = zero_parallel(
+        dims(2, 2),
+        true,
+        Stage::Two,
+        None,
+        1,
+        MixedPrecision::bf16(),
+    );
+    assert_bf16_tracks("dp 2 x tp 2 + sp, ZeRO-2", &run, &reference(&flex, None));
 }
 
 #[test]

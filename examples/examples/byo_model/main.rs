@@ -13,6 +13,8 @@
 //! cargo run --release -p examples --example byo_model -- --layout pp --ranks 2
 //! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4 --precision bf16
 //! cargo run --release -p examples --example byo_model -- --layout fsdp --ranks 2 --grad-accum 4
+//! cargo run --release -p examples --example byo_model -- --layout ddp --ranks 2 --zero 2
+//! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4 --zero 1
 //! cargo run --release -p examples --example byo_model -- --all --ranks 4 --steps 20
 //! ```
 //!
@@ -22,14 +24,16 @@
 //! state, loss scaling for fp16) and gradient accumulation (`--grad-accum`), which are options
 //! of the library's `TrainStep`.
 //! Pipeline parallelism stages the same parts (`model::stage`) and runs them with
-//! `burn-pipeline`'s executor (`run_rank_pipeline`).
+//! `burn-pipeline`'s executor (`run_rank_pipeline`). ZeRO-1/2 (`--zero`, over the data-parallel
+//! ranks of `ddp` or `dp-tp`) swaps the step for `burn-zero`'s sharded optimizer, which owns
+//! the reduction, the clipping and the precision policy (`train_zero`).
 
 mod model;
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use burn::optim::AdamWConfig;
+use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::Device;
 use burn_parallel::init::Init;
 use burn_parallel::precision::{LossScaler, MixedPrecision};
@@ -41,6 +45,7 @@ use burn_pipeline::generators::generate;
 use burn_pipeline::partition::by_count;
 use burn_pipeline::runtime::Executor;
 use burn_pipeline::update::{StageOptimizer, StageUpdater};
+use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroOptimizer};
 use clap::{Parser, ValueEnum};
 use examples::data::{Corpus, Split};
 use model::{Config, Decoder, fsdp_plan, tp_plan};
@@ -105,6 +110,10 @@ struct Args {
     /// Arithmetic of the forward and backward (master weights and optimizer state stay fp32).
     #[arg(long, value_enum, default_value = "f32")]
     precision: Precision,
+    /// ZeRO stage over the data-parallel ranks (1: optimizer state sharded, 2: gradients too);
+    /// with `single`, `ddp`, `tp`, `tp-sp` and `dp-tp` (the FSDP layouts are stage 3 already).
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=2))]
+    zero: Option<u8>,
     /// Run every layout in turn (on `--ranks`, one rank for `single`) and print each one's
     /// step time relative to single-device training.
     #[arg(long)]
@@ -171,16 +180,79 @@ fn run_rank_pipeline(
     Ok(losses)
 }
 
+/// A typed error of this program, on rank `world`.
+fn invalid(world: &ProcessGroup, reason: impl std::fmt::Display) -> burn_parallel::CollectiveError {
+    burn_parallel::CollectiveError::InvalidArgument {
+        rank: world.global_rank(),
+        op: "byo_model".into(),
+        reason: reason.to_string(),
+    }
+}
+
+/// `--zero`: the same model and batches, stepped by `burn-zero`'s [`ZeroOptimizer`] over the
+/// data-parallel group `dp` (ZeRO-1/2 inside, tensor parallelism as the model was built).
+fn train_zero(
+    mut model: Decoder,
+    dp: &ProcessGroup,
+    stage: Stage,
+    args: &Args,
+    corpus: &Corpus,
+    device: &Device,
+) -> Result<Vec<f32>, String> {
+    let mut config = ZeroConfig::new(stage).with_max_grad_norm(args.clip);
+    config = match args.precision {
+        Precision::F32 => config,
+        Precision::Bf16 => config.with_precision(MixedPrecision::bf16()),
+        Precision::Fp16 => config
+            .with_precision(MixedPrecision::f16())
+            .with_loss_scaler(Some(LossScaler::new(65536.0))),
+    };
+    let adamw = AdamWConfig::new().with_weight_decay(0.01).build();
+    let groups = ShardGroups::flat(dp.clone());
+    let mut zero = ZeroOptimizer::new(&model, groups, config, adamw)
+        .map_err(|e| e.to_string())?
+        .with_tensor_parallel(&model.tp);
+    model = zero.prepare_module(model).map_err(|e| e.to_string())?;
+    let rows = args.batch / dp.size();
+    let micro_rows = rows / args.grad_accum;
+    let mut losses = Vec::new();
+    for s in 0..args.steps {
+        let mut local = 0.0;
+        for k in 0..args.grad_accum {
+            let start = dp.rank() * rows + k * micro_rows;
+            let batch =
+                corpus.batch_rows(s as u64, start..start + micro_rows, args.seq, Split::Train);
+            let (tokens, targets) = batch.to_tensors(device);
+            let loss = model.loss(tokens, targets).map_err(|e| e.to_string())?;
+            local += loss.clone().into_scalar::<f32>() / args.grad_accum as f32;
+            let scaled = loss * zero.loss_scale() as f32;
+            let grads = GradientsParams::from_grads(scaled.backward(), &model);
+            zero.accumulate(&model, grads).map_err(|e| e.to_string())?;
+        }
+        model = zero.step(args.lr, model).map_err(|e| e.to_string())?.0;
+        let loss = dp.all_reduce_f32(vec![local], burn_parallel::ReduceOp::Avg);
+        losses.push(loss.map_err(|e| e.to_string())?[0]);
+    }
+    Ok(losses)
+}
+
 fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel::Result<Vec<f32>> {
+    let sharded = matches!(args.layout, Layout::Fsdp | Layout::FsdpTp | Layout::Hsdp);
+    if args.zero.is_some() && (sharded || args.layout == Layout::Pp) {
+        return Err(invalid(
+            &world,
+            "--zero shards the optimizer of a data-parallel layout (single, ddp, tp, tp-sp, \
+             dp-tp); the FSDP layouts are ZeRO-3 already and the pipeline has its own step: \
+             drop --zero or pick one of those layouts",
+        ));
+    }
     if args.layout == Layout::Pp {
         if args.precision != Precision::F32 || args.grad_accum > 1 {
-            return Err(burn_parallel::CollectiveError::InvalidArgument {
-                rank: world.global_rank(),
-                op: "byo_model".into(),
-                reason: "the pipeline runs in f32 with its own micro-batches: drop --precision \
-                         and --grad-accum with --layout pp"
-                    .into(),
-            });
+            return Err(invalid(
+                &world,
+                "the pipeline runs in f32 with its own micro-batches: drop --precision and \
+                 --grad-accum with --layout pp",
+            ));
         }
         return run_rank_pipeline(world, args, corpus);
     }
@@ -214,6 +286,24 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
     let fsdp = fsdp_plan(&group("dp_shard"));
     let mut model = Decoder::new(&init, Some(&fsdp), &config()).unwrap_or_else(|e| panic!("{e}"));
     let dp = dims.data_parallel(&mesh).expect("built by ParallelDims");
+    let rows = args.batch / dp.size();
+    let micro_rows = rows / args.grad_accum.max(1);
+    if micro_rows == 0 || micro_rows * args.grad_accum != rows {
+        return Err(invalid(
+            &world,
+            format!(
+                "{rows} rows per data-parallel rank do not split into --grad-accum {} equal \
+                 micro-batches: make --batch a multiple of {}",
+                args.grad_accum,
+                dp.size() * args.grad_accum.max(1)
+            ),
+        ));
+    }
+    if let Some(stage) = args.zero {
+        let stage = Stage::from_number(usize::from(stage)).map_err(|e| invalid(&world, e))?;
+        return train_zero(model, &dp, stage, args, corpus, &device)
+            .map_err(|e| invalid(&world, e));
+    }
     let mut step = TrainStep::new(init.context())
         .with_data_parallel(dp.clone())
         .with_fsdp(fsdp.shards().clone(), Some(group("dp_replicate")))
@@ -226,20 +316,6 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
             .with_loss_scaler(LossScaler::new(65536.0)),
     };
     let mut optim = AdamWConfig::new().with_weight_decay(0.01).init();
-    let rows = args.batch / dp.size();
-    let micro_rows = rows / args.grad_accum.max(1);
-    if micro_rows == 0 || micro_rows * args.grad_accum != rows {
-        return Err(burn_parallel::CollectiveError::InvalidArgument {
-            rank: world.global_rank(),
-            op: "byo_model".into(),
-            reason: format!(
-                "{rows} rows per data-parallel rank do not split into --grad-accum {} equal \
-                 micro-batches: make --batch a multiple of {}",
-                args.grad_accum,
-                dp.size() * args.grad_accum.max(1)
-            ),
-        });
-    }
     let mut losses = Vec::new();
     for s in 0..args.steps {
         let first = dp.rank() * rows;
@@ -263,11 +339,7 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
             )
             .map_err(|e| match e {
                 TpError::Collective(e) => e,
-                other => burn_parallel::CollectiveError::InvalidArgument {
-                    rank: world.global_rank(),
-                    op: "byo_model".into(),
-                    reason: other.to_string(),
-                },
+                other => invalid(&world, other),
             })?;
         model = next;
         losses.push(out.loss);
@@ -289,8 +361,12 @@ fn run(args: &Args, corpus: &Corpus) -> f64 {
     });
     let per_step = start.elapsed().as_secs_f64() / args.steps as f64;
     let curve = &losses[0];
+    let zero = args
+        .zero
+        .map(|n| format!(" + ZeRO-{n}"))
+        .unwrap_or_default();
     println!(
-        "layout {:?} on {ranks} rank(s): loss {:.4} -> {:.4} over {} steps, {per_step:.3} s/step",
+        "layout {:?}{zero} on {ranks} rank(s): loss {:.4} -> {:.4} over {} steps, {per_step:.3} s/step",
         args.layout,
         curve[0],
         curve[curve.len() - 1],
