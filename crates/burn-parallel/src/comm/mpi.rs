@@ -38,10 +38,11 @@
 //! # Ok::<(), burn_parallel::CollectiveError>(())
 //! ```
 
-#[cfg(feature = "mpi")]
 use std::sync::Arc;
 
-use crate::comm::transport::{Mailbox, NativeCall, NativeCollectives, Transport};
+use crate::comm::transport::Transport;
+#[cfg(feature = "mpi")]
+use crate::comm::transport::{Mailbox, NativeCall, NativeCollectives};
 use crate::error::{CollectiveError, Result};
 
 #[path = "mpi/chunks.rs"]
