@@ -10,6 +10,7 @@ mod model;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_parallel::checkpoint::Checkpointer;
 use burn_parallel::init::{Init, splitmix64};
 use burn_parallel::nn::TpContext;
 use burn_parallel::plan::TpPlan;
@@ -178,6 +179,48 @@ fn parallel_with(
     micro_batches: usize,
     precision: MixedPrecision,
 ) -> (Vec<f32>, Params) {
+    let options = RunOptions {
+        clip,
+        micro_batches,
+        precision,
+        ..RunOptions::default()
+    };
+    parallel_run(device, dims, sequence_parallel, options)
+}
+
+/// What a [`parallel_run`] does besides the layout.
+#[derive(Clone)]
+struct RunOptions {
+    clip: Option<f64>,
+    micro_batches: usize,
+    precision: MixedPrecision,
+    /// The steps to run (the losses returned are theirs).
+    steps: std::ops::Range<usize>,
+    /// Start from the newest checkpoint under this directory (`TrainStep::load`).
+    resume: Option<std::path::PathBuf>,
+    /// Save a checkpoint under this directory after the last step (`TrainStep::save`).
+    save: Option<std::path::PathBuf>,
+}
+
+impl Default for RunOptions {
+    fn default() -> Self {
+        Self {
+            clip: None,
+            micro_batches: 1,
+            precision: MixedPrecision::full(),
+            steps: 0..STEPS,
+            resume: None,
+            save: None,
+        }
+    }
+}
+
+fn parallel_run(
+    device: &Device,
+    dims: ParallelDims,
+    sequence_parallel: bool,
+    options: RunOptions,
+) -> (Vec<f32>, Params) {
     let device = device.clone().autodiff();
     let out = run_local(dims.world_size(), move |world| {
         let mesh = dims.build(&world).unwrap();
@@ -193,13 +236,23 @@ fn parallel_with(
                 fsdp.shards().clone(),
                 Some(mesh.group("dp_replicate").unwrap().clone()),
             )
-            .with_clip(clip)
-            .with_precision(precision);
+            .with_clip(options.clip)
+            .with_precision(options.precision);
         let mut optim = optimizer();
+        if let Some(dir) = &options.resume {
+            let checkpoint = Checkpointer::latest(dir).unwrap().expect("a checkpoint");
+            assert_eq!(
+                checkpoint.step(),
+                options.steps.start,
+                "resumed at the wrong step"
+            );
+            (model, optim, _) = train.load(&checkpoint, model, optim).unwrap();
+        }
+        let micro_batches = options.micro_batches;
         let rows = BATCH / dp.size();
         let micro_rows = rows / micro_batches;
         let mut losses = Vec::new();
-        for step in 0..STEPS {
+        for step in options.steps.clone() {
             let first = dp.rank() * rows;
             let (next, out) = train
                 .step_accumulated::<_, TpError>(
@@ -217,6 +270,13 @@ fn parallel_with(
             model = next;
             losses.push(out.loss);
         }
+        if let Some(dir) = &options.save {
+            let mut saver = Checkpointer::new(dir, 1, &world).unwrap();
+            let state = serde_json::Value::Null;
+            train
+                .save(&mut saver, options.steps.end, &model, &optim, state)
+                .unwrap();
+        }
         // The layers whole (all-gathered FSDP units), then the tensor-parallel shards gathered.
         let mut whole = model.clone();
         whole.layers = model
@@ -232,6 +292,52 @@ fn parallel_with(
         assert_eq!(other.0, out[0].0, "every rank reports the same losses");
     }
     out.into_iter().next().unwrap()
+}
+
+/// Saved under one layout after 10 steps, resumed under others for the last 10 (parameters
+/// and AdamW's moments and step counters through `TrainStep::save`/`load`): the losses of the
+/// resumed steps and the final parameters are those of 20 uninterrupted single-device steps.
+#[test]
+fn byo_model_saved_under_one_layout_resumes_under_another() {
+    let flex = Device::flex();
+    let whole = reference(&flex, None);
+    let root = std::env::temp_dir().join(format!("byo-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let half = STEPS / 2;
+    let saved = parallel_run(
+        &flex,
+        dims(2, 2),
+        true,
+        RunOptions {
+            steps: 0..half,
+            save: Some(root.clone()),
+            ..RunOptions::default()
+        },
+    );
+    for (a, b) in saved.0.iter().zip(&whole.0[..half]) {
+        let rel = ((a - b) / b).abs();
+        assert!(rel <= 1e-5, "dp 2 x tp 2 + sp, first half: {a} vs {b}");
+    }
+    let resume = RunOptions {
+        steps: half..STEPS,
+        resume: Some(root.clone()),
+        ..RunOptions::default()
+    };
+    let second_half = |(losses, params): (Vec<f32>, Params)| {
+        let mut all = whole.0[..half].to_vec();
+        all.extend(losses);
+        (all, params)
+    };
+    for (what, layout, sp) in [
+        ("resumed on one device", dims(1, 1), false),
+        ("resumed under fsdp 2 x tp 2 + sp", fsdp_dims(1, 2, 2), true),
+        ("resumed under hsdp 2 x 2", fsdp_dims(2, 2, 1), false),
+        ("resumed under tp 4", dims(1, 4), false),
+    ] {
+        let run = parallel_run(&flex, layout, sp, resume.clone());
+        assert_matches(what, second_half(run), &whole);
+    }
+    std::fs::remove_dir_all(&root).unwrap();
 }
 
 fn assert_matches(

@@ -48,14 +48,18 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Tensor, TensorData};
 
-use crate::checkpoint::FlatParts;
+use serde_json::Value;
+
+use crate::checkpoint::{
+    self, Checkpoint, CheckpointError, Checkpointer, FlatParts, ParamKind, ParamMap, merged_scalars,
+};
 use crate::comm::host::ReduceOp;
 use crate::ddp::DistributedDataParallel;
 use crate::error::Result;
 use crate::group::ProcessGroup;
 use crate::nn::TpContext;
 use crate::overlap::OverlappedDdp;
-use crate::precision::{LossScaler, MixedPrecision};
+use crate::precision::{LossScaler, LossScalerState, MixedPrecision};
 
 /// What a step reports.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -777,4 +781,155 @@ fn scale_grads<M: Module>(model: &M, grads: GradientsParams, scale: f32) -> Grad
     let mut visitor = Scale { grads, scale };
     model.visit(&mut visitor);
     visitor.grads
+}
+
+// ---- checkpoints that outlive the layout ----
+
+/// The rank-state key under which [`TrainStep::save`] keeps each rank's optimizer scalars.
+const OPTIM_SCALARS: &str = "optim_scalars";
+
+impl TrainStep {
+    /// The data-parallel group the step averages over (`None` for one data-parallel rank).
+    fn data_parallel_group(&self) -> Option<&ProcessGroup> {
+        match (&self.overlap, &self.ddp) {
+            (Some(overlap), _) => Some(overlap.group()),
+            (None, Some(ddp)) => Some(ddp.group()),
+            (None, None) => None,
+        }
+    }
+
+    /// How many ranks hold the same copy of a parameter of `kind`, and this rank's index among
+    /// them: a replicated parameter is on every rank (data x tensor parallel), a
+    /// tensor-parallel shard on the data-parallel ranks of its tensor-parallel rank, an FSDP
+    /// flat shard on its replicas (HSDP).
+    fn copies(&self, kind: ParamKind) -> (usize, usize) {
+        let of = |g: Option<&ProcessGroup>| g.map_or((1, 0), |g| (g.size(), g.rank()));
+        let (dp, dp_rank) = of(self.data_parallel_group());
+        let (tp, tp_rank) = of(self.tp.group());
+        match kind {
+            ParamKind::Replicated => (dp * tp, dp_rank * tp + tp_rank),
+            ParamKind::TpSharded => (dp, dp_rank),
+            ParamKind::Flat => of(self.fsdp.as_ref().and_then(|(_, r)| r.as_ref())),
+        }
+    }
+
+    /// What this rank holds of `model`'s logical parameters under this step's layout, and which
+    /// part of it this rank writes (each element once over the ranks holding the same copy).
+    ///
+    /// # Errors
+    /// As [`ParamMap::new`].
+    pub fn param_map<M: Module>(&self, model: &M) -> checkpoint::Result<ParamMap> {
+        let shards = self.fsdp.as_ref().map(|(shards, _)| shards);
+        Ok(ParamMap::new(model, &self.tp, shards)?.with_replicas(|p| self.copies(p.kind)))
+    }
+
+    /// Saves `model`'s parameters and `optim`'s state as checkpoint `step` of `saver`: every
+    /// rank writes its share of each logical tensor (parameters, `optim/<state>/<parameter>`),
+    /// so that any layout loads it ([`Self::load`]); the loss scaler's state and `state` (the
+    /// caller's: data position, schedule, losses...) go into the manifest. Collective over the
+    /// ranks of `saver`'s group, which must be every rank of the layout.
+    ///
+    /// ```
+    /// use burn::optim::AdamWConfig;
+    /// use burn::tensor::Device;
+    /// use burn_parallel::checkpoint::Checkpointer;
+    /// use burn_parallel::init::{Init, LinearInit};
+    /// use burn_parallel::run_local;
+    /// use burn_parallel::train::TrainStep;
+    ///
+    /// let root = std::env::temp_dir().join(format!("train-step-doc-{}", std::process::id()));
+    /// let step = |group| {
+    ///     let init = Init::new(1, &Device::flex().autodiff());
+    ///     let model = init.linear("fc", LinearInit::new(4, 2)).unwrap();
+    ///     (model, TrainStep::new(init.context()).with_data_parallel(group))
+    /// };
+    /// // Saved by two data-parallel ranks...
+    /// run_local(2, |group| {
+    ///     let (model, train) = step(group.clone());
+    ///     let mut saver = Checkpointer::new(&root, 1, &group).unwrap();
+    ///     let optim = AdamWConfig::new().init();
+    ///     train.save(&mut saver, 7, &model, &optim, serde_json::json!({"epoch": 1})).unwrap();
+    ///     Ok(())
+    /// })
+    /// .unwrap();
+    /// // ...loaded on one device.
+    /// let checkpoint = Checkpointer::latest(&root).unwrap().expect("a complete checkpoint");
+    /// run_local(1, |group| {
+    ///     let (model, train) = step(group);
+    ///     let (_, _, state) = train.load(&checkpoint, model, AdamWConfig::new().init()).unwrap();
+    ///     assert_eq!((checkpoint.step(), state["epoch"].as_u64()), (7, Some(1)));
+    ///     Ok(())
+    /// })
+    /// .unwrap();
+    /// # std::fs::remove_dir_all(&root).unwrap();
+    /// ```
+    ///
+    /// # Errors
+    /// [`CheckpointError`] for a parameter or state the map cannot describe, I/O and collective
+    /// failures.
+    pub fn save<M: Module>(
+        &self,
+        saver: &mut Checkpointer,
+        step: usize,
+        model: &M,
+        optim: &ModuleOptimizer,
+        state: Value,
+    ) -> checkpoint::Result<()> {
+        let map = self.param_map(model)?;
+        let mut pieces = map.param_pieces(model)?;
+        let (optim_pieces, scalars) = map.optimizer_pieces(optim.to_record())?;
+        pieces.extend(optim_pieces);
+        let scaler = self.loss_scaler().map(|s| s.state());
+        let trainer = serde_json::json!({ "state": state, "loss_scaler": scaler });
+        saver.save(
+            step,
+            pieces,
+            trainer,
+            serde_json::json!({ OPTIM_SCALARS: scalars }),
+        )?;
+        Ok(())
+    }
+
+    /// Loads a checkpoint of [`Self::save`], saved under any layout, into `model` (this rank's
+    /// part of each parameter) and `optim` (its state for those parts: moments and step
+    /// counters), and restores the loss scaler.
+    ///
+    /// # Returns
+    /// The model, the optimizer, and the caller's state given to [`Self::save`].
+    ///
+    /// # Errors
+    /// [`CheckpointError::Mismatch`] when the checkpoint is of another model (names, shapes);
+    /// [`CheckpointError::Corrupt`] for altered or truncated files; a loss scaler state that
+    /// does not restore.
+    pub fn load<M: Module>(
+        &self,
+        checkpoint: &Checkpoint,
+        model: M,
+        optim: ModuleOptimizer,
+    ) -> checkpoint::Result<(M, ModuleOptimizer, Value)> {
+        let map = self.param_map(&model)?;
+        let model = map.load_params(model, checkpoint)?;
+        let scalars = merged_scalars(checkpoint, OPTIM_SCALARS);
+        let optim = match map.load_optimizer(checkpoint, &scalars)? {
+            Some(record) => optim.load_record(record),
+            None => optim,
+        };
+        let trainer = checkpoint.state();
+        let saved = trainer.get("loss_scaler").filter(|v| !v.is_null());
+        if let (Some(scaler), Some(saved)) = (&self.scaler, saved) {
+            let bad = |reason: String| CheckpointError::Piece {
+                name: "loss_scaler".into(),
+                reason,
+            };
+            let saved: LossScalerState =
+                serde_json::from_value(saved.clone()).map_err(|e| bad(e.to_string()))?;
+            let mut scaler = scaler.lock().expect("loss scaler");
+            scaler.restore(&saved).map_err(|e| bad(e.to_string()))?;
+        }
+        Ok((
+            model,
+            optim,
+            trainer.get("state").cloned().unwrap_or(Value::Null),
+        ))
+    }
 }

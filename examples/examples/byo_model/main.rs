@@ -15,6 +15,8 @@
 //! cargo run --release -p examples --example byo_model -- --layout fsdp --ranks 2 --grad-accum 4
 //! cargo run --release -p examples --example byo_model -- --layout ddp --ranks 2 --zero 2
 //! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4 --zero 1
+//! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4 --steps 50 --save /tmp/ck
+//! cargo run --release -p examples --example byo_model -- --layout fsdp --ranks 2 --steps 100 --resume /tmp/ck
 //! cargo run --release -p examples --example byo_model -- --all --ranks 4 --steps 20
 //! ```
 //!
@@ -35,6 +37,7 @@ use std::time::Instant;
 
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::Device;
+use burn_parallel::checkpoint::Checkpointer;
 use burn_parallel::init::Init;
 use burn_parallel::precision::{LossScaler, MixedPrecision};
 use burn_parallel::tensor_parallel::TpError;
@@ -85,7 +88,7 @@ enum Layout {
 }
 
 /// Train the bring-your-own-model decoder.
-#[derive(Debug, Clone, Copy, Parser)]
+#[derive(Debug, Clone, Parser)]
 struct Args {
     #[arg(long, value_enum, default_value = "ddp")]
     layout: Layout,
@@ -114,6 +117,14 @@ struct Args {
     /// with `single`, `ddp`, `tp`, `tp-sp` and `dp-tp` (the FSDP layouts are stage 3 already).
     #[arg(long, value_parser = clap::value_parser!(u8).range(1..=2))]
     zero: Option<u8>,
+    /// Save a checkpoint (parameters and optimizer state, each rank its share) into this
+    /// directory after the last step; any layout resumes from it.
+    #[arg(long)]
+    save: Option<std::path::PathBuf>,
+    /// Resume from the newest checkpoint under this directory (saved under any layout) and
+    /// train on to `--steps`.
+    #[arg(long)]
+    resume: Option<std::path::PathBuf>,
     /// Run every layout in turn (on `--ranks`, one rank for `single`) and print each one's
     /// step time relative to single-device training.
     #[arg(long)]
@@ -246,6 +257,14 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
              drop --zero or pick one of those layouts",
         ));
     }
+    if (args.save.is_some() || args.resume.is_some())
+        && (args.zero.is_some() || args.layout == Layout::Pp)
+    {
+        return Err(invalid(
+            &world,
+            "--save and --resume go through TrainStep: not with --zero or --layout pp yet",
+        ));
+    }
     if args.layout == Layout::Pp {
         if args.precision != Precision::F32 || args.grad_accum > 1 {
             return Err(invalid(
@@ -316,8 +335,22 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
             .with_loss_scaler(LossScaler::new(65536.0)),
     };
     let mut optim = AdamWConfig::new().with_weight_decay(0.01).init();
+    let checkpoint_error = |e: burn_parallel::checkpoint::CheckpointError| invalid(&world, e);
+    let mut first = 0;
+    if let Some(dir) = &args.resume {
+        let Some(checkpoint) = Checkpointer::latest(dir).map_err(checkpoint_error)? else {
+            return Err(invalid(
+                &world,
+                format!("no complete checkpoint under {}", dir.display()),
+            ));
+        };
+        (model, optim, _) = step
+            .load(&checkpoint, model, optim)
+            .map_err(checkpoint_error)?;
+        first = checkpoint.step();
+    }
     let mut losses = Vec::new();
-    for s in 0..args.steps {
+    for s in first..args.steps {
         let first = dp.rank() * rows;
         let (next, out) = step
             .step_accumulated(
@@ -343,6 +376,17 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
             })?;
         model = next;
         losses.push(out.loss);
+    }
+    if let Some(dir) = &args.save {
+        let mut saver = Checkpointer::new(dir, 1, &world).map_err(checkpoint_error)?;
+        step.save(
+            &mut saver,
+            args.steps,
+            &model,
+            &optim,
+            serde_json::Value::Null,
+        )
+        .map_err(checkpoint_error)?;
     }
     Ok(losses)
 }
@@ -386,7 +430,7 @@ fn main() {
     for layout in Layout::value_variants() {
         let args = Args {
             layout: *layout,
-            ..args
+            ..args.clone()
         };
         times.push((*layout, run(&args, &corpus)));
     }
