@@ -58,7 +58,7 @@ use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_moe::{MoeConfig, MoeError, MoeLayer, MoeParallel, MoeStats};
 use burn_parallel::ProcessGroup;
 use burn_parallel::autograd::WeightGradSink;
-use burn_parallel::context_parallel::{ContextParallel, CpError, SeqLayout};
+use burn_parallel::context_parallel::{ContextParallel, SeqLayout};
 use burn_parallel::init::{Init, LinearInit};
 use burn_parallel::kernels;
 use burn_parallel::nn::{Embedding, Linear, LinearSplit, TpContext};
@@ -819,8 +819,7 @@ impl Attention {
             // Dropout is refused with context parallelism (`Gpt::with_context_parallel`).
             let y = cp
                 .ctx
-                .attention(q, k, v, self.causal)
-                .map_err(cp_error)?
+                .attention(q, k, v, self.causal)?
                 .swap_dims(1, 2)
                 .reshape([b, s, heads * self.head_dim]);
             return Ok(residual_dropout(&self.resid_drop, self.o.forward(y)?, pass));
@@ -851,17 +850,6 @@ impl Attention {
             .swap_dims(1, 2)
             .reshape([b, s, heads * self.head_dim]);
         Ok(residual_dropout(&self.resid_drop, self.o.forward(y)?, pass))
-    }
-}
-
-/// A context-parallel error as the model's error type.
-fn cp_error(e: CpError) -> TpError {
-    match e {
-        CpError::Collective(c) => TpError::Collective(c),
-        other => TpError::Shape {
-            layer: "attention (context parallel)".into(),
-            reason: other.to_string(),
-        },
     }
 }
 
@@ -1489,8 +1477,8 @@ impl Gpt {
         match &self.cp {
             None => Ok((tokens, None)),
             Some(cp) => {
-                let layout = cp.layout(tokens.dims()[1]).map_err(cp_error)?;
-                Ok((layout.local(tokens, 1).map_err(cp_error)?, Some(layout)))
+                let layout = cp.layout(tokens.dims()[1])?;
+                Ok((layout.local(tokens, 1)?, Some(layout)))
             }
         }
     }

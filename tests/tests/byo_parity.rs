@@ -11,6 +11,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_parallel::checkpoint::Checkpointer;
+use burn_parallel::context_parallel::{ContextParallel, CpBalance, CpError, CpKind, CpSettings};
 use burn_parallel::init::{Init, splitmix64};
 use burn_parallel::nn::TpContext;
 use burn_parallel::plan::TpPlan;
@@ -200,6 +201,9 @@ struct RunOptions {
     resume: Option<std::path::PathBuf>,
     /// Save a checkpoint under this directory after the last step (`TrainStep::save`).
     save: Option<std::path::PathBuf>,
+    /// Ring or Ulysses and the balancing, for a layout with a `cp` dimension (contiguous: the
+    /// 10 tokens of a row do not split head-tail over 2 ranks, which needs a multiple of 4).
+    cp: CpSettings,
 }
 
 impl Default for RunOptions {
@@ -211,6 +215,10 @@ impl Default for RunOptions {
             steps: 0..STEPS,
             resume: None,
             save: None,
+            cp: CpSettings {
+                kind: CpKind::Ring,
+                balance: CpBalance::None,
+            },
         }
     }
 }
@@ -224,14 +232,20 @@ fn parallel_run(
     let device = device.clone().autodiff();
     let out = run_local(dims.world_size(), move |world| {
         let mesh = dims.build(&world).unwrap();
+        // Rows over the data-parallel ranks; gradients averaged over those and the
+        // context-parallel ranks (other tokens of the same rows).
         let dp = dims.data_parallel(&mesh).unwrap();
+        let reduce = dims.gradient_reduction(&mesh).unwrap();
         let init = Init::new(config().seed, &device)
             .with_tp(mesh.group("tp").unwrap(), tp_plan(sequence_parallel))
             .unwrap();
         let fsdp = fsdp_plan(mesh.group("dp_shard").unwrap());
-        let mut model = Decoder::new(&init, Some(&fsdp), &config()).unwrap();
+        let cp = ContextParallel::new(mesh.group("cp").unwrap(), options.cp).unwrap();
+        let mut model = Decoder::new(&init, Some(&fsdp), &config())
+            .unwrap()
+            .with_context_parallel(Some(cp));
         let train = TrainStep::new(init.context())
-            .with_data_parallel(dp.clone())
+            .with_data_parallel(reduce)
             .with_fsdp(
                 fsdp.shards().clone(),
                 Some(mesh.group("dp_replicate").unwrap().clone()),
@@ -506,6 +520,79 @@ fn dims(dp_replicate: usize, tp: usize) -> ParallelDims {
         tp,
         ep: 1,
     }
+}
+
+fn cp_dims(dp_replicate: usize, cp: usize, tp: usize) -> ParallelDims {
+    ParallelDims {
+        cp,
+        ..dims(dp_replicate, tp)
+    }
+}
+
+/// Context parallelism (each sequence split over the `cp` ranks, attended across them by ring
+/// or Ulysses attention), alone and with data and tensor parallelism, against the single
+/// device; a sequence the ranks cannot share is a typed error.
+#[test]
+fn byo_model_matches_single_device_under_context_parallelism() {
+    let flex = Device::flex();
+    let whole = reference(&flex, None);
+    let ulysses = RunOptions {
+        cp: CpSettings {
+            kind: CpKind::Ulysses,
+            balance: CpBalance::None,
+        },
+        ..RunOptions::default()
+    };
+    for (what, layout, sp, options) in [
+        ("cp 2, ring", cp_dims(1, 2, 1), false, RunOptions::default()),
+        ("cp 2, Ulysses", cp_dims(1, 2, 1), false, ulysses.clone()),
+        (
+            "dp 2 x cp 2, ring",
+            cp_dims(2, 2, 1),
+            false,
+            RunOptions::default(),
+        ),
+        ("cp 2 x tp 2, Ulysses", cp_dims(1, 2, 2), false, ulysses),
+        (
+            "dp 2 x cp 2, clip",
+            cp_dims(2, 2, 1),
+            false,
+            RunOptions {
+                clip: Some(0.05),
+                ..RunOptions::default()
+            },
+        ),
+    ] {
+        let reference = match options.clip {
+            Some(clip) => &reference(&flex, Some(clip)),
+            None => &whole,
+        };
+        assert_matches(what, parallel_run(&flex, layout, sp, options), reference);
+    }
+    // 10 tokens do not split head-tail over 2 context-parallel ranks (a multiple of 4).
+    let err = run_local(2, |world| {
+        let cp = ContextParallel::new(&world, CpSettings::default()).unwrap();
+        let init = Init::new(config().seed, &Device::flex().autodiff());
+        let model = Decoder::new(&init, None, &config())
+            .unwrap()
+            .with_context_parallel(Some(cp));
+        let (tokens, targets) = batch(0, 0..2, &Device::flex().autodiff());
+        Ok(model.loss(tokens, targets).map(|_| ()))
+    })
+    .unwrap();
+    assert!(
+        matches!(
+            &err[0],
+            Err(TpError::ContextParallel(CpError::SeqNotDivisible {
+                seq: 10,
+                cp: 2,
+                multiple: 4,
+                ..
+            }))
+        ),
+        "{:?}",
+        err[0]
+    );
 }
 
 fn fsdp_dims(dp_replicate: usize, dp_shard: usize, tp: usize) -> ParallelDims {

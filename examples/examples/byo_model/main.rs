@@ -11,6 +11,8 @@
 //! cargo run --release -p examples --example byo_model -- --layout fsdp-tp --ranks 4
 //! cargo run --release -p examples --example byo_model -- --layout hsdp --ranks 4
 //! cargo run --release -p examples --example byo_model -- --layout pp --ranks 2
+//! cargo run --release -p examples --example byo_model -- --layout cp --ranks 2 --cp-kind ulysses
+//! cargo run --release -p examples --example byo_model -- --layout dp-cp --ranks 4
 //! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4 --precision bf16
 //! cargo run --release -p examples --example byo_model -- --layout fsdp --ranks 2 --grad-accum 4
 //! cargo run --release -p examples --example byo_model -- --layout ddp --ranks 2 --zero 2
@@ -38,6 +40,7 @@ use std::time::Instant;
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::Device;
 use burn_parallel::checkpoint::Checkpointer;
+use burn_parallel::context_parallel::{ContextParallel, CpKind, CpSettings};
 use burn_parallel::init::Init;
 use burn_parallel::precision::{LossScaler, MixedPrecision};
 use burn_parallel::tensor_parallel::TpError;
@@ -82,6 +85,12 @@ enum Layout {
     FsdpTp,
     /// HSDP: FSDP in pairs, replicated across pairs.
     Hsdp,
+    /// Context parallel over every rank: each sequence split over them (`--cp-kind`).
+    Cp,
+    /// Data parallel x context parallel (cp = 2).
+    DpCp,
+    /// Context parallel (cp = 2) x tensor parallel (tp = 2).
+    CpTp,
     /// Pipeline over every rank (1F1B, 4 micro-batches), the model staged by
     /// `burn_pipeline::sequential` (see `model::stage`).
     Pp,
@@ -125,6 +134,9 @@ struct Args {
     /// train on to `--steps`.
     #[arg(long)]
     resume: Option<std::path::PathBuf>,
+    /// How the context-parallel layouts attend across ranks: `ring` or `ulysses`.
+    #[arg(long, default_value = "ring")]
+    cp_kind: CpKind,
     /// Run every layout in turn (on `--ranks`, one rank for `single`) and print each one's
     /// step time relative to single-device training.
     #[arg(long)]
@@ -278,22 +290,25 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
     let device = Device::flex().autodiff();
     let n = world.size();
     // ---- the layout: mesh dimensions and whether sequence parallelism is on ----
-    let dims = |dp_replicate, dp_shard, tp| ParallelDims {
+    let dims = |dp_replicate, dp_shard, cp, tp| ParallelDims {
         dp_replicate,
         dp_shard,
         pp: 1,
-        cp: 1,
+        cp,
         tp,
         ep: 1,
     };
     let (dims, sp) = match args.layout {
-        Layout::Single | Layout::Ddp => (dims(n, 1, 1), false),
-        Layout::Tp => (dims(1, 1, n), false),
-        Layout::TpSp => (dims(1, 1, n), true),
-        Layout::DpTp => (dims(n / 2, 1, 2), true),
-        Layout::Fsdp => (dims(1, n, 1), false),
-        Layout::FsdpTp => (dims(1, n / 2, 2), true),
-        Layout::Hsdp => (dims(n / 2, 2, 1), false),
+        Layout::Single | Layout::Ddp => (dims(n, 1, 1, 1), false),
+        Layout::Tp => (dims(1, 1, 1, n), false),
+        Layout::TpSp => (dims(1, 1, 1, n), true),
+        Layout::DpTp => (dims(n / 2, 1, 1, 2), true),
+        Layout::Fsdp => (dims(1, n, 1, 1), false),
+        Layout::FsdpTp => (dims(1, n / 2, 1, 2), true),
+        Layout::Hsdp => (dims(n / 2, 2, 1, 1), false),
+        Layout::Cp => (dims(1, 1, n, 1), false),
+        Layout::DpCp => (dims(n / 2, 1, 2, 1), false),
+        Layout::CpTp => (dims(1, 1, 2, n / 2), false),
         Layout::Pp => unreachable!("run_rank_pipeline"),
     };
     // ---- the same lines for every layout: the plans apply where the mesh has ranks ----
@@ -303,8 +318,20 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
         .with_tp(&group("tp"), tp_plan(sp))
         .unwrap_or_else(|e| panic!("{e}"));
     let fsdp = fsdp_plan(&group("dp_shard"));
-    let mut model = Decoder::new(&init, Some(&fsdp), &config()).unwrap_or_else(|e| panic!("{e}"));
+    let settings = CpSettings {
+        kind: args.cp_kind,
+        ..CpSettings::default()
+    };
+    let cp = ContextParallel::new(&group("cp"), settings).map_err(|e| invalid(&world, e))?;
+    let mut model = Decoder::new(&init, Some(&fsdp), &config())
+        .unwrap_or_else(|e| panic!("{e}"))
+        .with_context_parallel(Some(cp));
+    // Rows split over the data-parallel ranks; gradients averaged over those and the
+    // context-parallel ranks (which hold other tokens of the same rows).
     let dp = dims.data_parallel(&mesh).expect("built by ParallelDims");
+    let reduce = dims
+        .gradient_reduction(&mesh)
+        .expect("built by ParallelDims");
     let rows = args.batch / dp.size();
     let micro_rows = rows / args.grad_accum.max(1);
     if micro_rows == 0 || micro_rows * args.grad_accum != rows {
@@ -324,7 +351,7 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
             .map_err(|e| invalid(&world, e));
     }
     let mut step = TrainStep::new(init.context())
-        .with_data_parallel(dp.clone())
+        .with_data_parallel(reduce.clone())
         .with_fsdp(fsdp.shards().clone(), Some(group("dp_replicate")))
         .with_clip(args.clip);
     step = match args.precision {

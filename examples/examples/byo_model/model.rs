@@ -1,10 +1,13 @@
 //! A user's own model: a small LLaMA-style decoder (RMSNorm, SwiGLU, causal attention, untied
 //! output head) written once with `burn_parallel::nn` layers. The same type trains on one device
-//! and under every layout; nothing here knows the layout except the plan in [`tp_plan`].
+//! and under every layout; nothing here knows the layout except the plan in [`tp_plan`] and,
+//! for context parallelism, the two places where the sequence is split (the loss's tokens) and
+//! attended across ranks (`Attention::forward`).
 
 use burn::module::{Module, Param};
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::{Int, Tensor};
+use burn_parallel::context_parallel::ContextParallel;
 use burn_parallel::init::{Init, LinearInit};
 use burn_parallel::kernels::causal_mask;
 use burn_parallel::nn::{Embedding, Linear, TpContext};
@@ -83,7 +86,9 @@ impl Attention {
         })
     }
 
-    fn forward(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
+    /// `cp`: the context-parallel group when the sequence is split over ranks (`x` holds this
+    /// rank's tokens; the attention runs over the whole sequence, ring or Ulysses).
+    fn forward(&self, x: Tensor<3>, cp: Option<&ContextParallel>) -> TpResult<Tensor<3>> {
         // Local heads: all of them on one device, this rank's share under tensor parallelism.
         let heads = |t: Tensor<3>| {
             let [b, s, w] = t.dims();
@@ -96,16 +101,18 @@ impl Attention {
             heads(self.v.forward(x)?),
         );
         let [b, h, s, _] = q.dims();
-        let scores = q.matmul(k.swap_dims(2, 3)) / (self.head_dim as f32).sqrt();
-        let mask = causal_mask(0..s, 0..s, &scores.device())
-            .reshape([1, 1, s, s])
-            .expand([b, h, s, s]);
-        let scores = scores.mask_fill(mask, -1e9);
-        let y = softmax(scores, 3)
-            .matmul(v)
-            .swap_dims(1, 2)
-            .reshape([b, s, h * self.head_dim]);
-        self.o.forward(y)
+        let y = match cp {
+            Some(cp) => cp.attention(q, k, v, true)?,
+            None => {
+                let scores = q.matmul(k.swap_dims(2, 3)) / (self.head_dim as f32).sqrt();
+                let mask = causal_mask(0..s, 0..s, &scores.device())
+                    .reshape([1, 1, s, s])
+                    .expand([b, h, s, s]);
+                softmax(scores.mask_fill(mask, -1e9), 3).matmul(v)
+            }
+        };
+        self.o
+            .forward(y.swap_dims(1, 2).reshape([b, s, h * self.head_dim]))
     }
 }
 
@@ -149,8 +156,8 @@ impl Layer {
         })
     }
 
-    pub fn forward(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
-        let x = x.clone() + self.attn.forward(self.norm1.forward(x))?;
+    pub fn forward(&self, x: Tensor<3>, cp: Option<&ContextParallel>) -> TpResult<Tensor<3>> {
+        let x = x.clone() + self.attn.forward(self.norm1.forward(x), cp)?;
         Ok(x.clone() + self.mlp.forward(self.norm2.forward(x))?)
     }
 }
@@ -163,6 +170,9 @@ pub struct Decoder {
     pub head: Linear,
     #[module(skip)]
     pub tp: TpContext,
+    /// The context-parallel group, when the sequence is split over ranks.
+    #[module(skip)]
+    pub cp: Option<ContextParallel>,
 }
 
 impl Decoder {
@@ -185,6 +195,7 @@ impl Decoder {
             norm: RmsNorm::new(&init.at("norm"), c.d_model),
             head: init.linear("head", LinearInit::new(c.d_model, c.vocab))?,
             tp: init.context(),
+            cp: None,
         };
         init.finish()?;
         if let Some(plan) = fsdp {
@@ -193,11 +204,26 @@ impl Decoder {
         Ok(model)
     }
 
-    /// Mean next-token cross-entropy of `tokens` against `targets` (both `[batch, seq]`).
+    /// Splits every sequence over the context-parallel group `cp` (`None`: whole sequences).
+    pub fn with_context_parallel(mut self, cp: Option<ContextParallel>) -> Self {
+        self.cp = cp.filter(|cp| cp.size() > 1);
+        self
+    }
+
+    /// Mean next-token cross-entropy of `tokens` against `targets` (both `[batch, seq]`, whole
+    /// sequences; under context parallelism the mean over this rank's tokens, which the
+    /// gradient reduction over the context-parallel ranks averages).
     pub fn loss(&self, tokens: Tensor<2, Int>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
+        let (tokens, targets) = match &self.cp {
+            Some(cp) => {
+                let layout = cp.layout(tokens.dims()[1])?;
+                (layout.local(tokens, 1)?, layout.local(targets, 1)?)
+            }
+            None => (tokens, targets),
+        };
         let mut x = self.tp.scatter_sequence(self.embed.forward(tokens)?)?;
         for layer in &self.layers {
-            x = layer.get()?.forward(x)?; // all-gathers an FSDP unit
+            x = layer.get()?.forward(x, self.cp.as_ref())?; // all-gathers an FSDP unit
         }
         let logits = self.head.forward(self.norm.forward(x))?;
         self.head.cross_entropy(logits, targets)
@@ -224,7 +250,7 @@ impl seq::InputLayer<Batch> for PipeEmbed {
 
 impl seq::Layer<Batch> for Layer {
     fn forward(&self, x: Tensor<3>, _: &Batch) -> Result<Tensor<3>, StageError> {
-        Layer::forward(self, x).map_err(StageError::new)
+        Layer::forward(self, x, None).map_err(StageError::new)
     }
 }
 

@@ -75,6 +75,10 @@ pub enum TpError {
     /// A collective failed (dead peer, mismatch, timeout).
     #[error(transparent)]
     Collective(#[from] CollectiveError),
+    /// Context-parallel attention refused its inputs (a sequence that does not split over the
+    /// ranks, heads that Ulysses cannot share, settings that differ between ranks).
+    #[error(transparent)]
+    ContextParallel(crate::context_parallel::CpError),
     /// A layer received an activation with the wrong placement: the layers are mis-paired.
     #[error("{layer}: expects {expected}, got {got}. {hint}")]
     Layout {
@@ -127,6 +131,17 @@ pub enum TpError {
     /// layer cannot take, a malformed pattern.
     #[error("tensor-parallel plan: {0}")]
     Plan(String),
+}
+
+/// A context-parallel error inside a model's forward: its collective failures stay
+/// [`TpError::Collective`], the rest is [`TpError::ContextParallel`].
+impl From<crate::context_parallel::CpError> for TpError {
+    fn from(e: crate::context_parallel::CpError) -> Self {
+        match e {
+            crate::context_parallel::CpError::Collective(c) => TpError::Collective(c),
+            other => TpError::ContextParallel(other),
+        }
+    }
 }
 
 /// Shorthand for results of tensor-parallel operations.
