@@ -741,14 +741,30 @@ fn assert_bf16_tracks(what: &str, run: &(Vec<f32>, Params), reference: &(Vec<f32
 }
 
 /// bf16 compute (fp32 master weights and optimizer state, gradients averaged in bf16) under
-/// dp 2 x tp 2 + sp against the fp32 single device: worst relative loss difference over the
-/// 20 steps and worst parameter difference within [`BF16_LOSS_TOL`] and [`BF16_PARAM_TOL`].
+/// every layout of `TrainStep` against the fp32 single device: worst relative loss difference
+/// over the 20 steps and worst parameter difference within [`BF16_LOSS_TOL`] and
+/// [`BF16_PARAM_TOL`] (the figures are printed: the parity matrix's bf16 column).
 #[test]
-fn byo_model_in_bf16_tracks_fp32_single_device() {
+fn byo_model_in_bf16_tracks_fp32_single_device_under_every_layout() {
     let flex = Device::flex();
     let reference = reference(&flex, None);
-    let run = parallel_with(&flex, dims(2, 2), true, None, 1, MixedPrecision::bf16());
-    assert_bf16_tracks("dp 2 x tp 2 + sp", &run, &reference);
+    let bf16 = || RunOptions {
+        precision: MixedPrecision::bf16(),
+        ..RunOptions::default()
+    };
+    for (what, layout, sp) in [
+        ("one device", dims(1, 1), false),
+        ("dp 2", dims(2, 1), false),
+        ("tp 2 + sp", dims(1, 2), true),
+        ("dp 2 x tp 2 + sp", dims(2, 2), true),
+        ("fsdp 2", fsdp_dims(1, 2, 1), false),
+        ("hsdp 2 x 2", fsdp_dims(2, 2, 1), false),
+        ("fsdp 2 x tp 2 + sp", fsdp_dims(1, 2, 2), true),
+        ("cp 2", cp_dims(1, 2, 1), false),
+    ] {
+        let run = parallel_run(&flex, layout, sp, bf16());
+        assert_bf16_tracks(what, &run, &reference);
+    }
 }
 
 /// The same training with `burn-zero`'s ZeRO-1/2 optimizer over the data-parallel ranks of
