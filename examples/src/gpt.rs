@@ -55,7 +55,7 @@ use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::activation::{gelu, gelu_approximate, log_softmax, silu, softmax};
 use burn::tensor::module::layer_norm;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
-use burn_moe::{MoeConfig, MoeError, MoeLayer, MoeParallel, MoeStats};
+use burn_moe::{MoeConfig, MoeLayer, MoeParallel, MoeStats};
 use burn_parallel::ProcessGroup;
 use burn_parallel::autograd::WeightGradSink;
 use burn_parallel::context_parallel::{ContextParallel, SeqLayout};
@@ -929,18 +929,6 @@ impl Mlp {
     }
 }
 
-/// An MoE layer's error as the model's error type.
-pub fn moe_error(e: MoeError) -> TpError {
-    match e {
-        MoeError::Tp(e) => e,
-        MoeError::Collective(e) => TpError::Collective(e),
-        other => TpError::Shape {
-            layer: "moe".into(),
-            reason: other.to_string(),
-        },
-    }
-}
-
 /// Pre-norm transformer block: `x + attn(ln_1(x))`, then `x + ffn(ln_2(x))`, where the
 /// feed-forward network is the MLP (`mlp`) or, in an MoE block, the mixture of experts (`moe`).
 #[derive(Module, Debug)]
@@ -1010,10 +998,7 @@ impl Block {
         let d = config.d_model;
         let (mlp, moe) = match &config.moe {
             None => (Some(Mlp::new(config, &init.at("mlp"))?), None),
-            Some(moe) => (
-                None,
-                Some(MoeLayer::build(moe, &init.at("moe"), experts).map_err(moe_error)?),
-            ),
+            Some(moe) => (None, Some(MoeLayer::build(moe, &init.at("moe"), experts)?)),
         };
         Ok(Self {
             ln_1: Norm::new(config.norm, d, config.norm_eps, &init.at("ln_1")),
@@ -1055,7 +1040,7 @@ impl Block {
                 // keeps this rank's part of the (replicated) input gradient, the split's
                 // all-gathers the output gradient: expert gradients are those of one device.
                 let h = self.tp.gather_sequence(h)?;
-                let y = moe.forward(h).map_err(moe_error)?;
+                let y = moe.forward(h)?;
                 let y = self.tp.scatter_sequence(y)?;
                 residual_dropout(&self.moe_drop, y, pass)
             }

@@ -10,6 +10,7 @@ mod model;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_moe::{MoeParallel, MoeStep};
 use burn_parallel::checkpoint::Checkpointer;
 use burn_parallel::context_parallel::{ContextParallel, CpBalance, CpError, CpKind, CpSettings};
 use burn_parallel::init::{Init, splitmix64};
@@ -87,7 +88,13 @@ type Params = Vec<(String, TensorData)>;
 /// scaled by `min(1, clip / (norm + 1e-6))`, the norm taken over every gradient.
 fn reference(device: &Device, clip: Option<f64>) -> (Vec<f32>, Params) {
     let device = device.clone().autodiff();
-    let mut model = Decoder::new(&Init::new(config().seed, &device), None, &config()).unwrap();
+    let model = Decoder::new(&Init::new(config().seed, &device), None, &config()).unwrap();
+    reference_from(model, &device, clip)
+}
+
+/// [`reference`]'s plain Burn loop from `model` (on `device`, with autodiff).
+fn reference_from(mut model: Decoder, device: &Device, clip: Option<f64>) -> (Vec<f32>, Params) {
+    let device = device.clone();
     let mut optim = optimizer();
     let mut losses = Vec::new();
     for step in 0..STEPS {
@@ -595,6 +602,94 @@ fn byo_model_matches_single_device_under_context_parallelism() {
     );
 }
 
+/// The MoE variant of the decoder (4 SwiGLU experts per layer, top 2, dropless, load-balancing
+/// and z losses over the global batch's tokens) trained by `burn-moe`'s `MoeStep` on
+/// `dp_replicate` ranks with `ep` of them splitting the experts. Returns rank 0's losses and
+/// the whole model's parameters (each expert from a rank holding it, under its global index),
+/// sorted by path.
+fn moe_parallel(dp_replicate: usize, ep: usize, clip: Option<f64>) -> (Vec<f32>, Params) {
+    let device = Device::flex().autodiff();
+    let dims = ParallelDims {
+        dp_replicate,
+        ep,
+        ..ParallelDims::default()
+    };
+    let out = run_local(dims.world_size(), move |world| {
+        let mesh = dims.build(&world).unwrap();
+        let parallel = MoeParallel::from_mesh(&dims, &mesh).unwrap();
+        let init = Init::new(config().seed, &device);
+        let mut model = Decoder::with_experts(&init, &config(), &moe(), &parallel).unwrap();
+        let dp = dims.data_parallel(&mesh).unwrap();
+        let inner = TrainStep::new(init.context()).with_data_parallel(dp.clone());
+        let step = MoeStep::new(inner, &parallel).with_clip(clip);
+        let mut optim = optimizer();
+        let rows = BATCH / dp.size();
+        let mut losses = Vec::new();
+        for s in 0..STEPS {
+            let (tokens, targets) = batch(s, dp.rank() * rows..(dp.rank() + 1) * rows, &device);
+            let loss = model.loss(tokens, targets).unwrap();
+            let (next, out) = step.step(model, loss, &mut optim, LR).unwrap();
+            model = next;
+            losses.push(out.loss);
+        }
+        // Local expert j of a layer is global expert first_expert + j.
+        let first = model.layers[0]
+            .get()?
+            .moe
+            .as_ref()
+            .map_or(0, |m| m.first_expert);
+        let params = TpContext::single().full_params(&model.valid())?;
+        let renamed = params.into_iter().map(|(path, data)| {
+            let parts: Vec<&str> = path.split('.').collect();
+            match parts.iter().position(|p| *p == "experts") {
+                Some(i) => {
+                    let global = parts[i + 1].parse::<usize>().unwrap() + first;
+                    let mut parts: Vec<String> = parts.iter().map(|p| p.to_string()).collect();
+                    parts[i + 1] = global.to_string();
+                    (parts.join("."), data)
+                }
+                None => (path, data),
+            }
+        });
+        Ok((losses, renamed.collect::<Vec<_>>()))
+    })
+    .unwrap();
+    for other in &out[1..] {
+        assert_eq!(other.0, out[0].0, "every rank reports the same losses");
+    }
+    let losses = out[0].0.clone();
+    let params: BTreeMap<String, TensorData> = out.into_iter().flat_map(|(_, p)| p).collect();
+    (losses, params.into_iter().collect())
+}
+
+fn moe() -> burn_moe::MoeConfig {
+    model::moe_config(&config(), 4, 2)
+}
+
+/// Expert parallelism: the MoE variant under dp 2 (experts replicated), dp 2 x ep 2 and dp 4 x
+/// ep 2 (experts split, tokens exchanged all-to-all), with clipping, against the same model
+/// trained on one device.
+#[test]
+fn byo_moe_matches_single_device_under_expert_parallelism() {
+    let device = Device::flex().autodiff();
+    let single = |clip| {
+        let init = Init::new(config().seed, &device);
+        let model = Decoder::with_experts(&init, &config(), &moe(), &MoeParallel::default());
+        let (losses, params) = reference_from(model.unwrap(), &device, clip);
+        let sorted: BTreeMap<String, TensorData> = params.into_iter().collect();
+        (losses, sorted.into_iter().collect::<Params>())
+    };
+    let whole = single(None);
+    for (what, dp, ep) in [("dp 2", 2, 1), ("dp 2 x ep 2", 2, 2), ("dp 4 x ep 2", 4, 2)] {
+        assert_matches(what, moe_parallel(dp, ep, None), &whole);
+    }
+    assert_matches(
+        "dp 4 x ep 4, clip",
+        moe_parallel(4, 4, Some(0.05)),
+        &single(Some(0.05)),
+    );
+}
+
 fn fsdp_dims(dp_replicate: usize, dp_shard: usize, tp: usize) -> ParallelDims {
     ParallelDims {
         dp_replicate,
@@ -1000,10 +1095,12 @@ fn sharded_init_holds_only_the_shard() {
             .with_tp(&world, tp_plan(false))
             .unwrap();
         let model = Decoder::new(&init, None, &config()).unwrap();
+        let layer = model.layers[0].get()?;
+        let mlp = layer.mlp.as_ref().expect("a dense layer");
         Ok((
             model.embed.weight.dims(),
-            model.layers[0].get()?.mlp.up.weight.dims(),
-            model.layers[0].get()?.mlp.down.weight.dims(),
+            mlp.up.weight.dims(),
+            mlp.down.weight.dims(),
             model.num_params(),
         ))
     })

@@ -83,6 +83,23 @@ pub enum MoeError {
 /// `Result` with [`MoeError`].
 pub type Result<T> = std::result::Result<T, MoeError>;
 
+/// An MoE error inside a model's forward whose error type is the tensor-parallel layers'
+/// ([`TpError`]): collective and tensor-parallel failures keep their type, the others (a bad
+/// configuration, experts that do not divide, ranks that disagree) become a
+/// [`TpError::Shape`] of the layer `moe` with the message.
+impl From<MoeError> for TpError {
+    fn from(e: MoeError) -> Self {
+        match e {
+            MoeError::Tp(e) => e,
+            MoeError::Collective(e) => TpError::Collective(e),
+            other => TpError::Shape {
+                layer: "moe".into(),
+                reason: other.to_string(),
+            },
+        }
+    }
+}
+
 /// The feed-forward network of each expert.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ExpertKind {

@@ -13,6 +13,7 @@
 //! cargo run --release -p examples --example byo_model -- --layout pp --ranks 2
 //! cargo run --release -p examples --example byo_model -- --layout cp --ranks 2 --cp-kind ulysses
 //! cargo run --release -p examples --example byo_model -- --layout dp-cp --ranks 4
+//! cargo run --release -p examples --example byo_model -- --layout ddp --ranks 4 --experts 8 --ep 2
 //! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4 --precision bf16
 //! cargo run --release -p examples --example byo_model -- --layout fsdp --ranks 2 --grad-accum 4
 //! cargo run --release -p examples --example byo_model -- --layout ddp --ranks 2 --zero 2
@@ -39,6 +40,7 @@ use std::time::Instant;
 
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::Device;
+use burn_moe::{MoeParallel, MoeStep};
 use burn_parallel::checkpoint::Checkpointer;
 use burn_parallel::context_parallel::{ContextParallel, CpKind, CpSettings};
 use burn_parallel::init::Init;
@@ -54,7 +56,7 @@ use burn_pipeline::update::{StageOptimizer, StageUpdater};
 use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroOptimizer};
 use clap::{Parser, ValueEnum};
 use examples::data::{Corpus, Split};
-use model::{Config, Decoder, fsdp_plan, tp_plan};
+use model::{Config, Decoder, fsdp_plan, moe_config, tp_plan};
 
 /// Arithmetic of the forward and backward.
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
@@ -137,6 +139,17 @@ struct Args {
     /// How the context-parallel layouts attend across ranks: `ring` or `ulysses`.
     #[arg(long, default_value = "ring")]
     cp_kind: CpKind,
+    /// The MoE variant: this many experts per layer in place of the MLP (0: dense), with
+    /// `single` or `ddp`.
+    #[arg(long, default_value_t = 0)]
+    experts: usize,
+    /// Experts per token.
+    #[arg(long, default_value_t = 2)]
+    top_k: usize,
+    /// Expert parallelism: the experts split over this many of the data-parallel ranks (which
+    /// exchange tokens all-to-all).
+    #[arg(long, default_value_t = 1)]
+    ep: usize,
     /// Run every layout in turn (on `--ranks`, one rank for `single`) and print each one's
     /// step time relative to single-device training.
     #[arg(long)]
@@ -259,7 +272,54 @@ fn train_zero(
     Ok(losses)
 }
 
+/// `--experts`: the MoE variant of the decoder over `dp_replicate = world` ranks with `ep`
+/// of them splitting the experts, stepped by `burn-moe`'s [`MoeStep`] (expert gradients
+/// reduced over the ranks holding the same experts, the rest over every rank).
+fn train_moe(world: &ProcessGroup, args: &Args, corpus: &Corpus) -> Result<Vec<f32>, String> {
+    let device = Device::flex().autodiff();
+    let dims = ParallelDims {
+        dp_replicate: world.size(),
+        ep: args.ep,
+        ..ParallelDims::default()
+    };
+    let mesh = dims.build(world).map_err(|e| e.to_string())?;
+    let parallel = MoeParallel::from_mesh(&dims, &mesh).map_err(|e| e.to_string())?;
+    let experts = moe_config(&config(), args.experts, args.top_k);
+    let init = Init::new(config().seed, &device);
+    let mut model =
+        Decoder::with_experts(&init, &config(), &experts, &parallel).map_err(|e| e.to_string())?;
+    let dp = dims.data_parallel(&mesh).map_err(|e| e.to_string())?;
+    let inner = TrainStep::new(init.context()).with_data_parallel(dp.clone());
+    let step = MoeStep::new(inner, &parallel).with_clip(args.clip);
+    let mut optim = AdamWConfig::new().with_weight_decay(0.01).init();
+    let rows = args.batch / dp.size();
+    let mut losses = Vec::new();
+    for s in 0..args.steps {
+        let first = dp.rank() * rows;
+        let batch = corpus.batch_rows(s as u64, first..first + rows, args.seq, Split::Train);
+        let (tokens, targets) = batch.to_tensors(&device);
+        let loss = model.loss(tokens, targets).map_err(|e| e.to_string())?;
+        let (next, out) = step
+            .step(model, loss, &mut optim, args.lr)
+            .map_err(|e| e.to_string())?;
+        model = next;
+        losses.push(out.loss);
+    }
+    Ok(losses)
+}
+
 fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel::Result<Vec<f32>> {
+    if args.experts > 0 {
+        let plain = args.zero.is_none() && args.grad_accum == 1 && args.precision == Precision::F32;
+        if !matches!(args.layout, Layout::Single | Layout::Ddp) || !plain {
+            return Err(invalid(
+                &world,
+                "the MoE variant (--experts) trains with --layout single or ddp (and --ep), in \
+                 f32, without --zero or --grad-accum",
+            ));
+        }
+        return train_moe(&world, args, corpus).map_err(|e| invalid(&world, e));
+    }
     let sharded = matches!(args.layout, Layout::Fsdp | Layout::FsdpTp | Layout::Hsdp);
     if args.zero.is_some() && (sharded || args.layout == Layout::Pp) {
         return Err(invalid(

@@ -7,12 +7,13 @@
 use burn::module::{Module, Param};
 use burn::tensor::activation::{silu, softmax};
 use burn::tensor::{Int, Tensor};
+use burn_moe::{MoeConfig, MoeLayer, MoeParallel};
 use burn_parallel::context_parallel::ContextParallel;
 use burn_parallel::init::{Init, LinearInit};
 use burn_parallel::kernels::causal_mask;
 use burn_parallel::nn::{Embedding, Linear, TpContext};
 use burn_parallel::plan::TpPlan;
-use burn_parallel::tensor_parallel::TpResult;
+use burn_parallel::tensor_parallel::{TpError, TpResult};
 use burn_pipeline::sequential as seq;
 use burn_pipeline::stage::StageError;
 use burn_zero::{Fsdp, FsdpPlan};
@@ -27,6 +28,17 @@ pub struct Config {
     pub d_ff: usize,
     pub n_layers: usize,
     pub seed: u64,
+}
+
+/// The mixture of experts of the MoE variant ([`Decoder::with_experts`]) of the model `c`:
+/// `n_experts` SwiGLU experts of half the MLP's hidden width, `top_k` per token, dropless,
+/// with the Switch load-balancing loss and the router z-loss.
+pub fn moe_config(c: &Config, n_experts: usize, top_k: usize) -> MoeConfig {
+    let mut moe = MoeConfig::new(c.d_model, c.d_ff.div_ceil(2), n_experts, top_k);
+    moe.expert = burn_moe::ExpertKind::SwiGlu;
+    moe.aux_loss = 0.01;
+    moe.z_loss = 0.001;
+    moe
 }
 
 /// Each layer is an FSDP unit under a sharded layout.
@@ -138,27 +150,53 @@ impl Mlp {
     }
 }
 
+/// A decoder layer; its feed-forward network is the dense SwiGLU `mlp`, or in the MoE variant
+/// ([`Decoder::with_experts`]) the mixture of experts `moe`.
 #[derive(Module, Debug)]
 pub struct Layer {
     pub norm1: RmsNorm,
     pub attn: Attention,
     pub norm2: RmsNorm,
-    pub mlp: Mlp,
+    pub mlp: Option<Mlp>,
+    pub moe: Option<MoeLayer>,
 }
 
 impl Layer {
     pub fn new(init: &Init, c: &Config) -> burn_zero::Result<Self> {
+        Self::build(init, c, None)
+    }
+
+    /// With `experts`, a mixture of experts split over its groups in place of the MLP.
+    pub fn build(
+        init: &Init,
+        c: &Config,
+        experts: Option<(&MoeConfig, &MoeParallel)>,
+    ) -> burn_zero::Result<Self> {
+        let (mlp, moe) = match experts {
+            None => (Some(Mlp::new(&init.at("mlp"), c)?), None),
+            Some((config, parallel)) => {
+                let moe = MoeLayer::build(config, &init.at("moe"), parallel);
+                (None, Some(moe.map_err(TpError::from)?))
+            }
+        };
         Ok(Self {
             norm1: RmsNorm::new(&init.at("norm1"), c.d_model),
             attn: Attention::new(&init.at("attn"), c)?,
             norm2: RmsNorm::new(&init.at("norm2"), c.d_model),
-            mlp: Mlp::new(&init.at("mlp"), c)?,
+            mlp,
+            moe,
         })
     }
 
     pub fn forward(&self, x: Tensor<3>, cp: Option<&ContextParallel>) -> TpResult<Tensor<3>> {
         let x = x.clone() + self.attn.forward(self.norm1.forward(x), cp)?;
-        Ok(x.clone() + self.mlp.forward(self.norm2.forward(x))?)
+        let h = self.norm2.forward(x.clone());
+        let y = match (&self.mlp, &self.moe) {
+            (Some(mlp), _) => mlp.forward(h)?,
+            (None, Some(moe)) => moe.forward(h)?,
+            (None, None) => unreachable!("a layer has an MLP or experts"),
+        };
+        Ok(x + y)
     }
 }
 
@@ -179,7 +217,30 @@ impl Decoder {
     /// Builds the model from `init` (single device: `Init::new(seed, device)`; tensor-parallel:
     /// `Init::new(..).with_tp(group, tp_plan(sp))`), each layer an FSDP unit when `fsdp` says so.
     pub fn new(init: &Init, fsdp: Option<&FsdpPlan>, c: &Config) -> burn_zero::Result<Self> {
-        let layer = |init: &Init| Layer::new(init, c);
+        Self::build(init, fsdp, c, None)
+    }
+
+    /// The MoE variant: every layer's feed-forward network a mixture of experts (`experts`),
+    /// split over the groups of `parallel` (expert parallelism: each rank builds its share of
+    /// the experts; [`MoeParallel::default`] on one device). Train it with
+    /// `burn_moe::MoeStep`, which reduces the expert gradients over the ranks holding the same
+    /// experts.
+    pub fn with_experts(
+        init: &Init,
+        c: &Config,
+        experts: &MoeConfig,
+        parallel: &MoeParallel,
+    ) -> burn_zero::Result<Self> {
+        Self::build(init, None, c, Some((experts, parallel)))
+    }
+
+    fn build(
+        init: &Init,
+        fsdp: Option<&FsdpPlan>,
+        c: &Config,
+        experts: Option<(&MoeConfig, &MoeParallel)>,
+    ) -> burn_zero::Result<Self> {
+        let layer = |init: &Init| Layer::build(init, c, experts);
         let layers = (0..c.n_layers)
             .map(|i| {
                 let init = init.at("layers").at(i);
