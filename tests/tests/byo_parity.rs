@@ -15,6 +15,7 @@ use burn_parallel::checkpoint::Checkpointer;
 use burn_parallel::context_parallel::{ContextParallel, CpBalance, CpError, CpKind, CpSettings};
 use burn_parallel::init::{Init, splitmix64};
 use burn_parallel::nn::TpContext;
+use burn_parallel::overlap::OverlappedDdp;
 use burn_parallel::plan::TpPlan;
 use burn_parallel::precision::MixedPrecision;
 use burn_parallel::tensor_parallel::TpError;
@@ -208,6 +209,8 @@ struct RunOptions {
     resume: Option<std::path::PathBuf>,
     /// Save a checkpoint under this directory after the last step (`TrainStep::save`).
     save: Option<std::path::PathBuf>,
+    /// Average the gradients during the backward (`TrainStep::with_overlap`).
+    overlap: bool,
     /// Ring or Ulysses and the balancing, for a layout with a `cp` dimension (contiguous: the
     /// 10 tokens of a row do not split head-tail over 2 ranks, which needs a multiple of 4).
     cp: CpSettings,
@@ -222,6 +225,7 @@ impl Default for RunOptions {
             steps: 0..STEPS,
             resume: None,
             save: None,
+            overlap: false,
             cp: CpSettings {
                 kind: CpKind::Ring,
                 balance: CpBalance::None,
@@ -251,14 +255,17 @@ fn parallel_run(
         let mut model = Decoder::new(&init, Some(&fsdp), &config())
             .unwrap()
             .with_context_parallel(Some(cp));
-        let train = TrainStep::new(init.context())
-            .with_data_parallel(reduce)
+        let mut train = TrainStep::new(init.context())
+            .with_data_parallel(reduce.clone())
             .with_fsdp(
                 fsdp.shards().clone(),
                 Some(mesh.group("dp_replicate").unwrap().clone()),
             )
             .with_clip(options.clip)
             .with_precision(options.precision);
+        if options.overlap {
+            train = train.with_overlap(OverlappedDdp::new(reduce));
+        }
         let mut optim = optimizer();
         if let Some(dir) = &options.resume {
             let checkpoint = Checkpointer::latest(dir).unwrap().expect("a checkpoint");
@@ -534,6 +541,43 @@ fn cp_dims(dp_replicate: usize, cp: usize, tp: usize) -> ParallelDims {
         cp,
         ..dims(dp_replicate, tp)
     }
+}
+
+/// Gradients averaged during the backward (`TrainStep::with_overlap`: buckets reduced as their
+/// gradients become final) under dp 2, dp 2 x tp 2 + sp and dp 2 x cp 2 with clipping, against
+/// the single device; with FSDP units it is a typed error.
+#[test]
+fn byo_model_matches_single_device_with_overlapped_data_parallelism() {
+    let flex = Device::flex();
+    let whole = reference(&flex, None);
+    let overlap = |clip| RunOptions {
+        overlap: true,
+        clip,
+        ..RunOptions::default()
+    };
+    assert_matches(
+        "dp 2, overlap",
+        parallel_run(&flex, dims(2, 1), false, overlap(None)),
+        &whole,
+    );
+    assert_matches(
+        "dp 2 x tp 2 + sp, overlap",
+        parallel_run(&flex, dims(2, 2), true, overlap(None)),
+        &whole,
+    );
+    assert_matches(
+        "dp 2 x cp 2, overlap, clip",
+        parallel_run(&flex, cp_dims(2, 2, 1), false, overlap(Some(0.05))),
+        &reference(&flex, Some(0.05)),
+    );
+    let refused =
+        std::panic::catch_unwind(|| parallel_run(&flex, fsdp_dims(1, 2, 1), false, overlap(None)));
+    let message = refused.expect_err("overlap with FSDP units is refused");
+    let message = message
+        .downcast_ref::<String>()
+        .cloned()
+        .unwrap_or_default();
+    assert!(message.contains("FSDP"), "{message}");
 }
 
 /// Context parallelism (each sequence split over the `cp` ranks, attended across them by ring

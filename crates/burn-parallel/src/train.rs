@@ -253,8 +253,11 @@ impl TrainStep {
     /// averaged over `replicate` (HSDP; `None` or a group of one for plain FSDP). Set
     /// [`Self::with_data_parallel`] to the whole data-parallel group (replicate x shard) for the
     /// parameters outside the units.
+    /// A shard group of one rank shards nothing: the step is then the plain one (so the same
+    /// lines serve every layout, and [`Self::with_overlap`] composes with them).
     pub fn with_fsdp(mut self, shards: DataShards, replicate: Option<ProcessGroup>) -> Self {
-        self.fsdp = Some((shards, replicate.filter(|g| g.size() > 1)));
+        self.fsdp =
+            (shards.group().size() > 1).then(|| (shards, replicate.filter(|g| g.size() > 1)));
         self
     }
 

@@ -17,6 +17,7 @@
 //! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4 --precision bf16
 //! cargo run --release -p examples --example byo_model -- --layout fsdp --ranks 2 --grad-accum 4
 //! cargo run --release -p examples --example byo_model -- --layout ddp --ranks 2 --zero 2
+//! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4 --overlap
 //! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4 --zero 1
 //! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4 --steps 50 --save /tmp/ck
 //! cargo run --release -p examples --example byo_model -- --layout fsdp --ranks 2 --steps 100 --resume /tmp/ck
@@ -44,6 +45,7 @@ use burn_moe::{MoeParallel, MoeStep};
 use burn_parallel::checkpoint::Checkpointer;
 use burn_parallel::context_parallel::{ContextParallel, CpKind, CpSettings};
 use burn_parallel::init::Init;
+use burn_parallel::overlap::OverlappedDdp;
 use burn_parallel::precision::{LossScaler, MixedPrecision};
 use burn_parallel::tensor_parallel::TpError;
 use burn_parallel::train::TrainStep;
@@ -136,6 +138,10 @@ struct Args {
     /// train on to `--steps`.
     #[arg(long)]
     resume: Option<std::path::PathBuf>,
+    /// Average the gradients during the backward (buckets reduced as their gradients become
+    /// final) instead of after it; not with the FSDP layouts, mixed precision or accumulation.
+    #[arg(long)]
+    overlap: bool,
     /// How the context-parallel layouts attend across ranks: `ring` or `ulysses`.
     #[arg(long, default_value = "ring")]
     cp_kind: CpKind,
@@ -414,6 +420,9 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
         .with_data_parallel(reduce.clone())
         .with_fsdp(fsdp.shards().clone(), Some(group("dp_replicate")))
         .with_clip(args.clip);
+    if args.overlap {
+        step = step.with_overlap(OverlappedDdp::new(reduce.clone()));
+    }
     step = match args.precision {
         Precision::F32 => step,
         Precision::Bf16 => step.with_precision(MixedPrecision::bf16()),
