@@ -258,22 +258,36 @@ def train_byo(out_dir):
     initial = load_file(os.path.join(out_dir, "model.safetensors"))
     batches = load_file(os.path.join(out_dir, "batches.safetensors"))
     inputs, targets = batches["inputs"], batches["targets"]
-    vocab = initial["embed.weight"].shape[0]
+    losses, grad_norms, params = fit(
+        "byo", initial, lambda w, tokens: byo_logits(w, 4, tokens), inputs, targets, lambda _: lr
+    )
+    save_file({k: v.detach().contiguous() for k, v in params.items()}, os.path.join(out_dir, "final.safetensors"))
+    fields = {"arch": "byo", "steps": inputs.shape[0], "lrs": [lr] * inputs.shape[0], **HYPER, "lr": lr}
+    write_trajectory(out_dir, fields, losses, grad_norms)
+
+
+def fit(name, initial, logits_of, inputs, targets, lr_of):
+    """Trains `initial` (a dict of tensors) for `inputs.shape[0]` steps: mean token
+    cross-entropy of `logits_of(weights, tokens)`, global-norm clipping, AdamW at `lr_of(step)`.
+    Returns the losses, the gradient norms before clipping and the trained weights."""
     params = {k: torch.nn.Parameter(v.clone()) for k, v in initial.items()}
-    optim = adamw(params, lr)
+    optim = adamw(params, lr_of(0))
     losses, grad_norms = [], []
     for step in range(inputs.shape[0]):
+        lr = lr_of(step)
+        for group in optim.param_groups:
+            group["lr"] = lr
         optim.zero_grad()
-        logits = byo_logits(params, 4, inputs[step])
+        logits = logits_of(params, inputs[step])
+        vocab = logits.shape[-1]
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), targets[step].reshape(-1))
         loss.backward()
         norm = torch.nn.utils.clip_grad_norm_(params.values(), HYPER["max_grad_norm"])
         optim.step()
         losses.append(loss.item())
         grad_norms.append(norm.item())
-        print(f"byo step {step:2d} loss {loss.item():.6f} grad norm {norm.item():.4f}")
-    save_file({k: v.detach().contiguous() for k, v in params.items()}, os.path.join(out_dir, "final.safetensors"))
-    write_trajectory(out_dir, {"arch": "byo", "steps": inputs.shape[0], "lrs": [lr] * inputs.shape[0], **HYPER, "lr": lr}, losses, grad_norms)
+        print(f"{name} step {step:2d} loss {loss.item():.6f} grad norm {norm.item():.4f} lr {lr:.2e}")
+    return losses, grad_norms, params
 
 
 def write_trajectory(out_dir, fields, losses, grad_norms):
@@ -300,25 +314,11 @@ def train(arch, out_dir, seed, inputs, targets):
         f.write("\n")
     save_file({k: v.contiguous() for k, v in initial.items()}, os.path.join(out_dir, "model.safetensors"))
 
-    params = {k: torch.nn.Parameter(v.clone()) for k, v in initial.items()}
     logits_of = gpt2_logits if arch == "gpt2" else llama_logits
-    optim = adamw(params, HYPER["lr"])
-    losses, grad_norms, lrs = [], [], []
-    for step in range(steps):
-        lr = lr_at(step, steps)
-        for group in optim.param_groups:
-            group["lr"] = lr
-        optim.zero_grad()
-        logits = logits_of(params, cfg, inputs[step])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets[step].reshape(-1))
-        loss.backward()
-        norm = torch.nn.utils.clip_grad_norm_(params.values(), HYPER["max_grad_norm"])
-        optim.step()
-        losses.append(loss.item())
-        grad_norms.append(norm.item())
-        lrs.append(lr)
-        print(f"{arch} step {step:2d} loss {loss.item():.6f} grad norm {norm.item():.4f} lr {lr:.2e}")
-
+    lrs = [lr_at(step, steps) for step in range(steps)]
+    losses, grad_norms, params = fit(
+        arch, initial, lambda w, tokens: logits_of(w, cfg, tokens), inputs, targets, lambda step: lrs[step]
+    )
     save_file({k: v.detach().contiguous() for k, v in params.items()}, os.path.join(out_dir, "final.safetensors"))
     fields = {
         "arch": arch,

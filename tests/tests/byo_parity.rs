@@ -316,10 +316,7 @@ fn parallel_run(
         Ok((losses, params))
     })
     .unwrap();
-    for other in &out[1..] {
-        assert_eq!(other.0, out[0].0, "every rank reports the same losses");
-    }
-    out.into_iter().next().unwrap()
+    rank0(out)
 }
 
 /// Saved under one layout after 10 steps, resumed under others for the last 10 (parameters
@@ -366,6 +363,19 @@ fn byo_model_saved_under_one_layout_resumes_under_another() {
         assert_matches(what, second_half(run), &whole);
     }
     std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// Asserts that every rank of a run reported the same losses.
+fn same_losses<P>(out: &[(Vec<f32>, P)]) {
+    for other in &out[1..] {
+        assert_eq!(other.0, out[0].0, "every rank reports the same losses");
+    }
+}
+
+/// Rank 0's losses and parameters, after checking that every rank reported the same losses.
+fn rank0(out: Vec<(Vec<f32>, Params)>) -> (Vec<f32>, Params) {
+    same_losses(&out);
+    out.into_iter().next().expect("one rank at least")
 }
 
 fn assert_matches(
@@ -495,10 +505,7 @@ fn pipelined(
         Ok((losses, params))
     })
     .unwrap();
-    for other in &out[1..] {
-        assert_eq!(other.0, out[0].0, "every rank reports the same losses");
-    }
-    out.into_iter().next().unwrap()
+    rank0(out)
 }
 
 /// The user's model staged by the library's generic stage: 1F1B at pp 2, GPipe at pp 2 x dp 2,
@@ -698,9 +705,7 @@ fn moe_parallel(dp_replicate: usize, ep: usize, clip: Option<f64>) -> (Vec<f32>,
         Ok((losses, renamed.collect::<Vec<_>>()))
     })
     .unwrap();
-    for other in &out[1..] {
-        assert_eq!(other.0, out[0].0, "every rank reports the same losses");
-    }
+    same_losses(&out);
     let losses = out[0].0.clone();
     let params: BTreeMap<String, TensorData> = out.into_iter().flat_map(|(_, p)| p).collect();
     (losses, params.into_iter().collect())
@@ -954,10 +959,7 @@ fn zero_parallel(
         Ok((losses, params))
     })
     .unwrap();
-    for other in &out[1..] {
-        assert_eq!(other.0, out[0].0, "every rank reports the same losses");
-    }
-    out.into_iter().next().unwrap()
+    rank0(out)
 }
 
 #[test]
