@@ -11,7 +11,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_moe::{MoeParallel, MoeStep};
-use burn_parallel::checkpoint::Checkpointer;
+use burn_parallel::checkpoint::{CheckpointError, Checkpointer};
 use burn_parallel::context_parallel::{ContextParallel, CpBalance, CpError, CpKind, CpSettings};
 use burn_parallel::init::{Init, splitmix64};
 use burn_parallel::nn::TpContext;
@@ -361,6 +361,28 @@ fn byo_model_saved_under_one_layout_resumes_under_another() {
     ] {
         let run = parallel_run(&flex, layout, sp, resume.clone());
         assert_matches(what, second_half(run), &whole);
+    }
+    // A checkpoint of another model (MLP width 48, not 50) is refused, naming the tensors.
+    let checkpoint = Checkpointer::latest(&root).unwrap().expect("a checkpoint");
+    let other = Config {
+        d_ff: 48,
+        ..config()
+    };
+    let device = Device::flex().autodiff();
+    let init = Init::new(other.seed, &device);
+    let model = Decoder::new(&init, None, &other).unwrap();
+    let train = TrainStep::new(init.context());
+    match train.load(&checkpoint, model, optimizer()) {
+        Err(CheckpointError::Mismatch { shapes, .. }) => {
+            assert!(
+                shapes
+                    .iter()
+                    .any(|(name, saved, _)| name == "layers.0.mlp.up.weight"
+                        && saved == &vec![32, 50]),
+                "{shapes:?}"
+            );
+        }
+        other => panic!("expected a mismatch, got {:?}", other.map(|_| ())),
     }
     std::fs::remove_dir_all(&root).unwrap();
 }
