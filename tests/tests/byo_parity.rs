@@ -42,6 +42,10 @@ const BF16_LOSS_TOL: f32 = 5e-3;
 /// by up to `lr` a step: over the 20 steps the bound is 20 x 3e-3 = 6e-2, which this stays
 /// well under.
 const BF16_PARAM_TOL: f32 = 2e-2;
+/// The same for the MoE variant's parameters: 1.7 times the measured 2.35e-2 (an expert's gate
+/// weight: bf16 rounding flips some tokens' top-2 choice, and the experts they then train
+/// move by up to `lr` a step), under the same bound of 6e-2.
+const BF16_MOE_PARAM_TOL: f32 = 4e-2;
 
 /// Vocabulary 37 and MLP width 50 do not divide by 2 or 4: padded vocabulary shards and uneven
 /// hidden splits.
@@ -681,6 +685,17 @@ fn byo_model_matches_single_device_under_context_parallelism() {
 /// the whole model's parameters (each expert from a rank holding it, under its global index),
 /// sorted by path.
 fn moe_parallel(dp_replicate: usize, ep: usize, clip: Option<f64>) -> (Vec<f32>, Params) {
+    moe_parallel_in(dp_replicate, ep, clip, MixedPrecision::full())
+}
+
+/// [`moe_parallel`] computing under `precision` (the forward on `TrainStep`'s compute copy,
+/// fp32 master weights and optimizer state).
+fn moe_parallel_in(
+    dp_replicate: usize,
+    ep: usize,
+    clip: Option<f64>,
+    precision: MixedPrecision,
+) -> (Vec<f32>, Params) {
     let device = Device::flex().autodiff();
     let dims = ParallelDims {
         dp_replicate,
@@ -693,14 +708,17 @@ fn moe_parallel(dp_replicate: usize, ep: usize, clip: Option<f64>) -> (Vec<f32>,
         let init = Init::new(config().seed, &device);
         let mut model = Decoder::with_experts(&init, &config(), &moe(), &parallel).unwrap();
         let dp = dims.data_parallel(&mesh).unwrap();
-        let inner = TrainStep::new(init.context()).with_data_parallel(dp.clone());
+        let inner = TrainStep::new(init.context())
+            .with_data_parallel(dp.clone())
+            .with_precision(precision);
+        let compute = inner.clone();
         let step = MoeStep::new(inner, &parallel).with_clip(clip);
         let mut optim = optimizer();
         let rows = BATCH / dp.size();
         let mut losses = Vec::new();
         for s in 0..STEPS {
             let (tokens, targets) = batch(s, dp.rank() * rows..(dp.rank() + 1) * rows, &device);
-            let loss = model.loss(tokens, targets).unwrap();
+            let loss = compute.compute_model(&model).loss(tokens, targets).unwrap();
             let (next, out) = step.step(model, loss, &mut optim, LR).unwrap();
             model = next;
             losses.push(out.loss);
@@ -759,6 +777,13 @@ fn byo_moe_matches_single_device_under_expert_parallelism() {
         moe_parallel(4, 4, Some(0.05)),
         &single(Some(0.05)),
     );
+    // bf16 routing: a token whose top-2 choice rounding flips trains other experts, so the
+    // experts drift more than dense weights (2.1e-2 on one device, 2.35e-2 at dp 2 x ep 2,
+    // measured), still well under AdamW's bound of steps x lr = 6e-2.
+    for (what, dp, ep) in [("MoE on one device", 1, 1), ("MoE, dp 2 x ep 2", 2, 2)] {
+        let bf16 = moe_parallel_in(dp, ep, None, MixedPrecision::bf16());
+        assert_bf16_within(what, &bf16, &whole, BF16_LOSS_TOL, BF16_MOE_PARAM_TOL);
+    }
 }
 
 fn fsdp_dims(dp_replicate: usize, dp_shard: usize, tp: usize) -> ParallelDims {
@@ -891,14 +916,25 @@ fn bf16_drift(
 /// Asserts that a bf16 run stays within [`BF16_LOSS_TOL`] and [`BF16_PARAM_TOL`] of the fp32
 /// reference, and differs from it at all (the compute copy was used).
 fn assert_bf16_tracks(what: &str, run: &(Vec<f32>, Params), reference: &(Vec<f32>, Params)) {
+    assert_bf16_within(what, run, reference, BF16_LOSS_TOL, BF16_PARAM_TOL);
+}
+
+/// [`assert_bf16_tracks`] with other tolerances.
+fn assert_bf16_within(
+    what: &str,
+    run: &(Vec<f32>, Params),
+    reference: &(Vec<f32>, Params),
+    loss_tol: f32,
+    param_tol: f32,
+) {
     let (loss_err, param_err, worst_path) = bf16_drift(run, reference);
     println!(
         "{what}: bf16 vs fp32: losses {loss_err:.2e}, parameters {param_err:.2e} at {worst_path}"
     );
     assert!(
-        loss_err < BF16_LOSS_TOL && param_err < BF16_PARAM_TOL,
-        "{what}: bf16 drifts from fp32: losses {loss_err:.2e} (tolerance {BF16_LOSS_TOL:.0e}), \
-         parameters {param_err:.2e} at {worst_path} (tolerance {BF16_PARAM_TOL:.0e})"
+        loss_err < loss_tol && param_err < param_tol,
+        "{what}: bf16 drifts from fp32: losses {loss_err:.2e} (tolerance {loss_tol:.0e}), \
+         parameters {param_err:.2e} at {worst_path} (tolerance {param_tol:.0e})"
     );
     assert!(
         loss_err > 0.0,

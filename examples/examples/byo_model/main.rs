@@ -295,7 +295,18 @@ fn train_moe(world: &ProcessGroup, args: &Args, corpus: &Corpus) -> Result<Vec<f
     let mut model =
         Decoder::with_experts(&init, &config(), &experts, &parallel).map_err(|e| e.to_string())?;
     let dp = dims.data_parallel(&mesh).map_err(|e| e.to_string())?;
-    let inner = TrainStep::new(init.context()).with_data_parallel(dp.clone());
+    let precision = match args.precision {
+        Precision::F32 => MixedPrecision::full(),
+        Precision::Bf16 => MixedPrecision::bf16(),
+        Precision::Fp16 => {
+            return Err("the MoE variant has no loss scaling: use bf16 or f32".into());
+        }
+    };
+    let inner = TrainStep::new(init.context())
+        .with_data_parallel(dp.clone())
+        .with_precision(precision);
+    // The forward runs on the compute copy (bf16): gradients land on the fp32 master weights.
+    let compute = inner.clone();
     let step = MoeStep::new(inner, &parallel).with_clip(args.clip);
     let mut optim = AdamWConfig::new().with_weight_decay(0.01).init();
     let rows = args.batch / dp.size();
@@ -304,7 +315,8 @@ fn train_moe(world: &ProcessGroup, args: &Args, corpus: &Corpus) -> Result<Vec<f
         let first = dp.rank() * rows;
         let batch = corpus.batch_rows(s as u64, first..first + rows, args.seq, Split::Train);
         let (tokens, targets) = batch.to_tensors(&device);
-        let loss = model.loss(tokens, targets).map_err(|e| e.to_string())?;
+        let loss = compute.compute_model(&model).loss(tokens, targets);
+        let loss = loss.map_err(|e| e.to_string())?;
         let (next, out) = step
             .step(model, loss, &mut optim, args.lr)
             .map_err(|e| e.to_string())?;
@@ -316,12 +328,12 @@ fn train_moe(world: &ProcessGroup, args: &Args, corpus: &Corpus) -> Result<Vec<f
 
 fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel::Result<Vec<f32>> {
     if args.experts > 0 {
-        let plain = args.zero.is_none() && args.grad_accum == 1 && args.precision == Precision::F32;
+        let plain = args.zero.is_none() && args.grad_accum == 1;
         if !matches!(args.layout, Layout::Single | Layout::Ddp) || !plain {
             return Err(invalid(
                 &world,
-                "the MoE variant (--experts) trains with --layout single or ddp (and --ep), in \
-                 f32, without --zero or --grad-accum",
+                "the MoE variant (--experts) trains with --layout single or ddp (and --ep), \
+                 without --zero or --grad-accum",
             ));
         }
         return train_moe(&world, args, corpus).map_err(|e| invalid(&world, e));
