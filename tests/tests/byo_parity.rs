@@ -409,14 +409,17 @@ fn assert_matches(
     (losses, params): (Vec<f32>, Params),
     reference: &(Vec<f32>, Params),
 ) {
+    let mut worst_loss = 0f32;
     for (step, (a, b)) in reference.0.iter().zip(&losses).enumerate() {
         let rel = ((a - b) / a).abs();
         assert!(
             rel <= 1e-5,
             "{what}: step {step} loss {b} vs single-device {a} (rel {rel:.1e})"
         );
+        worst_loss = worst_loss.max(rel);
     }
     assert_eq!(params.len(), reference.1.len(), "{what}: parameter count");
+    let mut worst_param = 0f32;
     for ((path, got), (ref_path, want)) in params.iter().zip(&reference.1) {
         assert_eq!(path, ref_path, "{what}: parameter order");
         assert_eq!(got.shape(), want.shape(), "{what}: shape of {path}");
@@ -439,7 +442,9 @@ fn assert_matches(
             got[i],
             want[i]
         );
+        worst_param = worst_param.max(worst);
     }
+    println!("{what}: losses within {worst_loss:.1e}, parameters within {worst_param:.1e}");
 }
 
 /// The same training pipelined over `pp` stages (the model staged by
