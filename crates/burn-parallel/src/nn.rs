@@ -519,9 +519,7 @@ impl Embedding {
         check_targets(&self.name, &tokens.clone().reshape([b * s]), self.vocab)?;
         match &self.split {
             None => Ok(burn::tensor::module::embedding(self.weight.val(), tokens)),
-            Some(split) => Ok(split
-                .lookup(self.weight.val(), tokens, false)?
-                .into_tensor()),
+            Some(split) => Ok(split.lookup(self.weight.val(), tokens)?.into_tensor()),
         }
     }
 

@@ -55,12 +55,11 @@ pub struct VocabSplit {
 impl VocabSplit {
     /// Embeds `tokens` (ids already checked against the vocabulary) with this rank's rows
     /// `weight`: ids of other ranks' ranges give zeros here, and the partial embeddings are
-    /// summed over the group (reduce-scattered along the sequence under sequence parallelism).
+    /// summed over the group: replicated (a sequence-parallel model scatters it afterwards).
     pub(crate) fn lookup(
         &self,
         weight: Tensor<2>,
         tokens: Tensor<2, Int>,
-        sequence_parallel: bool,
     ) -> TpResult<TpTensor<3>> {
         let [b, s] = tokens.dims();
         let d = weight.dims()[1];
@@ -75,6 +74,6 @@ impl VocabSplit {
         let local = (tokens - start).mask_fill(outside.clone(), 0);
         let partial = embedding(weight, local)
             .mask_fill(outside.unsqueeze_dim::<3>(2).expand([b, s, d]), 0.0);
-        row_output(partial, &self.group, sequence_parallel)
+        row_output(partial, &self.group, false)
     }
 }
