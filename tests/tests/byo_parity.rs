@@ -215,6 +215,13 @@ struct RunOptions {
     save: Option<std::path::PathBuf>,
     /// Average the gradients during the backward (`TrainStep::with_overlap`).
     overlap: bool,
+    /// All-gather the next FSDP unit while one computes (`FsdpPlan::with_prefetch`).
+    prefetch: bool,
+    /// Reduce-scatter the FSDP units' gradients once per step (`TrainStep::with_fsdp_no_sync`).
+    no_sync: bool,
+    /// The collectives' tensor-level paths (those NCCL takes), through host memory here
+    /// (`ProcessGroup::with_tensor_path`).
+    tensor_path: bool,
     /// Ring or Ulysses and the balancing, for a layout with a `cp` dimension (contiguous: the
     /// 10 tokens of a row do not split head-tail over 2 ranks, which needs a multiple of 4).
     cp: CpSettings,
@@ -230,6 +237,9 @@ impl Default for RunOptions {
             resume: None,
             save: None,
             overlap: false,
+            prefetch: false,
+            no_sync: false,
+            tensor_path: false,
             cp: CpSettings {
                 kind: CpKind::Ring,
                 balance: CpBalance::None,
@@ -246,6 +256,7 @@ fn parallel_run(
 ) -> (Vec<f32>, Params) {
     let device = device.clone().autodiff();
     let out = run_local(dims.world_size(), move |world| {
+        let world = world.with_tensor_path(options.tensor_path);
         let mesh = dims.build(&world).unwrap();
         // Rows over the data-parallel ranks; gradients averaged over those and the
         // context-parallel ranks (other tokens of the same rows).
@@ -254,7 +265,7 @@ fn parallel_run(
         let init = Init::new(config().seed, &device)
             .with_tp(mesh.group("tp").unwrap(), tp_plan(sequence_parallel))
             .unwrap();
-        let fsdp = fsdp_plan(mesh.group("dp_shard").unwrap());
+        let fsdp = fsdp_plan(mesh.group("dp_shard").unwrap()).with_prefetch(options.prefetch);
         let cp = ContextParallel::new(mesh.group("cp").unwrap(), options.cp).unwrap();
         let mut model = Decoder::new(&init, Some(&fsdp), &config())
             .unwrap()
@@ -265,6 +276,7 @@ fn parallel_run(
                 fsdp.shards().clone(),
                 Some(mesh.group("dp_replicate").unwrap().clone()),
             )
+            .with_fsdp_no_sync(options.no_sync)
             .with_clip(options.clip)
             .with_precision(options.precision);
         if options.overlap {
@@ -884,6 +896,110 @@ fn byo_model_matches_single_device_with_gradient_accumulation() {
         "fsdp 2, 2 micro-batches, clip",
         parallel_with(&flex, fsdp_dims(1, 2, 1), false, Some(0.05), 2, full()),
         &reference(&flex, Some(0.05)),
+    );
+}
+
+/// FSDP prefetch (the next layer all-gathered on a background thread while one computes) and
+/// no-sync accumulation (each layer's whole gradient held over the micro-batches and
+/// reduce-scattered once per step) under FSDP, HSDP and FSDP x TP + SP: the single-device run.
+/// Prefetch changes no number at all; no-sync only the order of the gradient sums.
+#[test]
+fn byo_model_fsdp_prefetch_and_no_sync_match_single_device() {
+    let flex = Device::flex();
+    let whole = reference(&flex, None);
+    let options = |micro_batches, clip, prefetch, no_sync| RunOptions {
+        micro_batches,
+        clip,
+        prefetch,
+        no_sync,
+        ..RunOptions::default()
+    };
+    let fsdp = fsdp_dims(1, 2, 1);
+    let plain = parallel_run(&flex, fsdp, false, options(1, None, false, false));
+    let prefetched = parallel_run(&flex, fsdp, false, options(1, None, true, false));
+    assert_eq!(prefetched.0, plain.0, "prefetch changed the losses");
+    assert_eq!(prefetched.1, plain.1, "prefetch changed the parameters");
+    assert_matches("fsdp 2, prefetch", prefetched, &whole);
+    assert_matches(
+        "fsdp 2, 4 micro-batches no-sync, prefetch",
+        parallel_run(&flex, fsdp, false, options(4, None, true, true)),
+        &whole,
+    );
+    assert_matches(
+        "hsdp 2 x 2, 2 micro-batches no-sync, clip",
+        parallel_run(
+            &flex,
+            fsdp_dims(2, 2, 1),
+            false,
+            options(2, Some(0.05), false, true),
+        ),
+        &reference(&flex, Some(0.05)),
+    );
+    assert_matches(
+        "fsdp 2 x tp 2 + sp, 2 micro-batches no-sync, prefetch",
+        parallel_run(
+            &flex,
+            fsdp_dims(1, 2, 2),
+            true,
+            options(2, None, true, true),
+        ),
+        &whole,
+    );
+    // The tensor-level paths (NCCL's): the held gradient summed as a tensor.
+    let tensor_path = RunOptions {
+        tensor_path: true,
+        ..options(2, None, true, true)
+    };
+    assert_matches(
+        "fsdp 2 x tp 2 + sp, 2 micro-batches no-sync, prefetch, tensor path",
+        parallel_run(&flex, fsdp_dims(1, 2, 2), true, tensor_path),
+        &whole,
+    );
+}
+
+/// No-sync accumulation communicates once per layer and step: one step of 4 micro-batches at
+/// FSDP 2 calls 3 reduce-scatters fewer per layer (the decoder has 2) on the shard group than
+/// reducing every micro-batch, and the same all-gathers.
+#[test]
+fn fsdp_no_sync_reduce_scatters_once_per_step() {
+    let calls = |no_sync: bool| {
+        let device = Device::flex().autodiff();
+        let out = run_local(2, move |group| {
+            let init = Init::new(config().seed, &device);
+            let fsdp = fsdp_plan(&group);
+            let model = Decoder::new(&init, Some(&fsdp), &config()).unwrap();
+            let train = TrainStep::new(init.context())
+                .with_data_parallel(group.clone())
+                .with_fsdp(fsdp.shards().clone(), None)
+                .with_fsdp_no_sync(no_sync);
+            let mut optim = optimizer();
+            let shard_group = fsdp.shards().group();
+            let before = shard_group.collectives_called();
+            let rows = BATCH / 2;
+            let first = group.rank() * rows;
+            train
+                .step_accumulated::<_, TpError>(
+                    model,
+                    4,
+                    |m, k| {
+                        let start = first + k;
+                        let (tokens, targets) = batch(0, start..start + 1, &device);
+                        m.loss(tokens, targets)
+                    },
+                    &mut optim,
+                    LR,
+                )
+                .unwrap_or_else(|e| panic!("{e}"));
+            Ok(shard_group.collectives_called() - before)
+        })
+        .unwrap();
+        out[0]
+    };
+    let (every, once) = (calls(false), calls(true));
+    assert_eq!(
+        every - once,
+        2 * 3,
+        "{every} collectives reducing every micro-batch, {once} with no-sync"
     );
 }
 

@@ -128,6 +128,13 @@ impl ProcessGroup {
         self.rank
     }
 
+    /// How many collectives this rank has called on this group (its clones included; each
+    /// sub-group counts its own): what a test or a log reads to check how often a technique
+    /// communicates.
+    pub fn collectives_called(&self) -> u64 {
+        self.seq.load(Ordering::Relaxed)
+    }
+
     /// Number of ranks in the group.
     pub fn size(&self) -> usize {
         self.members.len()

@@ -42,6 +42,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
@@ -96,6 +97,32 @@ pub struct DataShards {
     params: Arc<Mutex<Vec<ShardEntry>>>,
     /// What each flat shard holds, for checkpoints ([`crate::checkpoint::ParamMap`]).
     flats: Arc<Mutex<HashMap<ParamId, FlatParts>>>,
+    sync: GradientSync,
+}
+
+/// Whether the FSDP units of a [`DataShards`] reduce their gradients in the backward being run
+/// (torch's `set_requires_gradient_sync`). Off, a unit adds its whole (unsharded) gradient to
+/// a buffer it keeps, communicates nothing and gives its shard a zero gradient; the next
+/// backward with the switch on adds the buffer to its gradient and reduce-scatters the sum. So
+/// `k` micro-batches cost one reduce-scatter per unit instead of `k`, for one unit-sized
+/// buffer per unit. Cheap to clone (shared).
+#[derive(Debug, Clone)]
+pub struct GradientSync {
+    on: Arc<AtomicBool>,
+    accumulation: Arc<AtomicU64>,
+}
+
+impl GradientSync {
+    /// Whether the units reduce their gradients now.
+    pub fn is_on(&self) -> bool {
+        self.on.load(Ordering::SeqCst)
+    }
+
+    /// The number of accumulations begun ([`DataShards::begin_accumulation`]): a unit drops
+    /// what it holds from an earlier one (an abandoned step) instead of adding it.
+    pub fn accumulation(&self) -> u64 {
+        self.accumulation.load(Ordering::SeqCst)
+    }
 }
 
 /// A flat shard and the ranges of its elements that belong to tensor-parallel shards.
@@ -108,7 +135,48 @@ impl DataShards {
             group: group.clone(),
             params: Arc::new(Mutex::new(Vec::new())),
             flats: Arc::new(Mutex::new(HashMap::new())),
+            sync: GradientSync {
+                on: Arc::new(AtomicBool::new(true)),
+                accumulation: Arc::new(AtomicU64::new(0)),
+            },
         }
+    }
+
+    /// The switch the units read in their backward (see [`GradientSync`]).
+    pub fn gradient_sync(&self) -> &GradientSync {
+        &self.sync
+    }
+
+    /// Turns the units' gradient reduction on or off for the backward passes that follow (see
+    /// [`GradientSync`]): off for every micro-batch but the last of an accumulation, on for
+    /// the last. [`TrainStep::with_fsdp_no_sync`] does it in
+    /// [`TrainStep::step_accumulated`].
+    ///
+    /// (`burn_zero::FsdpPlan::shards` shows a whole accumulation.)
+    ///
+    /// ```
+    /// use burn_parallel::run_local;
+    /// use burn_parallel::train::DataShards;
+    ///
+    /// run_local(2, |group| {
+    ///     let shards = DataShards::new(&group);
+    ///     shards.begin_accumulation();
+    ///     shards.set_gradient_sync(false); // micro-batches 0..k-1
+    ///     assert!(!shards.gradient_sync().is_on());
+    ///     shards.set_gradient_sync(true); // the last one reduces what was held
+    ///     Ok(shards.gradient_sync().accumulation())
+    /// })
+    /// .unwrap();
+    /// ```
+    pub fn set_gradient_sync(&self, on: bool) {
+        self.sync.on.store(on, Ordering::SeqCst);
+    }
+
+    /// Starts an accumulation: the units drop what they hold from an earlier, unfinished one
+    /// (a step that failed between its micro-batches), and the switch is on.
+    pub fn begin_accumulation(&self) {
+        self.sync.accumulation.fetch_add(1, Ordering::SeqCst);
+        self.set_gradient_sync(true);
     }
 
     /// The shard group.
@@ -149,12 +217,25 @@ impl DataShards {
     }
 }
 
+/// Turns the FSDP units' gradient reduction back on when dropped.
+struct NoSync<'a>(Option<&'a DataShards>);
+
+impl Drop for NoSync<'_> {
+    fn drop(&mut self) {
+        if let Some(shards) = self.0 {
+            shards.set_gradient_sync(true);
+        }
+    }
+}
+
 /// The training step of a data × tensor-parallel layout. See the module docs.
 #[derive(Debug, Clone)]
 pub struct TrainStep {
     tp: TpContext,
     ddp: Option<DistributedDataParallel>,
     fsdp: Option<(DataShards, Option<ProcessGroup>)>,
+    /// Accumulation reduces the FSDP units' gradients once, on the last micro-batch.
+    fsdp_no_sync: bool,
     max_grad_norm: Option<f64>,
     overlap: Option<OverlappedDdp>,
     precision: MixedPrecision,
@@ -170,6 +251,7 @@ impl TrainStep {
             tp,
             ddp: None,
             fsdp: None,
+            fsdp_no_sync: false,
             max_grad_norm: None,
             overlap: None,
             precision: MixedPrecision::full(),
@@ -258,6 +340,16 @@ impl TrainStep {
     pub fn with_fsdp(mut self, shards: DataShards, replicate: Option<ProcessGroup>) -> Self {
         self.fsdp =
             (shards.group().size() > 1).then(|| (shards, replicate.filter(|g| g.size() > 1)));
+        self
+    }
+
+    /// In [`Self::step_accumulated`], lets the FSDP units of [`Self::with_fsdp`] keep their
+    /// whole gradient over the micro-batches and reduce-scatter it once, on the last one
+    /// ([`DataShards::set_gradient_sync`]): `k` micro-batches cost one reduce-scatter per unit
+    /// instead of `k`, for one unit-sized gradient buffer per unit (torch FSDP's `no_sync`).
+    /// The result is the same up to the order of floating-point sums.
+    pub fn with_fsdp_no_sync(mut self, on: bool) -> Self {
+        self.fsdp_no_sync = on;
         self
     }
 
@@ -673,13 +765,27 @@ impl TrainStep {
         let compute = (!self.precision.is_full()).then(|| self.compute_model(&model));
         let mut acc = GradientsAccumulator::<M>::new();
         let mut local = 0.0f64;
+        // No-sync FSDP: the units communicate in the last micro-batch's backward only (and the
+        // switch is back on however the loop ends).
+        let no_sync = NoSync(
+            self.fsdp
+                .as_ref()
+                .filter(|_| self.fsdp_no_sync && micro_batches > 1)
+                .map(|(shards, _)| shards),
+        );
+        if let Some(shards) = no_sync.0 {
+            shards.begin_accumulation();
+        }
         for k in 0..micro_batches {
+            if let Some(shards) = no_sync.0 {
+                shards.set_gradient_sync(k + 1 == micro_batches);
+            }
             let loss = forward(compute.as_ref().unwrap_or(&model), k)?;
             local += f64::from(loss.clone().into_scalar::<f32>());
             let loss = self.scaled_loss(loss / micro_batches as f32);
             acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
         }
-        drop(compute);
+        drop((compute, no_sync));
         let local = (local / micro_batches as f64) as f32;
         Ok(self.finish(model, local, acc.grads(), optim, lr)?)
     }

@@ -24,8 +24,11 @@
 //! parallelism, which differ between the ranks of the shard group: they train as parameters
 //! outside the units do (their gradients are not reduce-scattered; the training step reduces
 //! them).
-//! This is the composable FSDP; [`crate::fsdp::FsdpUnit`] adds mixed precision, prefetch and
-//! accumulation without communication, with its own optimizer.
+//! Prefetch ([`FsdpPlan::with_prefetch`], [`Fsdp::prefetch`]) overlaps the next unit's
+//! all-gather with the current unit's compute; accumulation without communication
+//! ([`DataShards::set_gradient_sync`], `TrainStep::with_fsdp_no_sync`) reduce-scatters each
+//! unit's gradient once per step; mixed precision is the training step's (the compute copy's
+//! flat shard is gathered, and its gradient reduced, in the compute dtype).
 //!
 //! # Example
 //! ```
@@ -52,10 +55,12 @@
 //! assert_eq!(shapes[0], (8, [1, 4])); // half of the 16 weights on each rank
 //! ```
 
+use std::cell::RefCell;
 use std::collections::HashSet;
 use std::fmt;
 use std::ops::{Deref, Range};
 use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
 
 use burn::module::{
     Content, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper, ModuleVisitor, Param,
@@ -66,7 +71,7 @@ use burn_parallel::autograd::{BackwardFn, attach};
 use burn_parallel::init::Init;
 use burn_parallel::nn::TpContext;
 use burn_parallel::plan::Glob;
-use burn_parallel::train::DataShards;
+use burn_parallel::train::{DataShards, GradientSync};
 use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
 
 use crate::error::{Result, ZeroError};
@@ -101,6 +106,94 @@ struct Sharded<M: Module> {
     /// Paths (inside the unit) of the parameters kept whole in `template`: the frozen ones and
     /// those the plan keeps whole.
     whole: Arc<HashSet<String>>,
+    /// Whether the backward reduces the gradient now ([`DataShards::set_gradient_sync`]).
+    sync: GradientSync,
+    /// The whole gradient summed over the backward passes that did not reduce it. Shared by
+    /// the unit's clones and mapped copies (the gradient belongs to the unit, whatever copy
+    /// computed it).
+    held: Arc<Mutex<Option<Held>>>,
+    /// With prefetch on ([`Fsdp::with_prefetch`]): the all-gather started by
+    /// [`Fsdp::prefetch`]. Shared by clones; a mapped copy (other values) gets its own.
+    prefetch: Option<Arc<PrefetchSlot>>,
+}
+
+/// A unit's gradient held between micro-batches (see [`GradientSync`]), summed in fp32.
+struct Held {
+    /// [`GradientSync::accumulation`] when it was first held.
+    accumulation: u64,
+    grad: HeldGrad,
+}
+
+enum HeldGrad {
+    Host(Vec<f32>),
+    Device(Box<Tensor<1>>),
+}
+
+/// The background all-gather of a unit's flat parameter.
+#[derive(Default)]
+struct PrefetchSlot {
+    gather: Mutex<Option<JoinHandle<std::result::Result<Tensor<1>, CollectiveError>>>>,
+}
+
+thread_local! {
+    /// The prefetch this thread has in flight (slot address, unit name): at most one, consumed
+    /// by the next gather, which must be that unit's.
+    static PREFETCHED: RefCell<Option<(usize, String)>> = const { RefCell::new(None) };
+}
+
+impl PrefetchSlot {
+    fn key(self: &Arc<Self>) -> usize {
+        Arc::as_ptr(self) as usize
+    }
+
+    /// Waits for the gather in flight, if any.
+    fn join(self: &Arc<Self>) -> Option<std::result::Result<Tensor<1>, CollectiveError>> {
+        let handle = self
+            .gather
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()?;
+        let key = self.key();
+        PREFETCHED.with(|p| {
+            let mut p = p.borrow_mut();
+            if p.as_ref().is_some_and(|(k, _)| *k == key) {
+                *p = None;
+            }
+        });
+        Some(handle.join().unwrap_or_else(|panic| {
+            let reason = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(CollectiveError::InvalidArgument {
+                rank: 0,
+                op: "Fsdp::prefetch".into(),
+                reason: format!("the prefetch thread panicked: {reason}"),
+            })
+        }))
+    }
+}
+
+impl Drop for PrefetchSlot {
+    fn drop(&mut self) {
+        // Never leave a collective running detached: wait for an unconsumed prefetch.
+        if let Some(handle) = self
+            .gather
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            let key = self as *const Self as usize;
+            PREFETCHED.with(|p| {
+                let mut p = p.borrow_mut();
+                if p.as_ref().is_some_and(|(k, _)| *k == key) {
+                    *p = None;
+                }
+            });
+            let _ = handle.join();
+        }
+    }
 }
 
 impl<M: Module> fmt::Debug for Fsdp<M> {
@@ -258,6 +351,9 @@ impl<M: Module> Fsdp<M> {
                 group,
                 name: name.to_string(),
                 sequence,
+                sync: shards.gradient_sync().clone(),
+                held: Arc::default(),
+                prefetch: None,
                 whole: Arc::new(whole),
             })),
         })
@@ -280,26 +376,151 @@ impl<M: Module> Fsdp<M> {
         matches!(self.inner, Inner::Sharded(_))
     }
 
-    /// The whole unit for a forward pass: all-gathers the flat parameter when sharded (a
-    /// collective: every rank of the shard group calls it, in the same order).
+    /// Turns prefetch on or off for this unit (a no-op when it is not sharded): with it on,
+    /// [`Self::prefetch`] starts the unit's all-gather in the background. [`FsdpPlan::with_prefetch`]
+    /// sets it for every unit of a plan.
+    pub fn with_prefetch(mut self, on: bool) -> Self {
+        if let Inner::Sharded(s) = &mut self.inner {
+            s.prefetch = on.then(Arc::default);
+        }
+        self
+    }
+
+    /// Starts this unit's all-gather on a background thread and returns at once, so that the
+    /// bytes travel while the caller computes with the unit before it; the next [`Self::get`]
+    /// of this unit takes the result. A no-op when the unit is not sharded, prefetch is off
+    /// ([`Self::with_prefetch`]) or this unit's prefetch is already in flight.
+    ///
+    /// The pattern, in a forward over units `layers`: gather unit `i`, prefetch unit `i + 1`,
+    /// compute unit `i`. At most one prefetch is in flight per thread and the next gather must
+    /// be of that unit: its all-gather shares the shard group's order with every other
+    /// collective of that group, so it must not overtake one.
     ///
     /// # Errors
-    /// Collective errors.
+    /// [`CollectiveError::InvalidArgument`] when another unit's prefetch is in flight or the
+    /// thread cannot be started.
+    ///
+    /// # Example
+    /// ```
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_parallel::init::{Init, LinearInit};
+    /// use burn_parallel::nn::Linear;
+    /// use burn_parallel::run_local;
+    /// use burn_zero::{Fsdp, FsdpPlan};
+    ///
+    /// let outputs = run_local(2, |group| {
+    ///     let init = Init::new(1, &Device::flex().autodiff());
+    ///     let plan = FsdpPlan::new(&group).unit("layers.*").with_prefetch(true);
+    ///     let layers: Vec<Fsdp<Linear>> = (0..3)
+    ///         .map(|i| {
+    ///             plan.wrap(&init.at("layers").at(i), |init| {
+    ///                 Ok::<_, burn_zero::ZeroError>(init.linear("fc", LinearInit::new(4, 4))?)
+    ///             })
+    ///         })
+    ///         .collect::<Result<_, _>>()
+    ///         .unwrap();
+    ///     let mut x = Tensor::<2>::ones([2, 4], init.device());
+    ///     for (i, layer) in layers.iter().enumerate() {
+    ///         let unit = layer.get()?; // takes the prefetched gather from i > 0 on
+    ///         if let Some(next) = layers.get(i + 1) {
+    ///             next.prefetch()?; // travels while `unit` computes
+    ///         }
+    ///         x = unit.forward(x).unwrap();
+    ///     }
+    ///     Ok(x.dims())
+    /// })
+    /// .unwrap();
+    /// assert_eq!(outputs[0], [2, 4]);
+    /// ```
+    pub fn prefetch(&self) -> std::result::Result<(), CollectiveError> {
+        let (s, slot) = match &self.inner {
+            Inner::Sharded(s) => match &s.prefetch {
+                Some(slot) => (s, slot),
+                None => return Ok(()),
+            },
+            Inner::Plain(_) => return Ok(()),
+        };
+        let key = slot.key();
+        match PREFETCHED.with(|p| p.borrow().clone()) {
+            Some((k, _)) if k == key => return Ok(()),
+            Some((_, other)) => {
+                return Err(s.invalid(
+                    "Fsdp::prefetch",
+                    format!(
+                        "unit `{other}` was prefetched and not gathered yet: gather it \
+                         (Fsdp::get) before prefetching another unit"
+                    ),
+                ));
+            }
+            None => {}
+        }
+        let shard = s.shard.val().detach();
+        let group = s.group.clone();
+        let handle = std::thread::Builder::new()
+            .name(format!("fsdp-prefetch-{}", s.name))
+            .spawn(move || group.all_gather(shard, 0))
+            .map_err(|e| {
+                s.invalid(
+                    "Fsdp::prefetch",
+                    format!("cannot start the prefetch thread: {e}"),
+                )
+            })?;
+        *slot.gather.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
+        PREFETCHED.with(|p| *p.borrow_mut() = Some((key, s.name.clone())));
+        Ok(())
+    }
+
+    /// The whole unit for a forward pass: all-gathers the flat parameter when sharded (a
+    /// collective: every rank of the shard group calls it, in the same order), or takes the
+    /// result of its [`Self::prefetch`].
+    ///
+    /// The backward reduce-scatters (averages) the unit's gradient onto the shard; with the
+    /// shards' gradient sync off ([`DataShards::set_gradient_sync`]) it holds the whole
+    /// gradient instead, and the next backward with the sync on reduces the sum.
+    ///
+    /// # Errors
+    /// Collective errors; [`CollectiveError::InvalidArgument`] when another unit's prefetch is
+    /// in flight on this thread (see [`Self::prefetch`]).
     pub fn get(&self) -> std::result::Result<Unit<'_, M>, CollectiveError> {
         let s = match &self.inner {
             Inner::Plain(m) => return Ok(Unit::Plain(m)),
             Inner::Sharded(s) => s,
         };
+        let key = s.prefetch.as_ref().map(PrefetchSlot::key);
+        if let Some((k, other)) = PREFETCHED.with(|p| p.borrow().clone())
+            && Some(k) != key
+        {
+            return Err(s.invalid(
+                "Fsdp::get",
+                format!(
+                    "unit `{other}` was prefetched but `{}` is gathered first: prefetch only \
+                     the unit gathered next (its all-gather must not overtake another \
+                     collective of the shard group)",
+                    s.name
+                ),
+            ));
+        }
         let shard = s.shard.val();
+        let prefetched = s.prefetch.as_ref().and_then(PrefetchSlot::join);
         // On the device when the group collects there (NCCL), else through host memory.
-        let full = s.group.all_gather(shard.clone().detach(), 0)?;
+        let full = match prefetched {
+            Some(full) => full?,
+            None => s.group.all_gather(shard.clone().detach(), 0)?,
+        };
         let on_device = s.group.collects_on_device(&shard.device());
+        let n = s.sizes[s.group.rank()];
         let (group, sizes, sequence) = (s.group.clone(), s.sizes.clone(), s.sequence.clone());
         let (group_d, sizes_d, sequence_d) = (group.clone(), sizes.clone(), sequence.clone());
+        let (sync, held) = (s.sync.clone(), s.held.clone());
+        let (sync_d, held_d) = (sync.clone(), held.clone());
         let full = attach(
             shard,
             full,
             BackwardFn::new("Fsdp::get", move |grad| {
+                let dtype = grad.dtype();
+                let Some(grad) = hold_host(&held, &sync, grad) else {
+                    return Ok(TensorData::new(vec![0f32; n], [n]).convert_dtype(dtype));
+                };
                 let grad = match &sequence {
                     Some((tp, ranges)) => sum_ranges(grad, tp, ranges)?,
                     None => grad,
@@ -307,6 +528,10 @@ impl<M: Module> Fsdp<M> {
                 group.reduce_scatter_data(grad, 0, ReduceOp::Avg, Some(&sizes))
             })
             .on_device_if::<1>(on_device, move |grad| {
+                let zeros = grad.clone().narrow(0, 0, n).zeros_like();
+                let Some(grad) = hold_device(&held_d, &sync_d, grad) else {
+                    return Ok(zeros);
+                };
                 let grad = match &sequence_d {
                     Some((tp, ranges)) => sum_ranges_on_device(grad, tp, ranges)?,
                     None => grad,
@@ -317,11 +542,7 @@ impl<M: Module> Fsdp<M> {
         let module = s
             .layout
             .unflatten(s.template.clone(), full, false)
-            .map_err(|e| CollectiveError::InvalidArgument {
-                rank: s.group.rank(),
-                op: format!("Fsdp::get({})", s.name),
-                reason: e.to_string(),
-            })?;
+            .map_err(|e| s.invalid(&format!("Fsdp::get({})", s.name), e.to_string()))?;
         Ok(Unit::Gathered(module))
     }
 
@@ -386,6 +607,79 @@ fn sum_ranges_on_device(
         at += r.len();
     }
     Ok(grad)
+}
+
+impl<M: Module> Sharded<M> {
+    fn invalid(&self, op: &str, reason: String) -> CollectiveError {
+        CollectiveError::InvalidArgument {
+            rank: self.group.global_rank(),
+            op: op.to_string(),
+            reason,
+        }
+    }
+}
+
+/// The unit's whole gradient `grad` plus what it holds: returned to be reduced when the
+/// gradient sync is on, held (and `None` returned) when it is off. What an earlier, abandoned
+/// accumulation left is dropped.
+fn hold_host(
+    held: &Mutex<Option<Held>>,
+    sync: &GradientSync,
+    grad: TensorData,
+) -> Option<TensorData> {
+    let mut held = held.lock().unwrap_or_else(|e| e.into_inner());
+    let accumulation = sync.accumulation();
+    let (dtype, shape) = (grad.dtype(), grad.shape().clone());
+    let mut values = grad
+        .convert::<f32>()
+        .try_into_vec::<f32>()
+        .expect("converted to f32");
+    if let Some(Held {
+        accumulation: a,
+        grad: HeldGrad::Host(sum),
+    }) = held.take()
+        && a == accumulation
+    {
+        values.iter_mut().zip(sum).for_each(|(v, s)| *v += s);
+    }
+    if sync.is_on() {
+        Some(TensorData::new(values, shape).convert_dtype(dtype))
+    } else {
+        *held = Some(Held {
+            accumulation,
+            grad: HeldGrad::Host(values),
+        });
+        None
+    }
+}
+
+/// [`hold_host`] on the device (the sum kept in fp32 there).
+fn hold_device(
+    held: &Mutex<Option<Held>>,
+    sync: &GradientSync,
+    grad: Tensor<1>,
+) -> Option<Tensor<1>> {
+    let mut held = held.lock().unwrap_or_else(|e| e.into_inner());
+    let accumulation = sync.accumulation();
+    let dtype = grad.dtype();
+    let mut sum = grad.cast(burn::tensor::DType::F32);
+    if let Some(Held {
+        accumulation: a,
+        grad: HeldGrad::Device(before),
+    }) = held.take()
+        && a == accumulation
+    {
+        sum = sum + *before;
+    }
+    if sync.is_on() {
+        Some(sum.cast(dtype))
+    } else {
+        *held = Some(Held {
+            accumulation,
+            grad: HeldGrad::Device(Box::new(sum)),
+        });
+        None
+    }
 }
 
 fn intersect(a: Range<usize>, b: &Range<usize>) -> Option<Range<usize>> {
@@ -487,6 +781,8 @@ impl<M: Module> Module for Fsdp<M> {
                 mapper.enter_module("flat_shard", "Struct:Fsdp");
                 s.shard = Module::map(s.shard, mapper);
                 mapper.exit_module("flat_shard", "Struct:Fsdp");
+                // Other values: a prefetch of the old ones is not this copy's.
+                s.prefetch = s.prefetch.as_ref().map(|_| Arc::default());
                 Self {
                     inner: Inner::Sharded(s),
                 }
@@ -556,6 +852,7 @@ impl<M: Module> Fsdp<M> {
             Inner::Sharded(mut s) => {
                 s.template = plain(s.template);
                 s.shard = shard(s.shard);
+                s.prefetch = s.prefetch.as_ref().map(|_| Arc::default());
                 Self {
                     inner: Inner::Sharded(s),
                 }
@@ -587,6 +884,7 @@ pub struct FsdpPlan {
     units: Vec<Glob>,
     predicate: Option<UnitPredicate>,
     keep_whole: Option<ParamPredicate>,
+    prefetch: bool,
     used: Arc<Mutex<Vec<bool>>>,
     errors: Vec<String>,
 }
@@ -608,6 +906,7 @@ impl FsdpPlan {
             units: Vec::new(),
             predicate: None,
             keep_whole: None,
+            prefetch: false,
             used: Arc::new(Mutex::new(Vec::new())),
             errors: Vec::new(),
         }
@@ -676,7 +975,51 @@ impl FsdpPlan {
         self
     }
 
-    /// The registry of the shards, for [`TrainStep::with_fsdp`](burn_parallel::train::TrainStep::with_fsdp).
+    /// Turns prefetch on for every unit the plan builds ([`Fsdp::with_prefetch`]): the model's
+    /// forward calls [`Fsdp::prefetch`] on the next unit after gathering the current one, and
+    /// its all-gather overlaps the current unit's compute. Costs one more gathered unit of
+    /// memory.
+    pub fn with_prefetch(mut self, on: bool) -> Self {
+        self.prefetch = on;
+        self
+    }
+
+    /// The registry of the shards, for [`TrainStep::with_fsdp`](burn_parallel::train::TrainStep::with_fsdp),
+    /// and the switch of the units' gradient reduction ([`DataShards::set_gradient_sync`]).
+    ///
+    /// Accumulating micro-batches with one reduce-scatter per unit (what
+    /// [`TrainStep::with_fsdp_no_sync`](burn_parallel::train::TrainStep::with_fsdp_no_sync)
+    /// does for you):
+    /// ```
+    /// use burn::optim::{GradientsAccumulator, GradientsParams};
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_parallel::init::{Init, LinearInit};
+    /// use burn_parallel::nn::Linear;
+    /// use burn_parallel::run_local;
+    /// use burn_zero::{Fsdp, FsdpPlan};
+    ///
+    /// run_local(2, |group| {
+    ///     let init = Init::new(1, &Device::flex().autodiff());
+    ///     let plan = FsdpPlan::new(&group).unit("fc");
+    ///     let fc: Fsdp<Linear> = plan
+    ///         .wrap(&init.at("fc"), |init| {
+    ///             Ok::<_, burn_zero::ZeroError>(init.linear("", LinearInit::new(4, 4))?)
+    ///         })
+    ///         .unwrap();
+    ///     let shards = plan.shards();
+    ///     let x = Tensor::<2>::ones([2, 4], init.device());
+    ///     let mut acc = GradientsAccumulator::<Fsdp<Linear>>::new();
+    ///     shards.begin_accumulation();
+    ///     for last in [false, false, true] {
+    ///         shards.set_gradient_sync(last); // communicate on the last micro-batch only
+    ///         let loss = fc.get()?.forward(x.clone()).unwrap().sum() / 3.0;
+    ///         acc.accumulate(&fc, GradientsParams::from_grads(loss.backward(), &fc));
+    ///     }
+    ///     let _grads = acc.grads(); // the shard's gradient, averaged over the shard group
+    ///     Ok(())
+    /// })
+    /// .unwrap();
+    /// ```
     pub fn shards(&self) -> &DataShards {
         &self.shards
     }
@@ -720,13 +1063,10 @@ impl FsdpPlan {
             Some(predicate) => predicate.as_ref(),
             None => &|_| false,
         };
-        Ok(Fsdp::shard_keeping(
-            path,
-            module,
-            &self.shards,
-            &init.context(),
-            keep_whole,
-        )?)
+        Ok(
+            Fsdp::shard_keeping(path, module, &self.shards, &init.context(), keep_whole)?
+                .with_prefetch(self.prefetch),
+        )
     }
 
     /// Ends the construction: every pattern must have matched a unit.
@@ -748,6 +1088,64 @@ impl FsdpPlan {
             Err(ZeroError::Config(format!(
                 "FSDP unit patterns matched no module built through FsdpPlan::wrap: {unused:?}"
             )))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use burn_parallel::init::LinearInit;
+    use burn_parallel::nn::Linear;
+    use burn_parallel::run_local;
+
+    fn layers(plan: &FsdpPlan, init: &Init) -> Vec<Fsdp<Linear>> {
+        (0..3)
+            .map(|i| {
+                plan.wrap(&init.at("layers").at(i), |init| {
+                    Ok::<_, ZeroError>(init.linear("fc", LinearInit::new(4, 4))?)
+                })
+                .unwrap()
+            })
+            .collect()
+    }
+
+    fn weight(unit: &Unit<'_, Linear>) -> Vec<f32> {
+        unit.weight.val().into_data().try_to_vec::<f32>().unwrap()
+    }
+
+    /// A prefetch is in flight until its unit's gather takes it, which gives the values of a
+    /// plain gather; gathering another unit first is a typed error naming the prefetched one.
+    /// With prefetch off, `prefetch` does nothing.
+    #[test]
+    fn prefetch_is_taken_by_its_units_gather_and_keeps_the_order() {
+        let out = run_local(2, |group| {
+            let init = Init::new(3, &Device::flex().autodiff());
+            let plan = FsdpPlan::new(&group).unit("layers.*").with_prefetch(true);
+            let units = layers(&plan, &init);
+            let plain = weight(&units[1].get()?);
+            units[1].prefetch()?;
+            units[1].prefetch()?; // already in flight: nothing more
+            let overtaking = units[0].get().err().map(|e| e.to_string());
+            let second = units[2].prefetch().err().map(|e| e.to_string());
+            let prefetched = weight(&units[1].get()?);
+            units[0].get()?; // nothing in flight any more
+            let off = FsdpPlan::new(&group).unit("layers.*");
+            let off_units = layers(&off, &init);
+            off_units[1].prefetch()?;
+            off_units[0].get()?;
+            Ok((plain == prefetched, overtaking, second))
+        })
+        .unwrap();
+        for (same, overtaking, second) in out {
+            assert!(same, "the prefetched gather differs from a plain one");
+            let overtaking = overtaking.expect("gathering another unit first is an error");
+            assert!(
+                overtaking.contains("`layers.1` was prefetched") && overtaking.contains("layers.0"),
+                "{overtaking}"
+            );
+            let second = second.expect("a second prefetch in flight is an error");
+            assert!(second.contains("`layers.1` was prefetched"), "{second}");
         }
     }
 }

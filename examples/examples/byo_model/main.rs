@@ -15,7 +15,7 @@
 //! cargo run --release -p examples --example byo_model -- --layout dp-cp --ranks 4
 //! cargo run --release -p examples --example byo_model -- --layout ddp --ranks 4 --experts 8 --ep 2
 //! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4 --precision bf16
-//! cargo run --release -p examples --example byo_model -- --layout fsdp --ranks 2 --grad-accum 4
+//! cargo run --release -p examples --example byo_model -- --layout fsdp --ranks 2 --grad-accum 4 --no-sync --prefetch
 //! cargo run --release -p examples --example byo_model -- --layout ddp --ranks 2 --zero 2
 //! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4 --overlap
 //! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4 --zero 1
@@ -142,6 +142,14 @@ struct Args {
     /// final) instead of after it; not with the FSDP layouts, mixed precision or accumulation.
     #[arg(long)]
     overlap: bool,
+    /// FSDP layouts: all-gather the next layer while this one computes (one more gathered
+    /// layer of memory).
+    #[arg(long)]
+    prefetch: bool,
+    /// FSDP layouts with `--grad-accum`: keep each layer's whole gradient over the
+    /// micro-batches and reduce-scatter it once per step (one layer-sized buffer each).
+    #[arg(long)]
+    no_sync: bool,
     /// How the context-parallel layouts attend across ranks: `ring` or `ulysses`.
     #[arg(long, default_value = "ring")]
     cp_kind: CpKind,
@@ -395,7 +403,7 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
     let init = Init::new(config().seed, &device)
         .with_tp(&group("tp"), tp_plan(sp))
         .unwrap_or_else(|e| panic!("{e}"));
-    let fsdp = fsdp_plan(&group("dp_shard"));
+    let fsdp = fsdp_plan(&group("dp_shard")).with_prefetch(args.prefetch);
     let settings = CpSettings {
         kind: args.cp_kind,
         ..CpSettings::default()
@@ -431,6 +439,7 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
     let mut step = TrainStep::new(init.context())
         .with_data_parallel(reduce.clone())
         .with_fsdp(fsdp.shards().clone(), Some(group("dp_replicate")))
+        .with_fsdp_no_sync(args.no_sync)
         .with_clip(args.clip);
     if args.overlap {
         step = step.with_overlap(OverlappedDdp::new(reduce.clone()));

@@ -283,8 +283,12 @@ impl Decoder {
             None => (tokens, targets),
         };
         let mut x = self.tp.scatter_sequence(self.embed.forward(tokens)?)?;
-        for layer in &self.layers {
-            x = layer.get()?.forward(x, self.cp.as_ref())?; // all-gathers an FSDP unit
+        for (i, layer) in self.layers.iter().enumerate() {
+            let layer = layer.get()?; // all-gathers an FSDP unit (or takes its prefetch)
+            if let Some(next) = self.layers.get(i + 1) {
+                next.prefetch()?; // with FsdpPlan::with_prefetch: travels while `layer` computes
+            }
+            x = layer.forward(x, self.cp.as_ref())?;
         }
         let logits = self.head.forward(self.norm.forward(x))?;
         self.head.cross_entropy(logits, targets)
