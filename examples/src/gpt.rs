@@ -1595,8 +1595,12 @@ impl Gpt {
             Some(layout) => self.cp_pass(&tokens, offset, layout),
         };
         let mut x = self.embed(tokens, offset, &pass)?;
-        for block in &self.blocks {
-            x = block.get()?.forward(x, &pass)?;
+        for (i, block) in self.blocks.iter().enumerate() {
+            let block = block.get()?; // all-gathers an FSDP unit (or takes its prefetch)
+            if let Some(next) = self.blocks.get(i + 1) {
+                next.prefetch()?; // with FsdpPlan::with_prefetch: travels while `block` computes
+            }
+            x = block.forward(x, &pass)?;
         }
         self.head(x)
     }

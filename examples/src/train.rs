@@ -298,6 +298,13 @@ pub struct Parallelism {
     /// Hybrid sharding (with `zero`): shard inside groups of `data ranks / replicate`, replicate
     /// across `replicate` groups. 1: shard over every data-parallel rank.
     pub replicate: usize,
+    /// FSDP (`zero` stage 3): all-gather the next block while one computes
+    /// ([`burn_zero::FsdpPlan::with_prefetch`]; one more gathered block of memory).
+    pub prefetch: bool,
+    /// FSDP with gradient accumulation: hold each block's whole gradient over the micro-steps
+    /// and reduce-scatter it once per step ([`burn_parallel::train::DataShards::set_gradient_sync`];
+    /// one block-sized buffer per block).
+    pub no_sync: bool,
     /// The device.
     pub device: TrainDevice,
     /// Context-parallel size (1: none): the ranks that split each sequence.
@@ -356,6 +363,8 @@ impl Default for Parallelism {
             sp: false,
             zero: None,
             replicate: 1,
+            prefetch: false,
+            no_sync: false,
             device: TrainDevice::Flex,
             cp: 1,
             cp_kind: CpKind::Ring,
@@ -525,6 +534,11 @@ impl Parallelism {
         }
         if self.replicate > 1 && self.zero.is_none() {
             return Err("hybrid sharding (--hybrid) needs --zero".into());
+        }
+        if (self.prefetch || self.no_sync) && self.zero != Some(Stage::Three) {
+            return Err(
+                "--prefetch and --no-sync are options of FSDP: use them with --zero 3".into(),
+            );
         }
         config.validate(dp)
     }
@@ -787,7 +801,8 @@ pub fn train_gpt_checkpointed(
         None => MoeParallel::default(),
     };
     // Expert parameters stay whole under FSDP (they differ between expert-parallel ranks).
-    let fsdp = (parallel.zero == Some(Stage::Three)).then(|| Gpt::fsdp_plan(&shard, &experts));
+    let fsdp = (parallel.zero == Some(Stage::Three))
+        .then(|| Gpt::fsdp_plan(&shard, &experts).with_prefetch(parallel.prefetch));
     let model = Gpt::build_with_experts(&config.model, &init, fsdp.as_ref(), &experts)
         .map_err(|e| zero_error(world, e))?
         .with_dropout_stream(dp.rank() as u64);
@@ -983,7 +998,18 @@ pub fn train_gpt_checkpointed(
         let mut local_loss = 0.0;
         let mut phases = StepPhases::default();
         let mut m = model.take().expect("the loop always holds the model");
+        // No-sync FSDP: the blocks reduce-scatter in the last micro-step's backward only.
+        let no_sync = fsdp
+            .as_ref()
+            .filter(|_| parallel.no_sync && config.grad_accum > 1)
+            .map(|plan| plan.shards());
+        if let Some(shards) = no_sync {
+            shards.begin_accumulation();
+        }
         for micro in 0..config.grad_accum {
+            if let Some(shards) = no_sync {
+                shards.set_gradient_sync(micro + 1 == config.grad_accum);
+            }
             // Micro-step `micro` is the same rows of the global batch whatever the number of
             // data-parallel ranks (each takes its part of them): what a micro-batch computes
             // as a whole, such as an MoE layer's load-balancing loss over the token shares of

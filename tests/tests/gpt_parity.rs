@@ -183,6 +183,34 @@ fn gpt_zero_and_fsdp_x_tp_match_single_device() {
     check(&reference, 8, hsdp, &config, "HSDP 2 x 2 x tp 2 + sp");
 }
 
+/// FSDP's prefetch (the next block all-gathered while one computes) and no-sync accumulation
+/// (each block's whole gradient held over the micro-steps, one reduce-scatter per step) in the
+/// GPT trainer (`gpt --zero 3 --prefetch --no-sync`), with clipping, alone and with tp + sp.
+#[test]
+fn gpt_fsdp_prefetch_and_no_sync_match_single_device() {
+    let config = TrainConfig {
+        grad_accum: 2,
+        ..clipped()
+    };
+    let reference = reference_run(&config);
+    let fsdp = |tp_size, sp| Parallelism {
+        prefetch: true,
+        no_sync: true,
+        ..zero(Stage::Three, tp_size, sp)
+    };
+    let what = "FSDP 2, prefetch, no-sync over 2 micro-steps, clip";
+    check(&reference, 2, fsdp(1, false), &config, what);
+    let what = "FSDP 2 x tp 2 + sp, prefetch, no-sync over 2 micro-steps, clip";
+    check(&reference, 4, fsdp(2, true), &config, what);
+    let err = Parallelism {
+        prefetch: true,
+        ..zero(Stage::Two, 1, false)
+    }
+    .validate(&config, 2)
+    .unwrap_err();
+    assert!(err.contains("--zero 3"), "{err}");
+}
+
 #[test]
 fn gpt_clipping_under_every_layout_matches_single_device() {
     let config = clipped();

@@ -167,6 +167,15 @@ struct Args {
     /// Hybrid sharding with --zero: shard inside groups of ranks/N, replicate across N groups.
     #[arg(long, requires = "zero")]
     hybrid: Option<usize>,
+    /// With --zero 3: all-gather the next block while one computes (one more gathered block
+    /// of memory).
+    #[arg(long, requires = "zero")]
+    prefetch: bool,
+    /// With --zero 3 and --grad-accum: hold each block's whole gradient over the micro-steps
+    /// and reduce-scatter it once per step (one block-sized buffer per block). Without --tp,
+    /// --cp or experts, --zero 3 always accumulates this way.
+    #[arg(long, requires = "zero")]
+    no_sync: bool,
     /// Clip the global norm of the averaged gradient to this value.
     #[arg(long)]
     clip: Option<f64>,
@@ -643,6 +652,10 @@ fn main() -> ExitCode {
         }
         return run_pipeline(&args, &config, &corpus, &checkpoints);
     }
+    if (args.prefetch || args.no_sync) && args.zero != Some(3) {
+        eprintln!("error: --prefetch and --no-sync are options of FSDP: use them with --zero 3");
+        return ExitCode::from(2);
+    }
     // ZeRO on its own runs burn-zero's engines (memory accounting, checkpoints); with tensor
     // parallelism it runs in the layout-generic trainer below.
     if let Some(stage) = args.zero
@@ -669,6 +682,8 @@ fn main() -> ExitCode {
         sp: args.sp,
         zero,
         replicate: args.hybrid.unwrap_or(1),
+        prefetch: args.prefetch,
+        no_sync: args.no_sync,
         device: train_device(&args),
         cp: args.cp,
         cp_kind: args.cp_kind,
@@ -899,7 +914,10 @@ fn run_zero(args: &Args, config: &TrainConfig, corpus: &Corpus, stage: usize) ->
         Ok(stage) => ZeroConfig::new(stage)
             .with_max_grad_norm(args.clip)
             .with_precision(config.precision.policy())
-            .with_loss_scaler(config.precision.scaler()),
+            .with_loss_scaler(config.precision.scaler())
+            // Its stage 3 (`FsdpUnit`) accumulates micro-steps without communication anyway
+            // (`--no-sync` of the layout-generic trainer).
+            .with_prefetch(args.prefetch),
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
