@@ -19,7 +19,7 @@ use burn_parallel::overlap::OverlappedDdp;
 use burn_parallel::plan::TpPlan;
 use burn_parallel::precision::MixedPrecision;
 use burn_parallel::tensor_parallel::TpError;
-use burn_parallel::train::TrainStep;
+use burn_parallel::train::{StepEngine, TrainStep};
 use burn_parallel::{MeshError, ParallelDims, run_local};
 use burn_pipeline::generators::generate;
 use burn_pipeline::partition::by_count;
@@ -1105,34 +1105,44 @@ fn zero_parallel(
     let out = run_local(dims.world_size(), move |world| {
         let mesh = dims.build(&world).unwrap();
         let dp = dims.data_parallel(&mesh).unwrap();
+        // ZeRO shards over the ranks that reduce gradients: the data-parallel ones and the
+        // context-parallel ones (which hold other tokens of the same rows).
+        let reduce = dims.gradient_reduction(&mesh).unwrap();
         let init = Init::new(config().seed, &device)
             .with_tp(mesh.group("tp").unwrap(), tp_plan(sequence_parallel))
             .unwrap();
-        let mut model = Decoder::new(&init, None, &config()).unwrap();
+        let settings = CpSettings {
+            kind: CpKind::Ring,
+            balance: CpBalance::None,
+        };
+        let cp = ContextParallel::new(mesh.group("cp").unwrap(), settings).unwrap();
+        let mut model = Decoder::new(&init, None, &config())
+            .unwrap()
+            .with_context_parallel(Some(cp));
         let zero_config = ZeroConfig::new(stage)
             .with_max_grad_norm(clip)
             .with_precision(precision);
         let adamw = AdamWConfig::new().with_weight_decay(0.01).build();
-        let mut zero =
-            ZeroOptimizer::new(&model, ShardGroups::flat(dp.clone()), zero_config, adamw)
-                .unwrap()
-                .with_tensor_parallel(&model.tp);
+        let mut zero = ZeroOptimizer::new(&model, ShardGroups::flat(reduce), zero_config, adamw)
+            .unwrap()
+            .with_tensor_parallel(&model.tp);
         model = zero.prepare_module(model).unwrap();
         let rows = BATCH / dp.size();
         let micro_rows = rows / micro_batches;
+        // The loop's engine (`StepEngine`), as `byo_model --zero` runs it.
+        let engine: &mut dyn StepEngine<Decoder, TpError> = &mut zero;
         let mut losses = Vec::new();
         for step in 0..STEPS {
-            let mut local = 0.0;
-            for k in 0..micro_batches {
+            let mut forward = |m: &Decoder, k: usize| {
                 let start = dp.rank() * rows + k * micro_rows;
                 let (tokens, targets) = batch(step, start..start + micro_rows, &device);
-                let loss = model.loss(tokens, targets).unwrap();
-                local += loss.clone().into_scalar::<f32>() / micro_batches as f32;
-                let grads = GradientsParams::from_grads(loss.backward(), &model);
-                zero.accumulate(&model, grads).unwrap();
-            }
-            model = zero.step(LR, model).unwrap().0;
-            losses.push(dp.all_reduce_f32(vec![local], burn_parallel::ReduceOp::Avg)?[0]);
+                m.loss(tokens, targets)
+            };
+            let (next, out) = engine
+                .step_accumulated(model, micro_batches, &mut forward, LR)
+                .unwrap_or_else(|e| panic!("{e}"));
+            model = next;
+            losses.push(out.loss);
         }
         let params = model.tp.full_params(&model.valid())?;
         Ok((losses, params))
@@ -1159,6 +1169,13 @@ fn byo_model_matches_single_device_under_zero_1_and_2() {
     assert_matches(
         "dp 4, ZeRO-1, 2 micro-batches",
         zero_parallel(dims(4, 1), false, Stage::One, None, 2, full()),
+        &whole,
+    );
+    // Context parallelism: ZeRO over dp x cp (sharding over the data-parallel ranks alone
+    // leaves each cp rank with the gradient of its own tokens: the replicas drift apart).
+    assert_matches(
+        "dp 2 x cp 2, ZeRO-2",
+        zero_parallel(cp_dims(2, 2, 1), false, Stage::Two, None, 1, full()),
         &whole,
     );
     assert_matches(

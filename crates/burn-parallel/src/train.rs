@@ -217,6 +217,96 @@ impl DataShards {
     }
 }
 
+/// One optimizer step of a model over micro-batches, whatever reduces the gradients and updates
+/// the parameters: the seam between a training loop and the engines, so that one loop serves
+/// every layout. [`Trainer`] (the library's [`TrainStep`] with a Burn optimizer: DDP, FSDP,
+/// HSDP, TP/SP, CP, mixed precision, clipping, overlap, no-sync accumulation) and
+/// `burn_zero::ZeroOptimizer` (ZeRO-1/2, with its own precision and clipping) implement it.
+///
+/// `E` is the loop's error type: what `forward` returns, and what the engine's own errors
+/// convert into (`TpError` takes collective, ZeRO and MoE errors).
+///
+/// ```
+/// use burn::optim::AdamWConfig;
+/// use burn::tensor::{Device, Tensor};
+/// use burn_parallel::init::{Init, LinearInit};
+/// use burn_parallel::nn::Linear;
+/// use burn_parallel::run_local;
+/// use burn_parallel::tensor_parallel::TpError;
+/// use burn_parallel::train::{StepEngine, TrainStep, Trainer};
+///
+/// let losses = run_local(2, |group| {
+///     let device = Device::flex().autodiff();
+///     let init = Init::new(1, &device);
+///     let mut model = init.linear("fc", LinearInit::new(4, 1)).unwrap();
+///     let step = TrainStep::new(init.context()).with_data_parallel(group.clone());
+///     // Any engine: a `burn_zero::ZeroOptimizer` drops in here for ZeRO-1/2.
+///     let mut engine: Box<dyn StepEngine<Linear, TpError>> =
+///         Box::new(Trainer::new(step, AdamWConfig::new().init()));
+///     let x = Tensor::<2>::ones([4, 4], &device) * (group.rank() as f32 + 1.0);
+///     let mut forward = |m: &Linear, k: usize| {
+///         let rows = x.clone().narrow(0, 2 * k, 2); // micro-batch k: two of the four rows
+///         Ok(m.forward(rows)?.powf_scalar(2.0).mean())
+///     };
+///     let (next, out) = engine.step_accumulated(model, 2, &mut forward, 1e-2).unwrap();
+///     model = next;
+///     let _ = model;
+///     Ok(out.loss)
+/// })
+/// .unwrap();
+/// assert_eq!(losses[0], losses[1]); // the loss of the global batch, on every rank
+/// ```
+pub trait StepEngine<M, E> {
+    /// One optimizer step over `micro_batches` micro-batches: `forward(model, k)` computes the
+    /// mean loss of micro-batch `k` on the module it receives (the compute copy under a
+    /// [`Trainer`]'s mixed precision); the gradients are accumulated, reduced as the layout
+    /// needs, clipped and applied once, as for one batch of all the micro-batches' rows (see
+    /// [`TrainStep::step_accumulated`]).
+    ///
+    /// # Returns
+    /// The updated model and the step's [`StepOutput`] (the loss of the global batch).
+    ///
+    /// # Errors
+    /// `forward`'s error; the engine's (collective failures, a bad argument), converted into
+    /// `E`.
+    fn step_accumulated(
+        &mut self,
+        model: M,
+        micro_batches: usize,
+        forward: &mut dyn FnMut(&M, usize) -> std::result::Result<Tensor<1>, E>,
+        lr: f64,
+    ) -> std::result::Result<(M, StepOutput), E>;
+}
+
+/// A [`TrainStep`] with its Burn optimizer: the [`StepEngine`] of every layout but ZeRO-1/2.
+#[derive(Clone)]
+pub struct Trainer {
+    /// The step (layout, precision, clipping).
+    pub step: TrainStep,
+    /// The optimizer and its state.
+    pub optim: ModuleOptimizer,
+}
+
+impl Trainer {
+    /// `step` with `optim`.
+    pub fn new(step: TrainStep, optim: ModuleOptimizer) -> Self {
+        Self { step, optim }
+    }
+}
+
+impl<M: Module, E: From<crate::CollectiveError>> StepEngine<M, E> for Trainer {
+    fn step_accumulated(
+        &mut self,
+        model: M,
+        micro_batches: usize,
+        forward: &mut dyn FnMut(&M, usize) -> std::result::Result<Tensor<1>, E>,
+        lr: f64,
+    ) -> std::result::Result<(M, StepOutput), E> {
+        self.step
+            .step_accumulated(model, micro_batches, forward, &mut self.optim, lr)
+    }
+}
+
 /// Turns the FSDP units' gradient reduction back on when dropped.
 struct NoSync<'a>(Option<&'a DataShards>);
 

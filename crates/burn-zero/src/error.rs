@@ -63,3 +63,20 @@ impl From<burn_parallel::precision::PrecisionError> for ZeroError {
         }
     }
 }
+
+/// A ZeRO error in a training loop whose error type is the tensor-parallel layers' ([`TpError`],
+/// as for [`burn_parallel::train::StepEngine`]): collective and tensor-parallel failures keep
+/// their type, the others become a [`TpError::Config`] with the message.
+///
+/// [`TpError`]: burn_parallel::tensor_parallel::TpError
+/// [`TpError::Config`]: burn_parallel::tensor_parallel::TpError::Config
+impl From<ZeroError> for burn_parallel::tensor_parallel::TpError {
+    fn from(e: ZeroError) -> Self {
+        use burn_parallel::tensor_parallel::TpError;
+        match e {
+            ZeroError::Tp(e) => e,
+            ZeroError::Collective(e) => TpError::Collective(e),
+            other => TpError::Config(other.to_string()),
+        }
+    }
+}

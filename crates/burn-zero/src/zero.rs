@@ -43,6 +43,7 @@ use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_parallel::ddp::DEFAULT_BUCKET_BYTES;
 use burn_parallel::nn::TpContext;
 use burn_parallel::replica::verify_replicas_in;
+use burn_parallel::train::{StepEngine, StepOutput};
 use burn_parallel::{DeviceMesh, ProcessGroup, ReduceOp};
 
 use crate::clip::{clip_coefficient, global_norm, sum_of_squares};
@@ -1528,4 +1529,49 @@ fn paths_where<M: Module>(
     };
     module.visit(&mut paths);
     paths.out
+}
+
+/// ZeRO-1/2 as the loop's [`StepEngine`]: each micro-batch's loss, times the loss scale, is
+/// backpropagated and its gradients [accumulated](ZeroOptimizer::accumulate) (ZeRO averages
+/// the micro-batches itself), then [`ZeroOptimizer::step`] reduces, clips and updates. Call
+/// [`ZeroOptimizer::prepare_module`] on the model first (it casts the model to the compute
+/// dtype of the precision policy).
+impl<M, O, E> StepEngine<M, E> for ZeroOptimizer<O>
+where
+    M: Module,
+    O: ElementWise,
+    E: From<ZeroError>,
+{
+    fn step_accumulated(
+        &mut self,
+        model: M,
+        micro_batches: usize,
+        forward: &mut dyn FnMut(&M, usize) -> std::result::Result<Tensor<1>, E>,
+        lr: f64,
+    ) -> std::result::Result<(M, StepOutput), E> {
+        if micro_batches == 0 {
+            return Err(E::from(ZeroError::Config(
+                "zero micro-batches: give at least one".into(),
+            )));
+        }
+        let mut local = 0.0f64;
+        for k in 0..micro_batches {
+            let loss = forward(&model, k)?;
+            local += f64::from(loss.clone().into_scalar::<f32>()) / micro_batches as f64;
+            let scale = self.loss_scale();
+            let loss = if scale == 1.0 { loss } else { loss * scale };
+            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            self.accumulate(&model, grads)?;
+        }
+        let (model, info) = self.step(lr, model)?;
+        let loss = self.groups().mean(local as f32)?;
+        Ok((
+            model,
+            StepOutput {
+                loss,
+                grad_norm: info.grad_norm,
+                skipped: info.skipped,
+            },
+        ))
+    }
 }

@@ -30,16 +30,17 @@
 //! state, loss scaling for fp16) and gradient accumulation (`--grad-accum`), which are options
 //! of the library's `TrainStep`.
 //! Pipeline parallelism stages the same parts (`model::stage`) and runs them with
-//! `burn-pipeline`'s executor (`run_rank_pipeline`). ZeRO-1/2 (`--zero`, over the data-parallel
-//! ranks of `ddp` or `dp-tp`) swaps the step for `burn-zero`'s sharded optimizer, which owns
-//! the reduction, the clipping and the precision policy (`train_zero`).
+//! `burn-pipeline`'s executor (`run_rank_pipeline`). ZeRO-1/2 (`--zero`, over the ranks that
+//! reduce gradients) swaps the engine of the same loop: the library's `Trainer` and
+//! `burn-zero`'s `ZeroOptimizer`, which owns the reduction, the clipping and the precision
+//! policy (`zero_engine`), both implement `StepEngine`.
 
 mod model;
 
 use std::collections::BTreeMap;
 use std::time::Instant;
 
-use burn::optim::{AdamWConfig, GradientsParams};
+use burn::optim::AdamWConfig;
 use burn::tensor::Device;
 use burn_moe::{MoeParallel, MoeStep};
 use burn_parallel::checkpoint::Checkpointer;
@@ -48,7 +49,7 @@ use burn_parallel::init::Init;
 use burn_parallel::overlap::OverlappedDdp;
 use burn_parallel::precision::{LossScaler, MixedPrecision};
 use burn_parallel::tensor_parallel::TpError;
-use burn_parallel::train::TrainStep;
+use burn_parallel::train::{StepEngine, TrainStep, Trainer};
 use burn_parallel::{ParallelDims, ProcessGroup, run_local};
 use burn_pipeline::ScheduleKind;
 use burn_pipeline::generators::generate;
@@ -126,8 +127,8 @@ struct Args {
     /// Arithmetic of the forward and backward (master weights and optimizer state stay fp32).
     #[arg(long, value_enum, default_value = "f32")]
     precision: Precision,
-    /// ZeRO stage over the data-parallel ranks (1: optimizer state sharded, 2: gradients too);
-    /// with `single`, `ddp`, `tp`, `tp-sp` and `dp-tp` (the FSDP layouts are stage 3 already).
+    /// ZeRO stage over the ranks that reduce gradients (1: optimizer state sharded, 2:
+    /// gradients too); with every layout but the FSDP ones (stage 3 already) and `pp`.
     #[arg(long, value_parser = clap::value_parser!(u8).range(1..=2))]
     zero: Option<u8>,
     /// Save a checkpoint (parameters and optimizer state, each rank its share) into this
@@ -239,16 +240,16 @@ fn invalid(world: &ProcessGroup, reason: impl std::fmt::Display) -> burn_paralle
     }
 }
 
-/// `--zero`: the same model and batches, stepped by `burn-zero`'s [`ZeroOptimizer`] over the
-/// data-parallel group `dp` (ZeRO-1/2 inside, tensor parallelism as the model was built).
-fn train_zero(
-    mut model: Decoder,
-    dp: &ProcessGroup,
-    stage: Stage,
+/// `--zero 1|2`: ZeRO's sharded optimizer over `reduce` (the data-parallel ranks, with the
+/// context-parallel ones: they hold other tokens of the same rows) in place of the library's
+/// step: it owns the reduction, the clipping and the precision policy.
+fn zero_engine(
+    model: &Decoder,
+    reduce: &ProcessGroup,
+    stage: u8,
     args: &Args,
-    corpus: &Corpus,
-    device: &Device,
-) -> Result<Vec<f32>, String> {
+) -> Result<ZeroOptimizer<burn::optim::AdamW>, String> {
+    let stage = Stage::from_number(usize::from(stage)).map_err(|e| e.to_string())?;
     let mut config = ZeroConfig::new(stage).with_max_grad_norm(args.clip);
     config = match args.precision {
         Precision::F32 => config,
@@ -258,32 +259,9 @@ fn train_zero(
             .with_loss_scaler(Some(LossScaler::new(65536.0))),
     };
     let adamw = AdamWConfig::new().with_weight_decay(0.01).build();
-    let groups = ShardGroups::flat(dp.clone());
-    let mut zero = ZeroOptimizer::new(&model, groups, config, adamw)
-        .map_err(|e| e.to_string())?
-        .with_tensor_parallel(&model.tp);
-    model = zero.prepare_module(model).map_err(|e| e.to_string())?;
-    let rows = args.batch / dp.size();
-    let micro_rows = rows / args.grad_accum;
-    let mut losses = Vec::new();
-    for s in 0..args.steps {
-        let mut local = 0.0;
-        for k in 0..args.grad_accum {
-            let start = dp.rank() * rows + k * micro_rows;
-            let batch =
-                corpus.batch_rows(s as u64, start..start + micro_rows, args.seq, Split::Train);
-            let (tokens, targets) = batch.to_tensors(device);
-            let loss = model.loss(tokens, targets).map_err(|e| e.to_string())?;
-            local += loss.clone().into_scalar::<f32>() / args.grad_accum as f32;
-            let scaled = loss * zero.loss_scale() as f32;
-            let grads = GradientsParams::from_grads(scaled.backward(), &model);
-            zero.accumulate(&model, grads).map_err(|e| e.to_string())?;
-        }
-        model = zero.step(args.lr, model).map_err(|e| e.to_string())?.0;
-        let loss = dp.all_reduce_f32(vec![local], burn_parallel::ReduceOp::Avg);
-        losses.push(loss.map_err(|e| e.to_string())?[0]);
-    }
-    Ok(losses)
+    let zero = ZeroOptimizer::new(model, ShardGroups::flat(reduce.clone()), config, adamw)
+        .map_err(|e| e.to_string())?;
+    Ok(zero.with_tensor_parallel(&model.tp))
 }
 
 /// `--experts`: the MoE variant of the decoder over `dp_replicate = world` ranks with `ep`
@@ -431,11 +409,6 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
             ),
         ));
     }
-    if let Some(stage) = args.zero {
-        let stage = Stage::from_number(usize::from(stage)).map_err(|e| invalid(&world, e))?;
-        return train_zero(model, &dp, stage, args, corpus, &device)
-            .map_err(|e| invalid(&world, e));
-    }
     let mut step = TrainStep::new(init.context())
         .with_data_parallel(reduce.clone())
         .with_fsdp(fsdp.shards().clone(), Some(group("dp_replicate")))
@@ -466,27 +439,33 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
             .map_err(checkpoint_error)?;
         first = checkpoint.step();
     }
+    // The engine: the library's step with AdamW, or ZeRO-1/2 (`--zero`), which owns the
+    // reduction over the same ranks, the clipping and the precision policy. One loop for both.
+    let mut trainer = Trainer::new(step.clone(), optim);
+    let mut zero = match args.zero {
+        Some(stage) => {
+            let zero = zero_engine(&model, &reduce, stage, args).map_err(|e| invalid(&world, e))?;
+            model = zero.prepare_module(model).map_err(|e| invalid(&world, e))?;
+            Some(zero)
+        }
+        None => None,
+    };
+    let engine: &mut dyn StepEngine<Decoder, TpError> = match &mut zero {
+        Some(zero) => zero,
+        None => &mut trainer,
+    };
     let mut losses = Vec::new();
     for s in first..args.steps {
         let first = dp.rank() * rows;
-        let (next, out) = step
-            .step_accumulated(
-                model,
-                args.grad_accum,
-                |m, k| {
-                    let start = first + k * micro_rows;
-                    let batch = corpus.batch_rows(
-                        s as u64,
-                        start..start + micro_rows,
-                        args.seq,
-                        Split::Train,
-                    );
-                    let (tokens, targets) = batch.to_tensors(&device);
-                    m.loss(tokens, targets)
-                },
-                &mut optim,
-                args.lr,
-            )
+        let mut forward = |m: &Decoder, k: usize| {
+            let start = first + k * micro_rows;
+            let batch =
+                corpus.batch_rows(s as u64, start..start + micro_rows, args.seq, Split::Train);
+            let (tokens, targets) = batch.to_tensors(&device);
+            m.loss(tokens, targets)
+        };
+        let (next, out) = engine
+            .step_accumulated(model, args.grad_accum, &mut forward, args.lr)
             .map_err(|e| match e {
                 TpError::Collective(e) => e,
                 other => invalid(&world, other),
@@ -500,7 +479,7 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
             &mut saver,
             args.steps,
             &model,
-            &optim,
+            &trainer.optim,
             serde_json::Value::Null,
         )
         .map_err(checkpoint_error)?;
