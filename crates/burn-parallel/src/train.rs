@@ -211,6 +211,11 @@ impl DataShards {
             .cloned()
     }
 
+    /// The ids of the registered flat shards, in registration order.
+    pub fn ids(&self) -> Vec<ParamId> {
+        self.snapshot().into_iter().map(|(id, _)| id).collect()
+    }
+
     /// The registered shards, in registration order.
     fn snapshot(&self) -> Vec<ShardEntry> {
         self.params.lock().expect("shard bookkeeping").clone()

@@ -66,6 +66,7 @@ use burn::module::{
     Content, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper, ModuleVisitor, Param,
     ParamId,
 };
+use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::autograd::{BackwardFn, attach};
 use burn_parallel::init::Init;
@@ -76,6 +77,7 @@ use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
 
 use crate::error::{Result, ZeroError};
 use crate::flat::{FlatLayout, shard_range, shard_sizes, strip_params};
+use crate::memory::{Category, MemoryTracker};
 
 /// A sub-module that is an FSDP unit under a sharded layout and the module itself otherwise.
 /// See the module docs.
@@ -115,6 +117,8 @@ struct Sharded<M: Module> {
     /// With prefetch on ([`Fsdp::with_prefetch`]): the all-gather started by
     /// [`Fsdp::prefetch`]. Shared by clones; a mapped copy (other values) gets its own.
     prefetch: Option<Arc<PrefetchSlot>>,
+    /// Where the unit counts its bytes ([`Fsdp::with_memory`]).
+    memory: Option<MemoryTracker>,
 }
 
 /// A unit's gradient held between micro-batches (see [`GradientSync`]), summed in fp32.
@@ -132,8 +136,16 @@ enum HeldGrad {
 /// The background all-gather of a unit's flat parameter.
 #[derive(Default)]
 struct PrefetchSlot {
-    gather: Mutex<Option<JoinHandle<std::result::Result<Tensor<1>, CollectiveError>>>>,
+    gather: Mutex<Option<InFlight>>,
 }
+
+/// A prefetch in flight: the gathering thread, and its bytes counted as gathered.
+struct InFlight {
+    handle: JoinHandle<std::result::Result<Tensor<1>, CollectiveError>>,
+    counted: GatherGuard,
+}
+
+type Joined = (std::result::Result<Tensor<1>, CollectiveError>, GatherGuard);
 
 thread_local! {
     /// The prefetch this thread has in flight (slot address, unit name): at most one, consumed
@@ -141,26 +153,30 @@ thread_local! {
     static PREFETCHED: RefCell<Option<(usize, String)>> = const { RefCell::new(None) };
 }
 
+/// Forgets this thread's prefetch marker when it names `key`.
+fn clear_marker(key: usize) {
+    PREFETCHED.with(|p| {
+        let mut p = p.borrow_mut();
+        if p.as_ref().is_some_and(|(k, _)| *k == key) {
+            *p = None;
+        }
+    });
+}
+
 impl PrefetchSlot {
     fn key(self: &Arc<Self>) -> usize {
         Arc::as_ptr(self) as usize
     }
 
-    /// Waits for the gather in flight, if any.
-    fn join(self: &Arc<Self>) -> Option<std::result::Result<Tensor<1>, CollectiveError>> {
-        let handle = self
+    /// Waits for the gather in flight, if any: its result and the guard counting its bytes.
+    fn join(self: &Arc<Self>) -> Option<Joined> {
+        let InFlight { handle, counted } = self
             .gather
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()?;
-        let key = self.key();
-        PREFETCHED.with(|p| {
-            let mut p = p.borrow_mut();
-            if p.as_ref().is_some_and(|(k, _)| *k == key) {
-                *p = None;
-            }
-        });
-        Some(handle.join().unwrap_or_else(|panic| {
+        clear_marker(self.key());
+        let result = handle.join().unwrap_or_else(|panic| {
             let reason = panic
                 .downcast_ref::<String>()
                 .cloned()
@@ -171,27 +187,23 @@ impl PrefetchSlot {
                 op: "Fsdp::prefetch".into(),
                 reason: format!("the prefetch thread panicked: {reason}"),
             })
-        }))
+        });
+        Some((result, counted))
     }
 }
 
 impl Drop for PrefetchSlot {
     fn drop(&mut self) {
         // Never leave a collective running detached: wait for an unconsumed prefetch.
-        if let Some(handle) = self
+        let inflight = self
             .gather
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
-            .take()
-        {
-            let key = self as *const Self as usize;
-            PREFETCHED.with(|p| {
-                let mut p = p.borrow_mut();
-                if p.as_ref().is_some_and(|(k, _)| *k == key) {
-                    *p = None;
-                }
-            });
+            .take();
+        if let Some(InFlight { handle, counted }) = inflight {
+            clear_marker(self as *const Self as usize);
             let _ = handle.join();
+            drop(counted);
         }
     }
 }
@@ -218,8 +230,23 @@ impl<M: Module> fmt::Debug for Fsdp<M> {
 pub enum Unit<'a, M> {
     /// The module itself.
     Plain(&'a M),
-    /// The module rebuilt from the all-gathered flat parameter.
-    Gathered(M),
+    /// The module rebuilt from the all-gathered flat parameter, and the guard that counts its
+    /// bytes as gathered ([`FsdpPlan::memory`]) until the unit is dropped.
+    Gathered(M, GatherGuard),
+}
+
+/// Counts a gathered unit's bytes in a [`MemoryTracker`] (category `Gathered`) while it lives.
+#[derive(Debug, Default)]
+pub struct GatherGuard {
+    release: Option<(MemoryTracker, usize)>,
+}
+
+impl Drop for GatherGuard {
+    fn drop(&mut self) {
+        if let Some((tracker, bytes)) = self.release.take() {
+            tracker.sub(Category::Gathered, bytes);
+        }
+    }
 }
 
 impl<M> Deref for Unit<'_, M> {
@@ -228,7 +255,7 @@ impl<M> Deref for Unit<'_, M> {
     fn deref(&self) -> &M {
         match self {
             Unit::Plain(m) => m,
-            Unit::Gathered(m) => m,
+            Unit::Gathered(m, _) => m,
         }
     }
 }
@@ -354,6 +381,7 @@ impl<M: Module> Fsdp<M> {
                 sync: shards.gradient_sync().clone(),
                 held: Arc::default(),
                 prefetch: None,
+                memory: None,
                 whole: Arc::new(whole),
             })),
         })
@@ -382,6 +410,26 @@ impl<M: Module> Fsdp<M> {
     pub fn with_prefetch(mut self, on: bool) -> Self {
         if let Inner::Sharded(s) = &mut self.inner {
             s.prefetch = on.then(Arc::default);
+        }
+        self
+    }
+
+    /// Counts the unit's memory in `tracker` (see [`crate::memory`]): its flat shard and the
+    /// parameters it keeps whole now (params), the unit while gathered, prefetches included
+    /// (gathered), and the whole gradient no-sync accumulation holds (grads). A no-op when it
+    /// is not sharded. [`FsdpPlan::wrap`] does it with [`FsdpPlan::memory`].
+    pub fn with_memory(mut self, tracker: &MemoryTracker) -> Self {
+        if let Inner::Sharded(s) = &mut self.inner {
+            let shard = s.shard.val();
+            let mut whole = Bytes::default();
+            s.template.visit(&mut WholeOnly {
+                inner: &mut whole,
+                path: Vec::new(),
+                whole: &s.whole,
+            });
+            let bytes = shard.shape().num_elements() * shard.dtype().size() + whole.0;
+            tracker.add(Category::Params, bytes);
+            s.memory = Some(tracker.clone());
         }
         self
     }
@@ -455,6 +503,7 @@ impl<M: Module> Fsdp<M> {
             None => {}
         }
         let shard = s.shard.val().detach();
+        let counted = s.count_gathered(s.layout.numel() * shard.dtype().size());
         let group = s.group.clone();
         let handle = std::thread::Builder::new()
             .name(format!("fsdp-prefetch-{}", s.name))
@@ -465,7 +514,7 @@ impl<M: Module> Fsdp<M> {
                     format!("cannot start the prefetch thread: {e}"),
                 )
             })?;
-        *slot.gather.lock().unwrap_or_else(|e| e.into_inner()) = Some(handle);
+        *slot.gather.lock().unwrap_or_else(|e| e.into_inner()) = Some(InFlight { handle, counted });
         PREFETCHED.with(|p| *p.borrow_mut() = Some((key, s.name.clone())));
         Ok(())
     }
@@ -503,22 +552,26 @@ impl<M: Module> Fsdp<M> {
         let shard = s.shard.val();
         let prefetched = s.prefetch.as_ref().and_then(PrefetchSlot::join);
         // On the device when the group collects there (NCCL), else through host memory.
-        let full = match prefetched {
-            Some(full) => full?,
-            None => s.group.all_gather(shard.clone().detach(), 0)?,
+        let (full, counted) = match prefetched {
+            Some((full, counted)) => (full?, counted),
+            None => {
+                let full = s.group.all_gather(shard.clone().detach(), 0)?;
+                let bytes = full.shape().num_elements() * full.dtype().size();
+                (full, s.count_gathered(bytes))
+            }
         };
         let on_device = s.group.collects_on_device(&shard.device());
         let n = s.sizes[s.group.rank()];
         let (group, sizes, sequence) = (s.group.clone(), s.sizes.clone(), s.sequence.clone());
         let (group_d, sizes_d, sequence_d) = (group.clone(), sizes.clone(), sequence.clone());
-        let (sync, held) = (s.sync.clone(), s.held.clone());
-        let (sync_d, held_d) = (sync.clone(), held.clone());
+        let (sync, held, memory) = (s.sync.clone(), s.held.clone(), s.memory.clone());
+        let (sync_d, held_d, memory_d) = (sync.clone(), held.clone(), memory.clone());
         let full = attach(
             shard,
             full,
             BackwardFn::new("Fsdp::get", move |grad| {
                 let dtype = grad.dtype();
-                let Some(grad) = hold_host(&held, &sync, grad) else {
+                let Some(grad) = hold_host(&held, &sync, memory.as_ref(), grad) else {
                     return Ok(TensorData::new(vec![0f32; n], [n]).convert_dtype(dtype));
                 };
                 let grad = match &sequence {
@@ -529,7 +582,7 @@ impl<M: Module> Fsdp<M> {
             })
             .on_device_if::<1>(on_device, move |grad| {
                 let zeros = grad.clone().narrow(0, 0, n).zeros_like();
-                let Some(grad) = hold_device(&held_d, &sync_d, grad) else {
+                let Some(grad) = hold_device(&held_d, &sync_d, memory_d.as_ref(), grad) else {
                     return Ok(zeros);
                 };
                 let grad = match &sequence_d {
@@ -543,7 +596,7 @@ impl<M: Module> Fsdp<M> {
             .layout
             .unflatten(s.template.clone(), full, false)
             .map_err(|e| s.invalid(&format!("Fsdp::get({})", s.name), e.to_string()))?;
-        Ok(Unit::Gathered(module))
+        Ok(Unit::Gathered(module, counted))
     }
 
     /// The whole unit, detached from any graph, as a plain module (for export and comparison).
@@ -610,6 +663,16 @@ fn sum_ranges_on_device(
 }
 
 impl<M: Module> Sharded<M> {
+    /// Counts `bytes` as gathered until the returned guard drops.
+    fn count_gathered(&self, bytes: usize) -> GatherGuard {
+        GatherGuard {
+            release: self.memory.as_ref().map(|t| {
+                t.add(Category::Gathered, bytes);
+                (t.clone(), bytes)
+            }),
+        }
+    }
+
     fn invalid(&self, op: &str, reason: String) -> CollectiveError {
         CollectiveError::InvalidArgument {
             rank: self.group.global_rank(),
@@ -621,10 +684,11 @@ impl<M: Module> Sharded<M> {
 
 /// The unit's whole gradient `grad` plus what it holds: returned to be reduced when the
 /// gradient sync is on, held (and `None` returned) when it is off. What an earlier, abandoned
-/// accumulation left is dropped.
+/// accumulation left is dropped. The held buffer (fp32) counts as gradient memory.
 fn hold_host(
     held: &Mutex<Option<Held>>,
     sync: &GradientSync,
+    memory: Option<&MemoryTracker>,
     grad: TensorData,
 ) -> Option<TensorData> {
     let mut held = held.lock().unwrap_or_else(|e| e.into_inner());
@@ -634,52 +698,68 @@ fn hold_host(
         .convert::<f32>()
         .try_into_vec::<f32>()
         .expect("converted to f32");
-    if let Some(Held {
-        accumulation: a,
-        grad: HeldGrad::Host(sum),
-    }) = held.take()
-        && a == accumulation
+    let bytes = values.len() * 4;
+    if let Some(before) = take_held(&mut held, memory, bytes)
+        && before.accumulation == accumulation
+        && let HeldGrad::Host(sum) = before.grad
     {
         values.iter_mut().zip(sum).for_each(|(v, s)| *v += s);
     }
     if sync.is_on() {
-        Some(TensorData::new(values, shape).convert_dtype(dtype))
-    } else {
-        *held = Some(Held {
-            accumulation,
-            grad: HeldGrad::Host(values),
-        });
-        None
+        return Some(TensorData::new(values, shape).convert_dtype(dtype));
     }
+    if let Some(t) = memory {
+        t.add(Category::Grads, bytes);
+    }
+    *held = Some(Held {
+        accumulation,
+        grad: HeldGrad::Host(values),
+    });
+    None
 }
 
 /// [`hold_host`] on the device (the sum kept in fp32 there).
 fn hold_device(
     held: &Mutex<Option<Held>>,
     sync: &GradientSync,
+    memory: Option<&MemoryTracker>,
     grad: Tensor<1>,
 ) -> Option<Tensor<1>> {
     let mut held = held.lock().unwrap_or_else(|e| e.into_inner());
     let accumulation = sync.accumulation();
     let dtype = grad.dtype();
+    let bytes = grad.shape().num_elements() * 4;
     let mut sum = grad.cast(burn::tensor::DType::F32);
-    if let Some(Held {
-        accumulation: a,
-        grad: HeldGrad::Device(before),
-    }) = held.take()
-        && a == accumulation
+    if let Some(before) = take_held(&mut held, memory, bytes)
+        && before.accumulation == accumulation
+        && let HeldGrad::Device(before) = before.grad
     {
         sum = sum + *before;
     }
     if sync.is_on() {
-        Some(sum.cast(dtype))
-    } else {
-        *held = Some(Held {
-            accumulation,
-            grad: HeldGrad::Device(Box::new(sum)),
-        });
-        None
+        return Some(sum.cast(dtype));
     }
+    if let Some(t) = memory {
+        t.add(Category::Grads, bytes);
+    }
+    *held = Some(Held {
+        accumulation,
+        grad: HeldGrad::Device(Box::new(sum)),
+    });
+    None
+}
+
+/// Takes what a unit holds, releasing its `bytes` from the gradient count.
+fn take_held(
+    held: &mut Option<Held>,
+    memory: Option<&MemoryTracker>,
+    bytes: usize,
+) -> Option<Held> {
+    let before = held.take()?;
+    if let Some(t) = memory {
+        t.sub(Category::Grads, bytes);
+    }
+    Some(before)
 }
 
 fn intersect(a: Range<usize>, b: &Range<usize>) -> Option<Range<usize>> {
@@ -791,6 +871,17 @@ impl<M: Module> Module for Fsdp<M> {
     }
 }
 
+/// Sums the bytes of the parameters it visits.
+#[derive(Default)]
+struct Bytes(usize);
+
+impl ModuleVisitor for Bytes {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let value = param.val();
+        self.0 += value.shape().num_elements() * value.dtype().size();
+    }
+}
+
 /// Shows a visitor or mapper only the parameters a unit's template keeps whole (frozen or kept
 /// whole by the plan; the others there are placeholders, their values live in the flat shard).
 struct WholeOnly<'a, T> {
@@ -885,6 +976,7 @@ pub struct FsdpPlan {
     predicate: Option<UnitPredicate>,
     keep_whole: Option<ParamPredicate>,
     prefetch: bool,
+    memory: MemoryTracker,
     used: Arc<Mutex<Vec<bool>>>,
     errors: Vec<String>,
 }
@@ -907,6 +999,7 @@ impl FsdpPlan {
             predicate: None,
             keep_whole: None,
             prefetch: false,
+            memory: MemoryTracker::default(),
             used: Arc::new(Mutex::new(Vec::new())),
             errors: Vec::new(),
         }
@@ -982,6 +1075,72 @@ impl FsdpPlan {
     pub fn with_prefetch(mut self, on: bool) -> Self {
         self.prefetch = on;
         self
+    }
+
+    /// The memory the plan's units account for, per rank ([`Fsdp::with_memory`]): their shards
+    /// and kept-whole parameters, the units gathered at a time (prefetches included) and the
+    /// gradients no-sync accumulation holds. The training loop adds what Burn holds for the
+    /// shards: their gradients ([`Self::gradient_bytes`]) and the optimizer's state
+    /// ([`Self::optimizer_bytes`]). Parameters outside the units are not counted.
+    ///
+    /// ```
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_parallel::init::{Init, LinearInit};
+    /// use burn_parallel::run_local;
+    /// use burn_zero::FsdpPlan;
+    ///
+    /// let reports = run_local(2, |group| {
+    ///     let init = Init::new(1, &Device::flex().autodiff());
+    ///     let plan = FsdpPlan::new(&group).unit("fc");
+    ///     let fc = plan
+    ///         .wrap(&init.at("fc"), |init| {
+    ///             Ok::<_, burn_zero::ZeroError>(init.linear("", LinearInit::new(4, 4))?)
+    ///         })
+    ///         .unwrap();
+    ///     let x = Tensor::<2>::ones([1, 4], init.device());
+    ///     let _y = fc.get()?.forward(x).unwrap(); // gathered while the unit lives
+    ///     Ok(plan.memory().report())
+    /// })
+    /// .unwrap();
+    /// assert_eq!(reports[0].current.params, 8 * 4); // half of the 16 weights, fp32
+    /// assert_eq!(reports[0].peak.gathered, 16 * 4); // the whole unit, once
+    /// assert_eq!(reports[0].current.gathered, 0);
+    /// ```
+    pub fn memory(&self) -> &MemoryTracker {
+        &self.memory
+    }
+
+    /// The bytes of the flat shards' gradients in `grads` (what Burn holds for them between
+    /// the backward and the optimizer step).
+    pub fn gradient_bytes(&self, grads: &GradientsParams) -> usize {
+        self.shards
+            .ids()
+            .into_iter()
+            .filter_map(|id| grads.get::<1>(id))
+            .map(|g| g.shape().num_elements() * g.dtype().size())
+            .sum()
+    }
+
+    /// The bytes of `optim`'s state for the flat shards (moments and the like). Reads the
+    /// state through the optimizer's record (a copy to the host): call it once, for a report.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] when the record cannot be read.
+    pub fn optimizer_bytes(&self, optim: &ModuleOptimizer) -> Result<usize> {
+        let ids: HashSet<u64> = self.shards.ids().into_iter().map(|id| id.val()).collect();
+        let unreadable = |e: String| ZeroError::Config(format!("optimizer record: {e}"));
+        let bytes = optim
+            .to_record()
+            .into_bytes()
+            .map_err(|e| unreadable(format!("{e:?}")))?;
+        let tensors = burn_pack::Reader::from_bytes(bytes)
+            .and_then(|r| r.into_tensors())
+            .map_err(|e| unreadable(format!("{e:?}")))?;
+        Ok(tensors
+            .iter()
+            .filter(|t| t.param_id.is_some_and(|id| ids.contains(&id)))
+            .map(|t| t.byte_len())
+            .sum())
     }
 
     /// The registry of the shards, for [`TrainStep::with_fsdp`](burn_parallel::train::TrainStep::with_fsdp),
@@ -1065,7 +1224,8 @@ impl FsdpPlan {
         };
         Ok(
             Fsdp::shard_keeping(path, module, &self.shards, &init.context(), keep_whole)?
-                .with_prefetch(self.prefetch),
+                .with_prefetch(self.prefetch)
+                .with_memory(&self.memory),
         )
     }
 
@@ -1112,6 +1272,74 @@ mod tests {
 
     fn weight(unit: &Unit<'_, Linear>) -> Vec<f32> {
         unit.weight.val().into_data().try_to_vec::<f32>().unwrap()
+    }
+
+    /// The plan's memory figures, against the sizes: the shards (params), one unit gathered at
+    /// a time without prefetch and two with it (gathered), the whole gradients no-sync holds
+    /// and the shards' gradients (grads), AdamW's two moments of the shards (optimizer).
+    #[test]
+    fn memory_counts_shards_gathered_units_held_gradients_and_optimizer_state() {
+        use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams};
+        let out = run_local(2, |group| {
+            let mut figures = Vec::new();
+            for prefetch in [false, true] {
+                let init = Init::new(3, &Device::flex().autodiff());
+                let plan = FsdpPlan::new(&group)
+                    .unit("layers.*")
+                    .with_prefetch(prefetch);
+                let units = layers(&plan, &init);
+                let shards = plan.shards();
+                let mut acc = GradientsAccumulator::<Vec<Fsdp<Linear>>>::new();
+                shards.begin_accumulation();
+                let mut held = 0;
+                for last in [false, true] {
+                    shards.set_gradient_sync(last);
+                    let mut x = Tensor::<2>::ones([2, 4], init.device());
+                    for (i, layer) in units.iter().enumerate() {
+                        let unit = layer.get()?;
+                        if let Some(next) = units.get(i + 1) {
+                            next.prefetch()?;
+                        }
+                        x = unit.forward(x).unwrap();
+                    }
+                    let grads = GradientsParams::from_grads(x.sum().backward(), &units);
+                    acc.accumulate(&units, grads);
+                    if !last {
+                        held = plan.memory().report().current.grads;
+                    }
+                }
+                let grads = acc.grads();
+                let gradient_bytes = plan.gradient_bytes(&grads);
+                let mut optim = AdamWConfig::new().init();
+                let _units = optim.step(1e-3, units, grads);
+                let optimizer_bytes = plan.optimizer_bytes(&optim).unwrap();
+                let report = plan.memory().report();
+                figures.push((
+                    report.current.params,
+                    report.peak.gathered,
+                    report.current.gathered,
+                    held,
+                    report.current.grads,
+                    gradient_bytes,
+                    optimizer_bytes,
+                ));
+            }
+            Ok(figures)
+        })
+        .unwrap();
+        // 3 units of 16 fp32 weights, each rank holding 8 of each.
+        let (unit, shards) = (16 * 4, 3 * 8 * 4);
+        for figures in out {
+            assert_eq!(
+                figures,
+                vec![
+                    (shards, unit, 0, 3 * unit, 0, shards, 2 * shards),
+                    (shards, 2 * unit, 0, 3 * unit, 0, shards, 2 * shards),
+                ],
+                "(params, gathered peak, gathered after, held by no-sync, grads after, shard \
+                 gradients, optimizer state) without and with prefetch"
+            );
+        }
     }
 
     /// A prefetch is in flight until its unit's gather takes it, which gives the values of a
