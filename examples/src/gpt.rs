@@ -1083,15 +1083,30 @@ pub fn build_blocks_at(
 ) -> ZeroResult<Vec<Fsdp<Block>>> {
     (0..n)
         .map(|i| {
-            let init = init.at("blocks").at(i);
+            let blocks = init.at("blocks");
             let config = config(i);
-            let build = |init: &Init| Ok::<_, ZeroError>(Block::build(&config, init, experts)?);
-            match fsdp {
-                Some(plan) => plan.wrap(&init, build),
-                None => Ok(Fsdp::new(build(&init)?)),
-            }
+            unit(&blocks, &i.to_string(), fsdp, || {
+                Ok(Block::build(&config, &blocks.at(i), experts)?)
+            })
         })
         .collect()
+}
+
+/// The sub-module `name` of the model being built at `init`, built by `build`: an FSDP unit
+/// when `fsdp` selects its path, the module itself otherwise.
+///
+/// # Errors
+/// `build`'s; the FSDP plan's.
+fn unit<M: Module>(
+    init: &Init,
+    name: &str,
+    fsdp: Option<&FsdpPlan>,
+    build: impl FnOnce() -> ZeroResult<M>,
+) -> ZeroResult<Fsdp<M>> {
+    match fsdp {
+        Some(plan) => plan.wrap(&init.at(name), |_| build()),
+        None => Ok(Fsdp::new(build()?)),
+    }
 }
 
 /// `blocks` with every FSDP unit gathered whole, detached (a collective over the shard group
@@ -1188,17 +1203,18 @@ impl Embeddings<'_> {
 /// device) or [`Gpt::build`] (any layout).
 #[derive(Module, Debug)]
 pub struct Gpt {
-    /// Token embedding `[vocab_size, d_model]` (split by vocabulary under tensor parallelism).
-    pub wte: Embedding,
+    /// Token embedding `[vocab_size, d_model]` (split by vocabulary under tensor parallelism),
+    /// an FSDP unit under a sharded layout (as every sub-module below).
+    pub wte: Fsdp<Embedding>,
     /// Learned position embedding `[max_seq_len, d_model]` (learned positions only).
-    pub wpe: Option<burn::nn::Embedding>,
+    pub wpe: Option<Fsdp<burn::nn::Embedding>>,
     /// The transformer blocks, each an FSDP unit under a sharded layout.
     pub blocks: Vec<Fsdp<Block>>,
     /// Final norm.
-    pub ln_f: Norm,
+    pub ln_f: Fsdp<Norm>,
     /// Output projection `[d_model, vocab_size]` (split by vocabulary under tensor
     /// parallelism); `None` when tied to `wte`.
-    pub lm_head: Option<Linear>,
+    pub lm_head: Option<Fsdp<Linear>>,
     /// Dropout on the embeddings.
     #[module(skip)]
     pub drop: Option<SeededDropout>,
@@ -1300,6 +1316,9 @@ impl Gpt {
     ///     let init = Init::new(config.seed, &Device::flex().autodiff());
     ///     let model = Gpt::build_with_experts(&config, &init, Some(&plan), &experts).unwrap();
     ///     assert!(model.blocks[0].is_sharded());
+    ///     // The embeddings, the final norm and the head are units too.
+    ///     assert!(model.wte.is_sharded() && model.wpe.as_ref().unwrap().is_sharded());
+    ///     assert!(model.ln_f.is_sharded() && model.lm_head.as_ref().unwrap().is_sharded());
     ///     // This rank's 2 experts are whole; the rest of the block is a flat shard.
     ///     let mut held = 0;
     ///     model.for_each_moe(&mut |_, moe| held += moe.experts.len()).unwrap();
@@ -1311,8 +1330,11 @@ impl Gpt {
     /// ```
     pub fn fsdp_plan(group: &ProcessGroup, experts: &MoeParallel) -> FsdpPlan {
         let experts = experts.experts.clone();
+        // Every block a unit, and each of the other sub-modules (torchtitan also shards the
+        // embeddings and the head): no parameter stays whole on every rank.
         FsdpPlan::new(group)
             .unit("blocks.*")
+            .unit_if(|path| matches!(path, "wte" | "wpe" | "ln_f" | "lm_head"))
             .keep_whole(move |id| experts.contains(&id))
     }
 
@@ -1382,27 +1404,33 @@ impl Gpt {
             experts,
         )?;
         let model = Self {
-            wte: init.embedding("wte", v, d, INIT_STD)?,
+            wte: unit(init, "wte", fsdp, || {
+                Ok(init.embedding("wte", v, d, INIT_STD)?)
+            })?,
             wpe: match config.positions {
-                PositionKind::Learned => Some(burn::nn::Embedding {
-                    weight: init
-                        .at("wpe")
-                        .normal("weight", [config.max_seq_len, d], INIT_STD),
-                }),
+                PositionKind::Learned => Some(unit(init, "wpe", fsdp, || {
+                    Ok(burn::nn::Embedding {
+                        weight: init
+                            .at("wpe")
+                            .normal("weight", [config.max_seq_len, d], INIT_STD),
+                    })
+                })?),
                 PositionKind::Rotary => None,
             },
             blocks,
-            ln_f: Norm::new(config.norm, d, config.norm_eps, &init.at("ln_f")),
+            ln_f: unit(init, "ln_f", fsdp, || {
+                Ok(Norm::new(config.norm, d, config.norm_eps, &init.at("ln_f")))
+            })?,
             lm_head: match config.tied_embeddings {
                 true => None,
-                false => Some(
-                    init.linear(
+                false => Some(unit(init, "lm_head", fsdp, || {
+                    Ok(init.linear(
                         "lm_head",
                         LinearInit::new(d, v)
                             .with_bias(config.bias)
                             .with_std(INIT_STD),
-                    )?,
-                ),
+                    )?)
+                })?),
             },
             drop: dropout(config.dropout, init, "drop"),
             config: config.clone(),
@@ -1525,9 +1553,11 @@ impl Gpt {
     /// [`TpError::OutOfVocabulary`]; [`TpError::Shape`] when `offset + seq` exceeds
     /// `max_seq_len` with learned positions; collective errors.
     pub fn embed(&self, tokens: Tensor<2, Int>, offset: usize, pass: &Pass) -> TpResult<Tensor<3>> {
+        let wte = self.wte.get()?;
+        let wpe = self.wpe.as_ref().map(Fsdp::get).transpose()?;
         Embeddings {
-            wte: &self.wte,
-            wpe: self.wpe.as_ref(),
+            wte: &wte,
+            wpe: wpe.as_deref(),
             drop: self.drop.as_ref(),
             tp: &self.tp,
             config: &self.config,
@@ -1541,14 +1571,17 @@ impl Gpt {
     /// # Errors
     /// Collective errors.
     pub fn head(&self, x: Tensor<3>) -> TpResult<Tensor<3>> {
+        let ln_f = self.ln_f.get()?;
         let x = if self.config.fused {
-            self.ln_f.forward_fused(x)
+            ln_f.forward_fused(x)
         } else {
-            self.ln_f.forward(x)
+            ln_f.forward(x)
         };
+        drop(ln_f);
         match &self.lm_head {
-            Some(lm_head) => lm_head.forward(x),
-            None => self.wte.attend(x, &self.tp),
+            Some(lm_head) => lm_head.get()?.forward(x),
+            // Tied: the token table's unit gathered a second time.
+            None => self.wte.get()?.attend(x, &self.tp),
         }
     }
 
@@ -1565,16 +1598,17 @@ impl Gpt {
         } else {
             logits.cast(DType::F32)
         };
+        // The split, not the weights: the units' skeletons say it without a gather.
         let split = match &self.lm_head {
-            Some(head) => !matches!(head.split, LinearSplit::Replicated),
-            None => self.wte.split.is_some(),
+            Some(head) => !matches!(head.skeleton().split, LinearSplit::Replicated),
+            None => self.wte.skeleton().split.is_some(),
         };
         if self.config.fused && !split {
             return Ok(fused_sequence_cross_entropy(logits, targets));
         }
         match &self.lm_head {
-            Some(head) => head.cross_entropy(logits, targets),
-            None => self.wte.cross_entropy(logits, targets),
+            Some(head) => head.skeleton().cross_entropy(logits, targets),
+            None => self.wte.skeleton().cross_entropy(logits, targets),
         }
     }
 
@@ -1635,7 +1669,19 @@ impl Gpt {
     /// Collective errors.
     pub fn to_single(&self, device: &Device) -> ZeroResult<Gpt> {
         let whole = Gpt {
+            wte: Fsdp::new(self.wte.full()?),
+            wpe: self
+                .wpe
+                .as_ref()
+                .map(|w| Ok::<_, ZeroError>(Fsdp::new(w.full()?)))
+                .transpose()?,
             blocks: gather_blocks(&self.blocks)?,
+            ln_f: Fsdp::new(self.ln_f.full()?),
+            lm_head: self
+                .lm_head
+                .as_ref()
+                .map(|h| Ok::<_, ZeroError>(Fsdp::new(h.full()?)))
+                .transpose()?,
             ..self.clone()
         };
         let mut params: std::collections::HashMap<String, TensorData> =

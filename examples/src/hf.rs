@@ -1294,7 +1294,7 @@ pub fn evaluate(model: &Gpt, tokens: &[u32], window: usize) -> Result<Perplexity
             model.config.vocab_size
         ));
     }
-    let device = model.wte.weight.val().device();
+    let device = model.wte.skeleton().weight.val().device();
     let (mut sum, mut count) = (0.0f64, 0usize);
     let mut start = 0;
     while start + 1 < tokens.len() {
