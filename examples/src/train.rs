@@ -19,6 +19,7 @@ use burn_parallel::train::{Reduced, TrainStep};
 use burn_parallel::{
     CollectiveError, DistributedDataParallel, ParallelDims, ProcessGroup, ReduceOp,
 };
+use burn_zero::memory::Category;
 use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroError, ZeroOptimizer};
 use serde::{Deserialize, Serialize};
 
@@ -279,6 +280,10 @@ pub struct TrainReport {
     pub final_params: Vec<NamedParam>,
     /// Steps skipped because the loss-scaled gradients overflowed (fp16).
     pub skipped_steps: usize,
+    /// Under FSDP (`zero` stage 3), this rank's memory of the units
+    /// ([`burn_zero::FsdpPlan::memory`]): shards, gradients and AdamW state of the shards,
+    /// and the units gathered at a time.
+    pub memory: Option<burn_zero::MemoryReport>,
 }
 
 /// How the world is split for [`train_gpt_parallel`]: tensor parallelism inside groups of `tp`
@@ -463,13 +468,15 @@ impl Parallelism {
     pub fn validate(&self, config: &TrainConfig, world: usize) -> Result<(), String> {
         self.check_moe(&config.model, world)
             .map_err(|e| e.to_string())?;
+        let zero_1_2 = matches!(self.zero, Some(Stage::One | Stage::Two));
         if config.precision != Precision::F32
-            && (self.zero.is_some() || self.cp > 1 || config.model.moe.is_some())
+            && (zero_1_2 || self.cp > 1 || config.model.moe.is_some())
         {
             return Err(format!(
-                "--precision {} trains under data and tensor parallelism (--ranks, --tp, \
-                 --sp) in this trainer; ZeRO/FSDP (--zero), context parallelism (--cp) and \
-                 GPT-MoE are not composed with it yet: drop --precision or those flags",
+                "--precision {} trains under data, tensor and FSDP parallelism (--ranks, --tp, \
+                 --sp, --zero 3) in this trainer; ZeRO-1/2 with --tp (--zero 1|2 alone runs \
+                 burn-zero's engine, which has it), context parallelism (--cp) and GPT-MoE \
+                 are not composed with it yet: drop --precision or those flags",
                 config.precision
             ));
         }
@@ -1076,7 +1083,16 @@ pub fn train_gpt_checkpointed(
                 };
                 phases.reduce += t.elapsed().as_secs_f64();
                 let t = Instant::now();
+                // FSDP: the shards' gradients count as held until the optimizer consumes them.
+                let held = fsdp.as_ref().map(|plan| {
+                    let bytes = plan.gradient_bytes(&reduced.grads);
+                    plan.memory().add(Category::Grads, bytes);
+                    bytes
+                });
                 let (m, skipped) = step.apply(m, reduced, optim, lr);
+                if let (Some(plan), Some(bytes)) = (&fsdp, held) {
+                    plan.memory().sub(Category::Grads, bytes);
+                }
                 run.skipped += usize::from(skipped);
                 phases.optimizer += t.elapsed().as_secs_f64();
                 m
@@ -1179,7 +1195,20 @@ pub fn train_gpt_checkpointed(
     } else {
         String::new()
     };
-    Ok(run.report(config, val_loss, sample, named_params(&full)))
+    let memory = match (&fsdp, &engine) {
+        (Some(plan), Engine::Step { optim, .. }) => {
+            let state = plan
+                .optimizer_bytes(optim)
+                .map_err(|e| zero_error(world, e))?;
+            plan.memory().set(Category::Optimizer, state);
+            Some(plan.memory().report())
+        }
+        _ => None,
+    };
+    Ok(TrainReport {
+        memory,
+        ..run.report(config, val_loss, sample, named_params(&full))
+    })
 }
 
 /// The MoE layers' routing figures of the last forward call, with the auxiliary losses
@@ -1229,6 +1258,7 @@ impl Run {
             tokens_per_sec,
             final_params,
             skipped_steps: self.skipped,
+            memory: None,
         }
     }
 }

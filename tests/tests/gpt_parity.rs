@@ -387,6 +387,9 @@ fn bf16_training_tracks_fp32() {
         (1, Parallelism::default()),
         (2, Parallelism::default()),
         (2, tp(2, true)),
+        // FSDP gathers the bf16 compute copy's shards and reduces their gradients in bf16.
+        (2, zero(Stage::Three, 1, false)),
+        (4, zero(Stage::Three, 2, true)),
     ] {
         let run = TrainConfig {
             precision: examples::train::Precision::Bf16,

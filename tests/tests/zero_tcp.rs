@@ -1,4 +1,5 @@
-//! ZeRO stage 3 (FSDP units) over 2 real processes talking TCP, launched by `burnrun`, gives
+//! `gpt --zero 3` (FSDP: `Fsdp<M>` units in the layout-generic trainer) over 2 real processes
+//! talking TCP, launched by `burnrun`, gives
 //! the losses and final parameters of the independent single-device reference run with the same
 //! global-norm clipping; each process reports the memory of its shards: parameters, gradients
 //! and AdamW state of its half of every unit, and one whole unit gathered at a time.
@@ -53,21 +54,27 @@ fn zero3_over_tcp_processes_matches_single_device() {
         "ZeRO-3 over 2 tcp processes",
     );
 
-    // The FSDP units of the GPT (embeddings, each block, final norm and head) and their sizes,
-    // from the model's own parameters.
+    // The FSDP units of the GPT (`Gpt::fsdp_plan`: each block, the token and position
+    // embeddings, the final norm, the head) and their sizes, from the model's own parameters.
     let params = params_of(&Gpt::new(&config.model, &Device::flex()));
     let unit_of = |path: &str| -> String {
         match path.split('.').collect::<Vec<_>>().as_slice() {
             ["blocks", i, ..] => format!("blocks.{i}"),
-            ["wte" | "wpe", ..] => "embed".into(),
-            _ => "head".into(),
+            [first, ..] => first.to_string(),
+            [] => unreachable!("a parameter has a path"),
         }
     };
     let mut units = std::collections::BTreeMap::<String, usize>::new();
     for (path, (_, values)) in &params {
         *units.entry(unit_of(path)).or_default() += values.len();
     }
-    assert_eq!(units.len(), config.model.n_layers + 2, "{units:?}");
+    let others: Vec<&str> = units
+        .keys()
+        .filter(|u| !u.starts_with("blocks."))
+        .map(String::as_str)
+        .collect();
+    assert_eq!(others, ["lm_head", "ln_f", "wpe", "wte"], "{units:?}");
+    assert_eq!(units.len(), config.model.n_layers + 4, "{units:?}");
     let largest = *units.values().max().expect("units");
     for rank in 0..PROCESSES {
         let figures = memory_figures(&tcp.stdout, rank);

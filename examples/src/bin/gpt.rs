@@ -159,9 +159,9 @@ struct Args {
     /// r and 2cp-1-r, the same causal work on every rank) or `none` (contiguous).
     #[arg(long, default_value = "headtail")]
     cp_balance: burn_parallel::context_parallel::CpBalance,
-    /// ZeRO stage (1: optimizer state sharded, 2: + gradients, 3: + parameters, FSDP-style
-    /// per transformer block) over the data-parallel ranks, instead of plain DDP. Composes with
-    /// --tp (the 2-D layout), --hybrid and --clip.
+    /// ZeRO stage (1: optimizer state sharded, 2: + gradients, 3: + parameters: FSDP, each
+    /// block, the embeddings, the final norm and the head a unit) over the data-parallel ranks,
+    /// instead of plain DDP. Composes with --tp (the 2-D layout), --hybrid and --clip.
     #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
     zero: Option<u8>,
     /// Hybrid sharding with --zero: shard inside groups of ranks/N, replicate across N groups.
@@ -172,8 +172,7 @@ struct Args {
     #[arg(long, requires = "zero")]
     prefetch: bool,
     /// With --zero 3 and --grad-accum: hold each block's whole gradient over the micro-steps
-    /// and reduce-scatter it once per step (one block-sized buffer per block). Without --tp,
-    /// --cp or experts, --zero 3 always accumulates this way.
+    /// and reduce-scatter it once per step (one block-sized buffer per block).
     #[arg(long, requires = "zero")]
     no_sync: bool,
     /// Clip the global norm of the averaged gradient to this value.
@@ -518,6 +517,19 @@ fn run_rank(
     if let (true, Ok(report)) = (profile && lead, &report) {
         print_profile(&phases, report.step_seconds, config.steps.saturating_sub(1));
     }
+    // FSDP: every rank prints the memory of its units, in rank order.
+    if let Ok(TrainReport {
+        memory: Some(memory),
+        ..
+    }) = &report
+    {
+        for r in 0..group.size() {
+            if r == group.rank() {
+                println!("{}", memory_line(r, memory));
+            }
+            group.barrier()?;
+        }
+    }
     report
 }
 
@@ -656,9 +668,10 @@ fn main() -> ExitCode {
         eprintln!("error: --prefetch and --no-sync are options of FSDP: use them with --zero 3");
         return ExitCode::from(2);
     }
-    // ZeRO on its own runs burn-zero's engines (memory accounting, checkpoints); with tensor
-    // parallelism it runs in the layout-generic trainer below.
+    // ZeRO-1/2 on their own run burn-zero's engine; with tensor parallelism, and FSDP (stage
+    // 3) always, in the layout-generic trainer below.
     if let Some(stage) = args.zero
+        && stage < 3
         && args.tp == 1
         && args.cp == 1
         && !moe
@@ -907,17 +920,15 @@ fn print_report(report: &TrainReport, corpus: &Corpus) {
     println!("sample:\n{}", report.sample);
 }
 
-/// `--zero`: trains with burn-zero's sharded data parallelism and prints every rank's memory.
+/// `--zero 1|2` without `--tp`: trains with burn-zero's sharded optimizer engine and prints
+/// every rank's memory.
 fn run_zero(args: &Args, config: &TrainConfig, corpus: &Corpus, stage: usize) -> ExitCode {
     let zero = match Stage::from_number(stage) {
         // burn-zero's engines keep fp32 master shards and reduce in the policy's dtype.
         Ok(stage) => ZeroConfig::new(stage)
             .with_max_grad_norm(args.clip)
             .with_precision(config.precision.policy())
-            .with_loss_scaler(config.precision.scaler())
-            // Its stage 3 (`FsdpUnit`) accumulates micro-steps without communication anyway
-            // (`--no-sync` of the layout-generic trainer).
-            .with_prefetch(args.prefetch),
+            .with_loss_scaler(config.precision.scaler()),
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
