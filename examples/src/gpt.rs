@@ -1668,20 +1668,16 @@ impl Gpt {
     /// # Errors
     /// Collective errors.
     pub fn to_single(&self, device: &Device) -> ZeroResult<Gpt> {
+        // Every FSDP unit gathered whole (a collective over its shard group when sharded).
+        fn whole<M: Module>(unit: &Fsdp<M>) -> ZeroResult<Fsdp<M>> {
+            Ok(Fsdp::new(unit.full()?))
+        }
         let whole = Gpt {
-            wte: Fsdp::new(self.wte.full()?),
-            wpe: self
-                .wpe
-                .as_ref()
-                .map(|w| Ok::<_, ZeroError>(Fsdp::new(w.full()?)))
-                .transpose()?,
+            wte: whole(&self.wte)?,
+            wpe: self.wpe.as_ref().map(whole).transpose()?,
             blocks: gather_blocks(&self.blocks)?,
-            ln_f: Fsdp::new(self.ln_f.full()?),
-            lm_head: self
-                .lm_head
-                .as_ref()
-                .map(|h| Ok::<_, ZeroError>(Fsdp::new(h.full()?)))
-                .transpose()?,
+            ln_f: whole(&self.ln_f)?,
+            lm_head: self.lm_head.as_ref().map(whole).transpose()?,
             ..self.clone()
         };
         let mut params: std::collections::HashMap<String, TensorData> =
