@@ -417,28 +417,38 @@ impl Linear {
     /// # Errors
     /// [`TpError::OutOfVocabulary`] for a target outside the vocabulary; collective errors.
     pub fn cross_entropy(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
-        let [b, s, v] = logits.dims();
-        let logits = logits.reshape([b * s, v]);
-        let targets = targets.reshape([b * s]);
-        match &self.split {
-            LinearSplit::Column { shard, group, .. } => {
-                let logits = TpTensor::new(
-                    logits,
-                    Placement::Shard {
-                        dim: 1,
-                        shard: *shard,
-                    },
-                    group,
-                )?;
-                vocab_parallel_cross_entropy(logits, targets, CrossEntropyOptions::default())
-            }
-            LinearSplit::Replicated | LinearSplit::Row { .. } => {
-                check_targets(&self.name, &targets, v)?;
-                Ok(log_softmax(logits, 1)
-                    .gather(1, targets.reshape([b * s, 1]))
-                    .mean()
-                    .neg())
-            }
+        let split = match &self.split {
+            LinearSplit::Column { shard, group, .. } => Some((*shard, group)),
+            LinearSplit::Replicated | LinearSplit::Row { .. } => None,
+        };
+        head_cross_entropy(&self.name, logits, targets, split)
+    }
+}
+
+/// Mean cross-entropy of the logits `[batch, seq, out]` an output head (`layer`) produced
+/// against `targets` `[batch, seq]`: the ordinary one for a replicated head, the
+/// vocabulary-parallel one for a head whose outputs are split (`split`: this rank's shard and
+/// the group). What [`Linear::cross_entropy`] and [`Embedding::cross_entropy`] share.
+fn head_cross_entropy(
+    layer: &str,
+    logits: Tensor<3>,
+    targets: Tensor<2, Int>,
+    split: Option<(crate::tensor_parallel::Shard, &ProcessGroup)>,
+) -> TpResult<Tensor<1>> {
+    let [b, s, v] = logits.dims();
+    let logits = logits.reshape([b * s, v]);
+    let targets = targets.reshape([b * s]);
+    match split {
+        Some((shard, group)) => {
+            let logits = TpTensor::new(logits, Placement::Shard { dim: 1, shard }, group)?;
+            vocab_parallel_cross_entropy(logits, targets, CrossEntropyOptions::default())
+        }
+        None => {
+            check_targets(layer, &targets, v)?;
+            Ok(log_softmax(logits, 1)
+                .gather(1, targets.reshape([b * s, 1]))
+                .mean()
+                .neg())
         }
     }
 }
@@ -549,33 +559,8 @@ impl Embedding {
     /// # Errors
     /// As [`Linear::cross_entropy`].
     pub fn cross_entropy(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
-        let [b, s, v] = logits.dims();
-        match &self.split {
-            None => {
-                let logits = logits.reshape([b * s, v]);
-                let targets = targets.reshape([b * s]);
-                check_targets(&self.name, &targets, v)?;
-                Ok(log_softmax(logits, 1)
-                    .gather(1, targets.reshape([b * s, 1]))
-                    .mean()
-                    .neg())
-            }
-            Some(split) => {
-                let logits = TpTensor::new(
-                    logits.reshape([b * s, v]),
-                    Placement::Shard {
-                        dim: 1,
-                        shard: split.shard,
-                    },
-                    &split.group,
-                )?;
-                vocab_parallel_cross_entropy(
-                    logits,
-                    targets.reshape([b * s]),
-                    CrossEntropyOptions::default(),
-                )
-            }
-        }
+        let split = self.split.as_ref().map(|split| (split.shard, &split.group));
+        head_cross_entropy(&self.name, logits, targets, split)
     }
 }
 
