@@ -1010,12 +1010,9 @@ pub fn train_gpt_checkpointed(
             .as_ref()
             .filter(|_| parallel.no_sync && config.grad_accum > 1)
             .map(|plan| plan.shards());
-        if let Some(shards) = no_sync {
-            shards.begin_accumulation();
-        }
         for micro in 0..config.grad_accum {
             if let Some(shards) = no_sync {
-                shards.set_gradient_sync(micro + 1 == config.grad_accum);
+                shards.sync_micro_batch(micro, config.grad_accum);
             }
             // Micro-step `micro` is the same rows of the global batch whatever the number of
             // data-parallel ranks (each takes its part of them): what a micro-batch computes

@@ -179,6 +179,16 @@ impl DataShards {
         self.set_gradient_sync(true);
     }
 
+    /// The switch for micro-batch `k` of `n` of a no-sync accumulation: at `k = 0` it begins
+    /// the accumulation ([`Self::begin_accumulation`]); the units reduce in the last one's
+    /// backward only. What [`TrainStep::with_fsdp_no_sync`] does before each backward.
+    pub fn sync_micro_batch(&self, k: usize, n: usize) {
+        if k == 0 {
+            self.begin_accumulation();
+        }
+        self.set_gradient_sync(k + 1 == n);
+    }
+
     /// The shard group.
     pub fn group(&self) -> &ProcessGroup {
         &self.group
@@ -868,12 +878,9 @@ impl TrainStep {
                 .filter(|_| self.fsdp_no_sync && micro_batches > 1)
                 .map(|(shards, _)| shards),
         );
-        if let Some(shards) = no_sync.0 {
-            shards.begin_accumulation();
-        }
         for k in 0..micro_batches {
             if let Some(shards) = no_sync.0 {
-                shards.set_gradient_sync(k + 1 == micro_batches);
+                shards.sync_micro_batch(k, micro_batches);
             }
             let loss = forward(compute.as_ref().unwrap_or(&model), k)?;
             local += f64::from(loss.clone().into_scalar::<f32>());
