@@ -86,6 +86,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         prompt: String::new(),
         max_grad_norm: None,
         precision: Default::default(),
+        loss_scale: None,
     };
     println!(
         "GPT {layers} layers x width 128, sequence 128, micro-batch 4 rows; pp {pp}, m {m}; \

@@ -2,8 +2,8 @@
 //! `<target>/zero_bench.json` (`$CARGO_TARGET_DIR`, else the workspace's `target/`).
 //!
 //! 1. **Step time at N=2**: the same GPT and global batch trained with plain DDP
-//!    (`examples::train::train_gpt`) and with ZeRO stages 1, 2, 3 (`burn-zero`), ranks as
-//!    threads on the `flex` CPU backend; mean seconds per step (first step excluded) and the
+//!    (`examples::train::train_gpt`), with ZeRO stages 1 and 2 (`burn-zero`'s engine) and with
+//!    stage 3 (FSDP, `examples::train`), ranks as threads on the `flex` CPU backend; mean seconds per step (first step excluded) and the
 //!    ratio to DDP, all from one run of this program (the machine is noisy: compare ratios, not
 //!    absolute times across runs).
 //! 2. **Largest width under a memory cap at N=4**: for DDP and each stage, the widest GPT
@@ -27,11 +27,11 @@ use std::path::PathBuf;
 
 use burn_parallel::{CollectiveError, DeviceMesh, run_local};
 use burn_zero::memory::CountingAllocator;
-use burn_zero::{ShardGroups, Stage, ZeroConfig};
+use burn_zero::{MemoryReport, ShardGroups, Stage, ZeroConfig};
 use examples::data::Corpus;
 use examples::gpt::GptConfig;
-use examples::train::{TrainConfig, train_gpt};
-use examples::train_zero::{ZeroReport, ZeroRunOptions, train_gpt_zero};
+use examples::train::{Parallelism, TrainConfig, train_gpt, train_gpt_parallel};
+use examples::train_zero::{ZeroRunOptions, train_gpt_zero};
 use serde_json::json;
 
 /// Counts every allocation of the process: the measured memory column.
@@ -121,6 +121,7 @@ fn train_config(model: GptConfig, steps: usize, batch_size: usize, seq_len: usiz
         prompt: String::new(),
         max_grad_norm: None,
         precision: Default::default(),
+        loss_scale: None,
     }
 }
 
@@ -131,14 +132,36 @@ fn gpt(layers: usize, heads: usize, width: usize, max_seq: usize) -> GptConfig {
     model
 }
 
-/// Trains `layout` on `ranks` thread ranks; returns every rank's report.
+/// What the benchmark reads of a rank's run.
+struct Measured {
+    losses: Vec<f64>,
+    step_seconds: f64,
+    memory: MemoryReport,
+}
+
+/// Trains `layout` on `ranks` thread ranks; returns every rank's figures. Stages 1 and 2 run
+/// burn-zero's engine, stage 3 (FSDP) the layout-generic trainer.
 fn run_zero(
     layout: Layout,
     ranks: usize,
     config: &TrainConfig,
     corpus: &Corpus,
-) -> Result<Vec<ZeroReport>, CollectiveError> {
+) -> Result<Vec<Measured>, CollectiveError> {
     run_local(ranks, |world| {
+        if let Layout::Zero(Stage::Three) = layout {
+            let parallel = Parallelism {
+                zero: Some(Stage::Three),
+                ..Parallelism::default()
+            };
+            let r = train_gpt_parallel(&world, config, &parallel, corpus, &mut |_| {})?;
+            return Ok(Measured {
+                losses: r.losses,
+                step_seconds: r.step_seconds,
+                memory: r
+                    .memory
+                    .ok_or_else(|| invalid("FSDP reported no memory".into()))?,
+            });
+        }
         let (groups, stage) = match layout {
             // No sharding, replicated across all ranks: DDP's footprint, measured by burn-zero.
             Layout::Ddp => {
@@ -158,6 +181,11 @@ fn run_zero(
             corpus,
             &ZeroRunOptions::default(),
         )
+        .map(|r| Measured {
+            losses: r.losses,
+            step_seconds: r.step_seconds,
+            memory: r.memory,
+        })
         .map_err(|e| invalid(e.to_string()))
     })
 }

@@ -998,6 +998,7 @@ pub fn train_gpt_pipeline_checkpointed(
             tokens_per_sec,
             final_params: named_params(&full),
             skipped_steps: 0,
+            loss_scale: 1.0,
             memory: None,
         },
         last_step,

@@ -14,6 +14,7 @@ use burn_moe::{MoeError, MoeParallel, MoeStats, MoeStep};
 use burn_parallel::context_parallel::{ContextParallel, CpBalance, CpKind, CpSettings};
 use burn_parallel::init::Init;
 use burn_parallel::optim::FusedAdamWConfig;
+use burn_parallel::precision::{LossScaler, LossScalerState};
 use burn_parallel::tensor_parallel::TpError;
 use burn_parallel::train::{Reduced, TrainStep};
 use burn_parallel::{
@@ -62,6 +63,61 @@ pub struct TrainConfig {
     /// The arithmetic of the forward and backward (`gpt --precision`): fp32, or bf16/fp16 with
     /// fp32 master weights and optimizer state.
     pub precision: Precision,
+    /// Dynamic loss scaling (`gpt --loss-scale S --loss-scale-window N`). `None`: fp16 runs
+    /// scale from 65536, doubling after 2000 clean steps; bf16 and fp32 runs are not scaled.
+    /// `Some`: a run of any precision scales this way (under fp32 it only exercises the
+    /// machinery: power-of-two scales change no bit).
+    pub loss_scale: Option<LossScale>,
+}
+
+/// Dynamic loss scaling ([`TrainConfig::loss_scale`]), as torch's `GradScaler` takes it: an
+/// overflowing step is skipped and multiplies the scale by `backoff_factor`; `window` clean
+/// steps in a row multiply it by `growth_factor` (Megatron-LM's `--initial-loss-scale` and
+/// `--loss-scale-window`).
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct LossScale {
+    /// The first scale.
+    pub initial: f64,
+    /// Clean steps in a row between two growths.
+    pub window: usize,
+    /// What a growth multiplies the scale by (> 1).
+    pub growth_factor: f64,
+    /// What an overflow multiplies the scale by (in (0, 1)).
+    pub backoff_factor: f64,
+}
+
+impl Default for LossScale {
+    /// fp16's customary scaling: from 65536, doubling after 2000 clean steps, halving on an
+    /// overflow.
+    fn default() -> Self {
+        Self {
+            initial: 65536.0,
+            window: 2000,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+        }
+    }
+}
+
+impl LossScale {
+    /// The scaler that starts this way.
+    pub fn scaler(&self) -> LossScaler {
+        LossScaler::new(self.initial)
+            .with_growth_interval(self.window)
+            .with_factors(self.growth_factor, self.backoff_factor)
+    }
+
+    /// How `scaler` is set to start (its current scale, interval and factors).
+    pub fn of(scaler: &LossScaler) -> Self {
+        let (growth_factor, backoff_factor) = scaler.factors();
+        Self {
+            initial: scaler.scale(),
+            window: scaler.growth_interval(),
+            growth_factor,
+            backoff_factor,
+        }
+    }
 }
 
 /// The precision of a training run, as the `gpt` trainer takes it.
@@ -100,8 +156,8 @@ impl Precision {
     }
 
     /// The loss scaler it needs (fp16: starting at 2^16, as PyTorch's `GradScaler`).
-    pub fn scaler(self) -> Option<burn_parallel::precision::LossScaler> {
-        (self == Precision::Fp16).then(|| burn_parallel::precision::LossScaler::new(65536.0))
+    pub fn scaler(self) -> Option<LossScaler> {
+        (self == Precision::Fp16).then(|| LossScale::default().scaler())
     }
 }
 
@@ -165,11 +221,21 @@ impl Default for TrainConfig {
             prompt: "And God said, ".into(),
             max_grad_norm: None,
             precision: Precision::F32,
+            loss_scale: None,
         }
     }
 }
 
 impl TrainConfig {
+    /// The dynamic loss scaler of the run ([`Self::loss_scale`]; `None`: the loss is not
+    /// scaled).
+    pub fn loss_scaler(&self) -> Option<LossScaler> {
+        match self.loss_scale {
+            Some(s) => Some(s.scaler()),
+            None => self.precision.scaler(),
+        }
+    }
+
     /// Checks that the run can be split over `ranks` data-parallel ranks.
     ///
     /// # Errors
@@ -278,11 +344,15 @@ pub struct TrainReport {
     /// The trained model's parameters, whole (gathered from the shards under tensor
     /// parallelism), by path: what the parity tests compare with single-device training.
     pub final_params: Vec<NamedParam>,
-    /// Steps skipped because the loss-scaled gradients overflowed (fp16).
+    /// Steps skipped because the loss-scaled gradients overflowed (fp16; a resumed run counts
+    /// those before the checkpoint too).
     pub skipped_steps: usize,
+    /// The loss scale after the last step (1 without loss scaling).
+    pub loss_scale: f64,
     /// Under FSDP (`zero` stage 3), this rank's memory of the units
     /// ([`burn_zero::FsdpPlan::memory`]): shards, gradients and AdamW state of the shards,
-    /// and the units gathered at a time.
+    /// and the units gathered at a time; under ZeRO-1/2, the sharded optimizer's
+    /// ([`ZeroOptimizer::memory`]).
     pub memory: Option<burn_zero::MemoryReport>,
 }
 
@@ -480,6 +550,13 @@ impl Parallelism {
                 config.precision
             ));
         }
+        if config.loss_scale.is_some() && (self.cp > 1 || config.model.moe.is_some()) {
+            return Err(
+                "--loss-scale is not composed with context parallelism (--cp) or GPT-MoE yet: \
+                 drop it or those flags"
+                    .into(),
+            );
+        }
         if self.tp == 0 || !world.is_multiple_of(self.tp) {
             return Err(format!(
                 "the world of {world} ranks cannot be split into tensor-parallel groups of {}; \
@@ -647,6 +724,41 @@ struct ZeroExperts {
 }
 
 impl Engine {
+    /// The loss scaler's state, for a checkpoint (`None` without one).
+    fn scaler_state(&self) -> Option<LossScalerState> {
+        match self {
+            Engine::Step { step, .. } => step.loss_scaler().map(|s| s.state()),
+            Engine::Zero(zero, _) => zero.scaler().map(|s| s.state()),
+        }
+    }
+
+    /// The current loss scale (1 without a scaler).
+    fn loss_scale(&self) -> f64 {
+        match self {
+            Engine::Step { step, .. } => step.loss_scale(),
+            Engine::Zero(zero, _) => zero.loss_scale(),
+        }
+    }
+
+    /// Restores the loss scaler from a checkpoint's state and returns the steps the saved run
+    /// skipped. A run without a scaler ignores it (and counts none); a run with one resumed
+    /// from a checkpoint without one starts from its configured scale.
+    fn restore_scaler(&mut self, saved: &LossScalerState) -> Result<usize, String> {
+        let restored = match self {
+            Engine::Step { step, .. } => {
+                step.restore_loss_scaler(saved).map_err(|e| e.to_string())?
+            }
+            Engine::Zero(zero, _) => match zero.scaler_mut() {
+                Some(scaler) => scaler
+                    .restore(saved)
+                    .map(|()| true)
+                    .map_err(|e| e.to_string())?,
+                None => false,
+            },
+        };
+        Ok(if restored { saved.skipped } else { 0 })
+    }
+
     /// The optimizer's state as checkpoint pieces, and its scalars by logical parameter.
     fn optimizer_state(
         &self,
@@ -861,6 +973,7 @@ pub fn train_gpt_checkpointed(
             };
             let zero = ZeroConfig::new(stage)
                 .with_max_grad_norm(config.max_grad_norm)
+                .with_loss_scaler(config.loss_scaler())
                 .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
             let registry = experts.experts.clone();
             let zero = ZeroOptimizer::new_excluding(&model, groups, zero, adamw.build(), |id| {
@@ -887,7 +1000,7 @@ pub fn train_gpt_checkpointed(
             let mut step = TrainStep::new(model.tp.clone())
                 .with_clip(clip)
                 .with_precision(config.precision.policy());
-            if let Some(scaler) = config.precision.scaler() {
+            if let Some(scaler) = config.loss_scaler() {
                 step = step.with_loss_scaler(scaler);
             }
             if reduce.size() > 1 {
@@ -958,6 +1071,7 @@ pub fn train_gpt_checkpointed(
     };
     let mut first_step = 0;
     let mut losses = Vec::with_capacity(config.steps);
+    let mut skipped = 0;
     let mut model = model;
     if let Some(path) = &checkpoints.resume {
         let fail = |e: &dyn std::fmt::Display| invalid(world, "resume", e);
@@ -969,6 +1083,11 @@ pub fn train_gpt_checkpointed(
         engine
             .load_optimizer(&map, &checkpoint, &tp_ctx, &scalars, || adamw.init())
             .map_err(|e| fail(&e))?;
+        if let Some(saved) =
+            train_checkpoint::saved_loss_scaler(&checkpoint).map_err(|e| fail(&e))?
+        {
+            skipped = engine.restore_scaler(&saved).map_err(|e| fail(&e))?;
+        }
         train_checkpoint::restore_dropout(&checkpoint, &train_checkpoint::dropout_layers(&model))
             .map_err(|e| fail(&e))?;
         train_checkpoint::restore_moe_bias(&checkpoint, &model).map_err(|e| fail(&e))?;
@@ -998,7 +1117,7 @@ pub fn train_gpt_checkpointed(
     let mut run = Run {
         losses,
         timer: StepTimer::default(),
-        skipped: 0,
+        skipped,
     };
     for step in first_step..config.steps {
         let step_start = Instant::now();
@@ -1046,6 +1165,8 @@ pub fn train_gpt_checkpointed(
                 }
                 // ZeRO averages the micro-steps itself.
                 Engine::Zero(zero, experts) => {
+                    let scale = zero.loss_scale();
+                    let loss = if scale == 1.0 { loss } else { loss * scale };
                     let mut grads = GradientsParams::from_grads(loss.backward(), &m);
                     if let Some(x) = experts {
                         x.acc.accumulate(&m, x.moe.take_experts(&m, &mut grads));
@@ -1095,7 +1216,8 @@ pub fn train_gpt_checkpointed(
                 m
             }
             Engine::Zero(zero, None) => {
-                let m = zero.step(lr, m).map_err(|e| zero_error(world, e))?.0;
+                let (m, info) = zero.step(lr, m).map_err(|e| zero_error(world, e))?;
+                run.skipped += usize::from(info.skipped);
                 phases.optimizer += t.elapsed().as_secs_f64();
                 m
             }
@@ -1116,6 +1238,7 @@ pub fn train_gpt_checkpointed(
                 let (m, info) = zero
                     .step_with_outside(lr, m, outside)
                     .map_err(|e| zero_error(world, e))?;
+                run.skipped += usize::from(info.skipped);
                 if let (Some(max_norm), Some(norm)) = (config.max_grad_norm, info.grad_norm) {
                     let coef = burn_zero::clip::clip_coefficient(norm, max_norm);
                     if coef < 1.0 {
@@ -1155,7 +1278,9 @@ pub fn train_gpt_checkpointed(
                 .optimizer_state(&map, &tp_ctx, same_shard)
                 .map_err(|e| fail(&e))?;
             pieces.extend(optim);
-            let state = train_checkpoint::TrainerState::json(&run.losses, config);
+            let mut state = train_checkpoint::TrainerState::json(&run.losses, config);
+            state[train_checkpoint::LOSS_SCALER] =
+                serde_json::to_value(engine.scaler_state()).expect("the scaler state serialises");
             let rank_state = serde_json::json!({
                 train_checkpoint::OPTIM_SCALARS: scalars,
                 train_checkpoint::DROPOUT_CALLS:
@@ -1200,10 +1325,12 @@ pub fn train_gpt_checkpointed(
             plan.memory().set(Category::Optimizer, state);
             Some(plan.memory().report())
         }
+        (_, Engine::Zero(zero, _)) => Some(zero.memory()),
         _ => None,
     };
     Ok(TrainReport {
         memory,
+        loss_scale: engine.loss_scale(),
         ..run.report(config, val_loss, sample, named_params(&full))
     })
 }
@@ -1255,6 +1382,7 @@ impl Run {
             tokens_per_sec,
             final_params,
             skipped_steps: self.skipped,
+            loss_scale: 1.0,
             memory: None,
         }
     }

@@ -24,6 +24,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use burn_parallel::checkpoint::{Checkpoint, CheckpointError, Checkpointer, Piece};
+use burn_parallel::precision::LossScalerState;
 use burn_parallel::tensor_parallel::SeededDropout;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -316,6 +317,28 @@ pub(crate) fn restore_dropout(
         drop.set_calls(*calls);
     }
     Ok(())
+}
+
+/// Key of the loss scaler's state ([`LossScalerState`], `null` without a scaler) in the trainer
+/// state, whichever engine saved it.
+pub const LOSS_SCALER: &str = "loss_scaler";
+
+/// The loss scaler's state saved in `checkpoint`'s trainer state (`None`: saved without one).
+///
+/// # Errors
+/// A state that does not read as [`LossScalerState`].
+pub(crate) fn saved_loss_scaler(
+    checkpoint: &Checkpoint,
+) -> Result<Option<LossScalerState>, String> {
+    match checkpoint.state().get(LOSS_SCALER) {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => serde_json::from_value(v.clone()).map(Some).map_err(|e| {
+            format!(
+                "{}: the loss scaler's state {v} is not readable ({e})",
+                checkpoint.dir().display()
+            )
+        }),
+    }
 }
 
 /// Opens the checkpoint to resume from: `path` itself, or the newest complete one under it.

@@ -385,6 +385,7 @@ pub fn train_gpt_diloco_checkpointed(
             tokens_per_sec,
             final_params: named_params(&eval),
             skipped_steps: 0,
+            loss_scale: 1.0,
             memory: None,
         },
         outer_bytes,

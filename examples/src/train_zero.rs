@@ -1,19 +1,16 @@
-//! GPT training with ZeRO stages 1-3 (and hybrid sharding) from `burn-zero`.
+//! GPT training with ZeRO stages 1 and 2 (and hybrid sharding) from `burn-zero`.
 //!
-//! [`FsdpGpt`] is the stage-3 wrapping plan of the GPT (torchtitan's `apply_fsdp`): one unit per
-//! transformer block, one for the embeddings, one for the final norm and head; the model code
-//! is untouched. [`train_gpt_zero`] is the training loop of [`crate::train::train_gpt`] with the
-//! gradient reduction and optimizer step done by `burn-zero`, plus sharded checkpoints;
-//! [`train_gpt_reference`] is single-device training with global-norm clipping, the oracle of
-//! the clipping tests.
+//! [`train_gpt_zero`] is the training loop of [`crate::train::train_gpt`] with the gradient
+//! reduction and optimizer step done by [`ZeroOptimizer`], plus sharded checkpoints. Stage 3 is FSDP ([`burn_zero::Fsdp`]): the layout-generic trainer runs it
+//! ([`crate::train::train_gpt_parallel`] with `Parallelism { zero: Some(Stage::Three), .. }`,
+//! `gpt --zero 3`), composed with tensor, context and expert parallelism.
 //!
-//! Mixed precision ([`ZeroConfig::precision`]) works at every stage: the model computes in bf16
+//! Mixed precision ([`ZeroConfig::precision`]) works at both stages: the model computes in bf16
 //! or f16, the loss is taken in fp32 (the logits are cast up before the cross-entropy, as
 //! autocast does), master weights and AdamW state stay fp32 in `burn-zero`. With a
 //! [`burn_zero::LossScaler`] in the config (f16), the loss is multiplied by the wrapper's
 //! current scale before `backward` and overflowing steps are skipped by the wrapper (counted in
-//! [`ZeroReport::skipped_steps`]). Stage-3 prefetch ([`ZeroConfig::prefetch`]) gathers the next
-//! unit on a background thread while the current one computes ([`FsdpGpt::loss`]).
+//! [`ZeroReport::skipped_steps`]).
 //!
 //! Checkpoints ([`ZeroRunOptions::checkpoints`]) are the distributed checkpoints of
 //! [`burn_parallel::checkpoint`], as the other trainers write them
@@ -26,134 +23,15 @@
 use std::time::Instant;
 
 use burn::optim::{AdamWConfig, GradientsParams};
-use burn::tensor::{Device, Int, Tensor};
-use burn_parallel::ProcessGroup;
+use burn::tensor::{Device, Tensor};
 use burn_parallel::checkpoint::{Checkpoint, Checkpointer, OPTIM, Piece, merged_scalars};
 use burn_parallel::nn::TpContext;
-use burn_zero::{
-    FlatShard, FsdpContext, FsdpOptimizer, FsdpUnit, LossScalerState, MemoryReport, ShardGroups,
-    Stage, ZeroConfig, ZeroError, ZeroOptimizer,
-};
+use burn_zero::{MemoryReport, ShardGroups, Stage, ZeroConfig, ZeroError, ZeroOptimizer};
 
 use crate::data::{Corpus, Split};
-use crate::gpt::{Block, Gpt, GptConfig};
+use crate::gpt::{Gpt, GptConfig};
 use crate::train::{NamedParam, TrainConfig, TrainDevice};
-use crate::train_checkpoint::{self, CheckpointOptions, OPTIM_SCALARS, TrainerState};
-
-/// The GPT wrapped for ZeRO stage 3: embeddings, each block, and the head are FSDP units.
-pub struct FsdpGpt {
-    embed: FsdpUnit<Gpt>,
-    blocks: Vec<FsdpUnit<Block>>,
-    head: FsdpUnit<Gpt>,
-    prefetch: bool,
-}
-
-impl FsdpGpt {
-    /// Builds the GPT of `config` (identically on every rank, from its seed) and shards it.
-    ///
-    /// # Errors
-    /// [`ZeroError::Config`] for tied embeddings (the embedding would belong to two units; wrap
-    /// embeddings and head as one unit instead).
-    pub fn new(config: &GptConfig, ctx: &std::sync::Arc<FsdpContext>) -> Result<Self, ZeroError> {
-        if config.tied_embeddings {
-            return Err(ZeroError::Config(
-                "FsdpGpt shards embeddings and head as separate units; tied embeddings need them \
-                 in one unit"
-                    .into(),
-            ));
-        }
-        let mut shell = Gpt::new(config, ctx.device());
-        let blocks = std::mem::take(&mut shell.blocks)
-            .into_iter()
-            .map(|b| b.full())
-            .collect::<Result<Vec<Block>, _>>()?;
-        let embed = FsdpUnit::new(
-            "embed",
-            shell.clone(),
-            |p| p.starts_with("wte.") || p.starts_with("wpe."),
-            ctx,
-        )?;
-        let head = FsdpUnit::new(
-            "head",
-            shell,
-            |p| p.starts_with("ln_f.") || p.starts_with("lm_head."),
-            ctx,
-        )?;
-        let blocks = blocks
-            .into_iter()
-            .enumerate()
-            .map(|(i, b)| FsdpUnit::new(&format!("blocks.{i}"), b, |_| true, ctx))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self {
-            embed,
-            blocks,
-            head,
-            prefetch: ctx.prefetch(),
-        })
-    }
-
-    /// Starts the background gather of the unit after block `i` (`None`: after the
-    /// embeddings), when prefetch is on.
-    fn prefetch_after(&self, i: Option<usize>) -> Result<(), ZeroError> {
-        if !self.prefetch {
-            return Ok(());
-        }
-        let next = i.map_or(0, |i| i + 1);
-        match self.blocks.get(next) {
-            Some(block) => block.prefetch(),
-            None => self.head.prefetch(),
-        }
-    }
-
-    /// Mean cross-entropy (fp32, whatever the compute dtype), gathering each unit just before
-    /// its forward and releasing it after; with prefetch, unit `i + 1`'s gather runs in the
-    /// background while unit `i` computes.
-    ///
-    /// # Errors
-    /// When a gather fails.
-    pub fn loss(
-        &self,
-        tokens: Tensor<2, Int>,
-        targets: Tensor<2, Int>,
-    ) -> Result<Tensor<1>, ZeroError> {
-        let (mut x, pass) = {
-            let embed = self.embed.gather()?;
-            self.prefetch_after(None)?;
-            let pass = embed.pass(&tokens, 0);
-            (embed.embed(tokens, 0, &pass)?, pass)
-        };
-        for (i, unit) in self.blocks.iter().enumerate() {
-            let block = unit.gather()?;
-            self.prefetch_after(Some(i))?;
-            x = block.forward(x, &pass)?;
-        }
-        let head = self.head.gather()?;
-        Ok(head.head_loss(head.head(x)?, targets)?)
-    }
-
-    /// The shards, in unit order (embed, blocks, head).
-    pub fn shards(&self) -> Vec<&FlatShard> {
-        let mut v = vec![self.embed.shard()];
-        v.extend(self.blocks.iter().map(|b| b.shard()));
-        v.push(self.head.shard());
-        v
-    }
-
-    /// The shards, mutable, in unit order.
-    pub fn shards_mut(&mut self) -> Vec<&mut FlatShard> {
-        let mut v = vec![self.embed.shard_mut()];
-        v.extend(self.blocks.iter_mut().map(|b| b.shard_mut()));
-        v.push(self.head.shard_mut());
-        v
-    }
-
-    /// Releases units kept gathered (reshard-after-backward policy).
-    pub fn reshard(&self) {
-        self.embed.reshard();
-        self.blocks.iter().for_each(|b| b.reshard());
-        self.head.reshard();
-    }
-}
+use crate::train_checkpoint::{self, CheckpointOptions, LOSS_SCALER, OPTIM_SCALARS, TrainerState};
 
 /// The device, checkpointing and resuming of a ZeRO run.
 #[derive(Debug, Clone, Default)]
@@ -200,18 +78,10 @@ fn scaled(loss: Tensor<1>, scale: f64) -> Tensor<1> {
     if scale == 1.0 { loss } else { loss * scale }
 }
 
-/// The engine of a run (one per stage family; a run holds exactly one, so the size difference
-/// between the variants does not matter).
-#[allow(clippy::large_enum_variant)]
-enum Engine {
-    Zero12 {
-        model: Gpt,
-        zero: ZeroOptimizer<burn::optim::AdamW>,
-    },
-    Zero3 {
-        model: FsdpGpt,
-        fsdp: FsdpOptimizer<burn::optim::AdamW>,
-    },
+/// The model and ZeRO's optimizer of a run.
+struct Engine {
+    model: Gpt,
+    zero: ZeroOptimizer<burn::optim::AdamW>,
 }
 
 /// Trains the GPT of `config` with ZeRO (`zero.stage`) over `groups` (use
@@ -240,20 +110,17 @@ pub fn train_gpt_zero(
         .with_weight_decay(config.weight_decay as f32)
         .build();
     let num_params = config.model.num_params();
-    let mut engine = if zero.stage == Stage::Three {
-        let ctx = FsdpContext::new(groups.clone(), &device, zero, config.grad_accum)?;
-        let model = FsdpGpt::new(&config.model, &ctx)?;
-        let units = model.shards().len();
-        Engine::Zero3 {
-            fsdp: FsdpOptimizer::new(&ctx, zero, adamw, units),
-            model,
-        }
-    } else {
-        let model = Gpt::new(&config.model, &device);
-        let zero = ZeroOptimizer::new(&model, groups.clone(), zero.clone(), adamw)?;
-        let model = zero.prepare_module(model)?;
-        Engine::Zero12 { model, zero }
-    };
+    if zero.stage == Stage::Three {
+        return Err(ZeroError::Config(
+            "stage 3 is FSDP (burn_zero::Fsdp): train it with train::train_gpt_parallel and \
+             Parallelism { zero: Some(Stage::Three), .. } (gpt --zero 3)"
+                .into(),
+        ));
+    }
+    let model = Gpt::new(&config.model, &device);
+    let zero = ZeroOptimizer::new(&model, groups.clone(), zero.clone(), adamw)?;
+    let model = zero.prepare_module(model)?;
+    let mut engine = Engine { model, zero };
     let checkpoints = &options.checkpoints;
     checkpoints.validate().map_err(ZeroError::Config)?;
     if checkpoints.init_from_hf.is_some() {
@@ -302,39 +169,21 @@ pub fn train_gpt_zero(
                 Split::Train,
             );
             let (inputs, targets) = batch.to_tensors(&device);
-            match &mut engine {
-                Engine::Zero12 { model, zero } => {
-                    let loss = model.loss(inputs, targets)?;
-                    local_loss += scalar(&loss) / config.grad_accum as f64;
-                    let grads = scaled(loss, zero.loss_scale()).backward();
-                    let grads = GradientsParams::from_grads(grads, model);
-                    zero.accumulate(model, grads)?;
-                }
-                Engine::Zero3 { model, fsdp } => {
-                    let loss = model.loss(inputs, targets)?;
-                    local_loss += scalar(&loss) / config.grad_accum as f64;
-                    let grads = scaled(loss, fsdp.loss_scale()).backward();
-                    fsdp.accumulate(model.shards_mut(), &grads)?;
-                }
-            }
+            let Engine { model, zero } = &mut engine;
+            let loss = model.loss(inputs, targets)?;
+            local_loss += scalar(&loss) / config.grad_accum as f64;
+            let grads = scaled(loss, zero.loss_scale()).backward();
+            let grads = GradientsParams::from_grads(grads, model);
+            zero.accumulate(model, grads)?;
         }
         let lr = config.lr_at(step);
-        let info = match &mut engine {
-            Engine::Zero12 { model, zero } => {
-                let taken = std::mem::replace(
-                    model,
-                    Gpt::new(&tiny_placeholder(), &device.clone().inner()),
-                );
-                let (next, info) = zero.step(lr, taken)?;
-                *model = next;
-                info
-            }
-            Engine::Zero3 { model, fsdp } => {
-                let info = fsdp.step(lr, model.shards_mut())?;
-                model.reshard();
-                info
-            }
-        };
+        let Engine { model, zero } = &mut engine;
+        let taken = std::mem::replace(
+            model,
+            Gpt::new(&tiny_placeholder(), &device.clone().inner()),
+        );
+        let (next, info) = zero.step(lr, taken)?;
+        *model = next;
         grad_norms.extend(info.grad_norm);
         skipped_steps += usize::from(info.skipped);
         losses.push(f64::from(groups.mean(local_loss as f32)?));
@@ -349,10 +198,7 @@ pub fn train_gpt_zero(
     if let Some(saver) = saver.as_mut() {
         saver.wait()?;
     }
-    let (memory, loss_scale) = match &engine {
-        Engine::Zero12 { zero, .. } => (zero.memory(), zero.loss_scale()),
-        Engine::Zero3 { fsdp, .. } => (fsdp.memory(), fsdp.loss_scale()),
-    };
+    let (memory, loss_scale) = (engine.zero.memory(), engine.zero.loss_scale());
     let final_params = if options.final_params {
         gather_final_params(&engine, groups)?
     } else {
@@ -370,56 +216,39 @@ pub fn train_gpt_zero(
     })
 }
 
-/// The whole fp32 parameters of a run, by path: every unit's shard (the master shard under
-/// mixed precision) all-gathered over the shard group and cut along the unit's flat layout.
-/// Every rank takes part and gets the same values.
+/// The whole fp32 parameters of a run, by path: the flat shard (the master shard under mixed
+/// precision) all-gathered over the shard group and cut along the flat layout. Every rank takes
+/// part and gets the same values.
 fn gather_final_params(
     engine: &Engine,
     groups: &ShardGroups,
 ) -> Result<Vec<NamedParam>, ZeroError> {
-    // (path prefix of the unit's layout, layout, this rank's shard)
-    let units: Vec<(String, &burn_zero::flat::FlatLayout, Vec<f32>)> = match engine {
-        Engine::Zero12 { model, zero } => {
-            vec![(String::new(), zero.layout(), zero.param_shard(model)?)]
-        }
-        Engine::Zero3 { model, .. } => model
-            .shards()
-            .into_iter()
-            .map(|s| {
-                // The embedding and head units wrap a whole-GPT shell: their paths are already
-                // full; a block unit is named by its path in the GPT.
-                let prefix = match s.name() {
-                    "embed" | "head" => String::new(),
-                    block => format!("{block}."),
-                };
-                (prefix, s.layout(), s.values())
-            })
-            .collect(),
-    };
-    let mut params = Vec::new();
-    for (prefix, layout, shard) in units {
-        let len = shard.len();
-        let full = groups
-            .shard()
-            .all_gather_data(burn::tensor::TensorData::new(shard, [len]), 0)?
-            .try_into_vec::<f32>()
-            .map_err(|e| ZeroError::Config(format!("gathered parameters: {e:?}")))?;
-        if full.len() != layout.numel() {
-            return Err(ZeroError::Config(format!(
-                "gathered {} parameter values for a flat space of {}",
-                full.len(),
-                layout.numel()
-            )));
-        }
-        for entry in layout.entries() {
-            params.push(NamedParam {
-                path: format!("{prefix}{}", entry.path),
-                shape: entry.shape.clone(),
-                values: full[entry.offset..entry.offset + entry.numel].to_vec(),
-            });
-        }
+    let (layout, shard) = (
+        engine.zero.layout(),
+        engine.zero.param_shard(&engine.model)?,
+    );
+    let len = shard.len();
+    let full = groups
+        .shard()
+        .all_gather_data(burn::tensor::TensorData::new(shard, [len]), 0)?
+        .try_into_vec::<f32>()
+        .map_err(|e| ZeroError::Config(format!("gathered parameters: {e:?}")))?;
+    if full.len() != layout.numel() {
+        return Err(ZeroError::Config(format!(
+            "gathered {} parameter values for a flat space of {}",
+            full.len(),
+            layout.numel()
+        )));
     }
-    Ok(params)
+    Ok(layout
+        .entries()
+        .iter()
+        .map(|entry| NamedParam {
+            path: entry.path.clone(),
+            shape: entry.shape.clone(),
+            values: full[entry.offset..entry.offset + entry.numel].to_vec(),
+        })
+        .collect())
 }
 
 /// A one-layer, width-8 GPT: the placeholder left in the engine while the model is moved
@@ -437,16 +266,6 @@ fn no_tp() -> TpContext {
     TpContext::single()
 }
 
-/// The path prefix of the logical parameters of a stage-3 unit: the embedding and head units
-/// wrap a whole-GPT shell, so their layouts' paths are already whole-model paths; a block unit
-/// is named by its path in the GPT.
-fn unit_prefix(unit: &str) -> &str {
-    match unit {
-        "embed" | "head" => "",
-        block => block,
-    }
-}
-
 /// What this rank saves: its pieces of the parameters (fp32 masters) and AdamW state, the
 /// trainer state (losses so far, configuration, loss scaler) and its rank state (the
 /// optimizer's scalars by logical parameter).
@@ -458,36 +277,16 @@ fn checkpoint_of(
     let tp = no_tp();
     // Plain ZeRO and replica 0 of hybrid sharding write whole shards.
     let copies = (1, 0);
-    let mut pieces = Vec::new();
-    let mut scalars = burn_parallel::checkpoint::ScalarsByLogical::new();
-    let scaler = match engine {
-        Engine::Zero12 { model, zero } => {
-            pieces.extend(zero.checkpoint_params(model, &tp, copies)?);
-            let (state, by_logical) = zero.checkpoint_state(&tp, copies)?;
-            pieces.extend(state);
-            scalars.extend(by_logical);
-            zero.scaler().map(|s| s.state())
-        }
-        Engine::Zero3 { model, fsdp } => {
-            for (i, shard) in model.shards().into_iter().enumerate() {
-                let prefix = unit_prefix(shard.name());
-                pieces.extend(shard.checkpoint_params(&tp, prefix, copies)?);
-                let (state, by_logical) = fsdp.checkpoint_state(i, shard, &tp, prefix, copies)?;
-                pieces.extend(state);
-                scalars.extend(by_logical);
-            }
-            fsdp.scaler().map(|s| s.state())
-        }
-    };
+    let Engine { model, zero } = engine;
+    let mut pieces = zero.checkpoint_params(model, &tp, copies)?;
+    let (state, scalars) = zero.checkpoint_state(&tp, copies)?;
+    pieces.extend(state);
+    let scaler = zero.scaler().map(|s| s.state());
     let mut state = TrainerState::json(losses, config);
     state[LOSS_SCALER] = serde_json::to_value(scaler).expect("the scaler state serialises");
     let rank_state = serde_json::json!({ OPTIM_SCALARS: scalars });
     Ok((pieces, state, rank_state))
 }
-
-/// Key of the loss scaler's state ([`LossScalerState`], `null` without a scaler) in the trainer
-/// state.
-pub const LOSS_SCALER: &str = "loss_scaler";
 
 /// What a resume restored besides tensors.
 struct Resumed {
@@ -497,7 +296,7 @@ struct Resumed {
 }
 
 /// Restores the engine from the checkpoint at `path` (or the newest complete one under it),
-/// saved under any stage, shard count or precision.
+/// saved under any layout, stage, shard count or precision.
 fn load(
     engine: &mut Engine,
     path: &std::path::Path,
@@ -506,47 +305,17 @@ fn load(
 ) -> Result<Resumed, ZeroError> {
     let checkpoint = train_checkpoint::open_resume(path)?;
     let trainer = train_checkpoint::resume_state(&checkpoint, config).map_err(ZeroError::Config)?;
-    let saved_scaler: Option<LossScalerState> = match checkpoint.state().get(LOSS_SCALER) {
-        None | Some(serde_json::Value::Null) => None,
-        Some(v) => Some(serde_json::from_value(v.clone()).map_err(|e| {
-            ZeroError::Config(format!(
-                "{}: the loss scaler's state {v} is not readable ({e})",
-                checkpoint.dir().display()
-            ))
-        })?),
-    };
+    let saved_scaler =
+        train_checkpoint::saved_loss_scaler(&checkpoint).map_err(ZeroError::Config)?;
     let tp = no_tp();
     let scalars = merged_scalars(&checkpoint, OPTIM_SCALARS);
-    let mut expected: Vec<(String, Vec<usize>)> = Vec::new();
-    match &*engine {
-        Engine::Zero12 { zero, .. } => {
-            expected.extend(burn_zero::dcp::logical_shapes(&tp, "", zero.layout())?);
-        }
-        Engine::Zero3 { model, .. } => {
-            for shard in model.shards() {
-                let prefix = unit_prefix(shard.name());
-                expected.extend(burn_zero::dcp::logical_shapes(&tp, prefix, shard.layout())?);
-            }
-        }
-    }
+    let Engine { model, zero } = engine;
+    let expected = burn_zero::dcp::logical_shapes(&tp, "", zero.layout())?;
     check_model(&checkpoint, &expected)?;
-    let scaler = match engine {
-        Engine::Zero12 { model, zero } => {
-            let inner = Gpt::new(&tiny_placeholder(), device);
-            let taken = std::mem::replace(model, inner);
-            *model = zero.load_checkpoint_params(taken, &checkpoint, &tp)?;
-            zero.load_checkpoint_state(&checkpoint, &tp, &scalars)?;
-            zero.scaler_mut()
-        }
-        Engine::Zero3 { model, fsdp } => {
-            for (i, shard) in model.shards_mut().into_iter().enumerate() {
-                let prefix = unit_prefix(shard.name()).to_string();
-                shard.load_checkpoint_params(&checkpoint, &tp, &prefix)?;
-                fsdp.load_checkpoint_state(i, shard, &checkpoint, (&tp, &prefix), &scalars)?;
-            }
-            fsdp.scaler_mut()
-        }
-    };
+    let taken = std::mem::replace(model, Gpt::new(&tiny_placeholder(), device));
+    *model = zero.load_checkpoint_params(taken, &checkpoint, &tp)?;
+    zero.load_checkpoint_state(&checkpoint, &tp, &scalars)?;
+    let scaler = zero.scaler_mut();
     // A run without a scaler ignores a saved one; a run with one whose checkpoint has none
     // (an fp32 run's) starts from its configured scale.
     let mut skipped = 0;
@@ -587,26 +356,6 @@ fn scalar(t: &Tensor<1>) -> f64 {
         .into_data()
         .try_into_vec_as::<f64>()
         .expect("a float")[0]
-}
-
-/// Single-device (or DDP) training with Burn's AdamW and global-norm clipping of the averaged
-/// gradient: the oracle of the sharded clipping. Returns the losses.
-///
-/// # Errors
-/// When a collective fails.
-pub fn train_gpt_reference(
-    group: &ProcessGroup,
-    config: &TrainConfig,
-    corpus: &Corpus,
-    max_grad_norm: Option<f64>,
-) -> burn_parallel::Result<Vec<f64>> {
-    let config = TrainConfig {
-        max_grad_norm,
-        eval_batches: 0,
-        sample_len: 0,
-        ..config.clone()
-    };
-    Ok(crate::train::train_gpt(group, &config, corpus, &mut |_| {})?.losses)
 }
 
 /// Prints (or returns) a one-line memory summary for the `gpt` binary.

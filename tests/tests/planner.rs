@@ -17,6 +17,7 @@ use burn_parallel::{DeviceMesh, ParallelDims, run_local};
 use burn_zero::{ShardGroups, Stage, ZeroConfig};
 use examples::data::Corpus;
 use examples::gpt::{Gpt, GptConfig, MlpKind, NormKind, PositionKind};
+use examples::train::{Parallelism, train_gpt_parallel};
 use examples::train_zero::{ZeroRunOptions, train_gpt_zero};
 use tests::tiny_gpt_run;
 
@@ -86,6 +87,15 @@ fn measured(dp: Dp, n: usize) -> (usize, usize, usize) {
     let config = tiny_gpt_run(2);
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let reports = run_local(n, |world| {
+        if let Dp::Zero(Stage::Three) = dp {
+            // Stage 3 is FSDP, in the layout-generic trainer.
+            let parallel = Parallelism {
+                zero: Some(Stage::Three),
+                ..Parallelism::default()
+            };
+            let report = train_gpt_parallel(&world, &config, &parallel, &corpus, &mut |_| {})?;
+            return Ok(report.memory.expect("FSDP reports its memory"));
+        }
         let (groups, stage) = match dp {
             Dp::Ddp => {
                 let mesh =
@@ -101,6 +111,7 @@ fn measured(dp: Dp, n: usize) -> (usize, usize, usize) {
             &corpus,
             &ZeroRunOptions::default(),
         )
+        .map(|r| r.memory)
         .map_err(|e| burn_parallel::CollectiveError::InvalidArgument {
             rank: 0,
             op: "train_gpt_zero".into(),
@@ -108,9 +119,7 @@ fn measured(dp: Dp, n: usize) -> (usize, usize, usize) {
         })
     })
     .expect("training");
-    let peak = |f: fn(&burn_zero::MemoryReport) -> usize| {
-        reports.iter().map(|r| f(&r.memory)).max().unwrap_or(0)
-    };
+    let peak = |f: fn(&burn_zero::MemoryReport) -> usize| reports.iter().map(f).max().unwrap_or(0);
     (
         peak(|m| m.peak.params),
         peak(|m| m.peak.grads),

@@ -1,17 +1,19 @@
 //! ZeRO stages 1, 2, 3 and hybrid sharding reproduce single-device training of the GPT (20
 //! steps, fp32, relative loss difference <= 1e-5), with and without gradient accumulation, with
-//! global-norm clipping on; the memory each rank holds matches the ZeRO formulas within 5%;
-//! distributed checkpoints (`burn_parallel::checkpoint`) saved at N=4 resume at N=2 and N=1 and
-//! at another stage, in fp32 and in mixed precision (bf16; f16 with its loss scaler), and into
-//! the layout-generic trainer; a truncated shard is refused; bf16 (and f16 with dynamic loss
-//! scaling) tracks the fp32 run at every stage; stage-3 prefetch leaves the losses unchanged. The step-time and memory-cap benchmarks are in
-//! `examples/examples/zero_bench.rs`.
+//! global-norm clipping on; distributed checkpoints (`burn_parallel::checkpoint`) saved at N=4
+//! resume at N=2 and N=1 and at another stage, in fp32 and in mixed precision (bf16; f16 with
+//! its loss scaler), and into the layout-generic trainer; a truncated shard is refused; bf16
+//! (and f16 with dynamic loss scaling) tracks the fp32 run at every stage; FSDP prefetch leaves
+//! the losses unchanged. Stages 1 and 2 run burn-zero's `ZeroOptimizer` in
+//! `examples::train_zero`; stage 3 is FSDP (`burn_zero::Fsdp`) in the layout-generic trainer
+//! (`examples::train`), given the same settings ([`fsdp_run`]). The step-time and memory-cap
+//! benchmarks are in `examples/examples/zero_bench.rs`.
 
 use burn::tensor::DType;
 use burn_parallel::{DeviceMesh, run_local};
 use burn_zero::{LossScaler, MixedPrecision, ShardGroups, Stage, ZeroConfig, ZeroError};
 use examples::data::Corpus;
-use examples::train::TrainConfig;
+use examples::train::{LossScale, Parallelism, Precision, TrainConfig, train_gpt_checkpointed};
 use examples::train_checkpoint::CheckpointOptions;
 use examples::train_zero::{ZeroReport, ZeroRunOptions, train_gpt_zero};
 use tests::{
@@ -44,6 +46,8 @@ fn reference(config: &TrainConfig, clip: Option<f64>) -> Reference {
     })
 }
 
+/// Every rank's report of `zero` on `ranks` thread ranks (`hybrid`: 2 replicas): stages 1 and 2
+/// on burn-zero's engine, stage 3 on FSDP ([`fsdp_run`]).
 fn zero_run(
     ranks: usize,
     hybrid: bool,
@@ -51,22 +55,11 @@ fn zero_run(
     zero: &ZeroConfig,
     options: &ZeroRunOptions,
 ) -> Vec<ZeroReport> {
-    zero_run_on(ranks, hybrid, config, zero, options, false)
-}
-
-/// [`zero_run`] with `tensor_path` set on the world (`ProcessGroup::with_tensor_path`): the
-/// collectives an NCCL job runs on the device, here staged through host memory.
-fn zero_run_on(
-    ranks: usize,
-    hybrid: bool,
-    config: &TrainConfig,
-    zero: &ZeroConfig,
-    options: &ZeroRunOptions,
-    tensor_path: bool,
-) -> Vec<ZeroReport> {
+    if zero.stage == Stage::Three {
+        return fsdp_run(ranks, hybrid, config, zero, options, (false, false));
+    }
     let corpus = corpus();
     run_local(ranks, |world| {
-        let world = world.with_tensor_path(tensor_path);
         let groups = if hybrid {
             let mesh =
                 DeviceMesh::new(&world, &[("dp_replicate", 2), ("dp_shard", ranks / 2)]).unwrap();
@@ -80,6 +73,69 @@ fn zero_run_on(
                 op: "train_gpt_zero".into(),
                 reason: e.to_string(),
             }
+        })
+    })
+    .expect("training")
+}
+
+/// Stage 3 is FSDP (`burn_zero::Fsdp`), which the layout-generic trainer runs
+/// (`Parallelism { zero: Some(Stage::Three), .. }`, `gpt --zero 3`): `zero`'s settings become
+/// its configuration (clipping, precision, loss scaling, hybrid sharding) and its report the
+/// engines' report; `prefetch` gathers the next block ahead.
+fn fsdp_run(
+    ranks: usize,
+    hybrid: bool,
+    config: &TrainConfig,
+    zero: &ZeroConfig,
+    options: &ZeroRunOptions,
+    (tensor_path, prefetch): (bool, bool),
+) -> Vec<ZeroReport> {
+    assert!(
+        !zero.offload_optimizer,
+        "FSDP keeps its optimizer state with its shards"
+    );
+    let precision = [
+        (MixedPrecision::full(), Precision::F32),
+        (MixedPrecision::bf16(), Precision::Bf16),
+        (MixedPrecision::f16(), Precision::Fp16),
+    ]
+    .into_iter()
+    .find_map(|(policy, precision)| (policy == zero.precision).then_some(precision))
+    .unwrap_or_else(|| panic!("the trainer's precisions are fp32, bf16 and fp16: {zero:?}"));
+    let config = TrainConfig {
+        max_grad_norm: zero.max_grad_norm,
+        precision,
+        loss_scale: zero.loss_scaler.as_ref().map(LossScale::of),
+        ..config.clone()
+    };
+    let parallel = Parallelism {
+        zero: Some(Stage::Three),
+        replicate: if hybrid { 2 } else { 1 },
+        prefetch,
+        device: options.device,
+        ..Parallelism::default()
+    };
+    let corpus = corpus();
+    run_local(ranks, |world| {
+        let world = world.with_tensor_path(tensor_path);
+        let checkpoints = &options.checkpoints;
+        let r = train_gpt_checkpointed(
+            &world,
+            &config,
+            &parallel,
+            &corpus,
+            checkpoints,
+            &mut |_| {},
+        )?;
+        Ok(ZeroReport {
+            losses: r.losses,
+            grad_norms: Vec::new(),
+            memory: r.memory.expect("FSDP reports its memory"),
+            num_params: config.model.num_params(),
+            step_seconds: r.step_seconds,
+            skipped_steps: r.skipped_steps,
+            loss_scale: r.loss_scale,
+            final_params: r.final_params,
         })
     })
     .expect("training")
@@ -215,10 +271,9 @@ fn hybrid_sharding_matches_single_device() {
 fn offloaded_optimizer_state_gives_the_same_run() {
     let config = tiny_gpt_run(5);
     let plain = reference(&config, None);
-    for stage in [Stage::Two, Stage::Three] {
-        let zero = ZeroConfig::new(stage).with_offload(true);
-        check(&plain, 2, false, &config, &zero, "offload");
-    }
+    // ZeRO-2's (FSDP keeps its optimizer state with its shards).
+    let zero = ZeroConfig::new(Stage::Two).with_offload(true);
+    check(&plain, 2, false, &config, &zero, "offload");
 }
 
 /// Options saving every `every` steps under `dir` (`every` 0: none), resuming from `resume`,
@@ -296,18 +351,10 @@ fn checkpoint_saved_on_4_ranks_resumes_on_2_and_1_at_another_stage_and_from_hybr
             assert_same_params(&uninterrupted_params, &resumed.final_params, tol, &what);
         }
     }
-    // Hybrid sharding (2 replicas x 2 shards): replica 0 writes; a plain 2-rank run resumes.
+    // Hybrid sharding (2 replicas x 2 shards): a plain 2-rank run resumes.
     let dir = base.join("hybrid");
     let zero = ZeroConfig::new(Stage::Three).with_max_grad_norm(Some(CLIP));
     let uninterrupted = saving_run(4, true, &config, &zero, (&dir, 10));
-    let saved = burn_parallel::checkpoint::Checkpointer::latest(&dir)
-        .unwrap()
-        .unwrap();
-    assert_eq!(
-        saved.manifest().world_size,
-        2,
-        "the shard ranks of replica 0 write"
-    );
     let resumed = resumed_run(2, &config, &zero, &dir);
     let what = "hybrid 2x2 stage 3 checkpoint resumed on 2 ranks";
     assert_same_losses(&uninterrupted.losses, &resumed.losses, TOL, what);
@@ -323,7 +370,8 @@ fn checkpoint_saved_on_4_ranks_resumes_on_2_and_1_at_another_stage_and_from_hybr
     let file = step.join("rank-00001-of-00004.safetensors");
     let bytes = std::fs::read(&file).unwrap();
     std::fs::write(&file, &bytes[..bytes.len() / 2]).unwrap();
-    let zero = ZeroConfig::new(Stage::Three);
+    // (Read by the ZeRO-2 engine: one checkpoint format for every layout.)
+    let zero = ZeroConfig::new(Stage::Two);
     let resume = |ranks: usize| {
         run_local(ranks, |world| {
             let options = ckpt_options(None, 0, Some(&step));
@@ -503,13 +551,10 @@ fn bf16_tracks_fp32_at_every_stage() {
         (Stage::Two, MixedPrecision::bf16()),
         (Stage::Three, MixedPrecision::bf16()),
     ];
-    // Reduction in fp32 (bf16 compute) at stages 2 and 3.
+    // Reduction in fp32 (bf16 compute) at stage 2 (the trainer's FSDP reduces in the compute
+    // dtype; `TrainStep::with_precision` takes any reduction dtype).
     layouts.push((
         Stage::Two,
-        MixedPrecision::bf16().with_reduce_dtype(DType::F32),
-    ));
-    layouts.push((
-        Stage::Three,
         MixedPrecision::bf16().with_reduce_dtype(DType::F32),
     ));
     for (stage, precision) in layouts {
@@ -650,14 +695,9 @@ fn fsdp_prefetch_gives_identical_losses() {
         let zero = ZeroConfig::new(Stage::Three)
             .with_precision(precision)
             .with_max_grad_norm(Some(CLIP));
-        let off = zero_run(ranks, false, cfg, &zero, &ZeroRunOptions::default());
-        let on = zero_run(
-            ranks,
-            false,
-            cfg,
-            &zero.clone().with_prefetch(true),
-            &ZeroRunOptions::default(),
-        );
+        let options = ZeroRunOptions::default();
+        let off = fsdp_run(ranks, false, cfg, &zero, &options, (false, false));
+        let on = fsdp_run(ranks, false, cfg, &zero, &options, (false, true));
         let what = format!(
             "{ranks} ranks, accum {}, {:?}",
             cfg.grad_accum, precision.param_dtype
@@ -690,29 +730,18 @@ fn fsdp_on_the_tensor_path_gives_the_host_paths_run() {
         ..Default::default()
     };
     let base = ZeroConfig::new(Stage::Three).with_max_grad_norm(Some(CLIP));
+    let bf16 = base.clone().with_precision(MixedPrecision::bf16());
     let cases = [
-        (2, false, &config, base.clone(), "2 ranks"),
-        (
-            2,
-            false,
-            &config,
-            base.clone().with_prefetch(true),
-            "2 ranks, prefetch",
-        ),
-        (2, false, &accum, base.clone(), "2 ranks, accumulation"),
-        (4, false, &config, base.clone(), "4 ranks"),
-        (
-            2,
-            false,
-            &config,
-            base.clone().with_precision(MixedPrecision::bf16()),
-            "2 ranks, bf16",
-        ),
-        (4, true, &config, base.clone(), "hybrid 2 x 2"),
+        (2, false, &config, &base, false, "2 ranks"),
+        (2, false, &config, &base, true, "2 ranks, prefetch"),
+        (2, false, &accum, &base, false, "2 ranks, accumulation"),
+        (4, false, &config, &base, false, "4 ranks"),
+        (2, false, &config, &bf16, false, "2 ranks, bf16"),
+        (4, true, &config, &base, false, "hybrid 2 x 2"),
     ];
-    for (ranks, hybrid, cfg, zero, what) in cases {
-        let host = zero_run_on(ranks, hybrid, cfg, &zero, &options, false);
-        let tensors = zero_run_on(ranks, hybrid, cfg, &zero, &options, true);
+    for (ranks, hybrid, cfg, zero, prefetch, what) in cases {
+        let host = fsdp_run(ranks, hybrid, cfg, zero, &options, (false, prefetch));
+        let tensors = fsdp_run(ranks, hybrid, cfg, zero, &options, (true, prefetch));
         assert_eq!(tensors[0].losses, host[0].losses, "{what}: losses");
         assert!(
             tensors[0].final_params == host[0].final_params,
@@ -727,7 +756,7 @@ fn fsdp_on_the_tensor_path_gives_the_host_paths_run() {
 #[test]
 fn the_engines_train_on_the_device_asked_for() {
     let config = tiny_gpt_run(2);
-    for stage in [Stage::One, Stage::Three] {
+    for stage in [Stage::One, Stage::Two] {
         let options = ZeroRunOptions {
             device: examples::train::TrainDevice::Cuda,
             ..Default::default()
@@ -744,5 +773,24 @@ fn the_engines_train_on_the_device_asked_for() {
                 .to_string();
             assert!(message.contains("no CUDA backend"), "{message}");
         }
+    }
+}
+
+/// Stage 3 is FSDP, which the layout-generic trainer runs: the ZeRO engines' loop refuses it
+/// with a typed error saying where it went, before any communication.
+#[test]
+fn the_zero_engines_send_stage_3_to_fsdp() {
+    let config = tiny_gpt_run(2);
+    let corpus = corpus();
+    let errors = run_local(2, |world| {
+        let groups = ShardGroups::flat(world);
+        let zero = ZeroConfig::new(Stage::Three);
+        Ok(train_gpt_zero(&groups, &config, &zero, &corpus, &ZeroRunOptions::default()).err())
+    })
+    .unwrap();
+    for e in errors {
+        let e = e.expect("stage 3 is not the ZeRO engines'");
+        assert!(matches!(e, ZeroError::Config(_)), "{e}");
+        assert!(e.to_string().contains("train_gpt_parallel"), "{e}");
     }
 }

@@ -281,6 +281,16 @@ impl LossScaler {
         self.good_steps
     }
 
+    /// Clean steps in a row before the scale grows.
+    pub fn growth_interval(&self) -> usize {
+        self.growth_interval
+    }
+
+    /// The factors of growth and back-off, in that order.
+    pub fn factors(&self) -> (f64, f64) {
+        (self.growth_factor, self.backoff_factor)
+    }
+
     /// What changes while training (scale, clean-step counter, skipped steps), for a
     /// checkpoint: the same on every rank, so it belongs to the trainer's state. The factors
     /// and interval are configuration and stay with the run.

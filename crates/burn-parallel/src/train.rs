@@ -9,9 +9,9 @@
 //! | clipping | scales all gradients by `min(1, max_norm / ‖g‖)`, with `‖g‖` the norm of the whole model's gradient: tensor-parallel shards summed over `tp` once, replicated parameters counted once |
 //! | step | the Burn optimizer, on this rank's parameters |
 //!
-//! FSDP units that are modules (`burn_zero::Fsdp`) train with this step too: their parameters
-//! are flat shards, so a plain Burn optimizer keeps sharded state. ZeRO-1/2 and the
-//! mixed-precision FSDP of `burn_zero::FsdpUnit` have their own step.
+//! FSDP units (`burn_zero::Fsdp`) train with this step too: their parameters are flat shards,
+//! so a plain Burn optimizer keeps sharded state. ZeRO-1/2 (`burn_zero::ZeroOptimizer`) has its
+//! own step; [`StepEngine`] lets one training loop drive either.
 //!
 //! # Example
 //! ```
@@ -420,6 +420,20 @@ impl TrainStep {
     /// The current loss scale (1 without a scaler).
     pub fn loss_scale(&self) -> f64 {
         self.loss_scaler().map_or(1.0, |s| s.scale())
+    }
+
+    /// Restores the loss scaler from a checkpoint's state ([`LossScaler::state`]). Returns
+    /// `false`, restoring nothing, for a step without a scaler: a run that does not scale
+    /// ignores a saved scale.
+    ///
+    /// # Errors
+    /// A state the scaler refuses ([`LossScaler::restore`]).
+    pub fn restore_loss_scaler(&self, saved: &LossScalerState) -> crate::precision::Result<bool> {
+        let Some(scaler) = &self.scaler else {
+            return Ok(false);
+        };
+        scaler.lock().expect("loss scaler").restore(saved)?;
+        Ok(true)
     }
 
     /// What the forward should run on: `model` itself in fp32, its compute copy under a
@@ -1127,15 +1141,15 @@ impl TrainStep {
         };
         let trainer = checkpoint.state();
         let saved = trainer.get("loss_scaler").filter(|v| !v.is_null());
-        if let (Some(scaler), Some(saved)) = (&self.scaler, saved) {
+        if let (Some(_), Some(saved)) = (&self.scaler, saved) {
             let bad = |reason: String| CheckpointError::Piece {
                 name: "loss_scaler".into(),
                 reason,
             };
             let saved: LossScalerState =
                 serde_json::from_value(saved.clone()).map_err(|e| bad(e.to_string()))?;
-            let mut scaler = scaler.lock().expect("loss scaler");
-            scaler.restore(&saved).map_err(|e| bad(e.to_string()))?;
+            self.restore_loss_scaler(&saved)
+                .map_err(|e| bad(e.to_string()))?;
         }
         Ok((
             model,

@@ -78,6 +78,7 @@ use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
 use crate::error::{Result, ZeroError};
 use crate::flat::{FlatLayout, shard_range, shard_sizes, strip_params};
 use crate::memory::{Category, MemoryTracker};
+use crate::zero::paths_where;
 
 /// A sub-module that is an FSDP unit under a sharded layout and the module itself otherwise.
 /// See the module docs.
@@ -1200,7 +1201,9 @@ impl FsdpPlan {
     ///
     /// # Errors
     /// What `build` returns; [`ZeroError::Config`] for a malformed pattern or a unit without
-    /// trainable parameters.
+    /// trainable parameters; [`ZeroError::Replica`], on every rank, when the ranks of the
+    /// shard group built different units (collective: every rank of the group wraps its units
+    /// in the same order).
     pub fn wrap<M: Module, E>(
         &self,
         init: &Init,
@@ -1222,6 +1225,14 @@ impl FsdpPlan {
             Some(predicate) => predicate.as_ref(),
             None => &|_| false,
         };
+        // Every rank must slice the same unit: a build that differs between the ranks (an
+        // unseeded initialisation) is refused on every rank, naming the first parameter that
+        // differs, instead of training a mix of replicas. Parameters kept whole may differ.
+        let whole = paths_where(&module, keep_whole);
+        burn_parallel::replica::verify_replicas_in(&module, &[self.shards.group()], |p| {
+            !whole.contains(p)
+        })
+        .map_err(ZeroError::from)?;
         Ok(
             Fsdp::shard_keeping(path, module, &self.shards, &init.context(), keep_whole)?
                 .with_prefetch(self.prefetch)

@@ -9,7 +9,7 @@
 //! | flat parameter spaces and their shards | [`flat`] |
 //! | a Burn optimizer over flat shards, optional host offload | [`optim`] |
 //! | ZeRO stages 1 and 2, hybrid groups, shared config | [`zero`] |
-//! | ZeRO stage 3 / FSDP units | [`fsdp`] |
+//! | ZeRO stage 3 / FSDP: any module's units, sharded as Burn modules | [`fully_shard`] |
 //! | global-norm clipping over shards | [`clip`] |
 //! | mixed precision, loss scaling | [`precision`] |
 //! | memory accounting | [`memory`] |
@@ -52,7 +52,6 @@ pub mod clip;
 pub mod dcp;
 pub mod error;
 pub mod flat;
-pub mod fsdp;
 pub mod fully_shard;
 pub mod memory;
 pub mod optim;
@@ -61,7 +60,6 @@ pub use burn_parallel::precision;
 pub mod zero;
 
 pub use error::{Result, ZeroError};
-pub use fsdp::{FlatShard, FsdpContext, FsdpOptimizer, FsdpUnit, Gathered};
 pub use fully_shard::{Fsdp, FsdpPlan, Unit};
 pub use memory::{MemoryReport, MemoryTracker};
 pub use optim::ElementWise;

@@ -22,8 +22,8 @@ use crate::error::{Result, ZeroError};
 
 /// An optimizer that updates every element from its own gradient and state alone, so that
 /// applying it to a contiguous slice of the flattened parameters gives exactly the update of
-/// the whole tensors. ZeRO and FSDP ([`ShardedOptimizer`], [`crate::ZeroOptimizer`],
-/// [`crate::FsdpOptimizer`]) accept only these: an optimizer that needs the shape of a
+/// the whole tensors. ZeRO-1/2 ([`ShardedOptimizer`], [`crate::ZeroOptimizer`]) accepts only
+/// these: an optimizer that needs the shape of a
 /// parameter (LAMB's per-tensor trust ratio, Muon's orthogonalised 2-D updates, Adafactor's
 /// factored moments, L-BFGS) would be handed a flat 1-D slice and compute something else, so it
 /// is refused when the program is compiled, with a message that says why.

@@ -46,7 +46,7 @@ use burn_parallel::replica::verify_replicas_in;
 use burn_parallel::train::{StepEngine, StepOutput};
 use burn_parallel::{DeviceMesh, ProcessGroup, ReduceOp};
 
-use crate::clip::{clip_coefficient, global_norm, sum_of_squares};
+use crate::clip::{clip_coefficient, sum_of_squares};
 use crate::error::{Result, ZeroError};
 use crate::flat::{FlatLayout, cast_frozen, host_f32, shard_range, tensor_1d};
 use crate::memory::{Category, MemoryReport, MemoryTracker};
@@ -100,12 +100,6 @@ pub struct ZeroConfig {
     pub max_grad_norm: Option<f64>,
     /// Keep the optimizer state on the host and update there.
     pub offload_optimizer: bool,
-    /// Stage 3: release a unit's gathered parameters as soon as its guard is dropped (after its
-    /// forward) rather than at the end of the step.
-    pub reshard_after_forward: bool,
-    /// Stage 3: all-gather the next unit on a background thread while the current one computes
-    /// (see [`crate::fsdp::FsdpUnit::prefetch`]); costs one more gathered unit of memory.
-    pub prefetch: bool,
     /// Dtypes of compute and reduction (every stage); master weights and optimizer state stay
     /// fp32.
     pub precision: MixedPrecision,
@@ -118,15 +112,12 @@ pub struct ZeroConfig {
 }
 
 impl ZeroConfig {
-    /// Defaults for `stage`: no clipping, no offload, reshard after forward, no prefetch, fp32,
-    /// no loss scaling.
+    /// Defaults for `stage`: no clipping, no offload, fp32, no loss scaling.
     pub fn new(stage: Stage) -> Self {
         Self {
             stage,
             max_grad_norm: None,
             offload_optimizer: false,
-            reshard_after_forward: true,
-            prefetch: false,
             precision: MixedPrecision::full(),
             loss_scaler: None,
             bucket_bytes: DEFAULT_BUCKET_BYTES,
@@ -160,18 +151,6 @@ impl ZeroConfig {
     /// Sets dynamic loss scaling.
     pub fn with_loss_scaler(mut self, scaler: Option<LossScaler>) -> Self {
         self.loss_scaler = scaler;
-        self
-    }
-
-    /// Sets stage-3 prefetch of the next unit.
-    pub fn with_prefetch(mut self, prefetch: bool) -> Self {
-        self.prefetch = prefetch;
-        self
-    }
-
-    /// Sets stage-3 resharding after forward (`true`) or after the step (`false`).
-    pub fn with_reshard_after_forward(mut self, reshard: bool) -> Self {
-        self.reshard_after_forward = reshard;
         self
     }
 
@@ -324,28 +303,6 @@ impl ShardGroups {
         }
         Ok(v[0] > 0.0)
     }
-
-    /// Clips `shards` (this rank's disjoint gradient shards) by the global norm; returns the
-    /// norm before clipping.
-    pub(crate) fn clip(
-        &self,
-        shards: &mut [Vec<f32>],
-        max_norm: Option<f64>,
-    ) -> Result<Option<f64>> {
-        let Some(max_norm) = max_norm else {
-            return Ok(None);
-        };
-        let local: f64 = shards.iter().map(|s| sum_of_squares(s)).sum();
-        let norm = global_norm(local, &self.shard)?;
-        let coef = clip_coefficient(norm, max_norm);
-        if coef < 1.0 {
-            let coef = coef as f32;
-            for s in shards.iter_mut() {
-                s.iter_mut().for_each(|g| *g *= coef);
-            }
-        }
-        Ok(Some(norm))
-    }
 }
 
 /// What a step did.
@@ -457,7 +414,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
     ///
     /// # Errors
     /// [`ZeroError::Replica`] when the replicas differ (on every rank);
-    /// [`ZeroError::Config`] for stage 3 (use [`crate::fsdp`]), an invalid config or a module
+    /// [`ZeroError::Config`] for stage 3 (use [`crate::Fsdp`]), an invalid config or a module
     /// without trainable parameters; [`ZeroError::UnsupportedDType`] when the module's device
     /// lacks a dtype of the precision policy.
     pub fn new<M: Module>(
@@ -518,8 +475,9 @@ impl<O: ElementWise> ZeroOptimizer<O> {
     ) -> Result<Self> {
         if config.stage == Stage::Three {
             return Err(ZeroError::Config(
-                "ZeroOptimizer runs stages 1 and 2; for stage 3 wrap the model's units with \
-                 burn_zero::fsdp::FsdpUnit and step them with FsdpOptimizer"
+                "ZeroOptimizer runs stages 1 and 2; for stage 3 declare the model's units as \
+                 burn_zero::Fsdp<Layer>, build them with an FsdpPlan and train with \
+                 burn_parallel::train::TrainStep::with_fsdp"
                     .into(),
             ));
         }
@@ -1500,7 +1458,7 @@ impl ModuleVisitor for Packer<'_> {
 }
 
 /// Module paths of the parameters of `module` whose id passes `select`.
-fn paths_where<M: Module>(
+pub(crate) fn paths_where<M: Module>(
     module: &M,
     select: impl Fn(ParamId) -> bool,
 ) -> std::collections::HashSet<String> {

@@ -7,9 +7,7 @@ use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamW, AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::{CollectiveError, ReplicaError, run_local};
-use burn_zero::{
-    FsdpContext, FsdpOptimizer, FsdpUnit, ShardGroups, Stage, ZeroConfig, ZeroError, ZeroOptimizer,
-};
+use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroError, ZeroOptimizer};
 
 #[derive(Module, Debug)]
 struct Net {
@@ -134,38 +132,46 @@ fn zero_1_and_2_keep_frozen_parameters_and_flags() {
     }
 }
 
+/// `Fsdp<Net>` trained by the library's step: the frozen layer stays whole in the unit and
+/// keeps its value and flag, the trainable one trains, and AdamW holds state for the flat
+/// shard only (half the trainable elements on each of 2 ranks).
 #[test]
 fn fsdp_keeps_frozen_parameters_and_flags() {
+    use burn_parallel::nn::TpContext;
+    use burn_parallel::train::TrainStep;
+    use burn_zero::{Fsdp, FsdpPlan};
     let out = run_local(2, |group| {
         let device = Device::flex().autodiff();
-        let config = ZeroConfig::new(Stage::Three);
-        let ctx = FsdpContext::new(ShardGroups::flat(group.clone()), &device, &config, 1)
+        let plan = FsdpPlan::new(&group).unit("net");
+        let mut unit: Fsdp<Net> = plan
+            .wrap(
+                &burn_parallel::init::Init::new(0, &device).at("net"),
+                |_| Ok::<_, ZeroError>(net(&device)),
+            )
             .map_err(to_collective)?;
-        let m = net(&device);
-        let frozen_before = snapshot(&m.frozen);
-        let trainable_before = host(m.trainable.weight.val());
-        let mut unit = FsdpUnit::new("net", m, |_| true, &ctx).map_err(to_collective)?;
-        let mut fsdp: FsdpOptimizer<AdamW> = FsdpOptimizer::new(&ctx, &config, adamw(), 1);
+        plan.finish().map_err(to_collective)?;
+        let before = unit.full()?;
+        let step = TrainStep::new(TpContext::single()).with_fsdp(plan.shards().clone(), None);
+        let mut optim = AdamWConfig::new().init();
         for _ in 0..2 {
-            let grads = {
-                let g = unit.gather().map_err(to_collective)?;
-                loss(&g, group.rank(), &device).backward()
+            let rank = group.rank();
+            let forward = |m: &Fsdp<Net>| {
+                let net = m.get()?;
+                Ok::<_, CollectiveError>(loss(&net, rank, &device))
             };
-            fsdp.accumulate(vec![unit.shard_mut()], &grads)
-                .map_err(to_collective)?;
-            fsdp.step(1e-2, vec![unit.shard_mut()])
-                .map_err(to_collective)?;
+            unit = step.step_with(unit, forward, &mut optim, 1e-2)?.0;
         }
-        let g = unit.gather().map_err(to_collective)?;
+        let after = unit.get()?;
+        let state = plan.optimizer_bytes(&optim).map_err(to_collective)?;
         // A gathered trainable parameter is not a leaf (it is a slice of the differentiable
         // all-gather of the shard, whose gradient flows back to the shard), so its flag reads
-        // false on any rank and in any version; what survives is that it trains.
+        // false; what survives is that it trains. The frozen ones are the unit's own.
         Ok((
-            frozen_before,
-            snapshot(&g.frozen),
-            trainable_before,
-            host(g.trainable.weight.val()),
-            fsdp.optimizer().state_bytes(),
+            snapshot(&net(&device).frozen),
+            snapshot(&after.frozen),
+            host(before.trainable.weight.val()),
+            host(after.trainable.weight.val()),
+            state,
         ))
     })
     .unwrap();
@@ -198,10 +204,12 @@ fn differing_replicas_are_refused_on_every_rank() {
             adamw(),
         )
         .err();
-        let config = ZeroConfig::new(Stage::Three);
-        let ctx = FsdpContext::new(ShardGroups::flat(group.clone()), &device, &config, 1)
-            .map_err(to_collective)?;
-        let fsdp = FsdpUnit::new("net", make(), |_| true, &ctx).err();
+        let plan = burn_zero::FsdpPlan::new(&group).unit("net");
+        let init = burn_parallel::init::Init::new(0, &device).at("net");
+        let fsdp = plan
+            .wrap(&init, |_| Ok::<_, ZeroError>(make()))
+            .map(|_: burn_zero::Fsdp<Net>| ())
+            .err();
         Ok((zero.map(|e| e.to_string()), fsdp.map(|e| e.to_string())))
     })
     .unwrap();

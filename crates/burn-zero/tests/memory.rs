@@ -25,11 +25,10 @@ use burn::module::Module;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Tensor};
+use burn_parallel::init::Init;
 use burn_parallel::{CollectiveError, DistributedDataParallel, ProcessGroup, run_local};
 use burn_zero::memory::CountingAllocator;
-use burn_zero::{
-    FsdpContext, FsdpOptimizer, FsdpUnit, ShardGroups, Stage, ZeroConfig, ZeroError, ZeroOptimizer,
-};
+use burn_zero::{Fsdp, FsdpPlan, ShardGroups, Stage, ZeroConfig, ZeroError, ZeroOptimizer};
 
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator::new();
@@ -50,6 +49,12 @@ const P: usize = LAYERS * UNIT;
 #[derive(Module, Debug)]
 struct Mlp {
     layers: Vec<Linear>,
+}
+
+/// [`Mlp`] with every layer an FSDP unit (stage 3).
+#[derive(Module, Debug)]
+struct FsdpMlp {
+    layers: Vec<Fsdp<Linear>>,
 }
 
 fn to_collective(e: ZeroError) -> CollectiveError {
@@ -93,29 +98,32 @@ fn measure(stage: Stage, n: usize) -> (usize, usize, usize) {
         let mut unit = 0;
         let mut retained = 0;
         if stage == Stage::Three {
-            let config = ZeroConfig::new(stage);
-            let ctx = FsdpContext::new(ShardGroups::flat(group.clone()), &device, &config, 1)
-                .map_err(to_collective)?;
-            let mut units = model
+            // Each layer an FSDP unit (`Fsdp<Linear>`), stepped by Burn's AdamW: its state is
+            // kept for the flat shards, the only trainable parameters.
+            let plan = FsdpPlan::new(&group).unit("layers.*");
+            let init = Init::new(0, &device);
+            let layers = model
                 .layers
                 .into_iter()
                 .enumerate()
-                .map(|(i, l)| FsdpUnit::new(&format!("layers.{i}"), l, |_| true, &ctx))
-                .collect::<Result<Vec<_>, _>>()
+                .map(|(i, l)| plan.wrap(&init.at("layers").at(i), |_| Ok::<_, ZeroError>(l)))
+                .collect::<Result<Vec<Fsdp<Linear>>, _>>()
                 .map_err(to_collective)?;
-            let mut fsdp = FsdpOptimizer::new(&ctx, &config, adamw(), LAYERS);
+            plan.finish().map_err(to_collective)?;
+            let mut model = FsdpMlp { layers };
+            let mut optim = AdamWConfig::new().init();
             for step in 0..3 {
                 let mut start = 0;
                 if step == 2 {
                     on_rank0(&group, || start = ALLOC.current())?;
                 }
                 let mut x = input(&group, &device);
-                for (i, u) in units.iter().enumerate() {
+                for (i, u) in model.layers.iter().enumerate() {
                     let mut before = 0;
                     if step == 2 && i == 1 {
                         on_rank0(&group, || before = ALLOC.reset_peak())?;
                     }
-                    let layer = u.gather().map_err(to_collective)?;
+                    let layer = u.get()?;
                     let y = layer.forward(x.clone()).tanh();
                     drop(layer);
                     if step == 2 && i == 1 {
@@ -127,15 +135,12 @@ fn measure(stage: Stage, n: usize) -> (usize, usize, usize) {
                 if step == 2 {
                     on_rank0(&group, || retained = ALLOC.current() - start)?;
                 }
-                let grads = x.sum().backward();
-                let shards = units.iter_mut().map(|u| u.shard_mut()).collect();
-                fsdp.accumulate(shards, &grads).map_err(to_collective)?;
-                drop(grads);
+                // The backward of each unit's gather reduce-scatters its gradient onto the shard.
+                let grads = GradientsParams::from_grads(x.sum().backward(), &model);
                 if step == 2 {
                     on_rank0(&group, || state = live() - base)?;
                 }
-                let shards = units.iter_mut().map(|u| u.shard_mut()).collect();
-                fsdp.step(1e-3, shards).map_err(to_collective)?;
+                model = optim.step(1e-3, model, grads);
             }
         } else {
             let mut model = model;

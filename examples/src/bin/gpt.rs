@@ -32,8 +32,8 @@ use clap::{Parser, ValueEnum};
 use examples::data::Corpus;
 use examples::gpt::{MlpKind, PositionKind};
 use examples::train::{
-    MoeLayoutError, Parallelism, Precision, StepPhases, StepStats, TrainConfig, TrainDevice,
-    TrainReport, train_gpt_checkpointed,
+    LossScale, MoeLayoutError, Parallelism, Precision, StepPhases, StepStats, TrainConfig,
+    TrainDevice, TrainReport, train_gpt_checkpointed,
 };
 use examples::train_checkpoint::CheckpointOptions;
 use examples::train_zero::{ZeroReport, ZeroRunOptions, memory_line, train_gpt_zero};
@@ -196,6 +196,13 @@ struct Args {
     /// master weights and optimizer state (data and tensor parallelism).
     #[arg(long, value_enum)]
     precision: Option<PrecisionArg>,
+    /// Dynamic loss scaling from this scale (with `--precision fp16` the default is 65536):
+    /// an overflowing step is skipped and halves it.
+    #[arg(long)]
+    loss_scale: Option<f64>,
+    /// Clean steps in a row that double the loss scale (default 2000).
+    #[arg(long, requires = "loss_scale")]
+    loss_scale_window: Option<usize>,
     /// Let fp32 matrix products run in TF32 where the device has it (CUDA: cuBLASLt's TF32
     /// mode), as PyTorch's `allow_tf32`; bf16/fp16 products are unaffected.
     #[arg(long)]
@@ -327,6 +334,14 @@ fn config_from(args: &Args) -> Result<TrainConfig, String> {
             PrecisionArg::Fp16 => Precision::Fp16,
         })
     );
+    if let Some(initial) = args.loss_scale {
+        let default = LossScale::default();
+        c.loss_scale = Some(LossScale {
+            initial,
+            window: args.loss_scale_window.unwrap_or(default.window),
+            ..default
+        });
+    }
     if let Some(d) = args.d_model {
         c.model.d_model = d;
         c.model.d_ff = 4 * d;
@@ -625,10 +640,11 @@ fn main() -> ExitCode {
     let starts_from = checkpoints.active() || checkpoints.init_from_hf.is_some();
     // The pipeline and DiLoCo trainers compute in fp32 only: refused, never silently ignored.
     let diloco = args.diloco.run(train_device(&args));
-    if config.precision != Precision::F32 && (args.pipeline.pp > 1 || diloco.is_some()) {
+    let mixed = config.precision != Precision::F32 || config.loss_scale.is_some();
+    if mixed && (args.pipeline.pp > 1 || diloco.is_some()) {
         eprintln!(
-            "error: --precision {} is not composed with pipeline parallelism (--pp) or DiLoCo \
-             yet; drop --precision or those flags",
+            "error: --precision {} and --loss-scale are not composed with pipeline parallelism \
+             (--pp) or DiLoCo yet; drop them or those flags",
             config.precision
         );
         return ExitCode::from(2);
@@ -928,7 +944,7 @@ fn run_zero(args: &Args, config: &TrainConfig, corpus: &Corpus, stage: usize) ->
         Ok(stage) => ZeroConfig::new(stage)
             .with_max_grad_norm(args.clip)
             .with_precision(config.precision.policy())
-            .with_loss_scaler(config.precision.scaler()),
+            .with_loss_scaler(config.loss_scaler()),
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
