@@ -1599,17 +1599,11 @@ impl Gpt {
             logits.cast(DType::F32)
         };
         // The split, not the weights: the units' skeletons say it without a gather.
-        let split = match &self.lm_head {
-            Some(head) => !matches!(head.skeleton().split, LinearSplit::Replicated),
-            None => self.wte.skeleton().split.is_some(),
+        let output = match &self.lm_head {
+            Some(head) => OutputLayer::Head(head.skeleton()),
+            None => OutputLayer::Tied(self.wte.skeleton()),
         };
-        if self.config.fused && !split {
-            return Ok(fused_sequence_cross_entropy(logits, targets));
-        }
-        match &self.lm_head {
-            Some(head) => head.skeleton().cross_entropy(logits, targets),
-            None => self.wte.skeleton().cross_entropy(logits, targets),
-        }
+        output.loss(self.config.fused, logits, targets)
     }
 
     /// Logits `[batch, seq, vocab]` of `tokens` `[batch, seq]`, the first token at position
@@ -1828,23 +1822,45 @@ pub fn cross_entropy(logits: Tensor<2>, targets: Tensor<1, Int>) -> Tensor<1> {
     log_probs.gather(1, targets.reshape([n, 1])).mean().neg()
 }
 
-/// [`sequence_cross_entropy`] through the fused kernel ([`burn_parallel::kernels::cross_entropy`]):
-/// the `tokens x vocab` probabilities are not kept for backward.
-///
-/// # Panics
-///
-/// If a target lies outside the vocabulary.
-pub fn fused_sequence_cross_entropy(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
-    let [b, s, v] = logits.dims();
-    kernels::cross_entropy(logits.reshape([b * s, v]), targets.reshape([b * s]), None)
-        .unwrap_or_else(|e| panic!("fused cross-entropy: {e}"))
+/// The layer that gives the GPT its logits: the output head, or the token embedding tied to
+/// it. Its shape or split (only the skeleton of an FSDP unit is needed) chooses the loss.
+#[derive(Debug, Clone, Copy)]
+pub enum OutputLayer<'a> {
+    /// An untied head (`lm_head`).
+    Head(&'a Linear),
+    /// The token embedding (tied weights).
+    Tied(&'a Embedding),
 }
 
-/// [`cross_entropy`] over every position of `logits` `[batch, seq, vocab]` and `targets`
-/// `[batch, seq]`.
-pub fn sequence_cross_entropy(logits: Tensor<3>, targets: Tensor<2, Int>) -> Tensor<1> {
-    let [b, s, v] = logits.dims();
-    cross_entropy(logits.reshape([b * s, v]), targets.reshape([b * s]))
+impl OutputLayer<'_> {
+    /// Mean cross-entropy of `logits` `[batch, seq, vocab]` (from this layer) against `targets`
+    /// `[batch, seq]`: through the fused kernel ([`burn_parallel::kernels::cross_entropy`],
+    /// which keeps no `tokens x vocab` probabilities for backward) when `fused` and the
+    /// vocabulary is whole on this rank, else the layer's own (vocabulary-parallel when it is
+    /// split). The one loss of the GPT and of its pipeline's last stage.
+    ///
+    /// # Errors
+    /// [`TpError::OutOfVocabulary`] for a target outside the vocabulary; collective errors.
+    pub fn loss(
+        self,
+        fused: bool,
+        logits: Tensor<3>,
+        targets: Tensor<2, Int>,
+    ) -> TpResult<Tensor<1>> {
+        let split = match self {
+            OutputLayer::Head(head) => !matches!(head.split, LinearSplit::Replicated),
+            OutputLayer::Tied(wte) => wte.split.is_some(),
+        };
+        if fused && !split {
+            let [b, s, v] = logits.dims();
+            let (logits, targets) = (logits.reshape([b * s, v]), targets.reshape([b * s]));
+            return Ok(kernels::cross_entropy(logits, targets, None)?);
+        }
+        match self {
+            OutputLayer::Head(head) => head.cross_entropy(logits, targets),
+            OutputLayer::Tied(wte) => wte.cross_entropy(logits, targets),
+        }
+    }
 }
 
 #[cfg(test)]

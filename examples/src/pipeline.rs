@@ -36,7 +36,7 @@ use burn::optim::{AdamW, AdamWConfig};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::autograd::WeightGradSink;
 use burn_parallel::init::{Init, LinearInit};
-use burn_parallel::nn::{Embedding, Linear, LinearSplit, TpContext};
+use burn_parallel::nn::{Embedding, Linear, TpContext};
 use burn_parallel::tensor_parallel::SeededDropout;
 use burn_parallel::train::TrainStep;
 use burn_parallel::{CollectiveError, ParallelDims, ProcessGroup, ReduceOp};
@@ -52,8 +52,7 @@ use burn_zero::{ShardGroups, ZeroConfig, ZeroOptimizer};
 
 use crate::data::{Batch, Corpus, Split};
 use crate::gpt::{
-    Block, Embeddings, Gpt, GptConfig, INIT_STD, Norm, Pass, PositionKind,
-    fused_sequence_cross_entropy, load_params,
+    Block, Embeddings, Gpt, GptConfig, INIT_STD, Norm, OutputLayer, Pass, PositionKind, load_params,
 };
 use crate::train::{NamedParam, StepStats, TrainConfig, TrainDevice, TrainReport, named_params};
 use crate::train_checkpoint::{self, CheckpointOptions};
@@ -619,25 +618,20 @@ impl Stage<Batch> for GptStage {
             ln_f.forward(x)
         };
         let (_, targets) = batch.to_tensors(&self.device);
-        let (logits, split) = match (&self.lm_head, &self.wte) {
-            (Some(head), _) => (
-                head.forward(x),
-                !matches!(head.split, LinearSplit::Replicated),
-            ),
-            (None, Some(wte)) => (wte.attend(x, &self.tp), wte.split.is_some()),
+        let logits = match (&self.lm_head, &self.wte) {
+            (Some(head), _) => head.forward(x),
+            (None, Some(wte)) => wte.attend(x, &self.tp),
             (None, None) => return Err(StageError::new("the last stage has no output layer")),
         };
         let logits = logits.map_err(StageError::new)?;
-        let loss = if self.config.fused && !split {
-            fused_sequence_cross_entropy(logits, targets)
-        } else {
-            match (&self.lm_head, &self.wte) {
-                (Some(head), _) => head.cross_entropy(logits, targets),
-                (None, Some(wte)) => wte.cross_entropy(logits, targets),
-                (None, None) => unreachable!("checked above"),
-            }
-            .map_err(StageError::new)?
+        let output = match (&self.lm_head, &self.wte) {
+            (Some(head), _) => OutputLayer::Head(head),
+            (None, Some(wte)) => OutputLayer::Tied(wte),
+            (None, None) => unreachable!("checked above"),
         };
+        let loss = output
+            .loss(self.config.fused, logits, targets)
+            .map_err(StageError::new)?;
         Ok(StageOutput::Loss(loss))
     }
 

@@ -124,6 +124,10 @@ pub enum TpError {
         /// The vocabulary size.
         vocab: usize,
     },
+    /// A fused kernel refused its input (a target outside the vocabulary of the fused
+    /// cross-entropy, a shape or dtype it does not take).
+    #[error(transparent)]
+    Kernel(#[from] crate::kernels::KernelError),
     /// An inconsistent tensor-parallel configuration.
     #[error("invalid tensor-parallel configuration: {0}")]
     Config(String),
