@@ -640,12 +640,16 @@ fn main() -> ExitCode {
     let starts_from = checkpoints.active() || checkpoints.init_from_hf.is_some();
     // The pipeline and DiLoCo trainers compute in fp32 only: refused, never silently ignored.
     let diloco = args.diloco.run(train_device(&args));
-    let mixed = config.precision != Precision::F32 || config.loss_scale.is_some();
-    if mixed && (args.pipeline.pp > 1 || diloco.is_some()) {
+    let mixed = match (config.precision, config.loss_scale) {
+        (Precision::F32, None) => None,
+        (Precision::F32, Some(_)) => Some("--loss-scale".to_string()),
+        (p, None) => Some(format!("--precision {p}")),
+        (p, Some(_)) => Some(format!("--precision {p} with --loss-scale")),
+    };
+    if let Some(what) = mixed.filter(|_| args.pipeline.pp > 1 || diloco.is_some()) {
         eprintln!(
-            "error: --precision {} and --loss-scale are not composed with pipeline parallelism \
-             (--pp) or DiLoCo yet; drop them or those flags",
-            config.precision
+            "error: {what} is not composed with pipeline parallelism (--pp) or DiLoCo yet; drop \
+             it or those flags"
         );
         return ExitCode::from(2);
     }
