@@ -39,10 +39,10 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
-use burn::tensor::{Device, Int, Tensor};
+use burn::optim::AdamWConfig;
+use burn::tensor::{Device, Tensor};
 use burn_parallel::init::Init;
-use burn_parallel::train::TrainStep;
+use burn_parallel::train::{StepEngine, TrainStep, Trainer};
 use burn_parallel::{
     CollectiveError, MeshError, ParallelDims, ProcessGroup, ReduceOp, TpError, run_local,
 };
@@ -326,59 +326,6 @@ pub struct VitReport {
     pub model: Vit,
 }
 
-/// The optimizer side of a run: the library's training step (DDP, FSDP, each × TP) or
-/// ZeRO-1/2's sharded optimizer.
-// A run holds exactly one engine, so the size difference between the variants does not matter.
-#[allow(clippy::large_enum_variant)]
-enum Engine {
-    Step {
-        step: TrainStep,
-        optim: ModuleOptimizer,
-    },
-    Zero(Box<ZeroOptimizer<burn::optim::AdamW>>),
-}
-
-/// The loss of a batch, and the step's global loss and gradient norm.
-struct Stepped {
-    loss: f64,
-    grad_norm: Option<f64>,
-}
-
-impl Engine {
-    /// One optimizer step of `model` on this rank's rows `(x, y)` with learning rate `lr`.
-    fn step(
-        &mut self,
-        model: Vit,
-        x: Tensor<4>,
-        y: Tensor<1, Int>,
-        lr: f64,
-    ) -> Result<(Vit, Stepped), VitTrainError> {
-        let loss = model.loss(x, y)?;
-        match self {
-            Engine::Step { step, optim } => {
-                let (model, out) = step.step(model, loss, optim, lr)?;
-                let stepped = Stepped {
-                    loss: f64::from(out.loss),
-                    grad_norm: out.grad_norm,
-                };
-                Ok((model, stepped))
-            }
-            Engine::Zero(zero) => {
-                let local = scalar(&loss);
-                let grads = GradientsParams::from_grads(loss.backward(), &model);
-                zero.accumulate(&model, grads)?;
-                let (model, info) = zero.step(lr, model)?;
-                let loss = zero.groups().mean(local as f32)?;
-                let stepped = Stepped {
-                    loss: f64::from(loss),
-                    grad_norm: info.grad_norm,
-                };
-                Ok((model, stepped))
-            }
-        }
-    }
-}
-
 fn predict(model: &Vit, images: Tensor<4>) -> Result<Vec<i64>, VitTrainError> {
     Ok(model
         .predict(images)?
@@ -386,14 +333,6 @@ fn predict(model: &Vit, images: Tensor<4>) -> Result<Vec<i64>, VitTrainError> {
         .convert::<i64>()
         .try_into_vec::<i64>()
         .expect("class ids"))
-}
-
-fn scalar(t: &Tensor<1>) -> f64 {
-    t.clone()
-        .into_data()
-        .convert::<f64>()
-        .try_into_vec::<f64>()
-        .expect("a float")[0]
 }
 
 /// The model for inference (no autodiff).
@@ -497,17 +436,18 @@ pub fn train_vit(
     let replicate = mesh.group("dp_replicate")?;
     burn_parallel::verify_replicas(&model, replicate)
         .map_err(|e| VitTrainError::Config(e.to_string()))?;
-    let mut engine = match layout.zero {
-        Some(stage @ (Stage::One | Stage::Two)) => {
-            let zero = ZeroOptimizer::new(
+    // The optimizer side: ZeRO-1/2's sharded optimizer, or the library's step (DDP, FSDP,
+    // each x TP) with Burn's AdamW; the loop below drives either.
+    let mut engine: Box<dyn StepEngine<Vit, VitTrainError>> = match layout.zero {
+        Some(stage @ (Stage::One | Stage::Two)) => Box::new(
+            ZeroOptimizer::new(
                 &model,
                 ShardGroups::flat(dp.clone()),
                 ZeroConfig::new(stage).with_max_grad_norm(config.max_grad_norm),
                 config.adamw().build(),
             )?
-            .with_tensor_parallel(&model.tp);
-            Engine::Zero(Box::new(zero))
-        }
+            .with_tensor_parallel(&model.tp),
+        ),
         _ => {
             let mut step = TrainStep::new(model.tp.clone())
                 .with_data_parallel(dp.clone())
@@ -515,10 +455,7 @@ pub fn train_vit(
             if let Some(plan) = &fsdp {
                 step = step.with_fsdp(plan.shards().clone(), None);
             }
-            Engine::Step {
-                step,
-                optim: config.adamw().init(),
-            }
+            Box::new(Trainer::new(step, config.adamw().init()))
         }
     };
     let mut model = Some(model);
@@ -535,11 +472,12 @@ pub fn train_vit(
         let (x, y) = batch_rows(&global, first..first + rows).to_tensors(&device);
         let lr = config.lr_at(step);
         let m = model.take().expect("the loop always holds the model");
-        let (m, stepped) = engine.step(m, x, y, lr)?;
+        let mut forward = |m: &Vit, _| Ok(m.loss(x.clone(), y.clone())?);
+        let (m, stepped) = engine.step_accumulated(m, 1, &mut forward, lr)?;
         model = Some(m);
         let seconds = t0.elapsed().as_secs_f64();
         train_seconds += seconds;
-        losses.push(stepped.loss);
+        losses.push(f64::from(stepped.loss));
         let test_accuracy = if config.eval_every > 0
             && (step + 1).is_multiple_of(config.eval_every)
             && step + 1 < config.steps
@@ -553,7 +491,7 @@ pub fn train_vit(
         };
         on_step(&VitStepStats {
             step,
-            loss: stepped.loss,
+            loss: f64::from(stepped.loss),
             lr,
             grad_norm: stepped.grad_norm,
             images_per_sec: config.batch_size as f64 / seconds.max(1e-9),
