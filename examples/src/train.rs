@@ -263,6 +263,12 @@ impl TrainConfig {
         if self.model.vocab_size < 256 {
             return Err("byte-level tokens need vocab_size >= 256".into());
         }
+        if let Some(scale) = self.loss_scale {
+            scale
+                .scaler()
+                .validate()
+                .map_err(|e| format!("{e} (--loss-scale, or loss_scale in the config)"))?;
+        }
         Ok(())
     }
 

@@ -794,3 +794,44 @@ fn the_zero_engines_send_stage_3_to_fsdp() {
         assert!(e.to_string().contains("train_gpt_parallel"), "{e}");
     }
 }
+
+/// A loss scale that cannot work (not positive, or factors that do not grow and back off) is
+/// refused by the trainer's checks, before any rank trains, naming the setting.
+#[test]
+fn a_bad_loss_scale_is_refused_before_training() {
+    let bad = [
+        LossScale {
+            initial: 0.0,
+            ..LossScale::default()
+        },
+        LossScale {
+            backoff_factor: 1.5,
+            ..LossScale::default()
+        },
+    ];
+    let corpus = corpus();
+    for scale in bad {
+        let config = TrainConfig {
+            loss_scale: Some(scale),
+            ..tiny_gpt_run(2)
+        };
+        let err = config.validate(2).expect_err("a bad loss scale");
+        assert!(err.contains("--loss-scale"), "{err}");
+        let errors = run_local(2, |world| {
+            let parallel = Parallelism::default();
+            Ok(examples::train::train_gpt_parallel(
+                &world,
+                &config,
+                &parallel,
+                &corpus,
+                &mut |_| {},
+            )
+            .err())
+        })
+        .unwrap();
+        for e in errors {
+            let e = e.expect("refused").to_string();
+            assert!(e.contains("--loss-scale"), "{e}");
+        }
+    }
+}
