@@ -1840,7 +1840,8 @@ impl OutputLayer<'_> {
     /// split). The one loss of the GPT and of its pipeline's last stage.
     ///
     /// # Errors
-    /// [`TpError::OutOfVocabulary`] for a target outside the vocabulary; collective errors.
+    /// [`TpError::OutOfVocabulary`] (split or composed) or [`TpError::Kernel`] (fused) for a
+    /// target outside the vocabulary; collective errors.
     pub fn loss(
         self,
         fused: bool,

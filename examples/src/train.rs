@@ -754,13 +754,7 @@ impl Engine {
             Engine::Step { step, .. } => {
                 step.restore_loss_scaler(saved).map_err(|e| e.to_string())?
             }
-            Engine::Zero(zero, _) => match zero.scaler_mut() {
-                Some(scaler) => scaler
-                    .restore(saved)
-                    .map(|()| true)
-                    .map_err(|e| e.to_string())?,
-                None => false,
-            },
+            Engine::Zero(zero, _) => zero.restore_loss_scaler(saved).map_err(|e| e.to_string())?,
         };
         Ok(if restored { saved.skipped } else { 0 })
     }
@@ -1171,8 +1165,7 @@ pub fn train_gpt_checkpointed(
                 }
                 // ZeRO averages the micro-steps itself.
                 Engine::Zero(zero, experts) => {
-                    let scale = zero.loss_scale();
-                    let loss = if scale == 1.0 { loss } else { loss * scale };
+                    let loss = zero.scaled_loss(loss);
                     let mut grads = GradientsParams::from_grads(loss.backward(), &m);
                     if let Some(x) = experts {
                         x.acc.accumulate(&m, x.moe.take_experts(&m, &mut grads));

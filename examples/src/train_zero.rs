@@ -1,7 +1,8 @@
 //! GPT training with ZeRO stages 1 and 2 (and hybrid sharding) from `burn-zero`.
 //!
 //! [`train_gpt_zero`] is the training loop of [`crate::train::train_gpt`] with the gradient
-//! reduction and optimizer step done by [`ZeroOptimizer`], plus sharded checkpoints. Stage 3 is FSDP ([`burn_zero::Fsdp`]): the layout-generic trainer runs it
+//! reduction and optimizer step done by [`ZeroOptimizer`], plus sharded checkpoints. Stage 3
+//! is FSDP ([`burn_zero::Fsdp`]): the layout-generic trainer runs it
 //! ([`crate::train::train_gpt_parallel`] with `Parallelism { zero: Some(Stage::Three), .. }`,
 //! `gpt --zero 3`), composed with tensor, context and expert parallelism.
 //!
@@ -71,11 +72,6 @@ pub struct ZeroReport {
     /// The trained fp32 (master) parameters, whole, by path, when
     /// [`ZeroRunOptions::final_params`] asked for them; empty otherwise.
     pub final_params: Vec<NamedParam>,
-}
-
-/// `loss * scale` for the backward (the loss itself when `scale` is 1).
-fn scaled(loss: Tensor<1>, scale: f64) -> Tensor<1> {
-    if scale == 1.0 { loss } else { loss * scale }
 }
 
 /// The model and ZeRO's optimizer of a run.
@@ -172,7 +168,7 @@ pub fn train_gpt_zero(
             let Engine { model, zero } = &mut engine;
             let loss = model.loss(inputs, targets)?;
             local_loss += scalar(&loss) / config.grad_accum as f64;
-            let grads = scaled(loss, zero.loss_scale()).backward();
+            let grads = zero.scaled_loss(loss).backward();
             let grads = GradientsParams::from_grads(grads, model);
             zero.accumulate(model, grads)?;
         }
@@ -315,12 +311,12 @@ fn load(
     let taken = std::mem::replace(model, Gpt::new(&tiny_placeholder(), device));
     *model = zero.load_checkpoint_params(taken, &checkpoint, &tp)?;
     zero.load_checkpoint_state(&checkpoint, &tp, &scalars)?;
-    let scaler = zero.scaler_mut();
     // A run without a scaler ignores a saved one; a run with one whose checkpoint has none
     // (an fp32 run's) starts from its configured scale.
     let mut skipped = 0;
-    if let (Some(scaler), Some(saved)) = (scaler, saved_scaler) {
-        scaler.restore(&saved)?;
+    if let Some(saved) = saved_scaler
+        && zero.restore_loss_scaler(&saved)?
+    {
         skipped = saved.skipped;
     }
     Ok(Resumed {

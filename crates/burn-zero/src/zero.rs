@@ -51,7 +51,7 @@ use crate::error::{Result, ZeroError};
 use crate::flat::{FlatLayout, cast_frozen, host_f32, shard_range, tensor_1d};
 use crate::memory::{Category, MemoryReport, MemoryTracker};
 use crate::optim::{ElementWise, ShardedOptimizer};
-use crate::precision::{LossScaler, MixedPrecision};
+use crate::precision::{LossScaler, LossScalerState, MixedPrecision};
 
 /// Which ZeRO stage.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -665,6 +665,27 @@ impl<O: ElementWise> ZeroOptimizer<O> {
     /// The scale to multiply the loss by before `backward` (1 without a loss scaler).
     pub fn loss_scale(&self) -> f64 {
         self.scaler.as_ref().map_or(1.0, LossScaler::scale)
+    }
+
+    /// `loss` as backward should see it: multiplied by the loss scale (unchanged without a
+    /// scaler), as `TrainStep::scaled_loss` gives it.
+    pub fn scaled_loss(&self, loss: Tensor<1>) -> Tensor<1> {
+        let scale = self.loss_scale();
+        if scale == 1.0 { loss } else { loss * scale }
+    }
+
+    /// Restores the loss scaler from a checkpoint's state ([`LossScaler::state`]). Returns
+    /// `false`, restoring nothing, without a scaler: a run that does not scale ignores a saved
+    /// scale (as `TrainStep::restore_loss_scaler`).
+    ///
+    /// # Errors
+    /// A state the scaler refuses ([`LossScaler::restore`]).
+    pub fn restore_loss_scaler(&mut self, saved: &LossScalerState) -> Result<bool> {
+        let Some(scaler) = &mut self.scaler else {
+            return Ok(false);
+        };
+        scaler.restore(saved)?;
+        Ok(true)
     }
 
     /// The loss scaler, when the config has one.
@@ -1516,9 +1537,7 @@ where
         for k in 0..micro_batches {
             let loss = forward(&model, k)?;
             local += f64::from(loss.clone().into_scalar::<f32>()) / micro_batches as f64;
-            let scale = self.loss_scale();
-            let loss = if scale == 1.0 { loss } else { loss * scale };
-            let grads = GradientsParams::from_grads(loss.backward(), &model);
+            let grads = GradientsParams::from_grads(self.scaled_loss(loss).backward(), &model);
             self.accumulate(&model, grads)?;
         }
         let (model, info) = self.step(lr, model)?;
