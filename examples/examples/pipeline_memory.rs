@@ -86,6 +86,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         prompt: String::new(),
         max_grad_norm: None,
         precision: Default::default(),
+        reduce_fp32: false,
         loss_scale: None,
     };
     println!(

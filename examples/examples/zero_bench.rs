@@ -25,13 +25,12 @@
 
 use std::path::PathBuf;
 
-use burn_parallel::{CollectiveError, DeviceMesh, run_local};
+use burn_parallel::{CollectiveError, run_local};
 use burn_zero::memory::CountingAllocator;
-use burn_zero::{MemoryReport, ShardGroups, Stage, ZeroConfig};
+use burn_zero::{MemoryReport, Stage};
 use examples::data::Corpus;
 use examples::gpt::GptConfig;
 use examples::train::{Parallelism, TrainConfig, train_gpt, train_gpt_parallel};
-use examples::train_zero::{ZeroRunOptions, train_gpt_zero};
 use serde_json::json;
 
 /// Counts every allocation of the process: the measured memory column.
@@ -121,6 +120,7 @@ fn train_config(model: GptConfig, steps: usize, batch_size: usize, seq_len: usiz
         prompt: String::new(),
         max_grad_norm: None,
         precision: Default::default(),
+        reduce_fp32: false,
         loss_scale: None,
     }
 }
@@ -139,54 +139,34 @@ struct Measured {
     memory: MemoryReport,
 }
 
-/// Trains `layout` on `ranks` thread ranks; returns every rank's figures. Stages 1 and 2 run
-/// burn-zero's engine, stage 3 (FSDP) the layout-generic trainer.
+/// Trains `layout` on `ranks` thread ranks in the layout-generic trainer (as `gpt --zero N`);
+/// returns every rank's figures.
 fn run_zero(
     layout: Layout,
     ranks: usize,
     config: &TrainConfig,
     corpus: &Corpus,
 ) -> Result<Vec<Measured>, CollectiveError> {
+    // DDP's footprint: ZeRO-1 over shard groups of one rank (no sharding), replicated across
+    // every rank, measured by the same accounting.
+    let (zero, replicate) = match layout {
+        Layout::Ddp => (Stage::One, ranks),
+        Layout::Zero(stage) => (stage, 1),
+    };
+    let parallel = Parallelism {
+        zero: Some(zero),
+        replicate,
+        ..Parallelism::default()
+    };
     run_local(ranks, |world| {
-        if let Layout::Zero(Stage::Three) = layout {
-            let parallel = Parallelism {
-                zero: Some(Stage::Three),
-                ..Parallelism::default()
-            };
-            let r = train_gpt_parallel(&world, config, &parallel, corpus, &mut |_| {})?;
-            return Ok(Measured {
-                losses: r.losses,
-                step_seconds: r.step_seconds,
-                memory: r
-                    .memory
-                    .ok_or_else(|| invalid("FSDP reported no memory".into()))?,
-            });
-        }
-        let (groups, stage) = match layout {
-            // No sharding, replicated across all ranks: DDP's footprint, measured by burn-zero.
-            Layout::Ddp => {
-                let mesh = DeviceMesh::new(&world, &[("dp_replicate", ranks), ("dp_shard", 1)])
-                    .map_err(|e| invalid(e.to_string()))?;
-                (
-                    ShardGroups::hybrid(&mesh).map_err(|e| invalid(e.to_string()))?,
-                    Stage::One,
-                )
-            }
-            Layout::Zero(stage) => (ShardGroups::flat(world), stage),
-        };
-        train_gpt_zero(
-            &groups,
-            config,
-            &ZeroConfig::new(stage),
-            corpus,
-            &ZeroRunOptions::default(),
-        )
-        .map(|r| Measured {
+        let r = train_gpt_parallel(&world, config, &parallel, corpus, &mut |_| {})?;
+        Ok(Measured {
             losses: r.losses,
             step_seconds: r.step_seconds,
-            memory: r.memory,
+            memory: r
+                .memory
+                .ok_or_else(|| invalid("ZeRO reported no memory".into()))?,
         })
-        .map_err(|e| invalid(e.to_string()))
     })
 }
 

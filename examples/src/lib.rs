@@ -41,6 +41,5 @@ pub mod train;
 pub mod train_checkpoint;
 pub mod train_diloco;
 pub mod train_vit;
-pub mod train_zero;
 pub mod vit;
 pub mod vit_pipeline;

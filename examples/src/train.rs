@@ -63,6 +63,11 @@ pub struct TrainConfig {
     /// The arithmetic of the forward and backward (`gpt --precision`): fp32, or bf16/fp16 with
     /// fp32 master weights and optimizer state.
     pub precision: Precision,
+    /// Average the gradients in fp32 under bf16 compute (`gpt --reduce-fp32`; torch FSDP's
+    /// `MixedPrecision(reduce_dtype=torch.float32)`, Megatron-LM's
+    /// `--accumulate-allreduce-grads-in-fp32`): twice the reduction's bytes for the rounding of
+    /// bf16 sums. fp16 already reduces in fp32; fp32 runs are unaffected.
+    pub reduce_fp32: bool,
     /// Dynamic loss scaling (`gpt --loss-scale S --loss-scale-window N`). `None`: fp16 runs
     /// scale from 65536, doubling after 2000 clean steps; bf16 and fp32 runs are not scaled.
     /// `Some`: a run of any precision scales this way (under fp32 it only exercises the
@@ -221,12 +226,23 @@ impl Default for TrainConfig {
             prompt: "And God said, ".into(),
             max_grad_norm: None,
             precision: Precision::F32,
+            reduce_fp32: false,
             loss_scale: None,
         }
     }
 }
 
 impl TrainConfig {
+    /// The library's precision policy of the run: [`Self::precision`]'s, reducing in fp32 with
+    /// [`Self::reduce_fp32`].
+    pub fn precision_policy(&self) -> burn_parallel::precision::MixedPrecision {
+        let policy = self.precision.policy();
+        match self.reduce_fp32 {
+            true => policy.with_reduce_dtype(burn::tensor::DType::F32),
+            false => policy,
+        }
+    }
+
     /// The dynamic loss scaler of the run ([`Self::loss_scale`]; `None`: the loss is not
     /// scaled).
     pub fn loss_scaler(&self) -> Option<LossScaler> {
@@ -386,6 +402,10 @@ pub struct Parallelism {
     /// and reduce-scatter it once per step ([`burn_parallel::train::DataShards::set_gradient_sync`];
     /// one block-sized buffer per block).
     pub no_sync: bool,
+    /// ZeRO-1/2 (`zero` stage 1 or 2): keep the optimizer state and its update in host
+    /// memory ([`ZeroConfig::with_offload`], DeepSpeed's `offload_optimizer`), leaving the
+    /// device the model, its gradients and the compute.
+    pub offload: bool,
     /// The device.
     pub device: TrainDevice,
     /// Context-parallel size (1: none): the ranks that split each sequence.
@@ -446,6 +466,7 @@ impl Default for Parallelism {
             replicate: 1,
             prefetch: false,
             no_sync: false,
+            offload: false,
             device: TrainDevice::Flex,
             cp: 1,
             cp_kind: CpKind::Ring,
@@ -544,17 +565,20 @@ impl Parallelism {
     pub fn validate(&self, config: &TrainConfig, world: usize) -> Result<(), String> {
         self.check_moe(&config.model, world)
             .map_err(|e| e.to_string())?;
-        let zero_1_2 = matches!(self.zero, Some(Stage::One | Stage::Two));
-        if config.precision != Precision::F32
-            && (zero_1_2 || self.cp > 1 || config.model.moe.is_some())
-        {
+        if config.precision != Precision::F32 && (self.cp > 1 || config.model.moe.is_some()) {
             return Err(format!(
-                "--precision {} trains under data, tensor and FSDP parallelism (--ranks, --tp, \
-                 --sp, --zero 3) in this trainer; ZeRO-1/2 with --tp (--zero 1|2 alone runs \
-                 burn-zero's engine, which has it), context parallelism (--cp) and GPT-MoE \
+                "--precision {} trains under data, tensor, ZeRO and FSDP parallelism (--ranks, \
+                 --tp, --sp, --zero 1|2|3, --hybrid); context parallelism (--cp) and GPT-MoE \
                  are not composed with it yet: drop --precision or those flags",
                 config.precision
             ));
+        }
+        if self.offload && !matches!(self.zero, Some(Stage::One | Stage::Two)) {
+            return Err(
+                "--offload keeps ZeRO-1/2's optimizer state on the host: use it with --zero 1 \
+                 or --zero 2"
+                    .into(),
+            );
         }
         if config.loss_scale.is_some() && (self.cp > 1 || config.model.moe.is_some()) {
             return Err(
@@ -759,6 +783,33 @@ impl Engine {
         Ok(if restored { saved.skipped } else { 0 })
     }
 
+    /// This rank's pieces of the parameters for a checkpoint: under ZeRO-1/2, the flat
+    /// space's from the fp32 master weights (under mixed precision the model holds only their
+    /// compute-dtype copy) and the experts' from the model.
+    fn param_pieces(
+        &self,
+        map: &ParamMap,
+        model: &Gpt,
+        tp: &burn_parallel::nn::TpContext,
+        copies: (usize, usize),
+    ) -> Result<Vec<burn_parallel::checkpoint::Piece>, String> {
+        match self {
+            Engine::Step { .. } => map.param_pieces(model).map_err(|e| e.to_string()),
+            Engine::Zero(zero, experts) => {
+                let mut pieces = zero
+                    .checkpoint_params(model, tp, copies)
+                    .map_err(|e| e.to_string())?;
+                if let Some(x) = experts {
+                    let more = expert_map(map, x)
+                        .param_pieces(model)
+                        .map_err(|e| e.to_string())?;
+                    pieces.extend(more);
+                }
+                Ok(pieces)
+            }
+        }
+    }
+
     /// The optimizer's state as checkpoint pieces, and its scalars by logical parameter.
     fn optimizer_state(
         &self,
@@ -886,8 +937,7 @@ pub fn train_gpt_checkpointed(
     let device = plain.clone().autodiff();
     // A compute dtype the device lacks (f16/bf16 on some WGPU adapters) is a clear error.
     config
-        .precision
-        .policy()
+        .precision_policy()
         .validate(&plain)
         .map_err(|e| invalid(world, op, e))?;
     let dims = parallel.dims(world.size());
@@ -963,6 +1013,60 @@ pub fn train_gpt_checkpointed(
         }
     }
     .map_err(|e| invalid(world, op, e))?;
+    // ---- checkpoints: what each rank holds of the logical model, and who writes what ----
+    let tp_ctx = model.tp.clone();
+    let data_shards = fsdp.as_ref().map(|plan| plan.shards().clone());
+    let holders = |group: &ProcessGroup| (group.size(), group.rank());
+    let (all, same_tp, same_shard) = (holders(world), holders(&reduce), holders(&replicate));
+    // Under expert parallelism an expert is held by the ranks holding the same experts, each
+    // with the whole expert on every tensor-parallel rank.
+    let same_experts = expert_dp
+        .as_ref()
+        .map(|g| (g.size() * tp.size(), g.rank() * tp.size() + tp.rank()));
+    let registry = experts.experts.clone();
+    let map_of = |m: &Gpt| {
+        ParamMap::new(m, &tp_ctx, data_shards.as_ref())
+            .map(|map| {
+                map.with_replicas(|p| match (p.kind, same_experts) {
+                    (_, Some(holders)) if registry.contains(&p.id) => holders,
+                    (ParamKind::Replicated, _) => all,
+                    (ParamKind::TpSharded, _) => same_tp,
+                    (ParamKind::Flat, _) => same_shard,
+                })
+                .with_logical_names(train_checkpoint::expert_names(m))
+            })
+            .map_err(|e| invalid(world, "checkpoint", e))
+    };
+    // The map for a load: it checks the checkpoint against the whole model's tensors, also
+    // those other ranks hold (other experts).
+    let load_map_of = |m: &Gpt| {
+        map_of(m)?
+            .with_logical_of(world)
+            .map_err(|e| invalid(world, "checkpoint", e))
+    };
+    // ---- the parameters a run starts from: a checkpoint's or Hugging Face's, read into the
+    // fp32 model before the engine takes it (ZeRO's master weights are made from them) ----
+    let mut model = model;
+    let resume = match &checkpoints.resume {
+        Some(path) => {
+            let fail = |e: &dyn std::fmt::Display| invalid(world, "resume", e);
+            let checkpoint = train_checkpoint::open_resume(path).map_err(|e| fail(&e))?;
+            let state =
+                train_checkpoint::resume_state(&checkpoint, config).map_err(|e| fail(&e))?;
+            let map = load_map_of(&model)?;
+            model = map.load_params(model, &checkpoint).map_err(|e| fail(&e))?;
+            Some((checkpoint, state, map))
+        }
+        None => None,
+    };
+    if let (None, Some(dir)) = (&resume, &checkpoints.init_from_hf) {
+        let fail = |e: &dyn std::fmt::Display| invalid(world, "init_from_hf", e);
+        let tensors = crate::hf::gpt_tensors_for(dir, &config.model).map_err(|e| fail(&e))?;
+        model = load_map_of(&model)?
+            .load_params(model, &tensors)
+            .map_err(|e| fail(&e))?;
+    }
+
     let adamw = AdamWConfig::new().with_weight_decay(config.weight_decay as f32);
     let mut engine = match parallel.zero {
         Some(stage @ (Stage::One | Stage::Two)) => {
@@ -971,9 +1075,13 @@ pub fn train_gpt_checkpointed(
             } else {
                 ShardGroups::flat(reduce.clone())
             };
+            // fp32 master shards and AdamW state; the model computes (and the gradients are
+            // reduced) in the policy's dtypes.
             let zero = ZeroConfig::new(stage)
                 .with_max_grad_norm(config.max_grad_norm)
+                .with_precision(config.precision_policy())
                 .with_loss_scaler(config.loss_scaler())
+                .with_offload(parallel.offload)
                 .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
             let registry = experts.experts.clone();
             let zero = ZeroOptimizer::new_excluding(&model, groups, zero, adamw.build(), |id| {
@@ -981,6 +1089,9 @@ pub fn train_gpt_checkpointed(
             })
             .map_err(|e| zero_error(world, e))?
             .with_tensor_parallel(&model.tp);
+            model = zero
+                .prepare_module(model)
+                .map_err(|e| zero_error(world, e))?;
             let moe = config.model.moe.as_ref().map(|_| ZeroExperts {
                 moe: MoeStep::new(TrainStep::new(model.tp.clone()), &experts),
                 optim: adamw.init(),
@@ -999,7 +1110,7 @@ pub fn train_gpt_checkpointed(
             };
             let mut step = TrainStep::new(model.tp.clone())
                 .with_clip(clip)
-                .with_precision(config.precision.policy());
+                .with_precision(config.precision_policy());
             if let Some(scaler) = config.loss_scaler() {
                 step = step.with_loss_scaler(scaler);
             }
@@ -1038,47 +1149,11 @@ pub fn train_gpt_checkpointed(
         model.set_moe_loss_scale(1.0 / config.grad_accum as f32);
     }
 
-    // ---- checkpoints: what each rank holds of the logical model, and who writes what ----
-    let tp_ctx = model.tp.clone();
-    let data_shards = fsdp.as_ref().map(|plan| plan.shards().clone());
-    let holders = |group: &ProcessGroup| (group.size(), group.rank());
-    let (all, same_tp, same_shard) = (holders(world), holders(&reduce), holders(&replicate));
-    // Under expert parallelism an expert is held by the ranks holding the same experts, each
-    // with the whole expert on every tensor-parallel rank.
-    let same_experts = expert_dp
-        .as_ref()
-        .map(|g| (g.size() * tp.size(), g.rank() * tp.size() + tp.rank()));
-    let registry = experts.experts.clone();
-    let map_of = |m: &Gpt| {
-        ParamMap::new(m, &tp_ctx, data_shards.as_ref())
-            .map(|map| {
-                map.with_replicas(|p| match (p.kind, same_experts) {
-                    (_, Some(holders)) if registry.contains(&p.id) => holders,
-                    (ParamKind::Replicated, _) => all,
-                    (ParamKind::TpSharded, _) => same_tp,
-                    (ParamKind::Flat, _) => same_shard,
-                })
-                .with_logical_names(train_checkpoint::expert_names(m))
-            })
-            .map_err(|e| invalid(world, "checkpoint", e))
-    };
-    // The map for a load: it checks the checkpoint against the whole model's tensors, also
-    // those other ranks hold (other experts).
-    let load_map_of = |m: &Gpt| {
-        map_of(m)?
-            .with_logical_of(world)
-            .map_err(|e| invalid(world, "checkpoint", e))
-    };
     let mut first_step = 0;
     let mut losses = Vec::with_capacity(config.steps);
     let mut skipped = 0;
-    let mut model = model;
-    if let Some(path) = &checkpoints.resume {
+    if let Some((checkpoint, state, map)) = resume {
         let fail = |e: &dyn std::fmt::Display| invalid(world, "resume", e);
-        let checkpoint = train_checkpoint::open_resume(path).map_err(|e| fail(&e))?;
-        let state = train_checkpoint::resume_state(&checkpoint, config).map_err(|e| fail(&e))?;
-        let map = load_map_of(&model)?;
-        model = map.load_params(model, &checkpoint).map_err(|e| fail(&e))?;
         let scalars = merged_scalars(&checkpoint, train_checkpoint::OPTIM_SCALARS);
         engine
             .load_optimizer(&map, &checkpoint, &tp_ctx, &scalars, || adamw.init())
@@ -1093,13 +1168,8 @@ pub fn train_gpt_checkpointed(
         train_checkpoint::restore_moe_bias(&checkpoint, &model).map_err(|e| fail(&e))?;
         first_step = checkpoint.step();
         losses = state.losses;
-    } else if let Some(dir) = &checkpoints.init_from_hf {
-        let fail = |e: &dyn std::fmt::Display| invalid(world, "init_from_hf", e);
-        let tensors = crate::hf::gpt_tensors_for(dir, &config.model).map_err(|e| fail(&e))?;
-        model = load_map_of(&model)?
-            .load_params(model, &tensors)
-            .map_err(|e| fail(&e))?;
     }
+
     let mut saver = match (&checkpoints.dir, checkpoints.save_every) {
         (Some(dir), every) if every > 0 => Some(
             Checkpointer::new(dir, checkpoints.keep, world)
@@ -1272,7 +1342,9 @@ pub fn train_gpt_checkpointed(
             let m = model.as_ref().expect("the loop always holds the model");
             let map = map_of(m)?;
             let fail = |e: &dyn std::fmt::Display| invalid(world, "checkpoint", e);
-            let mut pieces = map.param_pieces(m).map_err(|e| fail(&e))?;
+            let mut pieces = engine
+                .param_pieces(&map, m, &tp_ctx, same_shard)
+                .map_err(|e| fail(&e))?;
             let (optim, scalars) = engine
                 .optimizer_state(&map, &tp_ctx, same_shard)
                 .map_err(|e| fail(&e))?;
@@ -1295,7 +1367,15 @@ pub fn train_gpt_checkpointed(
     }
 
     // ---- evaluation on the layout, then the whole model for sampling and the report ----
-    let eval_model = model.expect("trained").valid();
+    let trained = model.expect("trained");
+    // ZeRO under mixed precision: evaluate and report the fp32 master weights.
+    let trained = match &engine {
+        Engine::Zero(zero, _) => zero
+            .master_module(trained)
+            .map_err(|e| zero_error(world, e))?,
+        Engine::Step { .. } => trained,
+    };
+    let eval_model = trained.valid();
     let val_loss = validation_loss(
         &dp,
         &reduce,

@@ -29,7 +29,7 @@ use burn_parallel::tensor_parallel::SeededDropout;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::gpt::{Block, Gpt, GptConfig};
+use crate::gpt::{Block, Gpt};
 use crate::train::TrainConfig;
 
 /// Where and how often a run saves, and where it resumes from.
@@ -404,31 +404,6 @@ pub(crate) fn resume_state(
         }
     }
     Ok(state)
-}
-
-/// Refuses the models whose checkpoints burn-zero's engines ([`crate::train_zero`]) do not
-/// support: they build no GPT-MoE and save no dropout counters. The layout-generic trainer
-/// ([`crate::train::train_gpt_checkpointed`]) saves and resumes both, ZeRO included.
-///
-/// # Errors
-/// A sentence naming the setting to change.
-pub(crate) fn check_layout(model: &GptConfig) -> Result<(), String> {
-    if model.moe.is_some() {
-        return Err(
-            "burn-zero's engines (train_gpt_zero) do not checkpoint a GPT-MoE: use \
-                    train::train_gpt_checkpointed (gpt --zero N --save-every ...), which does"
-                .into(),
-        );
-    }
-    if model.dropout > 0.0 {
-        return Err(
-            "burn-zero's engines (train_gpt_zero) do not save the dropout masks' call \
-             counters: use train::train_gpt_checkpointed (gpt --zero N --save-every ...), \
-             which does, or dropout 0"
-                .into(),
-        );
-    }
-    Ok(())
 }
 
 /// The `gpt` binary's checkpoint flags.

@@ -39,6 +39,7 @@ pub fn tiny_gpt_run(steps: usize) -> TrainConfig {
         prompt: String::new(),
         max_grad_norm: None,
         precision: examples::train::Precision::F32,
+        reduce_fp32: false,
         loss_scale: None,
     }
 }

@@ -19,7 +19,7 @@ use burn_parallel::overlap::OverlappedDdp;
 use burn_parallel::plan::TpPlan;
 use burn_parallel::precision::MixedPrecision;
 use burn_parallel::tensor_parallel::TpError;
-use burn_parallel::train::{StepEngine, TrainStep};
+use burn_parallel::train::{StepEngine, TrainStep, Trainer};
 use burn_parallel::{MeshError, ParallelDims, run_local};
 use burn_pipeline::generators::generate;
 use burn_pipeline::partition::by_count;
@@ -209,10 +209,14 @@ struct RunOptions {
     precision: MixedPrecision,
     /// The steps to run (the losses returned are theirs).
     steps: std::ops::Range<usize>,
-    /// Start from the newest checkpoint under this directory (`TrainStep::load`).
+    /// Start from the newest checkpoint under this directory (`StepEngine::load`).
     resume: Option<std::path::PathBuf>,
-    /// Save a checkpoint under this directory after the last step (`TrainStep::save`).
+    /// Save a checkpoint under this directory after the last step (`StepEngine::save`).
     save: Option<std::path::PathBuf>,
+    /// burn-zero's ZeRO-1/2 optimizer as the engine (what `byo_model --zero` runs), sharded over
+    /// the ranks that reduce gradients; it owns the reduction, the clipping and the precision
+    /// policy. `None`: the library's `Trainer` (`TrainStep` with AdamW).
+    zero: Option<Stage>,
     /// Average the gradients during the backward (`TrainStep::with_overlap`).
     overlap: bool,
     /// All-gather the next FSDP unit while one computes (`FsdpPlan::with_prefetch`).
@@ -236,6 +240,7 @@ impl Default for RunOptions {
             steps: 0..STEPS,
             resume: None,
             save: None,
+            zero: None,
             overlap: false,
             prefetch: false,
             no_sync: false,
@@ -267,7 +272,9 @@ fn parallel_run(
             .unwrap();
         let fsdp = fsdp_plan(mesh.group("dp_shard").unwrap()).with_prefetch(options.prefetch);
         let cp = ContextParallel::new(mesh.group("cp").unwrap(), options.cp).unwrap();
-        let mut model = Decoder::new(&init, Some(&fsdp), &config())
+        // ZeRO-1/2 shard the optimizer of a replicated model: no FSDP units.
+        let plan = options.zero.is_none().then_some(&fsdp);
+        let mut model = Decoder::new(&init, plan, &config())
             .unwrap()
             .with_context_parallel(Some(cp));
         let mut train = TrainStep::new(init.context())
@@ -280,9 +287,28 @@ fn parallel_run(
             .with_clip(options.clip)
             .with_precision(options.precision);
         if options.overlap {
-            train = train.with_overlap(OverlappedDdp::new(reduce));
+            train = train.with_overlap(OverlappedDdp::new(reduce.clone()));
         }
-        let mut optim = optimizer();
+        // The loop's engine (`StepEngine`), as `byo_model` runs it.
+        let mut trainer = Trainer::new(train, optimizer());
+        let mut zero = options.zero.map(|stage| {
+            // ZeRO shards over the ranks that reduce gradients: the data-parallel ones and the
+            // context-parallel ones (which hold other tokens of the same rows).
+            let zero_config = ZeroConfig::new(stage)
+                .with_max_grad_norm(options.clip)
+                .with_precision(options.precision);
+            let adamw = AdamWConfig::new().with_weight_decay(0.01).build();
+            ZeroOptimizer::new(&model, ShardGroups::flat(reduce), zero_config, adamw)
+                .unwrap()
+                .with_tensor_parallel(&model.tp)
+        });
+        if let Some(zero) = &zero {
+            model = zero.prepare_module(model).unwrap();
+        }
+        let engine: &mut dyn StepEngine<Decoder, TpError> = match &mut zero {
+            Some(zero) => zero,
+            None => &mut trainer,
+        };
         if let Some(dir) = &options.resume {
             let checkpoint = Checkpointer::latest(dir).unwrap().expect("a checkpoint");
             assert_eq!(
@@ -290,7 +316,7 @@ fn parallel_run(
                 options.steps.start,
                 "resumed at the wrong step"
             );
-            (model, optim, _) = train.load(&checkpoint, model, optim).unwrap();
+            (model, _) = engine.load(&checkpoint, model).unwrap();
         }
         let micro_batches = options.micro_batches;
         let rows = BATCH / dp.size();
@@ -298,18 +324,13 @@ fn parallel_run(
         let mut losses = Vec::new();
         for step in options.steps.clone() {
             let first = dp.rank() * rows;
-            let (next, out) = train
-                .step_accumulated::<_, TpError>(
-                    model,
-                    micro_batches,
-                    |m, k| {
-                        let start = first + k * micro_rows;
-                        let (tokens, targets) = batch(step, start..start + micro_rows, &device);
-                        m.loss(tokens, targets)
-                    },
-                    &mut optim,
-                    LR,
-                )
+            let mut forward = |m: &Decoder, k: usize| {
+                let start = first + k * micro_rows;
+                let (tokens, targets) = batch(step, start..start + micro_rows, &device);
+                m.loss(tokens, targets)
+            };
+            let (next, out) = engine
+                .step_accumulated(model, micro_batches, &mut forward, LR)
                 .unwrap_or_else(|e| panic!("{e}"));
             model = next;
             losses.push(out.loss);
@@ -317,9 +338,13 @@ fn parallel_run(
         if let Some(dir) = &options.save {
             let mut saver = Checkpointer::new(dir, 1, &world).unwrap();
             let state = serde_json::Value::Null;
-            train
-                .save(&mut saver, options.steps.end, &model, &optim, state)
+            engine
+                .save(&mut saver, options.steps.end, &model, state)
                 .unwrap();
+        }
+        // ZeRO under mixed precision: the fp32 master weights.
+        if let Some(zero) = &zero {
+            model = zero.master_module(model).unwrap();
         }
         // The layers whole (all-gathered FSDP units), then the tensor-parallel shards gathered.
         let mut whole = model.clone();
@@ -378,6 +403,58 @@ fn byo_model_saved_under_one_layout_resumes_under_another() {
         let run = parallel_run(&flex, layout, sp, resume.clone());
         assert_matches(what, second_half(run), &whole);
     }
+    // ZeRO-1/2 as the engine (`byo_model --zero`): one checkpoint format for every engine, so
+    // they resume the library step's checkpoint, and theirs resumes under FSDP and on one
+    // device.
+    for (what, layout, sp, stage) in [
+        ("resumed under dp 2, ZeRO-1", dims(2, 1), false, Stage::One),
+        (
+            "resumed under dp 2 x tp 2 + sp, ZeRO-2",
+            dims(2, 2),
+            true,
+            Stage::Two,
+        ),
+    ] {
+        let zero = RunOptions {
+            zero: Some(stage),
+            ..resume.clone()
+        };
+        assert_matches(
+            what,
+            second_half(parallel_run(&flex, layout, sp, zero)),
+            &whole,
+        );
+    }
+    let zero_root = std::env::temp_dir().join(format!("byo-resume-zero-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&zero_root);
+    let saved = parallel_run(
+        &flex,
+        dims(2, 2),
+        true,
+        RunOptions {
+            steps: 0..half,
+            save: Some(zero_root.clone()),
+            zero: Some(Stage::Two),
+            ..RunOptions::default()
+        },
+    );
+    assert_eq!(saved.0.len(), half);
+    let from_zero = RunOptions {
+        resume: Some(zero_root.clone()),
+        ..resume.clone()
+    };
+    for (what, layout, sp) in [
+        ("ZeRO-2 checkpoint resumed on one device", dims(1, 1), false),
+        (
+            "ZeRO-2 checkpoint resumed under fsdp 2 x tp 2 + sp",
+            fsdp_dims(1, 2, 2),
+            true,
+        ),
+    ] {
+        let run = parallel_run(&flex, layout, sp, from_zero.clone());
+        assert_matches(what, second_half(run), &whole);
+    }
+    std::fs::remove_dir_all(&zero_root).unwrap();
     // A checkpoint of another model (MLP width 48, not 50) is refused, naming the tensors.
     let checkpoint = Checkpointer::latest(&root).unwrap().expect("a checkpoint");
     let other = Config {
@@ -1101,54 +1178,14 @@ fn zero_parallel(
     micro_batches: usize,
     precision: MixedPrecision,
 ) -> (Vec<f32>, Params) {
-    let device = Device::flex().autodiff();
-    let out = run_local(dims.world_size(), move |world| {
-        let mesh = dims.build(&world).unwrap();
-        let dp = dims.data_parallel(&mesh).unwrap();
-        // ZeRO shards over the ranks that reduce gradients: the data-parallel ones and the
-        // context-parallel ones (which hold other tokens of the same rows).
-        let reduce = dims.gradient_reduction(&mesh).unwrap();
-        let init = Init::new(config().seed, &device)
-            .with_tp(mesh.group("tp").unwrap(), tp_plan(sequence_parallel))
-            .unwrap();
-        let settings = CpSettings {
-            kind: CpKind::Ring,
-            balance: CpBalance::None,
-        };
-        let cp = ContextParallel::new(mesh.group("cp").unwrap(), settings).unwrap();
-        let mut model = Decoder::new(&init, None, &config())
-            .unwrap()
-            .with_context_parallel(Some(cp));
-        let zero_config = ZeroConfig::new(stage)
-            .with_max_grad_norm(clip)
-            .with_precision(precision);
-        let adamw = AdamWConfig::new().with_weight_decay(0.01).build();
-        let mut zero = ZeroOptimizer::new(&model, ShardGroups::flat(reduce), zero_config, adamw)
-            .unwrap()
-            .with_tensor_parallel(&model.tp);
-        model = zero.prepare_module(model).unwrap();
-        let rows = BATCH / dp.size();
-        let micro_rows = rows / micro_batches;
-        // The loop's engine (`StepEngine`), as `byo_model --zero` runs it.
-        let engine: &mut dyn StepEngine<Decoder, TpError> = &mut zero;
-        let mut losses = Vec::new();
-        for step in 0..STEPS {
-            let mut forward = |m: &Decoder, k: usize| {
-                let start = dp.rank() * rows + k * micro_rows;
-                let (tokens, targets) = batch(step, start..start + micro_rows, &device);
-                m.loss(tokens, targets)
-            };
-            let (next, out) = engine
-                .step_accumulated(model, micro_batches, &mut forward, LR)
-                .unwrap_or_else(|e| panic!("{e}"));
-            model = next;
-            losses.push(out.loss);
-        }
-        let params = model.tp.full_params(&model.valid())?;
-        Ok((losses, params))
-    })
-    .unwrap();
-    rank0(out)
+    let options = RunOptions {
+        clip,
+        micro_batches,
+        precision,
+        zero: Some(stage),
+        ..RunOptions::default()
+    };
+    parallel_run(&Device::flex(), dims, sequence_parallel, options)
 }
 
 #[test]
@@ -1199,6 +1236,43 @@ fn byo_model_under_zero_2_in_bf16_tracks_fp32_single_device() {
         MixedPrecision::bf16(),
     );
     assert_bf16_tracks("dp 2 x tp 2 + sp, ZeRO-2", &run, &reference(&flex, None));
+}
+
+/// A bf16 ZeRO-2 checkpoint holds the fp32 master weights and AdamW state: saved after 10
+/// steps and resumed on the same layout, the last 10 steps and the final master weights are
+/// those of the uninterrupted run, bit for bit (a checkpoint of the module's bf16 copy would
+/// drift).
+#[test]
+fn byo_model_zero_2_in_bf16_resumes_bit_for_bit() {
+    let flex = Device::flex();
+    let root = std::env::temp_dir().join(format!("byo-zero-bf16-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    let half = STEPS / 2;
+    let options = RunOptions {
+        precision: MixedPrecision::bf16(),
+        zero: Some(Stage::Two),
+        ..RunOptions::default()
+    };
+    let whole = parallel_run(&flex, dims(2, 1), false, options.clone());
+    let first = RunOptions {
+        steps: 0..half,
+        save: Some(root.clone()),
+        ..options.clone()
+    };
+    let first = parallel_run(&flex, dims(2, 1), false, first);
+    let second = RunOptions {
+        steps: half..STEPS,
+        resume: Some(root.clone()),
+        ..options
+    };
+    let second = parallel_run(&flex, dims(2, 1), false, second);
+    let losses: Vec<f32> = first.0.into_iter().chain(second.0).collect();
+    assert_eq!(losses, whole.0, "bf16 ZeRO-2 resumed: losses");
+    assert!(
+        second.1 == whole.1,
+        "bf16 ZeRO-2 resumed: final master weights differ"
+    );
+    std::fs::remove_dir_all(&root).unwrap();
 }
 
 #[test]

@@ -45,6 +45,7 @@ fn train_config(golden: &Trajectory, model: examples::gpt::GptConfig) -> TrainCo
         prompt: String::new(),
         max_grad_norm: Some(golden.f64("max_grad_norm")),
         precision: examples::train::Precision::F32,
+        reduce_fp32: false,
         loss_scale: None,
     };
     for (step, lr) in golden.f64s("lrs").iter().enumerate() {

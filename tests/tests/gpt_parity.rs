@@ -390,6 +390,10 @@ fn bf16_training_tracks_fp32() {
         // FSDP gathers the bf16 compute copy's shards and reduces their gradients in bf16.
         (2, zero(Stage::Three, 1, false)),
         (4, zero(Stage::Three, 2, true)),
+        // ZeRO-1/2: fp32 master shards in the sharded optimizer, the model in bf16 (with tp
+        // too, which the separate ZeRO engine refused before the trainers were one).
+        (2, zero(Stage::One, 1, false)),
+        (4, zero(Stage::Two, 2, true)),
     ] {
         let run = TrainConfig {
             precision: examples::train::Precision::Bf16,
@@ -448,9 +452,19 @@ fn precision_under_an_unsupported_layout_is_a_clear_error() {
         precision: examples::train::Precision::Bf16,
         ..config()
     };
-    let err = zero(Stage::One, 1, false).validate(&run, 2).unwrap_err();
+    let cp = Parallelism {
+        cp: 2,
+        ..Parallelism::default()
+    };
+    let err = cp.validate(&run, 2).unwrap_err();
     assert!(
-        err.contains("--precision bf16") && err.contains("--zero"),
+        err.contains("--precision bf16") && err.contains("--cp"),
         "{err}"
     );
+    let offload = Parallelism {
+        offload: true,
+        ..zero(Stage::Three, 1, false)
+    };
+    let err = offload.validate(&config(), 2).unwrap_err();
+    assert!(err.contains("--offload") && err.contains("--zero 2"), "{err}");
 }

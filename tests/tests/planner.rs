@@ -13,12 +13,11 @@ use burn_moe::{ExpertKind, MoeConfig};
 use burn_parallel::planner::{
     Checkpoint, Hardware, Layout, ModelShape, Schedule, Training, count_params, evaluate,
 };
-use burn_parallel::{DeviceMesh, ParallelDims, run_local};
-use burn_zero::{ShardGroups, Stage, ZeroConfig};
+use burn_parallel::{ParallelDims, run_local};
+use burn_zero::Stage;
 use examples::data::Corpus;
 use examples::gpt::{Gpt, GptConfig, MlpKind, NormKind, PositionKind};
 use examples::train::{Parallelism, train_gpt_parallel};
-use examples::train_zero::{ZeroRunOptions, train_gpt_zero};
 use tests::tiny_gpt_run;
 
 /// The planner's shape of a GPT configuration of `examples`.
@@ -87,36 +86,19 @@ fn measured(dp: Dp, n: usize) -> (usize, usize, usize) {
     let config = tiny_gpt_run(2);
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let reports = run_local(n, |world| {
-        if let Dp::Zero(Stage::Three) = dp {
-            // Stage 3 is FSDP, in the layout-generic trainer.
-            let parallel = Parallelism {
-                zero: Some(Stage::Three),
-                ..Parallelism::default()
-            };
-            let report = train_gpt_parallel(&world, &config, &parallel, &corpus, &mut |_| {})?;
-            return Ok(report.memory.expect("FSDP reports its memory"));
-        }
-        let (groups, stage) = match dp {
-            Dp::Ddp => {
-                let mesh =
-                    DeviceMesh::new(&world, &[("dp_replicate", n), ("dp_shard", 1)]).expect("mesh");
-                (ShardGroups::hybrid(&mesh).expect("groups"), Stage::One)
-            }
-            Dp::Zero(stage) => (ShardGroups::flat(world), stage),
+        // DDP's footprint: ZeRO-1 over shard groups of one rank (no sharding), replicated
+        // across every rank.
+        let (zero, replicate) = match dp {
+            Dp::Ddp => (Stage::One, n),
+            Dp::Zero(stage) => (stage, 1),
         };
-        train_gpt_zero(
-            &groups,
-            &config,
-            &ZeroConfig::new(stage),
-            &corpus,
-            &ZeroRunOptions::default(),
-        )
-        .map(|r| r.memory)
-        .map_err(|e| burn_parallel::CollectiveError::InvalidArgument {
-            rank: 0,
-            op: "train_gpt_zero".into(),
-            reason: e.to_string(),
-        })
+        let parallel = Parallelism {
+            zero: Some(zero),
+            replicate,
+            ..Parallelism::default()
+        };
+        let report = train_gpt_parallel(&world, &config, &parallel, &corpus, &mut |_| {})?;
+        Ok(report.memory.expect("ZeRO and FSDP report their memory"))
     })
     .expect("training");
     let peak = |f: fn(&burn_zero::MemoryReport) -> usize| reports.iter().map(f).max().unwrap_or(0);

@@ -291,6 +291,35 @@ pub trait StepEngine<M, E> {
         forward: &mut dyn FnMut(&M, usize) -> std::result::Result<Tensor<1>, E>,
         lr: f64,
     ) -> std::result::Result<(M, StepOutput), E>;
+
+    /// Saves `model`'s parameters (fp32: the master weights under mixed precision) and the
+    /// engine's optimizer state as checkpoint `step` of `saver`, each rank writing its share
+    /// under the logical names, with the loss scaler's state and `state` (the caller's: data
+    /// position, losses...). Any engine under any layout loads it ([`Self::load`]). Collective
+    /// over `saver`'s group, which must be every rank of the layout.
+    ///
+    /// # Errors
+    /// [`CheckpointError`] for a parameter or state that cannot be described, I/O and
+    /// collective failures.
+    fn save(
+        &self,
+        saver: &mut Checkpointer,
+        step: usize,
+        model: &M,
+        state: Value,
+    ) -> checkpoint::Result<()>;
+
+    /// Loads a checkpoint saved by any engine under any layout into `model` (this rank's part of
+    /// each parameter, in the engine's compute dtype) and the engine (optimizer state, loss
+    /// scaler).
+    ///
+    /// # Returns
+    /// The model and the caller's state given to [`Self::save`].
+    ///
+    /// # Errors
+    /// [`CheckpointError::Mismatch`] for a checkpoint of another model;
+    /// [`CheckpointError::Corrupt`] for altered or truncated files.
+    fn load(&mut self, checkpoint: &Checkpoint, model: M) -> checkpoint::Result<(M, Value)>;
 }
 
 /// A [`TrainStep`] with its Burn optimizer: the [`StepEngine`] of every layout but ZeRO-1/2.
@@ -319,6 +348,22 @@ impl<M: Module, E: From<crate::CollectiveError>> StepEngine<M, E> for Trainer {
     ) -> std::result::Result<(M, StepOutput), E> {
         self.step
             .step_accumulated(model, micro_batches, forward, &mut self.optim, lr)
+    }
+
+    fn save(
+        &self,
+        saver: &mut Checkpointer,
+        step: usize,
+        model: &M,
+        state: Value,
+    ) -> checkpoint::Result<()> {
+        self.step.save(saver, step, model, &self.optim, state)
+    }
+
+    fn load(&mut self, checkpoint: &Checkpoint, model: M) -> checkpoint::Result<(M, Value)> {
+        let (model, optim, state) = self.step.load(checkpoint, model, self.optim.clone())?;
+        self.optim = optim;
+        Ok((model, state))
     }
 }
 
@@ -1010,8 +1055,59 @@ fn scale_grads<M: Module>(model: &M, grads: GradientsParams, scale: f32) -> Grad
 
 // ---- checkpoints that outlive the layout ----
 
-/// The rank-state key under which [`TrainStep::save`] keeps each rank's optimizer scalars.
+/// The rank-state key under which an engine's checkpoint keeps each rank's optimizer scalars.
 const OPTIM_SCALARS: &str = "optim_scalars";
+
+/// The manifest's trainer state and this rank's state of an engine's checkpoint
+/// ([`StepEngine::save`]): the caller's `state`, the loss scaler's (`None`: the run has no
+/// scaler) and the optimizer's scalars (step counters) by logical parameter
+/// ([`checkpoint::ScalarsByLogical`], or the JSON value [`ParamMap::optimizer_pieces`] gives).
+/// One format for
+/// every engine ([`TrainStep::save`], `burn_zero::ZeroOptimizer`), so that each loads what
+/// another saved; read it back with [`saved_engine_states`].
+///
+/// # Returns
+/// `(trainer state, rank state)`, as [`Checkpointer::save`] takes them.
+///
+/// # Example
+/// ```
+/// use burn_parallel::checkpoint::ScalarsByLogical;
+/// use burn_parallel::train::engine_states;
+///
+/// let (trainer, rank) = engine_states(serde_json::json!({"epoch": 2}), None,
+///     &ScalarsByLogical::default());
+/// assert_eq!(trainer["state"]["epoch"], 2);
+/// assert!(trainer["loss_scaler"].is_null() && rank.is_object());
+/// ```
+pub fn engine_states(
+    state: Value,
+    scaler: Option<LossScalerState>,
+    scalars: &impl serde::Serialize,
+) -> (Value, Value) {
+    let trainer = serde_json::json!({ "state": state, "loss_scaler": scaler });
+    (trainer, serde_json::json!({ OPTIM_SCALARS: scalars }))
+}
+
+/// What [`engine_states`] wrote into `checkpoint`: the caller's state (`Null` when none), the
+/// loss scaler's (`None` when the saving run had no scaler), and the optimizer's scalars merged
+/// over the saving ranks.
+///
+/// # Errors
+/// [`CheckpointError::Piece`] naming `loss_scaler` when its saved state does not parse.
+pub fn saved_engine_states(
+    checkpoint: &Checkpoint,
+) -> checkpoint::Result<(Value, Option<LossScalerState>, checkpoint::ScalarsByLogical)> {
+    let trainer = checkpoint.state();
+    let scaler = match trainer.get("loss_scaler").filter(|v| !v.is_null()) {
+        Some(saved) => Some(
+            serde_json::from_value(saved.clone())
+                .map_err(|e| CheckpointError::piece("loss_scaler", e.to_string()))?,
+        ),
+        None => None,
+    };
+    let state = trainer.get("state").cloned().unwrap_or(Value::Null);
+    Ok((state, scaler, merged_scalars(checkpoint, OPTIM_SCALARS)))
+}
 
 impl TrainStep {
     /// The data-parallel group the step averages over (`None` for one data-parallel rank).
@@ -1105,13 +1201,8 @@ impl TrainStep {
         let (optim_pieces, scalars) = map.optimizer_pieces(optim.to_record())?;
         pieces.extend(optim_pieces);
         let scaler = self.loss_scaler().map(|s| s.state());
-        let trainer = serde_json::json!({ "state": state, "loss_scaler": scaler });
-        saver.save(
-            step,
-            pieces,
-            trainer,
-            serde_json::json!({ OPTIM_SCALARS: scalars }),
-        )?;
+        let (trainer, rank) = engine_states(state, scaler, &scalars);
+        saver.save(step, pieces, trainer, rank)?;
         Ok(())
     }
 
@@ -1134,27 +1225,15 @@ impl TrainStep {
     ) -> checkpoint::Result<(M, ModuleOptimizer, Value)> {
         let map = self.param_map(&model)?;
         let model = map.load_params(model, checkpoint)?;
-        let scalars = merged_scalars(checkpoint, OPTIM_SCALARS);
+        let (state, scaler, scalars) = saved_engine_states(checkpoint)?;
         let optim = match map.load_optimizer(checkpoint, &scalars)? {
             Some(record) => optim.load_record(record),
             None => optim,
         };
-        let trainer = checkpoint.state();
-        let saved = trainer.get("loss_scaler").filter(|v| !v.is_null());
-        if let (Some(_), Some(saved)) = (&self.scaler, saved) {
-            let bad = |reason: String| CheckpointError::Piece {
-                name: "loss_scaler".into(),
-                reason,
-            };
-            let saved: LossScalerState =
-                serde_json::from_value(saved.clone()).map_err(|e| bad(e.to_string()))?;
+        if let Some(saved) = scaler {
             self.restore_loss_scaler(&saved)
-                .map_err(|e| bad(e.to_string()))?;
+                .map_err(|e| CheckpointError::piece("loss_scaler", e.to_string()))?;
         }
-        Ok((
-            model,
-            optim,
-            trainer.get("state").cloned().unwrap_or(Value::Null),
-        ))
+        Ok((model, optim, state))
     }
 }

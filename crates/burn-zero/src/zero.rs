@@ -40,10 +40,11 @@ use std::ops::Range;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, LearningRate};
 use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn_parallel::checkpoint::{self, Checkpoint, CheckpointError, Checkpointer};
 use burn_parallel::ddp::DEFAULT_BUCKET_BYTES;
 use burn_parallel::nn::TpContext;
 use burn_parallel::replica::verify_replicas_in;
-use burn_parallel::train::{StepEngine, StepOutput};
+use burn_parallel::train::{StepEngine, StepOutput, engine_states, saved_engine_states};
 use burn_parallel::{DeviceMesh, ProcessGroup, ReduceOp};
 
 use crate::clip::{clip_coefficient, sum_of_squares};
@@ -631,6 +632,22 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         ))
     }
 
+    /// The tensor-parallel context of the model ([`Self::with_tensor_parallel`]; a single rank
+    /// without).
+    fn tp_context(&self) -> TpContext {
+        self.tp
+            .as_ref()
+            .map_or_else(TpContext::single, |(tp, _)| tp.clone())
+    }
+
+    /// `(ranks holding this same shard, this rank's index among them)`: the replicas of hybrid
+    /// sharding, `(1, 0)` otherwise.
+    fn copies(&self) -> (usize, usize) {
+        self.groups
+            .replicate()
+            .map_or((1, 0), |r| (r.size(), r.rank()))
+    }
+
     /// The flat layout of the model.
     pub fn layout(&self) -> &FlatLayout {
         &self.layout
@@ -860,6 +877,74 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         }
         let flat = tensor_1d(full, &self.device).cast(self.config.precision.param_dtype);
         self.layout.unflatten(module, flat, true)
+    }
+
+    /// The whole flat space of the parameters in fp32 (the master weights under mixed
+    /// precision), gathered over the shard group: every shard rank calls it and gets the same
+    /// values, in [`Self::layout`]'s order.
+    ///
+    /// # Errors
+    /// [`ZeroError::Config`] when `module` is not the wrapped module; collective failures.
+    pub fn gather_params<M: Module>(&self, module: &M) -> Result<Vec<f32>> {
+        let shard = self.param_shard(module)?;
+        let len = shard.len();
+        let full = self
+            .groups
+            .shard()
+            .all_gather_data(TensorData::new(shard, [len]), 0)?
+            .try_into_vec::<f32>()
+            .map_err(|e| ZeroError::Config(format!("gathered parameters: {e:?}")))?;
+        if full.len() != self.layout.numel() {
+            return Err(ZeroError::Config(format!(
+                "gathered {} parameter values for a flat space of {}",
+                full.len(),
+                self.layout.numel()
+            )));
+        }
+        Ok(full)
+    }
+
+    /// `module` with its trainable parameters set to the fp32 master weights, whole (gathered
+    /// over the shard group: every shard rank calls it): the model to evaluate or export after
+    /// mixed-precision training. Frozen parameters go back to fp32 (with the values
+    /// [`Self::prepare_module`] rounded). In fp32, `module` unchanged, with no communication.
+    /// The result no longer computes in the policy's dtype: do not step it again.
+    ///
+    /// # Errors
+    /// As [`Self::gather_params`].
+    ///
+    /// # Example
+    /// ```
+    /// use burn::nn::LinearConfig;
+    /// use burn::optim::AdamWConfig;
+    /// use burn::tensor::{DType, Device};
+    /// use burn_parallel::{DistributedDataParallel, run_local};
+    /// use burn_zero::{MixedPrecision, ShardGroups, Stage, ZeroConfig, ZeroOptimizer};
+    ///
+    /// run_local(2, |group| {
+    ///     let device = Device::flex().autodiff();
+    ///     let model = LinearConfig::new(4, 3).init(&device);
+    ///     let model = DistributedDataParallel::new(group.clone()).broadcast_module(model, 0)?;
+    ///     let config = ZeroConfig::new(Stage::Two).with_precision(MixedPrecision::bf16());
+    ///     let zero = ZeroOptimizer::new(&model, ShardGroups::flat(group), config,
+    ///         AdamWConfig::new().build()).unwrap();
+    ///     let model = zero.prepare_module(model).unwrap();
+    ///     assert_eq!(model.weight.val().dtype(), DType::BF16);
+    ///     let model = zero.master_module(model).unwrap();
+    ///     assert_eq!(model.weight.val().dtype(), DType::F32);
+    ///     Ok(())
+    /// })
+    /// .unwrap();
+    /// ```
+    pub fn master_module<M: Module>(&self, module: M) -> Result<M> {
+        if self.master.is_none() {
+            return Ok(module);
+        }
+        let full = tensor_1d(self.gather_params(&module)?, &self.device);
+        Ok(cast_frozen(
+            self.layout.unflatten(module, full, true)?,
+            DType::F32,
+        ))
     }
 
     /// Adds one micro-step's gradients, summed in fp32: locally into the full flat gradient at
@@ -1514,7 +1599,10 @@ pub(crate) fn paths_where<M: Module>(
 /// backpropagated and its gradients [accumulated](ZeroOptimizer::accumulate) (ZeRO averages
 /// the micro-batches itself), then [`ZeroOptimizer::step`] reduces, clips and updates. Call
 /// [`ZeroOptimizer::prepare_module`] on the model first (it casts the model to the compute
-/// dtype of the precision policy).
+/// dtype of the precision policy). Its checkpoints ([`StepEngine::save`]) hold the flat
+/// space's parameters and state under the logical names, which any engine and layout load;
+/// parameters outside the flat space (frozen, or left out by [`ZeroOptimizer::new_excluding`])
+/// are neither saved nor loaded here: the model's build gives them.
 impl<M, O, E> StepEngine<M, E> for ZeroOptimizer<O>
 where
     M: Module,
@@ -1550,5 +1638,77 @@ where
                 skipped: info.skipped,
             },
         ))
+    }
+
+    /// The shard's fp32 parameters (the master weights under mixed precision) and AdamW state
+    /// as [`Self::checkpoint_params`] and [`Self::checkpoint_state`] give them, the replicas of
+    /// hybrid sharding sharing the writing; the loss scaler and `state` as every engine saves
+    /// them ([`burn_parallel::train::engine_states`]).
+    fn save(
+        &self,
+        saver: &mut Checkpointer,
+        step: usize,
+        model: &M,
+        state: serde_json::Value,
+    ) -> checkpoint::Result<()> {
+        let (tp, copies) = (self.tp_context(), self.copies());
+        let mut pieces = self
+            .checkpoint_params(model, &tp, copies)
+            .map_err(into_checkpoint)?;
+        let (more, scalars) = self
+            .checkpoint_state(&tp, copies)
+            .map_err(into_checkpoint)?;
+        pieces.extend(more);
+        let scaler = self.scaler().map(LossScaler::state);
+        let (trainer, rank) = engine_states(state, scaler, &scalars);
+        saver.save(step, pieces, trainer, rank)?;
+        Ok(())
+    }
+
+    /// The whole model's fp32 parameters into the master shard and `model` (in the compute
+    /// dtype), this shard's optimizer state, and the loss scaler, from a checkpoint of any
+    /// engine and layout; the checkpoint must hold the model's logical parameters
+    /// ([`CheckpointError::Mismatch`] lists what differs).
+    fn load(
+        &mut self,
+        checkpoint: &Checkpoint,
+        model: M,
+    ) -> checkpoint::Result<(M, serde_json::Value)> {
+        let tp = self.tp_context();
+        let mut expected =
+            crate::dcp::logical_shapes(&tp, "", &self.layout).map_err(into_checkpoint)?;
+        // Missing and reshaped parameters are refused; what else the checkpoint holds
+        // (optimizer state, checked as it is read; parameters outside the flat space) is not
+        // this engine's.
+        let known: std::collections::HashSet<String> =
+            expected.iter().map(|(n, _)| n.clone()).collect();
+        for (name, t) in &checkpoint.manifest().tensors {
+            if !known.contains(name) {
+                expected.push((name.clone(), t.shape.clone()));
+            }
+        }
+        checkpoint.check(expected.iter().map(|(n, s)| (n.as_str(), s.as_slice())))?;
+        let model = self
+            .load_checkpoint_params(model, checkpoint, &tp)
+            .map_err(into_checkpoint)?;
+        let (state, scaler, scalars) = saved_engine_states(checkpoint)?;
+        self.load_checkpoint_state(checkpoint, &tp, &scalars)
+            .map_err(into_checkpoint)?;
+        if let Some(saved) = scaler {
+            self.restore_loss_scaler(&saved)
+                .map_err(|e| CheckpointError::piece("loss_scaler", e.to_string()))?;
+        }
+        Ok((model, state))
+    }
+}
+
+/// A ZeRO error met while saving or loading a checkpoint, as the checkpoint error it is: the
+/// checkpoint's and collective errors as they are, the others (a foreign module, a state that
+/// does not fit) naming the flat space.
+fn into_checkpoint(e: ZeroError) -> CheckpointError {
+    match e {
+        ZeroError::Checkpoint(e) => e,
+        ZeroError::Collective(e) => CheckpointError::Collective(e),
+        other => CheckpointError::piece("the ZeRO flat space", other.to_string()),
     }
 }

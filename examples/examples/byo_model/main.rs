@@ -21,6 +21,8 @@
 //! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4 --zero 1
 //! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4 --steps 50 --save /tmp/ck
 //! cargo run --release -p examples --example byo_model -- --layout fsdp --ranks 2 --steps 100 --resume /tmp/ck
+//! cargo run --release -p examples --example byo_model -- --layout ddp --ranks 2 --zero 2 --steps 50 --save /tmp/z
+//! cargo run --release -p examples --example byo_model -- --layout tp --ranks 2 --steps 100 --resume /tmp/z
 //! cargo run --release -p examples --example byo_model -- --all --ranks 4 --steps 20
 //! ```
 //!
@@ -333,12 +335,10 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
              drop --zero or pick one of those layouts",
         ));
     }
-    if (args.save.is_some() || args.resume.is_some())
-        && (args.zero.is_some() || args.layout == Layout::Pp)
-    {
+    if (args.save.is_some() || args.resume.is_some()) && args.layout == Layout::Pp {
         return Err(invalid(
             &world,
-            "--save and --resume go through TrainStep: not with --zero or --layout pp yet",
+            "--save and --resume go through the step engines: not with --layout pp yet",
         ));
     }
     if args.layout == Layout::Pp {
@@ -424,24 +424,11 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
             .with_precision(MixedPrecision::f16())
             .with_loss_scaler(LossScaler::new(65536.0)),
     };
-    let mut optim = AdamWConfig::new().with_weight_decay(0.01).init();
-    let checkpoint_error = |e: burn_parallel::checkpoint::CheckpointError| invalid(&world, e);
-    let mut first = 0;
-    if let Some(dir) = &args.resume {
-        let Some(checkpoint) = Checkpointer::latest(dir).map_err(checkpoint_error)? else {
-            return Err(invalid(
-                &world,
-                format!("no complete checkpoint under {}", dir.display()),
-            ));
-        };
-        (model, optim, _) = step
-            .load(&checkpoint, model, optim)
-            .map_err(checkpoint_error)?;
-        first = checkpoint.step();
-    }
+    let optim = AdamWConfig::new().with_weight_decay(0.01).init();
     // The engine: the library's step with AdamW, or ZeRO-1/2 (`--zero`), which owns the
-    // reduction over the same ranks, the clipping and the precision policy. One loop for both.
-    let mut trainer = Trainer::new(step.clone(), optim);
+    // reduction over the same ranks, the clipping and the precision policy. One loop for both,
+    // and one checkpoint format: either resumes what the other saved, under any layout.
+    let mut trainer = Trainer::new(step, optim);
     let mut zero = match args.zero {
         Some(stage) => {
             let zero = zero_engine(&model, &reduce, stage, args).map_err(|e| invalid(&world, e))?;
@@ -454,6 +441,18 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
         Some(zero) => zero,
         None => &mut trainer,
     };
+    let checkpoint_error = |e: burn_parallel::checkpoint::CheckpointError| invalid(&world, e);
+    let mut first = 0;
+    if let Some(dir) = &args.resume {
+        let Some(checkpoint) = Checkpointer::latest(dir).map_err(checkpoint_error)? else {
+            return Err(invalid(
+                &world,
+                format!("no complete checkpoint under {}", dir.display()),
+            ));
+        };
+        (model, _) = engine.load(&checkpoint, model).map_err(checkpoint_error)?;
+        first = checkpoint.step();
+    }
     let mut losses = Vec::new();
     for s in first..args.steps {
         let first = dp.rank() * rows;
@@ -475,14 +474,9 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
     }
     if let Some(dir) = &args.save {
         let mut saver = Checkpointer::new(dir, 1, &world).map_err(checkpoint_error)?;
-        step.save(
-            &mut saver,
-            args.steps,
-            &model,
-            &trainer.optim,
-            serde_json::Value::Null,
-        )
-        .map_err(checkpoint_error)?;
+        engine
+            .save(&mut saver, args.steps, &model, serde_json::Value::Null)
+            .map_err(checkpoint_error)?;
     }
     Ok(losses)
 }

@@ -23,11 +23,11 @@ use std::process::ExitCode;
 
 use burn_moe::{Capacity, DropPolicy, ExpertKind, MoeConfig};
 use burn_parallel::mfu::{Math, Mfu, peak_tflops};
-use burn_parallel::{CollectiveError, DeviceMesh, ProcessGroup, run_local};
+use burn_parallel::{CollectiveError, ProcessGroup, run_local};
 use burn_pipeline::generators::generate;
 use burn_pipeline::simulate::{Costs, simulate};
 use burn_pipeline::trace::Timeline;
-use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroError};
+use burn_zero::Stage;
 use clap::{Parser, ValueEnum};
 use examples::data::Corpus;
 use examples::gpt::{MlpKind, PositionKind};
@@ -36,7 +36,6 @@ use examples::train::{
     TrainDevice, TrainReport, train_gpt_checkpointed,
 };
 use examples::train_checkpoint::CheckpointOptions;
-use examples::train_zero::{ZeroReport, ZeroRunOptions, memory_line, train_gpt_zero};
 use indicatif::{ProgressBar, ProgressStyle};
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
@@ -175,6 +174,10 @@ struct Args {
     /// and reduce-scatter it once per step (one block-sized buffer per block).
     #[arg(long, requires = "zero")]
     no_sync: bool,
+    /// With --zero 1|2: keep the optimizer state and its update in host memory (DeepSpeed's
+    /// offload_optimizer), leaving the device the model, its gradients and the compute.
+    #[arg(long, requires = "zero")]
+    offload: bool,
     /// Clip the global norm of the averaged gradient to this value.
     #[arg(long)]
     clip: Option<f64>,
@@ -193,9 +196,13 @@ struct Args {
     #[arg(long)]
     unfused: bool,
     /// Arithmetic of the forward and backward: f32, or bf16 / fp16 (loss-scaled) with fp32
-    /// master weights and optimizer state (data and tensor parallelism).
+    /// master weights and optimizer state (data, tensor, ZeRO and FSDP parallelism).
     #[arg(long, value_enum)]
     precision: Option<PrecisionArg>,
+    /// With --precision bf16: average the gradients in fp32 (twice the bytes, no bf16
+    /// rounding of the sums; fp16 always does).
+    #[arg(long, requires = "precision")]
+    reduce_fp32: bool,
     /// Dynamic loss scaling from this scale (with `--precision fp16` the default is 65536):
     /// an overflowing step is skipped and halves it.
     #[arg(long)]
@@ -334,6 +341,7 @@ fn config_from(args: &Args) -> Result<TrainConfig, String> {
             PrecisionArg::Fp16 => Precision::Fp16,
         })
     );
+    c.reduce_fp32 |= args.reduce_fp32;
     if let Some(initial) = args.loss_scale {
         let default = LossScale::default();
         c.loss_scale = Some(LossScale {
@@ -532,7 +540,8 @@ fn run_rank(
     if let (true, Ok(report)) = (profile && lead, &report) {
         print_profile(&phases, report.step_seconds, config.steps.saturating_sub(1));
     }
-    // FSDP: every rank prints the memory of its units, in rank order.
+    // ZeRO and FSDP: every rank prints its memory (shards, gradients, optimizer state, gathered
+    // units), in rank order.
     if let Ok(TrainReport {
         memory: Some(memory),
         ..
@@ -540,7 +549,7 @@ fn run_rank(
     {
         for r in 0..group.size() {
             if r == group.rank() {
-                println!("{}", memory_line(r, memory));
+                println!("[rank {r}] zero memory: {}", memory.summary());
             }
             group.barrier()?;
         }
@@ -637,7 +646,6 @@ fn main() -> ExitCode {
         }
     };
     let checkpoints = args.checkpoint.options();
-    let starts_from = checkpoints.active() || checkpoints.init_from_hf.is_some();
     // The pipeline and DiLoCo trainers compute in fp32 only: refused, never silently ignored.
     let diloco = args.diloco.run(train_device(&args));
     let mixed = match (config.precision, config.loss_scale) {
@@ -656,8 +664,8 @@ fn main() -> ExitCode {
     if let Some(run) = diloco {
         return run_diloco(&args, &config, &corpus, &run, &checkpoints);
     }
-    // A GPT-MoE under ZeRO/FSDP trains in the layout-generic trainer below (experts out of
-    // ZeRO-1/2's flat space, whole in the FSDP units), not in burn-zero's engines.
+    // A GPT-MoE trains in the layout-generic trainer below (under ZeRO-1/2 its experts stay
+    // out of the flat space, under FSDP whole in the units); the pipeline has no MoE stages.
     let moe = config.model.moe.is_some();
     if moe && args.pipeline.pp > 1 {
         let refused = MoeLayoutError::Unsupported {
@@ -688,17 +696,6 @@ fn main() -> ExitCode {
         eprintln!("error: --prefetch and --no-sync are options of FSDP: use them with --zero 3");
         return ExitCode::from(2);
     }
-    // ZeRO-1/2 on their own run burn-zero's engine; with tensor parallelism, and FSDP (stage
-    // 3) always, in the layout-generic trainer below.
-    if let Some(stage) = args.zero
-        && stage < 3
-        && args.tp == 1
-        && args.cp == 1
-        && !moe
-        && !starts_from
-    {
-        return run_zero(&args, &config, &corpus, stage as usize);
-    }
     let zero = match args
         .zero
         .map(|s| Stage::from_number(s as usize))
@@ -717,6 +714,7 @@ fn main() -> ExitCode {
         replicate: args.hybrid.unwrap_or(1),
         prefetch: args.prefetch,
         no_sync: args.no_sync,
+        offload: args.offload,
         device: train_device(&args),
         cp: args.cp,
         cp_kind: args.cp_kind,
@@ -938,107 +936,6 @@ fn print_report(report: &TrainReport, corpus: &Corpus) {
         corpus.unigram_entropy_nats(),
     );
     println!("sample:\n{}", report.sample);
-}
-
-/// `--zero 1|2` without `--tp`: trains with burn-zero's sharded optimizer engine and prints
-/// every rank's memory.
-fn run_zero(args: &Args, config: &TrainConfig, corpus: &Corpus, stage: usize) -> ExitCode {
-    let zero = match Stage::from_number(stage) {
-        // burn-zero's engines keep fp32 master shards and reduce in the policy's dtype.
-        Ok(stage) => ZeroConfig::new(stage)
-            .with_max_grad_norm(args.clip)
-            .with_precision(config.precision.policy())
-            .with_loss_scaler(config.loss_scaler()),
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    let run = |world: ProcessGroup| -> burn_parallel::Result<Option<ZeroReport>> {
-        let lead = world.rank() == 0;
-        if lead {
-            print_header(
-                config,
-                world.size(),
-                world.backend(),
-                corpus,
-                &Parallelism::default(),
-            );
-            let layout = match args.hybrid {
-                Some(r) => format!("hybrid: {r} replicas x {} shards", world.size() / r.max(1)),
-                None => format!("{} shards", world.size()),
-            };
-            println!("ZeRO stage {stage}, {layout}");
-        }
-        let groups = match args.hybrid {
-            None => ShardGroups::flat(world.clone()),
-            Some(r) => {
-                if r == 0 || !world.size().is_multiple_of(r) {
-                    return Err(invalid(
-                        &world,
-                        format!("--hybrid {r} must divide the {} ranks", world.size()),
-                    ));
-                }
-                let mesh = DeviceMesh::new(
-                    &world,
-                    &[("dp_replicate", r), ("dp_shard", world.size() / r)],
-                )
-                .map_err(|e| invalid(&world, e.to_string()))?;
-                ShardGroups::hybrid(&mesh).map_err(|e| invalid(&world, e.to_string()))?
-            }
-        };
-        let options = ZeroRunOptions {
-            final_params: args.params_out.is_some(),
-            device: train_device(args),
-            ..Default::default()
-        };
-        let report =
-            train_gpt_zero(&groups, config, &zero, corpus, &options).map_err(|e| match e {
-                ZeroError::Collective(c) => c,
-                other => invalid(&world, other.to_string()),
-            })?;
-        // Every rank prints its own memory figures, in rank order.
-        for r in 0..world.size() {
-            if r == world.rank() {
-                println!("{}", memory_line(r, &report.memory));
-            }
-            world.barrier()?;
-        }
-        Ok(lead.then_some(report))
-    };
-    let outcome = match args.backend {
-        Backend::Local => run_local(args.ranks, run).map(|mut r| r.swap_remove(0)),
-        Backend::Tcp | Backend::Nccl | Backend::Mpi => on_world(args.backend, run),
-    };
-    match outcome {
-        Ok(None) => ExitCode::SUCCESS,
-        Ok(Some(report)) => {
-            for (step, loss) in report.losses.iter().enumerate() {
-                if step.is_multiple_of(args.log_every.max(1)) || step + 1 == report.losses.len() {
-                    println!("step {step:>5}  loss {loss:.4}");
-                }
-            }
-            println!(
-                "final train loss {:.4}, {:.3} s/step, {} parameters",
-                report.losses.last().copied().unwrap_or(f64::NAN),
-                report.step_seconds,
-                report.num_params
-            );
-            write_outputs(args, &report.losses, &report.final_params)
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-fn invalid(world: &ProcessGroup, reason: String) -> CollectiveError {
-    CollectiveError::InvalidArgument {
-        rank: world.global_rank(),
-        op: "gpt --zero".into(),
-        reason,
-    }
 }
 
 /// `--losses-out` and `--params-out`: the per-step losses as a JSON list, then the trained

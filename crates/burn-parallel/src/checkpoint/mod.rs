@@ -131,7 +131,8 @@ impl CheckpointError {
             source,
         }
     }
-    fn piece(name: &str, reason: impl Into<String>) -> Self {
+    /// [`Self::Piece`]: tensor or state `name` cannot be written or read, for `reason`.
+    pub fn piece(name: &str, reason: impl Into<String>) -> Self {
         Self::Piece {
             name: name.to_string(),
             reason: reason.into(),
@@ -437,6 +438,33 @@ fn prune(group: &ProcessGroup, root: &Path, keep: usize) -> Result<()> {
     Ok(())
 }
 
+/// `pieces` with consecutive pieces of one tensor joined where their regions are one: the same
+/// box, adjacent flat ranges, the same dtype (a flat shard cuts a tensor-parallel shard padded
+/// along a later dimension into one piece per row, which together are one region of the
+/// logical tensor).
+fn coalesce(pieces: Vec<Piece>) -> Vec<Piece> {
+    let mut out: Vec<Piece> = Vec::with_capacity(pieces.len());
+    for p in pieces {
+        if let Some(last) = out.last_mut()
+            && last.name == p.name
+            && last.region.shape == p.region.shape
+            && last.region.bounds == p.region.bounds
+            && last.region.flat.end == p.region.flat.start
+            && last.data.dtype() == p.data.dtype()
+        {
+            let dtype = p.data.dtype();
+            let numel = last.data.num_elements() + p.data.num_elements();
+            let mut bytes = last.data.as_bytes().to_vec();
+            bytes.extend_from_slice(p.data.as_bytes());
+            last.data = TensorData::from_bytes_vec(bytes, vec![numel], dtype);
+            last.region.flat.end = p.region.flat.end;
+            continue;
+        }
+        out.push(p);
+    }
+    out
+}
+
 /// Writes one checkpoint directory (collective over `group`).
 fn save_dir(
     group: &ProcessGroup,
@@ -456,6 +484,7 @@ fn save_dir(
         }
     }
     group.barrier()?;
+    let pieces = coalesce(pieces);
     let mut names = std::collections::HashSet::new();
     for p in &pieces {
         if !names.insert(p.name.clone()) {

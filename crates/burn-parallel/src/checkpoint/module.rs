@@ -67,31 +67,28 @@ pub struct Segment {
 }
 
 impl Segment {
-    /// The part of the segment that lies in flat range `range` of the local parameter. The
-    /// local region must be a prefix of the parameter (a whole parameter, or one padded along
-    /// its first dimension).
-    fn restrict(&self, range: Range<usize>) -> std::result::Result<Option<Segment>, String> {
-        let runs = self.local.runs();
-        let prefix = match runs.as_slice() {
-            [] => 0,
-            [r] if r.start == 0 => r.end,
-            _ => {
-                return Err(format!(
-                    "{} is cut by a flat shard but its local region {:?} is not a prefix of the \
-                     parameter (tensor-parallel padding along a dimension other than the first)",
-                    self.logical, self.local.bounds
-                ));
+    /// The parts of the segment that lie in flat range `range` of the local parameter, each
+    /// with the local position of its first element: one part per contiguous run of the local
+    /// region in the range (a whole parameter, or one padded along its first dimension, is one
+    /// run; tensor-parallel padding along another dimension leaves one run per row).
+    fn restrict(&self, range: Range<usize>) -> std::result::Result<Vec<(Segment, usize)>, String> {
+        let mut cuts = Vec::new();
+        // Elements of the segment before the current run, in the segment's order.
+        let mut before = 0;
+        for run in self.local.runs() {
+            let (a, b) = (range.start.max(run.start), range.end.min(run.end));
+            if a < b {
+                let part = before + (a - run.start)..before + (b - run.start);
+                let cut = Segment {
+                    logical: self.logical.clone(),
+                    region: self.region.flat_part(part.clone())?,
+                    local: self.local.flat_part(part)?,
+                };
+                cuts.push((cut, a));
             }
-        };
-        let (a, b) = (range.start.min(prefix), range.end.min(prefix));
-        if a >= b {
-            return Ok(None);
+            before += run.len();
         }
-        Ok(Some(Segment {
-            logical: self.logical.clone(),
-            region: self.region.flat_part(a..b)?,
-            local: self.local.flat_part(a..b)?,
-        }))
+        Ok(cuts)
     }
 
     /// Part `index` of `parts` equal flat parts of the segment (the share of one of `parts`
@@ -799,15 +796,14 @@ fn flat_segments(
         if lo >= hi {
             continue;
         }
-        let Some(cut) = segment.restrict(lo - part.offset..hi - part.offset)? else {
-            continue;
-        };
-        // Where the cut's elements lie in the 1-D shard.
-        let at = part.offset + cut.local.flat.start - segment.local.flat.start - flat.range.start;
-        segments.push(Segment {
-            local: Region::full(&shard).flat_part(at..at + cut.local.numel())?,
-            ..cut
-        });
+        for (cut, first) in segment.restrict(lo - part.offset..hi - part.offset)? {
+            // Where the cut's elements lie in the 1-D shard.
+            let at = part.offset + first - flat.range.start;
+            segments.push(Segment {
+                local: Region::full(&shard).flat_part(at..at + cut.local.numel())?,
+                ..cut
+            });
+        }
     }
     Ok((segments, shapes))
 }
@@ -951,5 +947,89 @@ fn scatter(bytes: &mut [u8], dtype: DType, local: &Region, values: &[u8]) {
         let n = r.len() * size;
         bytes[r.start * size..r.start * size + n].copy_from_slice(&values[at..at + n]);
         at += n;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tensor-parallel shard padded along its last dimension (local `[2, 3]`, of which
+    /// `[0..2, 0..2]` is real: columns 2..4 of a logical `[2, 4]`) cut by a flat shard: one part
+    /// per row in the range, at the row's local position, padding left out (before, a typed
+    /// error: ZeRO-1/2 and FSDP could not checkpoint such a parameter).
+    #[test]
+    fn a_flat_shard_cuts_a_shard_padded_along_its_last_dimension_row_by_row() {
+        let segment = Segment {
+            logical: "w".into(),
+            region: Region {
+                shape: vec![2, 4],
+                bounds: vec![0..2, 2..4],
+                flat: 0..4,
+            },
+            local: Region {
+                shape: vec![2, 3],
+                bounds: vec![0..2, 0..2],
+                flat: 0..4,
+            },
+        };
+        // Local positions 1..5: the second element of row 0, then row 1 (3..5).
+        let cuts = segment.restrict(1..5).unwrap();
+        let parts: Vec<_> = cuts
+            .iter()
+            .map(|(cut, first)| (cut.region.flat.clone(), cut.local.flat.clone(), *first))
+            .collect();
+        assert_eq!(parts, vec![(1..2, 1..2, 1), (2..4, 2..4, 3)]);
+        // The padding (local position 2) alone: nothing.
+        assert!(segment.restrict(2..3).unwrap().is_empty());
+        // An unpadded parameter is one run: one part, as before.
+        let whole = Segment {
+            logical: "b".into(),
+            region: Region::full(&[2, 2]),
+            local: Region::full(&[2, 2]),
+        };
+        let cuts = whole.restrict(1..4).unwrap();
+        assert_eq!(cuts.len(), 1);
+        assert_eq!((cuts[0].0.region.flat.clone(), cuts[0].1), (1..4, 1));
+    }
+
+    /// The row pieces of such a cut are one region of the logical tensor: the save joins
+    /// consecutive pieces of one box with adjacent flat ranges into one piece per tensor and
+    /// rank (what the checkpoint format holds), and leaves the others alone.
+    #[test]
+    fn adjacent_pieces_of_one_region_are_saved_as_one() {
+        let piece = |name: &str, flat: Range<usize>, values: Vec<f32>| {
+            let region = Region {
+                shape: vec![2, 4],
+                bounds: vec![0..2, 2..4],
+                flat,
+            };
+            let n = values.len();
+            Piece::new(name, region, TensorData::new(values, [n])).unwrap()
+        };
+        let joined = crate::checkpoint::coalesce(vec![
+            piece("w", 0..1, vec![1.0]),
+            piece("w", 1..4, vec![2.0, 3.0, 4.0]),
+            piece("v", 0..2, vec![5.0, 6.0]),
+            piece("v", 3..4, vec![7.0]),
+        ]);
+        let summary: Vec<_> = joined
+            .iter()
+            .map(|p| {
+                (
+                    p.name.as_str(),
+                    p.region.flat.clone(),
+                    p.data.to_vec::<f32>().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            summary,
+            vec![
+                ("w", 0..4, vec![1.0, 2.0, 3.0, 4.0]),
+                ("v", 0..2, vec![5.0, 6.0]),
+                ("v", 3..4, vec![7.0]),
+            ]
+        );
     }
 }
