@@ -466,5 +466,8 @@ fn precision_under_an_unsupported_layout_is_a_clear_error() {
         ..zero(Stage::Three, 1, false)
     };
     let err = offload.validate(&config(), 2).unwrap_err();
-    assert!(err.contains("--offload") && err.contains("--zero 2"), "{err}");
+    assert!(
+        err.contains("--offload") && err.contains("--zero 2"),
+        "{err}"
+    );
 }

@@ -1019,7 +1019,7 @@ mod tests {
                 (
                     p.name.as_str(),
                     p.region.flat.clone(),
-                    p.data.to_vec::<f32>().unwrap(),
+                    p.data.try_to_vec::<f32>().unwrap(),
                 )
             })
             .collect();
