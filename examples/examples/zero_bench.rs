@@ -2,8 +2,9 @@
 //! `<target>/zero_bench.json` (`$CARGO_TARGET_DIR`, else the workspace's `target/`).
 //!
 //! 1. **Step time at N=2**: the same GPT and global batch trained with plain DDP
-//!    (`examples::train::train_gpt`), with ZeRO stages 1 and 2 (`burn-zero`'s engine) and with
-//!    stage 3 (FSDP, `examples::train`), ranks as threads on the `flex` CPU backend; mean
+//!    (`examples::train::train_gpt`), with ZeRO stages 1 and 2 (`burn-zero`'s `ZeroOptimizer`)
+//!    and stage 3 (FSDP), all in the layout-generic trainer (`examples::train`, as
+//!    `gpt --zero N`), ranks as threads on the `flex` CPU backend; mean
 //!    seconds per step (first step excluded) and the ratio to DDP, all from one run of this
 //!    program (the machine is noisy: compare ratios, not absolute times across runs).
 //! 2. **Largest width under a memory cap at N=4**: for DDP and each stage, the widest GPT
