@@ -1675,8 +1675,17 @@ where
         model: M,
     ) -> checkpoint::Result<(M, serde_json::Value)> {
         let tp = self.tp_context();
-        let mut expected =
-            crate::dcp::logical_shapes(&tp, "", &self.layout).map_err(into_checkpoint)?;
+        // The flat space's logical parameters, under their checkpoint names
+        // ([`ZeroOptimizer::with_logical_names`]) and full shapes.
+        let mut expected: Vec<(String, Vec<usize>)> = Vec::new();
+        for segment in self
+            .segments(&tp, 0..self.layout.numel())
+            .map_err(into_checkpoint)?
+        {
+            if !expected.iter().any(|(name, _)| *name == segment.logical) {
+                expected.push((segment.logical, segment.region.shape));
+            }
+        }
         // Missing and reshaped parameters are refused; what else the checkpoint holds
         // (optimizer state, checked as it is read; parameters outside the flat space) is not
         // this engine's.
