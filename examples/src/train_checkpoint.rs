@@ -137,8 +137,8 @@ pub(crate) fn save_after(
     }
 }
 
-/// Name of the optimizer scalars in each rank's state.
-pub(crate) const OPTIM_SCALARS: &str = "optim_scalars";
+/// Name of the optimizer scalars in each rank's state (the step engines' key).
+pub(crate) use burn_parallel::train::OPTIM_SCALARS;
 
 /// Name of the dropout layers' call counters in each rank's state.
 pub(crate) const DROPOUT_CALLS: &str = "dropout_calls";
@@ -321,24 +321,17 @@ pub(crate) fn restore_dropout(
 
 /// Key of the loss scaler's state ([`LossScalerState`], `null` without a scaler) in the trainer
 /// state, whichever engine saved it.
-pub const LOSS_SCALER: &str = "loss_scaler";
+pub use burn_parallel::train::LOSS_SCALER;
 
 /// The loss scaler's state saved in `checkpoint`'s trainer state (`None`: saved without one).
 ///
 /// # Errors
-/// A state that does not read as [`LossScalerState`].
+/// A state that does not read as [`LossScalerState`], naming the checkpoint.
 pub(crate) fn saved_loss_scaler(
     checkpoint: &Checkpoint,
 ) -> Result<Option<LossScalerState>, String> {
-    match checkpoint.state().get(LOSS_SCALER) {
-        None | Some(serde_json::Value::Null) => Ok(None),
-        Some(v) => serde_json::from_value(v.clone()).map(Some).map_err(|e| {
-            format!(
-                "{}: the loss scaler's state {v} is not readable ({e})",
-                checkpoint.dir().display()
-            )
-        }),
-    }
+    burn_parallel::train::saved_loss_scaler(checkpoint)
+        .map_err(|e| format!("{}: {e}", checkpoint.dir().display()))
 }
 
 /// Opens the checkpoint to resume from: `path` itself, or the newest complete one under it.

@@ -1056,7 +1056,25 @@ fn scale_grads<M: Module>(model: &M, grads: GradientsParams, scale: f32) -> Grad
 // ---- checkpoints that outlive the layout ----
 
 /// The rank-state key under which an engine's checkpoint keeps each rank's optimizer scalars.
-const OPTIM_SCALARS: &str = "optim_scalars";
+pub const OPTIM_SCALARS: &str = "optim_scalars";
+
+/// The trainer-state key of the loss scaler's state ([`LossScalerState`], `null` without a
+/// scaler) in an engine's checkpoint.
+pub const LOSS_SCALER: &str = "loss_scaler";
+
+/// The loss scaler's state saved in `checkpoint`'s trainer state under [`LOSS_SCALER`]
+/// (`None`: the saving run had no scaler).
+///
+/// # Errors
+/// [`CheckpointError::Piece`] naming `loss_scaler` when the state does not parse.
+pub fn saved_loss_scaler(checkpoint: &Checkpoint) -> checkpoint::Result<Option<LossScalerState>> {
+    match checkpoint.state().get(LOSS_SCALER) {
+        None | Some(Value::Null) => Ok(None),
+        Some(saved) => serde_json::from_value(saved.clone())
+            .map(Some)
+            .map_err(|e| CheckpointError::piece(LOSS_SCALER, e.to_string())),
+    }
+}
 
 /// The manifest's trainer state and this rank's state of an engine's checkpoint
 /// ([`StepEngine::save`]): the caller's `state`, the loss scaler's (`None`: the run has no
@@ -1084,7 +1102,7 @@ pub fn engine_states(
     scaler: Option<LossScalerState>,
     scalars: &impl serde::Serialize,
 ) -> (Value, Value) {
-    let trainer = serde_json::json!({ "state": state, "loss_scaler": scaler });
+    let trainer = serde_json::json!({ "state": state, LOSS_SCALER: scaler });
     (trainer, serde_json::json!({ OPTIM_SCALARS: scalars }))
 }
 
@@ -1097,15 +1115,12 @@ pub fn engine_states(
 pub fn saved_engine_states(
     checkpoint: &Checkpoint,
 ) -> checkpoint::Result<(Value, Option<LossScalerState>, checkpoint::ScalarsByLogical)> {
-    let trainer = checkpoint.state();
-    let scaler = match trainer.get("loss_scaler").filter(|v| !v.is_null()) {
-        Some(saved) => Some(
-            serde_json::from_value(saved.clone())
-                .map_err(|e| CheckpointError::piece("loss_scaler", e.to_string()))?,
-        ),
-        None => None,
-    };
-    let state = trainer.get("state").cloned().unwrap_or(Value::Null);
+    let scaler = saved_loss_scaler(checkpoint)?;
+    let state = checkpoint
+        .state()
+        .get("state")
+        .cloned()
+        .unwrap_or(Value::Null);
     Ok((state, scaler, merged_scalars(checkpoint, OPTIM_SCALARS)))
 }
 
