@@ -23,6 +23,15 @@
 #            f32 spikes), f32, bf16, and bf16 with the products on CubeCL: the loss curves side
 #            by side and each run's validation loss (does bf16 diverge where f32 does not?).
 #   plain    vs_torch.py with plain Burn beside (`--plain-burn`), GPT-2 small's shape, f32.
+#   layouts  the precision policy under every layout of the trainer (issue 26), thread ranks
+#            sharing the GPU, the default shape, 20 steps: bf16 on one device, under ZeRO-1,
+#            ZeRO-2 with fp32 reduction, FSDP, tp 2 + SP and pp 2 against fp32; fp16 (dynamic
+#            loss scaling) on one device and pp 2; and each pipeline against the single device
+#            in its precision on the same micro-batches (--grad-accum 4).
+#   ws1      step time at world size 1 (GPT-2 small's shape, bf16, 12 steps): no backend,
+#            `--backend tcp`, `--backend nccl` (one process, RANK 0 of 1); then DDP over 2
+#            processes on cuda:0 through `--backend tcp` (device tensors, host transport):
+#            the baselines of issue 27.
 set -u
 out=${1:?usage: gpu_bench.sh OUTDIR [SECTION ...]}
 shift
@@ -44,7 +53,7 @@ run() { # name limit command...
   timeout "$limit" "$@" >"$out/logs/$name.log" 2>&1
   local rc=$?
   note "$name: rc $rc, $((SECONDS - start)) s: ${*#env }"
-  grep -aE "tokens/s|ratio|profile|ms/step|^ +[a-z].*ms|MFU|mfu|^ *(gpt2|default)|error|panicked|warning" \
+  grep -aE "tokens/s|ratio|profile|ms/step|^ +[a-z].*ms|MFU|mfu|^ *(gpt2|default)|error|panicked|warning|loss scaling" \
     "$out/logs/$name.log" | grep -av "^step" | cut -c1-400 | tail -30 >>"$sum"
 }
 
@@ -110,6 +119,44 @@ print("step " + " ".join(f"{t:>9}" for t in curves))
 for i in range(max(map(len, curves.values()), default=0)):
     print(f"{i:4} " + " ".join(f"{c[i]:9.4f}" if i < len(c) else " " * 9 for c in curves.values()))
 PY
+      ;;
+    layouts)
+      lay() { # tag ranks precision flags...
+        local tag=$1 ranks=$2 prec=$3; shift 3
+        run "lay_$tag" 120 "$GPT" --device cuda --ranks "$ranks" --precision "$prec" --steps 20 \
+          --log-every 100 --losses-out "$out/logs/losses_lay_$tag.json" \
+          --params-out "$out/logs/params_lay_$tag.json" "$@"
+      }
+      lay f32 1 f32
+      lay bf16 1 bf16
+      lay bf16_zero1 2 bf16 --zero 1
+      lay bf16_zero2_reduce_fp32 2 bf16 --zero 2 --reduce-fp32
+      lay bf16_fsdp 2 bf16 --zero 3
+      lay bf16_tp2_sp 2 bf16 --tp 2 --sp
+      lay bf16_pp2 2 bf16 --pp 2
+      lay bf16_accum4 1 bf16 --grad-accum 4
+      lay fp16 1 fp16
+      lay fp16_pp2 2 fp16 --pp 2
+      lay fp16_accum4 1 fp16 --grad-accum 4
+      note "against fp32 on one device"
+      compare lay_f32 lay_bf16 lay_bf16_zero1 lay_bf16_zero2_reduce_fp32 lay_bf16_fsdp \
+        lay_bf16_tp2_sp lay_bf16_pp2 lay_fp16 lay_fp16_pp2
+      note "pp 2 against one device in the same precision on the same micro-batches"
+      compare lay_bf16_accum4 lay_bf16_pp2
+      compare lay_fp16_accum4 lay_fp16_pp2
+      ;;
+    ws1)
+      W1="--device cuda --precision bf16 $G2 --steps 12 --log-every 100"
+      export MASTER_ADDR=127.0.0.1 LOCAL_RANK=0
+      run ws1_local 120 "$GPT" --ranks 1 $W1
+      run ws1_tcp 120 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29611 "$GPT" --backend tcp $W1
+      run ws1_nccl 120 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29612 "$GPT" --backend nccl $W1
+      # Two processes on one GPU over TCP: DDP with device tensors and a host transport.
+      start=$SECONDS
+      RANK=1 WORLD_SIZE=2 MASTER_PORT=29613 timeout 150 "$GPT" --backend tcp $W1 \
+        >"$out/logs/ws2_tcp_rank1.log" 2>&1 &
+      run ws2_tcp 150 env RANK=0 WORLD_SIZE=2 MASTER_PORT=29613 "$GPT" --backend tcp $W1
+      wait
       ;;
     plain) [ -n "$PLAIN" ] && run vs_plain_gpt2 300 $VS --precision f32 --shapes gpt2 \
       --plain-burn --plain-binary "$PLAIN" ;;

@@ -1593,11 +1593,6 @@ impl Gpt {
     /// # Errors
     /// [`TpError::OutOfVocabulary`]; collective errors.
     pub fn head_loss(&self, logits: Tensor<3>, targets: Tensor<2, Int>) -> TpResult<Tensor<1>> {
-        let logits = if logits.dtype() == DType::F32 {
-            logits
-        } else {
-            logits.cast(DType::F32)
-        };
         // The split, not the weights: the units' skeletons say it without a gather.
         let output = match &self.lm_head {
             Some(head) => OutputLayer::Head(head.skeleton()),
@@ -1848,6 +1843,13 @@ impl OutputLayer<'_> {
         logits: Tensor<3>,
         targets: Tensor<2, Int>,
     ) -> TpResult<Tensor<1>> {
+        // Mixed precision: the softmax and the loss in f32 (the logits of a compute copy are in
+        // its dtype; a bf16 loss would keep 8 bits of it).
+        let logits = if logits.dtype() == DType::F32 {
+            logits
+        } else {
+            logits.cast(DType::F32)
+        };
         let split = match self {
             OutputLayer::Head(head) => !matches!(head.split, LinearSplit::Replicated),
             OutputLayer::Tied(wte) => wte.split.is_some(),

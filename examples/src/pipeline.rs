@@ -54,7 +54,9 @@ use crate::data::{Batch, Corpus, Split};
 use crate::gpt::{
     Block, Embeddings, Gpt, GptConfig, INIT_STD, Norm, OutputLayer, Pass, PositionKind, load_params,
 };
-use crate::train::{NamedParam, StepStats, TrainConfig, TrainDevice, TrainReport, named_params};
+use crate::train::{
+    NamedParam, Precision, StepStats, TrainConfig, TrainDevice, TrainReport, named_params,
+};
 use crate::train_checkpoint::{self, CheckpointOptions};
 use burn_parallel::checkpoint::{Checkpointer, ParamKind, ParamMap, Piece, merged_scalars};
 
@@ -225,6 +227,23 @@ impl PipelineConfig {
             return bad(
                 "FSDP (--zero 3) is not composed with pipeline parallelism yet; use --zero 1 or \
                  2 (optimizer state and gradients sharded over each stage's replicas)"
+                    .into(),
+            );
+        }
+        if config.precision != Precision::F32 && self.recompute == Recompute::Blocks {
+            return bad(format!(
+                "--precision {} runs each stage on its compute copy, and a block recomputed \
+                 inside the backward would hand its gradients to that copy, not to the fp32 \
+                 weights; recompute whole stages (--checkpoint-activations stages) or drop \
+                 --precision",
+                config.precision
+            ));
+        }
+        if config.loss_scaler().is_some() && self.zero.is_some() {
+            return bad(
+                "dynamic loss scaling (--precision fp16, --loss-scale) skips a step on every \
+                 stage at once, which ZeRO's stage optimizers (--zero 1|2) do not: use \
+                 --precision bf16 with --zero, or f16 without it"
                     .into(),
             );
         }
@@ -799,8 +818,14 @@ pub fn train_gpt_pipeline_checkpointed(
         };
         optims.insert(s, optim);
     }
-    // Tensor-parallel gradient fix-ups (sequence-parallel norms), then data parallelism.
-    let mut reduce = TrainStep::new(init.context());
+    // Tensor-parallel gradient fix-ups (sequence-parallel norms), then data parallelism, under
+    // the precision policy: the executor runs the stages' compute copies and scales the loss,
+    // the updater reduces, unscales, and skips a step that overflowed on any stage.
+    let mut reduce = TrainStep::new(init.context()).with_precision(config.precision_policy());
+    if let Some(scaler) = config.loss_scaler() {
+        reduce = reduce.with_loss_scaler(scaler);
+    }
+    executor = executor.with_precision(&reduce);
     if dp.size() > 1 {
         reduce = reduce.with_ddp(
             burn_parallel::DistributedDataParallel::new(dp.clone())
@@ -816,6 +841,7 @@ pub fn train_gpt_pipeline_checkpointed(
     };
     let mut first_step = 0;
     let mut losses = Vec::with_capacity(config.steps);
+    let mut skipped = 0;
     if let Some(path) = &checkpoints.resume {
         let fail = |e: &dyn std::fmt::Display| GptPipelineError::Checkpoint(e.to_string());
         let checkpoint = train_checkpoint::open_resume(path).map_err(|e| fail(&e))?;
@@ -848,6 +874,12 @@ pub fn train_gpt_pipeline_checkpointed(
         }
         train_checkpoint::restore_dropout(&checkpoint, &stage_dropouts(&stages))
             .map_err(|e| fail(&e))?;
+        if let Some(saved) =
+            train_checkpoint::saved_loss_scaler(&checkpoint).map_err(|e| fail(&e))?
+            && reduce.restore_loss_scaler(&saved).map_err(|e| fail(&e))?
+        {
+            skipped = saved.skipped;
+        }
         first_step = checkpoint.step();
         losses = state.losses;
     } else if let Some(dir) = &checkpoints.init_from_hf {
@@ -898,6 +930,7 @@ pub fn train_gpt_pipeline_checkpointed(
             updater.at_reduce(s, stage, grads)
         })?;
         updater.finish(&mut stages)?;
+        skipped += usize::from(updater.skipped());
         let loss = dp.all_reduce_f32(vec![report.loss], ReduceOp::Avg)?[0] as f64;
         losses.push(loss);
         last_step = Some(report);
@@ -915,7 +948,10 @@ pub fn train_gpt_pipeline_checkpointed(
         if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
             let fail = |e: &dyn std::fmt::Display| GptPipelineError::Checkpoint(e.to_string());
             let (pieces, scalars) = ckpt.pieces(&stages, &updater)?;
-            let state = train_checkpoint::TrainerState::json(&losses, config);
+            let mut state = train_checkpoint::TrainerState::json(&losses, config);
+            state[train_checkpoint::LOSS_SCALER] =
+                serde_json::to_value(updater.train_step().loss_scaler().map(|s| s.state()))
+                    .expect("the scaler state serialises");
             let rank_state = serde_json::json!({
                 train_checkpoint::OPTIM_SCALARS: scalars,
                 train_checkpoint::DROPOUT_CALLS:
@@ -991,8 +1027,8 @@ pub fn train_gpt_pipeline_checkpointed(
             step_seconds,
             tokens_per_sec,
             final_params: named_params(&full),
-            skipped_steps: 0,
-            loss_scale: 1.0,
+            skipped_steps: skipped,
+            loss_scale: updater.train_step().loss_scale(),
             memory: None,
         },
         last_step,

@@ -33,16 +33,18 @@ const STEPS: usize = 20;
 const BATCH: usize = 8;
 const SEQ: usize = 10; // 3 + 3 + 2 + 2 tokens per rank at tp 4 under sequence parallelism
 const LR: f64 = 3e-3;
-/// bf16 against fp32, worst relative loss difference over the 20 steps: 2.4 times the
-/// measured 2.1e-3 (bf16 keeps 8 bits of mantissa: one rounding is up to 2^-9 = 2e-3).
-const BF16_LOSS_TOL: f32 = 5e-3;
+/// bf16 against fp32, worst relative loss difference over the 20 steps: 3.1 times the
+/// measured 4.5e-4 (the MoE variant; dense layouts 2.0e-4 to 3.2e-4). The loss itself is
+/// computed in f32 from the bf16 logits (the heads' cross-entropy casts them): before it was,
+/// the loss kept bf16's 8 bits of mantissa and these figures were 2.1e-3.
+const BF16_LOSS_TOL: f32 = 1.4e-3;
 /// bf16 against fp32, worst final parameter difference (absolute below 1, relative to the
-/// tensor's largest entry above): 3.2 times the measured 6.3e-3 (`layers.0.attn.k.weight`).
+/// tensor's largest entry above): 2.8 times the measured 7.0e-3 (`layers.1.attn.o.weight`).
 /// AdamW normalises each update, so a gradient component that rounding flips moves its weight
 /// by up to `lr` a step: over the 20 steps the bound is 20 x 3e-3 = 6e-2, which this stays
 /// well under.
 const BF16_PARAM_TOL: f32 = 2e-2;
-/// The same for the MoE variant's parameters: 1.7 times the measured 2.35e-2 (an expert's gate
+/// The same for the MoE variant's parameters: 1.7 times the measured 2.3e-2 (an expert's gate
 /// weight: bf16 rounding flips some tokens' top-2 choice, and the experts they then train
 /// move by up to `lr` a step), under the same bound of 6e-2.
 const BF16_MOE_PARAM_TOL: f32 = 4e-2;
@@ -547,6 +549,28 @@ fn pipelined(
     (tp, sequence_parallel): (usize, bool),
     clip: Option<f64>,
 ) -> (Vec<f32>, Params) {
+    pipelined_in(
+        schedule,
+        pp,
+        m,
+        dp,
+        (tp, sequence_parallel),
+        clip,
+        MixedPrecision::full(),
+    )
+}
+
+/// [`pipelined`] computing under `precision` (each stage's forward on its compute copy, the
+/// boundary tensors in the compute dtype, fp32 master weights and optimizer state).
+fn pipelined_in(
+    schedule: &str,
+    pp: usize,
+    m: usize,
+    dp: usize,
+    (tp, sequence_parallel): (usize, bool),
+    clip: Option<f64>,
+    precision: MixedPrecision,
+) -> (Vec<f32>, Params) {
     let device = Device::flex().autodiff();
     let dims = ParallelDims {
         pp,
@@ -571,7 +595,10 @@ fn pipelined(
             stages.insert(s, stage);
             optims.insert(s, StageOptimizer::module(optimizer()));
         }
-        let reduce = TrainStep::new(init.context()).with_data_parallel(dp.clone());
+        let reduce = TrainStep::new(init.context())
+            .with_data_parallel(dp.clone())
+            .with_precision(precision);
+        exec = exec.with_precision(&reduce);
         let mut updater = StageUpdater::new(&exec, optims, reduce)
             .unwrap()
             .with_clip(clip);
@@ -1165,6 +1192,11 @@ fn byo_model_in_bf16_tracks_fp32_single_device_under_every_layout() {
         let run = parallel_run(&flex, layout, sp, bf16());
         assert_bf16_tracks(what, &run, &reference);
     }
+    // The pipeline: each stage's compute copy, bf16 boundaries between the ranks.
+    let pp = pipelined_in("1f1b", 2, 4, 1, (1, false), None, MixedPrecision::bf16());
+    assert_bf16_tracks("pp 2 1f1b", &pp, &reference);
+    let pp_dp_tp = pipelined_in("1f1b", 2, 2, 2, (2, true), None, MixedPrecision::bf16());
+    assert_bf16_tracks("pp 2 x dp 2 x tp 2 + sp", &pp_dp_tp, &reference);
 }
 
 /// The same training with `burn-zero`'s ZeRO-1/2 optimizer over the data-parallel ranks of

@@ -421,6 +421,159 @@ fn stages_hold_their_single_device_parameters_and_nothing_else() {
     assert_eq!(seen, whole.len(), "every parameter on exactly one stage");
 }
 
+/// The same worst relative loss difference of bf16 against fp32 as `gpt_parity`'s
+/// `BF16_LOSS_TOL`, and a worst parameter difference of 1e-2 (AdamW moves a weight by at most
+/// about lr per step; bf16 keeps 8 bits of mantissa).
+const BF16_LOSS_TOL: f64 = 2e-3;
+const BF16_PARAM_TOL: f64 = 1e-2;
+
+/// `gpt --pp --precision bf16|fp16`: each stage computes on its compute copy (the boundary
+/// tensors travel in the compute dtype), fp32 master weights and AdamW state, gradients
+/// reduced in the compute dtype; under fp16 the loss scale seeds every backward and a step
+/// that overflowed on any stage is skipped on all of them.
+/// - Against the single device in the same precision on the same micro-batches (`grad_accum`
+///   = micro-batches), with the same steps skipped and the same final loss scale: 1F1B at pp 2
+///   and whole-stage activation checkpointing do the same operations in the same order
+///   (measured: parameters bit for bit, losses 1.2e-7), so within [`TOL`]; ZBV at pp 2 (its
+///   linears' weight gradients computed from compute-dtype pairs in one product, where
+///   autodiff sums per-sequence products in the compute dtype) and pp 2 x tp 2 + SP (partial
+///   sums reduced in the compute dtype) round differently (measured bf16: losses 3.5e-4 and
+///   2.9e-4, parameters 2.2e-3 and 6.0e-3; fp16: 1.8e-5 / 9.6e-4, 1.8e-5 / 1.9e-3), so within
+///   [`BF16_LOSS_TOL`] / [`BF16_PARAM_TOL`].
+/// - bf16 against fp32, at pp 2, pp 2 x dp 2 (gradients averaged in bf16) and pp 2 x dp 2 with
+///   ZeRO-2 per stage (fp32 shards; the stages' compute copies in bf16): within the same
+///   tolerances (measured: losses 9.2e-4, 8.6e-4, 9.2e-4; parameters 6.1e-3 each).
+#[test]
+fn mixed_precision_pipelines_match_the_single_device_in_that_precision() {
+    use examples::train::{Parallelism, Precision};
+    let within = |what: &str, r: &TrainReport, reference: &Reference| {
+        let err = tests::max_relative_loss_diff(&r.losses, &reference.losses);
+        let (param_err, path) =
+            tests::compare_params(&reference.params, &r.final_params, BF16_PARAM_TOL)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+        println!("{what}: losses {err:.2e}, parameters {param_err:.2e} at {path}");
+        assert!(
+            err < BF16_LOSS_TOL,
+            "{what}: losses {err:.2e}: {:?}",
+            r.losses
+        );
+        err
+    };
+    let fp32 = reference_run(&config());
+    for precision in [Precision::Bf16, Precision::Fp16] {
+        let mixed = TrainConfig {
+            precision,
+            ..config()
+        };
+        let single = tests::train_layout(
+            1,
+            &Parallelism::default(),
+            &TrainConfig {
+                grad_accum: 4,
+                ..mixed.clone()
+            },
+        );
+        assert!(
+            single.losses[STEPS - 1] < single.losses[0] - 0.5,
+            "{precision}: the model must learn: {:?}",
+            single.losses
+        );
+        if precision == Precision::Fp16 {
+            assert!(
+                single.skipped_steps > 0,
+                "fp16 from 2^16 skips its first step(s)"
+            );
+        }
+        let same = Reference::of_run(single.clone());
+        let tp_sp = PipelineConfig {
+            tp: 2,
+            sp: true,
+            ..pipeline("1f1b", 2, 4)
+        };
+        let recompute = PipelineConfig {
+            recompute: Recompute::Stages,
+            ..pipeline("1f1b", 2, 4)
+        };
+        for (world, p, same_order) in [
+            (2, pipeline("1f1b", 2, 4), true),
+            (2, recompute, true),
+            (2, pipeline("zbv", 2, 4), false),
+            (4, tp_sp, false),
+        ] {
+            let what = format!(
+                "{precision} {} pp {} x tp {} (recompute {:?}) against the single device in \
+                 {precision}",
+                p.schedule, p.pp, p.tp, p.recompute
+            );
+            let r = run(world, &p, &mixed);
+            assert_eq!(
+                r.skipped_steps, single.skipped_steps,
+                "{what}: skipped steps"
+            );
+            assert_eq!(r.loss_scale, single.loss_scale, "{what}: final loss scale");
+            match same_order {
+                true => assert_matches_reference(&same, &r.losses, &r.final_params, TOL, &what),
+                false => {
+                    within(&what, &r, &same);
+                }
+            }
+        }
+        if precision == Precision::Bf16 {
+            let zero = PipelineConfig {
+                zero: Some(burn_zero::Stage::Two),
+                ..pipeline("1f1b", 2, 2)
+            };
+            for (world, p) in [
+                (2, pipeline("1f1b", 2, 4)),
+                (4, pipeline("1f1b", 2, 2)),
+                (4, zero),
+            ] {
+                let what = format!(
+                    "bf16 pp {} x dp {} (ZeRO {:?}) against fp32",
+                    p.pp,
+                    world / p.pp,
+                    p.zero
+                );
+                let err = within(&what, &run(world, &p, &mixed), &fp32);
+                assert!(
+                    err > 0.0,
+                    "{what}: fp32's losses: the compute copy was not used"
+                );
+            }
+        }
+    }
+}
+
+/// What cannot be composed with mixed precision in the pipeline is refused before anything
+/// runs: block-by-block recomputation (its gradients would reach the compute copy) and dynamic
+/// loss scaling with ZeRO stage optimizers (ZeRO skips one stage at a time).
+#[test]
+fn mixed_precision_refusals_are_typed_errors() {
+    use examples::train::Precision;
+    let bf16 = TrainConfig {
+        precision: Precision::Bf16,
+        ..config()
+    };
+    let blocks = PipelineConfig {
+        recompute: Recompute::Blocks,
+        ..pipeline("1f1b", 2, 4)
+    };
+    let e = blocks.validate(&bf16, 2).unwrap_err();
+    assert!(e.to_string().contains("--precision bf16"), "{e}");
+    let fp16 = TrainConfig {
+        precision: Precision::Fp16,
+        ..config()
+    };
+    let zero = PipelineConfig {
+        zero: Some(burn_zero::Stage::One),
+        ..pipeline("1f1b", 2, 4)
+    };
+    let e = zero.validate(&fp16, 4).unwrap_err();
+    assert!(e.to_string().contains("--zero"), "{e}");
+    // bf16 with ZeRO stage optimizers trains.
+    zero.validate(&bf16, 4).unwrap();
+}
+
 #[test]
 fn impossible_settings_are_typed_errors() {
     let config = config();

@@ -64,7 +64,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::activation::log_softmax;
 use burn::tensor::module::linear;
-use burn::tensor::{Int, Tensor, TensorData};
+use burn::tensor::{DType, Int, Tensor, TensorData};
 
 use crate::autograd::{
     GatheredSequence, WeightGradSink, copy_to_group, deferred_matmul, gather_from_group,
@@ -411,8 +411,9 @@ impl Linear {
 
     /// Mean cross-entropy of the logits `logits` `[batch, seq, out]` this layer produced (an
     /// output head) against `targets` `[batch, seq]`: the ordinary cross-entropy for a replicated
-    /// head, the vocabulary-parallel one for a head split by the plan (colwise or vocab). The
-    /// result `[1]` is the same on every rank.
+    /// head, the vocabulary-parallel one for a head split by the plan (colwise or vocab), both
+    /// in f32 whatever the logits' dtype (a mixed-precision compute copy's). The result `[1]`,
+    /// f32, is the same on every rank.
     ///
     /// # Errors
     /// [`TpError::OutOfVocabulary`] for a target outside the vocabulary; collective errors.
@@ -435,6 +436,12 @@ fn head_cross_entropy(
     targets: Tensor<2, Int>,
     split: Option<(crate::tensor_parallel::Shard, &ProcessGroup)>,
 ) -> TpResult<Tensor<1>> {
+    // Mixed precision: the softmax and the loss in f32, as autocast does (the logits of a
+    // compute copy are in its dtype; a bf16 loss would keep 8 bits of mantissa).
+    let logits = match logits.dtype() {
+        DType::F32 => logits,
+        _ => logits.cast(DType::F32),
+    };
     let [b, s, v] = logits.dims();
     let logits = logits.reshape([b * s, v]);
     let targets = targets.reshape([b * s]);

@@ -620,6 +620,81 @@ impl TrainStep {
         grads: GradientsParams,
         data_parallel: bool,
     ) -> Result<Reduced> {
+        let (mut grads, overflow) = self.reduce_and_unscale(model, grads, data_parallel)?;
+        if !self.update_loss_scale(overflow) {
+            return Ok(Reduced {
+                grads,
+                grad_norm: None,
+                overflow: true,
+            });
+        }
+        let norm = match self.max_grad_norm {
+            None => None,
+            Some(max_norm) => {
+                let norm = self.global_norm(model, &grads)?;
+                grads = clip_to_norm(model, grads, norm, max_norm);
+                Some(norm)
+            }
+        };
+        Ok(Reduced {
+            grads,
+            grad_norm: norm,
+            overflow: false,
+        })
+    }
+
+    /// The reductions of [`Self::reduce`] and the unscaling, with the overflow check over the
+    /// ranks that hold different gradients, but neither the loss scaler's update nor clipping:
+    /// for a caller that decides one step over several models (a pipeline's stages, see
+    /// `burn_pipeline::update::StageUpdater`) and then calls [`Self::update_loss_scale`] once
+    /// with the decision of all of them.
+    ///
+    /// # Returns
+    /// The reduced, unscaled gradients and whether they overflowed on any rank of the layout
+    /// (always `false` without a loss scaler).
+    ///
+    /// # Errors
+    /// Collective errors.
+    pub fn reduce_unscaled<M: Module>(
+        &self,
+        model: &M,
+        grads: GradientsParams,
+    ) -> Result<(GradientsParams, bool)> {
+        self.reduce_and_unscale(model, grads, true)
+    }
+
+    /// Updates the loss scaler with the step's overflow decision (see
+    /// [`Self::reduce_unscaled`]): backs the scale off after an overflow, grows it after enough
+    /// clean steps.
+    ///
+    /// # Returns
+    /// Whether the step applies: `false` when the gradients overflowed (the step must be
+    /// skipped); always `true` without a loss scaler.
+    pub fn update_loss_scale(&self, overflow: bool) -> bool {
+        match &self.scaler {
+            Some(scaler) => scaler.lock().expect("loss scaler").update(overflow),
+            None => true,
+        }
+    }
+
+    /// Whether `other` computes under the same precision policy with the same loss scaler (a
+    /// clone of this step, or a step given the same settings and no scaler): what two parts of
+    /// one training step that scale and unscale separately must share.
+    pub fn same_precision(&self, other: &TrainStep) -> bool {
+        let scalers = match (&self.scaler, &other.scaler) {
+            (None, None) => true,
+            (Some(a), Some(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        };
+        self.precision == other.precision && scalers
+    }
+
+    fn reduce_and_unscale<M: Module>(
+        &self,
+        model: &M,
+        grads: GradientsParams,
+        data_parallel: bool,
+    ) -> Result<(GradientsParams, bool)> {
         let mut grads = self.tp.sync_gradients(grads)?;
         // FSDP shards leave the data-parallel all-reduce: they are averaged over their shard
         // group already, and only over the replicate group here.
@@ -647,34 +722,15 @@ impl TrainStep {
             };
             grads.register::<1>(id, g);
         }
+        let mut overflow = false;
         if let Some(scaler) = &self.scaler {
             let scale = scaler.lock().expect("loss scaler").scale();
             if scale != 1.0 {
                 grads = scale_grads(model, grads, (1.0 / scale) as f32);
             }
-            let overflow = self.overflowed(model, &grads)?;
-            let apply = scaler.lock().expect("loss scaler").update(overflow);
-            if !apply {
-                return Ok(Reduced {
-                    grads,
-                    grad_norm: None,
-                    overflow: true,
-                });
-            }
+            overflow = self.overflowed(model, &grads)?;
         }
-        let norm = match self.max_grad_norm {
-            None => None,
-            Some(max_norm) => {
-                let norm = self.global_norm(model, &grads)?;
-                grads = clip_to_norm(model, grads, norm, max_norm);
-                Some(norm)
-            }
-        };
-        Ok(Reduced {
-            grads,
-            grad_norm: norm,
-            overflow: false,
-        })
+        Ok((grads, overflow))
     }
 
     /// Whether any gradient holds an inf or NaN on any rank: one sum of absolute values per

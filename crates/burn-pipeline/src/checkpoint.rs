@@ -18,6 +18,10 @@
 //! add its gradients to the step's.
 //!
 //! The block's forward must be deterministic (random ops must draw the same values twice).
+//! Its parameters must be the model's own: under a mixed-precision compute copy
+//! ([`crate::runtime::Executor::with_precision`]) they are casts of the fp32 weights, and the
+//! recomputation's gradients would reach the casts, not the weights; recompute whole stages
+//! there ([`crate::runtime::Checkpointing`]), which the executor does on the compute copy.
 //!
 //! ```
 //! use burn::module::{Module, Param};

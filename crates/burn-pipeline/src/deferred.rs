@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
-use burn::tensor::Tensor;
+use burn::tensor::{DType, Tensor};
 use burn_parallel::autograd::{WeightGradSink, deferred_matmul};
 
 /// One deferred contribution to a micro-batch's parameter gradients.
@@ -140,7 +140,18 @@ impl WeightGradStore {
             }
         }
         let mut grads = GradientsParams::new();
+        // Under mixed precision the pairs are in the compute dtype: each gradient goes to its
+        // weight in the weight's own dtype (the fp32 master's).
+        let dtypes = if sums.is_empty() {
+            BTreeMap::new()
+        } else {
+            param_dtypes(module)
+        };
         for (id, dw) in sums {
+            let dw = match dtypes.get(&id) {
+                Some(&dtype) if dtype != dw.dtype() => dw.cast(dtype),
+                _ => dw,
+            };
             grads.register::<2>(id, dw);
         }
         if !ready.is_empty() {
@@ -149,6 +160,19 @@ impl WeightGradStore {
         }
         grads
     }
+}
+
+/// The dtype of each float parameter of `module`, by id.
+fn param_dtypes<M: Module>(module: &M) -> BTreeMap<ParamId, DType> {
+    struct Dtypes(BTreeMap<ParamId, DType>);
+    impl ModuleVisitor for Dtypes {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.insert(param.id, param.val().dtype());
+        }
+    }
+    let mut visit = Dtypes(BTreeMap::new());
+    module.visit(&mut visit);
+    visit.0
 }
 
 /// The sum of several gradient sets, parameter by parameter, over `module`'s parameters.

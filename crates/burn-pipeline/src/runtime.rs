@@ -20,6 +20,12 @@
 //! batch (micro-batches of equal size). [`StepReport::loss`] is the mean over micro-batches,
 //! the same on every rank.
 //!
+//! *Mixed precision.* Under [`Executor::with_precision`] each forward runs on the stage's
+//! compute copy (its parameters cast to the compute dtype, their gradients landing on the fp32
+//! master weights), so the boundary tensors travel in the compute dtype, and the seed of each
+//! backward is multiplied by the loss scale; the [`crate::update::StageUpdater`] unscales,
+//! checks every stage for an overflow and skips or applies the step everywhere.
+//!
 //! *Shapes.* The first transfer over each boundary (per payload) fixes its spec: the number of
 //! tensors, their dtypes and shapes. Every later transfer is checked against it on both sides,
 //! except along the dimensions given to [`Executor::with_variable_dims`] (for example the
@@ -44,7 +50,8 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::time::{Instant, SystemTime};
 
 use burn::optim::{GradientsAccumulator, GradientsParams};
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn_parallel::train::TrainStep;
 use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
 use serde::{Deserialize, Serialize};
 
@@ -188,6 +195,15 @@ pub enum PipelineError {
         /// The caller's error.
         #[source]
         source: UpdateError,
+    },
+    /// The executor and the [`crate::update::StageUpdater`] disagree on the precision policy
+    /// or the loss scaler, or the policy cannot be composed with the stages' optimizers.
+    #[error("pipeline rank {rank}: {reason}")]
+    Precision {
+        /// This rank.
+        rank: usize,
+        /// What disagrees, and what to do.
+        reason: String,
     },
     /// The runtime found its state inconsistent with the program (a message from another
     /// step, a missing activation). A validated schedule never does this.
@@ -378,6 +394,8 @@ pub struct Executor {
     checkpointing: Checkpointing,
     specs: HashMap<(Payload, usize, usize), Vec<TensorSpec>>,
     step: u64,
+    /// The precision policy and loss scaler of the forward and the backward's seed.
+    precision: Option<TrainStep>,
 }
 
 impl std::fmt::Debug for Executor {
@@ -437,6 +455,7 @@ impl Executor {
             checkpointing: Checkpointing::Off,
             specs: HashMap::new(),
             step: 0,
+            precision: None,
         })
     }
 
@@ -455,6 +474,40 @@ impl Executor {
     pub fn with_checkpointing(mut self, checkpointing: Checkpointing) -> Self {
         self.checkpointing = checkpointing;
         self
+    }
+
+    /// Trains under `step`'s precision policy and loss scaler: each forward runs on the stage's
+    /// compute copy ([`TrainStep::compute_model`]: parameters cast to the compute dtype, their
+    /// gradients landing on the fp32 master weights; boundary tensors then travel in the
+    /// compute dtype), and each backward's seed is multiplied by the loss scale of the step's
+    /// start. Give it the [`TrainStep`] the [`crate::update::StageUpdater`] reduces with (a
+    /// clone shares its loss scaler): the updater unscales the gradients, and skips the step on
+    /// every stage when any overflowed (it refuses a step of another policy or scaler).
+    ///
+    /// ```
+    /// use burn::tensor::Device;
+    /// use burn_parallel::nn::TpContext;
+    /// use burn_parallel::precision::MixedPrecision;
+    /// use burn_parallel::train::TrainStep;
+    /// use burn_pipeline::generators::one_f_one_b;
+    /// use burn_pipeline::runtime::Executor;
+    ///
+    /// let group = burn_parallel::world::local_world(1).remove(0);
+    /// let step = TrainStep::new(TpContext::single()).with_precision(MixedPrecision::bf16());
+    /// let exec = Executor::new(one_f_one_b(1, 2).unwrap(), group, Device::flex().autodiff())
+    ///     .unwrap()
+    ///     .with_precision(&step);
+    /// assert!(exec.precision().unwrap().same_precision(&step));
+    /// ```
+    pub fn with_precision(mut self, step: &TrainStep) -> Self {
+        self.precision = Some(step.clone());
+        self
+    }
+
+    /// The step whose precision policy and loss scale the stages run under
+    /// ([`Self::with_precision`]).
+    pub fn precision(&self) -> Option<&TrainStep> {
+        self.precision.as_ref()
     }
 
     /// The schedule.
@@ -547,6 +600,12 @@ impl Executor {
         let began = SystemTime::now();
         let start = Instant::now();
         let scale = 1.0 / m as f32;
+        // Loss scaling: the scale of the step's start (the updater changes it after the step).
+        let seed_scale = scale
+            * self
+                .precision
+                .as_ref()
+                .map_or(1.0, |p| p.loss_scale() as f32);
 
         for action in program {
             let t0 = start.elapsed().as_secs_f64();
@@ -693,7 +752,11 @@ impl Executor {
                     }
                     let seed = match s.output {
                         SavedOutput::Recompute => unreachable!("recomputed above"),
-                        SavedOutput::Loss(loss) => Some(loss.mul_scalar(scale).sum()),
+                        // A half-precision loss is scaled in f32 (a large scale overflows f16).
+                        SavedOutput::Loss(loss) if loss.dtype() != DType::F32 => {
+                            Some(loss.cast(DType::F32).mul_scalar(seed_scale).sum())
+                        }
+                        SavedOutput::Loss(loss) => Some(loss.mul_scalar(seed_scale).sum()),
                         SavedOutput::Boundary(out) => {
                             let grads = inbox_grad
                                 .remove(&(stage, microbatch))
@@ -858,6 +921,13 @@ impl Executor {
         batch: &B,
     ) -> Result<StageOutput> {
         let (stage, microbatch) = (action.stage(), action.microbatch().unwrap_or(0));
+        // Mixed precision: the forward on the compute copy.
+        let copy = self
+            .precision
+            .as_ref()
+            .filter(|p| !p.precision().is_full())
+            .map(|p| p.compute_model(module));
+        let module = copy.as_ref().unwrap_or(module);
         catch_unwind(AssertUnwindSafe(|| module.forward(input, batch)))
             .map_err(|p| self.panicked(stage, action, p))?
             .map_err(|e| PipelineError::Stage {

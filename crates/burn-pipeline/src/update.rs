@@ -9,8 +9,12 @@
 //!   of its reduced gradients ([`ZeroOptimizer::gradient_squares`]) to the norm over every
 //!   stage and clips by it (build it with the same `max_grad_norm`).
 //!
-//! Two things need more than one stage, so those stages' gradients are held until the step's
+//! Three things need more than one stage, so those stages' gradients are held until the step's
 //! programme has ended ([`StageUpdater::finish`]):
+//! - **dynamic loss scaling** (a [`TrainStep`] with a loss scaler, given to the executor too,
+//!   [`crate::runtime::Executor::with_precision`]): each stage's gradients are unscaled and
+//!   checked for inf/NaN; when any stage on any pipeline rank overflowed, no stage steps, and
+//!   the scaler backs off once for the whole step, as on one device;
 //! - **global-norm clipping**: the norm is summed over every stage (over the pipeline group),
 //!   then every stage is clipped by the same factor, as on one device;
 //! - **tied weights** ([`StageUpdater::with_tied`], a token table tied to the head): the first
@@ -127,6 +131,12 @@ pub struct StageUpdater<O: ElementWise> {
     tied_pair: Option<ProcessGroup>,
     held: BTreeMap<usize, GradientsParams>,
     lr: f64,
+    /// Whether `reduce` scales the loss (then every stage is held until the step's decision).
+    scaled: bool,
+    /// Whether a gradient of this rank's stages overflowed in the current step.
+    overflow: bool,
+    /// Whether the last step was skipped (its gradients overflowed).
+    skipped: bool,
 }
 
 impl<O: ElementWise> std::fmt::Debug for StageUpdater<O> {
@@ -142,11 +152,14 @@ impl<O: ElementWise> std::fmt::Debug for StageUpdater<O> {
 impl<O: ElementWise> StageUpdater<O> {
     /// An updater for `executor`'s local stages, each with its optimizer in `optims`;
     /// `reduce` does the tensor-parallel fix-ups and the data-parallel average of the stages
-    /// stepped by a Burn optimizer (`TrainStep::new(tp).with_ddp(..)`).
+    /// stepped by a Burn optimizer (`TrainStep::new(tp).with_ddp(..)`), and, under mixed
+    /// precision, the reduction dtype and the loss scaling: give the executor the same step
+    /// ([`Executor::with_precision`]).
     ///
     /// # Errors
     /// [`PipelineError::StagesMismatch`] when `optims` does not hold exactly the local stages;
-    /// a collective error creating the group of the tied weight's owners.
+    /// [`PipelineError::Precision`] when `reduce` and the executor differ in precision policy
+    /// or loss scaler, or a loss scaler meets a ZeRO stage optimizer (ZeRO scales on its own).
     pub fn new(
         executor: &Executor,
         optims: BTreeMap<usize, StageOptimizer<O>>,
@@ -163,6 +176,48 @@ impl<O: ElementWise> StageUpdater<O> {
                 given,
             });
         }
+        let scaled = reduce.loss_scaler().is_some();
+        let precision = |reason: String| Err(PipelineError::Precision { rank, reason });
+        match executor.precision() {
+            Some(step) if !step.same_precision(&reduce) => {
+                return precision(format!(
+                    "the executor computes under {:?} (loss scale {}) but the updater reduces \
+                     under {:?} (loss scale {}){}; give Executor::with_precision the step the \
+                     updater reduces with (a clone shares its loss scaler)",
+                    step.precision(),
+                    step.loss_scale(),
+                    reduce.precision(),
+                    reduce.loss_scale(),
+                    if step.precision() == reduce.precision() {
+                        ", with another loss scaler"
+                    } else {
+                        ""
+                    }
+                ));
+            }
+            None if !reduce.precision().is_full() || scaled => {
+                return precision(format!(
+                    "the updater's step computes under {:?} with loss scale {}, but the \
+                     executor runs the stages in their own dtype without scaling; call \
+                     Executor::with_precision with that step",
+                    reduce.precision(),
+                    reduce.loss_scale()
+                ));
+            }
+            _ => {}
+        }
+        if scaled
+            && optims
+                .values()
+                .any(|o| matches!(o, StageOptimizer::Zero(_)))
+        {
+            return precision(
+                "a loss scaler with ZeRO stage optimizers: ZeRO scales and skips on its own, \
+                 one stage at a time, but a pipeline step must skip on every stage at once; use \
+                 bf16 (no loss scaler) with ZeRO, or Burn optimizers with f16"
+                    .into(),
+            );
+        }
         let placement = executor.schedule().placement();
         let num_stages = executor.schedule().num_stages();
         let owner = |s: usize| placement.rank_of(s).unwrap_or(0);
@@ -178,6 +233,9 @@ impl<O: ElementWise> StageUpdater<O> {
             tied_pair: None,
             held: BTreeMap::new(),
             lr: 0.0,
+            scaled,
+            overflow: false,
+            skipped: false,
         })
     }
 
@@ -230,6 +288,18 @@ impl<O: ElementWise> StageUpdater<O> {
         &self.optims
     }
 
+    /// The step that reduces the stages' gradients (its precision policy and loss scaler: the
+    /// scaler's state for a checkpoint, [`TrainStep::restore_loss_scaler`] on resume).
+    pub fn train_step(&self) -> &TrainStep {
+        &self.reduce
+    }
+
+    /// Whether the last step was skipped ([`Self::finish`]): the loss-scaled gradients
+    /// overflowed on some stage, so no stage stepped and the loss scale backed off.
+    pub fn skipped(&self) -> bool {
+        self.skipped
+    }
+
     /// The learning rate of the coming step.
     pub fn set_lr(&mut self, lr: f64) {
         self.lr = lr;
@@ -246,9 +316,14 @@ impl<O: ElementWise> StageUpdater<O> {
         stage: M,
         grads: GradientsParams,
     ) -> std::result::Result<M, UpdateError> {
-        let hold = self.max_norm.is_some() || self.tied.contains_key(&s);
+        let hold = self.max_norm.is_some() || self.tied.contains_key(&s) || self.scaled;
         let grads = match self.optims.get(&s) {
             // DDP now, overlapping the rest of the pipeline; ZeRO reduces in its own step.
+            Some(StageOptimizer::Module(_)) if self.scaled => {
+                let (grads, overflow) = self.reduce.reduce_unscaled(&stage, grads)?;
+                self.overflow |= overflow;
+                grads
+            }
             Some(StageOptimizer::Module(_)) => self.reduce.reduce(&stage, grads)?.0,
             _ => grads,
         };
@@ -276,9 +351,11 @@ impl<O: ElementWise> StageUpdater<O> {
         }
     }
 
-    /// After [`Executor::step`]: sums the tied copies' gradients, clips by the norm over every
-    /// stage (a tied weight counted once), and steps the held stages. Returns the global norm
-    /// when clipping.
+    /// After [`Executor::step`]: under loss scaling, skips the step on every stage when any
+    /// stage's gradients overflowed ([`Self::skipped`]) and updates the scale; then sums the
+    /// tied copies' gradients, clips by the norm over every stage (a tied weight counted once),
+    /// and steps the held stages. Returns the global norm when clipping (`None` for a skipped
+    /// step).
     ///
     /// # Errors
     /// Collective errors (the norm, the tied sum) as [`PipelineError::Collective`]; the
@@ -292,6 +369,18 @@ impl<O: ElementWise> StageUpdater<O> {
         };
         let mut held: Vec<(usize, GradientsParams)> =
             std::mem::take(&mut self.held).into_iter().collect();
+        // ---- loss scaling: one decision for the whole pipeline ----
+        if self.scaled {
+            let local = f32::from(u8::from(std::mem::take(&mut self.overflow)));
+            let any = self
+                .pp
+                .all_reduce_f32(vec![local], ReduceOp::Max)
+                .map_err(|e| collective("agreeing on an overflow over the stages", e))?[0];
+            self.skipped = !self.reduce.update_loss_scale(any > 0.0);
+            if self.skipped {
+                return Ok(None);
+            }
+        }
         // ---- tied weights ----
         let mut tied = Vec::new();
         for (s, grads) in &mut held {

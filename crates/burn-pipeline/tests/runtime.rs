@@ -847,3 +847,72 @@ fn clipping_with_zero_stage_optimizers_matches_plain_ones() {
         assert!(e.contains("with_max_grad_norm(Some(0.001))"), "{e}");
     }
 }
+
+/// Mixed precision needs the executor (compute copies, the loss scale of each backward's seed)
+/// and the updater (reduction dtype, unscaling, the skip decision) to share one policy and one
+/// loss scaler: a mismatch, or a loss scaler with ZeRO stage optimizers (which scale and skip
+/// one stage at a time), is a typed error naming what to do, before any step.
+#[test]
+fn a_precision_the_executor_and_the_updater_disagree_on_is_refused() {
+    use burn_parallel::mesh::ParallelDims;
+    use burn_parallel::nn::TpContext;
+    use burn_parallel::precision::{LossScaler, MixedPrecision};
+    use burn_parallel::train::TrainStep;
+    use burn_pipeline::update::{StageOptimizer, StageUpdater};
+    use burn_zero::{ShardGroups, Stage as ZeroStage, ZeroConfig, ZeroOptimizer};
+    let schedule = generate(ScheduleKind::OneFOneB, 2, 2, None).unwrap();
+    run_local(2, |world| {
+        let device = Device::flex().autodiff();
+        let dims = ParallelDims {
+            pp: 2,
+            ..ParallelDims::default()
+        };
+        let mesh = dims.build(&world).unwrap();
+        let pp = mesh.group("pp").unwrap().clone();
+        let s = pp.rank();
+        let exec = Executor::new(schedule.clone(), pp.clone(), device.clone()).unwrap();
+        let sgd = || BTreeMap::from([(s, StageOptimizer::module(SgdConfig::new().init()))]);
+        let refused = |e: PipelineError, words: &[&str]| {
+            let text = e.to_string();
+            assert!(matches!(e, PipelineError::Precision { .. }), "{text}");
+            for w in words {
+                assert!(text.contains(w), "{w:?} not in: {text}");
+            }
+        };
+        let bf16 = TrainStep::new(TpContext::single()).with_precision(MixedPrecision::bf16());
+        let f16 = || {
+            TrainStep::new(TpContext::single())
+                .with_precision(MixedPrecision::f16())
+                .with_loss_scaler(LossScaler::new(1024.0))
+        };
+        // The updater reduces in bf16, the executor was given no policy.
+        let e = StageUpdater::new(&exec, sgd(), bf16.clone()).unwrap_err();
+        refused(e, &["BF16", "Executor::with_precision"]);
+        // The executor computes in bf16, the updater in f16.
+        let exec = exec.with_precision(&bf16);
+        let e = StageUpdater::new(&exec, sgd(), f16()).unwrap_err();
+        refused(e, &["BF16", "F16", "a clone shares its loss scaler"]);
+        // The same policy, two loss scalers: the skip decisions would differ.
+        let step = f16();
+        let exec = exec.with_precision(&step);
+        let e = StageUpdater::new(&exec, sgd(), f16()).unwrap_err();
+        refused(e, &["another loss scaler"]);
+        // A clone of the executor's step shares its scaler: accepted.
+        StageUpdater::new(&exec, sgd(), step.clone()).unwrap();
+        // A loss scaler with a ZeRO stage optimizer.
+        let dp = dims.data_parallel(&mesh).unwrap();
+        let stage = Dense::new(s, 2, &device);
+        let zero = ZeroOptimizer::new(
+            &stage,
+            ShardGroups::flat(dp),
+            ZeroConfig::new(ZeroStage::One),
+            burn::optim::AdamWConfig::new().build(),
+        )
+        .unwrap();
+        let zero = BTreeMap::from([(s, StageOptimizer::Zero(Box::new(zero)))]);
+        let e = StageUpdater::new(&exec, zero, step).unwrap_err();
+        refused(e, &["ZeRO", "bf16"]);
+        Ok(())
+    })
+    .unwrap();
+}

@@ -212,7 +212,11 @@ fn run_rank_pipeline(
             StageOptimizer::module(AdamWConfig::new().with_weight_decay(0.01).init()),
         );
     }
-    let mut updater = StageUpdater::new(&executor, optims, TrainStep::new(init.context()))
+    // Mixed precision: the executor runs each stage's compute copy and scales the loss, the
+    // updater (the same step) unscales and skips an overflowing step on every stage.
+    let reduce = with_precision(TrainStep::new(init.context()), args.precision);
+    executor = executor.with_precision(&reduce);
+    let mut updater = StageUpdater::new(&executor, optims, reduce)
         .unwrap_or_else(|e| fail(&e))
         .with_clip(args.clip);
     updater.set_lr(args.lr);
@@ -231,6 +235,17 @@ fn run_rank_pipeline(
         losses.push(report.loss);
     }
     Ok(losses)
+}
+
+/// `step` computing in `precision` (fp16 with dynamic loss scaling from 2^16).
+fn with_precision(step: TrainStep, precision: Precision) -> TrainStep {
+    match precision {
+        Precision::F32 => step,
+        Precision::Bf16 => step.with_precision(MixedPrecision::bf16()),
+        Precision::Fp16 => step
+            .with_precision(MixedPrecision::f16())
+            .with_loss_scaler(LossScaler::new(65536.0)),
+    }
 }
 
 /// A typed error of this program, on rank `world`.
@@ -342,11 +357,11 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
         ));
     }
     if args.layout == Layout::Pp {
-        if args.precision != Precision::F32 || args.grad_accum > 1 {
+        if args.grad_accum > 1 {
             return Err(invalid(
                 &world,
-                "the pipeline runs in f32 with its own micro-batches: drop --precision and \
-                 --grad-accum with --layout pp",
+                "the pipeline accumulates over its own micro-batches: drop --grad-accum with \
+                 --layout pp",
             ));
         }
         return run_rank_pipeline(world, args, corpus);
@@ -417,13 +432,7 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
     if args.overlap {
         step = step.with_overlap(OverlappedDdp::new(reduce.clone()));
     }
-    step = match args.precision {
-        Precision::F32 => step,
-        Precision::Bf16 => step.with_precision(MixedPrecision::bf16()),
-        Precision::Fp16 => step
-            .with_precision(MixedPrecision::f16())
-            .with_loss_scaler(LossScaler::new(65536.0)),
-    };
+    step = with_precision(step, args.precision);
     let optim = AdamWConfig::new().with_weight_decay(0.01).init();
     // The engine: the library's step with AdamW, or ZeRO-1/2 (`--zero`), which owns the
     // reduction over the same ranks, the clipping and the precision policy. One loop for both,

@@ -646,7 +646,7 @@ fn main() -> ExitCode {
         }
     };
     let checkpoints = args.checkpoint.options();
-    // The pipeline and DiLoCo trainers compute in fp32 only: refused, never silently ignored.
+    // The DiLoCo trainer computes in fp32 only: refused, never silently ignored.
     let diloco = args.diloco.run(train_device(&args));
     let mixed = match (config.precision, config.loss_scale) {
         (Precision::F32, None) => None,
@@ -654,11 +654,8 @@ fn main() -> ExitCode {
         (p, None) => Some(format!("--precision {p}")),
         (p, Some(_)) => Some(format!("--precision {p} with --loss-scale")),
     };
-    if let Some(what) = mixed.filter(|_| args.pipeline.pp > 1 || diloco.is_some()) {
-        eprintln!(
-            "error: {what} is not composed with pipeline parallelism (--pp) or DiLoCo yet; drop \
-             it or those flags"
-        );
+    if let Some(what) = mixed.filter(|_| diloco.is_some()) {
+        eprintln!("error: {what} is not composed with DiLoCo yet; drop it or the DiLoCo flags");
         return ExitCode::from(2);
     }
     if let Some(run) = diloco {
@@ -935,6 +932,12 @@ fn print_report(report: &TrainReport, corpus: &Corpus) {
         report.val_loss,
         corpus.unigram_entropy_nats(),
     );
+    if report.skipped_steps > 0 || report.loss_scale != 1.0 {
+        println!(
+            "loss scaling: {} steps skipped (overflow), final loss scale {}",
+            report.skipped_steps, report.loss_scale
+        );
+    }
     println!("sample:\n{}", report.sample);
 }
 
