@@ -565,11 +565,13 @@ impl Parallelism {
     pub fn validate(&self, config: &TrainConfig, world: usize) -> Result<(), String> {
         self.check_moe(&config.model, world)
             .map_err(|e| e.to_string())?;
-        if config.precision != Precision::F32 && (self.cp > 1 || config.model.moe.is_some()) {
+        let zero_1_2 = matches!(self.zero, Some(Stage::One | Stage::Two));
+        if config.precision != Precision::F32 && config.model.moe.is_some() && zero_1_2 {
             return Err(format!(
-                "--precision {} trains under data, tensor, ZeRO and FSDP parallelism (--ranks, \
-                 --tp, --sp, --zero 1|2|3, --hybrid); context parallelism (--cp) and GPT-MoE \
-                 are not composed with it yet: drop --precision or those flags",
+                "--precision {} with a GPT-MoE trains under data, tensor, expert and FSDP \
+                 parallelism; under ZeRO-1/2 the experts stay out of the sharded optimizer and \
+                 would have no fp32 master weights: use --zero 3 or drop --zero, or drop \
+                 --precision",
                 config.precision
             ));
         }
@@ -580,10 +582,11 @@ impl Parallelism {
                     .into(),
             );
         }
-        if config.loss_scale.is_some() && (self.cp > 1 || config.model.moe.is_some()) {
+        if config.loss_scaler().is_some() && config.model.moe.is_some() {
             return Err(
-                "--loss-scale is not composed with context parallelism (--cp) or GPT-MoE yet: \
-                 drop it or those flags"
+                "dynamic loss scaling (--precision fp16, --loss-scale) is not composed with \
+                 GPT-MoE yet (its step does not unscale the experts' gradients): use \
+                 --precision bf16, or drop the MoE flags"
                     .into(),
             );
         }

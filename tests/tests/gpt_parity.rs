@@ -394,6 +394,14 @@ fn bf16_training_tracks_fp32() {
         // too, which the separate ZeRO engine refused before the trainers were one).
         (2, zero(Stage::One, 1, false)),
         (4, zero(Stage::Two, 2, true)),
+        // Context parallelism: ring attention over the bf16 compute copy's keys and values.
+        (
+            2,
+            Parallelism {
+                cp: 2,
+                ..Parallelism::default()
+            },
+        ),
     ] {
         let run = TrainConfig {
             precision: examples::train::Precision::Bf16,
@@ -452,15 +460,18 @@ fn precision_under_an_unsupported_layout_is_a_clear_error() {
         precision: examples::train::Precision::Bf16,
         ..config()
     };
-    let cp = Parallelism {
-        cp: 2,
-        ..Parallelism::default()
-    };
-    let err = cp.validate(&run, 2).unwrap_err();
+    // A GPT-MoE under ZeRO-1/2: its experts would have no fp32 master weights.
+    let mut moe = run.clone();
+    moe.model.moe = Some(burn_moe::MoeConfig::new(moe.model.d_model, 48, 4, 2));
+    let err = zero(Stage::One, 1, false).validate(&moe, 2).unwrap_err();
     assert!(
-        err.contains("--precision bf16") && err.contains("--cp"),
+        err.contains("--precision bf16") && err.contains("--zero 3"),
         "{err}"
     );
+    // fp16's loss scaling with a GPT-MoE (its step does not unscale the experts' gradients).
+    moe.precision = examples::train::Precision::Fp16;
+    let err = Parallelism::default().validate(&moe, 2).unwrap_err();
+    assert!(err.contains("GPT-MoE") && err.contains("bf16"), "{err}");
     let offload = Parallelism {
         offload: true,
         ..zero(Stage::Three, 1, false)
