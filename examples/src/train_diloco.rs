@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
 use burn::module::{Module, ParamId};
-use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer, SgdConfig};
+use burn::optim::{AdamWConfig, ModuleOptimizer, SgdConfig};
 use burn::tensor::{DType, TensorData};
 use burn_parallel::checkpoint::{
     Checkpoint, Checkpointer, ParamMap, Piece, TensorSource, merged_scalars,
@@ -29,14 +29,14 @@ use burn_parallel::diloco::{
     Compression, DiLoCo, DiLoCoConfig, DiLoCoError, DiLoCoMeta, DiLoCoState, Islands,
     count_sent_bytes,
 };
-use burn_parallel::train::TrainStep;
+use burn_parallel::train::{StepEngine, TrainStep, Trainer};
 use burn_parallel::{CollectiveError, DistributedDataParallel, ProcessGroup, ReduceOp};
 
 use crate::data::{Corpus, Split};
 use crate::gpt::Gpt;
 use crate::train::{
     Parallelism, StepStats, StepTimer, TrainConfig, TrainDevice, TrainReport, generate,
-    named_params, scalar,
+    named_params,
 };
 use crate::train_checkpoint::{self, CheckpointOptions};
 
@@ -237,7 +237,15 @@ pub fn train_gpt_diloco_checkpointed(
     burn_parallel::verify_replicas(&model, &world)
         .map_err(|e| DiLoCoTrainError::Config(e.to_string()))?;
     let mut diloco = DiLoCo::new(&islands, run.diloco, &model)?;
-    let mut step_engine = TrainStep::new(model.tp.clone()).with_clip(config.max_grad_norm);
+    // The inner step: the library's, under the run's precision policy (the forward on the
+    // compute copy, fp32 weights and optimizer state, dynamic loss scaling for fp16), DDP inside
+    // the island. The outer sync sees the fp32 weights.
+    let mut step_engine = TrainStep::new(model.tp.clone())
+        .with_clip(config.max_grad_norm)
+        .with_precision(config.precision_policy());
+    if let Some(scaler) = config.loss_scaler() {
+        step_engine = step_engine.with_loss_scaler(scaler);
+    }
     if islands.size() > 1 {
         let ddp = DistributedDataParallel::new(islands.island().clone())
             .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
@@ -251,7 +259,7 @@ pub fn train_gpt_diloco_checkpointed(
             InnerOptimizer::Sgd => SgdConfig::new().init(),
         }
     };
-    let mut optim = inner();
+    let mut trainer = Trainer::new(step_engine, inner());
 
     // Each rank takes its rows of the global batch, as a DDP rank would.
     let ranks = world.size();
@@ -270,13 +278,28 @@ pub fn train_gpt_diloco_checkpointed(
     };
     let names = DiLoCoNames::new(&model, &world, &islands)?;
     let mut first_step = 0;
+    let mut skipped = 0;
     if let Some(path) = &checkpoints.resume {
         let checkpoint = train_checkpoint::open_resume(path).map_err(checkpoint_error)?;
         let state =
             train_checkpoint::resume_state(&checkpoint, config).map_err(checkpoint_error)?;
-        model = names.load(model, (&mut optim, &inner), &mut diloco, &checkpoint)?;
+        model = names.load(
+            model,
+            (&mut trainer.optim, &inner),
+            &mut diloco,
+            &checkpoint,
+        )?;
         train_checkpoint::restore_dropout(&checkpoint, &train_checkpoint::dropout_layers(&model))
             .map_err(checkpoint_error)?;
+        if let Some(saved) =
+            train_checkpoint::saved_loss_scaler(&checkpoint).map_err(checkpoint_error)?
+            && trainer
+                .step
+                .restore_loss_scaler(&saved)
+                .map_err(checkpoint_error)?
+        {
+            skipped = saved.skipped;
+        }
         first_step = checkpoint.step();
         losses = state.losses;
     }
@@ -288,9 +311,8 @@ pub fn train_gpt_diloco_checkpointed(
     };
     for step in first_step..config.steps {
         let step_start = Instant::now();
-        let mut acc = GradientsAccumulator::<Gpt>::new();
-        let mut local_loss = 0.0;
-        for micro in 0..config.grad_accum {
+        let lr = config.lr_at(step);
+        let mut forward = |m: &Gpt, micro: usize| {
             let first = micro * micro_rows * ranks + world.rank() * micro_rows;
             let batch = corpus.batch_rows(
                 step as u64,
@@ -299,16 +321,15 @@ pub fn train_gpt_diloco_checkpointed(
                 Split::Train,
             );
             let (inputs, targets) = batch.to_tensors(&device);
-            let loss = model
-                .loss(inputs, targets)
-                .map_err(|e| DiLoCoTrainError::Config(e.to_string()))?;
-            local_loss += scalar(&loss) / config.grad_accum as f64;
-            let loss = loss / config.grad_accum as f32;
-            acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
-        }
-        let lr = config.lr_at(step);
-        let (grads, _norm) = step_engine.reduce(&model, acc.grads())?;
-        model = optim.step(lr, model, grads);
+            m.loss(inputs, targets)
+                .map_err(|e| DiLoCoTrainError::Config(e.to_string()))
+        };
+        // The loss of the island's batch (averaged over its ranks by the step).
+        let (stepped, out) =
+            trainer.step_accumulated(model, config.grad_accum, &mut forward, lr)?;
+        model = stepped;
+        skipped += usize::from(out.skipped);
+        let local_loss = f64::from(out.loss);
         let sync_start = Instant::now();
         model = diloco.sync(step, model)?;
         let sync_seconds = sync_start.elapsed().as_secs_f64();
@@ -327,9 +348,12 @@ pub fn train_gpt_diloco_checkpointed(
             phases: Default::default(), // not split by phase here
         });
         if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
-            let (pieces, meta, scalars) = names.pieces(&model, &optim, &mut diloco)?;
+            let (pieces, meta, scalars) = names.pieces(&model, &trainer.optim, &mut diloco)?;
             let mut state = train_checkpoint::TrainerState::json(&losses, config);
             state[DILOCO_STATE] = serde_json::to_value(meta).expect("DiLoCo's state serialises");
+            state[train_checkpoint::LOSS_SCALER] =
+                serde_json::to_value(trainer.step.loss_scaler().map(|s| s.state()))
+                    .expect("the scaler state serialises");
             let rank_state = serde_json::json!({
                 train_checkpoint::OPTIM_SCALARS: scalars,
                 train_checkpoint::DROPOUT_CALLS:
@@ -384,8 +408,8 @@ pub fn train_gpt_diloco_checkpointed(
             step_seconds,
             tokens_per_sec,
             final_params: named_params(&eval),
-            skipped_steps: 0,
-            loss_scale: 1.0,
+            skipped_steps: skipped,
+            loss_scale: trainer.step.loss_scale(),
             memory: None,
         },
         outer_bytes,

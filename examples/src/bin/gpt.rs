@@ -646,18 +646,7 @@ fn main() -> ExitCode {
         }
     };
     let checkpoints = args.checkpoint.options();
-    // The DiLoCo trainer computes in fp32 only: refused, never silently ignored.
     let diloco = args.diloco.run(train_device(&args));
-    let mixed = match (config.precision, config.loss_scale) {
-        (Precision::F32, None) => None,
-        (Precision::F32, Some(_)) => Some("--loss-scale".to_string()),
-        (p, None) => Some(format!("--precision {p}")),
-        (p, Some(_)) => Some(format!("--precision {p} with --loss-scale")),
-    };
-    if let Some(what) = mixed.filter(|_| diloco.is_some()) {
-        eprintln!("error: {what} is not composed with DiLoCo yet; drop it or the DiLoCo flags");
-        return ExitCode::from(2);
-    }
     if let Some(run) = diloco {
         return run_diloco(&args, &config, &corpus, &run, &checkpoints);
     }
