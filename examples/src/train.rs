@@ -16,7 +16,7 @@ use burn_parallel::init::Init;
 use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::precision::{LossScaler, LossScalerState};
 use burn_parallel::tensor_parallel::TpError;
-use burn_parallel::train::{Reduced, TrainStep};
+use burn_parallel::train::TrainStep;
 use burn_parallel::{
     CollectiveError, DistributedDataParallel, ParallelDims, ProcessGroup, ReduceOp,
 };
@@ -566,12 +566,13 @@ impl Parallelism {
         self.check_moe(&config.model, world)
             .map_err(|e| e.to_string())?;
         let zero_1_2 = matches!(self.zero, Some(Stage::One | Stage::Two));
-        if config.precision != Precision::F32 && config.model.moe.is_some() && zero_1_2 {
+        let mixed = config.precision != Precision::F32 || config.loss_scale.is_some();
+        if mixed && config.model.moe.is_some() && zero_1_2 {
             return Err(format!(
-                "--precision {} with a GPT-MoE trains under data, tensor, expert and FSDP \
-                 parallelism; under ZeRO-1/2 the experts stay out of the sharded optimizer and \
-                 would have no fp32 master weights: use --zero 3 or drop --zero, or drop \
-                 --precision",
+                "--precision {} (or --loss-scale) with a GPT-MoE trains under data, tensor, \
+                 expert and FSDP parallelism; under ZeRO-1/2 the experts stay out of the \
+                 sharded optimizer and would have no fp32 master weights: use --zero 3 or drop \
+                 --zero, or drop --precision",
                 config.precision
             ));
         }
@@ -579,14 +580,6 @@ impl Parallelism {
             return Err(
                 "--offload keeps ZeRO-1/2's optimizer state on the host: use it with --zero 1 \
                  or --zero 2"
-                    .into(),
-            );
-        }
-        if config.loss_scaler().is_some() && config.model.moe.is_some() {
-            return Err(
-                "dynamic loss scaling (--precision fp16, --loss-scale) is not composed with \
-                 GPT-MoE yet (its step does not unscale the experts' gradients): use \
-                 --precision bf16, or drop the MoE flags"
                     .into(),
             );
         }
@@ -1145,13 +1138,6 @@ pub fn train_gpt_checkpointed(
         }
     };
 
-    // The step engine divides each micro-step's loss by the micro-steps (ZeRO averages them
-    // itself): the MoE balancing losses, whose gradient is injected in the backward, are
-    // scaled the same way.
-    if matches!(engine, Engine::Step { .. }) {
-        model.set_moe_loss_scale(1.0 / config.grad_accum as f32);
-    }
-
     let mut first_step = 0;
     let mut losses = Vec::with_capacity(config.steps);
     let mut skipped = 0;
@@ -1197,6 +1183,12 @@ pub fn train_gpt_checkpointed(
         let mut local_loss = 0.0;
         let mut phases = StepPhases::default();
         let mut m = model.take().expect("the loop always holds the model");
+        // The step engine divides each micro-step's loss by the micro-steps (ZeRO averages
+        // them itself) and multiplies it by the loss scale: the MoE balancing losses, whose
+        // gradient is injected in the backward, are scaled the same way.
+        if let Engine::Step { step, .. } = &engine {
+            m.set_moe_loss_scale((step.loss_scale() / config.grad_accum as f64) as f32);
+        }
         // No-sync FSDP: the blocks reduce-scatter in the last micro-step's backward only.
         let no_sync = fsdp
             .as_ref()
@@ -1259,16 +1251,9 @@ pub fn train_gpt_checkpointed(
                 acc,
             } => {
                 let reduced = match moe {
-                    Some(moe) => {
-                        let (grads, grad_norm) = moe
-                            .reduce(&m, acc.grads())
-                            .map_err(|e| moe_error(world, e))?;
-                        Reduced {
-                            grads,
-                            grad_norm,
-                            overflow: false,
-                        }
-                    }
+                    Some(moe) => moe
+                        .reduce_scaled(&m, acc.grads())
+                        .map_err(|e| moe_error(world, e))?,
                     None => step.reduce_scaled(&m, acc.grads())?,
                 };
                 phases.reduce += t.elapsed().as_secs_f64();

@@ -188,6 +188,71 @@ fn bf16_gpt_moe_tracks_fp32_under_expert_parallelism() {
     }
 }
 
+/// Dynamic loss scaling with a GPT-MoE: the auxiliary and z-losses' gradients, injected in the
+/// backward rather than passing through the loss, are multiplied by the loss scale too, and
+/// the expert gradients (reduced apart from the rest) are unscaled and checked for overflow
+/// with them. In f32 with a loss scale of 1024 (a power of two: scaling and unscaling are
+/// exact) the run is the unscaled run's, at ep 2 and dp 2 x ep 2 (before the balancing losses
+/// were scaled their gradients reached the weights 1024 times too small). And fp16 (from
+/// 2^16) skips its first steps at dp 2 x ep 2 as on one device, then trains (measured: 2
+/// skipped on one device, 3 at dp 2 x ep 2, whose gradients are averaged in fp16: the sum of
+/// two ranks' can overflow where one device's mean does not).
+#[test]
+fn loss_scaling_scales_the_balancing_losses_and_unscales_the_experts() {
+    let config = moe_run();
+    let reference = reference_run(&config);
+    let scaled = TrainConfig {
+        loss_scale: Some(examples::train::LossScale {
+            initial: 1024.0,
+            ..Default::default()
+        }),
+        ..config.clone()
+    };
+    check(
+        &reference,
+        2,
+        ep(2),
+        &scaled,
+        "GPT-MoE ep 2, f32 loss-scaled by 1024",
+    );
+    check(
+        &reference,
+        4,
+        ep(2),
+        &scaled,
+        "GPT-MoE dp 2 x ep 2, f32 loss-scaled by 1024",
+    );
+    let fp16 = TrainConfig {
+        precision: examples::train::Precision::Fp16,
+        ..config.clone()
+    };
+    let (one, _) = parallel(1, &ep(1), &fp16);
+    let (four, _) = parallel(4, &ep(2), &fp16);
+    println!(
+        "GPT-MoE fp16: one device {} skipped (scale {}), dp 2 x ep 2 {} skipped (scale {}); final \
+         loss {:.4} and {:.4} (fp32 {:.4})",
+        one.skipped_steps,
+        one.loss_scale,
+        four.skipped_steps,
+        four.loss_scale,
+        one.losses[STEPS - 1],
+        four.losses[STEPS - 1],
+        reference.losses[STEPS - 1]
+    );
+    for (what, r) in [("one device", &one), ("dp 2 x ep 2", &four)] {
+        assert!(
+            (1..=4).contains(&r.skipped_steps),
+            "{what}: fp16 from 2^16 skips its first steps, not {}",
+            r.skipped_steps
+        );
+    }
+    assert!(
+        four.losses[STEPS - 1] < four.losses[0] - 0.3,
+        "{:?}",
+        four.losses
+    );
+}
+
 /// Capacity mode: each rank's tokens are one capacity group; the single-device run cuts the
 /// global batch into as many contiguous groups and drops the same tokens.
 #[test]

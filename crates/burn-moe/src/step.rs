@@ -5,7 +5,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Tensor, TensorData};
 use burn_parallel::ReduceOp;
-use burn_parallel::train::{StepOutput, TrainStep, clip_to_norm};
+use burn_parallel::train::{Reduced, StepOutput, TrainStep, clip_to_norm};
 
 use crate::config::{MoeError, Result};
 use crate::layer::MoeParallel;
@@ -78,11 +78,35 @@ impl MoeStep {
     pub fn reduce<M: Module>(
         &self,
         model: &M,
-        mut grads: GradientsParams,
+        grads: GradientsParams,
     ) -> Result<(GradientsParams, Option<f64>)> {
-        let taken = take_experts(model, &mut grads, &self.parallel);
-        let (mut grads, inner_norm) = self.inner.reduce(model, grads)?;
-        if inner_norm.is_some() {
+        if self.inner.loss_scaler().is_some() {
+            return Err(MoeError::Config {
+                field: "TrainStep loss scaler".into(),
+                reason: "an overflow must skip the step, which `reduce` cannot say: call \
+                         `reduce_scaled` and `TrainStep::apply`"
+                    .into(),
+            });
+        }
+        let reduced = self.reduce_scaled(model, grads)?;
+        Ok((reduced.grads, reduced.grad_norm))
+    }
+
+    /// [`Self::reduce`] for the gradients of a loss scaled by the inner step's loss scaler
+    /// ([`TrainStep::scaled_loss`], fp16's dynamic loss scaling): the dense and the expert
+    /// gradients unscaled and checked for inf/NaN on every rank (the experts differ between
+    /// expert-parallel ranks: their verdict is agreed over [`MoeParallel::ep`]); after an
+    /// overflow the scale backs off and the result says to skip the step
+    /// ([`TrainStep::apply`] does). The same as [`Self::reduce`] without a scaler.
+    ///
+    /// # Errors
+    /// As [`Self::reduce`].
+    pub fn reduce_scaled<M: Module>(
+        &self,
+        model: &M,
+        mut grads: GradientsParams,
+    ) -> Result<Reduced> {
+        if self.inner.max_grad_norm().is_some() {
             return Err(MoeError::Config {
                 field: "TrainStep clipping".into(),
                 reason: "build the inner TrainStep without clipping and clip with \
@@ -90,7 +114,30 @@ impl MoeStep {
                     .into(),
             });
         }
-        let experts = self.reduce_taken(taken)?;
+        let taken = take_experts(model, &mut grads, &self.parallel);
+        let (mut grads, dense_overflow) = self.inner.reduce_unscaled(model, grads)?;
+        let mut experts = self.reduce_taken(taken)?;
+        if self.inner.loss_scaler().is_some() {
+            let scale = self.inner.loss_scale();
+            if scale != 1.0 {
+                experts.scale((1.0 / scale) as f32);
+            }
+            let bad = experts
+                .grads
+                .iter()
+                .any(|(_, g)| g.iter::<f32>().any(|v| !v.is_finite()));
+            let mut flag = f32::from(u8::from(bad || dense_overflow));
+            if let Some(ep) = &self.parallel.ep {
+                flag = ep.all_reduce_f32(vec![flag], ReduceOp::Max)?[0];
+            }
+            if !self.inner.update_loss_scale(flag > 0.0) {
+                return Ok(Reduced {
+                    grads,
+                    grad_norm: None,
+                    overflow: true,
+                });
+            }
+        }
         let norm = match self.max_grad_norm {
             None => None,
             Some(_) => Some(self.inner.global_norm(model, &grads)?),
@@ -108,7 +155,11 @@ impl MoeStep {
             }
             _ => None,
         };
-        Ok((grads, norm))
+        Ok(Reduced {
+            grads,
+            grad_norm: norm,
+            overflow: false,
+        })
     }
 
     /// Takes the expert gradients out of `grads`, unreduced (no communication): to accumulate

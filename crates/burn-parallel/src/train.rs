@@ -677,6 +677,11 @@ impl TrainStep {
         }
     }
 
+    /// The norm the step clips the global gradient norm to (`None`: no clipping).
+    pub fn max_grad_norm(&self) -> Option<f64> {
+        self.max_grad_norm
+    }
+
     /// Whether `other` computes under the same precision policy with the same loss scaler (a
     /// clone of this step, or a step given the same settings and no scaler): what two parts of
     /// one training step that scale and unscale separately must share.
