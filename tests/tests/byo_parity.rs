@@ -540,33 +540,12 @@ fn assert_matches(
 
 /// The same training pipelined over `pp` stages (the model staged by
 /// `burn_pipeline::sequential`, see `model::stage`) x `dp` replicas x `tp`, each rank's rows
-/// split into `m` micro-batches. Returns rank 0's losses and the whole model's parameters.
+/// split into `m` micro-batches, computing under `precision` (each stage's forward on its
+/// compute copy, the boundary tensors in the compute dtype, fp32 master weights and optimizer
+/// state). Returns rank 0's losses and the whole model's parameters.
 fn pipelined(
     schedule: &str,
-    pp: usize,
-    m: usize,
-    dp: usize,
-    (tp, sequence_parallel): (usize, bool),
-    clip: Option<f64>,
-) -> (Vec<f32>, Params) {
-    pipelined_in(
-        schedule,
-        pp,
-        m,
-        dp,
-        (tp, sequence_parallel),
-        clip,
-        MixedPrecision::full(),
-    )
-}
-
-/// [`pipelined`] computing under `precision` (each stage's forward on its compute copy, the
-/// boundary tensors in the compute dtype, fp32 master weights and optimizer state).
-fn pipelined_in(
-    schedule: &str,
-    pp: usize,
-    m: usize,
-    dp: usize,
+    (pp, m, dp): (usize, usize, usize),
     (tp, sequence_parallel): (usize, bool),
     clip: Option<f64>,
     precision: MixedPrecision,
@@ -659,22 +638,23 @@ fn pipelined_in(
 /// and pp 2 x tp 2 with sequence parallelism and clipping over the stages.
 #[test]
 fn byo_model_matches_single_device_under_pipeline_parallelism() {
+    let full = MixedPrecision::full;
     let flex = Device::flex();
     let plain = reference(&flex, None);
     assert_matches(
         "pp 2 1f1b",
-        pipelined("1f1b", 2, 4, 1, (1, false), None),
+        pipelined("1f1b", (2, 4, 1), (1, false), None, full()),
         &plain,
     );
     assert_matches(
         "pp 2 x dp 2 gpipe",
-        pipelined("gpipe", 2, 2, 2, (1, false), None),
+        pipelined("gpipe", (2, 2, 2), (1, false), None, full()),
         &plain,
     );
     let clipped = reference(&flex, Some(0.5));
     assert_matches(
         "pp 2 x tp 2 + sp, clipped",
-        pipelined("1f1b", 2, 4, 1, (2, true), Some(0.5)),
+        pipelined("1f1b", (2, 4, 1), (2, true), Some(0.5), full()),
         &clipped,
     );
 }
@@ -1193,9 +1173,9 @@ fn byo_model_in_bf16_tracks_fp32_single_device_under_every_layout() {
         assert_bf16_tracks(what, &run, &reference);
     }
     // The pipeline: each stage's compute copy, bf16 boundaries between the ranks.
-    let pp = pipelined_in("1f1b", 2, 4, 1, (1, false), None, MixedPrecision::bf16());
+    let pp = pipelined("1f1b", (2, 4, 1), (1, false), None, MixedPrecision::bf16());
     assert_bf16_tracks("pp 2 1f1b", &pp, &reference);
-    let pp_dp_tp = pipelined_in("1f1b", 2, 2, 2, (2, true), None, MixedPrecision::bf16());
+    let pp_dp_tp = pipelined("1f1b", (2, 2, 2), (2, true), None, MixedPrecision::bf16());
     assert_bf16_tracks("pp 2 x dp 2 x tp 2 + sp", &pp_dp_tp, &reference);
 }
 

@@ -131,11 +131,7 @@ impl MoeStep {
                 flag = ep.all_reduce_f32(vec![flag], ReduceOp::Max)?[0];
             }
             if !self.inner.update_loss_scale(flag > 0.0) {
-                return Ok(Reduced {
-                    grads,
-                    grad_norm: None,
-                    overflow: true,
-                });
+                return Ok(Reduced::overflowed(grads));
             }
         }
         let norm = match self.max_grad_norm {

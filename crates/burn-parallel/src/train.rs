@@ -86,6 +86,17 @@ pub struct Reduced {
     pub overflow: bool,
 }
 
+impl Reduced {
+    /// Gradients that overflowed: the step is skipped ([`TrainStep::apply`] does nothing).
+    pub fn overflowed(grads: GradientsParams) -> Self {
+        Self {
+            grads,
+            grad_norm: None,
+            overflow: true,
+        }
+    }
+}
+
 /// The parameters that are flat shards of FSDP units over a data-parallel *shard* group: for
 /// each, the ranges of its elements that come from tensor-parallel shards (their squares are
 /// summed over `tp` as well as over the shard group). Filled by whoever shards a unit (for
@@ -622,11 +633,7 @@ impl TrainStep {
     ) -> Result<Reduced> {
         let (mut grads, overflow) = self.reduce_and_unscale(model, grads, data_parallel)?;
         if !self.update_loss_scale(overflow) {
-            return Ok(Reduced {
-                grads,
-                grad_norm: None,
-                overflow: true,
-            });
+            return Ok(Reduced::overflowed(grads));
         }
         let norm = match self.max_grad_norm {
             None => None,
