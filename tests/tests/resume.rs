@@ -369,6 +369,44 @@ fn pipeline_checkpoints_carry_the_whole_models_names() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A pipeline in fp16 with dynamic loss scaling (from 2^16, growing after every 3 clean steps,
+/// so the scale at the save is not the initial one): its checkpoint carries the loss scaler's
+/// state (scale, clean-step count, skipped steps) with the fp32 weights and AdamW state. Saved
+/// at pp 2 under 1F1B: resumes bit for bit there (the same later skips and scale), and on one
+/// device with the pipeline's 4 micro-batches as gradient accumulation (the same operations:
+/// within 1e-5).
+#[test]
+fn fp16_pipeline_resumes_its_loss_scale() {
+    let c = TrainConfig {
+        precision: examples::train::Precision::Fp16,
+        loss_scale: Some(examples::train::LossScale {
+            window: 3,
+            ..Default::default()
+        }),
+        ..config()
+    };
+    let dir = scratch("pp-fp16");
+    let one_f = pp2(ScheduleKind::OneFOneB);
+    let whole = run_pipeline(2, &one_f, &c, &saving_to(&dir));
+    assert!(
+        whole.skipped_steps > 0,
+        "fp16 from 2^16 skips its first steps"
+    );
+    let reference = Reference::of_run(whole.clone());
+    let r = run_pipeline(2, &one_f, &c, &resume_from(&dir));
+    continues(&reference, &r, SAVED_AT, 0.0, "fp16 1F1B pp 2");
+    assert_eq!(
+        (r.skipped_steps, r.loss_scale),
+        (whole.skipped_steps, whole.loss_scale),
+        "skipped steps and the final loss scale"
+    );
+    println!(
+        "fp16 1F1B pp 2: {} skipped, final scale {}",
+        whole.skipped_steps, whole.loss_scale
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// Pipeline stages stepped by ZeRO: each stage's shard ranks write their ranges of the
 /// stage's AdamW state under the whole model's names (the tied table's once, by the first
 /// stage). Saved at pp 2 x dp 2 with ZeRO-2 (tied table on two ranks): resumes
