@@ -144,6 +144,7 @@ PY
       note "pp 2 against one device in the same precision on the same micro-batches"
       compare lay_bf16_accum4 lay_bf16_pp2
       compare lay_fp16_accum4 lay_fp16_pp2
+      rm -f "$out"/logs/params_lay_*.json # compared here; too large to bring back
       ;;
     ws1)
       W1="--device cuda --precision bf16 $G2 --steps 12 --log-every 100"
