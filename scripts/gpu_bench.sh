@@ -28,6 +28,8 @@
 #            ZeRO-2 with fp32 reduction, FSDP, tp 2 + SP and pp 2 against fp32; fp16 (dynamic
 #            loss scaling) on one device and pp 2; and each pipeline against the single device
 #            in its precision on the same micro-batches (--grad-accum 4).
+#   clip     f32, bf16, fp16 and bf16 under pp 2, tp 2 + SP and FSDP, 20 steps with --clip 1.0:
+#            the validation losses side by side.
 #   ws1      step time at world size 1 (GPT-2 small's shape, bf16, 12 steps): no backend,
 #            `--backend tcp`, `--backend nccl` (one process, RANK 0 of 1); then DDP over 2
 #            processes on cuda:0 through `--backend tcp` (device tensors, host transport):
@@ -100,7 +102,7 @@ for section in $sections; do
       ;;
     default) run vs_f32_default 90 $VS --precision f32 --shapes default ;;
     curve)
-      for tag in f32 bf16 bf16_cube; do
+      for tag in ${CURVE_TAGS:-f32 bf16 bf16_cube}; do
         env=()
         [ "$tag" = bf16_cube ] && env=(BURN_PARALLEL_MATMUL=cube)
         run "curve_$tag" 150 env "${env[@]}" "$GPT" --device cuda --ranks 1 \
@@ -109,7 +111,7 @@ for section in $sections; do
       done
       python3 - "$out/logs" <<'PY' | tee -a "$sum"
 import json, os, sys
-tags = ["f32", "bf16", "bf16_cube"]
+tags = os.environ.get("CURVE_TAGS", "f32 bf16 bf16_cube").split()
 curves = {}
 for t in tags:
     path = os.path.join(sys.argv[1], f"curve_{t}.json")
@@ -145,6 +147,25 @@ PY
       compare lay_bf16_accum4 lay_bf16_pp2
       compare lay_fp16_accum4 lay_fp16_pp2
       rm -f "$out"/logs/params_lay_*.json # compared here; too large to bring back
+      ;;
+    clip)
+      # The layouts' validation with global-norm clipping at 1.0 (Megatron-LM's and torchtitan's
+      # default): does half precision validate as fp32 once the step-20 learning-rate peak is
+      # tamed (see README, "Half precision at the default shape")?
+      clipped() { # tag ranks precision flags...
+        local tag=$1 ranks=$2 prec=$3; shift 3
+        run "clip_$tag" 120 "$GPT" --device cuda --ranks "$ranks" --precision "$prec" --steps 20 \
+          --clip 1.0 --log-every 100 --losses-out "$out/logs/losses_clip_$tag.json" \
+          --params-out "$out/logs/params_clip_$tag.json" "$@"
+      }
+      clipped f32 1 f32
+      clipped bf16 1 bf16
+      clipped fp16 1 fp16
+      clipped bf16_pp2 2 bf16 --pp 2
+      clipped bf16_tp2_sp 2 bf16 --tp 2 --sp
+      clipped bf16_fsdp 2 bf16 --zero 3
+      compare clip_f32 clip_bf16 clip_fp16 clip_bf16_pp2 clip_bf16_tp2_sp clip_bf16_fsdp
+      rm -f "$out"/logs/params_clip_*.json
       ;;
     ws1)
       W1="--device cuda --precision bf16 $G2 --steps 12 --log-every 100"
