@@ -30,6 +30,8 @@
 #            in its precision on the same micro-batches (--grad-accum 4).
 #   clip     f32, bf16, fp16 and bf16 under pp 2, tp 2 + SP and FSDP, 20 steps with --clip 1.0:
 #            the validation losses side by side.
+#   clip2    the same for ZeRO-1, ZeRO-2 with fp32 reduction, cp 2, fp16 pp 2, and a GPT-MoE at
+#            ep 2 in f32, bf16 and fp16.
 #   ws1      step time at world size 1 (GPT-2 small's shape, bf16, 12 steps): no backend,
 #            `--backend tcp`, `--backend nccl` (one process, RANK 0 of 1); then DDP over 2
 #            processes on cuda:0 through `--backend tcp` (device tensors, host transport):
@@ -70,6 +72,13 @@ compare() { # reference tag, other tags...
   local args=()
   for t in "$@"; do args+=("$out/logs/losses_$t.json" "$out/logs/params_$t.json"); done
   python3 scripts/compare_runs.py "${args[@]}" 2>&1 | tee -a "$sum"
+}
+
+clipped() { # tag ranks precision flags...: 20 steps with --clip 1.0
+  local tag=$1 ranks=$2 prec=$3; shift 3
+  run "clip_$tag" 120 "$GPT" --device cuda --ranks "$ranks" --precision "$prec" --steps 20 \
+    --clip 1.0 --log-every 100 --losses-out "$out/logs/losses_clip_$tag.json" \
+    --params-out "$out/logs/params_clip_$tag.json" "$@"
 }
 
 for section in $sections; do
@@ -152,12 +161,6 @@ PY
       # The layouts' validation with global-norm clipping at 1.0 (Megatron-LM's and torchtitan's
       # default): does half precision validate as fp32 once the step-20 learning-rate peak is
       # tamed (see README, "Half precision at the default shape")?
-      clipped() { # tag ranks precision flags...
-        local tag=$1 ranks=$2 prec=$3; shift 3
-        run "clip_$tag" 120 "$GPT" --device cuda --ranks "$ranks" --precision "$prec" --steps 20 \
-          --clip 1.0 --log-every 100 --losses-out "$out/logs/losses_clip_$tag.json" \
-          --params-out "$out/logs/params_clip_$tag.json" "$@"
-      }
       clipped f32 1 f32
       clipped bf16 1 bf16
       clipped fp16 1 fp16
@@ -165,6 +168,21 @@ PY
       clipped bf16_tp2_sp 2 bf16 --tp 2 --sp
       clipped bf16_fsdp 2 bf16 --zero 3
       compare clip_f32 clip_bf16 clip_fp16 clip_bf16_pp2 clip_bf16_tp2_sp clip_bf16_fsdp
+      rm -f "$out"/logs/params_clip_*.json
+      ;;
+    clip2)
+      # The rest of the layouts, as `clip`: ZeRO-1/2, context parallelism, fp16 pipeline, and
+      # a GPT-MoE (ep 2) against its own fp32 run.
+      clipped f32 1 f32
+      clipped bf16_zero1 2 bf16 --zero 1
+      clipped bf16_zero2_reduce_fp32 2 bf16 --zero 2 --reduce-fp32
+      clipped bf16_cp2 2 bf16 --cp 2
+      clipped fp16_pp2 2 fp16 --pp 2
+      compare clip_f32 clip_bf16_zero1 clip_bf16_zero2_reduce_fp32 clip_bf16_cp2 clip_fp16_pp2
+      clipped f32_moe 2 f32 --moe-experts 4 --ep 2
+      clipped bf16_moe 2 bf16 --moe-experts 4 --ep 2
+      clipped fp16_moe 2 fp16 --moe-experts 4 --ep 2
+      compare clip_f32_moe clip_bf16_moe clip_fp16_moe
       rm -f "$out"/logs/params_clip_*.json
       ;;
     ws1)
