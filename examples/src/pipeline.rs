@@ -234,8 +234,8 @@ impl PipelineConfig {
             return bad(format!(
                 "--precision {} runs each stage on its compute copy, and a block recomputed \
                  inside the backward would hand its gradients to that copy, not to the fp32 \
-                 weights; recompute whole stages (--checkpoint-activations stages) or drop \
-                 --precision",
+                 weights; recompute whole stages (--checkpoint-activations) instead of \
+                 --checkpoint-blocks, or drop --precision",
                 config.precision
             ));
         }
