@@ -439,7 +439,10 @@ const BF16_PARAM_TOL: f64 = 1e-2;
 ///   autodiff sums per-sequence products in the compute dtype) and pp 2 x tp 2 + SP (partial
 ///   sums reduced in the compute dtype) round differently (measured bf16: losses 3.5e-4 and
 ///   2.9e-4, parameters 2.2e-3 and 6.0e-3; fp16: 1.8e-5 / 9.6e-4, 1.8e-5 / 1.9e-3), so within
-///   [`BF16_LOSS_TOL`] / [`BF16_PARAM_TOL`].
+///   [`BF16_LOSS_TOL`] / [`BF16_PARAM_TOL`]; so does 1F1B with tied embeddings (each copy's
+///   gradient cast to fp32 and summed over the pair of ranks, where one device sums the two
+///   uses in the compute dtype) clipped at 0.5 after the unscaling (bf16 2.2e-4 / 4.6e-4, fp16
+///   1.9e-5 / 4.9e-5).
 /// - bf16 against fp32, at pp 2, pp 2 x dp 2 (gradients averaged in bf16) and pp 2 x dp 2 with
 ///   ZeRO-2 per stage (fp32 shards; the stages' compute copies in bf16): within the same
 ///   tolerances (measured: losses 9.2e-4, 8.6e-4, 9.2e-4; parameters 6.1e-3 each).
@@ -518,6 +521,28 @@ fn mixed_precision_pipelines_match_the_single_device_in_that_precision() {
                 }
             }
         }
+        // Tied embeddings (the two copies' unscaled gradients summed over the pair of ranks)
+        // and clipping by the norm over both stages, after the unscaling.
+        let mut tied = TrainConfig {
+            max_grad_norm: Some(0.5),
+            ..mixed.clone()
+        };
+        tied.model.tied_embeddings = true;
+        let single = tests::train_layout(
+            1,
+            &Parallelism::default(),
+            &TrainConfig {
+                grad_accum: 4,
+                ..tied.clone()
+            },
+        );
+        let r = run(2, &pipeline("1f1b", 2, 4), &tied);
+        let what = format!("{precision} 1f1b pp 2, tied embeddings, clipped at 0.5");
+        assert_eq!(
+            r.skipped_steps, single.skipped_steps,
+            "{what}: skipped steps"
+        );
+        within(&what, &r, &Reference::of_run(single));
         if precision == Precision::Bf16 {
             let zero = PipelineConfig {
                 zero: Some(burn_zero::Stage::Two),
