@@ -1754,13 +1754,6 @@ impl Gpt {
         stats
     }
 
-    /// Sets the factor the training loop scales the loss by before the backward on every MoE
-    /// layer ([`MoeLayer::set_loss_scale`]): `1 / micro-steps` under gradient accumulation
-    /// with a loss divided by the micro-steps.
-    pub fn set_moe_loss_scale(&self, scale: f32) {
-        let _ = self.for_each_moe(&mut |_, moe| moe.set_loss_scale(scale));
-    }
-
     /// Auxiliary-loss-free balancing: moves every MoE layer's expert biases after an optimizer
     /// step ([`MoeLayer::update_bias`]); a no-op without bias balancing.
     pub fn update_moe_bias(&self) {

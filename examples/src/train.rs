@@ -1187,7 +1187,7 @@ pub fn train_gpt_checkpointed(
         // them itself) and multiplies it by the loss scale: the MoE balancing losses, whose
         // gradient is injected in the backward, are scaled the same way.
         if let Engine::Step { step, .. } = &engine {
-            m.set_moe_loss_scale((step.loss_scale() / config.grad_accum as f64) as f32);
+            experts.set_loss_scale((step.loss_scale() / config.grad_accum as f64) as f32);
         }
         // No-sync FSDP: the blocks reduce-scatter in the last micro-step's backward only.
         let no_sync = fsdp

@@ -112,9 +112,22 @@ pub struct MoeParallel {
     pub expert_dp: Option<ProcessGroup>,
     /// The expert parameters of the layers built with this value.
     pub experts: ExpertParams,
+    /// The state of every layer built with this value, for [`Self::set_loss_scale`].
+    layers: Arc<Mutex<Vec<Arc<Mutex<State>>>>>,
 }
 
 impl MoeParallel {
+    /// Sets the loss scale of every MoE layer built with this value
+    /// ([`MoeLayer::set_loss_scale`]): what a training step that scales its loss (by
+    /// `1 / micro-steps`, by a dynamic loss scale) calls before the forward, so that the
+    /// balancing losses' gradients, injected in the backward, are scaled as the loss is.
+    /// [`crate::MoeStep::step_with`] does it.
+    pub fn set_loss_scale(&self, scale: f32) {
+        for state in self.layers.lock().expect("MoE layer registry").iter() {
+            state.lock().expect("MoE state").loss_scale = scale;
+        }
+    }
+
     /// The groups of `dims` on `mesh` (built by [`ParallelDims::build`]): `ep` from
     /// [`ParallelDims::expert_parallel`], `dp` from [`ParallelDims::gradient_reduction`],
     /// `expert_dp` from [`ParallelDims::expert_data_parallel`]. Creates groups: every rank must
@@ -132,6 +145,7 @@ impl MoeParallel {
             ep: some(dims.expert_parallel(mesh)?),
             expert_dp: some(dims.expert_data_parallel(mesh)?),
             experts: ExpertParams::default(),
+            layers: Arc::default(),
         })
     }
 
@@ -311,6 +325,17 @@ impl MoeLayer {
         let shared = (config.n_shared > 0)
             .then(|| Expert::new(config, config.n_shared * config.d_ff, &init.at("shared")))
             .transpose()?;
+        let state = Arc::new(Mutex::new(State {
+            bias: vec![0.0; config.n_experts],
+            pending: vec![0.0; config.n_experts],
+            last: None,
+            loss_scale: 1.0,
+        }));
+        parallel
+            .layers
+            .lock()
+            .expect("MoE layer registry")
+            .push(state.clone());
         Ok(Self {
             router: init.at("router").normal(
                 "weight",
@@ -322,12 +347,7 @@ impl MoeLayer {
             config: config.clone(),
             parallel: parallel.clone(),
             first_expert,
-            state: Arc::new(Mutex::new(State {
-                bias: vec![0.0; config.n_experts],
-                pending: vec![0.0; config.n_experts],
-                last: None,
-                loss_scale: 1.0,
-            })),
+            state,
         })
     }
 

@@ -284,6 +284,54 @@ impl MoeStep {
         Ok(ExpertGradients { grads })
     }
 
+    /// One step of the model `forward` computes the loss of: the MoE layers' loss scale set
+    /// to the inner step's ([`MoeParallel::set_loss_scale`]), the forward on the inner step's
+    /// compute copy ([`TrainStep::compute_model`]), the backward of the scaled loss
+    /// ([`TrainStep::scaled_loss`]), [`Self::reduce_scaled`], and the optimizer step unless the
+    /// gradients overflowed ([`StepOutput::skipped`]). Mixed precision and fp16's dynamic loss
+    /// scaling work as under [`TrainStep::step_with`]; the bias updates of auxiliary-loss-free
+    /// balancing are the caller's.
+    ///
+    /// # Errors
+    /// `forward`'s error; [`Self::reduce_scaled`]'s, converted into `E`.
+    pub fn step_with<M: Module, E: From<MoeError>>(
+        &self,
+        model: M,
+        forward: impl FnOnce(&M) -> std::result::Result<Tensor<1>, E>,
+        optim: &mut ModuleOptimizer,
+        lr: f64,
+    ) -> std::result::Result<(M, StepOutput), E> {
+        self.parallel.set_loss_scale(self.inner.loss_scale() as f32);
+        let loss = forward(&self.inner.compute_model(&model))?;
+        let local = loss
+            .clone()
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec::<f32>()
+            .map_err(|e| MoeError::Config {
+                field: "loss".into(),
+                reason: format!("{e:?}"),
+            })?[0];
+        let loss_avg = match &self.parallel.dp {
+            Some(dp) => dp
+                .all_reduce_f32(vec![local], ReduceOp::Avg)
+                .map_err(MoeError::from)?[0],
+            None => local,
+        };
+        let grads = GradientsParams::from_grads(self.inner.scaled_loss(loss).backward(), &model);
+        let reduced = self.reduce_scaled(&model, grads)?;
+        let grad_norm = reduced.grad_norm;
+        let (model, skipped) = self.inner.apply(model, reduced, optim, lr);
+        Ok((
+            model,
+            StepOutput {
+                loss: loss_avg,
+                grad_norm,
+                skipped,
+            },
+        ))
+    }
+
     /// One step: backward of `loss`, [`Self::reduce`], `optim.step(lr, ..)`, then the bias
     /// updates of auxiliary-loss-free balancing are the caller's (call
     /// [`crate::MoeLayer::update_bias`] on each layer).

@@ -298,19 +298,10 @@ fn train_moe(world: &ProcessGroup, args: &Args, corpus: &Corpus) -> Result<Vec<f
     let mut model =
         Decoder::with_experts(&init, &config(), &experts, &parallel).map_err(|e| e.to_string())?;
     let dp = dims.data_parallel(&mesh).map_err(|e| e.to_string())?;
-    let precision = match args.precision {
-        Precision::F32 => MixedPrecision::full(),
-        Precision::Bf16 => MixedPrecision::bf16(),
-        Precision::Fp16 => {
-            return Err("the MoE variant has no loss scaling: use bf16 or f32".into());
-        }
-    };
-    let inner = TrainStep::new(init.context())
-        .with_data_parallel(dp.clone())
-        .with_precision(precision);
-    // The forward runs on the compute copy (bf16): gradients land on the fp32 master weights.
-    let compute = inner.clone();
-    let step = MoeStep::new(inner, &parallel).with_clip(args.clip);
+    let inner = TrainStep::new(init.context()).with_data_parallel(dp.clone());
+    // The forward runs on the compute copy: gradients land on the fp32 master weights; under
+    // fp16 the loss and the balancing losses are scaled, the gradients unscaled and checked.
+    let step = MoeStep::new(with_precision(inner, args.precision), &parallel).with_clip(args.clip);
     let mut optim = AdamWConfig::new().with_weight_decay(0.01).init();
     let rows = args.batch / dp.size();
     let mut losses = Vec::new();
@@ -318,10 +309,9 @@ fn train_moe(world: &ProcessGroup, args: &Args, corpus: &Corpus) -> Result<Vec<f
         let first = dp.rank() * rows;
         let batch = corpus.batch_rows(s as u64, first..first + rows, args.seq, Split::Train);
         let (tokens, targets) = batch.to_tensors(&device);
-        let loss = compute.compute_model(&model).loss(tokens, targets);
-        let loss = loss.map_err(|e| e.to_string())?;
+        let forward = |m: &Decoder| m.loss(tokens, targets).map_err(burn_moe::MoeError::from);
         let (next, out) = step
-            .step(model, loss, &mut optim, args.lr)
+            .step_with(model, forward, &mut optim, args.lr)
             .map_err(|e| e.to_string())?;
         model = next;
         losses.push(out.loss);
