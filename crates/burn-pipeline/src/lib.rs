@@ -20,8 +20,8 @@
 //! | [`checkpoint`] | activation checkpointing of one block inside a stage: graph-free forward, recomputed in the backward, its parameter gradients handed to the stage |
 //! | [`deferred`] | split backward: [`deferred::DeferredLinear`] (weight gradient deferred from `I` to `W`) and its [`deferred::WeightGradStore`] |
 //! | [`trace`] | one timeline type for measured and simulated steps: the measured bubble fraction, a Chrome/Perfetto trace with a track per rank |
-//! | [`update`] | [`update::StageUpdater`]: each stage's gradients reduced over its replicas (DDP, or ZeRO-1/2) and stepped; clipping by the norm over every stage; weights tied between the first and the last stage |
-//! | [`runtime`] | [`runtime::Executor`]: runs this rank's program, sends and receives boundaries, accumulates and hands over each stage's gradients at `REDUCE`; typed [`runtime::PipelineError`]s, never a hang |
+//! | [`update`] | [`update::StageUpdater`]: each stage's gradients reduced over its replicas (DDP, or ZeRO-1/2) and stepped; clipping by the norm over every stage; weights tied between the first and the last stage; dynamic loss scaling decided over every stage |
+//! | [`runtime`] | [`runtime::Executor`]: runs this rank's program, sends and receives boundaries, accumulates and hands over each stage's gradients at `REDUCE`; mixed precision (each stage's compute copy, the loss-scaled seed: [`runtime::Executor::with_precision`]); typed [`runtime::PipelineError`]s, never a hang |
 //!
 //! ```
 //! use burn_pipeline::{generators, simulate::{simulate, Costs}};
