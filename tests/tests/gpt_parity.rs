@@ -426,7 +426,8 @@ fn bf16_training_tracks_fp32() {
 /// `gpt --precision fp16`: the loss scaler starts at 2^16 (as PyTorch's `GradScaler`), so
 /// the first step overflows and is skipped, then the run trains: its model lags the fp32
 /// reference by the skipped steps (measured: one skipped, final loss 1.9% above the
-/// reference's). The step-by-step fp16 checks are in `burn-parallel/tests/precision.rs`.
+/// reference's); under context parallelism (cp 2) it skips the steps data parallelism (dp 2)
+/// skips. The step-by-step fp16 checks are in `burn-parallel/tests/precision.rs`.
 #[test]
 fn fp16_training_skips_its_overflowing_first_steps_and_trains() {
     let reference = reference_run(&config());
@@ -451,6 +452,28 @@ fn fp16_training_skips_its_overflowing_first_steps_and_trains() {
         "fp16 did not train: {:?}",
         report.losses
     );
+    // Context parallelism: each rank's tokens' gradients are loss-scaled, averaged with the
+    // other rank's, unscaled and checked. Each rank's loss is the mean over its half of the
+    // tokens, so its fp16 gradients are about twice one device's and overflow one scale
+    // earlier, as under dp 2 (measured: 3 skipped and scale 8192 under cp 2 and dp 2, with
+    // fp32 reduction too; 2 and 16384 on one device): against dp 2 in fp16, the same steps
+    // skipped, the same final scale, and the losses within fp16's rounding.
+    let two = |p: Parallelism| parallel(2, &p, &run);
+    let dp = two(Parallelism::default());
+    let cp = two(Parallelism {
+        cp: 2,
+        ..Parallelism::default()
+    });
+    let err = tests::max_relative_loss_diff(&cp.losses, &dp.losses);
+    println!(
+        "fp16 cp 2 against fp16 dp 2: losses {err:.2e}; skipped {} and {}",
+        cp.skipped_steps, dp.skipped_steps
+    );
+    assert_eq!(
+        (cp.skipped_steps, cp.loss_scale),
+        (dp.skipped_steps, dp.loss_scale)
+    );
+    assert!(err < 1e-3, "fp16 cp 2 drifts by {err:.2e}: {:?}", cp.losses);
 }
 
 /// Layouts the precision policy does not reach yet are refused with the flags to drop.
