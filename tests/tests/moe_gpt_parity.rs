@@ -195,8 +195,9 @@ fn bf16_gpt_moe_tracks_fp32_under_expert_parallelism() {
 /// exact) the run is the unscaled run's, at ep 2 and dp 2 x ep 2 (before the balancing losses
 /// were scaled their gradients reached the weights 1024 times too small). And fp16 (from
 /// 2^16) skips its first steps at dp 2 x ep 2 as on one device, then trains (measured: 2
-/// skipped on one device, 3 at dp 2 x ep 2, whose gradients are averaged in fp16: the sum of
-/// two ranks' can overflow where one device's mean does not).
+/// skipped on one device, 3 at dp 2 x ep 2: each rank's loss is the mean over its half of the
+/// tokens, so its fp16 gradients are about twice one device's and overflow one scale earlier,
+/// as under a dense dp 2).
 #[test]
 fn loss_scaling_scales_the_balancing_losses_and_unscales_the_experts() {
     let config = moe_run();
