@@ -921,7 +921,10 @@ impl Executor {
         batch: &B,
     ) -> Result<StageOutput> {
         let (stage, microbatch) = (action.stage(), action.microbatch().unwrap_or(0));
-        // Mixed precision: the forward on the compute copy.
+        // Mixed precision: the forward on the compute copy, cast for each forward. One copy per
+        // step (as `TrainStep` keeps over sequential micro-batches) fails here: the forwards of
+        // several micro-batches are in flight, and the first backward consumes the casts' tape
+        // that the others still need (Burn has no retain_graph).
         let copy = self
             .precision
             .as_ref()

@@ -443,24 +443,35 @@ fn prune(group: &ProcessGroup, root: &Path, keep: usize) -> Result<()> {
 /// along a later dimension into one piece per row, which together are one region of the
 /// logical tensor).
 fn coalesce(pieces: Vec<Piece>) -> Vec<Piece> {
+    let joins = |a: &Piece, b: &Piece| {
+        a.name == b.name
+            && a.region.shape == b.region.shape
+            && a.region.bounds == b.region.bounds
+            && a.region.flat.end == b.region.flat.start
+            && a.data.dtype() == b.data.dtype()
+    };
     let mut out: Vec<Piece> = Vec::with_capacity(pieces.len());
-    for p in pieces {
-        if let Some(last) = out.last_mut()
-            && last.name == p.name
-            && last.region.shape == p.region.shape
-            && last.region.bounds == p.region.bounds
-            && last.region.flat.end == p.region.flat.start
-            && last.data.dtype() == p.data.dtype()
-        {
-            let dtype = p.data.dtype();
-            let numel = last.data.num_elements() + p.data.num_elements();
-            let mut bytes = last.data.as_bytes().to_vec();
-            bytes.extend_from_slice(p.data.as_bytes());
-            last.data = TensorData::from_bytes_vec(bytes, vec![numel], dtype);
-            last.region.flat.end = p.region.flat.end;
+    let mut pieces = pieces.into_iter().peekable();
+    while let Some(first) = pieces.next() {
+        let mut run = vec![first];
+        while let Some(next) = pieces.next_if(|p| joins(&run[run.len() - 1], p)) {
+            run.push(next);
+        }
+        if run.len() == 1 {
+            out.extend(run);
             continue;
         }
-        out.push(p);
+        // One copy of the run's bytes (a row-by-row cut has as many pieces as rows).
+        let (dtype, end) = (run[0].data.dtype(), run[run.len() - 1].region.flat.end);
+        let numel = run.iter().map(|p| p.data.num_elements()).sum::<usize>();
+        let mut bytes = Vec::with_capacity(run.iter().map(|p| p.data.as_bytes().len()).sum());
+        for p in &run {
+            bytes.extend_from_slice(p.data.as_bytes());
+        }
+        let mut joined = run.swap_remove(0);
+        joined.data = TensorData::from_bytes_vec(bytes, vec![numel], dtype);
+        joined.region.flat.end = end;
+        out.push(joined);
     }
     out
 }
