@@ -372,16 +372,18 @@ fn byo_model_saved_under_one_layout_resumes_under_another() {
     let root = std::env::temp_dir().join(format!("byo-resume-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&root);
     let half = STEPS / 2;
-    let saved = parallel_run(
-        &flex,
-        dims(2, 2),
-        true,
-        RunOptions {
+    // The first half on dp 2 x tp 2 + sp, saved into `dir`, stepped by `zero` (`None`: the
+    // library step).
+    let save_first_half = |dir: &std::path::Path, zero: Option<Stage>| {
+        let options = RunOptions {
             steps: 0..half,
-            save: Some(root.clone()),
+            save: Some(dir.to_path_buf()),
+            zero,
             ..RunOptions::default()
-        },
-    );
+        };
+        parallel_run(&flex, dims(2, 2), true, options)
+    };
+    let saved = save_first_half(&root, None);
     for (a, b) in saved.0.iter().zip(&whole.0[..half]) {
         let rel = ((a - b) / b).abs();
         assert!(rel <= 1e-5, "dp 2 x tp 2 + sp, first half: {a} vs {b}");
@@ -429,17 +431,7 @@ fn byo_model_saved_under_one_layout_resumes_under_another() {
     }
     let zero_root = std::env::temp_dir().join(format!("byo-resume-zero-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&zero_root);
-    let saved = parallel_run(
-        &flex,
-        dims(2, 2),
-        true,
-        RunOptions {
-            steps: 0..half,
-            save: Some(zero_root.clone()),
-            zero: Some(Stage::Two),
-            ..RunOptions::default()
-        },
-    );
+    let saved = save_first_half(&zero_root, Some(Stage::Two));
     assert_eq!(saved.0.len(), half);
     let from_zero = RunOptions {
         resume: Some(zero_root.clone()),

@@ -80,14 +80,7 @@ impl MoeStep {
         model: &M,
         grads: GradientsParams,
     ) -> Result<(GradientsParams, Option<f64>)> {
-        if self.inner.loss_scaler().is_some() {
-            return Err(MoeError::Config {
-                field: "TrainStep loss scaler".into(),
-                reason: "an overflow must skip the step, which `reduce` cannot say: call \
-                         `reduce_scaled` and `TrainStep::apply`"
-                    .into(),
-            });
-        }
+        self.refuse_scaler()?;
         let reduced = self.reduce_scaled(model, grads)?;
         Ok((reduced.grads, reduced.grad_norm))
     }
@@ -303,6 +296,37 @@ impl MoeStep {
     ) -> std::result::Result<(M, StepOutput), E> {
         self.parallel.set_loss_scale(self.inner.loss_scale() as f32);
         let loss = forward(&self.inner.compute_model(&model))?;
+        Ok(self.finish(model, loss, optim, lr)?)
+    }
+
+    /// One step: backward of `loss`, [`Self::reduce`], `optim.step(lr, ..)`, then the bias
+    /// updates of auxiliary-loss-free balancing are the caller's (call
+    /// [`crate::MoeLayer::update_bias`] on each layer). Not with a loss scaler (the loss was
+    /// computed before the layers' loss scale could be set): use [`Self::step_with`].
+    ///
+    /// # Errors
+    /// As [`Self::reduce`].
+    pub fn step<M: Module>(
+        &self,
+        model: M,
+        loss: Tensor<1>,
+        optim: &mut ModuleOptimizer,
+        lr: f64,
+    ) -> Result<(M, StepOutput)> {
+        self.refuse_scaler()?;
+        self.finish(model, loss, optim, lr)
+    }
+
+    /// The end of [`Self::step`] and [`Self::step_with`]: the loss averaged over the
+    /// data-parallel ranks, the backward of the scaled loss, [`Self::reduce_scaled`], and the
+    /// update unless the gradients overflowed.
+    fn finish<M: Module>(
+        &self,
+        model: M,
+        loss: Tensor<1>,
+        optim: &mut ModuleOptimizer,
+        lr: f64,
+    ) -> Result<(M, StepOutput)> {
         let local = loss
             .clone()
             .into_data()
@@ -313,9 +337,7 @@ impl MoeStep {
                 reason: format!("{e:?}"),
             })?[0];
         let loss_avg = match &self.parallel.dp {
-            Some(dp) => dp
-                .all_reduce_f32(vec![local], ReduceOp::Avg)
-                .map_err(MoeError::from)?[0],
+            Some(dp) => dp.all_reduce_f32(vec![local], ReduceOp::Avg)?[0],
             None => local,
         };
         let grads = GradientsParams::from_grads(self.inner.scaled_loss(loss).backward(), &model);
@@ -332,35 +354,17 @@ impl MoeStep {
         ))
     }
 
-    /// One step: backward of `loss`, [`Self::reduce`], `optim.step(lr, ..)`, then the bias
-    /// updates of auxiliary-loss-free balancing are the caller's (call
-    /// [`crate::MoeLayer::update_bias`] on each layer).
-    ///
-    /// # Errors
-    /// As [`Self::reduce`].
-    pub fn step<M: Module>(
-        &self,
-        model: M,
-        loss: Tensor<1>,
-        optim: &mut ModuleOptimizer,
-        lr: f64,
-    ) -> Result<(M, StepOutput)> {
-        let local = loss.clone().into_scalar::<f32>();
-        let loss_avg = match &self.parallel.dp {
-            Some(dp) => dp.all_reduce_f32(vec![local], ReduceOp::Avg)?[0],
-            None => local,
-        };
-        let grads = GradientsParams::from_grads(loss.backward(), &model);
-        let (grads, grad_norm) = self.reduce(&model, grads)?;
-        let model = optim.step(lr, model, grads);
-        Ok((
-            model,
-            StepOutput {
-                loss: loss_avg,
-                grad_norm,
-                skipped: false,
-            },
-        ))
+    /// The error of the entry points that cannot skip a step: the inner step has a loss scaler.
+    fn refuse_scaler(&self) -> Result<()> {
+        match self.inner.loss_scaler() {
+            Some(_) => Err(MoeError::Config {
+                field: "TrainStep loss scaler".into(),
+                reason: "an overflow must skip the step, which `reduce` and `step` cannot do: \
+                         call `reduce_scaled` and `TrainStep::apply`, or `step_with`"
+                    .into(),
+            }),
+            None => Ok(()),
+        }
     }
 }
 
