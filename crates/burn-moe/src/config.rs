@@ -78,6 +78,9 @@ pub enum MoeError {
     /// A collective failed.
     #[error(transparent)]
     Collective(#[from] CollectiveError),
+    /// ZeRO's sharded optimizer failed ([`crate::MoeZero`]).
+    #[error(transparent)]
+    Zero(#[from] burn_zero::ZeroError),
 }
 
 /// `Result` with [`MoeError`].

@@ -1,6 +1,6 @@
 //! [`MoeLayer`]: a mixture-of-experts feed-forward layer, a drop-in replacement for an MLP.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
@@ -63,27 +63,33 @@ impl Expert {
     }
 }
 
-/// The expert parameters of every MoE layer built with one [`MoeParallel`]: [`crate::MoeStep`]
-/// reduces their gradients over the ranks that hold the same experts only. Cheap to clone
-/// (shared).
+/// The expert parameters of every MoE layer built with one [`MoeParallel`], each with the
+/// global index of its expert (the index it has on one device): [`crate::MoeStep`] reduces
+/// their gradients over the ranks that hold the same experts only, and checkpoints name them
+/// by that index. Cheap to clone (shared).
 #[derive(Debug, Clone, Default)]
-pub struct ExpertParams(Arc<Mutex<HashSet<ParamId>>>);
+pub struct ExpertParams(Arc<Mutex<HashMap<ParamId, usize>>>);
 
 impl ExpertParams {
-    /// Records `module`'s float parameters as expert parameters.
-    pub fn register<M: Module>(&self, module: &M) {
-        struct Ids<'a>(&'a mut HashSet<ParamId>);
+    /// Records `module`'s float parameters as those of global expert `index`.
+    pub fn register<M: Module>(&self, module: &M, index: usize) {
+        struct Ids<'a>(&'a mut HashMap<ParamId, usize>, usize);
         impl ModuleVisitor for Ids<'_> {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                self.0.insert(param.id);
+                self.0.insert(param.id, self.1);
             }
         }
-        module.visit(&mut Ids(&mut self.0.lock().expect("expert registry")));
+        module.visit(&mut Ids(&mut self.0.lock().expect("expert registry"), index));
+    }
+
+    /// The global expert index of `id`, when it is an expert parameter.
+    pub fn expert_of(&self, id: &ParamId) -> Option<usize> {
+        self.0.lock().expect("expert registry").get(id).copied()
     }
 
     /// Whether `id` is an expert parameter.
     pub fn contains(&self, id: &ParamId) -> bool {
-        self.0.lock().expect("expert registry").contains(id)
+        self.0.lock().expect("expert registry").contains_key(id)
     }
 
     /// Number of registered parameters.
@@ -112,8 +118,9 @@ pub struct MoeParallel {
     pub expert_dp: Option<ProcessGroup>,
     /// The expert parameters of the layers built with this value.
     pub experts: ExpertParams,
-    /// The state of every layer built with this value, for [`Self::set_loss_scale`].
-    layers: Arc<Mutex<Vec<Arc<Mutex<State>>>>>,
+    /// The state and bias update rate of every layer built with this value, in build order,
+    /// for [`Self::set_loss_scale`] and the bias methods.
+    layers: Arc<Mutex<Vec<(Arc<Mutex<State>>, f32)>>>,
 }
 
 impl MoeParallel {
@@ -123,9 +130,57 @@ impl MoeParallel {
     /// balancing losses' gradients, injected in the backward, are scaled as the loss is.
     /// [`crate::MoeStep::step_with`] does it.
     pub fn set_loss_scale(&self, scale: f32) {
-        for state in self.layers.lock().expect("MoE layer registry").iter() {
+        for (state, _) in self.layers.lock().expect("MoE layer registry").iter() {
             state.lock().expect("MoE state").loss_scale = scale;
         }
+    }
+
+    /// Moves the expert biases of every layer built with this value towards balance
+    /// ([`MoeLayer::update_bias`]): what a training loop calls after each optimizer step (the
+    /// [`crate::MoeTrainer`] engine does).
+    pub fn update_biases(&self) {
+        for (state, rate) in self.layers.lock().expect("MoE layer registry").iter() {
+            update_bias(&mut state.lock().expect("MoE state"), *rate);
+        }
+    }
+
+    /// The expert biases of every layer built with this value, in build order (for a
+    /// checkpoint: the same on every rank).
+    pub fn expert_biases(&self) -> Vec<Vec<f32>> {
+        let layers = self.layers.lock().expect("MoE layer registry");
+        layers
+            .iter()
+            .map(|(state, _)| state.lock().expect("MoE state").bias.clone())
+            .collect()
+    }
+
+    /// Sets the expert biases of every layer built with this value from
+    /// [`Self::expert_biases`] of the same model.
+    ///
+    /// # Errors
+    /// [`MoeError::Shape`] when `biases` has another number of layers, or a layer another
+    /// number of experts.
+    pub fn set_expert_biases(&self, biases: &[Vec<f32>]) -> Result<()> {
+        let layers = self.layers.lock().expect("MoE layer registry");
+        if biases.len() != layers.len() {
+            return Err(MoeError::Shape(format!(
+                "expert biases of {} MoE layers given for a model of {}",
+                biases.len(),
+                layers.len()
+            )));
+        }
+        for (i, ((state, _), bias)) in layers.iter().zip(biases).enumerate() {
+            let mut state = state.lock().expect("MoE state");
+            if bias.len() != state.bias.len() {
+                return Err(MoeError::Shape(format!(
+                    "MoE layer {i}: {} expert biases given for {} experts",
+                    bias.len(),
+                    state.bias.len()
+                )));
+            }
+            state.bias = bias.clone();
+        }
+        Ok(())
     }
 
     /// The groups of `dims` on `mesh` (built by [`ParallelDims::build`]): `ep` from
@@ -208,6 +263,28 @@ struct State {
     last: Option<MoeStats>,
     /// The gradient the balancing losses get in the backward ([`MoeLayer::set_loss_scale`]).
     loss_scale: f32,
+}
+
+/// [`MoeLayer::update_bias`] on a layer's state: the biases moved by `rate` towards balance
+/// from the token counts since the last update (`None`, nothing done, for a rate of 0).
+fn update_bias(state: &mut State, rate: f32) -> Option<Vec<f32>> {
+    if rate == 0.0 {
+        return None;
+    }
+    let counts = std::mem::replace(&mut state.pending, vec![0.0; state.bias.len()]);
+    let total: f64 = counts.iter().sum();
+    if total > 0.0 {
+        let mean = total / counts.len() as f64;
+        for (b, c) in state.bias.iter_mut().zip(&counts) {
+            let err = mean - c;
+            if err > 0.0 {
+                *b += rate;
+            } else if err < 0.0 {
+                *b -= rate;
+            }
+        }
+    }
+    Some(state.bias.clone())
 }
 
 /// A mixture-of-experts layer: a router picks `top_k` of `n_experts` experts per token, the
@@ -319,8 +396,8 @@ impl MoeLayer {
         let experts = (first_expert..first_expert + per_rank)
             .map(|i| Expert::new(config, config.d_ff, &init.at("experts").at(i)))
             .collect::<Result<Vec<_>>>()?;
-        for expert in &experts {
-            parallel.experts.register(expert);
+        for (i, expert) in experts.iter().enumerate() {
+            parallel.experts.register(expert, first_expert + i);
         }
         let shared = (config.n_shared > 0)
             .then(|| Expert::new(config, config.n_shared * config.d_ff, &init.at("shared")))
@@ -335,7 +412,7 @@ impl MoeLayer {
             .layers
             .lock()
             .expect("MoE layer registry")
-            .push(state.clone());
+            .push((state.clone(), config.bias_update_rate as f32));
         Ok(Self {
             router: init.at("router").normal(
                 "weight",
@@ -593,24 +670,7 @@ impl MoeLayer {
     /// step. No-op (returns `None`) when `bias_update_rate` is 0.
     pub fn update_bias(&self) -> Option<Vec<f32>> {
         let rate = self.config.bias_update_rate as f32;
-        if rate == 0.0 {
-            return None;
-        }
-        let mut state = self.state.lock().expect("MoE state");
-        let counts = std::mem::replace(&mut state.pending, vec![0.0; self.config.n_experts]);
-        let total: f64 = counts.iter().sum();
-        if total > 0.0 {
-            let mean = total / counts.len() as f64;
-            for (b, c) in state.bias.iter_mut().zip(&counts) {
-                let err = mean - c;
-                if err > 0.0 {
-                    *b += rate;
-                } else if err < 0.0 {
-                    *b -= rate;
-                }
-            }
-        }
-        Some(state.bias.clone())
+        update_bias(&mut self.state.lock().expect("MoE state"), rate)
     }
 
     /// Sets the factor the training loop multiplies its loss by before the backward (1 by

@@ -25,4 +25,6 @@ pub mod step;
 
 pub use config::{Capacity, DropPolicy, ExpertKind, MoeConfig, MoeError, Result, ScoreFn};
 pub use layer::{Expert, ExpertParams, MoeLayer, MoeParallel, MoeStats, Routing};
+pub mod engine;
+pub use engine::{MoeTrainer, MoeZero};
 pub use step::{ExpertGradients, MoeStep};

@@ -2,10 +2,10 @@
 //! parallelism.
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
-use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Tensor, TensorData};
 use burn_parallel::ReduceOp;
-use burn_parallel::train::{Reduced, StepOutput, TrainStep, clip_to_norm};
+use burn_parallel::train::{Reduced, StepOutput, StepPhases, TrainStep, clip_to_norm};
 
 use crate::config::{MoeError, Result};
 use crate::layer::MoeParallel;
@@ -277,13 +277,8 @@ impl MoeStep {
         Ok(ExpertGradients { grads })
     }
 
-    /// One step of the model `forward` computes the loss of: the MoE layers' loss scale set
-    /// to the inner step's ([`MoeParallel::set_loss_scale`]), the forward on the inner step's
-    /// compute copy ([`TrainStep::compute_model`]), the backward of the scaled loss
-    /// ([`TrainStep::scaled_loss`]), [`Self::reduce_scaled`], and the optimizer step unless the
-    /// gradients overflowed ([`StepOutput::skipped`]). Mixed precision and fp16's dynamic loss
-    /// scaling work as under [`TrainStep::step_with`]; the bias updates of auxiliary-loss-free
-    /// balancing are the caller's.
+    /// One step of the model `forward` computes the loss of: [`Self::step_accumulated`] over
+    /// one micro-batch. The bias updates of auxiliary-loss-free balancing are the caller's.
     ///
     /// # Errors
     /// `forward`'s error; [`Self::reduce_scaled`]'s, converted into `E`.
@@ -294,9 +289,73 @@ impl MoeStep {
         optim: &mut ModuleOptimizer,
         lr: f64,
     ) -> std::result::Result<(M, StepOutput), E> {
-        self.parallel.set_loss_scale(self.inner.loss_scale() as f32);
-        let loss = forward(&self.inner.compute_model(&model))?;
-        Ok(self.finish(model, loss, optim, lr)?)
+        let mut forward = Some(forward);
+        self.step_accumulated(
+            model,
+            1,
+            &mut |m, _| (forward.take().expect("one micro-batch"))(m),
+            optim,
+            lr,
+        )
+    }
+
+    /// One optimizer step over `micro_batches` micro-batches (gradient accumulation, as
+    /// [`TrainStep::step_accumulated`]): the MoE layers' loss scale set to the inner step's
+    /// divided by `micro_batches` ([`MoeParallel::set_loss_scale`]), each micro-batch's forward
+    /// (`forward(model, k)`, the mean loss of micro-batch `k`) on the inner step's compute copy
+    /// ([`TrainStep::compute_model`]), the backward of its loss divided by `micro_batches` and
+    /// scaled ([`TrainStep::scaled_loss`]), the gradients summed, then [`Self::reduce_scaled`]
+    /// and the optimizer step unless the gradients overflowed ([`StepOutput::skipped`]). Mixed
+    /// precision and fp16's dynamic loss scaling work as under [`TrainStep::step_with`]; the
+    /// bias updates of auxiliary-loss-free balancing are the caller's
+    /// ([`MoeParallel::update_biases`]; [`crate::MoeTrainer`] does it).
+    ///
+    /// # Errors
+    /// `forward`'s error; [`MoeError::Config`] for zero micro-batches;
+    /// [`Self::reduce_scaled`]'s, converted into `E`.
+    pub fn step_accumulated<M: Module, E: From<MoeError>>(
+        &self,
+        model: M,
+        micro_batches: usize,
+        forward: &mut dyn FnMut(&M, usize) -> std::result::Result<Tensor<1>, E>,
+        optim: &mut ModuleOptimizer,
+        lr: f64,
+    ) -> std::result::Result<(M, StepOutput), E> {
+        if micro_batches == 0 {
+            return Err(E::from(MoeError::Config {
+                field: "micro_batches".into(),
+                reason: "zero micro-batches: give at least one".into(),
+            }));
+        }
+        let n = micro_batches as f32;
+        self.parallel
+            .set_loss_scale(self.inner.loss_scale() as f32 / n);
+        // In fp32 the model itself (no copy: state a forward updates stays with it).
+        let precision = self.inner.precision();
+        let compute = (!precision.is_full()).then(|| self.inner.compute_model(&model));
+        let mut phases = StepPhases::default();
+        let mut acc = GradientsAccumulator::<M>::new();
+        let mut local = 0.0f64;
+        for k in 0..micro_batches {
+            let loss = phases.time(
+                |p| &mut p.forward,
+                || {
+                    let loss = forward(compute.as_ref().unwrap_or(&model), k)?;
+                    local += f64::from(scalar(&loss)?);
+                    Ok::<_, E>(loss)
+                },
+            )?;
+            phases.time(
+                |p| &mut p.backward,
+                || {
+                    let loss = self.inner.scaled_loss(loss / n);
+                    acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+                },
+            );
+        }
+        drop(compute);
+        let local = (local / micro_batches as f64) as f32;
+        Ok(self.finish(model, local, acc.grads(), optim, lr, phases)?)
     }
 
     /// One step: backward of `loss`, [`Self::reduce`], `optim.step(lr, ..)`, then the bias
@@ -314,44 +373,61 @@ impl MoeStep {
         lr: f64,
     ) -> Result<(M, StepOutput)> {
         self.refuse_scaler()?;
-        self.finish(model, loss, optim, lr)
+        let local = scalar(&loss)?;
+        let mut phases = StepPhases::default();
+        let grads = phases.time(
+            |p| &mut p.backward,
+            || GradientsParams::from_grads(loss.backward(), &model),
+        );
+        self.finish(model, local, grads, optim, lr, phases)
     }
 
-    /// The end of [`Self::step`] and [`Self::step_with`]: the loss averaged over the
-    /// data-parallel ranks, the backward of the scaled loss, [`Self::reduce_scaled`], and the
-    /// update unless the gradients overflowed.
+    /// The end of every step: the loss averaged over the data-parallel ranks,
+    /// [`Self::reduce_scaled`], and the update unless the gradients overflowed.
     fn finish<M: Module>(
         &self,
         model: M,
-        loss: Tensor<1>,
+        local: f32,
+        grads: GradientsParams,
         optim: &mut ModuleOptimizer,
         lr: f64,
+        mut phases: StepPhases,
     ) -> Result<(M, StepOutput)> {
-        let local = loss
-            .clone()
-            .into_data()
-            .convert::<f32>()
-            .try_to_vec::<f32>()
-            .map_err(|e| MoeError::Config {
-                field: "loss".into(),
-                reason: format!("{e:?}"),
-            })?[0];
-        let loss_avg = match &self.parallel.dp {
-            Some(dp) => dp.all_reduce_f32(vec![local], ReduceOp::Avg)?[0],
-            None => local,
-        };
-        let grads = GradientsParams::from_grads(self.inner.scaled_loss(loss).backward(), &model);
-        let reduced = self.reduce_scaled(&model, grads)?;
+        let reduced = phases.time(
+            |p| &mut p.reduce,
+            || -> Result<(f32, Reduced)> {
+                let loss_avg = match &self.parallel.dp {
+                    Some(dp) => dp.all_reduce_f32(vec![local], ReduceOp::Avg)?[0],
+                    None => local,
+                };
+                Ok((loss_avg, self.reduce_scaled(&model, grads)?))
+            },
+        );
+        let (loss_avg, reduced) = reduced?;
         let grad_norm = reduced.grad_norm;
-        let (model, skipped) = self.inner.apply(model, reduced, optim, lr);
+        let (model, skipped) = phases.time(
+            |p| &mut p.optimizer,
+            || self.inner.apply(model, reduced, optim, lr),
+        );
         Ok((
             model,
             StepOutput {
                 loss: loss_avg,
                 grad_norm,
                 skipped,
+                phases,
             },
         ))
+    }
+
+    /// The inner step (the layout of every gradient but the experts', precision, scaler).
+    pub fn inner(&self) -> &TrainStep {
+        &self.inner
+    }
+
+    /// The groups of the MoE layers this step trains.
+    pub fn parallel(&self) -> &MoeParallel {
+        &self.parallel
     }
 
     /// The error of the entry points that cannot skip a step: the inner step has a loss scaler.
@@ -366,6 +442,23 @@ impl MoeStep {
             None => Ok(()),
         }
     }
+}
+
+/// The value of a one-element loss, in f32 whatever its dtype.
+fn scalar(loss: &Tensor<1>) -> Result<f32> {
+    let values = loss
+        .clone()
+        .into_data()
+        .convert::<f32>()
+        .try_to_vec::<f32>()
+        .map_err(|e| MoeError::Config {
+            field: "loss".into(),
+            reason: format!("{e:?}"),
+        })?;
+    values.first().copied().ok_or_else(|| MoeError::Config {
+        field: "loss".into(),
+        reason: "an empty loss tensor: give the mean loss, one element".into(),
+    })
 }
 
 /// An expert parameter's id, shape and local gradient (if any).

@@ -72,6 +72,55 @@ pub struct StepOutput {
     /// Whether the step was skipped because the loss-scaled gradients overflowed (the model
     /// and the optimizer state are untouched; see [`TrainStep::with_loss_scaler`]).
     pub skipped: bool,
+    /// Where the step's time went on this rank.
+    pub phases: StepPhases,
+}
+
+/// Seconds of one step on this rank by phase, as a [`StepEngine`] measures them on the host
+/// (Flex and NdArray run synchronously, so these are the phases' real costs; on a GPU backend
+/// they measure what the host waited for).
+///
+/// ```
+/// use burn_parallel::train::StepPhases;
+///
+/// let mut total = StepPhases { forward: 1.0, backward: 2.0, ..StepPhases::default() };
+/// total.add(&StepPhases { optimizer: 0.5, ..StepPhases::default() });
+/// assert_eq!(total.total(), 3.5);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct StepPhases {
+    /// Forward passes and losses of every micro-batch.
+    pub forward: f64,
+    /// Backward passes and the gradient accumulation (with overlapped data parallelism or
+    /// ZeRO-2, the communication issued during the backward too).
+    pub backward: f64,
+    /// Gradient communication after the backward, unscaling and clipping.
+    pub reduce: f64,
+    /// The optimizer update (with ZeRO, its reduce-scatter and gathers too).
+    pub optimizer: f64,
+}
+
+impl StepPhases {
+    /// The sum of the phases.
+    pub fn total(&self) -> f64 {
+        self.forward + self.backward + self.reduce + self.optimizer
+    }
+
+    /// Adds `other` phase by phase.
+    pub fn add(&mut self, other: &StepPhases) {
+        self.forward += other.forward;
+        self.backward += other.backward;
+        self.reduce += other.reduce;
+        self.optimizer += other.optimizer;
+    }
+
+    /// Runs `f`, adding its seconds to the phase `phase` picks.
+    pub fn time<T>(&mut self, phase: fn(&mut Self) -> &mut f64, f: impl FnOnce() -> T) -> T {
+        let start = std::time::Instant::now();
+        let out = f();
+        *phase(self) += start.elapsed().as_secs_f64();
+        out
+    }
 }
 
 /// Gradients ready for the optimizer ([`TrainStep::reduce_scaled`]).
@@ -304,10 +353,12 @@ pub trait StepEngine<M, E> {
     ) -> std::result::Result<(M, StepOutput), E>;
 
     /// Saves `model`'s parameters (fp32: the master weights under mixed precision) and the
-    /// engine's optimizer state as checkpoint `step` of `saver`, each rank writing its share
-    /// under the logical names, with the loss scaler's state and `state` (the caller's: data
-    /// position, losses...). Any engine under any layout loads it ([`Self::load`]). Collective
-    /// over `saver`'s group, which must be every rank of the layout.
+    /// engine's optimizer state as checkpoint `step` of `saver` ([`Checkpointer::submit`]: now,
+    /// or in the background), each rank writing its share under the logical names, with the
+    /// loss scaler's state and `state` (the caller's: data position, losses..., and each
+    /// rank's own; a [`serde_json::Value`] converts into it). Any engine under any layout loads
+    /// it ([`Self::load`]). Collective over `saver`'s group, which must be every rank of the
+    /// layout.
     ///
     /// # Errors
     /// [`CheckpointError`] for a parameter or state that cannot be described, I/O and
@@ -317,7 +368,7 @@ pub trait StepEngine<M, E> {
         saver: &mut Checkpointer,
         step: usize,
         model: &M,
-        state: Value,
+        state: SaveState,
     ) -> checkpoint::Result<()>;
 
     /// Loads a checkpoint saved by any engine under any layout into `model` (this rank's part of
@@ -366,7 +417,7 @@ impl<M: Module, E: From<crate::CollectiveError>> StepEngine<M, E> for Trainer {
         saver: &mut Checkpointer,
         step: usize,
         model: &M,
-        state: Value,
+        state: SaveState,
     ) -> checkpoint::Result<()> {
         self.step.save(saver, step, model, &self.optim, state)
     }
@@ -459,6 +510,11 @@ impl TrainStep {
     pub fn with_loss_scaler(mut self, scaler: LossScaler) -> Self {
         self.scaler = Some(Arc::new(Mutex::new(scaler)));
         self
+    }
+
+    /// The tensor-parallel context the step was built with.
+    pub fn tp_context(&self) -> &TpContext {
+        &self.tp
     }
 
     /// The precision policy.
@@ -800,8 +856,12 @@ impl TrainStep {
         lr: f64,
     ) -> Result<(M, StepOutput)> {
         let local = loss.clone().into_scalar::<f32>();
-        let grads = GradientsParams::from_grads(self.scaled_loss(loss).backward(), &model);
-        self.finish(model, local, grads, optim, lr)
+        let mut phases = StepPhases::default();
+        let grads = phases.time(
+            |p| &mut p.backward,
+            || GradientsParams::from_grads(self.scaled_loss(loss).backward(), &model),
+        );
+        self.finish(model, local, grads, optim, lr, phases)
     }
 
     /// The end of every step but the overlapped one: the loss averaged over the data-parallel
@@ -813,22 +873,31 @@ impl TrainStep {
         grads: GradientsParams,
         optim: &mut ModuleOptimizer,
         lr: f64,
+        mut phases: StepPhases,
     ) -> Result<(M, StepOutput)> {
-        let loss_avg = match &self.ddp {
-            Some(ddp) => ddp
-                .group()
-                .all_reduce_f32(vec![local_loss], ReduceOp::Avg)?[0],
-            None => local_loss,
-        };
-        let reduced = self.reduce_scaled(&model, grads)?;
+        let reduced = phases.time(
+            |p| &mut p.reduce,
+            || -> Result<(f32, Reduced)> {
+                let loss_avg = match &self.ddp {
+                    Some(ddp) => ddp
+                        .group()
+                        .all_reduce_f32(vec![local_loss], ReduceOp::Avg)?[0],
+                    None => local_loss,
+                };
+                Ok((loss_avg, self.reduce_scaled(&model, grads)?))
+            },
+        );
+        let (loss_avg, reduced) = reduced?;
         let grad_norm = reduced.grad_norm;
-        let (model, skipped) = self.apply(model, reduced, optim, lr);
+        let (model, skipped) =
+            phases.time(|p| &mut p.optimizer, || self.apply(model, reduced, optim, lr));
         Ok((
             model,
             StepOutput {
                 loss: loss_avg,
                 grad_norm,
                 skipped,
+                phases,
             },
         ))
     }
@@ -898,24 +967,33 @@ impl TrainStep {
                     .into(),
             }));
         }
+        let mut phases = StepPhases::default();
         let pending = overlap.start(&model)?;
         let hooked = pending.hook(model.clone());
-        let loss = forward(&hooked)?;
-        let local = loss.clone().into_scalar::<f32>();
-        pending.backward(loss);
+        let (loss, local) = phases.time(|p| &mut p.forward, || {
+            let loss = forward(&hooked)?;
+            let local = loss.clone().into_scalar::<f32>();
+            Ok::<_, E>((loss, local))
+        })?;
+        phases.time(|p| &mut p.backward, || pending.backward(loss));
         drop(hooked);
-        // On the group itself: the buckets travel on a sub-group of their own meanwhile.
-        let loss_avg = overlap.group().all_reduce_f32(vec![local], ReduceOp::Avg)?[0];
-        let grads = pending.finish(&model)?;
-        let reduced = self.reduce_all(&model, grads, false)?;
+        let reduced = phases.time(|p| &mut p.reduce, || -> Result<(f32, Reduced)> {
+            // On the group itself: the buckets travel on a sub-group of their own meanwhile.
+            let loss_avg = overlap.group().all_reduce_f32(vec![local], ReduceOp::Avg)?[0];
+            let grads = pending.finish(&model)?;
+            Ok((loss_avg, self.reduce_all(&model, grads, false)?))
+        });
+        let (loss_avg, reduced) = reduced?;
         let grad_norm = reduced.grad_norm;
-        let (model, skipped) = self.apply(model, reduced, optim, lr);
+        let (model, skipped) =
+            phases.time(|p| &mut p.optimizer, || self.apply(model, reduced, optim, lr));
         Ok((
             model,
             StepOutput {
                 loss: loss_avg,
                 grad_norm,
                 skipped,
+                phases,
             },
         ))
     }
@@ -1005,18 +1083,30 @@ impl TrainStep {
                 .filter(|_| self.fsdp_no_sync && micro_batches > 1)
                 .map(|(shards, _)| shards),
         );
+        let mut phases = StepPhases::default();
         for k in 0..micro_batches {
             if let Some(shards) = no_sync.0 {
                 shards.sync_micro_batch(k, micro_batches);
             }
-            let loss = forward(compute.as_ref().unwrap_or(&model), k)?;
-            local += f64::from(loss.clone().into_scalar::<f32>());
-            let loss = self.scaled_loss(loss / micro_batches as f32);
-            acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+            let loss = phases.time(
+                |p| &mut p.forward,
+                || {
+                    let loss = forward(compute.as_ref().unwrap_or(&model), k)?;
+                    local += f64::from(loss.clone().into_scalar::<f32>());
+                    Ok::<_, E>(loss)
+                },
+            )?;
+            phases.time(
+                |p| &mut p.backward,
+                || {
+                    let loss = self.scaled_loss(loss / micro_batches as f32);
+                    acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+                },
+            );
         }
         drop((compute, no_sync));
         let local = (local / micro_batches as f64) as f32;
-        Ok(self.finish(model, local, acc.grads(), optim, lr)?)
+        Ok(self.finish(model, local, acc.grads(), optim, lr, phases)?)
     }
 
     /// The norm of the whole model's gradient: the squares of tensor-parallel shards summed over
@@ -1166,12 +1256,56 @@ pub fn saved_loss_scaler(checkpoint: &Checkpoint) -> checkpoint::Result<Option<L
 /// assert!(trainer["loss_scaler"].is_null() && rank.is_object());
 /// ```
 pub fn engine_states(
-    state: Value,
+    state: impl Into<SaveState>,
     scaler: Option<LossScalerState>,
     scalars: &impl serde::Serialize,
 ) -> (Value, Value) {
-    let trainer = serde_json::json!({ "state": state, LOSS_SCALER: scaler });
-    (trainer, serde_json::json!({ OPTIM_SCALARS: scalars }))
+    let state = state.into();
+    let trainer = serde_json::json!({ "state": state.trainer, LOSS_SCALER: scaler });
+    let mut rank = state.rank;
+    rank.insert(
+        OPTIM_SCALARS.into(),
+        serde_json::to_value(scalars).unwrap_or(Value::Null),
+    );
+    (trainer, Value::Object(rank))
+}
+
+/// The caller's part of a checkpoint a [`StepEngine`] saves: the trainer's state (rank 0's is
+/// kept; [`saved_engine_states`] gives it back) and this rank's own values (dropout positions,
+/// data-loader state...), kept per rank beside the optimizer's scalars under the keys given
+/// (read them from [`checkpoint::Manifest::rank_states`]).
+///
+/// ```
+/// use burn_parallel::train::SaveState;
+///
+/// let state = SaveState::from(serde_json::json!({"epoch": 2}))
+///     .with_rank("dropout_calls", serde_json::json!({"drop": 7}));
+/// assert_eq!(state.trainer["epoch"], 2);
+/// assert_eq!(state.rank["dropout_calls"]["drop"], 7);
+/// ```
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SaveState {
+    /// The trainer's state (the same on every rank).
+    pub trainer: Value,
+    /// This rank's values, by key.
+    pub rank: serde_json::Map<String, Value>,
+}
+
+impl SaveState {
+    /// Adds this rank's `value` under `key`.
+    pub fn with_rank(mut self, key: &str, value: Value) -> Self {
+        self.rank.insert(key.to_string(), value);
+        self
+    }
+}
+
+impl From<Value> for SaveState {
+    fn from(trainer: Value) -> Self {
+        Self {
+            trainer,
+            rank: serde_json::Map::new(),
+        }
+    }
 }
 
 /// What [`engine_states`] wrote into `checkpoint`: the caller's state (`Null` when none), the
@@ -1206,7 +1340,7 @@ impl TrainStep {
     /// them: a replicated parameter is on every rank (data x tensor parallel), a
     /// tensor-parallel shard on the data-parallel ranks of its tensor-parallel rank, an FSDP
     /// flat shard on its replicas (HSDP).
-    fn copies(&self, kind: ParamKind) -> (usize, usize) {
+    pub fn copies(&self, kind: ParamKind) -> (usize, usize) {
         let of = |g: Option<&ProcessGroup>| g.map_or((1, 0), |g| (g.size(), g.rank()));
         let (dp, dp_rank) = of(self.data_parallel_group());
         let (tp, tp_rank) = of(self.tp.group());
@@ -1277,16 +1411,31 @@ impl TrainStep {
         step: usize,
         model: &M,
         optim: &ModuleOptimizer,
-        state: Value,
+        state: impl Into<SaveState>,
     ) -> checkpoint::Result<()> {
-        let map = self.param_map(model)?;
+        self.save_mapped(saver, step, model, optim, &self.param_map(model)?, state)
+    }
+
+    /// [`Self::save`] under `map`, the step's [`Self::param_map`] with what the caller changed
+    /// (other replicas or logical names for some parameters: an MoE model's experts).
+    ///
+    /// # Errors
+    /// As [`Self::save`].
+    pub fn save_mapped<M: Module>(
+        &self,
+        saver: &mut Checkpointer,
+        step: usize,
+        model: &M,
+        optim: &ModuleOptimizer,
+        map: &ParamMap,
+        state: impl Into<SaveState>,
+    ) -> checkpoint::Result<()> {
         let mut pieces = map.param_pieces(model)?;
         let (optim_pieces, scalars) = map.optimizer_pieces(optim.to_record())?;
         pieces.extend(optim_pieces);
         let scaler = self.loss_scaler().map(|s| s.state());
         let (trainer, rank) = engine_states(state, scaler, &scalars);
-        saver.save(step, pieces, trainer, rank)?;
-        Ok(())
+        saver.submit(step, pieces, trainer, rank)
     }
 
     /// Loads a checkpoint of [`Self::save`], saved under any layout, into `model` (this rank's
@@ -1307,6 +1456,20 @@ impl TrainStep {
         optim: ModuleOptimizer,
     ) -> checkpoint::Result<(M, ModuleOptimizer, Value)> {
         let map = self.param_map(&model)?;
+        self.load_mapped(checkpoint, model, optim, &map)
+    }
+
+    /// [`Self::load`] under `map` (see [`Self::save_mapped`]).
+    ///
+    /// # Errors
+    /// As [`Self::load`].
+    pub fn load_mapped<M: Module>(
+        &self,
+        checkpoint: &Checkpoint,
+        model: M,
+        optim: ModuleOptimizer,
+        map: &ParamMap,
+    ) -> checkpoint::Result<(M, ModuleOptimizer, Value)> {
         let model = map.load_params(model, checkpoint)?;
         let (state, scaler, scalars) = saved_engine_states(checkpoint)?;
         let optim = match map.load_optimizer(checkpoint, &scalars)? {

@@ -44,7 +44,9 @@ use burn_parallel::checkpoint::{self, Checkpoint, CheckpointError, Checkpointer}
 use burn_parallel::ddp::DEFAULT_BUCKET_BYTES;
 use burn_parallel::nn::TpContext;
 use burn_parallel::replica::verify_replicas_in;
-use burn_parallel::train::{StepEngine, StepOutput, engine_states, saved_engine_states};
+use burn_parallel::train::{
+    SaveState, StepEngine, StepOutput, StepPhases, engine_states, saved_engine_states,
+};
 use burn_parallel::{DeviceMesh, ProcessGroup, ReduceOp};
 
 use crate::clip::{clip_coefficient, sum_of_squares};
@@ -634,7 +636,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
 
     /// The tensor-parallel context of the model ([`Self::with_tensor_parallel`]; a single rank
     /// without).
-    fn tp_context(&self) -> TpContext {
+    pub fn tp_context(&self) -> TpContext {
         self.tp
             .as_ref()
             .map_or_else(TpContext::single, |(tp, _)| tp.clone())
@@ -642,7 +644,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
 
     /// `(ranks holding this same shard, this rank's index among them)`: the replicas of hybrid
     /// sharding, `(1, 0)` otherwise.
-    fn copies(&self) -> (usize, usize) {
+    pub fn copies(&self) -> (usize, usize) {
         self.groups
             .replicate()
             .map_or((1, 0), |r| (r.size(), r.rank()))
@@ -1622,13 +1624,26 @@ where
             )));
         }
         let mut local = 0.0f64;
+        let mut phases = StepPhases::default();
         for k in 0..micro_batches {
-            let loss = forward(&model, k)?;
-            local += f64::from(loss.clone().into_scalar::<f32>()) / micro_batches as f64;
-            let grads = GradientsParams::from_grads(self.scaled_loss(loss).backward(), &model);
-            self.accumulate(&model, grads)?;
+            let loss = phases.time(
+                |p| &mut p.forward,
+                || {
+                    let loss = forward(&model, k)?;
+                    local += f64::from(loss.clone().into_scalar::<f32>()) / micro_batches as f64;
+                    Ok::<_, E>(loss)
+                },
+            )?;
+            phases.time(
+                |p| &mut p.backward,
+                || {
+                    let grads =
+                        GradientsParams::from_grads(self.scaled_loss(loss).backward(), &model);
+                    self.accumulate(&model, grads)
+                },
+            )?;
         }
-        let (model, info) = self.step(lr, model)?;
+        let (model, info) = phases.time(|p| &mut p.optimizer, || self.step(lr, model))?;
         let loss = self.groups().mean(local as f32)?;
         Ok((
             model,
@@ -1636,6 +1651,7 @@ where
                 loss,
                 grad_norm: info.grad_norm,
                 skipped: info.skipped,
+                phases,
             },
         ))
     }
@@ -1649,7 +1665,7 @@ where
         saver: &mut Checkpointer,
         step: usize,
         model: &M,
-        state: serde_json::Value,
+        state: SaveState,
     ) -> checkpoint::Result<()> {
         let (tp, copies) = (self.tp_context(), self.copies());
         let mut pieces = self
@@ -1661,8 +1677,7 @@ where
         pieces.extend(more);
         let scaler = self.scaler().map(LossScaler::state);
         let (trainer, rank) = engine_states(state, scaler, &scalars);
-        saver.save(step, pieces, trainer, rank)?;
-        Ok(())
+        saver.submit(step, pieces, trainer, rank)
     }
 
     /// The whole model's fp32 parameters into the master shard and `model` (in the compute

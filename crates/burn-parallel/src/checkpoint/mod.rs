@@ -248,6 +248,8 @@ pub struct Checkpointer {
     keep: usize,
     group: ProcessGroup,
     pending: Option<JoinHandle<Result<SaveReport>>>,
+    /// [`Checkpointer::submit`] saves in the background.
+    background: bool,
 }
 
 /// What a save did, for logs and figures.
@@ -279,7 +281,32 @@ impl Checkpointer {
             keep,
             group: group.split(&all)?,
             pending: None,
+            background: false,
         })
+    }
+
+    /// Makes [`Self::submit`] save in the background ([`Self::save_async`]) rather than now.
+    pub fn with_background(mut self, on: bool) -> Self {
+        self.background = on;
+        self
+    }
+
+    /// [`Self::save`], or [`Self::save_async`] when made with [`Self::with_background`]: what
+    /// the step engines' `save` calls, so that the caller picks.
+    ///
+    /// # Errors
+    /// As [`Self::save`] (or, in the background, the previous save's error).
+    pub fn submit(
+        &mut self,
+        step: usize,
+        pieces: Vec<Piece>,
+        state: Value,
+        rank_state: Value,
+    ) -> Result<()> {
+        match self.background {
+            true => self.save_async(step, pieces, state, rank_state),
+            false => self.save(step, pieces, state, rank_state).map(|_| ()),
+        }
     }
 
     /// The directory of the checkpoint of `step`.

@@ -273,6 +273,20 @@ impl ParamMap {
         self
     }
 
+    /// [`Self::with_replicas`] for the parameters `replicas` gives a value for; the others keep
+    /// theirs.
+    pub fn with_replicas_where(
+        mut self,
+        replicas: impl Fn(&LocalParam) -> Option<(usize, usize)>,
+    ) -> Self {
+        for p in &mut self.params {
+            if let Some((copies, index)) = replicas(p) {
+                p.writes = p.segments.iter().map(|s| s.part(copies, index)).collect();
+            }
+        }
+        self
+    }
+
     /// Gives logical tensors other names than their local paths, for layouts where a rank
     /// holds some entries of a list under local indices: expert parallelism (this rank's local
     /// expert `i` of a layer is global expert `first + i`), pipeline parallelism (a stage's
