@@ -1753,14 +1753,6 @@ impl Gpt {
         let _ = self.for_each_moe(&mut |_, moe| stats.extend(moe.last_stats()));
         stats
     }
-
-    /// Auxiliary-loss-free balancing: moves every MoE layer's expert biases after an optimizer
-    /// step ([`MoeLayer::update_bias`]); a no-op without bias balancing.
-    pub fn update_moe_bias(&self) {
-        let _ = self.for_each_moe(&mut |_, moe| {
-            moe.update_bias();
-        });
-    }
 }
 
 /// `model` with every float parameter replaced by the value of the same path in `params`

@@ -893,7 +893,8 @@ pub fn train_gpt_pipeline_checkpointed(
     let mut saver = match (&checkpoints.dir, checkpoints.save_every) {
         (Some(dir), every) if every > 0 => Some(
             Checkpointer::new(dir, checkpoints.keep, world)
-                .map_err(|e| GptPipelineError::Checkpoint(e.to_string()))?,
+                .map_err(|e| GptPipelineError::Checkpoint(e.to_string()))?
+                .with_background(checkpoints.asynchronous),
         ),
         _ => None,
     };
@@ -948,16 +949,15 @@ pub fn train_gpt_pipeline_checkpointed(
         if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
             let fail = |e: &dyn std::fmt::Display| GptPipelineError::Checkpoint(e.to_string());
             let (pieces, scalars) = ckpt.pieces(&stages, &updater)?;
-            let mut state = train_checkpoint::TrainerState::json(&losses, config);
-            state[train_checkpoint::LOSS_SCALER] =
-                serde_json::to_value(updater.train_step().loss_scaler().map(|s| s.state()))
-                    .expect("the scaler state serialises");
-            let rank_state = serde_json::json!({
-                train_checkpoint::OPTIM_SCALARS: scalars,
-                train_checkpoint::DROPOUT_CALLS:
-                    train_checkpoint::dropout_calls(&stage_dropouts(&stages)),
-            });
-            train_checkpoint::save_after(saver, checkpoints, step, pieces, (state, rank_state))
+            let state = burn_parallel::train::SaveState::from(
+                train_checkpoint::TrainerState::json(&losses, config),
+            )
+            .with_rank(
+                train_checkpoint::DROPOUT_CALLS,
+                train_checkpoint::dropout_calls(&stage_dropouts(&stages)),
+            );
+            let scaler = updater.train_step().loss_scaler().map(|s| s.state());
+            train_checkpoint::save_after(saver, step, pieces, state, scaler, &scalars)
                 .map_err(|e| fail(&e))?;
         }
     }

@@ -8,15 +8,15 @@
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::{AdamWConfig, GradientsAccumulator, GradientsParams, ModuleOptimizer};
+use burn::optim::AdamWConfig;
 use burn::tensor::{Device, Int, Tensor, TensorData, activation};
-use burn_moe::{MoeError, MoeParallel, MoeStats, MoeStep};
+use burn_moe::{MoeError, MoeParallel, MoeStats, MoeStep, MoeTrainer, MoeZero};
 use burn_parallel::context_parallel::{ContextParallel, CpBalance, CpKind, CpSettings};
 use burn_parallel::init::Init;
 use burn_parallel::optim::FusedAdamWConfig;
-use burn_parallel::precision::{LossScaler, LossScalerState};
+use burn_parallel::precision::LossScaler;
 use burn_parallel::tensor_parallel::TpError;
-use burn_parallel::train::TrainStep;
+use burn_parallel::train::{SaveState, StepEngine, TrainStep, Trainer};
 use burn_parallel::{
     CollectiveError, DistributedDataParallel, ParallelDims, ProcessGroup, ReduceOp,
 };
@@ -28,7 +28,7 @@ use crate::data::{Corpus, Split};
 use crate::gpt::{Gpt, GptConfig};
 use crate::init::splitmix64;
 use crate::train_checkpoint::{self, CheckpointOptions};
-use burn_parallel::checkpoint::{Checkpointer, ParamKind, ParamMap, merged_scalars};
+use burn_parallel::checkpoint::{Checkpointer, ParamMap};
 
 /// Everything that defines a training run (the model included).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -321,34 +321,8 @@ pub struct StepStats {
     pub phases: StepPhases,
 }
 
-/// Seconds of one step on this rank by phase (Flex and NdArray run synchronously, so these
-/// are the phases' real costs; on a GPU backend they measure what the host waited for).
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct StepPhases {
-    /// Forward passes and losses of every micro-step.
-    pub forward: f64,
-    /// Backward passes, and the gradient accumulation.
-    pub backward: f64,
-    /// Gradient communication and clipping (data-parallel reduce; MoE expert reduce).
-    pub reduce: f64,
-    /// The optimizer update (with ZeRO/FSDP, its reduce-scatter and gathers too).
-    pub optimizer: f64,
-}
-
-impl StepPhases {
-    /// The sum of the phases.
-    pub fn total(&self) -> f64 {
-        self.forward + self.backward + self.reduce + self.optimizer
-    }
-
-    /// Adds `other` phase by phase.
-    pub fn add(&mut self, other: &StepPhases) {
-        self.forward += other.forward;
-        self.backward += other.backward;
-        self.reduce += other.reduce;
-        self.optimizer += other.optimizer;
-    }
-}
+/// Seconds of one step on this rank by phase (the library's).
+pub use burn_parallel::train::StepPhases;
 
 /// The outcome of a run.
 #[derive(Debug, Clone)]
@@ -721,165 +695,29 @@ fn zero_error(world: &ProcessGroup, e: ZeroError) -> CollectiveError {
     }
 }
 
-/// The optimizer side of a run: the library's training step (DDP, FSDP, HSDP, each × TP) or
-/// ZeRO-1/2's sharded optimizer.
-// A run holds exactly one engine, so the size difference between the variants does not matter.
-#[allow(clippy::large_enum_variant)]
-enum Engine {
-    Step {
-        step: TrainStep,
-        /// GPT-MoE: the step that reduces expert gradients over the ranks holding the same
-        /// experts (and the rest through `step`).
-        moe: Option<MoeStep>,
-        optim: ModuleOptimizer,
-        acc: GradientsAccumulator<Gpt>,
-    },
-    Zero(Box<ZeroOptimizer<burn::optim::AdamW>>, Option<ZeroExperts>),
+/// What a step of the GPT's engine can fail with: the model's forward, or the engine's.
+#[derive(Debug, thiserror::Error)]
+enum StepError {
+    #[error(transparent)]
+    Tp(#[from] TpError),
+    #[error(transparent)]
+    Collective(#[from] CollectiveError),
+    #[error(transparent)]
+    Zero(#[from] ZeroError),
+    #[error(transparent)]
+    Moe(#[from] MoeError),
 }
 
-/// GPT-MoE under ZeRO-1/2: the experts are left out of ZeRO's flat space (they differ between
-/// expert-parallel ranks); their gradients are accumulated here, reduced over the ranks
-/// holding the same experts ([`MoeStep::reduce_experts`]), clipped with the flat space's
-/// gradients under one global norm, and stepped by a plain AdamW.
-struct ZeroExperts {
-    moe: MoeStep,
-    optim: ModuleOptimizer,
-    acc: GradientsAccumulator<Gpt>,
-    /// The expert parameters.
-    registry: burn_moe::ExpertParams,
-}
-
-impl Engine {
-    /// The loss scaler's state, for a checkpoint (`None` without one).
-    fn scaler_state(&self) -> Option<LossScalerState> {
+impl StepError {
+    /// The error as the trainers return it.
+    fn into_collective(self, world: &ProcessGroup) -> CollectiveError {
         match self {
-            Engine::Step { step, .. } => step.loss_scaler().map(|s| s.state()),
-            Engine::Zero(zero, _) => zero.scaler().map(|s| s.state()),
+            StepError::Tp(e) => tp_error(world, e),
+            StepError::Collective(e) => e,
+            StepError::Zero(e) => zero_error(world, e),
+            StepError::Moe(e) => moe_error(world, e),
         }
     }
-
-    /// The current loss scale (1 without a scaler).
-    fn loss_scale(&self) -> f64 {
-        match self {
-            Engine::Step { step, .. } => step.loss_scale(),
-            Engine::Zero(zero, _) => zero.loss_scale(),
-        }
-    }
-
-    /// Restores the loss scaler from a checkpoint's state and returns the steps the saved run
-    /// skipped. A run without a scaler ignores it (and counts none); a run with one resumed
-    /// from a checkpoint without one starts from its configured scale.
-    fn restore_scaler(&mut self, saved: &LossScalerState) -> Result<usize, String> {
-        let restored = match self {
-            Engine::Step { step, .. } => {
-                step.restore_loss_scaler(saved).map_err(|e| e.to_string())?
-            }
-            Engine::Zero(zero, _) => zero.restore_loss_scaler(saved).map_err(|e| e.to_string())?,
-        };
-        Ok(if restored { saved.skipped } else { 0 })
-    }
-
-    /// This rank's pieces of the parameters for a checkpoint: under ZeRO-1/2, the flat
-    /// space's from the fp32 master weights (under mixed precision the model holds only their
-    /// compute-dtype copy) and the experts' from the model.
-    fn param_pieces(
-        &self,
-        map: &ParamMap,
-        model: &Gpt,
-        tp: &burn_parallel::nn::TpContext,
-        copies: (usize, usize),
-    ) -> Result<Vec<burn_parallel::checkpoint::Piece>, String> {
-        match self {
-            Engine::Step { .. } => map.param_pieces(model).map_err(|e| e.to_string()),
-            Engine::Zero(zero, experts) => {
-                let mut pieces = zero
-                    .checkpoint_params(model, tp, copies)
-                    .map_err(|e| e.to_string())?;
-                if let Some(x) = experts {
-                    let more = expert_map(map, x)
-                        .param_pieces(model)
-                        .map_err(|e| e.to_string())?;
-                    pieces.extend(more);
-                }
-                Ok(pieces)
-            }
-        }
-    }
-
-    /// The optimizer's state as checkpoint pieces, and its scalars by logical parameter.
-    fn optimizer_state(
-        &self,
-        map: &ParamMap,
-        tp: &burn_parallel::nn::TpContext,
-        copies: (usize, usize),
-    ) -> Result<(Vec<burn_parallel::checkpoint::Piece>, serde_json::Value), String> {
-        match self {
-            Engine::Step { optim, .. } => map
-                .optimizer_pieces(optim.to_record())
-                .map_err(|e| e.to_string()),
-            Engine::Zero(zero, experts) => {
-                let (mut pieces, scalars) = zero
-                    .checkpoint_state(tp, copies)
-                    .map_err(|e| e.to_string())?;
-                let mut scalars = serde_json::to_value(scalars).expect("scalars serialise");
-                // GPT-MoE: the experts, out of ZeRO's flat space, have their own AdamW.
-                if let Some(x) = experts {
-                    let (more, more_scalars) = expert_map(map, x)
-                        .optimizer_pieces(x.optim.to_record())
-                        .map_err(|e| e.to_string())?;
-                    pieces.extend(more);
-                    if let (Some(all), serde_json::Value::Object(more)) =
-                        (scalars.as_object_mut(), more_scalars)
-                    {
-                        all.extend(more);
-                    }
-                }
-                Ok((pieces, scalars))
-            }
-        }
-    }
-
-    /// Restores the optimizer's state from a checkpoint saved under any layout.
-    fn load_optimizer(
-        &mut self,
-        map: &ParamMap,
-        checkpoint: &burn_parallel::checkpoint::Checkpoint,
-        tp: &burn_parallel::nn::TpContext,
-        scalars: &burn_parallel::checkpoint::ScalarsByLogical,
-        fresh: impl Fn() -> ModuleOptimizer,
-    ) -> Result<(), String> {
-        match self {
-            Engine::Step { optim, .. } => {
-                if let Some(record) = map
-                    .load_optimizer(checkpoint, scalars)
-                    .map_err(|e| e.to_string())?
-                {
-                    let empty = std::mem::replace(optim, fresh());
-                    *optim = empty.load_record(record);
-                }
-                Ok(())
-            }
-            Engine::Zero(zero, experts) => {
-                zero.load_checkpoint_state(checkpoint, tp, scalars)
-                    .map_err(|e| e.to_string())?;
-                if let Some(x) = experts
-                    && let Some(record) = expert_map(map, x)
-                        .load_optimizer(checkpoint, scalars)
-                        .map_err(|e| e.to_string())?
-                {
-                    let empty = std::mem::replace(&mut x.optim, fresh());
-                    x.optim = empty.load_record(record);
-                }
-                Ok(())
-            }
-        }
-    }
-}
-
-/// The part of `map` that the experts' own AdamW steps under ZeRO-1/2.
-fn expert_map(map: &ParamMap, experts: &ZeroExperts) -> ParamMap {
-    let registry = &experts.registry;
-    map.clone().only(|p| registry.contains(&p.id))
 }
 
 /// Trains the GPT of `config` on `world` with the split `parallel` (every rank calls it): one
@@ -1009,39 +847,11 @@ pub fn train_gpt_checkpointed(
         }
     }
     .map_err(|e| invalid(world, op, e))?;
-    // ---- checkpoints: what each rank holds of the logical model, and who writes what ----
+    // ---- the parameters a run starts from: Hugging Face's, read into the fp32 model
+    // before the engine takes it (ZeRO's master weights are made from them); a checkpoint's
+    // are the engine's to load (below) ----
     let tp_ctx = model.tp.clone();
     let data_shards = fsdp.as_ref().map(|plan| plan.shards().clone());
-    let holders = |group: &ProcessGroup| (group.size(), group.rank());
-    let (all, same_tp, same_shard) = (holders(world), holders(&reduce), holders(&replicate));
-    // Under expert parallelism an expert is held by the ranks holding the same experts, each
-    // with the whole expert on every tensor-parallel rank.
-    let same_experts = expert_dp
-        .as_ref()
-        .map(|g| (g.size() * tp.size(), g.rank() * tp.size() + tp.rank()));
-    let registry = experts.experts.clone();
-    let map_of = |m: &Gpt| {
-        ParamMap::new(m, &tp_ctx, data_shards.as_ref())
-            .map(|map| {
-                map.with_replicas(|p| match (p.kind, same_experts) {
-                    (_, Some(holders)) if registry.contains(&p.id) => holders,
-                    (ParamKind::Replicated, _) => all,
-                    (ParamKind::TpSharded, _) => same_tp,
-                    (ParamKind::Flat, _) => same_shard,
-                })
-                .with_logical_names(train_checkpoint::expert_names(m))
-            })
-            .map_err(|e| invalid(world, "checkpoint", e))
-    };
-    // The map for a load: it checks the checkpoint against the whole model's tensors, also
-    // those other ranks hold (other experts).
-    let load_map_of = |m: &Gpt| {
-        map_of(m)?
-            .with_logical_of(world)
-            .map_err(|e| invalid(world, "checkpoint", e))
-    };
-    // ---- the parameters a run starts from: a checkpoint's or Hugging Face's, read into the
-    // fp32 model before the engine takes it (ZeRO's master weights are made from them) ----
     let mut model = model;
     let resume = match &checkpoints.resume {
         Some(path) => {
@@ -1049,22 +859,29 @@ pub fn train_gpt_checkpointed(
             let checkpoint = train_checkpoint::open_resume(path).map_err(|e| fail(&e))?;
             let state =
                 train_checkpoint::resume_state(&checkpoint, config).map_err(|e| fail(&e))?;
-            let map = load_map_of(&model)?;
-            model = map.load_params(model, &checkpoint).map_err(|e| fail(&e))?;
-            Some((checkpoint, state, map))
+            Some((checkpoint, state))
         }
         None => None,
     };
     if let (None, Some(dir)) = (&resume, &checkpoints.init_from_hf) {
         let fail = |e: &dyn std::fmt::Display| invalid(world, "init_from_hf", e);
         let tensors = crate::hf::gpt_tensors_for(dir, &config.model).map_err(|e| fail(&e))?;
-        model = load_map_of(&model)?
-            .load_params(model, &tensors)
+        // The experts under their global names; the whole model's tensors checked, also those
+        // other ranks hold (other experts).
+        let map = ParamMap::new(&model, &tp_ctx, data_shards.as_ref())
+            .and_then(|map| burn_moe::engine::expert_map(map, &experts, &tp_ctx))
+            .and_then(|map| map.with_logical_of(world))
             .map_err(|e| fail(&e))?;
+        model = map.load_params(model, &tensors).map_err(|e| fail(&e))?;
     }
 
+    // ---- the engine: the library's step for the layout (see `StepEngine`) ----
     let adamw = AdamWConfig::new().with_weight_decay(config.weight_decay as f32);
-    let mut engine = match parallel.zero {
+    let bucket_bytes = (config.bucket_mb * 1024.0 * 1024.0) as usize;
+    let moe = config.model.moe.is_some();
+    // ZeRO's memory account, read for the report.
+    let mut zero_memory = None;
+    let mut engine: Box<dyn StepEngine<Gpt, StepError>> = match parallel.zero {
         Some(stage @ (Stage::One | Stage::Two)) => {
             let groups = if parallel.replicate > 1 {
                 ShardGroups::hybrid(&mesh).map_err(|e| zero_error(world, e))?
@@ -1072,13 +889,14 @@ pub fn train_gpt_checkpointed(
                 ShardGroups::flat(reduce.clone())
             };
             // fp32 master shards and AdamW state; the model computes (and the gradients are
-            // reduced) in the policy's dtypes.
+            // reduced) in the policy's dtypes. The experts (different on each expert-parallel
+            // rank) stay out of the flat space.
             let zero = ZeroConfig::new(stage)
                 .with_max_grad_norm(config.max_grad_norm)
                 .with_precision(config.precision_policy())
                 .with_loss_scaler(config.loss_scaler())
                 .with_offload(parallel.offload)
-                .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
+                .with_bucket_bytes(bucket_bytes);
             let registry = experts.experts.clone();
             let zero = ZeroOptimizer::new_excluding(&model, groups, zero, adamw.build(), |id| {
                 registry.contains(&id)
@@ -1088,22 +906,20 @@ pub fn train_gpt_checkpointed(
             model = zero
                 .prepare_module(model)
                 .map_err(|e| zero_error(world, e))?;
-            let moe = config.model.moe.as_ref().map(|_| ZeroExperts {
-                moe: MoeStep::new(TrainStep::new(model.tp.clone()), &experts),
-                optim: adamw.init(),
-                acc: GradientsAccumulator::new(),
-                registry: experts.experts.clone(),
-            });
-            Engine::Zero(Box::new(zero), moe)
+            zero_memory = Some(zero.tracker().clone());
+            match moe {
+                true => {
+                    let step = MoeStep::new(TrainStep::new(model.tp.clone()), &experts);
+                    Box::new(
+                        MoeZero::new(zero, step, adamw.init()).map_err(|e| moe_error(world, e))?,
+                    )
+                }
+                false => Box::new(zero),
+            }
         }
         _ => {
-            let ddp = DistributedDataParallel::new(reduce.clone())
-                .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
             // MoeStep clips itself (its norm counts each expert once).
-            let clip = match config.model.moe {
-                Some(_) => None,
-                None => config.max_grad_norm,
-            };
+            let clip = if moe { None } else { config.max_grad_norm };
             let mut step = TrainStep::new(model.tp.clone())
                 .with_clip(clip)
                 .with_precision(config.precision_policy());
@@ -1111,16 +927,16 @@ pub fn train_gpt_checkpointed(
                 step = step.with_loss_scaler(scaler);
             }
             if reduce.size() > 1 {
-                step = step.with_ddp(ddp);
+                step = step.with_ddp(
+                    DistributedDataParallel::new(reduce.clone()).with_bucket_bytes(bucket_bytes),
+                );
             }
             if let Some(plan) = &fsdp {
-                step = step.with_fsdp(plan.shards().clone(), Some(replicate.clone()));
+                // No-sync FSDP: the blocks reduce-scatter in the last micro-step's backward.
+                step = step
+                    .with_fsdp(plan.shards().clone(), Some(replicate.clone()))
+                    .with_fsdp_no_sync(parallel.no_sync);
             }
-            let moe = config
-                .model
-                .moe
-                .as_ref()
-                .map(|_| MoeStep::new(step.clone(), &experts).with_clip(config.max_grad_norm));
             // The fused path steps each parameter with one AdamW kernel; `--unfused` keeps
             // Burn's composed AdamW.
             let optim = match config.model.fused {
@@ -1129,11 +945,12 @@ pub fn train_gpt_checkpointed(
                     .init(),
                 false => adamw.init(),
             };
-            Engine::Step {
-                step,
-                moe,
-                optim,
-                acc: GradientsAccumulator::new(),
+            match moe {
+                true => {
+                    let step = MoeStep::new(step, &experts).with_clip(config.max_grad_norm);
+                    Box::new(MoeTrainer::new(step, optim))
+                }
+                false => Box::new(Trainer::new(step, optim)),
             }
         }
     };
@@ -1141,20 +958,18 @@ pub fn train_gpt_checkpointed(
     let mut first_step = 0;
     let mut losses = Vec::with_capacity(config.steps);
     let mut skipped = 0;
-    if let Some((checkpoint, state, map)) = resume {
+    if let Some((checkpoint, state)) = resume {
         let fail = |e: &dyn std::fmt::Display| invalid(world, "resume", e);
-        let scalars = merged_scalars(&checkpoint, train_checkpoint::OPTIM_SCALARS);
-        engine
-            .load_optimizer(&map, &checkpoint, &tp_ctx, &scalars, || adamw.init())
-            .map_err(|e| fail(&e))?;
-        if let Some(saved) =
-            train_checkpoint::saved_loss_scaler(&checkpoint).map_err(|e| fail(&e))?
+        model = engine.load(&checkpoint, model).map_err(|e| fail(&e))?.0;
+        // The steps the saved run skipped count when this run scales its loss too.
+        if config.loss_scaler().is_some()
+            && let Some(saved) =
+                train_checkpoint::saved_loss_scaler(&checkpoint).map_err(|e| fail(&e))?
         {
-            skipped = engine.restore_scaler(&saved).map_err(|e| fail(&e))?;
+            skipped = saved.skipped;
         }
         train_checkpoint::restore_dropout(&checkpoint, &train_checkpoint::dropout_layers(&model))
             .map_err(|e| fail(&e))?;
-        train_checkpoint::restore_moe_bias(&checkpoint, &model).map_err(|e| fail(&e))?;
         first_step = checkpoint.step();
         losses = state.losses;
     }
@@ -1162,7 +977,8 @@ pub fn train_gpt_checkpointed(
     let mut saver = match (&checkpoints.dir, checkpoints.save_every) {
         (Some(dir), every) if every > 0 => Some(
             Checkpointer::new(dir, checkpoints.keep, world)
-                .map_err(|e| invalid(world, "checkpoint", e))?,
+                .map_err(|e| invalid(world, "checkpoint", e))?
+                .with_background(checkpoints.asynchronous),
         ),
         _ => None,
     };
@@ -1180,28 +996,12 @@ pub fn train_gpt_checkpointed(
     };
     for step in first_step..config.steps {
         let step_start = Instant::now();
-        let mut local_loss = 0.0;
-        let mut phases = StepPhases::default();
-        let mut m = model.take().expect("the loop always holds the model");
-        // The step engine divides each micro-step's loss by the micro-steps (ZeRO averages
-        // them itself) and multiplies it by the loss scale: the MoE balancing losses, whose
-        // gradient is injected in the backward, are scaled the same way.
-        if let Engine::Step { step, .. } = &engine {
-            experts.set_loss_scale((step.loss_scale() / config.grad_accum as f64) as f32);
-        }
-        // No-sync FSDP: the blocks reduce-scatter in the last micro-step's backward only.
-        let no_sync = fsdp
-            .as_ref()
-            .filter(|_| parallel.no_sync && config.grad_accum > 1)
-            .map(|plan| plan.shards());
-        for micro in 0..config.grad_accum {
-            if let Some(shards) = no_sync {
-                shards.sync_micro_batch(micro, config.grad_accum);
-            }
-            // Micro-step `micro` is the same rows of the global batch whatever the number of
-            // data-parallel ranks (each takes its part of them): what a micro-batch computes
-            // as a whole, such as an MoE layer's load-balancing loss over the token shares of
-            // the micro-batch, does not depend on the layout.
+        let m = model.take().expect("the loop always holds the model");
+        // Micro-step `micro` is the same rows of the global batch whatever the number of
+        // data-parallel ranks (each takes its part of them): what a micro-batch computes as a
+        // whole, such as an MoE layer's load-balancing loss over the token shares of the
+        // micro-batch, does not depend on the layout.
+        let mut forward = |m: &Gpt, micro: usize| -> Result<Tensor<1>, StepError> {
             let first = micro * micro_rows * dp.size() + dp.rank() * micro_rows;
             let batch = corpus.batch_rows(
                 step as u64,
@@ -1210,110 +1010,23 @@ pub fn train_gpt_checkpointed(
                 Split::Train,
             );
             let (inputs, targets) = batch.to_tensors(&device);
-            let t = Instant::now();
-            // Under mixed precision the forward runs on the compute copy (parameters cast to
-            // the compute dtype); the gradients land on `m`'s fp32 parameters.
-            let loss = match &engine {
-                Engine::Step { step, .. } if !step.precision().is_full() => {
-                    step.compute_model(&m).loss(inputs, targets)
-                }
-                _ => m.loss(inputs, targets),
-            }
-            .map_err(|e| tp_error(world, e))?;
-            local_loss += scalar(&loss) / config.grad_accum as f64;
-            phases.forward += t.elapsed().as_secs_f64();
-            let t = Instant::now();
-            match &mut engine {
-                Engine::Step { acc, step, .. } => {
-                    let loss = step.scaled_loss(loss / config.grad_accum as f32);
-                    acc.accumulate(&m, GradientsParams::from_grads(loss.backward(), &m));
-                }
-                // ZeRO averages the micro-steps itself.
-                Engine::Zero(zero, experts) => {
-                    let loss = zero.scaled_loss(loss);
-                    let mut grads = GradientsParams::from_grads(loss.backward(), &m);
-                    if let Some(x) = experts {
-                        x.acc.accumulate(&m, x.moe.take_experts(&m, &mut grads));
-                    }
-                    zero.accumulate(&m, grads)
-                        .map_err(|e| zero_error(world, e))?
-                }
-            }
-            phases.backward += t.elapsed().as_secs_f64();
-        }
-        let lr = config.lr_at(step);
-        let t = Instant::now();
-        m = match &mut engine {
-            Engine::Step {
-                step,
-                moe,
-                optim,
-                acc,
-            } => {
-                let reduced = match moe {
-                    Some(moe) => moe
-                        .reduce_scaled(&m, acc.grads())
-                        .map_err(|e| moe_error(world, e))?,
-                    None => step.reduce_scaled(&m, acc.grads())?,
-                };
-                phases.reduce += t.elapsed().as_secs_f64();
-                let t = Instant::now();
-                // FSDP: the shards' gradients count as held until the optimizer consumes them.
-                let held = fsdp.as_ref().map(|plan| {
-                    let bytes = plan.gradient_bytes(&reduced.grads);
-                    plan.memory().add(Category::Grads, bytes);
-                    bytes
-                });
-                let (m, skipped) = step.apply(m, reduced, optim, lr);
-                if let (Some(plan), Some(bytes)) = (&fsdp, held) {
-                    plan.memory().sub(Category::Grads, bytes);
-                }
-                run.skipped += usize::from(skipped);
-                phases.optimizer += t.elapsed().as_secs_f64();
-                m
-            }
-            Engine::Zero(zero, None) => {
-                let (m, info) = zero.step(lr, m).map_err(|e| zero_error(world, e))?;
-                run.skipped += usize::from(info.skipped);
-                phases.optimizer += t.elapsed().as_secs_f64();
-                m
-            }
-            Engine::Zero(zero, Some(x)) => {
-                let mut grads = x.acc.grads();
-                let mut experts = x
-                    .moe
-                    .reduce_experts(&m, &mut grads)
-                    .map_err(|e| moe_error(world, e))?;
-                experts.scale(1.0 / config.grad_accum as f32);
-                let outside = match config.max_grad_norm {
-                    Some(_) => x
-                        .moe
-                        .expert_squared_norm(&experts)
-                        .map_err(|e| moe_error(world, e))?,
-                    None => 0.0,
-                };
-                let (m, info) = zero
-                    .step_with_outside(lr, m, outside)
-                    .map_err(|e| zero_error(world, e))?;
-                run.skipped += usize::from(info.skipped);
-                if let (Some(max_norm), Some(norm)) = (config.max_grad_norm, info.grad_norm) {
-                    let coef = burn_zero::clip::clip_coefficient(norm, max_norm);
-                    if coef < 1.0 {
-                        experts.scale(coef as f32);
-                    }
-                }
-                let grads = experts.into_gradients(&m);
-                let m = x.optim.step(lr, m, grads);
-                phases.optimizer += t.elapsed().as_secs_f64();
-                m
-            }
+            Ok(m.loss(inputs, targets)?)
         };
-        // Auxiliary-loss-free balancing: the biases move after each optimizer step, from the
-        // token counts of the step (summed over the data-parallel ranks: the same everywhere).
-        m.update_moe_bias();
+        let lr = config.lr_at(step);
+        let (m, out) = engine
+            .step_accumulated(m, config.grad_accum, &mut forward, lr)
+            .map_err(|e| e.into_collective(world))?;
+        // FSDP: the shards' gradients, held between the backward and the optimizer, in the
+        // memory account.
+        if let Some(plan) = &fsdp {
+            let bytes = plan.shard_gradient_bytes(&m);
+            plan.memory().add(Category::Grads, bytes);
+            plan.memory().sub(Category::Grads, bytes);
+        }
+        run.skipped += usize::from(out.skipped);
         let moe = moe_figures(&m, &reduce)?;
         model = Some(m);
-        let loss = reduce.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
+        let loss = f64::from(out.loss);
         run.losses.push(loss);
         let seconds = step_start.elapsed().as_secs_f64();
         run.timer.add(step == first_step, seconds);
@@ -1324,30 +1037,18 @@ pub fn train_gpt_checkpointed(
             tokens_per_sec: tokens_per_step / seconds,
             elapsed: start.elapsed().as_secs_f64(),
             moe,
-            phases,
+            phases: out.phases,
         });
         if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
             let m = model.as_ref().expect("the loop always holds the model");
-            let map = map_of(m)?;
-            let fail = |e: &dyn std::fmt::Display| invalid(world, "checkpoint", e);
-            let mut pieces = engine
-                .param_pieces(&map, m, &tp_ctx, same_shard)
-                .map_err(|e| fail(&e))?;
-            let (optim, scalars) = engine
-                .optimizer_state(&map, &tp_ctx, same_shard)
-                .map_err(|e| fail(&e))?;
-            pieces.extend(optim);
-            let mut state = train_checkpoint::TrainerState::json(&run.losses, config);
-            state[train_checkpoint::LOSS_SCALER] =
-                serde_json::to_value(engine.scaler_state()).expect("the scaler state serialises");
-            let rank_state = serde_json::json!({
-                train_checkpoint::OPTIM_SCALARS: scalars,
-                train_checkpoint::DROPOUT_CALLS:
+            let state = SaveState::from(train_checkpoint::TrainerState::json(&run.losses, config))
+                .with_rank(
+                    train_checkpoint::DROPOUT_CALLS,
                     train_checkpoint::dropout_calls(&train_checkpoint::dropout_layers(m)),
-                train_checkpoint::MOE_BIAS: train_checkpoint::moe_bias(m),
-            });
-            train_checkpoint::save_after(saver, checkpoints, step, pieces, (state, rank_state))
-                .map_err(|e| fail(&e))?;
+                );
+            engine
+                .save(saver, step + 1, m, state)
+                .map_err(|e| invalid(world, "checkpoint", e))?;
         }
     }
     if let Some(saver) = saver.as_mut() {
@@ -1355,14 +1056,10 @@ pub fn train_gpt_checkpointed(
     }
 
     // ---- evaluation on the layout, then the whole model for sampling and the report ----
-    let trained = model.expect("trained");
     // ZeRO under mixed precision: evaluate and report the fp32 master weights.
-    let trained = match &engine {
-        Engine::Zero(zero, _) => zero
-            .master_module(trained)
-            .map_err(|e| zero_error(world, e))?,
-        Engine::Step { .. } => trained,
-    };
+    let trained = engine
+        .master_model(model.expect("trained"))
+        .map_err(|e| e.into_collective(world))?;
     let eval_model = trained.valid();
     let val_loss = validation_loss(
         &dp,
@@ -1384,15 +1081,15 @@ pub fn train_gpt_checkpointed(
     } else {
         String::new()
     };
-    let memory = match (&fsdp, &engine) {
-        (Some(plan), Engine::Step { optim, .. }) => {
+    let memory = match (&fsdp, engine.optimizer(), zero_memory) {
+        (_, _, Some(zero)) => Some(zero.last_step()),
+        (Some(plan), Some(optim), None) => {
             let state = plan
                 .optimizer_bytes(optim)
                 .map_err(|e| zero_error(world, e))?;
             plan.memory().set(Category::Optimizer, state);
             Some(plan.memory().report())
         }
-        (_, Engine::Zero(zero, _)) => Some(zero.memory()),
         _ => None,
     };
     Ok(TrainReport {

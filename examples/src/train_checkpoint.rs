@@ -26,6 +26,7 @@ use std::path::{Path, PathBuf};
 use burn_parallel::checkpoint::{Checkpoint, CheckpointError, Checkpointer, Piece};
 use burn_parallel::precision::LossScalerState;
 use burn_parallel::tensor_parallel::SeededDropout;
+use burn_parallel::train::SaveState;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
@@ -119,22 +120,33 @@ impl TrainerState {
     }
 }
 
-/// Saves the checkpoint taken after step `step` (0-based) with `saver`: on a background
-/// thread when `options` say so ([`CheckpointOptions::asynchronous`]), else now.
+/// Saves the checkpoint taken after step `step` (0-based) with `saver` in the step engines'
+/// format ([`burn_parallel::train::engine_states`]): for the trainers that are not one
+/// engine (the pipeline's stages, DiLoCo). Now or in the background, as `saver` was made
+/// ([`Checkpointer::with_background`]).
 ///
 /// # Errors
 /// The save's errors (a background save's surface at the next save or `wait`).
 pub(crate) fn save_after(
     saver: &mut Checkpointer,
-    options: &CheckpointOptions,
     step: usize,
     pieces: Vec<Piece>,
-    (state, rank_state): (serde_json::Value, serde_json::Value),
+    state: SaveState,
+    scaler: Option<LossScalerState>,
+    scalars: &impl Serialize,
 ) -> Result<(), CheckpointError> {
-    match options.asynchronous {
-        true => saver.save_async(step + 1, pieces, state, rank_state),
-        false => saver.save(step + 1, pieces, state, rank_state).map(|_| ()),
-    }
+    let (trainer, rank) = burn_parallel::train::engine_states(state, scaler, scalars);
+    saver.submit(step + 1, pieces, trainer, rank)
+}
+
+/// The trainer's state in `checkpoint`: under "state" as the step engines save it, or at the
+/// top in checkpoints saved before the GPT's trainers used their format.
+pub(crate) fn trainer_state(checkpoint: &Checkpoint) -> &serde_json::Value {
+    let saved = checkpoint.state();
+    saved
+        .get("state")
+        .filter(|s| s.is_object())
+        .unwrap_or(saved)
 }
 
 /// Name of the optimizer scalars in each rank's state (the step engines' key).
@@ -179,78 +191,6 @@ pub(crate) fn dropout_calls(layers: &[(String, SeededDropout)]) -> serde_json::V
         .map(|(n, d)| (n.as_str(), d.calls()))
         .collect();
     serde_json::to_value(calls).expect("counters serialise")
-}
-
-/// Name of the MoE layers' expert biases in each rank's state.
-pub(crate) const MOE_BIAS: &str = "moe_bias";
-
-/// The MoE layers of `model`: the logical path of each block holding one, and its layer.
-fn moe_layers(model: &Gpt) -> Vec<(String, &burn_moe::MoeLayer)> {
-    model
-        .blocks
-        .iter()
-        .enumerate()
-        .filter_map(|(i, b)| Some((format!("blocks.{i}"), b.skeleton().moe.as_ref()?)))
-        .collect()
-}
-
-/// The logical name of a local parameter name of `model`: under expert parallelism a rank's
-/// local expert `i` of an MoE layer (`blocks.N.moe.experts.i.*`) is the layer's global expert
-/// `first_expert + i`, the index it has on one device; every other name is kept.
-pub(crate) fn expert_names(model: &Gpt) -> impl Fn(&str) -> String + use<> {
-    let layers: Vec<(String, usize)> = moe_layers(model)
-        .into_iter()
-        .filter(|(_, moe)| moe.first_expert > 0)
-        .map(|(block, moe)| (format!("{block}.moe.experts."), moe.first_expert))
-        .collect();
-    move |name: &str| {
-        for (prefix, first) in &layers {
-            let Some(rest) = name.strip_prefix(prefix.as_str()) else {
-                continue;
-            };
-            let (index, tail) = rest.split_once('.').unwrap_or((rest, ""));
-            if let Ok(i) = index.parse::<usize>() {
-                let sep = if tail.is_empty() { "" } else { "." };
-                return format!("{prefix}{}{sep}{tail}", first + i);
-            }
-        }
-        name.to_string()
-    }
-}
-
-/// The expert biases of `model`'s MoE layers (auxiliary-loss-free balancing; the same on
-/// every rank), for a rank state under [`MOE_BIAS`].
-pub(crate) fn moe_bias(model: &Gpt) -> serde_json::Value {
-    let bias: BTreeMap<String, Vec<f32>> = moe_layers(model)
-        .into_iter()
-        .map(|(block, moe)| (format!("{block}.moe"), moe.expert_bias()))
-        .collect();
-    serde_json::to_value(bias).expect("biases serialise")
-}
-
-/// Sets the expert biases of `model`'s MoE layers to those saved in `checkpoint`.
-///
-/// # Errors
-/// A sentence naming an MoE layer whose biases the checkpoint does not hold or holds for
-/// another number of experts.
-pub(crate) fn restore_moe_bias(checkpoint: &Checkpoint, model: &Gpt) -> Result<(), String> {
-    let layers = moe_layers(model);
-    if layers.is_empty() {
-        return Ok(());
-    }
-    let saved: BTreeMap<String, Vec<f32>> = merged_rank_values(checkpoint, MOE_BIAS)?;
-    for (block, moe) in layers {
-        let name = format!("{block}.moe");
-        let bias = saved.get(&name).ok_or_else(|| {
-            format!(
-                "{} holds no expert biases for {name}: resume with the model that saved it",
-                checkpoint.dir().display()
-            )
-        })?;
-        moe.set_expert_bias(bias)
-            .map_err(|e| format!("{}: {name}: {e}", checkpoint.dir().display()))?;
-    }
-    Ok(())
 }
 
 /// The values saved under `key` in the rank states of `checkpoint`, merged by name over the
@@ -359,12 +299,13 @@ pub(crate) fn resume_state(
     checkpoint: &Checkpoint,
     config: &TrainConfig,
 ) -> Result<TrainerState, String> {
-    let state: TrainerState = serde_json::from_value(checkpoint.state().clone()).map_err(|e| {
-        format!(
-            "{} was not saved by the GPT trainer ({e})",
-            checkpoint.dir().display()
-        )
-    })?;
+    let state: TrainerState =
+        serde_json::from_value(trainer_state(checkpoint).clone()).map_err(|e| {
+            format!(
+                "{} was not saved by the GPT trainer ({e})",
+                checkpoint.dir().display()
+            )
+        })?;
     let differs = |what: &str, saved: String, now: String| {
         format!(
             "{} was saved with {what} {saved}, this run has {now}: resume with the same {what}",

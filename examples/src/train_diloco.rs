@@ -304,9 +304,11 @@ pub fn train_gpt_diloco_checkpointed(
         losses = state.losses;
     }
     let mut saver = match (&checkpoints.dir, checkpoints.save_every) {
-        (Some(dir), every) if every > 0 => {
-            Some(Checkpointer::new(dir, checkpoints.keep, &world).map_err(checkpoint_error)?)
-        }
+        (Some(dir), every) if every > 0 => Some(
+            Checkpointer::new(dir, checkpoints.keep, &world)
+                .map_err(checkpoint_error)?
+                .with_background(checkpoints.asynchronous),
+        ),
         _ => None,
     };
     for step in first_step..config.steps {
@@ -351,15 +353,12 @@ pub fn train_gpt_diloco_checkpointed(
             let (pieces, meta, scalars) = names.pieces(&model, &trainer.optim, &mut diloco)?;
             let mut state = train_checkpoint::TrainerState::json(&losses, config);
             state[DILOCO_STATE] = serde_json::to_value(meta).expect("DiLoCo's state serialises");
-            state[train_checkpoint::LOSS_SCALER] =
-                serde_json::to_value(trainer.step.loss_scaler().map(|s| s.state()))
-                    .expect("the scaler state serialises");
-            let rank_state = serde_json::json!({
-                train_checkpoint::OPTIM_SCALARS: scalars,
-                train_checkpoint::DROPOUT_CALLS:
-                    train_checkpoint::dropout_calls(&train_checkpoint::dropout_layers(&model)),
-            });
-            train_checkpoint::save_after(saver, checkpoints, step, pieces, (state, rank_state))
+            let state = burn_parallel::train::SaveState::from(state).with_rank(
+                train_checkpoint::DROPOUT_CALLS,
+                train_checkpoint::dropout_calls(&train_checkpoint::dropout_layers(&model)),
+            );
+            let scaler = trainer.step.loss_scaler().map(|s| s.state());
+            train_checkpoint::save_after(saver, step, pieces, state, scaler, &scalars)
                 .map_err(checkpoint_error)?;
         }
     }
@@ -704,7 +703,7 @@ impl DiLoCoNames {
         diloco: &mut DiLoCo,
         checkpoint: &Checkpoint,
     ) -> Result<Gpt, DiLoCoTrainError> {
-        let meta: DiLoCoMeta = match checkpoint.state().get(DILOCO_STATE) {
+        let meta: DiLoCoMeta = match train_checkpoint::trainer_state(checkpoint).get(DILOCO_STATE) {
             Some(meta) => serde_json::from_value(meta.clone()).map_err(|e| {
                 checkpoint_error(format!(
                     "{}: DiLoCo's state does not parse ({e}); the checkpoint is damaged",

@@ -341,7 +341,7 @@ fn parallel_run(
             let mut saver = Checkpointer::new(dir, 1, &world).unwrap();
             let state = serde_json::Value::Null;
             engine
-                .save(&mut saver, options.steps.end, &model, state)
+                .save(&mut saver, options.steps.end, &model, state.into())
                 .unwrap();
         }
         // ZeRO under mixed precision: the fp32 master weights.

@@ -94,7 +94,11 @@ impl<M: Module, E: From<MoeError>> StepEngine<M, E> for MoeTrainer {
         state: SaveState,
     ) -> checkpoint::Result<()> {
         let inner = self.step.inner();
-        let map = expert_map(inner.param_map(model)?, self.step.parallel(), inner.tp_context())?;
+        let map = expert_map(
+            inner.param_map(model)?,
+            self.step.parallel(),
+            inner.tp_context(),
+        )?;
         let state = with_biases(state, self.step.parallel());
         inner.save_mapped(saver, step, model, &self.optim, &map, state)
     }
@@ -109,6 +113,14 @@ impl<M: Module, E: From<MoeError>> StepEngine<M, E> for MoeTrainer {
         self.optim = optim;
         restore_biases(checkpoint, parallel)?;
         Ok((model, state))
+    }
+
+    fn loss_scale(&self) -> f64 {
+        self.step.inner().loss_scale()
+    }
+
+    fn optimizer(&self) -> Option<&ModuleOptimizer> {
+        Some(&self.optim)
     }
 }
 
@@ -196,15 +208,16 @@ where
                     Ok::<_, E>(loss)
                 },
             )?;
-            phases.time(
-                |p| &mut p.backward,
-                || {
-                    let mut grads = GradientsParams::from_grads(loss.backward(), &model);
-                    acc.accumulate(&model, self.experts.take_experts(&model, &mut grads));
-                    self.zero.accumulate(&model, grads)
-                },
-            )
-            .map_err(zero_err)?;
+            phases
+                .time(
+                    |p| &mut p.backward,
+                    || {
+                        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+                        acc.accumulate(&model, self.experts.take_experts(&model, &mut grads));
+                        self.zero.accumulate(&model, grads)
+                    },
+                )
+                .map_err(zero_err)?;
         }
         let max_norm = self.zero.max_grad_norm();
         let experts = phases.time(
@@ -303,6 +316,11 @@ where
         }
         restore_biases(checkpoint, &parallel)?;
         Ok((model, state))
+    }
+
+    /// [`ZeroOptimizer::master_module`].
+    fn master_model(&self, model: M) -> std::result::Result<M, E> {
+        Ok(self.zero.master_module(model).map_err(MoeError::from)?)
     }
 }
 

@@ -79,7 +79,10 @@ impl ExpertParams {
                 self.0.insert(param.id, self.1);
             }
         }
-        module.visit(&mut Ids(&mut self.0.lock().expect("expert registry"), index));
+        module.visit(&mut Ids(
+            &mut self.0.lock().expect("expert registry"),
+            index,
+        ));
     }
 
     /// The global expert index of `id`, when it is an expert parameter.

@@ -382,6 +382,27 @@ pub trait StepEngine<M, E> {
     /// [`CheckpointError::Mismatch`] for a checkpoint of another model;
     /// [`CheckpointError::Corrupt`] for altered or truncated files.
     fn load(&mut self, checkpoint: &Checkpoint, model: M) -> checkpoint::Result<(M, Value)>;
+
+    /// The current loss scale (1 without a loss scaler): for logs and reports.
+    fn loss_scale(&self) -> f64 {
+        1.0
+    }
+
+    /// `model` with its fp32 master weights, to evaluate or export: `model` itself unless the
+    /// engine keeps the master weights apart (ZeRO under mixed precision, whose model holds
+    /// their compute-dtype copy).
+    ///
+    /// # Errors
+    /// The engine's, converted into `E`.
+    fn master_model(&self, model: M) -> std::result::Result<M, E> {
+        Ok(model)
+    }
+
+    /// The Burn optimizer holding the state, when the engine steps with one (not ZeRO, whose
+    /// state is its shard's): for memory reports.
+    fn optimizer(&self) -> Option<&ModuleOptimizer> {
+        None
+    }
 }
 
 /// A [`TrainStep`] with its Burn optimizer: the [`StepEngine`] of every layout but ZeRO-1/2.
@@ -426,6 +447,14 @@ impl<M: Module, E: From<crate::CollectiveError>> StepEngine<M, E> for Trainer {
         let (model, optim, state) = self.step.load(checkpoint, model, self.optim.clone())?;
         self.optim = optim;
         Ok((model, state))
+    }
+
+    fn loss_scale(&self) -> f64 {
+        self.step.loss_scale()
+    }
+
+    fn optimizer(&self) -> Option<&ModuleOptimizer> {
+        Some(&self.optim)
     }
 }
 
@@ -889,8 +918,10 @@ impl TrainStep {
         );
         let (loss_avg, reduced) = reduced?;
         let grad_norm = reduced.grad_norm;
-        let (model, skipped) =
-            phases.time(|p| &mut p.optimizer, || self.apply(model, reduced, optim, lr));
+        let (model, skipped) = phases.time(
+            |p| &mut p.optimizer,
+            || self.apply(model, reduced, optim, lr),
+        );
         Ok((
             model,
             StepOutput {
@@ -970,23 +1001,31 @@ impl TrainStep {
         let mut phases = StepPhases::default();
         let pending = overlap.start(&model)?;
         let hooked = pending.hook(model.clone());
-        let (loss, local) = phases.time(|p| &mut p.forward, || {
-            let loss = forward(&hooked)?;
-            let local = loss.clone().into_scalar::<f32>();
-            Ok::<_, E>((loss, local))
-        })?;
+        let (loss, local) = phases.time(
+            |p| &mut p.forward,
+            || {
+                let loss = forward(&hooked)?;
+                let local = loss.clone().into_scalar::<f32>();
+                Ok::<_, E>((loss, local))
+            },
+        )?;
         phases.time(|p| &mut p.backward, || pending.backward(loss));
         drop(hooked);
-        let reduced = phases.time(|p| &mut p.reduce, || -> Result<(f32, Reduced)> {
-            // On the group itself: the buckets travel on a sub-group of their own meanwhile.
-            let loss_avg = overlap.group().all_reduce_f32(vec![local], ReduceOp::Avg)?[0];
-            let grads = pending.finish(&model)?;
-            Ok((loss_avg, self.reduce_all(&model, grads, false)?))
-        });
+        let reduced = phases.time(
+            |p| &mut p.reduce,
+            || -> Result<(f32, Reduced)> {
+                // On the group itself: the buckets travel on a sub-group of their own meanwhile.
+                let loss_avg = overlap.group().all_reduce_f32(vec![local], ReduceOp::Avg)?[0];
+                let grads = pending.finish(&model)?;
+                Ok((loss_avg, self.reduce_all(&model, grads, false)?))
+            },
+        );
         let (loss_avg, reduced) = reduced?;
         let grad_norm = reduced.grad_norm;
-        let (model, skipped) =
-            phases.time(|p| &mut p.optimizer, || self.apply(model, reduced, optim, lr));
+        let (model, skipped) = phases.time(
+            |p| &mut p.optimizer,
+            || self.apply(model, reduced, optim, lr),
+        );
         Ok((
             model,
             StepOutput {

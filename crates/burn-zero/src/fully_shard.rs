@@ -1122,6 +1122,25 @@ impl FsdpPlan {
             .sum()
     }
 
+    /// The bytes of the flat shards' gradients once the backward made them: the shards of
+    /// `model`'s parameters, in their dtype. For a memory account where the gradients are out
+    /// of sight (a step engine's), as [`Self::gradient_bytes`] counts them.
+    pub fn shard_gradient_bytes<M: Module>(&self, model: &M) -> usize {
+        struct Bytes<'a>(&'a HashSet<ParamId>, usize);
+        impl ModuleVisitor for Bytes<'_> {
+            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+                if self.0.contains(&param.id) {
+                    let t = param.val();
+                    self.1 += t.shape().num_elements() * t.dtype().size();
+                }
+            }
+        }
+        let ids: HashSet<ParamId> = self.shards.ids().into_iter().collect();
+        let mut bytes = Bytes(&ids, 0);
+        model.visit(&mut bytes);
+        bytes.1
+    }
+
     /// The bytes of `optim`'s state for the flat shards (moments and the like). Reads the
     /// state through the optimizer's record (a copy to the host): call it once, for a report.
     ///

@@ -1724,6 +1724,15 @@ where
         }
         Ok((model, state))
     }
+
+    fn loss_scale(&self) -> f64 {
+        ZeroOptimizer::loss_scale(self)
+    }
+
+    /// [`ZeroOptimizer::master_module`].
+    fn master_model(&self, model: M) -> std::result::Result<M, E> {
+        Ok(self.master_module(model)?)
+    }
 }
 
 /// A ZeRO error met while saving or loading a checkpoint, as the checkpoint error it is: the

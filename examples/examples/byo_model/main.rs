@@ -474,7 +474,12 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
     if let Some(dir) = &args.save {
         let mut saver = Checkpointer::new(dir, 1, &world).map_err(checkpoint_error)?;
         engine
-            .save(&mut saver, args.steps, &model, serde_json::Value::Null)
+            .save(
+                &mut saver,
+                args.steps,
+                &model,
+                serde_json::Value::Null.into(),
+            )
             .map_err(checkpoint_error)?;
     }
     Ok(losses)
