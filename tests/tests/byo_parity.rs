@@ -10,7 +10,7 @@ mod model;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn_moe::{MoeParallel, MoeStep};
+use burn_moe::{MoeError, MoeParallel, MoeStep, MoeTrainer, MoeZero};
 use burn_parallel::checkpoint::{CheckpointError, Checkpointer};
 use burn_parallel::context_parallel::{ContextParallel, CpBalance, CpError, CpKind, CpSettings};
 use burn_parallel::init::{Init, splitmix64};
@@ -820,32 +820,210 @@ fn moe_parallel_in(
             model = next;
             losses.push(out.loss);
         }
-        // Local expert j of a layer is global expert first_expert + j.
-        let first = model.layers[0]
-            .get()?
-            .moe
-            .as_ref()
-            .map_or(0, |m| m.first_expert);
-        let params = TpContext::single().full_params(&model.valid())?;
-        let renamed = params.into_iter().map(|(path, data)| {
-            let parts: Vec<&str> = path.split('.').collect();
-            match parts.iter().position(|p| *p == "experts") {
-                Some(i) => {
-                    let global = parts[i + 1].parse::<usize>().unwrap() + first;
-                    let mut parts: Vec<String> = parts.iter().map(|p| p.to_string()).collect();
-                    parts[i + 1] = global.to_string();
-                    (parts.join("."), data)
-                }
-                None => (path, data),
-            }
-        });
-        Ok((losses, renamed.collect::<Vec<_>>()))
+        Ok((losses, global_params(&model)?))
     })
     .unwrap();
+    merge_experts(out)
+}
+
+/// This rank's parameters of the MoE variant, each expert under its global index (local expert
+/// j of a layer is global expert `first_expert + j`).
+fn global_params(model: &Decoder) -> burn_parallel::Result<Params> {
+    let first = model.layers[0]
+        .get()?
+        .moe
+        .as_ref()
+        .map_or(0, |m| m.first_expert);
+    let params = TpContext::single().full_params(&model.valid())?;
+    let renamed = params.into_iter().map(|(path, data)| {
+        let parts: Vec<&str> = path.split('.').collect();
+        match parts.iter().position(|p| *p == "experts") {
+            Some(i) => {
+                let global = parts[i + 1].parse::<usize>().unwrap() + first;
+                let mut parts: Vec<String> = parts.iter().map(|p| p.to_string()).collect();
+                parts[i + 1] = global.to_string();
+                (parts.join("."), data)
+            }
+            None => (path, data),
+        }
+    });
+    Ok(renamed.collect())
+}
+
+/// Rank 0's losses (every rank's the same) and the whole model's parameters (each expert from
+/// a rank holding it), sorted by path.
+fn merge_experts(out: Vec<(Vec<f32>, Params)>) -> (Vec<f32>, Params) {
     same_losses(&out);
     let losses = out[0].0.clone();
     let params: BTreeMap<String, TensorData> = out.into_iter().flat_map(|(_, p)| p).collect();
     (losses, params.into_iter().collect())
+}
+
+/// The MoE variant trained by `burn-moe`'s step engines on `dp_replicate` ranks with `ep` of
+/// them splitting the experts: `MoeTrainer` (the library's step around `MoeStep`) or, with
+/// `zero`, `MoeZero` (ZeRO over the data-parallel ranks, the experts outside its flat space),
+/// `micro` micro-batches per step (micro-batch k: rows k of each rank's share, so that every
+/// layout computes the same micro-batches), for `steps`, resuming from the newest checkpoint
+/// under `resume` and saving into `save` after the last step.
+struct MoeEngineRun<'a> {
+    dp_replicate: usize,
+    ep: usize,
+    zero: Option<Stage>,
+    micro: usize,
+    clip: Option<f64>,
+    steps: std::ops::Range<usize>,
+    resume: Option<&'a std::path::Path>,
+    save: Option<&'a std::path::Path>,
+}
+
+impl MoeEngineRun<'_> {
+    fn run(&self) -> (Vec<f32>, Params) {
+        let device = Device::flex().autodiff();
+        let dims = ParallelDims {
+            dp_replicate: self.dp_replicate,
+            ep: self.ep,
+            ..ParallelDims::default()
+        };
+        let out = run_local(dims.world_size(), |world| {
+            let mesh = dims.build(&world).unwrap();
+            let parallel = MoeParallel::from_mesh(&dims, &mesh).unwrap();
+            let init = Init::new(config().seed, &device);
+            let mut model = Decoder::with_experts(&init, &config(), &moe(), &parallel).unwrap();
+            let dp = dims.data_parallel(&mesh).unwrap();
+            let inner = TrainStep::new(init.context()).with_data_parallel(dp.clone());
+            let step = MoeStep::new(inner, &parallel).with_clip(self.clip);
+            let mut engine: Box<dyn StepEngine<Decoder, MoeError>> = match self.zero {
+                None => Box::new(MoeTrainer::new(step, optimizer())),
+                Some(stage) => {
+                    let config = ZeroConfig::new(stage).with_max_grad_norm(self.clip);
+                    let adamw = AdamWConfig::new().with_weight_decay(0.01).build();
+                    let groups = ShardGroups::flat(dp.clone());
+                    let zero = ZeroOptimizer::new_excluding(&model, groups, config, adamw, |id| {
+                        parallel.experts.contains(&id)
+                    })
+                    .unwrap();
+                    model = zero.prepare_module(model).unwrap();
+                    Box::new(MoeZero::new(zero, step, optimizer()).unwrap())
+                }
+            };
+            if let Some(dir) = self.resume {
+                let checkpoint = Checkpointer::latest(dir).unwrap().expect("a checkpoint");
+                model = engine.load(&checkpoint, model).unwrap().0;
+            }
+            let rows = BATCH / dp.size() / self.micro;
+            let mut losses = Vec::new();
+            for s in self.steps.clone() {
+                let mut forward = |m: &Decoder, k: usize| {
+                    let first = k * rows * dp.size() + dp.rank() * rows;
+                    let (tokens, targets) = batch(s, first..first + rows, &device);
+                    Ok(m.loss(tokens, targets)?)
+                };
+                let (next, out) = engine
+                    .step_accumulated(model, self.micro, &mut forward, LR)
+                    .unwrap();
+                model = next;
+                losses.push(out.loss);
+            }
+            if let Some(dir) = self.save {
+                let mut saver = Checkpointer::new(dir, 1, &world).unwrap();
+                let end = self.steps.end;
+                engine
+                    .save(&mut saver, end, &model, serde_json::Value::Null.into())
+                    .unwrap();
+            }
+            Ok((losses, global_params(&model)?))
+        })
+        .unwrap();
+        merge_experts(out)
+    }
+}
+
+impl Default for MoeEngineRun<'_> {
+    fn default() -> Self {
+        Self {
+            dp_replicate: 1,
+            ep: 1,
+            zero: None,
+            micro: 1,
+            clip: None,
+            steps: 0..STEPS,
+            resume: None,
+            save: None,
+        }
+    }
+}
+
+/// `burn-moe`'s step engines: `MoeTrainer` with gradient accumulation and `MoeZero` (ZeRO-1/2
+/// with the experts outside the flat space) under expert parallelism match one device (the
+/// same micro-batches, the oracle's plain loop without them); a checkpoint saved at dp 2 x ep 2
+/// (experts named by global index) resumes on one device, under ZeRO-2 at dp 2 and at dp 4 x
+/// ep 4, each finishing as the uninterrupted run does.
+#[test]
+fn byo_moe_engines_accumulate_shard_and_resume_under_any_layout() {
+    let device = Device::flex().autodiff();
+    let init = Init::new(config().seed, &device);
+    let model = Decoder::with_experts(&init, &config(), &moe(), &MoeParallel::default());
+    let (losses, params) = reference_from(model.unwrap(), &device, Some(0.05));
+    let sorted: BTreeMap<String, TensorData> = params.into_iter().collect();
+    let whole = (losses, sorted.into_iter().collect::<Params>());
+    let run = |dp_replicate, ep, zero| MoeEngineRun {
+        dp_replicate,
+        ep,
+        zero,
+        clip: Some(0.05),
+        ..MoeEngineRun::default()
+    };
+    assert_matches("MoeTrainer, dp 2 x ep 2", run(2, 2, None).run(), &whole);
+    for (what, dp, ep, stage) in [
+        ("MoeZero ZeRO-1, dp 2", 2, 1, Stage::One),
+        ("MoeZero ZeRO-2, dp 2 x ep 2", 2, 2, Stage::Two),
+        ("MoeZero ZeRO-2, dp 4 x ep 2", 4, 2, Stage::Two),
+    ] {
+        assert_matches(what, run(dp, ep, Some(stage)).run(), &whole);
+    }
+    // Accumulation: the balancing losses are per micro-batch, so the oracle is one device on
+    // the same two micro-batches (through the engine: its loop is the plain one per
+    // micro-batch).
+    let accumulated = |dp, ep, zero| MoeEngineRun {
+        micro: 2,
+        ..run(dp, ep, zero)
+    };
+    let one = accumulated(1, 1, None).run();
+    assert_matches(
+        "MoeTrainer, dp 2 x ep 2, 2 micro-batches",
+        accumulated(2, 2, None).run(),
+        &one,
+    );
+    assert_matches(
+        "MoeZero ZeRO-2, dp 2 x ep 2, 2 micro-batches",
+        accumulated(2, 2, Some(Stage::Two)).run(),
+        &one,
+    );
+    // Saved at dp 2 x ep 2 after half the steps; resumed under three other layouts.
+    let dir = std::env::temp_dir().join(format!("byo-moe-resume-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let half = STEPS / 2;
+    let (first, _) = MoeEngineRun {
+        steps: 0..half,
+        save: Some(&dir),
+        ..run(2, 2, None)
+    }
+    .run();
+    for (what, dp, ep, zero) in [
+        ("resumed on one device", 1, 1, None),
+        ("resumed under MoeZero ZeRO-2, dp 2", 2, 1, Some(Stage::Two)),
+        ("resumed at dp 4 x ep 4", 4, 4, None),
+    ] {
+        let (rest, params) = MoeEngineRun {
+            steps: half..STEPS,
+            resume: Some(&dir),
+            ..run(dp, ep, zero)
+        }
+        .run();
+        let losses = first.iter().chain(&rest).copied().collect();
+        assert_matches(what, (losses, params), &whole);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 fn moe() -> burn_moe::MoeConfig {

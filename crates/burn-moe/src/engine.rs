@@ -128,8 +128,8 @@ impl<M: Module, E: From<MoeError>> StepEngine<M, E> for MoeTrainer {
 /// are left out of ZeRO's flat space (build `zero` with [`ZeroOptimizer::new_excluding`] on
 /// [`MoeParallel::experts`]); their gradients are accumulated apart, reduced over the ranks
 /// holding the same experts ([`MoeStep::reduce_experts`]), clipped with the flat space's under
-/// one global norm, and stepped by their own optimizer. No loss scaler: the experts' fp32
-/// optimizer would not skip with ZeRO's (build `zero` without one).
+/// one global norm, and stepped by their own optimizer. In fp32 only (build `zero` without a
+/// mixed-precision policy or a loss scaler): the experts would have no master weights.
 pub struct MoeZero<O: ElementWise> {
     /// The sharded optimizer of everything but the experts.
     pub zero: ZeroOptimizer<O>,
@@ -144,17 +144,20 @@ impl<O: ElementWise> MoeZero<O> {
     /// MoE layers.
     ///
     /// # Errors
-    /// [`MoeError::Config`] when `zero` has a loss scaler.
+    /// [`MoeError::Config`] when `zero` has a mixed-precision policy or a loss scaler.
     pub fn new(
         zero: ZeroOptimizer<O>,
         experts: MoeStep,
         optim: ModuleOptimizer,
     ) -> crate::Result<Self> {
-        if zero.scaler().is_some() {
+        // The experts, outside the flat space, would have neither fp32 master weights nor a
+        // step skipped with ZeRO's.
+        if zero.scaler().is_some() || zero.master().is_some() {
             return Err(MoeError::Config {
-                field: "loss scaler".into(),
-                reason: "the experts, outside ZeRO's flat space, cannot skip a step with it; \
-                         train fp16 MoE models without ZeRO-1/2 (data parallelism or FSDP)"
+                field: "ZeRO precision".into(),
+                reason: "the experts, outside ZeRO's flat space, have no fp32 master weights \
+                         and cannot skip a step with its loss scaler; train mixed-precision \
+                         MoE models without ZeRO-1/2 (data parallelism or FSDP)"
                     .into(),
             });
         }

@@ -15,6 +15,10 @@
 //!   experts, every other gradient over the data-parallel group (or by tensor parallelism and
 //!   FSDP through `TrainStep`), global-norm clipping over both; [`MoeStep::reduce_experts`]
 //!   ([`ExpertGradients`]) for steps that reduce the rest their own way (ZeRO-1/2).
+//! - [`MoeTrainer`] and [`MoeZero`]: the [`burn_parallel::train::StepEngine`]s of an MoE model
+//!   (the step with its optimizer; ZeRO-1/2 with the experts outside its flat space), whose
+//!   checkpoints name each expert by its global index: any expert-parallel layout resumes what
+//!   another saved.
 //! - [`MoeStats`]: tokens per expert, drop rate, load imbalance, the auxiliary losses.
 
 pub mod config;

@@ -44,7 +44,7 @@ use std::time::Instant;
 
 use burn::optim::AdamWConfig;
 use burn::tensor::Device;
-use burn_moe::{MoeParallel, MoeStep};
+use burn_moe::{MoeError, MoeParallel, MoeStep, MoeTrainer, MoeZero};
 use burn_parallel::checkpoint::Checkpointer;
 use burn_parallel::context_parallel::{ContextParallel, CpKind, CpSettings};
 use burn_parallel::init::Init;
@@ -265,6 +265,7 @@ fn zero_engine(
     reduce: &ProcessGroup,
     stage: u8,
     args: &Args,
+    experts: &MoeParallel,
 ) -> Result<ZeroOptimizer<burn::optim::AdamW>, String> {
     let stage = Stage::from_number(usize::from(stage)).map_err(|e| e.to_string())?;
     let mut config = ZeroConfig::new(stage).with_max_grad_norm(args.clip);
@@ -276,60 +277,24 @@ fn zero_engine(
             .with_loss_scaler(Some(LossScaler::new(65536.0))),
     };
     let adamw = AdamWConfig::new().with_weight_decay(0.01).build();
-    let zero = ZeroOptimizer::new(model, ShardGroups::flat(reduce.clone()), config, adamw)
-        .map_err(|e| e.to_string())?;
+    // The experts (none in the dense decoder) differ between expert-parallel ranks: they stay
+    // out of the flat space (burn-moe's `MoeZero` steps them).
+    let groups = ShardGroups::flat(reduce.clone());
+    let zero = ZeroOptimizer::new_excluding(model, groups, config, adamw, |id| {
+        experts.experts.contains(&id)
+    })
+    .map_err(|e| e.to_string())?;
     Ok(zero.with_tensor_parallel(&model.tp))
 }
 
-/// `--experts`: the MoE variant of the decoder over `dp_replicate = world` ranks with `ep`
-/// of them splitting the experts, stepped by `burn-moe`'s [`MoeStep`] (expert gradients
-/// reduced over the ranks holding the same experts, the rest over every rank).
-fn train_moe(world: &ProcessGroup, args: &Args, corpus: &Corpus) -> Result<Vec<f32>, String> {
-    let device = Device::flex().autodiff();
-    let dims = ParallelDims {
-        dp_replicate: world.size(),
-        ep: args.ep,
-        ..ParallelDims::default()
-    };
-    let mesh = dims.build(world).map_err(|e| e.to_string())?;
-    let parallel = MoeParallel::from_mesh(&dims, &mesh).map_err(|e| e.to_string())?;
-    let experts = moe_config(&config(), args.experts, args.top_k);
-    let init = Init::new(config().seed, &device);
-    let mut model =
-        Decoder::with_experts(&init, &config(), &experts, &parallel).map_err(|e| e.to_string())?;
-    let dp = dims.data_parallel(&mesh).map_err(|e| e.to_string())?;
-    let inner = TrainStep::new(init.context()).with_data_parallel(dp.clone());
-    // The forward runs on the compute copy: gradients land on the fp32 master weights; under
-    // fp16 the loss and the balancing losses are scaled, the gradients unscaled and checked.
-    let step = MoeStep::new(with_precision(inner, args.precision), &parallel).with_clip(args.clip);
-    let mut optim = AdamWConfig::new().with_weight_decay(0.01).init();
-    let rows = args.batch / dp.size();
-    let mut losses = Vec::new();
-    for s in 0..args.steps {
-        let first = dp.rank() * rows;
-        let batch = corpus.batch_rows(s as u64, first..first + rows, args.seq, Split::Train);
-        let (tokens, targets) = batch.to_tensors(&device);
-        let forward = |m: &Decoder| m.loss(tokens, targets).map_err(burn_moe::MoeError::from);
-        let (next, out) = step
-            .step_with(model, forward, &mut optim, args.lr)
-            .map_err(|e| e.to_string())?;
-        model = next;
-        losses.push(out.loss);
-    }
-    Ok(losses)
-}
-
 fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel::Result<Vec<f32>> {
-    if args.experts > 0 {
-        let plain = args.zero.is_none() && args.grad_accum == 1;
-        if !matches!(args.layout, Layout::Single | Layout::Ddp) || !plain {
-            return Err(invalid(
-                &world,
-                "the MoE variant (--experts) trains with --layout single or ddp (and --ep), \
-                 without --zero or --grad-accum",
-            ));
-        }
-        return train_moe(&world, args, corpus).map_err(|e| invalid(&world, e));
+    let moe = args.experts > 0;
+    if moe && (!matches!(args.layout, Layout::Single | Layout::Ddp) || args.overlap) {
+        return Err(invalid(
+            &world,
+            "the MoE variant (--experts) trains with --layout single or ddp (and --ep), \
+             without --overlap",
+        ));
     }
     let sharded = matches!(args.layout, Layout::Fsdp | Layout::FsdpTp | Layout::Hsdp);
     if args.zero.is_some() && (sharded || args.layout == Layout::Pp) {
@@ -365,7 +330,7 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
         pp: 1,
         cp,
         tp,
-        ep: 1,
+        ep: if moe { args.ep } else { 1 },
     };
     let (dims, sp) = match args.layout {
         Layout::Single | Layout::Ddp => (dims(n, 1, 1, 1), false),
@@ -392,9 +357,20 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
         ..CpSettings::default()
     };
     let cp = ContextParallel::new(&group("cp"), settings).map_err(|e| invalid(&world, e))?;
-    let mut model = Decoder::new(&init, Some(&fsdp), &config())
-        .unwrap_or_else(|e| panic!("{e}"))
-        .with_context_parallel(Some(cp));
+    // The MoE variant: the experts split over the expert-parallel ranks.
+    let experts = match moe {
+        true => MoeParallel::from_mesh(&dims, &mesh).map_err(|e| invalid(&world, e))?,
+        false => MoeParallel::default(),
+    };
+    let mut model = match moe {
+        true => {
+            let moe = moe_config(&config(), args.experts, args.top_k);
+            Decoder::with_experts(&init, &config(), &moe, &experts)
+        }
+        false => Decoder::new(&init, Some(&fsdp), &config()),
+    }
+    .map_err(|e| invalid(&world, e))?
+    .with_context_parallel(Some(cp));
     // Rows split over the data-parallel ranks; gradients averaged over those and the
     // context-parallel ranks (which hold other tokens of the same rows).
     let dp = dims.data_parallel(&mesh).expect("built by ParallelDims");
@@ -417,28 +393,35 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
     let mut step = TrainStep::new(init.context())
         .with_data_parallel(reduce.clone())
         .with_fsdp(fsdp.shards().clone(), Some(group("dp_replicate")))
-        .with_fsdp_no_sync(args.no_sync)
-        .with_clip(args.clip);
+        .with_fsdp_no_sync(args.no_sync);
     if args.overlap {
         step = step.with_overlap(OverlappedDdp::new(reduce.clone()));
     }
     step = with_precision(step, args.precision);
     let optim = AdamWConfig::new().with_weight_decay(0.01).init();
     // The engine: the library's step with AdamW, or ZeRO-1/2 (`--zero`), which owns the
-    // reduction over the same ranks, the clipping and the precision policy. One loop for both,
-    // and one checkpoint format: either resumes what the other saved, under any layout.
-    let mut trainer = Trainer::new(step, optim);
-    let mut zero = match args.zero {
-        Some(stage) => {
-            let zero = zero_engine(&model, &reduce, stage, args).map_err(|e| invalid(&world, e))?;
-            model = zero.prepare_module(model).map_err(|e| invalid(&world, e))?;
-            Some(zero)
+    // reduction over the same ranks, the clipping and the precision policy; for the MoE
+    // variant, burn-moe's engines around the same (the expert gradients reduced over the ranks
+    // holding the same experts, clipped under one norm with the rest). One loop for all, and
+    // one checkpoint format: each resumes what another saved, under any layout.
+    let mut engine: Box<dyn StepEngine<Decoder, MoeError>> = match (args.zero, moe) {
+        (None, false) => Box::new(Trainer::new(step.with_clip(args.clip), optim)),
+        (None, true) => {
+            let step = MoeStep::new(step, &experts).with_clip(args.clip);
+            Box::new(MoeTrainer::new(step, optim))
         }
-        None => None,
-    };
-    let engine: &mut dyn StepEngine<Decoder, TpError> = match &mut zero {
-        Some(zero) => zero,
-        None => &mut trainer,
+        (Some(stage), _) => {
+            let zero = zero_engine(&model, &reduce, stage, args, &experts)
+                .map_err(|e| invalid(&world, e))?;
+            model = zero.prepare_module(model).map_err(|e| invalid(&world, e))?;
+            match moe {
+                true => Box::new(
+                    MoeZero::new(zero, MoeStep::new(step, &experts), optim)
+                        .map_err(|e| invalid(&world, e))?,
+                ),
+                false => Box::new(zero),
+            }
+        }
     };
     let checkpoint_error = |e: burn_parallel::checkpoint::CheckpointError| invalid(&world, e);
     let mut first = 0;
@@ -460,12 +443,12 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
             let batch =
                 corpus.batch_rows(s as u64, start..start + micro_rows, args.seq, Split::Train);
             let (tokens, targets) = batch.to_tensors(&device);
-            m.loss(tokens, targets)
+            Ok(m.loss(tokens, targets)?)
         };
         let (next, out) = engine
             .step_accumulated(model, args.grad_accum, &mut forward, args.lr)
             .map_err(|e| match e {
-                TpError::Collective(e) => e,
+                MoeError::Collective(e) | MoeError::Tp(TpError::Collective(e)) => e,
                 other => invalid(&world, other),
             })?;
         model = next;
