@@ -1120,7 +1120,7 @@ pub fn gather_blocks(blocks: &[Fsdp<Block>]) -> ZeroResult<Vec<Fsdp<Block>>> {
 
 /// The embedding sub-layers of a GPT (token table, learned positions, dropout) under a
 /// tensor-parallel context, borrowed from a [`Gpt`] or from the first stage of a pipeline
-/// (`examples::pipeline::GptStage`), so that both embed tokens the same way.
+/// (`examples::pipeline::GptInput`), so that both embed tokens the same way.
 #[derive(Clone, Copy, Debug)]
 pub struct Embeddings<'a> {
     /// Token table (split by vocabulary under tensor parallelism).

@@ -1,8 +1,10 @@
-//! Pipeline parallelism for the bundled GPT: [`GptStage`] (the embedding on the first stage,
-//! the final norm, head and loss on the last, transformer blocks on every stage), built from
-//! the same seeded [`Init`] as the single-device model so that each rank holds exactly its
-//! stages' single-device parameters and nothing else; and [`train_gpt_pipeline`], the
-//! trainer over a `pp x dp` mesh running any schedule of `burn-pipeline`.
+//! Pipeline parallelism for the bundled GPT: [`GptStage`], the GPT staged by
+//! `burn-pipeline`'s [`Sequential`] (its [`GptInput`] embedding on the first stage, its
+//! [`GptOutput`] final norm, head and loss on the last, [`GptLayer`] blocks on every stage),
+//! built from the same seeded [`Init`] as the single-device model so that each rank holds
+//! exactly its stages' single-device parameters and nothing else; and
+//! [`train_gpt_pipeline`], the trainer over a `pp x dp` mesh running any schedule of
+//! `burn-pipeline`.
 //!
 //! ```text
 //! gpt --ranks 2 --pp 2 --schedule 1f1b --microbatches 4
@@ -28,22 +30,19 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
-use std::sync::Arc;
 use std::time::Instant;
 
 use burn::module::{Module, ParamId};
 use burn::optim::{AdamW, AdamWConfig};
 use burn::tensor::{Device, Tensor, TensorData};
-use burn_parallel::autograd::WeightGradSink;
 use burn_parallel::init::{Init, LinearInit};
 use burn_parallel::nn::{Embedding, Linear, TpContext};
 use burn_parallel::tensor_parallel::SeededDropout;
 use burn_parallel::train::TrainStep;
 use burn_parallel::{CollectiveError, ParallelDims, ProcessGroup, ReduceOp};
-use burn_pipeline::checkpoint::checkpoint;
-use burn_pipeline::deferred::WeightGradStore;
 use burn_pipeline::partition::{self, PartitionError};
 use burn_pipeline::runtime::{Checkpointing, Executor, PipelineError, StepReport};
+use burn_pipeline::sequential::{InputLayer, Layer, Sequential};
 use burn_pipeline::stage::{Boundary, Stage, StageError, StageOutput};
 use burn_pipeline::trace::{StepTrack, Timeline};
 use burn_pipeline::update::{StageOptimizer, StageUpdater};
@@ -328,7 +327,7 @@ pub fn measure_layer_times(
     let d = config.d_model;
     let rows = batch.batch_size;
     let time = |index: usize, stages: usize, blocks: usize| -> Result<f64, GptPipelineError> {
-        let probe = GptStage::build(config, &init, index, stages, 0..blocks)?;
+        let probe = build_stage(config, &init, index, stages, 0..blocks, 0)?;
         let fail = |e: &dyn std::fmt::Display| GptPipelineError::Build {
             stage: index,
             reason: format!("measuring layer times: {e}"),
@@ -361,134 +360,208 @@ pub fn measure_layer_times(
     })
 }
 
-/// One stage of the GPT: the embedding when it is the first stage, blocks
-/// `first_layer..first_layer + blocks.len()`, the final norm, head and loss when it is the
-/// last. Parameters carry the single-device model's values (same seed, same paths).
-#[derive(Module, Debug)]
-pub struct GptStage {
-    /// Token embedding (first stage).
-    pub wte: Option<Embedding>,
-    /// Learned positions (first stage, learned positions only).
-    pub wpe: Option<burn::nn::Embedding>,
-    /// This stage's blocks.
-    pub blocks: Vec<Block>,
-    /// Final norm (last stage).
-    pub ln_f: Option<Norm>,
-    /// Output projection (last stage).
-    pub lm_head: Option<Linear>,
-    /// Stage index.
-    #[module(skip)]
-    pub index: usize,
-    /// Number of stages.
-    #[module(skip)]
-    pub num_stages: usize,
-    /// Index of this stage's first block in the whole model.
-    #[module(skip)]
-    pub first_layer: usize,
+/// One stage of the GPT, staged by `burn-pipeline`'s [`Sequential`]: the embedding
+/// ([`GptInput`]) when it is the first stage, blocks `first_layer..first_layer + layers.len()`
+/// ([`GptLayer`]), the final norm, head and loss ([`GptOutput`]) when it is the last.
+/// Parameters carry the single-device model's values (same seed); [`model_names`] gives their
+/// paths in the single-device model. Build it with [`build_stage`].
+pub type GptStage = Sequential<GptInput, GptLayer, GptOutput>;
+
+/// What every part of a stage needs for a forward besides its parameters.
+#[derive(Debug, Clone)]
+pub struct StageContext {
     /// The model's configuration.
-    #[module(skip)]
     pub config: GptConfig,
-    /// Embedding dropout (first stage).
-    #[module(skip)]
-    pub drop: Option<SeededDropout>,
-    /// The data-parallel stream of the dropout masks.
-    #[module(skip)]
-    pub dropout_stream: u64,
     /// The tensor-parallel context the stage's layers were split under (single without
     /// tensor parallelism).
-    #[module(skip)]
     pub tp: TpContext,
-    /// Recompute each block in the backward ([`Recompute::Blocks`]); its parameter gradients
-    /// reach the runtime through `store`.
-    #[module(skip)]
-    pub checkpoint_blocks: bool,
-    /// The weight gradients of the linear layers are deferred to the schedule's `W` steps
-    /// (zero-bubble schedules, [`GptStage::with_deferred_weights`]).
-    #[module(skip)]
-    pub defer_weights: bool,
-    /// Where recomputed blocks leave their parameter gradients and deferred linears their
-    /// `(X, dY)`.
-    #[module(skip)]
-    pub store: WeightGradStore,
     /// Where the stage's tensors live.
-    #[module(skip)]
     pub device: Device,
+    /// The data-parallel stream of the dropout masks ([`Gpt::with_dropout_stream`]).
+    pub stream: u64,
 }
 
-impl GptStage {
-    /// Builds stage `index` of `num_stages` holding blocks `layers`, from `init`: the
-    /// single-device seed and device, and for tensor parallelism the GPT's plan
-    /// (`init.with_tp(group, Gpt::tp_plan(..))`; its rules for the embedding and the head
-    /// match only on the first and last stage).
-    ///
-    /// # Errors
-    /// [`GptPipelineError::Config`] for an invalid model or tied embeddings over several
-    /// stages; [`GptPipelineError::Build`] when a layer cannot be built.
-    ///
-    /// # Example
-    /// ```
-    /// use burn::tensor::Device;
-    /// use burn_parallel::init::Init;
-    /// use examples::gpt::GptConfig;
-    /// use examples::pipeline::GptStage;
-    ///
-    /// let config = GptConfig::new(256, 4, 2, 16, 16);
-    /// let init = Init::new(config.seed, &Device::flex());
-    /// let last = GptStage::build(&config, &init, 1, 2, 2..4).unwrap();
-    /// assert!(last.wte.is_none() && last.lm_head.is_some());
-    /// assert_eq!(last.blocks.len(), 2);
-    /// ```
-    pub fn build(
-        config: &GptConfig,
-        init: &Init,
-        index: usize,
-        num_stages: usize,
-        layers: Range<usize>,
-    ) -> Result<Self, GptPipelineError> {
-        config
-            .validate()
-            .map_err(|e| GptPipelineError::Config(format!("invalid GptConfig: {e}")))?;
-        if config.moe.is_some() {
-            return Err(GptPipelineError::Config(
-                "a GPT-MoE (model.moe, --moe-experts) is not supported with pipeline \
-                 parallelism yet; use data and expert parallelism (--ep) without --pp"
-                    .into(),
-            ));
+impl StageContext {
+    /// The pass over `batch`'s sequences (rotary tables, this rank's tokens, dropout stream),
+    /// as [`Gpt`]'s forward makes it.
+    fn pass(&self, batch: &Batch) -> Pass {
+        let s = batch.seq_len;
+        Pass {
+            stream: self.stream,
+            ..Pass::new(s, self.config.rope(s, 0, &self.device), &self.tp)
         }
-        let build = |e: &dyn std::fmt::Display| GptPipelineError::Build {
-            stage: index,
-            reason: e.to_string(),
+    }
+}
+
+/// The first stage's embedding: token table, learned positions, dropout.
+#[derive(Module, Debug)]
+pub struct GptInput {
+    /// Token embedding.
+    pub wte: Embedding,
+    /// Learned positions (learned positions only).
+    pub wpe: Option<burn::nn::Embedding>,
+    /// Embedding dropout.
+    #[module(skip)]
+    pub drop: Option<SeededDropout>,
+    /// The stage's context.
+    #[module(skip)]
+    pub ctx: StageContext,
+}
+
+impl InputLayer<Batch> for GptInput {
+    fn forward(&self, batch: &Batch) -> Result<Tensor<3>, StageError> {
+        let (tokens, _) = batch.to_tensors(&self.ctx.device);
+        Embeddings {
+            wte: &self.wte,
+            wpe: self.wpe.as_ref(),
+            drop: self.drop.as_ref(),
+            tp: &self.ctx.tp,
+            config: &self.ctx.config,
+        }
+        .forward(tokens, 0, &self.ctx.pass(batch))
+        .map_err(StageError::new)
+    }
+}
+
+/// One transformer block of a stage.
+#[derive(Module, Debug)]
+pub struct GptLayer {
+    /// The block.
+    pub block: Block,
+    /// The stage's context.
+    #[module(skip)]
+    pub ctx: StageContext,
+}
+
+impl Layer<Batch> for GptLayer {
+    fn forward(&self, x: Tensor<3>, batch: &Batch) -> Result<Tensor<3>, StageError> {
+        self.block
+            .forward(x, &self.ctx.pass(batch))
+            .map_err(StageError::new)
+    }
+}
+
+/// The last stage's final norm, head and loss.
+#[derive(Module, Debug)]
+pub struct GptOutput {
+    /// Final norm.
+    pub ln_f: Norm,
+    /// Output projection (untied embeddings).
+    pub lm_head: Option<Linear>,
+    /// The last stage's copy of the token table, the head of tied embeddings: the trainer
+    /// sums its gradient with the first stage's ([`tied_weight`]).
+    pub wte: Option<Embedding>,
+    /// The stage's context.
+    #[module(skip)]
+    pub ctx: StageContext,
+}
+
+impl burn_pipeline::sequential::OutputLayer<Batch> for GptOutput {
+    fn loss(&self, x: Tensor<3>, batch: &Batch) -> Result<Tensor<1>, StageError> {
+        let x = if self.ctx.config.fused {
+            self.ln_f.forward_fused(x)
+        } else {
+            self.ln_f.forward(x)
         };
-        let (d, v) = (config.d_model, config.vocab_size);
-        let first = index == 0;
-        let last = index + 1 == num_stages;
-        let blocks = layers
-            .clone()
-            .map(|i| Block::new(&config.block(), &init.at("blocks").at(i)).map_err(|e| build(&e)))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self {
-            // Tied embeddings: the last stage holds its own copy of the token table for the
-            // head; the trainer sums the two copies' gradients (`tied_weight`).
-            wte: if first || (last && config.tied_embeddings) {
-                Some(
-                    init.embedding("wte", v, d, INIT_STD)
-                        .map_err(|e| build(&e))?,
-                )
-            } else {
-                None
-            },
-            wpe: match (first, config.positions) {
-                (true, PositionKind::Learned) => Some(burn::nn::Embedding {
+        let (_, targets) = batch.to_tensors(&self.ctx.device);
+        let (output, logits) = match (&self.lm_head, &self.wte) {
+            (Some(head), _) => (OutputLayer::Head(head), head.forward(x)),
+            (None, Some(wte)) => (OutputLayer::Tied(wte), wte.attend(x, &self.ctx.tp)),
+            (None, None) => return Err(StageError::new("the last stage has no output layer")),
+        };
+        let logits = logits.map_err(StageError::new)?;
+        output
+            .loss(self.ctx.config.fused, logits, targets)
+            .map_err(StageError::new)
+    }
+}
+
+/// Builds stage `index` of `num_stages` holding blocks `layers`, from `init`: the
+/// single-device seed and device, and for tensor parallelism the GPT's plan
+/// (`init.with_tp(group, Gpt::tp_plan(..))`; its rules for the embedding and the head match
+/// only on the first and last stage); dropout masks of data-parallel stream `stream`.
+///
+/// # Errors
+/// [`GptPipelineError::Config`] for an invalid model or a GPT-MoE;
+/// [`GptPipelineError::Build`] when a layer cannot be built.
+///
+/// # Example
+/// ```
+/// use burn::tensor::Device;
+/// use burn_parallel::init::Init;
+/// use examples::gpt::GptConfig;
+/// use examples::pipeline::build_stage;
+///
+/// let config = GptConfig::new(256, 4, 2, 16, 16);
+/// let init = Init::new(config.seed, &Device::flex());
+/// let last = build_stage(&config, &init, 1, 2, 2..4, 0).unwrap();
+/// assert!(last.input.is_none() && last.output.is_some());
+/// assert_eq!(last.layers.len(), 2);
+/// ```
+pub fn build_stage(
+    config: &GptConfig,
+    init: &Init,
+    index: usize,
+    num_stages: usize,
+    layers: Range<usize>,
+    stream: u64,
+) -> Result<GptStage, GptPipelineError> {
+    config
+        .validate()
+        .map_err(|e| GptPipelineError::Config(format!("invalid GptConfig: {e}")))?;
+    if config.moe.is_some() {
+        return Err(GptPipelineError::Config(
+            "a GPT-MoE (model.moe, --moe-experts) is not supported with pipeline \
+             parallelism yet; use data and expert parallelism (--ep) without --pp"
+                .into(),
+        ));
+    }
+    if num_stages < 2 {
+        return Err(GptPipelineError::Config(format!(
+            "a pipeline of {num_stages} stage(s): split the model into 2 stages or more, or \
+             train it without pipeline parallelism"
+        )));
+    }
+    let build = |e: &dyn std::fmt::Display| GptPipelineError::Build {
+        stage: index,
+        reason: e.to_string(),
+    };
+    let (d, v) = (config.d_model, config.vocab_size);
+    let ctx = StageContext {
+        config: config.clone(),
+        tp: init.context(),
+        device: init.device().clone(),
+        stream,
+    };
+    let wte = || init.embedding("wte", v, d, INIT_STD).map_err(|e| build(&e));
+    let input = || {
+        Ok(GptInput {
+            wte: wte()?,
+            wpe: match config.positions {
+                PositionKind::Learned => Some(burn::nn::Embedding {
                     weight: init
                         .at("wpe")
                         .normal("weight", [config.max_seq_len, d], INIT_STD),
                 }),
-                _ => None,
+                PositionKind::Rotary => None,
             },
-            blocks,
-            ln_f: last.then(|| Norm::new(config.norm, d, config.norm_eps, &init.at("ln_f"))),
-            lm_head: if last && !config.tied_embeddings {
-                Some(
+            drop: (config.dropout > 0.0)
+                .then(|| SeededDropout::new(config.dropout, init.seed(), &init.path("drop"))),
+            ctx: ctx.clone(),
+        })
+    };
+    let layer = |i: usize| {
+        Ok(GptLayer {
+            block: Block::new(&config.block(), &init.at("blocks").at(i)).map_err(|e| build(&e))?,
+            ctx: ctx.clone(),
+        })
+    };
+    let output = || {
+        Ok(GptOutput {
+            ln_f: Norm::new(config.norm, d, config.norm_eps, &init.at("ln_f")),
+            lm_head: match config.tied_embeddings {
+                true => None,
+                false => Some(
                     init.linear(
                         "lm_head",
                         LinearInit::new(d, v)
@@ -496,167 +569,75 @@ impl GptStage {
                             .with_std(INIT_STD),
                     )
                     .map_err(|e| build(&e))?,
-                )
-            } else {
-                None
+                ),
             },
-            index,
-            num_stages,
-            first_layer: layers.start,
-            config: config.clone(),
-            drop: (first && config.dropout > 0.0)
-                .then(|| SeededDropout::new(config.dropout, init.seed(), &init.path("drop"))),
-            dropout_stream: 0,
-            tp: init.context(),
-            checkpoint_blocks: false,
-            defer_weights: false,
-            store: WeightGradStore::new(),
-            device: init.device().clone(),
+            // Tied embeddings: the last stage holds its own copy of the token table for the
+            // head.
+            wte: match config.tied_embeddings {
+                true => Some(wte()?),
+                false => None,
+            },
+            ctx: ctx.clone(),
         })
-    }
-
-    /// Recomputes each block in the backward instead of keeping its activations
-    /// ([`Recompute::Blocks`]).
-    pub fn with_checkpointed_blocks(self, on: bool) -> Self {
-        Self {
-            checkpoint_blocks: on,
-            ..self
-        }
-    }
-
-    /// Defers the weight gradients of every linear layer (attention, MLP, head) to the
-    /// schedule's `W` steps: `I` computes only the input gradient (and the small parameters'),
-    /// which is what makes ZB-H1 and ZBV zero-bubble. Harmless under schedules without `W`
-    /// (a full `B` computes the deferred gradients at once).
-    pub fn with_deferred_weights(self, on: bool) -> Self {
-        let sink: Option<Arc<dyn WeightGradSink>> =
-            on.then(|| Arc::new(self.store.clone()) as Arc<dyn WeightGradSink>);
-        Self {
-            blocks: self
-                .blocks
-                .into_iter()
-                .map(|b| b.with_deferred_weights(sink.clone()))
-                .collect(),
-            lm_head: self.lm_head.map(|h| h.with_deferred_weight(sink.clone())),
-            defer_weights: on,
-            ..self
-        }
-    }
-
-    /// Separates the dropout masks of data-parallel replicas (as
-    /// [`Gpt::with_dropout_stream`]).
-    pub fn with_dropout_stream(self, stream: u64) -> Self {
-        Self {
-            dropout_stream: stream,
-            ..self
-        }
-    }
-
-    /// This stage's parameters, whole (tensor-parallel shards gathered), at the single-device
-    /// model's paths (`blocks.{global index}`). A collective over the tensor-parallel group.
-    ///
-    /// # Errors
-    /// Collective errors of the gather.
-    pub fn named_params(&self) -> Result<Vec<NamedParam>, CollectiveError> {
-        Ok(self
-            .tp
-            .full_params(self)?
-            .into_iter()
-            .map(|(mut path, data)| {
-                if let Some(rest) = path.strip_prefix("blocks.") {
-                    let (local, tail) = rest.split_once('.').unwrap_or((rest, ""));
-                    let global = local.parse::<usize>().expect("a block index") + self.first_layer;
-                    path = format!("blocks.{global}.{tail}");
-                }
-                NamedParam {
-                    path,
-                    shape: data.shape().to_vec(),
-                    values: data
-                        .convert::<f32>()
-                        .try_to_vec::<f32>()
-                        .expect("a float parameter reads as f32"),
-                }
-            })
-            .collect())
-    }
-
-    /// The id of this stage's copy of the token table when the model ties it to the head and
-    /// the first and last stages are different modules: its gradient must be summed with the
-    /// other copy's before either steps.
-    pub fn tied_weight(&self) -> Option<ParamId> {
-        let ends = self.index == 0 || self.index + 1 == self.num_stages;
-        (self.config.tied_embeddings && self.num_stages > 1 && ends)
-            .then(|| self.wte.as_ref().map(|w| w.weight.id))
-            .flatten()
-    }
-
-    fn embed(&self, wte: &Embedding, batch: &Batch, pass: &Pass) -> Result<Tensor<3>, StageError> {
-        let (tokens, _) = batch.to_tensors(&self.device);
-        Embeddings {
-            wte,
-            wpe: self.wpe.as_ref(),
-            drop: self.drop.as_ref(),
-            tp: &self.tp,
-            config: &self.config,
-        }
-        .forward(tokens, 0, pass)
-        .map_err(StageError::new)
-    }
+    };
+    Sequential::build(index, num_stages, layers, input, layer, output)
 }
 
-impl Stage<Batch> for GptStage {
-    fn forward(&self, input: Boundary, batch: &Batch) -> Result<StageOutput, StageError> {
-        let s = batch.seq_len;
-        let pass = Pass {
-            stream: self.dropout_stream,
-            ..Pass::new(s, self.config.rope(s, 0, &self.device), &self.tp)
-        };
-        let mut x = match (&self.wte, self.index) {
-            (Some(wte), 0) => self.embed(wte, batch, &pass)?,
-            _ => input.get::<3>(0)?,
-        };
-        for (i, block) in self.blocks.iter().enumerate() {
-            x = if self.checkpoint_blocks {
-                let pass = pass.clone();
-                let layer = self.first_layer + i;
-                checkpoint(block, x, &self.store, move |block: &Block, x| {
-                    block
-                        .forward(x, &pass)
-                        .unwrap_or_else(|e| panic!("block {layer}: {e}"))
-                })
-            } else {
-                block.forward(x, &pass).map_err(StageError::new)?
-            };
-        }
-        let Some(ln_f) = &self.ln_f else {
-            return Ok(StageOutput::Boundary(Boundary::new().with(x)));
-        };
-        let x = if self.config.fused {
-            ln_f.forward_fused(x)
-        } else {
-            ln_f.forward(x)
-        };
-        let (_, targets) = batch.to_tensors(&self.device);
-        let logits = match (&self.lm_head, &self.wte) {
-            (Some(head), _) => head.forward(x),
-            (None, Some(wte)) => wte.attend(x, &self.tp),
-            (None, None) => return Err(StageError::new("the last stage has no output layer")),
-        };
-        let logits = logits.map_err(StageError::new)?;
-        let output = match (&self.lm_head, &self.wte) {
-            (Some(head), _) => OutputLayer::Head(head),
-            (None, Some(wte)) => OutputLayer::Tied(wte),
-            (None, None) => unreachable!("checked above"),
-        };
-        let loss = output
-            .loss(self.config.fused, logits, targets)
-            .map_err(StageError::new)?;
-        Ok(StageOutput::Loss(loss))
-    }
+/// `stage` with the weight gradients of every linear layer (attention, MLP, head) deferred to
+/// the schedule's `W` steps: `I` computes only the input gradient (and the small
+/// parameters'), which is what makes ZB-H1 and ZBV zero-bubble. Harmless under schedules
+/// without `W` (a full `B` computes the deferred gradients at once).
+pub fn with_deferred_weights(stage: GptStage, on: bool) -> GptStage {
+    let sink = on.then(|| stage.weight_sink());
+    let mut stage = stage.with_deferred_weights(on);
+    stage.layers = std::mem::take(&mut stage.layers)
+        .into_iter()
+        .map(|l| GptLayer {
+            block: l.block.with_deferred_weights(sink.clone()),
+            ctx: l.ctx,
+        })
+        .collect();
+    stage.output = stage.output.take().map(|o| GptOutput {
+        lm_head: o.lm_head.map(|h| h.with_deferred_weight(sink.clone())),
+        ..o
+    });
+    stage
+}
 
-    fn deferred_weights(&self) -> Option<&WeightGradStore> {
-        (self.checkpoint_blocks || self.defer_weights).then_some(&self.store)
-    }
+/// `stage`'s parameters, whole (tensor-parallel shards gathered), at the single-device model's
+/// paths ([`model_names`]). A collective over the tensor-parallel group of `tp`.
+///
+/// # Errors
+/// Collective errors of the gather.
+pub fn stage_params(stage: &GptStage, tp: &TpContext) -> Result<Vec<NamedParam>, CollectiveError> {
+    let name = model_names(stage.first_layer);
+    Ok(tp
+        .full_params(stage)?
+        .into_iter()
+        .map(|(path, data)| NamedParam {
+            path: name(&path),
+            shape: data.shape().to_vec(),
+            values: data
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .expect("a float parameter reads as f32"),
+        })
+        .collect())
+}
+
+/// The id of `stage`'s copy of the token table when the model ties it to the head: the first
+/// stage's input table and the last stage's copy in its output, whose gradients must be summed
+/// before either steps.
+pub fn tied_weight(stage: &GptStage) -> Option<ParamId> {
+    let first = stage
+        .input
+        .as_ref()
+        .filter(|i| i.ctx.config.tied_embeddings)
+        .map(|i| i.wte.weight.id);
+    first.or_else(|| {
+        let output = stage.output.as_ref()?;
+        output.wte.as_ref().map(|w| w.weight.id)
+    })
 }
 
 /// What a pipelined run reports besides [`TrainReport`]: the last step's per-rank timeline.
@@ -787,14 +768,21 @@ pub fn train_gpt_pipeline_checkpointed(
         .iter()
         .flatten()
         .any(|a| a.kind() == ActionKind::BackwardWeight);
+    let stream = dp.rank() as u64;
     let mut stages: BTreeMap<usize, GptStage> = BTreeMap::new();
     for s in executor.local_stages() {
-        let stage = GptStage::build(&config.model, &init, s, num_stages, split[s].clone())?
-            .with_dropout_stream(dp.rank() as u64)
-            .with_checkpointed_blocks(pipeline.recompute == Recompute::Blocks)
-            .with_deferred_weights(splits_backward);
-        stages.insert(s, stage);
+        let stage = build_stage(
+            &config.model,
+            &init,
+            s,
+            num_stages,
+            split[s].clone(),
+            stream,
+        )?
+        .with_checkpointed_layers(pipeline.recompute == Recompute::Blocks);
+        stages.insert(s, with_deferred_weights(stage, splits_backward));
     }
+    let tp_ctx = init.context();
     let adamw = AdamWConfig::new().with_weight_decay(config.weight_decay as f32);
     let mut optims: BTreeMap<usize, StageOptimizer<AdamW>> = BTreeMap::new();
     for (&s, stage) in &stages {
@@ -811,7 +799,7 @@ pub fn train_gpt_pipeline_checkpointed(
                             stage: s,
                             reason: e.to_string(),
                         })?
-                        .with_tensor_parallel(&stage.tp)
+                        .with_tensor_parallel(&tp_ctx)
                         .with_logical_names(model_names(stage.first_layer));
                 StageOptimizer::Zero(Box::new(zero))
             }
@@ -837,6 +825,7 @@ pub fn train_gpt_pipeline_checkpointed(
         world,
         dp: &dp,
         tp: &tp,
+        tp_ctx: &tp_ctx,
         both_ends: stages.contains_key(&0) && stages.contains_key(&(num_stages - 1)),
     };
     let mut first_step = 0;
@@ -865,8 +854,7 @@ pub fn train_gpt_pipeline_checkpointed(
                     }
                 }
                 Some(StageOptimizer::Zero(zero)) => {
-                    let stage = &stages[&s];
-                    zero.load_checkpoint_state(&checkpoint, &stage.tp, &scalars)
+                    zero.load_checkpoint_state(&checkpoint, &tp_ctx, &scalars)
                         .map_err(|e| fail(&e))?;
                 }
                 None => {}
@@ -901,7 +889,7 @@ pub fn train_gpt_pipeline_checkpointed(
 
     let mut updater = StageUpdater::new(&executor, optims, reduce)?.with_clip(config.max_grad_norm);
     for (&s, stage) in &stages {
-        if let Some(id) = stage.tied_weight() {
+        if let Some(id) = tied_weight(stage) {
             updater = updater.with_tied(s, id)?;
         }
     }
@@ -984,7 +972,7 @@ pub fn train_gpt_pipeline_checkpointed(
     let held_params = stages.values().map(Module::num_params).sum();
     let mut mine: Vec<NamedParam> = Vec::new();
     for stage in stages.values() {
-        mine.extend(stage.named_params()?);
+        mine.extend(stage_params(stage, &tp_ctx)?);
     }
     let mut all: Vec<NamedParam> = pp.all_gather_object(&mine)?.into_iter().flatten().collect();
     all.sort_by(|a, b| a.path.cmp(&b.path));
@@ -1042,29 +1030,38 @@ pub fn train_gpt_pipeline_checkpointed(
 fn stage_dropouts(stages: &BTreeMap<usize, GptStage>) -> Vec<(String, SeededDropout)> {
     let mut out = Vec::new();
     for stage in stages.values() {
-        if let Some(drop) = &stage.drop {
+        if let Some(drop) = stage.input.as_ref().and_then(|i| i.drop.as_ref()) {
             out.push(("drop".to_string(), drop.clone()));
         }
-        for (i, block) in stage.blocks.iter().enumerate() {
+        for (i, layer) in stage.layers.iter().enumerate() {
             let name = format!("blocks.{}", stage.first_layer + i);
-            train_checkpoint::block_dropouts(&name, block, &mut out);
+            train_checkpoint::block_dropouts(&name, &layer.block, &mut out);
         }
     }
     out
 }
 
-/// The whole model's name of a parameter path of a stage whose first block is model block
-/// `first_layer`: its local block `i` is block `first_layer + i`; other paths are unchanged.
-fn model_names(first_layer: usize) -> impl Fn(&str) -> String + Send + Sync + Clone + 'static {
-    move |name| match name.strip_prefix("blocks.") {
-        Some(rest) => {
-            let (local, tail) = rest.split_once('.').unwrap_or((rest, ""));
-            match local.parse::<usize>() {
-                Ok(i) => format!("blocks.{}.{tail}", first_layer + i),
-                Err(_) => name.to_string(),
-            }
+/// The single-device model's name of a parameter path of a stage whose first block is model
+/// block `first_layer`: `input.*` and `output.*` lose their prefix (`input.wte.weight` and a
+/// tied head's `output.wte.weight` are both `wte.weight`), local layer `i`'s
+/// `layers.{i}.block.*` is `blocks.{first_layer + i}.*`.
+pub fn model_names(first_layer: usize) -> impl Fn(&str) -> String + Send + Sync + Clone + 'static {
+    move |name| {
+        if let Some(rest) = name.strip_prefix("input.") {
+            return rest.to_string();
         }
-        None => name.to_string(),
+        if let Some(rest) = name.strip_prefix("output.") {
+            return rest.to_string();
+        }
+        let Some(rest) = name.strip_prefix("layers.") else {
+            return name.to_string();
+        };
+        let (local, tail) = rest.split_once('.').unwrap_or((rest, ""));
+        match (local.parse::<usize>(), tail.strip_prefix("block.")) {
+            (Ok(i), Some(tail)) => format!("blocks.{}.{tail}", first_layer + i),
+            (Ok(i), None) if tail == "block" => format!("blocks.{}", first_layer + i),
+            _ => name.to_string(),
+        }
     }
 }
 
@@ -1074,6 +1071,8 @@ struct StageCheckpoints<'a> {
     /// The stage's replicas.
     dp: &'a ProcessGroup,
     tp: &'a ProcessGroup,
+    /// The stages' tensor-parallel context.
+    tp_ctx: &'a TpContext,
     /// This rank holds both the first and the last stage (ZBV's V order).
     both_ends: bool,
 }
@@ -1084,14 +1083,14 @@ impl StageCheckpoints<'_> {
     /// token table tied to the head, the two end stages' replicas together).
     fn map(&self, stage: &GptStage) -> Result<ParamMap, GptPipelineError> {
         let (dp, tp) = (self.dp, self.tp);
-        let tied = stage.tied_weight();
+        let tied = tied_weight(stage);
         // Both copies of a tied table on one rank: the first stage's is written.
         let pair = match self.both_ends {
             true => (1, 0),
-            false => (2, usize::from(stage.index != 0)),
+            false => (2, usize::from(stage.input.is_none())),
         };
         let first_layer = stage.first_layer;
-        let map = ParamMap::new(stage, &stage.tp, None)
+        let map = ParamMap::new(stage, self.tp_ctx, None)
             .map_err(|e| GptPipelineError::Checkpoint(e.to_string()))?
             .with_replicas(|p| {
                 let (copies, index) = match p.kind {
@@ -1147,7 +1146,7 @@ impl StageCheckpoints<'_> {
         for (s, stage) in stages {
             let map = self.map(stage)?;
             let mut mine = map.param_pieces(stage).map_err(|e| fail(&e))?;
-            let tied = stage.tied_weight().is_some() && *s != 0;
+            let tied = tied_weight(stage).is_some() && *s != 0;
             // `sharded`: ZeRO's state, whose writing the map's replicas do not share.
             let (mut state, more, sharded) = match updater.optimizers().get(s) {
                 Some(StageOptimizer::Module(optim)) => {
@@ -1159,7 +1158,7 @@ impl StageCheckpoints<'_> {
                 Some(StageOptimizer::Zero(zero)) => {
                     // Each of the stage's shard ranks writes its own range.
                     let (state, more) = zero
-                        .checkpoint_state(&stage.tp, (1, 0))
+                        .checkpoint_state(self.tp_ctx, (1, 0))
                         .map_err(|e| fail(&e))?;
                     let more = serde_json::to_value(more).expect("scalars serialise");
                     (state, more, true)

@@ -614,7 +614,7 @@ fn gpt_moe_build_errors_name_the_problem() {
 fn gpt_moe_pipeline_stage_is_refused() {
     let config = moe_run().model;
     let init = Init::new(config.seed, &Device::flex());
-    let err = examples::pipeline::GptStage::build(&config, &init, 0, 2, 0..1)
+    let err = examples::pipeline::build_stage(&config, &init, 0, 2, 0..1, 0)
         .expect_err("a GPT-MoE stage must not build as a dense one");
     assert!(err.to_string().contains("pipeline"), "{err}");
 }

@@ -16,8 +16,8 @@ use burn_pipeline::partition::PartitionError;
 use examples::data::Corpus;
 use examples::gpt::Gpt;
 use examples::pipeline::{
-    GptPipelineError, GptStage, PipelineConfig, Recompute, StageSplit, measure_layer_times,
-    split_blocks, train_gpt_pipeline,
+    GptPipelineError, PipelineConfig, Recompute, StageSplit, build_stage, measure_layer_times,
+    split_blocks, stage_params, train_gpt_pipeline, with_deferred_weights,
 };
 use examples::train::{TrainConfig, TrainReport, named_params};
 use tests::{
@@ -363,9 +363,7 @@ fn zero_bubble_schedules_defer_the_gpt_weight_gradients() {
     let config = config().model;
     let device = Device::flex().autodiff();
     let init = Init::new(config.seed, &device);
-    let stage = GptStage::build(&config, &init, 1, 2, 4..8)
-        .unwrap()
-        .with_deferred_weights(true);
+    let stage = with_deferred_weights(build_stage(&config, &init, 1, 2, 4..8, 0).unwrap(), true);
     let store = stage.deferred_weights().unwrap().clone();
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let batch = corpus.batch_rows(0, 0..2, 16, examples::data::Split::Train);
@@ -383,10 +381,11 @@ fn zero_bubble_schedules_defer_the_gpt_weight_gradients() {
         "the input gradient comes at once"
     );
     let now = burn::optim::GradientsParams::from_grads(grads, &stage);
-    let head = stage.lm_head.as_ref().unwrap();
-    let q = &stage.blocks[0].attn.q;
+    let head = stage.output.as_ref().unwrap().lm_head.as_ref().unwrap();
+    let block = &stage.layers[0].block;
+    let q = &block.attn.q;
     assert!(now.get::<2>(q.weight.id).is_none() && now.get::<2>(head.weight.id).is_none());
-    assert!(now.get::<1>(stage.blocks[0].ln_1.weight.id).is_some());
+    assert!(now.get::<1>(block.ln_1.weight.id).is_some());
     // 4 blocks x (q, k, v, o, up, down) + the head.
     assert_eq!(store.pending(0), 4 * 6 + 1);
     let later = store.take(0, &stage);
@@ -404,8 +403,8 @@ fn stages_hold_their_single_device_parameters_and_nothing_else() {
     assert_eq!(split, vec![0..3, 3..6, 6..8]);
     let mut seen = 0;
     for (s, layers) in split.into_iter().enumerate() {
-        let stage = GptStage::build(&config, &init, s, 3, layers.clone()).unwrap();
-        let params = stage.named_params().unwrap();
+        let stage = build_stage(&config, &init, s, 3, layers.clone(), 0).unwrap();
+        let params = stage_params(&stage, &init.context()).unwrap();
         for p in &params {
             let (shape, values) = &whole[&p.path];
             assert_eq!((&p.shape, &p.values), (shape, values), "{}", p.path);

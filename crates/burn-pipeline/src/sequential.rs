@@ -113,7 +113,12 @@ pub struct Sequential<I: Module, L: Module, O: Module> {
     /// Recompute every layer in the backward.
     #[module(skip)]
     pub checkpoint_layers: bool,
-    /// Where recomputed layers leave their parameter gradients.
+    /// The layers' linears defer their weight gradients to the schedule's `W` steps
+    /// ([`Self::with_deferred_weights`]).
+    #[module(skip)]
+    pub defer_weights: bool,
+    /// Where recomputed layers leave their parameter gradients, and deferring linears their
+    /// `(X, dY)` pairs.
     #[module(skip)]
     pub store: WeightGradStore,
 }
@@ -144,8 +149,24 @@ impl<I: Module, L: Module, O: Module> Sequential<I, L, O> {
             },
             first_layer,
             checkpoint_layers: false,
+            defer_weights: false,
             store: WeightGradStore::new(),
         })
+    }
+
+    /// Tells the runtime that this stage's layers defer the weight gradients of their linears
+    /// to the schedule's `W` steps (zero-bubble schedules): build them with
+    /// [`Self::weight_sink`] as their sink (`burn_parallel::nn::Linear::with_deferred_weight`)
+    /// and set this, so that a backward computes only the input gradients and `W` the rest.
+    pub fn with_deferred_weights(mut self, on: bool) -> Self {
+        self.defer_weights = on;
+        self
+    }
+
+    /// The sink the layers' linears give their `(X, dY)` pairs to when they defer their
+    /// weight gradients: this stage's store ([`Self::with_deferred_weights`]).
+    pub fn weight_sink(&self) -> std::sync::Arc<dyn burn_parallel::autograd::WeightGradSink> {
+        std::sync::Arc::new(self.store.clone())
     }
 
     /// Recomputes every layer in the backward instead of keeping its activations (each layer
@@ -201,6 +222,6 @@ where
     }
 
     fn deferred_weights(&self) -> Option<&WeightGradStore> {
-        self.checkpoint_layers.then_some(&self.store)
+        (self.checkpoint_layers || self.defer_weights).then_some(&self.store)
     }
 }
