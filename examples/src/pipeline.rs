@@ -30,6 +30,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use burn::module::{Module, ParamId};
@@ -379,6 +380,9 @@ pub struct StageContext {
     pub device: Device,
     /// The data-parallel stream of the dropout masks ([`Gpt::with_dropout_stream`]).
     pub stream: u64,
+    /// The passes made so far, by sequence length: the stage's parts share one (its rotary
+    /// tables are computed once per length, not once per layer).
+    passes: Arc<Mutex<HashMap<usize, Pass>>>,
 }
 
 impl StageContext {
@@ -386,10 +390,14 @@ impl StageContext {
     /// as [`Gpt`]'s forward makes it.
     fn pass(&self, batch: &Batch) -> Pass {
         let s = batch.seq_len;
-        Pass {
-            stream: self.stream,
-            ..Pass::new(s, self.config.rope(s, 0, &self.device), &self.tp)
-        }
+        let mut passes = self.passes.lock().unwrap_or_else(|e| e.into_inner());
+        passes
+            .entry(s)
+            .or_insert_with(|| Pass {
+                stream: self.stream,
+                ..Pass::new(s, self.config.rope(s, 0, &self.device), &self.tp)
+            })
+            .clone()
     }
 }
 
@@ -532,6 +540,7 @@ pub fn build_stage(
         tp: init.context(),
         device: init.device().clone(),
         stream,
+        passes: Arc::default(),
     };
     let wte = || init.embedding("wte", v, d, INIT_STD).map_err(|e| build(&e));
     let input = || {
