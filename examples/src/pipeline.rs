@@ -58,7 +58,7 @@ use crate::train::{
     NamedParam, Precision, StepStats, TrainConfig, TrainDevice, TrainReport, named_params,
 };
 use crate::train_checkpoint::{self, CheckpointOptions};
-use burn_parallel::checkpoint::{Checkpointer, ParamKind, ParamMap, Piece, merged_scalars};
+use burn_parallel::checkpoint::Checkpointer;
 
 /// Errors of the pipelined GPT: its configuration, its build, its run.
 #[derive(Debug, thiserror::Error)]
@@ -829,14 +829,15 @@ pub fn train_gpt_pipeline_checkpointed(
                 .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize),
         );
     }
+    let mut updater = StageUpdater::new(&executor, optims, reduce)?.with_clip(config.max_grad_norm);
+    for (&s, stage) in &stages {
+        if let Some(id) = tied_weight(stage) {
+            updater = updater.with_tied(s, id)?;
+        }
+    }
+
     // ---- checkpoints: each stage's share of the whole model, under the model's names ----
-    let ckpt = StageCheckpoints {
-        world,
-        dp: &dp,
-        tp: &tp,
-        tp_ctx: &tp_ctx,
-        both_ends: stages.contains_key(&0) && stages.contains_key(&(num_stages - 1)),
-    };
+    let names = |stage: &GptStage, path: &str| model_names(stage.first_layer)(path);
     let mut first_step = 0;
     let mut losses = Vec::with_capacity(config.steps);
     let mut skipped = 0;
@@ -844,36 +845,14 @@ pub fn train_gpt_pipeline_checkpointed(
         let fail = |e: &dyn std::fmt::Display| GptPipelineError::Checkpoint(e.to_string());
         let checkpoint = train_checkpoint::open_resume(path).map_err(|e| fail(&e))?;
         let state = train_checkpoint::resume_state(&checkpoint, config).map_err(|e| fail(&e))?;
-        let maps = ckpt.load_maps(&stages)?;
-        let scalars = merged_scalars(&checkpoint, train_checkpoint::OPTIM_SCALARS);
-        for (s, map) in maps {
-            let stage = stages.remove(&s).expect("a map per local stage");
-            stages.insert(
-                s,
-                map.load_params(stage, &checkpoint).map_err(|e| fail(&e))?,
-            );
-            match optims.get_mut(&s) {
-                Some(StageOptimizer::Module(optim)) => {
-                    let record = map
-                        .load_optimizer(&checkpoint, &scalars)
-                        .map_err(|e| fail(&e))?;
-                    if let Some(record) = record {
-                        let empty = std::mem::replace(optim, adamw.init());
-                        *optim = empty.load_record(record);
-                    }
-                }
-                Some(StageOptimizer::Zero(zero)) => {
-                    zero.load_checkpoint_state(&checkpoint, &tp_ctx, &scalars)
-                        .map_err(|e| fail(&e))?;
-                }
-                None => {}
-            }
-        }
+        updater
+            .load(&checkpoint, &mut stages, &names)
+            .map_err(|e| fail(&e))?;
         train_checkpoint::restore_dropout(&checkpoint, &stage_dropouts(&stages))
             .map_err(|e| fail(&e))?;
-        if let Some(saved) =
-            train_checkpoint::saved_loss_scaler(&checkpoint).map_err(|e| fail(&e))?
-            && reduce.restore_loss_scaler(&saved).map_err(|e| fail(&e))?
+        if config.loss_scaler().is_some()
+            && let Some(saved) =
+                train_checkpoint::saved_loss_scaler(&checkpoint).map_err(|e| fail(&e))?
         {
             skipped = saved.skipped;
         }
@@ -882,10 +861,9 @@ pub fn train_gpt_pipeline_checkpointed(
     } else if let Some(dir) = &checkpoints.init_from_hf {
         let fail = |e: &dyn std::fmt::Display| GptPipelineError::Checkpoint(e.to_string());
         let tensors = crate::hf::gpt_tensors_for(dir, &config.model).map_err(|e| fail(&e))?;
-        for (s, map) in ckpt.load_maps(&stages)? {
-            let stage = stages.remove(&s).expect("a map per local stage");
-            stages.insert(s, map.load_params(stage, &tensors).map_err(|e| fail(&e))?);
-        }
+        updater
+            .load_params(&tensors, &mut stages, &names)
+            .map_err(|e| fail(&e))?;
     }
     let mut saver = match (&checkpoints.dir, checkpoints.save_every) {
         (Some(dir), every) if every > 0 => Some(
@@ -895,13 +873,6 @@ pub fn train_gpt_pipeline_checkpointed(
         ),
         _ => None,
     };
-
-    let mut updater = StageUpdater::new(&executor, optims, reduce)?.with_clip(config.max_grad_norm);
-    for (&s, stage) in &stages {
-        if let Some(id) = tied_weight(stage) {
-            updater = updater.with_tied(s, id)?;
-        }
-    }
 
     let rows_per_rank = config.batch_size / dp.size();
     let micro_rows = rows_per_rank / pipeline.microbatches;
@@ -944,8 +915,6 @@ pub fn train_gpt_pipeline_checkpointed(
             phases: Default::default(), // not split by phase here
         });
         if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
-            let fail = |e: &dyn std::fmt::Display| GptPipelineError::Checkpoint(e.to_string());
-            let (pieces, scalars) = ckpt.pieces(&stages, &updater)?;
             let state = burn_parallel::train::SaveState::from(
                 train_checkpoint::TrainerState::json(&losses, config),
             )
@@ -953,9 +922,9 @@ pub fn train_gpt_pipeline_checkpointed(
                 train_checkpoint::DROPOUT_CALLS,
                 train_checkpoint::dropout_calls(&stage_dropouts(&stages)),
             );
-            let scaler = updater.train_step().loss_scaler().map(|s| s.state());
-            train_checkpoint::save_after(saver, step, pieces, state, scaler, &scalars)
-                .map_err(|e| fail(&e))?;
+            updater
+                .save(saver, step + 1, &stages, &names, state)
+                .map_err(|e| GptPipelineError::Checkpoint(e.to_string()))?;
         }
     }
     if let Some(saver) = saver.as_mut() {
@@ -1071,128 +1040,6 @@ pub fn model_names(first_layer: usize) -> impl Fn(&str) -> String + Send + Sync 
             (Ok(i), None) if tail == "block" => format!("blocks.{}", first_layer + i),
             _ => name.to_string(),
         }
-    }
-}
-
-/// How a pipeline rank's stages map onto the whole model's tensors.
-struct StageCheckpoints<'a> {
-    world: &'a ProcessGroup,
-    /// The stage's replicas.
-    dp: &'a ProcessGroup,
-    tp: &'a ProcessGroup,
-    /// The stages' tensor-parallel context.
-    tp_ctx: &'a TpContext,
-    /// This rank holds both the first and the last stage (ZBV's V order).
-    both_ends: bool,
-}
-
-impl StageCheckpoints<'_> {
-    /// The map of `stage`: its parameters under the model's names, each written by one of
-    /// the ranks holding the same copy (the stage's data- and tensor-parallel replicas; for a
-    /// token table tied to the head, the two end stages' replicas together).
-    fn map(&self, stage: &GptStage) -> Result<ParamMap, GptPipelineError> {
-        let (dp, tp) = (self.dp, self.tp);
-        let tied = tied_weight(stage);
-        // Both copies of a tied table on one rank: the first stage's is written.
-        let pair = match self.both_ends {
-            true => (1, 0),
-            false => (2, usize::from(stage.input.is_none())),
-        };
-        let first_layer = stage.first_layer;
-        let map = ParamMap::new(stage, self.tp_ctx, None)
-            .map_err(|e| GptPipelineError::Checkpoint(e.to_string()))?
-            .with_replicas(|p| {
-                let (copies, index) = match p.kind {
-                    ParamKind::TpSharded => (dp.size(), dp.rank()),
-                    _ => (dp.size() * tp.size(), dp.rank() * tp.size() + tp.rank()),
-                };
-                match tied == Some(p.id) {
-                    true => (copies * pair.0, pair.1 * copies + index),
-                    false => (copies, index),
-                }
-            })
-            .with_logical_names(model_names(first_layer));
-        Ok(map)
-    }
-
-    /// The maps of the local stages for a load: each knows the whole model's tensors (those
-    /// of the other stages, gathered from every rank), so a checkpoint of another model is
-    /// refused with its differences.
-    fn load_maps(
-        &self,
-        stages: &BTreeMap<usize, GptStage>,
-    ) -> Result<Vec<(usize, ParamMap)>, GptPipelineError> {
-        let fail = |e: &dyn std::fmt::Display| GptPipelineError::Checkpoint(e.to_string());
-        let maps = stages
-            .iter()
-            .map(|(&s, stage)| Ok((s, self.map(stage)?)))
-            .collect::<Result<Vec<_>, GptPipelineError>>()?;
-        let mut mine = BTreeMap::new();
-        for (_, map) in &maps {
-            mine.extend(map.logical_shapes());
-        }
-        let all = self.world.all_gather_object(&mine)?;
-        maps.into_iter()
-            .map(|(s, map)| {
-                let map = all.iter().enumerate().try_fold(map, |map, (rank, theirs)| {
-                    map.with_logical_shapes(theirs.clone(), &format!("rank {rank}"))
-                });
-                Ok((s, map.map_err(|e| fail(&e))?))
-            })
-            .collect()
-    }
-
-    /// This rank's pieces (parameters and AdamW state of its stages) and the optimizer
-    /// scalars by logical parameter.
-    fn pieces(
-        &self,
-        stages: &BTreeMap<usize, GptStage>,
-        updater: &StageUpdater<AdamW>,
-    ) -> Result<(Vec<Piece>, serde_json::Value), GptPipelineError> {
-        let fail = |e: &dyn std::fmt::Display| GptPipelineError::Checkpoint(e.to_string());
-        let mut pieces = Vec::new();
-        let mut scalars = serde_json::Map::new();
-        for (s, stage) in stages {
-            let map = self.map(stage)?;
-            let mut mine = map.param_pieces(stage).map_err(|e| fail(&e))?;
-            let tied = tied_weight(stage).is_some() && *s != 0;
-            // `sharded`: ZeRO's state, whose writing the map's replicas do not share.
-            let (mut state, more, sharded) = match updater.optimizers().get(s) {
-                Some(StageOptimizer::Module(optim)) => {
-                    let (state, more) = map
-                        .optimizer_pieces(optim.to_record())
-                        .map_err(|e| fail(&e))?;
-                    (state, more, false)
-                }
-                Some(StageOptimizer::Zero(zero)) => {
-                    // Each of the stage's shard ranks writes its own range.
-                    let (state, more) = zero
-                        .checkpoint_state(self.tp_ctx, (1, 0))
-                        .map_err(|e| fail(&e))?;
-                    let more = serde_json::to_value(more).expect("scalars serialise");
-                    (state, more, true)
-                }
-                None => {
-                    return Err(GptPipelineError::Checkpoint(format!(
-                        "stage {s} has no optimizer whose state could be saved"
-                    )));
-                }
-            };
-            // The last stage's copy of a tied table steps as the first's does: it is written
-            // by the first stage when this rank holds both, and its ZeRO state always.
-            if tied && (self.both_ends || sharded) {
-                state.retain(|p| !p.name.ends_with("/wte.weight"));
-            }
-            if tied && self.both_ends {
-                mine.retain(|p| p.name != "wte.weight");
-            }
-            mine.extend(state);
-            if let serde_json::Value::Object(more) = more {
-                scalars.extend(more);
-            }
-            pieces.extend(mine);
-        }
-        Ok((pieces, serde_json::Value::Object(scalars)))
     }
 }
 

@@ -474,6 +474,69 @@ fn byo_model_saved_under_one_layout_resumes_under_another() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// Pipeline checkpoints (`StageUpdater::save`/`load`, under the single-device decoder's
+/// names): saved by pp 2 x dp 2 after 10 steps, resumed on one device; saved by dp 2 x tp 2 +
+/// sp (`TrainStep::save`), resumed under pp 2 x tp 2 + sp. Both finish as 20 uninterrupted
+/// single-device steps do.
+#[test]
+fn byo_model_pipeline_checkpoints_resume_under_any_layout() {
+    let flex = Device::flex();
+    let whole = reference(&flex, None);
+    let half = STEPS / 2;
+    let dir = |what: &str| {
+        let dir = std::env::temp_dir().join(format!("byo-pp-{what}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        dir
+    };
+    let full = MixedPrecision::full();
+    let joined = |first: &[f32], (rest, params): (Vec<f32>, Params)| {
+        let mut all = first.to_vec();
+        all.extend(rest);
+        (all, params)
+    };
+    // Saved by the pipeline, resumed on one device.
+    let from_pp = dir("saved");
+    let steps = PipeSteps {
+        steps: 0..half,
+        save: Some(&from_pp),
+        resume: None,
+    };
+    let (first, _) = pipelined_steps("gpipe", (2, 2, 2), (1, false), None, full, steps);
+    let resume = RunOptions {
+        steps: half..STEPS,
+        resume: Some(from_pp.clone()),
+        ..RunOptions::default()
+    };
+    let run = parallel_run(&flex, dims(1, 1), false, resume);
+    assert_matches(
+        "pp 2 x dp 2, resumed on one device",
+        joined(&first, run),
+        &whole,
+    );
+    // Saved by dp 2 x tp 2 + sp, resumed by the pipeline.
+    let to_pp = dir("resumed");
+    let save = RunOptions {
+        steps: 0..half,
+        save: Some(to_pp.clone()),
+        ..RunOptions::default()
+    };
+    let (first, _) = parallel_run(&flex, dims(2, 2), true, save);
+    let steps = PipeSteps {
+        steps: half..STEPS,
+        save: None,
+        resume: Some(&to_pp),
+    };
+    let run = pipelined_steps("1f1b", (2, 4, 1), (2, true), None, full, steps);
+    assert_matches(
+        "dp 2 x tp 2 + sp, resumed under pp 2 x tp 2 + sp",
+        joined(&first, run),
+        &whole,
+    );
+    for d in [from_pp, to_pp] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
 /// Asserts that every rank of a run reported the same losses.
 fn same_losses<P>(out: &[(Vec<f32>, P)]) {
     for other in &out[1..] {
@@ -542,6 +605,39 @@ fn pipelined(
     clip: Option<f64>,
     precision: MixedPrecision,
 ) -> (Vec<f32>, Params) {
+    let steps = PipeSteps {
+        steps: 0..STEPS,
+        save: None,
+        resume: None,
+    };
+    pipelined_steps(
+        schedule,
+        (pp, m, dp),
+        (tp, sequence_parallel),
+        clip,
+        precision,
+        steps,
+    )
+}
+
+/// The steps a [`pipelined_steps`] run trains, the checkpoint it resumes from (the newest
+/// under that directory) and the directory it saves into after its last step.
+struct PipeSteps<'a> {
+    steps: std::ops::Range<usize>,
+    save: Option<&'a std::path::Path>,
+    resume: Option<&'a std::path::Path>,
+}
+
+/// [`pipelined`] over `steps`, resuming and saving as they say (`StageUpdater::load` and
+/// `save`, under the single-device decoder's names).
+fn pipelined_steps(
+    schedule: &str,
+    (pp, m, dp): (usize, usize, usize),
+    (tp, sequence_parallel): (usize, bool),
+    clip: Option<f64>,
+    precision: MixedPrecision,
+    steps: PipeSteps<'_>,
+) -> (Vec<f32>, Params) {
     let device = Device::flex().autodiff();
     let dims = ParallelDims {
         pp,
@@ -574,9 +670,14 @@ fn pipelined(
             .unwrap()
             .with_clip(clip);
         updater.set_lr(LR);
+        let names = |stage: &model::Stage, path: &str| stage.flat_path(path);
+        if let Some(dir) = steps.resume {
+            let checkpoint = Checkpointer::latest(dir).unwrap().expect("a checkpoint");
+            updater.load(&checkpoint, &mut stages, &names).unwrap();
+        }
         let rows = BATCH / dp.size() / m;
         let mut losses = Vec::new();
-        for step in 0..STEPS {
+        for step in steps.steps.clone() {
             let batches: Vec<examples::data::Batch> = (0..m)
                 .map(|k| {
                     let first = dp.rank() * rows * m + k * rows;
@@ -597,16 +698,18 @@ fn pipelined(
             updater.finish(&mut stages).unwrap();
             losses.push(dp.all_reduce_f32(vec![report.loss], burn_parallel::ReduceOp::Avg)?[0]);
         }
+        if let Some(dir) = steps.save {
+            let mut saver = Checkpointer::new(dir, 1, &world).unwrap();
+            let state = serde_json::Value::Null.into();
+            updater
+                .save(&mut saver, steps.steps.end, &stages, &names, state)
+                .unwrap();
+        }
         // Each stage whole (tensor-parallel shards gathered), at the decoder's paths.
         let mut mine = Vec::new();
         for stage in stages.values() {
             for (path, data) in init.context().full_params(&stage.valid())? {
-                let path = stage.global_path(&path);
-                let path = path
-                    .strip_prefix("input.")
-                    .or_else(|| path.strip_prefix("output."))
-                    .unwrap_or(&path)
-                    .to_string();
+                let path = stage.flat_path(&path);
                 mine.push((
                     path,
                     data.shape().to_vec(),

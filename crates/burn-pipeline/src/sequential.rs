@@ -191,6 +191,40 @@ impl<I: Module, L: Module, O: Module> Sequential<I, L, O> {
     }
 }
 
+impl<I: Module, L: Module, O: Module> Sequential<I, L, O> {
+    /// The path of a parameter of this stage in a single-device model that holds the input
+    /// layer's fields, its layers as `layers` and the output layer's fields side by side
+    /// (`embed`, `layers`, `norm`, `head`): `input.embed.weight` is `embed.weight`,
+    /// `layers.{local}.*` is `layers.{first_layer + local}.*` ([`Self::global_path`]),
+    /// `output.head.weight` is `head.weight`. The names a pipelined checkpoint is saved under
+    /// (`crate::update::StageUpdater::save`) so that the single-device model, or any other
+    /// layout of it, loads it.
+    ///
+    /// ```
+    /// use burn::module::{Module, Param};
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_pipeline::sequential::Sequential;
+    ///
+    /// #[derive(Module, Debug)]
+    /// struct Part { w: Param<Tensor<1>> }
+    /// let device = Device::flex();
+    /// let part = || Ok::<_, String>(Part { w: Param::from_tensor(Tensor::zeros([1], &device)) });
+    /// let stage = Sequential::<Part, Part, Part>::build(1, 2, 2..4, part, |_| part(), part)
+    ///     .unwrap();
+    /// assert_eq!(stage.flat_path("layers.1.w"), "layers.3.w");
+    /// assert_eq!(stage.flat_path("output.w"), "w");
+    /// ```
+    pub fn flat_path(&self, path: &str) -> String {
+        match path
+            .strip_prefix("input.")
+            .or_else(|| path.strip_prefix("output."))
+        {
+            Some(rest) => rest.to_string(),
+            None => self.global_path(path),
+        }
+    }
+}
+
 impl<B, I, L, O> Stage<B> for Sequential<I, L, O>
 where
     B: Clone + Send + Sync + 'static,

@@ -82,9 +82,15 @@ use std::collections::BTreeMap;
 use burn::module::{Module, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::TensorData;
-use burn_parallel::train::{TrainStep, clip_to_norm};
+use burn_parallel::checkpoint::{
+    self, Checkpoint, CheckpointError, Checkpointer, ParamMap, TensorSource,
+};
+use burn_parallel::train::{
+    SaveState, TrainStep, clip_to_norm, engine_states, saved_engine_states,
+};
 use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
 use burn_zero::{ElementWise, ZeroOptimizer};
+use serde_json::Value;
 
 use crate::runtime::{Executor, PipelineError, Result, UpdateError};
 
@@ -515,5 +521,203 @@ impl<O: ElementWise> StageUpdater<O> {
             stages.insert(s, stage);
         }
         Ok(norm)
+    }
+}
+
+/// Checkpoints of a pipelined model, in the step engines' format
+/// ([`burn_parallel::train::engine_states`]): each stage's parameters and optimizer state are
+/// saved under the single-device model's names, so that another pipeline split, another
+/// schedule, or a layout without a pipeline ([`burn_parallel::train::StepEngine::load`]) loads
+/// them, and the other way round.
+impl<O: ElementWise> StageUpdater<O> {
+    /// Saves the local stages' parameters and optimizer state as checkpoint `step` of `saver`
+    /// ([`Checkpointer::submit`]: now or in the background), each tensor under `names(stage,
+    /// local path)`, its name in the single-device model, and each element written once over
+    /// the ranks holding the same copy (the stage's data- and tensor-parallel replicas; the two
+    /// copies of a tied weight together, [`Self::with_tied`]); with the loss scaler's state and
+    /// `state`. A ZeRO stage optimizer writes its shard's state under the logical names it was
+    /// given (`ZeroOptimizer::with_logical_names`, the same `names`). Collective over `saver`'s
+    /// group, which must be every rank of the pipeline and its replicas.
+    ///
+    /// # Errors
+    /// [`CheckpointError`] for a parameter or state that cannot be described, I/O and
+    /// collective failures.
+    pub fn save<M: Module>(
+        &self,
+        saver: &mut Checkpointer,
+        step: usize,
+        stages: &BTreeMap<usize, M>,
+        names: &dyn Fn(&M, &str) -> String,
+        state: SaveState,
+    ) -> checkpoint::Result<()> {
+        let both_ends = self.ends[0] == self.ends[1];
+        let mut pieces = Vec::new();
+        let mut scalars = serde_json::Map::new();
+        for (&s, stage) in stages {
+            let map = self.stage_map(s, stage, names)?;
+            let mut params = map.param_pieces(stage)?;
+            // The last stage's copy of a tied weight steps as the first's: when this rank holds
+            // both, the first's is written (the map gives the last's no share), and a ZeRO
+            // state is the first's.
+            let tied_copy = match self.tied.get(&s) {
+                Some(id) if s != 0 => map
+                    .params()
+                    .iter()
+                    .find(|p| p.id == *id)
+                    .and_then(|p| p.segments.first())
+                    .map(|seg| seg.logical.clone()),
+                _ => None,
+            };
+            let (mut state, more, sharded) = match self.optims.get(&s) {
+                Some(StageOptimizer::Module(optim)) => {
+                    let (state, more) = map.optimizer_pieces(optim.to_record())?;
+                    (state, more, false)
+                }
+                Some(StageOptimizer::Zero(zero)) => {
+                    let (state, more) = zero
+                        .checkpoint_state(self.reduce.tp_context(), (1, 0))
+                        .map_err(|e| CheckpointError::piece("zero", e.to_string()))?;
+                    let more = serde_json::to_value(more).unwrap_or(Value::Null);
+                    (state, more, true)
+                }
+                None => {
+                    return Err(CheckpointError::piece(
+                        "stage optimizer",
+                        format!("stage {s} has no optimizer whose state could be saved"),
+                    ));
+                }
+            };
+            if let Some(name) = &tied_copy {
+                let suffix = format!("/{name}");
+                if both_ends || sharded {
+                    state.retain(|p| !p.name.ends_with(&suffix));
+                }
+                if both_ends {
+                    params.retain(|p| p.name != *name);
+                }
+            }
+            pieces.extend(params);
+            pieces.extend(state);
+            if let Value::Object(more) = more {
+                scalars.extend(more);
+            }
+        }
+        let scaler = self.reduce.loss_scaler().map(|s| s.state());
+        let (trainer, rank) = engine_states(state, scaler, &Value::Object(scalars));
+        saver.submit(step, pieces, trainer, rank)
+    }
+
+    /// Loads a checkpoint saved under any layout of the model (by [`Self::save`] or a
+    /// [`burn_parallel::train::StepEngine`]) into the local stages (each tensor read under
+    /// `names(stage, local path)`) and their optimizers, and restores the loss scaler. The
+    /// checkpoint is checked against the whole model (every stage's tensors, gathered over the
+    /// pipeline group). Collective over the pipeline group.
+    ///
+    /// # Returns
+    /// The caller's state given to the save.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Mismatch`] for a checkpoint of another model;
+    /// [`CheckpointError::Corrupt`] for altered or truncated files; collective failures.
+    pub fn load<M: Module>(
+        &mut self,
+        checkpoint: &Checkpoint,
+        stages: &mut BTreeMap<usize, M>,
+        names: &dyn Fn(&M, &str) -> String,
+    ) -> checkpoint::Result<Value> {
+        let (state, scaler, scalars) = saved_engine_states(checkpoint)?;
+        for (s, map) in self.whole_maps(stages, names)? {
+            let stage = stages.remove(&s).expect("a map per local stage");
+            stages.insert(s, map.load_params(stage, checkpoint)?);
+            match self.optims.get_mut(&s) {
+                Some(StageOptimizer::Module(optim)) => {
+                    if let Some(record) = map.load_optimizer(checkpoint, &scalars)? {
+                        *optim = optim.clone().load_record(record);
+                    }
+                }
+                Some(StageOptimizer::Zero(zero)) => zero
+                    .load_checkpoint_state(checkpoint, self.reduce.tp_context(), &scalars)
+                    .map_err(|e| CheckpointError::piece("zero", e.to_string()))?,
+                None => {}
+            }
+        }
+        if let Some(saved) = scaler {
+            self.reduce
+                .restore_loss_scaler(&saved)
+                .map_err(|e| CheckpointError::piece("loss_scaler", e.to_string()))?;
+        }
+        Ok(state)
+    }
+
+    /// Loads the local stages' parameters only from `source` (a checkpoint, or the tensors of
+    /// a Hugging Face checkpoint), each read under `names(stage, local path)` and checked
+    /// against the whole model. Collective over the pipeline group.
+    ///
+    /// # Errors
+    /// As [`Self::load`].
+    pub fn load_params<M: Module, S: TensorSource + ?Sized>(
+        &self,
+        source: &S,
+        stages: &mut BTreeMap<usize, M>,
+        names: &dyn Fn(&M, &str) -> String,
+    ) -> checkpoint::Result<()> {
+        for (s, map) in self.whole_maps(stages, names)? {
+            let stage = stages.remove(&s).expect("a map per local stage");
+            stages.insert(s, map.load_params(stage, source)?);
+        }
+        Ok(())
+    }
+
+    /// The maps of the local stages, each knowing the whole model's tensors (those of the
+    /// other stages, gathered over the pipeline group), so that a checkpoint of another model
+    /// is refused with its differences.
+    fn whole_maps<M: Module>(
+        &self,
+        stages: &BTreeMap<usize, M>,
+        names: &dyn Fn(&M, &str) -> String,
+    ) -> checkpoint::Result<Vec<(usize, ParamMap)>> {
+        let mut maps = Vec::new();
+        let mut mine = BTreeMap::new();
+        for (&s, stage) in stages {
+            let map = self.stage_map(s, stage, names)?;
+            mine.extend(map.logical_shapes());
+            maps.push((s, map));
+        }
+        let all = self.pp.all_gather_object(&mine)?;
+        maps.into_iter()
+            .map(|(s, map)| {
+                let map = all
+                    .iter()
+                    .enumerate()
+                    .try_fold(map, |map, (rank, theirs)| {
+                        map.with_logical_shapes(theirs.clone(), &format!("pipeline rank {rank}"))
+                    })?;
+                Ok((s, map))
+            })
+            .collect()
+    }
+
+    /// What this rank holds of local stage `s` (`stage`) under the model's names, and which
+    /// part of it this rank writes.
+    fn stage_map<M: Module>(
+        &self,
+        s: usize,
+        stage: &M,
+        names: &dyn Fn(&M, &str) -> String,
+    ) -> checkpoint::Result<ParamMap> {
+        let tied = self.tied.get(&s).copied();
+        // The two copies of a tied weight share the writing; both on one rank: the first's
+        // copy writes it all.
+        let pair = match self.ends[0] == self.ends[1] {
+            true => (1, 0),
+            false => (2, usize::from(s != 0)),
+        };
+        let map = self.reduce.param_map(stage)?.with_replicas_where(|p| {
+            (tied == Some(p.id)).then(|| {
+                let (copies, index) = self.reduce.copies(p.kind);
+                (copies * pair.0, pair.1 * copies + index)
+            })
+        });
+        Ok(map.with_logical_names(|path| names(stage, path)))
     }
 }

@@ -220,9 +220,25 @@ fn run_rank_pipeline(
         .unwrap_or_else(|e| fail(&e))
         .with_clip(args.clip);
     updater.set_lr(args.lr);
+    // Checkpoints under the single-device decoder's names: any layout resumes them.
+    let names = |stage: &model::Stage, path: &str| stage.flat_path(path);
+    let checkpoint_error = |e: burn_parallel::checkpoint::CheckpointError| invalid(&world, e);
+    let mut first = 0;
+    if let Some(dir) = &args.resume {
+        let Some(checkpoint) = Checkpointer::latest(dir).map_err(checkpoint_error)? else {
+            return Err(invalid(
+                &world,
+                format!("no complete checkpoint under {}", dir.display()),
+            ));
+        };
+        updater
+            .load(&checkpoint, &mut stages, &names)
+            .map_err(checkpoint_error)?;
+        first = checkpoint.step();
+    }
     let rows = args.batch / m;
     let mut losses = Vec::new();
-    for s in 0..args.steps {
+    for s in first..args.steps {
         let batches: Vec<_> = (0..m)
             .map(|k| corpus.batch_rows(s as u64, k * rows..(k + 1) * rows, args.seq, Split::Train))
             .collect();
@@ -233,6 +249,13 @@ fn run_rank_pipeline(
             .unwrap_or_else(|e| fail(&e));
         updater.finish(&mut stages).unwrap_or_else(|e| fail(&e));
         losses.push(report.loss);
+    }
+    if let Some(dir) = &args.save {
+        let mut saver = Checkpointer::new(dir, 1, &world).map_err(checkpoint_error)?;
+        let state = serde_json::Value::Null.into();
+        updater
+            .save(&mut saver, args.steps, &stages, &names, state)
+            .map_err(checkpoint_error)?;
     }
     Ok(losses)
 }
@@ -303,12 +326,6 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
             "--zero shards the optimizer of a data-parallel layout (single, ddp, tp, tp-sp, \
              dp-tp); the FSDP layouts are ZeRO-3 already and the pipeline has its own step: \
              drop --zero or pick one of those layouts",
-        ));
-    }
-    if (args.save.is_some() || args.resume.is_some()) && args.layout == Layout::Pp {
-        return Err(invalid(
-            &world,
-            "--save and --resume go through the step engines: not with --layout pp yet",
         ));
     }
     if args.layout == Layout::Pp {
