@@ -5,7 +5,9 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Tensor, TensorData};
 use burn_parallel::ReduceOp;
-use burn_parallel::train::{Reduced, StepOutput, StepPhases, TrainStep, clip_to_norm};
+use burn_parallel::train::{
+    Reduced, StepOutput, StepPhases, TrainStep, clip_to_norm, run_micro_batches,
+};
 
 use crate::config::{MoeError, Result};
 use crate::layer::MoeParallel;
@@ -335,26 +337,18 @@ impl MoeStep {
         let compute = (!precision.is_full()).then(|| self.inner.compute_model(&model));
         let mut phases = StepPhases::default();
         let mut acc = GradientsAccumulator::<M>::new();
-        let mut local = 0.0f64;
-        for k in 0..micro_batches {
-            let loss = phases.time(
-                |p| &mut p.forward,
-                || {
-                    let loss = forward(compute.as_ref().unwrap_or(&model), k)?;
-                    local += f64::from(scalar(&loss)?);
-                    Ok::<_, E>(loss)
-                },
-            )?;
-            phases.time(
-                |p| &mut p.backward,
-                || {
-                    let loss = self.inner.scaled_loss(loss / n);
-                    acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
-                },
-            );
-        }
+        let local = run_micro_batches(
+            micro_batches,
+            compute.as_ref().unwrap_or(&model),
+            forward,
+            &mut phases,
+            |_, loss| {
+                let loss = self.inner.scaled_loss(loss / n);
+                acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+                Ok(())
+            },
+        )?;
         drop(compute);
-        let local = (local / micro_batches as f64) as f32;
         Ok(self.finish(model, local, acc.grads(), optim, lr, phases)?)
     }
 

@@ -76,6 +76,51 @@ pub struct StepOutput {
     pub phases: StepPhases,
 }
 
+/// The micro-batch loop of a [`StepEngine`]'s step: for each micro-batch `k`, the forward
+/// (`forward(compute, k)`, the mean loss of micro-batch `k` on the module the forward runs on)
+/// timed as [`StepPhases::forward`], then `backward(k, loss)` (scale, backward, accumulate)
+/// timed as [`StepPhases::backward`].
+///
+/// # Returns
+/// The mean of the micro-batches' losses on this rank.
+///
+/// # Errors
+/// The first error of `forward` or `backward`.
+///
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_parallel::train::{StepPhases, run_micro_batches};
+///
+/// let device = Device::flex();
+/// let mut phases = StepPhases::default();
+/// let mut forward = |x: &Tensor<1>, k: usize| Ok::<_, String>(x.clone() * (k as f32 + 1.0));
+/// let mut seen = Vec::new();
+/// let mean = run_micro_batches(2, &Tensor::<1>::ones([1], &device), &mut forward,
+///     &mut phases, |k, _loss| { seen.push(k); Ok(()) }).unwrap();
+/// assert_eq!((mean, seen), (1.5, vec![0, 1]));
+/// ```
+pub fn run_micro_batches<M, E>(
+    micro_batches: usize,
+    compute: &M,
+    forward: &mut dyn FnMut(&M, usize) -> std::result::Result<Tensor<1>, E>,
+    phases: &mut StepPhases,
+    mut backward: impl FnMut(usize, Tensor<1>) -> std::result::Result<(), E>,
+) -> std::result::Result<f32, E> {
+    let mut local = 0.0f64;
+    for k in 0..micro_batches {
+        let loss = phases.time(
+            |p| &mut p.forward,
+            || {
+                let loss = forward(compute, k)?;
+                local += f64::from(loss.clone().into_scalar::<f32>());
+                Ok::<_, E>(loss)
+            },
+        )?;
+        phases.time(|p| &mut p.backward, || backward(k, loss))?;
+    }
+    Ok((local / micro_batches.max(1) as f64) as f32)
+}
+
 /// Seconds of one step on this rank by phase, as a [`StepEngine`] measures them on the host
 /// (Flex and NdArray run synchronously, so these are the phases' real costs; on a GPU backend
 /// they measure what the host waited for).
@@ -1113,7 +1158,6 @@ impl TrainStep {
         // In fp32 the model itself (no copy: state a forward updates stays with it).
         let compute = (!self.precision.is_full()).then(|| self.compute_model(&model));
         let mut acc = GradientsAccumulator::<M>::new();
-        let mut local = 0.0f64;
         // No-sync FSDP: the units communicate in the last micro-batch's backward only (and the
         // switch is back on however the loop ends).
         let no_sync = NoSync(
@@ -1123,28 +1167,24 @@ impl TrainStep {
                 .map(|(shards, _)| shards),
         );
         let mut phases = StepPhases::default();
-        for k in 0..micro_batches {
+        let mut forward = |m: &M, k: usize| {
             if let Some(shards) = no_sync.0 {
                 shards.sync_micro_batch(k, micro_batches);
             }
-            let loss = phases.time(
-                |p| &mut p.forward,
-                || {
-                    let loss = forward(compute.as_ref().unwrap_or(&model), k)?;
-                    local += f64::from(loss.clone().into_scalar::<f32>());
-                    Ok::<_, E>(loss)
-                },
-            )?;
-            phases.time(
-                |p| &mut p.backward,
-                || {
-                    let loss = self.scaled_loss(loss / micro_batches as f32);
-                    acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
-                },
-            );
-        }
+            forward(m, k)
+        };
+        let local = run_micro_batches(
+            micro_batches,
+            compute.as_ref().unwrap_or(&model),
+            &mut forward,
+            &mut phases,
+            |_, loss| {
+                let loss = self.scaled_loss(loss / micro_batches as f32);
+                acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+                Ok(())
+            },
+        )?;
         drop((compute, no_sync));
-        let local = (local / micro_batches as f64) as f32;
         Ok(self.finish(model, local, acc.grads(), optim, lr, phases)?)
     }
 

@@ -45,7 +45,8 @@ use burn_parallel::ddp::DEFAULT_BUCKET_BYTES;
 use burn_parallel::nn::TpContext;
 use burn_parallel::replica::verify_replicas_in;
 use burn_parallel::train::{
-    SaveState, StepEngine, StepOutput, StepPhases, engine_states, saved_engine_states,
+    SaveState, StepEngine, StepOutput, StepPhases, engine_states, run_micro_batches,
+    saved_engine_states,
 };
 use burn_parallel::{DeviceMesh, ProcessGroup, ReduceOp};
 
@@ -1623,28 +1624,13 @@ where
                 "zero micro-batches: give at least one".into(),
             )));
         }
-        let mut local = 0.0f64;
         let mut phases = StepPhases::default();
-        for k in 0..micro_batches {
-            let loss = phases.time(
-                |p| &mut p.forward,
-                || {
-                    let loss = forward(&model, k)?;
-                    local += f64::from(loss.clone().into_scalar::<f32>()) / micro_batches as f64;
-                    Ok::<_, E>(loss)
-                },
-            )?;
-            phases.time(
-                |p| &mut p.backward,
-                || {
-                    let grads =
-                        GradientsParams::from_grads(self.scaled_loss(loss).backward(), &model);
-                    self.accumulate(&model, grads)
-                },
-            )?;
-        }
+        let local = run_micro_batches(micro_batches, &model, forward, &mut phases, |_, loss| {
+            let grads = GradientsParams::from_grads(self.scaled_loss(loss).backward(), &model);
+            Ok(self.accumulate(&model, grads)?)
+        })?;
         let (model, info) = phases.time(|p| &mut p.optimizer, || self.step(lr, model))?;
-        let loss = self.groups().mean(local as f32)?;
+        let loss = self.groups().mean(local)?;
         Ok((
             model,
             StepOutput {
