@@ -60,17 +60,15 @@
 use crate::gpt::{GeluKind, Gpt, GptConfig, MlpKind, NormKind, PositionKind, load_params};
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_parallel::checkpoint::{CheckpointError, hf as checkpoint_hf};
 use burn_parallel::init::Init;
-use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use serde_json::{Value, json};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-/// The file name of a single-file checkpoint.
-pub const WEIGHTS_FILE: &str = "model.safetensors";
-/// The file name of a sharded checkpoint's index.
-pub const INDEX_FILE: &str = "model.safetensors.index.json";
+/// The file names of a single-file checkpoint and of a sharded checkpoint's index.
+pub use burn_parallel::checkpoint::hf::{INDEX_FILE, WEIGHTS_FILE};
 /// The file name of the model configuration.
 pub const CONFIG_FILE: &str = "config.json";
 
@@ -941,122 +939,79 @@ pub fn import_tensors(
     Ok(load_params(model, &params))
 }
 
-/// Reads every tensor of one safetensors file as `f32` (F16, BF16 and F64 are converted).
+/// Reads every tensor of one safetensors file as `f32` (F16, BF16 and F64 are converted;
+/// the file is read by [`burn_parallel::checkpoint::hf::read_safetensors`]).
 ///
 /// # Errors
 /// [`HfError::Io`], [`HfError::Safetensors`]; [`HfError::Dtype`] for a non-float tensor.
 pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>> {
-    let bytes = std::fs::read(path).map_err(|source| HfError::Io {
-        path: path.into(),
-        source,
-    })?;
-    let file = SafeTensors::deserialize(&bytes).map_err(|e| HfError::Safetensors {
-        path: path.into(),
-        reason: e.to_string(),
-    })?;
-    let mut out = BTreeMap::new();
-    for (name, view) in file.iter() {
-        let data = view.data();
-        let values: Vec<f32> = match view.dtype() {
-            Dtype::F32 => data
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-            Dtype::F64 => data
-                .chunks_exact(8)
-                .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32)
-                .collect(),
-            Dtype::F16 => data
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            Dtype::BF16 => data
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32())
-                .collect(),
-            other => {
-                return Err(HfError::Dtype {
-                    tensor: name.into(),
-                    dtype: format!("{other:?}"),
-                });
-            }
-        };
-        out.insert(
-            name.to_string(),
-            HostTensor::new(view.shape().to_vec(), values),
-        );
-    }
-    Ok(out)
+    host_tensors(checkpoint_hf::read_safetensors(path), path)
 }
 
-/// Writes `tensors` as one `f32` safetensors file (through a temporary file and a rename).
+/// Writes `tensors` as one `f32` safetensors file (through a temporary file and a rename;
+/// [`burn_parallel::checkpoint::hf::write_safetensors`]).
 ///
 /// # Errors
 /// [`HfError::Io`]; [`HfError::Safetensors`] if the header cannot be built.
 pub fn write_safetensors(path: &Path, tensors: &BTreeMap<String, HostTensor>) -> Result<()> {
-    let bytes: Vec<(String, Vec<u8>, &Vec<usize>)> = tensors
+    let tensors = tensors
         .iter()
         .map(|(k, t)| {
-            let b = t.values.iter().flat_map(|v| v.to_le_bytes()).collect();
-            (k.clone(), b, &t.shape)
+            (
+                k.clone(),
+                TensorData::new(t.values.clone(), t.shape.clone()),
+            )
         })
         .collect();
-    let views = bytes
-        .iter()
-        .map(|(k, b, shape)| {
-            TensorView::new(Dtype::F32, shape.to_vec(), b).map(|v| (k.as_str(), v))
-        })
-        .collect::<std::result::Result<Vec<_>, _>>();
-    let st_err = |e: safetensors::SafeTensorError| HfError::Safetensors {
-        path: path.into(),
-        reason: e.to_string(),
-    };
-    let file = safetensors::serialize(views.map_err(st_err)?, None).map_err(st_err)?;
-    let tmp = path.with_extension("safetensors.tmp");
-    let io = |source| HfError::Io {
-        path: path.into(),
-        source,
-    };
-    std::fs::write(&tmp, file).map_err(io)?;
-    std::fs::rename(&tmp, path).map_err(io)
+    checkpoint_hf::write_safetensors(path, &tensors).map_err(|e| hf_error(e, path))
 }
 
 /// Reads the tensors of a checkpoint directory: `model.safetensors`, or every shard that
-/// `model.safetensors.index.json` lists.
+/// `model.safetensors.index.json` lists ([`burn_parallel::checkpoint::hf::read_dir`]).
 ///
 /// # Errors
-/// Those of [`read_safetensors`]; [`HfError::Json`] for a malformed index;
-/// [`HfError::Duplicate`] for a tensor stored in two shards.
+/// Those of [`read_safetensors`]; [`HfError::Safetensors`] for a malformed index or a tensor
+/// stored in two shards.
 pub fn read_checkpoint(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
-    let index = dir.join(INDEX_FILE);
-    if !index.exists() {
-        return read_safetensors(&dir.join(WEIGHTS_FILE));
-    }
-    let json = read_json(&index)?;
-    let files: BTreeSet<&str> = json
-        .get("weight_map")
-        .and_then(Value::as_object)
-        .ok_or_else(|| HfError::Json {
-            path: index.clone(),
-            reason: "no `weight_map` object".into(),
-        })?
-        .values()
-        .map(|v| {
-            v.as_str().ok_or_else(|| HfError::Json {
-                path: index.clone(),
-                reason: format!("weight_map value {v} is not a file name"),
-            })
+    host_tensors(checkpoint_hf::read_dir(dir), dir)
+}
+
+/// The library's tensors as `f32` host tensors, its errors as this module's.
+fn host_tensors(
+    read: std::result::Result<BTreeMap<String, TensorData>, CheckpointError>,
+    path: &Path,
+) -> Result<BTreeMap<String, HostTensor>> {
+    let tensors = read.map_err(|e| hf_error(e, path))?;
+    tensors
+        .into_iter()
+        .map(|(name, t)| {
+            let shape = t.shape().to_vec();
+            let values = t
+                .convert::<f32>()
+                .try_into_vec::<f32>()
+                .map_err(|e| HfError::Dtype {
+                    tensor: name.clone(),
+                    dtype: format!("{e:?}"),
+                })?;
+            Ok((name, HostTensor::new(shape, values)))
         })
-        .collect::<Result<_>>()?;
-    let mut out = BTreeMap::new();
-    for file in files {
-        for (name, t) in read_safetensors(&dir.join(file))? {
-            if out.insert(name.clone(), t).is_some() {
-                return Err(HfError::Duplicate(name));
-            }
-        }
+        .collect()
+}
+
+/// A checkpoint error of reading or writing `path` as this module's error.
+fn hf_error(e: CheckpointError, path: &Path) -> HfError {
+    match e {
+        CheckpointError::Io { path, source } => HfError::Io { path, source },
+        CheckpointError::Corrupt { path, reason } => HfError::Safetensors { path, reason },
+        CheckpointError::Piece { name, reason } if reason.starts_with("dtype") => HfError::Dtype {
+            tensor: name,
+            dtype: reason,
+        },
+        other => HfError::Safetensors {
+            path: path.into(),
+            reason: other.to_string(),
+        },
     }
-    Ok(out)
 }
 
 /// Imports a checkpoint directory (`config.json` and its safetensors) as a single-device GPT.

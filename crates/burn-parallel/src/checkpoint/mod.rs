@@ -49,6 +49,7 @@
 //! # std::fs::remove_dir_all(&root).unwrap();
 //! ```
 
+pub mod hf;
 mod module;
 mod region;
 mod source;
