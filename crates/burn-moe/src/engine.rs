@@ -14,7 +14,7 @@ use burn_parallel::checkpoint::{
 };
 use burn_parallel::nn::TpContext;
 use burn_parallel::train::{
-    OPTIM_SCALARS, SaveState, StepEngine, StepOutput, StepPhases, engine_states,
+    OPTIM_SCALARS, SaveState, StepEngine, StepOutput, StepPhases, engine_states, run_micro_batches,
     saved_engine_states,
 };
 use burn_zero::{ElementWise, ZeroOptimizer, clip};
@@ -201,27 +201,12 @@ where
         parallel.set_loss_scale(1.0);
         let mut phases = StepPhases::default();
         let mut acc = GradientsAccumulator::<M>::new();
-        let mut local = 0.0f64;
-        for k in 0..micro_batches {
-            let loss = phases.time(
-                |p| &mut p.forward,
-                || {
-                    let loss = forward(&model, k)?;
-                    local += f64::from(loss.clone().into_scalar::<f32>()) / micro_batches as f64;
-                    Ok::<_, E>(loss)
-                },
-            )?;
-            phases
-                .time(
-                    |p| &mut p.backward,
-                    || {
-                        let mut grads = GradientsParams::from_grads(loss.backward(), &model);
-                        acc.accumulate(&model, self.experts.take_experts(&model, &mut grads));
-                        self.zero.accumulate(&model, grads)
-                    },
-                )
-                .map_err(zero_err)?;
-        }
+        let (zero, experts) = (&mut self.zero, &self.experts);
+        let local = run_micro_batches(micro_batches, &model, forward, &mut phases, |_, loss| {
+            let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+            acc.accumulate(&model, experts.take_experts(&model, &mut grads));
+            zero.accumulate(&model, grads).map_err(zero_err)
+        })?;
         let max_norm = self.zero.max_grad_norm();
         let experts = phases.time(
             |p| &mut p.reduce,
@@ -252,7 +237,7 @@ where
             },
         )?;
         parallel.update_biases();
-        let loss = self.zero.groups().mean(local as f32).map_err(zero_err)?;
+        let loss = self.zero.groups().mean(local).map_err(zero_err)?;
         Ok((
             model,
             StepOutput {
