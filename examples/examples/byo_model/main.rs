@@ -14,6 +14,7 @@
 //! cargo run --release -p examples --example byo_model -- --layout cp --ranks 2 --cp-kind ulysses
 //! cargo run --release -p examples --example byo_model -- --layout dp-cp --ranks 4
 //! cargo run --release -p examples --example byo_model -- --layout ddp --ranks 4 --experts 8 --ep 2
+//! cargo run --release -p examples --example byo_model -- --layout ddp --ranks 4 --experts 8 --ep 2 --zero 2 --grad-accum 2
 //! cargo run --release -p examples --example byo_model -- --layout dp-tp --ranks 4 --precision bf16
 //! cargo run --release -p examples --example byo_model -- --layout fsdp --ranks 2 --grad-accum 4 --no-sync --prefetch
 //! cargo run --release -p examples --example byo_model -- --layout ddp --ranks 2 --zero 2
@@ -23,6 +24,8 @@
 //! cargo run --release -p examples --example byo_model -- --layout fsdp --ranks 2 --steps 100 --resume /tmp/ck
 //! cargo run --release -p examples --example byo_model -- --layout ddp --ranks 2 --zero 2 --steps 50 --save /tmp/z
 //! cargo run --release -p examples --example byo_model -- --layout tp --ranks 2 --steps 100 --resume /tmp/z
+//! cargo run --release -p examples --example byo_model -- --layout pp --ranks 2 --steps 50 --save /tmp/p
+//! cargo run --release -p examples --example byo_model -- --layout single --steps 100 --resume /tmp/p
 //! cargo run --release -p examples --example byo_model -- --all --ranks 4 --steps 20
 //! ```
 //!
@@ -35,7 +38,10 @@
 //! `burn-pipeline`'s executor (`run_rank_pipeline`). ZeRO-1/2 (`--zero`, over the ranks that
 //! reduce gradients) swaps the engine of the same loop: the library's `Trainer` and
 //! `burn-zero`'s `ZeroOptimizer`, which owns the reduction, the clipping and the precision
-//! policy (`zero_engine`), both implement `StepEngine`.
+//! policy (`zero_engine`), both implement `StepEngine`; so do `burn-moe`'s `MoeTrainer` and
+//! `MoeZero`, the engines of the MoE variant (`--experts`). The pipeline saves and resumes
+//! through its `StageUpdater`, under the single-device decoder's names, so every layout
+//! resumes what any other saved.
 
 mod model;
 
@@ -157,7 +163,7 @@ struct Args {
     #[arg(long, default_value = "ring")]
     cp_kind: CpKind,
     /// The MoE variant: this many experts per layer in place of the MLP (0: dense), with
-    /// `single` or `ddp`.
+    /// `single` or `ddp` (and `--zero`, `--grad-accum`, `--save`/`--resume`).
     #[arg(long, default_value_t = 0)]
     experts: usize,
     /// Experts per token.
