@@ -11,7 +11,7 @@
 //! matches single-device training. Without a device these print a "skipped" notice.
 
 use burn_parallel::CollectiveError;
-use burn_parallel::comm::nccl;
+use burn_parallel::nccl;
 
 fn assert_unavailable(e: &CollectiveError, needles: &[&str]) {
     let text = e.to_string();

@@ -20,7 +20,7 @@
 use std::time::{Duration, Instant};
 
 use burn::tensor::{Device, Tensor};
-use burn_parallel::comm::nccl;
+use burn_parallel::nccl;
 use burn_parallel::{ProcessGroup, ReduceOp, run_local};
 
 fn bench(

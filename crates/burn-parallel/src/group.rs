@@ -151,7 +151,7 @@ impl ProcessGroup {
     }
 
     /// The name of the backend (`"local"`, `"tcp"`, or `"nccl"` once
-    /// [`crate::comm::nccl::attach`] attached NCCL to the group).
+    /// [`crate::nccl::attach`] attached NCCL to the group).
     pub fn backend(&self) -> &'static str {
         match self.nccl {
             Some(_) => crate::comm::nccl::BACKEND,
@@ -159,7 +159,7 @@ impl ProcessGroup {
         }
     }
 
-    /// The group with NCCL attached (see [`crate::comm::nccl::attach`]).
+    /// The group with NCCL attached (see [`crate::nccl::attach`]).
     pub(crate) fn with_nccl(mut self, nccl: crate::comm::nccl::DeviceComm) -> Self {
         self.nccl = Some(nccl);
         self
@@ -1404,4 +1404,41 @@ pub fn tensor_from_data<const D: usize>(
 ) -> Tensor<D> {
     let dtype = data.dtype();
     Tensor::from_data(data, (device, dtype))
+}
+
+/// What the NCCL backend, below the group, needs of it.
+impl crate::comm::nccl::NcclHost for ProcessGroup {
+    fn rank(&self) -> usize {
+        ProcessGroup::rank(self)
+    }
+    fn size(&self) -> usize {
+        ProcessGroup::size(self)
+    }
+    fn global_rank(&self) -> usize {
+        ProcessGroup::global_rank(self)
+    }
+    fn members(&self) -> &[usize] {
+        ProcessGroup::members(self)
+    }
+    fn timeout(&self) -> Duration {
+        ProcessGroup::timeout(self)
+    }
+    fn backend(&self) -> &'static str {
+        ProcessGroup::backend(self)
+    }
+    fn nccl(&self) -> Option<&crate::comm::nccl::DeviceComm> {
+        ProcessGroup::nccl(self)
+    }
+    fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        ProcessGroup::all_gather_bytes(self, bytes)
+    }
+    fn broadcast_bytes(&self, bytes: Vec<u8>, root: usize) -> Result<Vec<u8>> {
+        ProcessGroup::broadcast_bytes(self, bytes, root)
+    }
+    fn send_data(&self, data: TensorData, peer: usize, tag: u64) -> Result<()> {
+        ProcessGroup::send_data(self, data, peer, tag)
+    }
+    fn recv_data(&self, peer: usize, tag: u64) -> Result<TensorData> {
+        ProcessGroup::recv_data(self, peer, tag)
+    }
 }

@@ -29,6 +29,7 @@ pub use comm::tcp::{TcpConfig, TcpRendezvous};
 pub use comm::transport::Transport;
 pub use error::{CollectiveError, Result};
 pub use group::{ProcessGroup, SendRecv};
+pub mod nccl;
 pub mod world;
 pub use world::{init_from_env, local_world, run_local};
 pub mod autograd;

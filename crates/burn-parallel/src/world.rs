@@ -7,7 +7,7 @@
 //! | threads of this process | [`run_local`], [`local_world`] |
 //! | processes over TCP (`burnrun`, `torchrun`, SLURM) | [`init_from_env`], [`connect_tcp`], [`connect_tcp_with_rendezvous`] |
 //! | MPI processes (`mpirun`, `srun`) | [`init_mpi`] |
-//! | NCCL on CUDA | [`crate::comm::nccl::init_from_env`]: TCP, then NCCL attached to the group |
+//! | NCCL on CUDA | [`crate::nccl::init_from_env`]: TCP, then NCCL attached to the group |
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::thread;

@@ -56,7 +56,7 @@ enum Backend {
 /// The world of a multi-process backend (`tcp`, `nccl` over it, or `mpi`).
 fn process_world(backend: Backend) -> Result<ProcessGroup, CollectiveError> {
     match backend {
-        Backend::Nccl => burn_parallel::comm::nccl::init_from_env(),
+        Backend::Nccl => burn_parallel::nccl::init_from_env(),
         Backend::Mpi => burn_parallel::world::init_mpi(),
         Backend::Tcp | Backend::Local => burn_parallel::init_from_env(),
     }

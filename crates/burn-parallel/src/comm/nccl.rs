@@ -1,15 +1,15 @@
 //! The `nccl` backend: collectives on the device memory of Burn's CUDA tensors, through NCCL.
 //!
 //! The split is the one torch makes between gloo and NCCL. A group of this backend is an
-//! ordinary [`ProcessGroup`] over the `tcp` transport (formed by the same rendezvous, from the
+//! ordinary [`ProcessGroup`](crate::ProcessGroup) over the `tcp` transport (formed by the same rendezvous, from the
 //! variables of `burnrun`, torchrun or SLURM), with NCCL communicators attached:
 //!
 //! - host-side frames (objects, metadata, `*_data` collectives, everything a technique sends as
 //!   [`burn::tensor::TensorData`]) keep using the `tcp` transport;
-//! - the tensor-level collectives of [`ProcessGroup`] ([`ProcessGroup::all_reduce`],
-//!   [`ProcessGroup::all_gather`], [`ProcessGroup::reduce_scatter`],
-//!   [`ProcessGroup::broadcast`], [`ProcessGroup::all_to_all`], [`ProcessGroup::send`] and
-//!   [`ProcessGroup::recv`]) run in device memory through NCCL when their tensor lives on a CUDA
+//! - the tensor-level collectives of [`ProcessGroup`](crate::ProcessGroup) ([`ProcessGroup::all_reduce`](crate::ProcessGroup::all_reduce),
+//!   [`ProcessGroup::all_gather`](crate::ProcessGroup::all_gather), [`ProcessGroup::reduce_scatter`](crate::ProcessGroup::reduce_scatter),
+//!   [`ProcessGroup::broadcast`](crate::ProcessGroup::broadcast), [`ProcessGroup::all_to_all`](crate::ProcessGroup::all_to_all), [`ProcessGroup::send`](crate::ProcessGroup::send) and
+//!   [`ProcessGroup::recv`](crate::ProcessGroup::recv)) run in device memory through NCCL when their tensor lives on a CUDA
 //!   device (features `nccl` and `cuda`); tensors of other backends take the host path.
 //!
 //! How the pieces fit:
@@ -24,10 +24,10 @@
 //! - **Bootstrap.** A communicator is created per group, lazily, at the group's first device
 //!   collective (every member makes that call, so every member joins): group rank 0 makes the
 //!   NCCL unique id and broadcasts it over the group's host transport, then every member joins
-//!   in non-blocking mode. A sub-group made by [`ProcessGroup::split`] gets its own
+//!   in non-blocking mode. A sub-group made by [`ProcessGroup::split`](crate::ProcessGroup::split) gets its own
 //!   communicator the same way (a new unique id through the host transport, which works with
 //!   every NCCL version, unlike `ncclCommSplit`). Lazy creation keeps `split` free of
-//!   communication and costs nothing for groups that never move CUDA tensors; [`connect`]
+//!   communication and costs nothing for groups that never move CUDA tensors; [`connect`](crate::nccl::connect)
 //!   creates a group's communicator at once (needed when a group's first device operation is
 //!   a send/recv between some of its members, since creation needs all of them).
 //! - **Ordering with Burn.** CubeCL does not expose the CUDA stream of its server, so each
@@ -47,9 +47,8 @@
 //!   exchange gives the sizes that uneven all-gathers and all-to-alls need.
 
 use crate::error::{CollectiveError, Result};
-use crate::group::ProcessGroup;
 
-/// The backend's name, as [`ProcessGroup::backend`] reports it.
+/// The backend's name, as [`ProcessGroup::backend`](crate::ProcessGroup::backend) reports it.
 pub const BACKEND: &str = "nccl";
 
 /// `true` when this build has the NCCL backend (cargo feature `nccl` of `burn-parallel`).
@@ -68,7 +67,7 @@ pub struct NcclInfo {
     pub cuda_devices: usize,
 }
 
-fn not_built() -> CollectiveError {
+pub(crate) fn not_built() -> CollectiveError {
     CollectiveError::BackendUnavailable {
         backend: BACKEND.into(),
         reason: "this build of burn-parallel has no NCCL backend: rebuild with `--features \
@@ -116,104 +115,25 @@ pub fn probe(cuda_device: usize) -> Result<NcclInfo> {
     }
 }
 
-/// Forms the world from the environment of `burnrun`, torchrun or SLURM (as
-/// [`crate::world::init_from_env`]) and attaches NCCL to it on CUDA device `LOCAL_RANK`
-/// (0 when the launcher does not say).
-///
-/// # Returns
-/// The world group: host frames over `tcp`, CUDA tensors through NCCL.
+/// Creates the NCCL communicator of the group `host` now (see [`crate::nccl::connect`]).
 ///
 /// # Errors
-/// Those of [`crate::world::init_from_env`] and of [`attach`].
-pub fn init_from_env() -> Result<ProcessGroup> {
-    if !BUILT {
-        return Err(not_built());
-    }
-    let env = crate::comm::tcp::env::LaunchEnv::from_env()?;
-    let world = crate::world::init_from_env()?;
-    attach(world, env.local_rank.unwrap_or(0))
-}
-
-/// Attaches NCCL to `group`: every member checks that NCCL can run on its CUDA device, the
-/// members agree on the outcome (so that every rank reports the same failure instead of some
-/// hanging), and the returned group runs its tensor-level collectives on CUDA tensors through
-/// NCCL. Every member of `group` must call it.
-///
-/// # Arguments
-/// - `group`: a group of any host backend (`tcp`, or `local` for thread ranks on several GPUs).
-/// - `cuda_device`: this rank's CUDA device index.
-///
-/// # Returns
-/// The same group with NCCL attached; its sub-groups ([`ProcessGroup::split`]) get their own
-/// communicators.
-///
-/// # Errors
-/// [`CollectiveError::BackendUnavailable`] when this build has no `nccl` feature or when any
-/// member lacks the driver, the device or `libnccl` (the message names the rank); host-transport
-/// errors of the agreement.
-///
-/// # Example
-/// ```
-/// use burn_parallel::{comm::nccl, run_local};
-///
-/// // Two thread ranks, rank r on CUDA device r. Without the `nccl` feature, a GPU per rank or
-/// // libnccl, every rank gets the same typed error, at once.
-/// let outcomes = run_local(2, |group| {
-///     let rank = group.rank();
-///     Ok(nccl::attach(group, rank).map(|g| g.backend()))
-/// })
-/// .unwrap();
-/// for outcome in outcomes {
-///     match outcome {
-///         Ok(backend) => assert_eq!(backend, "nccl"),
-///         Err(e) => println!("{e}"),
-///     }
-/// }
-/// ```
-pub fn attach(group: ProcessGroup, cuda_device: usize) -> Result<ProcessGroup> {
-    if !BUILT {
-        return Err(not_built());
-    }
-    let local = probe(cuda_device);
-    let reasons: Vec<Option<String>> =
-        group.all_gather_object(&local.as_ref().err().map(|e| e.to_string()))?;
-    local?;
-    if let Some((rank, Some(reason))) = reasons
-        .into_iter()
-        .enumerate()
-        .find(|(_, reason)| reason.is_some())
-    {
-        return Err(CollectiveError::BackendUnavailable {
-            backend: BACKEND.into(),
-            reason: format!("group rank {rank} cannot run NCCL: {reason}"),
-        });
-    }
-    Ok(group.with_nccl(DeviceComm::new(cuda_device)))
-}
-
-/// Creates `group`'s NCCL communicator now instead of at its first device collective. Every
-/// member must call it (it is a collective). Useful before the first device operation of a
-/// group is a point-to-point one: creating a communicator needs every member, and a send
-/// between two of them would otherwise wait for the others.
-///
-/// # Errors
-/// [`CollectiveError::InvalidArgument`] when NCCL is not attached to `group` (see [`attach`]);
-/// [`CollectiveError::Nccl`] when NCCL fails to create the communicator or times out.
-pub fn connect(group: &ProcessGroup) -> Result<()> {
-    let Some(nccl) = group.nccl() else {
+/// As [`crate::nccl::connect`].
+pub(crate) fn connect(host: &dyn NcclHost) -> Result<()> {
+    let Some(nccl) = host.nccl() else {
         return Err(CollectiveError::InvalidArgument {
-            rank: group.global_rank(),
+            rank: host.global_rank(),
             op: "nccl::connect".into(),
             reason: format!(
                 "the group's backend is {}, not nccl: attach NCCL first (nccl::attach or \
                  nccl::init_from_env)",
-                group.backend()
+                host.backend()
             ),
         });
     };
     #[cfg(feature = "nccl")]
     {
-        imp::communicator(&nccl.slot, group, nccl.ordinal, "nccl::connect").map(|_| ())
+        imp::communicator(&nccl.slot, host, nccl.ordinal, "nccl::connect").map(|_| ())
     }
     #[cfg(not(feature = "nccl"))]
     {
@@ -222,11 +142,59 @@ pub fn connect(group: &ProcessGroup) -> Result<()> {
     }
 }
 
-/// The NCCL state a [`ProcessGroup`] carries: the group's communicator, created at its first
-/// device collective. [`ProcessGroup::split`] gives a sub-group a fresh one.
+/// What NCCL needs of the group it is attached to: its members, its timeout and its host
+/// transport (the communicator's unique id, the calls' agreement, the point-to-point
+/// announcements). [`ProcessGroup`](crate::ProcessGroup) implements it: the backend sits below
+/// the group and never names it.
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+pub(crate) trait NcclHost {
+    /// This rank's index in the group.
+    fn rank(&self) -> usize;
+    /// The number of members.
+    fn size(&self) -> usize;
+    /// This rank's global rank.
+    fn global_rank(&self) -> usize;
+    /// The members' global ranks, in group order.
+    fn members(&self) -> &[usize];
+    /// How long any wait may last.
+    fn timeout(&self) -> std::time::Duration;
+    /// The group's backend name.
+    fn backend(&self) -> &'static str;
+    /// The NCCL state attached to the group, if any.
+    fn nccl(&self) -> Option<&DeviceComm>;
+    /// Every member's `bytes`, in group order.
+    fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>>;
+    /// Group rank `root`'s `bytes`, on every member.
+    fn broadcast_bytes(&self, bytes: Vec<u8>, root: usize) -> Result<Vec<u8>>;
+    /// Sends host data to group rank `peer` under `tag`.
+    fn send_data(&self, data: burn::tensor::TensorData, peer: usize, tag: u64) -> Result<()>;
+    /// Receives host data from group rank `peer` under `tag`.
+    fn recv_data(&self, peer: usize, tag: u64) -> Result<burn::tensor::TensorData>;
+}
+
+/// Every member's `value`, in group order, over `host`'s transport.
+#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+fn all_gather_object<T: serde::Serialize + serde::de::DeserializeOwned>(
+    host: &dyn NcclHost,
+    value: &T,
+) -> Result<Vec<T>> {
+    let invalid = |reason: String| CollectiveError::InvalidArgument {
+        rank: host.global_rank(),
+        op: "all_gather_object".into(),
+        reason,
+    };
+    let bytes = serde_json::to_vec(value).map_err(|e| invalid(format!("serialising: {e}")))?;
+    host.all_gather_bytes(bytes)?
+        .iter()
+        .map(|b| serde_json::from_slice(b).map_err(|e| invalid(format!("deserialising: {e}"))))
+        .collect()
+}
+
+/// The NCCL state a [`ProcessGroup`](crate::ProcessGroup) carries: the group's communicator, created at its first
+/// device collective. [`ProcessGroup::split`](crate::ProcessGroup::split) gives a sub-group a fresh one.
 #[derive(Clone)]
 pub struct DeviceComm {
-    /// This rank's CUDA device index, given to [`attach`].
+    /// This rank's CUDA device index, given to [`attach`](crate::nccl::attach).
     #[cfg(feature = "nccl")]
     ordinal: usize,
     #[cfg(feature = "nccl")]
@@ -240,8 +208,7 @@ impl std::fmt::Debug for DeviceComm {
 }
 
 impl DeviceComm {
-    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
-    fn new(cuda_device: usize) -> Self {
+    pub(crate) fn new(cuda_device: usize) -> Self {
         let _ = cuda_device;
         Self {
             #[cfg(feature = "nccl")]
@@ -280,10 +247,9 @@ mod imp {
     use cudarc::driver::sys as cusys;
     use cudarc::nccl::sys;
 
-    use super::{BACKEND, NcclInfo};
+    use super::{BACKEND, NcclHost, NcclInfo};
     use crate::comm::nccl_lib::{self, Nccl};
     use crate::error::{CollectiveError, Result};
-    use crate::group::ProcessGroup;
 
     /// NCCL before 2.14 has no non-blocking communicators (needed to time out instead of hang).
     const MIN_VERSION: (u32, u32) = (2, 14);
@@ -437,7 +403,7 @@ mod imp {
     /// so every member joins).
     pub(crate) fn communicator(
         slot: &Mutex<Slot>,
-        group: &ProcessGroup,
+        group: &dyn NcclHost,
         ordinal: usize,
         op: &str,
     ) -> Result<Arc<Communicator>> {
@@ -481,7 +447,7 @@ mod imp {
     }
 
     impl Communicator {
-        fn create(group: &ProcessGroup, ordinal: usize) -> Result<Self> {
+        fn create(group: &dyn NcclHost, ordinal: usize) -> Result<Self> {
             let global_rank = group.global_rank();
             let op = format!("communicator creation ({} ranks)", group.size());
             let cuda = |what: &str, e: cu::DriverError| CollectiveError::Nccl {
@@ -774,10 +740,10 @@ pub(crate) mod device {
     use cudarc::nccl::sys;
 
     use super::imp::{self, Communicator, lock, ptr};
+    use super::{NcclHost, all_gather_object};
     use crate::comm::host::{ReduceOp, dtype_code, dtype_from_code};
     use crate::comm::nccl_lib::Nccl;
     use crate::error::{CollectiveError, Result};
-    use crate::group::ProcessGroup;
     use crate::kernels::cube::cublas::bind;
     use crate::kernels::cube::fusion::{from_cube, to_cube};
 
@@ -790,7 +756,7 @@ pub(crate) mod device {
 
     /// Whether tensors on `device` take the device path on `group` (NCCL attached, a CUDA
     /// device).
-    pub(crate) fn routes(group: &ProcessGroup, device: &Device) -> bool {
+    pub(crate) fn routes(group: &dyn NcclHost, device: &Device) -> bool {
         group.nccl().is_some() && cuda_ordinal(device).is_some()
     }
 
@@ -831,7 +797,7 @@ pub(crate) mod device {
     /// What a device collective works with: the communicator, the CUDA device, whether the
     /// input was an autodiff tensor, and its NCCL type.
     struct Ctx<'a> {
-        group: &'a ProcessGroup,
+        group: &'a dyn NcclHost,
         comm: &'a std::sync::Mutex<imp::Slot>,
         ordinal: usize,
         autodiff: bool,
@@ -841,7 +807,7 @@ pub(crate) mod device {
 
     /// Decides whether `tensor` takes the device path on `group`.
     fn route<'a, const D: usize>(
-        group: &'a ProcessGroup,
+        group: &'a dyn NcclHost,
         tensor: &Tensor<D>,
     ) -> Option<(Ctx<'a>, Tensor<D>)> {
         let slot = group.nccl()?;
@@ -878,9 +844,8 @@ pub(crate) mod device {
         /// Every member checks that the others call the same thing (`signature`) and learns
         /// their `sizes`, over the host transport.
         fn agree(&self, signature: &str, sizes: Vec<usize>) -> Result<Vec<Vec<usize>>> {
-            let all: Vec<(String, Vec<usize>)> = self
-                .group
-                .all_gather_object(&(signature.to_string(), sizes))?;
+            let all: Vec<(String, Vec<usize>)> =
+                all_gather_object(self.group, &(signature.to_string(), sizes))?;
             let mut out = Vec::with_capacity(all.len());
             for (k, (theirs, sizes)) in all.into_iter().enumerate() {
                 if theirs != signature {
@@ -902,7 +867,7 @@ pub(crate) mod device {
     }
 
     /// The contiguous CubeCL primitive of a (non-autodiff) CUDA tensor.
-    fn cube<const D: usize>(t: Tensor<D>, op: &str, group: &ProcessGroup) -> Result<CubeTensor> {
+    fn cube<const D: usize>(t: Tensor<D>, op: &str, group: &dyn NcclHost) -> Result<CubeTensor> {
         t.try_into_primitive::<Cube>()
             .map(|t| into_contiguous(to_cube(t)))
             .map_err(|e| CollectiveError::InvalidArgument {
@@ -938,7 +903,7 @@ pub(crate) mod device {
     fn with_bound<R>(
         tensors: &[&CubeTensor],
         op: &str,
-        group: &ProcessGroup,
+        group: &dyn NcclHost,
         f: impl FnOnce(&[u64]) -> Result<R>,
     ) -> Result<R> {
         let error = |what: &str, e: String| CollectiveError::Nccl {
@@ -962,7 +927,7 @@ pub(crate) mod device {
 
     /// All-reduce in device memory.
     pub(crate) fn all_reduce<const D: usize>(
-        group: &ProcessGroup,
+        group: &dyn NcclHost,
         t: Tensor<D>,
         op: ReduceOp,
     ) -> Result<Routed<Tensor<D>, D>> {
@@ -989,7 +954,7 @@ pub(crate) mod device {
 
     /// Broadcast from group rank `root` in device memory.
     pub(crate) fn broadcast<const D: usize>(
-        group: &ProcessGroup,
+        group: &dyn NcclHost,
         t: Tensor<D>,
         root: usize,
     ) -> Result<Routed<Tensor<D>, D>> {
@@ -1026,7 +991,7 @@ pub(crate) mod device {
 
     /// All-gather along `dim` in device memory (uneven sizes along `dim` allowed).
     pub(crate) fn all_gather<const D: usize>(
-        group: &ProcessGroup,
+        group: &dyn NcclHost,
         t: Tensor<D>,
         dim: usize,
     ) -> Result<Routed<Tensor<D>, D>> {
@@ -1162,7 +1127,7 @@ pub(crate) mod device {
     /// Reduce-scatter along `dim` in device memory: pieces (of `sizes` along `dim`) are
     /// flattened and padded to the largest, so one `ncclReduceScatter` serves uneven sizes.
     pub(crate) fn reduce_scatter<const D: usize>(
-        group: &ProcessGroup,
+        group: &dyn NcclHost,
         t: Tensor<D>,
         dim: usize,
         op: ReduceOp,
@@ -1224,7 +1189,7 @@ pub(crate) mod device {
 
     /// All-to-all along `dim` in device memory, from grouped send/recv.
     pub(crate) fn all_to_all<const D: usize>(
-        group: &ProcessGroup,
+        group: &dyn NcclHost,
         t: Tensor<D>,
         dim: usize,
         send_sizes: &[usize],
@@ -1333,7 +1298,7 @@ pub(crate) mod device {
     /// Sends a CUDA tensor to group rank `peer`: a host frame under `tag` announces it (dtype,
     /// shape, order), the data follows through NCCL. Completes when the peer has received it.
     pub(crate) fn send<const D: usize>(
-        group: &ProcessGroup,
+        group: &dyn NcclHost,
         t: Tensor<D>,
         peer: usize,
         tag: u64,
@@ -1372,7 +1337,7 @@ pub(crate) mod device {
     /// the sender announced a device send, from the host frame otherwise. `None` when the
     /// device path does not apply (no NCCL, or `device` is not a CUDA device).
     pub(crate) fn recv(
-        group: &ProcessGroup,
+        group: &dyn NcclHost,
         peer: usize,
         tag: u64,
         device: &Device,
@@ -1416,7 +1381,7 @@ pub(crate) mod device {
     /// Announces a device send to `peer` under `tag`: a host frame with the message's order
     /// between the two ranks, its dtype and its shape (NCCL's data follows).
     fn announce(
-        group: &ProcessGroup,
+        group: &dyn NcclHost,
         dtype: DType,
         shape: &[usize],
         peer: usize,
@@ -1440,7 +1405,7 @@ pub(crate) mod device {
     /// NCCL type and the shape, after checking the message's order; `None` when `data` is a
     /// host frame (the sender took the host path).
     fn device_header(
-        group: &ProcessGroup,
+        group: &dyn NcclHost,
         data: &TensorData,
         peer: usize,
         tag: u64,
@@ -1483,12 +1448,12 @@ pub(crate) mod device {
         Ok(Some((dtype, nccl, shape)))
     }
 
-    /// The exchange of a ring ([`ProcessGroup::send_recv`]): sends the CUDA tensor `t` to group
+    /// The exchange of a ring ([`ProcessGroup::send_recv`](crate::ProcessGroup::send_recv)): sends the CUDA tensor `t` to group
     /// rank `to` and receives one from group rank `from` under `tag`, the NCCL send and receive
     /// launched as one group so that a ring of them cannot deadlock. The caller checked that
     /// `t` routes to the device ([`routes`]) and that both peers are other ranks.
     pub(crate) fn send_recv<const D: usize>(
-        group: &ProcessGroup,
+        group: &dyn NcclHost,
         t: Tensor<D>,
         to: usize,
         from: usize,
