@@ -199,7 +199,7 @@ impl TrainDevice {
             TrainDevice::Cuda => {
                 use burn_parallel::cuda;
                 let (index, from) = cuda::local_device_index().map_err(|e| e.to_string())?;
-                cuda::cuda_device(index, from).map_err(|e| e.to_string())
+                cuda::cuda_device(index, &from).map_err(|e| e.to_string())
             }
         }
     }

@@ -13,6 +13,7 @@ use burn_parallel::checkpoint::{
     self, Checkpoint, CheckpointError, Checkpointer, ParamMap, merged_scalars,
 };
 use burn_parallel::nn::TpContext;
+use burn_parallel::precision::MixedPrecision;
 use burn_parallel::train::{
     OPTIM_SCALARS, SaveState, StepEngine, StepOutput, StepPhases, engine_states, run_micro_batches,
     saved_engine_states,
@@ -202,11 +203,18 @@ where
         let mut phases = StepPhases::default();
         let mut acc = GradientsAccumulator::<M>::new();
         let (zero, experts) = (&mut self.zero, &self.experts);
-        let local = run_micro_batches(micro_batches, &model, forward, &mut phases, |_, loss| {
-            let mut grads = GradientsParams::from_grads(loss.backward(), &model);
-            acc.accumulate(&model, experts.take_experts(&model, &mut grads));
-            zero.accumulate(&model, grads).map_err(zero_err)
-        })?;
+        let local = run_micro_batches(
+            micro_batches,
+            &model,
+            MixedPrecision::full(),
+            forward,
+            &mut phases,
+            |_, loss| {
+                let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+                acc.accumulate(&model, experts.take_experts(&model, &mut grads));
+                zero.accumulate(&model, grads).map_err(zero_err)
+            },
+        )?;
         let max_norm = self.zero.max_grad_norm();
         let experts = phases.time(
             |p| &mut p.reduce,

@@ -332,14 +332,12 @@ impl MoeStep {
         let n = micro_batches as f32;
         self.parallel
             .set_loss_scale(self.inner.loss_scale() as f32 / n);
-        // In fp32 the model itself (no copy: state a forward updates stays with it).
-        let precision = self.inner.precision();
-        let compute = (!precision.is_full()).then(|| self.inner.compute_model(&model));
         let mut phases = StepPhases::default();
         let mut acc = GradientsAccumulator::<M>::new();
         let local = run_micro_batches(
             micro_batches,
-            compute.as_ref().unwrap_or(&model),
+            &model,
+            self.inner.precision(),
             forward,
             &mut phases,
             |_, loss| {
@@ -348,7 +346,6 @@ impl MoeStep {
                 Ok(())
             },
         )?;
-        drop(compute);
         Ok(self.finish(model, local, acc.grads(), optim, lr, phases)?)
     }
 

@@ -43,6 +43,22 @@ pub enum CudaError {
         /// `CUDA_VISIBLE_DEVICES` as read (`unset` when it is not).
         visible: String,
     },
+    /// The local rank names a device beyond those `CUDA_VISIBLE_DEVICES` lists.
+    #[error(
+        "CUDA device {index} was asked for ({source_var}) but CUDA_VISIBLE_DEVICES={visible} \
+         lists {listed} device(s) for this process: list one device per process (then it is \
+         device 0), or all the node's devices, or start at most {listed} ranks per node"
+    )]
+    NotVisible {
+        /// The index asked for.
+        index: usize,
+        /// Where the index came from.
+        source_var: String,
+        /// How many devices the variable lists.
+        listed: usize,
+        /// The variable's value.
+        visible: String,
+    },
     /// A launcher variable that should hold a device index does not.
     #[error("{var}={value:?} is not a device index: set it to 0, 1, ...")]
     BadIndex {
@@ -53,31 +69,66 @@ pub enum CudaError {
     },
 }
 
-/// The index of this process's device on its node, and where it was read: `LOCAL_RANK`
-/// (burnrun, torchrun), else `SLURM_LOCALID` (srun), else 0.
+/// The index of this process's CUDA device, and where it was read: the one place the trainers
+/// and the NCCL backend ([`crate::nccl::init_from_env`]) choose it, so that tensors and the
+/// communicator land on the same device.
+///
+/// - The node-local rank: `LOCAL_RANK` (burnrun, torchrun), else `SLURM_LOCALID` (srun), else
+///   0.
+/// - `CUDA_VISIBLE_DEVICES`, when set, renumbers what the process sees: with one device listed
+///   (one GPU per task, as `srun --gpus-per-task=1` or a per-rank launcher sets it) the index is
+///   0 whatever the local rank; with several, the local rank must be one of them.
 ///
 /// # Errors
-/// [`CudaError::BadIndex`] when the variable is set to something that is not an index.
+/// [`CudaError::BadIndex`] when a variable holds something that is not an index;
+/// [`CudaError::NotVisible`] when the local rank is beyond the devices
+/// `CUDA_VISIBLE_DEVICES` lists.
 ///
 /// # Example
 /// ```
 /// let (index, _from) = burn_parallel::cuda::local_device_index().unwrap();
 /// assert!(index < 1 << 16);
 /// ```
-pub fn local_device_index() -> Result<(usize, &'static str), CudaError> {
-    for var in ["LOCAL_RANK", "SLURM_LOCALID"] {
-        if let Ok(value) = std::env::var(var) {
-            return value
-                .trim()
-                .parse()
-                .map(|i| (i, var))
-                .map_err(|_| CudaError::BadIndex { var, value });
+pub fn local_device_index() -> Result<(usize, String), CudaError> {
+    device_index_from(|var| std::env::var(var).ok())
+}
+
+/// [`local_device_index`] from the variables `var` gives.
+fn device_index_from(var: impl Fn(&str) -> Option<String>) -> Result<(usize, String), CudaError> {
+    let mut local = (
+        0,
+        "the default, as neither LOCAL_RANK nor SLURM_LOCALID is set".to_string(),
+    );
+    for name in ["LOCAL_RANK", "SLURM_LOCALID"] {
+        if let Some(value) = var(name) {
+            let index = value.trim().parse().map_err(|_| CudaError::BadIndex {
+                var: name,
+                value: value.clone(),
+            })?;
+            local = (index, format!("{name}={index}"));
+            break;
         }
     }
-    Ok((
-        0,
-        "the default, as neither LOCAL_RANK nor SLURM_LOCALID is set",
-    ))
+    let Some(visible) = var("CUDA_VISIBLE_DEVICES").filter(|v| !v.trim().is_empty()) else {
+        return Ok(local);
+    };
+    let listed = visible.split(',').filter(|d| !d.trim().is_empty()).count();
+    match listed {
+        1 => Ok((
+            0,
+            format!("CUDA_VISIBLE_DEVICES={visible}, one device for this process"),
+        )),
+        n if local.0 < n => Ok((
+            local.0,
+            format!("{} of CUDA_VISIBLE_DEVICES={visible}", local.1),
+        )),
+        n => Err(CudaError::NotVisible {
+            index: local.0,
+            source_var: local.1,
+            listed: n,
+            visible,
+        }),
+    }
 }
 
 /// How many CUDA devices the driver sees, after checking that it loads and initialises.
@@ -193,5 +244,57 @@ mod tests {
         } else {
             assert_eq!(device_count(), Err(CudaError::NotBuilt));
         }
+    }
+
+    fn index(vars: &[(&str, &str)]) -> Result<(usize, String), CudaError> {
+        device_index_from(|name| {
+            vars.iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| v.to_string())
+        })
+    }
+
+    #[test]
+    fn the_device_follows_the_launcher_and_the_visible_devices() {
+        assert_eq!(index(&[]).unwrap().0, 0);
+        assert_eq!(index(&[("LOCAL_RANK", "3")]).unwrap().0, 3);
+        // srun: SLURM_LOCALID, LOCAL_RANK first when both are set.
+        assert_eq!(index(&[("SLURM_LOCALID", "2")]).unwrap().0, 2);
+        assert_eq!(
+            index(&[("LOCAL_RANK", "1"), ("SLURM_LOCALID", "2")])
+                .unwrap()
+                .0,
+            1
+        );
+        // One GPU per task: the one visible device is device 0, whatever the local rank.
+        let (i, from) = index(&[("SLURM_LOCALID", "3"), ("CUDA_VISIBLE_DEVICES", "3")]).unwrap();
+        assert_eq!(i, 0);
+        assert!(from.contains("CUDA_VISIBLE_DEVICES=3"), "{from}");
+        // All the node's devices visible: the local rank picks one.
+        let all = [("LOCAL_RANK", "2"), ("CUDA_VISIBLE_DEVICES", "0,1,2,3")];
+        assert_eq!(index(&all).unwrap().0, 2);
+    }
+
+    #[test]
+    fn a_device_the_process_cannot_see_is_a_typed_error() {
+        match index(&[("LOCAL_RANK", "2"), ("CUDA_VISIBLE_DEVICES", "0,1")]) {
+            Err(
+                e @ CudaError::NotVisible {
+                    index: 2,
+                    listed: 2,
+                    ..
+                },
+            ) => {
+                assert!(e.to_string().contains("LOCAL_RANK=2"), "{e}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(
+            index(&[("SLURM_LOCALID", "x")]),
+            Err(CudaError::BadIndex {
+                var: "SLURM_LOCALID",
+                ..
+            })
+        ));
     }
 }

@@ -10,8 +10,9 @@ use crate::error::{CollectiveError, Result};
 use crate::group::ProcessGroup;
 
 /// Forms the world from the environment of `burnrun`, torchrun or SLURM (as
-/// [`crate::world::init_from_env`]) and attaches NCCL to it on CUDA device `LOCAL_RANK`
-/// (0 when the launcher does not say).
+/// [`crate::world::init_from_env`]) and attaches NCCL to it on this process's CUDA device
+/// ([`crate::cuda::local_device_index`]: `LOCAL_RANK` or `SLURM_LOCALID`, renumbered by
+/// `CUDA_VISIBLE_DEVICES`; the device the trainers put their tensors on).
 ///
 /// # Returns
 /// The world group: host frames over `tcp`, CUDA tensors through NCCL.
@@ -22,9 +23,14 @@ pub fn init_from_env() -> Result<ProcessGroup> {
     if !BUILT {
         return Err(not_built());
     }
-    let env = crate::comm::tcp::env::LaunchEnv::from_env()?;
+    // The device the trainers take too (`LOCAL_RANK`, `SLURM_LOCALID`, `CUDA_VISIBLE_DEVICES`).
+    let (device, _) =
+        crate::cuda::local_device_index().map_err(|e| CollectiveError::BackendUnavailable {
+            backend: BACKEND.into(),
+            reason: e.to_string(),
+        })?;
     let world = crate::world::init_from_env()?;
-    attach(world, env.local_rank.unwrap_or(0))
+    attach(world, device)
 }
 
 /// Attaches NCCL to `group`: every member checks that NCCL can run on its CUDA device, the

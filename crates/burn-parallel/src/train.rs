@@ -77,9 +77,12 @@ pub struct StepOutput {
 }
 
 /// The micro-batch loop of a [`StepEngine`]'s step: for each micro-batch `k`, the forward
-/// (`forward(compute, k)`, the mean loss of micro-batch `k` on the module the forward runs on)
-/// timed as [`StepPhases::forward`], then `backward(k, loss)` (scale, backward, accumulate)
-/// timed as [`StepPhases::backward`].
+/// (`forward(module, k)`, the mean loss of micro-batch `k`) timed as [`StepPhases::forward`],
+/// then `backward(k, loss)` (scale, backward, accumulate) timed as [`StepPhases::backward`].
+/// The forward runs on `model` in fp32, and on a fresh compute copy of it under a
+/// low-precision `precision` ([`MixedPrecision::compute_copy`]): the copy's casts belong to
+/// that micro-batch's graph, which its backward consumes (Burn keeps no graph for a second
+/// backward), and their gradients land on `model`'s fp32 parameters.
 ///
 /// # Returns
 /// The mean of the micro-batches' losses on this rank.
@@ -89,19 +92,21 @@ pub struct StepOutput {
 ///
 /// ```
 /// use burn::tensor::{Device, Tensor};
+/// use burn_parallel::precision::MixedPrecision;
 /// use burn_parallel::train::{StepPhases, run_micro_batches};
 ///
 /// let device = Device::flex();
 /// let mut phases = StepPhases::default();
 /// let mut forward = |x: &Tensor<1>, k: usize| Ok::<_, String>(x.clone() * (k as f32 + 1.0));
 /// let mut seen = Vec::new();
-/// let mean = run_micro_batches(2, &Tensor::<1>::ones([1], &device), &mut forward,
-///     &mut phases, |k, _loss| { seen.push(k); Ok(()) }).unwrap();
+/// let mean = run_micro_batches(2, &Tensor::<1>::ones([1], &device), MixedPrecision::full(),
+///     &mut forward, &mut phases, |k, _loss| { seen.push(k); Ok(()) }).unwrap();
 /// assert_eq!((mean, seen), (1.5, vec![0, 1]));
 /// ```
-pub fn run_micro_batches<M, E>(
+pub fn run_micro_batches<M: Module, E>(
     micro_batches: usize,
-    compute: &M,
+    model: &M,
+    precision: MixedPrecision,
     forward: &mut dyn FnMut(&M, usize) -> std::result::Result<Tensor<1>, E>,
     phases: &mut StepPhases,
     mut backward: impl FnMut(usize, Tensor<1>) -> std::result::Result<(), E>,
@@ -111,7 +116,9 @@ pub fn run_micro_batches<M, E>(
         let loss = phases.time(
             |p| &mut p.forward,
             || {
-                let loss = forward(compute, k)?;
+                // In fp32 the model itself (no copy: state a forward updates stays with it).
+                let copy = (!precision.is_full()).then(|| precision.compute_copy(model));
+                let loss = forward(copy.as_ref().unwrap_or(model), k)?;
                 local += f64::from(loss.clone().into_scalar::<f32>());
                 Ok::<_, E>(loss)
             },
@@ -1155,8 +1162,6 @@ impl TrainStep {
                 return self.step_overlapped(overlap, model, |m| forward(m, 0), optim, lr);
             }
         }
-        // In fp32 the model itself (no copy: state a forward updates stays with it).
-        let compute = (!self.precision.is_full()).then(|| self.compute_model(&model));
         let mut acc = GradientsAccumulator::<M>::new();
         // No-sync FSDP: the units communicate in the last micro-batch's backward only (and the
         // switch is back on however the loop ends).
@@ -1175,7 +1180,8 @@ impl TrainStep {
         };
         let local = run_micro_batches(
             micro_batches,
-            compute.as_ref().unwrap_or(&model),
+            &model,
+            self.precision,
             &mut forward,
             &mut phases,
             |_, loss| {
@@ -1184,7 +1190,7 @@ impl TrainStep {
                 Ok(())
             },
         )?;
-        drop((compute, no_sync));
+        drop(no_sync);
         Ok(self.finish(model, local, acc.grads(), optim, lr, phases)?)
     }
 

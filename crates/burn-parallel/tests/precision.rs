@@ -90,6 +90,45 @@ fn bf16_compute_tracks_fp32_with_fp32_master_weights() {
     );
 }
 
+/// Accumulation under mixed precision: every micro-batch's forward runs on a compute copy of its
+/// own (a copy shared by two micro-batches would have its casts' graph consumed by the first
+/// backward, and the second would panic in Burn's autodiff). Two micro-batches of two rows
+/// each give the step of the four rows at once, up to bf16's rounding.
+#[test]
+fn bf16_accumulation_casts_a_compute_copy_per_micro_batch() {
+    let device = Device::flex().autodiff();
+    let step = TrainStep::new(TpContext::single()).with_precision(MixedPrecision::bf16());
+    let run = |micro: usize| {
+        let mut model = model(&device);
+        let mut optim = AdamWConfig::new().init();
+        let mut losses = Vec::new();
+        for i in 0..5 {
+            let x = batch(i, 0, &device).cast(DType::BF16);
+            let rows = 4 / micro;
+            let mut forward = |m: &Linear, k: usize| {
+                let x = x.clone().narrow(0, k * rows, rows);
+                m.forward(x).map(|y| y.powi_scalar(2).mean())
+            };
+            let (next, out) = step
+                .step_accumulated(model, micro, &mut forward, &mut optim, 1e-2)
+                .unwrap();
+            model = next;
+            losses.push(out.loss);
+        }
+        assert_eq!(model.weight.val().dtype(), DType::F32);
+        (
+            losses,
+            model.weight.val().into_data().try_to_vec::<f32>().unwrap(),
+        )
+    };
+    let (whole, whole_w) = run(1);
+    let (accumulated, w) = run(2);
+    assert!(
+        max_rel(&accumulated, &whole) < 1e-2 && max_rel(&w, &whole_w) < 1e-2,
+        "2 micro-batches {accumulated:?} against one batch {whole:?}"
+    );
+}
+
 #[test]
 fn data_parallel_bf16_averages_in_the_chosen_dtype() {
     // Two ranks on half batches each against one rank on both halves is not the same batch;

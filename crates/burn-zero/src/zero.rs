@@ -1625,10 +1625,17 @@ where
             )));
         }
         let mut phases = StepPhases::default();
-        let local = run_micro_batches(micro_batches, &model, forward, &mut phases, |_, loss| {
-            let grads = GradientsParams::from_grads(self.scaled_loss(loss).backward(), &model);
-            Ok(self.accumulate(&model, grads)?)
-        })?;
+        let local = run_micro_batches(
+            micro_batches,
+            &model,
+            MixedPrecision::full(),
+            forward,
+            &mut phases,
+            |_, loss| {
+                let grads = GradientsParams::from_grads(self.scaled_loss(loss).backward(), &model);
+                Ok(self.accumulate(&model, grads)?)
+            },
+        )?;
         let (model, info) = phases.time(|p| &mut p.optimizer, || self.step(lr, model))?;
         let loss = self.groups().mean(local)?;
         Ok((
