@@ -53,7 +53,7 @@ pub fn init_from_env() -> Result<ProcessGroup> {
 ///
 /// # Example
 /// ```
-/// use burn_parallel::{comm::nccl, run_local};
+/// use burn_parallel::{nccl, run_local};
 ///
 /// // Two thread ranks, rank r on CUDA device r. Without the `nccl` feature, a GPU per rank or
 /// // libnccl, every rank gets the same typed error, at once.
