@@ -123,8 +123,11 @@ pub struct MoeParallel {
     pub experts: ExpertParams,
     /// The state and bias update rate of every layer built with this value, in build order,
     /// for [`Self::set_loss_scale`] and the bias methods.
-    layers: Arc<Mutex<Vec<(Arc<Mutex<State>>, f32)>>>,
+    layers: Arc<Mutex<Vec<Registered>>>,
 }
+
+/// A layer in a [`MoeParallel`]'s registry: its state and its bias update rate.
+type Registered = (Arc<Mutex<State>>, f32);
 
 impl MoeParallel {
     /// Sets the loss scale of every MoE layer built with this value
