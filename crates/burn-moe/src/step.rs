@@ -304,8 +304,9 @@ impl MoeStep {
     /// One optimizer step over `micro_batches` micro-batches (gradient accumulation, as
     /// [`TrainStep::step_accumulated`]): the MoE layers' loss scale set to the inner step's
     /// divided by `micro_batches` ([`MoeParallel::set_loss_scale`]), each micro-batch's forward
-    /// (`forward(model, k)`, the mean loss of micro-batch `k`) on the inner step's compute copy
-    /// ([`TrainStep::compute_model`]), the backward of its loss divided by `micro_batches` and
+    /// (`forward(model, k)`, the mean loss of micro-batch `k`) on a compute copy of its own
+    /// under the inner step's precision ([`burn_parallel::train::run_micro_batches`]), the
+    /// backward of its loss divided by `micro_batches` and
     /// scaled ([`TrainStep::scaled_loss`]), the gradients summed, then [`Self::reduce_scaled`]
     /// and the optimizer step unless the gradients overflowed ([`StepOutput::skipped`]). Mixed
     /// precision and fp16's dynamic loss scaling work as under [`TrainStep::step_with`]; the
