@@ -146,7 +146,7 @@ pub(crate) fn connect(host: &dyn NcclHost) -> Result<()> {
 /// transport (the communicator's unique id, the calls' agreement, the point-to-point
 /// announcements). [`ProcessGroup`](crate::ProcessGroup) implements it: the backend sits below
 /// the group and never names it.
-#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+#[cfg_attr(not(all(feature = "nccl", feature = "cuda")), allow(dead_code))]
 pub(crate) trait NcclHost {
     /// This rank's index in the group.
     fn rank(&self) -> usize;
@@ -173,7 +173,7 @@ pub(crate) trait NcclHost {
 }
 
 /// Every member's `value`, in group order, over `host`'s transport.
-#[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+#[cfg_attr(not(all(feature = "nccl", feature = "cuda")), allow(dead_code))]
 fn all_gather_object<T: serde::Serialize + serde::de::DeserializeOwned>(
     host: &dyn NcclHost,
     value: &T,
