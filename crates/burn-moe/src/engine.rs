@@ -267,13 +267,8 @@ where
         state: SaveState,
     ) -> checkpoint::Result<()> {
         let zero_err = |e: burn_zero::ZeroError| CheckpointError::piece("zero", e.to_string());
-        let (tp, copies) = (self.zero.tp_context(), self.zero.copies());
-        let mut pieces = self
-            .zero
-            .checkpoint_params(model, &tp, copies)
-            .map_err(zero_err)?;
-        let (more, scalars) = self.zero.checkpoint_state(&tp, copies).map_err(zero_err)?;
-        pieces.extend(more);
+        let tp = self.zero.tp_context();
+        let (mut pieces, scalars) = self.zero.checkpoint_pieces(model).map_err(zero_err)?;
         let mut scalars = serde_json::to_value(scalars).unwrap_or(Value::Null);
         let map = self.expert_part(ParamMap::new(model, &tp, None)?)?;
         pieces.extend(map.param_pieces(model)?);

@@ -772,6 +772,27 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         )
     }
 
+    /// This rank's share of a checkpoint of the flat space, under the tensor-parallel context
+    /// and the replicas the optimizer was built with: [`Self::checkpoint_params`] and
+    /// [`Self::checkpoint_state`] together, and the state's scalars (what its
+    /// [`StepEngine::save`] writes).
+    ///
+    /// # Errors
+    /// As [`Self::checkpoint_params`] and [`Self::checkpoint_state`].
+    pub fn checkpoint_pieces<M: Module>(
+        &self,
+        module: &M,
+    ) -> Result<(
+        Vec<burn_parallel::checkpoint::Piece>,
+        burn_parallel::checkpoint::ScalarsByLogical,
+    )> {
+        let (tp, copies) = (self.tp_context(), self.copies());
+        let mut pieces = self.checkpoint_params(module, &tp, copies)?;
+        let (state, scalars) = self.checkpoint_state(&tp, copies)?;
+        pieces.extend(state);
+        Ok((pieces, scalars))
+    }
+
     /// This rank's shard of the parameters, in fp32, as pieces of a distributed checkpoint
     /// named by logical parameter (see [`crate::dcp`]): the master shard under mixed
     /// precision, the module's own values in fp32. The shard ranks together write every
@@ -1660,14 +1681,7 @@ where
         model: &M,
         state: SaveState,
     ) -> checkpoint::Result<()> {
-        let (tp, copies) = (self.tp_context(), self.copies());
-        let mut pieces = self
-            .checkpoint_params(model, &tp, copies)
-            .map_err(into_checkpoint)?;
-        let (more, scalars) = self
-            .checkpoint_state(&tp, copies)
-            .map_err(into_checkpoint)?;
-        pieces.extend(more);
+        let (pieces, scalars) = self.checkpoint_pieces(model).map_err(into_checkpoint)?;
         let scaler = self.scaler().map(LossScaler::state);
         let (trainer, rank) = engine_states(state, scaler, &scalars);
         saver.submit(step, pieces, trainer, rank)
