@@ -8,7 +8,8 @@
 //! collective on CUDA tensors (all-reduce, all-gather even and uneven, reduce-scatter even and
 //! uneven, broadcast, all-to-all, send/recv) matches the host path, sub-groups get their own
 //! communicators, a mismatched call is an error, and the GPT under DDP and TP on an NCCL group
-//! matches single-device training. Without a device these print a "skipped" notice.
+//! matches single-device training. Without a device these print a visible `SKIPPED` line, and
+//! fail instead where `BURN_PARALLEL_REQUIRE_CUDA=1` (a GPU host).
 
 use burn_parallel::CollectiveError;
 use burn_parallel::nccl;
@@ -42,13 +43,24 @@ fn without_the_feature_the_nccl_backend_says_to_rebuild() {
     }
 }
 
-/// What this machine lacks for NCCL, if anything.
+/// NCCL on this machine, or `None` after a visible `SKIPPED test: reason` line (past libtest's
+/// capture, so that a CI log shows it) when it lacks a CUDA device or `libnccl`. With
+/// `BURN_PARALLEL_REQUIRE_CUDA` set (a GPU host), a missing piece fails the test instead.
+///
+/// # Panics
+/// When `BURN_PARALLEL_REQUIRE_CUDA` is set and NCCL cannot run here.
 #[cfg(all(feature = "nccl", feature = "cuda"))]
 fn nccl_or_skip(test: &str) -> Option<nccl::NcclInfo> {
     match nccl::probe(0) {
         Ok(info) => Some(info),
+        Err(e) if std::env::var_os("BURN_PARALLEL_REQUIRE_CUDA").is_some() => {
+            panic!("BURN_PARALLEL_REQUIRE_CUDA is set but {e}")
+        }
         Err(e) => {
-            eprintln!("{test}: skipped: no CUDA device/libnccl here ({e})");
+            tests::visible_notice(&format!(
+                "SKIPPED {test}: no CUDA device/libnccl here ({e}); set \
+                 BURN_PARALLEL_REQUIRE_CUDA=1 to fail instead"
+            ));
             None
         }
     }
