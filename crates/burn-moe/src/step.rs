@@ -374,8 +374,9 @@ impl MoeStep {
         self.finish(model, local, grads, optim, lr, phases)
     }
 
-    /// The end of every step: the loss averaged over the data-parallel ranks,
-    /// [`Self::reduce_scaled`], and the update unless the gradients overflowed.
+    /// The end of every step ([`TrainStep::finish_with`]): the loss averaged over the
+    /// data-parallel ranks, [`Self::reduce_scaled`], and the update unless the gradients
+    /// overflowed.
     fn finish<M: Module>(
         &self,
         model: M,
@@ -383,33 +384,12 @@ impl MoeStep {
         grads: GradientsParams,
         optim: &mut ModuleOptimizer,
         lr: f64,
-        mut phases: StepPhases,
+        phases: StepPhases,
     ) -> Result<(M, StepOutput)> {
-        let reduced = phases.time(
-            |p| &mut p.reduce,
-            || -> Result<(f32, Reduced)> {
-                let loss_avg = match &self.parallel.dp {
-                    Some(dp) => dp.all_reduce_f32(vec![local], ReduceOp::Avg)?[0],
-                    None => local,
-                };
-                Ok((loss_avg, self.reduce_scaled(&model, grads)?))
-            },
-        );
-        let (loss_avg, reduced) = reduced?;
-        let grad_norm = reduced.grad_norm;
-        let (model, skipped) = phases.time(
-            |p| &mut p.optimizer,
-            || self.inner.apply(model, reduced, optim, lr),
-        );
-        Ok((
-            model,
-            StepOutput {
-                loss: loss_avg,
-                grad_norm,
-                skipped,
-                phases,
-            },
-        ))
+        let reduce = |m: &M| self.reduce_scaled(m, grads);
+        let loss = (local, self.parallel.dp.as_ref());
+        self.inner
+            .finish_with(model, loss, reduce, optim, lr, phases)
     }
 
     /// The inner step (the layout of every gradient but the experts', precision, scaler).

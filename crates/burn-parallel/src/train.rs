@@ -954,35 +954,52 @@ impl TrainStep {
         grads: GradientsParams,
         optim: &mut ModuleOptimizer,
         lr: f64,
-        mut phases: StepPhases,
+        phases: StepPhases,
     ) -> Result<(M, StepOutput)> {
+        let group = self.ddp.as_ref().map(DistributedDataParallel::group);
+        let reduce = |m: &M| self.reduce_scaled(m, grads);
+        self.finish_with(model, (local_loss, group), reduce, optim, lr, phases)
+    }
+
+    /// The end of a step once its backward ran, shared by every step built on this one
+    /// (`burn_moe::MoeStep` too): `local_loss` averaged over `loss_group` (`None`: one rank)
+    /// and `reduce` (the gradients reduced, unscaled, checked and clipped), timed as
+    /// [`StepPhases::reduce`]; then [`Self::apply`], timed as [`StepPhases::optimizer`].
+    ///
+    /// # Errors
+    /// The loss average's collective error; `reduce`'s error.
+    pub fn finish_with<M: Module, E: From<crate::CollectiveError>>(
+        &self,
+        model: M,
+        (local_loss, loss_group): (f32, Option<&ProcessGroup>),
+        reduce: impl FnOnce(&M) -> std::result::Result<Reduced, E>,
+        optim: &mut ModuleOptimizer,
+        lr: f64,
+        mut phases: StepPhases,
+    ) -> std::result::Result<(M, StepOutput), E> {
         let reduced = phases.time(
             |p| &mut p.reduce,
-            || -> Result<(f32, Reduced)> {
-                let loss_avg = match &self.ddp {
-                    Some(ddp) => ddp
-                        .group()
-                        .all_reduce_f32(vec![local_loss], ReduceOp::Avg)?[0],
+            || -> std::result::Result<(f32, Reduced), E> {
+                let loss_avg = match loss_group {
+                    Some(group) => group.all_reduce_f32(vec![local_loss], ReduceOp::Avg)?[0],
                     None => local_loss,
                 };
-                Ok((loss_avg, self.reduce_scaled(&model, grads)?))
+                Ok((loss_avg, reduce(&model)?))
             },
         );
-        let (loss_avg, reduced) = reduced?;
+        let (loss, reduced) = reduced?;
         let grad_norm = reduced.grad_norm;
         let (model, skipped) = phases.time(
             |p| &mut p.optimizer,
             || self.apply(model, reduced, optim, lr),
         );
-        Ok((
-            model,
-            StepOutput {
-                loss: loss_avg,
-                grad_norm,
-                skipped,
-                phases,
-            },
-        ))
+        let out = StepOutput {
+            loss,
+            grad_norm,
+            skipped,
+            phases,
+        };
+        Ok((model, out))
     }
 
     /// One step whose forward is `forward`, run on the model it is given: with
@@ -1063,30 +1080,14 @@ impl TrainStep {
         )?;
         phases.time(|p| &mut p.backward, || pending.backward(loss));
         drop(hooked);
-        let reduced = phases.time(
-            |p| &mut p.reduce,
-            || -> Result<(f32, Reduced)> {
-                // On the group itself: the buckets travel on a sub-group of their own meanwhile.
-                let loss_avg = overlap.group().all_reduce_f32(vec![local], ReduceOp::Avg)?[0];
-                let grads = pending.finish(&model)?;
-                Ok((loss_avg, self.reduce_all(&model, grads, false)?))
-            },
-        );
-        let (loss_avg, reduced) = reduced?;
-        let grad_norm = reduced.grad_norm;
-        let (model, skipped) = phases.time(
-            |p| &mut p.optimizer,
-            || self.apply(model, reduced, optim, lr),
-        );
-        Ok((
-            model,
-            StepOutput {
-                loss: loss_avg,
-                grad_norm,
-                skipped,
-                phases,
-            },
-        ))
+        // The loss on the group itself: the buckets travel on a sub-group of their own
+        // meanwhile.
+        let reduce = |m: &M| -> std::result::Result<Reduced, E> {
+            let grads = pending.finish(m)?;
+            Ok(self.reduce_all(m, grads, false)?)
+        };
+        let loss = (local, Some(overlap.group()));
+        self.finish_with(model, loss, reduce, optim, lr, phases)
     }
 
     /// One optimizer step over `micro_batches` micro-batches (gradient accumulation):

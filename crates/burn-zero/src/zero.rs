@@ -645,7 +645,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
 
     /// `(ranks holding this same shard, this rank's index among them)`: the replicas of hybrid
     /// sharding, `(1, 0)` otherwise.
-    pub fn copies(&self) -> (usize, usize) {
+    fn copies(&self) -> (usize, usize) {
         self.groups
             .replicate()
             .map_or((1, 0), |r| (r.size(), r.rank()))

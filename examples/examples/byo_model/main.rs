@@ -230,13 +230,7 @@ fn run_rank_pipeline(
     let names = |stage: &model::Stage, path: &str| stage.flat_path(path);
     let checkpoint_error = |e: burn_parallel::checkpoint::CheckpointError| invalid(&world, e);
     let mut first = 0;
-    if let Some(dir) = &args.resume {
-        let Some(checkpoint) = Checkpointer::latest(dir).map_err(checkpoint_error)? else {
-            return Err(invalid(
-                &world,
-                format!("no complete checkpoint under {}", dir.display()),
-            ));
-        };
+    if let Some(checkpoint) = resume_from(args, &world)? {
         updater
             .load(&checkpoint, &mut stages, &names)
             .map_err(checkpoint_error)?;
@@ -283,6 +277,26 @@ fn invalid(world: &ProcessGroup, reason: impl std::fmt::Display) -> burn_paralle
         rank: world.global_rank(),
         op: "byo_model".into(),
         reason: reason.to_string(),
+    }
+}
+
+/// `--resume DIR`: the newest complete checkpoint under `DIR` (`None` without the flag).
+///
+/// # Errors
+/// A directory holding no complete checkpoint, or one that cannot be read.
+fn resume_from(
+    args: &Args,
+    world: &ProcessGroup,
+) -> burn_parallel::Result<Option<burn_parallel::checkpoint::Checkpoint>> {
+    let Some(dir) = &args.resume else {
+        return Ok(None);
+    };
+    match Checkpointer::latest(dir).map_err(|e| invalid(world, e))? {
+        Some(checkpoint) => Ok(Some(checkpoint)),
+        None => Err(invalid(
+            world,
+            format!("no complete checkpoint under {}", dir.display()),
+        )),
     }
 }
 
@@ -448,13 +462,7 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
     };
     let checkpoint_error = |e: burn_parallel::checkpoint::CheckpointError| invalid(&world, e);
     let mut first = 0;
-    if let Some(dir) = &args.resume {
-        let Some(checkpoint) = Checkpointer::latest(dir).map_err(checkpoint_error)? else {
-            return Err(invalid(
-                &world,
-                format!("no complete checkpoint under {}", dir.display()),
-            ));
-        };
+    if let Some(checkpoint) = resume_from(args, &world)? {
         (model, _) = engine.load(&checkpoint, model).map_err(checkpoint_error)?;
         first = checkpoint.step();
     }
