@@ -493,7 +493,7 @@ impl ModuleVisitor for Register<'_> {
 }
 
 /// The device of the first trainable parameter (where its gradient lives).
-struct FirstDevice(Option<burn::tensor::Device>);
+pub(crate) struct FirstDevice(pub(crate) Option<burn::tensor::Device>);
 
 impl ModuleVisitor for FirstDevice {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {

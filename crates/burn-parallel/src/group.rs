@@ -87,6 +87,9 @@ pub struct ProcessGroup {
     /// Take the tensor-level paths even where the transport stages tensors through host memory
     /// ([`ProcessGroup::with_tensor_path`]); inherited by sub-groups.
     tensor_path: bool,
+    /// The communication thread of the asynchronous collectives ([`crate::work`]), started at
+    /// the first; shared by clones, not by sub-groups.
+    lane: crate::work::LaneSlot,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -120,6 +123,7 @@ impl ProcessGroup {
             registry: Arc::new(Mutex::new(HashMap::new())),
             nccl: None,
             tensor_path: false,
+            lane: Default::default(),
         }
     }
 
@@ -212,6 +216,11 @@ impl ProcessGroup {
         self
     }
 
+    /// The slot of the group's asynchronous lane ([`crate::work`]).
+    pub(crate) fn lane_slot(&self) -> &crate::work::LaneSlot {
+        &self.lane
+    }
+
     /// The timeout applied to every wait of this group.
     pub fn timeout(&self) -> Duration {
         self.timeout
@@ -294,6 +303,7 @@ impl ProcessGroup {
             registry: self.registry.clone(),
             nccl: self.nccl.as_ref().map(|nccl| nccl.for_subgroup()),
             tensor_path: self.tensor_path,
+            lane: Default::default(),
         })
     }
 

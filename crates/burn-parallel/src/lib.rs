@@ -61,3 +61,5 @@ pub mod planner;
 pub mod precision;
 pub mod threads;
 pub mod train;
+pub mod work;
+pub use work::Work;

@@ -95,12 +95,14 @@ use burn::optim::GradientsParams;
 use burn::tensor::{DType, Device, Tensor, TensorData};
 use half::{bf16, f16};
 
+use crate::autograd::GradDispatch;
 use crate::comm::host::ReduceOp;
 use crate::ddp::{
-    DEFAULT_BUCKET_BYTES, DistributedDataParallel, ParamLister, numel_of, plan_buckets,
+    DEFAULT_BUCKET_BYTES, DistributedDataParallel, FirstDevice, ParamLister, numel_of, plan_buckets,
 };
 use crate::error::{CollectiveError, Result};
 use crate::group::{ProcessGroup, tensor_from_data};
+use crate::work::Work;
 
 /// What a gradient hook is told when its backward step runs.
 #[derive(Debug)]
@@ -109,14 +111,27 @@ pub struct HookEvent {
     pub order: usize,
     /// The gradient on the host, for a hook made with [`GradHook::take`].
     pub grad: Option<TensorData>,
+    /// The gradient on its device, flattened, for a hook made with [`GradHook::take_on_device`].
+    pub tensor: Option<Tensor<1>>,
 }
 
 /// A callback run by the backward step of [`grad_hook`].
 #[derive(Clone)]
 pub struct GradHook {
     name: &'static str,
-    take: bool,
+    take: Take,
     f: Arc<dyn Fn(HookEvent) + Send + Sync>,
+}
+
+/// What a [`GradHook`] does with the gradient.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Take {
+    /// Passes it on.
+    No,
+    /// Takes it, read to the host.
+    Host,
+    /// Takes it, on its device.
+    Device,
 }
 
 impl GradHook {
@@ -129,7 +144,7 @@ impl GradHook {
     pub fn observe(name: &'static str, f: impl Fn(HookEvent) + Send + Sync + 'static) -> Self {
         Self {
             name,
-            take: false,
+            take: Take::No,
             f: Arc::new(f),
         }
     }
@@ -143,7 +158,44 @@ impl GradHook {
     pub fn take(name: &'static str, f: impl Fn(HookEvent) + Send + Sync + 'static) -> Self {
         Self {
             name,
-            take: true,
+            take: Take::Host,
+            f: Arc::new(f),
+        }
+    }
+
+    /// A hook that takes the gradient and leaves it on its device: `f` receives it flattened
+    /// (`HookEvent::tensor`, a tensor of the inner backend, outside the graph), and the input
+    /// gets no gradient through this path. Nothing waits for the device: a GPU gradient is
+    /// handed over as soon as backward has queued its kernels.
+    ///
+    /// # Arguments
+    /// * `name` - for debugging output.
+    /// * `f` - called once, in backward, with the gradient.
+    ///
+    /// ```
+    /// use std::sync::{Arc, Mutex};
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_parallel::overlap::{GradHook, grad_hook};
+    ///
+    /// let device = Device::flex().autodiff();
+    /// let w = Tensor::<2>::from_floats([[1.0, 2.0], [3.0, 4.0]], &device).require_grad();
+    /// let seen = Arc::new(Mutex::new(None));
+    /// let hook = {
+    ///     let seen = seen.clone();
+    ///     GradHook::take_on_device("w", move |event| *seen.lock().unwrap() = event.tensor)
+    /// };
+    /// let hooked = grad_hook(w, &Tensor::zeros([1], &device), hook);
+    /// let _ = (hooked * 2.0).sum().backward();
+    /// let grad = seen.lock().unwrap().take().unwrap();
+    /// assert_eq!(grad.into_data().to_vec::<f32>().unwrap(), vec![2.0; 4]);
+    /// ```
+    pub fn take_on_device(
+        name: &'static str,
+        f: impl Fn(HookEvent) + Send + Sync + 'static,
+    ) -> Self {
+        Self {
+            name,
+            take: Take::Device,
             f: Arc::new(f),
         }
     }
@@ -187,27 +239,40 @@ impl HookBackend for burn::backend::Cube {}
 #[derive(Debug)]
 struct HookBackward;
 
-impl<B: HookBackend> Backward<B, 2> for HookBackward {
+impl<B: HookBackend + GradDispatch> Backward<B, 2> for HookBackward {
     type State = GradHook;
 
     fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [parent, _anchor] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let order = ops.node.order;
-        if ops.state.take {
-            // Moved, not cloned: on host backends the gradient's storage becomes the data.
-            let host = try_read_sync(B::float_into_data(grad)).and_then(|r| r.ok());
-            (ops.state.f)(HookEvent { order, grad: host });
-        } else {
-            (ops.state.f)(HookEvent { order, grad: None });
-            if let Some(parent) = parent {
-                grads.register::<B>(parent.id, grad);
+        let event = |grad, tensor| HookEvent {
+            order,
+            grad,
+            tensor,
+        };
+        match ops.state.take {
+            Take::Host => {
+                // Moved, not cloned: on host backends the gradient's storage becomes the data.
+                let host = try_read_sync(B::float_into_data(grad)).and_then(|r| r.ok());
+                (ops.state.f)(event(host, None));
+            }
+            Take::Device => {
+                let tensor = Tensor::<1>::from_dispatch(B::grad_to_dispatch(grad));
+                let numel = tensor.shape().num_elements();
+                (ops.state.f)(event(None, Some(tensor.reshape([numel]))));
+            }
+            Take::No => {
+                (ops.state.f)(event(None, None));
+                if let Some(parent) = parent {
+                    grads.register::<B>(parent.id, grad);
+                }
             }
         }
     }
 }
 
-impl<B: HookBackend, C: CheckpointStrategy> HookBackend for Autodiff<B, C> {
+impl<B: HookBackend + GradDispatch, C: CheckpointStrategy> HookBackend for Autodiff<B, C> {
     fn grad_hook(
         x: FloatTensor<Self>,
         anchor: FloatTensor<Self>,
@@ -364,22 +429,45 @@ impl OverlappedDdp {
             ));
         }
         let plan = Plan::new(params, self.bucket_bytes);
+        let mut first = FirstDevice(None);
+        module.visit(&mut first);
+        let device = first
+            .0
+            .filter(|device| self.comm.collects_on_device(device));
         let (to_comm, from_main) = mpsc::channel::<TensorData>();
         let (to_main, results) = mpsc::channel::<Result<TensorData>>();
-        let group = self.comm.clone();
-        let comm = thread::Builder::new()
-            .name(format!("overlap-comm-{rank}"))
-            .spawn(move || {
-                for bucket in from_main {
-                    let result = group.all_reduce_data(bucket, ReduceOp::Avg);
-                    let failed = result.is_err();
-                    if to_main.send(result).is_err() || failed {
-                        break;
-                    }
-                }
-            })
-            .map_err(|e| invalid(rank, format!("cannot start the communication thread: {e}")))?;
+        // Host buckets go to a communication thread of this step; device buckets are started
+        // as asynchronous collectives ([`ProcessGroup::all_reduce_async`]).
+        let comm = match device {
+            Some(_) => None,
+            None => {
+                let group = self.comm.clone();
+                let thread = thread::Builder::new()
+                    .name(format!("overlap-comm-{rank}"))
+                    .spawn(move || {
+                        for bucket in from_main {
+                            let result = group.all_reduce_data(bucket, ReduceOp::Avg);
+                            let failed = result.is_err();
+                            if to_main.send(result).is_err() || failed {
+                                break;
+                            }
+                        }
+                    })
+                    .map_err(|e| {
+                        invalid(rank, format!("cannot start the communication thread: {e}"))
+                    })?;
+                Some(thread)
+            }
+        };
         let fill = Fill {
+            parts: plan
+                .buckets
+                .iter()
+                .map(|b| vec![None; b.params.len()])
+                .collect(),
+            works: Vec::new(),
+            device,
+            group: self.comm.clone(),
             buffers: (0..plan.buckets.len()).map(|_| None).collect(),
             pending: plan.buckets.iter().map(|b| b.params.len()).collect(),
             has_value: vec![false; plan.params.len()],
@@ -399,7 +487,7 @@ impl OverlappedDdp {
             fill: Arc::new(Mutex::new(fill)),
             depth: self.depth.clone(),
             results,
-            comm: Some(comm),
+            comm,
         })
     }
 }
@@ -496,6 +584,16 @@ impl Plan {
 /// What backward (the hooks) and the step share.
 struct Fill {
     plan: Plan,
+    /// Where the buckets are formed: `Some(device)` when the group collects on the
+    /// parameters' device (NCCL with CUDA, or [`ProcessGroup::with_tensor_path`]): gradients
+    /// stay there and each bucket is an asynchronous all-reduce; `None`: host buckets.
+    device: Option<Device>,
+    /// Device buckets: per bucket, each member's flat gradient so far.
+    parts: Vec<Vec<Option<Tensor<1>>>>,
+    /// Device buckets started so far, in bucket order.
+    works: Vec<Work<Tensor<1>>>,
+    /// The buckets' group.
+    group: ProcessGroup,
     /// Bucket storage, allocated (zeroed) at the first gradient written into it; `None` again
     /// once sent.
     buffers: Vec<Option<burn::tensor::Bytes>>,
@@ -527,27 +625,48 @@ impl Fill {
     }
 
     /// Adds (or copies, for the first value) `grad` into parameter `i`'s place.
-    fn write(&mut self, i: usize, grad: TensorData) -> std::result::Result<(), String> {
+    fn write(&mut self, i: usize, grad: Grad) -> std::result::Result<(), String> {
         let (id, shape, dtype) = &self.plan.params[i];
         let (dtype, numel) = (*dtype, numel_of(shape));
-        if grad.num_elements() != numel {
+        let got = match &grad {
+            Grad::Host(data) => data.num_elements(),
+            Grad::Device(tensor) => tensor.shape().num_elements(),
+        };
+        if got != numel {
             return Err(format!(
-                "the gradient of parameter {id} has {} elements, the parameter {numel}",
-                grad.num_elements()
+                "the gradient of parameter {id} has {got} elements, the parameter {numel}"
             ));
         }
-        let grad = if grad.dtype() == dtype {
-            grad
-        } else {
-            grad.convert_dtype(dtype)
-        };
         let (bucket, offset) = self.plan.slots[i];
-        if self.buffers[bucket].is_none() && bucket < self.next_launch {
+        if bucket < self.next_launch {
             return Err(format!(
                 "a gradient of parameter {id} arrived after its bucket was sent (a second \
                  backward through the same hooked module?); hook the module again for each step"
             ));
         }
+        let grad = match grad {
+            Grad::Host(data) => data,
+            Grad::Device(tensor) => {
+                let tensor = if tensor.dtype() == dtype {
+                    tensor
+                } else {
+                    tensor.cast(dtype)
+                };
+                let at = i - self.plan.buckets[bucket].params[0];
+                let slot = &mut self.parts[bucket][at];
+                *slot = Some(match slot.take() {
+                    Some(sum) => sum + tensor,
+                    None => tensor,
+                });
+                self.has_value[i] = true;
+                return Ok(());
+            }
+        };
+        let grad = if grad.dtype() == dtype {
+            grad
+        } else {
+            grad.convert_dtype(dtype)
+        };
         let size = dtype.size();
         let first = !self.has_value[i];
         let buffer = self.buffer(bucket);
@@ -576,6 +695,28 @@ impl Fill {
         let spec = &self.plan.buckets[b];
         let (numel, dtype, grad_numel) = (spec.numel(), spec.dtype, spec.grad_numel);
         let flags: Vec<bool> = spec.params.iter().map(|&i| self.has_value[i]).collect();
+        if let Some(device) = &self.device {
+            // The bucket is one flat tensor on the device: the gradients (zeros for those
+            // this rank has none of), then a presence flag per parameter.
+            let parts = std::mem::take(&mut self.parts[b]);
+            let mut pieces: Vec<Tensor<1>> = parts
+                .into_iter()
+                .zip(&spec.params)
+                .map(|(part, &i)| {
+                    part.unwrap_or_else(|| {
+                        Tensor::zeros([numel_of(&self.plan.params[i].1)], (device, dtype))
+                    })
+                })
+                .collect();
+            let flags: Vec<f32> = flags.iter().map(|&p| f32::from(u8::from(p))).collect();
+            let count = flags.len();
+            let flags = TensorData::new(flags, [count]).convert_dtype(dtype);
+            pieces.push(tensor_from_data::<1>(flags, device));
+            let bucket = Tensor::cat(pieces, 0);
+            self.works
+                .push(self.group.all_reduce_async(bucket, ReduceOp::Avg));
+            return;
+        }
         let mut buffer = self.buffers[b]
             .take()
             .unwrap_or_else(|| crate::comm::pool::tensor_storage(numel, dtype));
@@ -590,7 +731,7 @@ impl Fill {
     }
 
     /// The hook of parameter `i` ran with `grad`.
-    fn on_grad(&mut self, i: usize, grad: Option<TensorData>) {
+    fn on_grad(&mut self, i: usize, grad: Option<Grad>) {
         if self.fired[i] {
             let id = self.plan.params[i].0;
             self.error.get_or_insert(format!(
@@ -666,8 +807,15 @@ impl OverlapStep {
                 let Some(&i) = self.fill.plan.index.get(&param.id) else {
                     return; // frozen (or seen already through a shared parameter)
                 };
+                let grad = grad.map(|g| match self.fill.device {
+                    Some(_) => {
+                        let numel = g.shape().num_elements();
+                        Grad::Device(g.reshape([numel]))
+                    }
+                    None => Grad::Host(g.into_data()),
+                });
                 if let Some(grad) = grad
-                    && let Err(e) = self.fill.write(i, grad.into_data())
+                    && let Err(e) = self.fill.write(i, grad)
                 {
                     self.error.get_or_insert(e);
                 }
@@ -799,6 +947,16 @@ impl OverlapStep {
             };
             (fill.plan.buckets.len(), misuse, 1.0 / steps.max(1) as f32)
         };
+        let works = std::mem::take(&mut lock(&self.fill).works);
+        if !works.is_empty() {
+            // Device buckets: wait for each (in order), then one host read of the flags.
+            let reduced: Vec<Tensor<1>> =
+                works.into_iter().map(Work::wait).collect::<Result<_>>()?;
+            if let Some(e) = misuse {
+                return Err(invalid(self.rank, e));
+            }
+            return Ok(self.register_device(module, reduced, scale));
+        }
         let mut reduced = Vec::with_capacity(buckets);
         for _ in 0..buckets {
             match self.results.recv() {
@@ -844,6 +1002,85 @@ impl OverlapStep {
         module.visit(&mut register);
         Ok(register.grads)
     }
+}
+
+impl OverlapStep {
+    /// The gradients of the reduced device buckets, registered on each parameter's device.
+    fn register_device<M: Module>(
+        &self,
+        module: &M,
+        reduced: Vec<Tensor<1>>,
+        scale: f32,
+    ) -> GradientsParams {
+        let fill = lock(&self.fill);
+        let flags: Vec<Tensor<1>> = fill
+            .plan
+            .buckets
+            .iter()
+            .zip(&reduced)
+            .map(|(spec, bucket)| {
+                bucket
+                    .clone()
+                    .slice(spec.grad_numel..spec.numel())
+                    .cast(DType::F32)
+            })
+            .collect();
+        let used: Vec<f32> = Tensor::cat(flags, 0)
+            .into_data()
+            .convert::<f32>()
+            .try_to_vec::<f32>()
+            .unwrap_or_default();
+        let mut grads: HashMap<ParamId, (Tensor<1>, Vec<usize>)> = HashMap::new();
+        let mut flag = 0;
+        for (spec, bucket) in fill.plan.buckets.iter().zip(reduced) {
+            for &i in &spec.params {
+                let present = used.get(flag).is_some_and(|&f| f > 0.0);
+                flag += 1;
+                if !present {
+                    continue; // no rank had a gradient for it
+                }
+                let (id, shape, _) = &fill.plan.params[i];
+                let at = fill.plan.slots[i].1;
+                let grad = bucket.clone().slice(at..at + numel_of(shape));
+                grads.insert(*id, (grad, shape.clone()));
+            }
+        }
+        let mut register = RegisterDevice {
+            grads: GradientsParams::new(),
+            reduced: grads,
+            scale,
+        };
+        module.visit(&mut register);
+        register.grads
+    }
+}
+
+/// Registers the reduced device gradients, reshaped and scaled.
+struct RegisterDevice {
+    grads: GradientsParams,
+    reduced: HashMap<ParamId, (Tensor<1>, Vec<usize>)>,
+    scale: f32,
+}
+
+impl ModuleVisitor for RegisterDevice {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if let Some((grad, shape)) = self.reduced.remove(&param.id) {
+            let grad: Tensor<D> = grad.reshape(burn::tensor::Shape::from(shape));
+            let grad = if self.scale == 1.0 {
+                grad
+            } else {
+                grad * self.scale
+            };
+            self.grads.register(param.id, grad);
+        }
+    }
+}
+
+/// A gradient handed to a bucket.
+enum Grad {
+    Host(TensorData),
+    /// Flat, on the device.
+    Device(Tensor<1>),
 }
 
 impl Drop for OverlapStep {
@@ -907,11 +1144,21 @@ fn hooked_value<const D: usize>(
     guard.hooks_created += 1;
     let anchor = lock(depth).anchor_for(k, &value.device());
     let weak: Weak<Mutex<Fill>> = Arc::downgrade(fill);
-    let hook = GradHook::take("overlap", move |event| {
+    let on_device = guard.device.is_some();
+    let deliver = move |event: HookEvent| {
         if let Some(fill) = weak.upgrade() {
-            lock(&fill).on_grad(index, event.grad);
+            let grad = match event.tensor {
+                Some(tensor) => Some(Grad::Device(tensor)),
+                None => event.grad.map(Grad::Host),
+            };
+            lock(&fill).on_grad(index, grad);
         }
-    });
+    };
+    let hook = if on_device {
+        GradHook::take_on_device("overlap", deliver)
+    } else {
+        GradHook::take("overlap", deliver)
+    };
     let hooked = grad_hook(value, &anchor, hook);
     guard.hooked.insert(id, Box::new(hooked.clone()));
     hooked

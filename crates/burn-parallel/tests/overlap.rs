@@ -205,9 +205,12 @@ fn after_backward(s: Setup) -> Vec<Run> {
     .unwrap()
 }
 
-/// DDP with the all-reduce during backward.
-fn overlapped(s: Setup) -> Vec<Run> {
+/// DDP with the all-reduce during backward: host buckets, or (`device_buckets`, through
+/// `ProcessGroup::with_tensor_path`) the buckets NCCL with CUDA takes: flat tensors on the
+/// gradients' device, each an asynchronous all-reduce (`ProcessGroup::all_reduce_async`).
+fn overlapped(s: Setup, device_buckets: bool) -> Vec<Run> {
     run_local(s.ranks, |group| {
+        let group = group.with_tensor_path(device_buckets);
         let device = Device::flex().autodiff();
         let rank = group.rank();
         let ddp = OverlappedDdp::new(group.clone()).with_bucket_bytes(40);
@@ -262,8 +265,14 @@ fn assert_runs_match(what: &str, got: &Run, want: &Run) {
 fn check(s: Setup) {
     let want = oracle(s);
     let plain = after_backward(s);
-    let over = overlapped(s);
+    let over = overlapped(s, false);
+    let on_device = overlapped(s, true);
     for rank in 0..s.ranks {
+        assert_runs_match(
+            &format!("{s:?} overlapped with device buckets rank {rank} vs single device"),
+            &on_device[rank],
+            &want,
+        );
         assert_runs_match(
             &format!("{s:?} DDP rank {rank} vs single device"),
             &plain[rank],
@@ -364,7 +373,14 @@ struct Deep {
 
 #[test]
 fn buckets_are_sent_while_backward_runs() {
+    for device_buckets in [false, true] {
+        buckets_are_sent_while_backward_runs_with(device_buckets);
+    }
+}
+
+fn buckets_are_sent_while_backward_runs_with(device_buckets: bool) {
     let out = run_local(2, |group| {
+        let group = group.with_tensor_path(device_buckets);
         let device = Device::flex().autodiff();
         let depth = 6;
         let model = Deep {
@@ -403,7 +419,10 @@ fn buckets_are_sent_while_backward_runs() {
     })
     .unwrap();
     for seen in out {
-        println!("(buckets sent before the first layer's backward, buckets) per step: {seen:?}");
+        println!(
+            "device buckets {device_buckets}: (buckets sent before the first layer's \
+             backward, buckets) per step: {seen:?}"
+        );
         let (first, buckets) = seen[0];
         assert_eq!(buckets, 12);
         // The first step measures the depth: its hooks all run at the end of backward.
@@ -477,10 +496,18 @@ fn a_rank_with_another_model_is_a_mismatch_error_on_every_rank() {
 /// (the peer failed), not a hang.
 #[test]
 fn a_failed_rank_is_an_error_not_a_hang() {
+    for device_buckets in [false, true] {
+        a_failed_rank_is_an_error_not_a_hang_with(device_buckets);
+    }
+}
+
+fn a_failed_rank_is_an_error_not_a_hang_with(device_buckets: bool) {
     let seen = Arc::new(Mutex::new(None));
     let result = run_local(2, |group| {
         let device = Device::flex().autodiff();
-        let group = group.with_timeout(Duration::from_secs(20));
+        let group = group
+            .with_timeout(Duration::from_secs(20))
+            .with_tensor_path(device_buckets);
         let ddp = OverlappedDdp::new(group.clone());
         let model = net(&device);
         let overlap = ddp.start(&model)?;

@@ -54,6 +54,29 @@ pub const BACKEND: &str = "nccl";
 /// `true` when this build has the NCCL backend (cargo feature `nccl` of `burn-parallel`).
 pub const BUILT: bool = cfg!(feature = "nccl");
 
+/// Whether device collectives first check, over the host transport, that every member calls
+/// the same operation with the same dtype and shape ([`CollectiveError::Mismatch`] otherwise).
+///
+/// The check costs a host round trip per collective, so it is off on the hot path of a release
+/// build, as torch's `TORCH_DISTRIBUTED_DEBUG` is: `BURN_PARALLEL_DEBUG=1` turns it on,
+/// `BURN_PARALLEL_DEBUG=0` off; unset, it follows the build (on with debug assertions, so in
+/// tests). Without it, ranks that disagree fail by NCCL's own error or the group's timeout
+/// (a typed error naming the operation, never a hang). All-gathers and all-to-alls of uneven
+/// sizes exchange their sizes whatever this says.
+///
+/// ```
+/// // Tests build with debug assertions: checks are on unless BURN_PARALLEL_DEBUG=0.
+/// let on = burn_parallel::comm::nccl::signature_checks();
+/// assert_eq!(on, std::env::var("BURN_PARALLEL_DEBUG").map_or(cfg!(debug_assertions), |v| v != "0"));
+/// ```
+pub fn signature_checks() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| match std::env::var("BURN_PARALLEL_DEBUG") {
+        Ok(v) => v.trim() != "0",
+        Err(_) => cfg!(debug_assertions),
+    })
+}
+
 /// `true` when this build runs collectives on CUDA tensors' device memory (features `nccl` and
 /// `cuda`); with `nccl` alone the communicators and errors exist but tensors take the host path.
 pub const DEVICE_TENSORS: bool = cfg!(all(feature = "nccl", feature = "cuda"));
@@ -362,6 +385,17 @@ mod imp {
         Aborted(String),
     }
 
+    /// An operation enqueued by [`Communicator::launch`]: the event recorded after it on the
+    /// communicator's stream, and its deadline.
+    pub(crate) struct Launched {
+        event: cusys::CUevent,
+        until: Option<Instant>,
+        timeout: Duration,
+    }
+
+    // SAFETY: a CUDA event is a plain token usable from any thread of the process.
+    unsafe impl Send for Launched {}
+
     /// One NCCL communicator and the CUDA stream its operations run on.
     pub(crate) struct Communicator {
         /// The loaded NCCL the communicator belongs to.
@@ -546,36 +580,94 @@ mod imp {
             Ok(this)
         }
 
-        /// Runs `launch` (which enqueues NCCL calls, through the given library table, on the
-        /// given communicator and stream) and waits for its completion, polling NCCL's
-        /// asynchronous error and the timeout.
+        /// Enqueues an operation: `before` runs first with the communicator's stream (it
+        /// orders the stream after the inputs' producers), then `launch` (NCCL calls, through
+        /// the given library table, on the given communicator and stream). Returns once NCCL
+        /// has enqueued the work; [`Self::wait`] waits for its completion. Operations of one
+        /// communicator run in the order they were launched.
         ///
         /// # Errors
         /// [`CollectiveError::Nccl`] for an NCCL or CUDA failure, a timeout (the communicator
         /// is aborted) or a communicator aborted earlier.
-        pub(crate) fn run(
+        pub(crate) fn launch(
             &self,
             op: &str,
             timeout: Duration,
+            before: impl FnOnce(cusys::CUstream) -> Result<()>,
             launch: impl FnOnce(&Nccl, sys::ncclComm_t, sys::cudaStream_t) -> sys::ncclResult_t,
-        ) -> Result<()> {
+        ) -> Result<Launched> {
             let mut health = lock(&self.health);
-            if let Health::Aborted(why) = &*health {
-                return Err(self.error(
+            self.check_alive(&health, op)?;
+            // SAFETY: the context is the live primary context retained at creation.
+            unsafe { cu::ctx::set_current(self.context) }
+                .map_err(|e| self.error(op, format!("making the CUDA context current: {e}")))?;
+            let until = deadline(timeout);
+            before(self.stream)?;
+            let code = launch(self.nccl, self.comm, self.stream.cast());
+            self.settle(&mut health, op, code, until, timeout)?;
+            let event = cu::event::create(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(|e| self.abort(&mut health, op, format!("creating a CUDA event: {e}")))?;
+            // SAFETY: the event was just created in this context; the stream is live.
+            if let Err(e) = unsafe { cu::event::record(event, self.stream) } {
+                // SAFETY: created above, never recorded.
+                let _ = unsafe { cu::event::destroy(event) };
+                return Err(self.abort(&mut health, op, format!("recording a CUDA event: {e}")));
+            }
+            Ok(Launched {
+                event,
+                until,
+                timeout,
+            })
+        }
+
+        /// Waits for a launched operation, polling NCCL's asynchronous error and the timeout
+        /// (counted from the launch).
+        ///
+        /// # Errors
+        /// As [`Self::launch`].
+        pub(crate) fn wait(&self, op: &str, launched: Launched) -> Result<()> {
+            let mut backoff = Backoff::default();
+            let result = loop {
+                {
+                    let mut health = lock(&self.health);
+                    if let Err(e) = self.check_alive(&health, op) {
+                        break Err(e);
+                    }
+                    // SAFETY: the event is live (destroyed below, once).
+                    match unsafe { cusys::cuEventQuery(launched.event) } {
+                        cusys::CUresult::CUDA_SUCCESS => break Ok(()),
+                        cusys::CUresult::CUDA_ERROR_NOT_READY => {}
+                        failed => {
+                            let reason =
+                                format!("the CUDA stream failed: {}", cu::DriverError(failed));
+                            break Err(self.abort(&mut health, op, reason));
+                        }
+                    }
+                    if let Err(e) = self.poll(&mut health, op) {
+                        break Err(e);
+                    }
+                    if launched.until.is_some_and(|t| Instant::now() >= t) {
+                        break Err(self.timed_out(&mut health, op, launched.timeout));
+                    }
+                }
+                backoff.wait();
+            };
+            // SAFETY: the event is not used after this (CUDA releases it once complete).
+            let _ = unsafe { cu::event::destroy(launched.event) };
+            result
+        }
+
+        fn check_alive(&self, health: &Health, op: &str) -> Result<()> {
+            match health {
+                Health::Ready => Ok(()),
+                Health::Aborted(why) => Err(self.error(
                     op,
                     format!(
                         "this group's NCCL communicator was aborted earlier ({why}); the group \
                          cannot run device collectives any more"
                     ),
-                ));
+                )),
             }
-            // SAFETY: the context is the live primary context retained at creation.
-            unsafe { cu::ctx::set_current(self.context) }
-                .map_err(|e| self.error(op, format!("making the CUDA context current: {e}")))?;
-            let until = deadline(timeout);
-            let code = launch(self.nccl, self.comm, self.stream.cast());
-            self.settle(&mut health, op, code, until, timeout)?;
-            self.wait_stream(&mut health, op, until, timeout)
         }
 
         fn error(&self, op: &str, reason: String) -> CollectiveError {
@@ -674,34 +766,6 @@ mod imp {
             }
             Ok(())
         }
-
-        /// Waits for the stream's work, polling NCCL's asynchronous error meanwhile.
-        fn wait_stream(
-            &self,
-            health: &mut Health,
-            op: &str,
-            until: Option<Instant>,
-            timeout: Duration,
-        ) -> Result<()> {
-            let mut backoff = Backoff::default();
-            loop {
-                // SAFETY: the stream is alive and belongs to the current context.
-                let code = unsafe { cusys::cuStreamQuery(self.stream) };
-                match code {
-                    cusys::CUresult::CUDA_SUCCESS => return Ok(()),
-                    cusys::CUresult::CUDA_ERROR_NOT_READY => {}
-                    failed => {
-                        let reason = format!("the CUDA stream failed: {}", cu::DriverError(failed));
-                        return Err(self.abort(health, op, reason));
-                    }
-                }
-                self.poll(health, op)?;
-                if until.is_some_and(|t| Instant::now() >= t) {
-                    return Err(self.timed_out(health, op, timeout));
-                }
-                backoff.wait();
-            }
-        }
     }
 
     /// Polling interval: starts at a few microseconds (small collectives finish fast), grows to
@@ -739,13 +803,16 @@ pub(crate) mod device {
     use burn_cubecl::tensor::CubeTensor;
     use cudarc::nccl::sys;
 
-    use super::imp::{self, Communicator, lock, ptr};
+    use std::sync::Arc;
+
+    use super::imp::{self, Communicator, Launched, lock, ptr};
     use super::{NcclHost, all_gather_object};
     use crate::comm::host::{ReduceOp, dtype_code, dtype_from_code};
     use crate::comm::nccl_lib::Nccl;
     use crate::error::{CollectiveError, Result};
-    use crate::kernels::cube::cublas::bind;
+    use crate::kernels::cube::cublas::{Held, bind};
     use crate::kernels::cube::fusion::{from_cube, to_cube};
+    use crate::kernels::cube::order;
 
     /// `Ok(result)` when the device path ran; `Err(tensor)` hands the tensor back to the host
     /// path (not a CUDA tensor, a group without NCCL, a dtype NCCL has no type for).
@@ -896,29 +963,87 @@ pub(crate) mod device {
         )
     }
 
-    /// Binds `tensors`' device buffers (CubeCL neither frees nor moves a bound allocation),
-    /// waits for the work Burn queued on the device, and runs `f` with their addresses; the
-    /// buffers stay bound until `f` returns. So NCCL (on its own stream, waited for inside `f`)
-    /// reads finished inputs and writes outputs nothing else touches.
-    fn with_bound<R>(
+    /// A device operation in flight: the buffers it reads and writes stay bound (CubeCL
+    /// neither frees nor moves a bound allocation) until the host has seen it complete.
+    pub(crate) struct InFlight {
+        comm: Arc<Communicator>,
+        op: String,
+        launched: Option<Launched>,
+        held: Held,
+    }
+
+    impl InFlight {
+        /// Waits for completion (NCCL's asynchronous errors and the group's timeout polled).
+        pub(crate) fn wait(mut self) -> Result<()> {
+            let launched = self.launched.take().expect("waited once");
+            let out = self.comm.wait(&self.op, launched);
+            self.held.clear();
+            out
+        }
+    }
+
+    impl Drop for InFlight {
+        fn drop(&mut self) {
+            // Dropped unwaited (an error path): the buffers are released only once NCCL is
+            // done with them (or the communicator was aborted on a timeout).
+            if let Some(launched) = self.launched.take() {
+                let _ = self.comm.wait(&self.op, launched);
+            }
+        }
+    }
+
+    /// Binds `tensors`' device buffers and enqueues `launch` (NCCL calls given the library,
+    /// communicator, stream and the buffers' addresses) on `comm`'s stream, ordered after the
+    /// work Burn queued on the calling thread's stream by [`order::mark`] (a device wait: the
+    /// host does not wait for Burn's kernels; where the device refuses it, `client.sync()`).
+    fn launch_bound(
         tensors: &[&CubeTensor],
         op: &str,
         group: &dyn NcclHost,
-        f: impl FnOnce(&[u64]) -> Result<R>,
-    ) -> Result<R> {
+        comm: &Arc<Communicator>,
+        launch: impl FnOnce(&Nccl, sys::ncclComm_t, sys::cudaStream_t, &[u64]) -> sys::ncclResult_t,
+    ) -> Result<InFlight> {
         let error = |what: &str, e: String| CollectiveError::Nccl {
             rank: group.global_rank(),
             op: op.into(),
             reason: format!("{what}: {e}"),
         };
+        // Marked before binding: what Burn queued so far, the inputs' producers included.
+        let mark = tensors.first().map(|t| order::mark(t));
         let (held, addresses) = bind(tensors).map_err(|e| error("binding a device buffer", e))?;
-        if let Some(first) = tensors.first() {
-            cubecl::future::block_on(first.client.sync())
-                .map_err(|e| error("waiting for Burn's queued work", format!("{e:?}")))?;
-        }
-        let out = f(&addresses);
-        drop(held);
-        out
+        let client = tensors.first().map(|t| t.client.clone());
+        let launched = comm.launch(
+            op,
+            group.timeout(),
+            |stream| {
+                if mark.as_ref().is_some_and(|m| m.wait_on(stream)) {
+                    return Ok(());
+                }
+                match &client {
+                    Some(client) => cubecl::future::block_on(client.sync())
+                        .map_err(|e| error("waiting for Burn's queued work", format!("{e:?}"))),
+                    None => Ok(()),
+                }
+            },
+            |lib, c, s| launch(lib, c, s, &addresses),
+        )?;
+        Ok(InFlight {
+            comm: comm.clone(),
+            op: op.into(),
+            launched: Some(launched),
+            held,
+        })
+    }
+
+    /// [`launch_bound`], then waits for completion.
+    fn run_bound(
+        tensors: &[&CubeTensor],
+        op: &str,
+        group: &dyn NcclHost,
+        comm: &Arc<Communicator>,
+        launch: impl FnOnce(&Nccl, sys::ncclComm_t, sys::cudaStream_t, &[u64]) -> sys::ncclResult_t,
+    ) -> Result<()> {
+        launch_bound(tensors, op, group, comm, launch)?.wait()
     }
 
     fn count(t: &CubeTensor) -> usize {
@@ -931,25 +1056,41 @@ pub(crate) mod device {
         t: Tensor<D>,
         op: ReduceOp,
     ) -> Result<Routed<Tensor<D>, D>> {
+        Ok(match all_reduce_start(group, t, op)? {
+            Ok((flight, y)) => {
+                flight.wait()?;
+                Ok(y)
+            }
+            Err(t) => Err(t),
+        })
+    }
+
+    /// Launches an all-reduce in device memory and returns at once: the result tensor may be
+    /// used only after the operation in flight was waited for.
+    pub(crate) fn all_reduce_start<const D: usize>(
+        group: &dyn NcclHost,
+        t: Tensor<D>,
+        op: ReduceOp,
+    ) -> Result<Routed<(InFlight, Tensor<D>), D>> {
         let Some((ctx, x)) = route(group, &t) else {
             return Ok(Err(t));
         };
         let shape = x.shape().as_slice().to_vec();
         let sig = format!("nccl all_reduce({op} {:?}{shape:?})", ctx.dtype);
-        ctx.agree(&sig, vec![])?;
+        if super::signature_checks() {
+            ctx.agree(&sig, vec![])?;
+        }
         let comm = ctx.communicator(&sig)?;
         let x = cube(x, &sig, group)?;
         let y = empty(&x, shape);
         let n = count(&x);
-        with_bound(&[&x, &y], &sig, group, |addresses| {
+        let flight = launch_bound(&[&x, &y], &sig, group, &comm, |lib, c, s, addresses| {
             let (src, dst) = (addresses[0], addresses[1]);
-            comm.run(&sig, group.timeout(), |lib, c, s| {
-                // SAFETY: `src` and `dst` are bound device buffers of `n` elements of this type,
-                // in the context NCCL runs in; they stay bound until `run` waited for completion.
-                unsafe { (lib.all_reduce)(ptr(src), ptr(dst), n, ctx.nccl, nccl_op(op), c, s) }
-            })
+            // SAFETY: `src` and `dst` are bound device buffers of `n` elements of this type, in
+            // the context NCCL runs in; they stay bound until the operation was waited for.
+            unsafe { (lib.all_reduce)(ptr(src), ptr(dst), n, ctx.nccl, nccl_op(op), c, s) }
         })?;
-        Ok(Ok(ctx.out(tensor(y))))
+        Ok(Ok((flight, ctx.out(tensor(y)))))
     }
 
     /// Broadcast from group rank `root` in device memory.
@@ -966,17 +1107,17 @@ pub(crate) mod device {
         if root >= group.size() {
             return Err(ctx.invalid(&sig, format!("root {root} is out of range")));
         }
-        ctx.agree(&sig, vec![])?;
+        if super::signature_checks() {
+            ctx.agree(&sig, vec![])?;
+        }
         let comm = ctx.communicator(&sig)?;
         let x = cube(x, &sig, group)?;
         let y = empty(&x, shape);
         let n = count(&x);
-        with_bound(&[&x, &y], &sig, group, |addresses| {
+        run_bound(&[&x, &y], &sig, group, &comm, |lib, c, s, addresses| {
             let (src, dst) = (addresses[0], addresses[1]);
-            comm.run(&sig, group.timeout(), |lib, c, s| {
-                // SAFETY: as in `all_reduce`: bound buffers of `n` elements, waited for.
-                unsafe { (lib.broadcast)(ptr(src), ptr(dst), n, ctx.nccl, root as i32, c, s) }
-            })
+            // SAFETY: as in `all_reduce`: bound buffers of `n` elements, waited for.
+            unsafe { (lib.broadcast)(ptr(src), ptr(dst), n, ctx.nccl, root as i32, c, s) }
         })?;
         Ok(Ok(ctx.out(tensor(y))))
     }
@@ -1024,12 +1165,10 @@ pub(crate) mod device {
             let x = cube(x, &sig, group)?;
             let each = count(&x);
             let y = empty(&x, vec![n * each]);
-            with_bound(&[&x, &y], &sig, group, |addresses| {
+            run_bound(&[&x, &y], &sig, group, &comm, |lib, c, s, addresses| {
                 let (src, dst) = (addresses[0], addresses[1]);
-                comm.run(&sig, group.timeout(), |lib, c, s| {
-                    // SAFETY: `src` holds `each` elements, `dst` `n * each`; bound and waited for.
-                    unsafe { (lib.all_gather)(ptr(src), ptr(dst), each, ctx.nccl, c, s) }
-                })
+                // SAFETY: `src` holds `each` elements, `dst` `n * each`; bound and waited for.
+                unsafe { (lib.all_gather)(ptr(src), ptr(dst), each, ctx.nccl, c, s) }
             })?;
             let flat: Tensor<1> = tensor(y);
             (0..n)
@@ -1046,42 +1185,40 @@ pub(crate) mod device {
             let mut all: Vec<&CubeTensor> = vec![&x];
             all.extend(received.iter());
             let me = group.rank();
-            with_bound(&all, &sig, group, |addresses| {
+            run_bound(&all, &sig, group, &comm, |lib, c, s, addresses| {
                 let mine = count(&x);
                 let counts: Vec<usize> = received.iter().map(count).collect();
                 let addresses = addresses.to_vec();
-                comm.run(&sig, group.timeout(), |lib, c, s| {
-                    grouped(lib, || {
-                        let mut code = sys::ncclResult_t::ncclSuccess;
-                        for k in (0..n).filter(|&k| k != me) {
-                            if mine > 0 {
-                                // SAFETY: bound buffer of `mine` elements; waited for.
-                                code = unsafe {
-                                    (lib.send)(ptr(addresses[0]), mine, ctx.nccl, k as i32, c, s)
-                                };
-                                if is_failure(code) {
-                                    return code;
-                                }
-                            }
-                            if counts[k] > 0 {
-                                // SAFETY: bound buffer of `counts[k]` elements; waited for.
-                                code = unsafe {
-                                    (lib.recv)(
-                                        ptr(addresses[k + 1]),
-                                        counts[k],
-                                        ctx.nccl,
-                                        k as i32,
-                                        c,
-                                        s,
-                                    )
-                                };
-                                if is_failure(code) {
-                                    return code;
-                                }
+                grouped(lib, || {
+                    let mut code = sys::ncclResult_t::ncclSuccess;
+                    for k in (0..n).filter(|&k| k != me) {
+                        if mine > 0 {
+                            // SAFETY: bound buffer of `mine` elements; waited for.
+                            code = unsafe {
+                                (lib.send)(ptr(addresses[0]), mine, ctx.nccl, k as i32, c, s)
+                            };
+                            if is_failure(code) {
+                                return code;
                             }
                         }
-                        code
-                    })
+                        if counts[k] > 0 {
+                            // SAFETY: bound buffer of `counts[k]` elements; waited for.
+                            code = unsafe {
+                                (lib.recv)(
+                                    ptr(addresses[k + 1]),
+                                    counts[k],
+                                    ctx.nccl,
+                                    k as i32,
+                                    c,
+                                    s,
+                                )
+                            };
+                            if is_failure(code) {
+                                return code;
+                            }
+                        }
+                    }
+                    code
                 })
             })?;
             let x_tensor: Tensor<D> = tensor(x);
@@ -1149,7 +1286,9 @@ pub(crate) mod device {
             "nccl reduce_scatter({op} dim {dim} sizes {sizes:?} {:?}{shape:?})",
             ctx.dtype
         );
-        ctx.agree(&sig, vec![])?;
+        if super::signature_checks() {
+            ctx.agree(&sig, vec![])?;
+        }
         let comm = ctx.communicator(&sig)?;
         let numel = |s: usize| shape.iter().product::<usize>() / shape[dim].max(1) * s;
         let widest = sizes.iter().map(|&s| numel(s)).max().unwrap_or(0);
@@ -1168,15 +1307,19 @@ pub(crate) mod device {
         }
         let stacked = cube(Tensor::cat(rows, 0), &sig, group)?;
         let y = empty(&stacked, vec![widest]);
-        with_bound(&[&stacked, &y], &sig, group, |addresses| {
-            let (src, dst) = (addresses[0], addresses[1]);
-            comm.run(&sig, group.timeout(), |lib, c, s| {
+        run_bound(
+            &[&stacked, &y],
+            &sig,
+            group,
+            &comm,
+            |lib, c, s, addresses| {
+                let (src, dst) = (addresses[0], addresses[1]);
                 // SAFETY: `src` holds `n * widest` elements and `dst` `widest`; bound, waited for.
                 unsafe {
                     (lib.reduce_scatter)(ptr(src), ptr(dst), widest, ctx.nccl, nccl_op(op), c, s)
                 }
-            })
-        })?;
+            },
+        )?;
         let mine = sizes[group.rank()];
         let mut out_shape = shape.clone();
         out_shape[dim] = mine;
@@ -1239,7 +1382,7 @@ pub(crate) mod device {
             .collect();
         let mut buffers: Vec<&CubeTensor> = sends.iter().flatten().collect();
         buffers.extend(recvs.iter().flatten());
-        with_bound(&buffers, &sig, group, |addresses| {
+        run_bound(&buffers, &sig, group, &comm, |lib, c, s, addresses| {
             // Addresses in the order bound: the sends, then the receives.
             let mut next = addresses.iter().copied();
             let send_at: Vec<Option<(u64, usize)>> = sends
@@ -1250,29 +1393,25 @@ pub(crate) mod device {
                 .iter()
                 .map(|b| b.as_ref().map(|b| (next.next().expect("bound"), count(b))))
                 .collect();
-            comm.run(&sig, group.timeout(), |lib, c, s| {
-                grouped(lib, || {
-                    let mut code = sys::ncclResult_t::ncclSuccess;
-                    for k in 0..n {
-                        if let Some((address, len)) = send_at[k] {
-                            // SAFETY: bound buffer of `len` elements; waited for.
-                            code =
-                                unsafe { (lib.send)(ptr(address), len, ctx.nccl, k as i32, c, s) };
-                            if is_failure(code) {
-                                return code;
-                            }
-                        }
-                        if let Some((address, len)) = recv_at[k] {
-                            // SAFETY: bound buffer of `len` elements; waited for.
-                            code =
-                                unsafe { (lib.recv)(ptr(address), len, ctx.nccl, k as i32, c, s) };
-                            if is_failure(code) {
-                                return code;
-                            }
+            grouped(lib, || {
+                let mut code = sys::ncclResult_t::ncclSuccess;
+                for k in 0..n {
+                    if let Some((address, len)) = send_at[k] {
+                        // SAFETY: bound buffer of `len` elements; waited for.
+                        code = unsafe { (lib.send)(ptr(address), len, ctx.nccl, k as i32, c, s) };
+                        if is_failure(code) {
+                            return code;
                         }
                     }
-                    code
-                })
+                    if let Some((address, len)) = recv_at[k] {
+                        // SAFETY: bound buffer of `len` elements; waited for.
+                        code = unsafe { (lib.recv)(ptr(address), len, ctx.nccl, k as i32, c, s) };
+                        if is_failure(code) {
+                            return code;
+                        }
+                    }
+                }
+                code
             })
         })?;
         let mut recvs = recvs;
@@ -1315,12 +1454,10 @@ pub(crate) mod device {
         announce(group, ctx.dtype, &shape, peer, tag)?;
         let x = cube(x, &sig, group)?;
         let n = count(&x);
-        with_bound(&[&x], &sig, group, |addresses| {
+        run_bound(&[&x], &sig, group, &comm, |lib, c, s, addresses| {
             let src = addresses[0];
-            comm.run(&sig, group.timeout(), |lib, c, s| {
-                // SAFETY: bound buffer of `n` elements; waited for.
-                unsafe { (lib.send)(ptr(src), n, ctx.nccl, peer as i32, c, s) }
-            })
+            // SAFETY: bound buffer of `n` elements; waited for.
+            unsafe { (lib.send)(ptr(src), n, ctx.nccl, peer as i32, c, s) }
         })?;
         Ok(Ok(()))
     }
@@ -1364,12 +1501,10 @@ pub(crate) mod device {
         let comm = ctx.communicator(&sig)?;
         let y = alloc(ordinal, dtype, vec![shape.iter().product()]);
         let n = count(&y);
-        with_bound(&[&y], &sig, group, |addresses| {
+        run_bound(&[&y], &sig, group, &comm, |lib, c, s, addresses| {
             let dst = addresses[0];
-            comm.run(&sig, group.timeout(), |lib, c, s| {
-                // SAFETY: bound buffer of `n` elements; waited for.
-                unsafe { (lib.recv)(ptr(dst), n, nccl, peer as i32, c, s) }
-            })
+            // SAFETY: bound buffer of `n` elements; waited for.
+            unsafe { (lib.recv)(ptr(dst), n, nccl, peer as i32, c, s) }
         })?;
         let received: Tensor<1> = tensor(y);
         Ok(Some(Received::Device(
@@ -1496,18 +1631,16 @@ pub(crate) mod device {
         let x = cube(x, &sig, group)?;
         let y = alloc(ctx.ordinal, dtype, vec![in_shape.iter().product()]);
         let (n_out, n_in) = (count(&x), count(&y));
-        with_bound(&[&x, &y], &sig, group, |addresses| {
+        run_bound(&[&x, &y], &sig, group, &comm, |lib, c, s, addresses| {
             let (src, dst) = (addresses[0], addresses[1]);
-            comm.run(&sig, group.timeout(), |lib, c, s| {
-                grouped(lib, || {
-                    // SAFETY: bound buffer of `n_out` elements of this type; waited for.
-                    let code = unsafe { (lib.send)(ptr(src), n_out, ctx.nccl, to as i32, c, s) };
-                    if is_failure(code) {
-                        return code;
-                    }
-                    // SAFETY: bound buffer of `n_in` elements of this type; waited for.
-                    unsafe { (lib.recv)(ptr(dst), n_in, nccl, from as i32, c, s) }
-                })
+            grouped(lib, || {
+                // SAFETY: bound buffer of `n_out` elements of this type; waited for.
+                let code = unsafe { (lib.send)(ptr(src), n_out, ctx.nccl, to as i32, c, s) };
+                if is_failure(code) {
+                    return code;
+                }
+                // SAFETY: bound buffer of `n_in` elements of this type; waited for.
+                unsafe { (lib.recv)(ptr(dst), n_in, nccl, from as i32, c, s) }
             })
         })?;
         let received: Tensor<1> = tensor(y);

@@ -13,17 +13,10 @@
 //!   (`y^T = w^T x^T` and so on), so nothing is copied.
 //! - **Ordering with Burn's queued work.** CubeCL does not expose the CUDA stream of its
 //!   server, so cuBLASLt runs on this module's own stream, and each call binds the buffers it
-//!   reads and writes (CubeCL neither frees nor moves a bound allocation, and binding orders
-//!   them after other CubeCL streams' writes). Two orderings (`BURN_PARALLEL_CUBLAS_ORDER`):
-//!   - `device` (the default): nothing waits on the host. A one-thread CubeCL kernel queued
-//!     after Burn's work stores a sequence number `s` in a device word; cuBLASLt's stream waits
-//!     for that word (`cuStreamWaitValue32`), multiplies, and writes `s` to a second word
-//!     (`cuStreamWriteValue32`); a one-thread CubeCL kernel queued next spins (atomic loads)
-//!     until it reads `s`, so Burn's later kernels, and any reuse of the buffers, come after
-//!     the product. Where the device refuses stream memory operations, `sync` is used.
-//!   - `sync`: wait for Burn's queued work (`client.sync()`), multiply, wait for cuBLASLt's
-//!     stream, as the NCCL path does: two host round trips per call.
-//!
+//!   reads and writes (CubeCL neither frees nor moves a bound allocation). The stream waits for
+//!   Burn's queued work, and Burn's later work for the product, on the device through the
+//!   ordering words of [`super::order`] (`BURN_PARALLEL_STREAM_ORDER=sync` waits on the host
+//!   instead: two host round trips per call).
 //!   The backward's two products share one call.
 //! - **Plans.** A product's descriptors, layouts and the algorithm cuBLASLt's heuristic picks
 //!   (with a 32 MiB workspace) are made once per shape, dtype and transposition and kept.
@@ -36,7 +29,7 @@ use std::sync::{Mutex, OnceLock};
 
 use burn::tensor::DType;
 use burn_cubecl::kernel::into_contiguous;
-use burn_cubecl::ops::numeric::{empty_device_contiguous_dtype, zeros_client};
+use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
 use cubecl::prelude::*;
@@ -45,6 +38,8 @@ use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys as ltsys;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys as cusys;
+
+use super::order;
 
 type CudaServer = <CudaRuntime as Runtime>::Server;
 
@@ -130,45 +125,6 @@ struct Plan {
     algo: ltsys::cublasLtMatmulAlgo_t,
 }
 
-/// How cuBLASLt's stream is ordered with CubeCL's (see the module documentation).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Order {
-    Device,
-    Sync,
-}
-
-/// `BURN_PARALLEL_CUBLAS_ORDER`, read once.
-fn order() -> Order {
-    static ORDER: OnceLock<Order> = OnceLock::new();
-    *ORDER.get_or_init(|| {
-        match std::env::var("BURN_PARALLEL_CUBLAS_ORDER")
-            .unwrap_or_default()
-            .trim()
-        {
-            "" | "device" => Order::Device,
-            "sync" => Order::Sync,
-            other => {
-                eprintln!(
-                    "warning: BURN_PARALLEL_CUBLAS_ORDER={other:?} is neither `device` nor \
-                     `sync`; using `device`"
-                );
-                Order::Device
-            }
-        }
-    })
-}
-
-/// The two device words of [`Order::Device`]: `[ready, done]`, `u32`, bound for the life of
-/// the process.
-struct Flags {
-    tensor: CubeTensor,
-    /// The binding that keeps the words in place (never read).
-    _bound: Box<dyn std::any::Any>,
-    ready: cusys::CUdeviceptr,
-    done: cusys::CUdeviceptr,
-    seq: u32,
-}
-
 /// One device's cuBLASLt handle, stream, workspace and plans.
 struct DeviceLt {
     context: cusys::CUcontext,
@@ -176,14 +132,9 @@ struct DeviceLt {
     stream: cusys::CUstream,
     workspace: cusys::CUdeviceptr,
     plans: HashMap<Gemm, Plan>,
-    /// `None` until the first call under [`Order::Device`], and when the device refused
-    /// stream memory operations (then [`Order::Sync`]).
-    flags: Option<Flags>,
-    /// Set when stream memory operations failed once: every later call syncs.
-    device_order_refused: bool,
 }
 
-// SAFETY: the raw handles (and the ordering words' binding) are used only under the `DEVICES` mutex, after making their context
+// SAFETY: the raw handles are used only under the `DEVICES` mutex, after making their context
 // current on the calling thread; CUDA and cuBLASLt objects may be used from any thread that
 // way.
 unsafe impl Send for DeviceLt {}
@@ -233,8 +184,6 @@ impl DeviceLt {
             stream,
             workspace,
             plans: HashMap::new(),
-            flags: None,
-            device_order_refused: false,
         }
     }
 
@@ -380,35 +329,6 @@ impl DeviceLt {
     }
 }
 
-/// The CubeCL halves of [`Order::Device`], one unit: without `wait`, store `value` in
-/// `flags[0]` (ready); with `wait`, spin until `flags[1]` (done) has reached `value`.
-#[cube(launch)]
-fn order_kernel(flags: &mut Tensor<Atomic<u32>>, value: u32, #[comptime] wait: bool) {
-    if ABSOLUTE_POS == 0 {
-        if wait {
-            loop {
-                if flags[1].load() >= value {
-                    break;
-                }
-            }
-        } else {
-            flags[0].store(value);
-        }
-    }
-}
-
-/// Queues [`order_kernel`] on `flags`' stream.
-fn queue_order(flags: &CubeTensor, value: u32, wait: bool) {
-    order_kernel::launch(
-        &flags.client.clone(),
-        CubeCount::Static(1, 1, 1),
-        CubeDim::new_1d(1),
-        flags.clone().into_tensor_arg(),
-        value,
-        wait,
-    );
-}
-
 /// What keeps a set of device buffers bound: dropping it releases them.
 pub(crate) type Held = Vec<Box<dyn std::any::Any>>;
 
@@ -429,33 +349,9 @@ pub(crate) fn bind(tensors: &[&CubeTensor]) -> Result<(Held, Vec<u64>), String> 
     Ok((held, addresses))
 }
 
-impl DeviceLt {
-    /// The device words of [`Order::Device`] on `like`'s device (made at the first call).
-    fn flags(&mut self, like: &CubeTensor) -> &mut Flags {
-        self.flags.get_or_insert_with(|| {
-            let tensor = zeros_client(
-                like.client.clone(),
-                like.device.clone(),
-                [2].into(),
-                DType::U32,
-            );
-            let (bound, addresses) =
-                bind(&[&tensor]).unwrap_or_else(|e| fail("binding the ordering words", e));
-            let ready = addresses[0];
-            Flags {
-                tensor,
-                _bound: Box::new(bound),
-                ready,
-                done: ready + 4,
-                seq: 0,
-            }
-        })
-    }
-}
-
 /// Runs `f` (cuBLASLt calls on this device's stream, given the state and the buffers'
 /// addresses) ordered after Burn's queued work on `tensors` and before Burn's later work, the
-/// buffers bound meanwhile (see [`Order`]).
+/// buffers bound meanwhile (see [`super::order`]).
 fn with_bound(tensors: &[&CubeTensor], f: impl FnOnce(&mut DeviceLt, &[u64])) {
     let first = tensors[0];
     let ordinal = cuda_index(&first.device).expect("`routes` admits CUDA devices only");
@@ -469,71 +365,20 @@ fn with_bound(tensors: &[&CubeTensor], f: impl FnOnce(&mut DeviceLt, &[u64])) {
         }
     };
     let lt = &mut devices[at].1;
-    let device_order = order() == Order::Device && !lt.device_order_refused;
-    // Under device ordering the ready word is stored before the buffers are bound: binding
-    // only orders across CubeCL streams, it never waits for the device.
-    let seq = device_order.then(|| {
-        let flags = lt.flags(first);
-        // Limit: the words compare with `>=`, so after 2^32 products on one thread (about 30
-        // million GPT-2-small steps) a wrapped number would pass early; not handled.
-        flags.seq = flags.seq.wrapping_add(1).max(1);
-        queue_order(&flags.tensor, flags.seq, false);
-        flags.seq
-    });
+    // Marked before the buffers are bound: binding only orders across CubeCL streams, it never
+    // waits for the device.
+    let mark = order::mark(first);
     let (held, addresses) = bind(tensors).unwrap_or_else(|e| fail("binding a device buffer", e));
     // SAFETY: the context is live (retained by `DeviceLt::new`).
     unsafe { cu::ctx::set_current(lt.context) }
         .unwrap_or_else(|e| fail("making the CUDA context current", e));
-    let waited = match seq {
-        Some(seq) => {
-            let ready = lt.flags.as_ref().map(|f| f.ready).unwrap_or_default();
-            // SAFETY: `ready` is a bound device word of this context; the stream is live.
-            let code = unsafe {
-                cusys::cuStreamWaitValue32_v2(
-                    lt.stream,
-                    ready,
-                    seq,
-                    cusys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
-                )
-            };
-            if code != cusys::CUresult::CUDA_SUCCESS {
-                eprintln!(
-                    "warning: cuStreamWaitValue32 failed ({code:?}): cuBLASLt's products now wait \
-                     on the host for Burn's work (BURN_PARALLEL_CUBLAS_ORDER=sync)"
-                );
-                lt.device_order_refused = true;
-            }
-            code == cusys::CUresult::CUDA_SUCCESS
-        }
-        None => false,
-    };
+    let waited = mark.wait_on(lt.stream);
     if !waited {
         cubecl::future::block_on(first.client.sync())
             .unwrap_or_else(|e| fail("waiting for Burn's queued work", e));
     }
     f(lt, &addresses);
-    let signalled = match (waited, seq, lt.flags.as_ref()) {
-        (true, Some(seq), Some(flags)) => {
-            // SAFETY: `done` is a bound device word of this context; the stream is live.
-            let code = unsafe {
-                cusys::cuStreamWriteValue32_v2(
-                    lt.stream,
-                    flags.done,
-                    seq,
-                    cusys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
-                )
-            };
-            if code == cusys::CUresult::CUDA_SUCCESS {
-                queue_order(&flags.tensor, seq, true);
-                true
-            } else {
-                lt.device_order_refused = true;
-                false
-            }
-        }
-        _ => false,
-    };
-    if !signalled {
+    if !(waited && mark.signal(lt.stream)) {
         // SAFETY: the stream is live and belongs to the current context.
         unsafe { cu::stream::synchronize(lt.stream) }
             .unwrap_or_else(|e| fail("waiting for cuBLASLt", e));
