@@ -14,6 +14,7 @@ use burn_moe::{MoeError, MoeParallel, MoeStats, MoeStep, MoeTrainer, MoeZero};
 use burn_parallel::context_parallel::{ContextParallel, CpBalance, CpKind, CpSettings};
 use burn_parallel::init::Init;
 use burn_parallel::optim::FusedAdamWConfig;
+use burn_parallel::overlap::OverlappedDdp;
 use burn_parallel::precision::LossScaler;
 use burn_parallel::tensor_parallel::TpError;
 use burn_parallel::train::{SaveState, StepEngine, TrainStep, Trainer};
@@ -376,6 +377,9 @@ pub struct Parallelism {
     /// and reduce-scatter it once per step ([`burn_parallel::train::DataShards::set_gradient_sync`];
     /// one block-sized buffer per block).
     pub no_sync: bool,
+    /// Data parallelism with the gradient all-reduce during the backward
+    /// ([`burn_parallel::overlap::OverlappedDdp`]) instead of after it.
+    pub overlap: bool,
     /// ZeRO-1/2 (`zero` stage 1 or 2): keep the optimizer state and its update in host
     /// memory ([`ZeroConfig::with_offload`], DeepSpeed's `offload_optimizer`), leaving the
     /// device the model, its gradients and the compute.
@@ -440,6 +444,7 @@ impl Default for Parallelism {
             replicate: 1,
             prefetch: false,
             no_sync: false,
+            overlap: false,
             offload: false,
             device: TrainDevice::Flex,
             cp: 1,
@@ -618,6 +623,13 @@ impl Parallelism {
         }
         if self.replicate > 1 && self.zero.is_none() {
             return Err("hybrid sharding (--hybrid) needs --zero".into());
+        }
+        if self.overlap && (self.zero.is_some() || config.model.moe.is_some()) {
+            return Err(
+                "--overlap overlaps data parallelism's all-reduce of a dense model: not with \
+                 --zero or a GPT-MoE (whose experts reduce over their own groups)"
+                    .into(),
+            );
         }
         if (self.prefetch || self.no_sync) && self.zero != Some(Stage::Three) {
             return Err(
@@ -926,7 +938,11 @@ pub fn train_gpt_checkpointed(
             if let Some(scaler) = config.loss_scaler() {
                 step = step.with_loss_scaler(scaler);
             }
-            if reduce.size() > 1 {
+            if reduce.size() > 1 && parallel.overlap {
+                step = step.with_overlap(
+                    OverlappedDdp::new(reduce.clone()).with_bucket_bytes(bucket_bytes),
+                );
+            } else if reduce.size() > 1 {
                 step = step.with_ddp(
                     DistributedDataParallel::new(reduce.clone()).with_bucket_bytes(bucket_bytes),
                 );

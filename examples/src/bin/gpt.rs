@@ -174,6 +174,11 @@ struct Args {
     /// and reduce-scatter it once per step (one block-sized buffer per block).
     #[arg(long, requires = "zero")]
     no_sync: bool,
+    /// Data parallelism: all-reduce the gradient buckets during the backward, each as its
+    /// gradients become final (PyTorch DDP's overlap; `burn_parallel::overlap`), instead of
+    /// after it. Not with --zero.
+    #[arg(long = "overlap", conflicts_with = "zero")]
+    ddp_overlap: bool,
     /// With --zero 1|2: keep the optimizer state and its update in host memory (DeepSpeed's
     /// offload_optimizer), leaving the device the model, its gradients and the compute.
     #[arg(long, requires = "zero")]
@@ -700,6 +705,7 @@ fn main() -> ExitCode {
         replicate: args.hybrid.unwrap_or(1),
         prefetch: args.prefetch,
         no_sync: args.no_sync,
+        overlap: args.ddp_overlap,
         offload: args.offload,
         device: train_device(&args),
         cp: args.cp,
