@@ -210,7 +210,8 @@ where
             forward,
             &mut phases,
             |_, loss| {
-                let mut grads = GradientsParams::from_grads(loss.backward(), &model);
+                let grads = burn_parallel::autograd::backward(loss).map_err(MoeError::from)?;
+                let mut grads = GradientsParams::from_grads(grads, &model);
                 acc.accumulate(&model, experts.take_experts(&model, &mut grads));
                 zero.accumulate(&model, grads).map_err(zero_err)
             },

@@ -343,7 +343,9 @@ impl MoeStep {
             &mut phases,
             |_, loss| {
                 let loss = self.inner.scaled_loss(loss / n);
-                acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+                let grads = burn_parallel::autograd::backward(loss)
+                    .map_err(|e| E::from(MoeError::from(e)))?;
+                acc.accumulate(&model, GradientsParams::from_grads(grads, &model));
                 Ok(())
             },
         )?;
@@ -369,8 +371,11 @@ impl MoeStep {
         let mut phases = StepPhases::default();
         let grads = phases.time(
             |p| &mut p.backward,
-            || GradientsParams::from_grads(loss.backward(), &model),
-        );
+            || {
+                burn_parallel::autograd::backward(loss)
+                    .map(|g| GradientsParams::from_grads(g, &model))
+            },
+        )?;
         self.finish(model, local, grads, optim, lr, phases)
     }
 

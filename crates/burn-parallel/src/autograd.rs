@@ -15,9 +15,16 @@
 //! How it works: the forward communication is an ordinary (fallible) collective on
 //! [`ProcessGroup`]; its result is then attached to the autodiff graph of the input by one
 //! backend-extension operation ([`CommBackend::attach_backward`]) whose backward step runs the
-//! conjugate collective on the incoming gradient. Burn's backward pass cannot return errors, so a
-//! collective that fails *during backward* panics with the [`CollectiveError`] message (under
-//! [`crate::run_local`] that panic fails every rank promptly).
+//! conjugate collective on the incoming gradient.
+//!
+//! Burn's backward pass cannot return errors, so a collective that fails *during backward*
+//! records its [`CollectiveError`] for the calling thread (the one running the backward) and
+//! gives its input a zero gradient; the collectives later in the same backward then skip their
+//! communication (the step is lost anyway, and the peers must not wait for this rank).
+//! [`backward`] runs `loss.backward()` and returns that error: every step of this crate and of
+//! its sibling crates goes through it, and a loop of your own should too (or call
+//! [`take_backward_error`] after `loss.backward()`): the gradients of a failed backward are not
+//! to be applied.
 //!
 //! Every rank must own its parameters (no autodiff node shared between thread ranks).
 
@@ -45,6 +52,9 @@ use crate::group::ProcessGroup;
 #[derive(Clone)]
 pub struct BackwardFn {
     name: &'static str,
+    /// The forward input's shape and dtype (set by [`attach`]): a failed backward gives it a
+    /// zero gradient of that shape.
+    input: Option<(burn::tensor::Shape, burn::tensor::DType)>,
     f: Arc<dyn Fn(TensorData) -> Result<TensorData> + Send + Sync>,
     /// The same map on the gradient as a tensor on its device, when given
     /// ([`BackwardFn::on_device`]): used instead of `f`, so the gradient stays on the device.
@@ -59,6 +69,7 @@ impl BackwardFn {
     ) -> Self {
         Self {
             name,
+            input: None,
             f: Arc::new(f),
             device: None,
         }
@@ -235,23 +246,40 @@ impl<B: CommBackend + GradDispatch> Backward<B, 1> for CommBackward {
         let [parent] = ops.parents;
         let grad = grads.consume::<B>(&ops.node);
         let Some(parent) = parent else { return };
-        if let Some(f) = &ops.state.device {
-            let grad_in = match f(B::grad_to_dispatch(grad)) {
-                Ok(g) => g,
-                Err(e) => panic!("backward of {} failed: {e}", ops.state.name),
-            };
-            grads.register::<B>(parent.id, B::grad_from_dispatch(grad_in));
-            return;
-        }
         let device = grad.device();
-        let data = try_read_sync(B::float_into_data(grad))
-            .expect("reading a gradient on the host")
-            .expect("reading a gradient on the host");
-        let grad_in = match (ops.state.f)(data) {
-            Ok(g) => g,
-            Err(e) => panic!("backward of {} failed: {e}", ops.state.name),
+        let state = &ops.state;
+        // After a failure in this backward: no more communication, zero gradients.
+        let grad_in = if failed() {
+            None
+        } else if let Some(f) = &state.device {
+            f(B::grad_to_dispatch(grad))
+                .map(B::grad_from_dispatch)
+                .map_err(fail)
+                .ok()
+        } else {
+            match try_read_sync(B::float_into_data(grad)) {
+                Some(Ok(data)) => (state.f)(data)
+                    .map(|g| B::float_from_data(g, &device))
+                    .map_err(fail)
+                    .ok(),
+                _ => {
+                    fail(CollectiveError::InvalidArgument {
+                        rank: 0,
+                        op: state.name.into(),
+                        reason: "this rank could not read the gradient to the host".into(),
+                    });
+                    None
+                }
+            }
         };
-        grads.register::<B>(parent.id, B::float_from_data(grad_in, &device));
+        let grad_in = grad_in.unwrap_or_else(|| {
+            let (shape, dtype) = state
+                .input
+                .clone()
+                .expect("attach records the input's shape and dtype");
+            B::float_zeros(shape, &device, dtype.into())
+        });
+        grads.register::<B>(parent.id, grad_in);
     }
 }
 
@@ -259,8 +287,9 @@ impl<B: CommBackend + GradDispatch, C: CheckpointStrategy> CommBackend for Autod
     fn attach_backward(
         x: FloatTensor<Self>,
         y: FloatTensor<Self>,
-        backward: BackwardFn,
+        mut backward: BackwardFn,
     ) -> FloatTensor<Self> {
+        backward.input = Some((x.shape(), x.dtype()));
         let y = y.into_primitive();
         match CommBackward
             .prepare::<C>([x.node()])
@@ -270,6 +299,61 @@ impl<B: CommBackend + GradDispatch, C: CheckpointStrategy> CommBackend for Autod
             OpsKind::Tracked(prep) => prep.finish(backward, y),
             OpsKind::UnTracked(prep) => prep.finish(y),
         }
+    }
+}
+
+std::thread_local! {
+    /// The first collective error of the backward pass running on this thread.
+    static BACKWARD_ERROR: std::cell::RefCell<Option<CollectiveError>> =
+        const { std::cell::RefCell::new(None) };
+}
+
+/// Whether a collective already failed in this thread's backward.
+fn failed() -> bool {
+    BACKWARD_ERROR.with(|e| e.borrow().is_some())
+}
+
+/// Records the error of a backward step (the first one is kept).
+fn fail(error: CollectiveError) {
+    BACKWARD_ERROR.with(|e| {
+        e.borrow_mut().get_or_insert(error);
+    });
+}
+
+/// Takes the error of a collective that failed in a backward pass run on this thread since
+/// the last call (see the [module docs](self)); `None` when none failed.
+pub fn take_backward_error() -> Option<CollectiveError> {
+    BACKWARD_ERROR.with(|e| e.borrow_mut().take())
+}
+
+/// `loss.backward()`, with the error of a collective that failed inside it.
+///
+/// # Errors
+/// The first [`CollectiveError`] of a collective in the backward (a dead peer, a timeout, a
+/// mismatch); the gradients are then not returned, since some are zeros.
+///
+/// # Example
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_parallel::{autograd, run_local};
+///
+/// run_local(2, |group| {
+///     let device = Device::flex().autodiff();
+///     let x = Tensor::<1>::from_floats([1.0, 2.0], &device).require_grad();
+///     let y = autograd::copy_to_group(x.clone(), &group);
+///     let grads = autograd::backward(y.sum())?; // all-reduce of the gradient inside
+///     assert_eq!(x.grad(&grads).unwrap().into_data().to_vec::<f32>().unwrap(), vec![2.0, 2.0]);
+///     Ok(())
+/// })
+/// .unwrap();
+/// ```
+pub fn backward(loss: Tensor<1>) -> Result<burn::tensor::Gradients> {
+    // A stale error of an earlier backward whose caller did not check belongs to that step.
+    let _ = take_backward_error();
+    let grads = loss.backward();
+    match take_backward_error() {
+        Some(e) => Err(e),
+        None => Ok(grads),
     }
 }
 
@@ -877,6 +961,7 @@ impl<const D: usize> GatheredSequence<D> {
             let device_fn = d_weight;
             let backward = BackwardFn {
                 name: "sequence-parallel linear (weight)",
+                input: None,
                 f: Arc::new(move |dy: TensorData| {
                     let dy = crate::group::tensor_from_data::<D>(dy, &w_device);
                     host_fn(dy).map(|dw| dw.into_data())

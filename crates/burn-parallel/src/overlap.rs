@@ -25,7 +25,7 @@
 //!     let step = ddp.start(&model)?;
 //!     let hooked = step.hook(model.clone()); // same parameters (the graph's leaves), hooked
 //!     let loss = hooked.forward(x).powf_scalar(2.0).mean();
-//!     step.backward(loss); // buckets are all-reduced while this runs
+//!     step.backward(loss)?; // buckets are all-reduced while this runs
 //!     let grads = step.finish(&model)?; // averaged over the ranks
 //!     model = optim.step(0.1, model, grads);
 //!     Ok(())
@@ -878,7 +878,12 @@ impl OverlapStep {
     /// # Returns
     /// Burn's gradients (of tracked tensors other than the hooked parameters, whose gradients
     /// went to the buckets).
-    pub fn backward(&self, loss: Tensor<1>) -> burn::tensor::Gradients {
+    ///
+    /// # Errors
+    /// A collective of the model's own (tensor or sequence parallelism) that failed inside the
+    /// backward ([`crate::autograd::backward`]). The buckets' all-reduces report theirs from
+    /// [`Self::finish`].
+    pub fn backward(&self, loss: Tensor<1>) -> Result<burn::tensor::Gradients> {
         {
             // Parameters the forward never touched have no hook: they will get no gradient
             // on this rank, so their buckets need not wait for them.
@@ -896,7 +901,7 @@ impl OverlapStep {
         let mut depth = lock(&self.depth);
         if depth.calibration.is_some() || !loss.is_tracked() {
             drop(depth);
-            return loss.backward();
+            return crate::autograd::backward(loss);
         }
         let anchor = depth.anchor_for(0, &loss.device());
         drop(depth);
@@ -907,12 +912,12 @@ impl OverlapStep {
                 *lock(&measured) = Some(event.order);
             })
         };
-        let grads = grad_hook(loss, &anchor, probe).backward();
+        let grads = crate::autograd::backward(grad_hook(loss, &anchor, probe))?;
         if let Some(order) = *lock(&measured) {
             // The probe sits one level above the loss.
             lock(&self.depth).calibration = Some((order.saturating_sub(1), hooks));
         }
-        grads
+        Ok(grads)
     }
 
     /// Sends the buckets not sent yet (in bucket order; missing gradients are zeros), waits

@@ -702,7 +702,8 @@ impl TrainStep {
         model: &M,
         loss: Tensor<1>,
     ) -> Result<(GradientsParams, Option<f64>)> {
-        self.reduce(model, GradientsParams::from_grads(loss.backward(), model))
+        let grads = crate::autograd::backward(loss)?;
+        self.reduce(model, GradientsParams::from_grads(grads, model))
     }
 
     /// [`Self::reduce`] for gradients of a loss scaled by [`Self::scaled_loss`]: also unscales
@@ -940,8 +941,11 @@ impl TrainStep {
         let mut phases = StepPhases::default();
         let grads = phases.time(
             |p| &mut p.backward,
-            || GradientsParams::from_grads(self.scaled_loss(loss).backward(), &model),
-        );
+            || {
+                crate::autograd::backward(self.scaled_loss(loss))
+                    .map(|g| GradientsParams::from_grads(g, &model))
+            },
+        )?;
         self.finish(model, local, grads, optim, lr, phases)
     }
 
@@ -1078,7 +1082,7 @@ impl TrainStep {
                 Ok::<_, E>((loss, local))
             },
         )?;
-        phases.time(|p| &mut p.backward, || pending.backward(loss));
+        phases.time(|p| &mut p.backward, || pending.backward(loss))?;
         drop(hooked);
         // The loss on the group itself: the buckets travel on a sub-group of their own
         // meanwhile.
@@ -1187,7 +1191,8 @@ impl TrainStep {
             &mut phases,
             |_, loss| {
                 let loss = self.scaled_loss(loss / micro_batches as f32);
-                acc.accumulate(&model, GradientsParams::from_grads(loss.backward(), &model));
+                let grads = crate::autograd::backward(loss).map_err(E::from)?;
+                acc.accumulate(&model, GradientsParams::from_grads(grads, &model));
                 Ok(())
             },
         )?;

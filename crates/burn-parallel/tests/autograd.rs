@@ -270,3 +270,47 @@ fn ring_shift_moves_gradients_the_other_way() {
         })
     });
 }
+
+/// A collective that fails inside the backward (here: the peer left before its backward, so
+/// the gradient all-reduce of `copy_to_group` finds it gone) is a typed error from
+/// `autograd::backward`, on the host and the tensor-level path; it used to panic inside Burn's
+/// backward. The second collective of the same backward does not communicate (it would wait for
+/// the absent peer until the timeout), and the error is consumed by the call that returned it.
+#[test]
+fn a_collective_failing_inside_the_backward_is_a_typed_error() {
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+    for tensor_path in [false, true] {
+        let seen = Arc::new(Mutex::new(None));
+        let timeout = Duration::from_secs(3);
+        let result = run_local(2, |group| {
+            let group = group.with_timeout(timeout).with_tensor_path(tensor_path);
+            let x = leaf(1, 2, 3);
+            let h = copy_to_group(x.clone(), &group) * 2.0;
+            let y = copy_to_group(h, &group);
+            if group.rank() == 1 {
+                return Err(burn_parallel::CollectiveError::InvalidArgument {
+                    rank: 1,
+                    op: "test".into(),
+                    reason: "this rank leaves before its backward".into(),
+                });
+            }
+            let start = Instant::now();
+            let out = burn_parallel::autograd::backward(y.sum());
+            let elapsed = start.elapsed();
+            let stale = burn_parallel::autograd::take_backward_error();
+            *seen.lock().unwrap() = Some((out.map(|_| ()), elapsed, stale.is_none()));
+            Ok(())
+        });
+        assert!(result.is_err(), "rank 1 failed");
+        let (out, elapsed, consumed) = seen.lock().unwrap().take().expect("rank 0 returned");
+        let e = out.expect_err("the backward's all-reduce cannot complete without rank 1");
+        assert!(e.to_string().contains("rank"), "{e}");
+        assert!(consumed, "the error is taken by the call that returned it");
+        // One timeout at most (the first collective's), not one per collective.
+        assert!(
+            elapsed < timeout * 2,
+            "the backward took {elapsed:?} with a timeout of {timeout:?}"
+        );
+    }
+}

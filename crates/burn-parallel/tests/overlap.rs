@@ -232,7 +232,7 @@ fn overlapped(s: Setup, device_buckets: bool) -> Vec<Run> {
             let (x, y) = batch(step, s.micro_steps - 1, rank, &device);
             let loss = hooked.loss(x, y, rank, s.variant);
             local += loss.clone().into_scalar::<f32>() / s.micro_steps as f32;
-            let local_grads = GradientsParams::from_grads(overlap.backward(loss), &model);
+            let local_grads = GradientsParams::from_grads(overlap.backward(loss)?, &model);
             // The hooks took the gradients (the leaves are the model's own parameters).
             assert!(local_grads.is_empty());
             drop(hooked);
@@ -345,7 +345,7 @@ fn unused_parameters_get_no_gradient_and_one_rank_parameters_are_averaged() {
         let overlap = ddp.start(&model)?;
         let hooked = overlap.hook(model.clone());
         let (x, y) = batch(0, 0, group.rank(), &device);
-        overlap.backward(hooked.loss(x, y, group.rank(), Variant::Shared));
+        overlap.backward(hooked.loss(x, y, group.rank(), Variant::Shared))?;
         let grads = overlap.finish(&model)?;
         let rank0_only = grads
             .get::<1>(model.rank0_only.id)
@@ -410,7 +410,7 @@ fn buckets_are_sent_while_backward_runs_with(device_buckets: bool) {
             for layer in &hooked.layers[1..] {
                 h = layer.forward(h).tanh();
             }
-            overlap.backward(h.sum());
+            overlap.backward(h.sum())?;
             overlap.finish(&model)?;
             let before_first_layer = at_probe.lock().unwrap().expect("the probe ran");
             seen.push((before_first_layer, buckets));
@@ -474,7 +474,7 @@ fn a_rank_with_another_model_is_a_mismatch_error_on_every_rank() {
         let overlap = ddp.start(&model)?;
         let hooked = overlap.hook(model.clone());
         let (x, _) = batch(0, 0, group.rank(), &device);
-        overlap.backward(hooked.forward(x).sum());
+        overlap.backward(hooked.forward(x).sum())?;
         let result = overlap.finish(&model);
         if let Err(e) = &result {
             errors.lock().unwrap().push(e.to_string());
@@ -520,7 +520,7 @@ fn a_failed_rank_is_an_error_not_a_hang_with(device_buckets: bool) {
         }
         let hooked = overlap.hook(model.clone());
         let (x, y) = batch(0, 0, 0, &device);
-        overlap.backward(hooked.loss(x, y, 0, Variant::Plain));
+        overlap.backward(hooked.loss(x, y, 0, Variant::Plain))?;
         let result = overlap.finish(&model);
         *seen.lock().unwrap() = Some(result.as_ref().map(|_| ()).map_err(|e| e.to_string()));
         result.map(|_| ())

@@ -773,6 +773,9 @@ impl Executor {
                     let input_grads = match seed {
                         Some(seed) => {
                             let (param_grads, input_grads) = catch_unwind(AssertUnwindSafe(|| {
+                                // A collective inside the stage (TP, SP, CP) that fails in
+                                // this backward: `take_backward_error` below.
+                                let _ = burn_parallel::autograd::take_backward_error();
                                 let mut grads = seed.backward();
                                 let inputs: Vec<Tensor<1>> = s
                                     .leaves
@@ -785,6 +788,13 @@ impl Executor {
                                 (GradientsParams::from_grads(grads, module), inputs)
                             }))
                             .map_err(|p| self.panicked(stage, &action, p))?;
+                            if let Some(source) = burn_parallel::autograd::take_backward_error() {
+                                return Err(PipelineError::Collective {
+                                    rank: self.rank,
+                                    action: format!("{action:?}"),
+                                    source,
+                                });
+                            }
                             accumulators
                                 .get_mut(&stage)
                                 .expect("a local stage")

@@ -1653,7 +1653,9 @@ where
             forward,
             &mut phases,
             |_, loss| {
-                let grads = GradientsParams::from_grads(self.scaled_loss(loss).backward(), &model);
+                let grads = burn_parallel::autograd::backward(self.scaled_loss(loss))
+                    .map_err(|e| E::from(ZeroError::from(e)))?;
+                let grads = GradientsParams::from_grads(grads, &model);
                 Ok(self.accumulate(&model, grads)?)
             },
         )?;

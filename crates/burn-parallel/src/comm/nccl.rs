@@ -391,6 +391,9 @@ mod imp {
         event: cusys::CUevent,
         until: Option<Instant>,
         timeout: Duration,
+        /// Under `BURN_PARALLEL_NCCL_TRACE`: an event recorded when the stream had waited for
+        /// the inputs (the operation's start on the device); `event` then times too.
+        started: Option<cusys::CUevent>,
     }
 
     // SAFETY: a CUDA event is a plain token usable from any thread of the process.
@@ -603,9 +606,14 @@ mod imp {
                 .map_err(|e| self.error(op, format!("making the CUDA context current: {e}")))?;
             let until = deadline(timeout);
             before(self.stream)?;
+            let started = trace::path().and_then(|_| trace::stamp(self.stream));
             let code = launch(self.nccl, self.comm, self.stream.cast());
             self.settle(&mut health, op, code, until, timeout)?;
-            let event = cu::event::create(cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            let flags = match started {
+                Some(_) => cusys::CUevent_flags::CU_EVENT_DEFAULT,
+                None => cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+            };
+            let event = cu::event::create(flags)
                 .map_err(|e| self.abort(&mut health, op, format!("creating a CUDA event: {e}")))?;
             // SAFETY: the event was just created in this context; the stream is live.
             if let Err(e) = unsafe { cu::event::record(event, self.stream) } {
@@ -617,6 +625,7 @@ mod imp {
                 event,
                 until,
                 timeout,
+                started,
             })
         }
 
@@ -652,8 +661,16 @@ mod imp {
                 }
                 backoff.wait();
             };
-            // SAFETY: the event is not used after this (CUDA releases it once complete).
-            let _ = unsafe { cu::event::destroy(launched.event) };
+            if let (Ok(()), Some(started)) = (&result, launched.started) {
+                trace::record(op, self.global_rank, started, launched.event);
+            }
+            for event in [Some(launched.event), launched.started]
+                .into_iter()
+                .flatten()
+            {
+                // SAFETY: the event is not used after this (CUDA releases it once complete).
+                let _ = unsafe { cu::event::destroy(event) };
+            }
             result
         }
 
@@ -765,6 +782,95 @@ mod imp {
                 backoff.wait();
             }
             Ok(())
+        }
+    }
+
+    /// A device timeline of the NCCL operations, for seeing them beside the compute:
+    /// `BURN_PARALLEL_NCCL_TRACE=FILE` appends one JSON line per completed operation, `{"op",
+    /// "rank", "start_ms", "end_ms"}`, in milliseconds of the device's clock since the first
+    /// traced operation of the process. `start_ms` is when the stream had waited for the
+    /// operation's inputs (their producing kernels had finished), `end_ms` when it completed.
+    /// `scripts/nccl_trace.py` turns the file into a Perfetto (Chrome JSON) trace and says how
+    /// much of each step's communication ran before its last bucket's gradients were ready.
+    mod trace {
+        use std::io::Write;
+        use std::sync::{Mutex, OnceLock};
+
+        use cudarc::driver::result as cu;
+        use cudarc::driver::sys as cusys;
+
+        /// The trace file, read once.
+        pub(super) fn path() -> Option<&'static str> {
+            static PATH: OnceLock<Option<String>> = OnceLock::new();
+            PATH.get_or_init(|| {
+                std::env::var("BURN_PARALLEL_NCCL_TRACE")
+                    .ok()
+                    .filter(|p| !p.trim().is_empty())
+            })
+            .as_deref()
+        }
+
+        /// The first traced point of the process (never destroyed).
+        struct Origin(cusys::CUevent);
+        // SAFETY: a CUDA event is a plain token usable from any thread.
+        unsafe impl Send for Origin {}
+        static ORIGIN: Mutex<Option<Origin>> = Mutex::new(None);
+
+        /// A timing event recorded on `stream` now (and the origin, at the first call).
+        pub(super) fn stamp(stream: cusys::CUstream) -> Option<cusys::CUevent> {
+            let record = || {
+                let event = cu::event::create(cusys::CUevent_flags::CU_EVENT_DEFAULT).ok()?;
+                // SAFETY: the event was just created in the current context; the stream is live.
+                if unsafe { cu::event::record(event, stream) }.is_err() {
+                    // SAFETY: created above, never recorded.
+                    let _ = unsafe { cu::event::destroy(event) };
+                    return None;
+                }
+                Some(event)
+            };
+            let mut origin = ORIGIN.lock().unwrap_or_else(|e| e.into_inner());
+            if origin.is_none() {
+                *origin = record().map(Origin);
+            }
+            record()
+        }
+
+        /// Appends the completed operation `op` (both events done) to the trace file.
+        pub(super) fn record(
+            op: &str,
+            rank: usize,
+            started: cusys::CUevent,
+            ended: cusys::CUevent,
+        ) {
+            let (Some(path), Some(origin)) = (
+                path(),
+                ORIGIN
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .as_ref()
+                    .map(|o| o.0),
+            ) else {
+                return;
+            };
+            // SAFETY: the three events were recorded and have completed (the origin before
+            // `started`, on the same device).
+            let times = unsafe {
+                (
+                    cu::event::elapsed(origin, started),
+                    cu::event::elapsed(origin, ended),
+                )
+            };
+            let (Ok(start), Ok(end)) = times else { return };
+            let line = serde_json::json!({
+                "op": op, "rank": rank, "start_ms": start, "end_ms": end,
+            });
+            if let Ok(mut file) = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+            {
+                let _ = writeln!(file, "{line}");
+            }
         }
     }
 
