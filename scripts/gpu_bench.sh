@@ -36,6 +36,14 @@
 #            `--backend tcp`, `--backend nccl` (one process, RANK 0 of 1); then DDP over 2
 #            processes on cuda:0 through `--backend tcp` (device tensors, host transport):
 #            the baselines of issue 27.
+#   i27      issue 27's figures, GPT-2 small's shape in f32 (the overlapped DDP's precision),
+#            12 steps with --profile: plain single-device training against `--backend nccl
+#            --overlap` at world size 1 (the overlapped DDP wrapper: hooks, device buckets,
+#            asynchronous NCCL all-reduces ordered on the device; its NCCL device trace read by
+#            scripts/nccl_trace.py), the same with host-synced ordering
+#            (BURN_PARALLEL_STREAM_ORDER=sync); two processes on cuda:0 over `--backend tcp`
+#            without and with --overlap (device tensors, host transport); then the NCCL device
+#            tests (`nccl` test binary, if packed) with BURN_PARALLEL_REQUIRE_CUDA=1.
 set -u
 out=${1:?usage: gpu_bench.sh OUTDIR [SECTION ...]}
 shift
@@ -197,6 +205,30 @@ PY
         >"$out/logs/ws2_tcp_rank1.log" 2>&1 &
       run ws2_tcp 150 env RANK=0 WORLD_SIZE=2 MASTER_PORT=29613 "$GPT" --backend tcp $W1
       wait
+      ;;
+    i27)
+      F="--device cuda --precision f32 $G2 --steps 12 --log-every 100 --profile"
+      export MASTER_ADDR=127.0.0.1 LOCAL_RANK=0 CUDA_VISIBLE_DEVICES=0
+      run i27_plain 150 "$GPT" --ranks 1 $F
+      run i27_nccl_overlap 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29621 \
+        BURN_PARALLEL_NCCL_TRACE="$out/logs/nccl_trace.jsonl" "$GPT" --backend nccl --overlap $F
+      [ -s "$out/logs/nccl_trace.jsonl" ] && python3 scripts/nccl_trace.py \
+        "$out/logs/nccl_trace.jsonl" --perfetto "$out/nccl_trace_perfetto.json" 2>&1 \
+        | tail -16 | tee -a "$sum"
+      for o in "" --overlap; do
+        tag=i27_ws2_tcp${o:+_overlap}
+        RANK=1 WORLD_SIZE=2 MASTER_PORT=29623 timeout 150 "$GPT" --backend tcp $o $F \
+          >"$out/logs/${tag}_rank1.log" 2>&1 &
+        run "$tag" 150 env RANK=0 WORLD_SIZE=2 MASTER_PORT=29623 "$GPT" --backend tcp $o $F
+        wait
+      done
+      NCCL_TEST=$(command -v nccl || true)
+      [ -n "$NCCL_TEST" ] && run i27_nccl_tests 240 env BURN_PARALLEL_REQUIRE_CUDA=1 \
+        BURN_PARALLEL_DEBUG=1 "$NCCL_TEST" --test-threads 1 --nocapture
+      grep -aE "^test |test result|SKIPPED|async all_reduce" "$out/logs/i27_nccl_tests.log" \
+        2>/dev/null | tail -20 >>"$sum"
+      run i27_nccl_overlap_sync 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29622 \
+        BURN_PARALLEL_STREAM_ORDER=sync "$GPT" --backend nccl --overlap $F
       ;;
     plain) [ -n "$PLAIN" ] && run vs_plain_gpt2 300 $VS --precision f32 --shapes gpt2 \
       --plain-burn --plain-binary "$PLAIN" ;;

@@ -305,6 +305,61 @@ mod device {
         }
     }
 
+    /// `all_reduce_async` on a CUDA tensor returns before NCCL ran, and NCCL's stream is
+    /// ordered after the kernels that produce its input by a device-side wait (no host sync):
+    /// the input here is the end of a long chain of products still running when the
+    /// collective is launched, so NCCL reading it early would sum unfinished memory. Several
+    /// collectives in flight at once, waited for in reverse order, each give its own sum.
+    #[test]
+    fn async_collectives_wait_for_their_inputs_on_the_device() {
+        let Some(info) = nccl_or_skip("async_collectives_wait_for_their_inputs_on_the_device")
+        else {
+            return;
+        };
+        let n = ranks(&info);
+        let got = on_nccl(n, |g, d| {
+            let mut works = Vec::new();
+            let mut inputs = Vec::new();
+            for k in 0..3 {
+                let mut x = input(g.rank() + k, [256, 256], d) * 1e-3;
+                for _ in 0..40 {
+                    x = (x.clone().matmul(x.clone().transpose()) * 1e-2).tanh() + x;
+                }
+                inputs.push(host(x.clone()));
+                works.push(g.all_reduce_async(x, ReduceOp::Sum));
+            }
+            // Computed while the collectives are in flight.
+            let busy = input(g.rank(), [256, 256], d).matmul(input(0, [256, 256], d));
+            let mut sums = Vec::new();
+            for work in works.into_iter().rev() {
+                sums.push(host(work.wait()?));
+            }
+            sums.reverse();
+            let _ = busy.into_data();
+            Ok((inputs, sums))
+        });
+        for k in 0..3 {
+            let mut want = got[0].0[k]
+                .clone()
+                .convert::<f32>()
+                .try_to_vec::<f32>()
+                .unwrap();
+            for (inputs, _) in &got[1..] {
+                let theirs = inputs[k]
+                    .clone()
+                    .convert::<f32>()
+                    .try_to_vec::<f32>()
+                    .unwrap();
+                want.iter_mut().zip(theirs).for_each(|(w, t)| *w += t);
+            }
+            let want = TensorData::new(want, [256, 256]);
+            for (r, (_, sums)) in got.iter().enumerate() {
+                sums[k].assert_approx_eq::<f32>(&want, Tolerance::absolute(1e-3));
+                eprintln!("async all_reduce {k} on rank {r}: the sum of the finished inputs");
+            }
+        }
+    }
+
     #[test]
     fn a_mismatched_call_is_an_error_not_corrupt_data() {
         let Some(info) = nccl_or_skip("a_mismatched_call_is_an_error_not_corrupt_data") else {
@@ -313,6 +368,13 @@ mod device {
         let n = ranks(&info);
         if n < 2 {
             eprintln!("a_mismatched_call_is_an_error_not_corrupt_data: skipped: needs 2 devices");
+            return;
+        }
+        if !burn_parallel::comm::nccl::signature_checks() {
+            tests::visible_notice(
+                "SKIPPED a_mismatched_call_is_an_error_not_corrupt_data: signature checks are \
+                 off in this build (set BURN_PARALLEL_DEBUG=1)",
+            );
             return;
         }
         let out = run_local(n, |g| {

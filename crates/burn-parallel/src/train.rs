@@ -1214,20 +1214,44 @@ impl TrainStep {
             .map(|(shards, _)| shards.snapshot().into_iter().collect())
             .unwrap_or_default();
         // Squares by where the elements live: [replicated, tp shards, fsdp shards of replicated
-        // parameters, fsdp shards of tp shards].
-        let mut sums = [0f64; 4];
-        for_each_grad(model, grads, |id, data| {
-            let values = data.try_to_vec::<f32>().expect("converted to f32");
-            let sq = |r: &[f32]| r.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>();
+        // parameters, fsdp shards of tp shards], summed on the gradients' device (fp32) and
+        // read to the host once: four numbers, not the gradients.
+        let mut parts: [Vec<Tensor<1>>; 4] = Default::default();
+        let mut device = None;
+        for_each_grad(model, grads, |id, g| {
+            let sq = |t: Tensor<1>| t.powi_scalar(2).sum();
+            let device = device.get_or_insert_with(|| g.device());
+            let g = g.to_device(device);
             match fsdp.get(&id) {
                 Some(tp_ranges) => {
-                    let in_tp: f64 = tp_ranges.iter().map(|r| sq(&values[r.clone()])).sum();
-                    sums[3] += in_tp;
-                    sums[2] += sq(&values) - in_tp;
+                    parts[2].push(sq(g.clone()));
+                    for r in tp_ranges {
+                        let in_tp = sq(g.clone().slice(r.clone()));
+                        parts[2].push(-in_tp.clone());
+                        parts[3].push(in_tp);
+                    }
                 }
-                None => sums[usize::from(tp_sharded.contains(&id))] += sq(&values),
+                None => parts[usize::from(tp_sharded.contains(&id))].push(sq(g)),
             }
         });
+        let sums: [f64; 4] = match device {
+            None => [0.0; 4],
+            Some(device) => {
+                let per_kind: Vec<Tensor<1>> = parts
+                    .into_iter()
+                    .map(|p| match p.is_empty() {
+                        true => Tensor::zeros([1], &device),
+                        false => Tensor::cat(p, 0).sum(),
+                    })
+                    .collect();
+                let host = Tensor::cat(per_kind, 0)
+                    .into_data()
+                    .convert::<f32>()
+                    .try_to_vec::<f32>()
+                    .expect("converted to f32");
+                [0, 1, 2, 3].map(|k| f64::from(host[k]))
+            }
+        };
         let reduce = |group: Option<&ProcessGroup>, values: Vec<f64>| -> Result<Vec<f64>> {
             match group.filter(|g| g.size() > 1) {
                 Some(group) => {
@@ -1246,20 +1270,22 @@ impl TrainStep {
     }
 }
 
-/// Calls `f` with the id and host data of every gradient `grads` holds for `model`.
-fn for_each_grad<M: Module>(
-    model: &M,
-    grads: &GradientsParams,
-    f: impl FnMut(ParamId, TensorData),
-) {
+/// Calls `f` with the id and the gradient (flattened, in fp32, on its device) of every gradient
+/// `grads` holds for `model`.
+fn for_each_grad<M: Module>(model: &M, grads: &GradientsParams, f: impl FnMut(ParamId, Tensor<1>)) {
     struct Visit<'a, F> {
         grads: &'a GradientsParams,
         f: F,
     }
-    impl<F: FnMut(ParamId, TensorData)> ModuleVisitor for Visit<'_, F> {
+    impl<F: FnMut(ParamId, Tensor<1>)> ModuleVisitor for Visit<'_, F> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             if let Some(g) = self.grads.get::<D>(param.id) {
-                (self.f)(param.id, g.into_data().convert::<f32>());
+                let g: Tensor<1> = g.flatten(0, D - 1);
+                let g = match g.dtype() {
+                    burn::tensor::DType::F32 => g,
+                    _ => g.cast(burn::tensor::DType::F32),
+                };
+                (self.f)(param.id, g);
             }
         }
     }

@@ -31,20 +31,31 @@
 //!   creates a group's communicator at once (needed when a group's first device operation is
 //!   a send/recv between some of its members, since creation needs all of them).
 //! - **Ordering with Burn.** CubeCL does not expose the CUDA stream of its server, so each
-//!   collective (1) binds the tensors' device buffers (which also orders them after the writes
-//!   of other CubeCL streams), (2) waits for Burn's queued work on the device (`client.sync()`),
-//!   (3) runs NCCL on the communicator's own stream and (4) waits for that stream before the
-//!   result tensor is handed back. Burn's later kernels therefore read finished data, and no
-//!   buffer is reused while NCCL still reads or writes it.
+//!   collective (1) binds the tensors' device buffers (CubeCL neither frees nor moves a bound
+//!   allocation until the binding is dropped), (2) makes the communicator's stream wait, on the
+//!   device, for the work Burn queued before the call (a word written by a one-thread kernel
+//!   on Burn's stream, `cuStreamWaitValue32` on ours: [`crate::kernels`]' ordering words; where
+//!   the device refuses stream memory operations, or `BURN_PARALLEL_STREAM_ORDER=sync`, the
+//!   host waits for Burn's work instead), (3) enqueues NCCL and records an event after it. The
+//!   call returns there for the asynchronous collectives ([`crate::work::Work`]); the others
+//!   wait at once. (4) Waiting polls the event: the result tensor is handed over, and the
+//!   buffers released, only after NCCL completed, so Burn's later kernels read finished data
+//!   and no buffer is reused while NCCL still reads or writes it.
 //! - **Errors and timeouts.** While waiting, the communicator's asynchronous error
 //!   (`ncclCommGetAsyncError`) is polled: an NCCL failure (a dead peer's connection included)
 //!   becomes [`CollectiveError::Nccl`] naming the rank and the operation. A wait longer than the
-//!   group's timeout aborts the communicator (`ncclCommAbort`) instead of hanging; later calls
-//!   on the group then fail at once.
-//! - **Agreement.** Before NCCL runs, the members exchange the call's signature (operation,
-//!   dtype, shape, sizes) over the host transport, so a rank that calls another collective or
-//!   passes another shape gets [`CollectiveError::Mismatch`] instead of corrupt data. The same
-//!   exchange gives the sizes that uneven all-gathers and all-to-alls need.
+//!   group's timeout (counted from the launch) aborts the communicator (`ncclCommAbort`)
+//!   instead of hanging; later calls on the group then fail at once.
+//! - **Agreement.** With [`signature_checks`] on (`BURN_PARALLEL_DEBUG=1`, or a build with
+//!   debug assertions such as the tests'), the members first exchange the call's signature
+//!   (operation, dtype, shape, sizes) over the host transport, so a rank that calls another
+//!   collective or passes another shape gets [`CollectiveError::Mismatch`] instead of corrupt
+//!   data. It costs a host round trip per collective, so a release build skips it: a mismatch
+//!   then ends in NCCL's error or the group's timeout. Uneven all-gathers and all-to-alls
+//!   always exchange their sizes.
+//! - **Tracing.** `BURN_PARALLEL_NCCL_TRACE=FILE` appends each operation's start (its inputs
+//!   ready) and end on the device's clock to `FILE`; `scripts/nccl_trace.py` makes a Perfetto
+//!   trace of it.
 
 use crate::error::{CollectiveError, Result};
 
@@ -426,7 +437,7 @@ mod imp {
             let health = self.health.get_mut().unwrap_or_else(|e| e.into_inner());
             if matches!(health, Health::Ready) {
                 // SAFETY: the communicator is alive (not aborted) and no call is in flight:
-                // every operation waited for its completion before returning. Abort rather
+                // every operation in flight holds the communicator (an `Arc`) until waited for. Abort rather
                 // than destroy: it never waits for peers, so teardown cannot hang.
                 let _ = unsafe { (self.nccl.comm_abort)(self.comm) };
             }
