@@ -109,6 +109,31 @@ struct Call {
     signature: String,
 }
 
+/// Payload bytes this process handed to host transports (every group, every thread rank).
+static HOST_BYTES: AtomicU64 = AtomicU64::new(0);
+
+fn count_host_bytes(bytes: usize) {
+    HOST_BYTES.fetch_add(bytes as u64, Ordering::Relaxed);
+}
+
+/// The bytes this process has handed to host collectives (each rank's input to the `*_data`,
+/// `*_bytes` and `*_object` collectives and host sends, whatever the transport: threads,
+/// TCP, MPI), over every group and thread rank since it started: what communication still
+/// stages through host memory. Device collectives (NCCL) are not counted. Read it before and
+/// after a step for that step's bytes.
+///
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_parallel::{ReduceOp, group::host_bytes_sent, run_local};
+///
+/// let before = host_bytes_sent();
+/// run_local(2, |g| g.all_reduce(Tensor::<1>::ones([1024], &Device::flex()), ReduceOp::Sum)).unwrap();
+/// assert!(host_bytes_sent() - before >= 2 * 4 * 1024); // both ranks' inputs
+/// ```
+pub fn host_bytes_sent() -> u64 {
+    HOST_BYTES.load(Ordering::Relaxed)
+}
+
 impl ProcessGroup {
     /// The group of all ranks of `transport`'s world.
     pub fn world(transport: Arc<dyn Transport>) -> Self {
@@ -549,6 +574,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`CollectiveError`]; shapes and dtypes must agree on every rank.
     pub fn all_reduce_data(&self, data: TensorData, op: ReduceOp) -> Result<TensorData> {
+        count_host_bytes(data.as_bytes().len());
         let dtype = data.dtype();
         let shape = data.shape().clone();
         let call = self.begin(
@@ -603,6 +629,7 @@ impl ProcessGroup {
     /// # Errors
     /// [`CollectiveError::InvalidArgument`] when `dim` is out of range; see [`CollectiveError`].
     pub fn all_gather_data(&self, data: TensorData, dim: usize) -> Result<TensorData> {
+        count_host_bytes(data.as_bytes().len());
         let dtype = data.dtype();
         let shape = data.shape().as_slice().to_vec();
         let call = self.begin(
@@ -661,6 +688,7 @@ impl ProcessGroup {
         op: ReduceOp,
         sizes: Option<&[usize]>,
     ) -> Result<TensorData> {
+        count_host_bytes(data.as_bytes().len());
         let dtype = data.dtype();
         let shape = data.shape().as_slice().to_vec();
         let call = self.begin(
@@ -732,6 +760,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`CollectiveError`].
     pub fn broadcast_data(&self, data: TensorData, root: usize) -> Result<TensorData> {
+        count_host_bytes(data.as_bytes().len());
         let dtype = data.dtype();
         let shape = data.shape().clone();
         let call = self.begin(
@@ -812,6 +841,7 @@ impl ProcessGroup {
         send_sizes: &[usize],
         concat_dim: usize,
     ) -> Result<(TensorData, Vec<usize>)> {
+        count_host_bytes(data.as_bytes().len());
         let dtype = data.dtype();
         let shape = data.shape().as_slice().to_vec();
         let call = self.begin(
@@ -962,6 +992,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`CollectiveError`].
     pub fn send_data(&self, data: TensorData, peer: usize, tag: u64) -> Result<()> {
+        count_host_bytes(data.as_bytes().len());
         self.check_peer("send", peer, tag)?;
         let dtype = data.dtype();
         let code = dtype_code(dtype)
@@ -1022,6 +1053,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`CollectiveError`].
     pub fn broadcast_bytes(&self, bytes: Vec<u8>, root: usize) -> Result<Vec<u8>> {
+        count_host_bytes(bytes.len());
         let call = self.begin("broadcast_bytes", format!("root {root}"));
         if root >= self.size() {
             return Err(self.invalid(&call.signature, format!("root {root} is out of range")));
@@ -1036,6 +1068,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`CollectiveError`].
     pub fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
+        count_host_bytes(bytes.len());
         let call = self.begin("all_gather_bytes", String::new());
         let pieces = self.ring_all_gather(&call, Bytes::from(bytes), vec![])?;
         Ok(pieces.into_iter().map(|(p, _)| p.to_vec()).collect())
@@ -1046,6 +1079,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`CollectiveError`].
     pub fn gather_bytes(&self, bytes: Vec<u8>, root: usize) -> Result<Option<Vec<Vec<u8>>>> {
+        count_host_bytes(bytes.len());
         let call = self.begin("gather_bytes", format!("root {root}"));
         if root >= self.size() {
             return Err(self.invalid(&call.signature, format!("root {root} is out of range")));

@@ -540,10 +540,23 @@ fn run_rank(
             }
         }
     };
+    let host_bytes = burn_parallel::group::host_bytes_sent();
     let report = train_gpt_checkpointed(group, config, parallel, corpus, checkpoints, &mut on_step);
     bar.finish_and_clear();
     if let (true, Ok(report)) = (profile && lead, &report) {
         print_profile(&phases, report.step_seconds, config.steps.saturating_sub(1));
+        // Thread ranks share the process's counter: per rank, the mean.
+        let local_ranks = if group.backend() == "local" {
+            group.size()
+        } else {
+            1
+        };
+        let sent = burn_parallel::group::host_bytes_sent() - host_bytes;
+        println!(
+            "  host transport           {:>8.3} MB/step per rank handed to host collectives \
+             (training and evaluation)",
+            sent as f64 / 1e6 / config.steps.max(1) as f64 / local_ranks as f64
+        );
     }
     // ZeRO and FSDP: every rank prints its memory (shards, gradients, optimizer state, gathered
     // units), in rank order.
