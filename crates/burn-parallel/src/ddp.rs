@@ -556,7 +556,7 @@ impl ModuleVisitor for RegisterFlat<'_> {
 }
 
 /// `grad` in `param`'s dtype (a gradient reduced in another dtype comes back to it).
-fn in_dtype_of<const D: usize>(grad: Tensor<D>, param: &Param<Tensor<D>>) -> Tensor<D> {
+pub(crate) fn in_dtype_of<const D: usize>(grad: Tensor<D>, param: &Param<Tensor<D>>) -> Tensor<D> {
     let dtype = param.val().dtype();
     if grad.dtype() == dtype {
         grad

@@ -98,7 +98,8 @@ use half::{bf16, f16};
 use crate::autograd::GradDispatch;
 use crate::comm::host::ReduceOp;
 use crate::ddp::{
-    DEFAULT_BUCKET_BYTES, DistributedDataParallel, FirstDevice, ParamLister, numel_of, plan_buckets,
+    DEFAULT_BUCKET_BYTES, DistributedDataParallel, FirstDevice, ParamLister, in_dtype_of, numel_of,
+    plan_buckets,
 };
 use crate::error::{CollectiveError, Result};
 use crate::group::{ProcessGroup, tensor_from_data};
@@ -345,6 +346,8 @@ pub struct OverlappedDdp {
     /// collectives the caller runs on `group` meanwhile.
     comm: ProcessGroup,
     bucket_bytes: usize,
+    /// The dtype the buckets carry (`None`: each parameter's own).
+    reduce_dtype: Option<DType>,
     depth: Arc<Mutex<DepthState>>,
 }
 
@@ -377,6 +380,7 @@ impl OverlappedDdp {
             comm,
             ddp: DistributedDataParallel::new(group),
             bucket_bytes: DEFAULT_BUCKET_BYTES,
+            reduce_dtype: None,
             depth: Arc::new(Mutex::new(DepthState::default())),
         }
     }
@@ -385,6 +389,15 @@ impl OverlappedDdp {
     /// Smaller buckets start communicating earlier, at the cost of more, smaller collectives.
     pub fn with_bucket_bytes(mut self, bytes: usize) -> Self {
         self.bucket_bytes = bytes.max(1);
+        self
+    }
+
+    /// Averages the gradients in `dtype` (for example bf16 gradients of fp32 master weights,
+    /// or fp32 for bf16 gradients); the averaged gradients come back in each parameter's own
+    /// dtype. [`TrainStep`](crate::train::TrainStep) sets its precision policy's
+    /// `reduce_dtype` here.
+    pub fn with_reduce_dtype(mut self, dtype: DType) -> Self {
+        self.reduce_dtype = Some(dtype);
         self
     }
 
@@ -420,6 +433,9 @@ impl OverlappedDdp {
         let mut params: Vec<(ParamId, Vec<usize>, DType)> = Vec::new();
         module.visit(&mut ParamLister(&mut params));
         params.reverse();
+        if let Some(dtype) = self.reduce_dtype {
+            params.iter_mut().for_each(|p| p.2 = dtype);
+        }
         if let Some((_, _, dtype)) = params.iter().find(|p| elem_kind(p.2).is_none()) {
             return Err(invalid(
                 rank,
@@ -1070,7 +1086,7 @@ struct RegisterDevice {
 impl ModuleVisitor for RegisterDevice {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         if let Some((grad, shape)) = self.reduced.remove(&param.id) {
-            let grad: Tensor<D> = grad.reshape(burn::tensor::Shape::from(shape));
+            let grad = in_dtype_of(grad.reshape(burn::tensor::Shape::from(shape)), param);
             let grad = if self.scale == 1.0 {
                 grad
             } else {
@@ -1180,7 +1196,7 @@ impl ModuleVisitor for Register {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         if let Some(data) = self.reduced.remove(&param.id) {
             let device = param.lazy_device().inner();
-            let grad = tensor_from_data::<D>(data, &device);
+            let grad = in_dtype_of(tensor_from_data::<D>(data, &device), param);
             let grad = if self.scale == 1.0 {
                 grad
             } else {

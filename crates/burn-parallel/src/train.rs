@@ -1052,16 +1052,6 @@ impl TrainStep {
         optim: &mut ModuleOptimizer,
         lr: f64,
     ) -> std::result::Result<(M, StepOutput), E> {
-        if !self.precision.is_full() || self.scaler.is_some() {
-            return Err(E::from(crate::CollectiveError::InvalidArgument {
-                rank: overlap.group().global_rank(),
-                op: "TrainStep::step_with".into(),
-                reason: "overlapped data parallelism does not combine with mixed precision or \
-                         loss scaling yet; drop with_overlap (the reduction then runs after \
-                         the backward)"
-                    .into(),
-            }));
-        }
         if self.fsdp.is_some() {
             return Err(E::from(crate::CollectiveError::InvalidArgument {
                 rank: overlap.group().global_rank(),
@@ -1072,8 +1062,16 @@ impl TrainStep {
             }));
         }
         let mut phases = StepPhases::default();
-        let pending = overlap.start(&model)?;
-        let hooked = pending.hook(model.clone());
+        let pending = match self.precision.is_full() {
+            true => overlap.start(&model)?,
+            false => overlap
+                .clone()
+                .with_reduce_dtype(self.precision.reduce_dtype)
+                .start(&model)?,
+        };
+        // Under mixed precision the compute copy casts the hooked master weights: the hooks
+        // see the master weights' gradients, as the plain path does.
+        let hooked = self.precision.compute_copy(&pending.hook(model.clone()));
         let (loss, local) = phases.time(
             |p| &mut p.forward,
             || {
@@ -1082,7 +1080,10 @@ impl TrainStep {
                 Ok::<_, E>((loss, local))
             },
         )?;
-        phases.time(|p| &mut p.backward, || pending.backward(loss))?;
+        phases.time(
+            |p| &mut p.backward,
+            || pending.backward(self.scaled_loss(loss)),
+        )?;
         drop(hooked);
         // The loss on the group itself: the buckets travel on a sub-group of their own
         // meanwhile.

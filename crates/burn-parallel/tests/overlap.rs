@@ -559,7 +559,9 @@ fn misuse_is_a_typed_error() {
 /// ranks.
 #[test]
 fn train_step_with_overlap_matches_train_step() {
+    use burn::tensor::DType;
     use burn_parallel::init::{Init, LinearInit};
+    use burn_parallel::precision::{LossScaler, MixedPrecision};
     use burn_parallel::train::TrainStep;
 
     #[derive(Module, Debug)]
@@ -571,7 +573,7 @@ fn train_step_with_overlap_matches_train_step() {
     /// Per step (loss, gradient norm), and the final weights.
     type Outcome = (Vec<(f32, Option<f64>)>, Vec<Vec<f32>>);
 
-    fn run(ranks: usize, overlap: bool) -> Vec<Outcome> {
+    fn run(ranks: usize, overlap: bool, half: Option<&str>) -> Vec<Outcome> {
         run_local(ranks, |group| {
             let device = Device::flex().autodiff();
             let init = Init::new(7, &device);
@@ -585,6 +587,15 @@ fn train_step_with_overlap_matches_train_step() {
             if overlap {
                 step = step.with_overlap(OverlappedDdp::new(group.clone()).with_bucket_bytes(64));
             }
+            match half {
+                Some("bf16") => step = step.with_precision(MixedPrecision::bf16()),
+                Some("fp16") => {
+                    step = step
+                        .with_precision(MixedPrecision::f16())
+                        .with_loss_scaler(LossScaler::new(1024.0));
+                }
+                _ => {}
+            }
             let mut optim = AdamWConfig::new().init();
             let mut out = Vec::new();
             for s in 0..4 {
@@ -593,8 +604,10 @@ fn train_step_with_overlap_matches_train_step() {
                     .step_with(
                         model,
                         |m: &Two| {
-                            let h = m.fc1.forward(x)?.tanh();
-                            let err = m.fc2.forward(h)? - y;
+                            // The compute dtype (the compute copy's, under mixed precision).
+                            let dtype = m.fc1.weight.val().dtype();
+                            let h = m.fc1.forward(x.cast(dtype))?.tanh();
+                            let err = (m.fc2.forward(h)? - y.cast(dtype)).cast(DType::F32);
                             Ok::<_, burn_parallel::TpError>((err.clone() * err).mean())
                         },
                         &mut optim,
@@ -612,19 +625,24 @@ fn train_step_with_overlap_matches_train_step() {
         })
         .unwrap()
     }
-    for ranks in [2, 3] {
-        let plain = run(ranks, false);
-        let over = run(ranks, true);
+    // Mixed precision too (the hooks on the compute copy, fp16 with a loss scaler): the same
+    // low-precision gradients, averaged in fp32 either way.
+    for (ranks, half) in [(2, None), (3, None), (2, Some("bf16")), (2, Some("fp16"))] {
+        let plain = run(ranks, false, half);
+        let over = run(ranks, true, half);
         for (p, o) in plain.iter().zip(&over) {
             for ((lp, np), (lo, no)) in p.0.iter().zip(&o.0) {
-                assert!(close(*lp, *lo), "loss {lp} vs {lo}");
+                assert!(close(*lp, *lo), "{half:?}: loss {lp} vs {lo}");
                 let (np, no) = (np.unwrap(), no.unwrap());
-                assert!((np - no).abs() <= 1e-5 * np.max(1.0), "norm {np} vs {no}");
+                assert!(
+                    (np - no).abs() <= 1e-5 * np.max(1.0),
+                    "{half:?}: norm {np} vs {no}"
+                );
                 assert!(np > 0.005, "clipping is active: {np}");
             }
             for (a, b) in p.1.iter().zip(&o.1) {
                 for (x, y) in a.iter().zip(b) {
-                    assert!(close(*x, *y), "parameter {x} vs {y}");
+                    assert!(close(*x, *y), "{half:?}: parameter {x} vs {y}");
                 }
             }
         }
