@@ -215,6 +215,13 @@ PY
       [ -s "$out/logs/nccl_trace.jsonl" ] && python3 scripts/nccl_trace.py \
         "$out/logs/nccl_trace.jsonl" --perfetto "$out/nccl_trace_perfetto.json" 2>&1 \
         | tail -16 | tee -a "$sum"
+      NCCL_TEST=$(command -v nccl || true)
+      if [ -n "$NCCL_TEST" ]; then
+        run i27_nccl_tests 240 env BURN_PARALLEL_REQUIRE_CUDA=1 BURN_PARALLEL_DEBUG=1 \
+          "$NCCL_TEST" --test-threads 1 --nocapture
+        grep -aE "^test |test result|SKIPPED|async all_reduce|panicked" \
+          "$out/logs/i27_nccl_tests.log" | tail -24 >>"$sum"
+      fi
       for o in "" --overlap; do
         tag=i27_ws2_tcp${o:+_overlap}
         RANK=1 WORLD_SIZE=2 MASTER_PORT=29623 timeout 150 "$GPT" --backend tcp $o $F \
@@ -222,13 +229,12 @@ PY
         run "$tag" 150 env RANK=0 WORLD_SIZE=2 MASTER_PORT=29623 "$GPT" --backend tcp $o $F
         wait
       done
-      NCCL_TEST=$(command -v nccl || true)
-      [ -n "$NCCL_TEST" ] && run i27_nccl_tests 240 env BURN_PARALLEL_REQUIRE_CUDA=1 \
-        BURN_PARALLEL_DEBUG=1 "$NCCL_TEST" --test-threads 1 --nocapture
-      grep -aE "^test |test result|SKIPPED|async all_reduce" "$out/logs/i27_nccl_tests.log" \
-        2>/dev/null | tail -20 >>"$sum"
       run i27_nccl_overlap_sync 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29622 \
         BURN_PARALLEL_STREAM_ORDER=sync "$GPT" --backend nccl --overlap $F
+      B="${F/--precision f32/--precision bf16}"
+      run i27_plain_bf16 150 "$GPT" --ranks 1 $B
+      run i27_nccl_overlap_bf16 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29624 \
+        "$GPT" --backend nccl --overlap $B
       ;;
     plain) [ -n "$PLAIN" ] && run vs_plain_gpt2 300 $VS --precision f32 --shapes gpt2 \
       --plain-burn --plain-binary "$PLAIN" ;;

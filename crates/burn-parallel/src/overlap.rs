@@ -33,6 +33,23 @@
 //! .unwrap();
 //! ```
 //!
+//! # Where the buckets live
+//!
+//! - **On the device** when the group's collectives run there (NCCL with CUDA tensors, or a
+//!   group made with [`ProcessGroup::with_tensor_path`]) and on any CubeCL device (a GPU over
+//!   TCP too): a hook keeps its gradient on the device (nothing waits for the GPU in the
+//!   backward), a complete bucket is concatenated there (the gradients, then one presence flag
+//!   per parameter) and started as an asynchronous all-reduce
+//!   ([`ProcessGroup::all_reduce_async`]: on NCCL, launched on the communicator's stream behind
+//!   a device-side wait for the bucket's kernels; elsewhere, on the group's communication
+//!   thread, one copy to the host per bucket). [`OverlapStep::finish`] waits for each and reads
+//!   the flags to the host once.
+//! - **In host memory** on the CPU backends (Flex, NdArray): each hook reads its gradient into
+//!   a pooled flat buffer, and a communication thread of the step reduces complete buffers.
+//!
+//! Both give the same buckets, order, flags and averages; `tests/overlap.rs` runs every check
+//! on both.
+//!
 //! # Why a hook, and not Burn's own gradient sync
 //!
 //! Burn 0.22.1's autodiff calls `DistributedOps::submit_gradient_sync` for parameters marked
@@ -447,9 +464,12 @@ impl OverlappedDdp {
         let plan = Plan::new(params, self.bucket_bytes);
         let mut first = FirstDevice(None);
         module.visit(&mut first);
+        // Device buckets where the collective runs on the device, and on accelerators
+        // whatever the transport (one copy to the host per bucket, on the lane's thread,
+        // instead of a read per gradient in the backward).
         let device = first
             .0
-            .filter(|device| self.comm.collects_on_device(device));
+            .filter(|device| self.comm.collects_on_device(device) || on_accelerator(device));
         let (to_comm, from_main) = mpsc::channel::<TensorData>();
         let (to_main, results) = mpsc::channel::<Result<TensorData>>();
         // Host buckets go to a communication thread of this step; device buckets are started
@@ -1094,6 +1114,22 @@ impl ModuleVisitor for RegisterDevice {
             };
             self.grads.register(param.id, grad);
         }
+    }
+}
+
+/// Whether `device` is a CubeCL device (a GPU, or CubeCL's CPU runtime), not host memory.
+fn on_accelerator(device: &Device) -> bool {
+    #[cfg(feature = "cube")]
+    {
+        matches!(
+            device.as_dispatch().clone().inner(),
+            burn::backend::DispatchDevice::Cube(_)
+        )
+    }
+    #[cfg(not(feature = "cube"))]
+    {
+        let _ = device;
+        false
     }
 }
 

@@ -1086,15 +1086,22 @@ pub(crate) mod device {
         comm: Arc<Communicator>,
         op: String,
         launched: Option<Launched>,
-        held: Held,
+        held: Bound,
     }
+
+    /// The bindings of an operation in flight.
+    struct Bound(Held);
+
+    // SAFETY: the bindings are never used, only dropped (which releases CubeCL's reference
+    // counts, thread-safe), so the operation may be waited for on another thread.
+    unsafe impl Send for Bound {}
 
     impl InFlight {
         /// Waits for completion (NCCL's asynchronous errors and the group's timeout polled).
         pub(crate) fn wait(mut self) -> Result<()> {
             let launched = self.launched.take().expect("waited once");
             let out = self.comm.wait(&self.op, launched);
-            self.held.clear();
+            self.held.0.clear();
             out
         }
     }
@@ -1148,7 +1155,7 @@ pub(crate) mod device {
             comm: comm.clone(),
             op: op.into(),
             launched: Some(launched),
-            held,
+            held: Bound(held),
         })
     }
 

@@ -32,7 +32,6 @@ use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
 use cubecl::cuda::CudaRuntime;
-use cubecl::prelude::*;
 use cubecl_runtime::runtime::Runtime;
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys as ltsys;
