@@ -207,34 +207,44 @@ PY
       wait
       ;;
     i27)
+      # Each run's per-step losses: the overlapped runs must train as the plain ones do.
       F="--device cuda --precision f32 $G2 --steps 12 --log-every 100 --profile"
+      B="${F/--precision f32/--precision bf16}"
       export MASTER_ADDR=127.0.0.1 LOCAL_RANK=0 CUDA_VISIBLE_DEVICES=0
-      run i27_plain 150 "$GPT" --ranks 1 $F
+      L() { echo "--losses-out $out/logs/losses_$1.json"; }
+      run i27_plain 150 "$GPT" --ranks 1 $F $(L plain)
       run i27_nccl_overlap 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29621 \
-        BURN_PARALLEL_NCCL_TRACE="$out/logs/nccl_trace.jsonl" "$GPT" --backend nccl --overlap $F
+        BURN_PARALLEL_NCCL_TRACE="$out/logs/nccl_trace.jsonl" "$GPT" --backend nccl --overlap \
+        $F $(L nccl_overlap)
       [ -s "$out/logs/nccl_trace.jsonl" ] && python3 scripts/nccl_trace.py \
         "$out/logs/nccl_trace.jsonl" --perfetto "$out/nccl_trace_perfetto.json" 2>&1 \
-        | tail -16 | tee -a "$sum"
-      NCCL_TEST=$(command -v nccl || true)
-      if [ -n "$NCCL_TEST" ]; then
-        run i27_nccl_tests 240 env BURN_PARALLEL_REQUIRE_CUDA=1 BURN_PARALLEL_DEBUG=1 \
-          "$NCCL_TEST" --test-threads 1 --nocapture
-        grep -aE "^test |test result|SKIPPED|async all_reduce|panicked" \
-          "$out/logs/i27_nccl_tests.log" | tail -24 >>"$sum"
-      fi
-      for o in "" --overlap; do
+        | tail -4 | tee -a "$sum"
+      run i27_plain_bf16 150 "$GPT" --ranks 1 $B $(L plain_bf16)
+      run i27_nccl_overlap_bf16 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29624 \
+        "$GPT" --backend nccl --overlap $B $(L nccl_overlap_bf16)
+      for o in ${I27_TCP:---overlap}; do
+        [ "$o" = plain ] && o=""
         tag=i27_ws2_tcp${o:+_overlap}
         RANK=1 WORLD_SIZE=2 MASTER_PORT=29623 timeout 150 "$GPT" --backend tcp $o $F \
           >"$out/logs/${tag}_rank1.log" 2>&1 &
-        run "$tag" 150 env RANK=0 WORLD_SIZE=2 MASTER_PORT=29623 "$GPT" --backend tcp $o $F
+        run "$tag" 150 env RANK=0 WORLD_SIZE=2 MASTER_PORT=29623 "$GPT" --backend tcp $o $F \
+          $(L "${tag#i27_}")
         wait
       done
-      run i27_nccl_overlap_sync 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29622 \
-        BURN_PARALLEL_STREAM_ORDER=sync "$GPT" --backend nccl --overlap $F
-      B="${F/--precision f32/--precision bf16}"
-      run i27_plain_bf16 150 "$GPT" --ranks 1 $B
-      run i27_nccl_overlap_bf16 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29624 \
-        "$GPT" --backend nccl --overlap $B
+      python3 - "$out/logs" <<'PY' | tee -a "$sum"
+import json, os, sys
+d = sys.argv[1]
+def load(t):
+    p = os.path.join(d, f"losses_{t}.json")
+    return json.load(open(p)) if os.path.exists(p) else None
+for ref, others in [("plain", ["nccl_overlap", "ws2_tcp_overlap"]), ("plain_bf16", ["nccl_overlap_bf16"])]:
+    a = load(ref)
+    for t in others:
+        b = load(t)
+        if a and b:
+            worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
+            print(f"losses {t} vs {ref}: {len(b)} steps, largest relative difference {worst:.2e}, final {b[-1]:.5f} vs {a[-1]:.5f}")
+PY
       ;;
     plain) [ -n "$PLAIN" ] && run vs_plain_gpt2 300 $VS --precision f32 --shapes gpt2 \
       --plain-burn --plain-binary "$PLAIN" ;;

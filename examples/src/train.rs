@@ -180,6 +180,9 @@ pub enum TrainDevice {
     /// Burn's CUDA backend (needs the `cuda` feature and an NVIDIA GPU) on device `LOCAL_RANK`
     /// (0 when the launcher does not set it): one GPU per process of a node.
     Cuda,
+    /// Burn's CUDA backend on device `index`: for thread ranks of one process, one GPU each
+    /// (NCCL refuses two ranks of a communicator on one GPU).
+    CudaDevice(usize),
 }
 
 impl TrainDevice {
@@ -202,6 +205,11 @@ impl TrainDevice {
                 let (index, from) = cuda::local_device_index().map_err(|e| e.to_string())?;
                 cuda::cuda_device(index, &from).map_err(|e| e.to_string())
             }
+            TrainDevice::CudaDevice(index) => burn_parallel::cuda::cuda_device(
+                index,
+                &format!("TrainDevice::CudaDevice({index})"),
+            )
+            .map_err(|e| e.to_string()),
         }
     }
 }

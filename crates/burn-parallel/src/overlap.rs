@@ -38,12 +38,12 @@
 //! - **On the device** when the group's collectives run there (NCCL with CUDA tensors, or a
 //!   group made with [`ProcessGroup::with_tensor_path`]) and on any CubeCL device (a GPU over
 //!   TCP too): a hook keeps its gradient on the device (nothing waits for the GPU in the
-//!   backward), a complete bucket is concatenated there (the gradients, then one presence flag
-//!   per parameter) and started as an asynchronous all-reduce
-//!   ([`ProcessGroup::all_reduce_async`]: on NCCL, launched on the communicator's stream behind
-//!   a device-side wait for the bucket's kernels; elsewhere, on the group's communication
-//!   thread, one copy to the host per bucket). [`OverlapStep::finish`] waits for each and reads
-//!   the flags to the host once.
+//!   backward), a complete bucket is concatenated there and started as an asynchronous
+//!   all-reduce ([`ProcessGroup::all_reduce_async`]: on NCCL, launched on the communicator's
+//!   stream behind a device-side wait for the bucket's kernels; elsewhere, on the group's
+//!   communication thread, one copy to the host per bucket). The presence flags stay on the
+//!   host: [`OverlapStep::finish`] reduces them (a few bytes, while the device finishes the
+//!   backward), then waits for each bucket. Nothing in the backward waits for the device.
 //! - **In host memory** on the CPU backends (Flex, NdArray): each hook reads its gradient into
 //!   a pooled flat buffer, and a communication thread of the step reduces complete buffers.
 //!
@@ -733,9 +733,11 @@ impl Fill {
         let flags: Vec<bool> = spec.params.iter().map(|&i| self.has_value[i]).collect();
         if let Some(device) = &self.device {
             // The bucket is one flat tensor on the device: the gradients (zeros for those
-            // this rank has none of), then a presence flag per parameter.
+            // this rank has none of). The presence flags go through the host at `finish`:
+            // uploading them here would make the host wait for the device (a copy from
+            // pageable memory synchronises the stream) in the middle of the backward.
             let parts = std::mem::take(&mut self.parts[b]);
-            let mut pieces: Vec<Tensor<1>> = parts
+            let pieces: Vec<Tensor<1>> = parts
                 .into_iter()
                 .zip(&spec.params)
                 .map(|(part, &i)| {
@@ -744,10 +746,6 @@ impl Fill {
                     })
                 })
                 .collect();
-            let flags: Vec<f32> = flags.iter().map(|&p| f32::from(u8::from(p))).collect();
-            let count = flags.len();
-            let flags = TensorData::new(flags, [count]).convert_dtype(dtype);
-            pieces.push(tensor_from_data::<1>(flags, device));
             let bucket = Tensor::cat(pieces, 0);
             self.works
                 .push(self.group.all_reduce_async(bucket, ReduceOp::Avg));
@@ -988,15 +986,32 @@ impl OverlapStep {
             };
             (fill.plan.buckets.len(), misuse, 1.0 / steps.max(1) as f32)
         };
-        let works = std::mem::take(&mut lock(&self.fill).works);
+        let (works, group, present) = {
+            let mut fill = lock(&self.fill);
+            let present: Vec<f32> = fill
+                .has_value
+                .iter()
+                .map(|&p| f32::from(u8::from(p)))
+                .collect();
+            (std::mem::take(&mut fill.works), fill.group.clone(), present)
+        };
         if !works.is_empty() {
-            // Device buckets: wait for each (in order), then one host read of the flags.
+            // Device buckets: which parameters some rank has a gradient for, through the host
+            // (while the device finishes the backward), then each bucket's all-reduce.
+            let n = present.len();
+            let used = group.all_reduce_data(TensorData::new(present, [n]), ReduceOp::Max);
             let reduced: Vec<Tensor<1>> =
                 works.into_iter().map(Work::wait).collect::<Result<_>>()?;
+            let used = used?.try_to_vec::<f32>().map_err(|e| {
+                invalid(
+                    self.rank,
+                    format!("presence flags came back malformed: {e:?}"),
+                )
+            })?;
             if let Some(e) = misuse {
                 return Err(invalid(self.rank, e));
             }
-            return Ok(self.register_device(module, reduced, scale));
+            return Ok(self.register_device(module, reduced, &used, scale));
         }
         let mut reduced = Vec::with_capacity(buckets);
         for _ in 0..buckets {
@@ -1051,33 +1066,14 @@ impl OverlapStep {
         &self,
         module: &M,
         reduced: Vec<Tensor<1>>,
+        used: &[f32],
         scale: f32,
     ) -> GradientsParams {
         let fill = lock(&self.fill);
-        let flags: Vec<Tensor<1>> = fill
-            .plan
-            .buckets
-            .iter()
-            .zip(&reduced)
-            .map(|(spec, bucket)| {
-                bucket
-                    .clone()
-                    .slice(spec.grad_numel..spec.numel())
-                    .cast(DType::F32)
-            })
-            .collect();
-        let used: Vec<f32> = Tensor::cat(flags, 0)
-            .into_data()
-            .convert::<f32>()
-            .try_to_vec::<f32>()
-            .unwrap_or_default();
         let mut grads: HashMap<ParamId, (Tensor<1>, Vec<usize>)> = HashMap::new();
-        let mut flag = 0;
         for (spec, bucket) in fill.plan.buckets.iter().zip(reduced) {
             for &i in &spec.params {
-                let present = used.get(flag).is_some_and(|&f| f > 0.0);
-                flag += 1;
-                if !present {
+                if !used.get(i).is_some_and(|&f| f > 0.0) {
                     continue; // no rank had a gradient for it
                 }
                 let (id, shape, _) = &fill.plan.params[i];

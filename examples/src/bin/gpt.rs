@@ -830,9 +830,12 @@ fn device_peak(args: &Args) -> (Option<f64>, String) {
         return (Some(t * 1e12), "--peak-tflops".into());
     }
     match train_device(args) {
-        TrainDevice::Cuda => {
-            let name = burn_parallel::cuda::local_device_index()
-                .and_then(|(index, _)| burn_parallel::cuda::device_name(index));
+        device @ (TrainDevice::Cuda | TrainDevice::CudaDevice(_)) => {
+            let name = match device {
+                TrainDevice::CudaDevice(index) => burn_parallel::cuda::device_name(index),
+                _ => burn_parallel::cuda::local_device_index()
+                    .and_then(|(index, _)| burn_parallel::cuda::device_name(index)),
+            };
             match name {
                 Ok(name) => match peak_tflops(&name, math) {
                     Some(t) => (Some(t * 1e12), format!("{name}, {math} data sheet")),

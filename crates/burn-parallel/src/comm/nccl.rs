@@ -1089,11 +1089,14 @@ pub(crate) mod device {
         held: Bound,
     }
 
-    /// The bindings of an operation in flight.
-    struct Bound(Held);
+    /// What an operation in flight keeps: its buffers' bindings and the tensors themselves.
+    /// Holding the tensors matters: a tensor dropped while NCCL has not read it yet would
+    /// return its memory to CubeCL's pool, and a kernel queued after the launch could write
+    /// there before NCCL reads it (nothing on Burn's stream waits for NCCL).
+    struct Bound(Held, Vec<CubeTensor>);
 
-    // SAFETY: the bindings are never used, only dropped (which releases CubeCL's reference
-    // counts, thread-safe), so the operation may be waited for on another thread.
+    // SAFETY: the bindings and tensors are never used, only dropped (which releases CubeCL's
+    // reference counts, thread-safe), so the operation may be waited for on another thread.
     unsafe impl Send for Bound {}
 
     impl InFlight {
@@ -1102,6 +1105,7 @@ pub(crate) mod device {
             let launched = self.launched.take().expect("waited once");
             let out = self.comm.wait(&self.op, launched);
             self.held.0.clear();
+            self.held.1.clear();
             out
         }
     }
@@ -1155,7 +1159,7 @@ pub(crate) mod device {
             comm: comm.clone(),
             op: op.into(),
             launched: Some(launched),
-            held: Bound(held),
+            held: Bound(held, tensors.iter().map(|t| (*t).clone()).collect()),
         })
     }
 
