@@ -229,3 +229,50 @@ impl Mark {
         }
     }
 }
+
+/// A gate on the calling thread's CubeCL stream, opened by a foreign stream: [`Gate::close`]
+/// queues a one-thread kernel that spins until the gate's word is set, which the foreign
+/// stream does with `cuStreamWriteValue32` once its operation completed. Burn's later kernels
+/// then come after the foreign operation, and the host never waits. One pair of words per gate
+/// (not the thread's shared ones), so foreign streams never write each other's words.
+pub(crate) struct Gate {
+    words: CubeTensor,
+    _bound: Box<dyn std::any::Any>,
+    /// The word a foreign stream sets to 1 to open the gate.
+    pub(crate) done: cusys::CUdeviceptr,
+}
+
+// SAFETY: the binding is never used, only dropped (CubeCL's reference counts, thread-safe);
+// the tensor is a handle.
+unsafe impl Send for Gate {}
+
+/// A new gate on `like`'s device (a fresh, zeroed allocation).
+pub(crate) fn gate(like: &CubeTensor) -> Result<Gate, String> {
+    let words = zeros_client(
+        like.client.clone(),
+        like.device.clone(),
+        [2].into(),
+        DType::U32,
+    );
+    let (bound, addresses) = bind(&[&words])?;
+    Ok(Gate {
+        done: addresses[0] + 4,
+        words,
+        _bound: Box::new(bound),
+    })
+}
+
+impl Gate {
+    /// Queues the spinning kernel on the calling thread's stream.
+    pub(crate) fn close(&self) {
+        queue(&self.words, 1, true);
+    }
+
+    /// Opens the gate from the host (when the foreign operation failed and will never set the
+    /// word): the spinning kernel ends, and Burn's stream goes on.
+    pub(crate) fn open_from_host(done: cusys::CUdeviceptr) {
+        // SAFETY: `done` is a bound device word of the current context; a synchronous memset of
+        // one 32-bit word.
+        let _ = unsafe { cusys::cuMemsetD32_v2(done, 1, 1) };
+    }
+}
