@@ -109,31 +109,6 @@ impl<T> Work<T> {
     }
 }
 
-impl<T> Work<T> {
-    /// Like [`Work::wait`], but a collective in device memory is waited for *on the device*:
-    /// the calling thread's CubeCL stream waits for it (a spinning one-thread kernel released
-    /// by the communication stream), and this returns at once with the result tensor, so the
-    /// host goes on queueing work (an optimizer step, the next forward) while the collective
-    /// and the kernels before it finish, as torch's `Work::wait` does for NCCL. Other
-    /// collectives wait on the host, as [`Work::wait`].
-    ///
-    /// Use the result only on the calling thread's stream (reading it to the host is fine). A
-    /// failure after this returned (a peer dying mid-collective, the group's timeout) cannot be
-    /// returned here: the group's watchdog aborts its communicator, releases the stream (the
-    /// result then holds garbage), and the group's next collective returns the error, so a
-    /// training loop stops at its next step with a typed error instead of hanging.
-    ///
-    /// # Errors
-    /// An error known by now (a launch that failed, a communicator aborted earlier).
-    pub fn wait_on_device(self) -> Result<T> {
-        match self.state {
-            #[cfg(all(feature = "nccl", feature = "cuda"))]
-            State::Device { flight, value } => flight.wait_on_device().map(|()| value),
-            state => Work { state }.wait(),
-        }
-    }
-}
-
 /// A job on a lane: runs a collective on the lane's group.
 type Job = Box<dyn FnOnce(&ProcessGroup) + Send>;
 

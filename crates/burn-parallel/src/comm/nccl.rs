@@ -423,65 +423,6 @@ mod imp {
         global_rank: usize,
         /// Serialises the use of the communicator, and records whether it was aborted.
         health: Mutex<Health>,
-        /// The watchdog of operations waited for on the device ([`Communicator::watch`]),
-        /// started at the first.
-        watchdog: Mutex<Option<std::sync::mpsc::Sender<Watched>>>,
-    }
-
-    /// An operation the watchdog polls until it completes.
-    pub(crate) struct Watched {
-        comm: Arc<Communicator>,
-        op: String,
-        launched: Launched,
-        /// Dropped once the operation completed (its buffers).
-        keep: Box<dyn std::any::Any + Send>,
-        /// Run once, on the watchdog's thread, when it failed (after the abort).
-        on_fail: Option<Box<dyn FnOnce() + Send>>,
-    }
-
-    /// Polls the watched operations; ends when every communicator that could send more is
-    /// gone and nothing is pending.
-    fn watchdog(queue: std::sync::mpsc::Receiver<Watched>) {
-        use std::sync::mpsc::RecvTimeoutError;
-        let mut pending: Vec<Watched> = Vec::new();
-        let mut closed = false;
-        loop {
-            if closed && pending.is_empty() {
-                return;
-            }
-            let wait = match pending.is_empty() {
-                true => Duration::from_secs(3600),
-                false => Duration::from_micros(200),
-            };
-            match queue.recv_timeout(wait) {
-                Ok(w) => pending.push(w),
-                Err(RecvTimeoutError::Timeout) => {}
-                Err(RecvTimeoutError::Disconnected) => {
-                    closed = true;
-                    std::thread::sleep(Duration::from_micros(200));
-                }
-            }
-            while let Ok(w) = queue.try_recv() {
-                pending.push(w);
-            }
-            let mut k = 0;
-            while k < pending.len() {
-                let w = &pending[k];
-                match w.comm.check(&w.op, &w.launched) {
-                    Ok(false) => k += 1,
-                    done => {
-                        let mut w = pending.swap_remove(k);
-                        if done.is_err()
-                            && let Some(release) = w.on_fail.take()
-                        {
-                            release();
-                        }
-                        w.comm.finish(&w.op, &w.launched, done.is_ok());
-                        drop(w.keep);
-                    }
-                }
-            }
-        }
     }
 
     // SAFETY: the raw NCCL and CUDA handles are plain tokens usable from any thread; every use
@@ -628,7 +569,6 @@ mod imp {
                 ordinal,
                 global_rank,
                 health: Mutex::new(Health::Ready),
-                watchdog: Mutex::new(None),
             };
             if comm.is_null() {
                 // `Drop` destroys the stream; there is no communicator to abort.
@@ -708,44 +648,31 @@ mod imp {
         pub(crate) fn wait(&self, op: &str, launched: Launched) -> Result<()> {
             let mut backoff = Backoff::default();
             let result = loop {
-                match self.check(op, &launched) {
-                    Ok(true) => break Ok(()),
-                    Ok(false) => backoff.wait(),
-                    Err(e) => break Err(e),
+                {
+                    let mut health = lock(&self.health);
+                    if let Err(e) = self.check_alive(&health, op) {
+                        break Err(e);
+                    }
+                    // SAFETY: the event is live (destroyed below, once).
+                    match unsafe { cusys::cuEventQuery(launched.event) } {
+                        cusys::CUresult::CUDA_SUCCESS => break Ok(()),
+                        cusys::CUresult::CUDA_ERROR_NOT_READY => {}
+                        failed => {
+                            let reason =
+                                format!("the CUDA stream failed: {}", cu::DriverError(failed));
+                            break Err(self.abort(&mut health, op, reason));
+                        }
+                    }
+                    if let Err(e) = self.poll(&mut health, op) {
+                        break Err(e);
+                    }
+                    if launched.until.is_some_and(|t| Instant::now() >= t) {
+                        break Err(self.timed_out(&mut health, op, launched.timeout));
+                    }
                 }
+                backoff.wait();
             };
-            self.finish(op, &launched, result.is_ok());
-            result
-        }
-
-        /// One look at a launched operation: `Ok(true)` once it completed, `Ok(false)` while
-        /// it runs; NCCL's asynchronous error, a failed stream or the deadline abort the
-        /// communicator and give the error.
-        fn check(&self, op: &str, launched: &Launched) -> Result<bool> {
-            let mut health = lock(&self.health);
-            self.check_alive(&health, op)?;
-            // SAFETY: the context is the live primary context retained at creation.
-            unsafe { cu::ctx::set_current(self.context) }
-                .map_err(|e| self.error(op, format!("making the CUDA context current: {e}")))?;
-            // SAFETY: the event is live (destroyed by `finish`, once).
-            match unsafe { cusys::cuEventQuery(launched.event) } {
-                cusys::CUresult::CUDA_SUCCESS => return Ok(true),
-                cusys::CUresult::CUDA_ERROR_NOT_READY => {}
-                failed => {
-                    let reason = format!("the CUDA stream failed: {}", cu::DriverError(failed));
-                    return Err(self.abort(&mut health, op, reason));
-                }
-            }
-            self.poll(&mut health, op)?;
-            if launched.until.is_some_and(|t| Instant::now() >= t) {
-                return Err(self.timed_out(&mut health, op, launched.timeout));
-            }
-            Ok(false)
-        }
-
-        /// Releases a launched operation's events (tracing it when it completed).
-        fn finish(&self, op: &str, launched: &Launched, completed: bool) {
-            if let (true, Some(started)) = (completed, launched.started) {
+            if let (Ok(()), Some(started)) = (&result, launched.started) {
                 trace::record(op, self.global_rank, started, launched.event);
             }
             for event in [Some(launched.event), launched.started]
@@ -755,80 +682,7 @@ mod imp {
                 // SAFETY: the event is not used after this (CUDA releases it once complete).
                 let _ = unsafe { cu::event::destroy(event) };
             }
-        }
-
-        /// Enqueues `f(stream)` on the communicator's stream, after everything launched so
-        /// far, and moves `launched`'s completion event after it.
-        pub(crate) fn after(
-            &self,
-            op: &str,
-            launched: &mut Launched,
-            f: impl FnOnce(cusys::CUstream) -> cusys::CUresult,
-        ) -> Result<()> {
-            let mut health = lock(&self.health);
-            self.check_alive(&health, op)?;
-            // SAFETY: the context is the live primary context retained at creation.
-            unsafe { cu::ctx::set_current(self.context) }
-                .map_err(|e| self.error(op, format!("making the CUDA context current: {e}")))?;
-            let code = f(self.stream);
-            if code != cusys::CUresult::CUDA_SUCCESS {
-                return Err(self.error(op, format!("a stream operation failed: {code:?}")));
-            }
-            let flags = match launched.started {
-                Some(_) => cusys::CUevent_flags::CU_EVENT_DEFAULT,
-                None => cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
-            };
-            let event = cu::event::create(flags)
-                .map_err(|e| self.abort(&mut health, op, format!("creating a CUDA event: {e}")))?;
-            // SAFETY: created above in this context; the stream is live.
-            if let Err(e) = unsafe { cu::event::record(event, self.stream) } {
-                // SAFETY: created above, never recorded.
-                let _ = unsafe { cu::event::destroy(event) };
-                return Err(self.abort(&mut health, op, format!("recording a CUDA event: {e}")));
-            }
-            // SAFETY: the old event is replaced and not used after this.
-            let _ = unsafe { cu::event::destroy(launched.event) };
-            launched.event = event;
-            Ok(())
-        }
-
-        /// Hands a launched operation to the communicator's watchdog thread, which polls it
-        /// (asynchronous errors and the deadline included), drops `keep` once it completed,
-        /// and on a failure aborts the communicator (later calls on the group fail with the
-        /// error) and runs `on_fail`.
-        pub(crate) fn watch(
-            self: &Arc<Self>,
-            op: String,
-            launched: Launched,
-            keep: Box<dyn std::any::Any + Send>,
-            on_fail: Box<dyn FnOnce() + Send>,
-        ) {
-            let watched = Watched {
-                comm: self.clone(),
-                op,
-                launched,
-                keep,
-                on_fail: Some(on_fail),
-            };
-            let mut slot = lock(&self.watchdog);
-            let sender = slot.get_or_insert_with(|| {
-                let (sender, queue) = std::sync::mpsc::channel();
-                let _ = std::thread::Builder::new()
-                    .name(format!("nccl-watchdog-{}", self.global_rank))
-                    .spawn(move || watchdog(queue));
-                sender
-            });
-            if let Err(std::sync::mpsc::SendError(mut w)) = sender.send(watched) {
-                // No watchdog (its thread could not start): wait here.
-                *slot = None;
-                drop(slot);
-                let done = w.comm.wait(&w.op, w.launched);
-                if done.is_err()
-                    && let Some(release) = w.on_fail.take()
-                {
-                    release();
-                }
-            }
+            result
         }
 
         fn check_alive(&self, health: &Health, op: &str) -> Result<()> {
@@ -1064,7 +918,6 @@ pub(crate) mod device {
     use burn_cubecl::kernel::into_contiguous;
     use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
     use burn_cubecl::tensor::CubeTensor;
-    use cudarc::driver::sys as cusys;
     use cudarc::nccl::sys;
 
     use std::sync::Arc;
@@ -1254,49 +1107,6 @@ pub(crate) mod device {
             self.held.0.clear();
             self.held.1.clear();
             out
-        }
-    }
-
-    impl InFlight {
-        /// Orders the calling thread's CubeCL stream after the operation, on the device
-        /// ([`order::Gate`]): returns at once; the buffers are released, and a failure (NCCL's
-        /// asynchronous error, the deadline) handled, by the communicator's watchdog, which
-        /// aborts the communicator (so the group's next call returns the error) and opens the
-        /// gate so that Burn's stream does not wait forever. Falls back to [`Self::wait`] where
-        /// the device refuses stream memory operations.
-        pub(crate) fn wait_on_device(mut self) -> Result<()> {
-            let Some(like) = self.held.1.first().cloned() else {
-                return self.wait();
-            };
-            let Ok(gate) = order::gate(&like) else {
-                return self.wait();
-            };
-            let mut launched = self.launched.take().expect("waited once");
-            let done = gate.done;
-            let opened = self.comm.after(&self.op, &mut launched, |stream| {
-                // SAFETY: `done` is the gate's bound word, in this context; the stream is live.
-                unsafe {
-                    cusys::cuStreamWriteValue32_v2(
-                        stream,
-                        done,
-                        1,
-                        cusys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
-                    )
-                }
-            });
-            if opened.is_err() {
-                self.launched = Some(launched);
-                return self.wait();
-            }
-            gate.close();
-            let held = std::mem::replace(&mut self.held, Bound(Vec::new(), Vec::new()));
-            self.comm.watch(
-                self.op.clone(),
-                launched,
-                Box::new((held, gate)),
-                Box::new(move || order::Gate::open_from_host(done)),
-            );
-            Ok(())
         }
     }
 
