@@ -161,7 +161,7 @@ fn bench(group: &ProcessGroup, a: Args) -> burn_parallel::Result<Figures> {
                         buckets = step.bucket_count();
                         let hooked = step.hook(model.clone());
                         let loss = hooked.forward(x.clone()).powf_scalar(2.0).mean();
-                        step.backward(loss);
+                        step.backward(loss)?;
                         drop(hooked);
                         let comm = Instant::now();
                         let grads = step.finish(&model)?;
