@@ -1225,11 +1225,24 @@ impl TrainStep {
             let g = g.to_device(device);
             match fsdp.get(&id) {
                 Some(tp_ranges) => {
-                    parts[2].push(sq(g.clone()));
-                    for r in tp_ranges {
-                        let in_tp = sq(g.clone().slice(r.clone()));
-                        parts[2].push(-in_tp.clone());
-                        parts[3].push(in_tp);
+                    // The tp-sharded ranges and the rest, each summed on its own (not the whole
+                    // minus the tp part: in fp32 that difference would round differently on
+                    // the tp ranks, whose tp parts differ, and the norm must agree bit for bit).
+                    let mut ranges = tp_ranges.clone();
+                    ranges.sort_by_key(|r| r.start);
+                    let len = g.dims()[0];
+                    let mut at = 0;
+                    for r in ranges {
+                        if r.start > at {
+                            parts[2].push(sq(g.clone().slice(at..r.start)));
+                        }
+                        if r.end > r.start {
+                            parts[3].push(sq(g.clone().slice(r.clone())));
+                        }
+                        at = at.max(r.end);
+                    }
+                    if at < len {
+                        parts[2].push(sq(g.clone().slice(at..len)));
                     }
                 }
                 None => parts[usize::from(tp_sharded.contains(&id))].push(sq(g)),
