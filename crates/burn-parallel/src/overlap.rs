@@ -410,8 +410,9 @@ impl OverlappedDdp {
     }
 
     /// Averages the gradients in `dtype` (for example bf16 gradients of fp32 master weights,
-    /// or fp32 for bf16 gradients); the averaged gradients come back in each parameter's own
-    /// dtype. [`TrainStep`](crate::train::TrainStep) sets its precision policy's
+    /// or fp32 for bf16 gradients): the buckets accumulate (over micro-steps) in the
+    /// parameters' dtype and are cast to `dtype` for the all-reduce only; the averaged
+    /// gradients come back in each parameter's own dtype. [`TrainStep`](crate::train::TrainStep) sets its precision policy's
     /// `reduce_dtype` here.
     pub fn with_reduce_dtype(mut self, dtype: DType) -> Self {
         self.reduce_dtype = Some(dtype);
@@ -450,10 +451,9 @@ impl OverlappedDdp {
         let mut params: Vec<(ParamId, Vec<usize>, DType)> = Vec::new();
         module.visit(&mut ParamLister(&mut params));
         params.reverse();
-        if let Some(dtype) = self.reduce_dtype {
-            params.iter_mut().for_each(|p| p.2 = dtype);
-        }
-        if let Some((_, _, dtype)) = params.iter().find(|p| elem_kind(p.2).is_none()) {
+        // Buckets accumulate in the parameters' dtype; `reduce_dtype` is what travels.
+        let dtypes = params.iter().map(|p| p.2).chain(self.reduce_dtype);
+        if let Some(dtype) = dtypes.into_iter().find(|d| elem_kind(*d).is_none()) {
             return Err(invalid(
                 rank,
                 format!(
@@ -504,6 +504,7 @@ impl OverlappedDdp {
             works: Vec::new(),
             device,
             group: self.comm.clone(),
+            reduce_dtype: self.reduce_dtype,
             buffers: (0..plan.buckets.len()).map(|_| None).collect(),
             pending: plan.buckets.iter().map(|b| b.params.len()).collect(),
             has_value: vec![false; plan.params.len()],
@@ -630,6 +631,8 @@ struct Fill {
     works: Vec<Work<Tensor<1>>>,
     /// The buckets' group.
     group: ProcessGroup,
+    /// The dtype the buckets travel in, when not the parameters' (they accumulate in theirs).
+    reduce_dtype: Option<DType>,
     /// Bucket storage, allocated (zeroed) at the first gradient written into it; `None` again
     /// once sent.
     buffers: Vec<Option<burn::tensor::Bytes>>,
@@ -747,6 +750,10 @@ impl Fill {
                 })
                 .collect();
             let bucket = Tensor::cat(pieces, 0);
+            let bucket = match self.reduce_dtype {
+                Some(reduce) if reduce != dtype => bucket.cast(reduce),
+                _ => bucket,
+            };
             self.works
                 .push(self.group.all_reduce_async(bucket, ReduceOp::Avg));
             return;
@@ -758,6 +765,10 @@ impl Fill {
             set_flag(&mut buffer, dtype, grad_numel + j, present);
         }
         let data = TensorData::from_bytes(buffer, [numel], dtype);
+        let data = match self.reduce_dtype {
+            Some(reduce) if reduce != dtype => data.convert_dtype(reduce),
+            _ => data,
+        };
         if let Some(to_comm) = &self.to_comm {
             // A send fails only when the thread stopped after an error: `finish` reports it.
             let _ = to_comm.send(data);
@@ -967,7 +978,22 @@ impl OverlapStep {
     /// [`CollectiveError::InvalidArgument`] for misuse seen during backward (a hook that ran
     /// twice, a gradient of the wrong size) or when nothing was accumulated nor hooked. Every
     /// bucket is still sent before a misuse is reported, so that the other ranks do not wait.
-    pub fn finish<M: Module>(mut self, module: &M) -> Result<GradientsParams> {
+    pub fn finish<M: Module>(self, module: &M) -> Result<GradientsParams> {
+        self.finish_averaged(module, true)
+    }
+
+    /// [`Self::finish`] without the average over the micro-steps: the gradients summed over
+    /// them (and averaged over the ranks), for losses already divided by the number of
+    /// micro-steps (as `TrainStep`'s accumulation divides them, so that low-precision
+    /// backward passes round alike with and without overlap).
+    ///
+    /// # Errors
+    /// As [`Self::finish`].
+    pub fn finish_summed<M: Module>(self, module: &M) -> Result<GradientsParams> {
+        self.finish_averaged(module, false)
+    }
+
+    fn finish_averaged<M: Module>(mut self, module: &M, average: bool) -> Result<GradientsParams> {
         let (buckets, misuse, scale) = {
             let mut fill = lock(&self.fill);
             while fill.next_launch < fill.plan.buckets.len() {
@@ -984,7 +1010,11 @@ impl OverlapStep {
                 ),
                 (None, _) => None,
             };
-            (fill.plan.buckets.len(), misuse, 1.0 / steps.max(1) as f32)
+            let scale = match average {
+                true => 1.0 / steps.max(1) as f32,
+                false => 1.0,
+            };
+            (fill.plan.buckets.len(), misuse, scale)
         };
         let (works, group, present) = {
             let mut fill = lock(&self.fill);
@@ -1035,6 +1065,11 @@ impl OverlapStep {
         let fill = lock(&self.fill);
         let mut grads: HashMap<ParamId, TensorData> = HashMap::new();
         for (spec, data) in fill.plan.buckets.iter().zip(reduced) {
+            // Back from the reduce dtype to the buckets' own.
+            let data = match data.dtype() == spec.dtype {
+                true => data,
+                false => data.convert_dtype(spec.dtype),
+            };
             let bytes = data.as_bytes();
             let size = spec.dtype.size();
             for (j, &i) in spec.params.iter().enumerate() {

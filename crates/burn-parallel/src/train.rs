@@ -1030,25 +1030,29 @@ impl TrainStep {
         optim: &mut ModuleOptimizer,
         lr: f64,
     ) -> std::result::Result<(M, StepOutput), E> {
-        let Some(overlap) = &self.overlap else {
-            let mut forward = Some(forward);
-            return self.step_accumulated(
-                model,
-                1,
-                |m, _| (forward.take().expect("one micro-batch"))(m),
-                optim,
-                lr,
-            );
-        };
-        self.step_overlapped(overlap, model, forward, optim, lr)
+        let mut forward = Some(forward);
+        self.step_accumulated(
+            model,
+            1,
+            |m, _| (forward.take().expect("one micro-batch"))(m),
+            optim,
+            lr,
+        )
     }
 
     /// [`Self::step_with`] under [`Self::with_overlap`].
+    ///
+    /// With several micro-batches, all but the last are accumulated into the buckets without
+    /// communication ([`crate::overlap::OverlapStep::accumulate`]); the last one's backward
+    /// reduces them. Each loss is divided by the number of micro-batches, as without overlap
+    /// (so half-precision backward passes round alike), and the buckets are summed
+    /// ([`crate::overlap::OverlapStep::finish_summed`]).
     fn step_overlapped<M: Module, E: From<crate::CollectiveError>>(
         &self,
         overlap: &OverlappedDdp,
         model: M,
-        forward: impl FnOnce(&M) -> std::result::Result<Tensor<1>, E>,
+        micro_batches: usize,
+        mut forward: impl FnMut(&M, usize) -> std::result::Result<Tensor<1>, E>,
         optim: &mut ModuleOptimizer,
         lr: f64,
     ) -> std::result::Result<(M, StepOutput), E> {
@@ -1062,33 +1066,49 @@ impl TrainStep {
             }));
         }
         let mut phases = StepPhases::default();
-        let pending = match self.precision.is_full() {
+        let mut pending = match self.precision.is_full() {
             true => overlap.start(&model)?,
             false => overlap
                 .clone()
                 .with_reduce_dtype(self.precision.reduce_dtype)
                 .start(&model)?,
         };
+        let earlier = micro_batches.saturating_sub(1);
+        let earlier_mean = run_micro_batches(
+            earlier,
+            &model,
+            self.precision,
+            &mut forward,
+            &mut phases,
+            |_, loss| {
+                let loss = self.scaled_loss(loss / micro_batches as f32);
+                let grads = crate::autograd::backward(loss).map_err(E::from)?;
+                pending
+                    .accumulate(&model, GradientsParams::from_grads(grads, &model))
+                    .map_err(E::from)
+            },
+        )?;
         // Under mixed precision the compute copy casts the hooked master weights: the hooks
         // see the master weights' gradients, as the plain path does.
         let hooked = self.precision.compute_copy(&pending.hook(model.clone()));
         let (loss, local) = phases.time(
             |p| &mut p.forward,
             || {
-                let loss = forward(&hooked)?;
-                let local = loss.clone().into_scalar::<f32>();
+                let loss = forward(&hooked, earlier)?;
+                let last = loss.clone().into_scalar::<f32>();
+                let local = (earlier_mean * earlier as f32 + last) / (earlier + 1) as f32;
                 Ok::<_, E>((loss, local))
             },
         )?;
         phases.time(
             |p| &mut p.backward,
-            || pending.backward(self.scaled_loss(loss)),
+            || pending.backward(self.scaled_loss(loss / micro_batches as f32)),
         )?;
         drop(hooked);
         // The loss on the group itself: the buckets travel on a sub-group of their own
         // meanwhile.
         let reduce = |m: &M| -> std::result::Result<Reduced, E> {
-            let grads = pending.finish(m)?;
+            let grads = pending.finish_summed(m)?;
             Ok(self.reduce_all(m, grads, false)?)
         };
         let loss = (local, Some(overlap.group()));
@@ -1136,8 +1156,9 @@ impl TrainStep {
     ///
     /// # Errors
     /// `forward`'s error; collective errors (converted into `E`);
-    /// [`crate::CollectiveError::InvalidArgument`] for zero micro-batches, and for more than
-    /// one with [`Self::with_overlap`] (whose hooks reduce during each backward).
+    /// [`crate::CollectiveError::InvalidArgument`] for zero micro-batches. With
+    /// [`Self::with_overlap`], the micro-batches before the last are accumulated into the
+    /// buckets and the last one's backward reduces them.
     pub fn step_accumulated<M: Module, E: From<crate::CollectiveError>>(
         &self,
         model: M,
@@ -1156,17 +1177,9 @@ impl TrainStep {
         if micro_batches == 0 {
             return Err(invalid("zero micro-batches: give at least one"));
         }
-        if self.overlap.is_some() {
-            if micro_batches > 1 {
-                return Err(invalid(
-                    "overlapped data parallelism reduces during each backward, so it cannot \
-                     accumulate micro-batches yet; drop with_overlap or use one micro-batch",
-                ));
-            }
-            // One micro-batch: the overlapped step (its hooks are the data-parallel reduction).
-            if let Some(overlap) = &self.overlap {
-                return self.step_overlapped(overlap, model, |m| forward(m, 0), optim, lr);
-            }
+        if let Some(overlap) = &self.overlap {
+            // The overlapped step: its hooks are the data-parallel reduction.
+            return self.step_overlapped(overlap, model, micro_batches, forward, optim, lr);
         }
         let mut acc = GradientsAccumulator::<M>::new();
         // No-sync FSDP: the units communicate in the last micro-batch's backward only (and the
