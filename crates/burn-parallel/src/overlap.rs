@@ -1063,7 +1063,7 @@ impl OverlapStep {
             return Err(invalid(self.rank, e));
         }
         let fill = lock(&self.fill);
-        let mut grads: HashMap<ParamId, TensorData> = HashMap::new();
+        let mut grads: HashMap<ParamId, Reduced> = HashMap::new();
         for (spec, data) in fill.plan.buckets.iter().zip(reduced) {
             // Back from the reduce dtype to the buckets' own.
             let data = match data.dtype() == spec.dtype {
@@ -1082,7 +1082,7 @@ impl OverlapStep {
                 let grad = crate::comm::pool::tensor_data(shape.clone(), *dtype, |out| {
                     out.copy_from_slice(&bytes[offset..offset + len])
                 });
-                grads.insert(*id, grad);
+                grads.insert(*id, Reduced::Host(grad));
             }
         }
         let mut register = Register {
@@ -1105,7 +1105,7 @@ impl OverlapStep {
         scale: f32,
     ) -> GradientsParams {
         let fill = lock(&self.fill);
-        let mut grads: HashMap<ParamId, (Tensor<1>, Vec<usize>)> = HashMap::new();
+        let mut grads: HashMap<ParamId, Reduced> = HashMap::new();
         for (spec, bucket) in fill.plan.buckets.iter().zip(reduced) {
             for &i in &spec.params {
                 if !used.get(i).is_some_and(|&f| f > 0.0) {
@@ -1114,37 +1114,16 @@ impl OverlapStep {
                 let (id, shape, _) = &fill.plan.params[i];
                 let at = fill.plan.slots[i].1;
                 let grad = bucket.clone().slice(at..at + numel_of(shape));
-                grads.insert(*id, (grad, shape.clone()));
+                grads.insert(*id, Reduced::Device(grad, shape.clone()));
             }
         }
-        let mut register = RegisterDevice {
+        let mut register = Register {
             grads: GradientsParams::new(),
             reduced: grads,
             scale,
         };
         module.visit(&mut register);
         register.grads
-    }
-}
-
-/// Registers the reduced device gradients, reshaped and scaled.
-struct RegisterDevice {
-    grads: GradientsParams,
-    reduced: HashMap<ParamId, (Tensor<1>, Vec<usize>)>,
-    scale: f32,
-}
-
-impl ModuleVisitor for RegisterDevice {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if let Some((grad, shape)) = self.reduced.remove(&param.id) {
-            let grad = in_dtype_of(grad.reshape(burn::tensor::Shape::from(shape)), param);
-            let grad = if self.scale == 1.0 {
-                grad
-            } else {
-                grad * self.scale
-            };
-            self.grads.register(param.id, grad);
-        }
     }
 }
 
@@ -1252,25 +1231,34 @@ fn hooked_value<const D: usize>(
     hooked
 }
 
-/// Registers the reduced host gradients on each parameter's (inner) device, scaled.
+/// A parameter's averaged gradient: host data (host buckets), or a flat slice of a device
+/// bucket and the parameter's shape.
+enum Reduced {
+    Host(TensorData),
+    Device(Tensor<1>, Vec<usize>),
+}
+
+/// Registers the reduced gradients on each parameter's (inner) device, in its dtype, scaled.
 struct Register {
     grads: GradientsParams,
-    reduced: HashMap<ParamId, TensorData>,
+    reduced: HashMap<ParamId, Reduced>,
     scale: f32,
 }
 
 impl ModuleVisitor for Register {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if let Some(data) = self.reduced.remove(&param.id) {
-            let device = param.lazy_device().inner();
-            let grad = in_dtype_of(tensor_from_data::<D>(data, &device), param);
-            let grad = if self.scale == 1.0 {
-                grad
-            } else {
-                grad * self.scale
-            };
-            self.grads.register(param.id, grad);
-        }
+        let grad: Tensor<D> = match self.reduced.remove(&param.id) {
+            None => return,
+            Some(Reduced::Host(data)) => tensor_from_data(data, &param.lazy_device().inner()),
+            Some(Reduced::Device(flat, shape)) => flat.reshape(burn::tensor::Shape::from(shape)),
+        };
+        let grad = in_dtype_of(grad, param);
+        let grad = if self.scale == 1.0 {
+            grad
+        } else {
+            grad * self.scale
+        };
+        self.grads.register(param.id, grad);
     }
 }
 

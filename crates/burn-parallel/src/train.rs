@@ -1040,6 +1040,20 @@ impl TrainStep {
         )
     }
 
+    /// One micro-batch's gradients for `model`: the backward of its loss divided by the number
+    /// of micro-batches and multiplied by the loss scale (with a collective's error from inside
+    /// the backward).
+    fn micro_batch_grads<M: Module, E: From<crate::CollectiveError>>(
+        &self,
+        model: &M,
+        loss: Tensor<1>,
+        micro_batches: usize,
+    ) -> std::result::Result<GradientsParams, E> {
+        let loss = self.scaled_loss(loss / micro_batches as f32);
+        let grads = crate::autograd::backward(loss).map_err(E::from)?;
+        Ok(GradientsParams::from_grads(grads, model))
+    }
+
     /// [`Self::step_with`] under [`Self::with_overlap`].
     ///
     /// With several micro-batches, all but the last are accumulated into the buckets without
@@ -1081,11 +1095,8 @@ impl TrainStep {
             &mut forward,
             &mut phases,
             |_, loss| {
-                let loss = self.scaled_loss(loss / micro_batches as f32);
-                let grads = crate::autograd::backward(loss).map_err(E::from)?;
-                pending
-                    .accumulate(&model, GradientsParams::from_grads(grads, &model))
-                    .map_err(E::from)
+                let grads = self.micro_batch_grads(&model, loss, micro_batches)?;
+                pending.accumulate(&model, grads).map_err(E::from)
             },
         )?;
         // Under mixed precision the compute copy casts the hooked master weights: the hooks
@@ -1210,9 +1221,7 @@ impl TrainStep {
             &mut forward,
             &mut phases,
             |_, loss| {
-                let loss = self.scaled_loss(loss / micro_batches as f32);
-                let grads = crate::autograd::backward(loss).map_err(E::from)?;
-                acc.accumulate(&model, GradientsParams::from_grads(grads, &model));
+                acc.accumulate(&model, self.micro_batch_grads(&model, loss, micro_batches)?);
                 Ok(())
             },
         )?;

@@ -112,15 +112,10 @@ impl<T> Work<T> {
 /// A job on a lane: runs a collective on the lane's group.
 type Job = Box<dyn FnOnce(&ProcessGroup) + Send>;
 
-/// One communication thread per group, running started collectives in order on a sub-group
-/// over the same ranks. Dropped with the last clone of its group: the thread finishes the jobs
-/// it has and ends.
-pub(crate) struct Lane {
-    jobs: Sender<Job>,
-}
-
-/// The lane slot of a group (shared by its clones).
-pub(crate) type LaneSlot = Arc<Mutex<Option<Lane>>>;
+/// A group's lane (shared by its clones): the queue of its communication thread, which runs
+/// started collectives in order on a sub-group over the same ranks. Dropped with the last clone
+/// of its group: the thread finishes the jobs it has and ends.
+pub(crate) type LaneSlot = Arc<Mutex<Option<Sender<Job>>>>;
 
 impl ProcessGroup {
     /// Runs `job` on this group's lane (started at the first call) and returns its handle.
@@ -152,14 +147,14 @@ impl ProcessGroup {
                     reason: format!("cannot start the group's communication thread: {e}"),
                 }));
             }
-            *slot = Some(Lane { jobs });
+            *slot = Some(jobs);
         }
         let (to_caller, result) = mpsc::channel();
         let job: Job = Box::new(move |group| {
             let _ = to_caller.send(job(group));
         });
-        let lane = slot.as_ref().expect("started above");
-        if lane.jobs.send(job).is_err() {
+        let jobs = slot.as_ref().expect("started above");
+        if jobs.send(job).is_err() {
             return Work::done(Err(CollectiveError::InvalidArgument {
                 rank,
                 op: op.into(),

@@ -437,8 +437,8 @@ mod imp {
             let health = self.health.get_mut().unwrap_or_else(|e| e.into_inner());
             if matches!(health, Health::Ready) {
                 // SAFETY: the communicator is alive (not aborted) and no call is in flight:
-                // every operation in flight holds the communicator (an `Arc`) until waited for. Abort rather
-                // than destroy: it never waits for peers, so teardown cannot hang.
+                // every operation in flight holds the communicator (an `Arc`) until waited for.
+                // Abort rather than destroy: it never waits for peers, so teardown cannot hang.
                 let _ = unsafe { (self.nccl.comm_abort)(self.comm) };
             }
             // SAFETY: the stream was created by this communicator and is not used after this;
@@ -620,18 +620,8 @@ mod imp {
             let started = trace::path().and_then(|_| trace::stamp(self.stream));
             let code = launch(self.nccl, self.comm, self.stream.cast());
             self.settle(&mut health, op, code, until, timeout)?;
-            let flags = match started {
-                Some(_) => cusys::CUevent_flags::CU_EVENT_DEFAULT,
-                None => cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
-            };
-            let event = cu::event::create(flags)
-                .map_err(|e| self.abort(&mut health, op, format!("creating a CUDA event: {e}")))?;
-            // SAFETY: the event was just created in this context; the stream is live.
-            if let Err(e) = unsafe { cu::event::record(event, self.stream) } {
-                // SAFETY: created above, never recorded.
-                let _ = unsafe { cu::event::destroy(event) };
-                return Err(self.abort(&mut health, op, format!("recording a CUDA event: {e}")));
-            }
+            let event = record_event(self.stream, started.is_some())
+                .map_err(|e| self.abort(&mut health, op, format!("recording a CUDA event: {e}")))?;
             Ok(Launched {
                 event,
                 until,
@@ -796,6 +786,25 @@ mod imp {
         }
     }
 
+    /// A new event recorded on `stream` (of the current context) now, with timing when `timed`.
+    fn record_event(
+        stream: cusys::CUstream,
+        timed: bool,
+    ) -> std::result::Result<cusys::CUevent, cu::DriverError> {
+        let flags = match timed {
+            true => cusys::CUevent_flags::CU_EVENT_DEFAULT,
+            false => cusys::CUevent_flags::CU_EVENT_DISABLE_TIMING,
+        };
+        let event = cu::event::create(flags)?;
+        // SAFETY: the event was just created in the current context; the stream is live.
+        if let Err(e) = unsafe { cu::event::record(event, stream) } {
+            // SAFETY: created above, never recorded.
+            let _ = unsafe { cu::event::destroy(event) };
+            return Err(e);
+        }
+        Ok(event)
+    }
+
     /// A device timeline of the NCCL operations, for seeing them beside the compute:
     /// `BURN_PARALLEL_NCCL_TRACE=FILE` appends one JSON line per completed operation, `{"op",
     /// "rank", "start_ms", "end_ms"}`, in milliseconds of the device's clock since the first
@@ -829,21 +838,11 @@ mod imp {
 
         /// A timing event recorded on `stream` now (and the origin, at the first call).
         pub(super) fn stamp(stream: cusys::CUstream) -> Option<cusys::CUevent> {
-            let record = || {
-                let event = cu::event::create(cusys::CUevent_flags::CU_EVENT_DEFAULT).ok()?;
-                // SAFETY: the event was just created in the current context; the stream is live.
-                if unsafe { cu::event::record(event, stream) }.is_err() {
-                    // SAFETY: created above, never recorded.
-                    let _ = unsafe { cu::event::destroy(event) };
-                    return None;
-                }
-                Some(event)
-            };
             let mut origin = ORIGIN.lock().unwrap_or_else(|e| e.into_inner());
             if origin.is_none() {
-                *origin = record().map(Origin);
+                *origin = super::record_event(stream, true).ok().map(Origin);
             }
-            record()
+            super::record_event(stream, true).ok()
         }
 
         /// Appends the completed operation `op` (both events done) to the trace file.
