@@ -223,6 +223,7 @@ PY
       run i27_nccl_overlap_bf16 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29624 \
         "$GPT" --backend nccl --overlap $B $(L nccl_overlap_bf16)
       for o in ${I27_TCP:---overlap}; do
+        [ "$o" = none ] && continue
         [ "$o" = plain ] && o=""
         tag=i27_ws2_tcp${o:+_overlap}
         RANK=1 WORLD_SIZE=2 MASTER_PORT=29623 timeout 150 "$GPT" --backend tcp $o $F \

@@ -366,6 +366,44 @@ mod device {
         }
     }
 
+    /// `Work::wait_on_device`: the caller's stream waits for the collective on the device and
+    /// the host goes on at once. The consumer of each result is queued right behind the wait,
+    /// with the collective (16M elements) still running: a consumer not ordered after it would
+    /// read a half-written buffer. Two hundred rounds, each result folded into a running sum
+    /// on the device, checked once at the end against the sums of the inputs.
+    #[test]
+    fn device_side_waits_order_the_consumer_after_the_collective() {
+        let name = "device_side_waits_order_the_consumer_after_the_collective";
+        let Some(info) = nccl_or_skip(name) else {
+            return;
+        };
+        let n = ranks(&info);
+        const LEN: usize = 1 << 24;
+        let got = on_nccl(n, |g, d| {
+            let base: Vec<f32> = (0..LEN).map(|i| i as f32 * 1e-7).collect();
+            let base = Tensor::<1>::from_data(TensorData::new(base, [LEN]), d);
+            let mut acc = Tensor::<1>::zeros([LEN], d);
+            let mut want = Tensor::<1>::zeros([LEN], d);
+            for round in 0..200 {
+                let x = (base.clone() + (round + g.rank()) as f32).sin();
+                want = want + x.clone();
+                let y = g.all_reduce_async(x, ReduceOp::Sum).wait_on_device()?;
+                acc = acc + y;
+            }
+            Ok((want.into_data(), acc.into_data()))
+        });
+        let mut want = vec![0f32; LEN];
+        for (inputs, _) in &got {
+            let inputs = inputs.clone().try_to_vec::<f32>().unwrap();
+            want.iter_mut().zip(inputs).for_each(|(w, t)| *w += t);
+        }
+        let want = TensorData::new(want, [LEN]);
+        for (r, (_, acc)) in got.iter().enumerate() {
+            acc.assert_approx_eq::<f32>(&want, Tolerance::absolute(5e-2));
+            eprintln!("{name}: rank {r}: 200 results, each read after its collective");
+        }
+    }
+
     #[test]
     fn a_mismatched_call_is_an_error_not_corrupt_data() {
         let Some(info) = nccl_or_skip("a_mismatched_call_is_an_error_not_corrupt_data") else {

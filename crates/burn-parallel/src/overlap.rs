@@ -43,7 +43,8 @@
 //!   stream behind a device-side wait for the bucket's kernels; elsewhere, on the group's
 //!   communication thread, one copy to the host per bucket). The presence flags stay on the
 //!   host: [`OverlapStep::finish`] reduces them (a few bytes, while the device finishes the
-//!   backward), then waits for each bucket. Nothing in the backward waits for the device.
+//!   backward), then waits for each bucket with [`Work::wait_on_device`] (on NCCL, the
+//!   device's stream waits, not the host). Nothing in the step waits for the device.
 //! - **In host memory** on the CPU backends (Flex, NdArray): each hook reads its gradient into
 //!   a pooled flat buffer, and a communication thread of the step reduces complete buffers.
 //!
@@ -1030,8 +1031,12 @@ impl OverlapStep {
             // (while the device finishes the backward), then each bucket's all-reduce.
             let n = present.len();
             let used = group.all_reduce_data(TensorData::new(present, [n]), ReduceOp::Max);
-            let reduced: Vec<Tensor<1>> =
-                works.into_iter().map(Work::wait).collect::<Result<_>>()?;
+            // Waited for on the device: the host goes on to the optimizer step without
+            // draining the device (see `Work::wait_on_device` for how failures surface).
+            let reduced: Vec<Tensor<1>> = works
+                .into_iter()
+                .map(Work::wait_on_device)
+                .collect::<Result<_>>()?;
             let used = used?.try_to_vec::<f32>().map_err(|e| {
                 invalid(
                     self.rank,

@@ -109,6 +109,47 @@ impl<T> Work<T> {
     }
 }
 
+impl<T> Work<T> {
+    /// Like [`Work::wait`], but a collective in device memory is waited for *on the device*
+    /// and this returns at once with the result tensor: the calling thread's CubeCL stream
+    /// waits for the collective (a one-thread kernel spinning on a word the communication
+    /// stream writes when it completed), so the host goes on queueing work (an optimizer step,
+    /// the next forward) while the collective and the kernels before it finish, as torch's
+    /// `Work::wait` does for NCCL. Other collectives wait on the host, as [`Work::wait`].
+    ///
+    /// Use the result on the calling thread's stream (reading it to the host is fine: the read
+    /// comes after the wait). A failure after this returned (a peer dying mid-collective, the
+    /// group's timeout) cannot be returned here: the group's watchdog aborts the communicator
+    /// and releases the waiting stream, the result then holds garbage, and the group's next
+    /// collective returns the error. Whatever was computed from that result (an optimizer step
+    /// taken with it) must be discarded: resume from the last checkpoint, as after torch's
+    /// NCCL watchdog ends a job.
+    ///
+    /// ```
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_parallel::{ReduceOp, run_local};
+    ///
+    /// let out = run_local(2, |group| {
+    ///     let x = Tensor::<1>::ones([3], &Device::flex());
+    ///     let sum = group.all_reduce_async(x, ReduceOp::Sum).wait_on_device()?;
+    ///     Ok(sum.into_data().to_vec::<f32>().unwrap())
+    /// })
+    /// .unwrap();
+    /// assert_eq!(out[0], vec![2.0; 3]);
+    /// ```
+    ///
+    /// # Errors
+    /// An error known by now (a launch that failed, a communicator aborted earlier); on the
+    /// host paths, the collective's error.
+    pub fn wait_on_device(self) -> Result<T> {
+        match self.state {
+            #[cfg(all(feature = "nccl", feature = "cuda"))]
+            State::Device { flight, value } => flight.wait_on_device().map(|()| value),
+            state => Work { state }.wait(),
+        }
+    }
+}
+
 /// A job on a lane: runs a collective on the lane's group.
 type Job = Box<dyn FnOnce(&ProcessGroup) + Send>;
 

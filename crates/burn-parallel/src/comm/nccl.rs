@@ -423,6 +423,61 @@ mod imp {
         global_rank: usize,
         /// Serialises the use of the communicator, and records whether it was aborted.
         health: Mutex<Health>,
+        /// The watchdog of operations waited for on the device ([`Communicator::watch`]),
+        /// started at the first.
+        watchdog: Mutex<Option<std::sync::mpsc::Sender<Watched>>>,
+        /// Where CubeCL's streams wait on the device for this communicator's operations.
+        #[cfg(feature = "cuda")]
+        gate: std::sync::OnceLock<Option<crate::kernels::cube::order::Gate>>,
+    }
+
+    /// An operation the watchdog polls until it completes.
+    pub(crate) struct Watched {
+        comm: Arc<Communicator>,
+        op: String,
+        launched: Launched,
+        /// Dropped once the operation completed (its buffers).
+        keep: Box<dyn std::any::Any + Send>,
+    }
+
+    /// Polls the watched operations; ends when every communicator that could send more is
+    /// gone and nothing is pending.
+    fn watchdog(queue: std::sync::mpsc::Receiver<Watched>) {
+        use std::sync::mpsc::RecvTimeoutError;
+        let mut pending: Vec<Watched> = Vec::new();
+        let mut closed = false;
+        loop {
+            if closed && pending.is_empty() {
+                return;
+            }
+            let wait = match pending.is_empty() {
+                true => Duration::from_secs(3600),
+                false => Duration::from_micros(200),
+            };
+            match queue.recv_timeout(wait) {
+                Ok(w) => pending.push(w),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => {
+                    closed = true;
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
+            while let Ok(w) = queue.try_recv() {
+                pending.push(w);
+            }
+            let mut k = 0;
+            while k < pending.len() {
+                let w = &pending[k];
+                match w.comm.check(&w.op, &w.launched) {
+                    Ok(false) => k += 1,
+                    done => {
+                        let w = pending.swap_remove(k);
+                        w.comm.finish(&w.op, &w.launched, done.is_ok());
+                        drop(w.keep);
+                    }
+                }
+            }
+        }
     }
 
     // SAFETY: the raw NCCL and CUDA handles are plain tokens usable from any thread; every use
@@ -569,6 +624,9 @@ mod imp {
                 ordinal,
                 global_rank,
                 health: Mutex::new(Health::Ready),
+                watchdog: Mutex::new(None),
+                #[cfg(feature = "cuda")]
+                gate: std::sync::OnceLock::new(),
             };
             if comm.is_null() {
                 // `Drop` destroys the stream; there is no communicator to abort.
@@ -638,31 +696,44 @@ mod imp {
         pub(crate) fn wait(&self, op: &str, launched: Launched) -> Result<()> {
             let mut backoff = Backoff::default();
             let result = loop {
-                {
-                    let mut health = lock(&self.health);
-                    if let Err(e) = self.check_alive(&health, op) {
-                        break Err(e);
-                    }
-                    // SAFETY: the event is live (destroyed below, once).
-                    match unsafe { cusys::cuEventQuery(launched.event) } {
-                        cusys::CUresult::CUDA_SUCCESS => break Ok(()),
-                        cusys::CUresult::CUDA_ERROR_NOT_READY => {}
-                        failed => {
-                            let reason =
-                                format!("the CUDA stream failed: {}", cu::DriverError(failed));
-                            break Err(self.abort(&mut health, op, reason));
-                        }
-                    }
-                    if let Err(e) = self.poll(&mut health, op) {
-                        break Err(e);
-                    }
-                    if launched.until.is_some_and(|t| Instant::now() >= t) {
-                        break Err(self.timed_out(&mut health, op, launched.timeout));
-                    }
+                match self.check(op, &launched) {
+                    Ok(true) => break Ok(()),
+                    Ok(false) => backoff.wait(),
+                    Err(e) => break Err(e),
                 }
-                backoff.wait();
             };
-            if let (Ok(()), Some(started)) = (&result, launched.started) {
+            self.finish(op, &launched, result.is_ok());
+            result
+        }
+
+        /// One look at a launched operation: `Ok(true)` once it completed, `Ok(false)` while
+        /// it runs; NCCL's asynchronous error, a failed stream or the deadline abort the
+        /// communicator and give the error.
+        fn check(&self, op: &str, launched: &Launched) -> Result<bool> {
+            let mut health = lock(&self.health);
+            self.check_alive(&health, op)?;
+            // SAFETY: the context is the live primary context retained at creation.
+            unsafe { cu::ctx::set_current(self.context) }
+                .map_err(|e| self.error(op, format!("making the CUDA context current: {e}")))?;
+            // SAFETY: the event is live (destroyed by `finish`, once).
+            match unsafe { cusys::cuEventQuery(launched.event) } {
+                cusys::CUresult::CUDA_SUCCESS => return Ok(true),
+                cusys::CUresult::CUDA_ERROR_NOT_READY => {}
+                failed => {
+                    let reason = format!("the CUDA stream failed: {}", cu::DriverError(failed));
+                    return Err(self.abort(&mut health, op, reason));
+                }
+            }
+            self.poll(&mut health, op)?;
+            if launched.until.is_some_and(|t| Instant::now() >= t) {
+                return Err(self.timed_out(&mut health, op, launched.timeout));
+            }
+            Ok(false)
+        }
+
+        /// Releases a launched operation's events (tracing it when it completed).
+        fn finish(&self, op: &str, launched: &Launched, completed: bool) {
+            if let (true, Some(started)) = (completed, launched.started) {
                 trace::record(op, self.global_rank, started, launched.event);
             }
             for event in [Some(launched.event), launched.started]
@@ -672,7 +743,86 @@ mod imp {
                 // SAFETY: the event is not used after this (CUDA releases it once complete).
                 let _ = unsafe { cu::event::destroy(event) };
             }
-            result
+        }
+
+        /// Enqueues `f(stream)` on the communicator's stream, after everything launched so
+        /// far, and moves `launched`'s completion event after it. `f` runs under the
+        /// communicator's lock, so what it enqueues is ordered with every other use.
+        pub(crate) fn after<T>(
+            &self,
+            op: &str,
+            launched: &mut Launched,
+            f: impl FnOnce(cusys::CUstream) -> std::result::Result<T, cusys::CUresult>,
+        ) -> Result<T> {
+            let mut health = lock(&self.health);
+            self.check_alive(&health, op)?;
+            // SAFETY: the context is the live primary context retained at creation.
+            unsafe { cu::ctx::set_current(self.context) }
+                .map_err(|e| self.error(op, format!("making the CUDA context current: {e}")))?;
+            let out = f(self.stream)
+                .map_err(|code| self.error(op, format!("a stream operation failed: {code:?}")))?;
+            let event = record_event(self.stream, launched.started.is_some())
+                .map_err(|e| self.abort(&mut health, op, format!("recording a CUDA event: {e}")))?;
+            // SAFETY: the old event is replaced and not used after this.
+            let _ = unsafe { cu::event::destroy(launched.event) };
+            launched.event = event;
+            Ok(out)
+        }
+
+        /// The communicator's gate on `like`'s device ([`order::Gate`], made at the first
+        /// call), or `None` where streams are ordered on the host.
+        #[cfg(feature = "cuda")]
+        pub(crate) fn gate(
+            &self,
+            like: &burn_cubecl::tensor::CubeTensor,
+        ) -> Option<&crate::kernels::cube::order::Gate> {
+            self.gate
+                .get_or_init(|| crate::kernels::cube::order::Gate::new(like))
+                .as_ref()
+        }
+
+        /// Opens the gate's waiters from the host (after an abort: nothing will write their
+        /// numbers any more).
+        #[cfg(feature = "cuda")]
+        fn open_gate(&self) {
+            if let Some(Some(gate)) = self.gate.get() {
+                // SAFETY: the context is the live primary context retained at creation.
+                if unsafe { cu::ctx::set_current(self.context) }.is_ok() {
+                    gate.abort();
+                }
+            }
+        }
+
+        /// Hands a launched operation to the communicator's watchdog thread, which polls it
+        /// (asynchronous errors and the deadline included), drops `keep` once it completed,
+        /// and on a failure aborts the communicator: later calls on the group fail with the
+        /// error, and the gate's waiters are released ([`Self::abort`]).
+        pub(crate) fn watch(
+            self: &Arc<Self>,
+            op: String,
+            launched: Launched,
+            keep: Box<dyn std::any::Any + Send>,
+        ) {
+            let watched = Watched {
+                comm: self.clone(),
+                op,
+                launched,
+                keep,
+            };
+            let mut slot = lock(&self.watchdog);
+            let sender = slot.get_or_insert_with(|| {
+                let (sender, queue) = std::sync::mpsc::channel();
+                let _ = std::thread::Builder::new()
+                    .name(format!("nccl-watchdog-{}", self.global_rank))
+                    .spawn(move || watchdog(queue));
+                sender
+            });
+            if let Err(std::sync::mpsc::SendError(w)) = sender.send(watched) {
+                // No watchdog (its thread could not start): wait here.
+                *slot = None;
+                drop(slot);
+                let _ = w.comm.wait(&w.op, w.launched);
+            }
         }
 
         fn check_alive(&self, health: &Health, op: &str) -> Result<()> {
@@ -709,13 +859,17 @@ mod imp {
                 .into_owned()
         }
 
-        /// Aborts the communicator and returns the error to report.
+        /// Aborts the communicator and returns the error to report. Streams waiting on the
+        /// device for its operations are released (their results are then garbage; the error
+        /// reaches the caller at its next call on the group).
         fn abort(&self, health: &mut Health, op: &str, reason: String) -> CollectiveError {
             if matches!(health, Health::Ready) {
                 // SAFETY: the communicator is alive; after this it is never used again (the
                 // health says so to every later call and to `Drop`).
                 let _ = unsafe { (self.nccl.comm_abort)(self.comm) };
                 *health = Health::Aborted(format!("{op}: {reason}"));
+                #[cfg(feature = "cuda")]
+                self.open_gate();
             }
             self.error(
                 op,
@@ -1106,6 +1260,36 @@ pub(crate) mod device {
             self.held.0.clear();
             self.held.1.clear();
             out
+        }
+    }
+
+    impl InFlight {
+        /// Orders the calling thread's CubeCL stream after the operation, on the device
+        /// ([`order::Gate`]), and returns at once. The communicator's watchdog releases the
+        /// buffers once the operation completed, and handles a failure (NCCL's asynchronous
+        /// error, a failed stream, the deadline): it aborts the communicator, so the group's
+        /// next call returns the error, and opens the gate, so Burn's stream does not wait for
+        /// ever. Waits on the host instead under `BURN_PARALLEL_STREAM_ORDER=sync` or where the
+        /// device refuses stream memory operations.
+        pub(crate) fn wait_on_device(mut self) -> Result<()> {
+            let Some(like) = self.held.1.first().cloned() else {
+                return self.wait();
+            };
+            let comm = self.comm.clone();
+            let Some(gate) = comm.gate(&like) else {
+                return self.wait();
+            };
+            let mut launched = self.launched.take().expect("waited once");
+            match comm.after(&self.op, &mut launched, |stream| gate.open_after(stream)) {
+                Ok(seq) => gate.close_until(seq),
+                Err(_) => {
+                    self.launched = Some(launched);
+                    return self.wait();
+                }
+            }
+            let held = std::mem::replace(&mut self.held, Bound(Vec::new(), Vec::new()));
+            comm.watch(self.op.clone(), launched, Box::new(held));
+            Ok(())
         }
     }
 

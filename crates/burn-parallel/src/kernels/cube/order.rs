@@ -229,3 +229,141 @@ impl Mark {
         }
     }
 }
+
+/// A foreign stream's gate (one per foreign stream: an NCCL communicator's): lets CubeCL's
+/// streams wait *on the device* for operations of that stream, which the host has not seen
+/// complete.
+///
+/// Two words, `[abort, done]`. The foreign stream writes a fresh sequence number `s` to `done`
+/// after an operation ([`Gate::open_after`], `cuStreamWriteValue32`); [`Gate::close_until`]
+/// queues on the calling thread's stream a one-thread kernel that spins until `done >= s` or
+/// `abort != 0`. The numbers only grow, and one stream writes them in order, so no word is ever
+/// reset behind a waiter's back (a gate zeroed per operation on Burn's stream could be zeroed
+/// *after* the foreign stream had opened it, and the waiter then spun for ever). The words are
+/// zeroed once, at creation, and the host waits for that. [`Gate::abort`] opens every waiter
+/// from the host, for an operation that failed and will never write its number.
+pub(crate) struct Gate {
+    words: CubeTensor,
+    /// The binding that keeps the words in place (never read).
+    _bound: Box<dyn std::any::Any>,
+    abort: cusys::CUdeviceptr,
+    done: cusys::CUdeviceptr,
+    /// The last number handed out (written in this order by the foreign stream).
+    seq: std::sync::atomic::AtomicU32,
+    /// A stream of its own for [`Gate::abort`]'s write: non-blocking, so it runs while Burn's
+    /// stream spins (a write on the legacy default stream would wait for the spinning kernel).
+    side: cusys::CUstream,
+}
+
+// SAFETY: the words' tensor is a handle (launching kernels with it is thread-safe in CubeCL);
+// the binding is never used, only dropped; device addresses and the stream are plain tokens.
+unsafe impl Send for Gate {}
+// SAFETY: see `Send`; shared access reads the immutable fields or the atomic counter.
+unsafe impl Sync for Gate {}
+
+impl Drop for Gate {
+    fn drop(&mut self) {
+        // SAFETY: the stream was created in `Gate::new` and is not used after this.
+        let _ = unsafe { cusys::cuStreamDestroy_v2(self.side) };
+    }
+}
+
+/// The gate kernel: spins until `flags[1] >= value` or `flags[0] != 0`.
+#[cube(launch)]
+fn gate_kernel(flags: &mut Tensor<Atomic<u32>>, value: u32) {
+    if ABSOLUTE_POS == 0 {
+        loop {
+            if flags[1].load() >= value {
+                break;
+            }
+            if flags[0].load() != 0 {
+                break;
+            }
+        }
+    }
+}
+
+impl Gate {
+    /// A gate on `like`'s device, or `None` under `BURN_PARALLEL_STREAM_ORDER=sync` or where
+    /// the device refuses it (the caller then waits on the host). Waits on the host for the
+    /// words' zeroing (once per foreign stream).
+    pub(crate) fn new(like: &CubeTensor) -> Option<Gate> {
+        if order() == Order::Sync {
+            return None;
+        }
+        let words = zeros_client(
+            like.client.clone(),
+            like.device.clone(),
+            [2].into(),
+            DType::U32,
+        );
+        let (bound, addresses) = bind(&[&words]).ok()?;
+        cubecl::future::block_on(words.client.sync()).ok()?;
+        let mut side = std::ptr::null_mut();
+        // SAFETY: `side` outlives the call; the current context is the device's (bound above).
+        let code = unsafe {
+            cusys::cuStreamCreate(
+                &mut side,
+                cusys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+            )
+        };
+        if code != cusys::CUresult::CUDA_SUCCESS {
+            return None;
+        }
+        Some(Gate {
+            words,
+            _bound: Box::new(bound),
+            abort: addresses[0],
+            done: addresses[0] + 4,
+            seq: std::sync::atomic::AtomicU32::new(0),
+            side,
+        })
+    }
+
+    /// Enqueues on `stream` (the foreign one, of the current context) the write of the next
+    /// number, after what `stream` has queued so far, and returns the number. Calls for one
+    /// gate must be serialised with the foreign stream's other uses (so numbers reach the
+    /// stream in order).
+    pub(crate) fn open_after(&self, stream: cusys::CUstream) -> Result<u32, cusys::CUresult> {
+        use std::sync::atomic::Ordering;
+        let seq = self.seq.load(Ordering::Acquire).wrapping_add(1).max(1);
+        // SAFETY: `done` is the gate's bound word, of this context; the stream is live.
+        let code = unsafe {
+            cusys::cuStreamWriteValue32_v2(
+                stream,
+                self.done,
+                seq,
+                cusys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+            )
+        };
+        if code != cusys::CUresult::CUDA_SUCCESS {
+            return Err(code);
+        }
+        self.seq.store(seq, Ordering::Release);
+        Ok(seq)
+    }
+
+    /// Queues on the calling thread's CubeCL stream the wait for number `seq`: Burn's later
+    /// kernels there run after the foreign operation, and the host does not wait.
+    pub(crate) fn close_until(&self, seq: u32) {
+        gate_kernel::launch(
+            &self.words.client.clone(),
+            CubeCount::Static(1, 1, 1),
+            CubeDim::new_1d(1),
+            self.words.clone().into_tensor_arg(),
+            seq,
+        );
+    }
+
+    /// Opens every waiter of the gate, now and for good (an operation failed and will never
+    /// write its number; the foreign stream is not used again). Call with the device's
+    /// context current.
+    pub(crate) fn abort(&self) {
+        // SAFETY: `abort` is the gate's bound word of the current context; `side` is live;
+        // the write of one 32-bit word does not wait for other streams.
+        unsafe {
+            let _ = cusys::cuMemsetD32Async(self.abort, 1, 1, self.side);
+            let _ = cusys::cuStreamSynchronize(self.side);
+        }
+    }
+}
