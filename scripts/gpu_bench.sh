@@ -42,8 +42,10 @@
 #            asynchronous NCCL all-reduces ordered on the device; its NCCL device trace read by
 #            scripts/nccl_trace.py), the same with host-synced ordering
 #            (BURN_PARALLEL_STREAM_ORDER=sync); two processes on cuda:0 over `--backend tcp`
-#            without and with --overlap (device tensors, host transport); then the NCCL device
-#            tests (`nccl` test binary, if packed) with BURN_PARALLEL_REQUIRE_CUDA=1.
+#            without and with --overlap (device tensors, host transport; I27_TCP=none skips
+#            them). First the NCCL device tests when the `nccl` test binary is on PATH (run
+#            through both packs: bash .gpu/run.sh bash .gpun/run.sh bash scripts/gpu_bench.sh
+#            OUT i27) with BURN_PARALLEL_REQUIRE_CUDA=1, the device-side wait's test first.
 set -u
 out=${1:?usage: gpu_bench.sh OUTDIR [SECTION ...]}
 shift
@@ -208,19 +210,33 @@ PY
       ;;
     i27)
       # Each run's per-step losses: the overlapped runs must train as the plain ones do.
-      F="--device cuda --precision f32 $G2 --steps 12 --log-every 100 --profile"
+      F="--device cuda --precision f32 $G2 --steps ${I27_STEPS:-30} --log-every 1 --profile"
       B="${F/--precision f32/--precision bf16}"
       export MASTER_ADDR=127.0.0.1 LOCAL_RANK=0 CUDA_VISIBLE_DEVICES=0
       L() { echo "--losses-out $out/logs/losses_$1.json"; }
+      # The device tests first (when the `nccl` test binary is on PATH too: nest the two
+      # packs' run.sh), the device-side wait's own test before the rest: the overlapped runs
+      # wait on the device, so they are skipped when that test did not pass.
+      NCCLT=$(command -v nccl || echo "")
+      ok=1
+      if [ -n "$NCCLT" ]; then
+        run i27_nccl_wait_test 90 env BURN_PARALLEL_REQUIRE_CUDA=1 "$NCCLT" --test-threads 1 \
+          --nocapture device_side_waits
+        grep -q "test result: ok. 1 passed" "$out/logs/i27_nccl_wait_test.log" || ok=0
+        run i27_nccl_tests 240 env BURN_PARALLEL_REQUIRE_CUDA=1 "$NCCLT" --test-threads 1 \
+          --skip device_side_waits
+        grep -aE "^test |test result" "$out/logs/i27_nccl_wait_test.log" \
+          "$out/logs/i27_nccl_tests.log" | cut -c1-200 >>"$sum"
+      fi
       run i27_plain 150 "$GPT" --ranks 1 $F $(L plain)
-      run i27_nccl_overlap 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29621 \
+      [ $ok = 1 ] && run i27_nccl_overlap 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29621 \
         BURN_PARALLEL_NCCL_TRACE="$out/logs/nccl_trace.jsonl" "$GPT" --backend nccl --overlap \
         $F $(L nccl_overlap)
       [ -s "$out/logs/nccl_trace.jsonl" ] && python3 scripts/nccl_trace.py \
         "$out/logs/nccl_trace.jsonl" --perfetto "$out/nccl_trace_perfetto.json" 2>&1 \
         | tail -4 | tee -a "$sum"
       run i27_plain_bf16 150 "$GPT" --ranks 1 $B $(L plain_bf16)
-      run i27_nccl_overlap_bf16 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29624 \
+      [ $ok = 1 ] && run i27_nccl_overlap_bf16 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29624 \
         "$GPT" --backend nccl --overlap $B $(L nccl_overlap_bf16)
       for o in ${I27_TCP:---overlap}; do
         [ "$o" = none ] && continue
@@ -245,6 +261,19 @@ for ref, others in [("plain", ["nccl_overlap", "ws2_tcp_overlap"]), ("plain_bf16
         if a and b:
             worst = max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(a, b))
             print(f"losses {t} vs {ref}: {len(b)} steps, largest relative difference {worst:.2e}, final {b[-1]:.5f} vs {a[-1]:.5f}")
+# Steady state: the median step time over the steps from the tenth on (the first steps compile
+# and autotune kernels, more of them with the overlapped path's bucket shapes).
+import re, statistics
+def steady(t):
+    p = os.path.join(d, f"i27_{t}.log")
+    if not os.path.exists(p):
+        return None
+    ms = [8192e3 / float(m.group(2)) for m in re.finditer(r"^step +(\d+) .*? ([\d.]+) tok/s", open(p).read(), re.M) if int(m.group(1)) >= 10]
+    return statistics.median(ms) if ms else None
+for ref, t in [("plain", "nccl_overlap"), ("plain_bf16", "nccl_overlap_bf16")]:
+    a, b = steady(ref), steady(t)
+    if a and b:
+        print(f"steady state (median of steps >= 10): {t} {b:.1f} ms/step vs {ref} {a:.1f}: overhead {100 * (b / a - 1):+.1f}%")
 PY
       ;;
     plain) [ -n "$PLAIN" ] && run vs_plain_gpt2 300 $VS --precision f32 --shapes gpt2 \

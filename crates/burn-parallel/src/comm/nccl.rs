@@ -746,27 +746,20 @@ mod imp {
         }
 
         /// Enqueues `f(stream)` on the communicator's stream, after everything launched so
-        /// far, and moves `launched`'s completion event after it. `f` runs under the
-        /// communicator's lock, so what it enqueues is ordered with every other use.
-        pub(crate) fn after<T>(
+        /// far. `f` runs under the communicator's lock, so what it enqueues is ordered with
+        /// every other use.
+        pub(crate) fn enqueue<T>(
             &self,
             op: &str,
-            launched: &mut Launched,
             f: impl FnOnce(cusys::CUstream) -> std::result::Result<T, cusys::CUresult>,
         ) -> Result<T> {
-            let mut health = lock(&self.health);
+            let health = lock(&self.health);
             self.check_alive(&health, op)?;
             // SAFETY: the context is the live primary context retained at creation.
             unsafe { cu::ctx::set_current(self.context) }
                 .map_err(|e| self.error(op, format!("making the CUDA context current: {e}")))?;
-            let out = f(self.stream)
-                .map_err(|code| self.error(op, format!("a stream operation failed: {code:?}")))?;
-            let event = record_event(self.stream, launched.started.is_some())
-                .map_err(|e| self.abort(&mut health, op, format!("recording a CUDA event: {e}")))?;
-            // SAFETY: the old event is replaced and not used after this.
-            let _ = unsafe { cu::event::destroy(launched.event) };
-            launched.event = event;
-            Ok(out)
+            f(self.stream)
+                .map_err(|code| self.error(op, format!("a stream operation failed: {code:?}")))
         }
 
         /// The communicator's gate on `like`'s device ([`order::Gate`], made at the first
@@ -1279,14 +1272,13 @@ pub(crate) mod device {
             let Some(gate) = comm.gate(&like) else {
                 return self.wait();
             };
-            let mut launched = self.launched.take().expect("waited once");
-            match comm.after(&self.op, &mut launched, |stream| gate.open_after(stream)) {
+            // The gate's number is written right after the operation (its completion event,
+            // which the watchdog polls and the trace times, stays the operation's own).
+            match comm.enqueue(&self.op, |stream| gate.open_after(stream)) {
                 Ok(seq) => gate.close_until(seq),
-                Err(_) => {
-                    self.launched = Some(launched);
-                    return self.wait();
-                }
+                Err(_) => return self.wait(),
             }
+            let launched = self.launched.take().expect("waited once");
             let held = std::mem::replace(&mut self.held, Bound(Vec::new(), Vec::new()));
             comm.watch(self.op.clone(), launched, Box::new(held));
             Ok(())
