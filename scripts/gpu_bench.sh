@@ -229,15 +229,24 @@ PY
           "$out/logs/i27_nccl_tests.log" | cut -c1-200 >>"$sum"
       fi
       run i27_plain 150 "$GPT" --ranks 1 $F $(L plain)
+      [ "${I27_OVERLAP:-1}" = 0 ] && ok=0
       [ $ok = 1 ] && run i27_nccl_overlap 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29621 \
         BURN_PARALLEL_NCCL_TRACE="$out/logs/nccl_trace.jsonl" "$GPT" --backend nccl --overlap \
         $F $(L nccl_overlap)
       [ -s "$out/logs/nccl_trace.jsonl" ] && python3 scripts/nccl_trace.py \
         "$out/logs/nccl_trace.jsonl" --perfetto "$out/nccl_trace_perfetto.json" 2>&1 \
         | tail -4 | tee -a "$sum"
-      run i27_plain_bf16 150 "$GPT" --ranks 1 $B $(L plain_bf16)
+      [ $ok = 1 ] && run i27_plain_bf16 150 "$GPT" --ranks 1 $B $(L plain_bf16)
       [ $ok = 1 ] && run i27_nccl_overlap_bf16 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29624 \
         "$GPT" --backend nccl --overlap $B $(L nccl_overlap_bf16)
+      # I27_FSDP=1: FSDP (--zero 3) on NCCL at world size 1, without and with --prefetch (the
+      # next unit's all-gather started asynchronously).
+      if [ -n "${I27_FSDP:-}" ]; then
+        for p in "" --prefetch; do
+          run i27_nccl_zero3${p:+_prefetch} 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29625 \
+            "$GPT" --backend nccl --zero 3 $p $F $(L nccl_zero3${p:+_prefetch})
+        done
+      fi
       for o in ${I27_TCP:---overlap}; do
         [ "$o" = none ] && continue
         [ "$o" = plain ] && o=""
@@ -254,7 +263,7 @@ d = sys.argv[1]
 def load(t):
     p = os.path.join(d, f"losses_{t}.json")
     return json.load(open(p)) if os.path.exists(p) else None
-for ref, others in [("plain", ["nccl_overlap", "ws2_tcp_overlap"]), ("plain_bf16", ["nccl_overlap_bf16"])]:
+for ref, others in [("plain", ["nccl_overlap", "ws2_tcp_overlap", "nccl_zero3", "nccl_zero3_prefetch"]), ("plain_bf16", ["nccl_overlap_bf16"])]:
     a = load(ref)
     for t in others:
         b = load(t)
@@ -270,7 +279,7 @@ def steady(t):
         return None
     ms = [8192e3 / float(m.group(2)) for m in re.finditer(r"^step +(\d+) .*? ([\d.]+) tok/s", open(p).read(), re.M) if int(m.group(1)) >= 10]
     return statistics.median(ms) if ms else None
-for ref, t in [("plain", "nccl_overlap"), ("plain_bf16", "nccl_overlap_bf16")]:
+for ref, t in [("plain", "nccl_overlap"), ("plain_bf16", "nccl_overlap_bf16"), ("plain", "nccl_zero3"), ("plain", "nccl_zero3_prefetch"), ("nccl_zero3", "nccl_zero3_prefetch")]:
     a, b = steady(ref), steady(t)
     if a and b:
         print(f"steady state (median of steps >= 10): {t} {b:.1f} ms/step vs {ref} {a:.1f}: overhead {100 * (b / a - 1):+.1f}%")

@@ -404,6 +404,41 @@ mod device {
         }
     }
 
+    /// `all_gather_async` and `reduce_scatter_async` on the device (their results are made
+    /// after the wait: slices of the gathered buffer, the rank's piece of the scattered one),
+    /// one waited for on the host and one on the device, against the synchronous collectives.
+    #[test]
+    fn async_gathers_and_scatters_match_the_synchronous_ones() {
+        let name = "async_gathers_and_scatters_match_the_synchronous_ones";
+        let Some(info) = nccl_or_skip(name) else {
+            return;
+        };
+        let n = ranks(&info);
+        let got = on_nccl(n, |g, d| {
+            let mut x = input(g.rank(), [64 * n, 64], d) * 1e-3;
+            for _ in 0..20 {
+                x = (x.clone() * 1.01).tanh() + x;
+            }
+            let gathered = g.all_gather_async(x.clone(), 0);
+            let scattered = g.reduce_scatter_async(x.clone(), 0, ReduceOp::Sum, None);
+            let scattered = host(scattered.wait_on_device()?);
+            let gathered = host(gathered.wait()?);
+            let want_gathered = host(g.all_gather(x.clone(), 0)?);
+            let want_scattered = host(g.reduce_scatter(x, 0, ReduceOp::Sum, None)?);
+            Ok(((gathered, scattered), (want_gathered, want_scattered)))
+        });
+        for (r, ((gathered, scattered), (want_gathered, want_scattered))) in
+            got.into_iter().enumerate()
+        {
+            assert_eq!(gathered, want_gathered, "{name}: rank {r}: all_gather");
+            assert_eq!(
+                scattered, want_scattered,
+                "{name}: rank {r}: reduce_scatter"
+            );
+            eprintln!("{name}: rank {r}: both as the synchronous collectives");
+        }
+    }
+
     #[test]
     fn a_mismatched_call_is_an_error_not_corrupt_data() {
         let Some(info) = nccl_or_skip("a_mismatched_call_is_an_error_not_corrupt_data") else {

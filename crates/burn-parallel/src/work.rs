@@ -59,11 +59,11 @@ enum State<T> {
         rank: usize,
         op: &'static str,
     },
-    /// In device memory: the result once `flight` completed.
+    /// In device memory: `finish` makes the result once `flight` completed.
     #[cfg(all(feature = "nccl", feature = "cuda"))]
     Device {
         flight: crate::comm::nccl::device::InFlight,
-        value: T,
+        finish: crate::comm::nccl::device::Finish<T>,
     },
 }
 
@@ -104,7 +104,7 @@ impl<T> Work<T> {
                 })
             }),
             #[cfg(all(feature = "nccl", feature = "cuda"))]
-            State::Device { flight, value } => flight.wait().map(|()| value),
+            State::Device { flight, finish } => flight.wait().and_then(|()| finish()),
         }
     }
 }
@@ -144,7 +144,7 @@ impl<T> Work<T> {
     pub fn wait_on_device(self) -> Result<T> {
         match self.state {
             #[cfg(all(feature = "nccl", feature = "cuda"))]
-            State::Device { flight, value } => flight.wait_on_device().map(|()| value),
+            State::Device { flight, finish } => flight.wait_on_device().and_then(|()| finish()),
             state => Work { state }.wait(),
         }
     }
@@ -221,16 +221,151 @@ impl ProcessGroup {
     ) -> Work<Tensor<D>> {
         #[cfg(all(feature = "nccl", feature = "cuda"))]
         let tensor = match crate::comm::nccl::device::all_reduce_start(self, tensor, op) {
-            Ok(Ok((flight, value))) => {
-                return Work {
-                    state: State::Device { flight, value },
-                };
-            }
-            Ok(Err(tensor)) => tensor,
+            Ok(started) => match Work::started(started) {
+                Ok(work) => return work,
+                Err(tensor) => tensor,
+            },
             Err(e) => return Work::done(Err(e)),
         };
         self.on_lane("all_reduce_async", move |group| {
             group.all_reduce(tensor, op)
         })
+    }
+
+    /// Starts an all-gather of `tensor` along `dim` and returns at once; [`Work::wait`] gives
+    /// what [`ProcessGroup::all_gather`] would have. See the [module docs](crate::work).
+    ///
+    /// ```
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_parallel::run_local;
+    ///
+    /// let out = run_local(2, |group| {
+    ///     let x = Tensor::<1>::from_floats([group.rank() as f32], &Device::flex());
+    ///     let work = group.all_gather_async(x, 0);
+    ///     Ok(work.wait()?.into_data().to_vec::<f32>().unwrap())
+    /// })
+    /// .unwrap();
+    /// assert_eq!(out[1], vec![0.0, 1.0]);
+    /// ```
+    ///
+    /// # Errors
+    /// Through [`Work::wait`]: see [`ProcessGroup::all_gather`].
+    pub fn all_gather_async<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        dim: usize,
+    ) -> Work<Tensor<D>> {
+        #[cfg(all(feature = "nccl", feature = "cuda"))]
+        let tensor = match crate::comm::nccl::device::all_gather_start(self, tensor, dim) {
+            Ok(started) => match Work::started(started) {
+                Ok(work) => return work,
+                Err(tensor) => tensor,
+            },
+            Err(e) => return Work::done(Err(e)),
+        };
+        self.on_lane("all_gather_async", move |group| {
+            group.all_gather(tensor, dim)
+        })
+    }
+
+    /// Starts a reduce-scatter of `tensor` along `dim` (`sizes`: each rank's share, even when
+    /// `None`) and returns at once; [`Work::wait`] gives what [`ProcessGroup::reduce_scatter`]
+    /// would have. See the [module docs](crate::work).
+    ///
+    /// # Errors
+    /// Through [`Work::wait`]: see [`ProcessGroup::reduce_scatter`].
+    pub fn reduce_scatter_async<const D: usize>(
+        &self,
+        tensor: Tensor<D>,
+        dim: usize,
+        op: ReduceOp,
+        sizes: Option<&[usize]>,
+    ) -> Work<Tensor<D>> {
+        #[cfg(all(feature = "nccl", feature = "cuda"))]
+        let tensor =
+            match crate::comm::nccl::device::reduce_scatter_start(self, tensor, dim, op, sizes) {
+                Ok(started) => match Work::started(started) {
+                    Ok(work) => return work,
+                    Err(tensor) => tensor,
+                },
+                Err(e) => return Work::done(Err(e)),
+            };
+        let sizes = sizes.map(<[usize]>::to_vec);
+        self.on_lane("reduce_scatter_async", move |group| {
+            group.reduce_scatter(tensor, dim, op, sizes.as_deref())
+        })
+    }
+}
+
+#[cfg(all(feature = "nccl", feature = "cuda"))]
+impl<T> Work<T> {
+    /// The handle of a collective the device path started, or the tensor back when it does
+    /// not take the device path.
+    fn started<const D: usize>(
+        started: crate::comm::nccl::device::Routed<crate::comm::nccl::device::Started<T>, D>,
+    ) -> std::result::Result<Self, Tensor<D>> {
+        started.map(|(flight, finish)| Work {
+            state: State::Device { flight, finish },
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::{Device, Tensor};
+
+    use crate::{ReduceOp, run_local};
+
+    fn values(t: Tensor<1>) -> Vec<f32> {
+        t.into_data().to_vec::<f32>().unwrap()
+    }
+
+    /// Three kinds of asynchronous collectives in flight at once, a synchronous collective on
+    /// the same group meanwhile, waits in reverse order: each result is what the synchronous
+    /// collective gives.
+    #[test]
+    fn async_collectives_match_the_synchronous_ones_in_any_wait_order() {
+        let out = run_local(3, |g| {
+            let d = Device::flex();
+            let r = g.rank() as f32;
+            let x = Tensor::<1>::from_floats([r, 10.0 + r, 20.0 + r, 30.0 + r], &d);
+            let sum = g.all_reduce_async(x.clone(), ReduceOp::Sum);
+            let gathered = g.all_gather_async(x.clone().narrow(0, 0, g.rank() + 1), 0);
+            let scattered = g.reduce_scatter_async(x.clone(), 0, ReduceOp::Sum, Some(&[1, 1, 2]));
+            // The caller's own collective on the group while those travel.
+            let max = g.all_reduce(x.clone(), ReduceOp::Max)?;
+            let scattered = values(scattered.wait()?);
+            let gathered = values(gathered.wait()?);
+            let sum = values(sum.wait()?);
+            let want = (
+                values(g.all_reduce(x.clone(), ReduceOp::Sum)?),
+                values(g.all_gather(x.clone().narrow(0, 0, g.rank() + 1), 0)?),
+                values(g.reduce_scatter(x, 0, ReduceOp::Sum, Some(&[1, 1, 2]))?),
+            );
+            Ok(((sum, gathered, scattered), want, values(max)))
+        })
+        .unwrap();
+        for (rank, (got, want, max)) in out.into_iter().enumerate() {
+            assert_eq!(got, want, "rank {rank}");
+            assert_eq!(max, vec![2.0, 12.0, 22.0, 32.0]);
+        }
+    }
+
+    /// A bad call started asynchronously is the synchronous call's typed error, at `wait`, on
+    /// every rank (no hang).
+    #[test]
+    fn a_bad_async_call_is_a_typed_error_at_wait() {
+        let out = run_local(2, |g| {
+            let x = Tensor::<1>::ones([3], &Device::flex());
+            // 3 rows cannot be split evenly over 2 ranks.
+            Ok(g.reduce_scatter_async(x, 0, ReduceOp::Sum, None)
+                .wait()
+                .map_err(|e| e.to_string()))
+        })
+        .unwrap();
+        for result in out {
+            let e = result.expect_err("an uneven reduce-scatter without sizes");
+            assert!(e.contains("reduce_scatter"), "{e}");
+        }
     }
 }

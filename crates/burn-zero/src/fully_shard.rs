@@ -60,7 +60,6 @@ use std::collections::HashSet;
 use std::fmt;
 use std::ops::{Deref, Range};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
 
 use burn::module::{
     Content, Module, ModuleDisplay, ModuleDisplayDefault, ModuleMapper, ModuleVisitor, Param,
@@ -73,7 +72,7 @@ use burn_parallel::init::Init;
 use burn_parallel::nn::TpContext;
 use burn_parallel::plan::Glob;
 use burn_parallel::train::{DataShards, GradientSync};
-use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
+use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp, Work};
 
 use crate::error::{Result, ZeroError};
 use crate::flat::{FlatLayout, shard_range, shard_sizes, strip_params};
@@ -140,9 +139,11 @@ struct PrefetchSlot {
     gather: Mutex<Option<InFlight>>,
 }
 
-/// A prefetch in flight: the gathering thread, and its bytes counted as gathered.
+/// A prefetch in flight: the asynchronous all-gather ([`ProcessGroup::all_gather_async`]: in
+/// device memory on NCCL, on the group's communication thread elsewhere), and its bytes
+/// counted as gathered.
 struct InFlight {
-    handle: JoinHandle<std::result::Result<Tensor<1>, CollectiveError>>,
+    work: Work<Tensor<1>>,
     counted: GatherGuard,
 }
 
@@ -171,25 +172,13 @@ impl PrefetchSlot {
 
     /// Waits for the gather in flight, if any: its result and the guard counting its bytes.
     fn join(self: &Arc<Self>) -> Option<Joined> {
-        let InFlight { handle, counted } = self
+        let InFlight { work, counted } = self
             .gather
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()?;
         clear_marker(self.key());
-        let result = handle.join().unwrap_or_else(|panic| {
-            let reason = panic
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
-            Err(CollectiveError::InvalidArgument {
-                rank: 0,
-                op: "Fsdp::prefetch".into(),
-                reason: format!("the prefetch thread panicked: {reason}"),
-            })
-        });
-        Some((result, counted))
+        Some((work.wait(), counted))
     }
 }
 
@@ -201,9 +190,9 @@ impl Drop for PrefetchSlot {
             .get_mut()
             .unwrap_or_else(|e| e.into_inner())
             .take();
-        if let Some(InFlight { handle, counted }) = inflight {
+        if let Some(InFlight { work, counted }) = inflight {
             clear_marker(self as *const Self as usize);
-            let _ = handle.join();
+            let _ = work.wait();
             drop(counted);
         }
     }
@@ -505,17 +494,8 @@ impl<M: Module> Fsdp<M> {
         }
         let shard = s.shard.val().detach();
         let counted = s.count_gathered(s.layout.numel() * shard.dtype().size());
-        let group = s.group.clone();
-        let handle = std::thread::Builder::new()
-            .name(format!("fsdp-prefetch-{}", s.name))
-            .spawn(move || group.all_gather(shard, 0))
-            .map_err(|e| {
-                s.invalid(
-                    "Fsdp::prefetch",
-                    format!("cannot start the prefetch thread: {e}"),
-                )
-            })?;
-        *slot.gather.lock().unwrap_or_else(|e| e.into_inner()) = Some(InFlight { handle, counted });
+        let work = s.group.all_gather_async(shard, 0);
+        *slot.gather.lock().unwrap_or_else(|e| e.into_inner()) = Some(InFlight { work, counted });
         PREFETCHED.with(|p| *p.borrow_mut() = Some((key, s.name.clone())));
         Ok(())
     }

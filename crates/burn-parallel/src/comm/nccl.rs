@@ -1359,22 +1359,34 @@ pub(crate) mod device {
         t: Tensor<D>,
         op: ReduceOp,
     ) -> Result<Routed<Tensor<D>, D>> {
-        Ok(match all_reduce_start(group, t, op)? {
-            Ok((flight, y)) => {
+        finished(all_reduce_start(group, t, op)?)
+    }
+
+    /// A device collective launched and not waited for: the operation in flight, and what
+    /// makes its result once it completed (on the host or on the device: kernels queued after
+    /// the wait).
+    pub(crate) type Started<T> = (InFlight, Finish<T>);
+
+    /// Makes a started collective's result; call it after waiting for the operation.
+    pub(crate) type Finish<T> = Box<dyn FnOnce() -> Result<T> + Send>;
+
+    /// Waits for a started collective on the host and makes its result.
+    fn finished<T, const D: usize>(started: Routed<Started<T>, D>) -> Result<Routed<T, D>> {
+        Ok(match started {
+            Ok((flight, finish)) => {
                 flight.wait()?;
-                Ok(y)
+                Ok(finish()?)
             }
             Err(t) => Err(t),
         })
     }
 
-    /// Launches an all-reduce in device memory and returns at once: the result tensor may be
-    /// used only after the operation in flight was waited for.
+    /// Launches an all-reduce in device memory and returns at once (see [`Started`]).
     pub(crate) fn all_reduce_start<const D: usize>(
         group: &dyn NcclHost,
         t: Tensor<D>,
         op: ReduceOp,
-    ) -> Result<Routed<(InFlight, Tensor<D>), D>> {
+    ) -> Result<Routed<Started<Tensor<D>>, D>> {
         let Some((ctx, x)) = route(group, &t) else {
             return Ok(Err(t));
         };
@@ -1393,7 +1405,8 @@ pub(crate) mod device {
             // the context NCCL runs in; they stay bound until the operation was waited for.
             unsafe { (lib.all_reduce)(ptr(src), ptr(dst), n, ctx.nccl, nccl_op(op), c, s) }
         })?;
-        Ok(Ok((flight, ctx.out(tensor(y)))))
+        let y = ctx.out(tensor(y));
+        Ok(Ok((flight, Box::new(move || Ok(y)))))
     }
 
     /// Broadcast from group rank `root` in device memory.
@@ -1439,6 +1452,16 @@ pub(crate) mod device {
         t: Tensor<D>,
         dim: usize,
     ) -> Result<Routed<Tensor<D>, D>> {
+        finished(all_gather_start(group, t, dim)?)
+    }
+
+    /// Launches an all-gather along `dim` in device memory and returns at once (see
+    /// [`Started`]); uneven pieces go by grouped sends and receives.
+    pub(crate) fn all_gather_start<const D: usize>(
+        group: &dyn NcclHost,
+        t: Tensor<D>,
+        dim: usize,
+    ) -> Result<Routed<Started<Tensor<D>>, D>> {
         if dim >= D {
             return Ok(Err(t)); // the host path reports the error
         }
@@ -1456,6 +1479,10 @@ pub(crate) mod device {
             .into_iter()
             .map(|s| s[0])
             .collect();
+        if sizes.iter().all(|&s| s == 0) {
+            // Every rank knows it (the sizes were exchanged): all refuse, none launches.
+            return Err(ctx.invalid(&sig, "every rank passed an empty piece".into()));
+        }
         let n = group.size();
         let comm = ctx.communicator(&sig)?;
         let piece_shape = |k: usize| {
@@ -1463,84 +1490,97 @@ pub(crate) mod device {
             s[dim] = sizes[k];
             s
         };
-        let pieces: Vec<Tensor<D>> = if sizes.iter().all(|&s| s == sizes[0]) {
-            // Even: one ncclAllGather into rank-major storage.
-            let x = cube(x, &sig, group)?;
-            let each = count(&x);
-            let y = empty(&x, vec![n * each]);
-            run_bound(&[&x, &y], &sig, group, &comm, |lib, c, s, addresses| {
-                let (src, dst) = (addresses[0], addresses[1]);
-                // SAFETY: `src` holds `each` elements, `dst` `n * each`; bound and waited for.
-                unsafe { (lib.all_gather)(ptr(src), ptr(dst), each, ctx.nccl, c, s) }
-            })?;
-            let flat: Tensor<1> = tensor(y);
-            (0..n)
-                .map(|k| {
-                    flat.clone()
-                        .narrow(0, k * each, each)
-                        .reshape(Shape::from(piece_shape(k)))
-                })
-                .collect()
-        } else {
-            // Uneven: every rank sends its piece to every other, grouped.
-            let x = cube(x, &sig, group)?;
-            let received: Vec<CubeTensor> = (0..n).map(|k| empty(&x, piece_shape(k))).collect();
-            let mut all: Vec<&CubeTensor> = vec![&x];
-            all.extend(received.iter());
-            let me = group.rank();
-            run_bound(&all, &sig, group, &comm, |lib, c, s, addresses| {
-                let mine = count(&x);
-                let counts: Vec<usize> = received.iter().map(count).collect();
-                let addresses = addresses.to_vec();
-                grouped(lib, || {
-                    let mut code = sys::ncclResult_t::ncclSuccess;
-                    for k in (0..n).filter(|&k| k != me) {
-                        if mine > 0 {
-                            // SAFETY: bound buffer of `mine` elements; waited for.
-                            code = unsafe {
-                                (lib.send)(ptr(addresses[0]), mine, ctx.nccl, k as i32, c, s)
-                            };
-                            if is_failure(code) {
-                                return code;
+        let shapes: Vec<Vec<usize>> = (0..n).map(piece_shape).collect();
+        let (flight, pieces): (InFlight, Box<dyn FnOnce() -> Vec<Tensor<D>> + Send>) =
+            if sizes.iter().all(|&s| s == sizes[0]) {
+                // Even: one ncclAllGather into rank-major storage.
+                let x = cube(x, &sig, group)?;
+                let each = count(&x);
+                let y = empty(&x, vec![n * each]);
+                let flight =
+                    launch_bound(&[&x, &y], &sig, group, &comm, |lib, c, s, addresses| {
+                        let (src, dst) = (addresses[0], addresses[1]);
+                        // SAFETY: `src` holds `each` elements, `dst` `n * each`; bound until waited for.
+                        unsafe { (lib.all_gather)(ptr(src), ptr(dst), each, ctx.nccl, c, s) }
+                    })?;
+                let pieces = move || {
+                    let flat: Tensor<1> = tensor(y);
+                    shapes
+                        .into_iter()
+                        .enumerate()
+                        .map(|(k, shape)| {
+                            flat.clone()
+                                .narrow(0, k * each, each)
+                                .reshape(Shape::from(shape))
+                        })
+                        .collect()
+                };
+                (flight, Box::new(pieces))
+            } else {
+                // Uneven: every rank sends its piece to every other, grouped.
+                let x = cube(x, &sig, group)?;
+                let received: Vec<CubeTensor> = shapes.into_iter().map(|s| empty(&x, s)).collect();
+                let mut all: Vec<&CubeTensor> = vec![&x];
+                all.extend(received.iter());
+                let me = group.rank();
+                let flight = launch_bound(&all, &sig, group, &comm, |lib, c, s, addresses| {
+                    let mine = count(&x);
+                    let counts: Vec<usize> = received.iter().map(count).collect();
+                    let addresses = addresses.to_vec();
+                    grouped(lib, || {
+                        let mut code = sys::ncclResult_t::ncclSuccess;
+                        for k in (0..n).filter(|&k| k != me) {
+                            if mine > 0 {
+                                // SAFETY: bound buffer of `mine` elements until waited for.
+                                code = unsafe {
+                                    (lib.send)(ptr(addresses[0]), mine, ctx.nccl, k as i32, c, s)
+                                };
+                                if is_failure(code) {
+                                    return code;
+                                }
+                            }
+                            if counts[k] > 0 {
+                                // SAFETY: bound buffer of `counts[k]` elements until waited for.
+                                code = unsafe {
+                                    (lib.recv)(
+                                        ptr(addresses[k + 1]),
+                                        counts[k],
+                                        ctx.nccl,
+                                        k as i32,
+                                        c,
+                                        s,
+                                    )
+                                };
+                                if is_failure(code) {
+                                    return code;
+                                }
                             }
                         }
-                        if counts[k] > 0 {
-                            // SAFETY: bound buffer of `counts[k]` elements; waited for.
-                            code = unsafe {
-                                (lib.recv)(
-                                    ptr(addresses[k + 1]),
-                                    counts[k],
-                                    ctx.nccl,
-                                    k as i32,
-                                    c,
-                                    s,
-                                )
-                            };
-                            if is_failure(code) {
-                                return code;
-                            }
-                        }
-                    }
-                    code
-                })
-            })?;
-            let x_tensor: Tensor<D> = tensor(x);
-            received
+                        code
+                    })
+                })?;
+                let pieces = move || {
+                    let x_tensor: Tensor<D> = tensor(x);
+                    received
+                        .into_iter()
+                        .enumerate()
+                        .map(|(k, r)| if k == me { x_tensor.clone() } else { tensor(r) })
+                        .collect()
+                };
+                (flight, Box::new(pieces))
+            };
+        let autodiff = ctx.autodiff;
+        let finish = move || {
+            let pieces: Vec<Tensor<D>> = pieces()
                 .into_iter()
-                .enumerate()
-                .map(|(k, r)| if k == me { x_tensor.clone() } else { tensor(r) })
-                .collect()
+                .zip(&sizes)
+                .filter(|(_, s)| **s > 0)
+                .map(|(p, _)| p)
+                .collect();
+            let y = Tensor::cat(pieces, dim);
+            Ok(if autodiff { y.autodiff() } else { y })
         };
-        let pieces: Vec<Tensor<D>> = pieces
-            .into_iter()
-            .zip(&sizes)
-            .filter(|(_, s)| **s > 0)
-            .map(|(p, _)| p)
-            .collect();
-        if pieces.is_empty() {
-            return Err(ctx.invalid(&sig, "every rank passed an empty piece".into()));
-        }
-        Ok(Ok(ctx.out(Tensor::cat(pieces, dim))))
+        Ok(Ok((flight, Box::new(finish))))
     }
 
     fn is_failure(code: sys::ncclResult_t) -> bool {
@@ -1573,6 +1613,17 @@ pub(crate) mod device {
         op: ReduceOp,
         sizes: Option<&[usize]>,
     ) -> Result<Routed<Tensor<D>, D>> {
+        finished(reduce_scatter_start(group, t, dim, op, sizes)?)
+    }
+
+    /// Launches a reduce-scatter in device memory and returns at once (see [`Started`]).
+    pub(crate) fn reduce_scatter_start<const D: usize>(
+        group: &dyn NcclHost,
+        t: Tensor<D>,
+        dim: usize,
+        op: ReduceOp,
+        sizes: Option<&[usize]>,
+    ) -> Result<Routed<Started<Tensor<D>>, D>> {
         let n = group.size();
         let shape = t.shape().as_slice().to_vec();
         let sizes: Vec<usize> = match sizes {
@@ -1610,27 +1661,30 @@ pub(crate) mod device {
         }
         let stacked = cube(Tensor::cat(rows, 0), &sig, group)?;
         let y = empty(&stacked, vec![widest]);
-        run_bound(
+        let flight = launch_bound(
             &[&stacked, &y],
             &sig,
             group,
             &comm,
             |lib, c, s, addresses| {
                 let (src, dst) = (addresses[0], addresses[1]);
-                // SAFETY: `src` holds `n * widest` elements and `dst` `widest`; bound, waited for.
+                // SAFETY: `src` holds `n * widest` elements and `dst` `widest`; bound until
+                // waited for.
                 unsafe {
                     (lib.reduce_scatter)(ptr(src), ptr(dst), widest, ctx.nccl, nccl_op(op), c, s)
                 }
             },
         )?;
-        let mine = sizes[group.rank()];
+        let mine = numel(sizes[group.rank()]);
         let mut out_shape = shape.clone();
-        out_shape[dim] = mine;
-        let flat: Tensor<1> = tensor(y);
-        Ok(Ok(ctx.out(
-            flat.narrow(0, 0, numel(mine))
-                .reshape(Shape::from(out_shape)),
-        )))
+        out_shape[dim] = sizes[group.rank()];
+        let autodiff = ctx.autodiff;
+        let finish = move || {
+            let flat: Tensor<1> = tensor(y);
+            let y = flat.narrow(0, 0, mine).reshape(Shape::from(out_shape));
+            Ok(if autodiff { y.autodiff() } else { y })
+        };
+        Ok(Ok((flight, Box::new(finish))))
     }
 
     /// All-to-all along `dim` in device memory, from grouped send/recv.
