@@ -3,7 +3,7 @@
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{DType, Device, Tensor, TensorData};
 use burn_parallel::ReduceOp;
 use burn_parallel::train::{
     Reduced, StepOutput, StepPhases, TrainStep, clip_to_norm, run_micro_batches,
@@ -117,10 +117,7 @@ impl MoeStep {
             if scale != 1.0 {
                 experts.scale((1.0 / scale) as f32);
             }
-            let bad = experts
-                .grads
-                .iter()
-                .any(|(_, g)| g.iter::<f32>().any(|v| !v.is_finite()));
+            let bad = !experts.all_finite();
             let mut flag = f32::from(u8::from(bad || dense_overflow));
             if let Some(ep) = &self.parallel.ep {
                 flag = ep.all_reduce_f32(vec![flag], ReduceOp::Max)?[0];
@@ -222,12 +219,11 @@ impl MoeStep {
     /// # Errors
     /// Collective errors.
     pub fn expert_squared_norm(&self, experts: &ExpertGradients) -> Result<f64> {
-        let local: f64 = experts
-            .grads
-            .iter()
-            .flat_map(|(_, g)| g.iter::<f32>())
-            .map(|g| f64::from(g) * f64::from(g))
-            .sum();
+        // Summed on the device; one number read.
+        let local = match experts.sum_of(|g| g.powi_scalar(2)) {
+            Some(sum) => f64::from(scalar(&sum)?),
+            None => 0.0,
+        };
         Ok(match &self.parallel.ep {
             Some(ep) => ep
                 .all_reduce_data(TensorData::new(vec![local], [1]), ReduceOp::Sum)?
@@ -238,41 +234,41 @@ impl MoeStep {
     }
 
     /// Sums `taken` over the ranks holding the same experts and divides by the data-parallel
-    /// size.
+    /// size. The values stay on the device: one flat f32 tensor of every expert gradient (zeros
+    /// where a rank has none), one all-reduce (in device memory where the group collects there,
+    /// as NCCL does with CUDA tensors); the presence flags, a few bytes, go through the host.
     fn reduce_taken(&self, taken: Vec<Taken>) -> Result<ExpertGradients> {
-        // [presence flags..., values...] summed over the ranks holding the same experts.
-        let mut flat: Vec<f32> = taken
-            .iter()
-            .map(|(_, _, g)| f32::from(u8::from(g.is_some())))
-            .collect();
-        for (_, shape, g) in &taken {
-            match g {
-                Some(g) => flat.extend(g.iter::<f32>()),
-                None => flat.extend(std::iter::repeat_n(0f32, shape.iter().product())),
-            }
-        }
         // No expert parameter in sight (every expert inside a sharded FSDP unit): the same on
         // every rank holding the same experts.
-        if let Some(group) = self
-            .parallel
-            .expert_dp
-            .as_ref()
-            .filter(|_| !taken.is_empty())
-        {
-            let n = flat.len();
-            flat = group
-                .all_reduce_data(TensorData::new(flat, [n]), ReduceOp::Sum)?
-                .try_to_vec::<f32>()
-                .expect("f32 in, f32 out");
+        if taken.is_empty() {
+            return Ok(ExpertGradients { grads: Vec::new() });
         }
-        let scale = 1.0 / self.parallel.dp_size() as f32;
-        let mut at = taken.len();
+        let mut present: Vec<f32> = taken
+            .iter()
+            .map(|t| f32::from(u8::from(t.grad.is_some())))
+            .collect();
+        let lens: Vec<usize> = taken.iter().map(|t| t.shape.iter().product()).collect();
+        let pieces: Vec<Tensor<1>> = taken
+            .iter()
+            .zip(&lens)
+            .map(|(t, &len)| match &t.grad {
+                Some(g) => g.clone(),
+                None => Tensor::<1>::zeros([len], (&t.device, DType::F32)),
+            })
+            .collect();
+        let mut flat = Tensor::cat(pieces, 0);
+        if let Some(group) = &self.parallel.expert_dp {
+            let n = present.len();
+            present = group.all_reduce_f32(present, ReduceOp::Sum)?;
+            debug_assert_eq!(present.len(), n);
+            flat = group.all_reduce(flat, ReduceOp::Sum)?;
+        }
+        let flat = flat * (1.0 / self.parallel.dp_size() as f32);
+        let mut at = 0;
         let mut grads = Vec::with_capacity(taken.len());
-        for (i, (id, shape, _)) in taken.iter().enumerate() {
-            let len: usize = shape.iter().product();
-            if flat[i] > 0.0 {
-                let values: Vec<f32> = flat[at..at + len].iter().map(|g| g * scale).collect();
-                grads.push((*id, TensorData::new(values, shape.clone())));
+        for ((t, len), used) in taken.into_iter().zip(lens).zip(present) {
+            if used > 0.0 {
+                grads.push((t.id, flat.clone().narrow(0, at, len), t.shape));
             }
             at += len;
         }
@@ -438,14 +434,19 @@ fn scalar(loss: &Tensor<1>) -> Result<f32> {
     })
 }
 
-/// An expert parameter's id, shape and local gradient (if any).
-type Taken = (ParamId, Vec<usize>, Option<TensorData>);
+/// An expert parameter and its local gradient (if any), flat, in f32, on its device.
+struct Taken {
+    id: ParamId,
+    shape: Vec<usize>,
+    device: Device,
+    grad: Option<Tensor<1>>,
+}
 
 /// The expert gradients of one step, reduced over the ranks holding the same experts
-/// ([`MoeStep::reduce_experts`]), on the host.
+/// ([`MoeStep::reduce_experts`]), on their parameters' device: flat, in f32.
 #[derive(Debug, Clone)]
 pub struct ExpertGradients {
-    grads: Vec<(ParamId, TensorData)>,
+    grads: Vec<(ParamId, Tensor<1>, Vec<usize>)>,
 }
 
 impl ExpertGradients {
@@ -461,11 +462,29 @@ impl ExpertGradients {
 
     /// Multiplies every gradient by `factor` (averaging micro-steps, clipping).
     pub fn scale(&mut self, factor: f32) {
-        for (_, g) in &mut self.grads {
-            let shape = g.shape().clone();
-            let values: Vec<f32> = g.iter::<f32>().map(|v| v * factor).collect();
-            *g = TensorData::new(values, shape);
+        for (_, g, _) in &mut self.grads {
+            *g = g.clone() * factor;
         }
+    }
+
+    /// `f` of each gradient, summed into one element on the device (`None` without
+    /// gradients).
+    fn sum_of(&self, f: impl Fn(Tensor<1>) -> Tensor<1>) -> Option<Tensor<1>> {
+        self.grads
+            .iter()
+            .map(|(_, g, _)| f(g.clone()).sum())
+            .reduce(|a, b| {
+                let device = a.device();
+                a + b.to_device(&device)
+            })
+    }
+
+    /// Whether every gradient is finite (no infinity, no NaN): one number read.
+    fn all_finite(&self) -> bool {
+        // `0 * x` is NaN exactly for an infinite or NaN `x`.
+        self.sum_of(|g| g * 0.0)
+            .and_then(|zero| scalar(&zero).ok())
+            .is_none_or(f32::is_finite)
     }
 
     /// The gradients as Burn's, for `model` (on each parameter's device and dtype): what an
@@ -480,7 +499,11 @@ impl ExpertGradients {
     fn register_into<M: Module>(self, model: &M, grads: &mut GradientsParams) {
         let mut put = Put {
             grads,
-            reduced: self.grads.into_iter().collect(),
+            reduced: self
+                .grads
+                .into_iter()
+                .map(|(id, g, shape)| (id, (g, shape)))
+                .collect(),
         };
         model.visit(&mut put);
     }
@@ -514,24 +537,31 @@ impl ModuleVisitor for Take<'_> {
             let grad = self
                 .grads
                 .remove::<D>(param.id)
-                .map(|g| g.into_data().convert::<f32>());
-            self.taken
-                .push((param.id, param.val().dims().to_vec(), grad));
+                .map(|g| g.cast(DType::F32).flatten::<1>(0, D - 1));
+            self.taken.push(Taken {
+                id: param.id,
+                shape: param.val().dims().to_vec(),
+                device: param.val().device(),
+                grad,
+            });
         }
     }
 }
 
 struct Put<'a> {
     grads: &'a mut GradientsParams,
-    reduced: std::collections::HashMap<ParamId, TensorData>,
+    reduced: std::collections::HashMap<ParamId, (Tensor<1>, Vec<usize>)>,
 }
 
 impl ModuleVisitor for Put<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if let Some(data) = self.reduced.remove(&param.id) {
-            let device = param.val().device();
-            let dtype = param.val().dtype();
-            let g = Tensor::<D>::from_data(data, &device).cast(dtype);
+        if let Some((flat, shape)) = self.reduced.remove(&param.id) {
+            let value = param.val();
+            let shape: [usize; D] = shape.try_into().expect("the parameter's own shape");
+            let g = flat
+                .reshape(shape)
+                .to_device(&value.device())
+                .cast(value.dtype());
             self.grads.register::<D>(param.id, g);
         }
     }
