@@ -12,10 +12,12 @@
 //!   inputs, and the host never waited.
 //! - [`Mark::signal`] (cuBLASLt's products, whose outputs Burn reads next): our stream writes
 //!   `s` to `done` (`cuStreamWriteValue32`) and a one-thread CubeCL kernel queued next spins
-//!   until it reads `s`, so Burn's later kernels come after ours. The NCCL path does not use
-//!   it: a collective's result is handed over only once the host saw it complete
-//!   ([`crate::work::Work`]), which is what lets a dead peer end in a typed error instead of a
-//!   stream spinning forever.
+//!   until it reads `s`, so Burn's later kernels come after ours.
+//! - [`Gate`] (NCCL's collectives waited for on the device, [`crate::work::Work::wait_on_device`]):
+//!   the same in the other direction, with words of the communicator's own (one writer, numbers
+//!   that only grow) and an abort word the host sets when a collective failed, so that a dead
+//!   peer ends in a typed error (at the group's next call) instead of a stream spinning for
+//!   ever.
 //!
 //! `BURN_PARALLEL_STREAM_ORDER=sync` (or the older `BURN_PARALLEL_CUBLAS_ORDER=sync`), or a
 //! device that refuses stream memory operations, falls back to waiting for Burn's queued work
