@@ -221,10 +221,8 @@ impl ProcessGroup {
     ) -> Work<Tensor<D>> {
         #[cfg(all(feature = "nccl", feature = "cuda"))]
         let tensor = match crate::comm::nccl::device::all_reduce_start(self, tensor, op) {
-            Ok(started) => match Work::started(started) {
-                Ok(work) => return work,
-                Err(tensor) => tensor,
-            },
+            Ok(Ok(started)) => return Work::on_device(started),
+            Ok(Err(tensor)) => tensor,
             Err(e) => return Work::done(Err(e)),
         };
         self.on_lane("all_reduce_async", move |group| {
@@ -257,10 +255,8 @@ impl ProcessGroup {
     ) -> Work<Tensor<D>> {
         #[cfg(all(feature = "nccl", feature = "cuda"))]
         let tensor = match crate::comm::nccl::device::all_gather_start(self, tensor, dim) {
-            Ok(started) => match Work::started(started) {
-                Ok(work) => return work,
-                Err(tensor) => tensor,
-            },
+            Ok(Ok(started)) => return Work::on_device(started),
+            Ok(Err(tensor)) => tensor,
             Err(e) => return Work::done(Err(e)),
         };
         self.on_lane("all_gather_async", move |group| {
@@ -284,10 +280,8 @@ impl ProcessGroup {
         #[cfg(all(feature = "nccl", feature = "cuda"))]
         let tensor =
             match crate::comm::nccl::device::reduce_scatter_start(self, tensor, dim, op, sizes) {
-                Ok(started) => match Work::started(started) {
-                    Ok(work) => return work,
-                    Err(tensor) => tensor,
-                },
+                Ok(Ok(started)) => return Work::on_device(started),
+                Ok(Err(tensor)) => tensor,
                 Err(e) => return Work::done(Err(e)),
             };
         let sizes = sizes.map(<[usize]>::to_vec);
@@ -299,14 +293,11 @@ impl ProcessGroup {
 
 #[cfg(all(feature = "nccl", feature = "cuda"))]
 impl<T> Work<T> {
-    /// The handle of a collective the device path started, or the tensor back when it does
-    /// not take the device path.
-    fn started<const D: usize>(
-        started: crate::comm::nccl::device::Routed<crate::comm::nccl::device::Started<T>, D>,
-    ) -> std::result::Result<Self, Tensor<D>> {
-        started.map(|(flight, finish)| Work {
+    /// The handle of a collective the device path started.
+    fn on_device((flight, finish): crate::comm::nccl::device::Started<T>) -> Self {
+        Work {
             state: State::Device { flight, finish },
-        })
+        }
     }
 }
 
@@ -317,7 +308,7 @@ mod tests {
     use crate::{ReduceOp, run_local};
 
     fn values(t: Tensor<1>) -> Vec<f32> {
-        t.into_data().to_vec::<f32>().unwrap()
+        t.into_data().try_to_vec::<f32>().unwrap()
     }
 
     /// Three kinds of asynchronous collectives in flight at once, a synchronous collective on
