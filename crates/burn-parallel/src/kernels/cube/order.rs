@@ -85,6 +85,26 @@ type Slot = Option<Words>;
 /// so each thread has its own words and sequence.
 static WORDS: Mutex<Vec<((usize, std::thread::ThreadId), Slot)>> = Mutex::new(Vec::new());
 
+/// Two zeroed `u32` words on `like`'s device, bound for as long as the returned binding lives,
+/// and the first one's address (the zeroing is queued on the calling thread's stream).
+fn word_pair(
+    like: &CubeTensor,
+) -> Result<(CubeTensor, Box<dyn std::any::Any>, cusys::CUdeviceptr), String> {
+    let words = zeros_client(
+        like.client.clone(),
+        like.device.clone(),
+        [2].into(),
+        DType::U32,
+    );
+    let (bound, addresses) = bind(&[&words])?;
+    Ok((words, Box::new(bound), addresses[0]))
+}
+
+/// The number after `seq` (never 0, which the words start at).
+fn next_number(seq: u32) -> u32 {
+    seq.wrapping_add(1).max(1)
+}
+
 /// The CubeCL halves: without `wait`, store `value` in `flags[0]` (ready); with `wait`, spin
 /// until `flags[1]` (done) has reached `value`.
 #[cube(launch)]
@@ -133,18 +153,12 @@ pub(crate) fn mark(like: &CubeTensor) -> Mark {
     let at = match all.iter().position(|(k, _)| *k == key) {
         Some(at) => at,
         None => {
-            let tensor = zeros_client(
-                like.client.clone(),
-                like.device.clone(),
-                [2].into(),
-                DType::U32,
-            );
-            let slot = match bind(&[&tensor]) {
-                Ok((bound, addresses)) => Some(Words {
+            let slot = match word_pair(like) {
+                Ok((tensor, bound, ready)) => Some(Words {
                     tensor,
-                    _bound: Box::new(bound),
-                    ready: addresses[0],
-                    done: addresses[0] + 4,
+                    _bound: bound,
+                    ready,
+                    done: ready + 4,
                     seq: 0,
                 }),
                 Err(e) => {
@@ -162,7 +176,7 @@ pub(crate) fn mark(like: &CubeTensor) -> Mark {
     let word = all[at].1.as_mut().map(|w| {
         // Limit: the words compare with `>=`, so after 2^32 marks on one thread (tens of
         // millions of steps) a wrapped number would pass early; not handled.
-        w.seq = w.seq.wrapping_add(1).max(1);
+        w.seq = next_number(w.seq);
         queue(&w.tensor, w.seq, false);
         (w.ready, w.done, w.seq, w.tensor.clone())
     });
@@ -293,13 +307,14 @@ impl Gate {
         if order() == Order::Sync {
             return None;
         }
-        let words = zeros_client(
-            like.client.clone(),
-            like.device.clone(),
-            [2].into(),
-            DType::U32,
-        );
-        let (bound, addresses) = bind(&[&words]).ok()?;
+        let (words, bound, abort) = word_pair(like)
+            .inspect_err(|e| {
+                eprintln!(
+                    "warning: cannot bind an NCCL communicator's gate ({e}); its collectives \
+                     are waited for on the host"
+                );
+            })
+            .ok()?;
         cubecl::future::block_on(words.client.sync()).ok()?;
         let mut side = std::ptr::null_mut();
         // SAFETY: `side` outlives the call; the current context is the device's (bound above).
@@ -314,9 +329,9 @@ impl Gate {
         }
         Some(Gate {
             words,
-            _bound: Box::new(bound),
-            abort: addresses[0],
-            done: addresses[0] + 4,
+            _bound: bound,
+            abort,
+            done: abort + 4,
             seq: std::sync::atomic::AtomicU32::new(0),
             side,
         })
@@ -328,7 +343,7 @@ impl Gate {
     /// stream in order).
     pub(crate) fn open_after(&self, stream: cusys::CUstream) -> Result<u32, cusys::CUresult> {
         use std::sync::atomic::Ordering;
-        let seq = self.seq.load(Ordering::Acquire).wrapping_add(1).max(1);
+        let seq = next_number(self.seq.load(Ordering::Acquire));
         // SAFETY: `done` is the gate's bound word, of this context; the stream is live.
         let code = unsafe {
             cusys::cuStreamWriteValue32_v2(
