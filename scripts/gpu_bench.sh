@@ -36,16 +36,18 @@
 #            `--backend tcp`, `--backend nccl` (one process, RANK 0 of 1); then DDP over 2
 #            processes on cuda:0 through `--backend tcp` (device tensors, host transport):
 #            the baselines of issue 27.
-#   i27      issue 27's figures, GPT-2 small's shape in f32 (the overlapped DDP's precision),
-#            12 steps with --profile: plain single-device training against `--backend nccl
-#            --overlap` at world size 1 (the overlapped DDP wrapper: hooks, device buckets,
-#            asynchronous NCCL all-reduces ordered on the device; its NCCL device trace read by
-#            scripts/nccl_trace.py), the same with host-synced ordering
-#            (BURN_PARALLEL_STREAM_ORDER=sync); two processes on cuda:0 over `--backend tcp`
-#            without and with --overlap (device tensors, host transport; I27_TCP=none skips
-#            them). First the NCCL device tests when the `nccl` test binary is on PATH (run
-#            through both packs: bash .gpu/run.sh bash .gpun/run.sh bash scripts/gpu_bench.sh
-#            OUT i27) with BURN_PARALLEL_REQUIRE_CUDA=1, the device-side wait's test first.
+#   i27      issue 27's figures, GPT-2 small's shape, ${I27_STEPS:-30} steps logged one by one
+#            with --profile (the summary gives each run's median step from step 10 on):
+#            plain single-device training against `--backend nccl --overlap` at world size 1
+#            (the overlapped DDP wrapper: hooks, device buckets, NCCL all-reduces waited on
+#            the device; its NCCL trace read by scripts/nccl_trace.py) in f32 and bf16; two
+#            processes on cuda:0 over `--backend tcp` with --overlap (device tensors, host
+#            transport; I27_TCP=none skips them, I27_OVERLAP=0 the overlapped runs). I27_FSDP=1
+#            adds `--zero 3` without and with --prefetch, I27_ZERO=1 `--zero 1` and `--zero 2`
+#            (and the same with `gpt_before`, when on PATH). First the NCCL device tests when
+#            the `nccl` test binary is on PATH (run through both packs: bash .gpu/run.sh bash
+#            .gpun/run.sh bash scripts/gpu_bench.sh OUT i27) with BURN_PARALLEL_REQUIRE_CUDA=1,
+#            the device-side wait's test first.
 set -u
 out=${1:?usage: gpu_bench.sh OUTDIR [SECTION ...]}
 shift
@@ -67,7 +69,7 @@ run() { # name limit command...
   timeout "$limit" "$@" >"$out/logs/$name.log" 2>&1
   local rc=$?
   note "$name: rc $rc, $((SECONDS - start)) s: ${*#env }"
-  grep -aE "tokens/s|ratio|profile|ms/step|^ +[a-z].*ms|MFU|mfu|^ *(gpt2|default)|error|panicked|warning|loss scaling" \
+  grep -aE "tokens/s|ratio|profile|ms/step|host transport|^ +[a-z].*ms|MFU|mfu|^ *(gpt2|default)|error|panicked|warning|loss scaling" \
     "$out/logs/$name.log" | grep -av "^step" | cut -c1-400 | tail -30 >>"$sum"
 }
 
@@ -247,6 +249,19 @@ PY
             "$GPT" --backend nccl --zero 3 $p $F $(L nccl_zero3${p:+_prefetch})
         done
       fi
+      # I27_ZERO=1: ZeRO-1 and ZeRO-2 on NCCL at world size 1 (flat gradient, bucketed
+      # reduce-scatter, update and all-gather in device memory), and the same with the binary
+      # of before that change when `gpt_before` is on PATH (pack it beside gpt).
+      if [ -n "${I27_ZERO:-}" ]; then
+        BEFORE=$(command -v gpt_before || echo "")
+        for z in 1 2; do
+          for bin in "$GPT" $BEFORE; do
+            tag=nccl_zero$z; [ "$bin" = "$GPT" ] || tag=${tag}_before
+            run "i27_$tag" 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29626 "$bin" --backend nccl \
+              --zero $z $F $(L $tag)
+          done
+        done
+      fi
       for o in ${I27_TCP:---overlap}; do
         [ "$o" = none ] && continue
         [ "$o" = plain ] && o=""
@@ -263,7 +278,7 @@ d = sys.argv[1]
 def load(t):
     p = os.path.join(d, f"losses_{t}.json")
     return json.load(open(p)) if os.path.exists(p) else None
-for ref, others in [("plain", ["nccl_overlap", "ws2_tcp_overlap", "nccl_zero3", "nccl_zero3_prefetch"]), ("plain_bf16", ["nccl_overlap_bf16"])]:
+for ref, others in [("plain", ["nccl_overlap", "ws2_tcp_overlap", "nccl_zero3", "nccl_zero3_prefetch", "nccl_zero1", "nccl_zero2", "nccl_zero1_before", "nccl_zero2_before"]), ("plain_bf16", ["nccl_overlap_bf16"])]:
     a = load(ref)
     for t in others:
         b = load(t)
@@ -279,7 +294,7 @@ def steady(t):
         return None
     ms = [8192e3 / float(m.group(2)) for m in re.finditer(r"^step +(\d+) .*? ([\d.]+) tok/s", open(p).read(), re.M) if int(m.group(1)) >= 10]
     return statistics.median(ms) if ms else None
-for ref, t in [("plain", "nccl_overlap"), ("plain_bf16", "nccl_overlap_bf16"), ("plain", "nccl_zero3"), ("plain", "nccl_zero3_prefetch"), ("nccl_zero3", "nccl_zero3_prefetch")]:
+for ref, t in [("plain", "nccl_overlap"), ("plain_bf16", "nccl_overlap_bf16"), ("plain", "nccl_zero3"), ("plain", "nccl_zero3_prefetch"), ("nccl_zero3", "nccl_zero3_prefetch"), ("plain", "nccl_zero1"), ("plain", "nccl_zero2"), ("plain", "nccl_zero1_before"), ("plain", "nccl_zero2_before"), ("nccl_zero1_before", "nccl_zero1"), ("nccl_zero2_before", "nccl_zero2")]:
     a, b = steady(ref), steady(t)
     if a and b:
         print(f"steady state (median of steps >= 10): {t} {b:.1f} ms/step vs {ref} {a:.1f}: overhead {100 * (b / a - 1):+.1f}%")

@@ -159,6 +159,41 @@ impl FlatLayout {
     /// [`ZeroError::Config`] when `module` lacks a parameter of the layout or `range` goes
     /// beyond the layout.
     pub fn flatten_range<M: Module>(&self, module: &M, range: Range<usize>) -> Result<Vec<f32>> {
+        let device = module
+            .devices()
+            .into_iter()
+            .next()
+            .map_or_else(Device::flex, Device::inner);
+        Ok(host_f32(self.flatten_range_on(module, range, &device)?))
+    }
+
+    /// Elements `range` of the flat space of `module`'s parameters as one 1-D `f32` tensor on
+    /// `device` (a device without autodiff, normally the parameters' own), cut from the
+    /// parameters that overlap `range` without leaving the device: what a ZeRO rank steps.
+    ///
+    /// # Errors
+    /// As [`FlatLayout::flatten_range`].
+    ///
+    /// # Example
+    /// ```
+    /// use burn::nn::LinearConfig;
+    /// use burn::tensor::Device;
+    /// use burn_zero::flat::{FlatLayout, host_f32};
+    ///
+    /// let device = Device::flex();
+    /// let linear = LinearConfig::new(3, 2).init(&device);
+    /// let layout = FlatLayout::of(&linear, |_| true);
+    /// // The last weight and both biases.
+    /// let tail = layout.flatten_range_on(&linear, 5..8, &device).unwrap();
+    /// let all = layout.flatten(&linear).unwrap();
+    /// assert_eq!(host_f32(tail), all[5..8].to_vec());
+    /// ```
+    pub fn flatten_range_on<M: Module>(
+        &self,
+        module: &M,
+        range: Range<usize>,
+        device: &Device,
+    ) -> Result<Tensor<1>> {
         if range.end > self.numel || range.start > range.end {
             return Err(ZeroError::Config(format!(
                 "range {range:?} is outside a flat layout of {} elements",
@@ -167,9 +202,11 @@ impl FlatLayout {
         }
         struct Collector<'a> {
             wanted: HashMap<ParamId, usize>,
-            out: &'a mut [f32],
+            /// The piece of each entry that overlaps the range, by entry.
+            pieces: Vec<Option<Tensor<1>>>,
             entries: &'a [FlatEntry],
             range: Range<usize>,
+            device: &'a Device,
             found: usize,
         }
         impl ModuleVisitor for Collector<'_> {
@@ -179,27 +216,28 @@ impl FlatLayout {
                     let e = &self.entries[i];
                     let lo = e.offset.max(self.range.start);
                     let hi = (e.offset + e.numel).min(self.range.end);
-                    if lo >= hi {
+                    if lo >= hi || self.pieces[i].is_some() {
                         return;
                     }
-                    let data = param.val().into_data().convert::<f32>();
-                    let values = data.as_slice::<f32>().expect("converted to f32");
-                    self.out[lo - self.range.start..hi - self.range.start]
-                        .copy_from_slice(&values[lo - e.offset..hi - e.offset]);
+                    let flat: Tensor<1> = param.val().inner().flatten(0, D - 1);
+                    let piece = flat
+                        .narrow(0, lo - e.offset, hi - lo)
+                        .to_device(self.device);
+                    self.pieces[i] = Some(as_f32(piece));
                 }
             }
         }
-        let mut out = vec![0f32; range.len()];
         let mut collector = Collector {
-            range,
             wanted: self
                 .ids
                 .iter()
                 .enumerate()
                 .map(|(i, id)| (*id, i))
                 .collect(),
-            out: &mut out,
+            pieces: vec![None; self.entries.len()],
             entries: &self.entries,
+            range,
+            device,
             found: 0,
         };
         module.visit(&mut collector);
@@ -211,7 +249,10 @@ impl FlatLayout {
                 self.entries.len()
             )));
         }
-        Ok(out)
+        Ok(concat_1d(
+            collector.pieces.into_iter().flatten().collect(),
+            device,
+        ))
     }
 
     /// Replaces the parameters of the layout in `module` by slices of `flat` (a 1-D tensor of
@@ -361,6 +402,32 @@ pub fn shard_sizes(numel: usize, n: usize) -> Vec<usize> {
 pub fn tensor_1d(values: Vec<f32>, device: &Device) -> Tensor<1> {
     let len = values.len();
     Tensor::from_data(TensorData::new(values, [len]), (device, DType::F32))
+}
+
+/// `t` in `f32` (unchanged when it already is).
+pub(crate) fn as_f32<const D: usize>(t: Tensor<D>) -> Tensor<D> {
+    match t.dtype() {
+        DType::F32 => t,
+        _ => t.cast(DType::F32),
+    }
+}
+
+/// The 1-D tensors `parts` laid end to end on `device` (an empty tensor for no parts).
+pub(crate) fn concat_1d(mut parts: Vec<Tensor<1>>, device: &Device) -> Tensor<1> {
+    match parts.len() {
+        0 => Tensor::zeros([0], device),
+        1 => parts.pop().expect("one part"),
+        _ => Tensor::cat(parts, 0),
+    }
+}
+
+/// `t`, a tensor without autodiff, tracked as tensors made on `device` are (the same
+/// gradient-checkpointing strategy): a device without autodiff leaves it alone.
+pub(crate) fn tracked_as(t: Tensor<1>, device: &Device) -> Tensor<1> {
+    match device.gradient_checkpointing_strategy() {
+        Some(strategy) => t.autodiff().with_gradient_checkpointing_strategy(strategy),
+        None => t,
+    }
 }
 
 /// The host `f32` values of a tensor (converted from its dtype).

@@ -7,14 +7,21 @@
 //!   updated shards are all-gathered back into the module;
 //! - stage 2: the gradient is reduce-scattered instead, bucket by bucket, at every
 //!   [`ZeroOptimizer::accumulate`]: the parameters are cut, in flat order, into buckets of about
-//!   [`ZeroConfig::bucket_bytes`]; a bucket's gradients are packed into one host buffer, and its
-//!   reduce-scatter gives each rank the part of the bucket's flat range that falls in its shard,
-//!   summed into the rank's gradient shard. A communication thread reduces one bucket while the
-//!   next is packed. No rank ever holds the full flat gradient: the host staging is at most three
-//!   buckets (one reduced, one queued, one packed; a parameter larger than a bucket is a bucket
-//!   of its own), and the gradients Burn's
-//!   backward produced are released bucket by bucket as they are packed. The update and the
-//!   all-gather are the same as stage 1.
+//!   [`ZeroConfig::bucket_bytes`]; a bucket's gradients are laid end to end in one tensor, and
+//!   its reduce-scatter gives each rank the part of the bucket's flat range that falls in its
+//!   shard, summed into the rank's gradient shard. Each bucket's reduce-scatter is started as
+//!   soon as the bucket is built ([`ProcessGroup::reduce_scatter_async`]) and runs while the
+//!   next is built. No rank ever holds the full flat gradient: the staging is at most three
+//!   buckets (two in flight, one being built; a parameter larger than a bucket is a bucket of
+//!   its own), and the gradients Burn's backward produced are released bucket by bucket as
+//!   they are laid out. The update and the all-gather are the same as stage 1.
+//!
+//! Everything stays on the parameters' device: the flat gradient or its shard, the norm and
+//! the finiteness check (one number read each), the optimizer's update (unless offloaded) and
+//! the all-gather's input and output. Where the group's backend collects on the device (NCCL
+//! with CUDA tensors) no gradient or parameter passes through host memory, and the collectives
+//! run on the communicator's stream, ordered after the kernels that made their inputs; on the
+//! other backends the tensor collectives copy through the host as they always do.
 //!
 //! With gradient accumulation, stage 1 sums micro-step gradients locally in one flat buffer and
 //! communicates once, at [`ZeroOptimizer::step`]; stage 2 reduce-scatters every micro-step into
@@ -50,9 +57,11 @@ use burn_parallel::train::{
 };
 use burn_parallel::{DeviceMesh, ProcessGroup, ReduceOp};
 
-use crate::clip::{clip_coefficient, sum_of_squares};
+use crate::clip::clip_coefficient;
 use crate::error::{Result, ZeroError};
-use crate::flat::{FlatLayout, cast_frozen, host_f32, shard_range, tensor_1d};
+use crate::flat::{
+    FlatLayout, as_f32, cast_frozen, concat_1d, host_f32, shard_range, tensor_1d, tracked_as,
+};
 use crate::memory::{Category, MemoryReport, MemoryTracker};
 use crate::optim::{ElementWise, ShardedOptimizer};
 use crate::precision::{LossScaler, LossScalerState, MixedPrecision};
@@ -274,22 +283,20 @@ impl ShardGroups {
     /// replicas.
     pub(crate) fn finish_shard_grad(
         &self,
-        mut shard: Vec<f32>,
+        shard: Tensor<1>,
         micro_steps: usize,
         loss_scale: f64,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<Tensor<1>> {
         let mut scale = 1.0 / (micro_steps * self.shard.size()) as f32;
         if loss_scale != 1.0 {
             // Exact for a power-of-two scale: the product only shifts the exponent.
             scale *= (1.0 / loss_scale) as f32;
         }
-        shard.iter_mut().for_each(|g| *g *= scale);
+        let mut shard = shard * scale;
         if let Some(r) = &self.replicate
             && r.size() > 1
         {
-            let len = shard.len();
-            let data = r.all_reduce_data(TensorData::new(shard, [len]), ReduceOp::Avg)?;
-            shard = data.try_into_vec::<f32>().expect("f32 in, f32 out");
+            shard = r.all_reduce(shard, ReduceOp::Avg)?;
         }
         Ok(shard)
     }
@@ -327,14 +334,29 @@ pub struct StepInfo {
 pub(crate) fn check_overflow(
     groups: &ShardGroups,
     scaler: Option<&mut LossScaler>,
-    shards: &[Vec<f32>],
+    shard: &Tensor<1>,
 ) -> Result<bool> {
     let Some(scaler) = scaler else {
         return Ok(false);
     };
-    let local = shards.iter().any(|s| s.iter().any(|v| !v.is_finite()));
+    let local = !all_finite(shard)?;
     let overflow = groups.any(local)?;
     Ok(!scaler.update(overflow))
+}
+
+/// Whether every element of `t` is finite (no infinity, no NaN), summed on `t`'s device: one
+/// number read.
+fn all_finite(t: &Tensor<1>) -> Result<bool> {
+    // `0 * x` is NaN exactly for an infinite or NaN `x`; the sum of zeros stays zero.
+    Ok(read_scalars((t.clone() * 0.0).sum())?[0].is_finite())
+}
+
+/// The values of a small tensor, read to the host in f32.
+fn read_scalars(t: Tensor<1>) -> Result<Vec<f32>> {
+    as_f32(t)
+        .into_data()
+        .try_into_vec::<f32>()
+        .map_err(|e| ZeroError::Config(format!("reading a reduced value from the device: {e:?}")))
 }
 
 /// ZeRO stage 1 or 2 around any element-wise Burn [`Optimizer`].
@@ -379,8 +401,9 @@ pub struct ZeroOptimizer<O: ElementWise> {
     range: Range<usize>,
     optim: ShardedOptimizer<O>,
     tracker: MemoryTracker,
-    /// The summed gradient: the full flat space at stage 1, this rank's shard at stage 2.
-    acc: Option<Vec<f32>>,
+    /// The summed gradient, in f32 on the parameters' device (without autodiff): the full flat
+    /// space at stage 1, this rank's shard at stage 2.
+    acc: Option<Tensor<1>>,
     micro: usize,
     device: Device,
     /// The fp32 master copy of this rank's shard (mixed precision only: in fp32 the module's
@@ -398,7 +421,8 @@ pub struct ZeroOptimizer<O: ElementWise> {
 
 /// This rank's gradient shard of a step, reduced over the data-parallel ranks and unscaled.
 struct ReducedShard {
-    shard: Vec<f32>,
+    /// f32, on the parameters' device.
+    shard: Tensor<1>,
     /// Bytes of the gradient buffer the step releases.
     grad_bytes: usize,
     loss_scale: f64,
@@ -1002,30 +1026,13 @@ impl<O: ElementWise> ZeroOptimizer<O> {
             Some((tp, _)) => tp.sync_gradients(grads)?,
             None => grads,
         };
-        if self.config.stage == Stage::One {
-            let flat = flatten_grads(&self.layout, module, &grads);
-            drop(grads);
-            match &mut self.acc {
-                None => {
-                    self.tracker.add(Category::Grads, flat.len() * 4);
-                    self.acc = Some(flat);
-                }
-                Some(acc) => {
-                    // The micro-step's flat copy is a staging buffer next to the sum.
-                    self.tracker.add(Category::Buffers, flat.len() * 4);
-                    acc.iter_mut().zip(&flat).for_each(|(a, g)| *a += g);
-                    self.tracker.sub(Category::Buffers, flat.len() * 4);
-                }
-            }
+        let inner = self.device.clone().inner();
+        // This micro-step's part: the whole flat gradient at stage 1, this rank's shard of its
+        // reduction at stage 2.
+        let part = if self.config.stage == Stage::One {
+            flatten_grads(&self.layout, module, grads, &inner)
         } else {
-            let mut acc = match self.acc.take() {
-                Some(acc) => acc,
-                None => {
-                    self.tracker.add(Category::Grads, self.range.len() * 4);
-                    vec![0.0; self.range.len()]
-                }
-            };
-            let result = reduce_scatter_buckets(
+            reduce_scatter_buckets(
                 &self.layout,
                 module,
                 grads,
@@ -1036,11 +1043,23 @@ impl<O: ElementWise> ZeroOptimizer<O> {
                     wire: self.config.precision.reduce_dtype,
                     tracker: &self.tracker,
                 },
-                &mut acc,
-            );
-            self.acc = Some(acc);
-            result?;
-        }
+                &inner,
+            )?
+        };
+        let bytes = part.dims()[0] * 4;
+        self.acc = Some(match self.acc.take() {
+            None => {
+                self.tracker.add(Category::Grads, bytes);
+                part
+            }
+            Some(acc) => {
+                // The micro-step's part is a buffer next to the sum until it is added.
+                self.tracker.add(Category::Buffers, bytes);
+                let sum = acc + part;
+                self.tracker.sub(Category::Buffers, bytes);
+                sum
+            }
+        });
         self.micro += 1;
         Ok(())
     }
@@ -1106,7 +1125,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
                 let norm = (self.squares_of(&grad, |_| true)? + outside_sq).sqrt();
                 let coef = clip_coefficient(norm, max_norm);
                 if coef < 1.0 {
-                    grad.iter_mut().for_each(|g| *g *= coef as f32);
+                    grad = grad * coef as f32;
                 }
                 Some(norm)
             }
@@ -1177,13 +1196,14 @@ impl<O: ElementWise> ZeroOptimizer<O> {
     /// The squared norm of the parameters `select` picks in the gradient shard `grad` (at
     /// `self.range` of the flat space), over every shard rank and, for tensor-parallel shards,
     /// every tensor-parallel rank (a replicated parameter counts once).
-    fn squares_of(&self, grad: &[f32], select: impl Fn(ParamId) -> bool) -> Result<f64> {
+    fn squares_of(&self, grad: &Tensor<1>, select: impl Fn(ParamId) -> bool) -> Result<f64> {
         let tp_ranges = self
             .tp
             .as_ref()
             .map_or(&[][..], |(_, ranges)| ranges.as_slice());
-        // [replicated, tensor-parallel shard] squares of this rank's range.
-        let mut local = [0.0f64; 2];
+        // The selected runs of this rank's range, by kind ([replicated, tensor-parallel shard]),
+        // adjacent runs of one kind merged: one slice each, squared and summed on the device.
+        let mut runs: [Vec<Range<usize>>; 2] = Default::default();
         for (id, e) in self.layout.ids().iter().zip(self.layout.entries()) {
             let (a, b) = (
                 e.offset.max(self.range.start),
@@ -1192,14 +1212,29 @@ impl<O: ElementWise> ZeroOptimizer<O> {
             if a >= b || !select(*id) {
                 continue;
             }
-            let in_tp = tp_ranges.iter().any(|r| r.start == e.offset);
-            let part = &grad[a - self.range.start..b - self.range.start];
-            local[usize::from(in_tp)] += sum_of_squares(part);
+            let kind = &mut runs[usize::from(tp_ranges.iter().any(|r| r.start == e.offset))];
+            let (a, b) = (a - self.range.start, b - self.range.start);
+            match kind.last_mut() {
+                Some(last) if last.end == a => last.end = b,
+                _ => kind.push(a..b),
+            }
         }
+        let device = grad.device();
+        let per_kind = runs.map(|runs| {
+            let squares = runs
+                .into_iter()
+                .map(|r| grad.clone().slice(r).powi_scalar(2).sum())
+                .collect();
+            concat_1d(squares, &device).sum()
+        });
+        let local: Vec<f64> = read_scalars(Tensor::cat(per_kind.to_vec(), 0))?
+            .into_iter()
+            .map(f64::from)
+            .collect();
         let sums = self
             .groups
             .shard
-            .all_reduce_data(TensorData::new(local.to_vec(), [2]), ReduceOp::Sum)?
+            .all_reduce_data(TensorData::new(local, [2]), ReduceOp::Sum)?
             .try_to_vec::<f64>()
             .expect("f64 in, f64 out");
         let tp_sum = match self.tp.as_ref().and_then(|(tp, _)| tp.group().cloned()) {
@@ -1221,27 +1256,28 @@ impl<O: ElementWise> ZeroOptimizer<O> {
             ));
         };
         let micro = std::mem::take(&mut self.micro);
-        let numel = self.layout.numel();
-        let grad_bytes = acc.len() * 4;
+        let grad_bytes = acc.dims()[0] * 4;
         let shard = match self.config.stage {
             Stage::One => {
+                // On the device where the group's backend reduces there (NCCL), through the
+                // host elsewhere.
                 let wire = self.config.precision.reduce_dtype;
-                let mut data = TensorData::new(acc, [numel]);
-                if wire != DType::F32 {
-                    data = data.convert_dtype(wire);
-                }
-                let reduced = self.groups.shard.all_reduce_data(data, ReduceOp::Sum)?;
-                let all = reduced.convert::<f32>().try_into_vec::<f32>().expect("f32");
-                all[self.range.clone()].to_vec()
+                let acc = if wire == DType::F32 {
+                    acc
+                } else {
+                    acc.cast(wire)
+                };
+                let reduced = self.groups.shard.all_reduce(acc, ReduceOp::Sum)?;
+                as_f32(reduced).slice(self.range.clone())
             }
             // Stage 2: already reduce-scattered, bucket by bucket, at each accumulate.
             _ => acc,
         };
         let loss_scale = self.loss_scale();
-        let shards = vec![self.groups.finish_shard_grad(shard, micro, loss_scale)?];
-        let overflow = check_overflow(&self.groups, self.scaler.as_mut(), &shards)?;
+        let shard = self.groups.finish_shard_grad(shard, micro, loss_scale)?;
+        let overflow = check_overflow(&self.groups, self.scaler.as_mut(), &shard)?;
         Ok(ReducedShard {
-            shard: shards.into_iter().next().expect("one shard"),
+            shard,
             grad_bytes,
             loss_scale,
             overflow,
@@ -1254,19 +1290,19 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         &mut self,
         lr: LearningRate,
         module: M,
-        grad: Vec<f32>,
+        grad: Tensor<1>,
         (numel, grad_bytes): (usize, usize),
     ) -> Result<M> {
         let inner = self.device.clone().inner();
         let param_shard = match &self.master {
             Some(master) => master.clone(),
-            // This rank's range of the parameters, read from the module (no full flat copy).
-            None => tensor_1d(
-                self.layout.flatten_range(&module, self.range.clone())?,
-                &inner,
-            ),
+            // This rank's range of the parameters, cut from the module on its device (no full
+            // flat copy).
+            None => self
+                .layout
+                .flatten_range_on(&module, self.range.clone(), &inner)?,
         };
-        let new_shard = self.optim.step(0, lr, param_shard, tensor_1d(grad, &inner));
+        let new_shard = self.optim.step(0, lr, param_shard, grad);
         self.tracker
             .set(Category::Optimizer, self.optim.state_bytes());
 
@@ -1274,14 +1310,16 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         let gathered_bytes = numel * low.size();
         self.tracker.add(Category::Buffers, gathered_bytes);
         let outgoing = if self.master.is_some() {
-            let data = new_shard.clone().cast(low).into_data();
+            let low_shard = new_shard.clone().cast(low);
             self.master = Some(new_shard);
-            data
+            low_shard
         } else {
-            new_shard.into_data()
+            new_shard
         };
-        let full = self.groups.shard.all_gather_data(outgoing, 0)?;
-        let full = Tensor::<1>::from_data(full, (&self.device, low));
+        // Gathered where the shards are (the device on NCCL), as tensors the module's device
+        // tracks.
+        let full = self.groups.shard.all_gather(outgoing, 0)?;
+        let full = tracked_as(full, &self.device);
         let module = self.layout.unflatten(module, full, true)?;
         self.tracker.sub(Category::Buffers, gathered_bytes);
         // Gradients are released after the step.
@@ -1316,42 +1354,58 @@ fn first_param_dtype<M: Module>(module: &M) -> Option<DType> {
     first.0
 }
 
-/// The gradients of `layout`'s parameters as one flat host buffer (zeros where absent).
+/// The gradients of `layout`'s parameters as one flat f32 tensor on `device` (zeros where
+/// absent), each taken out of `grads`, and so released, as it is copied.
 pub(crate) fn flatten_grads<M: Module>(
     layout: &FlatLayout,
     module: &M,
-    grads: &GradientsParams,
-) -> Vec<f32> {
-    struct Collector<'a> {
-        layout: &'a FlatLayout,
-        index: std::collections::HashMap<ParamId, usize>,
-        grads: &'a GradientsParams,
-        out: Vec<f32>,
+    mut grads: GradientsParams,
+    device: &Device,
+) -> Tensor<1> {
+    let mut parts: Vec<Option<Tensor<1>>> = vec![None; layout.entries().len()];
+    let index = entry_index(layout);
+    visit_grads(module, &mut grads, |id, g| {
+        if let (Some(&i), Some(g)) = (index.get(&id), g) {
+            parts[i] = Some(as_f32(g));
+        }
+    });
+    let parts = parts
+        .into_iter()
+        .zip(layout.entries())
+        .map(|(part, e)| part.unwrap_or_else(|| Tensor::zeros([e.numel], device)))
+        .collect();
+    concat_1d(parts, device)
+}
+
+/// The entry of each parameter of `layout`.
+fn entry_index(layout: &FlatLayout) -> std::collections::HashMap<ParamId, usize> {
+    layout
+        .ids()
+        .iter()
+        .enumerate()
+        .map(|(i, id)| (*id, i))
+        .collect()
+}
+
+/// Calls `f` with the id and the flattened gradient (if any) of each float parameter of
+/// `module`, in visiting order, taking the gradients out of `grads` (a parameter reached twice
+/// has no gradient left the second time).
+fn visit_grads<M: Module>(
+    module: &M,
+    grads: &mut GradientsParams,
+    f: impl FnMut(ParamId, Option<Tensor<1>>),
+) {
+    struct Take<'a, F> {
+        grads: &'a mut GradientsParams,
+        f: F,
     }
-    impl ModuleVisitor for Collector<'_> {
+    impl<F: FnMut(ParamId, Option<Tensor<1>>)> ModuleVisitor for Take<'_, F> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let Some(&i) = self.index.get(&param.id) else {
-                return;
-            };
-            if let Some(g) = self.grads.get::<D>(param.id) {
-                let e = &self.layout.entries()[i];
-                self.out[e.offset..e.offset + e.numel].copy_from_slice(&host_f32(g));
-            }
+            let grad = self.grads.remove::<D>(param.id);
+            (self.f)(param.id, grad.map(|g| g.flatten(0, D - 1)));
         }
     }
-    let mut c = Collector {
-        layout,
-        index: layout
-            .ids()
-            .iter()
-            .enumerate()
-            .map(|(i, id)| (*id, i))
-            .collect(),
-        grads,
-        out: vec![0.0; layout.numel()],
-    };
-    module.visit(&mut c);
-    c.out
+    module.visit(&mut Take { grads, f });
 }
 
 /// Where and how a stage-2 micro-step's gradients are reduce-scattered.
@@ -1400,189 +1454,161 @@ fn bucket_pieces(bucket: &Range<usize>, numel: usize, n: usize) -> Vec<usize> {
         .collect()
 }
 
-/// Stage 2: packs `grads` bucket by bucket (zeros for a parameter without a gradient on this
-/// rank), reduce-scatters each bucket on a communication thread while the next is packed, and
-/// adds this rank's piece of each into `acc` (this rank's shard). Each parameter's gradient is
-/// taken out of `grads`, and so released, as it is packed.
+/// How many stage-2 buckets may be in flight at once: one reduced while the next is built.
+const BUCKETS_IN_FLIGHT: usize = 2;
+
+/// Stage 2: gathers `grads` bucket by bucket in flat order (zeros for a parameter without a
+/// gradient on this rank) on `device`, starts each bucket's reduce-scatter as soon as it is
+/// complete ([`ProcessGroup::reduce_scatter_async`]: on the communicator's stream under NCCL,
+/// on the group's communication thread elsewhere) while the next is built, and returns this
+/// rank's pieces laid end to end: its shard of the micro-step's summed gradient, in f32. Each
+/// parameter's gradient is taken out of `grads`, and so released, as its bucket is built.
 fn reduce_scatter_buckets<M: Module>(
     layout: &FlatLayout,
     module: &M,
     mut grads: GradientsParams,
     plan: &BucketPlan<'_>,
-    acc: &mut [f32],
-) -> Result<()> {
-    use std::sync::mpsc;
-
+    device: &Device,
+) -> Result<Tensor<1>> {
     let buckets = plan_buckets(layout, plan.bucket_bytes);
-    let buckets = &buckets[..];
-    let entries = layout.entries();
-    let flat_range = |b: &Range<usize>| {
-        let last = &entries[b.end - 1];
-        entries[b.start].offset..last.offset + last.numel
+    let bucket_of: Vec<usize> = buckets
+        .iter()
+        .enumerate()
+        .flat_map(|(b, r)| r.clone().map(move |_| b))
+        .collect();
+    let index = entry_index(layout);
+    let mut found = 0;
+    let mut sender = BucketSender {
+        layout,
+        buckets: &buckets,
+        plan,
+        device,
+        parts: Vec::new(),
+        next: 0,
+        flight: std::collections::VecDeque::new(),
+        pieces: Vec::new(),
+        error: None,
     };
-    let numel = layout.numel();
-    let n = plan.group.size();
-    let (to_comm, from_main) = mpsc::sync_channel::<(usize, TensorData)>(1);
-    std::thread::scope(|scope| {
-        let comm = scope.spawn(move || -> Result<()> {
-            for (b, data) in from_main {
-                let bytes = data.as_bytes().len();
-                let flat = flat_range(&buckets[b]);
-                let sizes = bucket_pieces(&flat, numel, n);
-                let piece = plan
-                    .group
-                    .reduce_scatter_data(data, 0, ReduceOp::Sum, Some(&sizes));
-                plan.tracker.sub(Category::Buffers, bytes);
-                let piece = piece?.convert::<f32>();
-                let values = piece.as_slice::<f32>().expect("converted to f32");
-                let start = flat.start.max(plan.range.start);
-                if !values.is_empty() {
-                    let at = start - plan.range.start;
-                    acc[at..at + values.len()]
-                        .iter_mut()
-                        .zip(values)
-                        .for_each(|(a, g)| *a += g);
-                }
-            }
-            Ok(())
-        });
-        let mut packer = Packer {
-            layout,
-            index: layout
-                .ids()
-                .iter()
-                .enumerate()
-                .map(|(i, id)| (*id, i))
-                .collect(),
-            bucket_of: buckets
-                .iter()
-                .enumerate()
-                .flat_map(|(b, r)| r.clone().map(move |_| b))
-                .collect(),
-            grads: &mut grads,
-            current: None,
-            next: 0,
-            buckets,
-            wire: plan.wire,
-            tracker: plan.tracker,
-            to_comm: &to_comm,
-            found: 0,
-            failed: false,
+    visit_grads(module, &mut grads, |id, g| {
+        let Some(&i) = index.get(&id) else {
+            return;
         };
-        module.visit(&mut packer);
-        // Every rank sends every bucket, whatever this module held, so that the collectives stay
-        // in step; a foreign module is reported after.
-        packer.flush_until(buckets.len());
-        let found = packer.found;
-        drop(to_comm);
-        let comm = comm.join().unwrap_or_else(|_| {
-            Err(ZeroError::Config(
-                "the ZeRO-2 reduce-scatter thread panicked".into(),
-            ))
-        });
-        comm?;
-        if found != entries.len() {
-            return Err(ZeroError::Config(format!(
-                "the module has {found} of the {} trainable parameters of the wrapper's layout; \
-                 pass the module the wrapper was built from (parameter ids must not change)",
-                entries.len()
-            )));
+        found += 1;
+        let b = bucket_of[i];
+        if b < sender.next {
+            return; // already sent (a parameter reached twice)
         }
-        Ok(())
-    })
+        sender.flush_until(b);
+        if let Some(g) = g {
+            sender.parts.push((i, g));
+        }
+        if i + 1 == buckets[b].end {
+            sender.flush_until(b + 1);
+        }
+    });
+    // Every rank sends every bucket, whatever this module held, so that the collectives stay
+    // in step; a foreign module is reported after.
+    sender.flush_until(buckets.len());
+    let shard = sender.finish()?;
+    if found != layout.entries().len() {
+        return Err(ZeroError::Config(format!(
+            "the module has {found} of the {} trainable parameters of the wrapper's layout; \
+             pass the module the wrapper was built from (parameter ids must not change)",
+            layout.entries().len()
+        )));
+    }
+    Ok(shard)
 }
 
-/// Visits the module in flat order, packing gradients into the current bucket and handing
-/// each complete bucket to the communication thread.
-struct Packer<'a> {
+/// Builds stage 2's buckets from gradients given in flat order and keeps their
+/// reduce-scatters in flight.
+struct BucketSender<'a> {
     layout: &'a FlatLayout,
-    index: std::collections::HashMap<ParamId, usize>,
-    bucket_of: Vec<usize>,
-    grads: &'a mut GradientsParams,
-    /// The bucket being packed: (index, values).
-    current: Option<(usize, Vec<f32>)>,
+    buckets: &'a [Range<usize>],
+    plan: &'a BucketPlan<'a>,
+    device: &'a Device,
+    /// The gradients of the bucket being built: (entry, flat gradient).
+    parts: Vec<(usize, Tensor<1>)>,
     /// The first bucket not sent yet.
     next: usize,
-    buckets: &'a [Range<usize>],
-    wire: DType,
-    tracker: &'a MemoryTracker,
-    to_comm: &'a std::sync::mpsc::SyncSender<(usize, TensorData)>,
-    found: usize,
-    failed: bool,
+    /// Reduce-scatters in flight, oldest first, with the bytes of their bucket.
+    flight: std::collections::VecDeque<(burn_parallel::Work<Tensor<1>>, usize)>,
+    /// This rank's pieces of the buckets reduced so far, in order.
+    pieces: Vec<Tensor<1>>,
+    /// The first failure; later buckets are not sent.
+    error: Option<ZeroError>,
 }
 
-impl Packer<'_> {
-    fn bucket_len(&self, b: usize) -> usize {
-        let r = &self.buckets[b];
-        let e = self.layout.entries();
-        e[r.end - 1].offset + e[r.end - 1].numel - e[r.start].offset
-    }
-
-    /// Sends every bucket before `end` (the current one as packed, later ones as zeros).
+impl BucketSender<'_> {
+    /// Sends every bucket before `end`: the one being built with its gradients, the others
+    /// (and the gaps of the one being built) as zeros.
     fn flush_until(&mut self, end: usize) {
         while self.next < end {
             let b = self.next;
-            let values = match self.current.take() {
-                Some((c, values)) if c == b => {
-                    self.tracker.sub(Category::Buffers, values.len() * 4);
-                    values
-                }
-                other => {
-                    self.current = other;
-                    vec![0.0; self.bucket_len(b)]
-                }
-            };
-            self.send(b, values);
+            let entries = &self.layout.entries()[self.buckets[b].clone()];
+            let mut given: std::collections::HashMap<usize, Tensor<1>> =
+                std::mem::take(&mut self.parts).into_iter().collect();
+            let wire = self.plan.wire;
+            let parts = (self.buckets[b].clone())
+                .zip(entries)
+                .map(|(i, e)| match given.remove(&i) {
+                    Some(g) if g.dtype() == wire => g,
+                    Some(g) => g.cast(wire),
+                    None => Tensor::zeros([e.numel], (self.device, wire)),
+                })
+                .collect();
+            let bucket = concat_1d(parts, self.device);
             self.next += 1;
+            if self.error.is_some() {
+                continue;
+            }
+            let first = &entries[0];
+            let last = &entries[entries.len() - 1];
+            let flat = first.offset..last.offset + last.numel;
+            let sizes = bucket_pieces(&flat, self.layout.numel(), self.plan.group.size());
+            let bytes = flat.len() * wire.size();
+            self.plan.tracker.add(Category::Buffers, bytes);
+            let work = self
+                .plan
+                .group
+                .reduce_scatter_async(bucket, 0, ReduceOp::Sum, Some(&sizes));
+            self.flight.push_back((work, bytes));
+            if self.flight.len() > BUCKETS_IN_FLIGHT {
+                self.wait_oldest();
+            }
         }
     }
 
-    fn send(&mut self, b: usize, values: Vec<f32>) {
-        if self.failed {
-            return;
-        }
-        let len = values.len();
-        let mut data = TensorData::new(values, [len]);
-        if self.wire != DType::F32 {
-            data = data.convert_dtype(self.wire);
-        }
-        self.tracker.add(Category::Buffers, data.as_bytes().len());
-        if self.to_comm.send((b, data)).is_err() {
-            // The communication thread stopped on an error; it is reported when joined.
-            self.failed = true;
-        }
-    }
-}
-
-impl ModuleVisitor for Packer<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let Some(&i) = self.index.get(&param.id) else {
+    /// Waits for the oldest reduce-scatter in flight and keeps this rank's piece.
+    fn wait_oldest(&mut self) {
+        let Some((work, bytes)) = self.flight.pop_front() else {
             return;
         };
-        self.found += 1;
-        let b = self.bucket_of[i];
-        if b < self.next {
-            return; // already sent (a parameter reached twice)
+        // The piece is only consumed by device work (the concatenation below), so under NCCL
+        // the caller's stream waits for it and the host goes on building buckets.
+        let piece = work.wait_on_device();
+        self.plan.tracker.sub(Category::Buffers, bytes);
+        match piece {
+            Ok(piece) if piece.dims()[0] > 0 => self.pieces.push(as_f32(piece)),
+            Ok(_) => {}
+            Err(e) => {
+                self.error.get_or_insert(e.into());
+            }
         }
-        self.flush_until(b);
-        if self.current.as_ref().is_none_or(|(c, _)| *c != b) {
-            let len = self.bucket_len(b);
-            self.tracker.add(Category::Buffers, len * 4);
-            self.current = Some((b, vec![0.0; len]));
+    }
+
+    /// Waits for every bucket in flight and returns this rank's shard, or the first failure.
+    fn finish(mut self) -> Result<Tensor<1>> {
+        while !self.flight.is_empty() {
+            self.wait_oldest();
         }
-        let start = self.layout.entries()[self.buckets[b].start].offset;
-        let e = &self.layout.entries()[i];
-        if let Some(g) = self.grads.remove::<D>(param.id) {
-            let g = g.into_data().convert::<f32>();
-            let values = g.as_slice::<f32>().expect("converted to f32");
-            let (_, bucket) = self.current.as_mut().expect("set above");
-            bucket[e.offset - start..e.offset - start + e.numel].copy_from_slice(values);
-        }
-        if i + 1 == self.buckets[b].end {
-            let (_, values) = self.current.take().expect("set above");
-            self.tracker.sub(Category::Buffers, values.len() * 4);
-            self.send(b, values);
-            self.next = b + 1;
+        match self.error {
+            Some(e) => Err(e),
+            None => {
+                let shard = concat_1d(self.pieces, self.device);
+                debug_assert_eq!(shard.dims()[0], self.plan.range.len());
+                Ok(shard)
+            }
         }
     }
 }
