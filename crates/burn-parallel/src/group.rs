@@ -17,6 +17,7 @@ use bytes::Bytes;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 
+use crate::calls::{CallLog, CallPath, Inside, LoggedCall};
 use crate::comm::host::{
     ReduceOp, combine_to, concat_into, dtype_code, dtype_from_code, dtype_name, geometry,
     reducible, split_along,
@@ -90,6 +91,9 @@ pub struct ProcessGroup {
     /// The communication thread of the asynchronous collectives ([`crate::work`]), started at
     /// the first; shared by clones, not by sub-groups.
     lane: crate::work::LaneSlot,
+    /// Where this rank's calls are logged ([`ProcessGroup::with_call_log`]); inherited by
+    /// sub-groups.
+    log: Option<CallLog>,
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -149,7 +153,52 @@ impl ProcessGroup {
             nccl: None,
             tensor_path: false,
             lane: Default::default(),
+            log: None,
         }
+    }
+
+    /// Logs every collective this rank issues on this group, its clones made after and its
+    /// sub-groups into `log` (see [`crate::calls`]).
+    pub fn with_call_log(mut self, log: CallLog) -> Self {
+        self.log = Some(log);
+        self
+    }
+
+    /// Logs a call (when the group has a log) and marks this thread as inside it until the
+    /// guard is dropped, so that the collectives it makes itself are not logged again.
+    pub(crate) fn logged(
+        &self,
+        op: &'static str,
+        path: CallPath,
+        dtype: DType,
+        bytes: usize,
+    ) -> Option<Inside> {
+        let log = self.log.as_ref()?;
+        log.push(LoggedCall {
+            members: self.members.to_vec(),
+            op,
+            path,
+            dtype,
+            bytes,
+        });
+        Some(Inside::enter())
+    }
+
+    /// Logs a collective on tensor `t` ([`CallPath::Tensor`]).
+    pub(crate) fn logged_tensor<const D: usize>(
+        &self,
+        op: &'static str,
+        t: &Tensor<D>,
+    ) -> Option<Inside> {
+        let bytes = t.shape().num_elements() * t.dtype().size();
+        self.logged(op, CallPath::Tensor, t.dtype(), bytes)
+    }
+
+    /// Counts `bytes` handed to the host transport ([`host_bytes_sent`]) and logs the call
+    /// ([`CallPath::Host`]).
+    fn host_call(&self, op: &'static str, dtype: DType, bytes: usize) -> Option<Inside> {
+        count_host_bytes(bytes);
+        self.logged(op, CallPath::Host, dtype, bytes)
     }
 
     /// This rank's index in the group.
@@ -329,6 +378,7 @@ impl ProcessGroup {
             nccl: self.nccl.as_ref().map(|nccl| nccl.for_subgroup()),
             tensor_path: self.tensor_path,
             lane: Default::default(),
+            log: self.log.clone(),
         })
     }
 
@@ -574,7 +624,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`CollectiveError`]; shapes and dtypes must agree on every rank.
     pub fn all_reduce_data(&self, data: TensorData, op: ReduceOp) -> Result<TensorData> {
-        count_host_bytes(data.as_bytes().len());
+        let _inside = self.host_call("all_reduce", data.dtype(), data.as_bytes().len());
         let dtype = data.dtype();
         let shape = data.shape().clone();
         let call = self.begin(
@@ -629,7 +679,7 @@ impl ProcessGroup {
     /// # Errors
     /// [`CollectiveError::InvalidArgument`] when `dim` is out of range; see [`CollectiveError`].
     pub fn all_gather_data(&self, data: TensorData, dim: usize) -> Result<TensorData> {
-        count_host_bytes(data.as_bytes().len());
+        let _inside = self.host_call("all_gather", data.dtype(), data.as_bytes().len());
         let dtype = data.dtype();
         let shape = data.shape().as_slice().to_vec();
         let call = self.begin(
@@ -688,7 +738,7 @@ impl ProcessGroup {
         op: ReduceOp,
         sizes: Option<&[usize]>,
     ) -> Result<TensorData> {
-        count_host_bytes(data.as_bytes().len());
+        let _inside = self.host_call("reduce_scatter", data.dtype(), data.as_bytes().len());
         let dtype = data.dtype();
         let shape = data.shape().as_slice().to_vec();
         let call = self.begin(
@@ -760,7 +810,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`CollectiveError`].
     pub fn broadcast_data(&self, data: TensorData, root: usize) -> Result<TensorData> {
-        count_host_bytes(data.as_bytes().len());
+        let _inside = self.host_call("broadcast", data.dtype(), data.as_bytes().len());
         let dtype = data.dtype();
         let shape = data.shape().clone();
         let call = self.begin(
@@ -841,7 +891,7 @@ impl ProcessGroup {
         send_sizes: &[usize],
         concat_dim: usize,
     ) -> Result<(TensorData, Vec<usize>)> {
-        count_host_bytes(data.as_bytes().len());
+        let _inside = self.host_call("all_to_all", data.dtype(), data.as_bytes().len());
         let dtype = data.dtype();
         let shape = data.shape().as_slice().to_vec();
         let call = self.begin(
@@ -992,7 +1042,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`CollectiveError`].
     pub fn send_data(&self, data: TensorData, peer: usize, tag: u64) -> Result<()> {
-        count_host_bytes(data.as_bytes().len());
+        let _inside = self.host_call("send", data.dtype(), data.as_bytes().len());
         self.check_peer("send", peer, tag)?;
         let dtype = data.dtype();
         let code = dtype_code(dtype)
@@ -1053,7 +1103,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`CollectiveError`].
     pub fn broadcast_bytes(&self, bytes: Vec<u8>, root: usize) -> Result<Vec<u8>> {
-        count_host_bytes(bytes.len());
+        let _inside = self.host_call("broadcast_bytes", DType::U8, bytes.len());
         let call = self.begin("broadcast_bytes", format!("root {root}"));
         if root >= self.size() {
             return Err(self.invalid(&call.signature, format!("root {root} is out of range")));
@@ -1068,7 +1118,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`CollectiveError`].
     pub fn all_gather_bytes(&self, bytes: Vec<u8>) -> Result<Vec<Vec<u8>>> {
-        count_host_bytes(bytes.len());
+        let _inside = self.host_call("all_gather_bytes", DType::U8, bytes.len());
         let call = self.begin("all_gather_bytes", String::new());
         let pieces = self.ring_all_gather(&call, Bytes::from(bytes), vec![])?;
         Ok(pieces.into_iter().map(|(p, _)| p.to_vec()).collect())
@@ -1079,7 +1129,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`CollectiveError`].
     pub fn gather_bytes(&self, bytes: Vec<u8>, root: usize) -> Result<Option<Vec<Vec<u8>>>> {
-        count_host_bytes(bytes.len());
+        let _inside = self.host_call("gather_bytes", DType::U8, bytes.len());
         let call = self.begin("gather_bytes", format!("root {root}"));
         if root >= self.size() {
             return Err(self.invalid(&call.signature, format!("root {root} is out of range")));
@@ -1157,6 +1207,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`ProcessGroup::all_reduce_data`].
     pub fn all_reduce<const D: usize>(&self, tensor: Tensor<D>, op: ReduceOp) -> Result<Tensor<D>> {
+        let _inside = self.logged_tensor("all_reduce", &tensor);
         #[cfg(all(feature = "nccl", feature = "cuda"))]
         let tensor = match crate::comm::nccl::device::all_reduce(self, tensor, op)? {
             Ok(out) => return Ok(out),
@@ -1170,6 +1221,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`ProcessGroup::all_gather_data`].
     pub fn all_gather<const D: usize>(&self, tensor: Tensor<D>, dim: usize) -> Result<Tensor<D>> {
+        let _inside = self.logged_tensor("all_gather", &tensor);
         #[cfg(all(feature = "nccl", feature = "cuda"))]
         let tensor = match crate::comm::nccl::device::all_gather(self, tensor, dim)? {
             Ok(out) => return Ok(out),
@@ -1189,6 +1241,7 @@ impl ProcessGroup {
         op: ReduceOp,
         sizes: Option<&[usize]>,
     ) -> Result<Tensor<D>> {
+        let _inside = self.logged_tensor("reduce_scatter", &tensor);
         #[cfg(all(feature = "nccl", feature = "cuda"))]
         let tensor = match crate::comm::nccl::device::reduce_scatter(self, tensor, dim, op, sizes)?
         {
@@ -1205,6 +1258,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`ProcessGroup::broadcast_data`].
     pub fn broadcast<const D: usize>(&self, tensor: Tensor<D>, root: usize) -> Result<Tensor<D>> {
+        let _inside = self.logged_tensor("broadcast", &tensor);
         #[cfg(all(feature = "nccl", feature = "cuda"))]
         let tensor = match crate::comm::nccl::device::broadcast(self, tensor, root)? {
             Ok(out) => return Ok(out),
@@ -1223,6 +1277,7 @@ impl ProcessGroup {
         dim: usize,
         send_sizes: &[usize],
     ) -> Result<Tensor<D>> {
+        let _inside = self.logged_tensor("all_to_all", &tensor);
         #[cfg(all(feature = "nccl", feature = "cuda"))]
         let tensor = match crate::comm::nccl::device::all_to_all(self, tensor, dim, send_sizes)? {
             Ok(out) => return Ok(out),
@@ -1236,6 +1291,7 @@ impl ProcessGroup {
     /// # Errors
     /// See [`ProcessGroup::send_data`].
     pub fn send<const D: usize>(&self, tensor: Tensor<D>, peer: usize, tag: u64) -> Result<()> {
+        let _inside = self.logged_tensor("send", &tensor);
         #[cfg(all(feature = "nccl", feature = "cuda"))]
         let tensor = match crate::comm::nccl::device::send(self, tensor, peer, tag)? {
             Ok(()) => return Ok(()),
@@ -1249,6 +1305,22 @@ impl ProcessGroup {
     /// # Errors
     /// See [`ProcessGroup::recv_data`]; also when the received tensor is not of rank `D`.
     pub fn recv<const D: usize>(
+        &self,
+        peer: usize,
+        tag: u64,
+        device: &burn::tensor::Device,
+    ) -> Result<Tensor<D>> {
+        let received = {
+            let _inside = Inside::enter();
+            self.recv_tensor(peer, tag, device)?
+        };
+        // Logged once received: its size is known then.
+        drop(self.logged_tensor("recv", &received));
+        Ok(received)
+    }
+
+    /// [`ProcessGroup::recv`], not logged.
+    fn recv_tensor<const D: usize>(
         &self,
         peer: usize,
         tag: u64,
@@ -1324,6 +1396,8 @@ impl ProcessGroup {
         from: usize,
         tag: u64,
     ) -> Result<SendRecv<D>> {
+        // One call for the exchange: its send and, at `wait`, its receive are not logged again.
+        let _inside = self.logged_tensor("send_recv", &tensor);
         self.check_peer("send_recv", to, tag)?;
         self.check_peer("send_recv", from, tag)?;
         let device = tensor.device();
@@ -1369,6 +1443,7 @@ impl<const D: usize> SendRecv<D> {
     /// Those of [`ProcessGroup::recv`] (a dead peer, a timeout, a tensor of another rank than
     /// `D`); on NCCL, [`CollectiveError::Mismatch`] when the peer did not send through NCCL.
     pub fn wait(self) -> Result<Tensor<D>> {
+        let _inside = self.group.log.as_ref().map(|_| Inside::enter());
         match self.deferred {
             Some((tensor, to)) => {
                 #[cfg(all(feature = "nccl", feature = "cuda"))]

@@ -33,6 +33,7 @@ pub mod nccl;
 pub mod world;
 pub use world::{init_from_env, local_world, run_local};
 pub mod autograd;
+pub mod calls;
 pub mod checkpoint;
 pub mod context_parallel;
 pub mod cuda;

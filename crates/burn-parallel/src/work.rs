@@ -192,6 +192,8 @@ impl ProcessGroup {
         }
         let (to_caller, result) = mpsc::channel();
         let job: Job = Box::new(move |group| {
+            // Logged by its caller when started ([`crate::calls`]).
+            let _inside = crate::calls::Inside::enter();
             let _ = to_caller.send(job(group));
         });
         let jobs = slot.as_ref().expect("started above");
@@ -219,6 +221,7 @@ impl ProcessGroup {
         tensor: Tensor<D>,
         op: ReduceOp,
     ) -> Work<Tensor<D>> {
+        let _inside = self.logged_tensor("all_reduce", &tensor);
         #[cfg(all(feature = "nccl", feature = "cuda"))]
         let tensor = match crate::comm::nccl::device::all_reduce_start(self, tensor, op) {
             Ok(Ok(started)) => return Work::on_device(started),
@@ -253,6 +256,7 @@ impl ProcessGroup {
         tensor: Tensor<D>,
         dim: usize,
     ) -> Work<Tensor<D>> {
+        let _inside = self.logged_tensor("all_gather", &tensor);
         #[cfg(all(feature = "nccl", feature = "cuda"))]
         let tensor = match crate::comm::nccl::device::all_gather_start(self, tensor, dim) {
             Ok(Ok(started)) => return Work::on_device(started),
@@ -277,6 +281,7 @@ impl ProcessGroup {
         op: ReduceOp,
         sizes: Option<&[usize]>,
     ) -> Work<Tensor<D>> {
+        let _inside = self.logged_tensor("reduce_scatter", &tensor);
         #[cfg(all(feature = "nccl", feature = "cuda"))]
         let tensor =
             match crate::comm::nccl::device::reduce_scatter_start(self, tensor, dim, op, sizes) {

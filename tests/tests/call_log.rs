@@ -1,0 +1,338 @@
+//! The collectives a training step issues, and where their payload goes, for each layout of
+//! the GPT trainer: the sequence of NCCL calls a GPU job would make, checked on thread ranks.
+//!
+//! Every run takes the tensor-level path (`ProcessGroup::with_tensor_path`, the path an NCCL
+//! job takes on CUDA) with a call log on the world (`burn_parallel::calls`, inherited by the
+//! mesh's sub-groups), and one steady step (the third) is read from each rank's log:
+//!
+//! - *tensor* calls are the ones NCCL runs in device memory on CUDA; *host* calls stage their
+//!   payload through host memory on every backend;
+//! - DDP (plain and overlapped), ZeRO-1, ZeRO-2, FSDP and tensor parallelism move every
+//!   gradient and parameter through tensor calls: their host calls carry only scalars and
+//!   flags (at most [`HOST_CALL_LIMIT`] bytes each, [`HOST_SHARE_LIMIT`] of the step's bytes);
+//! - the ranks of a group issue the same calls in the same order (a different order or
+//!   grouping would deadlock NCCL);
+//! - each technique's calls are the ones it is designed to make: DDP all-reduces every
+//!   gradient once, ZeRO-1 all-reduces the flat gradient and all-gathers the updated shard,
+//!   ZeRO-2 reduce-scatters it bucket by bucket (no all-reduce), FSDP gathers each unit in the
+//!   forward and reduce-scatters its gradient in the backward.
+//!
+//! Run with `--nocapture` for each layout's figures (the host bytes per step and rank the
+//! closing notes of issue 27 quote): `cargo test -p tests --test call_log -- --nocapture`.
+
+use burn::tensor::DType;
+use burn_parallel::calls::{CallLog, CallPath, LoggedCall};
+use burn_parallel::run_local;
+use burn_zero::Stage;
+use examples::data::Corpus;
+use examples::pipeline::{PipelineConfig, train_gpt_pipeline};
+use examples::train::{Parallelism, TrainConfig, train_gpt_parallel};
+use tests::tiny_gpt_run;
+
+/// The step read from each log (0-based): steady, past the first step's one-off setup.
+const STEP: usize = 2;
+/// The largest host call a layout that keeps its data on the device may make: flags and
+/// scalars (DDP's per-parameter presence flags are 4 bytes a parameter).
+const HOST_CALL_LIMIT: usize = 1024;
+/// The largest share of a step's bytes such a layout may hand to host calls.
+const HOST_SHARE_LIMIT: f64 = 0.01;
+
+/// Each rank's calls of step [`STEP`].
+fn step_calls(
+    world: usize,
+    run: impl Fn(&burn_parallel::ProcessGroup, &mut dyn FnMut()) -> burn_parallel::Result<()>
+    + Send
+    + Sync,
+) -> Vec<Vec<LoggedCall>> {
+    run_local(world, |group| {
+        let log = CallLog::new();
+        let group = group.with_tensor_path(true).with_call_log(log.clone());
+        let mut steps = Vec::new();
+        run(&group, &mut || steps.push(log.take()))?;
+        Ok(steps.swap_remove(STEP))
+    })
+    .expect("the run trains")
+}
+
+/// The tiny GPT for four steps.
+fn config() -> TrainConfig {
+    tiny_gpt_run(STEP + 2)
+}
+
+/// Each rank's calls of step [`STEP`] under `parallel`.
+fn layout_calls(
+    world: usize,
+    parallel: &Parallelism,
+    config: &TrainConfig,
+) -> Vec<Vec<LoggedCall>> {
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    step_calls(world, |group, each_step| {
+        train_gpt_parallel(group, config, parallel, &corpus, &mut |_| each_step())?;
+        Ok(())
+    })
+}
+
+/// Trainable parameter elements of the GPT of `config` (every parameter trains).
+fn numel(config: &TrainConfig) -> usize {
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let one = TrainConfig {
+        steps: 1,
+        ..config.clone()
+    };
+    let report = run_local(1, |g| {
+        train_gpt_parallel(&g, &one, &Parallelism::default(), &corpus, &mut |_| {})
+    })
+    .expect("one step trains");
+    report[0].final_params.iter().map(|p| p.values.len()).sum()
+}
+
+/// Bytes of the calls on `path`.
+fn bytes(calls: &[LoggedCall], path: CallPath) -> usize {
+    calls
+        .iter()
+        .filter(|c| c.path == path)
+        .map(|c| c.bytes)
+        .sum()
+}
+
+/// The tensor calls named `op`, in order.
+fn tensor_ops<'a>(calls: &'a [LoggedCall], op: &str) -> Vec<&'a LoggedCall> {
+    calls
+        .iter()
+        .filter(|c| c.path == CallPath::Tensor && c.op == op)
+        .collect()
+}
+
+/// One line of figures for a layout (rank 0's step).
+fn describe(what: &str, calls: &[LoggedCall]) -> String {
+    let count = |path| calls.iter().filter(|c| c.path == path).count();
+    let largest = calls
+        .iter()
+        .filter(|c| c.path == CallPath::Host)
+        .map(|c| c.bytes)
+        .max()
+        .unwrap_or(0);
+    format!(
+        "{what:<24} tensor calls {:>4} ({:>9} B)  host calls {:>4} ({:>9} B, largest {:>7} B)",
+        count(CallPath::Tensor),
+        bytes(calls, CallPath::Tensor),
+        count(CallPath::Host),
+        bytes(calls, CallPath::Host),
+        largest
+    )
+}
+
+/// Every rank issued the same collectives in the same order: operation, path, dtype and group
+/// size, and the same payload for the collectives whose inputs are alike on every rank
+/// (all-reduce, reduce-scatter, broadcast; an all-gather's shards may differ by an element, an
+/// all-to-all's by the tokens routed).
+fn assert_same_sequence(what: &str, ranks: &[Vec<LoggedCall>]) {
+    let key = |c: &LoggedCall| {
+        let alike = matches!(c.op, "all_reduce" | "reduce_scatter" | "broadcast");
+        let bytes = if alike { c.bytes } else { 0 };
+        (c.op, c.path, c.dtype, c.members.len(), bytes)
+    };
+    let first: Vec<_> = ranks[0].iter().map(key).collect();
+    for (r, calls) in ranks.iter().enumerate().skip(1) {
+        let other: Vec<_> = calls.iter().map(key).collect();
+        assert_eq!(
+            other, first,
+            "{what}: rank {r} issued other calls than rank 0"
+        );
+    }
+}
+
+/// The step's bulk data went through tensor calls only: no host call above
+/// [`HOST_CALL_LIMIT`] bytes, host calls under [`HOST_SHARE_LIMIT`] of the step's bytes.
+fn assert_no_host_copies(what: &str, ranks: &[Vec<LoggedCall>]) {
+    for (r, calls) in ranks.iter().enumerate() {
+        if let Some(big) = calls
+            .iter()
+            .find(|c| c.path == CallPath::Host && c.bytes > HOST_CALL_LIMIT)
+        {
+            panic!("{what}: rank {r} staged {big:?} through the host");
+        }
+        let (host, tensor) = (bytes(calls, CallPath::Host), bytes(calls, CallPath::Tensor));
+        assert!(
+            (host as f64) < HOST_SHARE_LIMIT * (host + tensor) as f64,
+            "{what}: rank {r} handed {host} of {} bytes to host calls",
+            host + tensor
+        );
+    }
+}
+
+fn zero(stage: Stage) -> Parallelism {
+    Parallelism {
+        zero: Some(stage),
+        ..Parallelism::default()
+    }
+}
+
+#[test]
+fn data_parallel_layouts_keep_gradients_and_parameters_in_tensor_calls() {
+    let config = config();
+    let p = numel(&config);
+    for world in [2, 4] {
+        // DDP: every gradient all-reduced once, in buckets, as f32.
+        let ddp = layout_calls(world, &Parallelism::default(), &config);
+        let what = format!("DDP, {world} ranks");
+        println!("{}", describe(&what, &ddp[0]));
+        assert_same_sequence(&what, &ddp);
+        assert_no_host_copies(&what, &ddp);
+        let reduces = tensor_ops(&ddp[0], "all_reduce");
+        assert!(reduces.len() > 1, "{what}: {} buckets", reduces.len());
+        assert_eq!(
+            reduces.iter().map(|c| c.bytes).sum::<usize>(),
+            4 * p,
+            "{what}"
+        );
+
+        // ZeRO-2: the flat gradient reduce-scattered bucket by bucket, never all-reduced; the
+        // updated shard all-gathered once.
+        let z2 = layout_calls(world, &zero(Stage::Two), &config);
+        let what = format!("ZeRO-2, {world} ranks");
+        println!("{}", describe(&what, &z2[0]));
+        assert_same_sequence(&what, &z2);
+        assert_no_host_copies(&what, &z2);
+        for (r, calls) in z2.iter().enumerate() {
+            let scatters = tensor_ops(calls, "reduce_scatter");
+            assert!(scatters.len() > 1, "{what}: {} buckets", scatters.len());
+            assert_eq!(
+                scatters.iter().map(|c| c.bytes).sum::<usize>(),
+                4 * p,
+                "{what}"
+            );
+            assert!(
+                tensor_ops(calls, "all_reduce").is_empty(),
+                "{what}: an all-reduce"
+            );
+            let gathers = tensor_ops(calls, "all_gather");
+            assert_eq!(gathers.len(), 1, "{what}: one all-gather of the shard");
+            let shard = burn_zero::flat::shard_range(p, r, world).len();
+            assert_eq!(gathers[0].bytes, 4 * shard, "{what}: rank {r}'s shard");
+            // The reduce-scatters come before the all-gather of the update.
+            let last_scatter = calls.iter().rposition(|c| c.op == "reduce_scatter");
+            let gather = calls.iter().position(|c| c.op == "all_gather");
+            assert!(last_scatter < gather, "{what}: update before the gradients");
+        }
+    }
+}
+
+#[test]
+fn zero1_fsdp_overlap_and_tensor_parallel_layouts_keep_their_data_in_tensor_calls() {
+    let config = config();
+    let p = numel(&config);
+    let world = 2;
+
+    let z1 = layout_calls(world, &zero(Stage::One), &config);
+    println!("{}", describe("ZeRO-1, 2 ranks", &z1[0]));
+    assert_same_sequence("ZeRO-1", &z1);
+    assert_no_host_copies("ZeRO-1", &z1);
+    let reduces = tensor_ops(&z1[0], "all_reduce");
+    assert_eq!(
+        reduces.len(),
+        1,
+        "ZeRO-1: one all-reduce of the flat gradient"
+    );
+    assert_eq!(reduces[0].bytes, 4 * p);
+    assert_eq!(tensor_ops(&z1[0], "all_gather").len(), 1);
+
+    let fsdp = layout_calls(world, &zero(Stage::Three), &config);
+    println!("{}", describe("FSDP, 2 ranks", &fsdp[0]));
+    assert_same_sequence("FSDP", &fsdp);
+    assert_no_host_copies("FSDP", &fsdp);
+    let (gathers, scatters) = (
+        tensor_ops(&fsdp[0], "all_gather"),
+        tensor_ops(&fsdp[0], "reduce_scatter"),
+    );
+    assert!(!gathers.is_empty(), "FSDP: the units are gathered");
+    assert_eq!(
+        gathers.len(),
+        scatters.len(),
+        "FSDP: one gather in the forward, one reduce-scatter in the backward per unit"
+    );
+
+    let overlap = layout_calls(
+        world,
+        &Parallelism {
+            overlap: true,
+            ..Parallelism::default()
+        },
+        &config,
+    );
+    println!("{}", describe("DDP overlapped, 2 ranks", &overlap[0]));
+    assert_same_sequence("overlapped DDP", &overlap);
+    assert_no_host_copies("overlapped DDP", &overlap);
+    let reduced: usize = tensor_ops(&overlap[0], "all_reduce")
+        .iter()
+        .map(|c| c.bytes)
+        .sum();
+    assert_eq!(reduced, 4 * p, "overlapped DDP: every gradient once");
+
+    let tp = layout_calls(
+        world,
+        &Parallelism {
+            tp: 2,
+            sp: true,
+            ..Parallelism::default()
+        },
+        &config,
+    );
+    println!("{}", describe("TP 2 + SP", &tp[0]));
+    assert_same_sequence("TP + SP", &tp);
+    assert_no_host_copies("TP + SP", &tp);
+    assert!(
+        tp[0]
+            .iter()
+            .all(|c| c.path == CallPath::Host || c.dtype == DType::F32),
+        "TP + SP: f32 activations and gradients"
+    );
+}
+
+/// Pipeline and expert parallelism: their figures, printed (what still stages through the
+/// host: the pipeline's boundary tensors are packed into host messages, MoE's routing plan is
+/// read to the host), and the same sequence on every rank of a stage or expert group.
+#[test]
+fn pipeline_and_expert_parallel_steps_are_logged() {
+    let config = config();
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let pp = step_calls(2, |group, each_step| {
+        train_gpt_pipeline(
+            group,
+            &config,
+            &PipelineConfig::default(),
+            &corpus,
+            &mut |_| each_step(),
+        )
+        .map_err(|e| burn_parallel::CollectiveError::InvalidArgument {
+            rank: group.rank(),
+            op: "pipeline".into(),
+            reason: e.to_string(),
+        })?;
+        Ok(())
+    });
+    for (r, calls) in pp.iter().enumerate() {
+        println!("{}", describe(&format!("pp 2, stage {r}"), calls));
+        assert!(
+            calls.iter().any(|c| c.op == "send"),
+            "pp: stage {r} sends its boundary tensors"
+        );
+    }
+
+    let mut moe = tiny_gpt_run(STEP + 2);
+    moe.model.moe = Some(burn_moe::MoeConfig::new(moe.model.d_model, 48, 4, 2));
+    let ep = layout_calls(
+        2,
+        &Parallelism {
+            ep: 2,
+            ..Parallelism::default()
+        },
+        &moe,
+    );
+    println!("{}", describe("ep 2", &ep[0]));
+    assert_same_sequence("ep 2", &ep);
+    assert!(
+        !tensor_ops(&ep[0], "all_to_all").is_empty(),
+        "ep: tokens reach their experts by all-to-all"
+    );
+}
