@@ -15,7 +15,8 @@
 //! - each technique's calls are the ones it is designed to make: DDP all-reduces every
 //!   gradient once, ZeRO-1 all-reduces the flat gradient and all-gathers the updated shard,
 //!   ZeRO-2 reduce-scatters it bucket by bucket (no all-reduce), FSDP gathers each unit in the
-//!   forward and reduce-scatters its gradient in the backward.
+//!   forward and reduce-scatters its gradient in the backward, and sequence parallelism sums
+//!   its norms' gradients in one all-reduce.
 //!
 //! Run with `--nocapture` for each layout's figures (the host bytes per step and rank the
 //! closing notes of issue 27 quote): `cargo test -p tests --test call_log -- --nocapture`.
@@ -112,13 +113,27 @@ fn describe(what: &str, calls: &[LoggedCall]) -> String {
         .map(|c| c.bytes)
         .max()
         .unwrap_or(0);
+    let mut by_op = std::collections::BTreeMap::<(&str, &str), usize>::new();
+    for c in calls {
+        let path = if c.path == CallPath::Tensor {
+            "tensor"
+        } else {
+            "host"
+        };
+        *by_op.entry((path, c.op)).or_default() += 1;
+    }
+    let by_op: Vec<String> = by_op
+        .into_iter()
+        .map(|((path, op), n)| format!("{n} {path} {op}"))
+        .collect();
     format!(
-        "{what:<24} tensor calls {:>4} ({:>9} B)  host calls {:>4} ({:>9} B, largest {:>7} B)",
+        "{what:<24} tensor calls {:>4} ({:>9} B)  host calls {:>4} ({:>9} B, largest {:>7} B): {}",
         count(CallPath::Tensor),
         bytes(calls, CallPath::Tensor),
         count(CallPath::Host),
         bytes(calls, CallPath::Host),
-        largest
+        largest,
+        by_op.join(", ")
     )
 }
 
@@ -219,7 +234,7 @@ fn data_parallel_layouts_keep_gradients_and_parameters_in_tensor_calls() {
 }
 
 #[test]
-fn zero1_fsdp_overlap_and_tensor_parallel_layouts_keep_their_data_in_tensor_calls() {
+fn zero1_fsdp_hsdp_overlap_and_tensor_parallel_layouts_keep_their_data_in_tensor_calls() {
     let config = config();
     let p = numel(&config);
     let world = 2;
@@ -251,6 +266,33 @@ fn zero1_fsdp_overlap_and_tensor_parallel_layouts_keep_their_data_in_tensor_call
         scatters.len(),
         "FSDP: one gather in the forward, one reduce-scatter in the backward per unit"
     );
+
+    // HSDP: shard over 2 ranks, replicate over 2; each unit's shard gradient, averaged over
+    // its shard group by the backward's reduce-scatter, is averaged across the replicas with
+    // the other units' in one all-reduce.
+    let hsdp = layout_calls(
+        4,
+        &Parallelism {
+            zero: Some(Stage::Three),
+            replicate: 2,
+            ..Parallelism::default()
+        },
+        &config,
+    );
+    println!("{}", describe("HSDP 2 x 2", &hsdp[0]));
+    assert_same_sequence("HSDP", &hsdp);
+    assert_no_host_copies("HSDP", &hsdp);
+    for (r, calls) in hsdp.iter().enumerate() {
+        let shard_group = &tensor_ops(calls, "reduce_scatter")[0].members;
+        let across_replicas = tensor_ops(calls, "all_reduce")
+            .into_iter()
+            .filter(|c| c.members.len() == 2 && &c.members != shard_group)
+            .count();
+        assert_eq!(
+            across_replicas, 1,
+            "HSDP: rank {r}'s shards in one all-reduce"
+        );
+    }
 
     let overlap = layout_calls(
         world,
@@ -286,6 +328,22 @@ fn zero1_fsdp_overlap_and_tensor_parallel_layouts_keep_their_data_in_tensor_call
             .iter()
             .all(|c| c.path == CallPath::Host || c.dtype == DType::F32),
         "TP + SP: f32 activations and gradients"
+    );
+    // After the backward's last collective, the gradients of every sequence-parallel norm
+    // (replicated over the tensor-parallel group, each rank holding part of their sum) are
+    // summed in one all-reduce, not one per norm.
+    let tensor: Vec<&LoggedCall> = tp[0]
+        .iter()
+        .filter(|c| c.path == CallPath::Tensor)
+        .collect();
+    let trailing = tensor
+        .iter()
+        .rev()
+        .take_while(|c| c.op == "all_reduce")
+        .count();
+    assert_eq!(
+        trailing, 1,
+        "TP + SP: the norms' gradients in one all-reduce"
     );
 }
 

@@ -1253,6 +1253,73 @@ impl ProcessGroup {
         })
     }
 
+    /// All-reduce of many 1-D tensors as few collectives: those of one dtype on one device are
+    /// laid end to end and reduced in one call, then cut back (torch's
+    /// `all_reduce_coalesced`). For many small gradients, such as the norms' of sequence
+    /// parallelism or FSDP's shards across replicas, where one NCCL launch each would cost more
+    /// than the data. Returns the results in the order given; every rank passes the same
+    /// lengths, dtypes and devices in the same order.
+    ///
+    /// ```
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_parallel::{ReduceOp, run_local};
+    ///
+    /// let out = run_local(2, |group| {
+    ///     let device = Device::flex();
+    ///     let r = group.rank() as f32;
+    ///     let a = Tensor::<1>::from_floats([r, 1.0], &device);
+    ///     let b = Tensor::<1>::from_floats([10.0 * r], &device);
+    ///     let sums = group.all_reduce_coalesced(vec![a, b], ReduceOp::Sum)?;
+    ///     Ok(sums.into_iter().map(|t| t.into_data().to_vec::<f32>().unwrap()).collect::<Vec<_>>())
+    /// })
+    /// .unwrap();
+    /// assert_eq!(out[0], vec![vec![1.0, 2.0], vec![10.0]]);
+    /// ```
+    ///
+    /// # Errors
+    /// See [`ProcessGroup::all_reduce`].
+    pub fn all_reduce_coalesced(
+        &self,
+        tensors: Vec<Tensor<1>>,
+        op: ReduceOp,
+    ) -> Result<Vec<Tensor<1>>> {
+        // The positions of each (dtype, device) kind, in order of first appearance.
+        let mut kinds: Vec<(DType, burn::tensor::Device, Vec<usize>)> = Vec::new();
+        for (i, t) in tensors.iter().enumerate() {
+            let (dtype, device) = (t.dtype(), t.device());
+            match kinds
+                .iter_mut()
+                .find(|(d, dev, _)| *d == dtype && *dev == device)
+            {
+                Some((_, _, at)) => at.push(i),
+                None => kinds.push((dtype, device, vec![i])),
+            }
+        }
+        let mut slots: Vec<Option<Tensor<1>>> = tensors.into_iter().map(Some).collect();
+        let mut out: Vec<Option<Tensor<1>>> = vec![None; slots.len()];
+        for (_, _, at) in kinds {
+            let parts: Vec<Tensor<1>> = at
+                .iter()
+                .map(|&i| slots[i].take().expect("each tensor is taken once"))
+                .collect();
+            let lens: Vec<usize> = parts.iter().map(|t| t.dims()[0]).collect();
+            let flat = match parts.len() {
+                1 => parts.into_iter().next().expect("one part"),
+                _ => Tensor::cat(parts, 0),
+            };
+            let reduced = self.all_reduce(flat, op)?;
+            let mut start = 0;
+            for (&i, len) in at.iter().zip(lens) {
+                out[i] = Some(reduced.clone().slice(start..start + len));
+                start += len;
+            }
+        }
+        Ok(out
+            .into_iter()
+            .map(|t| t.expect("every position filled"))
+            .collect())
+    }
+
     /// Broadcast of a tensor from group rank `root`.
     ///
     /// # Errors

@@ -691,13 +691,19 @@ impl TpContext {
             .lock()
             .expect("plan bookkeeping")
             .clone();
-        for id in ids {
-            // Every rank of the group holds the parameter (replicated), so every rank either
-            // has a gradient for it or has none: the collective calls match.
-            if let Some(grad) = grads.remove::<1>(id) {
-                let summed = group.all_reduce(grad, ReduceOp::Sum)?;
-                grads.register::<1>(id, summed);
-            }
+        // Every rank of the group holds the parameters (replicated), so every rank either has
+        // a gradient for one or has none: the same tensors on every rank, summed in one
+        // collective (one per dtype), not one per norm.
+        let present: Vec<(ParamId, Tensor<1>)> = ids
+            .into_iter()
+            .filter_map(|id| grads.remove::<1>(id).map(|g| (id, g)))
+            .collect();
+        let (ids, parts): (Vec<ParamId>, Vec<Tensor<1>>) = present.into_iter().unzip();
+        for (id, summed) in ids
+            .into_iter()
+            .zip(group.all_reduce_coalesced(parts, ReduceOp::Sum)?)
+        {
+            grads.register::<1>(id, summed);
         }
         Ok(grads)
     }

@@ -865,11 +865,13 @@ impl TrainStep {
             Some(ddp) if data_parallel => ddp.all_reduce_grads(model, grads)?,
             _ => grads,
         };
-        for (id, g) in sharded {
-            let g = match self.fsdp.as_ref().and_then(|(_, r)| r.as_ref()) {
-                Some(replicate) => replicate.all_reduce(g, ReduceOp::Avg)?,
-                None => g,
-            };
+        // HSDP: every unit's shard averaged over the replicas in one collective.
+        let (ids, shards): (Vec<ParamId>, Vec<Tensor<1>>) = sharded.into_iter().unzip();
+        let shards = match self.fsdp.as_ref().and_then(|(_, r)| r.as_ref()) {
+            Some(replicate) => replicate.all_reduce_coalesced(shards, ReduceOp::Avg)?,
+            None => shards,
+        };
+        for (id, g) in ids.into_iter().zip(shards) {
             grads.register::<1>(id, g);
         }
         let mut overflow = false;
