@@ -44,7 +44,8 @@
 #            processes on cuda:0 over `--backend tcp` with --overlap (device tensors, host
 #            transport; I27_TCP=none skips them, I27_OVERLAP=0 the overlapped runs). I27_FSDP=1
 #            adds `--zero 3` without and with --prefetch, I27_ZERO=1 `--zero 1` and `--zero 2`
-#            (and the same with `gpt_before`, when on PATH). First the NCCL device tests when
+#            (and the same with `gpt_before`, when on PATH; I27_ZERO=bf16 adds `--zero 2` in
+#            bf16 against plain bf16). First the NCCL device tests when
 #            the `nccl` test binary is on PATH (run through both packs: bash .gpu/run.sh bash
 #            .gpun/run.sh bash scripts/gpu_bench.sh OUT i27) with BURN_PARALLEL_REQUIRE_CUDA=1,
 #            the device-side wait's test first.
@@ -261,6 +262,13 @@ PY
               --zero $z $F $(L $tag)
           done
         done
+        # I27_ZERO=bf16: ZeRO-2 in bf16 too (fp32 master shard), against plain bf16.
+        if [ "$I27_ZERO" = bf16 ]; then
+          [ -s "$out/logs/losses_plain_bf16.json" ] || run i27_plain_bf16 150 "$GPT" --ranks 1 \
+            $B $(L plain_bf16)
+          run i27_nccl_zero2_bf16 150 env RANK=0 WORLD_SIZE=1 MASTER_PORT=29627 "$GPT" \
+            --backend nccl --zero 2 $B $(L nccl_zero2_bf16)
+        fi
       fi
       for o in ${I27_TCP:---overlap}; do
         [ "$o" = none ] && continue
@@ -278,7 +286,7 @@ d = sys.argv[1]
 def load(t):
     p = os.path.join(d, f"losses_{t}.json")
     return json.load(open(p)) if os.path.exists(p) else None
-for ref, others in [("plain", ["nccl_overlap", "ws2_tcp_overlap", "nccl_zero3", "nccl_zero3_prefetch", "nccl_zero1", "nccl_zero2", "nccl_zero1_before", "nccl_zero2_before"]), ("plain_bf16", ["nccl_overlap_bf16"])]:
+for ref, others in [("plain", ["nccl_overlap", "ws2_tcp_overlap", "nccl_zero3", "nccl_zero3_prefetch", "nccl_zero1", "nccl_zero2", "nccl_zero1_before", "nccl_zero2_before"]), ("plain_bf16", ["nccl_overlap_bf16", "nccl_zero2_bf16"])]:
     a = load(ref)
     for t in others:
         b = load(t)
@@ -294,7 +302,7 @@ def steady(t):
         return None
     ms = [8192e3 / float(m.group(2)) for m in re.finditer(r"^step +(\d+) .*? ([\d.]+) tok/s", open(p).read(), re.M) if int(m.group(1)) >= 10]
     return statistics.median(ms) if ms else None
-for ref, t in [("plain", "nccl_overlap"), ("plain_bf16", "nccl_overlap_bf16"), ("plain", "nccl_zero3"), ("plain", "nccl_zero3_prefetch"), ("nccl_zero3", "nccl_zero3_prefetch"), ("plain", "nccl_zero1"), ("plain", "nccl_zero2"), ("plain", "nccl_zero1_before"), ("plain", "nccl_zero2_before"), ("nccl_zero1_before", "nccl_zero1"), ("nccl_zero2_before", "nccl_zero2")]:
+for ref, t in [("plain", "nccl_overlap"), ("plain_bf16", "nccl_overlap_bf16"), ("plain", "nccl_zero3"), ("plain", "nccl_zero3_prefetch"), ("nccl_zero3", "nccl_zero3_prefetch"), ("plain", "nccl_zero1"), ("plain", "nccl_zero2"), ("plain", "nccl_zero1_before"), ("plain", "nccl_zero2_before"), ("nccl_zero1_before", "nccl_zero1"), ("nccl_zero2_before", "nccl_zero2"), ("plain_bf16", "nccl_zero2_bf16")]:
     a, b = steady(ref), steady(t)
     if a and b:
         print(f"steady state (median of steps >= 10): {t} {b:.1f} ms/step vs {ref} {a:.1f}: overhead {100 * (b / a - 1):+.1f}%")

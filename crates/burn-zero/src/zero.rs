@@ -296,7 +296,7 @@ impl ShardGroups {
         if let Some(r) = &self.replicate
             && r.size() > 1
         {
-            shard = r.all_reduce(shard, ReduceOp::Avg)?;
+            shard = r.all_reduce_async(shard, ReduceOp::Avg).wait_on_device()?;
         }
         Ok(shard)
     }
@@ -1260,14 +1260,19 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         let shard = match self.config.stage {
             Stage::One => {
                 // On the device where the group's backend reduces there (NCCL), through the
-                // host elsewhere.
+                // host elsewhere; only device work consumes the result, so the host does not
+                // wait for it (on NCCL, the stream does).
                 let wire = self.config.precision.reduce_dtype;
                 let acc = if wire == DType::F32 {
                     acc
                 } else {
                     acc.cast(wire)
                 };
-                let reduced = self.groups.shard.all_reduce(acc, ReduceOp::Sum)?;
+                let reduced = self
+                    .groups
+                    .shard
+                    .all_reduce_async(acc, ReduceOp::Sum)
+                    .wait_on_device()?;
                 as_f32(reduced).slice(self.range.clone())
             }
             // Stage 2: already reduce-scattered, bucket by bucket, at each accumulate.
@@ -1317,8 +1322,12 @@ impl<O: ElementWise> ZeroOptimizer<O> {
             new_shard
         };
         // Gathered where the shards are (the device on NCCL), as tensors the module's device
-        // tracks.
-        let full = self.groups.shard.all_gather(outgoing, 0)?;
+        // tracks; the next forward's kernels wait for it on the device, not the host.
+        let full = self
+            .groups
+            .shard
+            .all_gather_async(outgoing, 0)
+            .wait_on_device()?;
         let full = tracked_as(full, &self.device);
         let module = self.layout.unflatten(module, full, true)?;
         self.tracker.sub(Category::Buffers, gathered_bytes);
