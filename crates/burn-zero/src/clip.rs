@@ -3,7 +3,9 @@
 //! The norm of the full gradient is `sqrt(sum over ranks of the sum of squares of the rank's
 //! shard)`: shards of the flat space are disjoint, so one all-reduce of one number per rank gives
 //! the exact global norm (PyTorch's `clip_grad_norm_` semantics: `coef = max_norm / (norm +
-//! 1e-6)`, applied only when below 1). Sums of squares are accumulated in `f64` on the host.
+//! 1e-6)`, applied only when below 1). [`crate::ZeroOptimizer`] sums each rank's squares on the
+//! gradients' device (in f32, one number read); the reference here ([`clip_grads_global_norm`])
+//! sums host values in `f64`.
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::GradientsParams;

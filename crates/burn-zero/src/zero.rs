@@ -359,7 +359,7 @@ fn read_scalars(t: Tensor<1>) -> Result<Vec<f32>> {
         .map_err(|e| ZeroError::Config(format!("reading a reduced value from the device: {e:?}")))
 }
 
-/// ZeRO stage 1 or 2 around any element-wise Burn [`Optimizer`].
+/// ZeRO stage 1 or 2 around any element-wise Burn [`Optimizer`](burn::optim::Optimizer).
 ///
 /// Mixed precision ([`ZeroConfig::precision`] other than fp32): the module computes in the
 /// policy's `param_dtype` (call [`ZeroOptimizer::prepare_module`] once before the first
