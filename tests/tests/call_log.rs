@@ -7,16 +7,16 @@
 //!
 //! - *tensor* calls are the ones NCCL runs in device memory on CUDA; *host* calls stage their
 //!   payload through host memory on every backend;
-//! - DDP (plain and overlapped), ZeRO-1, ZeRO-2, FSDP and tensor parallelism move every
+//! - DDP (plain and overlapped), ZeRO-1, ZeRO-2, FSDP, HSDP and tensor parallelism move every
 //!   gradient and parameter through tensor calls: their host calls carry only scalars and
 //!   flags (at most [`HOST_CALL_LIMIT`] bytes each, [`HOST_SHARE_LIMIT`] of the step's bytes);
 //! - the ranks of a group issue the same calls in the same order (a different order or
 //!   grouping would deadlock NCCL);
 //! - each technique's calls are the ones it is designed to make: DDP all-reduces every
-//!   gradient once, ZeRO-1 all-reduces the flat gradient and all-gathers the updated shard,
-//!   ZeRO-2 reduce-scatters it bucket by bucket (no all-reduce), FSDP gathers each unit in the
-//!   forward and reduce-scatters its gradient in the backward, and sequence parallelism sums
-//!   its norms' gradients in one all-reduce.
+//!   gradient once; ZeRO-1 reduce-scatters the flat gradient once and all-gathers the updated
+//!   shard; ZeRO-2 reduce-scatters it bucket by bucket (no all-reduce); FSDP gathers each unit
+//!   in the forward and reduce-scatters its gradient in the backward; HSDP averages the shards
+//!   across replicas in one all-reduce; sequence parallelism sums its norms' gradients in one.
 //!
 //! Run with `--nocapture` for each layout's figures (the host bytes per step and rank the
 //! closing notes of issue 27 quote): `cargo test -p tests --test call_log -- --nocapture`.
@@ -243,13 +243,19 @@ fn zero1_fsdp_hsdp_overlap_and_tensor_parallel_layouts_keep_their_data_in_tensor
     println!("{}", describe("ZeRO-1, 2 ranks", &z1[0]));
     assert_same_sequence("ZeRO-1", &z1);
     assert_no_host_copies("ZeRO-1", &z1);
-    let reduces = tensor_ops(&z1[0], "all_reduce");
+    // One reduce-scatter of the whole flat gradient per step (each rank needs the sum of its
+    // shard only), no all-reduce, one all-gather of the update.
+    let scatters = tensor_ops(&z1[0], "reduce_scatter");
     assert_eq!(
-        reduces.len(),
+        scatters.len(),
         1,
-        "ZeRO-1: one all-reduce of the flat gradient"
+        "ZeRO-1: one reduce-scatter of the flat gradient"
     );
-    assert_eq!(reduces[0].bytes, 4 * p);
+    assert_eq!(scatters[0].bytes, 4 * p);
+    assert!(
+        tensor_ops(&z1[0], "all_reduce").is_empty(),
+        "ZeRO-1: an all-reduce"
+    );
     assert_eq!(tensor_ops(&z1[0], "all_gather").len(), 1);
 
     let fsdp = layout_calls(world, &zero(Stage::Three), &config);

@@ -2,9 +2,11 @@
 //!
 //! Every rank holds the whole model (a plain Burn module). After the backward:
 //!
-//! - stage 1: the flat gradient is all-reduced (every rank holds all of it), each rank updates
-//!   only its shard of the flat parameter space with its shard of the optimizer state, and the
-//!   updated shards are all-gathered back into the module;
+//! - stage 1: every rank sums its micro-steps' gradients in one full flat buffer, which is
+//!   reduce-scattered once per step (each rank receives the sum of its own shard only: half the
+//!   traffic of an all-reduce, which would hand every rank the whole sum to use a slice of it);
+//!   each rank updates only its shard of the flat parameter space with its shard of the
+//!   optimizer state, and the updated shards are all-gathered back into the module;
 //! - stage 2: the gradient is reduce-scattered instead, bucket by bucket, at every
 //!   [`ZeroOptimizer::accumulate`]: the parameters are cut, in flat order, into buckets of about
 //!   [`ZeroConfig::bucket_bytes`]; a bucket's gradients are laid end to end in one tensor, and
@@ -60,7 +62,8 @@ use burn_parallel::{DeviceMesh, ProcessGroup, ReduceOp};
 use crate::clip::clip_coefficient;
 use crate::error::{Result, ZeroError};
 use crate::flat::{
-    FlatLayout, as_f32, cast_frozen, concat_1d, host_f32, shard_range, tensor_1d, tracked_as,
+    FlatLayout, as_f32, cast_frozen, concat_1d, host_f32, shard_range, shard_sizes, tensor_1d,
+    tracked_as,
 };
 use crate::memory::{Category, MemoryReport, MemoryTracker};
 use crate::optim::{ElementWise, ShardedOptimizer};
@@ -1259,21 +1262,21 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         let grad_bytes = acc.dims()[0] * 4;
         let shard = match self.config.stage {
             Stage::One => {
-                // On the device where the group's backend reduces there (NCCL), through the
-                // host elsewhere; only device work consumes the result, so the host does not
-                // wait for it (on NCCL, the stream does).
+                // This rank's shard of the sum, on the device where the group's backend
+                // reduces there (NCCL), through the host elsewhere; only device work consumes
+                // it, so the host does not wait for it (on NCCL, the stream does).
                 let wire = self.config.precision.reduce_dtype;
                 let acc = if wire == DType::F32 {
                     acc
                 } else {
                     acc.cast(wire)
                 };
-                let reduced = self
-                    .groups
-                    .shard
-                    .all_reduce_async(acc, ReduceOp::Sum)
+                let group = &self.groups.shard;
+                let sizes = shard_sizes(self.layout.numel(), group.size());
+                let reduced = group
+                    .reduce_scatter_async(acc, 0, ReduceOp::Sum, Some(&sizes))
                     .wait_on_device()?;
-                as_f32(reduced).slice(self.range.clone())
+                as_f32(reduced)
             }
             // Stage 2: already reduce-scattered, bucket by bucket, at each accumulate.
             _ => acc,
