@@ -15,7 +15,9 @@
 //!
 //! What a tensor collective does inside (the host copy of the CPU backends, NCCL's own
 //! handshakes) is not logged: only the call the caller made. An asynchronous collective is
-//! logged when it is started, not when its communication thread runs it.
+//! logged when it is started, not when its communication thread runs it. Calls a rank issues
+//! from several threads of its own (a communication thread of the caller's) are logged as they
+//! come, so their order across threads may differ from run to run.
 //!
 //! # Example
 //! ```
