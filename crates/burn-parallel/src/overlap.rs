@@ -46,7 +46,9 @@
 //!   backward), then waits for each bucket with [`Work::wait_on_device`] (on NCCL, the
 //!   device's stream waits, not the host). Nothing in the step waits for the device.
 //! - **In host memory** on the CPU backends (Flex, NdArray): each hook reads its gradient into
-//!   a pooled flat buffer, and a communication thread of the step reduces complete buffers.
+//!   a pooled flat buffer, and each complete buffer is reduced by a job on the group's
+//!   communication thread (its lane, [`crate::work`]; a failed bucket's successors are
+//!   skipped, not left to wait for a dead peer).
 //!
 //! Both give the same buckets, order, flags and averages; `tests/overlap.rs` runs every check
 //! on both.
@@ -96,10 +98,8 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
-use std::thread::{self, JoinHandle};
 
 use burn::backend::autodiff::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
@@ -435,7 +435,7 @@ impl OverlappedDdp {
     }
 
     /// Starts one optimizer step of `module`: plans the buckets (from the module, the same on
-    /// every rank) and starts the communication thread.
+    /// every rank).
     ///
     /// # Arguments
     /// * `module` - the model whose parameters are trained (not a hooked copy).
@@ -446,7 +446,7 @@ impl OverlappedDdp {
     ///
     /// # Errors
     /// [`CollectiveError::InvalidArgument`] when a parameter has a dtype the buckets cannot
-    /// carry (only f32, f64, f16 and bf16 parameters are trained), or the thread cannot start.
+    /// carry (only f32, f64, f16 and bf16 parameters are trained).
     pub fn start<M: Module>(&self, module: &M) -> Result<OverlapStep> {
         let rank = self.group().global_rank();
         let mut params: Vec<(ParamId, Vec<usize>, DType)> = Vec::new();
@@ -471,31 +471,9 @@ impl OverlappedDdp {
         let device = first
             .0
             .filter(|device| self.comm.collects_on_device(device) || on_accelerator(device));
-        let (to_comm, from_main) = mpsc::channel::<TensorData>();
-        let (to_main, results) = mpsc::channel::<Result<TensorData>>();
-        // Host buckets go to a communication thread of this step; device buckets are started
-        // as asynchronous collectives ([`ProcessGroup::all_reduce_async`]).
-        let comm = match device {
-            Some(_) => None,
-            None => {
-                let group = self.comm.clone();
-                let thread = thread::Builder::new()
-                    .name(format!("overlap-comm-{rank}"))
-                    .spawn(move || {
-                        for bucket in from_main {
-                            let result = group.all_reduce_data(bucket, ReduceOp::Avg);
-                            let failed = result.is_err();
-                            if to_main.send(result).is_err() || failed {
-                                break;
-                            }
-                        }
-                    })
-                    .map_err(|e| {
-                        invalid(rank, format!("cannot start the communication thread: {e}"))
-                    })?;
-                Some(thread)
-            }
-        };
+        // Device buckets are started as asynchronous collectives
+        // ([`ProcessGroup::all_reduce_async`]); host buckets as jobs on the same communication
+        // thread of the group (its lane), which outlives the step.
         let fill = Fill {
             parts: plan
                 .buckets
@@ -503,6 +481,8 @@ impl OverlappedDdp {
                 .map(|b| vec![None; b.params.len()])
                 .collect(),
             works: Vec::new(),
+            host_works: Vec::new(),
+            failed: Arc::new(AtomicBool::new(false)),
             device,
             group: self.comm.clone(),
             reduce_dtype: self.reduce_dtype,
@@ -511,7 +491,6 @@ impl OverlappedDdp {
             has_value: vec![false; plan.params.len()],
             fired: vec![false; plan.params.len()],
             next_launch: 0,
-            to_comm: Some(to_comm),
             sent: Arc::new(AtomicUsize::new(0)),
             error: None,
             hooked: HashMap::new(),
@@ -524,8 +503,6 @@ impl OverlappedDdp {
             rank,
             fill: Arc::new(Mutex::new(fill)),
             depth: self.depth.clone(),
-            results,
-            comm,
         })
     }
 }
@@ -645,7 +622,11 @@ struct Fill {
     fired: Vec<bool>,
     /// Buckets before this one have been handed to the communication thread.
     next_launch: usize,
-    to_comm: Option<Sender<TensorData>>,
+    /// Host buckets started so far, in bucket order (jobs on the group's lane).
+    host_works: Vec<Work<TensorData>>,
+    /// A host bucket's all-reduce failed: the later ones are not attempted (each would wait
+    /// for a dead peer until the timeout); `finish` reports the first failure.
+    failed: Arc<AtomicBool>,
     /// Buckets handed to the communication thread so far (readable during backward).
     sent: Arc<AtomicUsize>,
     /// The first misuse seen in backward (reported by `finish`).
@@ -770,10 +751,24 @@ impl Fill {
             Some(reduce) if reduce != dtype => data.convert_dtype(reduce),
             _ => data,
         };
-        if let Some(to_comm) = &self.to_comm {
-            // A send fails only when the thread stopped after an error: `finish` reports it.
-            let _ = to_comm.send(data);
-        }
+        let failed = self.failed.clone();
+        let work = self
+            .group
+            .on_lane("overlapped all-reduce of gradients", move |group| {
+                if failed.load(Ordering::Acquire) {
+                    return Err(CollectiveError::InvalidArgument {
+                        rank: group.global_rank(),
+                        op: "overlapped all-reduce of gradients".into(),
+                        reason: "skipped: an earlier bucket's all-reduce failed".into(),
+                    });
+                }
+                let result = group.all_reduce_data(data, ReduceOp::Avg);
+                if result.is_err() {
+                    failed.store(true, Ordering::Release);
+                }
+                result
+            });
+        self.host_works.push(work);
     }
 
     /// The hook of parameter `i` ran with `grad`.
@@ -805,8 +800,6 @@ pub struct OverlapStep {
     rank: usize,
     fill: Arc<Mutex<Fill>>,
     depth: Arc<Mutex<DepthState>>,
-    results: Receiver<Result<TensorData>>,
-    comm: Option<JoinHandle<()>>,
 }
 
 impl fmt::Debug for OverlapStep {
@@ -994,13 +987,12 @@ impl OverlapStep {
         self.finish_averaged(module, false)
     }
 
-    fn finish_averaged<M: Module>(mut self, module: &M, average: bool) -> Result<GradientsParams> {
+    fn finish_averaged<M: Module>(self, module: &M, average: bool) -> Result<GradientsParams> {
         let (buckets, misuse, scale) = {
             let mut fill = lock(&self.fill);
             while fill.next_launch < fill.plan.buckets.len() {
                 fill.launch_next();
             }
-            fill.to_comm = None; // the thread ends after the last bucket
             fill.hooked.clear();
             let steps = fill.micro_steps + usize::from(fill.hooked_step);
             let misuse = match (fill.error.take(), steps) {
@@ -1048,22 +1040,14 @@ impl OverlapStep {
             }
             return Ok(self.register_device(module, reduced, &used, scale));
         }
-        let mut reduced = Vec::with_capacity(buckets);
-        for _ in 0..buckets {
-            match self.results.recv() {
-                Ok(Ok(data)) => reduced.push(data),
-                Ok(Err(e)) => return Err(e),
-                Err(_) => {
-                    return Err(invalid(
-                        self.rank,
-                        "the communication thread stopped without a result".into(),
-                    ));
-                }
-            }
-        }
-        if let Some(handle) = self.comm.take() {
-            let _ = handle.join();
-        }
+        // Host buckets, in order: the first failure is the step's error (later buckets were
+        // skipped after it).
+        let host_works = std::mem::take(&mut lock(&self.fill).host_works);
+        debug_assert_eq!(host_works.len(), buckets);
+        let reduced: Vec<TensorData> = host_works
+            .into_iter()
+            .map(Work::wait)
+            .collect::<Result<_>>()?;
         if let Some(e) = misuse {
             return Err(invalid(self.rank, e));
         }
@@ -1157,11 +1141,11 @@ enum Grad {
 
 impl Drop for OverlapStep {
     fn drop(&mut self) {
-        // Without `finish` (an error path): stop the thread once it has sent what it has, and
-        // free the hooked values; the thread is not joined (it may wait for a peer until the
-        // group's timeout).
+        // Without `finish` (an error path): free the hooked values. Buckets already started
+        // finish on the group's communication thread (or fail at the group's timeout), and
+        // nobody reads their results.
         let mut fill = lock(&self.fill);
-        fill.to_comm = None;
+        fill.host_works.clear();
         fill.hooked.clear();
     }
 }
