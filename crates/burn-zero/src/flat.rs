@@ -143,6 +143,15 @@ impl FlatLayout {
         &self.ids
     }
 
+    /// The entry (index into [`FlatLayout::entries`]) of each parameter, by id.
+    pub(crate) fn entry_index(&self) -> HashMap<ParamId, usize> {
+        self.ids
+            .iter()
+            .enumerate()
+            .map(|(i, id)| (*id, i))
+            .collect()
+    }
+
     /// Copies the parameters of `module` into one flat `f32` host buffer.
     ///
     /// # Errors
@@ -228,12 +237,7 @@ impl FlatLayout {
             }
         }
         let mut collector = Collector {
-            wanted: self
-                .ids
-                .iter()
-                .enumerate()
-                .map(|(i, id)| (*id, i))
-                .collect(),
+            wanted: self.entry_index(),
             pieces: vec![None; self.entries.len()],
             entries: &self.entries,
             range,
@@ -302,12 +306,7 @@ impl FlatLayout {
             }
         }
         let mut setter = Setter {
-            wanted: self
-                .ids
-                .iter()
-                .enumerate()
-                .map(|(i, id)| (*id, i))
-                .collect(),
+            wanted: self.entry_index(),
             entries: &self.entries,
             flat,
             as_leaves,

@@ -1375,7 +1375,7 @@ pub(crate) fn flatten_grads<M: Module>(
     device: &Device,
 ) -> Tensor<1> {
     let mut parts: Vec<Option<Tensor<1>>> = vec![None; layout.entries().len()];
-    let index = entry_index(layout);
+    let index = layout.entry_index();
     visit_grads(module, &mut grads, |id, g| {
         if let (Some(&i), Some(g)) = (index.get(&id), g) {
             parts[i] = Some(as_f32(g));
@@ -1387,16 +1387,6 @@ pub(crate) fn flatten_grads<M: Module>(
         .map(|(part, e)| part.unwrap_or_else(|| Tensor::zeros([e.numel], device)))
         .collect();
     concat_1d(parts, device)
-}
-
-/// The entry of each parameter of `layout`.
-fn entry_index(layout: &FlatLayout) -> std::collections::HashMap<ParamId, usize> {
-    layout
-        .ids()
-        .iter()
-        .enumerate()
-        .map(|(i, id)| (*id, i))
-        .collect()
 }
 
 /// Calls `f` with the id and the flattened gradient (if any) of each float parameter of
@@ -1488,7 +1478,7 @@ fn reduce_scatter_buckets<M: Module>(
         .enumerate()
         .flat_map(|(b, r)| r.clone().map(move |_| b))
         .collect();
-    let index = entry_index(layout);
+    let index = layout.entry_index();
     let mut found = 0;
     let mut sender = BucketSender {
         layout,
