@@ -72,6 +72,11 @@ pub struct LoggedCall {
     pub dtype: DType,
     /// This rank's payload in bytes (a receive: what it received).
     pub bytes: usize,
+    /// For a point-to-point call (`send`, `recv`): the other rank (global) and the tag; `None`
+    /// for a collective. NCCL matches a pair's device messages in the order they were issued,
+    /// so the tensor sends one rank makes to another must come in the order the other
+    /// receives them.
+    pub peer: Option<(usize, u64)>,
 }
 
 /// The calls one rank issued, shared by the groups that log into it (clone it to read it while

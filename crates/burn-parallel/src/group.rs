@@ -173,6 +173,18 @@ impl ProcessGroup {
         dtype: DType,
         bytes: usize,
     ) -> Option<Inside> {
+        self.log_call(op, path, dtype, bytes, None)
+    }
+
+    /// [`Self::logged`] for a point-to-point call with group rank `peer` under `tag`.
+    fn log_call(
+        &self,
+        op: &'static str,
+        path: CallPath,
+        dtype: DType,
+        bytes: usize,
+        peer: Option<(usize, u64)>,
+    ) -> Option<Inside> {
         let log = self.log.as_ref()?;
         log.push(LoggedCall {
             members: self.members.to_vec(),
@@ -180,8 +192,21 @@ impl ProcessGroup {
             path,
             dtype,
             bytes,
+            peer: peer.and_then(|(p, tag)| Some((*self.members.get(p)?, tag))),
         });
         Some(Inside::enter())
+    }
+
+    /// Logs a point-to-point call on tensor `t` with group rank `peer` under `tag`.
+    fn logged_p2p<const D: usize>(
+        &self,
+        op: &'static str,
+        t: &Tensor<D>,
+        peer: usize,
+        tag: u64,
+    ) -> Option<Inside> {
+        let bytes = t.shape().num_elements() * t.dtype().size();
+        self.log_call(op, CallPath::Tensor, t.dtype(), bytes, Some((peer, tag)))
     }
 
     /// Logs a collective on tensor `t` ([`CallPath::Tensor`]).
@@ -197,8 +222,19 @@ impl ProcessGroup {
     /// Counts `bytes` handed to the host transport ([`host_bytes_sent`]) and logs the call
     /// ([`CallPath::Host`]).
     fn host_call(&self, op: &'static str, dtype: DType, bytes: usize) -> Option<Inside> {
+        self.host_call_p2p(op, dtype, bytes, None)
+    }
+
+    /// [`Self::host_call`], of a point-to-point call when `peer` is given.
+    fn host_call_p2p(
+        &self,
+        op: &'static str,
+        dtype: DType,
+        bytes: usize,
+        peer: Option<(usize, u64)>,
+    ) -> Option<Inside> {
         count_host_bytes(bytes);
-        self.logged(op, CallPath::Host, dtype, bytes)
+        self.log_call(op, CallPath::Host, dtype, bytes, peer)
     }
 
     /// This rank's index in the group.
@@ -1030,10 +1066,45 @@ impl ProcessGroup {
                 ),
             ));
         }
-        if tag == StreamId::COLLECTIVE {
-            return Err(self.invalid(op, "tag u64::MAX is reserved for collectives".into()));
+        if tag >= StreamId::CHANNEL_SETUP {
+            return Err(self.invalid(
+                op,
+                format!(
+                    "tag {tag} is reserved (u64::MAX for collectives, u64::MAX - 1 for NCCL's \
+                     channels); use a smaller tag"
+                ),
+            ));
         }
         Ok(())
+    }
+
+    /// Sends `bytes` to group rank `peer` on the stream reserved for setting up NCCL's
+    /// channels ([`StreamId::CHANNEL_SETUP`]).
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub(crate) fn send_setup(&self, bytes: Vec<u8>, peer: usize) -> Result<()> {
+        let frame = Frame {
+            header: Header {
+                stream: self.p2p_stream(StreamId::CHANNEL_SETUP),
+                seq: 0,
+                signature: "nccl channel setup".into(),
+                meta: Vec::new(),
+            },
+            payload: Bytes::from(bytes),
+        };
+        self.transport.send(self.members[peer], frame)
+    }
+
+    /// Receives what group rank `peer` sent with [`Self::send_setup`].
+    #[cfg_attr(not(feature = "nccl"), allow(dead_code))]
+    pub(crate) fn recv_setup(&self, peer: usize) -> Result<Vec<u8>> {
+        let frame = self.transport.mailbox().recv(
+            self.global_rank(),
+            self.members[peer],
+            self.p2p_stream(StreamId::CHANNEL_SETUP),
+            self.timeout,
+            &|| format!("nccl channel setup (from rank {peer})"),
+        )?;
+        Ok(frame.payload.to_vec())
     }
 
     /// Sends host data to group rank `peer` under `tag`; returns without waiting for the
@@ -1042,7 +1113,8 @@ impl ProcessGroup {
     /// # Errors
     /// See [`CollectiveError`].
     pub fn send_data(&self, data: TensorData, peer: usize, tag: u64) -> Result<()> {
-        let _inside = self.host_call("send", data.dtype(), data.as_bytes().len());
+        let bytes = data.as_bytes().len();
+        let _inside = self.host_call_p2p("send", data.dtype(), bytes, Some((peer, tag)));
         self.check_peer("send", peer, tag)?;
         let dtype = data.dtype();
         let code = dtype_code(dtype)
@@ -1353,12 +1425,23 @@ impl ProcessGroup {
         on_host(tensor, |data| self.all_to_all_data(data, dim, send_sizes))
     }
 
-    /// Sends a tensor to group rank `peer` under `tag`.
+    /// Sends a tensor to group rank `peer` under `tag`; returns without waiting for the
+    /// receiver, on every backend.
+    ///
+    /// On an NCCL group with a CUDA tensor the data goes through NCCL in device memory, on the
+    /// channel of this direction between the two ranks (a two-rank communicator with a stream
+    /// of its own, created by [`ProcessGroup::connect_peers`] or at the pair's first device
+    /// message): the send is launched after the kernels that produce the tensor, and its
+    /// buffer is held until it completed. NCCL matches the device messages of one direction in
+    /// the order they were sent, whatever their tag: the receiver must take them in that
+    /// order (a mismatch is a [`CollectiveError::Mismatch`]). A small host frame under `tag`
+    /// announces each one (its dtype and shape).
     ///
     /// # Errors
-    /// See [`ProcessGroup::send_data`].
+    /// See [`ProcessGroup::send_data`]; on NCCL a failure of an earlier device send to `peer`
+    /// (see [`ProcessGroup::wait_p2p`]).
     pub fn send<const D: usize>(&self, tensor: Tensor<D>, peer: usize, tag: u64) -> Result<()> {
-        let _inside = self.logged_tensor("send", &tensor);
+        let _inside = self.logged_p2p("send", &tensor, peer, tag);
         #[cfg(all(feature = "nccl", feature = "cuda"))]
         let tensor = match crate::comm::nccl::device::send(self, tensor, peer, tag)? {
             Ok(()) => return Ok(()),
@@ -1368,6 +1451,10 @@ impl ProcessGroup {
     }
 
     /// Receives a tensor of rank `D` from group rank `peer` under `tag`, onto `device`.
+    ///
+    /// On an NCCL group with a CUDA `device`, a tensor the peer sent from its CUDA device comes
+    /// through NCCL: the receive is launched on the direction's channel and Burn's stream waits
+    /// for it on the device, so this returns as soon as the announcement arrived.
     ///
     /// # Errors
     /// See [`ProcessGroup::recv_data`]; also when the received tensor is not of rank `D`.
@@ -1382,8 +1469,68 @@ impl ProcessGroup {
             self.recv_tensor(peer, tag, device)?
         };
         // Logged once received: its size is known then.
-        drop(self.logged_tensor("recv", &received));
+        drop(self.logged_p2p("recv", &received, peer, tag));
         Ok(received)
+    }
+
+    /// Prepares the point-to-point traffic of this rank with `peers` for tensors on `device`.
+    /// On an NCCL group with a CUDA `device` it creates now the channel of each direction
+    /// between this rank and each peer (two-rank NCCL communicators), which otherwise are
+    /// created at a pair's first device message: creation waits for both ranks, so a first
+    /// send would wait for its receiver. Elsewhere it only checks `peers`.
+    ///
+    /// Each peer must call it too, with this rank among its `peers`. Pairs are connected in
+    /// one order on every rank (by their lower, then higher rank), so any set of ranks that
+    /// call it together cannot deadlock, whatever peers each names.
+    ///
+    /// # Errors
+    /// [`CollectiveError::InvalidArgument`] when a peer is not another rank of the group;
+    /// [`CollectiveError::Nccl`] when a channel cannot be created (within the group's timeout).
+    ///
+    /// # Example
+    /// ```
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_parallel::run_local;
+    ///
+    /// // Two ranks of a pipeline: connected once, then any number of sends either way.
+    /// let got = run_local(2, |group| {
+    ///     let device = Device::flex();
+    ///     let peer = 1 - group.rank();
+    ///     group.connect_peers(&[peer], &device)?;
+    ///     group.send(Tensor::<1>::from_floats([group.rank() as f32], &device), peer, 3)?;
+    ///     let x: Tensor<1> = group.recv(peer, 3, &device)?;
+    ///     group.wait_p2p()?;
+    ///     Ok(x.into_data().to_vec::<f32>().unwrap()[0])
+    /// })
+    /// .unwrap();
+    /// assert_eq!(got, vec![1.0, 0.0]);
+    /// ```
+    pub fn connect_peers(&self, peers: &[usize], device: &burn::tensor::Device) -> Result<()> {
+        for &peer in peers {
+            self.check_peer("connect_peers", peer, 0)?;
+        }
+        #[cfg(all(feature = "nccl", feature = "cuda"))]
+        crate::comm::nccl::device::connect_peers(self, peers, device)?;
+        #[cfg(not(all(feature = "nccl", feature = "cuda")))]
+        let _ = device;
+        Ok(())
+    }
+
+    /// Waits until every tensor this rank sent or received on this group's device channels
+    /// (NCCL) has arrived, and returns the first failure among them: a device send or
+    /// receive fails after its call returned (a dead peer, a timeout), and the data Burn's
+    /// stream read from a failed receive is garbage. Call it before using what a step
+    /// received for anything that lasts (the optimizer step). Returns at once on the host
+    /// transports, whose sends and receives complete or fail in their calls.
+    ///
+    /// # Errors
+    /// [`CollectiveError::Nccl`] naming the failed transfer and why.
+    pub fn wait_p2p(&self) -> Result<()> {
+        #[cfg(feature = "nccl")]
+        if let Some(nccl) = &self.nccl {
+            return crate::comm::nccl::wait_channels(self, nccl);
+        }
+        Ok(())
     }
 
     /// [`ProcessGroup::recv`], not logged.
@@ -1429,12 +1576,12 @@ impl ProcessGroup {
     /// of rank `D` from group rank `from`, both under `tag`; [`SendRecv::wait`] completes it
     /// and returns what was received, on `tensor`'s device.
     ///
-    /// On host transports the send leaves at once (sends never wait for the receiver), so the
-    /// caller can compute while it travels and wait afterwards. When the group collects on the
-    /// tensor's device (NCCL with CUDA tensors), the send and the receive run at `wait` as one
-    /// grouped NCCL operation: a ring of ranks that each send first and receive second would
-    /// otherwise deadlock on NCCL's blocking sends. So every rank of a ring calls `send_recv`
-    /// and `wait` in the same order.
+    /// The send leaves at once on every backend (see [`ProcessGroup::send`]: on NCCL each
+    /// direction between two ranks has a channel of its own, so a ring of ranks that all send
+    /// first and receive second cannot deadlock), so the caller can compute while the block
+    /// travels and wait afterwards. On NCCL the channels with `to` and `from` are connected at
+    /// the first call ([`ProcessGroup::connect_peers`]), so every rank of the ring makes its
+    /// first call together.
     ///
     /// # Errors
     /// [`CollectiveError::InvalidArgument`] when `to` or `from` is not another rank of the
@@ -1463,43 +1610,28 @@ impl ProcessGroup {
         from: usize,
         tag: u64,
     ) -> Result<SendRecv<D>> {
-        // One call for the exchange: its send and, at `wait`, its receive are not logged again.
-        let _inside = self.logged_tensor("send_recv", &tensor);
         self.check_peer("send_recv", to, tag)?;
         self.check_peer("send_recv", from, tag)?;
         let device = tensor.device();
-        #[cfg(all(feature = "nccl", feature = "cuda"))]
-        if crate::comm::nccl::device::routes(self, &device) {
-            return Ok(SendRecv {
-                group: self.clone(),
-                from,
-                tag,
-                device,
-                deferred: Some((tensor, to)),
-            });
-        }
+        self.connect_peers(&[to, from], &device)?;
         self.send(tensor, to, tag)?;
         Ok(SendRecv {
             group: self.clone(),
             from,
             tag,
             device,
-            deferred: None,
         })
     }
 }
 
 /// An exchange started by [`ProcessGroup::send_recv`]; [`SendRecv::wait`] completes it.
-#[must_use = "the receive (and on NCCL the send) completes only in SendRecv::wait"]
+#[must_use = "the receive completes only in SendRecv::wait"]
 #[derive(Debug)]
 pub struct SendRecv<const D: usize> {
     group: ProcessGroup,
     from: usize,
     tag: u64,
     device: burn::tensor::Device,
-    /// The tensor and its destination when the send runs at `wait`, grouped with the receive
-    /// (NCCL); `None` when it has left already.
-    deferred: Option<(Tensor<D>, usize)>,
 }
 
 impl<const D: usize> SendRecv<D> {
@@ -1508,27 +1640,9 @@ impl<const D: usize> SendRecv<D> {
     ///
     /// # Errors
     /// Those of [`ProcessGroup::recv`] (a dead peer, a timeout, a tensor of another rank than
-    /// `D`); on NCCL, [`CollectiveError::Mismatch`] when the peer did not send through NCCL.
+    /// `D`).
     pub fn wait(self) -> Result<Tensor<D>> {
-        let _inside = self.group.log.as_ref().map(|_| Inside::enter());
-        match self.deferred {
-            Some((tensor, to)) => {
-                #[cfg(all(feature = "nccl", feature = "cuda"))]
-                return crate::comm::nccl::device::send_recv(
-                    &self.group,
-                    tensor,
-                    to,
-                    self.from,
-                    self.tag,
-                );
-                #[cfg(not(all(feature = "nccl", feature = "cuda")))]
-                unreachable!(
-                    "deferred sends exist only with NCCL: {:?} to {to}",
-                    tensor.shape()
-                )
-            }
-            None => self.group.recv(self.from, self.tag, &self.device),
-        }
+        self.group.recv(self.from, self.tag, &self.device)
     }
 }
 
@@ -1626,5 +1740,11 @@ impl crate::comm::nccl::NcclHost for ProcessGroup {
     }
     fn recv_data(&self, peer: usize, tag: u64) -> Result<TensorData> {
         ProcessGroup::recv_data(self, peer, tag)
+    }
+    fn send_setup(&self, bytes: Vec<u8>, peer: usize) -> Result<()> {
+        ProcessGroup::send_setup(self, bytes, peer)
+    }
+    fn recv_setup(&self, peer: usize) -> Result<Vec<u8>> {
+        ProcessGroup::recv_setup(self, peer)
     }
 }

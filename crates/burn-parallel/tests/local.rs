@@ -233,6 +233,7 @@ fn send_recv_rotates_a_ring_and_rejects_bad_peers() {
         let me = g.rank();
         let to_self = g.send_recv(x.clone(), me, 1 - me, 3).err();
         let reserved = g.send_recv(x.clone(), 1 - me, 1 - me, u64::MAX).err();
+        let setup = g.send(x.clone(), 1 - me, u64::MAX - 1).err();
         // Rank 0 sends a vector, rank 1 a matrix; each expects its own rank back.
         let wrong_rank = if me == 0 {
             g.send_recv(x, 1, 1, 4)?.wait().err()
@@ -240,14 +241,17 @@ fn send_recv_rotates_a_ring_and_rejects_bad_peers() {
             let m = Tensor::<2>::zeros([1, 2], &device);
             g.send_recv(m, 0, 0, 4)?.wait().err()
         };
-        Ok([to_self, reserved, wrong_rank])
+        Ok([to_self, reserved, setup, wrong_rank])
     })
     .unwrap();
     for (rank, errors) in errors.into_iter().enumerate() {
-        for (what, e) in ["itself as a peer", "a reserved tag", "another tensor rank"]
-            .into_iter()
-            .zip(errors)
-        {
+        let cases = [
+            "itself as a peer",
+            "the collectives' tag",
+            "the channel setup's tag",
+            "another tensor rank",
+        ];
+        for (what, e) in cases.into_iter().zip(errors) {
             match e {
                 Some(CollectiveError::InvalidArgument { .. }) => {}
                 other => panic!("rank {rank}, {what}: expected InvalidArgument, got {other:?}"),

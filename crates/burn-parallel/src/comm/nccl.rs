@@ -176,6 +176,16 @@ pub(crate) fn connect(host: &dyn NcclHost) -> Result<()> {
     }
 }
 
+/// Waits until the device messages of `host`'s channels have completed (see
+/// [`ProcessGroup::wait_p2p`](crate::ProcessGroup::wait_p2p)).
+///
+/// # Errors
+/// The first failure of a channel.
+#[cfg(feature = "nccl")]
+pub(crate) fn wait_channels(host: &dyn NcclHost, nccl: &DeviceComm) -> Result<()> {
+    imp::wait_channels(&nccl.slot, host)
+}
+
 /// What NCCL needs of the group it is attached to: its members, its timeout and its host
 /// transport (the communicator's unique id, the calls' agreement, the point-to-point
 /// announcements). [`ProcessGroup`](crate::ProcessGroup) implements it: the backend sits below
@@ -204,6 +214,10 @@ pub(crate) trait NcclHost {
     fn send_data(&self, data: burn::tensor::TensorData, peer: usize, tag: u64) -> Result<()>;
     /// Receives host data from group rank `peer` under `tag`.
     fn recv_data(&self, peer: usize, tag: u64) -> Result<burn::tensor::TensorData>;
+    /// Sends bytes to group rank `peer` on the stream reserved for setting up channels.
+    fn send_setup(&self, bytes: Vec<u8>, peer: usize) -> Result<()>;
+    /// Receives what group rank `peer` sent with [`NcclHost::send_setup`].
+    fn recv_setup(&self, peer: usize) -> Result<Vec<u8>>;
 }
 
 /// Every member's `value`, in group order, over `host`'s transport.
@@ -381,10 +395,15 @@ mod imp {
         }
     }
 
-    /// The per-group state: the communicator once created, and the point-to-point counters.
+    /// The per-group state: the communicator once created, the point-to-point channels and
+    /// counters.
     #[derive(Default)]
     pub(crate) struct Slot {
         comm: Option<Arc<Communicator>>,
+        /// The channel of each direction `(from, to)` between two group ranks (this rank one of
+        /// them): a two-rank communicator whose rank 0 sends and rank 1 receives, with a stream
+        /// of its own, so that one direction's sends never wait behind the other's.
+        channels: HashMap<(usize, usize), Arc<Communicator>>,
         /// Device sends to each group rank so far (receivers check the order).
         pub(crate) sent: HashMap<usize, u64>,
         /// Device receives from each group rank so far.
@@ -512,23 +531,114 @@ mod imp {
     ) -> Result<Arc<Communicator>> {
         let mut slot = lock(slot);
         if let Some(comm) = &slot.comm {
-            if comm.ordinal != ordinal {
-                return Err(CollectiveError::InvalidArgument {
-                    rank: group.global_rank(),
-                    op: op.into(),
-                    reason: format!(
-                        "the tensor is on CUDA device {ordinal} but this group's NCCL \
-                         communicator is on device {}; keep each rank's tensors on one device \
-                         (Device::cuda(LOCAL_RANK))",
-                        comm.ordinal
-                    ),
-                });
-            }
+            check_ordinal(comm, ordinal, group, op)?;
             return Ok(comm.clone());
         }
-        let comm = Arc::new(Communicator::create(group, ordinal)?);
+        let comm = Arc::new(Communicator::create(
+            ordinal,
+            (group.rank(), group.size()),
+            group.global_rank(),
+            group.timeout(),
+            |mine| group.broadcast_bytes(mine, 0),
+        )?);
         slot.comm = Some(comm.clone());
         Ok(comm)
+    }
+
+    /// The channel carrying device messages from group rank `from` to group rank `to` (one of
+    /// them this rank); creates the pair's two channels when they do not exist yet, which
+    /// waits for the other rank to do the same.
+    pub(crate) fn channel(
+        slot: &Mutex<Slot>,
+        group: &dyn NcclHost,
+        ordinal: usize,
+        (from, to): (usize, usize),
+        op: &str,
+    ) -> Result<Arc<Communicator>> {
+        connect_pair(slot, group, ordinal, from.min(to), from.max(to), op)?;
+        Ok(lock(slot).channels[&(from, to)].clone())
+    }
+
+    /// Creates the channels between group ranks `low` and `high` (this rank one of them) that
+    /// do not exist yet, low to high first: the sender of each makes the NCCL unique id and
+    /// hands it to the receiver on the setup stream.
+    pub(crate) fn connect_pair(
+        slot: &Mutex<Slot>,
+        group: &dyn NcclHost,
+        ordinal: usize,
+        low: usize,
+        high: usize,
+        op: &str,
+    ) -> Result<()> {
+        let me = group.rank();
+        debug_assert!(low < high && (me == low || me == high));
+        let mut slot = lock(slot);
+        for (from, to) in [(low, high), (high, low)] {
+            if let Some(comm) = slot.channels.get(&(from, to)) {
+                check_ordinal(comm, ordinal, group, op)?;
+                continue;
+            }
+            let comm = Communicator::create(
+                ordinal,
+                (usize::from(me == to), 2),
+                group.global_rank(),
+                group.timeout(),
+                |mine| match me == from {
+                    true => group.send_setup(mine.clone(), to).map(|()| mine),
+                    false => group.recv_setup(from),
+                },
+            )?;
+            slot.channels.insert((from, to), Arc::new(comm));
+        }
+        Ok(())
+    }
+
+    /// Waits on the host until everything launched so far on the group's channels has
+    /// completed; the first failure (an earlier one the watchdog saw included).
+    pub(crate) fn wait_channels(slot: &Mutex<Slot>, group: &dyn NcclHost) -> Result<()> {
+        let mut channels: Vec<((usize, usize), Arc<Communicator>)> = lock(slot)
+            .channels
+            .iter()
+            .map(|(k, c)| (*k, c.clone()))
+            .collect();
+        channels.sort_by_key(|(k, _)| *k);
+        for ((from, to), comm) in channels {
+            let op = format!(
+                "waiting for the device messages from rank {} to rank {}",
+                group.members()[from],
+                group.members()[to]
+            );
+            // Nothing to launch: the event recorded after it marks everything before.
+            let launched = comm.launch(
+                &op,
+                group.timeout(),
+                |_| Ok(()),
+                |_, _, _| sys::ncclResult_t::ncclSuccess,
+            )?;
+            comm.wait(&op, launched)?;
+        }
+        Ok(())
+    }
+
+    /// A communicator made for CUDA device `ordinal` (a rank keeps its tensors on one device).
+    fn check_ordinal(
+        comm: &Communicator,
+        ordinal: usize,
+        group: &dyn NcclHost,
+        op: &str,
+    ) -> Result<()> {
+        if comm.ordinal == ordinal {
+            return Ok(());
+        }
+        Err(CollectiveError::InvalidArgument {
+            rank: group.global_rank(),
+            op: op.into(),
+            reason: format!(
+                "the tensor is on CUDA device {ordinal} but this group's NCCL communicators are \
+                 on device {}; keep each rank's tensors on one device (Device::cuda(LOCAL_RANK))",
+                comm.ordinal
+            ),
+        })
     }
 
     pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -550,9 +660,17 @@ mod imp {
     }
 
     impl Communicator {
-        fn create(group: &dyn NcclHost, ordinal: usize) -> Result<Self> {
-            let global_rank = group.global_rank();
-            let op = format!("communicator creation ({} ranks)", group.size());
+        /// Creates a communicator of `size` ranks on CUDA device `ordinal`, this rank being
+        /// `rank`: rank 0 makes NCCL's unique id and `exchange` hands it to every rank (given
+        /// rank 0's bytes, or nothing elsewhere, it returns rank 0's; empty when rank 0 failed).
+        fn create(
+            ordinal: usize,
+            (rank, size): (usize, usize),
+            global_rank: usize,
+            timeout: Duration,
+            exchange: impl FnOnce(Vec<u8>) -> Result<Vec<u8>>,
+        ) -> Result<Self> {
+            let op = format!("communicator creation ({size} ranks)");
             let cuda = |what: &str, e: cu::DriverError| CollectiveError::Nccl {
                 rank: global_rank,
                 op: op.clone(),
@@ -565,13 +683,13 @@ mod imp {
             unsafe { cu::ctx::set_current(context) }
                 .map_err(|e| cuda("making the CUDA context current", e))?;
 
-            // Group rank 0 makes the unique id; an empty message tells the others it failed.
-            let mine = if group.rank() == 0 {
+            // Rank 0 makes the unique id; an empty message tells the others it failed.
+            let mine = if rank == 0 {
                 let mut id = sys::ncclUniqueId { internal: [0; 128] };
                 // SAFETY: `id` outlives the call; ncclGetUniqueId only writes it.
                 let code = unsafe { (nccl.get_unique_id)(&mut id) };
                 if code != sys::ncclResult_t::ncclSuccess {
-                    let _ = group.broadcast_bytes(Vec::new(), 0);
+                    let _ = exchange(Vec::new());
                     return Err(CollectiveError::Nccl {
                         rank: global_rank,
                         op,
@@ -582,15 +700,15 @@ mod imp {
             } else {
                 Vec::new()
             };
-            let bytes = group.broadcast_bytes(mine, 0)?;
+            let bytes = exchange(mine)?;
             let mut id = sys::ncclUniqueId { internal: [0; 128] };
             if bytes.len() != id.internal.len() {
                 return Err(CollectiveError::Nccl {
                     rank: global_rank,
                     op,
                     reason: format!(
-                        "group rank 0 sent an NCCL unique id of {} bytes (expected 128): it \
-                         could not create one (see its error)",
+                        "rank 0 of the communicator sent an NCCL unique id of {} bytes \
+                         (expected 128): it could not create one (see its error)",
                         bytes.len()
                     ),
                 });
@@ -603,7 +721,7 @@ mod imp {
                 .map_err(|e| cuda("creating the communication stream", e))?;
             let mut config = ConfigV21400::non_blocking();
             let mut comm: sys::ncclComm_t = std::ptr::null_mut();
-            let (size, rank) = (group.size() as c_int, group.rank() as c_int);
+            let (size, rank) = (size as c_int, rank as c_int);
             // SAFETY: `comm` is written by NCCL; `config` outlives the call and has the layout
             // of NCCL 2.14's `ncclConfig_t` (the probe checked the library is 2.14 or newer),
             // which NCCL reads according to the size and version it carries.
@@ -641,13 +759,7 @@ mod imp {
             }
             {
                 let mut health = lock(&this.health);
-                this.settle(
-                    &mut health,
-                    &op,
-                    code,
-                    deadline(group.timeout()),
-                    group.timeout(),
-                )?;
+                this.settle(&mut health, &op, code, deadline(timeout), timeout)?;
             }
             Ok(this)
         }
@@ -1285,6 +1397,18 @@ pub(crate) mod device {
         }
     }
 
+    impl InFlight {
+        /// Returns at once, the operation left to the communicator's watchdog, which releases
+        /// its buffers once it completed and aborts the communicator on a failure (the next
+        /// call on it returns the error). For an operation nothing on Burn's stream reads: a
+        /// send.
+        pub(crate) fn release(mut self) {
+            let launched = self.launched.take().expect("waited once");
+            let held = std::mem::replace(&mut self.held, Bound(Vec::new(), Vec::new()));
+            self.comm.watch(self.op.clone(), launched, Box::new(held));
+        }
+    }
+
     impl Drop for InFlight {
         fn drop(&mut self) {
             // Dropped unwaited (an error path): the buffers are released only once NCCL is
@@ -1792,7 +1916,9 @@ pub(crate) mod device {
     }
 
     /// Sends a CUDA tensor to group rank `peer`: a host frame under `tag` announces it (dtype,
-    /// shape, order), the data follows through NCCL. Completes when the peer has received it.
+    /// shape, order), the data follows through NCCL on the channel to `peer`. Returns once the
+    /// send is launched (ordered after the tensor's producers); the watchdog holds the buffer
+    /// until it completed.
     pub(crate) fn send<const D: usize>(
         group: &dyn NcclHost,
         t: Tensor<D>,
@@ -1807,16 +1933,43 @@ pub(crate) mod device {
         };
         let shape = x.shape().as_slice().to_vec();
         let sig = format!("nccl send(to {peer}, tag {tag}, {:?}{shape:?})", ctx.dtype);
-        let comm = ctx.communicator(&sig)?;
+        // Announced first: a receiver connects the channel once it sees a device message.
         announce(group, ctx.dtype, &shape, peer, tag)?;
+        let me = group.rank();
+        let comm = imp::channel(ctx.comm, group, ctx.ordinal, (me, peer), &sig)?;
         let x = cube(x, &sig, group)?;
         let n = count(&x);
-        run_bound(&[&x], &sig, group, &comm, |lib, c, s, addresses| {
+        launch_bound(&[&x], &sig, group, &comm, |lib, c, s, addresses| {
             let src = addresses[0];
-            // SAFETY: bound buffer of `n` elements; waited for.
-            unsafe { (lib.send)(ptr(src), n, ctx.nccl, peer as i32, c, s) }
-        })?;
+            // SAFETY: bound buffer of `n` elements, held until the watchdog saw it complete.
+            // On the channel this rank is rank 0 and the receiver rank 1.
+            unsafe { (lib.send)(ptr(src), n, ctx.nccl, 1, c, s) }
+        })?
+        .release();
         Ok(Ok(()))
+    }
+
+    /// Creates the channels between this rank and each of `peers` for tensors on `device`
+    /// ([`ProcessGroup::connect_peers`](crate::ProcessGroup::connect_peers)): pairs in the
+    /// order of their lower, then higher rank. Nothing when `device` is not a CUDA device or
+    /// the group has no NCCL.
+    pub(crate) fn connect_peers(
+        group: &dyn NcclHost,
+        peers: &[usize],
+        device: &Device,
+    ) -> Result<()> {
+        let (Some(slot), Some(ordinal)) = (group.nccl(), cuda_ordinal(device)) else {
+            return Ok(());
+        };
+        let me = group.rank();
+        let mut pairs: Vec<(usize, usize)> =
+            peers.iter().map(|&p| (me.min(p), me.max(p))).collect();
+        pairs.sort_unstable();
+        pairs.dedup();
+        for (low, high) in pairs {
+            imp::connect_pair(&slot.slot, group, ordinal, low, high, "connect_peers")?;
+        }
+        Ok(())
     }
 
     /// What [`recv`] got.
@@ -1855,14 +2008,17 @@ pub(crate) mod device {
             dtype,
             nccl,
         };
-        let comm = ctx.communicator(&sig)?;
+        let comm = imp::channel(ctx.comm, group, ordinal, (peer, group.rank()), &sig)?;
         let y = alloc(ordinal, dtype, vec![shape.iter().product()]);
         let n = count(&y);
-        run_bound(&[&y], &sig, group, &comm, |lib, c, s, addresses| {
+        // Burn's stream waits for the receive on the device; the host goes on.
+        launch_bound(&[&y], &sig, group, &comm, |lib, c, s, addresses| {
             let dst = addresses[0];
-            // SAFETY: bound buffer of `n` elements; waited for.
-            unsafe { (lib.recv)(ptr(dst), n, nccl, peer as i32, c, s) }
-        })?;
+            // SAFETY: bound buffer of `n` elements, held until the receive completed. On the
+            // channel the sender is rank 0.
+            unsafe { (lib.recv)(ptr(dst), n, nccl, 0, c, s) }
+        })?
+        .wait_on_device()?;
         let received: Tensor<1> = tensor(y);
         Ok(Some(Received::Device(
             Box::new(ctx.out(received.reshape([n]))),
@@ -1938,69 +2094,5 @@ pub(crate) mod device {
             });
         }
         Ok(Some((dtype, nccl, shape)))
-    }
-
-    /// The exchange of a ring ([`ProcessGroup::send_recv`](crate::ProcessGroup::send_recv)): sends the CUDA tensor `t` to group
-    /// rank `to` and receives one from group rank `from` under `tag`, the NCCL send and receive
-    /// launched as one group so that a ring of them cannot deadlock. The caller checked that
-    /// `t` routes to the device ([`routes`]) and that both peers are other ranks.
-    pub(crate) fn send_recv<const D: usize>(
-        group: &dyn NcclHost,
-        t: Tensor<D>,
-        to: usize,
-        from: usize,
-        tag: u64,
-    ) -> Result<Tensor<D>> {
-        let invalid = |reason: String| CollectiveError::InvalidArgument {
-            rank: group.global_rank(),
-            op: format!("send_recv(to {to}, from {from}, tag {tag})"),
-            reason,
-        };
-        let Some((ctx, x)) = route(group, &t) else {
-            return Err(invalid(format!(
-                "a {:?} tensor on {:?} cannot go through NCCL",
-                t.dtype(),
-                t.device()
-            )));
-        };
-        let shape = x.shape().as_slice().to_vec();
-        let sig = format!(
-            "nccl send_recv(to {to}, from {from}, tag {tag}, {:?}{shape:?})",
-            ctx.dtype
-        );
-        let comm = ctx.communicator(&sig)?;
-        announce(group, ctx.dtype, &shape, to, tag)?;
-        let data = group.recv_data(from, tag)?;
-        let Some((dtype, nccl, in_shape)) = device_header(group, &data, from, tag, &sig)? else {
-            return Err(CollectiveError::Mismatch {
-                rank: group.global_rank(),
-                peer: group.members()[from],
-                ours: sig,
-                theirs: "a host send (its tensor is not on a CUDA device of this NCCL group)"
-                    .into(),
-            });
-        };
-        let dims: [usize; D] = in_shape.clone().try_into().map_err(|_| {
-            invalid(format!(
-                "expected a tensor of rank {D} from rank {from} but got shape {in_shape:?}"
-            ))
-        })?;
-        let x = cube(x, &sig, group)?;
-        let y = alloc(ctx.ordinal, dtype, vec![in_shape.iter().product()]);
-        let (n_out, n_in) = (count(&x), count(&y));
-        run_bound(&[&x, &y], &sig, group, &comm, |lib, c, s, addresses| {
-            let (src, dst) = (addresses[0], addresses[1]);
-            grouped(lib, || {
-                // SAFETY: bound buffer of `n_out` elements of this type; waited for.
-                let code = unsafe { (lib.send)(ptr(src), n_out, ctx.nccl, to as i32, c, s) };
-                if is_failure(code) {
-                    return code;
-                }
-                // SAFETY: bound buffer of `n_in` elements of this type; waited for.
-                unsafe { (lib.recv)(ptr(dst), n_in, nccl, from as i32, c, s) }
-            })
-        })?;
-        let received: Tensor<1> = tensor(y);
-        Ok(ctx.out(received.reshape(dims)))
     }
 }

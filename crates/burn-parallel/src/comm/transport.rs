@@ -28,6 +28,8 @@ pub struct StreamId {
 impl StreamId {
     /// The tag reserved for the collectives of a group.
     pub const COLLECTIVE: u64 = u64::MAX;
+    /// The tag reserved for setting up the NCCL channels between two ranks of a group.
+    pub const CHANNEL_SETUP: u64 = u64::MAX - 1;
 }
 
 /// The metadata carried by every message, checked by the receiver.
