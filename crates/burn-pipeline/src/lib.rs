@@ -91,9 +91,10 @@
 //! rank's program. `F` runs the stage module on the received activation (made a leaf with
 //! `require_grad`) or on the output of the rank's previous stage, handed over in memory, and
 //! keeps the input leaves and the output under `(stage, micro-batch)`. `SEND_*`/`RECV_*` go to
-//! `burn-parallel`'s `ProcessGroup::send_data`/`recv_data`, eager sends, which matches the
-//! validated model: a JSON header (step, shapes, the boundary's metadata) then each tensor,
-//! all under [`Transfer::tag`]. Every receive has the group's timeout, so a dead peer is an
+//! `burn-parallel`'s `ProcessGroup::send`/`recv`, eager sends on every backend (through NCCL in
+//! device memory on CUDA), which matches the validated model: a JSON header (step, shapes, the
+//! boundary's metadata) then each tensor, all under [`Transfer::tag`], a receive taking the
+//! peer's transfers in the order they were sent. Every receive has the group's timeout, so a dead peer is an
 //! error and never a hang, and a rank that fails aborts the group so that its peers fail at
 //! once. Burn has no `backward(dY)`, so `B`/`I` call `backward()` on the surrogate
 //! `Σ sum(output * dY.detach())` (the loss divided by the micro-batch count on the last

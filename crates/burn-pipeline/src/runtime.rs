@@ -4,7 +4,7 @@
 //! | action | what [`Executor::step`] does |
 //! |---|---|
 //! | `F` | makes the received (or handed-over) boundary tensors leaves that require a gradient, runs [`Stage::forward`], keeps `(leaves, outputs)` under `(stage, micro-batch)` |
-//! | `SEND_F` / `RECV_F` | one header (shapes, metadata, step) then the tensors, under [`Transfer::tag`], to and from the rank owning the peer stage |
+//! | `SEND_F` / `RECV_F` | one header (shapes, metadata, step: a small host message) then the tensors ([`ProcessGroup::send`]/[`ProcessGroup::recv`]: in device memory on NCCL), under [`Transfer::tag`], to and from the rank owning the peer stage; a receive takes the peer's transfers in the order it sent them (see "Transfers" below) |
 //! | `B` | backward of the surrogate `Σ sum(output ⊙ dY)` (of `loss / m` on the last stage), whose gradients are those of the loss; reads the leaves' gradients (the input gradient, sent back) and accumulates the stage's parameter gradients ([`GradientsAccumulator`]) |
 //! | `I` | the same backward; the weight gradients of the stage's [`crate::deferred::DeferredLinear`]s are not computed, their `(X, dY)` are recorded (see "Split backward" below) |
 //! | `W` | computes those weight gradients (`dW = Xᵀ dY`) and adds them to the stage's accumulated gradients; nothing for a stage without deferred weights |
@@ -14,6 +14,16 @@
 //! Adjacent stages on the same rank (the turn of ZBV's V) hand their tensors over in memory:
 //! the schedule has no send or receive for them, and the runtime detaches the output and makes
 //! it the next stage's leaf, exactly as a transfer would.
+//!
+//! *Transfers.* Sends never wait for their receiver, on every backend: on an NCCL group with
+//! CUDA stages the tensors go through NCCL in device memory, on a channel per direction
+//! between two ranks (connected by [`Executor::new`], all pairs together), launched after the
+//! kernels that produce them; Burn's stream waits for a receive on the device, not the host.
+//! NCCL matches a direction's messages in the order they were sent, and a schedule may want
+//! them in another order (ZBV at two ranks does): a receive takes the peer's transfers in its
+//! send order, keeping those wanted later. Before each `REDUCE` and at the end of the step the
+//! rank waits for its transfers to have arrived ([`ProcessGroup::wait_p2p`]), so that a failed
+//! device transfer is an error before its gradients reach the optimizer.
 //!
 //! *Loss scaling.* The last stage returns the mean loss of its micro-batch; its backward is
 //! seeded with `loss / m`, so the accumulated gradients are those of the mean over the whole
@@ -396,6 +406,35 @@ pub struct Executor {
     step: u64,
     /// The precision policy and loss scaler of the forward and the backward's seed.
     precision: Option<TrainStep>,
+    /// What each peer rank sends this rank in a step, in the order it sends it.
+    incoming: HashMap<usize, Vec<Transfer>>,
+}
+
+/// A step's receiving state: how far each peer's sends have been taken, and the transfers
+/// taken ahead of the action that wants them.
+#[derive(Default)]
+struct Inbound {
+    taken: HashMap<usize, usize>,
+    early: HashMap<Transfer, (Vec<BoundaryTensor>, serde_json::Value)>,
+}
+
+/// What each other rank sends `rank` in a step of `schedule`, in that rank's program order
+/// (the order its messages leave, so the order NCCL matches them in).
+fn incoming(schedule: &Schedule, rank: usize) -> HashMap<usize, Vec<Transfer>> {
+    let placement = schedule.placement();
+    let mut out: HashMap<usize, Vec<Transfer>> = HashMap::new();
+    for (peer, program) in schedule.programs().iter().enumerate() {
+        for transfer in program
+            .iter()
+            .filter(|a| a.is_send())
+            .filter_map(Action::transfer)
+        {
+            if peer != rank && placement.rank_of(transfer.to) == Some(rank) {
+                out.entry(peer).or_default().push(transfer);
+            }
+        }
+    }
+    out
 }
 
 impl std::fmt::Debug for Executor {
@@ -446,6 +485,27 @@ impl Executor {
                 theirs,
             });
         }
+        // Every pair of ranks that exchange tensors connects now, together (on NCCL: the
+        // channels of both directions; a send never waits for its receiver after this).
+        let incoming = incoming(&schedule, rank);
+        let placement = schedule.placement();
+        let mut peers: Vec<usize> = schedule
+            .program(rank)
+            .iter()
+            .filter(|a| a.is_send())
+            .filter_map(|a| placement.rank_of(a.transfer()?.to))
+            .chain(incoming.keys().copied())
+            .filter(|&p| p != rank)
+            .collect();
+        peers.sort_unstable();
+        peers.dedup();
+        group
+            .connect_peers(&peers, &device)
+            .map_err(|source| PipelineError::Collective {
+                rank,
+                action: format!("connecting to pipeline ranks {peers:?}"),
+                source,
+            })?;
         Ok(Self {
             schedule,
             group,
@@ -456,6 +516,7 @@ impl Executor {
             specs: HashMap::new(),
             step: 0,
             precision: None,
+            incoming,
         })
     }
 
@@ -588,6 +649,7 @@ impl Executor {
         let mut saved: HashMap<(usize, usize), Saved> = HashMap::new();
         let mut inbox_act: HashMap<(usize, usize), Boundary> = HashMap::new();
         let mut inbox_grad: HashMap<(usize, usize), Vec<Tensor<1>>> = HashMap::new();
+        let mut inbound = Inbound::default();
         let mut outbox_grad: HashMap<(usize, usize), Vec<BoundaryTensor>> = HashMap::new();
         let mut accumulators: BTreeMap<usize, GradientsAccumulator<M>> = expected
             .iter()
@@ -724,7 +786,7 @@ impl Executor {
                     microbatch,
                 } => {
                     let transfer = action.transfer().expect("a receive");
-                    let (tensors, meta) = self.recv(&action, &transfer, from)?;
+                    let (tensors, meta) = self.recv(&action, &transfer, from, &mut inbound)?;
                     self.check_spec(&transfer, &tensors)?;
                     inbox_act.insert((stage, microbatch), Boundary::from_parts(tensors, meta));
                 }
@@ -859,7 +921,7 @@ impl Executor {
                     microbatch,
                 } => {
                     let transfer = action.transfer().expect("a receive");
-                    let (tensors, _) = self.recv(&action, &transfer, from)?;
+                    let (tensors, _) = self.recv(&action, &transfer, from, &mut inbound)?;
                     inbox_grad.insert(
                         (stage, microbatch),
                         tensors.into_iter().map(|t| t.flat().clone()).collect(),
@@ -877,6 +939,11 @@ impl Executor {
                             ));
                         }
                     }
+                    // Every tensor received so far arrived (on NCCL a failed receive is found
+                    // here, before its gradients reach the optimizer).
+                    self.group
+                        .wait_p2p()
+                        .map_err(|e| self.collective(&action, e))?;
                     let grads = accumulators.get_mut(&stage).expect("a local stage").grads();
                     let module = stages
                         .remove(&stage)
@@ -892,18 +959,32 @@ impl Executor {
                 end: start.elapsed().as_secs_f64(),
             });
         }
-        if !saved.is_empty() || !inbox_act.is_empty() || !inbox_grad.is_empty() {
+        if !saved.is_empty()
+            || !inbox_act.is_empty()
+            || !inbox_grad.is_empty()
+            || !inbound.early.is_empty()
+        {
             return Err(PipelineError::Protocol {
                 rank: self.rank,
                 action: "end of step".into(),
                 reason: format!(
-                    "{} forward states, {} activations and {} gradients left over",
+                    "{} forward states, {} activations, {} gradients and {} transfers received \
+                     ahead left over",
                     saved.len(),
                     inbox_act.len(),
-                    inbox_grad.len()
+                    inbox_grad.len(),
+                    inbound.early.len()
                 ),
             });
         }
+        // This step's sends have arrived (or failed): nothing of it is left in flight.
+        self.group
+            .wait_p2p()
+            .map_err(|source| PipelineError::Collective {
+                rank: self.rank,
+                action: "end of step".into(),
+                source,
+            })?;
         let sum: f32 = losses.iter().sum();
         let total = self
             .group
@@ -997,8 +1078,9 @@ impl Executor {
         transfer.tag(self.schedule.num_stages(), self.schedule.num_microbatches())
     }
 
-    /// Sends a header and the tensors, all under the transfer's tag (messages with the same
-    /// peer and tag arrive in order).
+    /// Sends a header (a small host message) and the tensors ([`ProcessGroup::send`]: through
+    /// NCCL in device memory on CUDA), all under the transfer's tag. Neither waits for the
+    /// receiver.
     fn send(
         &self,
         action: &Action,
@@ -1021,22 +1103,52 @@ impl Executor {
             .send_data(TensorData::new(bytes, [len]), peer, tag)
             .map_err(|e| self.collective(action, e))?;
         for t in tensors {
-            let (bytes, _, dtype) = t.flat().clone().into_data().into_parts();
-            let data = TensorData::from_bytes(bytes, t.shape().to_vec(), dtype);
             self.group
-                .send_data(data, peer, tag)
+                .send(t.flat().clone(), peer, tag)
                 .map_err(|e| self.collective(action, e))?;
         }
         Ok(())
     }
 
+    /// Receives `transfer` from the rank of stage `from`. The peer's transfers are taken in
+    /// the order it sent them (NCCL matches two ranks' device messages in that order): those
+    /// it sent before `transfer` and this rank wants later are received first and kept in
+    /// `inbound` (they have left already: the peer sent them before this one).
     fn recv(
         &self,
         action: &Action,
         transfer: &Transfer,
         from: usize,
+        inbound: &mut Inbound,
     ) -> Result<(Vec<BoundaryTensor>, serde_json::Value)> {
+        if let Some(received) = inbound.early.remove(transfer) {
+            return Ok(received);
+        }
         let peer = self.peer(action, from)?;
+        loop {
+            let taken = inbound.taken.entry(peer).or_insert(0);
+            let Some(&next) = self.incoming.get(&peer).and_then(|sent| sent.get(*taken)) else {
+                return Err(self.protocol(
+                    action,
+                    &format!("pipeline rank {peer} sends nothing more to this rank in a step"),
+                ));
+            };
+            *taken += 1;
+            let received = self.recv_one(action, &next, peer)?;
+            if next == *transfer {
+                return Ok(received);
+            }
+            inbound.early.insert(next, received);
+        }
+    }
+
+    /// Receives the header and the tensors of `transfer` from pipeline rank `peer`.
+    fn recv_one(
+        &self,
+        action: &Action,
+        transfer: &Transfer,
+        peer: usize,
+    ) -> Result<(Vec<BoundaryTensor>, serde_json::Value)> {
         let tag = self.tag(transfer);
         let header = self
             .group
@@ -1055,25 +1167,21 @@ impl Executor {
         }
         let mut tensors = Vec::with_capacity(header.shapes.len());
         for (i, shape) in header.shapes.iter().enumerate() {
-            let data = self
+            let flat: Tensor<1> = self
                 .group
-                .recv_data(peer, tag)
+                .recv(peer, tag, &self.device)
                 .map_err(|e| self.collective(action, e))?;
-            if data.shape().as_slice() != shape.as_slice() {
+            let n = shape.iter().product::<usize>();
+            if flat.dims()[0] != n {
                 return Err(self.protocol(
                     action,
                     &format!(
-                        "tensor {i} has shape {:?}, its header says {shape:?}",
-                        data.shape().as_slice()
+                        "tensor {i} of {transfer} has {} elements, its header says shape \
+                         {shape:?}",
+                        flat.dims()[0]
                     ),
                 ));
             }
-            let n = shape.iter().product::<usize>();
-            let (bytes, _, dtype) = data.into_parts();
-            let flat: Tensor<1> = burn_parallel::group::tensor_from_data(
-                TensorData::from_bytes(bytes, [n], dtype),
-                &self.device,
-            );
             tensors.push(BoundaryTensor::from_flat(flat, shape.clone()));
         }
         Ok((tensors, header.meta))
