@@ -10,6 +10,9 @@
 //! - DDP (plain and overlapped), ZeRO-1, ZeRO-2, FSDP, HSDP and tensor parallelism move every
 //!   gradient and parameter through tensor calls: their host calls carry only scalars and
 //!   flags (at most [`HOST_CALL_LIMIT`] bytes each, [`HOST_SHARE_LIMIT`] of the step's bytes);
+//! - the pipeline (every schedule) sends its boundary tensors through tensor calls too, and
+//!   each rank's tensor sends to another come in the order that rank receives them (NCCL
+//!   matches one direction's device messages in the order they were sent);
 //! - the ranks of a group issue the same calls in the same order (a different order or
 //!   grouping would deadlock NCCL);
 //! - each technique's calls are the ones it is designed to make: DDP all-reduces every
@@ -353,36 +356,83 @@ fn zero1_fsdp_hsdp_overlap_and_tensor_parallel_layouts_keep_their_data_in_tensor
     );
 }
 
-/// Pipeline and expert parallelism: their figures, printed (what still stages through the
-/// host: the pipeline's boundary tensors are packed into host messages, MoE's routing plan is
-/// read to the host), and the same sequence on every rank of a stage or expert group.
+/// Pipeline parallelism under each schedule (pp 2, 4 micro-batches, the tiny GPT with 4
+/// blocks so that every schedule has a block per stage): the boundary tensors go through
+/// tensor calls (NCCL's device sends on CUDA), the host carries only their small headers and
+/// the loss, and each rank's tensor sends to the other come in the order the other receives
+/// them: NCCL matches the device messages of one direction in the order they were sent, and
+/// ZBV's second rank wants one of them early (the runtime takes it in order and keeps it).
 #[test]
-fn pipeline_and_expert_parallel_steps_are_logged() {
-    let config = config();
+fn pipeline_transfers_are_device_messages_taken_in_send_order() {
+    use burn_pipeline::ScheduleKind;
+    let mut config = config();
+    config.model.n_layers = 4;
     let corpus = Corpus::load_default().expect("the bundled corpus");
-    let pp = step_calls(2, |group, each_step| {
-        train_gpt_pipeline(
-            group,
-            &config,
-            &PipelineConfig::default(),
-            &corpus,
-            &mut |_| each_step(),
-        )
-        .map_err(|e| burn_parallel::CollectiveError::InvalidArgument {
-            rank: group.rank(),
-            op: "pipeline".into(),
-            reason: e.to_string(),
-        })?;
-        Ok(())
-    });
-    for (r, calls) in pp.iter().enumerate() {
-        println!("{}", describe(&format!("pp 2, stage {r}"), calls));
-        assert!(
-            calls.iter().any(|c| c.op == "send"),
-            "pp: stage {r} sends its boundary tensors"
-        );
+    for schedule in [
+        ScheduleKind::GPipe,
+        ScheduleKind::OneFOneB,
+        ScheduleKind::Interleaved1F1B,
+        ScheduleKind::ZbH1,
+        ScheduleKind::Zbv,
+        ScheduleKind::DualPipeV,
+    ] {
+        let pipeline = PipelineConfig {
+            schedule,
+            virtual_stages: (schedule == ScheduleKind::Interleaved1F1B).then_some(2),
+            ..PipelineConfig::default()
+        };
+        let pp = step_calls(2, |group, each_step| {
+            train_gpt_pipeline(group, &config, &pipeline, &corpus, &mut |_| each_step()).map_err(
+                |e| burn_parallel::CollectiveError::InvalidArgument {
+                    rank: group.rank(),
+                    op: "pipeline".into(),
+                    reason: e.to_string(),
+                },
+            )?;
+            Ok(())
+        });
+        let what = format!("pp 2 {schedule}");
+        for (r, calls) in pp.iter().enumerate() {
+            println!("{}", describe(&format!("{what}, rank {r}"), calls));
+            assert!(
+                !tensor_ops(calls, "send").is_empty() && !tensor_ops(calls, "recv").is_empty(),
+                "{what}: rank {r} sends and receives its boundary tensors as tensors"
+            );
+        }
+        assert_no_host_copies(&what, &pp);
+        assert_sends_meet_receives_in_order(&what, &pp);
     }
+}
 
+/// Each rank's tensor sends to each other rank (tag and bytes) are, in order, that rank's
+/// tensor receives from it.
+fn assert_sends_meet_receives_in_order(what: &str, calls: &[Vec<LoggedCall>]) {
+    let p2p = |rank: usize, op: &str, peer: usize| -> Vec<(u64, usize)> {
+        tensor_ops(&calls[rank], op)
+            .into_iter()
+            .filter_map(|c| match c.peer {
+                Some((p, tag)) if p == peer => Some((tag, c.bytes)),
+                _ => None,
+            })
+            .collect()
+    };
+    for from in 0..calls.len() {
+        for to in (0..calls.len()).filter(|&to| to != from) {
+            assert_eq!(
+                p2p(from, "send", to),
+                p2p(to, "recv", from),
+                "{what}: the tensors rank {from} sends rank {to} (tag, bytes), in order, are \
+                 the ones rank {to} receives from it"
+            );
+        }
+    }
+}
+
+/// Expert parallelism: its figures, printed (what still stages through the host: MoE's
+/// routing plan is read to the host), and the same sequence on every rank of the expert
+/// group.
+#[test]
+fn expert_parallel_steps_are_logged() {
     let mut moe = tiny_gpt_run(STEP + 2);
     moe.model.moe = Some(burn_moe::MoeConfig::new(moe.model.d_model, 48, 4, 2));
     let ep = layout_calls(
