@@ -608,13 +608,14 @@ mod imp {
                 group.members()[from],
                 group.members()[to]
             );
-            // Nothing to launch: the event recorded after it marks everything before.
-            let launched = comm.launch(
-                &op,
-                group.timeout(),
-                |_| Ok(()),
-                |_, _, _| sys::ncclResult_t::ncclSuccess,
-            )?;
+            // An event recorded now on the channel's stream follows everything launched on it.
+            let event = comm.enqueue(&op, |stream| record_event(stream, false).map_err(|e| e.0))?;
+            let launched = Launched {
+                event,
+                until: deadline(group.timeout()),
+                timeout: group.timeout(),
+                started: None,
+            };
             comm.wait(&op, launched)?;
         }
         Ok(())
