@@ -263,17 +263,13 @@ mod device {
             let prev = (g.rank() + g.size() - 1) % g.size();
             let x = Tensor::<2>::random([3, 4], Distribution::Default, d);
             let sent = x.clone().into_data();
-            // Even ranks send first, odd ranks receive first: device sends complete on receipt.
-            let (received, host) = if g.rank() % 2 == 0 {
-                g.send(x, next, 7)?;
-                g.send_data(TensorData::new(vec![g.rank() as f32], [1]), next, 8)?;
-                (g.recv::<2>(prev, 7, d)?, g.recv::<1>(prev, 8, d)?)
-            } else {
-                let r = (g.recv::<2>(prev, 7, d)?, g.recv::<1>(prev, 8, d)?);
-                g.send(x, next, 7)?;
-                g.send_data(TensorData::new(vec![g.rank() as f32], [1]), next, 8)?;
-                r
-            };
+            // Every rank sends first and receives second: device sends return at once (a
+            // channel per direction), so the ring cannot deadlock once its pairs connected.
+            g.connect_peers(&[next, prev], d)?;
+            g.send(x, next, 7)?;
+            g.send_data(TensorData::new(vec![g.rank() as f32], [1]), next, 8)?;
+            let (received, host) = (g.recv::<2>(prev, 7, d)?, g.recv::<1>(prev, 8, d)?);
+            g.wait_p2p()?;
             // A sub-group of the even ranks gets its own communicator.
             let evens: Vec<usize> = (0..g.size()).step_by(2).collect();
             let sub = if g.rank() % 2 == 0 {

@@ -588,9 +588,40 @@ mod imp {
                     false => group.recv_setup(from),
                 },
             )?;
+            warm_up(&comm, me == from, group.timeout(), op)?;
             slot.channels.insert((from, to), Arc::new(comm));
         }
         Ok(())
+    }
+
+    /// Connects the two ranks of a new channel now, while both are here: NCCL connects a pair
+    /// at its first operation, whose host call waits for the peer, so without this a
+    /// channel's first send would wait for its receiver. One element goes from rank 0 to
+    /// rank 1.
+    fn warm_up(comm: &Communicator, sender: bool, timeout: Duration, op: &str) -> Result<()> {
+        let op = format!("{op}: connecting a channel");
+        // SAFETY: the communicator's context is current inside `enqueue`; four bytes, freed
+        // below once the operation using them completed.
+        let buffer = comm.enqueue(&op, |_| unsafe { cu::malloc_sync(4) }.map_err(|e| e.0))?;
+        let launched = comm.launch(
+            &op,
+            timeout,
+            |_| Ok(()),
+            |lib, c, s| {
+                let float = sys::ncclDataType_t::ncclFloat32;
+                // SAFETY: `buffer` holds one f32 and outlives the operation (waited for).
+                unsafe {
+                    match sender {
+                        true => (lib.send)(ptr(buffer), 1, float, 1, c, s),
+                        false => (lib.recv)(ptr(buffer), 1, float, 0, c, s),
+                    }
+                }
+            },
+        )?;
+        // On a failure the buffer is left allocated: the aborted operation may still hold it.
+        comm.wait(&op, launched)?;
+        // SAFETY: allocated above; the operation that used it completed.
+        comm.enqueue(&op, |_| unsafe { cu::free_sync(buffer) }.map_err(|e| e.0))
     }
 
     /// Waits on the host until everything launched so far on the group's channels has
