@@ -368,14 +368,7 @@ fn pipeline_transfers_are_device_messages_taken_in_send_order() {
     let mut config = config();
     config.model.n_layers = 4;
     let corpus = Corpus::load_default().expect("the bundled corpus");
-    for schedule in [
-        ScheduleKind::GPipe,
-        ScheduleKind::OneFOneB,
-        ScheduleKind::Interleaved1F1B,
-        ScheduleKind::ZbH1,
-        ScheduleKind::Zbv,
-        ScheduleKind::DualPipeV,
-    ] {
+    for schedule in ScheduleKind::GENERATED {
         let pipeline = PipelineConfig {
             schedule,
             virtual_stages: (schedule == ScheduleKind::Interleaved1F1B).then_some(2),

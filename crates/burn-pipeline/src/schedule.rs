@@ -727,6 +727,23 @@ pub enum ScheduleKind {
 }
 
 impl ScheduleKind {
+    /// Every family [`crate::generators::generate`] makes (all but `Custom`).
+    ///
+    /// ```
+    /// use burn_pipeline::{ScheduleKind, generators::generate};
+    /// for kind in ScheduleKind::GENERATED {
+    ///     assert_eq!(generate(kind, 2, 4, None).unwrap().kind(), kind);
+    /// }
+    /// ```
+    pub const GENERATED: [ScheduleKind; 6] = [
+        ScheduleKind::GPipe,
+        ScheduleKind::OneFOneB,
+        ScheduleKind::Interleaved1F1B,
+        ScheduleKind::ZbH1,
+        ScheduleKind::Zbv,
+        ScheduleKind::DualPipeV,
+    ];
+
     /// The name used on command lines and in files.
     pub fn name(self) -> &'static str {
         match self {

@@ -6,14 +6,7 @@ use burn_pipeline::validate::{CommModel, ValidationError, validate};
 use burn_pipeline::{Action, Placement, Schedule, ScheduleError, ScheduleKind};
 
 fn all_kinds() -> [ScheduleKind; 6] {
-    [
-        ScheduleKind::GPipe,
-        ScheduleKind::OneFOneB,
-        ScheduleKind::Interleaved1F1B,
-        ScheduleKind::ZbH1,
-        ScheduleKind::Zbv,
-        ScheduleKind::DualPipeV,
-    ]
+    ScheduleKind::GENERATED
 }
 
 /// Every generator over p in {2, 3, 4}, m in {p .. 4p}, v in {1, 2} (v only varies for
