@@ -361,7 +361,8 @@ fn zero1_fsdp_hsdp_overlap_and_tensor_parallel_layouts_keep_their_data_in_tensor
 /// tensor calls (NCCL's device sends on CUDA), the host carries only their small headers and
 /// the loss, and each rank's tensor sends to the other come in the order the other receives
 /// them: NCCL matches the device messages of one direction in the order they were sent, and
-/// ZBV's second rank wants one of them early (the runtime takes it in order and keeps it).
+/// ZBV's second rank wants one of them before one sent earlier (the runtime runs the
+/// schedule with its receives in send order).
 #[test]
 fn pipeline_transfers_are_device_messages_taken_in_send_order() {
     use burn_pipeline::ScheduleKind;

@@ -93,8 +93,8 @@
 //! keeps the input leaves and the output under `(stage, micro-batch)`. `SEND_*`/`RECV_*` go to
 //! `burn-parallel`'s `ProcessGroup::send`/`recv`, eager sends on every backend (through NCCL in
 //! device memory on CUDA), which matches the validated model: a JSON header (step, shapes, the
-//! boundary's metadata) then each tensor, all under [`Transfer::tag`], a receive taking the
-//! peer's transfers in the order they were sent. Every receive has the group's timeout, so a dead peer is an
+//! boundary's metadata) then each tensor, all under [`Transfer::tag`], each rank's receives run in the
+//! order their senders send them ([`Schedule::with_receives_in_send_order`]). Every receive has the group's timeout, so a dead peer is an
 //! error and never a hang, and a rank that fails aborts the group so that its peers fail at
 //! once. Burn has no `backward(dY)`, so `B`/`I` call `backward()` on the surrogate
 //! `Σ sum(output * dY.detach())` (the loss divided by the micro-batch count on the last

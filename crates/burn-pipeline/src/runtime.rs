@@ -4,7 +4,7 @@
 //! | action | what [`Executor::step`] does |
 //! |---|---|
 //! | `F` | makes the received (or handed-over) boundary tensors leaves that require a gradient, runs [`Stage::forward`], keeps `(leaves, outputs)` under `(stage, micro-batch)` |
-//! | `SEND_F` / `RECV_F` | one header (shapes, metadata, step: a small host message) then the tensors ([`ProcessGroup::send`]/[`ProcessGroup::recv`]: in device memory on NCCL), under [`Transfer::tag`], to and from the rank owning the peer stage; a receive takes the peer's transfers in the order it sent them (see "Transfers" below) |
+//! | `SEND_F` / `RECV_F` | one header (shapes, metadata, step: a small host message) then the tensors ([`ProcessGroup::send`]/[`ProcessGroup::recv`]: in device memory on NCCL), under [`Transfer::tag`], to and from the rank owning the peer stage; each rank's receives run in the order their sender sends them (see "Transfers" below) |
 //! | `B` | backward of the surrogate `Σ sum(output ⊙ dY)` (of `loss / m` on the last stage), whose gradients are those of the loss; reads the leaves' gradients (the input gradient, sent back) and accumulates the stage's parameter gradients ([`GradientsAccumulator`]) |
 //! | `I` | the same backward; the weight gradients of the stage's [`crate::deferred::DeferredLinear`]s are not computed, their `(X, dY)` are recorded (see "Split backward" below) |
 //! | `W` | computes those weight gradients (`dW = Xᵀ dY`) and adds them to the stage's accumulated gradients; nothing for a stage without deferred weights |
@@ -20,8 +20,9 @@
 //! between two ranks (connected by [`Executor::new`], all pairs together), launched after the
 //! kernels that produce them; Burn's stream waits for a receive on the device, not the host.
 //! NCCL matches a direction's messages in the order they were sent, and a schedule may want
-//! them in another order (ZBV at two ranks does): a receive takes the peer's transfers in its
-//! send order, keeping those wanted later. Before each `REDUCE` and at the end of the step the
+//! them in another order (ZBV and DualPipeV do): each rank runs its program with its
+//! receives in its peers' send order ([`Schedule::with_receives_in_send_order`], validated
+//! again), a transfer received ahead waiting in the inbox. Before each `REDUCE` and at the end of the step the
 //! rank waits for its transfers to have arrived ([`ProcessGroup::wait_p2p`]), so that a failed
 //! device transfer is an error before its gradients reach the optimizer.
 //!
@@ -406,35 +407,9 @@ pub struct Executor {
     step: u64,
     /// The precision policy and loss scaler of the forward and the backward's seed.
     precision: Option<TrainStep>,
-    /// What each peer rank sends this rank in a step, in the order it sends it.
-    incoming: HashMap<usize, Vec<Transfer>>,
-}
-
-/// A step's receiving state: how far each peer's sends have been taken, and the transfers
-/// taken ahead of the action that wants them.
-#[derive(Default)]
-struct Inbound {
-    taken: HashMap<usize, usize>,
-    early: HashMap<Transfer, (Vec<BoundaryTensor>, serde_json::Value)>,
-}
-
-/// What each other rank sends `rank` in a step of `schedule`, in that rank's program order
-/// (the order its messages leave, so the order NCCL matches them in).
-fn incoming(schedule: &Schedule, rank: usize) -> HashMap<usize, Vec<Transfer>> {
-    let placement = schedule.placement();
-    let mut out: HashMap<usize, Vec<Transfer>> = HashMap::new();
-    for (peer, program) in schedule.programs().iter().enumerate() {
-        for transfer in program
-            .iter()
-            .filter(|a| a.is_send())
-            .filter_map(Action::transfer)
-        {
-            if peer != rank && placement.rank_of(transfer.to) == Some(rank) {
-                out.entry(peer).or_default().push(transfer);
-            }
-        }
-    }
-    out
+    /// This rank's program as it runs: the schedule's, with its receives in the order their
+    /// senders send them ([`Schedule::with_receives_in_send_order`]).
+    program: Vec<Action>,
 }
 
 impl std::fmt::Debug for Executor {
@@ -485,16 +460,16 @@ impl Executor {
                 theirs,
             });
         }
+        // NCCL matches a direction's device messages in the order they were sent.
+        let in_order = schedule.with_receives_in_send_order();
+        in_order.validate()?;
+        let program = in_order.program(rank).to_vec();
         // Every pair of ranks that exchange tensors connects now, together (on NCCL: the
         // channels of both directions; a send never waits for its receiver after this).
-        let incoming = incoming(&schedule, rank);
         let placement = schedule.placement();
-        let mut peers: Vec<usize> = schedule
-            .program(rank)
+        let mut peers: Vec<usize> = program
             .iter()
-            .filter(|a| a.is_send())
-            .filter_map(|a| placement.rank_of(a.transfer()?.to))
-            .chain(incoming.keys().copied())
+            .filter_map(|a| placement.rank_of(a.peer_stage()?))
             .filter(|&p| p != rank)
             .collect();
         peers.sort_unstable();
@@ -516,7 +491,7 @@ impl Executor {
             specs: HashMap::new(),
             step: 0,
             precision: None,
-            incoming,
+            program,
         })
     }
 
@@ -645,11 +620,10 @@ impl Executor {
             });
         }
         let num_stages = self.schedule.num_stages();
-        let program = self.schedule.program(self.rank).to_vec();
+        let program = self.program.clone();
         let mut saved: HashMap<(usize, usize), Saved> = HashMap::new();
         let mut inbox_act: HashMap<(usize, usize), Boundary> = HashMap::new();
         let mut inbox_grad: HashMap<(usize, usize), Vec<Tensor<1>>> = HashMap::new();
-        let mut inbound = Inbound::default();
         let mut outbox_grad: HashMap<(usize, usize), Vec<BoundaryTensor>> = HashMap::new();
         let mut accumulators: BTreeMap<usize, GradientsAccumulator<M>> = expected
             .iter()
@@ -786,7 +760,7 @@ impl Executor {
                     microbatch,
                 } => {
                     let transfer = action.transfer().expect("a receive");
-                    let (tensors, meta) = self.recv(&action, &transfer, from, &mut inbound)?;
+                    let (tensors, meta) = self.recv(&action, &transfer, from)?;
                     self.check_spec(&transfer, &tensors)?;
                     inbox_act.insert((stage, microbatch), Boundary::from_parts(tensors, meta));
                 }
@@ -921,7 +895,7 @@ impl Executor {
                     microbatch,
                 } => {
                     let transfer = action.transfer().expect("a receive");
-                    let (tensors, _) = self.recv(&action, &transfer, from, &mut inbound)?;
+                    let (tensors, _) = self.recv(&action, &transfer, from)?;
                     inbox_grad.insert(
                         (stage, microbatch),
                         tensors.into_iter().map(|t| t.flat().clone()).collect(),
@@ -959,21 +933,15 @@ impl Executor {
                 end: start.elapsed().as_secs_f64(),
             });
         }
-        if !saved.is_empty()
-            || !inbox_act.is_empty()
-            || !inbox_grad.is_empty()
-            || !inbound.early.is_empty()
-        {
+        if !saved.is_empty() || !inbox_act.is_empty() || !inbox_grad.is_empty() {
             return Err(PipelineError::Protocol {
                 rank: self.rank,
                 action: "end of step".into(),
                 reason: format!(
-                    "{} forward states, {} activations, {} gradients and {} transfers received \
-                     ahead left over",
+                    "{} forward states, {} activations and {} gradients left over",
                     saved.len(),
                     inbox_act.len(),
-                    inbox_grad.len(),
-                    inbound.early.len()
+                    inbox_grad.len()
                 ),
             });
         }
@@ -1110,45 +1078,14 @@ impl Executor {
         Ok(())
     }
 
-    /// Receives `transfer` from the rank of stage `from`. The peer's transfers are taken in
-    /// the order it sent them (NCCL matches two ranks' device messages in that order): those
-    /// it sent before `transfer` and this rank wants later are received first and kept in
-    /// `inbound` (they have left already: the peer sent them before this one).
+    /// Receives the header and the tensors of `transfer` from the rank of stage `from`.
     fn recv(
         &self,
         action: &Action,
         transfer: &Transfer,
         from: usize,
-        inbound: &mut Inbound,
     ) -> Result<(Vec<BoundaryTensor>, serde_json::Value)> {
-        if let Some(received) = inbound.early.remove(transfer) {
-            return Ok(received);
-        }
         let peer = self.peer(action, from)?;
-        loop {
-            let taken = inbound.taken.entry(peer).or_insert(0);
-            let Some(&next) = self.incoming.get(&peer).and_then(|sent| sent.get(*taken)) else {
-                return Err(self.protocol(
-                    action,
-                    &format!("pipeline rank {peer} sends nothing more to this rank in a step"),
-                ));
-            };
-            *taken += 1;
-            let received = self.recv_one(action, &next, peer)?;
-            if next == *transfer {
-                return Ok(received);
-            }
-            inbound.early.insert(next, received);
-        }
-    }
-
-    /// Receives the header and the tensors of `transfer` from pipeline rank `peer`.
-    fn recv_one(
-        &self,
-        action: &Action,
-        transfer: &Transfer,
-        peer: usize,
-    ) -> Result<(Vec<BoundaryTensor>, serde_json::Value)> {
         let tag = self.tag(transfer);
         let header = self
             .group

@@ -5,6 +5,7 @@
 //! generators in [`crate::generators`] build schedules, [`crate::validate`] proves them safe,
 //! [`crate::simulate`] predicts their timing and [`crate::format`] reads and writes them.
 
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::fmt;
 use std::str::FromStr;
 
@@ -288,6 +289,28 @@ impl Action {
             | Action::BackwardInput { .. }
             | Action::BackwardWeight { .. }
             | Action::ReduceGrads { .. } => None,
+        }
+    }
+
+    /// The receive of `transfer`.
+    fn receive(transfer: Transfer) -> Action {
+        let Transfer {
+            payload,
+            from,
+            to,
+            microbatch,
+        } = transfer;
+        match payload {
+            Payload::Activation => Action::RecvActivation {
+                stage: to,
+                from,
+                microbatch,
+            },
+            Payload::Grad => Action::RecvGrad {
+                stage: to,
+                from,
+                microbatch,
+            },
         }
     }
 
@@ -992,6 +1015,75 @@ impl Schedule {
     /// The first [`crate::validate::ValidationError`] found.
     pub fn validate(&self) -> Result<(), crate::validate::ValidationError> {
         crate::validate::validate(self, crate::validate::CommModel::Eager)
+    }
+
+    /// The same schedule with each rank's receives from every other rank in the order that
+    /// rank sends them: a receive wanted before one its sender sent earlier takes that earlier
+    /// one first (moved up from its own place, which it leaves). The runtime runs this form:
+    /// NCCL matches the device messages of one direction between two ranks in the order they
+    /// were sent. Schedules already in that order are returned unchanged (GPipe's, 1F1B's,
+    /// interleaved 1F1B's and ZB-H1's; not ZBV's, nor DualPipeV's beyond two ranks). Under eager sends receiving earlier never waits longer (what
+    /// it takes left its sender before what it wanted), and [`Schedule::validate`] checks the
+    /// result again. A receive with no matching send is left in place for the validator.
+    ///
+    /// ```
+    /// use burn_pipeline::generators::{one_f_one_b, zbv};
+    ///
+    /// let s = one_f_one_b(2, 4).unwrap();
+    /// assert_eq!(s.with_receives_in_send_order(), s);
+    /// let v = zbv(2, 4).unwrap().with_receives_in_send_order();
+    /// assert!(v.validate().is_ok());
+    /// ```
+    pub fn with_receives_in_send_order(&self) -> Schedule {
+        let placement = &self.placement;
+        let programs = self
+            .programs
+            .iter()
+            .enumerate()
+            .map(|(rank, program)| {
+                // What each other rank sends this one, in its order.
+                let mut sent: HashMap<usize, VecDeque<Transfer>> = HashMap::new();
+                for (peer, theirs) in self.programs.iter().enumerate() {
+                    let sends = theirs.iter().filter(|a| a.is_send());
+                    for t in sends.filter_map(Action::transfer) {
+                        if peer != rank && placement.rank_of(t.to) == Some(rank) {
+                            sent.entry(peer).or_default().push_back(t);
+                        }
+                    }
+                }
+                let mut ahead: HashSet<Transfer> = HashSet::new();
+                let mut out = Vec::with_capacity(program.len());
+                for action in program {
+                    let Some(wanted) = action.transfer().filter(|_| action.is_recv()) else {
+                        out.push(*action);
+                        continue;
+                    };
+                    if ahead.remove(&wanted) {
+                        continue; // received ahead, where an earlier receive wanted it
+                    }
+                    let queue = placement
+                        .rank_of(wanted.from)
+                        .and_then(|peer| sent.get_mut(&peer))
+                        .filter(|queue| queue.contains(&wanted));
+                    let Some(queue) = queue else {
+                        out.push(*action);
+                        continue;
+                    };
+                    while let Some(next) = queue.pop_front() {
+                        out.push(Action::receive(next));
+                        if next == wanted {
+                            break;
+                        }
+                        ahead.insert(next);
+                    }
+                }
+                out
+            })
+            .collect();
+        Schedule {
+            programs,
+            ..self.clone()
+        }
     }
 }
 
