@@ -22,9 +22,9 @@
 //! NCCL matches a direction's messages in the order they were sent, and a schedule may want
 //! them in another order (ZBV and DualPipeV do): each rank runs its program with its
 //! receives in its peers' send order ([`Schedule::with_receives_in_send_order`], validated
-//! again), a transfer received ahead waiting in the inbox. Before each `REDUCE` and at the end of the step the
-//! rank waits for its transfers to have arrived ([`ProcessGroup::wait_p2p`]), so that a failed
-//! device transfer is an error before its gradients reach the optimizer.
+//! again), a transfer received ahead waiting in the inbox. Before each `REDUCE` and at the end
+//! of the step the rank waits for its transfers to have arrived ([`ProcessGroup::wait_p2p`]),
+//! so that a failed device transfer is an error before its gradients reach the optimizer.
 //!
 //! *Loss scaling.* The last stage returns the mean loss of its micro-batch; its backward is
 //! seeded with `loss / m`, so the accumulated gradients are those of the mean over the whole
@@ -434,7 +434,13 @@ impl Executor {
     /// [`PipelineError::Invalid`] when the schedule fails the validator;
     /// [`PipelineError::GroupSize`]; [`PipelineError::ScheduleMismatch`] when ranks hold
     /// different schedules (compared by one all-gather over `group`);
-    /// [`PipelineError::Collective`] when that all-gather fails.
+    /// [`PipelineError::Collective`] when that all-gather fails, or connecting to the ranks
+    /// this one exchanges tensors with ([`ProcessGroup::connect_peers`]: on NCCL the channels,
+    /// which wait for the peers).
+    ///
+    /// Each rank runs its program with its receives in the order their senders send them
+    /// ([`Schedule::with_receives_in_send_order`], validated again): NCCL matches the device
+    /// messages of one direction in that order.
     pub fn new(schedule: Schedule, group: ProcessGroup, device: Device) -> Result<Self> {
         schedule.validate()?;
         if schedule.num_ranks() != group.size() {
