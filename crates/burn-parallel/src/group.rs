@@ -1748,3 +1748,27 @@ impl crate::comm::nccl::NcclHost for ProcessGroup {
         ProcessGroup::recv_setup(self, peer)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use burn::tensor::TensorData;
+
+    use crate::run_local;
+
+    /// The stream that sets up NCCL's channels is apart from every user tag: setup bytes and a
+    /// user message, sent in either order, each reach their own receive.
+    #[test]
+    fn the_channel_setup_stream_is_apart_from_user_tags() {
+        let got = run_local(2, |g| {
+            let peer = 1 - g.rank();
+            g.send_data(TensorData::new(vec![7u8], [1]), peer, u64::MAX - 2)?;
+            g.send_setup(vec![g.rank() as u8; 3], peer)?;
+            let setup = g.recv_setup(peer)?;
+            let user = g.recv_data(peer, u64::MAX - 2)?;
+            Ok((setup, user.to_vec::<u8>().unwrap()))
+        })
+        .unwrap();
+        assert_eq!(got[0], (vec![1, 1, 1], vec![7]));
+        assert_eq!(got[1], (vec![0, 0, 0], vec![7]));
+    }
+}
