@@ -1765,7 +1765,7 @@ mod tests {
             g.send_setup(vec![g.rank() as u8; 3], peer)?;
             let setup = g.recv_setup(peer)?;
             let user = g.recv_data(peer, u64::MAX - 2)?;
-            Ok((setup, user.to_vec::<u8>().unwrap()))
+            Ok((setup, user.try_to_vec::<u8>().unwrap()))
         })
         .unwrap();
         assert_eq!(got[0], (vec![1, 1, 1], vec![7]));
