@@ -1,10 +1,10 @@
 //! Ring attention.
 //!
 //! **Forward.** Each rank starts with its own K/V block. For `cp` steps it posts the block it
-//! holds to the next rank (`rank + 1`) *before* computing on it (on host transports the send
-//! does not wait, so the transfer overlaps the block's compute; on NCCL the send and the
-//! receive run as one grouped operation after the compute, see
-//! [`ProcessGroup::send_recv`]), attends its queries to the block, merges the
+//! holds to the next rank (`rank + 1`) *before* computing on it (the send does not wait, on
+//! every backend, so the transfer overlaps the block's compute; on NCCL it runs on the
+//! direction's channel in device memory, see [`ProcessGroup::send_recv`]), attends its
+//! queries to the block, merges the
 //! partial result into its running output with the log-sum-exp rule, and receives the next
 //! block from `rank - 1`: `cp - 1` rotations. Only one `[local_seq, block]` score matrix per
 //! (query segment, key segment) pair exists at a time; no rank builds the full attention
@@ -139,8 +139,8 @@ impl Ring {
     }
 
     /// Starts one rotation of the ring: sends `x` to `to`, receives from `from`
-    /// ([`ProcessGroup::send_recv`]: the send leaves now on host transports, and runs grouped
-    /// with the receive at [`Ring::finish`] on NCCL).
+    /// ([`ProcessGroup::send_recv`]: the send leaves now on every backend, the receive
+    /// completes at [`Ring::finish`]).
     fn shift(&self, x: &Tensor<4>, to: usize, from: usize, tag: u64) -> CpResult<Shift> {
         Ok(Shift {
             exchange: self.group.send_recv(x.clone(), to, from, tag)?,
