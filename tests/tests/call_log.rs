@@ -398,6 +398,30 @@ fn pipeline_transfers_are_device_messages_taken_in_send_order() {
     }
 }
 
+/// Ring attention (context parallelism 2 and 4): its K/V blocks and their gradients rotate
+/// through tensor sends and receives, each rank's sends to its neighbour in the order the
+/// neighbour receives them, and nothing bulky goes through the host.
+#[test]
+fn ring_attention_blocks_are_device_messages_in_send_order() {
+    let config = config();
+    for cp in [2, 4] {
+        let parallel = Parallelism {
+            cp,
+            ..Parallelism::default()
+        };
+        let calls = layout_calls(cp, &parallel, &config);
+        let what = format!("cp {cp} ring");
+        println!("{}", describe(&what, &calls[0]));
+        assert!(
+            !tensor_ops(&calls[0], "send").is_empty(),
+            "{what}: the blocks rotate by tensor sends"
+        );
+        assert_same_sequence(&what, &calls);
+        assert_no_host_copies(&what, &calls);
+        assert_sends_meet_receives_in_order(&what, &calls);
+    }
+}
+
 /// Each rank's tensor sends to each other rank (tag and bytes) are, in order, that rank's
 /// tensor receives from it.
 fn assert_sends_meet_receives_in_order(what: &str, calls: &[Vec<LoggedCall>]) {

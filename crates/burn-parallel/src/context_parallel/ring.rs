@@ -301,10 +301,12 @@ impl Ring {
                 None => contribution,
             };
             if let Some(shift) = shift {
-                // The sums travel with their block: to `rank - 1`, as the block did.
+                // The sums travel with their block: to `rank - 1`, as the block did. Both are
+                // received in the order they were sent (the block first): NCCL matches the
+                // messages between two ranks in that order, whatever their tags.
                 let sums = self.shift(&total, self.prev(), self.next(), TAG_DKV_BACKWARD)?;
-                incoming = Some(self.finish(sums)?);
                 kv = self.finish(shift)?;
+                incoming = Some(self.finish(sums)?);
             }
             dkv = Some(total);
         }
