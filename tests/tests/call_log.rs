@@ -179,6 +179,22 @@ fn assert_no_host_copies(what: &str, ranks: &[Vec<LoggedCall>]) {
     }
 }
 
+/// Each rank's calls of step [`STEP`] under `parallel`, printed as `what` (rank 0), after
+/// checking what every layout that keeps its data on the device must do: the same calls on
+/// every rank ([`assert_same_sequence`]) and no host copies ([`assert_no_host_copies`]).
+fn device_layout(
+    what: &str,
+    world: usize,
+    parallel: &Parallelism,
+    config: &TrainConfig,
+) -> Vec<Vec<LoggedCall>> {
+    let calls = layout_calls(world, parallel, config);
+    println!("{}", describe(what, &calls[0]));
+    assert_same_sequence(what, &calls);
+    assert_no_host_copies(what, &calls);
+    calls
+}
+
 fn zero(stage: Stage) -> Parallelism {
     Parallelism {
         zero: Some(stage),
@@ -192,11 +208,8 @@ fn data_parallel_layouts_keep_gradients_and_parameters_in_tensor_calls() {
     let p = numel(&config);
     for world in [2, 4] {
         // DDP: every gradient all-reduced once, in buckets, as f32.
-        let ddp = layout_calls(world, &Parallelism::default(), &config);
         let what = format!("DDP, {world} ranks");
-        println!("{}", describe(&what, &ddp[0]));
-        assert_same_sequence(&what, &ddp);
-        assert_no_host_copies(&what, &ddp);
+        let ddp = device_layout(&what, world, &Parallelism::default(), &config);
         let reduces = tensor_ops(&ddp[0], "all_reduce");
         assert!(reduces.len() > 1, "{what}: {} buckets", reduces.len());
         assert_eq!(
@@ -207,11 +220,8 @@ fn data_parallel_layouts_keep_gradients_and_parameters_in_tensor_calls() {
 
         // ZeRO-2: the flat gradient reduce-scattered bucket by bucket, never all-reduced; the
         // updated shard all-gathered once.
-        let z2 = layout_calls(world, &zero(Stage::Two), &config);
         let what = format!("ZeRO-2, {world} ranks");
-        println!("{}", describe(&what, &z2[0]));
-        assert_same_sequence(&what, &z2);
-        assert_no_host_copies(&what, &z2);
+        let z2 = device_layout(&what, world, &zero(Stage::Two), &config);
         for (r, calls) in z2.iter().enumerate() {
             let scatters = tensor_ops(calls, "reduce_scatter");
             assert!(scatters.len() > 1, "{what}: {} buckets", scatters.len());
@@ -242,10 +252,7 @@ fn zero1_fsdp_hsdp_overlap_and_tensor_parallel_layouts_keep_their_data_in_tensor
     let p = numel(&config);
     let world = 2;
 
-    let z1 = layout_calls(world, &zero(Stage::One), &config);
-    println!("{}", describe("ZeRO-1, 2 ranks", &z1[0]));
-    assert_same_sequence("ZeRO-1", &z1);
-    assert_no_host_copies("ZeRO-1", &z1);
+    let z1 = device_layout("ZeRO-1, 2 ranks", world, &zero(Stage::One), &config);
     // One reduce-scatter of the whole flat gradient per step (each rank needs the sum of its
     // shard only), no all-reduce, one all-gather of the update.
     let scatters = tensor_ops(&z1[0], "reduce_scatter");
@@ -261,10 +268,7 @@ fn zero1_fsdp_hsdp_overlap_and_tensor_parallel_layouts_keep_their_data_in_tensor
     );
     assert_eq!(tensor_ops(&z1[0], "all_gather").len(), 1);
 
-    let fsdp = layout_calls(world, &zero(Stage::Three), &config);
-    println!("{}", describe("FSDP, 2 ranks", &fsdp[0]));
-    assert_same_sequence("FSDP", &fsdp);
-    assert_no_host_copies("FSDP", &fsdp);
+    let fsdp = device_layout("FSDP, 2 ranks", world, &zero(Stage::Three), &config);
     let (gathers, scatters) = (
         tensor_ops(&fsdp[0], "all_gather"),
         tensor_ops(&fsdp[0], "reduce_scatter"),
@@ -279,7 +283,8 @@ fn zero1_fsdp_hsdp_overlap_and_tensor_parallel_layouts_keep_their_data_in_tensor
     // HSDP: shard over 2 ranks, replicate over 2; each unit's shard gradient, averaged over
     // its shard group by the backward's reduce-scatter, is averaged across the replicas with
     // the other units' in one all-reduce.
-    let hsdp = layout_calls(
+    let hsdp = device_layout(
+        "HSDP 2 x 2",
         4,
         &Parallelism {
             zero: Some(Stage::Three),
@@ -288,9 +293,6 @@ fn zero1_fsdp_hsdp_overlap_and_tensor_parallel_layouts_keep_their_data_in_tensor
         },
         &config,
     );
-    println!("{}", describe("HSDP 2 x 2", &hsdp[0]));
-    assert_same_sequence("HSDP", &hsdp);
-    assert_no_host_copies("HSDP", &hsdp);
     for (r, calls) in hsdp.iter().enumerate() {
         let shard_group = &tensor_ops(calls, "reduce_scatter")[0].members;
         let across_replicas = tensor_ops(calls, "all_reduce")
@@ -303,7 +305,8 @@ fn zero1_fsdp_hsdp_overlap_and_tensor_parallel_layouts_keep_their_data_in_tensor
         );
     }
 
-    let overlap = layout_calls(
+    let overlap = device_layout(
+        "DDP overlapped, 2 ranks",
         world,
         &Parallelism {
             overlap: true,
@@ -311,16 +314,14 @@ fn zero1_fsdp_hsdp_overlap_and_tensor_parallel_layouts_keep_their_data_in_tensor
         },
         &config,
     );
-    println!("{}", describe("DDP overlapped, 2 ranks", &overlap[0]));
-    assert_same_sequence("overlapped DDP", &overlap);
-    assert_no_host_copies("overlapped DDP", &overlap);
     let reduced: usize = tensor_ops(&overlap[0], "all_reduce")
         .iter()
         .map(|c| c.bytes)
         .sum();
     assert_eq!(reduced, 4 * p, "overlapped DDP: every gradient once");
 
-    let tp = layout_calls(
+    let tp = device_layout(
+        "TP 2 + SP",
         world,
         &Parallelism {
             tp: 2,
@@ -329,9 +330,6 @@ fn zero1_fsdp_hsdp_overlap_and_tensor_parallel_layouts_keep_their_data_in_tensor
         },
         &config,
     );
-    println!("{}", describe("TP 2 + SP", &tp[0]));
-    assert_same_sequence("TP + SP", &tp);
-    assert_no_host_copies("TP + SP", &tp);
     assert!(
         tp[0]
             .iter()
@@ -409,15 +407,12 @@ fn ring_attention_blocks_are_device_messages_in_send_order() {
             cp,
             ..Parallelism::default()
         };
-        let calls = layout_calls(cp, &parallel, &config);
         let what = format!("cp {cp} ring");
-        println!("{}", describe(&what, &calls[0]));
+        let calls = device_layout(&what, cp, &parallel, &config);
         assert!(
             !tensor_ops(&calls[0], "send").is_empty(),
             "{what}: the blocks rotate by tensor sends"
         );
-        assert_same_sequence(&what, &calls);
-        assert_no_host_copies(&what, &calls);
         assert_sends_meet_receives_in_order(&what, &calls);
     }
 }

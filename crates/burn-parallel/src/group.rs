@@ -164,19 +164,9 @@ impl ProcessGroup {
         self
     }
 
-    /// Logs a call (when the group has a log) and marks this thread as inside it until the
-    /// guard is dropped, so that the collectives it makes itself are not logged again.
-    pub(crate) fn logged(
-        &self,
-        op: &'static str,
-        path: CallPath,
-        dtype: DType,
-        bytes: usize,
-    ) -> Option<Inside> {
-        self.log_call(op, path, dtype, bytes, None)
-    }
-
-    /// [`Self::logged`] for a point-to-point call with group rank `peer` under `tag`.
+    /// Logs a call (when the group has a log; `peer` and tag for a point-to-point call) and
+    /// marks this thread as inside it until the guard is dropped, so that the collectives it
+    /// makes itself are not logged again.
     fn log_call(
         &self,
         op: &'static str,
@@ -197,6 +187,15 @@ impl ProcessGroup {
         Some(Inside::enter())
     }
 
+    /// Logs a collective on tensor `t` ([`CallPath::Tensor`]).
+    pub(crate) fn logged_tensor<const D: usize>(
+        &self,
+        op: &'static str,
+        t: &Tensor<D>,
+    ) -> Option<Inside> {
+        self.tensor_call(op, t, None)
+    }
+
     /// Logs a point-to-point call on tensor `t` with group rank `peer` under `tag`.
     fn logged_p2p<const D: usize>(
         &self,
@@ -205,18 +204,17 @@ impl ProcessGroup {
         peer: usize,
         tag: u64,
     ) -> Option<Inside> {
-        let bytes = t.shape().num_elements() * t.dtype().size();
-        self.log_call(op, CallPath::Tensor, t.dtype(), bytes, Some((peer, tag)))
+        self.tensor_call(op, t, Some((peer, tag)))
     }
 
-    /// Logs a collective on tensor `t` ([`CallPath::Tensor`]).
-    pub(crate) fn logged_tensor<const D: usize>(
+    fn tensor_call<const D: usize>(
         &self,
         op: &'static str,
         t: &Tensor<D>,
+        peer: Option<(usize, u64)>,
     ) -> Option<Inside> {
         let bytes = t.shape().num_elements() * t.dtype().size();
-        self.logged(op, CallPath::Tensor, t.dtype(), bytes)
+        self.log_call(op, CallPath::Tensor, t.dtype(), bytes, peer)
     }
 
     /// Counts `bytes` handed to the host transport ([`host_bytes_sent`]) and logs the call
