@@ -313,7 +313,7 @@ mod imp {
         let count = crate::cuda::check_device(cuda_device, "LOCAL_RANK")
             .map_err(|e| unavailable(format!("{e}; or use the `tcp` backend")))?;
         // BURN_PARALLEL_NCCL_LIB, else libnccl.so.2, else libnccl.so; the error lists them.
-        let nccl = nccl_lib::get()?;
+        let nccl = nccl_lib::get().map_err(unavailable)?;
         let mut code: c_int = 0;
         // SAFETY: `code` outlives the call; ncclGetVersion only writes the version into it.
         let result = unsafe { (nccl.get_version)(&mut code) };
@@ -709,7 +709,7 @@ mod imp {
                 reason: format!("{what}: {e}"),
             };
             // Loaded already by `probe` (through `attach`); an error here is that same one.
-            let nccl = nccl_lib::get()?;
+            let nccl = nccl_lib::get().map_err(unavailable)?;
             let context = context_of(ordinal).map_err(|e| cuda("retaining the CUDA context", e))?;
             // SAFETY: `context` is a live primary context.
             unsafe { cu::ctx::set_current(context) }
