@@ -1,7 +1,7 @@
 //! A log of the collectives a rank issues, and of where their payload goes: what a training
 //! step would hand to NCCL, proved on any backend.
 //!
-//! A group given a [`CallLog`] ([`ProcessGroup::with_call_log`]; its sub-groups inherit it)
+//! A group given a [`CallLog`] ([`ProcessGroup::with_call_log`](crate::ProcessGroup::with_call_log); its sub-groups inherit it)
 //! appends one [`LoggedCall`] per collective its rank issues, in issue order, before it runs:
 //!
 //! - [`CallPath::Tensor`]: a collective on Burn tensors (`all_reduce`, `all_gather`,
@@ -45,9 +45,6 @@ use std::cell::Cell;
 use std::sync::{Arc, Mutex};
 
 use burn::tensor::DType;
-
-#[cfg(doc)]
-use crate::ProcessGroup;
 
 /// Where a logged collective's payload goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -9,6 +9,7 @@
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -90,11 +91,19 @@ pub struct ProcessGroup {
     tensor_path: bool,
     /// The communication thread of the asynchronous collectives ([`crate::work`]), started at
     /// the first; shared by clones, not by sub-groups.
-    lane: crate::work::LaneSlot,
+    lane: LaneSlot,
     /// Where this rank's calls are logged ([`ProcessGroup::with_call_log`]); inherited by
     /// sub-groups.
     log: Option<CallLog>,
 }
+
+/// A job on a lane: runs a collective on the lane's group.
+pub(crate) type Job = Box<dyn FnOnce(&ProcessGroup) + Send>;
+
+/// A group's lane (shared by its clones): the queue of its communication thread, which runs
+/// started collectives in order on a sub-group over the same ranks ([`crate::work`]). Dropped
+/// with the last clone of its group: the thread finishes the jobs it has and ends.
+type LaneSlot = Arc<Mutex<Option<Sender<Job>>>>;
 
 impl std::fmt::Debug for ProcessGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -325,7 +334,7 @@ impl ProcessGroup {
     }
 
     /// The slot of the group's asynchronous lane ([`crate::work`]).
-    pub(crate) fn lane_slot(&self) -> &crate::work::LaneSlot {
+    pub(crate) fn lane_slot(&self) -> &LaneSlot {
         &self.lane
     }
 

@@ -29,9 +29,8 @@ use burn::module::{Param, ParamId};
 use burn::tensor::{Device, Tensor, TensorData};
 
 use crate::group::ProcessGroup;
-use crate::nn::TpContext;
 use crate::plan::{TpPlan, TpStyle};
-use crate::tensor_parallel::{Shard, TpError, TpResult};
+use crate::tensor_parallel::{Shard, TpContext, TpError, TpResult};
 
 /// Odd constant of SplitMix64 (2^64 / golden ratio).
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -508,31 +507,6 @@ impl Init {
     /// A parameter of zeros (biases).
     pub fn zeros<const D: usize>(&self, shape: [usize; D]) -> Param<Tensor<D>> {
         self.replicated("bias", shape, Initializer::Constant(0.0))
-    }
-
-    /// A linear layer `name` (`name.weight` `[d_in, d_out]`, `name.bias` `[d_out]`), split as
-    /// the plan says: see [`crate::nn::Linear`].
-    ///
-    /// # Errors
-    /// [`TpError::NotDivisible`] when the split cannot be made (heads not divisible by the
-    /// group size); [`TpError::Plan`] when the plan gives a linear layer a style it cannot take.
-    pub fn linear(&self, name: &str, spec: LinearInit) -> TpResult<crate::nn::Linear> {
-        crate::nn::Linear::init(&self.at(name), spec)
-    }
-
-    /// An embedding table `name.weight` `[vocab, d_model]` (Normal(0, `std`)), split by
-    /// vocabulary when the plan says [`TpStyle::Vocab`]: see [`crate::nn::Embedding`].
-    ///
-    /// # Errors
-    /// [`TpError::Plan`] when the plan gives an embedding a style it cannot take.
-    pub fn embedding(
-        &self,
-        name: &str,
-        vocab: usize,
-        d_model: usize,
-        std: f64,
-    ) -> TpResult<crate::nn::Embedding> {
-        crate::nn::Embedding::init(&self.at(name), vocab, d_model, std)
     }
 
     /// The plan's decision for the layer this context is at, for the layers of [`crate::nn`]:

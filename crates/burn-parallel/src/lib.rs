@@ -37,6 +37,8 @@ pub mod calls;
 pub mod checkpoint;
 pub mod context_parallel;
 pub mod cuda;
+#[cfg(feature = "cube")]
+pub(crate) mod device;
 pub mod mesh;
 
 pub use mesh::{DeviceMesh, MeshError, ParallelDims};

@@ -344,6 +344,27 @@ impl DataShards {
     }
 }
 
+// The checkpoint's map of a module, from the registry of its FSDP units: defined here, with
+// `DataShards`, since `crate::checkpoint` sits below the training step.
+impl ParamMap {
+    /// The map of `module` on this rank.
+    ///
+    /// # Arguments
+    /// * `module` - the module as this rank holds it.
+    /// * `tp` - the tensor-parallel context it was built with (`TpContext::single()` for none).
+    /// * `shards` - the registry its FSDP units registered their flat shards in, if any.
+    ///
+    /// # Errors
+    /// [`CheckpointError::Piece`] naming a parameter whose layout cannot be described.
+    pub fn new<M: Module>(
+        module: &M,
+        tp: &TpContext,
+        shards: Option<&DataShards>,
+    ) -> checkpoint::Result<Self> {
+        Self::with_flat_parts(module, tp, |id| shards.and_then(|s| s.flat_parts(id)))
+    }
+}
+
 /// One optimizer step of a model over micro-batches, whatever reduces the gradients and updates
 /// the parameters: the seam between a training loop and the engines, so that one loop serves
 /// every layout. [`Trainer`] (the library's [`TrainStep`] with a Burn optimizer: DDP, FSDP,

@@ -36,14 +36,13 @@
 //! assert_eq!(out[1], vec![3.0, 4.0]);
 //! ```
 
-use std::sync::mpsc::{self, Receiver, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::mpsc::{self, Receiver};
 
 use burn::tensor::Tensor;
 
 use crate::comm::host::ReduceOp;
 use crate::error::{CollectiveError, Result};
-use crate::group::ProcessGroup;
+use crate::group::{Job, ProcessGroup};
 
 /// A collective in flight: [`Work::wait`] returns its result. See the [module docs](self).
 #[must_use = "a Work's result is read by `wait`"]
@@ -149,14 +148,6 @@ impl<T> Work<T> {
         }
     }
 }
-
-/// A job on a lane: runs a collective on the lane's group.
-type Job = Box<dyn FnOnce(&ProcessGroup) + Send>;
-
-/// A group's lane (shared by its clones): the queue of its communication thread, which runs
-/// started collectives in order on a sub-group over the same ranks. Dropped with the last clone
-/// of its group: the thread finishes the jobs it has and ends.
-pub(crate) type LaneSlot = Arc<Mutex<Option<Sender<Job>>>>;
 
 impl ProcessGroup {
     /// Runs `job` on this group's lane (started at the first call) and returns its handle.

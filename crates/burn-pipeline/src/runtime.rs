@@ -68,7 +68,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::schedule::{Action, Payload, Schedule, Transfer};
 use crate::stage::{Boundary, BoundaryTensor, Stage, StageOutput};
-use crate::trace::Span;
+use crate::trace::{Span, StepTrack};
 use crate::validate::ValidationError;
 
 /// A boxed error from the caller's `update` callback.
@@ -247,6 +247,15 @@ pub struct StepReport {
     /// The most micro-batches whose forward state (inputs and outputs) this rank held at once,
     /// per local stage.
     pub peak_held: BTreeMap<usize, usize>,
+}
+
+// The runtime's side of `crate::trace` (defined here, with `StepReport`: the timeline types sit
+// below the runtime and the simulator).
+impl StepTrack {
+    /// This rank's step under the label `name`.
+    pub fn new(name: impl Into<String>, report: &StepReport) -> Self {
+        Self::from_spans(name.into(), report.began, &report.timeline)
+    }
 }
 
 /// The message header sent before a boundary's tensors.

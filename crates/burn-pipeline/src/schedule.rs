@@ -1008,15 +1008,6 @@ impl Schedule {
         hash
     }
 
-    /// Checks the schedule (see [`crate::validate::validate`]) under the eager-send model of
-    /// this suite's transports.
-    ///
-    /// # Errors
-    /// The first [`crate::validate::ValidationError`] found.
-    pub fn validate(&self) -> Result<(), crate::validate::ValidationError> {
-        crate::validate::validate(self, crate::validate::CommModel::Eager)
-    }
-
     /// The same schedule with each rank's receives from every other rank in the order that
     /// rank sends them: a receive wanted before one its sender sent earlier takes that earlier
     /// one first (moved up from its own place, which it leaves). The runtime runs this form:

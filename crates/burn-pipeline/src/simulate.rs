@@ -12,6 +12,7 @@
 use std::fmt::Write as _;
 
 use crate::schedule::{Action, ActionKind, Schedule};
+use crate::trace::{Timeline, Track};
 use crate::validate::{CommModel, ValidationError, validate};
 
 /// Time each action takes, in any unit.
@@ -67,7 +68,7 @@ impl Costs {
     /// let again = simulate(&schedule, &costs).unwrap();
     /// assert!((again.bubble_fraction - unit.bubble_fraction).abs() < 1e-12);
     /// ```
-    pub fn from_timeline(timeline: &crate::trace::Timeline) -> Self {
+    pub fn from_timeline(timeline: &Timeline) -> Self {
         let spans = || timeline.tracks.iter().flat_map(|t| &t.spans);
         let mean = |keep: &dyn Fn(&Span) -> bool| {
             let (sum, n) = spans()
@@ -352,6 +353,25 @@ impl Report {
     /// <https://ui.perfetto.dev>): one track per rank (see
     /// [`crate::trace::Timeline::chrome_trace`]). One cost unit = `us_per_unit` microseconds.
     pub fn chrome_trace(&self, us_per_unit: f64) -> String {
-        crate::trace::Timeline::from_simulated(self).chrome_trace(us_per_unit)
+        Timeline::from_simulated(self).chrome_trace(us_per_unit)
+    }
+}
+
+// The simulator's side of `crate::trace` (defined here, with `Report`: the timeline types sit
+// below the simulator and the runtime).
+impl Timeline {
+    /// The simulator's timeline, one track per rank.
+    pub fn from_simulated(report: &Report) -> Self {
+        Self {
+            tracks: report
+                .timeline
+                .iter()
+                .enumerate()
+                .map(|(r, spans)| Track {
+                    name: format!("rank {r}"),
+                    spans: spans.clone(),
+                })
+                .collect(),
+        }
     }
 }

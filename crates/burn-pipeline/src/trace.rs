@@ -24,9 +24,7 @@ use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 
-use crate::runtime::StepReport;
 use crate::schedule::Action;
-use crate::simulate::Report;
 
 /// One action placed in time.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -68,17 +66,17 @@ pub struct StepTrack {
 }
 
 impl StepTrack {
-    /// This rank's step under the label `name`.
-    pub fn new(name: impl Into<String>, report: &StepReport) -> Self {
-        let began = report
-            .began
+    /// A step under the label `name` that began at `began`, its `spans` in seconds since then.
+    /// (From a step report: `StepTrack::new`, defined with the report in [`crate::runtime`],
+    /// which sits above this module.)
+    pub(crate) fn from_spans(name: String, began: SystemTime, spans: &[Span]) -> Self {
+        let began = began
             .duration_since(SystemTime::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
         Self {
-            name: name.into(),
+            name,
             began,
-            spans: report
-                .timeline
+            spans: spans
                 .iter()
                 .map(|s| (s.action.to_string(), s.start, s.end))
                 .collect(),
@@ -119,21 +117,6 @@ impl Timeline {
             })
             .collect::<Result<Vec<_>, String>>()?;
         Ok(Self { tracks })
-    }
-
-    /// The simulator's timeline, one track per rank.
-    pub fn from_simulated(report: &Report) -> Self {
-        Self {
-            tracks: report
-                .timeline
-                .iter()
-                .enumerate()
-                .map(|(r, spans)| Track {
-                    name: format!("rank {r}"),
-                    spans: spans.clone(),
-                })
-                .collect(),
-        }
     }
 
     /// From the first start to the last end over all tracks.

@@ -306,6 +306,19 @@ impl ValidationError {
     }
 }
 
+// Defined here, with the checks, rather than in `crate::schedule`: the schedule types sit below
+// their validation.
+impl Schedule {
+    /// Checks the schedule (see [`validate`]) under the eager-send model of this suite's
+    /// transports.
+    ///
+    /// # Errors
+    /// The first [`ValidationError`] found.
+    pub fn validate(&self) -> Result<(), ValidationError> {
+        validate(self, CommModel::Eager)
+    }
+}
+
 /// Checks `schedule` and proves it cannot deadlock under `model` (see the module docs for
 /// the list of checks).
 ///

@@ -49,6 +49,7 @@
 //! # std::fs::remove_dir_all(&root).unwrap();
 //! ```
 
+mod error;
 pub mod hf;
 mod module;
 mod region;
@@ -65,7 +66,8 @@ use burn::tensor::{DType, TensorData};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::{CollectiveError, ProcessGroup};
+use crate::ProcessGroup;
+pub use error::{CheckpointError, Result};
 pub use module::{
     FlatPart, FlatParts, LocalParam, LocalState, OPTIM, ParamKind, ParamMap, ScalarsByLogical,
     Segment, flat_space_segments, merged_scalars, read_segments, read_state, scalar_from_json,
@@ -79,70 +81,6 @@ pub use store::{CHUNK_BYTES, FileManifest};
 pub const FORMAT_VERSION: u32 = 1;
 const MANIFEST: &str = "manifest.json";
 const FORMAT: &str = "burn-parallel-dcp";
-
-/// Why a checkpoint could not be saved or loaded.
-#[derive(Debug, thiserror::Error)]
-pub enum CheckpointError {
-    /// A file could not be read or written.
-    #[error("{path}: {source}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// The error.
-        source: std::io::Error,
-    },
-    /// A file does not match the manifest: truncated, altered or missing.
-    #[error("{path}: {reason}")]
-    Corrupt {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong, naming the tensor where one is concerned.
-        reason: String,
-    },
-    /// The checkpoint holds other tensors than the model asks for.
-    #[error(
-        "the checkpoint does not match the model: missing {missing:?}, unexpected {unexpected:?}, \
-         other shapes {shapes:?}; load a checkpoint of this model or map the names"
-    )]
-    Mismatch {
-        /// Tensors the model has and the checkpoint lacks, with their shapes.
-        missing: Vec<(String, Vec<usize>)>,
-        /// Tensors the checkpoint has and the model lacks, with their shapes.
-        unexpected: Vec<(String, Vec<usize>)>,
-        /// Tensors of both with different shapes: (name, checkpoint's, model's).
-        shapes: Vec<(String, Vec<usize>, Vec<usize>)>,
-    },
-    /// The pieces given to a save, or the region asked of a load, do not make sense.
-    #[error("tensor {name}: {reason}")]
-    Piece {
-        /// The logical tensor.
-        name: String,
-        /// What is wrong.
-        reason: String,
-    },
-    /// The ranks could not agree (a collective failed).
-    #[error(transparent)]
-    Collective(#[from] CollectiveError),
-}
-
-impl CheckpointError {
-    fn io(path: &Path, source: std::io::Error) -> Self {
-        Self::Io {
-            path: path.to_path_buf(),
-            source,
-        }
-    }
-    /// [`Self::Piece`]: tensor or state `name` cannot be written or read, for `reason`.
-    pub fn piece(name: &str, reason: impl Into<String>) -> Self {
-        Self::Piece {
-            name: name.to_string(),
-            reason: reason.into(),
-        }
-    }
-}
-
-/// Result of the checkpoint functions.
-pub type Result<T> = std::result::Result<T, CheckpointError>;
 
 /// A part of a logical tensor that one rank saves: its name, region, and data (the region's
 /// elements in its order; any shape with that many elements).

@@ -3,7 +3,8 @@
 //! [`ParamMap`] describes how each parameter *this rank* holds maps onto the logical
 //! (single-device) parameters: whole (replicated), a tensor-parallel shard (from the
 //! [`TpContext`] the model was built with, padding dropped), or a flat FSDP shard covering parts
-//! of several parameters (from the [`DataShards`] the units registered in). With it a rank turns
+//! of several parameters (from the [`DataShards`](crate::train::DataShards) the units registered
+//! in). With it a rank turns
 //! its module, and its optimizer's state, into [`Piece`]s, and reads them back from a checkpoint
 //! saved under any other layout.
 
@@ -19,7 +20,6 @@ use super::{
     Checkpoint, CheckpointError, Piece, Region, Result, TensorSource, check_tensors, even_part,
 };
 use crate::nn::TpContext;
-use crate::train::DataShards;
 
 /// One parameter of an FSDP unit's flat space.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -192,16 +192,17 @@ fn tp_segment(
 }
 
 impl ParamMap {
-    /// The map of `module` on this rank.
-    ///
-    /// # Arguments
-    /// * `module` - the module as this rank holds it.
-    /// * `tp` - the tensor-parallel context it was built with (`TpContext::single()` for none).
-    /// * `shards` - the registry its FSDP units registered their flat shards in, if any.
+    /// The map of `module` on this rank, `flat_parts(id)` saying what the flat FSDP shard `id`
+    /// holds (`None`: not a flat shard). The public constructor, [`ParamMap::new`], takes the
+    /// registry of the shards, `crate::train::DataShards`, and is defined with it.
     ///
     /// # Errors
     /// [`CheckpointError::Piece`] naming a parameter whose layout cannot be described.
-    pub fn new<M: Module>(module: &M, tp: &TpContext, shards: Option<&DataShards>) -> Result<Self> {
+    pub(crate) fn with_flat_parts<M: Module>(
+        module: &M,
+        tp: &TpContext,
+        flat_parts: impl Fn(ParamId) -> Option<FlatParts>,
+    ) -> Result<Self> {
         struct Collect {
             path: Vec<String>,
             params: Vec<(String, ParamId, Vec<usize>)>,
@@ -231,7 +232,7 @@ impl ParamMap {
         let mut logical = BTreeMap::new();
         for (path, id, shape) in collect.params {
             let bad = |reason: String| CheckpointError::piece(&path, reason);
-            let flat = shards.and_then(|s| s.flat_parts(id));
+            let flat = flat_parts(id);
             let (kind, segments) = match flat {
                 None => {
                     let (segment, kind) =

@@ -10,7 +10,7 @@ use burn::tensor::{DType, TensorData};
 use safetensors::tensor::{Dtype, TensorView};
 use serde::{Deserialize, Serialize};
 
-use super::{CheckpointError, Result};
+use super::error::{CheckpointError, Result};
 
 /// Size of the pieces of tensor data that carry their own checksum: the unit a load reads and
 /// verifies.

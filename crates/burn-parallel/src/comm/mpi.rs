@@ -826,7 +826,7 @@ mod backend {
                          most {} s",
                         self.rank,
                         call.signature,
-                        crate::comm::tcp::MAX_TIMEOUT.as_secs()
+                        crate::comm::transport::MAX_TIMEOUT.as_secs()
                     ),
                 }),
             }

@@ -313,7 +313,7 @@ mod imp {
         let count = crate::cuda::check_device(cuda_device, "LOCAL_RANK")
             .map_err(|e| unavailable(format!("{e}; or use the `tcp` backend")))?;
         // BURN_PARALLEL_NCCL_LIB, else libnccl.so.2, else libnccl.so; the error lists them.
-        let nccl = nccl_lib::get()?;
+        let nccl = nccl_lib::get().map_err(unavailable)?;
         let mut code: c_int = 0;
         // SAFETY: `code` outlives the call; ncclGetVersion only writes the version into it.
         let result = unsafe { (nccl.get_version)(&mut code) };
@@ -447,7 +447,7 @@ mod imp {
         watchdog: Mutex<Option<std::sync::mpsc::Sender<Watched>>>,
         /// Where CubeCL's streams wait on the device for this communicator's operations.
         #[cfg(feature = "cuda")]
-        gate: std::sync::OnceLock<Option<crate::kernels::cube::order::Gate>>,
+        gate: std::sync::OnceLock<Option<crate::device::order::Gate>>,
     }
 
     /// An operation the watchdog polls until it completes.
@@ -709,7 +709,7 @@ mod imp {
                 reason: format!("{what}: {e}"),
             };
             // Loaded already by `probe` (through `attach`); an error here is that same one.
-            let nccl = nccl_lib::get()?;
+            let nccl = nccl_lib::get().map_err(unavailable)?;
             let context = context_of(ordinal).map_err(|e| cuda("retaining the CUDA context", e))?;
             // SAFETY: `context` is a live primary context.
             unsafe { cu::ctx::set_current(context) }
@@ -912,9 +912,9 @@ mod imp {
         pub(crate) fn gate(
             &self,
             like: &burn_cubecl::tensor::CubeTensor,
-        ) -> Option<&crate::kernels::cube::order::Gate> {
+        ) -> Option<&crate::device::order::Gate> {
             self.gate
-                .get_or_init(|| crate::kernels::cube::order::Gate::new(like))
+                .get_or_init(|| crate::device::order::Gate::new(like))
                 .as_ref()
         }
 
@@ -1216,10 +1216,8 @@ pub(crate) mod device {
     use super::{NcclHost, all_gather_object};
     use crate::comm::host::{ReduceOp, dtype_code, dtype_from_code};
     use crate::comm::nccl_lib::Nccl;
+    use crate::device::{Held, bind, from_cube, order, to_cube};
     use crate::error::{CollectiveError, Result};
-    use crate::kernels::cube::cublas::{Held, bind};
-    use crate::kernels::cube::fusion::{from_cube, to_cube};
-    use crate::kernels::cube::order;
 
     /// `Ok(result)` when the device path ran; `Err(tensor)` hands the tensor back to the host
     /// path (not a CUDA tensor, a group without NCCL, a dtype NCCL has no type for).

@@ -15,9 +15,10 @@
 //!    `site-packages/nvidia/nccl/lib` is not searched: name its file in [`ENV_VAR`] or add the
 //!    folder to `LD_LIBRARY_PATH`.
 //!
-//! A library that cannot be opened or lacks one of the functions is
-//! [`CollectiveError::BackendUnavailable`] listing every candidate tried and what to install;
-//! nothing here panics.
+//! A library that cannot be opened or lacks one of the functions is an error whose text lists
+//! every candidate tried and what to install (the `nccl` backend reports it as
+//! [`CollectiveError::BackendUnavailable`](crate::CollectiveError::BackendUnavailable)); nothing
+//! here panics.
 
 use std::ffi::{OsString, c_char, c_int, c_void};
 use std::fmt;
@@ -29,8 +30,6 @@ use cudarc::nccl::sys::{
     ncclUniqueId,
 };
 use libloading::Library;
-
-use crate::error::{CollectiveError, Result};
 
 /// The environment variable naming the NCCL library file to load instead of searching for one.
 pub(crate) const ENV_VAR: &str = "BURN_PARALLEL_NCCL_LIB";
@@ -176,9 +175,9 @@ impl fmt::Debug for Nccl {
 /// once); the outcome, success or error, is kept for the life of the process.
 ///
 /// # Errors
-/// [`CollectiveError::BackendUnavailable`] as [`load_from`] reports it.
-pub(crate) fn get() -> Result<&'static Nccl> {
-    static NCCL: OnceLock<Result<Nccl>> = OnceLock::new();
+/// Why NCCL cannot be loaded, as [`load_from`] reports it.
+pub(crate) fn get() -> Result<&'static Nccl, String> {
+    static NCCL: OnceLock<Result<Nccl, String>> = OnceLock::new();
     NCCL.get_or_init(|| load_from(&candidates(std::env::var_os(ENV_VAR))))
         .as_ref()
         .map_err(Clone::clone)
@@ -187,9 +186,9 @@ pub(crate) fn get() -> Result<&'static Nccl> {
 /// Loads NCCL from the first of `candidates` that opens and has every function of the table.
 ///
 /// # Errors
-/// [`CollectiveError::BackendUnavailable`] when none does: the message lists each candidate with
-/// why it failed (the loader's error, or the missing functions) and says what to install or set.
-pub(crate) fn load_from(candidates: &[Candidate]) -> Result<Nccl> {
+/// When none does, why: the text lists each candidate with why it failed (the loader's error, or
+/// the missing functions) and says what to install or set.
+pub(crate) fn load_from(candidates: &[Candidate]) -> Result<Nccl, String> {
     let mut tried = Vec::with_capacity(candidates.len());
     for candidate in candidates {
         if let Candidate::Path(path) = candidate
@@ -240,17 +239,14 @@ pub(crate) fn load_from(candidates: &[Candidate]) -> Result<Nccl> {
              LD_LIBRARY_PATH)"
         )
     };
-    Err(CollectiveError::BackendUnavailable {
-        backend: super::nccl::BACKEND.into(),
-        reason: format!(
-            "libnccl cannot be loaded; tried {}. {advice}",
-            if tried.is_empty() {
-                "nothing".to_string()
-            } else {
-                tried.join("; ")
-            }
-        ),
-    })
+    Err(format!(
+        "libnccl cannot be loaded; tried {}. {advice}",
+        if tried.is_empty() {
+            "nothing".to_string()
+        } else {
+            tried.join("; ")
+        }
+    ))
 }
 
 /// An error's text followed by its sources' (libloading's "dlopen failed" carries the loader's
@@ -270,16 +266,6 @@ fn with_sources(e: &dyn std::error::Error) -> String {
 mod tests {
     use super::*;
 
-    fn reason(e: CollectiveError) -> String {
-        match e {
-            CollectiveError::BackendUnavailable { backend, reason } => {
-                assert_eq!(backend, "nccl");
-                reason
-            }
-            other => panic!("expected BackendUnavailable, got {other:?}"),
-        }
-    }
-
     #[test]
     fn the_variable_is_the_only_candidate_when_set() {
         assert_eq!(
@@ -297,8 +283,7 @@ mod tests {
     #[test]
     fn a_missing_file_is_unavailable_naming_the_path() {
         let path = "/nonexistent/burn-parallel-test/libnccl.so.2";
-        let e = load_from(&[Candidate::Path(path.into())]).unwrap_err();
-        let reason = reason(e);
+        let reason = load_from(&[Candidate::Path(path.into())]).unwrap_err();
         assert!(reason.contains(path), "{reason}");
         assert!(reason.contains(ENV_VAR), "{reason}");
         assert!(reason.contains("libnccl"), "{reason}");
@@ -309,7 +294,7 @@ mod tests {
     #[test]
     fn a_folder_is_unavailable_naming_it() {
         let dir = std::env::temp_dir();
-        let reason = reason(load_from(&[Candidate::Path(dir.clone())]).unwrap_err());
+        let reason = load_from(&[Candidate::Path(dir.clone())]).unwrap_err();
         assert!(reason.contains(&*dir.to_string_lossy()), "{reason}");
         assert!(reason.contains("folder"), "{reason}");
     }
@@ -333,7 +318,7 @@ mod tests {
     #[test]
     fn a_library_without_nccl_symbols_is_unavailable_naming_them() {
         let libc = libc();
-        let reason = reason(load_from(std::slice::from_ref(&libc)).unwrap_err());
+        let reason = load_from(std::slice::from_ref(&libc)).unwrap_err();
         if let Candidate::Path(path) = &libc {
             assert!(reason.contains(&*path.to_string_lossy()), "{reason}");
         }
@@ -347,7 +332,7 @@ mod tests {
     #[test]
     fn every_candidate_is_tried_in_order_and_listed() {
         let absent = Candidate::Name("libnccl-burn-parallel-test-absent.so.2");
-        let reason = reason(load_from(&[absent, Candidate::Name("libc.so.6")]).unwrap_err());
+        let reason = load_from(&[absent, Candidate::Name("libc.so.6")]).unwrap_err();
         let first = reason
             .find("libnccl-burn-parallel-test-absent.so.2")
             .expect(&reason);
@@ -358,10 +343,10 @@ mod tests {
         assert!(reason.contains("Install NCCL"), "{reason}");
     }
 
-    /// The process's NCCL: whatever this machine has, the outcome is a table or a typed error
+    /// The process's NCCL: whatever this machine has, the outcome is a table or an error
     /// (never a panic), and the same on every call.
     #[test]
-    fn get_is_a_table_or_a_typed_error() {
+    fn get_is_a_table_or_an_error() {
         match get() {
             Ok(nccl) => {
                 assert!(get().is_ok());
@@ -372,7 +357,7 @@ mod tests {
                 assert!(version > 0, "{}", nccl.origin());
             }
             Err(e) => {
-                let text = reason(e.clone());
+                let text = e.clone();
                 assert!(text.contains("libnccl"), "{text}");
                 assert_eq!(get().unwrap_err(), e);
             }

@@ -54,7 +54,9 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 pub use auth::{JOB_TOKEN_ENV, JobToken};
-pub use env::{DEFAULT_MASTER_PORT, DEFAULT_RENDEZVOUS_TIMEOUT, LaunchEnv, Launcher, MAX_TIMEOUT};
+pub use env::{DEFAULT_MASTER_PORT, DEFAULT_RENDEZVOUS_TIMEOUT, LaunchEnv, Launcher};
+
+pub use crate::comm::transport::MAX_TIMEOUT;
 
 use crate::comm::transport::DEFAULT_TIMEOUT;
 use crate::comm::transport::{Frame, Mailbox, Transport};

@@ -16,6 +16,12 @@ use crate::error::{CollectiveError, Result};
 /// Default timeout of every wait, unless `BURN_PARALLEL_TIMEOUT_SECS` says otherwise.
 pub const DEFAULT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 
+/// Longest timeout the settings accept (a year): `BURN_PARALLEL_TIMEOUT_SECS`,
+/// `BURN_PARALLEL_RENDEZVOUS_TIMEOUT_SECS`, [`crate::TcpConfig::timeout`] and
+/// [`crate::ProcessGroup::with_timeout`]. To wait "forever", a year is as good, and its deadline
+/// can always be represented. Re-exported as `comm::tcp::MAX_TIMEOUT`.
+pub const MAX_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(365 * 24 * 3600);
+
 /// Identifies an independent ordered message stream between two ranks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct StreamId {
@@ -284,7 +290,7 @@ impl Mailbox {
                     "rank {me}: {}: a deadline that far away cannot be represented; give at \
                      most {} s",
                     op(),
-                    crate::comm::tcp::MAX_TIMEOUT.as_secs()
+                    MAX_TIMEOUT.as_secs()
                 ),
             });
         };

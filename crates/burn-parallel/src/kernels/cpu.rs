@@ -603,7 +603,7 @@ pub fn adamw_step(
     grad: &[f32],
     m: &mut [f32],
     v: &mut [f32],
-    h: &super::AdamWHyper,
+    h: &super::reference::AdamWHyper,
 ) {
     let (bc1, bc2) = h.bias_corrections();
     let decay = (1.0 - h.lr * h.weight_decay as f64) as f32;

@@ -11,8 +11,77 @@
 //! Shapes: rows are the leading dimension (`[rows, cols]`); the public wrappers in
 //! [`super`] reshape arbitrary ranks into this form.
 
+use std::fmt;
+
 use burn::tensor::activation::sigmoid;
 use burn::tensor::{Int, Tensor};
+
+/// Hyper-parameters of one fused AdamW step (Burn's `AdamW` semantics).
+#[derive(Clone, Copy, PartialEq)]
+pub struct AdamWHyper {
+    /// Learning rate of this step.
+    pub lr: f64,
+    /// First-moment decay.
+    pub beta1: f32,
+    /// Second-moment decay.
+    pub beta2: f32,
+    /// Added to `sqrt(v_hat)`.
+    pub eps: f32,
+    /// Decoupled weight decay (the parameter is scaled by `1 - lr * weight_decay`).
+    pub weight_decay: f32,
+    /// 1-based step number (for the bias corrections).
+    pub step: u32,
+}
+
+impl fmt::Debug for AdamWHyper {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "AdamWHyper(lr={}, betas=({}, {}), eps={}, wd={}, step={})",
+            self.lr, self.beta1, self.beta2, self.eps, self.weight_decay, self.step
+        )
+    }
+}
+
+impl AdamWHyper {
+    /// The bias corrections `(1 - beta1^step, 1 - beta2^step)`, computed as Burn does.
+    pub fn bias_corrections(&self) -> (f32, f32) {
+        let t = self.step as i32;
+        (1.0 - self.beta1.powi(t), 1.0 - self.beta2.powi(t))
+    }
+}
+
+/// The causal mask of queries at positions `queries` over keys at positions `keys` (global
+/// positions in one sequence): `[queries.len(), keys.len()]`, `true` where the key comes after
+/// the query (`key > query`: hidden), built on `device` without a host copy. The whole
+/// sequence is `causal_mask(0..s, 0..s, ..)`; [`attention`](super::attention)'s `tq` queries
+/// over `tk` keys are `causal_mask(tk - tq..tk, 0..tk, ..)`; a context-parallel block pairs two
+/// segments. The one mask every composed attention of the suite uses (with `mask_fill` of
+/// `-inf`).
+///
+/// ```
+/// use burn::tensor::Device;
+/// use burn_parallel::kernels::causal_mask;
+///
+/// let hidden = causal_mask(0..3, 0..3, &Device::flex());
+/// let rows = hidden.into_data().to_vec::<bool>().unwrap();
+/// assert_eq!(rows, [false, true, true, false, false, true, false, false, false]);
+/// // the last query of a block over the keys of an earlier one sees them all
+/// let block = causal_mask(4..6, 0..2, &Device::flex());
+/// assert!(block.into_data().to_vec::<bool>().unwrap().iter().all(|h| !h));
+/// ```
+pub fn causal_mask(
+    queries: std::ops::Range<usize>,
+    keys: std::ops::Range<usize>,
+    device: &burn::tensor::Device,
+) -> Tensor<2, burn::tensor::Bool> {
+    let (lq, lk) = (queries.len(), keys.len());
+    let positions =
+        |r: std::ops::Range<usize>| Tensor::<1, Int>::arange(r.start as i64..r.end as i64, device);
+    let rows = positions(queries).reshape([lq, 1]).expand([lq, lk]);
+    let cols = positions(keys).reshape([1, lk]).expand([lq, lk]);
+    cols.greater(rows)
+}
 
 /// Row statistics and output of LayerNorm (`rms == false`) or RMSNorm (`rms == true`).
 ///
@@ -122,7 +191,7 @@ pub fn adamw_step<const D: usize>(
     grad: Tensor<D>,
     m: Tensor<D>,
     v: Tensor<D>,
-    h: &super::AdamWHyper,
+    h: &AdamWHyper,
 ) -> (Tensor<D>, Tensor<D>, Tensor<D>) {
     let pdtype = param.dtype();
     let sdtype = m.dtype();
@@ -216,7 +285,7 @@ fn attention_scores(q: Tensor<3>, k: Tensor<3>, causal: bool, scale: f64) -> Ten
     let device = q.device();
     let scores = q.matmul(k.swap_dims(1, 2)) * scale;
     if causal {
-        let hidden = super::causal_mask(tk - tq..tk, 0..tk, &device)
+        let hidden = causal_mask(tk - tq..tk, 0..tk, &device)
             .unsqueeze::<3>()
             .expand([heads, tq, tk]);
         scores.mask_fill(hidden, f32::NEG_INFINITY)

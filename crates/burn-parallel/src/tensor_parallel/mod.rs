@@ -48,6 +48,7 @@
 //! .unwrap();
 //! ```
 
+pub mod context;
 pub mod dropout;
 pub mod loss;
 pub(crate) mod region;
@@ -62,6 +63,7 @@ use crate::autograd::{
 use crate::error::CollectiveError;
 use crate::group::ProcessGroup;
 
+pub use context::TpContext;
 pub use dropout::{DropoutSite, SeededDropout};
 pub use loss::{CrossEntropyOptions, vocab_parallel_cross_entropy};
 pub use region::VocabSplit;

@@ -2,6 +2,7 @@
 
 use std::time::{Duration, Instant};
 
+use crate::comm::transport::MAX_TIMEOUT;
 use crate::error::{CollectiveError, Result};
 
 /// Port of the rendezvous when SLURM launched the job and `MASTER_PORT` is not set.
@@ -205,11 +206,6 @@ impl LaunchEnv {
         })
     }
 }
-
-/// Longest timeout the settings accept (a year): `BURN_PARALLEL_TIMEOUT_SECS`,
-/// `BURN_PARALLEL_RENDEZVOUS_TIMEOUT_SECS` and [`super::TcpConfig::timeout`]. To wait
-/// "forever", a year is as good, and its deadline can always be represented.
-pub const MAX_TIMEOUT: Duration = Duration::from_secs(365 * 24 * 3600);
 
 fn invalid_timeout(setting: &str, value: String, reason: String) -> CollectiveError {
     CollectiveError::InvalidTimeout {

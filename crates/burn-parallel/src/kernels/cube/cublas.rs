@@ -15,7 +15,7 @@
 //!   server, so cuBLASLt runs on this module's own stream, and each call binds the buffers it
 //!   reads and writes (CubeCL neither frees nor moves a bound allocation). The stream waits for
 //!   Burn's queued work, and Burn's later work for the product, on the device through the
-//!   ordering words of [`super::order`] (`BURN_PARALLEL_STREAM_ORDER=sync` waits on the host
+//!   ordering words of [`crate::device::order`] (`BURN_PARALLEL_STREAM_ORDER=sync` waits on the host
 //!   instead: two host round trips per call).
 //!   The backward's two products share one call.
 //! - **Plans.** A product's descriptors, layouts and the algorithm cuBLASLt's heuristic picks
@@ -31,27 +31,15 @@ use burn::tensor::DType;
 use burn_cubecl::kernel::into_contiguous;
 use burn_cubecl::ops::numeric::empty_device_contiguous_dtype;
 use burn_cubecl::tensor::CubeTensor;
-use cubecl::cuda::CudaRuntime;
-use cubecl_runtime::runtime::Runtime;
 use cudarc::cublaslt::result as lt;
 use cudarc::cublaslt::sys as ltsys;
 use cudarc::driver::result as cu;
 use cudarc::driver::sys as cusys;
 
-use super::order;
-
-type CudaServer = <CudaRuntime as Runtime>::Server;
+use crate::device::{bind, cuda_index, order};
 
 /// Bytes of cuBLASLt's workspace per device (NVIDIA's recommendation for Hopper).
 const WORKSPACE: usize = 32 << 20;
-
-/// The CUDA device index of a CubeCL device, if it is a CUDA device.
-pub(crate) fn cuda_index(device: &cubecl::Device) -> Option<usize> {
-    match device {
-        cubecl::Device::Cuda(cuda) => Some(cuda.index),
-        _ => None,
-    }
-}
 
 /// Whether the linear products on `device` in `dtype` go through cuBLASLt.
 pub(crate) fn routes(device: &cubecl::Device, dtype: DType) -> bool {
@@ -328,29 +316,9 @@ impl DeviceLt {
     }
 }
 
-/// What keeps a set of device buffers bound: dropping it releases them.
-pub(crate) type Held = Vec<Box<dyn std::any::Any>>;
-
-/// Binds `tensors`' device buffers: CubeCL neither frees nor moves a bound allocation, and
-/// binding orders it after the writes of other CubeCL streams (it does not wait for the
-/// device). Returns what keeps them bound (drop it when done) and their addresses.
-pub(crate) fn bind(tensors: &[&CubeTensor]) -> Result<(Held, Vec<u64>), String> {
-    let mut held: Held = Vec::with_capacity(tensors.len());
-    let mut addresses = Vec::with_capacity(tensors.len());
-    for t in tensors {
-        let resource = t
-            .client
-            .get_resource::<CudaServer>(t.handle.clone())
-            .map_err(|e| format!("{e:?}"))?;
-        addresses.push(resource.resource().ptr);
-        held.push(Box::new(resource));
-    }
-    Ok((held, addresses))
-}
-
 /// Runs `f` (cuBLASLt calls on this device's stream, given the state and the buffers'
 /// addresses) ordered after Burn's queued work on `tensors` and before Burn's later work, the
-/// buffers bound meanwhile (see [`super::order`]).
+/// buffers bound meanwhile (see [`crate::device::order`]).
 fn with_bound(tensors: &[&CubeTensor], f: impl FnOnce(&mut DeviceLt, &[u64])) {
     let first = tensors[0];
     let ordinal = cuda_index(&first.device).expect("`routes` admits CUDA devices only");

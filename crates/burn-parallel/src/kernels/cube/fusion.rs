@@ -22,13 +22,13 @@ use burn::backend::Cube;
 use burn::backend::fusion::custom::{
     CustomOpIr, HandleContainer, OperationFn, OperationIr, StreamId, TensorIr, TensorSpec,
 };
-use burn::backend::fusion::{ExecutionError, FusionBackend, FusionRuntime, FusionTensor, NoOp};
+use burn::backend::fusion::{ExecutionError, FusionBackend, FusionRuntime, FusionTensor};
 use burn::backend::tensor::{FloatTensor, IntTensor};
 use burn::tensor::{DType, Shape, Tensor};
 use burn_cubecl::CubeBackend;
 use burn_cubecl::tensor::CubeTensor;
-use burn_ir::{BackendIr, InitOperationIr};
 
+pub use crate::device::{from_cube, to_cube};
 use crate::kernels::{AdamWHyper, FusedKernels, composed, reference};
 
 type Runtime = <CubeBackend as FusionBackend>::FusionRuntime;
@@ -39,31 +39,6 @@ type Lazy = FusionTensor<Runtime>;
 enum Input {
     Float(Lazy),
     Int(Lazy),
-}
-
-/// The resolved device tensor of a lazy one (flushes the work that produces it): for code
-/// that needs device buffers, such as NCCL or a kernel of the user's.
-pub fn to_cube(t: FloatTensor<Cube>) -> CubeTensor {
-    let client = t.client.clone();
-    client.resolve_tensor_float::<CubeBackend>(t)
-}
-
-/// A resolved device tensor as a lazy one (registered with the fusion stream of its device),
-/// the way back from [`to_cube`].
-pub fn from_cube(t: CubeTensor) -> FloatTensor<Cube> {
-    let client = burn::backend::fusion::get_client::<CubeBackend>(&t.device);
-    let (shape, dtype) = (t.meta.shape().clone(), t.dtype);
-    let handle = <CubeBackend as BackendIr>::float_tensor_handle(t);
-    let desc = InitOperationIr::create(shape, dtype, || client.register_tensor_handle(handle));
-    client
-        .register(
-            StreamId::current(),
-            OperationIr::Init(desc),
-            NoOp::<CubeBackend>::new(),
-        )
-        .into_iter()
-        .next()
-        .expect("an init operation has one output")
 }
 
 /// Queues `run` as one custom operation `id` over `inputs`, with outputs described by

@@ -16,8 +16,6 @@ pub(crate) mod cublas;
 pub mod elementwise;
 pub mod fusion;
 pub mod norm;
-#[cfg(feature = "cuda")]
-pub(crate) mod order;
 
 use burn::backend::cubecl::dtype_to_storage_type;
 use burn::backend::ops::FloatTensorOps;

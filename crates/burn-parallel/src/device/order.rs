@@ -31,7 +31,7 @@ use burn_cubecl::tensor::CubeTensor;
 use cubecl::prelude::*;
 use cudarc::driver::sys as cusys;
 
-use super::cublas::{bind, cuda_index};
+use super::{bind, cuda_index};
 
 /// How our streams are ordered with CubeCL's.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
