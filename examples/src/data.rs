@@ -41,6 +41,20 @@ pub enum DataError {
         #[source]
         source: std::io::Error,
     },
+    /// A split of the corpus is shorter than one training window.
+    #[error(
+        "the corpus's {split:?} split has {bytes} bytes, too short for one window of {window} \
+         bytes (--seq-len + 1): use a longer corpus or a shorter --seq-len{hint}",
+        hint = if matches!(split, Split::Validation) { " (or eval_batches = 0 in the config)" } else { "" }
+    )]
+    TooShort {
+        /// The split.
+        split: Split,
+        /// Its length.
+        bytes: usize,
+        /// The window a row needs.
+        window: usize,
+    },
     /// The content is not in the expected format.
     #[error("{path}:{line}: {message}")]
     Format {
@@ -279,6 +293,40 @@ impl Corpus {
             Split::Train => &self.bytes[..self.n_train],
             Split::Validation => &self.bytes[self.n_train..],
         }
+    }
+
+    /// Checks that the training split, and the validation split when `eval_batches` is not 0,
+    /// each hold a window of `seq_len + 1` bytes: a run checks it before its first step rather
+    /// than failing in a rank's batch (or, for the validation split, after training).
+    ///
+    /// # Errors
+    /// [`DataError::TooShort`] naming the split, its bytes and the window.
+    ///
+    /// # Example
+    /// ```
+    /// use examples::data::Corpus;
+    ///
+    /// let corpus = Corpus::from_bytes(vec![b'a'; 1000]); // 950 training bytes, 50 validation
+    /// assert!(corpus.check_windows(32, 8).is_ok());
+    /// assert!(corpus.check_windows(64, 8).is_err()); // validation has no window of 65 bytes
+    /// assert!(corpus.check_windows(64, 0).is_ok());
+    /// ```
+    pub fn check_windows(&self, seq_len: usize, eval_batches: usize) -> Result<(), DataError> {
+        let mut splits = vec![Split::Train];
+        if eval_batches > 0 {
+            splits.push(Split::Validation);
+        }
+        for split in splits {
+            let bytes = self.split(split).len();
+            if bytes <= seq_len {
+                return Err(DataError::TooShort {
+                    split,
+                    bytes,
+                    window: seq_len + 1,
+                });
+            }
+        }
+        Ok(())
     }
 
     /// Start (within the split) of row `row` of the batch of `step`: uniform over the

@@ -150,8 +150,10 @@ fn default_moe_every() -> usize {
     1
 }
 
-/// Hyper-parameters of [`Gpt`]. Serialisable; optional fields have serde defaults.
+/// Hyper-parameters of [`Gpt`]. Serialisable; optional fields have serde defaults, and a key
+/// it does not know is refused.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct GptConfig {
     /// Number of token ids (256 for byte-level text).
     pub vocab_size: usize,

@@ -31,9 +31,10 @@ use crate::init::splitmix64;
 use crate::train_checkpoint::{self, CheckpointOptions};
 use burn_parallel::checkpoint::{Checkpointer, ParamMap};
 
-/// Everything that defines a training run (the model included).
+/// Everything that defines a training run (the model included). A key it does not know is an
+/// error, not a silent default ([`TrainConfig::from_toml`]).
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct TrainConfig {
     /// The model.
     pub model: GptConfig,
@@ -81,7 +82,7 @@ pub struct TrainConfig {
 /// steps in a row multiply it by `growth_factor` (Megatron-LM's `--initial-loss-scale` and
 /// `--loss-scale-window`).
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
-#[serde(default)]
+#[serde(default, deny_unknown_fields)]
 pub struct LossScale {
     /// The first scale.
     pub initial: f64,
@@ -261,7 +262,27 @@ impl TrainConfig {
         }
     }
 
-    /// Checks that the run can be split over `ranks` data-parallel ranks.
+    /// Reads a run from TOML (`gpt --config`): the fields it omits keep their defaults, and a
+    /// key it does not know (a misspelling, another trainer's name) is refused with the nearest
+    /// known key when one is close.
+    ///
+    /// # Errors
+    /// The TOML error, with the suggestion.
+    ///
+    /// # Example
+    /// ```
+    /// use examples::train::TrainConfig;
+    ///
+    /// assert_eq!(TrainConfig::from_toml("lr = 0.01").unwrap().lr, 0.01);
+    /// let err = TrainConfig::from_toml("stpes = 10").unwrap_err();
+    /// assert!(err.contains("did you mean `steps`"), "{err}");
+    /// ```
+    pub fn from_toml(text: &str) -> Result<Self, String> {
+        toml::from_str(text).map_err(|e| with_suggestion(e.message(), &e.to_string()))
+    }
+
+    /// Checks the settings' ranges (each named as its flag or TOML key) and that the run can be
+    /// split over `ranks` data-parallel ranks.
     ///
     /// # Errors
     /// A message saying which setting to change.
@@ -269,6 +290,25 @@ impl TrainConfig {
         self.model.validate().map_err(|e| e.to_string())?;
         if ranks == 0 || self.grad_accum == 0 || self.steps == 0 || self.seq_len == 0 {
             return Err("ranks, grad_accum, steps and seq_len must be at least 1".into());
+        }
+        if self.batch_size == 0 {
+            return Err("batch_size (--batch-size) must be at least 1".into());
+        }
+        let positive = [
+            ("lr (--lr), the peak learning rate", Some(self.lr)),
+            ("bucket_mb (--bucket-mb)", Some(self.bucket_mb)),
+            ("max_grad_norm (--clip)", self.max_grad_norm),
+        ];
+        for (name, value) in positive {
+            if let Some(v) = value.filter(|v| !(v.is_finite() && *v > 0.0)) {
+                return Err(format!("{name} must be a finite number above 0, got {v}"));
+            }
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            return Err(format!(
+                "weight_decay must be a finite number, 0 or above, got {}",
+                self.weight_decay
+            ));
         }
         if !self.batch_size.is_multiple_of(ranks * self.grad_accum) {
             return Err(format!(
@@ -307,6 +347,65 @@ impl TrainConfig {
         let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
         self.lr * (0.1 + 0.9 * cosine)
     }
+}
+
+/// `message` (a deserialiser's, `full` with its position) with the nearest expected field
+/// named when it is an unknown-field error and one field is close to the unknown one.
+fn with_suggestion(message: &str, full: &str) -> String {
+    let names = |text: &str| -> Vec<String> {
+        text.split('`')
+            .skip(1)
+            .step_by(2)
+            .map(str::to_owned)
+            .collect()
+    };
+    let Some(rest) = message.strip_prefix("unknown field ") else {
+        return full.to_owned();
+    };
+    let (unknown, expected) = match rest.split_once(", expected") {
+        Some((unknown, expected)) => (names(unknown), names(expected)),
+        None => return full.to_owned(),
+    };
+    let Some(unknown) = unknown.first() else {
+        return full.to_owned();
+    };
+    let nearest = expected
+        .iter()
+        .map(|known| (edit_distance(unknown, known), known))
+        .min();
+    match nearest {
+        // Close: at most a third of the key's letters differ.
+        Some((d, known)) if d * 3 <= unknown.len().max(known.len()) => {
+            format!("{full}\ndid you mean `{known}`?")
+        }
+        _ => full.to_owned(),
+    }
+}
+
+/// Edit distance between `a` and `b` (by chars): insertions, deletions, substitutions and
+/// swaps of two neighbours (the optimal string alignment distance), each counting 1.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let (a, b): (Vec<char>, Vec<char>) = (a.chars().collect(), b.chars().collect());
+    let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for (i, row) in d.iter_mut().enumerate() {
+        row[0] = i;
+    }
+    for (j, cell) in d[0].iter_mut().enumerate() {
+        *cell = j;
+    }
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            let mut best = (d[i - 1][j] + 1)
+                .min(d[i][j - 1] + 1)
+                .min(d[i - 1][j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                best = best.min(d[i - 2][j - 2] + 1);
+            }
+            d[i][j] = best;
+        }
+    }
+    d[a.len()][b.len()]
 }
 
 /// What one optimizer step did (global figures, the same on every rank).
@@ -784,6 +883,9 @@ pub fn train_gpt_checkpointed(
     checkpoints
         .validate()
         .map_err(|e| invalid(world, "checkpoint", e))?;
+    corpus
+        .check_windows(config.seq_len, config.eval_batches)
+        .map_err(|e| invalid(world, op, e))?;
     let plain = parallel
         .device
         .device()
@@ -1351,4 +1453,201 @@ pub fn named_params<M: Module>(module: &M) -> Vec<NamedParam> {
     };
     module.visit(&mut collect);
     collect.out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each setting out of range is refused by name (each passed before: `--lr nan` trained to
+    /// a NaN loss, `--lr=-1` uphill, `--batch-size 0` on nothing, `--clip=-1` reversed the
+    /// update, `--clip nan` turned clipping off, `--clip 0` froze the weights).
+    #[test]
+    fn settings_out_of_range_are_refused_by_name() {
+        let base = TrainConfig::default();
+        assert_eq!(base.validate(2), Ok(()));
+        let cases: Vec<(&str, TrainConfig)> = vec![
+            (
+                "--lr",
+                TrainConfig {
+                    lr: f64::NAN,
+                    ..base.clone()
+                },
+            ),
+            (
+                "--lr",
+                TrainConfig {
+                    lr: f64::INFINITY,
+                    ..base.clone()
+                },
+            ),
+            (
+                "--lr",
+                TrainConfig {
+                    lr: -1.0,
+                    ..base.clone()
+                },
+            ),
+            (
+                "--lr",
+                TrainConfig {
+                    lr: 0.0,
+                    ..base.clone()
+                },
+            ),
+            (
+                "--batch-size",
+                TrainConfig {
+                    batch_size: 0,
+                    ..base.clone()
+                },
+            ),
+            (
+                "--clip",
+                TrainConfig {
+                    max_grad_norm: Some(-1.0),
+                    ..base.clone()
+                },
+            ),
+            (
+                "--clip",
+                TrainConfig {
+                    max_grad_norm: Some(f64::NAN),
+                    ..base.clone()
+                },
+            ),
+            (
+                "--clip",
+                TrainConfig {
+                    max_grad_norm: Some(0.0),
+                    ..base.clone()
+                },
+            ),
+            (
+                "--bucket-mb",
+                TrainConfig {
+                    bucket_mb: 0.0,
+                    ..base.clone()
+                },
+            ),
+            (
+                "--bucket-mb",
+                TrainConfig {
+                    bucket_mb: -4.0,
+                    ..base.clone()
+                },
+            ),
+            (
+                "weight_decay",
+                TrainConfig {
+                    weight_decay: f64::NAN,
+                    ..base.clone()
+                },
+            ),
+            (
+                "weight_decay",
+                TrainConfig {
+                    weight_decay: -0.1,
+                    ..base.clone()
+                },
+            ),
+        ];
+        for (flag, config) in cases {
+            let err = config.validate(2).expect_err(flag);
+            assert!(err.contains(flag), "{flag}: {err}");
+        }
+    }
+
+    /// A TOML key the config does not know is refused (it was silently ignored), at the top
+    /// and in the model's section, with the nearest key when one is close.
+    #[test]
+    fn unknown_toml_keys_are_refused() {
+        let err = TrainConfig::from_toml("stpes = 10").unwrap_err();
+        assert!(
+            err.contains("stpes") && err.contains("did you mean `steps`"),
+            "{err}"
+        );
+        let err = TrainConfig::from_toml("learning_rate = 0.5").unwrap_err();
+        assert!(
+            err.contains("unknown field `learning_rate`") && err.contains("`lr`"),
+            "{err}"
+        );
+        let model = "[model]\nvocab_size = 256\nn_layers = 2\nn_heads = 4\nd_model = 128\n\
+                     d_ff = 512\nmax_seq_len = 64\nn_head = 4\n";
+        let err = TrainConfig::from_toml(model).unwrap_err();
+        assert!(err.contains("did you mean `n_heads`"), "{err}");
+        let config = TrainConfig::from_toml("lr = 0.01\n[loss_scale]\ninitial = 1024.0").unwrap();
+        assert_eq!(
+            (config.lr, config.loss_scale.unwrap().initial),
+            (0.01, 1024.0)
+        );
+    }
+
+    /// A corpus whose validation split is shorter than a window is refused before the first
+    /// step, on every rank (a rank's batch panicked before; the validation's after training).
+    #[test]
+    fn a_corpus_shorter_than_a_window_is_refused_before_training() {
+        let config = TrainConfig {
+            steps: 2,
+            batch_size: 4,
+            ..TrainConfig::default()
+        };
+        // 950 training bytes, 50 of validation: windows of 65 bytes fit only the first.
+        let corpus = Corpus::from_bytes(vec![b'a'; 1000]);
+        let steps = std::sync::atomic::AtomicUsize::new(0);
+        let err = burn_parallel::run_local(2, |group| {
+            let count = |_: &StepStats| {
+                steps.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            };
+            train_gpt(&group, &config, &corpus, &mut { count })
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("Validation split has 50 bytes"), "{err}");
+        assert_eq!(steps.into_inner(), 0, "no step before the refusal");
+    }
+
+    /// A NaN or infinite loss is a typed error, not an update (it trained on to NaN weights
+    /// and exited 0 before); with a loss scaler the step is skipped instead, as before.
+    #[test]
+    fn a_non_finite_loss_refuses_the_update() {
+        use burn::module::Param;
+        use burn_parallel::nn::TpContext;
+
+        #[derive(Module, Debug)]
+        struct Weights {
+            w: Param<Tensor<1>>,
+        }
+        let device = Device::flex().autodiff();
+        let model = Weights {
+            w: Param::from_tensor(Tensor::from_floats([1.0, 2.0], &device)),
+        };
+        let mut optim = AdamWConfig::new().init();
+        for bad in [f32::NAN, f32::INFINITY] {
+            let forward = |m: &Weights| Ok::<_, CollectiveError>(m.w.val().sum().mul_scalar(bad));
+            let step = TrainStep::new(TpContext::single());
+            match step.step_with(model.clone(), forward, &mut optim, 1e-3) {
+                Err(CollectiveError::NonFinite { what, value, .. }) => {
+                    assert_eq!(what, "loss");
+                    assert_eq!(value.is_nan(), bad.is_nan());
+                }
+                other => panic!("a loss of {bad} must be refused: {other:?}"),
+            }
+            let scaled = TrainStep::new(TpContext::single()).with_loss_scaler(LossScaler::new(8.0));
+            let (kept, out) = scaled
+                .step_with(model.clone(), forward, &mut optim, 1e-3)
+                .unwrap();
+            assert!(out.skipped, "a loss scaler skips the step");
+            let weights = kept.w.val().into_data().try_to_vec::<f32>().unwrap();
+            assert_eq!(weights, vec![1.0, 2.0]);
+        }
+    }
+
+    #[test]
+    fn edit_distance_counts_edits() {
+        assert_eq!(edit_distance("stpes", "steps"), 1);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("", "lr"), 2);
+        assert_eq!(edit_distance("n_head", "n_heads"), 1);
+    }
 }

@@ -150,9 +150,32 @@ pub enum CollectiveError {
         /// NCCL's error and its last-error text.
         reason: String,
     },
+    /// A training step's loss (averaged over the data-parallel ranks) or its gradients' global
+    /// norm is not a finite number, and no loss scaler skips the step: the update is refused
+    /// on every rank alike (both figures are global), before anything is written into the
+    /// weights.
+    #[error(
+        "rank {rank}: the step's {what} is {value}: the update was refused (training stops \
+         here; a checkpoint saved before holds finite weights); lower the learning rate, clip \
+         the gradients, or check the data and the initial weights (under fp16, a loss scaler \
+         skips such steps instead)"
+    )]
+    NonFinite {
+        /// Global rank of the caller.
+        rank: usize,
+        /// `"loss"` or `"gradient norm"`.
+        what: &'static str,
+        /// The value.
+        value: f64,
+    },
 }
 
 impl CollectiveError {
+    /// A step's loss or gradient norm that is not finite, on `rank`.
+    pub fn non_finite(rank: usize, what: &'static str, value: f64) -> Self {
+        CollectiveError::NonFinite { rank, what, value }
+    }
+
     /// `true` when the error means another rank is gone (and so the job cannot continue).
     pub fn is_peer_failure(&self) -> bool {
         matches!(

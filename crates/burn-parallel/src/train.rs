@@ -994,7 +994,9 @@ impl TrainStep {
     /// [`StepPhases::reduce`]; then [`Self::apply`], timed as [`StepPhases::optimizer`].
     ///
     /// # Errors
-    /// The loss average's collective error; `reduce`'s error.
+    /// The loss average's collective error; `reduce`'s error;
+    /// [`crate::CollectiveError::NonFinite`] when the averaged loss or the gradient norm is NaN
+    /// or infinite and no loss scaler skipped the step (the model is not updated).
     pub fn finish_with<M: Module, E: From<crate::CollectiveError>>(
         &self,
         model: M,
@@ -1015,6 +1017,24 @@ impl TrainStep {
             },
         );
         let (loss, reduced) = reduced?;
+        // Megatron-LM's check: a NaN or infinite loss (or gradient norm, when clipping computes
+        // it) stops training rather than writing NaN into the weights. Both figures are global,
+        // so every rank refuses the same step. A loss scaler's overflow skips the step instead.
+        if !reduced.overflow {
+            let figures = [
+                ("loss", Some(f64::from(loss))),
+                ("gradient norm", reduced.grad_norm),
+            ];
+            if let Some((what, Some(value))) = figures
+                .into_iter()
+                .find(|(_, v)| v.is_some_and(|v| !v.is_finite()))
+            {
+                let rank = loss_group
+                    .or(self.tp.group())
+                    .map_or(0, |g| g.global_rank());
+                return Err(crate::CollectiveError::non_finite(rank, what, value).into());
+            }
+        }
         let grad_norm = reduced.grad_norm;
         let (model, skipped) = phases.time(
             |p| &mut p.optimizer,

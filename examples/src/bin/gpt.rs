@@ -317,7 +317,7 @@ fn config_from(args: &Args) -> Result<TrainConfig, String> {
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .map_err(|e| format!("reading {}: {e}", path.display()))?;
-            toml::from_str(&text).map_err(|e| format!("parsing {}: {e}", path.display()))?
+            TrainConfig::from_toml(&text).map_err(|e| format!("parsing {}: {e}", path.display()))?
         }
         None => TrainConfig::default(),
     };
@@ -656,7 +656,11 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    let corpus = match Corpus::load_from(args.data_dir.as_deref()) {
+    let corpus = Corpus::load_from(args.data_dir.as_deref()).and_then(|corpus| {
+        corpus.check_windows(config.seq_len, config.eval_batches)?;
+        Ok(corpus)
+    });
+    let corpus = match corpus {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");
