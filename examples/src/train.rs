@@ -1641,6 +1641,26 @@ mod tests {
             let weights = kept.w.val().into_data().try_to_vec::<f32>().unwrap();
             assert_eq!(weights, vec![1.0, 2.0]);
         }
+        // ZeRO-2's engine over two ranks: both refuse the step, before its update.
+        let outcomes = burn_parallel::run_local(2, |group| {
+            let device = Device::flex().autodiff();
+            let model = Weights {
+                w: Param::from_tensor(Tensor::from_floats([1.0, 2.0], &device)),
+            };
+            let adamw = AdamWConfig::new().build();
+            let config = ZeroConfig::new(Stage::Two);
+            let mut zero =
+                ZeroOptimizer::new(&model, ShardGroups::flat(group), config, adamw).unwrap();
+            let model = zero.prepare_module(model).unwrap();
+            let mut forward = |m: &Weights, _: usize| Ok(m.w.val().sum().mul_scalar(f32::NAN));
+            let engine: &mut dyn StepEngine<Weights, ZeroError> = &mut zero;
+            match engine.step_accumulated(model, 1, &mut forward, 1e-3) {
+                Err(ZeroError::Collective(CollectiveError::NonFinite { what, .. })) => Ok(what),
+                other => panic!("ZeRO must refuse a NaN loss: {other:?}"),
+            }
+        })
+        .unwrap();
+        assert_eq!(outcomes, vec!["loss", "loss"]);
     }
 
     #[test]

@@ -231,6 +231,7 @@ where
             },
         );
         let (mut experts, outside) = experts?;
+        let loss = self.zero.mean_loss(local).map_err(zero_err)?;
         let (model, info) = phases.time(
             |p| &mut p.optimizer,
             || -> crate::Result<_> {
@@ -246,7 +247,6 @@ where
             },
         )?;
         parallel.update_biases();
-        let loss = self.zero.groups().mean(local).map_err(zero_err)?;
         Ok((
             model,
             StepOutput {

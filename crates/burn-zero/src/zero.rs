@@ -693,6 +693,23 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         &self.groups
     }
 
+    /// `local_loss` averaged over the data-parallel ranks, refused when it is NaN or infinite
+    /// and no loss scaler would skip the step (call it before [`Self::step`], so that nothing
+    /// is written into the weights; every rank refuses alike, the average being global).
+    ///
+    /// # Errors
+    /// The all-reduce's error; [`CollectiveError::NonFinite`](burn_parallel::CollectiveError)
+    /// for a non-finite loss without a loss scaler.
+    pub fn mean_loss(&self, local_loss: f32) -> Result<f32> {
+        let loss = self.groups.mean(local_loss)?;
+        if !loss.is_finite() && self.scaler.is_none() {
+            let rank = self.groups.shard.global_rank();
+            let error = burn_parallel::CollectiveError::non_finite(rank, "loss", loss.into());
+            return Err(ZeroError::Collective(error));
+        }
+        Ok(loss)
+    }
+
     /// The sharded optimizer (for checkpoints).
     pub fn optimizer(&self) -> &ShardedOptimizer<O> {
         &self.optim
@@ -1687,8 +1704,8 @@ where
                 Ok(self.accumulate(&model, grads)?)
             },
         )?;
+        let loss = self.mean_loss(local)?;
         let (model, info) = phases.time(|p| &mut p.optimizer, || self.step(lr, model))?;
-        let loss = self.groups().mean(local)?;
         Ok((
             model,
             StepOutput {
