@@ -26,7 +26,7 @@ use burn_pipeline::partition::by_count;
 use burn_pipeline::runtime::Executor;
 use burn_pipeline::update::{StageOptimizer, StageUpdater};
 use burn_zero::{Fsdp, ShardGroups, Stage, ZeroConfig, ZeroError, ZeroOptimizer};
-use model::{Config, Decoder, fsdp_plan, tp_plan};
+use model::{Config, Decoder, fsdp_plan, moe_tp_plan, tp_plan};
 use std::collections::BTreeMap;
 
 const STEPS: usize = 20;
@@ -1183,6 +1183,34 @@ fn byo_moe_engines_accumulate_shard_and_resume_under_any_layout() {
         assert_matches(what, (losses, params), &whole);
     }
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// `byo_model`'s MoE command (`--layout ddp --ranks 4 --experts 8 --ep 2`) builds the decoder
+/// as every layout does, through `Init::with_tp`: with the dense plan the MLP's rules match no
+/// layer of the MoE variant, and the command failed at once with that error; the MoE variant's
+/// plan builds it, on every rank.
+#[test]
+fn byo_moe_builds_through_its_tensor_parallel_plan() {
+    let dims = ParallelDims {
+        dp_replicate: 4,
+        ep: 2,
+        ..ParallelDims::default()
+    };
+    let out = run_local(dims.world_size(), move |world| {
+        let mesh = dims.build(&world).unwrap();
+        let parallel = MoeParallel::from_mesh(&dims, &mesh).unwrap();
+        let device = Device::flex().autodiff();
+        let moe = model::moe_config(&config(), 8, 2);
+        let build = |plan: TpPlan| {
+            let init = Init::new(config().seed, &device).with_tp(mesh.group("tp").unwrap(), plan);
+            Decoder::with_experts(&init.unwrap(), &config(), &moe, &parallel).map(|_| ())
+        };
+        let dense = build(tp_plan(false)).unwrap_err().to_string();
+        assert!(dense.contains("layers.*.mlp.down"), "{dense}");
+        build(moe_tp_plan(false)).unwrap();
+        Ok(())
+    });
+    assert_eq!(out.unwrap().len(), 4);
 }
 
 fn moe() -> burn_moe::MoeConfig {

@@ -67,7 +67,7 @@ use burn_pipeline::update::{StageOptimizer, StageUpdater};
 use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroOptimizer};
 use clap::{Parser, ValueEnum};
 use examples::data::{Corpus, Split};
-use model::{Config, Decoder, fsdp_plan, moe_config, tp_plan};
+use model::{Config, Decoder, fsdp_plan, moe_config, moe_tp_plan, tp_plan};
 
 /// Arithmetic of the forward and backward.
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
@@ -386,7 +386,10 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
     let mesh = dims.build(&world).unwrap_or_else(|e| panic!("{e}"));
     let group = |name: &str| mesh.group(name).expect("built by ParallelDims").clone();
     let init = Init::new(config().seed, &device)
-        .with_tp(&group("tp"), tp_plan(sp))
+        .with_tp(
+            &group("tp"),
+            if moe { moe_tp_plan(sp) } else { tp_plan(sp) },
+        )
         .unwrap_or_else(|e| panic!("{e}"));
     let fsdp = fsdp_plan(&group("dp_shard")).with_prefetch(args.prefetch);
     let settings = CpSettings {

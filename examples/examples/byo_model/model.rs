@@ -46,14 +46,22 @@ pub fn fsdp_plan(group: &burn_parallel::ProcessGroup) -> FsdpPlan {
     FsdpPlan::new(group).unit("layers.*")
 }
 
-/// The tensor-parallel plan of this model (torchtitan's `parallelize_llama`, in six lines).
+/// The tensor-parallel plan of this model (torchtitan's `parallelize_llama`): the attention,
+/// vocabulary and norm rules of [`moe_tp_plan`] and the MLP's two.
 pub fn tp_plan(sequence_parallel: bool) -> TpPlan {
+    moe_tp_plan(sequence_parallel)
+        .colwise("layers.*.mlp.{gate,up}")
+        .rowwise("layers.*.mlp.down")
+}
+
+/// [`tp_plan`] for the MoE variant ([`Decoder::with_experts`]), whose layers hold experts in
+/// place of the MLP: the experts are split by expert parallelism, not by these rules (a rule
+/// that matches no layer is an error, so the MLP's rules cannot stay).
+pub fn moe_tp_plan(sequence_parallel: bool) -> TpPlan {
     TpPlan::new()
         .vocab("{embed,head}")
         .colwise("layers.*.attn.{q,k,v}")
         .rowwise("layers.*.attn.o")
-        .colwise("layers.*.mlp.{gate,up}")
-        .rowwise("layers.*.mlp.down")
         .sequence_norm("**.norm*")
         .with_sequence_parallel(sequence_parallel)
 }
