@@ -498,6 +498,45 @@ impl Hardware {
         }
     }
 
+    /// [`Self::from_units`] for figures a user typed: each must be finite and above 0 (the
+    /// memory below 2^64 bytes), and an error names the figure as it was given, where
+    /// `from_units` would turn a negative or NaN memory into 0 bytes and an infinite one into
+    /// 16 EiB.
+    ///
+    /// # Errors
+    /// [`PlanError::Hardware`] naming `memory_gib`, `tflops` or `link_gb_per_s` and its value.
+    ///
+    /// # Example
+    /// ```
+    /// use burn_parallel::planner::Hardware;
+    ///
+    /// assert_eq!(Hardware::try_from_units(1.0, 2.0, 3.0).unwrap(), Hardware::from_units(1.0, 2.0, 3.0));
+    /// let err = Hardware::try_from_units(-16.0, 100.0, 25.0).unwrap_err().to_string();
+    /// assert!(err.contains("memory_gib") && err.contains("-16"), "{err}");
+    /// assert!(Hardware::try_from_units(f64::INFINITY, 100.0, 25.0).is_err());
+    /// assert!(Hardware::try_from_units(16.0, f64::NAN, 25.0).is_err());
+    /// ```
+    pub fn try_from_units(
+        memory_gib: f64,
+        tflops: f64,
+        link_gb_per_s: f64,
+    ) -> Result<Self, PlanError> {
+        let figures = [
+            ("memory_gib", memory_gib, u64::MAX as f64 / GIB),
+            ("tflops", tflops, f64::MAX),
+            ("link_gb_per_s", link_gb_per_s, f64::MAX),
+        ];
+        for (field, value, max) in figures {
+            if !(value.is_finite() && value > 0.0 && value < max) {
+                return Err(PlanError::Hardware {
+                    field,
+                    reason: format!("is {value}; give a positive, finite figure"),
+                });
+            }
+        }
+        Ok(Self::from_units(memory_gib, tflops, link_gb_per_s))
+    }
+
     fn validate(&self) -> Result<(), PlanError> {
         let err = |field, v: f64| PlanError::Hardware {
             field,

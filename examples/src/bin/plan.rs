@@ -171,7 +171,13 @@ fn main() -> ExitCode {
         fused: a.fused,
         ..Training::new(a.world, a.batch, a.seq_len)
     };
-    let hw = Hardware::from_units(a.memory_gib, a.tflops, a.link_gbps);
+    let hw = match Hardware::try_from_units(a.memory_gib, a.tflops, a.link_gbps) {
+        Ok(hw) => hw,
+        Err(e) => {
+            eprintln!("error: {e} (--memory-gib, --tflops, --link-gbps)");
+            return ExitCode::from(2);
+        }
+    };
     let result = match plan(&shape, &training, &hw) {
         Ok(p) => p,
         Err(e) => {
