@@ -171,9 +171,17 @@ pub enum CollectiveError {
 }
 
 impl CollectiveError {
-    /// A step's loss or gradient norm that is not finite, on `rank`.
-    pub fn non_finite(rank: usize, what: &'static str, value: f64) -> Self {
-        CollectiveError::NonFinite { rank, what, value }
+    /// `Ok` when `value` (a step's `what`: its loss or gradient norm, on `rank`) is finite,
+    /// [`CollectiveError::NonFinite`] otherwise: the one check every engine runs before its
+    /// update.
+    ///
+    /// # Errors
+    /// [`CollectiveError::NonFinite`] for a NaN or infinite `value`.
+    pub fn ensure_finite(rank: usize, what: &'static str, value: f64) -> Result<()> {
+        match value.is_finite() {
+            true => Ok(()),
+            false => Err(CollectiveError::NonFinite { rank, what, value }),
+        }
     }
 
     /// `true` when the error means another rank is gone (and so the job cannot continue).

@@ -1021,18 +1021,12 @@ impl TrainStep {
         // it) stops training rather than writing NaN into the weights. Both figures are global,
         // so every rank refuses the same step. A loss scaler's overflow skips the step instead.
         if !reduced.overflow {
-            let figures = [
-                ("loss", Some(f64::from(loss))),
-                ("gradient norm", reduced.grad_norm),
-            ];
-            if let Some((what, Some(value))) = figures
-                .into_iter()
-                .find(|(_, v)| v.is_some_and(|v| !v.is_finite()))
-            {
-                let rank = loss_group
-                    .or(self.tp.group())
-                    .map_or(0, |g| g.global_rank());
-                return Err(crate::CollectiveError::non_finite(rank, what, value).into());
+            let rank = loss_group
+                .or(self.tp.group())
+                .map_or(0, |g| g.global_rank());
+            crate::CollectiveError::ensure_finite(rank, "loss", loss.into())?;
+            if let Some(norm) = reduced.grad_norm {
+                crate::CollectiveError::ensure_finite(rank, "gradient norm", norm)?;
             }
         }
         let grad_norm = reduced.grad_norm;

@@ -702,10 +702,9 @@ impl<O: ElementWise> ZeroOptimizer<O> {
     /// for a non-finite loss without a loss scaler.
     pub fn mean_loss(&self, local_loss: f32) -> Result<f32> {
         let loss = self.groups.mean(local_loss)?;
-        if !loss.is_finite() && self.scaler.is_none() {
+        if self.scaler.is_none() {
             let rank = self.groups.shard.global_rank();
-            let error = burn_parallel::CollectiveError::non_finite(rank, "loss", loss.into());
-            return Err(ZeroError::Collective(error));
+            burn_parallel::CollectiveError::ensure_finite(rank, "loss", loss.into())?;
         }
         Ok(loss)
     }
