@@ -372,3 +372,16 @@ impl MoeConfig {
         dense.num_params() - self.d_model * self.top_k + self.d_model * self.n_experts
     }
 }
+
+/// The MoE error at the suite's surface: a collective, tensor-parallel or ZeRO failure as
+/// [`burn_parallel::Error`] converts those, the rest as [`burn_parallel::Error::Technique`].
+impl From<MoeError> for burn_parallel::Error {
+    fn from(e: MoeError) -> Self {
+        match e {
+            MoeError::Collective(e) => e.into(),
+            MoeError::Tp(e) => e.into(),
+            MoeError::Zero(e) => e.into(),
+            e => Self::Technique(Box::new(e)),
+        }
+    }
+}

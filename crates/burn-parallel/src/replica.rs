@@ -14,7 +14,7 @@
 
 use std::collections::BTreeMap;
 
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::tensor::Tensor;
 use serde::{Deserialize, Serialize};
 
@@ -89,10 +89,14 @@ fn param_hash<const D: usize>(path: &str, param: &Param<Tensor<D>>) -> u64 {
 }
 
 /// The fingerprints of the float parameters of `module` whose path passes `keep`.
-fn fingerprint<M: Module>(module: &M, rank: usize, keep: &dyn Fn(&str) -> bool) -> Fingerprint {
+fn fingerprint<M: Module>(
+    module: &M,
+    rank: usize,
+    keep: &dyn Fn(&str, ParamId) -> bool,
+) -> Fingerprint {
     struct Hasher<'a> {
         stack: Vec<String>,
-        keep: &'a dyn Fn(&str) -> bool,
+        keep: &'a dyn Fn(&str, ParamId) -> bool,
         out: Vec<(String, u64)>,
     }
     impl ModuleVisitor for Hasher<'_> {
@@ -104,7 +108,7 @@ fn fingerprint<M: Module>(module: &M, rank: usize, keep: &dyn Fn(&str) -> bool) 
         }
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let path = self.stack.join(".");
-            if (self.keep)(&path) {
+            if (self.keep)(&path, param.id) {
                 let hash = param_hash(&path, param);
                 self.out.push((path, hash));
             }
@@ -191,10 +195,32 @@ pub fn verify_replicas_in<M: Module>(
     groups: &[&ProcessGroup],
     keep: impl Fn(&str) -> bool,
 ) -> Result<(), ReplicaError> {
+    verify_replicas_where(module, groups, &|path, _| keep(path))
+}
+
+/// [`verify_replicas_in`] for the parameters whose id passes `keep` (the experts of a
+/// mixture-of-experts model are replicas over other ranks than the rest: select them by their
+/// registry of ids, whatever their paths).
+///
+/// # Errors
+/// See [`verify_replicas`].
+pub fn verify_replicas_of<M: Module>(
+    module: &M,
+    groups: &[&ProcessGroup],
+    keep: impl Fn(ParamId) -> bool,
+) -> Result<(), ReplicaError> {
+    verify_replicas_where(module, groups, &|_, id| keep(id))
+}
+
+fn verify_replicas_where<M: Module>(
+    module: &M,
+    groups: &[&ProcessGroup],
+    keep: &dyn Fn(&str, ParamId) -> bool,
+) -> Result<(), ReplicaError> {
     let Some(first) = groups.first() else {
         return Ok(());
     };
-    let mut known = vec![fingerprint(module, first.global_rank(), &keep)];
+    let mut known = vec![fingerprint(module, first.global_rank(), keep)];
     for group in groups {
         if group.size() == 1 {
             continue;

@@ -1236,3 +1236,15 @@ fn surrogate(outputs: &[BoundaryTensor], grads: Vec<Tensor<1>>) -> Option<Tensor
         .map(|(out, dy)| (out.flat().clone() * dy.detach()).sum())
         .reduce(|a, b| a + b)
 }
+
+/// The pipeline's error at the suite's surface: a failed send or receive as
+/// [`burn_parallel::Error::Collective`] (the collective error names the rank and the call), the
+/// rest as [`burn_parallel::Error::Technique`].
+impl From<PipelineError> for burn_parallel::Error {
+    fn from(e: PipelineError) -> Self {
+        match e {
+            PipelineError::Collective { source, .. } => source.into(),
+            e => Self::Technique(Box::new(e)),
+        }
+    }
+}

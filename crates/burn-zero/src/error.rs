@@ -80,3 +80,18 @@ impl From<ZeroError> for burn_parallel::tensor_parallel::TpError {
         }
     }
 }
+
+/// ZeRO's error at the suite's surface: a collective, tensor-parallel, checkpoint or replica
+/// failure as that variant of [`burn_parallel::Error`], the rest as
+/// [`burn_parallel::Error::Technique`].
+impl From<ZeroError> for burn_parallel::Error {
+    fn from(e: ZeroError) -> Self {
+        match e {
+            ZeroError::Collective(e) => e.into(),
+            ZeroError::Tp(e) => e.into(),
+            ZeroError::Checkpoint(e) => e.into(),
+            ZeroError::Replica(e) => e.into(),
+            e => Self::Technique(Box::new(e)),
+        }
+    }
+}

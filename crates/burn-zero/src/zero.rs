@@ -69,8 +69,11 @@ use crate::memory::{Category, MemoryReport, MemoryTracker};
 use crate::optim::{ElementWise, ShardedOptimizer};
 use crate::precision::{LossScaler, LossScalerState, MixedPrecision};
 
-/// Which ZeRO stage.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+/// Which ZeRO stage. In a config file it is its number (`zero = 2`).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(try_from = "usize", into = "usize")]
 pub enum Stage {
     /// Optimizer state sharded.
     One,
@@ -104,6 +107,20 @@ impl Stage {
             Stage::Two => 2,
             Stage::Three => 3,
         }
+    }
+}
+
+impl TryFrom<usize> for Stage {
+    type Error = ZeroError;
+
+    fn try_from(n: usize) -> Result<Self> {
+        Self::from_number(n)
+    }
+}
+
+impl From<Stage> for usize {
+    fn from(stage: Stage) -> usize {
+        stage.number()
     }
 }
 

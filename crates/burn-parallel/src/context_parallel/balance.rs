@@ -14,13 +14,17 @@ use serde::{Deserialize, Serialize};
 use super::{CpError, CpResult};
 
 /// How the sequence is split over the ranks of a context-parallel group.
+/// In a config file, as on the command line: `none` or `head-tail`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum CpBalance {
     /// Contiguous chunks in rank order (the sequence length must divide by `cp`).
+    #[serde(alias = "None")]
     None,
     /// Head-tail (zigzag) chunks: `2 cp` chunks, rank `r` holds `r` and `2cp-1-r` (the sequence
     /// length must divide by `2 cp`).
     #[default]
+    #[serde(alias = "HeadTail", alias = "headtail", alias = "zigzag")]
     HeadTail,
 }
 

@@ -127,12 +127,16 @@ pub enum CpError {
 pub type CpResult<T> = Result<T, CpError>;
 
 /// Which algorithm moves the sequence around attention.
+/// In a config file, as on the command line: `ring` or `ulysses`.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum CpKind {
     /// Ring attention: K/V blocks rotate around the group ([`ring_attention`]).
     #[default]
+    #[serde(alias = "Ring")]
     Ring,
     /// Ulysses: all-to-all to head-sharded and back ([`ulysses_attention`]).
+    #[serde(alias = "Ulysses")]
     Ulysses,
 }
 

@@ -1,0 +1,453 @@
+//! [`build`]: from a [`Layout`], the world and the user's [`ParallelModel`], this rank's model
+//! and the engine that steps it.
+//!
+//! The assembly is two steps, each usable alone:
+//!
+//! 1. [`Placed::new`]: the mesh and its groups, the plans (tensor parallel, FSDP, experts,
+//!    context parallel), this rank's model built through them, and the check that the replicas
+//!    agree. A run that starts from other weights (a Hugging Face checkpoint) loads them into
+//!    [`Placed::model`] here, before the engine makes its master copies.
+//! 2. [`Placed::into_engine`]: the [`StepEngine`] of the layout, composed of orthogonal parts:
+//!    the data reduction (DDP, overlapped DDP, FSDP's reduce-scatter, ZeRO-1/2's sharded
+//!    optimizer), the precision policy, and, for a mixture-of-experts model, burn-moe's expert
+//!    step around it.
+
+use burn::module::Module;
+use burn::optim::AdamWConfig;
+use burn::tensor::Device;
+use burn_moe::{MoeParallel, MoeStep, MoeTrainer, MoeZero};
+use burn_parallel::context_parallel::{ContextParallel, CpSettings};
+use burn_parallel::init::Init;
+use burn_parallel::optim::FusedAdamWConfig;
+use burn_parallel::overlap::OverlappedDdp;
+use burn_parallel::plan::TpPlan;
+use burn_parallel::precision::{LossScaler, MixedPrecision};
+use burn_parallel::replica::{verify_replicas_in, verify_replicas_of};
+use burn_parallel::train::{StepEngine, TrainStep, Trainer};
+use burn_parallel::{DeviceMesh, DistributedDataParallel, Error, ParallelDims, ProcessGroup};
+use burn_zero::{FsdpPlan, MemoryTracker, ShardGroups, Stage, ZeroConfig, ZeroOptimizer};
+
+use crate::layout::{Layout, Workload};
+
+/// What the builder needs of a user's model: how to split it and how to build it. Implement it
+/// on the model's config (the model does not exist before the layout places it).
+///
+/// # Example
+/// A one-layer model trained by data parallelism over two ranks: the same code runs any
+/// layout the model's plans allow.
+/// ```
+/// use burn::module::Module;
+/// use burn::tensor::{Device, Tensor};
+/// use burn_moe::MoeParallel;
+/// use burn_parallel::init::LinearInit;
+/// use burn_parallel::nn::Linear;
+/// use burn_parallel::plan::TpPlan;
+/// use burn_parallel::{Error, ProcessGroup};
+/// use burn_parallel_train::{Layout, ModelParts, ParallelModel, StepSettings, build, run_local};
+/// use burn_zero::FsdpPlan;
+///
+/// #[derive(Module, Debug)]
+/// struct Tiny {
+///     fc: Linear,
+/// }
+///
+/// struct TinyConfig;
+///
+/// impl ParallelModel for TinyConfig {
+///     type Model = Tiny;
+///     fn n_heads(&self) -> usize { 1 }
+///     fn seed(&self) -> u64 { 7 }
+///     fn tp_plan(&self, _sp: bool) -> TpPlan { TpPlan::new() }
+///     fn fsdp_plan(&self, shard: &ProcessGroup, _experts: &MoeParallel) -> FsdpPlan {
+///         FsdpPlan::new(shard)
+///     }
+///     fn build(&self, parts: &ModelParts) -> Result<Tiny, Error> {
+///         Ok(Tiny { fc: parts.init.linear("fc", LinearInit::new(4, 1))? })
+///     }
+/// }
+///
+/// let losses = run_local(2, |world| {
+///     let device = Device::flex().autodiff();
+///     let settings = StepSettings { batch_size: 2, ..StepSettings::default() };
+///     let mut run = build(&world, &Layout::default(), &TinyConfig, &device, &settings)?;
+///     let rank = run.groups.data.rank() as f32;
+///     let mut forward = |m: &Tiny, _micro: usize| -> Result<Tensor<1>, Error> {
+///         let x = Tensor::<2>::full([1, 4], rank, &device);
+///         Ok(m.fc.forward(x)?.powi_scalar(2).mean())
+///     };
+///     let (_, out) = run.engine.step_accumulated(run.model, 1, &mut forward, 1e-2)?;
+///     Ok(out.loss)
+/// })
+/// .unwrap();
+/// // The loss is the mean over the data-parallel ranks: every rank reports the same.
+/// assert_eq!(losses[0], losses[1]);
+/// ```
+pub trait ParallelModel {
+    /// The model on one rank (its parameters on an autodiff device).
+    type Model: Module + 'static;
+
+    /// Attention heads (tensor parallelism splits whole heads; 1 for a model without).
+    fn n_heads(&self) -> usize;
+
+    /// Experts per MoE layer; `None` (the default) for a dense model.
+    fn n_experts(&self) -> Option<usize> {
+        None
+    }
+
+    /// Whether the model applies dropout (refused under context parallelism).
+    fn has_dropout(&self) -> bool {
+        false
+    }
+
+    /// The seed of [`Init`]: every rank builds the same parameters from it.
+    fn seed(&self) -> u64;
+
+    /// The tensor-parallel plan (with sequence parallelism when `sequence_parallel`).
+    fn tp_plan(&self, sequence_parallel: bool) -> TpPlan;
+
+    /// The FSDP plan over `shard`: which sub-modules are units; the experts of `experts` stay
+    /// whole (they differ between expert-parallel ranks).
+    fn fsdp_plan(&self, shard: &ProcessGroup, experts: &MoeParallel) -> FsdpPlan;
+
+    /// Builds this rank's model from the layout's parts.
+    ///
+    /// # Errors
+    /// Whatever the model's build refuses.
+    fn build(&self, parts: &ModelParts) -> Result<Self::Model, Error>;
+}
+
+/// What the layout gives a model's [`ParallelModel::build`].
+pub struct ModelParts {
+    /// The seed, the device and the tensor-parallel plan.
+    pub init: Init,
+    /// FSDP's plan (`zero` stage 3), or `None`.
+    pub fsdp: Option<FsdpPlan>,
+    /// The expert-parallel groups and the registry of expert parameters.
+    pub experts: MoeParallel,
+    /// The context-parallel group and settings (`cp > 1`), or `None`.
+    pub context_parallel: Option<ContextParallel>,
+    /// This rank's data-parallel index: the stream of its dropout masks.
+    pub data_rank: usize,
+}
+
+/// How the engine steps: what is not the layout's split.
+#[derive(Debug, Clone)]
+pub struct StepSettings {
+    /// Compute and reduction dtypes, fp32 master weights ([`MixedPrecision::full`]: fp32).
+    pub precision: MixedPrecision,
+    /// Dynamic loss scaling (fp16).
+    pub loss_scaler: Option<LossScaler>,
+    /// Global gradient-norm clipping.
+    pub max_grad_norm: Option<f64>,
+    /// AdamW's decoupled weight decay.
+    pub weight_decay: f32,
+    /// Bytes per gradient bucket of DDP and ZeRO.
+    pub bucket_bytes: usize,
+    /// One fused AdamW kernel per parameter (the CubeCL path) instead of Burn's composed AdamW.
+    pub fused_adamw: bool,
+    /// Sequences per optimizer step, over all data-parallel ranks.
+    pub batch_size: usize,
+    /// Tokens per sequence.
+    pub seq_len: usize,
+    /// Micro-steps per optimizer step.
+    pub grad_accum: usize,
+}
+
+impl Default for StepSettings {
+    fn default() -> Self {
+        Self {
+            precision: MixedPrecision::full(),
+            loss_scaler: None,
+            max_grad_norm: Some(1.0),
+            weight_decay: 0.0,
+            bucket_bytes: 25 << 20,
+            fused_adamw: false,
+            batch_size: 1,
+            seq_len: 1,
+            grad_accum: 1,
+        }
+    }
+}
+
+impl StepSettings {
+    /// The layout rules' view of `model` trained with these settings.
+    pub fn workload<P: ParallelModel>(&self, model: &P) -> Workload {
+        Workload {
+            n_heads: model.n_heads(),
+            n_experts: model.n_experts(),
+            dropout: model.has_dropout(),
+            seq_len: self.seq_len,
+            batch_size: self.batch_size,
+            grad_accum: self.grad_accum,
+            mixed_precision: !self.precision.is_full() || self.loss_scaler.is_some(),
+        }
+    }
+}
+
+/// The groups of a placed layout.
+#[derive(Debug, Clone)]
+pub struct Groups {
+    /// Every rank.
+    pub world: ProcessGroup,
+    /// The mesh of the layout.
+    pub mesh: DeviceMesh,
+    /// Its dimensions.
+    pub dims: ParallelDims,
+    /// The data-parallel ranks: each takes its rows of the global batch.
+    pub data: ProcessGroup,
+    /// The ranks that average gradients and the loss: the data-parallel ranks and the
+    /// context-parallel ones (which hold other tokens of the same rows).
+    pub reduce: ProcessGroup,
+    /// The ranks that hold identical copies of the same parameters (every data rank under
+    /// DDP; the ranks of one shard position under FSDP).
+    pub replicate: ProcessGroup,
+    /// The FSDP shard group (the data ranks, with the context-parallel ones).
+    pub shard: ProcessGroup,
+}
+
+/// A layout placed on this rank: its groups and plans, and the model built through them.
+pub struct Placed<P: ParallelModel> {
+    /// The layout.
+    pub layout: Layout,
+    /// The groups.
+    pub groups: Groups,
+    /// This rank's model.
+    pub model: P::Model,
+    /// FSDP's plan (`zero` stage 3).
+    pub fsdp: Option<FsdpPlan>,
+    /// The experts' groups and registry.
+    pub experts: MoeParallel,
+    /// The seed, the device and the tensor-parallel plan the model was built with.
+    pub init: Init,
+    /// Whether the model has experts.
+    moe: bool,
+}
+
+/// A layout built on this rank: the model and the engine that steps it.
+pub struct Built<P: ParallelModel> {
+    /// This rank's model (in the compute dtype under ZeRO's mixed precision).
+    pub model: P::Model,
+    /// The engine: one call per optimizer step ([`StepEngine::step_accumulated`]).
+    pub engine: Box<dyn StepEngine<P::Model, Error>>,
+    /// The groups.
+    pub groups: Groups,
+    /// FSDP's plan (`zero` stage 3): its memory account.
+    pub fsdp: Option<FsdpPlan>,
+    /// The experts' groups and registry.
+    pub experts: MoeParallel,
+    /// ZeRO-1/2's memory account.
+    pub zero_memory: Option<MemoryTracker>,
+}
+
+/// Builds `model` on this rank of `world` under `layout`, with the engine that steps it.
+/// Every rank calls it.
+///
+/// # Errors
+/// A layout that cannot run (as [`Error::Invalid`] naming its flag), a model that cannot be
+/// split, collective failures, replicas that differ.
+pub fn build<P: ParallelModel>(
+    world: &ProcessGroup,
+    layout: &Layout,
+    model: &P,
+    device: &Device,
+    settings: &StepSettings,
+) -> Result<Built<P>, Error> {
+    Placed::new(world, layout, model, device, settings)?.into_engine(settings)
+}
+
+impl<P: ParallelModel> Placed<P> {
+    /// Places `layout` on this rank of `world`: validates it for `model` and `settings`, builds
+    /// the mesh, the plans and the model, and checks that the replicas agree. `device` is the
+    /// autodiff device the model trains on. Every rank calls it.
+    ///
+    /// # Errors
+    /// As [`build`].
+    pub fn new(
+        world: &ProcessGroup,
+        layout: &Layout,
+        model: &P,
+        device: &Device,
+        settings: &StepSettings,
+    ) -> Result<Self, Error> {
+        layout.validate(world.size(), &settings.workload(model))?;
+        if layout.pp > 1 {
+            return Err(Error::invalid(
+                "--pp",
+                "the builder does not assemble pipeline stages yet: run a pipeline with \
+                 burn-pipeline's Executor and StageUpdater",
+            ));
+        }
+        let dims = layout.dims(world.size());
+        let mesh = dims.build(world)?;
+        let group = |name: &str| mesh.group(name).cloned();
+        let data = dims.data_parallel(&mesh)?;
+        let (reduce, shard) = match dims.cp {
+            1 => (data.clone(), group("dp_shard")?),
+            _ => (dims.gradient_reduction(&mesh)?, dims.shard_with_cp(&mesh)?),
+        };
+        let groups = Groups {
+            world: world.clone(),
+            dims,
+            data,
+            reduce,
+            replicate: group("dp_replicate")?,
+            shard,
+            mesh,
+        };
+        let init = Init::new(model.seed(), device)
+            .with_tp(&groups.mesh.group("tp")?.clone(), model.tp_plan(layout.sp))?;
+        let experts = match model.n_experts() {
+            Some(_) => MoeParallel::from_mesh(&groups.dims, &groups.mesh)?,
+            None => MoeParallel::default(),
+        };
+        let fsdp = (layout.zero == Some(Stage::Three)).then(|| {
+            model
+                .fsdp_plan(&groups.shard, &experts)
+                .with_prefetch(layout.prefetch)
+        });
+        let context_parallel = match groups.dims.cp {
+            1 => None,
+            _ => {
+                let settings = CpSettings {
+                    kind: layout.cp_kind,
+                    balance: layout.cp_balance,
+                };
+                Some(
+                    ContextParallel::new(groups.mesh.group("cp")?, settings)
+                        .map_err(|e| Error::invalid("--cp", e))?,
+                )
+            }
+        };
+        let parts = ModelParts {
+            init,
+            fsdp,
+            experts,
+            context_parallel,
+            data_rank: groups.data.rank(),
+        };
+        let built = model.build(&parts)?;
+        let ModelParts {
+            init,
+            fsdp,
+            experts,
+            ..
+        } = parts;
+        // Seeded init gives identical replicas; fail loudly if they are not. Under expert
+        // parallelism the experts' replicas are the ranks holding the same experts.
+        match &experts.expert_dp {
+            Some(expert_dp) if experts.ep.is_some() => {
+                let registry = experts.experts.clone();
+                verify_replicas_of(&built, &[expert_dp], |id| registry.contains(&id))?;
+                verify_replicas_of(&built, &[&groups.replicate], |id| !registry.contains(&id))?;
+            }
+            _ => verify_replicas_in(&built, &[&groups.replicate], |_| true)?,
+        }
+        Ok(Self {
+            layout: *layout,
+            groups,
+            model: built,
+            fsdp,
+            experts,
+            init,
+            moe: model.n_experts().is_some(),
+        })
+    }
+
+    /// The engine of the layout for the placed model (see the module's doc for its parts).
+    ///
+    /// # Errors
+    /// ZeRO or MoE settings that cannot run; collective failures.
+    pub fn into_engine(self, settings: &StepSettings) -> Result<Built<P>, Error> {
+        let Self {
+            layout,
+            groups,
+            mut model,
+            fsdp,
+            experts,
+            init,
+            moe,
+        } = self;
+        let adamw = AdamWConfig::new().with_weight_decay(settings.weight_decay);
+        let mut zero_memory = None;
+        let engine: Box<dyn StepEngine<P::Model, Error>> = match layout.zero {
+            Some(stage @ (Stage::One | Stage::Two)) => {
+                let shard_groups = match layout.replicate {
+                    1 => ShardGroups::flat(groups.reduce.clone()),
+                    _ => ShardGroups::hybrid(&groups.mesh)?,
+                };
+                // fp32 master shards and AdamW state; the experts (different on each
+                // expert-parallel rank) stay out of the flat space.
+                let config = ZeroConfig::new(stage)
+                    .with_max_grad_norm(settings.max_grad_norm)
+                    .with_precision(settings.precision)
+                    .with_loss_scaler(settings.loss_scaler.clone())
+                    .with_offload(layout.offload)
+                    .with_bucket_bytes(settings.bucket_bytes);
+                let registry = experts.experts.clone();
+                let zero = ZeroOptimizer::new_excluding(
+                    &model,
+                    shard_groups,
+                    config,
+                    adamw.build(),
+                    |id| registry.contains(&id),
+                )?
+                .with_tensor_parallel(&init.context());
+                model = zero.prepare_module(model)?;
+                zero_memory = Some(zero.tracker().clone());
+                match moe {
+                    true => {
+                        let step = MoeStep::new(TrainStep::new(init.context()), &experts);
+                        Box::new(MoeZero::new(zero, step, adamw.init())?)
+                    }
+                    false => Box::new(zero),
+                }
+            }
+            _ => {
+                let mut step = TrainStep::new(init.context())
+                    .with_precision(settings.precision)
+                    // MoeStep clips itself (its norm counts each expert once).
+                    .with_clip(settings.max_grad_norm.filter(|_| !moe));
+                if let Some(scaler) = &settings.loss_scaler {
+                    step = step.with_loss_scaler(scaler.clone());
+                }
+                let reduce = &groups.reduce;
+                if layout.overlap {
+                    step = step.with_overlap(
+                        OverlappedDdp::new(reduce.clone()).with_bucket_bytes(settings.bucket_bytes),
+                    );
+                } else if reduce.size() > 1 {
+                    step = step.with_ddp(
+                        DistributedDataParallel::new(reduce.clone())
+                            .with_bucket_bytes(settings.bucket_bytes),
+                    );
+                }
+                if let Some(plan) = &fsdp {
+                    step = step
+                        .with_fsdp(plan.shards().clone(), Some(groups.replicate.clone()))
+                        .with_fsdp_no_sync(layout.no_sync);
+                }
+                let optim = match settings.fused_adamw {
+                    true => FusedAdamWConfig::new()
+                        .with_weight_decay(settings.weight_decay)
+                        .init(),
+                    false => adamw.init(),
+                };
+                match moe {
+                    true => {
+                        let step = MoeStep::new(step, &experts).with_clip(settings.max_grad_norm);
+                        Box::new(MoeTrainer::new(step, optim))
+                    }
+                    false => Box::new(Trainer::new(step, optim)),
+                }
+            }
+        };
+        Ok(Built {
+            model,
+            engine,
+            groups,
+            fsdp,
+            experts,
+            zero_memory,
+        })
+    }
+}

@@ -1,0 +1,23 @@
+//! The trainer of the `burn-parallel` suite: what every user of the technique crates would
+//! otherwise write again around their model.
+//!
+//! - [`Layout`]: the whole parallel layout in one value (data parallel replicate and shard,
+//!   tensor and sequence, context, pipeline, expert parallel, the ZeRO stage and its options),
+//!   built in code or read from TOML, with **one** [`Layout::validate`] that holds every rule of
+//!   which techniques compose and names, in its [`LayoutError`], the flag to change;
+//! - [`build`]: from a `Layout`, the world and a [`ParallelModel`] (the user's model and how to
+//!   build it), this rank's model and a `Box<dyn StepEngine>` that steps it under that layout:
+//!   a user switches layout by changing the `Layout`, not the loop.
+//!
+//! Errors are [`burn_parallel::Error`], into which every crate of the suite converts its own.
+//!
+//! This crate sits above `burn-parallel`, `burn-zero` and `burn-moe` (it assembles them); none
+//! of them depends on it.
+
+pub mod build;
+pub mod layout;
+mod local;
+
+pub use build::{Built, ModelParts, ParallelModel, StepSettings, build};
+pub use layout::{Layout, LayoutError, Workload};
+pub use local::run_local;
