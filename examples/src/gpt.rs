@@ -1234,6 +1234,46 @@ pub struct Gpt {
     pub cp: Option<ContextParallel>,
 }
 
+/// The GPT under any [`burn_parallel_train::Layout`]: its plans and its build are all the
+/// builder needs ([`burn_parallel_train::build`]).
+impl burn_parallel_train::ParallelModel for GptConfig {
+    type Model = Gpt;
+
+    fn n_heads(&self) -> usize {
+        self.n_heads
+    }
+
+    fn n_experts(&self) -> Option<usize> {
+        self.moe.as_ref().map(|moe| moe.n_experts)
+    }
+
+    fn has_dropout(&self) -> bool {
+        self.dropout > 0.0
+    }
+
+    fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    fn tp_plan(&self, sequence_parallel: bool) -> TpPlan {
+        Gpt::tp_plan(self, sequence_parallel)
+    }
+
+    fn fsdp_plan(&self, shard: &ProcessGroup, experts: &MoeParallel) -> FsdpPlan {
+        Gpt::fsdp_plan(shard, experts)
+    }
+
+    fn build(&self, parts: &burn_parallel_train::ModelParts) -> Result<Gpt, burn_parallel::Error> {
+        let model =
+            Gpt::build_with_experts(self, &parts.init, parts.fsdp.as_ref(), &parts.experts)?
+                .with_dropout_stream(parts.data_rank as u64);
+        Ok(match &parts.context_parallel {
+            Some(cp) => model.with_context_parallel(cp.clone())?,
+            None => model,
+        })
+    }
+}
+
 impl Gpt {
     /// Builds and initialises the model on one device, deterministically from `config.seed`.
     /// Build it directly on `device.autodiff()` to train it.

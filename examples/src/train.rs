@@ -8,21 +8,16 @@
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::AdamWConfig;
 use burn::tensor::{Device, Int, Tensor, TensorData, activation};
-use burn_moe::{MoeError, MoeParallel, MoeStats, MoeStep, MoeTrainer, MoeZero};
-use burn_parallel::context_parallel::{ContextParallel, CpBalance, CpKind, CpSettings};
-use burn_parallel::init::Init;
+use burn_moe::MoeStats;
+use burn_parallel::context_parallel::{CpBalance, CpKind};
 use burn_parallel::optim::FusedAdamWConfig;
-use burn_parallel::overlap::OverlappedDdp;
 use burn_parallel::precision::LossScaler;
-use burn_parallel::tensor_parallel::TpError;
-use burn_parallel::train::{SaveState, StepEngine, TrainStep, Trainer};
-use burn_parallel::{
-    CollectiveError, DistributedDataParallel, ParallelDims, ProcessGroup, ReduceOp,
-};
+use burn_parallel::train::SaveState;
+use burn_parallel::{CollectiveError, ParallelDims, ProcessGroup, ReduceOp};
+use burn_parallel_train::{Built, Layout, Placed, StepSettings};
+use burn_zero::Stage;
 use burn_zero::memory::Category;
-use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroError, ZeroOptimizer};
 use serde::{Deserialize, Serialize};
 
 use crate::data::{Corpus, Split};
@@ -337,6 +332,21 @@ impl TrainConfig {
         Ok(())
     }
 
+    /// The builder's settings of this run ([`burn_parallel_train::build`]).
+    pub fn step_settings(&self) -> StepSettings {
+        StepSettings {
+            precision: self.precision_policy(),
+            loss_scaler: self.loss_scaler(),
+            max_grad_norm: self.max_grad_norm,
+            adamw: FusedAdamWConfig::new().with_weight_decay(self.weight_decay as f32),
+            bucket_bytes: (self.bucket_mb * 1024.0 * 1024.0) as usize,
+            fused_adamw: self.model.fused,
+            batch_size: self.batch_size,
+            seq_len: self.seq_len,
+            grad_accum: self.grad_accum,
+        }
+    }
+
     /// Learning rate at `step`: linear warm-up, then cosine decay to 10% of the peak.
     pub fn lr_at(&self, step: usize) -> f64 {
         if step < self.warmup_steps {
@@ -504,44 +514,6 @@ pub struct Parallelism {
     pub ep: usize,
 }
 
-/// A layout that GPT-MoE training does not support (yet).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum MoeLayoutError {
-    /// A parallelism that is not composed with the MoE layers.
-    #[error(
-        "{what} is not supported with a GPT-MoE (--moe-experts) yet: {why}; a GPT-MoE trains \
-         with data and expert parallelism (--ranks N --ep M), composed with --tp [--sp] and \
-         --zero 1|2|3 [--hybrid R]: drop {flag}"
-    )]
-    Unsupported {
-        /// The parallelism (`"context parallelism"`, ...).
-        what: &'static str,
-        /// Its flag.
-        flag: &'static str,
-        /// Why it is not composed with the MoE layers.
-        why: &'static str,
-    },
-    /// Expert parallelism for a dense model.
-    #[error("--ep {ep} needs a GPT-MoE: set --moe-experts (or model.moe), or use --ep 1")]
-    EpWithoutExperts {
-        /// The requested expert-parallel size.
-        ep: usize,
-    },
-    /// The expert-parallel size does not fit the experts or the data-parallel ranks.
-    #[error(
-        "--ep {ep} must divide both the {experts} experts and the {dp} data-parallel ranks; \
-         choose an ep that divides both"
-    )]
-    EpDoesNotDivide {
-        /// The requested expert-parallel size.
-        ep: usize,
-        /// Experts per MoE layer.
-        experts: usize,
-        /// Data-parallel ranks.
-        dp: usize,
-    },
-}
-
 impl Default for Parallelism {
     fn default() -> Self {
         Self {
@@ -563,187 +535,41 @@ impl Default for Parallelism {
 }
 
 impl Parallelism {
-    /// The mesh of this split on `world` ranks.
-    pub fn dims(&self, world: usize) -> ParallelDims {
-        let tp = self.tp.max(1);
-        let cp = self.cp.max(1);
-        let dp = world / (tp * cp);
-        match self.zero {
-            None => ParallelDims {
-                dp_replicate: dp,
-                dp_shard: 1,
-                pp: 1,
-                cp,
-                tp,
-                ep: self.ep.max(1),
-            },
-            Some(_) => ParallelDims {
-                dp_replicate: self.replicate.max(1),
-                dp_shard: dp / self.replicate.max(1),
-                pp: 1,
-                cp,
-                tp,
-                ep: self.ep.max(1),
-            },
+    /// The library's [`Layout`] of this split (the device aside).
+    pub fn layout(&self) -> Layout {
+        Layout {
+            tp: self.tp,
+            sp: self.sp,
+            cp: self.cp,
+            cp_kind: self.cp_kind,
+            cp_balance: self.cp_balance,
+            pp: 1,
+            ep: self.ep,
+            zero: self.zero,
+            replicate: self.replicate,
+            prefetch: self.prefetch,
+            no_sync: self.no_sync,
+            overlap: self.overlap,
+            offload: self.offload,
         }
     }
 
-    /// Checks the MoE side of the split: a GPT-MoE trains under data and expert parallelism,
-    /// composed with tensor parallelism (with or without sequence parallelism: every
-    /// tensor-parallel rank runs the whole MoE layer on the whole sequence), with FSDP/HSDP
-    /// (`zero` stage 3: the experts stay whole, out of the flat shards) and with ZeRO-1/2 (the
-    /// experts stay out of the flat space and are stepped by a plain AdamW). Context
-    /// parallelism is refused (see [`MoeLayoutError::Unsupported`]). `ep` must divide the
-    /// experts and the data-parallel ranks; a dense GPT needs `ep` 1.
-    ///
-    /// # Errors
-    /// [`MoeLayoutError`] naming the setting to change.
-    ///
-    /// # Example
-    /// ```
-    /// use burn_moe::MoeConfig;
-    /// use burn_zero::Stage;
-    /// use examples::gpt::GptConfig;
-    /// use examples::train::{MoeLayoutError, Parallelism};
-    ///
-    /// let model = GptConfig { moe: Some(MoeConfig::new(128, 512, 8, 2)), ..GptConfig::default() };
-    /// assert!(Parallelism { ep: 2, ..Parallelism::default() }.check_moe(&model, 4).is_ok());
-    /// let tp_fsdp = Parallelism { ep: 2, tp: 2, zero: Some(Stage::Three), ..Parallelism::default() };
-    /// assert!(tp_fsdp.check_moe(&model, 8).is_ok());
-    /// let cp = Parallelism { cp: 2, ..Parallelism::default() };
-    /// assert!(matches!(cp.check_moe(&model, 4), Err(MoeLayoutError::Unsupported { .. })));
-    /// ```
-    pub fn check_moe(&self, model: &GptConfig, world: usize) -> Result<(), MoeLayoutError> {
-        let ep = self.ep.max(1);
-        let Some(moe) = &model.moe else {
-            return match ep {
-                1 => Ok(()),
-                ep => Err(MoeLayoutError::EpWithoutExperts { ep }),
-            };
-        };
-        let refused = [(
-            self.cp > 1,
-            "context parallelism",
-            "--cp",
-            "each rank would route only its part of every sequence, so the \
-                 load-balancing loss, the token counts and the capacity groups would not be \
-                 those of the whole batch",
-        )];
-        if let Some((_, what, flag, why)) = refused.into_iter().find(|r| r.0) {
-            return Err(MoeLayoutError::Unsupported { what, flag, why });
-        }
-        let dp = world / (self.tp.max(1) * self.cp.max(1));
-        if !moe.n_experts.is_multiple_of(ep) || !dp.is_multiple_of(ep) {
-            return Err(MoeLayoutError::EpDoesNotDivide {
-                ep,
-                experts: moe.n_experts,
-                dp,
-            });
-        }
-        Ok(())
+    /// The mesh of this split on `world` ranks.
+    pub fn dims(&self, world: usize) -> ParallelDims {
+        self.layout().dims(world)
     }
 
     /// Checks that `world` ranks can run `config` with this split, before any rank builds
-    /// anything.
+    /// anything: the layout's rules ([`Layout::validate`]) and the config's.
     ///
     /// # Errors
     /// A message saying which setting to change.
     pub fn validate(&self, config: &TrainConfig, world: usize) -> Result<(), String> {
-        self.check_moe(&config.model, world)
+        let layout = self.layout();
+        layout
+            .validate(world, &config.step_settings().workload(&config.model))
             .map_err(|e| e.to_string())?;
-        let zero_1_2 = matches!(self.zero, Some(Stage::One | Stage::Two));
-        let mixed = config.precision != Precision::F32 || config.loss_scale.is_some();
-        if mixed && config.model.moe.is_some() && zero_1_2 {
-            return Err(format!(
-                "--precision {} (or --loss-scale) with a GPT-MoE trains under data, tensor, \
-                 expert and FSDP parallelism; under ZeRO-1/2 the experts stay out of the \
-                 sharded optimizer and would have no fp32 master weights: use --zero 3 or drop \
-                 --zero, or drop --precision",
-                config.precision
-            ));
-        }
-        if self.offload && !matches!(self.zero, Some(Stage::One | Stage::Two)) {
-            return Err(
-                "--offload keeps ZeRO-1/2's optimizer state on the host: use it with --zero 1 \
-                 or --zero 2"
-                    .into(),
-            );
-        }
-        if self.tp == 0 || !world.is_multiple_of(self.tp) {
-            return Err(format!(
-                "the world of {world} ranks cannot be split into tensor-parallel groups of {}; \
-                 use a --tp that divides the number of ranks",
-                self.tp
-            ));
-        }
-        if self.sp && self.tp == 1 {
-            return Err("sequence parallelism (--sp) needs --tp 2 or more".into());
-        }
-        if !config.model.n_heads.is_multiple_of(self.tp) {
-            return Err(format!(
-                "n_heads ({}) is not divisible by the tensor-parallel size {}: attention is \
-                 split by whole heads",
-                config.model.n_heads, self.tp
-            ));
-        }
-        if self.cp == 0 || !world.is_multiple_of(self.tp * self.cp) {
-            return Err(format!(
-                "the world of {world} ranks cannot be split into groups of tp {} x cp {}; use a \
-                 --cp that divides the number of ranks over --tp",
-                self.tp, self.cp
-            ));
-        }
-        if self.cp > 1 {
-            burn_parallel::context_parallel::SeqLayout::new(
-                config.seq_len,
-                self.cp,
-                0,
-                self.cp_balance,
-            )
-            .map_err(|e| e.to_string())?;
-            let heads = config.model.n_heads / self.tp;
-            if self.cp_kind == CpKind::Ulysses && !heads.is_multiple_of(self.cp) {
-                return Err(format!(
-                    "Ulysses splits the {heads} heads of each tensor-parallel rank over --cp {}: \
-                     use a cp that divides them, or --cp-kind ring",
-                    self.cp
-                ));
-            }
-            if config.model.dropout > 0.0 {
-                return Err("dropout is not supported with --cp; set it to 0".into());
-            }
-            if self.replicate > 1 && self.zero != Some(Stage::Three) {
-                return Err(
-                    "hybrid ZeRO-1/2 (--hybrid with --zero 1|2) is not supported with \
-                            --cp; use --zero 3 or no --hybrid"
-                        .into(),
-                );
-            }
-        }
-        let dp = world / (self.tp * self.cp);
-        if self.replicate == 0 || !dp.is_multiple_of(self.replicate) {
-            return Err(format!(
-                "{dp} data-parallel ranks cannot form {} replicate groups; use a --hybrid that \
-                 divides {dp}",
-                self.replicate
-            ));
-        }
-        if self.replicate > 1 && self.zero.is_none() {
-            return Err("hybrid sharding (--hybrid) needs --zero".into());
-        }
-        if self.overlap && (self.zero.is_some() || config.model.moe.is_some()) {
-            return Err(
-                "--overlap overlaps data parallelism's all-reduce of a dense model: not with \
-                 --zero or a GPT-MoE (whose experts reduce over their own groups)"
-                    .into(),
-            );
-        }
-        if (self.prefetch || self.no_sync) && self.zero != Some(Stage::Three) {
-            return Err(
-                "--prefetch and --no-sync are options of FSDP: use them with --zero 3".into(),
-            );
-        }
-        config.validate(dp)
+        config.validate(layout.data_parallel_size(world))
     }
 }
 
@@ -782,7 +608,7 @@ pub fn train_gpt_on(
     train_gpt_parallel(group, config, &parallel, corpus, on_step)
 }
 
-/// A layout's error as the collective error the trainers return.
+/// A setting's error as the collective error the trainers return.
 fn invalid(world: &ProcessGroup, op: &str, e: impl std::fmt::Display) -> CollectiveError {
     CollectiveError::InvalidArgument {
         rank: world.global_rank(),
@@ -791,51 +617,12 @@ fn invalid(world: &ProcessGroup, op: &str, e: impl std::fmt::Display) -> Collect
     }
 }
 
-fn tp_error(world: &ProcessGroup, e: TpError) -> CollectiveError {
+/// The suite's error as the collective error the trainers return: a collective failure as it
+/// is, anything else as [`CollectiveError::InvalidArgument`] with its message.
+fn collective(world: &ProcessGroup, e: burn_parallel::Error) -> CollectiveError {
     match e {
-        TpError::Collective(e) => e,
-        other => invalid(world, "tensor parallel", other),
-    }
-}
-
-fn moe_error(world: &ProcessGroup, e: MoeError) -> CollectiveError {
-    match e {
-        MoeError::Collective(e) => e,
-        MoeError::Tp(e) => tp_error(world, e),
-        other => invalid(world, "moe", other),
-    }
-}
-
-fn zero_error(world: &ProcessGroup, e: ZeroError) -> CollectiveError {
-    match e {
-        ZeroError::Collective(e) => e,
-        ZeroError::Tp(e) => tp_error(world, e),
-        other => invalid(world, "zero", other),
-    }
-}
-
-/// What a step of the GPT's engine can fail with: the model's forward, or the engine's.
-#[derive(Debug, thiserror::Error)]
-enum StepError {
-    #[error(transparent)]
-    Tp(#[from] TpError),
-    #[error(transparent)]
-    Collective(#[from] CollectiveError),
-    #[error(transparent)]
-    Zero(#[from] ZeroError),
-    #[error(transparent)]
-    Moe(#[from] MoeError),
-}
-
-impl StepError {
-    /// The error as the trainers return it.
-    fn into_collective(self, world: &ProcessGroup) -> CollectiveError {
-        match self {
-            StepError::Tp(e) => tp_error(world, e),
-            StepError::Collective(e) => e,
-            StepError::Zero(e) => zero_error(world, e),
-            StepError::Moe(e) => moe_error(world, e),
-        }
+        burn_parallel::Error::Collective(e) => e,
+        e => invalid(world, "train_gpt", e),
     }
 }
 
@@ -896,85 +683,14 @@ pub fn train_gpt_checkpointed(
         .precision_policy()
         .validate(&plain)
         .map_err(|e| invalid(world, op, e))?;
-    let dims = parallel.dims(world.size());
-    let mesh = dims.build(world).map_err(|e| invalid(world, op, e))?;
-    let group = |name: &str| mesh.group(name).cloned().map_err(|e| invalid(world, op, e));
-    let (tp, shard, replicate) = (group("tp")?, group("dp_shard")?, group("dp_replicate")?);
-    let dp = dims
-        .data_parallel(&mesh)
-        .map_err(|e| invalid(world, op, e))?;
-    // Context-parallel ranks hold other tokens of the same rows: they reduce gradients (and
-    // average the loss) with the data ranks, and FSDP shards over them too.
-    let (reduce, shard) = if dims.cp > 1 {
-        let reduce = dims
-            .gradient_reduction(&mesh)
-            .map_err(|e| invalid(world, op, e))?;
-        let shard = dims
-            .shard_with_cp(&mesh)
-            .map_err(|e| invalid(world, op, e))?;
-        (reduce, shard)
-    } else {
-        (dp.clone(), shard)
-    };
-
-    // ---- the model: one type, the plans decide the layout ----
-    let init = Init::new(config.model.seed, &device)
-        .with_tp(&tp, Gpt::tp_plan(&config.model, parallel.sp))
-        .map_err(|e| tp_error(world, e))?;
-    let experts = match config.model.moe {
-        Some(_) => MoeParallel::from_mesh(&dims, &mesh).map_err(|e| invalid(world, op, e))?,
-        None => MoeParallel::default(),
-    };
-    // Expert parameters stay whole under FSDP (they differ between expert-parallel ranks).
-    let fsdp = (parallel.zero == Some(Stage::Three))
-        .then(|| Gpt::fsdp_plan(&shard, &experts).with_prefetch(parallel.prefetch));
-    let model = Gpt::build_with_experts(&config.model, &init, fsdp.as_ref(), &experts)
-        .map_err(|e| zero_error(world, e))?
-        .with_dropout_stream(dp.rank() as u64);
-    let model = if dims.cp > 1 {
-        let settings = CpSettings {
-            kind: parallel.cp_kind,
-            balance: parallel.cp_balance,
-        };
-        let ctx =
-            ContextParallel::new(&group("cp")?, settings).map_err(|e| invalid(world, op, e))?;
-        model
-            .with_context_parallel(ctx)
-            .map_err(|e| zero_error(world, e))?
-    } else {
-        model
-    };
-    // Seeded init gives identical replicas; fail loudly if they are not. Under expert
-    // parallelism the experts' replicas are the ranks holding the same experts; the other
-    // parameters' are those holding the same shards (`replicate`: every data rank without
-    // ZeRO/FSDP; the ranks of one shard position under FSDP).
-    let expert_dp = match experts.ep_size() {
-        1 => None,
-        _ => Some(
-            dims.expert_data_parallel(&mesh)
-                .map_err(|e| invalid(world, op, e))?,
-        ),
-    };
-    match &expert_dp {
-        None => burn_parallel::verify_replicas(&model, &replicate),
-        Some(expert_dp) => {
-            let is_expert = |path: &str| path.contains(".moe.experts.");
-            burn_parallel::replica::verify_replicas_in(&model, &[expert_dp], is_expert).and_then(
-                |()| {
-                    burn_parallel::replica::verify_replicas_in(&model, &[&replicate], |p| {
-                        !is_expert(p)
-                    })
-                },
-            )
-        }
-    }
-    .map_err(|e| invalid(world, op, e))?;
+    // ---- the layout: the library's builder places the model (plans, groups, replica check) ----
+    let settings = config.step_settings();
+    let placed = Placed::new(world, &parallel.layout(), &config.model, &device, &settings)
+        .map_err(|e| collective(world, e))?;
+    let (dp, reduce) = (placed.groups.data.clone(), placed.groups.reduce.clone());
     // ---- the parameters a run starts from: Hugging Face's, read into the fp32 model
     // before the engine takes it (ZeRO's master weights are made from them); a checkpoint's
     // are the engine's to load (below) ----
-    let tp_ctx = model.tp.clone();
-    let data_shards = fsdp.as_ref().map(|plan| plan.shards().clone());
-    let mut model = model;
     let resume = match &checkpoints.resume {
         Some(path) => {
             let fail = |e: &dyn std::fmt::Display| invalid(world, "resume", e);
@@ -985,103 +701,33 @@ pub fn train_gpt_checkpointed(
         }
         None => None,
     };
+    let mut placed = placed;
     if let (None, Some(dir)) = (&resume, &checkpoints.init_from_hf) {
         let fail = |e: &dyn std::fmt::Display| invalid(world, "init_from_hf", e);
         let tensors = crate::hf::gpt_tensors_for(dir, &config.model).map_err(|e| fail(&e))?;
         // The experts under their global names; the whole model's tensors checked, also those
         // other ranks hold (other experts).
-        let map = ParamMap::new(&model, &tp_ctx, data_shards.as_ref())
-            .and_then(|map| burn_moe::engine::expert_map(map, &experts, &tp_ctx))
+        let tp_ctx = placed.init.context();
+        let data_shards = placed.fsdp.as_ref().map(|plan| plan.shards().clone());
+        let map = ParamMap::new(&placed.model, &tp_ctx, data_shards.as_ref())
+            .and_then(|map| burn_moe::engine::expert_map(map, &placed.experts, &tp_ctx))
             .and_then(|map| map.with_logical_of(world))
             .map_err(|e| fail(&e))?;
-        model = map.load_params(model, &tensors).map_err(|e| fail(&e))?;
+        placed.model = map
+            .load_params(placed.model, &tensors)
+            .map_err(|e| fail(&e))?;
     }
-
     // ---- the engine: the library's step for the layout (see `StepEngine`) ----
-    let adamw = AdamWConfig::new().with_weight_decay(config.weight_decay as f32);
-    let bucket_bytes = (config.bucket_mb * 1024.0 * 1024.0) as usize;
-    let moe = config.model.moe.is_some();
-    // ZeRO's memory account, read for the report.
-    let mut zero_memory = None;
-    let mut engine: Box<dyn StepEngine<Gpt, StepError>> = match parallel.zero {
-        Some(stage @ (Stage::One | Stage::Two)) => {
-            let groups = if parallel.replicate > 1 {
-                ShardGroups::hybrid(&mesh).map_err(|e| zero_error(world, e))?
-            } else {
-                ShardGroups::flat(reduce.clone())
-            };
-            // fp32 master shards and AdamW state; the model computes (and the gradients are
-            // reduced) in the policy's dtypes. The experts (different on each expert-parallel
-            // rank) stay out of the flat space.
-            let zero = ZeroConfig::new(stage)
-                .with_max_grad_norm(config.max_grad_norm)
-                .with_precision(config.precision_policy())
-                .with_loss_scaler(config.loss_scaler())
-                .with_offload(parallel.offload)
-                .with_bucket_bytes(bucket_bytes);
-            let registry = experts.experts.clone();
-            let zero = ZeroOptimizer::new_excluding(&model, groups, zero, adamw.build(), |id| {
-                registry.contains(&id)
-            })
-            .map_err(|e| zero_error(world, e))?
-            .with_tensor_parallel(&model.tp);
-            model = zero
-                .prepare_module(model)
-                .map_err(|e| zero_error(world, e))?;
-            zero_memory = Some(zero.tracker().clone());
-            match moe {
-                true => {
-                    let step = MoeStep::new(TrainStep::new(model.tp.clone()), &experts);
-                    Box::new(
-                        MoeZero::new(zero, step, adamw.init()).map_err(|e| moe_error(world, e))?,
-                    )
-                }
-                false => Box::new(zero),
-            }
-        }
-        _ => {
-            // MoeStep clips itself (its norm counts each expert once).
-            let clip = if moe { None } else { config.max_grad_norm };
-            let mut step = TrainStep::new(model.tp.clone())
-                .with_clip(clip)
-                .with_precision(config.precision_policy());
-            if let Some(scaler) = config.loss_scaler() {
-                step = step.with_loss_scaler(scaler);
-            }
-            // --overlap takes the overlapped path even on one rank (its overhead is then
-            // measurable against plain training).
-            if parallel.overlap {
-                step = step.with_overlap(
-                    OverlappedDdp::new(reduce.clone()).with_bucket_bytes(bucket_bytes),
-                );
-            } else if reduce.size() > 1 {
-                step = step.with_ddp(
-                    DistributedDataParallel::new(reduce.clone()).with_bucket_bytes(bucket_bytes),
-                );
-            }
-            if let Some(plan) = &fsdp {
-                // No-sync FSDP: the blocks reduce-scatter in the last micro-step's backward.
-                step = step
-                    .with_fsdp(plan.shards().clone(), Some(replicate.clone()))
-                    .with_fsdp_no_sync(parallel.no_sync);
-            }
-            // The fused path steps each parameter with one AdamW kernel; `--unfused` keeps
-            // Burn's composed AdamW.
-            let optim = match config.model.fused {
-                true => FusedAdamWConfig::new()
-                    .with_weight_decay(config.weight_decay as f32)
-                    .init(),
-                false => adamw.init(),
-            };
-            match moe {
-                true => {
-                    let step = MoeStep::new(step, &experts).with_clip(config.max_grad_norm);
-                    Box::new(MoeTrainer::new(step, optim))
-                }
-                false => Box::new(Trainer::new(step, optim)),
-            }
-        }
-    };
+    let Built {
+        model,
+        mut engine,
+        fsdp,
+        zero_memory,
+        ..
+    } = placed
+        .into_engine(&settings)
+        .map_err(|e| collective(world, e))?;
+    let mut model = model;
 
     let mut first_step = 0;
     let mut losses = Vec::with_capacity(config.steps);
@@ -1129,7 +775,7 @@ pub fn train_gpt_checkpointed(
         // data-parallel ranks (each takes its part of them): what a micro-batch computes as a
         // whole, such as an MoE layer's load-balancing loss over the token shares of the
         // micro-batch, does not depend on the layout.
-        let mut forward = |m: &Gpt, micro: usize| -> Result<Tensor<1>, StepError> {
+        let mut forward = |m: &Gpt, micro: usize| -> Result<Tensor<1>, burn_parallel::Error> {
             let first = micro * micro_rows * dp.size() + dp.rank() * micro_rows;
             let batch = corpus.batch_rows(
                 step as u64,
@@ -1143,7 +789,7 @@ pub fn train_gpt_checkpointed(
         let lr = config.lr_at(step);
         let (m, out) = engine
             .step_accumulated(m, config.grad_accum, &mut forward, lr)
-            .map_err(|e| e.into_collective(world))?;
+            .map_err(|e| collective(world, e))?;
         // FSDP: the shards' gradients, held between the backward and the optimizer, in the
         // memory account.
         if let Some(plan) = &fsdp {
@@ -1187,7 +833,7 @@ pub fn train_gpt_checkpointed(
     // ZeRO under mixed precision: evaluate and report the fp32 master weights.
     let trained = engine
         .master_model(model.expect("trained"))
-        .map_err(|e| e.into_collective(world))?;
+        .map_err(|e| collective(world, e))?;
     let eval_model = trained.valid();
     let val_loss = validation_loss(
         &dp,
@@ -1198,12 +844,12 @@ pub fn train_gpt_checkpointed(
         &|inputs, targets| {
             eval_model
                 .loss(inputs, targets)
-                .map_err(|e| tp_error(world, e))
+                .map_err(|e| collective(world, e.into()))
         },
     )?;
     let full = eval_model
         .to_single(&plain)
-        .map_err(|e| zero_error(world, e))?;
+        .map_err(|e| collective(world, e.into()))?;
     let sample = if config.sample_len > 0 && world.rank() == 0 {
         generate(&full, &config.prompt, config, &plain)
     } else {
@@ -1214,7 +860,7 @@ pub fn train_gpt_checkpointed(
         (Some(plan), Some(optim), None) => {
             let state = plan
                 .optimizer_bytes(optim)
-                .map_err(|e| zero_error(world, e))?;
+                .map_err(|e| collective(world, e.into()))?;
             plan.memory().set(Category::Optimizer, state);
             Some(plan.memory().report())
         }
@@ -1458,6 +1104,9 @@ pub fn named_params<M: Module>(module: &M) -> Vec<NamedParam> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use burn::optim::AdamWConfig;
+    use burn_parallel::train::{StepEngine, TrainStep};
+    use burn_zero::{ShardGroups, ZeroConfig, ZeroError, ZeroOptimizer};
 
     /// Each setting out of range is refused by name (each passed before: `--lr nan` trained to
     /// a NaN loss, `--lr=-1` uphill, `--batch-size 0` on nothing, `--clip=-1` reversed the

@@ -15,18 +15,19 @@ use burn_parallel::checkpoint::{CheckpointError, Checkpointer};
 use burn_parallel::context_parallel::{ContextParallel, CpBalance, CpError, CpKind, CpSettings};
 use burn_parallel::init::{Init, splitmix64};
 use burn_parallel::nn::TpContext;
-use burn_parallel::overlap::OverlappedDdp;
+use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::plan::TpPlan;
 use burn_parallel::precision::MixedPrecision;
 use burn_parallel::tensor_parallel::TpError;
-use burn_parallel::train::{StepEngine, TrainStep, Trainer};
+use burn_parallel::train::{StepEngine, TrainStep};
 use burn_parallel::{MeshError, ParallelDims, run_local};
+use burn_parallel_train::{Built, Layout, StepSettings, build};
 use burn_pipeline::generators::generate;
 use burn_pipeline::partition::by_count;
 use burn_pipeline::runtime::Executor;
 use burn_pipeline::update::{StageOptimizer, StageUpdater};
 use burn_zero::{Fsdp, ShardGroups, Stage, ZeroConfig, ZeroError, ZeroOptimizer};
-use model::{Config, Decoder, fsdp_plan, moe_tp_plan, tp_plan};
+use model::{Config, Decoder, Recipe, fsdp_plan, moe_tp_plan, tp_plan};
 use std::collections::BTreeMap;
 
 const STEPS: usize = 20;
@@ -318,55 +319,54 @@ fn parallel_run(
     options: RunOptions,
 ) -> (Vec<f32>, Params) {
     let device = device.clone().autodiff();
-    let out = run_local(dims.world_size(), move |world| {
+    // The layout of `dims`: FSDP units (the layers) where the data ranks shard.
+    let layout = Layout {
+        tp: dims.tp,
+        sp: sequence_parallel,
+        cp: dims.cp,
+        cp_kind: options.cp.kind,
+        cp_balance: options.cp.balance,
+        ep: dims.ep,
+        zero: match dims.dp_shard {
+            1 => options.zero,
+            _ => Some(Stage::Three),
+        },
+        replicate: if dims.dp_shard > 1 {
+            dims.dp_replicate
+        } else {
+            1
+        },
+        prefetch: options.prefetch,
+        no_sync: options.no_sync,
+        overlap: options.overlap,
+        ..Layout::default()
+    };
+    let settings = StepSettings {
+        precision: options.precision,
+        max_grad_norm: options.clip,
+        adamw: FusedAdamWConfig::new()
+            .with_weight_decay(0.01)
+            .with_epsilon(EPSILON),
+        batch_size: BATCH,
+        seq_len: SEQ,
+        grad_accum: options.micro_batches,
+        ..StepSettings::default()
+    };
+    let recipe = Recipe {
+        config: config(),
+        moe: None,
+    };
+    let out = burn_parallel_train::run_local(dims.world_size(), move |world| {
         let world = world.with_tensor_path(options.tensor_path);
-        let mesh = dims.build(&world).unwrap();
-        // Rows over the data-parallel ranks; gradients averaged over those and the
-        // context-parallel ranks (other tokens of the same rows).
-        let dp = dims.data_parallel(&mesh).unwrap();
-        let reduce = dims.gradient_reduction(&mesh).unwrap();
-        let init = Init::new(config().seed, &device)
-            .with_tp(mesh.group("tp").unwrap(), tp_plan(sequence_parallel))
-            .unwrap();
-        let fsdp = fsdp_plan(mesh.group("dp_shard").unwrap()).with_prefetch(options.prefetch);
-        let cp = ContextParallel::new(mesh.group("cp").unwrap(), options.cp).unwrap();
-        // ZeRO-1/2 shard the optimizer of a replicated model: no FSDP units.
-        let plan = options.zero.is_none().then_some(&fsdp);
-        let mut model = Decoder::new(&init, plan, &config())
-            .unwrap()
-            .with_context_parallel(Some(cp));
-        let mut train = TrainStep::new(init.context())
-            .with_data_parallel(reduce.clone())
-            .with_fsdp(
-                fsdp.shards().clone(),
-                Some(mesh.group("dp_replicate").unwrap().clone()),
-            )
-            .with_fsdp_no_sync(options.no_sync)
-            .with_clip(options.clip)
-            .with_precision(options.precision);
-        if options.overlap {
-            train = train.with_overlap(OverlappedDdp::new(reduce.clone()));
-        }
-        // The loop's engine (`StepEngine`), as `byo_model` runs it.
-        let mut trainer = Trainer::new(train, optimizer());
-        let mut zero = options.zero.map(|stage| {
-            // ZeRO shards over the ranks that reduce gradients: the data-parallel ones and the
-            // context-parallel ones (which hold other tokens of the same rows).
-            let zero_config = ZeroConfig::new(stage)
-                .with_max_grad_norm(options.clip)
-                .with_precision(options.precision);
-            let adamw = adamw().build();
-            ZeroOptimizer::new(&model, ShardGroups::flat(reduce), zero_config, adamw)
-                .unwrap()
-                .with_tensor_parallel(&model.tp)
-        });
-        if let Some(zero) = &zero {
-            model = zero.prepare_module(model).unwrap();
-        }
-        let engine: &mut dyn StepEngine<Decoder, TpError> = match &mut zero {
-            Some(zero) => zero,
-            None => &mut trainer,
-        };
+        // The library's builder: the model on this rank and the loop's engine (`StepEngine`),
+        // as `byo_model` runs them.
+        let Built {
+            mut model,
+            mut engine,
+            groups,
+            ..
+        } = build(&world, &layout, &recipe, &device, &settings)?;
+        let dp = groups.data;
         if let Some(dir) = &options.resume {
             let checkpoint = Checkpointer::latest(dir).unwrap().expect("a checkpoint");
             assert_eq!(
@@ -385,7 +385,7 @@ fn parallel_run(
             let mut forward = |m: &Decoder, k: usize| {
                 let start = first + k * micro_rows;
                 let (tokens, targets) = batch(step, start..start + micro_rows, &device);
-                m.loss(tokens, targets)
+                Ok(m.loss(tokens, targets)?)
             };
             let (next, out) = engine
                 .step_accumulated(model, micro_batches, &mut forward, LR)
@@ -401,9 +401,7 @@ fn parallel_run(
                 .unwrap();
         }
         // ZeRO under mixed precision: the fp32 master weights.
-        if let Some(zero) = &zero {
-            model = zero.master_module(model).unwrap();
-        }
+        let model = engine.master_model(model)?;
         // The layers whole (all-gathered FSDP units), then the tensor-parallel shards gathered.
         let mut whole = model.clone();
         whole.layers = model
@@ -414,7 +412,7 @@ fn parallel_run(
         let params = model.tp.full_params(&whole.valid())?;
         Ok((losses, params))
     })
-    .unwrap();
+    .unwrap_or_else(|e| panic!("{e}"));
     rank0(out)
 }
 

@@ -300,7 +300,7 @@ fn impossible_splits_are_clear_errors() {
     .unwrap_err();
     assert!(
         err.to_string()
-            .contains("n_heads (4) is not divisible by the tensor-parallel size 3"),
+            .contains("4 attention heads are not divisible by --tp 3"),
         "{err}"
     );
     // A tp that does not divide the world; hybrid groups that do not divide the data ranks.
@@ -496,7 +496,7 @@ fn precision_under_an_unsupported_layout_is_a_clear_error() {
     moe.loss_scale = Some(examples::train::LossScale::default());
     let err = zero(Stage::Two, 1, false).validate(&moe, 2).unwrap_err();
     assert!(
-        err.contains("--loss-scale") && err.contains("GPT-MoE"),
+        err.contains("--loss-scale") && err.contains("mixture-of-experts"),
         "{err}"
     );
     moe.precision = examples::train::Precision::Fp16;

@@ -19,9 +19,7 @@ use burn_parallel::{CollectiveError, ParallelDims, run_local};
 use burn_zero::Stage;
 use examples::data::Corpus;
 use examples::gpt::{Gpt, GptConfig};
-use examples::train::{
-    MoeLayoutError, Parallelism, StepStats, TrainConfig, TrainReport, train_gpt_parallel,
-};
+use examples::train::{Parallelism, StepStats, TrainConfig, TrainReport, train_gpt_parallel};
 use tests::{
     Reference, assert_matches_reference, gpt_through_burnrun, reference_run, tiny_gpt_run,
 };
@@ -509,6 +507,12 @@ fn gpt_moe_gradient_accumulation_is_the_same_run_at_every_layout() {
     );
 }
 
+/// The flag `Layout::validate` refuses `p` for on `world` ranks.
+fn refused_flag(p: &Parallelism, config: &TrainConfig, world: usize) -> Result<(), &'static str> {
+    let work = config.step_settings().workload(&config.model);
+    p.layout().validate(world, &work).map_err(|e| e.flag)
+}
+
 #[test]
 fn layouts_not_composed_with_moe_are_typed_errors() {
     let config = moe_run();
@@ -524,13 +528,7 @@ fn layouts_not_composed_with_moe_are_typed_errors() {
         ),
     ];
     for (p, flag) in cases {
-        assert!(
-            matches!(
-                p.check_moe(&config.model, 4),
-                Err(MoeLayoutError::Unsupported { flag: f, .. }) if f == flag
-            ),
-            "{p:?}"
-        );
+        assert_eq!(refused_flag(&p, &config, 4), Err(flag), "{p:?}");
         // The trainer refuses before any communication, on every rank.
         let corpus = Corpus::load_default().expect("the bundled corpus");
         let err = run_local(4, |g| {
@@ -539,7 +537,7 @@ fn layouts_not_composed_with_moe_are_typed_errors() {
         .unwrap_err();
         assert!(
             matches!(&err, CollectiveError::InvalidArgument { reason, .. }
-                if reason.contains("not supported with a GPT-MoE")),
+                if reason.contains("not composed with a mixture-of-experts model")),
             "{err}"
         );
     }
@@ -561,21 +559,12 @@ fn layouts_not_composed_with_moe_are_typed_errors() {
             ..ep(2)
         },
     ] {
-        assert_eq!(p.check_moe(&config.model, 4), Ok(()), "{p:?}");
+        assert_eq!(refused_flag(&p, &config, 4), Ok(()), "{p:?}");
     }
-    assert_eq!(
-        ep(3).check_moe(&config.model, 3),
-        Err(MoeLayoutError::EpDoesNotDivide {
-            ep: 3,
-            experts: 4,
-            dp: 3
-        })
-    );
-    assert_eq!(
-        ep(2).check_moe(&tiny_gpt_run(1).model, 2),
-        Err(MoeLayoutError::EpWithoutExperts { ep: 2 })
-    );
-    assert_eq!(ep(2).check_moe(&config.model, 4), Ok(()));
+    // ep 3 divides neither the 4 experts nor, with them, 3 ranks' batch: --ep is named first.
+    assert_eq!(refused_flag(&ep(3), &config, 3), Err("--ep"));
+    assert_eq!(refused_flag(&ep(2), &tiny_gpt_run(1), 2), Err("--ep"));
+    assert_eq!(refused_flag(&ep(2), &config, 4), Ok(()));
 }
 
 /// Experts that do not split over the expert-parallel ranks, and ranks built from different

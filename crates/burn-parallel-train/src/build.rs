@@ -139,8 +139,9 @@ pub struct StepSettings {
     pub loss_scaler: Option<LossScaler>,
     /// Global gradient-norm clipping.
     pub max_grad_norm: Option<f64>,
-    /// AdamW's decoupled weight decay.
-    pub weight_decay: f32,
+    /// AdamW's hyper-parameters (betas, epsilon, decoupled weight decay), for Burn's AdamW or
+    /// the fused kernel alike.
+    pub adamw: FusedAdamWConfig,
     /// Bytes per gradient bucket of DDP and ZeRO.
     pub bucket_bytes: usize,
     /// One fused AdamW kernel per parameter (the CubeCL path) instead of Burn's composed AdamW.
@@ -159,7 +160,7 @@ impl Default for StepSettings {
             precision: MixedPrecision::full(),
             loss_scaler: None,
             max_grad_norm: Some(1.0),
-            weight_decay: 0.0,
+            adamw: FusedAdamWConfig::new(),
             bucket_bytes: 25 << 20,
             fused_adamw: false,
             batch_size: 1,
@@ -334,13 +335,14 @@ impl<P: ParallelModel> Placed<P> {
         } = parts;
         // Seeded init gives identical replicas; fail loudly if they are not. Under expert
         // parallelism the experts' replicas are the ranks holding the same experts.
-        match &experts.expert_dp {
-            Some(expert_dp) if experts.ep.is_some() => {
+        match experts.ep {
+            Some(_) => {
+                let expert_dp = groups.dims.expert_data_parallel(&groups.mesh)?;
                 let registry = experts.experts.clone();
-                verify_replicas_of(&built, &[expert_dp], |id| registry.contains(&id))?;
+                verify_replicas_of(&built, &[&expert_dp], |id| registry.contains(&id))?;
                 verify_replicas_of(&built, &[&groups.replicate], |id| !registry.contains(&id))?;
             }
-            _ => verify_replicas_in(&built, &[&groups.replicate], |_| true)?,
+            None => verify_replicas_in(&built, &[&groups.replicate], |_| true)?,
         }
         Ok(Self {
             layout: *layout,
@@ -367,7 +369,12 @@ impl<P: ParallelModel> Placed<P> {
             init,
             moe,
         } = self;
-        let adamw = AdamWConfig::new().with_weight_decay(settings.weight_decay);
+        let hyper = settings.adamw;
+        let adamw = AdamWConfig::new()
+            .with_beta_1(hyper.beta_1)
+            .with_beta_2(hyper.beta_2)
+            .with_epsilon(hyper.epsilon)
+            .with_weight_decay(hyper.weight_decay);
         let mut zero_memory = None;
         let engine: Box<dyn StepEngine<P::Model, Error>> = match layout.zero {
             Some(stage @ (Stage::One | Stage::Two)) => {
@@ -427,9 +434,7 @@ impl<P: ParallelModel> Placed<P> {
                         .with_fsdp_no_sync(layout.no_sync);
                 }
                 let optim = match settings.fused_adamw {
-                    true => FusedAdamWConfig::new()
-                        .with_weight_decay(settings.weight_decay)
-                        .init(),
+                    true => hyper.init(),
                     false => adamw.init(),
                 };
                 match moe {

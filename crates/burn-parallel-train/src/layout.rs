@@ -302,7 +302,7 @@ impl Layout {
                     work.mixed_precision && self.zero_1_2(),
                     "--precision",
                     || {
-                        "mixed precision (--precision bf16|fp16, or a loss scale) with a \
+                        "mixed precision (--precision bf16|fp16, or --loss-scale) with a \
                      mixture-of-experts model trains under data, tensor, expert and FSDP \
                      parallelism; under ZeRO-1/2 the experts stay out of the sharded optimizer \
                      and would have no fp32 master weights: use --zero 3 or drop --zero, or \

@@ -18,6 +18,6 @@ pub mod build;
 pub mod layout;
 mod local;
 
-pub use build::{Built, ModelParts, ParallelModel, StepSettings, build};
+pub use build::{Built, Groups, ModelParts, ParallelModel, Placed, StepSettings, build};
 pub use layout::{Layout, LayoutError, Workload};
 pub use local::run_local;

@@ -50,24 +50,23 @@ use std::time::Instant;
 
 use burn::optim::AdamWConfig;
 use burn::tensor::Device;
-use burn_moe::{MoeError, MoeParallel, MoeStep, MoeTrainer, MoeZero};
+use burn_parallel::ProcessGroup;
 use burn_parallel::checkpoint::Checkpointer;
-use burn_parallel::context_parallel::{ContextParallel, CpKind, CpSettings};
+use burn_parallel::context_parallel::CpKind;
 use burn_parallel::init::Init;
-use burn_parallel::overlap::OverlappedDdp;
+use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::precision::{LossScaler, MixedPrecision};
-use burn_parallel::tensor_parallel::TpError;
-use burn_parallel::train::{StepEngine, TrainStep, Trainer};
-use burn_parallel::{ParallelDims, ProcessGroup, run_local};
+use burn_parallel::train::TrainStep;
+use burn_parallel_train::{Built, Layout, StepSettings, build};
 use burn_pipeline::ScheduleKind;
 use burn_pipeline::generators::generate;
 use burn_pipeline::partition::by_count;
 use burn_pipeline::runtime::Executor;
 use burn_pipeline::update::{StageOptimizer, StageUpdater};
-use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroOptimizer};
+use burn_zero::Stage;
 use clap::{Parser, ValueEnum};
 use examples::data::{Corpus, Split};
-use model::{Config, Decoder, fsdp_plan, moe_config, moe_tp_plan, tp_plan};
+use model::{Config, Decoder, Recipe, moe_config};
 
 /// Arithmetic of the forward and backward.
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
@@ -81,7 +80,7 @@ enum Precision {
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
-enum Layout {
+enum Preset {
     /// One device.
     Single,
     /// Data parallel over every rank.
@@ -113,7 +112,7 @@ enum Layout {
 #[derive(Debug, Clone, Parser)]
 struct Args {
     #[arg(long, value_enum, default_value = "ddp")]
-    layout: Layout,
+    layout: Preset,
     /// Thread ranks.
     #[arg(long, default_value_t = 2)]
     ranks: usize,
@@ -300,175 +299,110 @@ fn resume_from(
     }
 }
 
-/// `--zero 1|2`: ZeRO's sharded optimizer over `reduce` (the data-parallel ranks, with the
-/// context-parallel ones: they hold other tokens of the same rows) in place of the library's
-/// step: it owns the reduction, the clipping and the precision policy.
-fn zero_engine(
-    model: &Decoder,
-    reduce: &ProcessGroup,
-    stage: u8,
-    args: &Args,
-    experts: &MoeParallel,
-) -> Result<ZeroOptimizer<burn::optim::AdamW>, String> {
-    let stage = Stage::from_number(usize::from(stage)).map_err(|e| e.to_string())?;
-    let mut config = ZeroConfig::new(stage).with_max_grad_norm(args.clip);
-    config = match args.precision {
-        Precision::F32 => config,
-        Precision::Bf16 => config.with_precision(MixedPrecision::bf16()),
-        Precision::Fp16 => config
-            .with_precision(MixedPrecision::f16())
-            .with_loss_scaler(Some(LossScaler::new(65536.0))),
+/// The library's layout of `args` on `n` ranks: the preset's mesh and the options.
+fn layout(args: &Args, n: usize) -> Result<Layout, burn_parallel::Error> {
+    let fsdp = (Some(Stage::Three), false);
+    let plain = (
+        args.zero
+            .map(|z| Stage::from_number(z.into()))
+            .transpose()?,
+        true,
+    );
+    // (dp_replicate under FSDP, cp, tp, sequence parallel, (ZeRO stage, --zero allowed))
+    let (replicate, cp, tp, sp, (zero, zero_allowed)) = match args.layout {
+        Preset::Single | Preset::Ddp => (1, 1, 1, false, plain),
+        Preset::Tp => (1, 1, n, false, plain),
+        Preset::TpSp => (1, 1, n, true, plain),
+        Preset::DpTp => (1, 1, 2, true, plain),
+        Preset::Fsdp => (1, 1, 1, false, fsdp),
+        Preset::FsdpTp => (1, 1, 2, true, fsdp),
+        Preset::Hsdp => (n / 2, 1, 1, false, fsdp),
+        Preset::Cp => (1, n, 1, false, plain),
+        Preset::DpCp => (1, 2, 1, false, plain),
+        Preset::CpTp => (1, 2, n / 2, false, plain),
+        Preset::Pp => (1, 1, 1, false, (None, false)),
     };
-    let adamw = AdamWConfig::new().with_weight_decay(0.01).build();
-    // The experts (none in the dense decoder) differ between expert-parallel ranks: they stay
-    // out of the flat space (burn-moe's `MoeZero` steps them).
-    let groups = ShardGroups::flat(reduce.clone());
-    let zero = ZeroOptimizer::new_excluding(model, groups, config, adamw, |id| {
-        experts.experts.contains(&id)
+    if args.zero.is_some() && !zero_allowed {
+        return Err(burn_parallel::Error::invalid(
+            "--zero",
+            "the FSDP layouts are ZeRO-3 already and the pipeline has its own step: drop \
+             --zero or pick a data-parallel layout (single, ddp, tp, tp-sp, dp-tp, cp, dp-cp, \
+             cp-tp)",
+        ));
+    }
+    Ok(Layout {
+        tp,
+        sp,
+        cp,
+        cp_kind: args.cp_kind,
+        ep: if args.experts > 0 { args.ep } else { 1 },
+        zero,
+        replicate,
+        prefetch: args.prefetch,
+        no_sync: args.no_sync,
+        overlap: args.overlap,
+        ..Layout::default()
     })
-    .map_err(|e| e.to_string())?;
-    Ok(zero.with_tensor_parallel(&model.tp))
 }
 
-fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel::Result<Vec<f32>> {
-    let moe = args.experts > 0;
-    if moe && (!matches!(args.layout, Layout::Single | Layout::Ddp) || args.overlap) {
-        return Err(invalid(
-            &world,
-            "the MoE variant (--experts) trains with --layout single or ddp (and --ep), \
-             without --overlap",
-        ));
+/// The step's settings of `args`: AdamW with weight decay 0.01, `--clip`, `--precision` (fp16
+/// with dynamic loss scaling from 2^16), the batch.
+fn settings(args: &Args) -> StepSettings {
+    let (precision, loss_scaler) = match args.precision {
+        Precision::F32 => (MixedPrecision::full(), None),
+        Precision::Bf16 => (MixedPrecision::bf16(), None),
+        Precision::Fp16 => (MixedPrecision::f16(), Some(LossScaler::new(65536.0))),
+    };
+    StepSettings {
+        precision,
+        loss_scaler,
+        max_grad_norm: args.clip,
+        adamw: FusedAdamWConfig::new().with_weight_decay(0.01),
+        batch_size: args.batch,
+        seq_len: args.seq,
+        grad_accum: args.grad_accum,
+        ..StepSettings::default()
     }
-    let sharded = matches!(args.layout, Layout::Fsdp | Layout::FsdpTp | Layout::Hsdp);
-    if args.zero.is_some() && (sharded || args.layout == Layout::Pp) {
-        return Err(invalid(
-            &world,
-            "--zero shards the optimizer of a data-parallel layout (single, ddp, tp, tp-sp, \
-             dp-tp); the FSDP layouts are ZeRO-3 already and the pipeline has its own step: \
-             drop --zero or pick one of those layouts",
-        ));
-    }
-    if args.layout == Layout::Pp {
+}
+
+fn run_rank(
+    world: ProcessGroup,
+    args: &Args,
+    corpus: &Corpus,
+) -> Result<Vec<f32>, burn_parallel::Error> {
+    if args.layout == Preset::Pp {
         if args.grad_accum > 1 {
-            return Err(invalid(
-                &world,
+            return Err(burn_parallel::Error::invalid(
+                "--grad-accum",
                 "the pipeline accumulates over its own micro-batches: drop --grad-accum with \
                  --layout pp",
             ));
         }
-        return run_rank_pipeline(world, args, corpus);
+        return Ok(run_rank_pipeline(world, args, corpus)?);
     }
     let device = Device::flex().autodiff();
-    let n = world.size();
-    // ---- the layout: mesh dimensions and whether sequence parallelism is on ----
-    let dims = |dp_replicate, dp_shard, cp, tp| ParallelDims {
-        dp_replicate,
-        dp_shard,
-        pp: 1,
-        cp,
-        tp,
-        ep: if moe { args.ep } else { 1 },
+    let recipe = Recipe {
+        config: config(),
+        moe: (args.experts > 0).then(|| moe_config(&config(), args.experts, args.top_k)),
     };
-    let (dims, sp) = match args.layout {
-        Layout::Single | Layout::Ddp => (dims(n, 1, 1, 1), false),
-        Layout::Tp => (dims(1, 1, 1, n), false),
-        Layout::TpSp => (dims(1, 1, 1, n), true),
-        Layout::DpTp => (dims(n / 2, 1, 1, 2), true),
-        Layout::Fsdp => (dims(1, n, 1, 1), false),
-        Layout::FsdpTp => (dims(1, n / 2, 1, 2), true),
-        Layout::Hsdp => (dims(n / 2, 2, 1, 1), false),
-        Layout::Cp => (dims(1, 1, n, 1), false),
-        Layout::DpCp => (dims(n / 2, 1, 2, 1), false),
-        Layout::CpTp => (dims(1, 1, 2, n / 2), false),
-        Layout::Pp => unreachable!("run_rank_pipeline"),
-    };
-    // ---- the same lines for every layout: the plans apply where the mesh has ranks ----
-    let mesh = dims.build(&world).unwrap_or_else(|e| panic!("{e}"));
-    let group = |name: &str| mesh.group(name).expect("built by ParallelDims").clone();
-    let init = Init::new(config().seed, &device)
-        .with_tp(
-            &group("tp"),
-            if moe { moe_tp_plan(sp) } else { tp_plan(sp) },
-        )
-        .unwrap_or_else(|e| panic!("{e}"));
-    let fsdp = fsdp_plan(&group("dp_shard")).with_prefetch(args.prefetch);
-    let settings = CpSettings {
-        kind: args.cp_kind,
-        ..CpSettings::default()
-    };
-    let cp = ContextParallel::new(&group("cp"), settings).map_err(|e| invalid(&world, e))?;
-    // The MoE variant: the experts split over the expert-parallel ranks.
-    let experts = match moe {
-        true => MoeParallel::from_mesh(&dims, &mesh).map_err(|e| invalid(&world, e))?,
-        false => MoeParallel::default(),
-    };
-    let mut model = match moe {
-        true => {
-            let moe = moe_config(&config(), args.experts, args.top_k);
-            Decoder::with_experts(&init, &config(), &moe, &experts)
-        }
-        false => Decoder::new(&init, Some(&fsdp), &config()),
-    }
-    .map_err(|e| invalid(&world, e))?
-    .with_context_parallel(Some(cp));
-    // Rows split over the data-parallel ranks; gradients averaged over those and the
-    // context-parallel ranks (which hold other tokens of the same rows).
-    let dp = dims.data_parallel(&mesh).expect("built by ParallelDims");
-    let reduce = dims
-        .gradient_reduction(&mesh)
-        .expect("built by ParallelDims");
-    let rows = args.batch / dp.size();
-    let micro_rows = rows / args.grad_accum.max(1);
-    if micro_rows == 0 || micro_rows * args.grad_accum != rows {
-        return Err(invalid(
-            &world,
-            format!(
-                "{rows} rows per data-parallel rank do not split into --grad-accum {} equal \
-                 micro-batches: make --batch a multiple of {}",
-                args.grad_accum,
-                dp.size() * args.grad_accum.max(1)
-            ),
-        ));
-    }
-    let mut step = TrainStep::new(init.context())
-        .with_data_parallel(reduce.clone())
-        .with_fsdp(fsdp.shards().clone(), Some(group("dp_replicate")))
-        .with_fsdp_no_sync(args.no_sync);
-    if args.overlap {
-        step = step.with_overlap(OverlappedDdp::new(reduce.clone()));
-    }
-    step = with_precision(step, args.precision);
-    let optim = AdamWConfig::new().with_weight_decay(0.01).init();
-    // The engine: the library's step with AdamW, or ZeRO-1/2 (`--zero`), which owns the
-    // reduction over the same ranks, the clipping and the precision policy; for the MoE
-    // variant, burn-moe's engines around the same (the expert gradients reduced over the ranks
-    // holding the same experts, clipped under one norm with the rest). One loop for all, and
-    // one checkpoint format: each resumes what another saved, under any layout.
-    let mut engine: Box<dyn StepEngine<Decoder, MoeError>> = match (args.zero, moe) {
-        (None, false) => Box::new(Trainer::new(step.with_clip(args.clip), optim)),
-        (None, true) => {
-            let step = MoeStep::new(step, &experts).with_clip(args.clip);
-            Box::new(MoeTrainer::new(step, optim))
-        }
-        (Some(stage), _) => {
-            let zero = zero_engine(&model, &reduce, stage, args, &experts)
-                .map_err(|e| invalid(&world, e))?;
-            model = zero.prepare_module(model).map_err(|e| invalid(&world, e))?;
-            match moe {
-                true => Box::new(
-                    MoeZero::new(zero, MoeStep::new(step, &experts), optim)
-                        .map_err(|e| invalid(&world, e))?,
-                ),
-                false => Box::new(zero),
-            }
-        }
-    };
-    let checkpoint_error = |e: burn_parallel::checkpoint::CheckpointError| invalid(&world, e);
+    // The library builds the model and its engine for the layout: the step with AdamW, ZeRO-1/2,
+    // FSDP, and burn-moe's engines around them for the MoE variant. One loop for all, and one
+    // checkpoint format: each layout resumes what another saved.
+    let layout = layout(args, world.size())?;
+    let Built {
+        mut model,
+        mut engine,
+        groups,
+        ..
+    } = build(&world, &layout, &recipe, &device, &settings(args))?;
+    let dp = groups.data;
     let mut first = 0;
     if let Some(checkpoint) = resume_from(args, &world)? {
-        (model, _) = engine.load(&checkpoint, model).map_err(checkpoint_error)?;
+        (model, _) = engine.load(&checkpoint, model)?;
         first = checkpoint.step();
     }
+    let rows = args.batch / dp.size();
+    let micro_rows = rows / args.grad_accum;
     let mut losses = Vec::new();
     for s in first..args.steps {
         let first = dp.rank() * rows;
@@ -479,41 +413,35 @@ fn run_rank(world: ProcessGroup, args: &Args, corpus: &Corpus) -> burn_parallel:
             let (tokens, targets) = batch.to_tensors(&device);
             Ok(m.loss(tokens, targets)?)
         };
-        let (next, out) = engine
-            .step_accumulated(model, args.grad_accum, &mut forward, args.lr)
-            .map_err(|e| match e {
-                MoeError::Collective(e) | MoeError::Tp(TpError::Collective(e)) => e,
-                other => invalid(&world, other),
-            })?;
+        let (next, out) = engine.step_accumulated(model, args.grad_accum, &mut forward, args.lr)?;
         model = next;
         losses.push(out.loss);
     }
     if let Some(dir) = &args.save {
-        let mut saver = Checkpointer::new(dir, 1, &world).map_err(checkpoint_error)?;
-        engine
-            .save(
-                &mut saver,
-                args.steps,
-                &model,
-                serde_json::Value::Null.into(),
-            )
-            .map_err(checkpoint_error)?;
+        let mut saver = Checkpointer::new(dir, 1, &world)?;
+        engine.save(
+            &mut saver,
+            args.steps,
+            &model,
+            serde_json::Value::Null.into(),
+        )?;
     }
     Ok(losses)
 }
 
 /// Trains under `args.layout`; prints the loss curve's ends and returns seconds per step.
 fn run(args: &Args, corpus: &Corpus) -> f64 {
-    let ranks = if args.layout == Layout::Single {
+    let ranks = if args.layout == Preset::Single {
         1
     } else {
         args.ranks
     };
     let start = Instant::now();
-    let losses = run_local(ranks, |world| run_rank(world, args, corpus)).unwrap_or_else(|e| {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    });
+    let losses = burn_parallel_train::run_local(ranks, |world| run_rank(world, args, corpus))
+        .unwrap_or_else(|e| {
+            eprintln!("error: {e}");
+            std::process::exit(1);
+        });
     let per_step = start.elapsed().as_secs_f64() / args.steps as f64;
     let curve = &losses[0];
     let zero = args
@@ -538,7 +466,7 @@ fn main() {
         return;
     }
     let mut times = Vec::new();
-    for layout in Layout::value_variants() {
+    for layout in Preset::value_variants() {
         let args = Args {
             layout: *layout,
             ..args.clone()

@@ -41,6 +41,52 @@ pub fn moe_config(c: &Config, n_experts: usize, top_k: usize) -> MoeConfig {
     moe
 }
 
+/// The decoder (and, for the MoE variant, its experts) as `burn_parallel_train::build` lays it
+/// out under any `Layout`: its plans and its build.
+pub struct Recipe {
+    /// The decoder's shape.
+    pub config: Config,
+    /// The MoE variant's experts (`None`: the dense decoder).
+    pub moe: Option<MoeConfig>,
+}
+
+impl burn_parallel_train::ParallelModel for Recipe {
+    type Model = Decoder;
+
+    fn n_heads(&self) -> usize {
+        self.config.n_heads
+    }
+
+    fn n_experts(&self) -> Option<usize> {
+        self.moe.as_ref().map(|moe| moe.n_experts)
+    }
+
+    fn seed(&self) -> u64 {
+        self.config.seed
+    }
+
+    fn tp_plan(&self, sequence_parallel: bool) -> TpPlan {
+        match self.moe {
+            Some(_) => moe_tp_plan(sequence_parallel),
+            None => tp_plan(sequence_parallel),
+        }
+    }
+
+    fn fsdp_plan(&self, shard: &burn_parallel::ProcessGroup, experts: &MoeParallel) -> FsdpPlan {
+        let experts = experts.experts.clone();
+        fsdp_plan(shard).keep_whole(move |id| experts.contains(&id))
+    }
+
+    fn build(
+        &self,
+        parts: &burn_parallel_train::ModelParts,
+    ) -> Result<Decoder, burn_parallel::Error> {
+        let experts = self.moe.as_ref().map(|moe| (moe, &parts.experts));
+        let model = Decoder::build(&parts.init, parts.fsdp.as_ref(), &self.config, experts)?;
+        Ok(model.with_context_parallel(parts.context_parallel.clone()))
+    }
+}
+
 /// Each layer is an FSDP unit under a sharded layout.
 pub fn fsdp_plan(group: &burn_parallel::ProcessGroup) -> FsdpPlan {
     FsdpPlan::new(group).unit("layers.*")
@@ -224,6 +270,9 @@ pub struct Decoder {
 impl Decoder {
     /// Builds the model from `init` (single device: `Init::new(seed, device)`; tensor-parallel:
     /// `Init::new(..).with_tp(group, tp_plan(sp))`), each layer an FSDP unit when `fsdp` says so.
+    // The single-device constructors: the parity tests (which include this file) build the
+    // oracle with them; the example builds through `Recipe`.
+    #[allow(dead_code)]
     pub fn new(init: &Init, fsdp: Option<&FsdpPlan>, c: &Config) -> burn_zero::Result<Self> {
         Self::build(init, fsdp, c, None)
     }
@@ -233,6 +282,7 @@ impl Decoder {
     /// the experts; [`MoeParallel::default`] on one device). Train it with
     /// `burn_moe::MoeStep`, which reduces the expert gradients over the ranks holding the same
     /// experts.
+    #[allow(dead_code)]
     pub fn with_experts(
         init: &Init,
         c: &Config,

@@ -24,6 +24,7 @@ use std::process::ExitCode;
 use burn_moe::{Capacity, DropPolicy, ExpertKind, MoeConfig};
 use burn_parallel::mfu::{Math, Mfu, peak_tflops};
 use burn_parallel::{CollectiveError, ProcessGroup, run_local};
+use burn_parallel_train::Layout;
 use burn_pipeline::generators::generate;
 use burn_pipeline::simulate::{Costs, simulate};
 use burn_pipeline::trace::Timeline;
@@ -32,8 +33,8 @@ use clap::{Parser, ValueEnum};
 use examples::data::Corpus;
 use examples::gpt::{MlpKind, PositionKind};
 use examples::train::{
-    LossScale, MoeLayoutError, Parallelism, Precision, StepPhases, StepStats, TrainConfig,
-    TrainDevice, TrainReport, train_gpt_checkpointed,
+    LossScale, Parallelism, Precision, StepPhases, StepStats, TrainConfig, TrainDevice,
+    TrainReport, train_gpt_checkpointed,
 };
 use examples::train_checkpoint::CheckpointOptions;
 use indicatif::{ProgressBar, ProgressStyle};
@@ -672,38 +673,6 @@ fn main() -> ExitCode {
     if let Some(run) = diloco {
         return run_diloco(&args, &config, &corpus, &run, &checkpoints);
     }
-    // A GPT-MoE trains in the layout-generic trainer below (under ZeRO-1/2 its experts stay
-    // out of the flat space, under FSDP whole in the units); the pipeline has no MoE stages.
-    let moe = config.model.moe.is_some();
-    if moe && args.pipeline.pp > 1 {
-        let refused = MoeLayoutError::Unsupported {
-            what: "pipeline parallelism",
-            flag: "--pp",
-            why: "the pipeline stages do not build MoE layers",
-        };
-        eprintln!("error: {refused}");
-        return ExitCode::from(2);
-    }
-    if args.pipeline.pp > 1 {
-        let refused = [
-            (args.cp > 1, "--cp"),
-            (args.hybrid.is_some(), "--hybrid"),
-            (args.ep > 1, "--ep"),
-        ];
-        if let Some((_, flag)) = refused.iter().find(|r| r.0) {
-            eprintln!(
-                "error: {flag} is not composed with pipeline parallelism yet; --pp runs with data \
-                 parallelism (--ranks, --zero 1|2) and tensor parallelism (--tp, --sp): drop \
-                 {flag}"
-            );
-            return ExitCode::from(2);
-        }
-        return run_pipeline(&args, &config, &corpus, &checkpoints);
-    }
-    if (args.prefetch || args.no_sync) && args.zero != Some(3) {
-        eprintln!("error: --prefetch and --no-sync are options of FSDP: use them with --zero 3");
-        return ExitCode::from(2);
-    }
     let zero = match args
         .zero
         .map(|s| Stage::from_number(s as usize))
@@ -730,6 +699,14 @@ fn main() -> ExitCode {
         cp_balance: args.cp_balance,
         ep: args.ep,
     };
+    if args.pipeline.pp > 1 {
+        // The layout's rules (Layout::validate) are checked on the world the ranks form.
+        let layout = Layout {
+            pp: args.pipeline.pp,
+            ..parallel.layout()
+        };
+        return run_pipeline(&args, &config, &corpus, &checkpoints, &layout);
+    }
     let log = Logging::new(&args);
     let outcome = match args.backend {
         Backend::Local => {
@@ -1010,18 +987,20 @@ fn run_pipeline(
     config: &TrainConfig,
     corpus: &Corpus,
     checkpoints: &CheckpointOptions,
+    layout: &Layout,
 ) -> ExitCode {
-    let zero = match args.zero.map(|n| Stage::from_number(n.into())).transpose() {
-        Ok(zero) => zero,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
-    };
     let pipeline = args
         .pipeline
-        .config(train_device(args), args.tp, args.sp, zero);
+        .config(train_device(args), args.tp, args.sp, layout.zero);
+    let work = config.step_settings().workload(&config.model);
     let run = |world: ProcessGroup| {
+        layout
+            .validate(world.size(), &work)
+            .map_err(|e| CollectiveError::InvalidArgument {
+                rank: world.global_rank(),
+                op: "gpt --pp".into(),
+                reason: e.to_string(),
+            })?;
         examples::pipeline::run_rank(
             &world,
             config,
