@@ -349,13 +349,17 @@ impl TrainConfig {
 
     /// Learning rate at `step`: linear warm-up, then cosine decay to 10% of the peak.
     pub fn lr_at(&self, step: usize) -> f64 {
-        if step < self.warmup_steps {
-            return self.lr * (step + 1) as f64 / self.warmup_steps as f64;
+        self.lr_schedule().at(step)
+    }
+
+    /// The learning-rate schedule: linear warm-up, then cosine decay to 10% of the peak.
+    pub fn lr_schedule(&self) -> burn_parallel_train::LrSchedule {
+        burn_parallel_train::LrSchedule {
+            peak: self.lr,
+            warmup: self.warmup_steps,
+            steps: self.steps,
+            floor: 0.1,
         }
-        let span = (self.steps - self.warmup_steps).max(1) as f64;
-        let progress = (step - self.warmup_steps) as f64 / span;
-        let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
-        self.lr * (0.1 + 0.9 * cosine)
     }
 }
 

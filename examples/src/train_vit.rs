@@ -41,12 +41,12 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::tensor::{Device, Tensor};
-use burn_parallel::init::Init;
-use burn_parallel::train::{StepEngine, TrainStep, Trainer};
+use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::{
     CollectiveError, MeshError, ParallelDims, ProcessGroup, ReduceOp, TpError, run_local,
 };
-use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroError, ZeroOptimizer};
+use burn_parallel_train::{FitConfig, Layout, MicroBatch, StepLog, StepSettings, build, fit};
+use burn_zero::{Stage, ZeroError};
 use serde::{Deserialize, Serialize};
 
 use crate::data::{Digits, DigitsBatch};
@@ -70,6 +70,33 @@ pub enum VitTrainError {
     /// The mesh could not be built.
     #[error(transparent)]
     Mesh(#[from] MeshError),
+}
+
+/// The suite's error as the ViT trainer's: a collective, tensor-parallel or mesh failure as
+/// itself, anything else as [`VitTrainError::Config`] with its message.
+impl From<burn_parallel::Error> for VitTrainError {
+    fn from(e: burn_parallel::Error) -> Self {
+        match e {
+            burn_parallel::Error::Collective(e) => Self::Collective(e),
+            burn_parallel::Error::TensorParallel(e) => Self::Tp(e),
+            burn_parallel::Error::Mesh(e) => Self::Mesh(e),
+            e => Self::Config(e.to_string()),
+        }
+    }
+}
+
+/// The ViT trainer's error as the suite's (what a callback of [`burn_parallel_train::fit`]
+/// returns).
+impl From<VitTrainError> for burn_parallel::Error {
+    fn from(e: VitTrainError) -> Self {
+        match e.flatten() {
+            VitTrainError::Config(reason) => Self::invalid("ViT training", reason),
+            VitTrainError::Collective(e) => e.into(),
+            VitTrainError::Tp(e) => e.into(),
+            VitTrainError::Zero(e) => e.into(),
+            VitTrainError::Mesh(e) => e.into(),
+        }
+    }
 }
 
 impl VitTrainError {
@@ -196,13 +223,13 @@ impl VitTrainConfig {
 
     /// Learning rate at `step`: linear warm-up, then cosine decay to 10 % of the peak.
     pub fn lr_at(&self, step: usize) -> f64 {
-        if step < self.warmup_steps {
-            return self.lr * (step + 1) as f64 / self.warmup_steps as f64;
+        burn_parallel_train::LrSchedule {
+            peak: self.lr,
+            warmup: self.warmup_steps,
+            steps: self.steps,
+            floor: 0.1,
         }
-        let span = self.steps.saturating_sub(self.warmup_steps).max(1) as f64;
-        let progress = (step - self.warmup_steps) as f64 / span;
-        let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
-        self.lr * (0.1 + 0.9 * cosine)
+        .at(step)
     }
 
     /// The AdamW every layout uses.
@@ -225,6 +252,16 @@ pub struct VitLayout {
 }
 
 impl VitLayout {
+    /// The library's [`Layout`] of this split.
+    pub fn layout(&self) -> Layout {
+        Layout {
+            tp: self.tp_size(),
+            sp: self.sp,
+            zero: self.zero,
+            ..Layout::default()
+        }
+    }
+
     /// The tensor-parallel size (at least 1).
     pub fn tp_size(&self) -> usize {
         self.tp.max(1)
@@ -335,14 +372,6 @@ fn predict(model: &Vit, images: Tensor<4>) -> Result<Vec<i64>, VitTrainError> {
         .expect("class ids"))
 }
 
-/// The model for inference (no autodiff).
-fn valid(model: &Option<Vit>) -> Vit {
-    model
-        .as_ref()
-        .expect("the loop always holds the model")
-        .valid()
-}
-
 /// The rows `rows` of a host batch.
 pub(crate) fn batch_rows(batch: &DigitsBatch, rows: std::ops::Range<usize>) -> DigitsBatch {
     DigitsBatch {
@@ -410,9 +439,6 @@ pub fn train_vit(
     on_step: &mut dyn FnMut(&VitStepStats),
 ) -> Result<VitReport, VitTrainError> {
     layout.validate(config, world.size())?;
-    let dims = layout.dims(world.size());
-    let mesh = dims.build(world)?;
-    let dp = dims.data_parallel(&mesh)?;
     let device = Device::flex().autodiff();
     let plain = Device::flex();
     let (train, test) = digits.split(config.test_fraction, config.split_seed);
@@ -424,88 +450,68 @@ pub fn train_vit(
         )));
     }
 
-    // ---- the model: one type, the plans decide the layout ----
-    let tp = mesh.group("tp")?.clone();
-    let init = Init::new(config.model.seed, &device).with_tp(&tp, Vit::tp_plan(layout.sp))?;
-    let fsdp = match layout.zero {
-        Some(Stage::Three) => Some(Vit::fsdp_plan(mesh.group("dp_shard")?)),
-        _ => None,
+    // ---- the model and its engine: the library's builder for the layout ----
+    let settings = StepSettings {
+        max_grad_norm: config.max_grad_norm,
+        adamw: FusedAdamWConfig::new().with_weight_decay(config.weight_decay as f32),
+        batch_size: config.batch_size,
+        // Tokens per second are images per second.
+        seq_len: 1,
+        ..StepSettings::default()
     };
-    let model = Vit::build(&config.model, &init, fsdp.as_ref())?;
-    // Seeded init gives identical replicas; fail loudly if they are not.
-    let replicate = mesh.group("dp_replicate")?;
-    burn_parallel::verify_replicas(&model, replicate)
-        .map_err(|e| VitTrainError::Config(e.to_string()))?;
-    // The optimizer side: ZeRO-1/2's sharded optimizer, or the library's step (DDP, FSDP,
-    // each x TP) with Burn's AdamW; the loop below drives either.
-    let mut engine: Box<dyn StepEngine<Vit, VitTrainError>> = match layout.zero {
-        Some(stage @ (Stage::One | Stage::Two)) => Box::new(
-            ZeroOptimizer::new(
-                &model,
-                ShardGroups::flat(dp.clone()),
-                ZeroConfig::new(stage).with_max_grad_norm(config.max_grad_norm),
-                config.adamw().build(),
-            )?
-            .with_tensor_parallel(&model.tp),
-        ),
-        _ => {
-            let mut step = TrainStep::new(model.tp.clone())
-                .with_data_parallel(dp.clone())
-                .with_clip(config.max_grad_norm);
-            if let Some(plan) = &fsdp {
-                step = step.with_fsdp(plan.shards().clone(), None);
-            }
-            Box::new(Trainer::new(step, config.adamw().init()))
-        }
+    let built = build(world, &layout.layout(), &config.model, &device, &settings)?;
+    let dp = built.groups.data.clone();
+    let fit_config = FitConfig {
+        steps: config.steps,
+        lr: burn_parallel_train::LrSchedule {
+            peak: config.lr,
+            warmup: config.warmup_steps,
+            steps: config.steps,
+            floor: 0.1,
+        },
+        checkpoint: None,
+        resume: None,
     };
-    let mut model = Some(model);
-
-    let rows = config.batch_size / dp.size();
-    let first = dp.rank() * rows;
-    let mut losses = Vec::with_capacity(config.steps);
+    let mut loss = |m: &Vit, micro: &MicroBatch| {
+        let global = train.batch(micro.step as u64, config.batch_size, config.data_seed);
+        let (x, y) = batch_rows(&global, micro.rows.clone()).to_tensors(&device);
+        Ok(m.loss(x, y)?)
+    };
     let mut evals = Vec::new();
     let mut train_seconds = 0.0;
     let start = Instant::now();
-    for step in 0..config.steps {
-        let t0 = Instant::now();
-        let global = train.batch(step as u64, config.batch_size, config.data_seed);
-        let (x, y) = batch_rows(&global, first..first + rows).to_tensors(&device);
-        let lr = config.lr_at(step);
-        let m = model.take().expect("the loop always holds the model");
-        let mut forward = |m: &Vit, _| Ok(m.loss(x.clone(), y.clone())?);
-        let (m, stepped) = engine.step_accumulated(m, 1, &mut forward, lr)?;
-        model = Some(m);
-        let seconds = t0.elapsed().as_secs_f64();
-        train_seconds += seconds;
-        losses.push(f64::from(stepped.loss));
-        let test_accuracy = if config.eval_every > 0
-            && (step + 1).is_multiple_of(config.eval_every)
-            && step + 1 < config.steps
-        {
-            let (correct, total) = evaluate(&valid(&model), &test, &dp, config.eval_batch, &plain)?;
-            let accuracy = correct as f64 / total as f64;
-            evals.push((step, accuracy));
-            Some(accuracy)
-        } else {
-            None
-        };
+    let mut on_step = |log: &StepLog, model: &Vit| {
+        train_seconds += log.seconds;
+        let (step, every) = (log.step, config.eval_every);
+        let test_accuracy =
+            if every > 0 && (step + 1).is_multiple_of(every) && step + 1 < config.steps {
+                let (correct, total) =
+                    evaluate(&model.valid(), &test, &dp, config.eval_batch, &plain)?;
+                let accuracy = correct as f64 / total as f64;
+                evals.push((step, accuracy));
+                Some(accuracy)
+            } else {
+                None
+            };
         on_step(&VitStepStats {
             step,
-            loss: f64::from(stepped.loss),
-            lr,
-            grad_norm: stepped.grad_norm,
-            images_per_sec: config.batch_size as f64 / seconds.max(1e-9),
+            loss: f64::from(log.loss),
+            lr: log.lr,
+            grad_norm: log.grad_norm,
+            images_per_sec: log.tokens_per_sec,
             elapsed: start.elapsed().as_secs_f64(),
             test_accuracy,
         });
-    }
-    let model = valid(&model);
+        Ok(())
+    };
+    let fitted = fit(built, &fit_config, &mut loss, &mut on_step, None)?;
+    let model = fitted.built.model.valid();
     let (test_correct, test_images) = evaluate(&model, &test, &dp, config.eval_batch, &plain)?;
     let test_accuracy = test_correct as f64 / test_images as f64;
     evals.push((config.steps - 1, test_accuracy));
     let model = model.to_single(&plain)?;
     Ok(VitReport {
-        losses,
+        losses: fitted.losses.iter().map(|&l| f64::from(l)).collect(),
         evals,
         test_accuracy,
         test_correct,

@@ -191,6 +191,32 @@ pub struct Vit {
     pub tp: TpContext,
 }
 
+/// The ViT under any [`burn_parallel_train::Layout`] (data, tensor and sequence parallel, ZeRO,
+/// FSDP): its plans and its build are all the builder needs.
+impl burn_parallel_train::ParallelModel for VitConfig {
+    type Model = Vit;
+
+    fn n_heads(&self) -> usize {
+        self.n_heads
+    }
+
+    fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    fn tp_plan(&self, sequence_parallel: bool) -> TpPlan {
+        Vit::tp_plan(sequence_parallel)
+    }
+
+    fn fsdp_plan(&self, shard: &ProcessGroup, _experts: &burn_moe::MoeParallel) -> FsdpPlan {
+        Vit::fsdp_plan(shard)
+    }
+
+    fn build(&self, parts: &burn_parallel_train::ModelParts) -> Result<Vit, burn_parallel::Error> {
+        Ok(Vit::build(self, &parts.init, parts.fsdp.as_ref())?)
+    }
+}
+
 impl Vit {
     /// Builds and initialises the model on one device, deterministically from `config.seed`.
     ///

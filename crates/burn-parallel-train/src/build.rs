@@ -238,6 +238,8 @@ pub struct Built<P: ParallelModel> {
     pub experts: MoeParallel,
     /// ZeRO-1/2's memory account.
     pub zero_memory: Option<MemoryTracker>,
+    /// The settings it was built with (the batch [`crate::fit`] splits).
+    pub settings: StepSettings,
 }
 
 /// Builds `model` on this rank of `world` under `layout`, with the engine that steps it.
@@ -453,6 +455,7 @@ impl<P: ParallelModel> Placed<P> {
             fsdp,
             experts,
             zero_memory,
+            settings: settings.clone(),
         })
     }
 }

@@ -7,7 +7,10 @@
 //!   which techniques compose and names, in its [`LayoutError`], the flag to change;
 //! - [`build`]: from a `Layout`, the world and a [`ParallelModel`] (the user's model and how to
 //!   build it), this rank's model and a `Box<dyn StepEngine>` that steps it under that layout:
-//!   a user switches layout by changing the `Layout`, not the loop.
+//!   a user switches layout by changing the `Layout`, not the loop;
+//! - [`fit`]: the loop over it: each data-parallel rank its rows of every micro-batch, a
+//!   learning-rate schedule, checkpoints every N steps and at the end, resuming from the newest
+//!   one (saved under any layout), and a clean stop on a flag (Ctrl-C) that saves first.
 //!
 //! Errors are [`burn_parallel::Error`], into which every crate of the suite converts its own.
 //!
@@ -15,9 +18,14 @@
 //! of them depends on it.
 
 pub mod build;
+pub mod fit;
 pub mod layout;
 mod local;
 
 pub use build::{Built, Groups, ModelParts, ParallelModel, Placed, StepSettings, build};
+pub use fit::{
+    CheckpointPolicy, FitConfig, Fitted, LossFn, LrSchedule, MicroBatch, OnStep, StepLog, fit,
+    open_checkpoint,
+};
 pub use layout::{Layout, LayoutError, Workload};
 pub use local::run_local;

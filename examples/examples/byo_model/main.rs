@@ -46,6 +46,8 @@
 mod model;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
 use burn::optim::AdamWConfig;
@@ -57,7 +59,10 @@ use burn_parallel::init::Init;
 use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::precision::{LossScaler, MixedPrecision};
 use burn_parallel::train::TrainStep;
-use burn_parallel_train::{Built, Layout, StepSettings, build};
+use burn_parallel_train::{
+    CheckpointPolicy, FitConfig, Layout, LrSchedule, MicroBatch, StepSettings, build, fit,
+    open_checkpoint,
+};
 use burn_pipeline::ScheduleKind;
 use burn_pipeline::generators::generate;
 use burn_pipeline::partition::by_count;
@@ -229,7 +234,8 @@ fn run_rank_pipeline(
     let names = |stage: &model::Stage, path: &str| stage.flat_path(path);
     let checkpoint_error = |e: burn_parallel::checkpoint::CheckpointError| invalid(&world, e);
     let mut first = 0;
-    if let Some(checkpoint) = resume_from(args, &world)? {
+    if let Some(dir) = &args.resume {
+        let checkpoint = open_checkpoint(dir).map_err(checkpoint_error)?;
         updater
             .load(&checkpoint, &mut stages, &names)
             .map_err(checkpoint_error)?;
@@ -276,26 +282,6 @@ fn invalid(world: &ProcessGroup, reason: impl std::fmt::Display) -> burn_paralle
         rank: world.global_rank(),
         op: "byo_model".into(),
         reason: reason.to_string(),
-    }
-}
-
-/// `--resume DIR`: the newest complete checkpoint under `DIR` (`None` without the flag).
-///
-/// # Errors
-/// A directory holding no complete checkpoint, or one that cannot be read.
-fn resume_from(
-    args: &Args,
-    world: &ProcessGroup,
-) -> burn_parallel::Result<Option<burn_parallel::checkpoint::Checkpoint>> {
-    let Some(dir) = &args.resume else {
-        return Ok(None);
-    };
-    match Checkpointer::latest(dir).map_err(|e| invalid(world, e))? {
-        Some(checkpoint) => Ok(Some(checkpoint)),
-        None => Err(invalid(
-            world,
-            format!("no complete checkpoint under {}", dir.display()),
-        )),
     }
 }
 
@@ -369,6 +355,7 @@ fn run_rank(
     world: ProcessGroup,
     args: &Args,
     corpus: &Corpus,
+    stop: &AtomicBool,
 ) -> Result<Vec<f32>, burn_parallel::Error> {
     if args.layout == Preset::Pp {
         if args.grad_accum > 1 {
@@ -388,81 +375,84 @@ fn run_rank(
     // The library builds the model and its engine for the layout: the step with AdamW, ZeRO-1/2,
     // FSDP, and burn-moe's engines around them for the MoE variant. One loop for all, and one
     // checkpoint format: each layout resumes what another saved.
-    let layout = layout(args, world.size())?;
-    let Built {
-        mut model,
-        mut engine,
-        groups,
-        ..
-    } = build(&world, &layout, &recipe, &device, &settings(args))?;
-    let dp = groups.data;
-    let mut first = 0;
-    if let Some(checkpoint) = resume_from(args, &world)? {
-        (model, _) = engine.load(&checkpoint, model)?;
-        first = checkpoint.step();
+    let built = build(
+        &world,
+        &layout(args, world.size())?,
+        &recipe,
+        &device,
+        &settings(args),
+    )?;
+    // The library's loop: each data-parallel rank its rows of every micro-batch; `--save`
+    // after the last step or on Ctrl-C, `--resume` from the newest checkpoint (any layout's).
+    let config = FitConfig {
+        steps: args.steps,
+        lr: LrSchedule::constant(args.lr),
+        checkpoint: args.save.as_ref().map(|dir| CheckpointPolicy {
+            keep: 1,
+            ..CheckpointPolicy::new(dir)
+        }),
+        resume: args.resume.clone(),
+    };
+    let mut loss = |m: &Decoder, micro: &MicroBatch| {
+        let batch = corpus.batch_rows(
+            micro.step as u64,
+            micro.rows.clone(),
+            args.seq,
+            Split::Train,
+        );
+        let (tokens, targets) = batch.to_tensors(&device);
+        Ok(m.loss(tokens, targets)?)
+    };
+    let fitted = fit(built, &config, &mut loss, &mut |_, _| Ok(()), Some(stop))?;
+    if let (Some(step), 0) = (fitted.stopped_at, world.rank()) {
+        eprintln!("stopped after step {step}; resume with --resume");
     }
-    let rows = args.batch / dp.size();
-    let micro_rows = rows / args.grad_accum;
-    let mut losses = Vec::new();
-    for s in first..args.steps {
-        let first = dp.rank() * rows;
-        let mut forward = |m: &Decoder, k: usize| {
-            let start = first + k * micro_rows;
-            let batch =
-                corpus.batch_rows(s as u64, start..start + micro_rows, args.seq, Split::Train);
-            let (tokens, targets) = batch.to_tensors(&device);
-            Ok(m.loss(tokens, targets)?)
-        };
-        let (next, out) = engine.step_accumulated(model, args.grad_accum, &mut forward, args.lr)?;
-        model = next;
-        losses.push(out.loss);
-    }
-    if let Some(dir) = &args.save {
-        let mut saver = Checkpointer::new(dir, 1, &world)?;
-        engine.save(
-            &mut saver,
-            args.steps,
-            &model,
-            serde_json::Value::Null.into(),
-        )?;
-    }
-    Ok(losses)
+    Ok(fitted.losses[fitted.first_step..].to_vec())
 }
 
 /// Trains under `args.layout`; prints the loss curve's ends and returns seconds per step.
-fn run(args: &Args, corpus: &Corpus) -> f64 {
+fn run(args: &Args, corpus: &Corpus, stop: &AtomicBool) -> f64 {
     let ranks = if args.layout == Preset::Single {
         1
     } else {
         args.ranks
     };
     let start = Instant::now();
-    let losses = burn_parallel_train::run_local(ranks, |world| run_rank(world, args, corpus))
+    let losses = burn_parallel_train::run_local(ranks, |world| run_rank(world, args, corpus, stop))
         .unwrap_or_else(|e| {
             eprintln!("error: {e}");
             std::process::exit(1);
         });
-    let per_step = start.elapsed().as_secs_f64() / args.steps as f64;
     let curve = &losses[0];
+    let per_step = start.elapsed().as_secs_f64() / curve.len().max(1) as f64;
     let zero = args
         .zero
         .map(|n| format!(" + ZeRO-{n}"))
         .unwrap_or_default();
-    println!(
-        "layout {:?}{zero} on {ranks} rank(s): loss {:.4} -> {:.4} over {} steps, {per_step:.3} s/step",
-        args.layout,
-        curve[0],
-        curve[curve.len() - 1],
-        curve.len(),
-    );
+    match (curve.first(), curve.last()) {
+        (Some(first), Some(last)) => println!(
+            "layout {:?}{zero} on {ranks} rank(s): loss {first:.4} -> {last:.4} over {} steps, \
+             {per_step:.3} s/step",
+            args.layout,
+            curve.len(),
+        ),
+        _ => println!("no step left to train (the checkpoint is at --steps already)"),
+    }
     per_step
 }
 
 fn main() {
     let args = Args::parse();
     let corpus = Corpus::load_default().expect("the bundled corpus");
+    // Ctrl-C (or SIGTERM) stops every rank after the same step, saving under --save first.
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        if let Err(e) = signal_hook::flag::register(signal, Arc::clone(&stop)) {
+            eprintln!("warning: cannot catch signal {signal} ({e}); Ctrl-C stops without saving");
+        }
+    }
     if !args.all {
-        run(&args, &corpus);
+        run(&args, &corpus, &stop);
         return;
     }
     let mut times = Vec::new();
@@ -471,7 +461,7 @@ fn main() {
             layout: *layout,
             ..args.clone()
         };
-        times.push((*layout, run(&args, &corpus)));
+        times.push((*layout, run(&args, &corpus, &stop)));
     }
     let single = times[0].1;
     println!("\nstep time relative to one device ({} ranks):", args.ranks);

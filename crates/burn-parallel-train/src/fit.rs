@@ -1,0 +1,292 @@
+//! [`fit`]: the training loop a user would otherwise write around a built layout.
+//!
+//! Each step, every data-parallel rank computes its rows of the global batch in `grad_accum`
+//! micro-steps ([`MicroBatch`]: the same rows of the global batch whatever the layout), the
+//! engine reduces, clips and applies the update, and [`fit`] reports the step
+//! ([`StepLog`]). It saves a checkpoint every `every` steps, after the last one and when asked
+//! to stop (a flag a Ctrl-C handler sets: the ranks agree on it, so all stop after the same
+//! step), and it resumes from the newest checkpoint under a directory, saved under any layout.
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use burn::tensor::Tensor;
+use burn_parallel::checkpoint::{Checkpoint, CheckpointError, Checkpointer};
+use burn_parallel::train::{SaveState, StepPhases};
+use burn_parallel::{Error, ReduceOp};
+use serde::{Deserialize, Serialize};
+
+use crate::build::{Built, ParallelModel};
+
+/// The learning rate of each step: a linear warm-up over `warmup` steps to `peak`, then a
+/// cosine decay to `floor · peak` at step `steps`.
+///
+/// # Example
+/// ```
+/// use burn_parallel_train::LrSchedule;
+///
+/// let lr = LrSchedule { peak: 1e-3, warmup: 10, steps: 110, floor: 0.1 };
+/// assert_eq!(lr.at(0), 1e-4);
+/// assert_eq!(lr.at(9), 1e-3);
+/// assert!((lr.at(110) - 1e-4).abs() < 1e-12);
+/// assert_eq!(LrSchedule::constant(3e-3).at(1000), 3e-3);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct LrSchedule {
+    /// The rate after the warm-up.
+    pub peak: f64,
+    /// Warm-up steps (0: none).
+    pub warmup: usize,
+    /// The step at which the decay reaches its floor.
+    pub steps: usize,
+    /// The final rate as a fraction of `peak` (1: no decay).
+    pub floor: f64,
+}
+
+impl LrSchedule {
+    /// `lr` at every step.
+    pub fn constant(lr: f64) -> Self {
+        Self {
+            peak: lr,
+            warmup: 0,
+            steps: 0,
+            floor: 1.0,
+        }
+    }
+
+    /// The rate at `step` (0-based).
+    pub fn at(&self, step: usize) -> f64 {
+        if step < self.warmup {
+            return self.peak * (step + 1) as f64 / self.warmup as f64;
+        }
+        if self.floor == 1.0 {
+            return self.peak;
+        }
+        let span = self.steps.saturating_sub(self.warmup).max(1) as f64;
+        let progress = ((step - self.warmup) as f64 / span).min(1.0);
+        let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress).cos());
+        self.peak * (self.floor + (1.0 - self.floor) * cosine)
+    }
+}
+
+/// Where and how often [`fit`] saves.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CheckpointPolicy {
+    /// The directory the checkpoints go under (`DIR/step-00000100/`, ...).
+    pub dir: PathBuf,
+    /// Save after every `every` steps (0: only after the last step and on a stop).
+    pub every: usize,
+    /// Complete checkpoints kept (older ones are deleted).
+    pub keep: usize,
+    /// Write on a background thread while training goes on.
+    pub background: bool,
+}
+
+impl CheckpointPolicy {
+    /// Saves under `dir` after the last step and on a stop, keeping the newest 3.
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        Self {
+            dir: dir.into(),
+            every: 0,
+            keep: 3,
+            background: false,
+        }
+    }
+}
+
+/// How [`fit`] runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FitConfig {
+    /// The step to train up to (a resumed run continues from its checkpoint's step).
+    pub steps: usize,
+    /// The learning rate of each step.
+    pub lr: LrSchedule,
+    /// Saving (`None`: never).
+    pub checkpoint: Option<CheckpointPolicy>,
+    /// Resume from this checkpoint, or from the newest complete one under this directory.
+    pub resume: Option<PathBuf>,
+}
+
+/// The rows of the step's global batch that this rank computes in one micro-step. Micro-step
+/// `micro` is the same rows of the global batch whatever the number of data-parallel ranks
+/// (each takes its part of them), so what a micro-batch computes as a whole does not depend on
+/// the layout. Context-parallel ranks receive the same rows (the model splits the tokens).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MicroBatch {
+    /// The optimizer step.
+    pub step: usize,
+    /// The micro-step within it.
+    pub micro: usize,
+    /// Rows of the global batch.
+    pub rows: Range<usize>,
+}
+
+/// What [`fit`] reports after each step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepLog {
+    /// The step just taken (0-based).
+    pub step: usize,
+    /// Its loss over the global batch.
+    pub loss: f32,
+    /// Its learning rate.
+    pub lr: f64,
+    /// Its wall time.
+    pub seconds: f64,
+    /// Tokens of the global batch per second.
+    pub tokens_per_sec: f64,
+    /// Whether the update was skipped (a loss-scaling overflow).
+    pub skipped: bool,
+    /// The global gradient norm before clipping, where the engine measured it.
+    pub grad_norm: Option<f64>,
+    /// Where the step's time went ([`StepPhases`]).
+    pub phases: StepPhases,
+}
+
+/// What [`fit`] returns.
+pub struct Fitted<P: ParallelModel> {
+    /// The layout with the trained model and its engine.
+    pub built: Built<P>,
+    /// The loss of every step from step 0 (a resumed run's include the saved run's).
+    pub losses: Vec<f32>,
+    /// The step a resumed run started from (0 otherwise).
+    pub first_step: usize,
+    /// `Some(step)` when the run stopped on the flag after `step` steps (saved, when a
+    /// checkpoint policy is set).
+    pub stopped_at: Option<usize>,
+}
+
+/// The checkpoint at `path`: a checkpoint directory, or the newest complete one under it.
+///
+/// # Errors
+/// [`CheckpointError::Corrupt`] when there is none; I/O errors.
+pub fn open_checkpoint(path: &Path) -> Result<Checkpoint, CheckpointError> {
+    if path.join("manifest.json").exists() {
+        return Checkpoint::open(path);
+    }
+    Checkpointer::latest(path)?.ok_or_else(|| CheckpointError::Corrupt {
+        path: path.to_path_buf(),
+        reason: "no complete checkpoint here (no manifest.json in it or in a step-* directory \
+                 under it); check the path, or start without resuming"
+            .into(),
+    })
+}
+
+/// The saved losses in a checkpoint's state.
+#[derive(Serialize, Deserialize)]
+struct FitState {
+    losses: Vec<f32>,
+}
+
+/// What [`fit`] calls for each micro-batch: the mean loss of its rows on this rank.
+pub type LossFn<'a, M> = dyn FnMut(&M, &MicroBatch) -> Result<Tensor<1>, Error> + 'a;
+
+/// What [`fit`] calls after each step with the step's figures and the model (to log, to
+/// evaluate every so often).
+pub type OnStep<'a, M> = dyn FnMut(&StepLog, &M) -> Result<(), Error> + 'a;
+
+/// Trains `built` to `config.steps`: `loss(model, micro_batch)` is the mean loss of the rows
+/// of one micro-batch on this rank; `on_step` sees every step; `stop` (set by a Ctrl-C
+/// handler, say) ends the run after the step in which any rank saw it, saving first. Every rank
+/// calls it.
+///
+/// # Errors
+/// `loss`'s and `on_step`'s errors, the engine's, a checkpoint that cannot be read or written.
+///
+/// # Example
+/// See `tests/tests/fit.rs`: a run stopped by the flag after step 2 saves, and resumed (under
+/// the same layout or another) it ends where the uninterrupted run ends.
+pub fn fit<P: ParallelModel>(
+    mut built: Built<P>,
+    config: &FitConfig,
+    loss: &mut LossFn<'_, P::Model>,
+    on_step: &mut OnStep<'_, P::Model>,
+    stop: Option<&AtomicBool>,
+) -> Result<Fitted<P>, Error> {
+    let world = built.groups.world.clone();
+    let data = built.groups.data.clone();
+    let (batch, accum) = (built.settings.batch_size, built.settings.grad_accum);
+    let micro_rows = batch / (data.size() * accum);
+    let tokens = (batch * built.settings.seq_len) as f64;
+    let mut saver = match &config.checkpoint {
+        Some(policy) => Some(
+            Checkpointer::new(&policy.dir, policy.keep, &world)?.with_background(policy.background),
+        ),
+        None => None,
+    };
+    let mut losses = Vec::new();
+    let mut first_step = 0;
+    if let Some(path) = &config.resume {
+        let checkpoint = open_checkpoint(path)?;
+        let (model, state) = built.engine.load(&checkpoint, built.model)?;
+        built.model = model;
+        first_step = checkpoint.step();
+        // A checkpoint of another trainer may keep other state: the history is then empty.
+        if let Ok(state) = serde_json::from_value::<FitState>(state) {
+            losses = state.losses;
+            losses.truncate(first_step);
+        }
+    }
+    let mut stopped_at = None;
+    for step in first_step..config.steps {
+        let start = Instant::now();
+        let lr = config.lr.at(step);
+        let mut forward = |model: &P::Model, micro: usize| {
+            let first = micro * micro_rows * data.size() + data.rank() * micro_rows;
+            let rows = first..first + micro_rows;
+            loss(model, &MicroBatch { step, micro, rows })
+        };
+        let (model, out) = built
+            .engine
+            .step_accumulated(built.model, accum, &mut forward, lr)?;
+        built.model = model;
+        losses.push(out.loss);
+        let seconds = start.elapsed().as_secs_f64();
+        let log = StepLog {
+            step,
+            loss: out.loss,
+            lr,
+            seconds,
+            tokens_per_sec: tokens / seconds,
+            skipped: out.skipped,
+            grad_norm: out.grad_norm,
+            phases: out.phases,
+        };
+        on_step(&log, &built.model)?;
+        let done = step + 1;
+        // The ranks agree on the stop: any rank's flag stops all after this step.
+        let stopping = match stop {
+            Some(flag) => {
+                let seen = f32::from(u8::from(flag.load(Ordering::SeqCst)));
+                world.all_reduce_f32(vec![seen], ReduceOp::Max)?[0] > 0.0
+            }
+            None => false,
+        };
+        if let (Some(saver), Some(policy)) = (saver.as_mut(), &config.checkpoint) {
+            let due = policy.every > 0 && done.is_multiple_of(policy.every);
+            if due || stopping || done == config.steps {
+                let state = serde_json::to_value(FitState {
+                    losses: losses.clone(),
+                })
+                .expect("a list of numbers serialises");
+                built
+                    .engine
+                    .save(saver, done, &built.model, SaveState::from(state))?;
+            }
+        }
+        if stopping {
+            stopped_at = Some(done);
+            break;
+        }
+    }
+    if let Some(saver) = saver.as_mut() {
+        saver.wait()?;
+    }
+    Ok(Fitted {
+        built,
+        losses,
+        first_step,
+        stopped_at,
+    })
+}

@@ -1,0 +1,195 @@
+//! `burn_parallel_train::fit`, the library's training loop: a run stopped after step k (by the
+//! flag a Ctrl-C handler sets, on one rank only) saves, and resumed from that checkpoint it
+//! ends where the uninterrupted run ends: the same losses and final parameters, under the same
+//! layout or another.
+
+// The bring-your-own-model decoder; this test uses its dense build only.
+#[path = "../../examples/examples/byo_model/model.rs"]
+#[allow(dead_code)]
+mod model;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use burn::module::Module;
+use burn::tensor::{Device, TensorData};
+use burn_parallel::optim::FusedAdamWConfig;
+use burn_parallel_train::{
+    CheckpointPolicy, FitConfig, Layout, LrSchedule, MicroBatch, StepLog, StepSettings, build, fit,
+    open_checkpoint, run_local,
+};
+use burn_zero::{Fsdp, Stage};
+use examples::data::{Corpus, Split};
+use model::{Config, Decoder, Recipe};
+
+const STEPS: usize = 6;
+const BATCH: usize = 8;
+const SEQ: usize = 16;
+
+fn recipe() -> Recipe {
+    Recipe {
+        config: Config {
+            vocab: 256,
+            d_model: 32,
+            n_heads: 4,
+            d_ff: 48,
+            n_layers: 2,
+            seed: 3,
+        },
+        moe: None,
+    }
+}
+
+type Params = Vec<(String, TensorData)>;
+
+struct Outcome {
+    losses: Vec<f32>,
+    params: Params,
+    stopped_at: Option<usize>,
+}
+
+/// `fit` of the decoder on `ranks` thread ranks under `layout`; with `stop_after`, rank 0's
+/// flag is set after that many steps.
+fn train(ranks: usize, layout: Layout, config: &FitConfig, stop_after: Option<usize>) -> Outcome {
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let settings = StepSettings {
+        max_grad_norm: Some(1.0),
+        adamw: FusedAdamWConfig::new()
+            .with_weight_decay(0.01)
+            .with_epsilon(1e-3),
+        batch_size: BATCH,
+        seq_len: SEQ,
+        grad_accum: 2,
+        ..StepSettings::default()
+    };
+    let mut out = run_local(ranks, |world| {
+        let device = Device::flex().autodiff();
+        let built = build(&world, &layout, &recipe(), &device, &settings)?;
+        let flag = AtomicBool::new(false);
+        let mut loss = |m: &Decoder, micro: &MicroBatch| {
+            let batch = corpus.batch_rows(micro.step as u64, micro.rows.clone(), SEQ, Split::Train);
+            let (tokens, targets) = batch.to_tensors(&device);
+            Ok(m.loss(tokens, targets)?)
+        };
+        // What a Ctrl-C handler does, on one rank: the ranks agree to stop after this step.
+        let mut on_step = |log: &StepLog, _: &Decoder| {
+            if world.rank() == 0 && Some(log.step + 1) == stop_after {
+                flag.store(true, Ordering::SeqCst);
+            }
+            Ok(())
+        };
+        let fitted = fit(built, config, &mut loss, &mut on_step, Some(&flag))?;
+        let model = fitted.built.engine.master_model(fitted.built.model)?;
+        // The layers whole (all-gathered FSDP units), then the tensor-parallel shards gathered.
+        let mut whole = model.clone();
+        whole.layers = model
+            .layers
+            .iter()
+            .map(|unit| Ok(Fsdp::new(unit.full()?)))
+            .collect::<burn_parallel::Result<Vec<_>>>()?;
+        let params = model.tp.full_params(&whole.valid())?;
+        Ok(Outcome {
+            losses: fitted.losses,
+            params,
+            stopped_at: fitted.stopped_at,
+        })
+    })
+    .unwrap_or_else(|e| panic!("{e}"));
+    out.swap_remove(0)
+}
+
+fn fit_config(checkpoint: Option<&PathBuf>, resume: Option<&PathBuf>) -> FitConfig {
+    FitConfig {
+        steps: STEPS,
+        lr: LrSchedule {
+            peak: 3e-3,
+            warmup: 2,
+            steps: STEPS,
+            floor: 0.1,
+        },
+        checkpoint: checkpoint.map(CheckpointPolicy::new),
+        resume: resume.cloned(),
+    }
+}
+
+/// The worst relative difference of `a` and `b`, losses and parameters.
+fn assert_close(what: &str, a: &Outcome, b: &Outcome, tol: f32) {
+    assert_eq!(a.losses.len(), b.losses.len(), "{what}: steps");
+    for (step, (x, y)) in a.losses.iter().zip(&b.losses).enumerate() {
+        assert!(
+            ((x - y) / y).abs() <= tol,
+            "{what}: loss of step {step}: {x} vs {y}"
+        );
+    }
+    assert_eq!(a.params.len(), b.params.len(), "{what}: parameters");
+    for ((name, x), (other, y)) in a.params.iter().zip(&b.params) {
+        assert_eq!(name, other, "{what}");
+        let x = x.try_to_vec::<f32>().unwrap();
+        let y = y.try_to_vec::<f32>().unwrap();
+        let scale = y.iter().fold(1f32, |m, v| m.max(v.abs()));
+        for (i, (p, q)) in x.iter().zip(&y).enumerate() {
+            assert!(
+                (p - q).abs() / scale <= tol,
+                "{what}: {name}[{i}]: {p} vs {q}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_run_stopped_by_the_flag_resumes_where_the_uninterrupted_run_ends() {
+    let dir = std::env::temp_dir().join(format!("fit-stop-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // dp 2 x tp 2 + sp, ZeRO-2: parameters, optimizer state and the ZeRO shards all saved.
+    let layout = Layout {
+        tp: 2,
+        sp: true,
+        zero: Some(Stage::Two),
+        ..Layout::default()
+    };
+    let whole = train(4, layout, &fit_config(None, None), None);
+    assert_eq!(whole.stopped_at, None);
+    assert_eq!(whole.losses.len(), STEPS);
+
+    // Stopped after step 2 of 6: it saves there and reports it.
+    let stopped = train(4, layout, &fit_config(Some(&dir), None), Some(2));
+    assert_eq!(stopped.stopped_at, Some(2));
+    assert_eq!(stopped.losses, whole.losses[..2]);
+    assert_eq!(open_checkpoint(&dir).unwrap().step(), 2);
+
+    // Resumed under the same layout: the same run, to the last bit of the losses.
+    let resumed = train(4, layout, &fit_config(None, Some(&dir)), None);
+    assert_eq!(resumed.stopped_at, None);
+    assert_close("resumed under the same layout", &resumed, &whole, 1e-6);
+    // Resumed under FSDP on 2 ranks: the checkpoint outlives the layout.
+    let fsdp = Layout {
+        zero: Some(Stage::Three),
+        ..Layout::default()
+    };
+    let moved = train(2, fsdp, &fit_config(None, Some(&dir)), None);
+    assert_close("resumed under fsdp 2", &moved, &whole, 1e-5);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Resuming from a directory without a checkpoint is a clear error on every rank, not a fresh
+/// run that silently starts over.
+#[test]
+fn resuming_from_nothing_is_a_clear_error() {
+    let dir = std::env::temp_dir().join(format!("fit-empty-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = fit_config(None, Some(&dir));
+    let settings = StepSettings {
+        batch_size: BATCH,
+        seq_len: SEQ,
+        ..StepSettings::default()
+    };
+    let err = run_local(2, |world| {
+        let device = Device::flex().autodiff();
+        let built = build(&world, &Layout::default(), &recipe(), &device, &settings)?;
+        let mut loss = |_: &Decoder, _: &MicroBatch| unreachable!("no step is taken");
+        fit(built, &config, &mut loss, &mut |_, _| Ok(()), None).map(|_| ())
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("no complete checkpoint"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
