@@ -13,9 +13,10 @@ use burn_moe::MoeStats;
 use burn_parallel::context_parallel::{CpBalance, CpKind};
 use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::precision::LossScaler;
-use burn_parallel::train::SaveState;
 use burn_parallel::{CollectiveError, ParallelDims, ProcessGroup, ReduceOp};
-use burn_parallel_train::{Built, Layout, Placed, StepSettings};
+use burn_parallel_train::{
+    Built, CheckpointPolicy, FitConfig, Layout, MicroBatch, Placed, StepLog, StepSettings, fit_with,
+};
 use burn_zero::Stage;
 use burn_zero::memory::Category;
 use serde::{Deserialize, Serialize};
@@ -24,7 +25,7 @@ use crate::data::{Corpus, Split};
 use crate::gpt::{Gpt, GptConfig};
 use crate::init::splitmix64;
 use crate::train_checkpoint::{self, CheckpointOptions};
-use burn_parallel::checkpoint::{Checkpointer, ParamMap};
+use burn_parallel::checkpoint::ParamMap;
 
 /// Everything that defines a training run (the model included). A key it does not know is an
 /// error, not a silent default ([`TrainConfig::from_toml`]).
@@ -626,6 +627,10 @@ fn invalid(world: &ProcessGroup, op: &str, e: impl std::fmt::Display) -> Collect
 fn collective(world: &ProcessGroup, e: burn_parallel::Error) -> CollectiveError {
     match e {
         burn_parallel::Error::Collective(e) => e,
+        burn_parallel::Error::Resume { source, .. } => match *source {
+            burn_parallel::Error::Collective(e) => e,
+            e => invalid(world, "resume", e),
+        },
         e => invalid(world, "train_gpt", e),
     }
 }
@@ -694,19 +699,9 @@ pub fn train_gpt_checkpointed(
     let (dp, reduce) = (placed.groups.data.clone(), placed.groups.reduce.clone());
     // ---- the parameters a run starts from: Hugging Face's, read into the fp32 model
     // before the engine takes it (ZeRO's master weights are made from them); a checkpoint's
-    // are the engine's to load (below) ----
-    let resume = match &checkpoints.resume {
-        Some(path) => {
-            let fail = |e: &dyn std::fmt::Display| invalid(world, "resume", e);
-            let checkpoint = train_checkpoint::open_resume(path).map_err(|e| fail(&e))?;
-            let state =
-                train_checkpoint::resume_state(&checkpoint, config).map_err(|e| fail(&e))?;
-            Some((checkpoint, state))
-        }
-        None => None,
-    };
+    // are the engine's to load (in `fit`) ----
     let mut placed = placed;
-    if let (None, Some(dir)) = (&resume, &checkpoints.init_from_hf) {
+    if let (None, Some(dir)) = (&checkpoints.resume, &checkpoints.init_from_hf) {
         let fail = |e: &dyn std::fmt::Display| invalid(world, "init_from_hf", e);
         let tensors = crate::hf::gpt_tensors_for(dir, &config.model).map_err(|e| fail(&e))?;
         // The experts under their global names; the whole model's tensors checked, also those
@@ -722,121 +717,78 @@ pub fn train_gpt_checkpointed(
             .map_err(|e| fail(&e))?;
     }
     // ---- the engine: the library's step for the layout (see `StepEngine`) ----
-    let Built {
-        model,
-        mut engine,
-        fsdp,
-        zero_memory,
-        ..
-    } = placed
+    let built = placed
         .into_engine(&settings)
         .map_err(|e| collective(world, e))?;
-    let mut model = model;
+    let (fsdp, zero_memory) = (built.fsdp.clone(), built.zero_memory.clone());
 
-    let mut first_step = 0;
-    let mut losses = Vec::with_capacity(config.steps);
-    let mut skipped = 0;
-    if let Some((checkpoint, state)) = resume {
-        let fail = |e: &dyn std::fmt::Display| invalid(world, "resume", e);
-        model = engine.load(&checkpoint, model).map_err(|e| fail(&e))?.0;
-        // The steps the saved run skipped count when this run scales its loss too.
-        if config.loss_scaler().is_some()
-            && let Some(saved) =
-                train_checkpoint::saved_loss_scaler(&checkpoint).map_err(|e| fail(&e))?
-        {
-            skipped = saved.skipped;
-        }
-        train_checkpoint::restore_dropout(&checkpoint, &train_checkpoint::dropout_layers(&model))
-            .map_err(|e| fail(&e))?;
-        first_step = checkpoint.step();
-        losses = state.losses;
-    }
-
-    let mut saver = match (&checkpoints.dir, checkpoints.save_every) {
-        (Some(dir), every) if every > 0 => Some(
-            Checkpointer::new(dir, checkpoints.keep, world)
-                .map_err(|e| invalid(world, "checkpoint", e))?
-                .with_background(checkpoints.asynchronous),
-        ),
-        _ => None,
+    // ---- the loop: the library's `fit`, with the GPT's checkpoint state ----
+    let fit_config = FitConfig {
+        steps: config.steps,
+        lr: config.lr_schedule(),
+        checkpoint: match (&checkpoints.dir, checkpoints.save_every) {
+            (Some(dir), every) if every > 0 => Some(CheckpointPolicy {
+                dir: dir.clone(),
+                every,
+                at_end: false,
+                keep: checkpoints.keep,
+                background: checkpoints.asynchronous,
+            }),
+            _ => None,
+        },
+        resume: checkpoints.resume.clone(),
     };
-
-    // ---- the loop ----
-    let rows_per_rank = config.batch_size / dp.size();
-    let micro_rows = rows_per_rank / config.grad_accum;
-    let tokens_per_step = (config.batch_size * config.seq_len) as f64;
+    let mut loss = |m: &Gpt, micro: &MicroBatch| {
+        let rows = micro.rows.clone();
+        let batch = corpus.batch_rows(micro.step as u64, rows, config.seq_len, Split::Train);
+        let (inputs, targets) = batch.to_tensors(&device);
+        Ok(m.loss(inputs, targets)?)
+    };
     let start = Instant::now();
-    let mut model = Some(model);
-    let mut run = Run {
-        losses,
-        timer: StepTimer::default(),
-        skipped,
-    };
-    for step in first_step..config.steps {
-        let step_start = Instant::now();
-        let m = model.take().expect("the loop always holds the model");
-        // Micro-step `micro` is the same rows of the global batch whatever the number of
-        // data-parallel ranks (each takes its part of them): what a micro-batch computes as a
-        // whole, such as an MoE layer's load-balancing loss over the token shares of the
-        // micro-batch, does not depend on the layout.
-        let mut forward = |m: &Gpt, micro: usize| -> Result<Tensor<1>, burn_parallel::Error> {
-            let first = micro * micro_rows * dp.size() + dp.rank() * micro_rows;
-            let batch = corpus.batch_rows(
-                step as u64,
-                first..first + micro_rows,
-                config.seq_len,
-                Split::Train,
-            );
-            let (inputs, targets) = batch.to_tensors(&device);
-            Ok(m.loss(inputs, targets)?)
-        };
-        let lr = config.lr_at(step);
-        let (m, out) = engine
-            .step_accumulated(m, config.grad_accum, &mut forward, lr)
-            .map_err(|e| collective(world, e))?;
+    let (mut timer, mut skipped, mut first) = (StepTimer::default(), 0, true);
+    let mut after_step = |log: &StepLog, m: &Gpt| {
         // FSDP: the shards' gradients, held between the backward and the optimizer, in the
         // memory account.
         if let Some(plan) = &fsdp {
-            let bytes = plan.shard_gradient_bytes(&m);
+            let bytes = plan.shard_gradient_bytes(m);
             plan.memory().add(Category::Grads, bytes);
             plan.memory().sub(Category::Grads, bytes);
         }
-        run.skipped += usize::from(out.skipped);
-        let moe = moe_figures(&m, &reduce)?;
-        model = Some(m);
-        let loss = f64::from(out.loss);
-        run.losses.push(loss);
-        let seconds = step_start.elapsed().as_secs_f64();
-        run.timer.add(step == first_step, seconds);
+        skipped += usize::from(log.skipped);
+        timer.add(first, log.seconds);
+        first = false;
         on_step(&StepStats {
-            step,
-            loss,
-            lr,
-            tokens_per_sec: tokens_per_step / seconds,
+            step: log.step,
+            loss: f64::from(log.loss),
+            lr: log.lr,
+            tokens_per_sec: log.tokens_per_sec,
             elapsed: start.elapsed().as_secs_f64(),
-            moe,
-            phases: out.phases,
+            moe: moe_figures(m, &reduce)?,
+            phases: log.phases,
         });
-        if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
-            let m = model.as_ref().expect("the loop always holds the model");
-            let state = SaveState::from(train_checkpoint::TrainerState::json(&run.losses, config))
-                .with_rank(
-                    train_checkpoint::DROPOUT_CALLS,
-                    train_checkpoint::dropout_calls(&train_checkpoint::dropout_layers(m)),
-                );
-            engine
-                .save(saver, step + 1, m, state)
-                .map_err(|e| invalid(world, "checkpoint", e))?;
-        }
-    }
-    if let Some(saver) = saver.as_mut() {
-        saver.wait().map_err(|e| invalid(world, "checkpoint", e))?;
-    }
+        Ok(())
+    };
+    let mut state = train_checkpoint::GptRunState::new(config);
+    let fitted = fit_with(
+        built,
+        &fit_config,
+        &mut loss,
+        &mut after_step,
+        None,
+        &mut state,
+    )
+    .map_err(|e| collective(world, e))?;
+    let run = Run {
+        losses: fitted.losses.iter().map(|&l| f64::from(l)).collect(),
+        timer,
+        skipped: skipped + state.skipped,
+    };
+    let Built { model, engine, .. } = fitted.built;
 
     // ---- evaluation on the layout, then the whole model for sampling and the report ----
     // ZeRO under mixed precision: evaluate and report the fp32 master weights.
     let trained = engine
-        .master_model(model.expect("trained"))
+        .master_model(model)
         .map_err(|e| collective(world, e))?;
     let eval_model = trained.valid();
     let val_loss = validation_loss(

@@ -142,11 +142,7 @@ pub(crate) fn save_after(
 /// The trainer's state in `checkpoint`: under "state" as the step engines save it, or at the
 /// top in checkpoints saved before the GPT's trainers used their format.
 pub(crate) fn trainer_state(checkpoint: &Checkpoint) -> &serde_json::Value {
-    let saved = checkpoint.state();
-    saved
-        .get("state")
-        .filter(|s| s.is_object())
-        .unwrap_or(saved)
+    burn_parallel_train::saved_state(checkpoint)
 }
 
 /// Name of the optimizer scalars in each rank's state (the step engines' key).
@@ -280,15 +276,7 @@ pub(crate) fn saved_loss_scaler(
 /// [`CheckpointError::Corrupt`] naming `path` when it holds no complete checkpoint; the errors
 /// of [`Checkpoint::open`].
 pub fn open_resume(path: &Path) -> Result<Checkpoint, CheckpointError> {
-    if path.join("manifest.json").exists() {
-        return Checkpoint::open(path);
-    }
-    Checkpointer::latest(path)?.ok_or_else(|| CheckpointError::Corrupt {
-        path: path.to_path_buf(),
-        reason: "no complete checkpoint here (no manifest.json in it or in a step-* \
-                 directory under it); check the path, or start without --resume"
-            .into(),
-    })
+    burn_parallel_train::open_checkpoint(path)
 }
 
 /// The trainer state of `checkpoint`, checked against the run that resumes from it.
@@ -377,5 +365,48 @@ impl CheckpointArgs {
             resume: self.resume.clone(),
             init_from_hf: self.init_from_hf.clone(),
         }
+    }
+}
+
+/// What the GPT trainer saves with its checkpoints besides parameters and optimizer state, and
+/// restores from them ([`burn_parallel_train::RunState`]): the losses and the run's
+/// configuration (a resumed run must have the same model and batch), each rank's dropout
+/// positions, and the steps the loss scaler skipped.
+pub(crate) struct GptRunState<'a> {
+    config: &'a TrainConfig,
+    /// Steps the saved run skipped on a loss-scaling overflow (when this run scales too).
+    pub(crate) skipped: usize,
+}
+
+impl<'a> GptRunState<'a> {
+    pub(crate) fn new(config: &'a TrainConfig) -> Self {
+        Self { config, skipped: 0 }
+    }
+}
+
+impl burn_parallel_train::RunState<Gpt> for GptRunState<'_> {
+    fn save(&self, losses: &[f32], model: &Gpt) -> SaveState {
+        let losses: Vec<f64> = losses.iter().map(|&l| f64::from(l)).collect();
+        SaveState::from(TrainerState::json(&losses, self.config))
+            .with_rank(DROPOUT_CALLS, dropout_calls(&dropout_layers(model)))
+    }
+
+    fn restore(
+        &mut self,
+        checkpoint: &Checkpoint,
+        model: &Gpt,
+    ) -> Result<Vec<f32>, burn_parallel::Error> {
+        let fail = |e: String| burn_parallel::Error::invalid("checkpoint", e);
+        let state = resume_state(checkpoint, self.config).map_err(fail)?;
+        // The steps the saved run skipped count when this run scales its loss too.
+        if self.config.loss_scaler().is_some()
+            && let Some(saved) = saved_loss_scaler(checkpoint).map_err(fail)?
+        {
+            self.skipped = saved.skipped;
+        }
+        // The counters are shared with the model the engine loads into.
+        restore_dropout(checkpoint, &dropout_layers(model)).map_err(fail)?;
+        // The losses were f32 before they were saved as f64.
+        Ok(state.losses.iter().map(|&l| l as f32).collect())
     }
 }

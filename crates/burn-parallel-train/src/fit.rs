@@ -76,8 +76,11 @@ impl LrSchedule {
 pub struct CheckpointPolicy {
     /// The directory the checkpoints go under (`DIR/step-00000100/`, ...).
     pub dir: PathBuf,
-    /// Save after every `every` steps (0: only after the last step and on a stop).
+    /// Save after every `every` steps (0: only after the last step, with `at_end`, and on a
+    /// stop).
     pub every: usize,
+    /// Save after the last step too.
+    pub at_end: bool,
     /// Complete checkpoints kept (older ones are deleted).
     pub keep: usize,
     /// Write on a background thread while training goes on.
@@ -90,6 +93,7 @@ impl CheckpointPolicy {
         Self {
             dir: dir.into(),
             every: 0,
+            at_end: true,
             keep: 3,
             background: false,
         }
@@ -173,10 +177,58 @@ pub fn open_checkpoint(path: &Path) -> Result<Checkpoint, CheckpointError> {
     })
 }
 
+/// The caller's state saved with `checkpoint` (what [`RunState::save`] gave).
+pub fn saved_state(checkpoint: &Checkpoint) -> &serde_json::Value {
+    let saved = checkpoint.state();
+    saved
+        .get("state")
+        .filter(|s| s.is_object())
+        .unwrap_or(saved)
+}
+
+/// What a run saves with its checkpoints besides the parameters and the optimizer state (the
+/// loss history, a data position, each rank's random streams), and restores from them.
+pub trait RunState<M> {
+    /// The state to save after `losses.len()` steps with `model`.
+    fn save(&self, losses: &[f32], model: &M) -> SaveState;
+
+    /// Checks `checkpoint` against this run and restores the state it saved, before the
+    /// engine loads the parameters into `model`.
+    ///
+    /// # Returns
+    /// The losses of the steps before the checkpoint.
+    ///
+    /// # Errors
+    /// A checkpoint this run cannot continue (another model, another batch).
+    fn restore(&mut self, checkpoint: &Checkpoint, model: &M) -> Result<Vec<f32>, Error>;
+}
+
+/// The state [`fit`] keeps: the loss history.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LossHistory;
+
 /// The saved losses in a checkpoint's state.
 #[derive(Serialize, Deserialize)]
 struct FitState {
     losses: Vec<f32>,
+}
+
+impl<M> RunState<M> for LossHistory {
+    fn save(&self, losses: &[f32], _: &M) -> SaveState {
+        let state = FitState {
+            losses: losses.to_vec(),
+        };
+        SaveState::from(serde_json::to_value(state).expect("a list of numbers serialises"))
+    }
+
+    fn restore(&mut self, checkpoint: &Checkpoint, _: &M) -> Result<Vec<f32>, Error> {
+        // A checkpoint of another trainer may keep other state: the history is then empty.
+        let mut losses = serde_json::from_value::<FitState>(saved_state(checkpoint).clone())
+            .map(|state| state.losses)
+            .unwrap_or_default();
+        losses.truncate(checkpoint.step());
+        Ok(losses)
+    }
 }
 
 /// What [`fit`] calls for each micro-batch: the mean loss of its rows on this rank.
@@ -198,11 +250,27 @@ pub type OnStep<'a, M> = dyn FnMut(&StepLog, &M) -> Result<(), Error> + 'a;
 /// See `tests/tests/fit.rs`: a run stopped by the flag after step 2 saves, and resumed (under
 /// the same layout or another) it ends where the uninterrupted run ends.
 pub fn fit<P: ParallelModel>(
+    built: Built<P>,
+    config: &FitConfig,
+    loss: &mut LossFn<'_, P::Model>,
+    on_step: &mut OnStep<'_, P::Model>,
+    stop: Option<&AtomicBool>,
+) -> Result<Fitted<P>, Error> {
+    fit_with(built, config, loss, on_step, stop, &mut LossHistory)
+}
+
+/// [`fit`] that saves and restores `state` with its checkpoints (in place of the loss history
+/// alone).
+///
+/// # Errors
+/// As [`fit`]; `state`'s refusal of a checkpoint.
+pub fn fit_with<P: ParallelModel>(
     mut built: Built<P>,
     config: &FitConfig,
     loss: &mut LossFn<'_, P::Model>,
     on_step: &mut OnStep<'_, P::Model>,
     stop: Option<&AtomicBool>,
+    state: &mut dyn RunState<P::Model>,
 ) -> Result<Fitted<P>, Error> {
     let world = built.groups.world.clone();
     let data = built.groups.data.clone();
@@ -218,15 +286,15 @@ pub fn fit<P: ParallelModel>(
     let mut losses = Vec::new();
     let mut first_step = 0;
     if let Some(path) = &config.resume {
-        let checkpoint = open_checkpoint(path)?;
-        let (model, state) = built.engine.load(&checkpoint, built.model)?;
-        built.model = model;
+        let resuming = |e: Error| e.resuming(path);
+        let checkpoint = open_checkpoint(path).map_err(|e| resuming(e.into()))?;
+        losses = state.restore(&checkpoint, &built.model).map_err(resuming)?;
+        built.model = built
+            .engine
+            .load(&checkpoint, built.model)
+            .map_err(|e| resuming(e.into()))?
+            .0;
         first_step = checkpoint.step();
-        // A checkpoint of another trainer may keep other state: the history is then empty.
-        if let Ok(state) = serde_json::from_value::<FitState>(state) {
-            losses = state.losses;
-            losses.truncate(first_step);
-        }
     }
     let mut stopped_at = None;
     for step in first_step..config.steps {
@@ -265,14 +333,9 @@ pub fn fit<P: ParallelModel>(
         };
         if let (Some(saver), Some(policy)) = (saver.as_mut(), &config.checkpoint) {
             let due = policy.every > 0 && done.is_multiple_of(policy.every);
-            if due || stopping || done == config.steps {
-                let state = serde_json::to_value(FitState {
-                    losses: losses.clone(),
-                })
-                .expect("a list of numbers serialises");
-                built
-                    .engine
-                    .save(saver, done, &built.model, SaveState::from(state))?;
+            if due || stopping || (policy.at_end && done == config.steps) {
+                let saved = state.save(&losses, &built.model);
+                built.engine.save(saver, done, &built.model, saved)?;
             }
         }
         if stopping {

@@ -24,8 +24,8 @@ mod local;
 
 pub use build::{Built, Groups, ModelParts, ParallelModel, Placed, StepSettings, build};
 pub use fit::{
-    CheckpointPolicy, FitConfig, Fitted, LossFn, LrSchedule, MicroBatch, OnStep, StepLog, fit,
-    open_checkpoint,
+    CheckpointPolicy, FitConfig, Fitted, LossFn, LossHistory, LrSchedule, MicroBatch, OnStep,
+    RunState, StepLog, fit, fit_with, open_checkpoint, saved_state,
 };
 pub use layout::{Layout, LayoutError, Workload};
 pub use local::run_local;

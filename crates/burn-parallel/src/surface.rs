@@ -57,6 +57,15 @@ pub enum Error {
         /// Why, and what to do.
         reason: String,
     },
+    /// Resuming from the checkpoint at `path` failed: it cannot be read, or this run cannot
+    /// continue it (`source` says which).
+    #[error("resuming from {}: {source}", path.display())]
+    Resume {
+        /// The checkpoint (or the directory of them) resumed from.
+        path: std::path::PathBuf,
+        /// What failed.
+        source: Box<Error>,
+    },
     /// An error of one of the suite's technique crates (`burn-zero`, `burn-moe`,
     /// `burn-pipeline`), which converts its own error into this one.
     #[error(transparent)]
@@ -77,7 +86,16 @@ impl Error {
     pub fn collective(&self) -> Option<&CollectiveError> {
         match self {
             Self::Collective(e) => Some(e),
+            Self::Resume { source, .. } => source.collective(),
             _ => None,
+        }
+    }
+
+    /// This error as a failure to resume from `path`.
+    pub fn resuming(self, path: &std::path::Path) -> Self {
+        Self::Resume {
+            path: path.to_path_buf(),
+            source: Box::new(self),
         }
     }
 }
