@@ -88,6 +88,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         precision: Default::default(),
         reduce_fp32: false,
         loss_scale: None,
+        device: Default::default(),
     };
     println!(
         "GPT {layers} layers x width 128, sequence 128, micro-batch 4 rows; pp {pp}, m {m}; \

@@ -123,6 +123,7 @@ fn train_config(model: GptConfig, steps: usize, batch_size: usize, seq_len: usiz
         precision: Default::default(),
         reduce_fp32: false,
         loss_scale: None,
+        device: Default::default(),
     }
 }
 

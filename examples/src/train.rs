@@ -10,14 +10,12 @@ use std::time::Instant;
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData, activation};
 use burn_moe::MoeStats;
-use burn_parallel::context_parallel::{CpBalance, CpKind};
 use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::precision::LossScaler;
-use burn_parallel::{CollectiveError, ParallelDims, ProcessGroup, ReduceOp};
+use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
 use burn_parallel_train::{
     Built, CheckpointPolicy, FitConfig, Layout, MicroBatch, Placed, StepLog, StepSettings, fit_with,
 };
-use burn_zero::Stage;
 use burn_zero::memory::Category;
 use serde::{Deserialize, Serialize};
 
@@ -71,6 +69,10 @@ pub struct TrainConfig {
     /// `Some`: a run of any precision scales this way (under fp32 it only exercises the
     /// machinery: power-of-two scales change no bit).
     pub loss_scale: Option<LossScale>,
+    /// The device the run trains on: the `--device` flag's (not a key of the config file, nor
+    /// saved with checkpoints: a run resumes on any device).
+    #[serde(skip)]
+    pub device: TrainDevice,
 }
 
 /// Dynamic loss scaling ([`TrainConfig::loss_scale`]), as torch's `GradScaler` takes it: an
@@ -234,6 +236,7 @@ impl Default for TrainConfig {
             precision: Precision::F32,
             reduce_fp32: false,
             loss_scale: None,
+            device: TrainDevice::Flex,
         }
     }
 }
@@ -331,6 +334,18 @@ impl TrainConfig {
                 .map_err(|e| format!("{e} (--loss-scale, or loss_scale in the config)"))?;
         }
         Ok(())
+    }
+
+    /// Checks that `world` ranks can run this config under `layout`, before any rank builds
+    /// anything: the layout's rules ([`Layout::validate`]) and the config's.
+    ///
+    /// # Errors
+    /// A message saying which setting to change.
+    pub fn validate_layout(&self, layout: &Layout, world: usize) -> Result<(), String> {
+        layout
+            .validate(world, &self.step_settings().workload(&self.model))
+            .map_err(|e| e.to_string())?;
+        self.validate(layout.data_parallel_size(world))
     }
 
     /// The builder's settings of this run ([`burn_parallel_train::build`]).
@@ -475,108 +490,9 @@ pub struct TrainReport {
     pub memory: Option<burn_zero::MemoryReport>,
 }
 
-/// How the world is split for [`train_gpt_parallel`]: tensor parallelism inside groups of `tp`
-/// ranks, context parallelism over groups of `cp` ranks (each sequence split along its length),
-/// and across them data parallelism, ZeRO-1/2, FSDP or HSDP. The mesh is
-/// `[dp_replicate, dp_shard, cp, tp]`. A GPT-MoE splits its experts over groups of `ep`
-/// data-parallel ranks (expert parallelism, carved out of the data-parallel ranks).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Parallelism {
-    /// Tensor-parallel size (1: none).
-    pub tp: usize,
-    /// Sequence parallelism inside each tensor-parallel group.
-    pub sp: bool,
-    /// `None`: DDP over the data-parallel ranks. Stage 1 or 2: ZeRO's sharded optimizer
-    /// ([`ZeroOptimizer`]). Stage 3: FSDP, every block an FSDP unit ([`Gpt::fsdp_plan`]).
-    pub zero: Option<Stage>,
-    /// Hybrid sharding (with `zero`): shard inside groups of `data ranks / replicate`, replicate
-    /// across `replicate` groups. 1: shard over every data-parallel rank.
-    pub replicate: usize,
-    /// FSDP (`zero` stage 3): all-gather the next block while one computes
-    /// ([`burn_zero::FsdpPlan::with_prefetch`]; one more gathered block of memory).
-    pub prefetch: bool,
-    /// FSDP with gradient accumulation: hold each block's whole gradient over the micro-steps
-    /// and reduce-scatter it once per step ([`burn_parallel::train::DataShards::set_gradient_sync`];
-    /// one block-sized buffer per block).
-    pub no_sync: bool,
-    /// Data parallelism with the gradient all-reduce during the backward
-    /// ([`burn_parallel::overlap::OverlappedDdp`]) instead of after it.
-    pub overlap: bool,
-    /// ZeRO-1/2 (`zero` stage 1 or 2): keep the optimizer state and its update in host
-    /// memory ([`ZeroConfig::with_offload`], DeepSpeed's `offload_optimizer`), leaving the
-    /// device the model, its gradients and the compute.
-    pub offload: bool,
-    /// The device.
-    pub device: TrainDevice,
-    /// Context-parallel size (1: none): the ranks that split each sequence.
-    pub cp: usize,
-    /// Ring or Ulysses attention under context parallelism.
-    pub cp_kind: CpKind,
-    /// How each sequence is split over the context-parallel ranks.
-    pub cp_balance: CpBalance,
-    /// Expert-parallel size (1: every expert on every rank): each group of `ep` data-parallel
-    /// ranks splits the experts of every MoE layer and exchanges tokens by all-to-all.
-    pub ep: usize,
-}
-
-impl Default for Parallelism {
-    fn default() -> Self {
-        Self {
-            tp: 1,
-            sp: false,
-            zero: None,
-            replicate: 1,
-            prefetch: false,
-            no_sync: false,
-            overlap: false,
-            offload: false,
-            device: TrainDevice::Flex,
-            cp: 1,
-            cp_kind: CpKind::Ring,
-            cp_balance: CpBalance::HeadTail,
-            ep: 1,
-        }
-    }
-}
-
-impl Parallelism {
-    /// The library's [`Layout`] of this split (the device aside).
-    pub fn layout(&self) -> Layout {
-        Layout {
-            tp: self.tp,
-            sp: self.sp,
-            cp: self.cp,
-            cp_kind: self.cp_kind,
-            cp_balance: self.cp_balance,
-            pp: 1,
-            ep: self.ep,
-            zero: self.zero,
-            replicate: self.replicate,
-            prefetch: self.prefetch,
-            no_sync: self.no_sync,
-            overlap: self.overlap,
-            offload: self.offload,
-        }
-    }
-
-    /// The mesh of this split on `world` ranks.
-    pub fn dims(&self, world: usize) -> ParallelDims {
-        self.layout().dims(world)
-    }
-
-    /// Checks that `world` ranks can run `config` with this split, before any rank builds
-    /// anything: the layout's rules ([`Layout::validate`]) and the config's.
-    ///
-    /// # Errors
-    /// A message saying which setting to change.
-    pub fn validate(&self, config: &TrainConfig, world: usize) -> Result<(), String> {
-        let layout = self.layout();
-        layout
-            .validate(world, &config.step_settings().workload(&config.model))
-            .map_err(|e| e.to_string())?;
-        config.validate(layout.data_parallel_size(world))
-    }
-}
+/// How the world is split for [`train_gpt_parallel`]: the library's [`Layout`] (tensor,
+/// sequence, context and expert parallelism, and across them DDP, ZeRO-1/2, FSDP or HSDP).
+pub type Parallelism = Layout;
 
 /// Trains the GPT of `config` with data parallelism over `group` (a group of one rank is
 /// single-device training) and calls `on_step` after every step.
@@ -606,11 +522,11 @@ pub fn train_gpt_on(
     corpus: &Corpus,
     on_step: &mut dyn FnMut(&StepStats),
 ) -> burn_parallel::Result<TrainReport> {
-    let parallel = Parallelism {
+    let config = TrainConfig {
         device,
-        ..Parallelism::default()
+        ..config.clone()
     };
-    train_gpt_parallel(group, config, &parallel, corpus, on_step)
+    train_gpt_parallel(group, &config, &Layout::default(), corpus, on_step)
 }
 
 /// A setting's error as the collective error the trainers return.
@@ -673,8 +589,8 @@ pub fn train_gpt_checkpointed(
     on_step: &mut dyn FnMut(&StepStats),
 ) -> burn_parallel::Result<TrainReport> {
     let op = "train_gpt";
-    parallel
-        .validate(config, world.size())
+    config
+        .validate_layout(parallel, world.size())
         .map_err(|e| invalid(world, op, e))?;
     checkpoints
         .validate()
@@ -682,10 +598,7 @@ pub fn train_gpt_checkpointed(
     corpus
         .check_windows(config.seq_len, config.eval_batches)
         .map_err(|e| invalid(world, op, e))?;
-    let plain = parallel
-        .device
-        .device()
-        .map_err(|e| invalid(world, op, e))?;
+    let plain = config.device.device().map_err(|e| invalid(world, op, e))?;
     let device = plain.clone().autodiff();
     // A compute dtype the device lacks (f16/bf16 on some WGPU adapters) is a clear error.
     config
@@ -694,7 +607,7 @@ pub fn train_gpt_checkpointed(
         .map_err(|e| invalid(world, op, e))?;
     // ---- the layout: the library's builder places the model (plans, groups, replica check) ----
     let settings = config.step_settings();
-    let placed = Placed::new(world, &parallel.layout(), &config.model, &device, &settings)
+    let placed = Placed::new(world, parallel, &config.model, &device, &settings)
         .map_err(|e| collective(world, e))?;
     let (dp, reduce) = (placed.groups.data.clone(), placed.groups.reduce.clone());
     // ---- the parameters a run starts from: Hugging Face's, read into the fp32 model
@@ -795,7 +708,7 @@ pub fn train_gpt_checkpointed(
         &dp,
         &reduce,
         config,
-        parallel.device,
+        config.device,
         corpus,
         &|inputs, targets| {
             eval_model
@@ -1062,7 +975,7 @@ mod tests {
     use super::*;
     use burn::optim::AdamWConfig;
     use burn_parallel::train::{StepEngine, TrainStep};
-    use burn_zero::{ShardGroups, ZeroConfig, ZeroError, ZeroOptimizer};
+    use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroError, ZeroOptimizer};
 
     /// Each setting out of range is refused by name (each passed before: `--lr nan` trained to
     /// a NaN loss, `--lr=-1` uphill, `--batch-size 0` on nothing, `--clip=-1` reversed the

@@ -210,11 +210,7 @@ pub fn train_gpt_diloco_checkpointed(
     on_step: &mut dyn FnMut(&StepStats),
 ) -> Result<DiLoCoReport, DiLoCoTrainError> {
     checkpoints.validate().map_err(DiLoCoTrainError::Config)?;
-    let parallel = Parallelism {
-        device: run.device,
-        ..Parallelism::default()
-    };
-    run.validate(config, &parallel, world.size())?;
+    run.validate(config, &Parallelism::default(), world.size())?;
     let (world, counter) = count_sent_bytes(world)?;
     let islands = Islands::new(&world, run.islands)?;
     let plain = run.device.device().map_err(DiLoCoTrainError::Config)?;

@@ -41,6 +41,7 @@ pub fn tiny_gpt_run(steps: usize) -> TrainConfig {
         precision: examples::train::Precision::F32,
         reduce_fp32: false,
         loss_scale: None,
+        device: examples::train::TrainDevice::Flex,
     }
 }
 

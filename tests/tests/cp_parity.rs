@@ -203,7 +203,8 @@ fn llama_like_gpt_with_rotary_positions_matches_single_device() {
 #[test]
 fn impossible_context_parallel_splits_are_clear_errors() {
     let config = config();
-    let validate = |p: Parallelism, c: &TrainConfig, world| p.validate(c, world).unwrap_err();
+    let validate =
+        |p: Parallelism, c: &TrainConfig, world| c.validate_layout(&p, world).unwrap_err();
     // 16 tokens over 2 x 3 head-tail chunks.
     let e = validate(cp(3, CpKind::Ring, CpBalance::HeadTail), &config, 3);
     assert!(e.contains("multiple of 6"), "{e}");
@@ -300,18 +301,13 @@ fn gpt_cp_on_wgpu_matches_single_device() {
     if tests::wgpu_or_skip("gpt_cp_on_wgpu_matches_single_device").is_none() {
         return;
     }
-    let config = config();
-    let on_wgpu = |p: Parallelism| Parallelism {
+    let config = TrainConfig {
         device: TrainDevice::Wgpu,
-        ..p
+        ..config()
     };
-    let reference = Reference::of_run(tests::train_layout(
-        1,
-        &on_wgpu(Parallelism::default()),
-        &config,
-    ));
-    let ring = on_wgpu(cp(2, CpKind::Ring, CpBalance::HeadTail));
+    let reference = Reference::of_run(tests::train_layout(1, &Parallelism::default(), &config));
+    let ring = cp(2, CpKind::Ring, CpBalance::HeadTail);
     check(&reference, 2, ring, &config, "wgpu ring cp 2, head-tail");
-    let ulysses = on_wgpu(cp(2, CpKind::Ulysses, CpBalance::None));
+    let ulysses = cp(2, CpKind::Ulysses, CpBalance::None);
     check(&reference, 2, ulysses, &config, "wgpu Ulysses cp 2");
 }

@@ -47,6 +47,7 @@ fn train_config(golden: &Trajectory, model: examples::gpt::GptConfig) -> TrainCo
         precision: examples::train::Precision::F32,
         reduce_fp32: false,
         loss_scale: None,
+        device: examples::train::TrainDevice::Flex,
     };
     for (step, lr) in golden.f64s("lrs").iter().enumerate() {
         let ours = config.lr_at(step);

@@ -202,12 +202,11 @@ fn gpt_fsdp_prefetch_and_no_sync_match_single_device() {
     check(&reference, 2, fsdp(1, false), &config, what);
     let what = "FSDP 2 x tp 2 + sp, prefetch, no-sync over 2 micro-steps, clip";
     check(&reference, 4, fsdp(2, true), &config, what);
-    let err = Parallelism {
+    let prefetch = Parallelism {
         prefetch: true,
         ..zero(Stage::Two, 1, false)
-    }
-    .validate(&config, 2)
-    .unwrap_err();
+    };
+    let err = config.validate_layout(&prefetch, 2).unwrap_err();
     assert!(err.contains("--zero 3"), "{err}");
 }
 
@@ -304,13 +303,13 @@ fn impossible_splits_are_clear_errors() {
         "{err}"
     );
     // A tp that does not divide the world; hybrid groups that do not divide the data ranks.
-    let err = tp(2, false).validate(&config(), 3).unwrap_err();
+    let err = config().validate_layout(&tp(2, false), 3).unwrap_err();
     assert!(err.contains("--tp"), "{err}");
     let hybrid = Parallelism {
         replicate: 3,
         ..zero(Stage::Three, 1, false)
     };
-    let err = hybrid.validate(&config(), 4).unwrap_err();
+    let err = config().validate_layout(&hybrid, 4).unwrap_err();
     assert!(err.contains("--hybrid"), "{err}");
     // The model itself, built directly with a plan that cannot split it.
     run_local(3, |world| {
@@ -355,20 +354,13 @@ fn gpt_on_wgpu_under_tp_sp_and_fsdp_x_tp_matches_single_device() {
     {
         return;
     }
-    let config = config();
-    let on_wgpu = |p: Parallelism| Parallelism {
+    let config = TrainConfig {
         device: TrainDevice::Wgpu,
-        ..p
+        ..config()
     };
-    let reference = Reference::of_run(parallel(1, &on_wgpu(Parallelism::default()), &config));
-    check(
-        &reference,
-        2,
-        on_wgpu(tp(2, true)),
-        &config,
-        "wgpu tp 2 + sp",
-    );
-    let fsdp_tp = on_wgpu(zero(Stage::Three, 2, true));
+    let reference = Reference::of_run(parallel(1, &Parallelism::default(), &config));
+    check(&reference, 2, tp(2, true), &config, "wgpu tp 2 + sp");
+    let fsdp_tp = zero(Stage::Three, 2, true);
     check(&reference, 4, fsdp_tp, &config, "wgpu FSDP 2 x tp 2 + sp");
 }
 
@@ -486,7 +478,9 @@ fn precision_under_an_unsupported_layout_is_a_clear_error() {
     // A GPT-MoE under ZeRO-1/2: its experts would have no fp32 master weights.
     let mut moe = run.clone();
     moe.model.moe = Some(burn_moe::MoeConfig::new(moe.model.d_model, 48, 4, 2));
-    let err = zero(Stage::One, 1, false).validate(&moe, 2).unwrap_err();
+    let err = moe
+        .validate_layout(&zero(Stage::One, 1, false), 2)
+        .unwrap_err();
     assert!(
         err.contains("--precision bf16") && err.contains("--zero 3"),
         "{err}"
@@ -494,19 +488,22 @@ fn precision_under_an_unsupported_layout_is_a_clear_error() {
     // Loss scaling alone is mixed precision's too there; elsewhere a GPT-MoE takes both.
     moe.precision = examples::train::Precision::F32;
     moe.loss_scale = Some(examples::train::LossScale::default());
-    let err = zero(Stage::Two, 1, false).validate(&moe, 2).unwrap_err();
+    let err = moe
+        .validate_layout(&zero(Stage::Two, 1, false), 2)
+        .unwrap_err();
     assert!(
         err.contains("--loss-scale") && err.contains("mixture-of-experts"),
         "{err}"
     );
     moe.precision = examples::train::Precision::Fp16;
-    Parallelism::default().validate(&moe, 2).unwrap();
-    zero(Stage::Three, 1, false).validate(&moe, 2).unwrap();
+    moe.validate_layout(&Parallelism::default(), 2).unwrap();
+    moe.validate_layout(&zero(Stage::Three, 1, false), 2)
+        .unwrap();
     let offload = Parallelism {
         offload: true,
         ..zero(Stage::Three, 1, false)
     };
-    let err = offload.validate(&config(), 2).unwrap_err();
+    let err = config().validate_layout(&offload, 2).unwrap_err();
     assert!(
         err.contains("--offload") && err.contains("--zero 2"),
         "{err}"

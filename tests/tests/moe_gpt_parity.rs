@@ -510,7 +510,7 @@ fn gpt_moe_gradient_accumulation_is_the_same_run_at_every_layout() {
 /// The flag `Layout::validate` refuses `p` for on `world` ranks.
 fn refused_flag(p: &Parallelism, config: &TrainConfig, world: usize) -> Result<(), &'static str> {
     let work = config.step_settings().workload(&config.model);
-    p.layout().validate(world, &work).map_err(|e| e.flag)
+    p.validate(world, &work).map_err(|e| e.flag)
 }
 
 #[test]

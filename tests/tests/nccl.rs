@@ -486,33 +486,27 @@ mod device {
         let corpus = examples::data::Corpus::load_default().unwrap();
         let mut config: TrainConfig = tests::tiny_gpt_run(20);
         config.model.n_heads = 2;
-        let cuda = |p: Parallelism| Parallelism {
-            device: TrainDevice::Cuda,
-            ..p
-        };
-        let reference = tests::Reference::of_run(tests::train_layout(
-            1,
-            &cuda(Parallelism::default()),
-            &config,
-        ));
+        config.device = TrainDevice::Cuda;
+        let reference =
+            tests::Reference::of_run(tests::train_layout(1, &Parallelism::default(), &config));
         for (what, p) in [
-            ("ddp 2", cuda(Parallelism::default())),
+            ("ddp 2", Parallelism::default()),
             (
                 "tp 2 + sp",
-                cuda(Parallelism {
+                Parallelism {
                     tp: 2,
                     sp: true,
                     ..Parallelism::default()
-                }),
+                },
             ),
         ] {
             let reports = run_local(2, |g| {
                 // One GPU per thread rank, the communicator and the trainer on the same one.
                 let rank = g.rank();
                 let g = nccl::attach(g, rank)?;
-                let p = Parallelism {
+                let config = TrainConfig {
                     device: TrainDevice::CudaDevice(rank),
-                    ..p
+                    ..config.clone()
                 };
                 examples::train::train_gpt_parallel(&g, &config, &p, &corpus, &mut |_| {})
             })

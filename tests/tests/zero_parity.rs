@@ -95,6 +95,7 @@ fn layout_run(
         precision,
         reduce_fp32,
         loss_scale: zero.loss_scaler.as_ref().map(LossScale::of),
+        device: options.device,
         ..config.clone()
     };
     let parallel = Parallelism {
@@ -102,7 +103,6 @@ fn layout_run(
         replicate: if hybrid { 2 } else { 1 },
         prefetch,
         offload: zero.offload_optimizer,
-        device: options.device,
         ..Parallelism::default()
     };
     let corpus = corpus();
@@ -723,11 +723,13 @@ fn fsdp_on_the_tensor_path_gives_the_host_paths_run() {
 #[cfg(not(feature = "cuda"))]
 #[test]
 fn zero_trains_on_the_device_asked_for() {
-    let config = tiny_gpt_run(2);
+    let config = TrainConfig {
+        device: TrainDevice::Cuda,
+        ..tiny_gpt_run(2)
+    };
     for stage in [Stage::One, Stage::Two] {
         let parallel = Parallelism {
             zero: Some(stage),
-            device: TrainDevice::Cuda,
             ..Parallelism::default()
         };
         let corpus = corpus();

@@ -29,19 +29,16 @@
 //! cargo run --release -p examples --example byo_model -- --all --ranks 4 --steps 20
 //! ```
 //!
-//! The layout-specific code is one line per layout: the `match` in `run_rank` that picks the
-//! mesh dimensions. Everything else (the plans, the step) is the same for every layout, and so
-//! are mixed precision (`--precision`: bf16 or fp16 compute, fp32 master weights and optimizer
-//! state, loss scaling for fp16) and gradient accumulation (`--grad-accum`), which are options
-//! of the library's `TrainStep`.
-//! Pipeline parallelism stages the same parts (`model::stage`) and runs them with
-//! `burn-pipeline`'s executor (`run_rank_pipeline`). ZeRO-1/2 (`--zero`, over the ranks that
-//! reduce gradients) swaps the engine of the same loop: the library's `Trainer` and
-//! `burn-zero`'s `ZeroOptimizer`, which owns the reduction, the clipping and the precision
-//! policy (`zero_engine`), both implement `StepEngine`; so do `burn-moe`'s `MoeTrainer` and
-//! `MoeZero`, the engines of the MoE variant (`--experts`). The pipeline saves and resumes
-//! through its `StageUpdater`, under the single-device decoder's names, so every layout
-//! resumes what any other saved.
+//! The layout-specific code is one line per layout: the `match` in `layout` that turns a
+//! preset into a `burn_parallel_train::Layout`. Everything else is the library's: `build` places
+//! the model (`model::Recipe`, its plans and build) and picks the engine (the step with AdamW,
+//! ZeRO-1/2 with `--zero`, FSDP, burn-moe's engines for the MoE variant `--experts`, mixed
+//! precision with `--precision`), and `fit` trains it (each rank its rows of `--grad-accum`
+//! micro-batches, `--save` after the last step or on Ctrl-C, `--resume` from what any layout
+//! saved). Pipeline parallelism stages the same parts (`model::stage`) and runs them with
+//! `burn-pipeline`'s executor (`run_rank_pipeline`), saving and resuming through its
+//! `StageUpdater` under the single-device decoder's names, so every layout resumes what any
+//! other saved.
 
 mod model;
 

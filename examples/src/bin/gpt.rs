@@ -684,33 +684,30 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let parallel = Parallelism {
+    config.device = train_device(&args);
+    let parallel = Layout {
         tp: args.tp,
         sp: args.sp,
+        cp: args.cp,
+        cp_kind: args.cp_kind,
+        cp_balance: args.cp_balance,
+        pp: args.pipeline.pp,
+        ep: args.ep,
         zero,
         replicate: args.hybrid.unwrap_or(1),
         prefetch: args.prefetch,
         no_sync: args.no_sync,
         overlap: args.ddp_overlap,
         offload: args.offload,
-        device: train_device(&args),
-        cp: args.cp,
-        cp_kind: args.cp_kind,
-        cp_balance: args.cp_balance,
-        ep: args.ep,
     };
     if args.pipeline.pp > 1 {
         // The layout's rules (Layout::validate) are checked on the world the ranks form.
-        let layout = Layout {
-            pp: args.pipeline.pp,
-            ..parallel.layout()
-        };
-        return run_pipeline(&args, &config, &corpus, &checkpoints, &layout);
+        return run_pipeline(&args, &config, &corpus, &checkpoints, &parallel);
     }
     let log = Logging::new(&args);
     let outcome = match args.backend {
         Backend::Local => {
-            if let Err(e) = parallel.validate(&config, args.ranks) {
+            if let Err(e) = config.validate_layout(&parallel, args.ranks) {
                 eprintln!("error: {e}");
                 return ExitCode::from(2);
             }
