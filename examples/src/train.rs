@@ -650,6 +650,7 @@ pub fn train_gpt_checkpointed(
             _ => None,
         },
         resume: checkpoints.resume.clone(),
+        check_replicas_every: 0,
     };
     let mut loss = |m: &Gpt, micro: &MicroBatch| {
         let rows = micro.rows.clone();

@@ -471,6 +471,7 @@ pub fn train_vit(
         },
         checkpoint: None,
         resume: None,
+        check_replicas_every: 0,
     };
     let mut loss = |m: &Vit, micro: &MicroBatch| {
         let global = train.batch(micro.step as u64, config.batch_size, config.data_seed);

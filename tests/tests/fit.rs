@@ -12,8 +12,10 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::module::Module;
+use burn::optim::AdamWConfig;
 use burn::tensor::{Device, TensorData};
 use burn_parallel::optim::FusedAdamWConfig;
+use burn_parallel::train::{TrainStep, Trainer};
 use burn_parallel_train::{
     CheckpointPolicy, FitConfig, Layout, LrSchedule, MicroBatch, StepLog, StepSettings, build, fit,
     open_checkpoint, run_local,
@@ -109,6 +111,7 @@ fn fit_config(checkpoint: Option<&PathBuf>, resume: Option<&PathBuf>) -> FitConf
         },
         checkpoint: checkpoint.map(CheckpointPolicy::new),
         resume: resume.cloned(),
+        check_replicas_every: 1,
     }
 }
 
@@ -192,4 +195,39 @@ fn resuming_from_nothing_is_a_clear_error() {
     .unwrap_err();
     assert!(err.to_string().contains("no complete checkpoint"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Replicas that drift apart are caught by `fit`'s periodic check, naming the parameter: here
+/// each of 2 data-parallel ranks steps on its own rows with an engine that does not reduce
+/// gradients (what a step built without its data-parallel reduction does).
+#[test]
+fn replicas_that_drift_apart_are_an_error() {
+    let settings = StepSettings {
+        batch_size: BATCH,
+        seq_len: SEQ,
+        ..StepSettings::default()
+    };
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let config = FitConfig {
+        check_replicas_every: 2,
+        ..FitConfig::new(STEPS, 3e-3)
+    };
+    let err = run_local(2, |world| {
+        let device = Device::flex().autodiff();
+        let mut built = build(&world, &Layout::default(), &recipe(), &device, &settings)?;
+        let alone = TrainStep::new(built.model.tp.clone());
+        built.engine = Box::new(Trainer::new(alone, AdamWConfig::new().init()));
+        let mut loss = |m: &Decoder, micro: &MicroBatch| {
+            let batch = corpus.batch_rows(micro.step as u64, micro.rows.clone(), SEQ, Split::Train);
+            let (tokens, targets) = batch.to_tensors(&device);
+            Ok(m.loss(tokens, targets)?)
+        };
+        fit(built, &config, &mut loss, &mut |_, _| Ok(()), None).map(|_| ())
+    })
+    .unwrap_err();
+    assert!(
+        matches!(err, burn_parallel::Error::Replica(_))
+            && err.to_string().contains("replicas differ"),
+        "{err}"
+    );
 }

@@ -258,6 +258,30 @@ pub fn build<P: ParallelModel>(
     Placed::new(world, layout, model, device, settings)?.into_engine(settings)
 }
 
+/// Checks that the replicas of `model` agree: the ranks of `groups.replicate` hold the same
+/// parameters (and, under expert parallelism, the ranks holding the same experts the same
+/// experts). Collective over the layout's ranks.
+///
+/// # Errors
+/// [`Error::Replica`] naming the first parameter that differs and the ranks on each side;
+/// collective failures.
+pub fn verify_replicas<M: Module>(
+    model: &M,
+    groups: &Groups,
+    experts: &MoeParallel,
+) -> Result<(), Error> {
+    match experts.ep {
+        Some(_) => {
+            let expert_dp = groups.dims.expert_data_parallel(&groups.mesh)?;
+            let registry = experts.experts.clone();
+            verify_replicas_of(model, &[&expert_dp], |id| registry.contains(&id))?;
+            verify_replicas_of(model, &[&groups.replicate], |id| !registry.contains(&id))?;
+        }
+        None => verify_replicas_in(model, &[&groups.replicate], |_| true)?,
+    }
+    Ok(())
+}
+
 impl<P: ParallelModel> Placed<P> {
     /// Places `layout` on this rank of `world`: validates it for `model` and `settings`, builds
     /// the mesh, the plans and the model, and checks that the replicas agree. `device` is the
@@ -335,17 +359,8 @@ impl<P: ParallelModel> Placed<P> {
             experts,
             ..
         } = parts;
-        // Seeded init gives identical replicas; fail loudly if they are not. Under expert
-        // parallelism the experts' replicas are the ranks holding the same experts.
-        match experts.ep {
-            Some(_) => {
-                let expert_dp = groups.dims.expert_data_parallel(&groups.mesh)?;
-                let registry = experts.experts.clone();
-                verify_replicas_of(&built, &[&expert_dp], |id| registry.contains(&id))?;
-                verify_replicas_of(&built, &[&groups.replicate], |id| !registry.contains(&id))?;
-            }
-            None => verify_replicas_in(&built, &[&groups.replicate], |_| true)?,
-        }
+        // Seeded init gives identical replicas; fail loudly if they are not.
+        verify_replicas(&built, &groups, &experts)?;
         Ok(Self {
             layout: *layout,
             groups,

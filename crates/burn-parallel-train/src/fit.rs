@@ -18,7 +18,7 @@ use burn_parallel::train::{SaveState, StepPhases};
 use burn_parallel::{Error, ReduceOp};
 use serde::{Deserialize, Serialize};
 
-use crate::build::{Built, ParallelModel};
+use crate::build::{Built, ParallelModel, verify_replicas};
 
 /// The learning rate of each step: a linear warm-up over `warmup` steps to `peak`, then a
 /// cosine decay to `floor · peak` at step `steps`.
@@ -111,6 +111,25 @@ pub struct FitConfig {
     pub checkpoint: Option<CheckpointPolicy>,
     /// Resume from this checkpoint, or from the newest complete one under this directory.
     pub resume: Option<PathBuf>,
+    /// Check every `check_replicas_every` steps that the replicas still agree
+    /// ([`crate::build::verify_replicas`]; 0: never). Replicas that drift apart (a reduction
+    /// that misses a parameter, a rank that steps differently) are then an error naming the
+    /// parameter, not a silently wrong model.
+    pub check_replicas_every: usize,
+}
+
+impl FitConfig {
+    /// `steps` steps at the constant rate `lr`, no checkpoints, replicas checked every 100
+    /// steps.
+    pub fn new(steps: usize, lr: f64) -> Self {
+        Self {
+            steps,
+            lr: LrSchedule::constant(lr),
+            checkpoint: None,
+            resume: None,
+            check_replicas_every: 100,
+        }
+    }
 }
 
 /// The rows of the step's global batch that this rank computes in one micro-step. Micro-step
@@ -323,6 +342,10 @@ pub fn fit_with<P: ParallelModel>(
         };
         on_step(&log, &built.model)?;
         let done = step + 1;
+        let every = config.check_replicas_every;
+        if every > 0 && done.is_multiple_of(every) {
+            verify_replicas(&built.model, &built.groups, &built.experts)?;
+        }
         // The ranks agree on the stop: any rank's flag stops all after this step.
         let stopping = match stop {
             Some(flag) => {

@@ -22,7 +22,9 @@ pub mod fit;
 pub mod layout;
 mod local;
 
-pub use build::{Built, Groups, ModelParts, ParallelModel, Placed, StepSettings, build};
+pub use build::{
+    Built, Groups, ModelParts, ParallelModel, Placed, StepSettings, build, verify_replicas,
+};
 pub use fit::{
     CheckpointPolicy, FitConfig, Fitted, LossFn, LossHistory, LrSchedule, MicroBatch, OnStep,
     RunState, StepLog, fit, fit_with, open_checkpoint, saved_state,

@@ -389,6 +389,7 @@ fn run_rank(
             ..CheckpointPolicy::new(dir)
         }),
         resume: args.resume.clone(),
+        check_replicas_every: 100,
     };
     let mut loss = |m: &Decoder, micro: &MicroBatch| {
         let batch = corpus.batch_rows(
