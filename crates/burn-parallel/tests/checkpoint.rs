@@ -239,6 +239,48 @@ fn corruption_is_named() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
+/// A manifest edited to name a file outside its folder is refused before the file is opened
+/// (before, `Checkpoint::open` opened whatever path the manifest joined); a directory standing
+/// where a rank file belongs is named as such (before: "the file has 4096 bytes").
+#[test]
+fn a_manifest_names_only_files_inside_its_checkpoint() {
+    let root = scratch("escape");
+    save_tp2_zero2(&root, 1, 1);
+    let dir = root.join("step-00000001");
+    let name = "rank-00001-of-00004.safetensors";
+    std::fs::copy(dir.join(name), root.join(name)).unwrap();
+    let manifest = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&manifest).unwrap();
+    let quoted = format!("\"{name}\"");
+    assert!(text.contains(&quoted), "the manifest lists {name}");
+    for escape in [format!("../{name}"), root.join(name).display().to_string()] {
+        let edited = text.replace(&quoted, &format!("\"{escape}\""));
+        std::fs::write(&manifest, edited).unwrap();
+        let err = Checkpoint::open(&dir)
+            .err()
+            .expect("a file outside the checkpoint");
+        assert!(
+            matches!(err, CheckpointError::Corrupt { ref path, .. } if path == &manifest),
+            "{err}"
+        );
+        assert!(err.to_string().contains("not inside"), "{err}");
+    }
+    std::fs::write(&manifest, &text).unwrap();
+    Checkpoint::open(&dir).expect("the original manifest opens");
+    // A directory in place of a rank file.
+    std::fs::remove_file(dir.join(name)).unwrap();
+    std::fs::create_dir(dir.join(name)).unwrap();
+    let err = Checkpoint::open(&dir)
+        .err()
+        .expect("a directory is no rank file");
+    assert!(err.to_string().contains("a directory"), "{err}");
+    // A missing one.
+    std::fs::remove_dir(dir.join(name)).unwrap();
+    let err = Checkpoint::open(&dir).err().expect("a missing rank file");
+    assert!(err.to_string().contains("missing file"), "{err}");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
 #[test]
 fn another_model_is_refused_with_the_differences() {
     let root = scratch("mismatch");

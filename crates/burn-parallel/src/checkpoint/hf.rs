@@ -103,7 +103,7 @@ pub fn read_dir(dir: &Path) -> Result<BTreeMap<String, TensorData>> {
         .collect::<Result<_>>()?;
     let mut out = BTreeMap::new();
     for file in files {
-        for (name, t) in read_safetensors(&dir.join(file))? {
+        for (name, t) in read_safetensors(&super::store::file_in(dir, file, &index)?)? {
             if out.insert(name.clone(), t).is_some() {
                 return Err(corrupt(format!(
                     "tensor `{name}` is stored in two shards; the checkpoint is inconsistent"
@@ -187,6 +187,33 @@ mod tests {
             read_dir(&dir),
             Err(CheckpointError::Corrupt { .. })
         ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A shard named outside the folder (`..`, an absolute path) is refused before it is
+    /// opened, naming the index; before, `read_dir` read whatever the index pointed to.
+    #[test]
+    fn an_index_cannot_point_outside_its_folder() {
+        let dir = temp("escape");
+        let outside = dir.with_extension("outside.safetensors");
+        let a = BTreeMap::from([("a".to_string(), TensorData::new(vec![1.0f32], [1]))]);
+        write_safetensors(&outside, &a).unwrap();
+        let escape = format!("../{}", outside.file_name().unwrap().to_string_lossy());
+        for file in [escape, outside.display().to_string(), String::new()] {
+            let index = serde_json::json!({"weight_map": {"a": file}});
+            std::fs::write(dir.join(INDEX_FILE), index.to_string()).unwrap();
+            match read_dir(&dir) {
+                Err(CheckpointError::Corrupt { path, reason }) => {
+                    assert_eq!(path, dir.join(INDEX_FILE));
+                    assert!(reason.contains("not inside"), "{reason}");
+                }
+                other => panic!(
+                    "{file:?}: expected a refusal, got {:?}",
+                    other.map(|m| m.len())
+                ),
+            }
+        }
+        std::fs::remove_file(&outside).unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -31,6 +31,31 @@ pub struct FileManifest {
     pub chunks: BTreeMap<String, Vec<String>>,
 }
 
+/// The path of the file `name` that `listing` (a manifest, an index) names inside `dir`:
+/// refused unless `name` is a relative path that stays inside `dir` (no `..`, no root, no
+/// drive), so that an edited listing cannot make a reader open any other file.
+///
+/// # Errors
+/// [`CheckpointError::Corrupt`] naming `listing` and the file name.
+pub(crate) fn file_in(dir: &Path, name: &str, listing: &Path) -> Result<PathBuf> {
+    use std::path::Component;
+    let inside = !name.is_empty()
+        && Path::new(name)
+            .components()
+            .all(|c| matches!(c, Component::Normal(_)));
+    match inside {
+        true => Ok(dir.join(name)),
+        false => Err(CheckpointError::Corrupt {
+            path: listing.to_path_buf(),
+            reason: format!(
+                "it names the file {name:?}, which is not inside {}: a listed file must be a \
+                 relative path within its folder",
+                dir.display()
+            ),
+        }),
+    }
+}
+
 /// CRC-32 of `bytes` (hardware-accelerated where the CPU has it), hexadecimal.
 pub(crate) fn checksum(bytes: &[u8]) -> String {
     format!("{:08x}", crc32fast::hash(bytes))
@@ -233,16 +258,26 @@ pub(crate) struct FileReader {
 impl FileReader {
     /// Opens the file: checks its length and its header's checksum against the manifest.
     pub(crate) fn open(dir: &Path, manifest: &FileManifest) -> Result<Self> {
-        let path = dir.join(&manifest.file);
+        let path = file_in(dir, &manifest.file, &dir.join("manifest.json"))?;
         let corrupt = |reason: String| CheckpointError::Corrupt {
             path: path.clone(),
             reason,
         };
-        let mut file = File::open(&path).map_err(|e| corrupt(format!("missing file: {e}")))?;
-        let len = file
+        let mut file = File::open(&path).map_err(|e| {
+            corrupt(match e.kind() {
+                std::io::ErrorKind::NotFound => "missing file: the manifest lists it".into(),
+                _ => format!("the file cannot be read: {e}"),
+            })
+        })?;
+        let meta = file
             .metadata()
-            .map_err(|e| corrupt(format!("cannot stat: {e}")))?
-            .len();
+            .map_err(|e| corrupt(format!("cannot stat: {e}")))?;
+        if !meta.is_file() {
+            return Err(corrupt(
+                "a directory (or another non-file) stands where the manifest lists a file".into(),
+            ));
+        }
+        let len = meta.len();
         if len != manifest.bytes {
             return Err(corrupt(format!(
                 "the file has {len} bytes but the manifest records {}: truncated or overwritten",
