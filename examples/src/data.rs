@@ -204,6 +204,8 @@ pub struct Corpus {
     bytes: Vec<u8>,
     n_train: usize,
     seed: u64,
+    /// What the bytes are, for logs ([`Corpus::name`]).
+    name: String,
 }
 
 impl Corpus {
@@ -257,7 +259,14 @@ impl Corpus {
                 message: "corpus is empty".into(),
             });
         }
-        Ok(Self::from_bytes(bytes))
+        let name = match path == data_dir_from(None).join(Self::FILE) {
+            true => "the bundled King James Bible".to_string(),
+            false => path.display().to_string(),
+        };
+        Ok(Self {
+            name,
+            ..Self::from_bytes(bytes)
+        })
     }
 
     /// A corpus of `bytes`, the last 5 % being the validation split; batch seed 0.
@@ -268,7 +277,14 @@ impl Corpus {
             bytes,
             n_train,
             seed: 0,
+            name: "a corpus given as bytes".into(),
         }
+    }
+
+    /// What the corpus is, for logs: the bundled King James Bible, or the file it was read
+    /// from.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// The same corpus with another batch-sampling seed.
@@ -638,6 +654,25 @@ mod tests {
         );
         let h = corpus.unigram_entropy_nats();
         assert!(h > 2.5 && h < 3.5, "unigram entropy {h}");
+    }
+
+    /// The corpus names itself as what it is (the `gpt` banner said "King James Bible" for
+    /// any `--data-dir` file).
+    #[test]
+    fn a_corpus_is_named_by_its_file() {
+        assert_eq!(
+            Corpus::load_default().unwrap().name(),
+            "the bundled King James Bible"
+        );
+        let dir = std::env::temp_dir().join(format!("corpus-name-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join(Corpus::FILE);
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut gz, b"Call me Ishmael. Some years ago.").unwrap();
+        std::fs::write(&path, gz.finish().unwrap()).unwrap();
+        let corpus = Corpus::load_from(Some(&dir)).unwrap();
+        assert_eq!(corpus.name(), path.display().to_string());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

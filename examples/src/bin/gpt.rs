@@ -903,7 +903,8 @@ fn print_header(
         );
     }
     println!(
-        "corpus: King James Bible, {} training bytes, unigram entropy {:.3} nats/byte",
+        "corpus: {}, {} training bytes, unigram entropy {:.3} nats/byte",
+        corpus.name(),
         corpus.split(examples::data::Split::Train).len(),
         corpus.unigram_entropy_nats()
     );
