@@ -682,7 +682,7 @@ pub fn train_gpt_checkpointed(
         });
         Ok(())
     };
-    let mut state = train_checkpoint::GptRunState::new(config);
+    let mut state = train_checkpoint::GptRunState::new(config, world.rank() == 0);
     let fitted = fit_with(
         built,
         &fit_config,

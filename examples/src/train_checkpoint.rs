@@ -374,13 +374,19 @@ impl CheckpointArgs {
 /// positions, and the steps the loss scaler skipped.
 pub(crate) struct GptRunState<'a> {
     config: &'a TrainConfig,
+    /// Print which checkpoint a resume loads (rank 0).
+    announce: bool,
     /// Steps the saved run skipped on a loss-scaling overflow (when this run scales too).
     pub(crate) skipped: usize,
 }
 
 impl<'a> GptRunState<'a> {
-    pub(crate) fn new(config: &'a TrainConfig) -> Self {
-        Self { config, skipped: 0 }
+    pub(crate) fn new(config: &'a TrainConfig, announce: bool) -> Self {
+        Self {
+            config,
+            announce,
+            skipped: 0,
+        }
     }
 }
 
@@ -406,6 +412,14 @@ impl burn_parallel_train::RunState<Gpt> for GptRunState<'_> {
         }
         // The counters are shared with the model the engine loads into.
         restore_dropout(checkpoint, &dropout_layers(model)).map_err(fail)?;
+        if self.announce {
+            println!(
+                "resuming from {} (step {}, saved by {} ranks)",
+                checkpoint.dir().display(),
+                checkpoint.step(),
+                checkpoint.manifest().world_size
+            );
+        }
         // The losses were f32 before they were saved as f64.
         Ok(state.losses.iter().map(|&l| l as f32).collect())
     }

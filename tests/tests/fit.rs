@@ -48,6 +48,7 @@ struct Outcome {
     losses: Vec<f32>,
     params: Params,
     stopped_at: Option<usize>,
+    resumed_from: Option<(usize, usize)>,
 }
 
 /// `fit` of the decoder on `ranks` thread ranks under `layout`; with `stop_after`, rank 0's
@@ -94,6 +95,7 @@ fn train(ranks: usize, layout: Layout, config: &FitConfig, stop_after: Option<us
             losses: fitted.losses,
             params,
             stopped_at: fitted.stopped_at,
+            resumed_from: fitted.resumed_from.map(|r| (r.step, r.saved_by)),
         })
     })
     .unwrap_or_else(|e| panic!("{e}"));
@@ -163,6 +165,8 @@ fn a_run_stopped_by_the_flag_resumes_where_the_uninterrupted_run_ends() {
     // Resumed under the same layout: the same run, to the last bit of the losses.
     let resumed = train(4, layout, &fit_config(None, Some(&dir)), None);
     assert_eq!(resumed.stopped_at, None);
+    // It names what it loaded: step 2, saved by 4 ranks.
+    assert_eq!(resumed.resumed_from, Some((2, 4)));
     assert_close("resumed under the same layout", &resumed, &whole, 1e-6);
     // Resumed under FSDP on 2 ranks: the checkpoint outlives the layout.
     let fsdp = Layout {

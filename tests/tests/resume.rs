@@ -545,6 +545,9 @@ fn gpt_killed_during_saves_resumes_from_the_last_complete_checkpoint() {
     assert!(newest.step() >= 4, "step {}", newest.step());
     let reference = tests::gpt_through_burnrun(2, &c, &[]);
     let resumed = tests::gpt_through_burnrun(2, &c, &["--resume", ckpt.to_str().unwrap()]);
+    // It names the checkpoint it loaded (the newest complete one, not the interrupted newer).
+    let loaded = format!("resuming from {}", newest.dir().display());
+    assert!(resumed.stdout.contains(&loaded), "{}", resumed.stdout);
     tests::assert_same_losses(
         &reference.losses,
         &resumed.losses,

@@ -178,6 +178,32 @@ pub struct Fitted<P: ParallelModel> {
     /// `Some(step)` when the run stopped on the flag after `step` steps (saved, when a
     /// checkpoint policy is set).
     pub stopped_at: Option<usize>,
+    /// The checkpoint a resumed run loaded (the newest complete one under
+    /// [`FitConfig::resume`], which may be older than the newest attempted).
+    pub resumed_from: Option<Resumed>,
+}
+
+/// The checkpoint a run resumed from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Resumed {
+    /// Its directory.
+    pub dir: PathBuf,
+    /// The step it was saved after.
+    pub step: usize,
+    /// The number of ranks that saved it (any layout loads it).
+    pub saved_by: usize,
+}
+
+impl std::fmt::Display for Resumed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} (step {}, saved by {} ranks)",
+            self.dir.display(),
+            self.step,
+            self.saved_by
+        )
+    }
 }
 
 /// The checkpoint at `path`: a checkpoint directory, or the newest complete one under it.
@@ -304,6 +330,7 @@ pub fn fit_with<P: ParallelModel>(
     };
     let mut losses = Vec::new();
     let mut first_step = 0;
+    let mut resumed_from = None;
     if let Some(path) = &config.resume {
         let resuming = |e: Error| e.resuming(path);
         let checkpoint = open_checkpoint(path).map_err(|e| resuming(e.into()))?;
@@ -314,6 +341,11 @@ pub fn fit_with<P: ParallelModel>(
             .map_err(|e| resuming(e.into()))?
             .0;
         first_step = checkpoint.step();
+        resumed_from = Some(Resumed {
+            dir: checkpoint.dir().to_path_buf(),
+            step: first_step,
+            saved_by: checkpoint.manifest().world_size,
+        });
     }
     let mut stopped_at = None;
     for step in first_step..config.steps {
@@ -374,5 +406,6 @@ pub fn fit_with<P: ParallelModel>(
         losses,
         first_step,
         stopped_at,
+        resumed_from,
     })
 }

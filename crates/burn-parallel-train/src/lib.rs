@@ -27,7 +27,7 @@ pub use build::{
 };
 pub use fit::{
     CheckpointPolicy, FitConfig, Fitted, LossFn, LossHistory, LrSchedule, MicroBatch, OnStep,
-    RunState, StepLog, fit, fit_with, open_checkpoint, saved_state,
+    Resumed, RunState, StepLog, fit, fit_with, open_checkpoint, saved_state,
 };
 pub use layout::{Layout, LayoutError, Workload};
 pub use local::run_local;

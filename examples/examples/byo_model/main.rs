@@ -402,8 +402,13 @@ fn run_rank(
         Ok(m.loss(tokens, targets)?)
     };
     let fitted = fit(built, &config, &mut loss, &mut |_, _| Ok(()), Some(stop))?;
-    if let (Some(step), 0) = (fitted.stopped_at, world.rank()) {
-        eprintln!("stopped after step {step}; resume with --resume");
+    if world.rank() == 0 {
+        if let Some(resumed) = &fitted.resumed_from {
+            println!("resumed from {resumed}");
+        }
+        if let Some(step) = fitted.stopped_at {
+            println!("stopped after step {step}; resume with --resume");
+        }
     }
     Ok(fitted.losses[fitted.first_step..].to_vec())
 }
