@@ -10,7 +10,7 @@ mod model;
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{AdamWConfig, GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn_moe::{MoeError, MoeParallel, MoeStep, MoeTrainer, MoeZero};
+use burn_moe::{MoeParallel, MoeStep};
 use burn_parallel::checkpoint::{CheckpointError, Checkpointer};
 use burn_parallel::context_parallel::{ContextParallel, CpBalance, CpError, CpKind, CpSettings};
 use burn_parallel::init::{Init, splitmix64};
@@ -19,14 +19,16 @@ use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::plan::TpPlan;
 use burn_parallel::precision::MixedPrecision;
 use burn_parallel::tensor_parallel::TpError;
-use burn_parallel::train::{StepEngine, TrainStep};
+use burn_parallel::train::TrainStep;
 use burn_parallel::{MeshError, ParallelDims, run_local};
-use burn_parallel_train::{Built, Layout, StepSettings, build};
+use burn_parallel_train::{
+    Built, CheckpointPolicy, FitConfig, Layout, MicroBatch, StepSettings, build, fit,
+};
 use burn_pipeline::generators::generate;
 use burn_pipeline::partition::by_count;
 use burn_pipeline::runtime::Executor;
 use burn_pipeline::update::{StageOptimizer, StageUpdater};
-use burn_zero::{Fsdp, ShardGroups, Stage, ZeroConfig, ZeroError, ZeroOptimizer};
+use burn_zero::{Fsdp, Stage, ZeroError};
 use model::{Config, Decoder, Recipe, fsdp_plan, moe_tp_plan, tp_plan};
 use std::collections::BTreeMap;
 
@@ -1034,63 +1036,54 @@ struct MoeEngineRun<'a> {
 }
 
 impl MoeEngineRun<'_> {
+    /// Through the library: `build` picks the engine for the layout, `fit` runs the loop
+    /// (micro-batch k: rows k of each rank's share), resumes and saves.
     fn run(&self) -> (Vec<f32>, Params) {
         let device = Device::flex().autodiff();
-        let dims = ParallelDims {
-            dp_replicate: self.dp_replicate,
+        let layout = Layout {
             ep: self.ep,
-            ..ParallelDims::default()
+            zero: self.zero,
+            ..Layout::default()
         };
-        let out = run_local(dims.world_size(), |world| {
-            let mesh = dims.build(&world).unwrap();
-            let parallel = MoeParallel::from_mesh(&dims, &mesh).unwrap();
-            let init = Init::new(config().seed, &device);
-            let mut model = Decoder::with_experts(&init, &config(), &moe(), &parallel).unwrap();
-            let dp = dims.data_parallel(&mesh).unwrap();
-            let inner = TrainStep::new(init.context()).with_data_parallel(dp.clone());
-            let step = MoeStep::new(inner, &parallel).with_clip(self.clip);
-            let mut engine: Box<dyn StepEngine<Decoder, MoeError>> = match self.zero {
-                None => Box::new(MoeTrainer::new(step, optimizer())),
-                Some(stage) => {
-                    let config = ZeroConfig::new(stage).with_max_grad_norm(self.clip);
-                    let adamw = adamw().build();
-                    let groups = ShardGroups::flat(dp.clone());
-                    let zero = ZeroOptimizer::new_excluding(&model, groups, config, adamw, |id| {
-                        parallel.experts.contains(&id)
-                    })
-                    .unwrap();
-                    model = zero.prepare_module(model).unwrap();
-                    Box::new(MoeZero::new(zero, step, optimizer()).unwrap())
-                }
+        let settings = StepSettings {
+            max_grad_norm: self.clip,
+            adamw: FusedAdamWConfig::new()
+                .with_weight_decay(0.01)
+                .with_epsilon(EPSILON),
+            batch_size: BATCH,
+            seq_len: SEQ,
+            grad_accum: self.micro,
+            ..StepSettings::default()
+        };
+        let recipe = Recipe {
+            config: config(),
+            moe: Some(moe()),
+        };
+        let fit_config = FitConfig {
+            steps: self.steps.end,
+            checkpoint: self.save.map(|dir| CheckpointPolicy {
+                keep: 1,
+                ..CheckpointPolicy::new(dir)
+            }),
+            resume: self.resume.map(|dir| dir.to_path_buf()),
+            ..FitConfig::new(self.steps.end, LR)
+        };
+        let out = burn_parallel_train::run_local(self.dp_replicate, |world| {
+            let built = build(&world, &layout, &recipe, &device, &settings)?;
+            let mut loss = |m: &Decoder, micro: &MicroBatch| {
+                let (tokens, targets) = batch(micro.step, micro.rows.clone(), &device);
+                Ok(m.loss(tokens, targets)?)
             };
-            if let Some(dir) = self.resume {
-                let checkpoint = Checkpointer::latest(dir).unwrap().expect("a checkpoint");
-                model = engine.load(&checkpoint, model).unwrap().0;
-            }
-            let rows = BATCH / dp.size() / self.micro;
-            let mut losses = Vec::new();
-            for s in self.steps.clone() {
-                let mut forward = |m: &Decoder, k: usize| {
-                    let first = k * rows * dp.size() + dp.rank() * rows;
-                    let (tokens, targets) = batch(s, first..first + rows, &device);
-                    Ok(m.loss(tokens, targets)?)
-                };
-                let (next, out) = engine
-                    .step_accumulated(model, self.micro, &mut forward, LR)
-                    .unwrap();
-                model = next;
-                losses.push(out.loss);
-            }
-            if let Some(dir) = self.save {
-                let mut saver = Checkpointer::new(dir, 1, &world).unwrap();
-                let end = self.steps.end;
-                engine
-                    .save(&mut saver, end, &model, serde_json::Value::Null.into())
-                    .unwrap();
-            }
+            let fitted = fit(built, &fit_config, &mut loss, &mut |_, _| Ok(()), None)?;
+            assert_eq!(
+                fitted.first_step, self.steps.start,
+                "resumed at the wrong step"
+            );
+            let model = fitted.built.engine.master_model(fitted.built.model)?;
+            let losses = fitted.losses[fitted.first_step..].to_vec();
             Ok((losses, global_params(&model)?))
         })
-        .unwrap();
+        .unwrap_or_else(|e| panic!("{e}"));
         merge_experts(out)
     }
 }
