@@ -42,74 +42,21 @@ use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::tensor::{Device, Tensor};
 use burn_parallel::optim::FusedAdamWConfig;
-use burn_parallel::{
-    CollectiveError, MeshError, ParallelDims, ProcessGroup, ReduceOp, TpError, run_local,
-};
+use burn_parallel::{ParallelDims, ProcessGroup, ReduceOp};
 use burn_parallel_train::{FitConfig, Layout, MicroBatch, StepLog, StepSettings, build, fit};
-use burn_zero::{Stage, ZeroError};
+use burn_zero::Stage;
 use serde::{Deserialize, Serialize};
 
 use crate::data::{Digits, DigitsBatch};
 use crate::vit::{Vit, VitConfig};
 
-/// Errors of a ViT training run. Each names what was wrong and what to change.
-#[derive(Debug, thiserror::Error)]
-pub enum VitTrainError {
-    /// The configuration or the layout cannot run.
-    #[error("invalid ViT training setup: {0}")]
-    Config(String),
-    /// A collective failed (a peer died, a timeout, a mismatched call).
-    #[error(transparent)]
-    Collective(#[from] CollectiveError),
-    /// Tensor parallelism refused the model or failed.
-    #[error(transparent)]
-    Tp(#[from] TpError),
-    /// ZeRO refused the model or failed.
-    #[error(transparent)]
-    Zero(#[from] ZeroError),
-    /// The mesh could not be built.
-    #[error(transparent)]
-    Mesh(#[from] MeshError),
-}
+/// Errors of a ViT training run: the suite's [`burn_parallel::Error`]; a configuration or a
+/// layout that cannot run is [`burn_parallel::Error::Invalid`] naming the setting.
+pub type VitTrainError = burn_parallel::Error;
 
-/// The suite's error as the ViT trainer's: a collective, tensor-parallel or mesh failure as
-/// itself, anything else as [`VitTrainError::Config`] with its message.
-impl From<burn_parallel::Error> for VitTrainError {
-    fn from(e: burn_parallel::Error) -> Self {
-        match e {
-            burn_parallel::Error::Collective(e) => Self::Collective(e),
-            burn_parallel::Error::TensorParallel(e) => Self::Tp(e),
-            burn_parallel::Error::Mesh(e) => Self::Mesh(e),
-            e => Self::Config(e.to_string()),
-        }
-    }
-}
-
-/// The ViT trainer's error as the suite's (what a callback of [`burn_parallel_train::fit`]
-/// returns).
-impl From<VitTrainError> for burn_parallel::Error {
-    fn from(e: VitTrainError) -> Self {
-        match e.flatten() {
-            VitTrainError::Config(reason) => Self::invalid("ViT training", reason),
-            VitTrainError::Collective(e) => e.into(),
-            VitTrainError::Tp(e) => e.into(),
-            VitTrainError::Zero(e) => e.into(),
-            VitTrainError::Mesh(e) => e.into(),
-        }
-    }
-}
-
-impl VitTrainError {
-    /// Unwraps the collective error inside a tensor-parallel, ZeRO or mesh error, so that a
-    /// failed peer is reported as such whichever layer noticed it.
-    fn flatten(self) -> Self {
-        match self {
-            VitTrainError::Tp(TpError::Collective(e))
-            | VitTrainError::Zero(ZeroError::Collective(e))
-            | VitTrainError::Mesh(MeshError::Collective(e)) => VitTrainError::Collective(e),
-            other => other,
-        }
-    }
+/// A setting of the ViT run that cannot work.
+fn config_error(reason: impl std::fmt::Display) -> VitTrainError {
+    VitTrainError::invalid("ViT training setup", reason)
 }
 
 /// Everything that defines a ViT training run on the digits (the model included).
@@ -176,12 +123,10 @@ impl VitTrainConfig {
     /// Checks the settings that do not depend on the layout.
     ///
     /// # Errors
-    /// [`VitTrainError::Config`] naming the first setting to change.
+    /// [`VitTrainError::Invalid`] naming the first setting to change.
     pub fn validate(&self) -> Result<(), VitTrainError> {
-        self.model
-            .validate()
-            .map_err(|e| VitTrainError::Config(e.to_string()))?;
-        let config = |m: String| Err(VitTrainError::Config(m));
+        self.model.validate().map_err(config_error)?;
+        let config = |m: String| Err(config_error(m));
         if self.model.image_size != Digits::SIDE || self.model.channels != 1 {
             return config(format!(
                 "the digits are {0}x{0} pixels with 1 channel; the model expects {1}x{1} with {2}",
@@ -288,10 +233,10 @@ impl VitLayout {
     /// Checks that `world` ranks can train `config` with this layout.
     ///
     /// # Errors
-    /// [`VitTrainError::Config`] naming the setting to change.
+    /// [`VitTrainError::Invalid`] naming the setting to change.
     pub fn validate(&self, config: &VitTrainConfig, world: usize) -> Result<(), VitTrainError> {
         config.validate()?;
-        let config_err = |m: String| Err(VitTrainError::Config(m));
+        let config_err = |m: String| Err(config_error(m));
         let tp = self.tp_size();
         if world == 0 {
             return config_err("at least one rank is needed".into());
@@ -429,7 +374,7 @@ pub(crate) fn evaluate(
 /// The report, the same on every rank.
 ///
 /// # Errors
-/// [`VitTrainError::Config`] for a setup that cannot run (checked before any communication);
+/// [`VitTrainError::Invalid`] for a setup that cannot run (checked before any communication);
 /// collective, tensor-parallel and ZeRO errors.
 pub fn train_vit(
     world: &ProcessGroup,
@@ -443,7 +388,7 @@ pub fn train_vit(
     let plain = Device::flex();
     let (train, test) = digits.split(config.test_fraction, config.split_seed);
     if train.is_empty() || test.is_empty() {
-        return Err(VitTrainError::Config(format!(
+        return Err(config_error(format!(
             "the split of {} images at test_fraction {} leaves an empty train or test set",
             digits.len(),
             config.test_fraction
@@ -525,7 +470,7 @@ pub fn train_vit(
 /// Runs [`train_vit`] on `ranks` thread ranks of this process and returns rank 0's report.
 ///
 /// # Errors
-/// The typed error of the rank that failed first (a [`VitTrainError::Config`] before any
+/// The typed error of the rank that failed first (a [`VitTrainError::Invalid`] before any
 /// thread starts); [`VitTrainError::Collective`] when a rank panicked or a collective failed.
 pub fn run_vit_local(
     ranks: usize,
@@ -557,40 +502,15 @@ pub fn run_local_ranks(
     on_step: &mut (dyn FnMut(&VitStepStats) + Send),
     train: &VitTrainer<'_>,
 ) -> Result<VitReport, VitTrainError> {
-    let first_error: Mutex<Option<VitTrainError>> = Mutex::new(None);
     let on_step = Mutex::new(on_step);
-    let outcome = run_local(ranks, |world| {
+    let mut reports = burn_parallel_train::run_local(ranks, |world| {
         let lead = world.rank() == 0;
         let mut report = |s: &VitStepStats| {
             if lead {
                 (on_step.lock().expect("the step callback"))(s);
             }
         };
-        match train(&world, &mut report) {
-            Ok(report) => Ok(lead.then_some(report)),
-            Err(e) => match e.flatten() {
-                VitTrainError::Collective(c) => Err(c),
-                typed => {
-                    // run_local carries collective errors: keep the typed one for the caller.
-                    let carried = CollectiveError::InvalidArgument {
-                        rank: world.global_rank(),
-                        op: "train_vit".into(),
-                        reason: typed.to_string(),
-                    };
-                    first_error
-                        .lock()
-                        .expect("the error slot")
-                        .get_or_insert(typed);
-                    Err(carried)
-                }
-            },
-        }
-    });
-    match outcome {
-        Ok(mut reports) => Ok(reports.swap_remove(0).expect("rank 0 returns its report")),
-        Err(e) => Err(first_error
-            .into_inner()
-            .expect("the error slot")
-            .unwrap_or(VitTrainError::Collective(e))),
-    }
+        train(&world, &mut report)
+    })?;
+    Ok(reports.swap_remove(0))
 }

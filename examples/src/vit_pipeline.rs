@@ -107,7 +107,7 @@ pub type VitStage = Sequential<VitInput, VitLayer, VitOutput>;
 /// single-device seed: each part gets the single-device values, at the same paths).
 ///
 /// # Errors
-/// [`VitTrainError::Config`] when a layer cannot be built.
+/// [`VitTrainError::Invalid`] when a layer cannot be built.
 pub fn vit_stage(
     config: &VitConfig,
     init: &Init,
@@ -121,7 +121,7 @@ pub fn vit_stage(
             .with_bias(true)
             .with_std(INIT_STD)
     };
-    let error = |e: &dyn std::fmt::Display| VitTrainError::Config(format!("stage {index}: {e}"));
+    let error = |e: &dyn std::fmt::Display| VitTrainError::invalid(format!("stage {index}"), e);
     Sequential::build(
         index,
         num_stages,
@@ -206,7 +206,7 @@ impl Default for VitPipeline {
 /// end the stages are gathered into a whole [`Vit`] for the test accuracy and the report.
 ///
 /// # Errors
-/// [`VitTrainError::Config`] for settings that cannot work (checked before any communication);
+/// [`VitTrainError::Invalid`] for settings that cannot work (checked before any communication);
 /// pipeline and collective errors.
 pub fn train_vit_pipeline(
     world: &ProcessGroup,
@@ -216,7 +216,7 @@ pub fn train_vit_pipeline(
     on_step: &mut dyn FnMut(&VitStepStats),
 ) -> Result<VitReport, VitTrainError> {
     config.validate()?;
-    let bad = |m: String| Err(VitTrainError::Config(m));
+    let bad = |m: String| Err(VitTrainError::invalid("ViT pipeline", m));
     if pipeline.pp < 2 || !world.size().is_multiple_of(pipeline.pp) {
         return bad(format!(
             "{} ranks cannot be split into pipelines of {} (at least 2) ranks; use a --pp that \
@@ -235,7 +235,7 @@ pub fn train_vit_pipeline(
             dp_size * m
         ));
     }
-    let pipe = |e: &dyn std::fmt::Display| VitTrainError::Config(e.to_string());
+    let pipe = |e: &dyn std::fmt::Display| VitTrainError::invalid("ViT pipeline", e);
     let schedule = generators::generate(pipeline.schedule, pipeline.pp, m, pipeline.virtual_stages)
         .map_err(|e| pipe(&e))?;
     let num_stages = schedule.num_stages();

@@ -382,7 +382,7 @@ fn impossible_layouts_are_typed_errors() {
         &digits,
         &mut |_| {},
     ) {
-        Err(VitTrainError::Config(message)) => message,
+        Err(VitTrainError::Invalid { reason, .. }) => reason,
         other => panic!("expected a config error, got {:?}", other.map(|r| r.losses)),
     };
     let sp_alone = VitLayout {
