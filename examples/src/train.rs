@@ -348,6 +348,101 @@ impl TrainConfig {
         self.validate(layout.data_parallel_size(world))
     }
 
+    /// The memory planner's prediction of one rank's peak bytes under `layout` on `world` ranks
+    /// ([`burn_parallel::planner::evaluate`]): parameters, gradients, optimizer state,
+    /// activations and buffers; `None` when the planner does not model the layout.
+    pub fn predicted_memory(
+        &self,
+        layout: &Layout,
+        world: usize,
+    ) -> Option<burn_parallel::planner::Memory> {
+        use burn_parallel::planner::{self, Attention, Checkpoint, Hardware, Schedule, Training};
+        let dims = layout.dims(world);
+        let dp = dims.dp_replicate * dims.dp_shard;
+        let training = Training {
+            world,
+            global_batch: self.batch_size,
+            seq_len: self.seq_len,
+            micro_batch: (self.batch_size / (dp * self.grad_accum).max(1)).max(1),
+            mixed_precision: self.precision != Precision::F32,
+            optimizer_bytes: 8,
+            bucket_bytes: (self.bucket_mb * 1024.0 * 1024.0) as usize,
+            attention: match self.model.fused {
+                true => Attention::Flash,
+                false => Attention::Materialized,
+            },
+            dropout: self.model.dropout > 0.0,
+            fused: self.model.fused,
+        };
+        let plan = planner::Layout {
+            dims,
+            zero: layout.zero.map_or(0, |s| s.number() as u8),
+            sp: layout.sp,
+            schedule: Schedule::None,
+            micro_batches: self.grad_accum,
+            checkpoint: Checkpoint::None,
+        };
+        let hw = Hardware::from_units(1.0, 1.0, 1.0);
+        planner::evaluate(&self.model.planner_shape(), &training, &hw, &plan)
+            .ok()
+            .map(|candidate| candidate.memory)
+    }
+
+    /// Refuses, before anything is allocated, a run that cannot fit: one whose parameters
+    /// alone exceed what any device holds, or, on a CPU device, whose predicted peak
+    /// ([`Self::predicted_memory`], times the ranks sharing this process) exceeds this
+    /// machine's available memory by half again (the planner is within 10% of the measured
+    /// peak on the layouts it models: the margin keeps any run that could fit).
+    ///
+    /// # Errors
+    /// A message with the figures and the settings to change.
+    pub fn check_memory(
+        &self,
+        layout: &Layout,
+        world: usize,
+        ranks_here: usize,
+    ) -> Result<(), String> {
+        use burn_parallel::planner::human_bytes;
+        let m = &self.model;
+        // In f64: the sizes that matter here overflow integer arithmetic.
+        let (d, v, l) = (m.d_model as f64, m.vocab_size as f64, m.n_layers as f64);
+        let params =
+            l * (4.0 * d * d + 3.0 * d * m.d_ff as f64) + 2.0 * v * d + m.max_seq_len as f64 * d;
+        // Parameters, gradients and AdamW's two moments in fp32, split at best over every rank.
+        let state = 16.0 * params / world.max(1) as f64;
+        let too_big = |what: &str, need: f64, have: String| {
+            format!(
+                "{what} needs about {} per rank but {have}: reduce --d-model, --layers, --d-ff, \
+                 --vocab, --batch-size or --seq-len, or spread the model over more ranks \
+                 (--zero 3, --tp)",
+                human_bytes(need),
+            )
+        };
+        const ANY_DEVICE: f64 = (1u64 << 48) as f64;
+        if state > ANY_DEVICE {
+            let have = format!("no device holds more than {}", human_bytes(ANY_DEVICE));
+            return Err(too_big("the model's training state", state, have));
+        }
+        if !matches!(self.device, TrainDevice::Flex) {
+            return Ok(());
+        }
+        let Some(available) = available_memory() else {
+            return Ok(());
+        };
+        let here = ranks_here.max(1) as f64;
+        let have = format!("{} is available", human_bytes(available / here));
+        if state * here > 1.5 * available {
+            return Err(too_big("the model's training state", state, have));
+        }
+        if let Some(memory) = self.predicted_memory(layout, world) {
+            let peak = memory.total();
+            if peak * here > 1.5 * available {
+                return Err(too_big("training (the planner's peak)", peak, have));
+            }
+        }
+        Ok(())
+    }
+
     /// The builder's settings of this run ([`burn_parallel_train::build`]).
     pub fn step_settings(&self) -> StepSettings {
         StepSettings {
@@ -538,6 +633,14 @@ fn invalid(world: &ProcessGroup, op: &str, e: impl std::fmt::Display) -> Collect
     }
 }
 
+/// This machine's available memory in bytes (Linux: `MemAvailable`), if known.
+fn available_memory() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024.0)
+}
+
 /// The suite's error as the collective error the trainers return: a collective failure as it
 /// is, anything else as [`CollectiveError::InvalidArgument`] with its message.
 fn collective(world: &ProcessGroup, e: burn_parallel::Error) -> CollectiveError {
@@ -597,6 +700,14 @@ pub fn train_gpt_checkpointed(
         .map_err(|e| invalid(world, "checkpoint", e))?;
     corpus
         .check_windows(config.seq_len, config.eval_batches)
+        .map_err(|e| invalid(world, op, e))?;
+    // Thread ranks share this process's memory.
+    let ranks_here = match world.backend() {
+        "local" => world.size(),
+        _ => 1,
+    };
+    config
+        .check_memory(parallel, world.size(), ranks_here)
         .map_err(|e| invalid(world, op, e))?;
     let plain = config.device.device().map_err(|e| invalid(world, op, e))?;
     let device = plain.clone().autodiff();
@@ -977,6 +1088,46 @@ mod tests {
     use burn::optim::AdamWConfig;
     use burn_parallel::train::{StepEngine, TrainStep};
     use burn_zero::{ShardGroups, Stage, ZeroConfig, ZeroError, ZeroOptimizer};
+
+    /// A run that cannot fit is refused with the figures before anything is allocated (before:
+    /// `--d-model 1000000000000 --heads 1` panicked with "capacity overflow", `--batch-size
+    /// 100000000000` aborted out of memory with a backtrace).
+    #[test]
+    fn a_run_that_cannot_fit_is_refused_before_it_allocates() {
+        let base = TrainConfig::default();
+        let huge_model = TrainConfig {
+            model: GptConfig {
+                d_model: 1_000_000_000_000,
+                n_heads: 1,
+                ..base.model.clone()
+            },
+            ..base.clone()
+        };
+        let e = huge_model
+            .check_memory(&Layout::default(), 1, 1)
+            .unwrap_err();
+        assert!(e.contains("needs about") && e.contains("--d-model"), "{e}");
+        // Through the trainer: refused on every rank, nothing built.
+        let corpus = Corpus::from_bytes(vec![b'a'; 4096]);
+        let err = burn_parallel::run_local(2, |g| {
+            train_gpt_parallel(&g, &huge_model, &Layout::default(), &corpus, &mut |_| {})
+        })
+        .unwrap_err();
+        assert!(err.to_string().contains("needs about"), "{err}");
+        // The batch: activations no machine of ours holds.
+        let huge_batch = TrainConfig {
+            batch_size: 100_000_000_000,
+            ..base.clone()
+        };
+        if available_memory().is_some() {
+            let e = huge_batch
+                .check_memory(&Layout::default(), 1, 1)
+                .unwrap_err();
+            assert!(e.contains("planner"), "{e}");
+        }
+        // What fits passes.
+        base.check_memory(&Layout::default(), 2, 2).unwrap();
+    }
 
     /// Each setting out of range is refused by name (each passed before: `--lr nan` trained to
     /// a NaN loss, `--lr=-1` uphill, `--batch-size 0` on nothing, `--clip=-1` reversed the

@@ -707,7 +707,10 @@ fn main() -> ExitCode {
     let log = Logging::new(&args);
     let outcome = match args.backend {
         Backend::Local => {
-            if let Err(e) = config.validate_layout(&parallel, args.ranks) {
+            let checked = config
+                .validate_layout(&parallel, args.ranks)
+                .and_then(|()| config.check_memory(&parallel, args.ranks, args.ranks));
+            if let Err(e) = checked {
                 eprintln!("error: {e}");
                 return ExitCode::from(2);
             }
@@ -718,6 +721,14 @@ fn main() -> ExitCode {
             .map(|mut reports| Some(reports.swap_remove(0)))
         }
         Backend::Tcp | Backend::Nccl | Backend::Mpi => on_world(args.backend, |group| {
+            // Before the banner (which counts the parameters) and any allocation.
+            config
+                .check_memory(&parallel, group.size(), 1)
+                .map_err(|reason| CollectiveError::InvalidArgument {
+                    rank: group.global_rank(),
+                    op: "gpt".into(),
+                    reason,
+                })?;
             if group.rank() == 0 {
                 print_header(&config, group.size(), group.backend(), &corpus, &parallel);
             }
