@@ -478,10 +478,22 @@ pub fn wgpu_or_skip(test: &str) -> Option<burn::tensor::Device> {
 /// The workspace binaries the tests run, by package. They are built together, in one Cargo
 /// invocation over both packages, so that Cargo resolves the features of their dependencies as
 /// for this test crate (which depends on both) and reuses its build.
-const BINARIES: [(&str, &str); 2] = [("burn-parallel", "burnrun"), ("examples", "gpt")];
+const BINARIES: [(&str, &str); 3] = [
+    ("burn-parallel", "burnrun"),
+    ("examples", "gpt"),
+    ("examples", "byo_model"),
+];
 
-/// Path of the binary `name` of workspace package `package` (one of `burn-parallel`'s `burnrun`
-/// and `examples`' `gpt`), built by Cargo from the current sources first, with the profile and
+/// The Cargo target flag of a binary of [`BINARIES`]: `byo_model` is an example.
+fn target_flag(name: &str) -> &'static str {
+    match name {
+        "byo_model" => "--example",
+        _ => "--bin",
+    }
+}
+
+/// Path of the binary `name` of workspace package `package` (one of `burn-parallel`'s `burnrun`,
+/// `examples`' `gpt` and its example `byo_model`), built by Cargo from the current sources first, with the profile and
 /// target directory of this test executable, so that a test never runs an out-of-date binary.
 /// Cargo runs once per test process; it names the executables it built (or found fresh).
 ///
@@ -524,7 +536,7 @@ fn build_binaries() -> HashMap<String, PathBuf> {
         .arg(target_dir)
         .arg("--message-format=json");
     for (package, name) in BINARIES {
-        cargo.args(["-p", package, "--bin", name]);
+        cargo.args(["-p", package, target_flag(name), name]);
     }
     // The backend features this test crate was built with, so that Cargo reuses its build.
     for (on, feature) in [

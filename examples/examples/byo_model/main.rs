@@ -196,15 +196,14 @@ fn run_rank_pipeline(
     world: ProcessGroup,
     args: &Args,
     corpus: &Corpus,
-) -> burn_parallel::Result<Vec<f32>> {
-    let fail = |e: &dyn std::fmt::Display| -> ! { panic!("{e}") };
+) -> Result<Vec<f32>, burn_parallel::Error> {
+    let fail = |e: &dyn std::fmt::Display| burn_parallel::Error::invalid("--layout pp", e);
     let device = Device::flex().autodiff();
     let m = 4;
-    let schedule =
-        generate(ScheduleKind::OneFOneB, world.size(), m, None).unwrap_or_else(|e| fail(&e));
-    let split = by_count(config().n_layers, schedule.num_stages()).unwrap_or_else(|e| fail(&e));
+    let schedule = generate(ScheduleKind::OneFOneB, world.size(), m, None).map_err(|e| fail(&e))?;
+    let split = by_count(config().n_layers, schedule.num_stages()).map_err(|e| fail(&e))?;
     let mut executor =
-        Executor::new(schedule, world.clone(), device.clone()).unwrap_or_else(|e| fail(&e));
+        Executor::new(schedule, world.clone(), device.clone()).map_err(|e| fail(&e))?;
     let init = Init::new(config().seed, &device);
     let mut stages = BTreeMap::new();
     let mut optims = BTreeMap::new();
@@ -212,7 +211,7 @@ fn run_rank_pipeline(
         let n = split.len();
         stages.insert(
             s,
-            model::stage(&init, &config(), s, n, split[s].clone()).unwrap_or_else(|e| fail(&e)),
+            model::stage(&init, &config(), s, n, split[s].clone()).map_err(|e| fail(&e))?,
         );
         optims.insert(
             s,
@@ -224,18 +223,15 @@ fn run_rank_pipeline(
     let reduce = with_precision(TrainStep::new(init.context()), args.precision);
     executor = executor.with_precision(&reduce);
     let mut updater = StageUpdater::new(&executor, optims, reduce)
-        .unwrap_or_else(|e| fail(&e))
+        .map_err(|e| fail(&e))?
         .with_clip(args.clip);
     updater.set_lr(args.lr);
     // Checkpoints under the single-device decoder's names: any layout resumes them.
     let names = |stage: &model::Stage, path: &str| stage.flat_path(path);
-    let checkpoint_error = |e: burn_parallel::checkpoint::CheckpointError| invalid(&world, e);
     let mut first = 0;
     if let Some(dir) = &args.resume {
-        let checkpoint = open_checkpoint(dir).map_err(checkpoint_error)?;
-        updater
-            .load(&checkpoint, &mut stages, &names)
-            .map_err(checkpoint_error)?;
+        let checkpoint = open_checkpoint(dir)?;
+        updater.load(&checkpoint, &mut stages, &names)?;
         first = checkpoint.step();
     }
     let rows = args.batch / m;
@@ -248,16 +244,14 @@ fn run_rank_pipeline(
             .step(&mut stages, &batches, &mut |s, stage, g| {
                 updater.at_reduce(s, stage, g)
             })
-            .unwrap_or_else(|e| fail(&e));
-        updater.finish(&mut stages).unwrap_or_else(|e| fail(&e));
+            .map_err(|e| fail(&e))?;
+        updater.finish(&mut stages).map_err(|e| fail(&e))?;
         losses.push(report.loss);
     }
     if let Some(dir) = &args.save {
-        let mut saver = Checkpointer::new(dir, 1, &world).map_err(checkpoint_error)?;
+        let mut saver = Checkpointer::new(dir, 1, &world)?;
         let state = serde_json::Value::Null.into();
-        updater
-            .save(&mut saver, args.steps, &stages, &names, state)
-            .map_err(checkpoint_error)?;
+        updater.save(&mut saver, args.steps, &stages, &names, state)?;
     }
     Ok(losses)
 }
@@ -270,15 +264,6 @@ fn with_precision(step: TrainStep, precision: Precision) -> TrainStep {
         Precision::Fp16 => step
             .with_precision(MixedPrecision::f16())
             .with_loss_scaler(LossScaler::new(65536.0)),
-    }
-}
-
-/// A typed error of this program, on rank `world`.
-fn invalid(world: &ProcessGroup, reason: impl std::fmt::Display) -> burn_parallel::CollectiveError {
-    burn_parallel::CollectiveError::InvalidArgument {
-        rank: world.global_rank(),
-        op: "byo_model".into(),
-        reason: reason.to_string(),
     }
 }
 
@@ -362,7 +347,7 @@ fn run_rank(
                  --layout pp",
             ));
         }
-        return Ok(run_rank_pipeline(world, args, corpus)?);
+        return run_rank_pipeline(world, args, corpus);
     }
     let device = Device::flex().autodiff();
     let recipe = Recipe {
@@ -415,10 +400,11 @@ fn run_rank(
 
 /// Trains under `args.layout`; prints the loss curve's ends and returns seconds per step.
 fn run(args: &Args, corpus: &Corpus, stop: &AtomicBool) -> f64 {
-    let ranks = if args.layout == Preset::Single {
-        1
-    } else {
-        args.ranks
+    let ranks = match args.layout {
+        Preset::Single => 1,
+        // A stage holds at least one layer (`--all` on more ranks than layers).
+        Preset::Pp if args.all => args.ranks.min(config().n_layers),
+        _ => args.ranks,
     };
     let start = Instant::now();
     let losses = burn_parallel_train::run_local(ranks, |world| run_rank(world, args, corpus, stop))

@@ -1,0 +1,52 @@
+//! The commands the documentation prints run as a user copies them: every `byo_model` command
+//! of its header (`examples/examples/byo_model/main.rs`), shortened to a few steps, in order
+//! (a `--resume` reads what an earlier `--save` wrote), with its `/tmp/` paths moved into a
+//! scratch folder. Before this test, the documented MoE commands failed at once and nothing
+//! noticed.
+
+/// `steps` of a documented command, shortened (save at 50, resume to 100: 2 then 4).
+fn shortened(steps: usize) -> usize {
+    (steps / 25).max(1)
+}
+
+#[test]
+fn byo_model_documented_commands_run() {
+    let source = include_str!("../../examples/examples/byo_model/main.rs");
+    let prefix = "//! cargo run --release -p examples --example byo_model -- ";
+    let exe = tests::workspace_binary("examples", "byo_model");
+    let scratch = std::env::temp_dir().join(format!("byo-commands-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(&scratch).unwrap();
+    let mut failures = Vec::new();
+    let mut ran = 0;
+    for line in source.lines().filter_map(|l| l.strip_prefix(prefix)) {
+        let mut args: Vec<String> = line
+            .replace("/tmp/", &format!("{}/", scratch.display()))
+            .split_whitespace()
+            .map(str::to_string)
+            .collect();
+        match args.iter().position(|a| a == "--steps") {
+            Some(i) => {
+                let steps: usize = args[i + 1].parse().expect("a step count");
+                args[i + 1] = shortened(steps).to_string();
+            }
+            None => args.extend(["--steps".to_string(), "2".to_string()]),
+        }
+        let output = std::process::Command::new(&exe)
+            .args(&args)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .expect("running byo_model");
+        ran += 1;
+        if !output.status.success() {
+            failures.push(format!(
+                "byo_model {line}\n  (run as {args:?}): {}\n{}",
+                output.status,
+                String::from_utf8_lossy(&output.stderr)
+            ));
+        }
+    }
+    std::fs::remove_dir_all(&scratch).unwrap();
+    assert!(ran >= 20, "the header's commands were found ({ran})");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
