@@ -1,8 +1,8 @@
 //! The commands the documentation prints run as a user copies them: every `byo_model` command
-//! of its header (`examples/examples/byo_model/main.rs`), shortened to a few steps, in order
-//! (a `--resume` reads what an earlier `--save` wrote), with its `/tmp/` paths moved into a
-//! scratch folder. Before this test, the documented MoE commands failed at once and nothing
-//! noticed.
+//! of its header (`examples/examples/byo_model/main.rs`) and of the README, shortened to a few
+//! steps, in order (a `--resume` reads what an earlier `--save` wrote), with their `/tmp/`
+//! paths moved into a scratch folder. Before this test, the documented MoE commands failed at
+//! once and `--all --ranks 4` panicked, and nothing noticed.
 
 /// `steps` of a documented command, shortened (save at 50, resume to 100: 2 then 4).
 fn shortened(steps: usize) -> usize {
@@ -11,15 +11,21 @@ fn shortened(steps: usize) -> usize {
 
 #[test]
 fn byo_model_documented_commands_run() {
-    let source = include_str!("../../examples/examples/byo_model/main.rs");
-    let prefix = "//! cargo run --release -p examples --example byo_model -- ";
+    let header = include_str!("../../examples/examples/byo_model/main.rs");
+    let readme = include_str!("../../README.md");
+    let command = "cargo run --release -p examples --example byo_model -- ";
+    let lines = (header.lines().filter_map(|l| l.strip_prefix("//! ")))
+        .chain(readme.lines())
+        .filter_map(|l| l.strip_prefix(command))
+        // A trailing shell comment is not an argument.
+        .map(|l| l.split(" #").next().unwrap_or(l));
     let exe = tests::workspace_binary("examples", "byo_model");
     let scratch = std::env::temp_dir().join(format!("byo-commands-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&scratch);
     std::fs::create_dir_all(&scratch).unwrap();
     let mut failures = Vec::new();
     let mut ran = 0;
-    for line in source.lines().filter_map(|l| l.strip_prefix(prefix)) {
+    for line in lines {
         let mut args: Vec<String> = line
             .replace("/tmp/", &format!("{}/", scratch.display()))
             .split_whitespace()
@@ -47,6 +53,6 @@ fn byo_model_documented_commands_run() {
         }
     }
     std::fs::remove_dir_all(&scratch).unwrap();
-    assert!(ran >= 20, "the header's commands were found ({ran})");
+    assert!(ran >= 25, "the documented commands were found ({ran})");
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
