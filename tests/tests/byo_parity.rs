@@ -1725,6 +1725,34 @@ fn byo_model_on_wgpu() {
         &reference,
     );
 }
+/// A model built with FSDP units and stepped by a `TrainStep` that was not given the plan's
+/// shards is refused on every rank (before: it trained, its shards' gradients unreduced, and
+/// drifted from one device, 0.185 in the loss after 30 steps); with them it steps.
+#[test]
+fn a_step_without_the_fsdp_registration_is_refused() {
+    let device = Device::flex().autodiff();
+    let outcomes = run_local(2, |world| {
+        let init = Init::new(config().seed, &device);
+        let plan = fsdp_plan(&world);
+        let model = Decoder::new(&init, Some(&plan), &config()).unwrap();
+        let rows = world.rank() * 4..world.rank() * 4 + 4;
+        let (tokens, targets) = batch(0, rows, &device);
+        let loss = model.loss(tokens, targets).unwrap();
+        let alone = TrainStep::new(init.context()).with_data_parallel(world.clone());
+        let refused = alone.step(model.clone(), loss, &mut optimizer(), LR).err();
+        let told = alone.with_fsdp(plan.shards().clone(), None);
+        let (tokens, targets) = batch(0, world.rank() * 4..world.rank() * 4 + 4, &device);
+        let loss = model.loss(tokens, targets).unwrap();
+        told.step(model, loss, &mut optimizer(), LR)?;
+        Ok(refused.map(|e| e.to_string()))
+    })
+    .unwrap();
+    for refused in outcomes {
+        let e = refused.expect("the step without the shards is refused");
+        assert!(e.contains("with_fsdp"), "{e}");
+    }
+}
+
 #[test]
 fn bad_plans_and_meshes_are_typed_errors() {
     let errors = run_local(3, |world| {

@@ -198,6 +198,11 @@ impl Reduced {
     }
 }
 
+/// Every parameter of this process that is a flat shard over more than one rank (registered
+/// with [`DataShards::register`]): what [`TrainStep`] checks that it was told about.
+static SHARDED: std::sync::LazyLock<Mutex<std::collections::HashSet<ParamId>>> =
+    std::sync::LazyLock::new(Mutex::default);
+
 /// The parameters that are flat shards of FSDP units over a data-parallel *shard* group: for
 /// each, the ranges of its elements that come from tensor-parallel shards (their squares are
 /// summed over `tp` as well as over the shard group). Filled by whoever shards a unit (for
@@ -309,10 +314,19 @@ impl DataShards {
     /// Registers the 1-D flat shard `id`, whose elements in `tp_ranges` belong to
     /// tensor-parallel shards.
     pub fn register(&self, id: ParamId, tp_ranges: Vec<Range<usize>>) {
+        if self.group.size() > 1 {
+            SHARDED.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
+        }
         self.params
             .lock()
             .expect("shard bookkeeping")
             .push((id, tp_ranges));
+    }
+
+    /// Whether `id` is registered here.
+    fn holds(&self, id: ParamId) -> bool {
+        let params = self.params.lock().expect("shard bookkeeping");
+        params.iter().any(|(p, _)| *p == id)
     }
 
     /// Records which parameters of its unit the flat shard `id` holds (for checkpoints that
@@ -960,6 +974,7 @@ impl TrainStep {
         optim: &mut ModuleOptimizer,
         lr: f64,
     ) -> Result<(M, StepOutput)> {
+        self.check_shards(&model)?;
         let local = loss.clone().into_scalar::<f32>();
         let mut phases = StepPhases::default();
         let grads = phases.time(
@@ -970,6 +985,33 @@ impl TrainStep {
             },
         )?;
         self.finish(model, local, grads, optim, lr, phases)
+    }
+
+    /// Refuses a model with FSDP shards this step was not given ([`Self::with_fsdp`]): their
+    /// gradients would reach the optimizer unreduced and the ranks would train apart.
+    fn check_shards<M: Module>(&self, model: &M) -> Result<()> {
+        let sharded = SHARDED.lock().unwrap_or_else(|p| p.into_inner());
+        if sharded.is_empty() {
+            return Ok(());
+        }
+        let shards = self.fsdp.as_ref().map(|(shards, _)| shards);
+        let unknown = burn::module::list_param_ids(model)
+            .into_iter()
+            .filter(|id| sharded.contains(id))
+            .find(|id| !shards.is_some_and(|s| s.holds(*id)));
+        match unknown {
+            None => Ok(()),
+            Some(id) => Err(crate::CollectiveError::InvalidArgument {
+                rank: self.tp.group().map_or(0, |g| g.global_rank()),
+                op: "TrainStep".into(),
+                reason: format!(
+                    "the model holds FSDP units (parameter {id} is a shard over several ranks) \
+                     that this step does not reduce: build the step with \
+                     .with_fsdp(plan.shards().clone(), ..) of the plan the model was built \
+                     with, or build the model without FSDP units"
+                ),
+            }),
+        }
     }
 
     /// The end of every step but the overlapped one: the loss averaged over the data-parallel
@@ -1231,6 +1273,7 @@ impl TrainStep {
         if micro_batches == 0 {
             return Err(invalid("zero micro-batches: give at least one"));
         }
+        self.check_shards(&model)?;
         if let Some(overlap) = &self.overlap {
             // The overlapped step: its hooks are the data-parallel reduction.
             return self.step_overlapped(overlap, model, micro_batches, forward, optim, lr);
