@@ -309,13 +309,13 @@ impl TrainConfig {
                 self.weight_decay
             ));
         }
-        if !self.batch_size.is_multiple_of(ranks * self.grad_accum) {
+        let split = ranks.checked_mul(self.grad_accum);
+        if split.is_none_or(|n| !self.batch_size.is_multiple_of(n)) {
+            let multiple = split.map_or_else(|| "their product".to_string(), |n| n.to_string());
             return Err(format!(
                 "the global batch of {} sequences cannot be split evenly over {ranks} ranks x {} \
-                 micro-steps; use a multiple of {}",
-                self.batch_size,
-                self.grad_accum,
-                ranks * self.grad_accum
+                 micro-steps; use a multiple of {multiple}",
+                self.batch_size, self.grad_accum,
             ));
         }
         if self.seq_len > self.model.max_seq_len {

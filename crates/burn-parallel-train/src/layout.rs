@@ -158,7 +158,8 @@ impl Layout {
     /// Data-parallel ranks (replicate x shard) on `world` ranks: what is left after the
     /// pipeline, context and tensor dimensions (at least 1).
     pub fn data_parallel_size(&self, world: usize) -> usize {
-        (world / (self.tp.max(1) * self.cp.max(1) * self.pp.max(1))).max(1)
+        let model_ranks = self.tp.max(1).saturating_mul(self.cp.max(1));
+        (world / model_ranks.saturating_mul(self.pp.max(1))).max(1)
     }
 
     /// The mesh of this layout on `world` ranks.
@@ -209,14 +210,16 @@ impl Layout {
                 work.n_heads
             )
         })?;
-        rule(cp == 0 || !world.is_multiple_of(tp * cp), "--cp", || {
+        // Products checked: one that overflows is no split of the world either.
+        let divides = |n: Option<usize>| n.is_some_and(|n| world.is_multiple_of(n));
+        rule(cp == 0 || !divides(tp.checked_mul(cp)), "--cp", || {
             format!(
                 "the world of {world} ranks cannot be split into groups of tp {tp} x cp {cp}; use \
                  a --cp that divides the number of ranks over --tp"
             )
         })?;
         rule(
-            pp == 0 || !world.is_multiple_of(tp * cp * pp),
+            pp == 0 || !divides(tp.checked_mul(cp).and_then(|n| n.checked_mul(pp))),
             "--pp",
             || {
                 format!(
@@ -354,15 +357,20 @@ impl Layout {
             "--grad-accum must be at least 1".into()
         })?;
         rule(
-            work.batch_size == 0 || !work.batch_size.is_multiple_of(dp * accum.max(1)),
+            work.batch_size == 0
+                || dp
+                    .checked_mul(accum.max(1))
+                    .is_none_or(|n| !work.batch_size.is_multiple_of(n)),
             "--batch-size",
             || {
+                let multiple = dp
+                    .checked_mul(accum.max(1))
+                    .map_or_else(|| "their product".to_string(), |n| n.to_string());
                 format!(
                     "the global batch of {} sequences cannot be split evenly over {dp} \
                      data-parallel ranks x {accum} micro-steps; use a --batch-size that is a \
-                     multiple of {}",
+                     multiple of {multiple}",
                     work.batch_size,
-                    dp * accum.max(1)
                 )
             },
         )
