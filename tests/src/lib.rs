@@ -478,9 +478,10 @@ pub fn wgpu_or_skip(test: &str) -> Option<burn::tensor::Device> {
 /// The workspace binaries the tests run, by package. They are built together, in one Cargo
 /// invocation over both packages, so that Cargo resolves the features of their dependencies as
 /// for this test crate (which depends on both) and reuses its build.
-const BINARIES: [(&str, &str); 3] = [
+const BINARIES: [(&str, &str); 4] = [
     ("burn-parallel", "burnrun"),
     ("examples", "gpt"),
+    ("examples", "vit"),
     ("examples", "byo_model"),
 ];
 
@@ -493,7 +494,7 @@ fn target_flag(name: &str) -> &'static str {
 }
 
 /// Path of the binary `name` of workspace package `package` (one of `burn-parallel`'s `burnrun`,
-/// `examples`' `gpt` and its example `byo_model`), built by Cargo from the current sources first, with the profile and
+/// `examples`' `gpt` and `vit` and its example `byo_model`), built by Cargo from the current sources first, with the profile and
 /// target directory of this test executable, so that a test never runs an out-of-date binary.
 /// Cargo runs once per test process; it names the executables it built (or found fresh).
 ///
