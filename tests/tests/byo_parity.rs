@@ -109,6 +109,21 @@ fn adamw() -> AdamWConfig {
         .with_epsilon(EPSILON)
 }
 
+/// The library builder's settings of these runs: the oracle's AdamW, the batch, `clip` and
+/// `micro_batches` micro-batches a step.
+fn step_settings(clip: Option<f64>, micro_batches: usize) -> StepSettings {
+    StepSettings {
+        max_grad_norm: clip,
+        adamw: FusedAdamWConfig::new()
+            .with_weight_decay(0.01)
+            .with_epsilon(EPSILON),
+        batch_size: BATCH,
+        seq_len: SEQ,
+        grad_accum: micro_batches,
+        ..StepSettings::default()
+    }
+}
+
 fn optimizer() -> ModuleOptimizer {
     adamw().init()
 }
@@ -345,14 +360,7 @@ fn parallel_run(
     };
     let settings = StepSettings {
         precision: options.precision,
-        max_grad_norm: options.clip,
-        adamw: FusedAdamWConfig::new()
-            .with_weight_decay(0.01)
-            .with_epsilon(EPSILON),
-        batch_size: BATCH,
-        seq_len: SEQ,
-        grad_accum: options.micro_batches,
-        ..StepSettings::default()
+        ..step_settings(options.clip, options.micro_batches)
     };
     let recipe = Recipe {
         config: config(),
@@ -1045,16 +1053,7 @@ impl MoeEngineRun<'_> {
             zero: self.zero,
             ..Layout::default()
         };
-        let settings = StepSettings {
-            max_grad_norm: self.clip,
-            adamw: FusedAdamWConfig::new()
-                .with_weight_decay(0.01)
-                .with_epsilon(EPSILON),
-            batch_size: BATCH,
-            seq_len: SEQ,
-            grad_accum: self.micro,
-            ..StepSettings::default()
-        };
+        let settings = step_settings(self.clip, self.micro);
         let recipe = Recipe {
             config: config(),
             moe: Some(moe()),

@@ -319,7 +319,7 @@ pub fn fit_with<P: ParallelModel>(
 ) -> Result<Fitted<P>, Error> {
     let world = built.groups.world.clone();
     let data = built.groups.data.clone();
-    let (batch, accum) = (built.settings.batch_size, built.settings.grad_accum);
+    let (batch, accum) = (built.settings.batch_size, built.settings.grad_accum.max(1));
     let micro_rows = batch / (data.size() * accum);
     let tokens = (batch * built.settings.seq_len) as f64;
     let mut saver = match &config.checkpoint {
