@@ -843,7 +843,7 @@ pub fn train_gpt_pipeline_checkpointed(
     let mut skipped = 0;
     if let Some(path) = &checkpoints.resume {
         let fail = |e: &dyn std::fmt::Display| GptPipelineError::Checkpoint(e.to_string());
-        let checkpoint = train_checkpoint::open_resume(path).map_err(|e| fail(&e))?;
+        let checkpoint = burn_parallel_train::open_checkpoint(path).map_err(|e| fail(&e))?;
         let state = train_checkpoint::resume_state(&checkpoint, config).map_err(|e| fail(&e))?;
         updater
             .load(&checkpoint, &mut stages, &names)

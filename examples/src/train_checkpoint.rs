@@ -21,7 +21,7 @@
 //! that layout always does, other masks: a valid continuation, not the saving run's curve.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use burn_parallel::checkpoint::{Checkpoint, CheckpointError, Checkpointer, Piece};
 use burn_parallel::precision::LossScalerState;
@@ -137,12 +137,6 @@ pub(crate) fn save_after(
 ) -> Result<(), CheckpointError> {
     let (trainer, rank) = burn_parallel::train::engine_states(state, scaler, scalars);
     saver.submit(step + 1, pieces, trainer, rank)
-}
-
-/// The trainer's state in `checkpoint`: under "state" as the step engines save it, or at the
-/// top in checkpoints saved before the GPT's trainers used their format.
-pub(crate) fn trainer_state(checkpoint: &Checkpoint) -> &serde_json::Value {
-    burn_parallel_train::saved_state(checkpoint)
 }
 
 /// Name of the optimizer scalars in each rank's state (the step engines' key).
@@ -270,15 +264,6 @@ pub(crate) fn saved_loss_scaler(
         .map_err(|e| format!("{}: {e}", checkpoint.dir().display()))
 }
 
-/// Opens the checkpoint to resume from: `path` itself, or the newest complete one under it.
-///
-/// # Errors
-/// [`CheckpointError::Corrupt`] naming `path` when it holds no complete checkpoint; the errors
-/// of [`Checkpoint::open`].
-pub fn open_resume(path: &Path) -> Result<Checkpoint, CheckpointError> {
-    burn_parallel_train::open_checkpoint(path)
-}
-
 /// The trainer state of `checkpoint`, checked against the run that resumes from it.
 ///
 /// # Errors
@@ -287,13 +272,15 @@ pub(crate) fn resume_state(
     checkpoint: &Checkpoint,
     config: &TrainConfig,
 ) -> Result<TrainerState, String> {
-    let state: TrainerState =
-        serde_json::from_value(trainer_state(checkpoint).clone()).map_err(|e| {
-            format!(
-                "{} was not saved by the GPT trainer ({e})",
-                checkpoint.dir().display()
-            )
-        })?;
+    let state: TrainerState = serde_json::from_value(
+        burn_parallel_train::saved_state(checkpoint).clone(),
+    )
+    .map_err(|e| {
+        format!(
+            "{} was not saved by the GPT trainer ({e})",
+            checkpoint.dir().display()
+        )
+    })?;
     let differs = |what: &str, saved: String, now: String| {
         format!(
             "{} was saved with {what} {saved}, this run has {now}: resume with the same {what}",

@@ -276,7 +276,7 @@ pub fn train_gpt_diloco_checkpointed(
     let mut first_step = 0;
     let mut skipped = 0;
     if let Some(path) = &checkpoints.resume {
-        let checkpoint = train_checkpoint::open_resume(path).map_err(checkpoint_error)?;
+        let checkpoint = burn_parallel_train::open_checkpoint(path).map_err(checkpoint_error)?;
         let state =
             train_checkpoint::resume_state(&checkpoint, config).map_err(checkpoint_error)?;
         model = names.load(
@@ -699,7 +699,8 @@ impl DiLoCoNames {
         diloco: &mut DiLoCo,
         checkpoint: &Checkpoint,
     ) -> Result<Gpt, DiLoCoTrainError> {
-        let meta: DiLoCoMeta = match train_checkpoint::trainer_state(checkpoint).get(DILOCO_STATE) {
+        let meta: DiLoCoMeta = match burn_parallel_train::saved_state(checkpoint).get(DILOCO_STATE)
+        {
             Some(meta) => serde_json::from_value(meta.clone()).map_err(|e| {
                 checkpoint_error(format!(
                     "{}: DiLoCo's state does not parse ({e}); the checkpoint is damaged",

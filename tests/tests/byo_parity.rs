@@ -28,7 +28,7 @@ use burn_pipeline::generators::generate;
 use burn_pipeline::partition::by_count;
 use burn_pipeline::runtime::Executor;
 use burn_pipeline::update::{StageOptimizer, StageUpdater};
-use burn_zero::{Fsdp, Stage, ZeroError};
+use burn_zero::{Stage, ZeroError};
 use model::{Config, Decoder, Recipe, fsdp_plan, moe_tp_plan, tp_plan};
 use std::collections::BTreeMap;
 
@@ -412,14 +412,7 @@ fn parallel_run(
         }
         // ZeRO under mixed precision: the fp32 master weights.
         let model = engine.master_model(model)?;
-        // The layers whole (all-gathered FSDP units), then the tensor-parallel shards gathered.
-        let mut whole = model.clone();
-        whole.layers = model
-            .layers
-            .iter()
-            .map(|unit| Ok(Fsdp::new(unit.full()?)))
-            .collect::<burn_parallel::Result<Vec<_>>>()?;
-        let params = model.tp.full_params(&whole.valid())?;
+        let params = model.whole_params()?;
         Ok((losses, params))
     })
     .unwrap_or_else(|e| panic!("{e}"));

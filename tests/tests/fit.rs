@@ -11,7 +11,6 @@ mod model;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::tensor::{Device, TensorData};
 use burn_parallel::optim::FusedAdamWConfig;
@@ -20,7 +19,7 @@ use burn_parallel_train::{
     CheckpointPolicy, FitConfig, Layout, LrSchedule, MicroBatch, StepLog, StepSettings, build, fit,
     open_checkpoint, run_local,
 };
-use burn_zero::{Fsdp, Stage};
+use burn_zero::Stage;
 use examples::data::{Corpus, Split};
 use model::{Config, Decoder, Recipe};
 
@@ -83,14 +82,7 @@ fn train(ranks: usize, layout: Layout, config: &FitConfig, stop_after: Option<us
         };
         let fitted = fit(built, config, &mut loss, &mut on_step, Some(&flag))?;
         let model = fitted.built.engine.master_model(fitted.built.model)?;
-        // The layers whole (all-gathered FSDP units), then the tensor-parallel shards gathered.
-        let mut whole = model.clone();
-        whole.layers = model
-            .layers
-            .iter()
-            .map(|unit| Ok(Fsdp::new(unit.full()?)))
-            .collect::<burn_parallel::Result<Vec<_>>>()?;
-        let params = model.tp.full_params(&whole.valid())?;
+        let params = model.whole_params()?;
         Ok(Outcome {
             losses: fitted.losses,
             params,

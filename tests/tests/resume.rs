@@ -474,7 +474,7 @@ fn a_checkpoint_of_another_model_is_refused_with_its_differences() {
     assert!(errors[0].contains("model"), "{}", errors[0]);
     // No checkpoint at all: the path is named.
     let missing = dir.join("nothing-here");
-    let err = examples::train_checkpoint::open_resume(&missing)
+    let err = burn_parallel_train::open_checkpoint(&missing)
         .err()
         .unwrap();
     assert!(err.to_string().contains("nothing-here"), "{err}");

@@ -323,6 +323,19 @@ impl Decoder {
         Ok(model)
     }
 
+    /// Every parameter whole, by path: the FSDP units all-gathered, then the tensor-parallel
+    /// shards gathered (what the parity tests compare with one device). Collective.
+    #[allow(dead_code)]
+    pub fn whole_params(&self) -> burn_parallel::Result<Vec<(String, burn::tensor::TensorData)>> {
+        let mut whole = self.clone();
+        whole.layers = self
+            .layers
+            .iter()
+            .map(|unit| Ok(Fsdp::new(unit.full()?)))
+            .collect::<burn_parallel::Result<Vec<_>>>()?;
+        self.tp.full_params(&whole.valid())
+    }
+
     /// Splits every sequence over the context-parallel group `cp` (`None`: whole sequences).
     pub fn with_context_parallel(mut self, cp: Option<ContextParallel>) -> Self {
         self.cp = cp.filter(|cp| cp.size() > 1);
