@@ -401,10 +401,8 @@ impl burn_parallel_train::RunState<Gpt> for GptRunState<'_> {
         restore_dropout(checkpoint, &dropout_layers(model)).map_err(fail)?;
         if self.announce {
             println!(
-                "resuming from {} (step {}, saved by {} ranks)",
-                checkpoint.dir().display(),
-                checkpoint.step(),
-                checkpoint.manifest().world_size
+                "resuming from {}",
+                burn_parallel_train::Resumed::of(checkpoint)
             );
         }
         // The losses were f32 before they were saved as f64.

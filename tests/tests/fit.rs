@@ -47,7 +47,8 @@ struct Outcome {
     losses: Vec<f32>,
     params: Params,
     stopped_at: Option<usize>,
-    resumed_from: Option<(usize, usize)>,
+    /// The step, the ranks and the layout of the checkpoint resumed from.
+    resumed_from: Option<(usize, usize, Option<String>)>,
 }
 
 /// `fit` of the decoder on `ranks` thread ranks under `layout`; with `stop_after`, rank 0's
@@ -87,7 +88,7 @@ fn train(ranks: usize, layout: Layout, config: &FitConfig, stop_after: Option<us
             losses: fitted.losses,
             params,
             stopped_at: fitted.stopped_at,
-            resumed_from: fitted.resumed_from.map(|r| (r.step, r.saved_by)),
+            resumed_from: fitted.resumed_from.map(|r| (r.step, r.saved_by, r.layout)),
         })
     })
     .unwrap_or_else(|e| panic!("{e}"));
@@ -157,8 +158,9 @@ fn a_run_stopped_by_the_flag_resumes_where_the_uninterrupted_run_ends() {
     // Resumed under the same layout: the same run, to the last bit of the losses.
     let resumed = train(4, layout, &fit_config(None, Some(&dir)), None);
     assert_eq!(resumed.stopped_at, None);
-    // It names what it loaded: step 2, saved by 4 ranks.
-    assert_eq!(resumed.resumed_from, Some((2, 4)));
+    // It names what it loaded: step 2, saved by 4 ranks, and their layout.
+    let saved_as = Some("dp 2 x tp 2 + sp, ZeRO-2".to_string());
+    assert_eq!(resumed.resumed_from, Some((2, 4, saved_as.clone())));
     assert_close("resumed under the same layout", &resumed, &whole, 1e-6);
     // Resumed under FSDP on 2 ranks: the checkpoint outlives the layout.
     let fsdp = Layout {
@@ -166,6 +168,7 @@ fn a_run_stopped_by_the_flag_resumes_where_the_uninterrupted_run_ends() {
         ..Layout::default()
     };
     let moved = train(2, fsdp, &fit_config(None, Some(&dir)), None);
+    assert_eq!(moved.resumed_from, Some((2, 4, saved_as)));
     assert_close("resumed under fsdp 2", &moved, &whole, 1e-5);
     std::fs::remove_dir_all(&dir).unwrap();
 }

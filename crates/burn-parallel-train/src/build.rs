@@ -240,6 +240,8 @@ pub struct Built<P: ParallelModel> {
     pub zero_memory: Option<MemoryTracker>,
     /// The settings it was built with (the batch [`crate::fit`] splits).
     pub settings: StepSettings,
+    /// The layout it was built under (saved with checkpoints, named on resume).
+    pub layout: Layout,
 }
 
 /// Builds `model` on this rank of `world` under `layout`, with the engine that steps it.
@@ -471,6 +473,7 @@ impl<P: ParallelModel> Placed<P> {
             experts,
             zero_memory,
             settings: settings.clone(),
+            layout,
         })
     }
 }

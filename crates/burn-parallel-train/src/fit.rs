@@ -192,17 +192,42 @@ pub struct Resumed {
     pub step: usize,
     /// The number of ranks that saved it (any layout loads it).
     pub saved_by: usize,
+    /// The layout that saved it, in words ([`crate::Layout::describe`]); `None` for a checkpoint not
+    /// saved by [`fit`].
+    pub layout: Option<String>,
+}
+
+/// The key of each rank's state under which [`fit`] saves the layout.
+const LAYOUT_KEY: &str = "layout";
+
+impl Resumed {
+    /// What `checkpoint` is, for the line a resume prints.
+    pub fn of(checkpoint: &Checkpoint) -> Self {
+        let layout = checkpoint.rank_state(0)[LAYOUT_KEY]["description"]
+            .as_str()
+            .map(str::to_string);
+        Self {
+            dir: checkpoint.dir().to_path_buf(),
+            step: checkpoint.step(),
+            saved_by: checkpoint.manifest().world_size,
+            layout,
+        }
+    }
 }
 
 impl std::fmt::Display for Resumed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} (step {}, saved by {} ranks)",
+            "{} (step {}, saved by {} ranks",
             self.dir.display(),
             self.step,
             self.saved_by
-        )
+        )?;
+        match &self.layout {
+            Some(layout) => write!(f, " as {layout})"),
+            None => write!(f, ")"),
+        }
     }
 }
 
@@ -341,11 +366,7 @@ pub fn fit_with<P: ParallelModel>(
             .map_err(|e| resuming(e.into()))?
             .0;
         first_step = checkpoint.step();
-        resumed_from = Some(Resumed {
-            dir: checkpoint.dir().to_path_buf(),
-            step: first_step,
-            saved_by: checkpoint.manifest().world_size,
-        });
+        resumed_from = Some(Resumed::of(&checkpoint));
     }
     let mut stopped_at = None;
     for step in first_step..config.steps {
@@ -389,7 +410,13 @@ pub fn fit_with<P: ParallelModel>(
         if let (Some(saver), Some(policy)) = (saver.as_mut(), &config.checkpoint) {
             let due = policy.every > 0 && done.is_multiple_of(policy.every);
             if due || stopping || (policy.at_end && done == config.steps) {
-                let saved = state.save(&losses, &built.model);
+                let layout = serde_json::json!({
+                    "layout": built.layout,
+                    "description": built.layout.describe(world.size()),
+                });
+                let saved = state
+                    .save(&losses, &built.model)
+                    .with_rank(LAYOUT_KEY, layout);
                 built.engine.save(saver, done, &built.model, saved)?;
             }
         }

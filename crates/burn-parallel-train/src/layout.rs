@@ -179,6 +179,54 @@ impl Layout {
         }
     }
 
+    /// The layout in words on `world` ranks, as logs and resumes name it: `dp 2 x tp 2 + sp,
+    /// ZeRO-2`, `FSDP 4 x cp 2 (ulysses)`, `HSDP 2 x 2 x pp 2`.
+    ///
+    /// ```
+    /// use burn_parallel_train::Layout;
+    /// use burn_zero::Stage;
+    ///
+    /// let layout = Layout { tp: 2, sp: true, zero: Some(Stage::Two), ..Layout::default() };
+    /// assert_eq!(layout.describe(4), "dp 2 x tp 2 + sp, ZeRO-2");
+    /// assert_eq!(Layout::default().describe(1), "dp 1");
+    /// ```
+    pub fn describe(&self, world: usize) -> String {
+        let dims = self.dims(world);
+        let mut parts = vec![match self.zero {
+            Some(Stage::Three) if dims.dp_replicate > 1 => {
+                format!("HSDP {} x {}", dims.dp_replicate, dims.dp_shard)
+            }
+            Some(Stage::Three) => format!("FSDP {}", dims.dp_shard),
+            _ => format!("dp {}", dims.dp_replicate * dims.dp_shard),
+        }];
+        if dims.tp > 1 {
+            parts.push(format!(
+                "tp {}{}",
+                dims.tp,
+                if self.sp { " + sp" } else { "" }
+            ));
+        }
+        if dims.cp > 1 {
+            parts.push(format!("cp {} ({})", dims.cp, self.cp_kind));
+        }
+        if dims.pp > 1 {
+            parts.push(format!("pp {}", dims.pp));
+        }
+        if dims.ep > 1 {
+            parts.push(format!("ep {}", dims.ep));
+        }
+        let mut text = parts.join(" x ");
+        match self.zero {
+            Some(Stage::One) => text += ", ZeRO-1",
+            Some(Stage::Two) => text += ", ZeRO-2",
+            _ => {}
+        }
+        if self.offload {
+            text += ", offloaded";
+        }
+        text
+    }
+
     /// Whether the ZeRO stage is 1 or 2 (the sharded optimizer over replicated parameters).
     fn zero_1_2(&self) -> bool {
         matches!(self.zero, Some(Stage::One | Stage::Two))

@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 
 use burn::tensor::{DType, TensorData};
 use burn_parallel::checkpoint::{
-    Checkpoint, CheckpointError, Checkpointer, Piece, Region, even_part,
+    Checkpoint, CheckpointError, Checkpointer, Manifest, Piece, Region, Segment, even_part,
+    merged_scalars, read_state,
 };
 use burn_parallel::run_local;
 use serde_json::{Value, json};
@@ -254,8 +255,12 @@ fn a_manifest_names_only_files_inside_its_checkpoint() {
     let quoted = format!("\"{name}\"");
     assert!(text.contains(&quoted), "the manifest lists {name}");
     for escape in [format!("../{name}"), root.join(name).display().to_string()] {
-        let edited = text.replace(&quoted, &format!("\"{escape}\""));
-        std::fs::write(&manifest, edited).unwrap();
+        // Sealed again after the edit, as a tool that rewrites manifests would.
+        std::fs::write(&manifest, &text).unwrap();
+        reseal(&manifest, |m| {
+            let text = serde_json::to_string(m).unwrap();
+            *m = serde_json::from_str(&text.replace(&quoted, &format!("\"{escape}\""))).unwrap();
+        });
         let err = Checkpoint::open(&dir)
             .err()
             .expect("a file outside the checkpoint");
@@ -278,6 +283,103 @@ fn a_manifest_names_only_files_inside_its_checkpoint() {
     std::fs::remove_dir(dir.join(name)).unwrap();
     let err = Checkpoint::open(&dir).err().expect("a missing rank file");
     assert!(err.to_string().contains("missing file"), "{err}");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// Rewrites the manifest at `path` through `edit` and seals it again ([`Manifest::seal`]), as
+/// a tool that edits manifests consistently would.
+fn reseal(path: &Path, edit: impl FnOnce(&mut Manifest)) {
+    let mut manifest: Manifest = serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap();
+    edit(&mut manifest);
+    manifest.seal();
+    std::fs::write(path, serde_json::to_vec_pretty(&manifest).unwrap()).unwrap();
+}
+
+/// A manifest cannot lie. Edited without sealing, it is refused at open by its own checksum;
+/// sealed after placing a piece in another region (every chunk's bytes intact), the read
+/// fails on the piece's chunk checksums; without every saving rank's state it is refused.
+/// Before (format version 1) the first two loaded another region's values without a word.
+#[test]
+fn a_manifest_cannot_lie_about_its_pieces() {
+    let root = scratch("lie");
+    save_tp2_zero2(&root, 3, 1);
+    let dir = root.join("step-00000003");
+    let path = dir.join("manifest.json");
+    let text = std::fs::read_to_string(&path).unwrap();
+    // An unsealed edit: the step.
+    std::fs::write(&path, text.replace("\"step\": 3", "\"step\": 4")).unwrap();
+    let err = Checkpoint::open(&dir).err().expect("an edited manifest");
+    assert!(err.to_string().contains("checksum"), "{err}");
+    // A sealed edit that swaps the regions of two pieces of the same size: the qkv weight's
+    // tensor-parallel halves, each on its own rank file.
+    std::fs::write(&path, &text).unwrap();
+    reseal(&path, |m| {
+        let pieces = &mut m.tensors.get_mut("blocks.0.qkv.weight").unwrap().pieces;
+        let (a, b) = (pieces[0].region.clone(), pieces[3].region.clone());
+        assert_eq!(a.numel(), b.numel());
+        assert_ne!(a, b);
+        pieces[0].region = b;
+        pieces[3].region = a;
+    });
+    let ckpt = Checkpoint::open(&dir).expect("sealed: it opens");
+    let err = ckpt
+        .read_full("blocks.0.qkv.weight")
+        .expect_err("a piece placed in another region");
+    assert!(
+        err.to_string().contains("another tensor or region"),
+        "{err}"
+    );
+    // The untouched tensors still read.
+    ckpt.read_full("wte").unwrap();
+    // A sealed edit that drops the rank states.
+    std::fs::write(&path, &text).unwrap();
+    reseal(&path, |m| m.rank_states.truncate(1));
+    let err = Checkpoint::open(&dir).err().expect("rank states dropped");
+    assert!(err.to_string().contains("rank states"), "{err}");
+    std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// Optimizer state whose step counters were lost (the rank states nulled, the manifest sealed)
+/// is refused by name; before, it loaded with the counters restarted, which silently changes
+/// AdamW's bias correction.
+#[test]
+fn optimizer_state_without_its_step_counters_is_refused() {
+    let root = scratch("counters");
+    run_local(1, |group| {
+        let w = TensorData::new(vec![1.0f32, 2.0, 3.0, 4.0], [4]);
+        let m = TensorData::new(vec![0.1f32, 0.2, 0.3, 0.4], [4]);
+        let pieces = vec![
+            Piece::whole("w", w).unwrap(),
+            Piece::whole("optim/moment_1/w", m).unwrap(),
+        ];
+        let counters = json!({ "optim_scalars": { "w": { "time": { "int": 7 } } } });
+        Checkpointer::new(&root, 1, &group)
+            .unwrap()
+            .save(1, pieces, Value::Null, counters)
+            .unwrap();
+        Ok(())
+    })
+    .unwrap();
+    let dir = root.join("step-00000001");
+    let segments = [Segment {
+        logical: "w".into(),
+        region: Region::full(&[4]),
+        local: Region::full(&[4]),
+    }];
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let scalars = merged_scalars(&ckpt, "optim_scalars");
+    let (state, counters) = read_state(&ckpt, &segments, &[4], &scalars)
+        .unwrap()
+        .expect("state is there");
+    assert_eq!(state.len(), 1);
+    assert_eq!(counters["time"], json!({ "int": 7 }));
+    reseal(&dir.join("manifest.json"), |m| {
+        m.rank_states = vec![Value::Null]
+    });
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let scalars = merged_scalars(&ckpt, "optim_scalars");
+    let err = read_state(&ckpt, &segments, &[4], &scalars).expect_err("counters lost");
+    assert!(err.contains("step counters"), "{err}");
     std::fs::remove_dir_all(&root).unwrap();
 }
 

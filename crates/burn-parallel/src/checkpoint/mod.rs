@@ -14,7 +14,13 @@
 //!   file and region of each of its pieces; every file's length, the checksum of its header and
 //!   of each [`CHUNK_BYTES`] chunk of each tensor; the step; the trainer's state (learning-rate
 //!   schedule position, loss scaler, anything serialisable) and each rank's own state (data
-//!   position, RNG).
+//!   position, RNG, optimizer step counters); last, a checksum of the manifest itself.
+//!
+//! A manifest cannot lie about what it lists: its own checksum refuses any edit, and each
+//! chunk's checksum runs over the piece's tensor name and region before its bytes, so a piece
+//! that a manifest places in another tensor or region fails its check on the first read.
+//! Optimizer state is all there or refused: a state tensor whose step counters are missing from
+//! the rank states is an error, not a restarted optimizer.
 //!
 //! Writes are atomic: each file goes to a temporary name, is fsynced and renamed; the manifest is
 //! written after every rank reported its file, so a directory without a manifest is an
@@ -77,8 +83,10 @@ pub use region::{Region, even_part, overlaps};
 pub use source::{TensorSource, check_tensors};
 pub use store::{CHUNK_BYTES, FileManifest};
 
-/// Version of the manifest format.
-pub const FORMAT_VERSION: u32 = 1;
+/// Version of the manifest format written. Version 2 added the manifest's own checksum and the
+/// binding of chunk checksums to their piece; version 1 checkpoints still load, without those
+/// two checks.
+pub const FORMAT_VERSION: u32 = 2;
 const MANIFEST: &str = "manifest.json";
 const FORMAT: &str = "burn-parallel-dcp";
 
@@ -167,6 +175,37 @@ pub struct Manifest {
     pub state: Value,
     /// Each rank's own state (data position, RNG), in rank order.
     pub rank_states: Vec<Value>,
+    /// CRC-32 of the manifest's JSON written with this field empty (format version 2 on).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub checksum: String,
+}
+
+impl Manifest {
+    /// The checksum [`Manifest::checksum`] holds: over the manifest as written with an empty
+    /// checksum.
+    fn own_checksum(&self) -> String {
+        let unsummed = Manifest {
+            checksum: String::new(),
+            ..self.clone()
+        };
+        store::checksum(&serde_json::to_vec_pretty(&unsummed).expect("a manifest serialises"))
+    }
+
+    /// Recomputes [`Manifest::checksum`] after an edit (for a tool that rewrites a manifest on
+    /// purpose, and which a reader then trusts as written). Sealing does not make a lying
+    /// manifest load: a piece placed in another tensor or region still fails its chunk
+    /// checksums on read.
+    pub fn seal(&mut self) {
+        self.checksum = self.own_checksum();
+    }
+
+    /// The identity a piece's chunk checksums are bound to (none before format version 2).
+    fn identity(&self, name: &str, region: &Region) -> String {
+        match self.format_version {
+            1 => String::new(),
+            _ => store::piece_identity(name, region),
+        }
+    }
 }
 
 /// What each rank tells rank 0 about its file.
@@ -472,8 +511,13 @@ fn save_dir(
         }
     }
     let file = format!("rank-{rank:05}-of-{n:05}.safetensors");
-    let tensors: Vec<(String, &TensorData)> =
-        pieces.iter().map(|p| (p.name.clone(), &p.data)).collect();
+    let tensors: Vec<(String, String, &TensorData)> = pieces
+        .iter()
+        .map(|p| {
+            let identity = store::piece_identity(&p.name, &p.region);
+            (p.name.clone(), identity, &p.data)
+        })
+        .collect();
     let file_manifest = store::write_file(&dir.join(&file), file, &tensors)?;
     let bytes = file_manifest.bytes;
     let report = RankReport {
@@ -570,7 +614,7 @@ fn write_manifest(
             ));
         }
     }
-    let manifest = Manifest {
+    let mut manifest = Manifest {
         format: FORMAT.into(),
         format_version: FORMAT_VERSION,
         step,
@@ -579,7 +623,9 @@ fn write_manifest(
         files,
         state,
         rank_states,
+        checksum: String::new(),
     };
+    manifest.seal();
     let json = serde_json::to_vec_pretty(&manifest).expect("a manifest serialises");
     store::write_atomic(&dir.join(MANIFEST), &json)
 }
@@ -614,16 +660,30 @@ impl Checkpoint {
         })?;
         let manifest: Manifest = serde_json::from_slice(&bytes)
             .map_err(|e| corrupt(format!("not a checkpoint manifest: {e}")))?;
-        if manifest.format != FORMAT || manifest.format_version != FORMAT_VERSION {
+        if manifest.format != FORMAT || !(1..=FORMAT_VERSION).contains(&manifest.format_version) {
             return Err(corrupt(format!(
-                "format {} version {} is not {FORMAT} version {FORMAT_VERSION}",
+                "format {} version {} is not {FORMAT} version 1 to {FORMAT_VERSION}",
                 manifest.format, manifest.format_version
             )));
         }
-        if manifest.files.len() != manifest.world_size {
+        if manifest.format_version >= 2 {
+            let sum = manifest.own_checksum();
+            if manifest.checksum != sum {
+                return Err(corrupt(format!(
+                    "the manifest's checksum is {:?} but its content sums to {sum}: it was \
+                     edited or damaged after it was written; resume from an earlier checkpoint",
+                    manifest.checksum
+                )));
+            }
+        }
+        if manifest.files.len() != manifest.world_size
+            || manifest.rank_states.len() != manifest.world_size
+        {
             return Err(corrupt(format!(
-                "{} files listed for {} ranks",
+                "{} files and {} rank states listed for {} ranks: every saving rank's file and \
+                 state (its data position and optimizer step counters) must be there",
                 manifest.files.len(),
+                manifest.rank_states.len(),
                 manifest.world_size
             )));
         }
@@ -752,6 +812,7 @@ impl Checkpoint {
             }
             let read = self.files[p.file].read_ranges(
                 name,
+                &self.manifest.identity(name, &p.region),
                 hits.iter().map(|&(_, h, n)| (h * size, n * size)),
                 |k, at, bytes| {
                     let start = hits[k].0 * size + at;

@@ -624,6 +624,12 @@ impl ParamMap {
                     p.shape
                 )));
             }
+            // Every parameter with state has its scalars entry, even an empty one (SGD's
+            // momentum has no counter), so that a load can tell state whose counters were
+            // lost from state that never had any.
+            for s in &p.segments {
+                scalars.entry(s.logical.clone()).or_default();
+            }
             let data = TensorData::from_bytes_vec(bytes.to_vec(), p.shape.clone(), dtype);
             pieces.extend(segment_pieces(
                 &format!("{OPTIM}{field}/"),
@@ -759,6 +765,17 @@ pub fn read_state(
     }
     let mut mine: Option<&BTreeMap<String, Value>> = None;
     for s in segments {
+        // Since format version 2, every parameter with state has a scalars entry: one missing
+        // means the rank state that held it was dropped, and loading would restart the
+        // optimizer's step count (AdamW's bias correction) without a word.
+        if checkpoint.manifest().format_version >= 2 && !scalars.contains_key(&s.logical) {
+            return Err(format!(
+                "the checkpoint holds optimizer state for {} but no rank state holds its step \
+                 counters: every saving rank's state must be in the manifest; resume from an \
+                 earlier checkpoint",
+                s.logical
+            ));
+        }
         match (mine, scalars.get(&s.logical)) {
             (None, h) => mine = h,
             (Some(m), Some(h)) if m != h => {

@@ -61,6 +61,23 @@ pub(crate) fn checksum(bytes: &[u8]) -> String {
     format!("{:08x}", crc32fast::hash(bytes))
 }
 
+/// CRC-32 of a chunk of a piece's data, bound to the piece: the checksum runs over `identity`
+/// (the piece's tensor and region, [`piece_identity`]) and then the chunk, so that a manifest
+/// edited to place a piece in another tensor or region fails the check even though every
+/// chunk's bytes are intact. An empty identity gives the plain CRC (format version 1).
+pub(crate) fn chunk_checksum(identity: &str, bytes: &[u8]) -> String {
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(identity.as_bytes());
+    hasher.update(bytes);
+    format!("{:08x}", hasher.finalize())
+}
+
+/// What a piece's chunk checksums are bound to: its tensor's name and its region (full shape,
+/// box and flat range).
+pub(crate) fn piece_identity(name: &str, region: &super::Region) -> String {
+    serde_json::to_string(&(name, region)).expect("a name and a region serialise")
+}
+
 /// The safetensors name of a Burn dtype.
 pub(crate) fn dtype_name(dtype: DType) -> std::result::Result<String, String> {
     Ok(safetensors_dtype(dtype)?.to_string())
@@ -120,15 +137,16 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// Serialises `tensors` (each flattened to 1-D) into `path` atomically (streamed from the
-/// tensors' memory, no copy of the whole file) and returns the file's manifest entry.
+/// tensors' memory, no copy of the whole file) and returns the file's manifest entry. Each
+/// tensor comes with the identity its chunk checksums are bound to ([`chunk_checksum`]).
 pub(crate) fn write_file(
     path: &Path,
     file: String,
-    tensors: &[(String, &TensorData)],
+    tensors: &[(String, String, &TensorData)],
 ) -> Result<FileManifest> {
     let views = tensors
         .iter()
-        .map(|(name, data)| {
+        .map(|(name, _, data)| {
             let dtype =
                 safetensors_dtype(data.dtype()).map_err(|e| CheckpointError::piece(name, e))?;
             let view = TensorView::new(dtype, vec![data.num_elements()], data.as_bytes())
@@ -152,8 +170,12 @@ pub(crate) fn write_file(
     // The data section holds each tensor's bytes as they are in memory (little-endian).
     let chunks = tensors
         .iter()
-        .map(|(name, data)| {
-            let sums = data.as_bytes().chunks(CHUNK_BYTES).map(checksum).collect();
+        .map(|(name, identity, data)| {
+            let sums = data
+                .as_bytes()
+                .chunks(CHUNK_BYTES)
+                .map(|chunk| chunk_checksum(identity, chunk))
+                .collect();
             (name.clone(), sums)
         })
         .collect();
@@ -341,11 +363,13 @@ impl FileReader {
 
     /// Reads byte ranges `(offset, len)` of tensor `name` (in increasing offset order), checking
     /// every chunk they touch, and hands each range's bytes to `sink(index, offset, bytes)`, one
-    /// chunk's part at a time (`offset`: where `bytes` start within the range). Returns the
-    /// bytes read from disk.
+    /// chunk's part at a time (`offset`: where `bytes` start within the range). `identity` is
+    /// what the chunk checksums are bound to ([`chunk_checksum`]). Returns the bytes read from
+    /// disk.
     pub(crate) fn read_ranges(
         &self,
         name: &str,
+        identity: &str,
         ranges: impl Iterator<Item = (usize, usize)>,
         mut sink: impl FnMut(usize, usize, &[u8]),
     ) -> Result<u64> {
@@ -384,12 +408,13 @@ impl FileReader {
                     .and_then(|_| file.read_exact(&mut buf))
                     .map_err(|e| CheckpointError::io(&self.path, e))?;
                     read += buf.len() as u64;
-                    let sum = checksum(&buf);
+                    let sum = chunk_checksum(identity, &buf);
                     if sum != sums[c] {
                         return Err(corrupt(format!(
                             "checksum {sum} of bytes {start}..{end} differs from the \
-                             manifest's {}: the file is corrupt; resume from an earlier \
-                             checkpoint",
+                             manifest's {}: the file is corrupt, or the manifest places this \
+                             piece in another tensor or region than the one it was saved as; \
+                             resume from an earlier checkpoint",
                             sums[c]
                         )));
                     }
