@@ -898,7 +898,7 @@ pub fn train_gpt_pipeline_checkpointed(
         let report = executor.step(&mut stages, &batches, &mut |s, stage, grads| {
             updater.at_reduce(s, stage, grads)
         })?;
-        updater.finish(&mut stages)?;
+        updater.finish(&mut stages, &report)?;
         skipped += usize::from(updater.skipped());
         let loss = dp.all_reduce_f32(vec![report.loss], ReduceOp::Avg)?[0] as f64;
         losses.push(loss);

@@ -1331,6 +1331,40 @@ mod tests {
         })
         .unwrap();
         assert_eq!(outcomes, vec!["loss", "loss"]);
+        // A finite loss whose gradient is not (sqrt at 0), without clipping: the norm is
+        // computed every step and refused by the step and by ZeRO-2 alike (before, both wrote
+        // an infinite gradient into the weights: only a clipped step measured the norm).
+        let forward = |m: &Weights| Ok::<_, CollectiveError>(m.w.val().sqrt().sum());
+        let zeros = Weights {
+            w: Param::from_tensor(Tensor::from_floats([0.0, 1.0], &device)),
+        };
+        match TrainStep::new(TpContext::single()).step_with(zeros, forward, &mut optim, 1e-3) {
+            Err(CollectiveError::NonFinite { what, .. }) => assert_eq!(what, "gradient norm"),
+            other => panic!("an infinite gradient must be refused: {other:?}"),
+        }
+        let outcomes = burn_parallel::run_local(2, |group| {
+            let device = Device::flex().autodiff();
+            let model = Weights {
+                w: Param::from_tensor(Tensor::from_floats([0.0, 1.0], &device)),
+            };
+            let adamw = AdamWConfig::new().build();
+            let mut zero = ZeroOptimizer::new(
+                &model,
+                ShardGroups::flat(group),
+                ZeroConfig::new(Stage::Two),
+                adamw,
+            )
+            .unwrap();
+            let model = zero.prepare_module(model).unwrap();
+            let mut forward = |m: &Weights, _: usize| Ok(m.w.val().sqrt().sum());
+            let engine: &mut dyn StepEngine<Weights, ZeroError> = &mut zero;
+            match engine.step_accumulated(model, 1, &mut forward, 1e-3) {
+                Err(ZeroError::Collective(CollectiveError::NonFinite { what, .. })) => Ok(what),
+                other => panic!("ZeRO must refuse an infinite gradient: {other:?}"),
+            }
+        })
+        .unwrap();
+        assert_eq!(outcomes, vec!["gradient norm", "gradient norm"]);
     }
 
     #[test]

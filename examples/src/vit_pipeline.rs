@@ -289,7 +289,7 @@ pub fn train_vit_pipeline(
                 updater.at_reduce(s, stage, grads)
             })
             .map_err(|e| pipe(&e))?;
-        let grad_norm = updater.finish(&mut stages).map_err(|e| pipe(&e))?;
+        let grad_norm = updater.finish(&mut stages, &report).map_err(|e| pipe(&e))?;
         let loss = f64::from(dp.all_reduce_f32(vec![report.loss], ReduceOp::Avg)?[0]);
         losses.push(loss);
         let seconds = t0.elapsed().as_secs_f64();

@@ -752,7 +752,7 @@ fn pipelined_steps(
                     updater.at_reduce(s, stage, g)
                 })
                 .unwrap();
-            updater.finish(&mut stages).unwrap();
+            updater.finish(&mut stages, &report).unwrap();
             losses.push(dp.all_reduce_f32(vec![report.loss], burn_parallel::ReduceOp::Avg)?[0]);
         }
         if let Some(dir) = steps.save {

@@ -223,10 +223,8 @@ where
                 let mut grads = acc.grads();
                 let mut experts = self.experts.reduce_experts(&model, &mut grads)?;
                 experts.scale(1.0 / micro_batches as f32);
-                let outside = match max_norm {
-                    Some(_) => self.experts.expert_squared_norm(&experts)?,
-                    None => 0.0,
-                };
+                // Counted every step: the global norm is checked for NaN clipped or not.
+                let outside = self.experts.expert_squared_norm(&experts)?;
                 Ok((experts, outside))
             },
         );

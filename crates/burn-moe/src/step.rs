@@ -126,26 +126,17 @@ impl MoeStep {
                 return Ok(Reduced::overflowed(grads));
             }
         }
-        let norm = match self.max_grad_norm {
-            None => None,
-            Some(_) => Some(self.inner.global_norm(model, &grads)?),
-        };
-        let expert_sq = match norm {
-            Some(_) => self.expert_squared_norm(&experts)?,
-            None => 0.0,
-        };
+        // The global norm every applied step (each expert once), for the NaN check and the
+        // log; clipped by when asked.
+        let rest = self.inner.global_norm(model, &grads)?;
+        let norm = (rest * rest + self.expert_squared_norm(&experts)?).sqrt();
         experts.register_into(model, &mut grads);
-        let norm = match (self.max_grad_norm, norm) {
-            (Some(max_norm), Some(rest)) => {
-                let norm = (rest * rest + expert_sq).sqrt();
-                grads = clip_to_norm(model, grads, norm, max_norm);
-                Some(norm)
-            }
-            _ => None,
-        };
+        if let Some(max_norm) = self.max_grad_norm {
+            grads = clip_to_norm(model, grads, norm, max_norm);
+        }
         Ok(Reduced {
             grads,
-            grad_norm: norm,
+            grad_norm: Some(norm),
             overflow: false,
         })
     }

@@ -67,7 +67,8 @@ use crate::precision::{LossScaler, LossScalerState, MixedPrecision};
 pub struct StepOutput {
     /// The loss, averaged over the data-parallel ranks (the loss of the global batch).
     pub loss: f32,
-    /// The global gradient norm before clipping, when clipping is on.
+    /// The global gradient norm before clipping (computed on every applied step: the NaN check
+    /// reads it); `None` for a skipped step.
     pub grad_norm: Option<f64>,
     /// Whether the step was skipped because the loss-scaled gradients overflowed (the model
     /// and the optimizer state are untouched; see [`TrainStep::with_loss_scaler`]).
@@ -180,7 +181,7 @@ impl StepPhases {
 pub struct Reduced {
     /// Reduced, unscaled and clipped gradients.
     pub grads: GradientsParams,
-    /// The global norm before clipping, when clipping is on.
+    /// The global norm before clipping (every step that applies; `None` after an overflow).
     pub grad_norm: Option<f64>,
     /// Whether the loss-scaled gradients overflowed somewhere (then the step must be skipped;
     /// the loss scaler has already backed off).
@@ -808,17 +809,15 @@ impl TrainStep {
         if !self.update_loss_scale(overflow) {
             return Ok(Reduced::overflowed(grads));
         }
-        let norm = match self.max_grad_norm {
-            None => None,
-            Some(max_norm) => {
-                let norm = self.global_norm(model, &grads)?;
-                grads = clip_to_norm(model, grads, norm, max_norm);
-                Some(norm)
-            }
-        };
+        // The global norm every applied step (what the NaN check of `finish_with` reads, and
+        // a figure worth logging), clipped by when asked.
+        let norm = self.global_norm(model, &grads)?;
+        if let Some(max_norm) = self.max_grad_norm {
+            grads = clip_to_norm(model, grads, norm, max_norm);
+        }
         Ok(Reduced {
             grads,
-            grad_norm: norm,
+            grad_norm: Some(norm),
             overflow: false,
         })
     }
@@ -1059,8 +1058,8 @@ impl TrainStep {
             },
         );
         let (loss, reduced) = reduced?;
-        // Megatron-LM's check: a NaN or infinite loss (or gradient norm, when clipping computes
-        // it) stops training rather than writing NaN into the weights. Both figures are global,
+        // Megatron-LM's check: a NaN or infinite loss or gradient norm (computed every step)
+        // stops training rather than writing NaN into the weights. Both figures are global,
         // so every rank refuses the same step. A loss scaler's overflow skips the step instead.
         if !reduced.overflow {
             let rank = loss_group
@@ -1412,6 +1411,39 @@ fn for_each_grad<M: Module>(model: &M, grads: &GradientsParams, f: impl FnMut(Pa
         }
     }
     model.visit(&mut Visit { grads, f });
+}
+
+/// The sum of every gradient `grads` holds for `model`'s parameters, in fp32, read to the host
+/// once: NaN or infinite exactly when some gradient element is (or when the sum overflows,
+/// which only gradients near `f32::MAX` do). The local finiteness check for a step that
+/// computes no norm (a pipeline stage updated as soon as its backward ends).
+///
+/// ```
+/// use burn::module::Param;
+/// use burn::nn::{Linear, LinearConfig};
+/// use burn::optim::GradientsParams;
+/// use burn::tensor::{Device, Tensor};
+/// use burn_parallel::train::gradient_sum;
+///
+/// let device = Device::flex().autodiff();
+/// let layer: Linear = LinearConfig::new(2, 1).init(&device);
+/// let x = Tensor::<2>::from_floats([[1.0, f32::NAN]], &device);
+/// let grads = GradientsParams::from_grads(layer.forward(x).sum().backward(), &layer);
+/// assert!(gradient_sum(&layer, &grads).is_nan());
+/// ```
+pub fn gradient_sum<M: Module>(model: &M, grads: &GradientsParams) -> f64 {
+    let mut sums = Vec::new();
+    for_each_grad(model, grads, |_, g| {
+        let device = sums.first().map(|s: &Tensor<1>| s.device());
+        sums.push(match device {
+            Some(device) => g.sum().to_device(&device),
+            None => g.sum(),
+        });
+    });
+    match sums.is_empty() {
+        true => 0.0,
+        false => f64::from(Tensor::cat(sums, 0).sum().into_scalar::<f32>()),
+    }
 }
 
 /// Global-norm clipping once the norm is known: scales every gradient `grads` holds for

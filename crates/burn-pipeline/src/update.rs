@@ -68,9 +68,10 @@
 //!         .unwrap()
 //!         .with_clip(Some(0.01)); // the norm over both stages
 //!     updater.set_lr(0.1);
-//!     exec.step(&mut stages, &[1.0, 2.0, 3.0, 4.0], &mut |s, stage, g| updater.at_reduce(s, stage, g))
+//!     let report = exec
+//!         .step(&mut stages, &[1.0, 2.0, 3.0, 4.0], &mut |s, stage, g| updater.at_reduce(s, stage, g))
 //!         .unwrap();
-//!     Ok(updater.finish(&mut stages).unwrap())
+//!     Ok(updater.finish(&mut stages, &report).unwrap())
 //! })
 //! .unwrap();
 //! assert!(norms[0].unwrap() > 0.01);
@@ -86,13 +87,13 @@ use burn_parallel::checkpoint::{
     self, Checkpoint, CheckpointError, Checkpointer, ParamMap, TensorSource,
 };
 use burn_parallel::train::{
-    SaveState, TrainStep, clip_to_norm, engine_states, saved_engine_states,
+    SaveState, TrainStep, clip_to_norm, engine_states, gradient_sum, saved_engine_states,
 };
 use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
 use burn_zero::{ElementWise, ZeroOptimizer};
 use serde_json::Value;
 
-use crate::runtime::{Executor, PipelineError, Result, UpdateError};
+use crate::runtime::{Executor, PipelineError, Result, StepReport, UpdateError};
 
 /// The optimizer of one stage.
 // One per local stage, built once: boxing the larger variant would buy nothing.
@@ -337,6 +338,12 @@ impl<O: ElementWise> StageUpdater<O> {
             self.held.insert(s, grads);
             return Ok(stage);
         }
+        // Stepped now, before the step's loss is known: its own gradients are checked first,
+        // so that a NaN never reaches the weights (the loss and the norm are checked in
+        // `finish` on the held paths).
+        let sum = gradient_sum(&stage, &grads);
+        CollectiveError::ensure_finite(self.pp.global_rank(), "sum of a stage's gradients", sum)
+            .map_err(|e| -> UpdateError { Box::new(e) })?;
         self.apply(s, stage, grads)
     }
 
@@ -357,22 +364,40 @@ impl<O: ElementWise> StageUpdater<O> {
         }
     }
 
-    /// After [`Executor::step`]: under loss scaling, skips the step on every stage when any
-    /// stage's gradients overflowed ([`Self::skipped`]) and updates the scale; then sums the
-    /// tied copies' gradients, clips by the norm over every stage (a tied weight counted once),
-    /// and steps the held stages. Returns the global norm when clipping (`None` for a skipped
-    /// step).
+    /// After [`Executor::step`], with its `report`: under loss scaling, skips the step on every
+    /// stage when any stage's gradients overflowed ([`Self::skipped`]) and updates the scale;
+    /// then sums the tied copies' gradients, clips by the norm over every stage (a tied weight
+    /// counted once), and steps the held stages. Returns the global norm when clipping (`None`
+    /// for a skipped step).
+    ///
+    /// Without a loss scaler, a NaN or infinite loss (the report's, the same on every pipeline
+    /// rank) or global norm stops the step on every rank before a held stage is written, as
+    /// the other step engines do; a stage stepped during the schedule checked its own
+    /// gradients first ([`Self::at_reduce`]).
     ///
     /// # Errors
-    /// Collective errors (the norm, the tied sum) as [`PipelineError::Collective`]; the
+    /// Collective errors (the norm, the tied sum) as [`PipelineError::Collective`], a
+    /// non-finite loss or norm as one whose source is [`CollectiveError::NonFinite`]; the
     /// optimizer's as [`PipelineError::Update`].
-    pub fn finish<M: Module>(&mut self, stages: &mut BTreeMap<usize, M>) -> Result<Option<f64>> {
+    pub fn finish<M: Module>(
+        &mut self,
+        stages: &mut BTreeMap<usize, M>,
+        report: &StepReport,
+    ) -> Result<Option<f64>> {
         let rank = self.rank;
         let collective = |action: &str, source: CollectiveError| PipelineError::Collective {
             rank,
             action: action.into(),
             source,
         };
+        let global = self.pp.global_rank();
+        let finite = |what: &'static str, value: f64| {
+            CollectiveError::ensure_finite(global, what, value)
+                .map_err(|e| collective("checking the step before its update", e))
+        };
+        if !self.scaled {
+            finite("loss", report.loss.into())?;
+        }
         let mut held: Vec<(usize, GradientsParams)> =
             std::mem::take(&mut self.held).into_iter().collect();
         // ---- loss scaling: one decision for the whole pipeline ----
@@ -385,6 +410,17 @@ impl<O: ElementWise> StageUpdater<O> {
             self.skipped = !self.reduce.update_loss_scale(any > 0.0);
             if self.skipped {
                 return Ok(None);
+            }
+        }
+        // ---- held without a norm (tied weights, no clipping): each stage's own gradients ----
+        if !self.scaled && self.max_norm.is_none() {
+            for (s, grads) in &held {
+                let stage = stages.get(s).expect("a held stage is local");
+                if let Err(e) = finite("sum of a stage's gradients", gradient_sum(stage, grads)) {
+                    // The other stages' ranks stop at once rather than at their next receive.
+                    self.pp.abort(&e.to_string());
+                    return Err(e);
+                }
             }
         }
         // ---- tied weights ----
@@ -490,7 +526,9 @@ impl<O: ElementWise> StageUpdater<O> {
                         action: "summing the norm over the stages".into(),
                         reason: format!("{e:?}"),
                     })?;
-                Some(total[0].sqrt())
+                let norm = total[0].sqrt();
+                finite("gradient norm", norm)?;
+                Some(norm)
             }
         };
         for (s, mut grads) in held {

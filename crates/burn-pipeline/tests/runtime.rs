@@ -795,11 +795,12 @@ fn clipping_with_zero_stage_optimizers_matches_plain_ones() {
                 let batches: Vec<Batch> = (0..2)
                     .map(|mb| batch(step, dp.rank() * 2 + mb, ROWS))
                     .collect();
-                exec.step(&mut stages, &batches, &mut |s, stage, g| {
-                    updater.at_reduce(s, stage, g)
-                })
-                .unwrap();
-                match updater.finish(&mut stages) {
+                let report = exec
+                    .step(&mut stages, &batches, &mut |s, stage, g| {
+                        updater.at_reduce(s, stage, g)
+                    })
+                    .unwrap();
+                match updater.finish(&mut stages, &report) {
                     Ok(norm) => norms.push(norm.expect("a norm")),
                     Err(e) => return Ok(Err(e.to_string())),
                 }
@@ -915,4 +916,57 @@ fn a_precision_the_executor_and_the_updater_disagree_on_is_refused() {
         Ok(())
     })
     .unwrap();
+}
+
+/// A NaN in the data stops the step on every rank before a weight is written, with the loss or
+/// the gradients named, whether the stages are held for clipping (the loss and the global norm
+/// checked in `finish`) or stepped during the schedule (each stage's own gradients checked
+/// first). Before, both trained on with NaN weights and the run exited 0.
+#[test]
+fn a_non_finite_step_is_refused_on_every_rank_before_the_update() {
+    use burn_parallel::nn::TpContext;
+    use burn_parallel::train::TrainStep;
+    use burn_pipeline::update::{StageOptimizer, StageUpdater};
+    let schedule = generate(ScheduleKind::OneFOneB, 2, 2, None).unwrap();
+    for clip in [Some(1.0), None] {
+        let out = run_local(2, |pp| {
+            let device = Device::flex().autodiff();
+            let mut exec = Executor::new(schedule.clone(), pp.clone(), device.clone()).unwrap();
+            let s = pp.rank();
+            let mut stages = BTreeMap::from([(s, Dense::new(s, 2, &device))]);
+            let before = params(&stages[&s]);
+            let optim = StageOptimizer::module(SgdConfig::new().init());
+            let reduce = TrainStep::new(TpContext::single());
+            let mut updater = StageUpdater::new(&exec, BTreeMap::from([(s, optim)]), reduce)
+                .unwrap()
+                .with_clip(clip);
+            updater.set_lr(0.1);
+            let mut batches: Vec<Batch> = (0..2).map(|mb| batch(0, mb, ROWS)).collect();
+            batches[1].x[2] = f32::NAN;
+            let outcome = exec
+                .step(&mut stages, &batches, &mut |s, stage, g| {
+                    updater.at_reduce(s, stage, g)
+                })
+                .and_then(|report| updater.finish(&mut stages, &report));
+            let err = outcome.expect_err("a NaN step").to_string();
+            let after = stages.get(&s).map(params);
+            Ok((err, after == Some(before) || after.is_none()))
+        })
+        .unwrap();
+        for (rank, (err, untouched)) in out.iter().enumerate() {
+            assert!(
+                *untouched,
+                "clip {clip:?}: rank {rank}'s weights were written"
+            );
+            assert!(
+                err.contains("NaN") || err.contains("aborted"),
+                "clip {clip:?}, rank {rank}: {err}"
+            );
+        }
+        // The rank that found it names what was not finite.
+        assert!(
+            out.iter().any(|(e, _)| e.contains("is NaN")),
+            "clip {clip:?}: {out:?}"
+        );
+    }
 }

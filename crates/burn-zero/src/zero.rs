@@ -339,7 +339,7 @@ impl ShardGroups {
 /// What a step did.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct StepInfo {
-    /// The global gradient norm before clipping (when clipping is on and the step was applied).
+    /// The global gradient norm before clipping (every applied step: it is checked for NaN).
     pub grad_norm: Option<f64>,
     /// The gradients overflowed (inf/NaN on some rank) under loss scaling: weights and
     /// optimizer state were left untouched and the scale lowered.
@@ -1155,17 +1155,22 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         }
         // Clipped by the global norm: this flat space's (over the shard group, and the
         // tensor-parallel group for its shards) and what lies outside it.
-        let grad_norm = match self.config.max_grad_norm {
-            None => None,
-            Some(max_norm) => {
-                let norm = (self.squares_of(&grad, |_| true)? + outside_sq).sqrt();
-                let coef = clip_coefficient(norm, max_norm);
-                if coef < 1.0 {
-                    grad = grad * coef as f32;
-                }
-                Some(norm)
+        // The global norm every applied step: checked before anything is written (a NaN or
+        // infinite gradient refuses the step on every rank alike, the norm being global), then
+        // clipped by when asked.
+        let norm = (self.squares_of(&grad, |_| true)? + outside_sq).sqrt();
+        burn_parallel::CollectiveError::ensure_finite(
+            self.groups.shard.global_rank(),
+            "gradient norm",
+            norm,
+        )?;
+        if let Some(max_norm) = self.config.max_grad_norm {
+            let coef = clip_coefficient(norm, max_norm);
+            if coef < 1.0 {
+                grad = grad * coef as f32;
             }
-        };
+        }
+        let grad_norm = Some(norm);
         self.apply_shard(lr, module, grad, (numel, grad_bytes))
             .map(|module| {
                 let info = StepInfo {

@@ -245,7 +245,7 @@ fn run_rank_pipeline(
                 updater.at_reduce(s, stage, g)
             })
             .map_err(|e| fail(&e))?;
-        updater.finish(&mut stages).map_err(|e| fail(&e))?;
+        updater.finish(&mut stages, &report).map_err(|e| fail(&e))?;
         losses.push(report.loss);
     }
     if let Some(dir) = &args.save {
