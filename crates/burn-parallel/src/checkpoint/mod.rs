@@ -175,28 +175,54 @@ pub struct Manifest {
     pub state: Value,
     /// Each rank's own state (data position, RNG), in rank order.
     pub rank_states: Vec<Value>,
-    /// CRC-32 of the manifest's JSON written with this field empty (format version 2 on).
-    #[serde(default, skip_serializing_if = "String::is_empty")]
+    /// CRC-32 of the manifest file's bytes with this field's value empty (format version 2
+    /// on; the last field, so that it is the last `"checksum"` of the file).
+    #[serde(default)]
     pub checksum: String,
 }
 
+/// The field [`Manifest::checksum`] as it begins in the file.
+const CHECKSUM_FIELD: &[u8] = b"\"checksum\": \"";
+
 impl Manifest {
-    /// The checksum [`Manifest::checksum`] holds: over the manifest as written with an empty
-    /// checksum.
-    fn own_checksum(&self) -> String {
-        let unsummed = Manifest {
+    /// The manifest's file: its JSON with [`Manifest::checksum`] set to the CRC-32 of the same
+    /// bytes with that value empty. Also what a tool that rewrites a manifest on purpose
+    /// writes (a reader then trusts it as written); it does not make a lying manifest load: a
+    /// piece placed in another tensor or region still fails its chunk checksums on read.
+    pub fn sealed_json(&self) -> Vec<u8> {
+        let unsealed = Manifest {
             checksum: String::new(),
             ..self.clone()
         };
-        store::checksum(&serde_json::to_vec_pretty(&unsummed).expect("a manifest serialises"))
+        let mut bytes = serde_json::to_vec_pretty(&unsealed).expect("a manifest serialises");
+        let sum = store::checksum(&bytes);
+        let at = find_last(&bytes, CHECKSUM_FIELD).expect("the checksum field is written")
+            + CHECKSUM_FIELD.len();
+        bytes.splice(at..at, sum.into_bytes());
+        bytes
     }
 
-    /// Recomputes [`Manifest::checksum`] after an edit (for a tool that rewrites a manifest on
-    /// purpose, and which a reader then trusts as written). Sealing does not make a lying
-    /// manifest load: a piece placed in another tensor or region still fails its chunk
-    /// checksums on read.
-    pub fn seal(&mut self) {
-        self.checksum = self.own_checksum();
+    /// Checks the seal of a manifest file's `bytes` ([`Manifest::sealed_json`]): the CRC-32 of
+    /// the bytes with the checksum's value taken out must be that value. The check runs on the
+    /// bytes as read, not on a re-serialisation (JSON floats need not parse back to the bits).
+    fn check_seal(bytes: &[u8]) -> std::result::Result<(), String> {
+        let at = find_last(bytes, CHECKSUM_FIELD).ok_or("it has no checksum field")?
+            + CHECKSUM_FIELD.len();
+        let len = bytes[at..]
+            .iter()
+            .position(|&b| b == b'"')
+            .ok_or("its checksum field is not closed")?;
+        let written = String::from_utf8_lossy(&bytes[at..at + len]).into_owned();
+        let mut unsealed = bytes.to_vec();
+        unsealed.drain(at..at + len);
+        let sum = store::checksum(&unsealed);
+        match written == sum {
+            true => Ok(()),
+            false => Err(format!(
+                "the manifest's checksum is {written:?} but its content sums to {sum}: it was \
+                 edited or damaged after it was written; resume from an earlier checkpoint"
+            )),
+        }
     }
 
     /// The identity a piece's chunk checksums are bound to (none before format version 2).
@@ -625,8 +651,7 @@ fn write_manifest(
         rank_states,
         checksum: String::new(),
     };
-    manifest.seal();
-    let json = serde_json::to_vec_pretty(&manifest).expect("a manifest serialises");
+    let json = manifest.sealed_json();
     store::write_atomic(&dir.join(MANIFEST), &json)
 }
 
@@ -667,14 +692,7 @@ impl Checkpoint {
             )));
         }
         if manifest.format_version >= 2 {
-            let sum = manifest.own_checksum();
-            if manifest.checksum != sum {
-                return Err(corrupt(format!(
-                    "the manifest's checksum is {:?} but its content sums to {sum}: it was \
-                     edited or damaged after it was written; resume from an earlier checkpoint",
-                    manifest.checksum
-                )));
-            }
+            Manifest::check_seal(&bytes).map_err(&corrupt)?;
         }
         if manifest.files.len() != manifest.world_size
             || manifest.rank_states.len() != manifest.world_size
@@ -853,6 +871,11 @@ impl Checkpoint {
             .to_vec();
         self.read_shaped(name, &Region::full(&shape), shape.clone())
     }
+}
+
+/// Where `needle` last begins in `haystack`.
+fn find_last(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).rposition(|w| w == needle)
 }
 
 /// The element type names of the format, for a Burn dtype.
