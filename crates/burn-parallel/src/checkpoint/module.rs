@@ -734,6 +734,9 @@ pub fn read_state(
             .tensors
             .keys()
             .filter_map(|k| k.strip_prefix(OPTIM)?.strip_suffix(&suffix))
+            // A field is one name: `optim/moment_1/diloco/island.0/w` is another tensor's
+            // state (an island's `w`), not a field `moment_1/diloco/island.0` of `w`.
+            .filter(|field| !field.contains('/'))
             .map(str::to_string)
             .collect();
         match &fields {
