@@ -74,7 +74,7 @@ pub(crate) fn chunk_checksum(identity: &str, bytes: &[u8]) -> String {
 
 /// What a piece's chunk checksums are bound to: its tensor's name and its region (full shape,
 /// box and flat range).
-pub(crate) fn piece_identity(name: &str, region: &super::Region) -> String {
+pub(crate) fn piece_identity(name: &str, region: &super::region::Region) -> String {
     serde_json::to_string(&(name, region)).expect("a name and a region serialise")
 }
 
