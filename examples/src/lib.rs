@@ -32,6 +32,7 @@
 //! assert_eq!(loss.dims(), [1]);
 //! ```
 
+pub mod cli;
 pub mod data;
 pub mod gpt;
 pub mod hf;

@@ -1043,13 +1043,9 @@ pub fn model_names(first_layer: usize) -> impl Fn(&str) -> String + Send + Sync 
     }
 }
 
-/// The `gpt` binary's pipeline flags.
+/// The `gpt` binary's pipeline flags (its size, `--pp`, is the layout's).
 #[derive(Debug, Clone, clap::Args)]
 pub struct PipelineArgs {
-    /// Pipeline-parallel size: the model's blocks are split into stages over this many ranks
-    /// (mesh `pp x dp`, dp = ranks / pp). 1: no pipeline.
-    #[arg(long, default_value_t = 1)]
-    pub pp: usize,
     /// The pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zbv or dualpipev.
     #[arg(long, default_value = "1f1b")]
     pub schedule: ScheduleKind,
@@ -1081,18 +1077,17 @@ pub struct PipelineArgs {
 }
 
 impl PipelineArgs {
-    /// The [`PipelineConfig`] these flags ask for, on `device`, with `tp`-way tensor
-    /// parallelism (and sequence parallelism when `sp`) inside each stage and ZeRO `zero`
+    /// The [`PipelineConfig`] these flags ask for, on `device`, over `layout`'s pipeline
+    /// ranks, with its tensor (and sequence) parallelism inside each stage and its ZeRO stage
     /// over each stage's replicas.
     pub fn config(
         &self,
         device: TrainDevice,
-        tp: usize,
-        sp: bool,
-        zero: Option<burn_zero::Stage>,
+        layout: &burn_parallel_train::Layout,
     ) -> PipelineConfig {
+        let (tp, sp, zero) = (layout.tp, layout.sp, layout.zero);
         PipelineConfig {
-            pp: self.pp,
+            pp: layout.pp,
             schedule: self.schedule,
             microbatches: self.microbatches,
             virtual_stages: self.virtual_stages,

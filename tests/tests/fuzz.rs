@@ -4,8 +4,10 @@
 //! message names the case.
 //!
 //! Cases per run: 3,000 trainer configs (each validated on 1 to 8 ranks, under a layout, and
-//! for memory), 3,000 layouts, 400 damaged manifests, 400 damaged rank files and 400 damaged
-//! safetensors files.
+//! for memory), 3,000 layouts, 3,000 `gpt` and 1,000 `plan` command lines (parsed by their own
+//! clap definitions, then checked and planned as the binaries do), 400 damaged manifests (half
+//! sealed again, so that the checks behind the manifest's checksum run too), 400 damaged rank
+//! files and 400 damaged safetensors files.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -292,7 +294,15 @@ fn damaged_checkpoints_are_refused_never_panic() {
     for (file, original) in [(&manifest, &manifest_bytes), (&rank, &rank_bytes)] {
         for case in 0..400 {
             let edits = 1 + rng.below(4);
-            let damaged = damage(&mut rng, original, edits);
+            let mut damaged = damage(&mut rng, original, edits);
+            // Half the damaged manifests that still parse are sealed again, as a tool that
+            // rewrites manifests would: the checks behind the seal see them too.
+            if file == &manifest && case % 2 == 0 {
+                type Manifest = burn_parallel::checkpoint::Manifest;
+                if let Ok(parsed) = serde_json::from_slice::<Manifest>(&damaged) {
+                    damaged = parsed.sealed_json();
+                }
+            }
             std::fs::write(file, &damaged).unwrap();
             no_panic(&format!("{} case {case}", file.display()), || {
                 open_and_read(&dir)
@@ -310,4 +320,203 @@ fn damaged_checkpoints_are_refused_never_panic() {
         });
     }
     std::fs::remove_dir_all(&root).unwrap();
+}
+
+/// Command-line values at the edges, for flags of any type.
+const ARGS: [&str; 24] = [
+    "0",
+    "1",
+    "2",
+    "3",
+    "4",
+    "8",
+    "-1",
+    "0.5",
+    "1e308",
+    "nan",
+    "inf",
+    "18446744073709551615",
+    "9223372036854775807",
+    "4294967296",
+    "x",
+    "",
+    "ring",
+    "ulysses",
+    "none",
+    "bf16",
+    "fp16",
+    "swiglu",
+    "rotary",
+    "zbv",
+];
+
+/// A command line of `flags` (with a value, from [`ARGS`]) and `switches` (without), at most
+/// `most` of them, each picked at random.
+fn command_line(rng: &mut Rng, flags: &[&str], switches: &[&str], most: usize) -> Vec<String> {
+    let mut line = vec!["bin".to_string()];
+    for _ in 0..rng.below(most + 1) {
+        match rng.below(4) {
+            0 => line.push(rng.pick(switches).to_string()),
+            _ => {
+                line.push(rng.pick(flags).to_string());
+                line.push(rng.pick(&ARGS).to_string());
+            }
+        }
+    }
+    line
+}
+
+#[test]
+fn random_gpt_command_lines_are_accepted_or_refused_never_panic() {
+    use clap::Parser;
+    use examples::cli::{GptArgs, train_device};
+    let flags = [
+        "--ranks",
+        "--steps",
+        "--batch-size",
+        "--seq-len",
+        "--grad-accum",
+        "--lr",
+        "--layers",
+        "--heads",
+        "--d-model",
+        "--d-ff",
+        "--seed",
+        "--bucket-mb",
+        "--clip",
+        "--tp",
+        "--cp",
+        "--cp-kind",
+        "--cp-balance",
+        "--pp",
+        "--ep",
+        "--zero",
+        "--hybrid",
+        "--precision",
+        "--loss-scale",
+        "--loss-scale-window",
+        "--mlp",
+        "--positions",
+        "--schedule",
+        "--microbatches",
+        "--virtual-stages",
+        "--moe-experts",
+        "--top-k",
+        "--moe-every",
+        "--expert-d-ff",
+        "--capacity-factor",
+        "--aux-loss",
+        "--z-loss",
+        "--bias-rate",
+        "--diloco-islands",
+        "--inner-steps",
+        "--outer-lr",
+        "--outer-momentum",
+        "--threads",
+    ];
+    let switches = [
+        "--sp",
+        "--tied",
+        "--prefetch",
+        "--no-sync",
+        "--overlap",
+        "--offload",
+        "--unfused",
+        "--reduce-fp32",
+        "--dropless",
+        "--bias-balancing",
+        "--balance-params",
+        "--checkpoint-activations",
+    ];
+    let mut rng = Rng(0x5EED_0004);
+    let (mut parsed, mut accepted) = (0, 0);
+    for case in 0..3000 {
+        let line = command_line(&mut rng, &flags, &switches, 6);
+        no_panic(&format!("gpt case {case}: {line:?}"), || {
+            let Ok(args) = GptArgs::try_parse_from(&line) else {
+                return;
+            };
+            parsed += 1;
+            // What `gpt` checks before it loads data: the settings, the layout, the memory,
+            // and DiLoCo's rules when it is asked for.
+            if let Ok((config, layout)) = args.checked(args.ranks) {
+                accepted += 1;
+                if let Some(run) = args.diloco.run(train_device(&args)) {
+                    let _ = run.validate(&config, &layout, args.ranks);
+                }
+            }
+        });
+    }
+    // The generator reaches past clap, and some command lines train.
+    assert!(
+        parsed > 300 && accepted > 30,
+        "{parsed} parsed, {accepted} accepted"
+    );
+}
+
+#[test]
+fn random_plan_command_lines_are_planned_or_refused_never_panic() {
+    use clap::Parser;
+    use examples::cli::PlanArgs;
+    let flags = [
+        "--layers",
+        "--d-model",
+        "--heads",
+        "--kv-heads",
+        "--d-ff",
+        "--vocab",
+        "--seq-len",
+        "--moe-experts",
+        "--top-k",
+        "--expert-d-ff",
+        "--moe-every",
+        "--world",
+        "--memory-gib",
+        "--batch",
+        "--micro-batch",
+        "--tflops",
+        "--link-gbps",
+    ];
+    let switches = [
+        "--swiglu",
+        "--rotary",
+        "--rmsnorm",
+        "--no-bias",
+        "--tied",
+        "--fp32",
+    ];
+    let mut rng = Rng(0x5EED_0005);
+    let (mut planned, start) = (0, std::time::Instant::now());
+    for case in 0..1000 {
+        let line = command_line(&mut rng, &flags, &switches, 5);
+        no_panic(&format!("plan case {case}: {line:?}"), || {
+            let Ok(args) = PlanArgs::try_parse_from(&line) else {
+                return;
+            };
+            if let Ok((shape, training, hw)) = args.inputs()
+                && burn_parallel::planner::plan(&shape, &training, &hw).is_ok()
+            {
+                planned += 1;
+            }
+        });
+    }
+    assert!(planned > 100, "{planned} planned");
+    // The absurd sizes are refused by name at once (before, each ran for minutes).
+    for (line, field) in [
+        ("--world 4000000000", "world"),
+        ("--world 720720", "world"),
+        ("--layers 4000000", "layers"),
+        ("--seq-len 100000000000", "position_table"),
+        ("--seq-len 100000000000 --rotary", "seq_len"),
+        ("--vocab 18446744073709551615", "vocab"),
+    ] {
+        let args =
+            PlanArgs::try_parse_from(std::iter::once("plan").chain(line.split(' '))).unwrap();
+        let (shape, training, hw) = args.inputs().unwrap();
+        let err = burn_parallel::planner::plan(&shape, &training, &hw)
+            .expect_err(line)
+            .to_string();
+        assert!(err.contains(field), "{line}: {err}");
+    }
+    assert!(start.elapsed().as_secs() < 60, "{:?}", start.elapsed());
 }

@@ -12,12 +12,17 @@
 //!   learning-rate schedule, checkpoints every N steps and at the end, resuming from the newest
 //!   one (saved under any layout), and a clean stop on a flag (Ctrl-C) that saves first.
 //!
+//! With the `cli` feature, [`cli::LayoutArgs`] reads a `Layout` from command-line flags
+//! (`clap`), for a binary that trains under any layout.
+//!
 //! Errors are [`burn_parallel::Error`], into which every crate of the suite converts its own.
 //!
 //! This crate sits above `burn-parallel`, `burn-zero` and `burn-moe` (it assembles them); none
 //! of them depends on it.
 
 pub mod build;
+#[cfg(feature = "cli")]
+pub mod cli;
 pub mod fit;
 pub mod layout;
 mod local;

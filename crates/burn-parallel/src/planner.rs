@@ -122,6 +122,19 @@ pub enum PlanError {
     },
 }
 
+/// The largest world the planner lays out: 2^20 devices, beyond any job of today.
+pub const MAX_WORLD: usize = 1 << 20;
+/// The most layers the planner models (its prediction walks them).
+pub const MAX_LAYERS: usize = 1 << 16;
+/// The widest `d_model` or MLP the planner models.
+pub const MAX_WIDTH: usize = 1 << 20;
+/// The largest vocabulary the planner models.
+pub const MAX_VOCAB: usize = 1 << 24;
+/// The longest sequence (and position table) the planner models.
+pub const MAX_TOKENS: usize = 1 << 26;
+/// The most experts per MoE layer the planner models.
+pub const MAX_EXPERTS: usize = 1 << 12;
+
 /// Normalisation layers of a block.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub enum NormShape {
@@ -252,6 +265,19 @@ impl ModelShape {
                 return err(field, "is 0; give a positive size".into());
             }
         }
+        // Bounds beyond any model of today, under which no size product of the prediction
+        // overflows (a 2^20 width, 2^12 experts of it, a 2^24 vocabulary, 2^16 layers).
+        for (field, v, max) in [
+            ("layers", self.layers, MAX_LAYERS),
+            ("d_model", self.d_model, MAX_WIDTH),
+            ("d_ff", self.d_ff, MAX_WIDTH),
+            ("vocab", self.vocab, MAX_VOCAB),
+            ("position_table", self.position_table, MAX_TOKENS),
+        ] {
+            if v > max {
+                return err(field, format!("{v} is beyond the planner's {max}"));
+            }
+        }
         if !self.d_model.is_multiple_of(self.heads) {
             return err(
                 "heads",
@@ -267,6 +293,15 @@ impl ModelShape {
         if let Some(m) = &self.moe {
             if m.experts == 0 || m.d_ff == 0 || m.every == 0 {
                 return err("moe", "experts, d_ff and every must be positive".into());
+            }
+            for (field, v, max) in [
+                ("moe.experts", m.experts, MAX_EXPERTS),
+                ("moe.d_ff", m.d_ff, MAX_WIDTH),
+                ("moe.shared", m.shared, MAX_EXPERTS),
+            ] {
+                if v > max {
+                    return err(field, format!("{v} is beyond the planner's {max}"));
+                }
             }
             if m.top_k == 0 || m.top_k > m.experts {
                 return err(
@@ -640,6 +675,24 @@ impl Training {
                     reason: "is 0; give a positive number".into(),
                 });
             }
+        }
+        if self.seq_len > MAX_TOKENS {
+            return Err(PlanError::Training {
+                field: "seq_len",
+                reason: format!(
+                    "{} is beyond the planner's {MAX_TOKENS} tokens",
+                    self.seq_len
+                ),
+            });
+        }
+        if self.world > MAX_WORLD {
+            return Err(PlanError::Training {
+                field: "world",
+                reason: format!(
+                    "{} is more devices than the planner lays out (at most {MAX_WORLD})",
+                    self.world
+                ),
+            });
         }
         Ok(())
     }

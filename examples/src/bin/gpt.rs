@@ -18,41 +18,24 @@
 //! gpt --ranks 4 --zero 3 --resume ckpt                           # resume under another layout
 //! ```
 
-use std::path::PathBuf;
 use std::process::ExitCode;
 
-use burn_moe::{Capacity, DropPolicy, ExpertKind, MoeConfig};
+use burn_moe::Capacity;
 use burn_parallel::mfu::{Math, Mfu, peak_tflops};
 use burn_parallel::{CollectiveError, ProcessGroup, run_local};
 use burn_parallel_train::Layout;
 use burn_pipeline::generators::generate;
 use burn_pipeline::simulate::{Costs, simulate};
 use burn_pipeline::trace::Timeline;
-use burn_zero::Stage;
-use clap::{Parser, ValueEnum};
+use clap::Parser;
+use examples::cli::{Backend, GptArgs, PrecisionArg, config_from, train_device};
 use examples::data::Corpus;
-use examples::gpt::{MlpKind, PositionKind};
 use examples::train::{
-    LossScale, Parallelism, Precision, StepPhases, StepStats, TrainConfig, TrainDevice,
-    TrainReport, train_gpt_checkpointed,
+    Parallelism, StepPhases, StepStats, TrainConfig, TrainDevice, TrainReport,
+    train_gpt_checkpointed,
 };
 use examples::train_checkpoint::CheckpointOptions;
 use indicatif::{ProgressBar, ProgressStyle};
-
-#[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
-enum Backend {
-    /// Ranks are threads of this process.
-    Local,
-    /// This process is one rank; the world comes from RANK, WORLD_SIZE, MASTER_ADDR,
-    /// MASTER_PORT (set by `burnrun` or torchrun) or SLURM's variables.
-    Tcp,
-    /// As `tcp`, with NCCL attached on CUDA device LOCAL_RANK: collectives on CUDA tensors run
-    /// through NCCL (build with `--features nccl,cuda`; see `--device cuda`).
-    Nccl,
-    /// This process is one rank of an MPI job: `mpirun -np N gpt --backend mpi`, or `srun`
-    /// (a build with `--features examples/mpi`).
-    Mpi,
-}
 
 /// The world of a multi-process backend (`tcp`, `nccl` over it, or `mpi`).
 fn process_world(backend: Backend) -> Result<ProcessGroup, CollectiveError> {
@@ -61,397 +44,6 @@ fn process_world(backend: Backend) -> Result<ProcessGroup, CollectiveError> {
         Backend::Mpi => burn_parallel::world::init_mpi(),
         Backend::Tcp | Backend::Local => burn_parallel::init_from_env(),
     }
-}
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum Mlp {
-    Gelu,
-    Swiglu,
-}
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum Positions {
-    Learned,
-    Rotary,
-}
-
-/// Train a byte-level GPT on the King James Bible with data parallelism.
-#[derive(Debug, Parser)]
-#[command(version, about)]
-struct Args {
-    /// Folder of the data files (`kjv.txt.gz`), for a binary run away from its source tree;
-    /// default: $BURN_PARALLEL_DATA_DIR, else the bundled examples/data.
-    #[arg(long, value_name = "DIR")]
-    data_dir: Option<std::path::PathBuf>,
-    /// A TOML file with a `TrainConfig` (flags given here override it).
-    #[arg(long)]
-    config: Option<PathBuf>,
-    /// How ranks talk.
-    #[arg(long, value_enum, default_value = "local")]
-    backend: Backend,
-    /// Thread ranks (local backend only).
-    #[arg(long, default_value_t = 2)]
-    ranks: usize,
-    /// Optimizer steps.
-    #[arg(long)]
-    steps: Option<usize>,
-    /// Global batch, in sequences per optimizer step.
-    #[arg(long)]
-    batch_size: Option<usize>,
-    /// Tokens per sequence.
-    #[arg(long)]
-    seq_len: Option<usize>,
-    /// Gradient-accumulation micro-steps per optimizer step.
-    #[arg(long)]
-    grad_accum: Option<usize>,
-    /// Peak learning rate.
-    #[arg(long)]
-    lr: Option<f64>,
-    /// Transformer layers.
-    #[arg(long)]
-    layers: Option<usize>,
-    /// Attention heads.
-    #[arg(long)]
-    heads: Option<usize>,
-    /// Model width.
-    #[arg(long)]
-    d_model: Option<usize>,
-    /// MLP kind.
-    #[arg(long, value_enum)]
-    mlp: Option<Mlp>,
-    /// Position encoding.
-    #[arg(long, value_enum)]
-    positions: Option<Positions>,
-    /// Tie the LM head to the token embedding.
-    #[arg(long)]
-    tied: bool,
-    /// Seed of the weights.
-    #[arg(long)]
-    seed: Option<u64>,
-    /// Gradient bucket size in MB.
-    #[arg(long)]
-    bucket_mb: Option<f64>,
-    /// Print a line every N steps (the progress bar shows every step).
-    #[arg(long, default_value_t = 10)]
-    log_every: usize,
-    /// Peak TFLOP/s of one device, for the MFU on the log lines (default: looked up from the
-    /// CUDA device's name; none on other devices, where only the model TFLOP/s are shown).
-    #[arg(long, value_name = "TFLOPS")]
-    peak_tflops: Option<f64>,
-    /// Tensor-parallel size: each model is split over this many ranks (Megatron-style); the
-    /// ranks form a `dp x tp` mesh with `dp = ranks / tp`.
-    #[arg(long, default_value_t = 1)]
-    tp: usize,
-    /// Sequence parallelism inside each tensor-parallel group (needs --tp 2 or more).
-    #[arg(long)]
-    sp: bool,
-    /// Context-parallel size: each sequence is split along its length over this many ranks
-    /// (mesh `dp x cp x tp`); the sequence length must divide by 2 cp (by cp with
-    /// `--cp-balance none`).
-    #[arg(long, default_value_t = 1)]
-    cp: usize,
-    /// How attention crosses the context-parallel ranks: `ring` (K/V blocks rotate) or
-    /// `ulysses` (all-to-all to head-sharded; the heads per tensor-parallel rank must divide by
-    /// cp).
-    #[arg(long, default_value = "ring")]
-    cp_kind: burn_parallel::context_parallel::CpKind,
-    /// How each sequence is split over the context-parallel ranks: `headtail` (zigzag: chunks
-    /// r and 2cp-1-r, the same causal work on every rank) or `none` (contiguous).
-    #[arg(long, default_value = "headtail")]
-    cp_balance: burn_parallel::context_parallel::CpBalance,
-    /// ZeRO stage (1: optimizer state sharded, 2: + gradients, 3: + parameters: FSDP, each
-    /// block, the embeddings, the final norm and the head a unit) over the data-parallel ranks,
-    /// instead of plain DDP. Composes with --tp (the 2-D layout), --hybrid and --clip.
-    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
-    zero: Option<u8>,
-    /// Hybrid sharding with --zero: shard inside groups of ranks/N, replicate across N groups.
-    #[arg(long, requires = "zero")]
-    hybrid: Option<usize>,
-    /// With --zero 3: all-gather the next block while one computes (one more gathered block
-    /// of memory).
-    #[arg(long, requires = "zero")]
-    prefetch: bool,
-    /// With --zero 3 and --grad-accum: hold each block's whole gradient over the micro-steps
-    /// and reduce-scatter it once per step (one block-sized buffer per block).
-    #[arg(long, requires = "zero")]
-    no_sync: bool,
-    /// Data parallelism: all-reduce the gradient buckets during the backward, each as its
-    /// gradients become final (PyTorch DDP's overlap; `burn_parallel::overlap`), instead of
-    /// after it. Not with --zero.
-    #[arg(long = "overlap", conflicts_with = "zero")]
-    ddp_overlap: bool,
-    /// With --zero 1|2: keep the optimizer state and its update in host memory (DeepSpeed's
-    /// offload_optimizer), leaving the device the model, its gradients and the compute.
-    #[arg(long, requires = "zero")]
-    offload: bool,
-    /// Clip the global norm of the averaged gradient to this value.
-    #[arg(long)]
-    clip: Option<f64>,
-    /// Write the per-step losses as JSON to this file (rank 0).
-    #[arg(long)]
-    losses_out: Option<PathBuf>,
-    /// Write the trained parameters (whole, fp32, by path) as JSON to this file (rank 0).
-    #[arg(long)]
-    params_out: Option<PathBuf>,
-    /// Run norms, attention, GELU/SwiGLU, RoPE and the cross-entropy through the fused kernels
-    /// (the default; kept for old command lines).
-    #[arg(long, conflicts_with = "unfused")]
-    fused: bool,
-    /// Run the model as composed Burn operations instead of the fused kernels (the reference
-    /// the fused paths are checked against).
-    #[arg(long)]
-    unfused: bool,
-    /// Arithmetic of the forward and backward: f32, or bf16 / fp16 (loss-scaled) with fp32
-    /// master weights and optimizer state (data, tensor, ZeRO and FSDP parallelism).
-    #[arg(long, value_enum)]
-    precision: Option<PrecisionArg>,
-    /// With --precision bf16: average the gradients in fp32 (twice the bytes, no bf16
-    /// rounding of the sums; fp16 always does).
-    #[arg(long, requires = "precision")]
-    reduce_fp32: bool,
-    /// Dynamic loss scaling from this scale (with `--precision fp16` the default is 65536):
-    /// an overflowing step is skipped and halves it.
-    #[arg(long)]
-    loss_scale: Option<f64>,
-    /// Clean steps in a row that double the loss scale (default 2000).
-    #[arg(long, requires = "loss_scale")]
-    loss_scale_window: Option<usize>,
-    /// Let fp32 matrix products run in TF32 where the device has it (CUDA: cuBLASLt's TF32
-    /// mode), as PyTorch's `allow_tf32`; bf16/fp16 products are unaffected.
-    #[arg(long)]
-    tf32: bool,
-    /// Intra-op threads of each rank's CPU kernels (default: the cores divided by the ranks on
-    /// this machine; also BURN_PARALLEL_THREADS).
-    #[arg(long)]
-    threads: Option<usize>,
-    /// Print where the step time went on rank 0 at the end (forward, backward, gradient
-    /// communication, optimizer; the first step excluded).
-    #[arg(long)]
-    profile: bool,
-    /// Device of the trainer, under every layout (`wgpu` needs a build with `--features wgpu`,
-    /// `cuda` one with `--features cuda`: device LOCAL_RANK of each process).
-    #[arg(long, value_enum)]
-    device: Option<DeviceArg>,
-    /// Pipeline parallelism: --pp N --schedule gpipe|1f1b|interleaved|zb-h1|zbv|dualpipev
-    /// --microbatches M [--virtual-stages V] [--balance-params].
-    #[command(flatten)]
-    pipeline: examples::pipeline::PipelineArgs,
-    /// DiLoCo: --diloco-islands N --inner-steps H --outer-lr X --outer-momentum M
-    /// [--diloco-compression f32|fp16|bf16|int8] [--diloco-fragments F] [--diloco-overlap T]
-    /// [--diloco-drop-lost].
-    #[command(flatten)]
-    diloco: examples::train_diloco::DiLoCoArgs,
-    /// Distributed checkpoints: --save-every N --checkpoint-dir D [--keep-checkpoints K]
-    /// [--async-checkpoint], and --resume D (under any dp/tp/ZeRO/ep/pp layout; GPT-MoE and
-    /// dropout included; not yet with --diloco-islands, nor --pp with --zero).
-    #[command(flatten)]
-    checkpoint: examples::train_checkpoint::CheckpointArgs,
-    /// Hidden width of the dense MLP (default 4 x d_model).
-    #[arg(long)]
-    d_ff: Option<usize>,
-    /// GPT-MoE: the MLP of every --moe-every-th block becomes a mixture of this many experts.
-    #[arg(long)]
-    moe_experts: Option<usize>,
-    /// GPT-MoE: experts per token.
-    #[arg(long)]
-    top_k: Option<usize>,
-    /// GPT-MoE: blocks N-1, 2N-1, ... are MoE blocks (1: every block).
-    #[arg(long)]
-    moe_every: Option<usize>,
-    /// GPT-MoE: hidden width of each expert (default: the dense MLP's d_ff).
-    #[arg(long)]
-    expert_d_ff: Option<usize>,
-    /// GPT-MoE: expert-parallel size, carved out of the data-parallel ranks (must divide the
-    /// experts and the data-parallel ranks).
-    #[arg(long, default_value_t = 1)]
-    ep: usize,
-    /// GPT-MoE: capacity mode, each expert takes at most ceil(tokens x top_k / experts x C)
-    /// tokens of each rank's batch; the others are dropped (pass on the residual).
-    #[arg(long, conflicts_with = "dropless")]
-    capacity_factor: Option<f64>,
-    /// GPT-MoE: dropless mode (the default): no token is dropped.
-    #[arg(long)]
-    dropless: bool,
-    /// GPT-MoE: coefficient of the Switch load-balancing loss.
-    #[arg(long)]
-    aux_loss: Option<f64>,
-    /// GPT-MoE: coefficient of the router z-loss.
-    #[arg(long)]
-    z_loss: Option<f64>,
-    /// GPT-MoE: auxiliary-loss-free balancing (DeepSeek-V3): expert biases move by
-    /// --bias-rate after each step.
-    #[arg(long)]
-    bias_balancing: bool,
-    /// Step of the expert biases of --bias-balancing.
-    #[arg(long, default_value_t = 1e-3)]
-    bias_rate: f64,
-}
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum PrecisionArg {
-    F32,
-    Bf16,
-    Fp16,
-}
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum DeviceArg {
-    Flex,
-    #[cfg(feature = "wgpu")]
-    Wgpu,
-    #[cfg(feature = "cuda")]
-    Cuda,
-}
-
-fn train_device(args: &Args) -> TrainDevice {
-    match args.device {
-        None | Some(DeviceArg::Flex) => TrainDevice::Flex,
-        #[cfg(feature = "wgpu")]
-        Some(DeviceArg::Wgpu) => TrainDevice::Wgpu,
-        #[cfg(feature = "cuda")]
-        Some(DeviceArg::Cuda) => TrainDevice::Cuda,
-    }
-}
-
-fn config_from(args: &Args) -> Result<TrainConfig, String> {
-    let mut c = match &args.config {
-        Some(path) => {
-            let text = std::fs::read_to_string(path)
-                .map_err(|e| format!("reading {}: {e}", path.display()))?;
-            TrainConfig::from_toml(&text).map_err(|e| format!("parsing {}: {e}", path.display()))?
-        }
-        None => TrainConfig::default(),
-    };
-    macro_rules! set {
-        ($field:expr, $value:expr) => {
-            if let Some(v) = $value {
-                $field = v;
-            }
-        };
-    }
-    set!(c.steps, args.steps);
-    set!(c.batch_size, args.batch_size);
-    set!(c.seq_len, args.seq_len);
-    set!(c.grad_accum, args.grad_accum);
-    set!(c.lr, args.lr);
-    set!(c.model.n_layers, args.layers);
-    set!(c.model.n_heads, args.heads);
-    set!(c.bucket_mb, args.bucket_mb);
-    set!(c.model.seed, args.seed);
-    set!(c.max_grad_norm, args.clip.map(Some));
-    set!(
-        c.precision,
-        args.precision.map(|p| match p {
-            PrecisionArg::F32 => Precision::F32,
-            PrecisionArg::Bf16 => Precision::Bf16,
-            PrecisionArg::Fp16 => Precision::Fp16,
-        })
-    );
-    c.reduce_fp32 |= args.reduce_fp32;
-    if let Some(initial) = args.loss_scale {
-        let default = LossScale::default();
-        c.loss_scale = Some(LossScale {
-            initial,
-            window: args.loss_scale_window.unwrap_or(default.window),
-            ..default
-        });
-    }
-    if let Some(d) = args.d_model {
-        c.model.d_model = d;
-        c.model.d_ff = 4 * d;
-    }
-    set!(c.model.d_ff, args.d_ff);
-    if let Some(m) = args.mlp {
-        c.model.mlp = match m {
-            Mlp::Gelu => MlpKind::Gelu,
-            Mlp::Swiglu => MlpKind::SwiGlu,
-        };
-    }
-    if let Some(p) = args.positions {
-        c.model.positions = match p {
-            Positions::Learned => PositionKind::Learned,
-            Positions::Rotary => PositionKind::Rotary,
-        };
-    }
-    if args.tied {
-        c.model.tied_embeddings = true;
-    }
-    if args.fused {
-        c.model.fused = true;
-    }
-    if args.unfused {
-        c.model.fused = false;
-    }
-    moe_from(args, &mut c)?;
-    c.model.max_seq_len = c.model.max_seq_len.max(c.seq_len);
-    Ok(c)
-}
-
-/// The GPT-MoE flags: `--moe-experts` makes (or replaces) `model.moe`, the others change it.
-fn moe_from(args: &Args, c: &mut TrainConfig) -> Result<(), String> {
-    if let Some(experts) = args.moe_experts {
-        let mut moe = MoeConfig::new(
-            c.model.d_model,
-            args.expert_d_ff.unwrap_or(c.model.d_ff),
-            experts,
-            args.top_k.unwrap_or(2),
-        );
-        moe.bias = c.model.bias;
-        moe.expert = match c.model.mlp {
-            MlpKind::Gelu => ExpertKind::Gelu,
-            MlpKind::SwiGlu => ExpertKind::SwiGlu,
-        };
-        c.model.moe = Some(moe);
-    }
-    let Some(moe) = &mut c.model.moe else {
-        let given = args.top_k.is_some()
-            || args.moe_every.is_some()
-            || args.expert_d_ff.is_some()
-            || args.capacity_factor.is_some()
-            || args.dropless
-            || args.aux_loss.is_some()
-            || args.z_loss.is_some()
-            || args.bias_balancing;
-        return match given {
-            true => Err(
-                "the MoE flags (--top-k, --capacity-factor, ...) need --moe-experts \
-                         (or a model.moe section in --config)"
-                    .into(),
-            ),
-            false => Ok(()),
-        };
-    };
-    if args.d_model.is_some() {
-        moe.d_model = c.model.d_model;
-    }
-    if let Some(k) = args.top_k {
-        moe.top_k = k;
-    }
-    if let Some(f) = args.expert_d_ff {
-        moe.d_ff = f;
-    }
-    if let Some(every) = args.moe_every {
-        c.model.moe_every = every;
-    }
-    if let Some(factor) = args.capacity_factor {
-        moe.capacity = Capacity::Factor {
-            factor,
-            drop: DropPolicy::Position,
-        };
-    }
-    if args.dropless {
-        moe.capacity = Capacity::Dropless;
-    }
-    if let Some(a) = args.aux_loss {
-        moe.aux_loss = a;
-    }
-    if let Some(z) = args.z_loss {
-        moe.z_loss = z;
-    }
-    if args.bias_balancing {
-        moe.bias_update_rate = args.bias_rate;
-    }
-    Ok(())
 }
 
 /// One line per MoE layer: tokens per expert, drop rate, imbalance, auxiliary losses.
@@ -603,7 +195,7 @@ fn print_profile(phases: &StepPhases, step_seconds: f64, steps: usize) {
 }
 
 fn main() -> ExitCode {
-    let args = Args::parse();
+    let args = GptArgs::parse();
     match args.threads {
         Some(0) => {
             eprintln!("error: --threads must be at least 1");
@@ -673,34 +265,15 @@ fn main() -> ExitCode {
     if let Some(run) = diloco {
         return run_diloco(&args, &config, &corpus, &run, &checkpoints);
     }
-    let zero = match args
-        .zero
-        .map(|s| Stage::from_number(s as usize))
-        .transpose()
-    {
-        Ok(zero) => zero,
+    let parallel = match args.layout() {
+        Ok(layout) => layout,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }
     };
     config.device = train_device(&args);
-    let parallel = Layout {
-        tp: args.tp,
-        sp: args.sp,
-        cp: args.cp,
-        cp_kind: args.cp_kind,
-        cp_balance: args.cp_balance,
-        pp: args.pipeline.pp,
-        ep: args.ep,
-        zero,
-        replicate: args.hybrid.unwrap_or(1),
-        prefetch: args.prefetch,
-        no_sync: args.no_sync,
-        overlap: args.ddp_overlap,
-        offload: args.offload,
-    };
-    if args.pipeline.pp > 1 {
+    if parallel.pp > 1 {
         // The layout's rules (Layout::validate) are checked on the world the ranks form.
         return run_pipeline(&args, &config, &corpus, &checkpoints, &parallel);
     }
@@ -774,7 +347,7 @@ struct Logging {
 }
 
 impl Logging {
-    fn new(args: &Args) -> Self {
+    fn new(args: &GptArgs) -> Self {
         Self {
             every: args.log_every,
             profile: args.profile,
@@ -809,7 +382,7 @@ impl Logging {
 
 /// The peak FLOP/s of one device: `--peak-tflops`, or the data sheet of the CUDA device the
 /// driver names, for the arithmetic of `--precision`.
-fn device_peak(args: &Args) -> (Option<f64>, String) {
+fn device_peak(args: &GptArgs) -> (Option<f64>, String) {
     let math = match args.precision {
         None | Some(PrecisionArg::F32) if args.tf32 => Math::Tf32,
         None | Some(PrecisionArg::F32) => Math::F32,
@@ -944,7 +517,11 @@ fn print_report(report: &TrainReport, corpus: &Corpus) {
 
 /// `--losses-out` and `--params-out`: the per-step losses as a JSON list, then the trained
 /// parameters (path, shape, values) as JSON.
-fn write_outputs(args: &Args, losses: &[f64], params: &[examples::train::NamedParam]) -> ExitCode {
+fn write_outputs(
+    args: &GptArgs,
+    losses: &[f64],
+    params: &[examples::train::NamedParam],
+) -> ExitCode {
     let files: [(_, &dyn Fn() -> String); 2] = [
         (args.losses_out.as_deref(), &|| {
             serde_json::to_string(losses).expect("json")
@@ -992,15 +569,13 @@ fn print_bubble(pipeline: &examples::pipeline::PipelineConfig, timeline: &Timeli
 
 /// `--pp N`: pipeline parallelism (mesh `pp x dp x tp`), see `examples::pipeline`.
 fn run_pipeline(
-    args: &Args,
+    args: &GptArgs,
     config: &TrainConfig,
     corpus: &Corpus,
     checkpoints: &CheckpointOptions,
     layout: &Layout,
 ) -> ExitCode {
-    let pipeline = args
-        .pipeline
-        .config(train_device(args), args.tp, args.sp, layout.zero);
+    let pipeline = args.pipeline.config(train_device(args), layout);
     let work = config.step_settings().workload(&config.model);
     let run = |world: ProcessGroup| {
         layout
@@ -1052,26 +627,26 @@ fn run_pipeline(
 
 /// `--diloco-islands N`: DiLoCo, see `examples::train_diloco`.
 fn run_diloco(
-    args: &Args,
+    args: &GptArgs,
     config: &TrainConfig,
     corpus: &Corpus,
     run: &examples::train_diloco::DiLoCoRun,
     checkpoints: &examples::train_checkpoint::CheckpointOptions,
 ) -> ExitCode {
     use examples::train_diloco::{DiLoCoTrainError, run_rank};
-    let parallel = Parallelism {
-        tp: args.tp,
-        cp: args.cp,
-        zero: args.zero.map(|_| Stage::One), // any stage: DiLoCo refuses --zero
-        ep: args.ep,
-        ..Parallelism::default()
+    let parallel = match args.layout() {
+        Ok(layout) => layout,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
     };
     let pp = DiLoCoTrainError::Unsupported {
         flag: "--pp",
         why: "the outer step reads whole parameters",
     };
     // Over TCP the world size is known once the world is formed: every rank checks then.
-    let checked = match (args.pipeline.pp > 1, args.backend) {
+    let checked = match (args.layout.pp > 1, args.backend) {
         (true, _) => Err(pp),
         (false, Backend::Local) => run.validate(config, &parallel, args.ranks),
         (false, Backend::Tcp | Backend::Nccl | Backend::Mpi) => Ok(()),

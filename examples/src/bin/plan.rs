@@ -14,105 +14,9 @@
 
 use std::process::ExitCode;
 
-use burn_parallel::planner::{
-    Attention, Candidate, Hardware, ModelShape, MoeShape, NormShape, Training, plan,
-};
+use burn_parallel::planner::{Candidate, plan};
 use clap::Parser;
-
-/// Rank the layouts (dp, ZeRO 0-3, tp/sp, pp schedules, cp, ep, checkpointing) of a GPT by
-/// predicted per-rank memory and step time.
-#[derive(Debug, Parser)]
-#[command(version, about)]
-struct Args {
-    /// Transformer blocks.
-    #[arg(long, default_value_t = 4)]
-    layers: usize,
-    /// Width of the residual stream.
-    #[arg(long, default_value_t = 128)]
-    d_model: usize,
-    /// Attention heads.
-    #[arg(long, default_value_t = 4)]
-    heads: usize,
-    /// Key/value heads (grouped-query attention; default: the heads).
-    #[arg(long)]
-    kv_heads: Option<usize>,
-    /// MLP width (default 4 d_model).
-    #[arg(long)]
-    d_ff: Option<usize>,
-    /// Vocabulary.
-    #[arg(long, default_value_t = 256)]
-    vocab: usize,
-    /// Tokens per sequence.
-    #[arg(long, default_value_t = 128)]
-    seq_len: usize,
-    /// Gated (SwiGLU) MLP.
-    #[arg(long)]
-    swiglu: bool,
-    /// Rotary positions (no learned position table).
-    #[arg(long)]
-    rotary: bool,
-    /// RMSNorm instead of LayerNorm.
-    #[arg(long)]
-    rmsnorm: bool,
-    /// No biases in the linear layers.
-    #[arg(long)]
-    no_bias: bool,
-    /// Tie the output projection to the token embedding.
-    #[arg(long)]
-    tied: bool,
-    /// GPT-MoE: routed experts per MoE layer.
-    #[arg(long)]
-    moe_experts: Option<usize>,
-    /// GPT-MoE: experts per token.
-    #[arg(long, default_value_t = 2)]
-    top_k: usize,
-    /// GPT-MoE: expert width (default: d_ff).
-    #[arg(long)]
-    expert_d_ff: Option<usize>,
-    /// GPT-MoE: every n-th block is an MoE block.
-    #[arg(long, default_value_t = 1)]
-    moe_every: usize,
-    /// Devices.
-    #[arg(long, default_value_t = 8)]
-    world: usize,
-    /// Memory per device, GiB.
-    #[arg(long, default_value_t = 16.0)]
-    memory_gib: f64,
-    /// Global batch, sequences per optimizer step.
-    #[arg(long, default_value_t = 32)]
-    batch: usize,
-    /// Sequences per micro-batch.
-    #[arg(long, default_value_t = 1)]
-    micro_batch: usize,
-    /// Sustained TFLOP/s per device.
-    #[arg(long, default_value_t = 100.0)]
-    tflops: f64,
-    /// Link bandwidth per device, GB/s.
-    #[arg(long, default_value_t = 25.0)]
-    link_gbps: f64,
-    /// fp32 everywhere (default: mixed precision, 2 + 2 + 12 bytes per parameter); the
-    /// activations are then those this implementation keeps, tensor by tensor.
-    #[arg(long)]
-    fp32: bool,
-    /// Flash (blockwise) attention: no `b a s^2` scores kept (default: materialised).
-    #[arg(long)]
-    flash: bool,
-    /// No dropout (its masks are not kept).
-    #[arg(long)]
-    no_dropout: bool,
-    /// The fused norms and cross-entropy of `burn_parallel::kernels` (fp32 model only).
-    #[arg(long)]
-    fused: bool,
-    /// Rows of the table of fitting layouts.
-    #[arg(long, default_value_t = 15)]
-    top: usize,
-    /// Rejected layouts to explain.
-    #[arg(long, default_value_t = 8)]
-    rejected: usize,
-    /// Write the whole plan as JSON here.
-    #[arg(long)]
-    json: Option<std::path::PathBuf>,
-}
+use examples::cli::PlanArgs;
 
 fn row(rank: usize, c: &Candidate, unit: f64) -> String {
     let m = &c.memory;
@@ -135,46 +39,11 @@ fn row(rank: usize, c: &Candidate, unit: f64) -> String {
 }
 
 fn main() -> ExitCode {
-    let a = Args::parse();
-    let shape = ModelShape {
-        kv_heads: a.kv_heads.unwrap_or(a.heads),
-        d_ff: a.d_ff.unwrap_or(4 * a.d_model),
-        position_table: if a.rotary { 0 } else { a.seq_len },
-        gated_mlp: a.swiglu,
-        bias: !a.no_bias,
-        norm: if a.rmsnorm {
-            NormShape::RmsNorm
-        } else {
-            NormShape::LayerNorm
-        },
-        tied_embeddings: a.tied,
-        moe: a.moe_experts.map(|experts| MoeShape {
-            experts,
-            top_k: a.top_k,
-            d_ff: a.expert_d_ff.or(a.d_ff).unwrap_or(4 * a.d_model),
-            shared: 0,
-            gated: a.swiglu,
-            bias: false,
-            every: a.moe_every,
-        }),
-        ..ModelShape::gpt(a.layers, a.d_model, a.heads, a.vocab, a.seq_len)
-    };
-    let training = Training {
-        micro_batch: a.micro_batch,
-        mixed_precision: !a.fp32,
-        attention: if a.flash {
-            Attention::Flash
-        } else {
-            Attention::Materialized
-        },
-        dropout: !a.no_dropout,
-        fused: a.fused,
-        ..Training::new(a.world, a.batch, a.seq_len)
-    };
-    let hw = match Hardware::try_from_units(a.memory_gib, a.tflops, a.link_gbps) {
-        Ok(hw) => hw,
+    let a = PlanArgs::parse();
+    let (shape, training, hw) = match a.inputs() {
+        Ok(inputs) => inputs,
         Err(e) => {
-            eprintln!("error: {e} (--memory-gib, --tflops, --link-gbps)");
+            eprintln!("error: {e}");
             return ExitCode::from(2);
         }
     };

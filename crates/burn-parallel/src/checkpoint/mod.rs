@@ -640,7 +640,7 @@ fn write_manifest(
             ));
         }
     }
-    let mut manifest = Manifest {
+    let manifest = Manifest {
         format: FORMAT.into(),
         format_version: FORMAT_VERSION,
         step,

@@ -355,7 +355,7 @@ pub(super) fn predict(
     }
     let bubble = layout.schedule.bubble_factor() * (p - 1) as f64 * worst_mb_seconds;
     let step_seconds = m as f64 * worst_mb_seconds + bubble + dp_seconds;
-    let tokens = (training.global_batch * training.seq_len) as f64;
+    let tokens = training.global_batch as f64 * training.seq_len as f64;
     let attention_all = 12.0 * (shape.layers * training.seq_len * shape.d_model) as f64;
     let dense_flops = 6.0 * shape.active_params() as f64 * shape.scale()
         + if recompute {

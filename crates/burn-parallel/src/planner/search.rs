@@ -8,8 +8,110 @@ use super::{
 };
 use crate::mesh::ParallelDims;
 
+/// The divisors of `n`, in increasing order (found up to its square root).
 fn divisors(n: usize) -> Vec<usize> {
-    (1..=n).filter(|d| n.is_multiple_of(*d)).collect()
+    let (mut low, mut high) = (Vec::new(), Vec::new());
+    let mut d = 1;
+    while d <= n / d {
+        if n.is_multiple_of(d) {
+            low.push(d);
+            if d != n / d {
+                high.push(n / d);
+            }
+        }
+        d += 1;
+    }
+    low.extend(high.into_iter().rev());
+    low
+}
+
+/// The most layouts [`plan`] weighs: a world whose divisors give more (a highly composite
+/// number of tens of thousands of devices) is refused with the count rather than searched for
+/// minutes.
+pub const MAX_LAYOUTS: usize = 500_000;
+
+/// Every layout [`plan`] weighs (see there), in its order.
+///
+/// # Errors
+/// [`PlanError::Training`] naming `world` when there are more than [`MAX_LAYOUTS`].
+fn layouts(shape: &ModelShape, training: &Training) -> Result<Vec<Layout>, PlanError> {
+    let w = training.world;
+    let experts = shape.moe.as_ref().map(|m| m.experts);
+    let mut out = Vec::new();
+    for pp in divisors(w) {
+        for cp in divisors(w / pp) {
+            for tp in divisors(w / (pp * cp)) {
+                let dp = w / (pp * cp * tp);
+                let schedules: Vec<Schedule> = if pp == 1 {
+                    vec![Schedule::None]
+                } else {
+                    vec![
+                        Schedule::GPipe,
+                        Schedule::OneFOneB,
+                        Schedule::Interleaved { virtual_stages: 2 },
+                        Schedule::ZbH1,
+                        Schedule::Zbv,
+                    ]
+                };
+                let eps: Vec<usize> = match experts {
+                    Some(n) => divisors(dp).into_iter().filter(|e| n % e == 0).collect(),
+                    None => vec![1],
+                };
+                let per_replica = training.global_batch / dp.max(1);
+                let micro_batches = (per_replica / training.micro_batch).max(1);
+                for dp_shard in divisors(dp) {
+                    let dp_replicate = dp / dp_shard;
+                    let stages: Vec<u8> = match (dp_shard, cp) {
+                        (1, 1) => vec![0],
+                        (1, _) => vec![0, 1, 2, 3],
+                        _ => vec![1, 2, 3],
+                    };
+                    for &ep in &eps {
+                        for &zero in &stages {
+                            for sp in [false, true] {
+                                if sp && tp == 1 {
+                                    continue;
+                                }
+                                for &schedule in &schedules {
+                                    for checkpoint in
+                                        [Checkpoint::None, Checkpoint::Block, Checkpoint::Stage]
+                                    {
+                                        if out.len() == MAX_LAYOUTS {
+                                            return Err(PlanError::Training {
+                                                field: "world",
+                                                reason: format!(
+                                                    "{w} has too many divisors: its layouts are \
+                                                     more than the {MAX_LAYOUTS} the planner \
+                                                     weighs; plan a world of fewer divisors \
+                                                     (a power of two, or a multiple of 8 nodes)"
+                                                ),
+                                            });
+                                        }
+                                        out.push(Layout {
+                                            dims: ParallelDims {
+                                                pp,
+                                                dp_replicate,
+                                                dp_shard,
+                                                cp,
+                                                tp,
+                                                ep,
+                                            },
+                                            zero,
+                                            sp,
+                                            schedule,
+                                            micro_batches,
+                                            checkpoint,
+                                        });
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// Predicts memory and time of one layout.
@@ -73,81 +175,19 @@ pub fn plan(shape: &ModelShape, training: &Training, hw: &Hardware) -> Result<Pl
     shape.validate()?;
     training.validate()?;
     hw.validate()?;
-    let w = training.world;
     let mut fitting = Vec::new();
     let mut constraints: Vec<Rejected> = Vec::new();
     let mut memory: Vec<Rejected> = Vec::new();
-    let experts = shape.moe.as_ref().map(|m| m.experts);
-    for pp in divisors(w) {
-        for cp in divisors(w / pp) {
-            for tp in divisors(w / (pp * cp)) {
-                let dp = w / (pp * cp * tp);
-                let schedules: Vec<Schedule> = if pp == 1 {
-                    vec![Schedule::None]
-                } else {
-                    vec![
-                        Schedule::GPipe,
-                        Schedule::OneFOneB,
-                        Schedule::Interleaved { virtual_stages: 2 },
-                        Schedule::ZbH1,
-                        Schedule::Zbv,
-                    ]
-                };
-                let eps: Vec<usize> = match experts {
-                    Some(n) => divisors(dp).into_iter().filter(|e| n % e == 0).collect(),
-                    None => vec![1],
-                };
-                for dp_shard in divisors(dp) {
-                    let dp_replicate = dp / dp_shard;
-                    let stages: Vec<u8> = match (dp_shard, cp) {
-                        (1, 1) => vec![0],
-                        (1, _) => vec![0, 1, 2, 3],
-                        _ => vec![1, 2, 3],
-                    };
-                    for &ep in &eps {
-                        for &zero in &stages {
-                            for sp in [false, true] {
-                                if sp && tp == 1 {
-                                    continue;
-                                }
-                                for &schedule in &schedules {
-                                    for checkpoint in
-                                        [Checkpoint::None, Checkpoint::Block, Checkpoint::Stage]
-                                    {
-                                        let per_replica = training.global_batch / dp.max(1);
-                                        let layout = Layout {
-                                            dims: ParallelDims {
-                                                pp,
-                                                dp_replicate,
-                                                dp_shard,
-                                                cp,
-                                                tp,
-                                                ep,
-                                            },
-                                            zero,
-                                            sp,
-                                            schedule,
-                                            micro_batches: (per_replica / training.micro_batch)
-                                                .max(1),
-                                            checkpoint,
-                                        };
-                                        consider(
-                                            shape,
-                                            training,
-                                            hw,
-                                            layout,
-                                            &mut fitting,
-                                            &mut constraints,
-                                            &mut memory,
-                                        );
-                                    }
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-        }
+    for layout in layouts(shape, training)? {
+        consider(
+            shape,
+            training,
+            hw,
+            layout,
+            &mut fitting,
+            &mut constraints,
+            &mut memory,
+        );
     }
     fitting.sort_by(|a: &Candidate, b: &Candidate| {
         a.step_seconds

@@ -1,0 +1,183 @@
+//! [`LayoutArgs`]: a [`Layout`] from command-line flags (the `cli` feature, with `clap`), for a
+//! binary that trains under any layout. Flatten it into the binary's own arguments; each flag
+//! is the one [`LayoutError`]s name.
+//!
+//! ```
+//! use burn_parallel_train::cli::LayoutArgs;
+//! use clap::Parser;
+//!
+//! #[derive(Parser)]
+//! struct Args {
+//!     /// Ranks of the run.
+//!     #[arg(long, default_value_t = 4)]
+//!     ranks: usize,
+//!     #[command(flatten)]
+//!     layout: LayoutArgs,
+//! }
+//!
+//! let args = Args::parse_from(["train", "--tp", "2", "--sp", "--zero", "3"]);
+//! let layout = args.layout.layout().unwrap();
+//! assert_eq!(layout.describe(args.ranks), "FSDP 2 x tp 2 + sp");
+//! ```
+
+use burn_parallel::context_parallel::{CpBalance, CpKind};
+use burn_zero::Stage;
+
+use crate::layout::{Layout, LayoutError};
+
+/// The layout flags: `--tp`, `--sp`, `--cp`, `--cp-kind`, `--cp-balance`, `--pp`, `--ep`,
+/// `--zero`, `--hybrid`, `--prefetch`, `--no-sync`, `--overlap`, `--offload`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct LayoutArgs {
+    /// Tensor-parallel size: each model is split over this many ranks (Megatron-style); the
+    /// ranks form a `dp x tp` mesh with `dp = ranks / tp`.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Sequence parallelism inside each tensor-parallel group (needs --tp 2 or more).
+    #[arg(long)]
+    pub sp: bool,
+    /// Context-parallel size: each sequence is split along its length over this many ranks
+    /// (mesh `dp x cp x tp`); the sequence length must divide by 2 cp (by cp with
+    /// `--cp-balance none`).
+    #[arg(long, default_value_t = 1)]
+    pub cp: usize,
+    /// How attention crosses the context-parallel ranks: `ring` (K/V blocks rotate) or
+    /// `ulysses` (all-to-all to head-sharded; the heads per tensor-parallel rank must divide by
+    /// cp).
+    #[arg(long, default_value = "ring")]
+    pub cp_kind: CpKind,
+    /// How each sequence is split over the context-parallel ranks: `headtail` (zigzag: chunks
+    /// r and 2cp-1-r, the same causal work on every rank) or `none` (contiguous).
+    #[arg(long, default_value = "headtail")]
+    pub cp_balance: CpBalance,
+    /// Pipeline-parallel size: the model's layers are split into stages over this many ranks
+    /// (mesh `pp x dp`, dp = ranks / pp). 1: no pipeline.
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// Expert-parallel size, carved out of the data-parallel ranks (must divide the experts
+    /// and the data-parallel ranks).
+    #[arg(long, default_value_t = 1)]
+    pub ep: usize,
+    /// ZeRO stage (1: optimizer state sharded, 2: + gradients, 3: + parameters: FSDP) over the
+    /// data-parallel ranks, instead of plain DDP. Composes with --tp, --hybrid and clipping.
+    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=3))]
+    pub zero: Option<u8>,
+    /// Hybrid sharding with --zero: shard inside groups of ranks/N, replicate across N groups.
+    #[arg(long, requires = "zero")]
+    pub hybrid: Option<usize>,
+    /// With --zero 3: all-gather the next unit while one computes (one more gathered unit of
+    /// memory).
+    #[arg(long, requires = "zero")]
+    pub prefetch: bool,
+    /// With --zero 3 and accumulation: hold each unit's whole gradient over the micro-steps
+    /// and reduce-scatter it once per step.
+    #[arg(long, requires = "zero")]
+    pub no_sync: bool,
+    /// Data parallelism: all-reduce the gradient buckets during the backward, each as its
+    /// gradients become final (PyTorch DDP's overlap), instead of after it. Not with --zero.
+    #[arg(long = "overlap", conflicts_with = "zero")]
+    pub ddp_overlap: bool,
+    /// With --zero 1|2: keep the optimizer state and its update in host memory (DeepSpeed's
+    /// offload_optimizer), leaving the device the model, its gradients and the compute.
+    #[arg(long, requires = "zero")]
+    pub offload: bool,
+}
+
+impl LayoutArgs {
+    /// The layout the flags say (not yet validated: [`Layout::validate`] knows the world and
+    /// the model).
+    ///
+    /// # Errors
+    /// A [`LayoutError`] naming `--zero` for a stage other than 1, 2 or 3 (which clap already
+    /// refuses on the command line).
+    pub fn layout(&self) -> Result<Layout, LayoutError> {
+        let zero = self
+            .zero
+            .map(|s| Stage::from_number(usize::from(s)))
+            .transpose()
+            .map_err(|e| LayoutError {
+                flag: "--zero",
+                message: e.to_string(),
+            })?;
+        Ok(Layout {
+            tp: self.tp,
+            sp: self.sp,
+            cp: self.cp,
+            cp_kind: self.cp_kind,
+            cp_balance: self.cp_balance,
+            pp: self.pp,
+            ep: self.ep,
+            zero,
+            replicate: self.hybrid.unwrap_or(1),
+            prefetch: self.prefetch,
+            no_sync: self.no_sync,
+            overlap: self.ddp_overlap,
+            offload: self.offload,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::{CommandFactory, Parser};
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct Args {
+        #[command(flatten)]
+        layout: LayoutArgs,
+    }
+
+    /// Every flag reaches its field, and clap's own checks of the definition pass.
+    #[test]
+    fn each_flag_sets_its_field() {
+        Args::command().debug_assert();
+        let args = Args::parse_from([
+            "t",
+            "--tp",
+            "2",
+            "--sp",
+            "--cp",
+            "2",
+            "--cp-kind",
+            "ulysses",
+            "--cp-balance",
+            "none",
+            "--pp",
+            "2",
+            "--ep",
+            "2",
+            "--zero",
+            "3",
+            "--hybrid",
+            "2",
+            "--prefetch",
+            "--no-sync",
+        ]);
+        let layout = args.layout.layout().unwrap();
+        let expected = Layout {
+            tp: 2,
+            sp: true,
+            cp: 2,
+            cp_kind: CpKind::Ulysses,
+            cp_balance: CpBalance::None,
+            pp: 2,
+            ep: 2,
+            zero: Some(Stage::Three),
+            replicate: 2,
+            prefetch: true,
+            no_sync: true,
+            overlap: false,
+            offload: false,
+        };
+        assert_eq!(layout, expected);
+        let args = Args::parse_from(["t", "--overlap"]);
+        assert!(args.layout.layout().unwrap().overlap);
+        let args = Args::parse_from(["t", "--zero", "2", "--offload"]);
+        assert!(args.layout.layout().unwrap().offload);
+        assert!(Args::try_parse_from(["t", "--zero", "2", "--overlap"]).is_err());
+        assert!(Args::try_parse_from(["t", "--zero", "4"]).is_err());
+        assert!(Args::try_parse_from(["t", "--offload"]).is_err());
+    }
+}

@@ -1,0 +1,570 @@
+//! The command lines of the `gpt` binary ([`GptArgs`]) and of `plan` ([`PlanArgs`]), and the
+//! settings they make: in the library so that a test can throw command lines at the same
+//! parsing and validation the binaries run (`tests/tests/fuzz.rs`).
+
+use std::path::PathBuf;
+
+use burn_moe::{Capacity, DropPolicy, ExpertKind, MoeConfig};
+use burn_parallel::planner::{Attention, Hardware, ModelShape, MoeShape, NormShape, Training};
+use burn_parallel_train::Layout;
+use burn_parallel_train::cli::LayoutArgs;
+use clap::{Parser, ValueEnum};
+
+use crate::gpt::{MlpKind, PositionKind};
+use crate::train::{LossScale, Precision, TrainConfig, TrainDevice};
+
+/// How the ranks of a run talk.
+#[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
+pub enum Backend {
+    /// Ranks are threads of this process.
+    Local,
+    /// This process is one rank; the world comes from RANK, WORLD_SIZE, MASTER_ADDR,
+    /// MASTER_PORT (set by `burnrun` or torchrun) or SLURM's variables.
+    Tcp,
+    /// As `tcp`, with NCCL attached on CUDA device LOCAL_RANK: collectives on CUDA tensors run
+    /// through NCCL (build with `--features nccl,cuda`; see `--device cuda`).
+    Nccl,
+    /// This process is one rank of an MPI job: `mpirun -np N gpt --backend mpi`, or `srun`
+    /// (a build with `--features examples/mpi`).
+    Mpi,
+}
+
+/// `--mlp`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum Mlp {
+    /// A GELU MLP.
+    Gelu,
+    /// A gated SwiGLU MLP.
+    Swiglu,
+}
+
+/// `--positions`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum Positions {
+    /// A learned position table.
+    Learned,
+    /// Rotary embeddings (RoPE).
+    Rotary,
+}
+
+/// Train a byte-level GPT on the King James Bible with data parallelism.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+pub struct GptArgs {
+    /// Folder of the data files (`kjv.txt.gz`), for a binary run away from its source tree;
+    /// default: $BURN_PARALLEL_DATA_DIR, else the bundled examples/data.
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<std::path::PathBuf>,
+    /// A TOML file with a `TrainConfig` (flags given here override it).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// How ranks talk.
+    #[arg(long, value_enum, default_value = "local")]
+    pub backend: Backend,
+    /// Thread ranks (local backend only).
+    #[arg(long, default_value_t = 2)]
+    pub ranks: usize,
+    /// Optimizer steps.
+    #[arg(long)]
+    pub steps: Option<usize>,
+    /// Global batch, in sequences per optimizer step.
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Tokens per sequence.
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// Gradient-accumulation micro-steps per optimizer step.
+    #[arg(long)]
+    pub grad_accum: Option<usize>,
+    /// Peak learning rate.
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Transformer layers.
+    #[arg(long)]
+    pub layers: Option<usize>,
+    /// Attention heads.
+    #[arg(long)]
+    pub heads: Option<usize>,
+    /// Model width.
+    #[arg(long)]
+    pub d_model: Option<usize>,
+    /// MLP kind.
+    #[arg(long, value_enum)]
+    pub mlp: Option<Mlp>,
+    /// Position encoding.
+    #[arg(long, value_enum)]
+    pub positions: Option<Positions>,
+    /// Tie the LM head to the token embedding.
+    #[arg(long)]
+    pub tied: bool,
+    /// Seed of the weights.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Gradient bucket size in MB.
+    #[arg(long)]
+    pub bucket_mb: Option<f64>,
+    /// Print a line every N steps (the progress bar shows every step).
+    #[arg(long, default_value_t = 10)]
+    pub log_every: usize,
+    /// Peak TFLOP/s of one device, for the MFU on the log lines (default: looked up from the
+    /// CUDA device's name; none on other devices, where only the model TFLOP/s are shown).
+    #[arg(long, value_name = "TFLOPS")]
+    pub peak_tflops: Option<f64>,
+    /// The layout: --tp, --sp, --cp, --cp-kind, --cp-balance, --pp, --ep, --zero, --hybrid,
+    /// --prefetch, --no-sync, --overlap, --offload.
+    #[command(flatten)]
+    pub layout: LayoutArgs,
+    /// Clip the global norm of the averaged gradient to this value.
+    #[arg(long)]
+    pub clip: Option<f64>,
+    /// Write the per-step losses as JSON to this file (rank 0).
+    #[arg(long)]
+    pub losses_out: Option<PathBuf>,
+    /// Write the trained parameters (whole, fp32, by path) as JSON to this file (rank 0).
+    #[arg(long)]
+    pub params_out: Option<PathBuf>,
+    /// Run norms, attention, GELU/SwiGLU, RoPE and the cross-entropy through the fused kernels
+    /// (the default; kept for old command lines).
+    #[arg(long, conflicts_with = "unfused")]
+    pub fused: bool,
+    /// Run the model as composed Burn operations instead of the fused kernels (the reference
+    /// the fused paths are checked against).
+    #[arg(long)]
+    pub unfused: bool,
+    /// Arithmetic of the forward and backward: f32, or bf16 / fp16 (loss-scaled) with fp32
+    /// master weights and optimizer state (data, tensor, ZeRO and FSDP parallelism).
+    #[arg(long, value_enum)]
+    pub precision: Option<PrecisionArg>,
+    /// With --precision bf16: average the gradients in fp32 (twice the bytes, no bf16
+    /// rounding of the sums; fp16 always does).
+    #[arg(long, requires = "precision")]
+    pub reduce_fp32: bool,
+    /// Dynamic loss scaling from this scale (with `--precision fp16` the default is 65536):
+    /// an overflowing step is skipped and halves it.
+    #[arg(long)]
+    pub loss_scale: Option<f64>,
+    /// Clean steps in a row that double the loss scale (default 2000).
+    #[arg(long, requires = "loss_scale")]
+    pub loss_scale_window: Option<usize>,
+    /// Let fp32 matrix products run in TF32 where the device has it (CUDA: cuBLASLt's TF32
+    /// mode), as PyTorch's `allow_tf32`; bf16/fp16 products are unaffected.
+    #[arg(long)]
+    pub tf32: bool,
+    /// Intra-op threads of each rank's CPU kernels (default: the cores divided by the ranks on
+    /// this machine; also BURN_PARALLEL_THREADS).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Print where the step time went on rank 0 at the end (forward, backward, gradient
+    /// communication, optimizer; the first step excluded).
+    #[arg(long)]
+    pub profile: bool,
+    /// Device of the trainer, under every layout (`wgpu` needs a build with `--features wgpu`,
+    /// `cuda` one with `--features cuda`: device LOCAL_RANK of each process).
+    #[arg(long, value_enum)]
+    pub device: Option<DeviceArg>,
+    /// Pipeline parallelism: --pp N --schedule gpipe|1f1b|interleaved|zb-h1|zbv|dualpipev
+    /// --microbatches M [--virtual-stages V] [--balance-params].
+    #[command(flatten)]
+    pub pipeline: crate::pipeline::PipelineArgs,
+    /// DiLoCo: --diloco-islands N --inner-steps H --outer-lr X --outer-momentum M
+    /// [--diloco-compression f32|fp16|bf16|int8] [--diloco-fragments F] [--diloco-overlap T]
+    /// [--diloco-drop-lost].
+    #[command(flatten)]
+    pub diloco: crate::train_diloco::DiLoCoArgs,
+    /// Distributed checkpoints: --save-every N --checkpoint-dir D [--keep-checkpoints K]
+    /// [--async-checkpoint], and --resume D (under any dp/tp/ZeRO/ep/pp layout; GPT-MoE and
+    /// dropout included; not yet with --diloco-islands, nor --pp with --zero).
+    #[command(flatten)]
+    pub checkpoint: crate::train_checkpoint::CheckpointArgs,
+    /// Hidden width of the dense MLP (default 4 x d_model).
+    #[arg(long)]
+    pub d_ff: Option<usize>,
+    /// GPT-MoE: the MLP of every --moe-every-th block becomes a mixture of this many experts.
+    #[arg(long)]
+    pub moe_experts: Option<usize>,
+    /// GPT-MoE: experts per token.
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// GPT-MoE: blocks N-1, 2N-1, ... are MoE blocks (1: every block).
+    #[arg(long)]
+    pub moe_every: Option<usize>,
+    /// GPT-MoE: hidden width of each expert (default: the dense MLP's d_ff).
+    #[arg(long)]
+    pub expert_d_ff: Option<usize>,
+    /// GPT-MoE: capacity mode, each expert takes at most ceil(tokens x top_k / experts x C)
+    /// tokens of each rank's batch; the others are dropped (pass on the residual).
+    #[arg(long, conflicts_with = "dropless")]
+    pub capacity_factor: Option<f64>,
+    /// GPT-MoE: dropless mode (the default): no token is dropped.
+    #[arg(long)]
+    pub dropless: bool,
+    /// GPT-MoE: coefficient of the Switch load-balancing loss.
+    #[arg(long)]
+    pub aux_loss: Option<f64>,
+    /// GPT-MoE: coefficient of the router z-loss.
+    #[arg(long)]
+    pub z_loss: Option<f64>,
+    /// GPT-MoE: auxiliary-loss-free balancing (DeepSeek-V3): expert biases move by
+    /// --bias-rate after each step.
+    #[arg(long)]
+    pub bias_balancing: bool,
+    /// Step of the expert biases of --bias-balancing.
+    #[arg(long, default_value_t = 1e-3)]
+    pub bias_rate: f64,
+}
+
+/// `--precision`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum PrecisionArg {
+    /// fp32 throughout.
+    F32,
+    /// bf16 compute, fp32 masters.
+    Bf16,
+    /// fp16 compute with loss scaling, fp32 masters.
+    Fp16,
+}
+
+/// `--device`.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+pub enum DeviceArg {
+    /// Burn's Flex CPU backend.
+    Flex,
+    /// WGPU (Vulkan, Metal, DX12).
+    #[cfg(feature = "wgpu")]
+    Wgpu,
+    /// CUDA: device LOCAL_RANK of each process.
+    #[cfg(feature = "cuda")]
+    Cuda,
+}
+
+/// The trainer's device of `--device`.
+pub fn train_device(args: &GptArgs) -> TrainDevice {
+    match args.device {
+        None | Some(DeviceArg::Flex) => TrainDevice::Flex,
+        #[cfg(feature = "wgpu")]
+        Some(DeviceArg::Wgpu) => TrainDevice::Wgpu,
+        #[cfg(feature = "cuda")]
+        Some(DeviceArg::Cuda) => TrainDevice::Cuda,
+    }
+}
+
+/// The trainer's settings: the `--config` file's (or the defaults), then each flag given.
+///
+/// # Errors
+/// An unreadable or invalid `--config` file, MoE flags without experts; as one line.
+pub fn config_from(args: &GptArgs) -> Result<TrainConfig, String> {
+    let mut c = match &args.config {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| format!("reading {}: {e}", path.display()))?;
+            TrainConfig::from_toml(&text).map_err(|e| format!("parsing {}: {e}", path.display()))?
+        }
+        None => TrainConfig::default(),
+    };
+    macro_rules! set {
+        ($field:expr, $value:expr) => {
+            if let Some(v) = $value {
+                $field = v;
+            }
+        };
+    }
+    set!(c.steps, args.steps);
+    set!(c.batch_size, args.batch_size);
+    set!(c.seq_len, args.seq_len);
+    set!(c.grad_accum, args.grad_accum);
+    set!(c.lr, args.lr);
+    set!(c.model.n_layers, args.layers);
+    set!(c.model.n_heads, args.heads);
+    set!(c.bucket_mb, args.bucket_mb);
+    set!(c.model.seed, args.seed);
+    set!(c.max_grad_norm, args.clip.map(Some));
+    set!(
+        c.precision,
+        args.precision.map(|p| match p {
+            PrecisionArg::F32 => Precision::F32,
+            PrecisionArg::Bf16 => Precision::Bf16,
+            PrecisionArg::Fp16 => Precision::Fp16,
+        })
+    );
+    c.reduce_fp32 |= args.reduce_fp32;
+    if let Some(initial) = args.loss_scale {
+        let default = LossScale::default();
+        c.loss_scale = Some(LossScale {
+            initial,
+            window: args.loss_scale_window.unwrap_or(default.window),
+            ..default
+        });
+    }
+    if let Some(d) = args.d_model {
+        c.model.d_model = d;
+        c.model.d_ff = 4 * d;
+    }
+    set!(c.model.d_ff, args.d_ff);
+    if let Some(m) = args.mlp {
+        c.model.mlp = match m {
+            Mlp::Gelu => MlpKind::Gelu,
+            Mlp::Swiglu => MlpKind::SwiGlu,
+        };
+    }
+    if let Some(p) = args.positions {
+        c.model.positions = match p {
+            Positions::Learned => PositionKind::Learned,
+            Positions::Rotary => PositionKind::Rotary,
+        };
+    }
+    if args.tied {
+        c.model.tied_embeddings = true;
+    }
+    if args.fused {
+        c.model.fused = true;
+    }
+    if args.unfused {
+        c.model.fused = false;
+    }
+    moe_from(args, &mut c)?;
+    c.model.max_seq_len = c.model.max_seq_len.max(c.seq_len);
+    Ok(c)
+}
+
+/// The GPT-MoE flags: `--moe-experts` makes (or replaces) `model.moe`, the others change it.
+fn moe_from(args: &GptArgs, c: &mut TrainConfig) -> Result<(), String> {
+    if let Some(experts) = args.moe_experts {
+        let mut moe = MoeConfig::new(
+            c.model.d_model,
+            args.expert_d_ff.unwrap_or(c.model.d_ff),
+            experts,
+            args.top_k.unwrap_or(2),
+        );
+        moe.bias = c.model.bias;
+        moe.expert = match c.model.mlp {
+            MlpKind::Gelu => ExpertKind::Gelu,
+            MlpKind::SwiGlu => ExpertKind::SwiGlu,
+        };
+        c.model.moe = Some(moe);
+    }
+    let Some(moe) = &mut c.model.moe else {
+        let given = args.top_k.is_some()
+            || args.moe_every.is_some()
+            || args.expert_d_ff.is_some()
+            || args.capacity_factor.is_some()
+            || args.dropless
+            || args.aux_loss.is_some()
+            || args.z_loss.is_some()
+            || args.bias_balancing;
+        return match given {
+            true => Err(
+                "the MoE flags (--top-k, --capacity-factor, ...) need --moe-experts \
+                         (or a model.moe section in --config)"
+                    .into(),
+            ),
+            false => Ok(()),
+        };
+    };
+    if args.d_model.is_some() {
+        moe.d_model = c.model.d_model;
+    }
+    if let Some(k) = args.top_k {
+        moe.top_k = k;
+    }
+    if let Some(f) = args.expert_d_ff {
+        moe.d_ff = f;
+    }
+    if let Some(every) = args.moe_every {
+        c.model.moe_every = every;
+    }
+    if let Some(factor) = args.capacity_factor {
+        moe.capacity = Capacity::Factor {
+            factor,
+            drop: DropPolicy::Position,
+        };
+    }
+    if args.dropless {
+        moe.capacity = Capacity::Dropless;
+    }
+    if let Some(a) = args.aux_loss {
+        moe.aux_loss = a;
+    }
+    if let Some(z) = args.z_loss {
+        moe.z_loss = z;
+    }
+    if args.bias_balancing {
+        moe.bias_update_rate = args.bias_rate;
+    }
+    Ok(())
+}
+
+impl GptArgs {
+    /// The layout of the flags (`--pp` with the pipeline's own flags).
+    ///
+    /// # Errors
+    /// A stage `--zero` does not know (clap refuses it first), as one line.
+    pub fn layout(&self) -> Result<Layout, String> {
+        self.layout.layout().map_err(|e| e.to_string())
+    }
+
+    /// What the binary checks before it loads data or builds a model, on `ranks` thread ranks:
+    /// the settings ([`config_from`]), the layout against them ([`TrainConfig::validate_layout`])
+    /// and the memory a rank needs ([`TrainConfig::check_memory`]).
+    ///
+    /// # Errors
+    /// The first refusal, as one line naming its flag.
+    pub fn checked(&self, ranks: usize) -> Result<(TrainConfig, Layout), String> {
+        let config = config_from(self)?;
+        let layout = self.layout()?;
+        config.validate_layout(&layout, ranks)?;
+        config.check_memory(&layout, ranks, ranks)?;
+        Ok((config, layout))
+    }
+}
+
+/// Rank the layouts (dp, ZeRO 0-3, tp/sp, pp schedules, cp, ep, checkpointing) of a GPT by
+/// predicted per-rank memory and step time.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+pub struct PlanArgs {
+    /// Transformer blocks.
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    /// Width of the residual stream.
+    #[arg(long, default_value_t = 128)]
+    pub d_model: usize,
+    /// Attention heads.
+    #[arg(long, default_value_t = 4)]
+    pub heads: usize,
+    /// Key/value heads (grouped-query attention; default: the heads).
+    #[arg(long)]
+    pub kv_heads: Option<usize>,
+    /// MLP width (default 4 d_model).
+    #[arg(long)]
+    pub d_ff: Option<usize>,
+    /// Vocabulary.
+    #[arg(long, default_value_t = 256)]
+    pub vocab: usize,
+    /// Tokens per sequence.
+    #[arg(long, default_value_t = 128)]
+    pub seq_len: usize,
+    /// Gated (SwiGLU) MLP.
+    #[arg(long)]
+    pub swiglu: bool,
+    /// Rotary positions (no learned position table).
+    #[arg(long)]
+    pub rotary: bool,
+    /// RMSNorm instead of LayerNorm.
+    #[arg(long)]
+    pub rmsnorm: bool,
+    /// No biases in the linear layers.
+    #[arg(long)]
+    pub no_bias: bool,
+    /// Tie the output projection to the token embedding.
+    #[arg(long)]
+    pub tied: bool,
+    /// GPT-MoE: routed experts per MoE layer.
+    #[arg(long)]
+    pub moe_experts: Option<usize>,
+    /// GPT-MoE: experts per token.
+    #[arg(long, default_value_t = 2)]
+    pub top_k: usize,
+    /// GPT-MoE: expert width (default: d_ff).
+    #[arg(long)]
+    pub expert_d_ff: Option<usize>,
+    /// GPT-MoE: every n-th block is an MoE block.
+    #[arg(long, default_value_t = 1)]
+    pub moe_every: usize,
+    /// Devices.
+    #[arg(long, default_value_t = 8)]
+    pub world: usize,
+    /// Memory per device, GiB.
+    #[arg(long, default_value_t = 16.0)]
+    pub memory_gib: f64,
+    /// Global batch, sequences per optimizer step.
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 1)]
+    pub micro_batch: usize,
+    /// Sustained TFLOP/s per device.
+    #[arg(long, default_value_t = 100.0)]
+    pub tflops: f64,
+    /// Link bandwidth per device, GB/s.
+    #[arg(long, default_value_t = 25.0)]
+    pub link_gbps: f64,
+    /// fp32 everywhere (default: mixed precision, 2 + 2 + 12 bytes per parameter); the
+    /// activations are then those this implementation keeps, tensor by tensor.
+    #[arg(long)]
+    pub fp32: bool,
+    /// Flash (blockwise) attention: no `b a s^2` scores kept (default: materialised).
+    #[arg(long)]
+    pub flash: bool,
+    /// No dropout (its masks are not kept).
+    #[arg(long)]
+    pub no_dropout: bool,
+    /// The fused norms and cross-entropy of `burn_parallel::kernels` (fp32 model only).
+    #[arg(long)]
+    pub fused: bool,
+    /// Rows of the table of fitting layouts.
+    #[arg(long, default_value_t = 15)]
+    pub top: usize,
+    /// Rejected layouts to explain.
+    #[arg(long, default_value_t = 8)]
+    pub rejected: usize,
+    /// Write the whole plan as JSON here.
+    #[arg(long)]
+    pub json: Option<std::path::PathBuf>,
+}
+
+impl PlanArgs {
+    /// The planner's inputs these flags describe: the model's shape, the training run and the
+    /// hardware.
+    ///
+    /// # Errors
+    /// A width that overflows (`4 x --d-model` for the default MLP), or a hardware figure that
+    /// is not finite and above 0, as one line naming the flag.
+    pub fn inputs(&self) -> Result<(ModelShape, Training, Hardware), String> {
+        let a = self;
+        let default_ff = a.d_model.checked_mul(4).ok_or_else(|| {
+            format!(
+                "--d-model {} is too large for the default MLP width of 4 x d_model; give --d-ff",
+                a.d_model
+            )
+        })?;
+        let d_ff = a.d_ff.unwrap_or(default_ff);
+        let shape = ModelShape {
+            kv_heads: a.kv_heads.unwrap_or(a.heads),
+            d_ff,
+            position_table: if a.rotary { 0 } else { a.seq_len },
+            gated_mlp: a.swiglu,
+            bias: !a.no_bias,
+            norm: if a.rmsnorm {
+                NormShape::RmsNorm
+            } else {
+                NormShape::LayerNorm
+            },
+            tied_embeddings: a.tied,
+            moe: a.moe_experts.map(|experts| MoeShape {
+                experts,
+                top_k: a.top_k,
+                d_ff: a.expert_d_ff.unwrap_or(d_ff),
+                shared: 0,
+                gated: a.swiglu,
+                bias: false,
+                every: a.moe_every,
+            }),
+            ..ModelShape::gpt(a.layers, a.d_model, a.heads, a.vocab, a.seq_len)
+        };
+        let training = Training {
+            micro_batch: a.micro_batch,
+            mixed_precision: !a.fp32,
+            attention: if a.flash {
+                Attention::Flash
+            } else {
+                Attention::Materialized
+            },
+            dropout: !a.no_dropout,
+            fused: a.fused,
+            ..Training::new(a.world, a.batch, a.seq_len)
+        };
+        let hw = Hardware::try_from_units(a.memory_gib, a.tflops, a.link_gbps)
+            .map_err(|e| format!("{e} (--memory-gib, --tflops, --link-gbps)"))?;
+        Ok((shape, training, hw))
+    }
+}
