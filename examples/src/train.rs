@@ -650,7 +650,12 @@ fn collective(world: &ProcessGroup, e: burn_parallel::Error) -> CollectiveError 
             burn_parallel::Error::Collective(e) => e,
             e => invalid(world, "resume", e),
         },
-        e => invalid(world, "train_gpt", e),
+        // A collective failure stays one (a caller restarts on a dead peer); a non-finite
+        // step, and anything else, keeps the step's number in its message.
+        e => match e.collective() {
+            Some(CollectiveError::NonFinite { .. }) | None => invalid(world, "train_gpt", e),
+            Some(c) => c.clone(),
+        },
     }
 }
 

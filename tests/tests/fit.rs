@@ -230,3 +230,53 @@ fn replicas_that_drift_apart_are_an_error() {
         "{err}"
     );
 }
+
+/// A step whose loss turns NaN (here on one data-parallel rank's rows of step 3) stops the run
+/// on every rank with an error naming the step, the rank and the loss, and saves nothing over
+/// the last good checkpoint (step 2's, saved every step). Before, the error did not say which
+/// step.
+#[test]
+fn a_non_finite_step_stops_the_run_naming_the_step() {
+    let dir = std::env::temp_dir().join(format!("fit-nan-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let settings = StepSettings {
+        batch_size: BATCH,
+        seq_len: SEQ,
+        ..StepSettings::default()
+    };
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let config = FitConfig {
+        checkpoint: Some(CheckpointPolicy {
+            every: 1,
+            ..CheckpointPolicy::new(&dir)
+        }),
+        ..FitConfig::new(STEPS, 3e-3)
+    };
+    let err = run_local(2, |world| {
+        let device = Device::flex().autodiff();
+        let built = build(&world, &Layout::default(), &recipe(), &device, &settings)?;
+        let rank = world.rank();
+        let mut loss = |m: &Decoder, micro: &MicroBatch| {
+            let batch = corpus.batch_rows(micro.step as u64, micro.rows.clone(), SEQ, Split::Train);
+            let (tokens, targets) = batch.to_tensors(&device);
+            let loss = m.loss(tokens, targets)?;
+            Ok(match (micro.step, rank) {
+                (2, 1) => loss.mul_scalar(f32::NAN),
+                _ => loss,
+            })
+        };
+        fit(built, &config, &mut loss, &mut |_, _| Ok(()), None).map(|_| ())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("step 3") && err.contains("loss is NaN") && err.contains("rank"),
+        "{err}"
+    );
+    assert_eq!(
+        open_checkpoint(&dir).unwrap().step(),
+        2,
+        "the last good one"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

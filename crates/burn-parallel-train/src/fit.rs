@@ -379,7 +379,8 @@ pub fn fit_with<P: ParallelModel>(
         };
         let (model, out) = built
             .engine
-            .step_accumulated(built.model, accum, &mut forward, lr)?;
+            .step_accumulated(built.model, accum, &mut forward, lr)
+            .map_err(|e| e.at_step(step + 1))?;
         built.model = model;
         losses.push(out.loss);
         let seconds = start.elapsed().as_secs_f64();

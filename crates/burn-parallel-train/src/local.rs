@@ -55,7 +55,10 @@ where
         .into_iter()
         .filter_map(|slot| slot.into_inner().unwrap_or_else(|p| p.into_inner()))
         .collect();
-    // A rank's own failure first (not a collective one), then the launcher's choice.
-    let own = errors.into_iter().find(|e| e.collective().is_none());
+    // A rank's own failure first (not the failure of a peer it saw: a bad setting, a step
+    // that turned NaN, with its context whole), then the launcher's choice.
+    let own = errors
+        .into_iter()
+        .find(|e| e.collective().is_none_or(|c| !c.is_peer_failure()));
     Err(own.unwrap_or(Error::Collective(launch_error)))
 }

@@ -66,6 +66,15 @@ pub enum Error {
         /// What failed.
         source: Box<Error>,
     },
+    /// Training step `step` (counted from 1, as checkpoints count the steps done) failed: a
+    /// non-finite loss or gradient norm, a dead peer, ... (`source` says which).
+    #[error("step {step}: {source}")]
+    Step {
+        /// The step that failed.
+        step: usize,
+        /// What failed.
+        source: Box<Error>,
+    },
     /// An error of one of the suite's technique crates (`burn-zero`, `burn-moe`,
     /// `burn-pipeline`), which converts its own error into this one.
     #[error(transparent)]
@@ -86,8 +95,16 @@ impl Error {
     pub fn collective(&self) -> Option<&CollectiveError> {
         match self {
             Self::Collective(e) => Some(e),
-            Self::Resume { source, .. } => source.collective(),
+            Self::Resume { source, .. } | Self::Step { source, .. } => source.collective(),
             _ => None,
+        }
+    }
+
+    /// This error as the failure of training step `step` (counted from 1).
+    pub fn at_step(self, step: usize) -> Self {
+        Self::Step {
+            step,
+            source: Box::new(self),
         }
     }
 
