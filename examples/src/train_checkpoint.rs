@@ -139,9 +139,6 @@ pub(crate) fn save_after(
     saver.submit(step + 1, pieces, trainer, rank)
 }
 
-/// Name of the optimizer scalars in each rank's state (the step engines' key).
-pub(crate) use burn_parallel::train::OPTIM_SCALARS;
-
 /// Name of the dropout layers' call counters in each rank's state.
 pub(crate) const DROPOUT_CALLS: &str = "dropout_calls";
 

@@ -16,21 +16,17 @@
 //! step losses and the validation loss are those of this rank's island (its rows of the global
 //! batch), and each rank reports only its own bytes.
 
-use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
-use burn::module::{Module, ParamId};
+use burn::module::Module;
 use burn::optim::{AdamWConfig, ModuleOptimizer, SgdConfig};
-use burn::tensor::{DType, TensorData};
-use burn_parallel::checkpoint::{
-    Checkpoint, Checkpointer, ParamMap, Piece, TensorSource, merged_scalars,
-};
+use burn_parallel::checkpoint::{Checkpointer, ParamMap};
 use burn_parallel::diloco::{
-    Compression, DiLoCo, DiLoCoConfig, DiLoCoError, DiLoCoMeta, DiLoCoState, Islands,
-    count_sent_bytes,
+    Compression, DiLoCo, DiLoCoConfig, DiLoCoError, Islands, count_sent_bytes,
 };
 use burn_parallel::train::{StepEngine, TrainStep, Trainer};
 use burn_parallel::{CollectiveError, DistributedDataParallel, ProcessGroup, ReduceOp};
+use burn_parallel_train::diloco::{DILOCO_STATE, DiLoCoCheckpoint};
 
 use crate::data::{Corpus, Split};
 use crate::gpt::Gpt;
@@ -272,19 +268,22 @@ pub fn train_gpt_diloco_checkpointed(
     } else {
         world.clone()
     };
-    let names = DiLoCoNames::new(&model, &world, &islands)?;
+    let names =
+        DiLoCoCheckpoint::new(&model, &model.tp, &world, &islands).map_err(checkpoint_error)?;
     let mut first_step = 0;
     let mut skipped = 0;
     if let Some(path) = &checkpoints.resume {
         let checkpoint = burn_parallel_train::open_checkpoint(path).map_err(checkpoint_error)?;
         let state =
             train_checkpoint::resume_state(&checkpoint, config).map_err(checkpoint_error)?;
-        model = names.load(
-            model,
-            (&mut trainer.optim, &inner),
-            &mut diloco,
-            &checkpoint,
-        )?;
+        model = names
+            .load(
+                model,
+                (&mut trainer.optim, &inner),
+                &mut diloco,
+                &checkpoint,
+            )
+            .map_err(checkpoint_error)?;
         train_checkpoint::restore_dropout(&checkpoint, &train_checkpoint::dropout_layers(&model))
             .map_err(checkpoint_error)?;
         if let Some(saved) =
@@ -346,7 +345,9 @@ pub fn train_gpt_diloco_checkpointed(
             phases: Default::default(), // not split by phase here
         });
         if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
-            let (pieces, meta, scalars) = names.pieces(&model, &trainer.optim, &mut diloco)?;
+            let (pieces, meta, scalars) = names
+                .pieces(&model, &trainer.optim, &mut diloco)
+                .map_err(checkpoint_error)?;
             let mut state = train_checkpoint::TrainerState::json(&losses, config);
             state[DILOCO_STATE] = serde_json::to_value(meta).expect("DiLoCo's state serialises");
             let state = burn_parallel::train::SaveState::from(state).with_rank(
@@ -623,160 +624,7 @@ pub fn run_rank(
     Ok(lead.then_some(report))
 }
 
-/// Key of DiLoCo's bookkeeping ([`burn_parallel::diloco::DiLoCoMeta`]) in the trainer state.
-const DILOCO_STATE: &str = "diloco";
-
-/// Where a DiLoCo run's tensors go in a checkpoint (see [`train_gpt_diloco_checkpointed`]).
-struct DiLoCoNames {
-    /// The model under its own names, each tensor written by one rank of the world (the outer
-    /// model and the outer optimizer's state are the same everywhere).
-    shared: ParamMap,
-    /// This island's model, under `diloco/island.<k>/`, written by the island's ranks.
-    island: ParamMap,
-    /// The outer model and every island's model: what a checkpoint of this run must hold
-    /// besides DiLoCo's and the optimizers' state.
-    expected: BTreeMap<String, Vec<usize>>,
-}
-
-impl DiLoCoNames {
-    fn new(model: &Gpt, world: &ProcessGroup, islands: &Islands) -> Result<Self, DiLoCoTrainError> {
-        let plain = ParamMap::new(model, &model.tp, None).map_err(checkpoint_error)?;
-        let shared = plain
-            .clone()
-            .with_replicas(|_| (world.size(), world.rank()));
-        let (size, rank) = (islands.island().size(), islands.island().rank());
-        let island = plain
-            .clone()
-            .with_replicas(|_| (size, rank))
-            .with_logical_names(|name| island_name(islands.index(), name));
-        let shapes = plain.logical_shapes();
-        let mut expected = shapes.clone();
-        for k in 0..islands.count() {
-            expected.extend(shapes.iter().map(|(n, s)| (island_name(k, n), s.clone())));
-        }
-        Ok(Self {
-            shared,
-            island,
-            expected,
-        })
-    }
-
-    /// This rank's pieces, DiLoCo's bookkeeping and the inner optimizer's scalars.
-    fn pieces(
-        &self,
-        model: &Gpt,
-        optim: &ModuleOptimizer,
-        diloco: &mut DiLoCo,
-    ) -> Result<(Vec<Piece>, DiLoCoMeta, serde_json::Value), DiLoCoTrainError> {
-        let state = diloco.state()?;
-        let mut pieces = self.island.param_pieces(model).map_err(checkpoint_error)?;
-        let (inner, scalars) = self
-            .island
-            .optimizer_pieces(optim.to_record())
-            .map_err(checkpoint_error)?;
-        pieces.extend(inner);
-        let shared = |prefix: &str, values: &HashMap<ParamId, TensorData>| {
-            self.shared
-                .clone()
-                .only(|p| values.contains_key(&p.id))
-                .value_pieces(prefix, values)
-                .map_err(checkpoint_error)
-        };
-        pieces.extend(shared("", &state.outer)?);
-        pieces.extend(shared(MOMENTUM, &state.momentum)?);
-        for (j, grads) in state.in_flight.iter().enumerate() {
-            pieces.extend(shared(&in_flight(j), grads)?);
-        }
-        Ok((pieces, state.meta, scalars))
-    }
-
-    /// `model` (this island's) and `optim` as saved (`fresh` makes an empty one of its kind),
-    /// and `diloco`'s state restored.
-    fn load(
-        &self,
-        model: Gpt,
-        (optim, fresh): (&mut ModuleOptimizer, &dyn Fn() -> ModuleOptimizer),
-        diloco: &mut DiLoCo,
-        checkpoint: &Checkpoint,
-    ) -> Result<Gpt, DiLoCoTrainError> {
-        let meta: DiLoCoMeta = match burn_parallel_train::saved_state(checkpoint).get(DILOCO_STATE)
-        {
-            Some(meta) => serde_json::from_value(meta.clone()).map_err(|e| {
-                checkpoint_error(format!(
-                    "{}: DiLoCo's state does not parse ({e}); the checkpoint is damaged",
-                    checkpoint.dir().display()
-                ))
-            })?,
-            None => {
-                return Err(checkpoint_error(format!(
-                    "{} was not saved by a DiLoCo run (it holds no outer momentum nor the \
-                     islands' models): resume it without --diloco-islands, or start DiLoCo \
-                     from its weights with a run that saves again",
-                    checkpoint.dir().display()
-                )));
-            }
-        };
-        // The islands' models are checked with the model (the other tensors, named with a
-        // `/`, as they are read).
-        let island = self
-            .island
-            .clone()
-            .with_logical_shapes(self.expected.clone(), "the DiLoCo run")
-            .map_err(checkpoint_error)?;
-        let model = island
-            .load_params(model, checkpoint)
-            .map_err(checkpoint_error)?;
-        let scalars = merged_scalars(checkpoint, train_checkpoint::OPTIM_SCALARS);
-        if let Some(record) = island
-            .load_optimizer(checkpoint, &scalars)
-            .map_err(checkpoint_error)?
-        {
-            let empty = std::mem::replace(optim, fresh());
-            *optim = empty.load_record(record);
-        }
-        let read = |prefix: &str| {
-            let names: std::collections::HashSet<&str> = checkpoint
-                .shapes()
-                .into_iter()
-                .filter_map(|(n, _)| n.strip_prefix(prefix))
-                .collect();
-            self.shared
-                .clone()
-                .only(|p| {
-                    p.segments
-                        .iter()
-                        .all(|s| names.contains(s.logical.as_str()))
-                })
-                .read_values(checkpoint, prefix, DType::F32)
-                .map_err(checkpoint_error)
-        };
-        let state = DiLoCoState {
-            outer: read("")?,
-            momentum: read(MOMENTUM)?,
-            in_flight: (0..meta.in_flight())
-                .map(|j| read(&in_flight(j)))
-                .collect::<Result<_, _>>()?,
-            meta,
-        };
-        diloco.restore(state)?;
-        Ok(model)
-    }
-}
-
-/// Prefix of the outer momentum's tensors.
-const MOMENTUM: &str = "diloco/momentum/";
-
-/// Prefix of the averaged pseudo-gradient of exchange `j` in flight.
-fn in_flight(j: usize) -> String {
-    format!("diloco/in_flight.{j}/")
-}
-
 /// A checkpoint error of a DiLoCo run.
 fn checkpoint_error(e: impl std::fmt::Display) -> DiLoCoTrainError {
     DiLoCoTrainError::Checkpoint(e.to_string())
-}
-
-/// The name of island `k`'s copy of parameter `name`.
-fn island_name(k: usize, name: &str) -> String {
-    format!("diloco/island.{k}/{name}")
 }

@@ -23,6 +23,7 @@
 pub mod build;
 #[cfg(feature = "cli")]
 pub mod cli;
+pub mod diloco;
 pub mod fit;
 pub mod layout;
 mod local;
