@@ -13,10 +13,14 @@
 //!
 //! ```text
 //! cargo run --release -p examples --example cp_bench
+//! cargo run --release -p examples --example cp_bench -- --quick   # short sequences, a smoke test
 //! ```
 //!
-//! Writes the figures as JSON to `target/cp_bench.json`. The machine's cores are shared by the
-//! ranks: compare within one run.
+//! `--quick` measures sequences of 256 and 512 (section 3 at 2048) and searches under a cap of
+//! 8 MiB from 128 tokens, in seconds instead of minutes.
+//!
+//! Writes the figures as JSON to `<target>/cp_bench.json` (`$CARGO_TARGET_DIR`, else the
+//! workspace's `target/`). The machine's cores are shared by the ranks: compare within one run.
 
 use std::time::Instant;
 
@@ -32,8 +36,35 @@ static ALLOC: CountingAllocator = CountingAllocator::new();
 const HEADS: usize = 4;
 const HEAD_DIM: usize = 32;
 const MIB: f64 = 1024.0 * 1024.0;
-/// Per-rank cap of the step's allocations for the longest-sequence search.
-const CAP_MIB: f64 = 128.0;
+/// The longest sequence the longest-sequence search tries.
+const SEARCH_LIMIT: usize = 16384;
+
+/// What one run measures: the full figures, or the small ones of `--quick`.
+struct Sizes {
+    /// Sequence lengths of section 1.
+    seqs: &'static [usize],
+    /// Per-rank cap of the step's allocations for the longest-sequence search (section 2).
+    cap_mib: f64,
+    /// The first sequence the search tries (it doubles from there).
+    search_from: usize,
+    /// Sequence length of the load-imbalance figure (section 3).
+    imbalance_seq: usize,
+}
+
+impl Sizes {
+    const FULL: Sizes = Sizes {
+        seqs: &[1024, 2048, 4096],
+        cap_mib: 128.0,
+        search_from: 512,
+        imbalance_seq: 4096,
+    };
+    const QUICK: Sizes = Sizes {
+        seqs: &[256, 512],
+        cap_mib: 8.0,
+        search_from: 128,
+        imbalance_seq: 2048,
+    };
+}
 
 /// CPU seconds this thread has used (user + system), from `/proc/thread-self/stat` (ticks of
 /// 1/100 s); `None` where that file does not exist.
@@ -135,6 +166,11 @@ fn name(kind: Option<CpKind>) -> String {
 }
 
 fn main() {
+    let sizes = if std::env::args().any(|a| a == "--quick") {
+        Sizes::QUICK
+    } else {
+        Sizes::FULL
+    };
     // Warm up (allocator pools, first-use costs).
     step(256, 2, Some(CpKind::Ring), CpBalance::HeadTail);
     let mut json = Vec::new();
@@ -147,7 +183,7 @@ fn main() {
         "| seq | cp | kind | s/step | vs cp 1 | peak/rank (MiB) | theory: seq² x heads x 4 B / cp (MiB) |"
     );
     println!("|---|---|---|---|---|---|---|");
-    for seq in [1024, 2048, 4096] {
+    for &seq in sizes.seqs {
         let single = step(seq, 1, None, CpBalance::None);
         let theory = |cp: usize| (seq * seq * HEADS * 4) as f64 / cp as f64 / MIB;
         let mut rows = vec![(1, None, single.clone())];
@@ -177,23 +213,24 @@ fn main() {
         }
     }
 
+    let cap_mib = sizes.cap_mib;
     println!(
-        "\n## 2. Longest sequence under a per-rank cap of {CAP_MIB} MiB of step allocations\n"
+        "\n## 2. Longest sequence under a per-rank cap of {cap_mib} MiB of step allocations\n"
     );
     println!(
         "| layout | longest seq that fits | its peak/rank (MiB) | next seq's peak/rank (MiB) |"
     );
     println!("|---|---|---|---|");
     for (cp, kind) in [(1, None), (4, Some(CpKind::Ring))] {
-        let mut seq = 512;
+        let mut seq = sizes.search_from;
         let mut fits = None;
         let over = loop {
             let m = step(seq, cp, kind, CpBalance::HeadTail);
-            if m.peak_per_rank / MIB > CAP_MIB {
+            if m.peak_per_rank / MIB > cap_mib {
                 break Some((seq, m.peak_per_rank));
             }
             fits = Some((seq, m.peak_per_rank));
-            if seq >= 16384 {
+            if seq >= SEARCH_LIMIT {
                 break None;
             }
             seq *= 2;
@@ -209,16 +246,17 @@ fn main() {
             fmt(over),
         );
         json.push(serde_json::json!({
-            "figure": "cap", "cap_mib": CAP_MIB, "cp": cp, "kind": name(kind),
-            "longest_seq": fits.map(|f| f.0), "searched_up_to": 16384,
+            "figure": "cap", "cap_mib": cap_mib, "cp": cp, "kind": name(kind),
+            "longest_seq": fits.map(|f| f.0), "searched_up_to": SEARCH_LIMIT,
         }));
     }
 
-    println!("\n## 3. Load imbalance of ring attention, cp 4, seq 4096 (thread CPU seconds)\n");
+    let seq = sizes.imbalance_seq;
+    println!("\n## 3. Load imbalance of ring attention, cp 4, seq {seq} (thread CPU seconds)\n");
     println!("| balance | per-rank CPU s | slowest / fastest |");
     println!("|---|---|---|");
     for balance in [CpBalance::HeadTail, CpBalance::None] {
-        let m = step(4096, 4, Some(CpKind::Ring), balance);
+        let m = step(seq, 4, Some(CpKind::Ring), balance);
         let cpu: Vec<f64> = m.cpu.iter().flatten().copied().collect();
         let ratio = if cpu.len() == 4 {
             let max = cpu.iter().copied().fold(0.0, f64::max);
@@ -230,11 +268,13 @@ fn main() {
         let per_rank: Vec<String> = cpu.iter().map(|c| format!("{c:.2}")).collect();
         println!("| {balance} | {} | {ratio} |", per_rank.join(", "));
         json.push(serde_json::json!({
-            "figure": "imbalance", "balance": balance.to_string(), "cpu_seconds": cpu,
+            "figure": "imbalance", "seq": seq, "balance": balance.to_string(), "cpu_seconds": cpu,
         }));
     }
 
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
+    let dir = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
     let path = dir.join("cp_bench.json");
     let written = std::fs::create_dir_all(&dir)
         .and_then(|()| std::fs::write(&path, serde_json::to_string_pretty(&json).expect("JSON")));

@@ -1,7 +1,7 @@
 //! DiLoCo against DDP on the bundled corpus, at the same token budget: the validation loss of
 //! each and the bytes each rank sends (counted on the wire by
 //! `burn_parallel::diloco::count_sent_bytes`). Prints a table and writes
-//! `target/diloco_figures.json`.
+//! `<target>/diloco_figures.json` (`$CARGO_TARGET_DIR`, else the workspace's `target/`).
 //!
 //! Measured on a 2-core CPU (2 islands of 1 rank, 600 steps, outer lr 0.7, Nesterov momentum
 //! 0.5): DDP validation loss 1.803 with 1.13 GB sent per rank; DiLoCo H = 50 1.858 (+3.0%)
@@ -178,7 +178,9 @@ fn main() -> ExitCode {
     }
     let json = serde_json::json!({ "ranks": args.ranks, "steps": args.steps,
         "inner_steps": args.inner_steps, "tokens": tokens, "rows": rows });
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target");
+    let dir = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
     let path = dir.join("diloco_figures.json");
     if let Err(e) = std::fs::create_dir_all(&dir)
         .and_then(|()| std::fs::write(&path, serde_json::to_string_pretty(&json).expect("json")))

@@ -4,7 +4,7 @@
 //! with an error otherwise), then the median step time of each, interleaved step by step.
 //!
 //! ```text
-//! cargo run --release -p examples --example gpt_overlap_bench -- [--layers 4] [--d 128]
+//! cargo run --release -p examples --example gpt_overlap_bench -- [--layers 4] [--d 128] \
 //!     [--heads 4] [--seq 128] [--batch 16] [--steps 10] [--bucket-mb 1] [--tied]
 //! ```
 

@@ -475,35 +475,41 @@ pub fn wgpu_or_skip(test: &str) -> Option<burn::tensor::Device> {
     }
 }
 
-/// The workspace binaries the tests run, by package. They are built together, in one Cargo
-/// invocation over both packages, so that Cargo resolves the features of their dependencies as
-/// for this test crate (which depends on both) and reuses its build.
-const BINARIES: [(&str, &str); 4] = [
-    ("burn-parallel", "burnrun"),
-    ("examples", "gpt"),
-    ("examples", "vit"),
-    ("examples", "byo_model"),
+/// The workspace executables the tests run: package, Cargo target flag (a binary or an example)
+/// and name. They are built together, in one Cargo invocation over both packages, so that Cargo
+/// resolves the features of their dependencies as for this test crate (which depends on both)
+/// and reuses its build.
+const BINARIES: [(&str, &str, &str); 14] = [
+    ("burn-parallel", "--bin", "burnrun"),
+    ("examples", "--bin", "gpt"),
+    ("examples", "--bin", "vit"),
+    ("examples", "--example", "byo_model"),
+    // The benchmarks, whose documented commands `tests/commands.rs` runs.
+    ("examples", "--example", "checkpoint_bench"),
+    ("examples", "--example", "cp_bench"),
+    ("examples", "--example", "diloco_figures"),
+    ("examples", "--example", "gpt_overlap_bench"),
+    ("examples", "--example", "pipeline_memory"),
+    ("examples", "--example", "plain_burn_gpt"),
+    ("examples", "--example", "planner_check"),
+    ("examples", "--example", "tp_bench"),
+    ("examples", "--example", "zero_bench"),
+    ("examples", "--example", "wrap_memory"),
 ];
 
-/// The Cargo target flag of a binary of [`BINARIES`]: `byo_model` is an example.
-fn target_flag(name: &str) -> &'static str {
-    match name {
-        "byo_model" => "--example",
-        _ => "--bin",
-    }
-}
-
-/// Path of the binary `name` of workspace package `package` (one of `burn-parallel`'s `burnrun`,
-/// `examples`' `gpt` and `vit` and its example `byo_model`), built by Cargo from the current sources first, with the profile and
-/// target directory of this test executable, so that a test never runs an out-of-date binary.
-/// Cargo runs once per test process; it names the executables it built (or found fresh).
+/// Path of the executable `name` of workspace package `package`, one of [`BINARIES`]:
+/// `burn-parallel`'s binary `burnrun`, `examples`' binaries `gpt` and `vit`, and its examples
+/// `byo_model` and the benchmarks. Cargo builds them all from the current sources first, with the
+/// profile and target directory of this test executable, so that a test never runs an
+/// out-of-date executable. Cargo runs once per test process; it names the executables it built
+/// (or found fresh).
 ///
 /// # Panics
-/// For another binary, or when Cargo fails to build them, with Cargo's output.
+/// For another executable, or when Cargo fails to build them, with Cargo's output.
 pub fn workspace_binary(package: &str, name: &str) -> PathBuf {
     static BUILT: Mutex<Option<HashMap<String, PathBuf>>> = Mutex::new(None);
     assert!(
-        BINARIES.contains(&(package, name)),
+        BINARIES.iter().any(|&(p, _, n)| (p, n) == (package, name)),
         "workspace_binary knows {BINARIES:?}, not {package}/{name}"
     );
     let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
@@ -536,8 +542,8 @@ fn build_binaries() -> HashMap<String, PathBuf> {
         .arg("--target-dir")
         .arg(target_dir)
         .arg("--message-format=json");
-    for (package, name) in BINARIES {
-        cargo.args(["-p", package, target_flag(name), name]);
+    for (package, target, name) in BINARIES {
+        cargo.args(["-p", package, target, name]);
     }
     // The backend features this test crate was built with, so that Cargo reuses its build.
     for (on, feature) in [

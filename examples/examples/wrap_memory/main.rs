@@ -6,7 +6,11 @@
 //!
 //! ```text
 //! cargo run --release -p examples --example wrap_memory
+//! cargo run --release -p examples --example wrap_memory -- --quick   # a smaller decoder
 //! ```
+//!
+//! The decoder has 4 layers of width 256 and a vocabulary of 8192; `--quick` measures one of 2
+//! layers of width 64 and a vocabulary of 1024 instead.
 //!
 //! Ranks are threads of one process, so the allocator counts all of them together: the per-rank
 //! figure is the process peak divided by 4 (the ranks are symmetric).
@@ -28,28 +32,40 @@ use model::{Config, Decoder, fsdp_plan, tp_plan};
 #[global_allocator]
 static ALLOC: CountingAllocator = CountingAllocator::new();
 
-fn config() -> Config {
-    Config {
-        vocab: 8192,
-        d_model: 256,
-        n_heads: 8,
-        d_ff: 1024,
-        n_layers: 4,
-        seed: 1,
+/// The measured decoder: the full one, or the small one of `--quick`.
+fn decoder_config(quick: bool) -> Config {
+    if quick {
+        Config {
+            vocab: 1024,
+            d_model: 64,
+            n_heads: 4,
+            d_ff: 256,
+            n_layers: 2,
+            seed: 1,
+        }
+    } else {
+        Config {
+            vocab: 8192,
+            d_model: 256,
+            n_heads: 8,
+            d_ff: 1024,
+            n_layers: 4,
+            seed: 1,
+        }
     }
 }
 
-/// Process peak (bytes) while every rank builds the model under `dims`, and the parameters a
-/// rank holds.
-fn wrap_peak(dims: ParallelDims) -> (usize, usize) {
+/// Process peak (bytes) while every rank builds the model `config` under `dims`, and the
+/// parameters a rank holds.
+fn wrap_peak(dims: ParallelDims, config: Config) -> (usize, usize) {
     let before = ALLOC.reset_peak();
     let params = run_local(dims.world_size(), move |world| {
         let mesh = dims.build(&world).expect("mesh");
-        let init = Init::new(config().seed, &Device::flex())
+        let init = Init::new(config.seed, &Device::flex())
             .with_tp(mesh.group("tp").expect("tp"), tp_plan(false))
             .expect("plan");
         let fsdp = fsdp_plan(mesh.group("dp_shard").expect("dp_shard"));
-        let model = Decoder::new(&init, Some(&fsdp), &config()).expect("model");
+        let model = Decoder::new(&init, Some(&fsdp), &config).expect("model");
         world.barrier()?;
         Ok(model.num_params())
     })
@@ -70,25 +86,25 @@ enum Step {
     Zero2,
 }
 
-/// Process peak (bytes) over two training steps under `dims` (the model built and the peak
-/// reset before the first step; AdamW's state exists from the first step on).
-fn step_peak(dims: ParallelDims, kind: Step) -> usize {
+/// Process peak (bytes) over two training steps of the model `config` under `dims` (the model
+/// built and the peak reset before the first step; AdamW's state exists from the first step on).
+fn step_peak(dims: ParallelDims, kind: Step, config: Config) -> usize {
     let start = std::sync::Barrier::new(dims.world_size());
     let before = std::sync::Mutex::new(0usize);
     run_local(dims.world_size(), |world| {
         let device = Device::flex().autodiff();
         let mesh = dims.build(&world).expect("mesh");
         let tp = mesh.group("tp").expect("tp");
-        let init = Init::new(config().seed, &device)
+        let init = Init::new(config.seed, &device)
             .with_tp(tp, tp_plan(tp.size() > 1))
             .expect("plan");
         let sharded = matches!(kind, Step::Library);
         let fsdp = fsdp_plan(mesh.group("dp_shard").expect("dp_shard"));
-        let mut model = Decoder::new(&init, sharded.then_some(&fsdp), &config()).expect("model");
+        let mut model = Decoder::new(&init, sharded.then_some(&fsdp), &config).expect("model");
         let dp = dims.data_parallel(&mesh).expect("dp");
         let tokens = |salt: usize| {
             let ids: Vec<i64> = (0..BATCH * SEQ)
-                .map(|i| ((i * 31 + salt * 7 + dp.rank() * 13) % config().vocab) as i64)
+                .map(|i| ((i * 31 + salt * 7 + dp.rank() * 13) % config.vocab) as i64)
                 .collect();
             Tensor::<2, Int>::from_data(TensorData::new(ids, [BATCH, SEQ]), &device)
         };
@@ -132,13 +148,14 @@ fn step_peak(dims: ParallelDims, kind: Step) -> usize {
 }
 
 fn main() {
-    let full = Decoder::new(&Init::new(config().seed, &Device::flex()), None, &config())
+    let config = decoder_config(std::env::args().any(|a| a == "--quick"));
+    let full = Decoder::new(&Init::new(config.seed, &Device::flex()), None, &config)
         .expect("model")
         .num_params();
     let full_bytes = full as f64 * 4.0;
     let mib = |b: f64| b / (1024.0 * 1024.0);
     let unit = {
-        let c = config();
+        let c = config;
         (4 * c.d_model * c.d_model + 3 * c.d_model * c.d_ff + 2 * c.d_model) as f64 * 4.0
     };
     println!(
@@ -158,7 +175,7 @@ fn main() {
         tp,
         ep: 1,
     };
-    let embed_head = 2.0 * (config().vocab * config().d_model) as f64 * 4.0;
+    let embed_head = 2.0 * (config.vocab * config.d_model) as f64 * 4.0;
     let layers = full_bytes - embed_head;
     // FSDP wraps the layers (the embedding and head stay replicated over dp_shard). The layers
     // are built first, one at a time: while a layer is built and flattened, its whole (tensor-
@@ -176,7 +193,7 @@ fn main() {
         ("FSDP 2 x TP 2", dims(1, 2, 2), fsdp(2.0, 2.0)),
     ];
     for (name, d, formula) in rows {
-        let (peak, params) = wrap_peak(d);
+        let (peak, params) = wrap_peak(d, config);
         let per_rank = peak as f64 / 4.0;
         println!(
             "{name:<14} {params:>12} {:>16.2} {:>18.2} {:>16.2}",
@@ -217,7 +234,7 @@ fn main() {
         ),
     ];
     for (name, d, kind, formula) in steps {
-        let per_rank = step_peak(d, kind) as f64 / n;
+        let per_rank = step_peak(d, kind, config) as f64 / n;
         println!(
             "{name:<14} {:>16.2} {:>16.2} {:>18.2}",
             mib(per_rank),
