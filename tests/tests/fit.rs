@@ -280,3 +280,89 @@ fn a_non_finite_step_stops_the_run_naming_the_step() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// DiLoCo through the builder, its islands' steps and outer loop one `StepEngine`.
+fn diloco(inner_steps: usize, momentum: f64, inner_sgd: bool) -> Layout {
+    use burn_parallel::diloco::DiLoCoConfig;
+    Layout {
+        diloco: Some(burn_parallel_train::DiLoCoLayout {
+            islands: 2,
+            config: DiLoCoConfig {
+                inner_steps,
+                outer_lr: if momentum == 0.0 { 1.0 } else { 0.7 },
+                outer_momentum: momentum,
+                nesterov: momentum > 0.0,
+                ..DiLoCoConfig::default()
+            },
+            inner_sgd,
+        }),
+        ..Layout::default()
+    }
+}
+
+/// DiLoCo with one inner step, outer SGD at learning rate 1 without momentum, and SGD inside
+/// is data parallelism with SGD: the islands' models averaged after one SGD step each are the
+/// model stepped by the averaged gradient. Built by `build` from the layout, trained by `fit`.
+#[test]
+fn diloco_from_the_builder_at_one_inner_step_is_data_parallelism() {
+    use burn::optim::SgdConfig;
+    use burn_parallel::DistributedDataParallel;
+    // No clipping: each island would clip its own gradient, DDP the average.
+    let settings = StepSettings {
+        batch_size: BATCH,
+        seq_len: SEQ,
+        max_grad_norm: None,
+        ..StepSettings::default()
+    };
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let config = FitConfig::new(STEPS, 0.05);
+    let run = |layout: Layout| {
+        let mut out = run_local(4, |world| {
+            let device = Device::flex().autodiff();
+            let mut built = build(&world, &layout, &recipe(), &device, &settings)?;
+            if layout.diloco.is_none() {
+                // The reference: DDP over the world with SGD.
+                let ddp = DistributedDataParallel::new(world.clone());
+                let step = TrainStep::new(built.model.tp.clone()).with_ddp(ddp);
+                built.engine = Box::new(Trainer::new(step, SgdConfig::new().init()));
+            }
+            let mut loss = |m: &Decoder, micro: &MicroBatch| {
+                let batch =
+                    corpus.batch_rows(micro.step as u64, micro.rows.clone(), SEQ, Split::Train);
+                let (tokens, targets) = batch.to_tensors(&device);
+                Ok(m.loss(tokens, targets)?)
+            };
+            let fitted = fit(built, &config, &mut loss, &mut |_, _| Ok(()), None)?;
+            let model = fitted.built.engine.master_model(fitted.built.model)?;
+            Ok(Outcome {
+                losses: fitted.losses,
+                params: model.whole_params()?,
+                stopped_at: None,
+                resumed_from: None,
+            })
+        })
+        .unwrap_or_else(|e| panic!("{e}"));
+        out.swap_remove(0)
+    };
+    let ddp = run(Layout::default());
+    let islands = run(diloco(1, 0.0, true));
+    assert_close("DiLoCo at H = 1 against DDP", &islands, &ddp, 1e-5);
+}
+
+/// DiLoCo stopped between two syncs (after step 3 of 6, H = 2, Nesterov outer momentum, AdamW
+/// inside) resumes from its checkpoint and ends where the uninterrupted run ends: the islands'
+/// models, their optimizers and the outer momentum all come back.
+#[test]
+fn diloco_from_the_builder_resumes_between_syncs() {
+    let dir = std::env::temp_dir().join(format!("fit-diloco-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let layout = diloco(2, 0.9, false);
+    let whole = train(4, layout, &fit_config(None, None), None);
+    let stopped = train(4, layout, &fit_config(Some(&dir), None), Some(3));
+    assert_eq!(stopped.stopped_at, Some(3));
+    let resumed = train(4, layout, &fit_config(None, Some(&dir)), None);
+    let saved_as = "dp 4, DiLoCo 2 islands, H = 2".to_string();
+    assert_eq!(resumed.resumed_from, Some((3, 4, Some(saved_as))));
+    assert_close("DiLoCo resumed between syncs", &resumed, &whole, 1e-6);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

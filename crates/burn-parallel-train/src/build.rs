@@ -10,13 +10,15 @@
 //! 2. [`Placed::into_engine`]: the [`StepEngine`] of the layout, composed of orthogonal parts:
 //!    the data reduction (DDP, overlapped DDP, FSDP's reduce-scatter, ZeRO-1/2's sharded
 //!    optimizer), the precision policy, and, for a mixture-of-experts model, burn-moe's expert
-//!    step around it.
+//!    step around it; under DiLoCo, the step of each island wrapped in the outer loop
+//!    ([`crate::diloco::DiLoCoEngine`]).
 
 use burn::module::Module;
-use burn::optim::AdamWConfig;
+use burn::optim::{AdamWConfig, ModuleOptimizer, SgdConfig};
 use burn::tensor::Device;
 use burn_moe::{MoeParallel, MoeStep, MoeTrainer, MoeZero};
 use burn_parallel::context_parallel::{ContextParallel, CpSettings};
+use burn_parallel::diloco::Islands;
 use burn_parallel::init::Init;
 use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::overlap::OverlappedDdp;
@@ -27,6 +29,7 @@ use burn_parallel::train::{StepEngine, TrainStep, Trainer};
 use burn_parallel::{DeviceMesh, DistributedDataParallel, Error, ParallelDims, ProcessGroup};
 use burn_zero::{FsdpPlan, MemoryTracker, ShardGroups, Stage, ZeroConfig, ZeroOptimizer};
 
+use crate::diloco::DiLoCoEngine;
 use crate::layout::{Layout, Workload};
 
 /// What the builder needs of a user's model: how to split it and how to build it. Implement it
@@ -222,6 +225,8 @@ pub struct Placed<P: ParallelModel> {
     pub init: Init,
     /// Whether the model has experts.
     moe: bool,
+    /// DiLoCo's islands (under a layout with DiLoCo).
+    islands: Option<Islands>,
 }
 
 /// A layout built on this rank: the model and the engine that steps it.
@@ -363,6 +368,18 @@ impl<P: ParallelModel> Placed<P> {
         } = parts;
         // Seeded init gives identical replicas; fail loudly if they are not.
         verify_replicas(&built, &groups, &experts)?;
+        // Under DiLoCo, each island reduces its gradients and holds one replica between syncs
+        // (all of them were checked identical just now).
+        let mut groups = groups;
+        let islands = match layout.diloco {
+            Some(d) => {
+                let islands = Islands::new(world, d.islands)?;
+                groups.reduce = islands.island().clone();
+                groups.replicate = islands.island().clone();
+                Some(islands)
+            }
+            None => None,
+        };
         Ok(Self {
             layout: *layout,
             groups,
@@ -371,6 +388,7 @@ impl<P: ParallelModel> Placed<P> {
             experts,
             init,
             moe: model.n_experts().is_some(),
+            islands,
         })
     }
 
@@ -387,6 +405,7 @@ impl<P: ParallelModel> Placed<P> {
             experts,
             init,
             moe,
+            islands,
         } = self;
         let hyper = settings.adamw;
         let adamw = AdamWConfig::new()
@@ -395,75 +414,110 @@ impl<P: ParallelModel> Placed<P> {
             .with_epsilon(hyper.epsilon)
             .with_weight_decay(hyper.weight_decay);
         let mut zero_memory = None;
-        let engine: Box<dyn StepEngine<P::Model, Error>> = match layout.zero {
-            Some(stage @ (Stage::One | Stage::Two)) => {
-                let shard_groups = match layout.replicate {
-                    1 => ShardGroups::flat(groups.reduce.clone()),
-                    _ => ShardGroups::hybrid(&groups.mesh)?,
-                };
-                // fp32 master shards and AdamW state; the experts (different on each
-                // expert-parallel rank) stay out of the flat space.
-                let config = ZeroConfig::new(stage)
-                    .with_max_grad_norm(settings.max_grad_norm)
-                    .with_precision(settings.precision)
-                    .with_loss_scaler(settings.loss_scaler.clone())
-                    .with_offload(layout.offload)
-                    .with_bucket_bytes(settings.bucket_bytes);
-                let registry = experts.experts.clone();
-                let zero = ZeroOptimizer::new_excluding(
-                    &model,
-                    shard_groups,
-                    config,
-                    adamw.build(),
-                    |id| registry.contains(&id),
-                )?
-                .with_tensor_parallel(&init.context());
-                model = zero.prepare_module(model)?;
-                zero_memory = Some(zero.tracker().clone());
-                match moe {
-                    true => {
-                        let step = MoeStep::new(TrainStep::new(init.context()), &experts);
-                        Box::new(MoeZero::new(zero, step, adamw.init())?)
-                    }
-                    false => Box::new(zero),
-                }
-            }
-            _ => {
+        let engine: Box<dyn StepEngine<P::Model, Error>> = match (layout.diloco, islands) {
+            (Some(d), Some(islands)) => {
+                // Each island's step (DDP inside it), then the outer loop.
                 let mut step = TrainStep::new(init.context())
                     .with_precision(settings.precision)
-                    // MoeStep clips itself (its norm counts each expert once).
-                    .with_clip(settings.max_grad_norm.filter(|_| !moe));
+                    .with_clip(settings.max_grad_norm);
                 if let Some(scaler) = &settings.loss_scaler {
                     step = step.with_loss_scaler(scaler.clone());
                 }
-                let reduce = &groups.reduce;
-                if layout.overlap {
-                    step = step.with_overlap(
-                        OverlappedDdp::new(reduce.clone()).with_bucket_bytes(settings.bucket_bytes),
-                    );
-                } else if reduce.size() > 1 {
+                if islands.size() > 1 {
                     step = step.with_ddp(
-                        DistributedDataParallel::new(reduce.clone())
+                        DistributedDataParallel::new(islands.island().clone())
                             .with_bucket_bytes(settings.bucket_bytes),
                     );
                 }
-                if let Some(plan) = &fsdp {
-                    step = step
-                        .with_fsdp(plan.shards().clone(), Some(groups.replicate.clone()))
-                        .with_fsdp_no_sync(layout.no_sync);
-                }
-                let optim = match settings.fused_adamw {
-                    true => hyper.init(),
-                    false => adamw.init(),
-                };
-                match moe {
-                    true => {
-                        let step = MoeStep::new(step, &experts).with_clip(settings.max_grad_norm);
-                        Box::new(MoeTrainer::new(step, optim))
+                let fresh: Box<dyn Fn() -> ModuleOptimizer + Send + Sync> = match d.inner_sgd {
+                    true => Box::new(|| SgdConfig::new().init()),
+                    false => {
+                        let adamw = adamw.clone();
+                        Box::new(move || adamw.init())
                     }
-                    false => Box::new(Trainer::new(step, optim)),
-                }
+                };
+                let inner = Trainer::new(step, fresh());
+                Box::new(DiLoCoEngine::new(
+                    &groups.world,
+                    &islands,
+                    d.config,
+                    &model,
+                    &init.context(),
+                    (inner, fresh),
+                )?)
             }
+            _ => match layout.zero {
+                Some(stage @ (Stage::One | Stage::Two)) => {
+                    let shard_groups = match layout.replicate {
+                        1 => ShardGroups::flat(groups.reduce.clone()),
+                        _ => ShardGroups::hybrid(&groups.mesh)?,
+                    };
+                    // fp32 master shards and AdamW state; the experts (different on each
+                    // expert-parallel rank) stay out of the flat space.
+                    let config = ZeroConfig::new(stage)
+                        .with_max_grad_norm(settings.max_grad_norm)
+                        .with_precision(settings.precision)
+                        .with_loss_scaler(settings.loss_scaler.clone())
+                        .with_offload(layout.offload)
+                        .with_bucket_bytes(settings.bucket_bytes);
+                    let registry = experts.experts.clone();
+                    let zero = ZeroOptimizer::new_excluding(
+                        &model,
+                        shard_groups,
+                        config,
+                        adamw.build(),
+                        |id| registry.contains(&id),
+                    )?
+                    .with_tensor_parallel(&init.context());
+                    model = zero.prepare_module(model)?;
+                    zero_memory = Some(zero.tracker().clone());
+                    match moe {
+                        true => {
+                            let step = MoeStep::new(TrainStep::new(init.context()), &experts);
+                            Box::new(MoeZero::new(zero, step, adamw.init())?)
+                        }
+                        false => Box::new(zero),
+                    }
+                }
+                _ => {
+                    let mut step = TrainStep::new(init.context())
+                        .with_precision(settings.precision)
+                        // MoeStep clips itself (its norm counts each expert once).
+                        .with_clip(settings.max_grad_norm.filter(|_| !moe));
+                    if let Some(scaler) = &settings.loss_scaler {
+                        step = step.with_loss_scaler(scaler.clone());
+                    }
+                    let reduce = &groups.reduce;
+                    if layout.overlap {
+                        step = step.with_overlap(
+                            OverlappedDdp::new(reduce.clone())
+                                .with_bucket_bytes(settings.bucket_bytes),
+                        );
+                    } else if reduce.size() > 1 {
+                        step = step.with_ddp(
+                            DistributedDataParallel::new(reduce.clone())
+                                .with_bucket_bytes(settings.bucket_bytes),
+                        );
+                    }
+                    if let Some(plan) = &fsdp {
+                        step = step
+                            .with_fsdp(plan.shards().clone(), Some(groups.replicate.clone()))
+                            .with_fsdp_no_sync(layout.no_sync);
+                    }
+                    let optim = match settings.fused_adamw {
+                        true => hyper.init(),
+                        false => adamw.init(),
+                    };
+                    match moe {
+                        true => {
+                            let step =
+                                MoeStep::new(step, &experts).with_clip(settings.max_grad_norm);
+                            Box::new(MoeTrainer::new(step, optim))
+                        }
+                        false => Box::new(Trainer::new(step, optim)),
+                    }
+                }
+            },
         };
         Ok(Built {
             model,

@@ -113,6 +113,7 @@ impl LayoutArgs {
             no_sync: self.no_sync,
             overlap: self.ddp_overlap,
             offload: self.offload,
+            diloco: None,
         })
     }
 }
@@ -170,6 +171,7 @@ mod tests {
             no_sync: true,
             overlap: false,
             offload: false,
+            diloco: None,
         };
         assert_eq!(layout, expected);
         let args = Args::parse_from(["t", "--overlap"]);

@@ -2,15 +2,20 @@
 //! engine's state, under names any layout reads.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Mutex;
 
 use burn::module::{Module, ParamId};
 use burn::optim::ModuleOptimizer;
-use burn::tensor::{DType, TensorData};
-use burn_parallel::checkpoint::{Checkpoint, ParamMap, Piece, TensorSource, merged_scalars};
-use burn_parallel::diloco::{DiLoCo, DiLoCoMeta, DiLoCoState, Islands};
+use burn::tensor::{DType, Tensor, TensorData};
+use burn_parallel::checkpoint::{
+    self, Checkpoint, CheckpointError, Checkpointer, ParamMap, Piece, TensorSource, merged_scalars,
+};
+use burn_parallel::diloco::{DiLoCo, DiLoCoConfig, DiLoCoMeta, DiLoCoState, Islands};
 use burn_parallel::nn::TpContext;
-use burn_parallel::train::OPTIM_SCALARS;
-use burn_parallel::{Error, ProcessGroup};
+use burn_parallel::train::{
+    OPTIM_SCALARS, SaveState, StepEngine, StepOutput, Trainer, engine_states, saved_engine_states,
+};
+use burn_parallel::{Error, ProcessGroup, ReduceOp};
 use serde_json::Value;
 
 use crate::fit::saved_state;
@@ -185,4 +190,148 @@ fn in_flight(j: usize) -> String {
 /// The name of island `k`'s copy of parameter `name`.
 fn island_name(k: usize, name: &str) -> String {
     format!("diloco/island.{k}/{name}")
+}
+
+/// DiLoCo as a [`StepEngine`]: the inner step over this rank's island (DDP inside it, the
+/// layout's precision and clipping), then DiLoCo's outer sync after every step (which averages
+/// the islands' models every `H` steps). Built by [`crate::build`] for a layout with
+/// [`crate::layout::DiLoCoLayout`]; checkpoints through [`DiLoCoCheckpoint`].
+///
+/// The loss it reports is averaged over the world (over the island when lost islands are
+/// dropped, since the world may then have lost ranks).
+pub struct DiLoCoEngine {
+    inner: Trainer,
+    fresh: Box<dyn Fn() -> ModuleOptimizer + Send + Sync>,
+    /// Behind a lock: saving and the final model read DiLoCo's state through `&self`.
+    diloco: Mutex<DiLoCo>,
+    names: DiLoCoCheckpoint,
+    loss_group: ProcessGroup,
+    /// Steps done (the outer sync's clock).
+    step: usize,
+}
+
+impl DiLoCoEngine {
+    /// DiLoCo of `config` over `islands` of `world`, starting from `model` (identical on every
+    /// rank), stepping each island with `inner` (a step whose data-parallel group is the
+    /// island); `fresh` makes an empty inner optimizer of the kind `inner` holds.
+    ///
+    /// # Errors
+    /// DiLoCo's settings; a model the checkpoint names cannot describe.
+    pub fn new<M: Module>(
+        world: &ProcessGroup,
+        islands: &Islands,
+        config: DiLoCoConfig,
+        model: &M,
+        tp: &TpContext,
+        (inner, fresh): (Trainer, Box<dyn Fn() -> ModuleOptimizer + Send + Sync>),
+    ) -> Result<Self, Error> {
+        let loss_group = match config.drop_lost_islands {
+            true => islands.island().clone(),
+            false => world.clone(),
+        };
+        Ok(Self {
+            inner,
+            fresh,
+            diloco: Mutex::new(DiLoCo::new(islands, config, model)?),
+            names: DiLoCoCheckpoint::new(model, tp, world, islands)?,
+            loss_group,
+            step: 0,
+        })
+    }
+
+    fn diloco(&self) -> std::sync::MutexGuard<'_, DiLoCo> {
+        self.diloco.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl<M: Module> StepEngine<M, Error> for DiLoCoEngine {
+    fn step_accumulated(
+        &mut self,
+        model: M,
+        micro_batches: usize,
+        forward: &mut dyn FnMut(&M, usize) -> Result<Tensor<1>, Error>,
+        lr: f64,
+    ) -> Result<(M, StepOutput), Error> {
+        let (model, mut out) = self
+            .inner
+            .step_accumulated(model, micro_batches, forward, lr)?;
+        let model = self.diloco().sync(self.step, model)?;
+        self.step += 1;
+        out.loss = self
+            .loss_group
+            .all_reduce_f32(vec![out.loss], ReduceOp::Avg)?[0];
+        Ok((model, out))
+    }
+
+    fn save(
+        &self,
+        saver: &mut Checkpointer,
+        step: usize,
+        model: &M,
+        state: SaveState,
+    ) -> checkpoint::Result<()> {
+        let diloco_error = |e: Error| CheckpointError::piece("diloco", e.to_string());
+        let (pieces, meta, scalars) = self
+            .names
+            .pieces(model, &self.inner.optim, &mut self.diloco())
+            .map_err(diloco_error)?;
+        // DiLoCo's bookkeeping goes into the caller's state, where `DiLoCoCheckpoint::load`
+        // reads it back (`saved_state`).
+        let mut state = state;
+        let mut trainer = match std::mem::take(&mut state.trainer) {
+            Value::Object(map) => map,
+            Value::Null => serde_json::Map::new(),
+            other => {
+                return Err(CheckpointError::piece(
+                    "state",
+                    format!("DiLoCo adds its state to an object's, not to {other}"),
+                ));
+            }
+        };
+        trainer.insert(
+            DILOCO_STATE.into(),
+            serde_json::to_value(meta).expect("DiLoCo's state serialises"),
+        );
+        state.trainer = Value::Object(trainer);
+        let scaler = self.inner.step.loss_scaler().map(|s| s.state());
+        let (trainer, rank) = engine_states(state, scaler, &scalars);
+        saver.submit(step, pieces, trainer, rank)
+    }
+
+    fn load(&mut self, checkpoint: &Checkpoint, model: M) -> checkpoint::Result<(M, Value)> {
+        let diloco_error = |e: Error| CheckpointError::piece("diloco", e.to_string());
+        let mut diloco = self.diloco.lock().unwrap_or_else(|p| p.into_inner());
+        let model = self
+            .names
+            .load(
+                model,
+                (&mut self.inner.optim, &*self.fresh),
+                &mut diloco,
+                checkpoint,
+            )
+            .map_err(diloco_error)?;
+        drop(diloco);
+        let (state, scaler, _) = saved_engine_states(checkpoint)?;
+        if let Some(saved) = scaler {
+            self.inner
+                .step
+                .restore_loss_scaler(&saved)
+                .map_err(|e| CheckpointError::piece("loss_scaler", e.to_string()))?;
+        }
+        self.step = checkpoint.step();
+        Ok((model, state))
+    }
+
+    fn loss_scale(&self) -> f64 {
+        self.inner.step.loss_scale()
+    }
+
+    /// The outer model: the fragments not synced since the last sync are synced now.
+    fn master_model(&self, model: M) -> Result<M, Error> {
+        Ok(self.diloco().finish(model)?)
+    }
+
+    fn optimizer(&self) -> Option<&ModuleOptimizer> {
+        Some(&self.inner.optim)
+    }
 }

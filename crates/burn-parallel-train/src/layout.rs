@@ -3,6 +3,7 @@
 
 use burn_parallel::ParallelDims;
 use burn_parallel::context_parallel::{CpBalance, CpKind, SeqLayout};
+use burn_parallel::diloco::DiLoCoConfig;
 use burn_zero::Stage;
 use serde::{Deserialize, Serialize};
 
@@ -59,6 +60,33 @@ pub struct Layout {
     pub overlap: bool,
     /// ZeRO-1/2: the optimizer state and its update in host memory (`--offload`).
     pub offload: bool,
+    /// DiLoCo (`--diloco-islands`): islands of data-parallel ranks that step on their own and
+    /// average their models every `inner_steps` steps. `None`: every data-parallel rank
+    /// reduces its gradients every step.
+    pub diloco: Option<DiLoCoLayout>,
+}
+
+/// DiLoCo's part of a [`Layout`]: `islands` islands split the world evenly; each trains with
+/// DDP inside, and the outer optimizer of `config` averages their models.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DiLoCoLayout {
+    /// Islands (at least 1, dividing the world).
+    pub islands: usize,
+    /// The outer loop (the paper's defaults: `H` = 50, outer Nesterov SGD at 0.7, momentum 0.9).
+    pub config: DiLoCoConfig,
+    /// The inner optimizer: AdamW (the step settings'), or plain SGD.
+    pub inner_sgd: bool,
+}
+
+impl Default for DiLoCoLayout {
+    fn default() -> Self {
+        Self {
+            islands: 2,
+            config: DiLoCoConfig::default(),
+            inner_sgd: false,
+        }
+    }
 }
 
 impl Default for Layout {
@@ -77,6 +105,7 @@ impl Default for Layout {
             no_sync: false,
             overlap: false,
             offload: false,
+            diloco: None,
         }
     }
 }
@@ -223,6 +252,12 @@ impl Layout {
         }
         if self.offload {
             text += ", offloaded";
+        }
+        if let Some(d) = self.diloco {
+            text += &format!(
+                ", DiLoCo {} islands, H = {}",
+                d.islands, d.config.inner_steps
+            );
         }
         text
     }
@@ -398,6 +433,40 @@ impl Layout {
         for (on, flag) in [(self.prefetch, "--prefetch"), (self.no_sync, "--no-sync")] {
             rule(on && self.zero != Some(Stage::Three), flag, || {
                 format!("{flag} is an option of FSDP: use it with --zero 3")
+            })?;
+        }
+        if let Some(d) = self.diloco {
+            for (on, flag) in [
+                (tp > 1, "--tp"),
+                (cp > 1, "--cp"),
+                (pp > 1, "--pp"),
+                (self.ep > 1, "--ep"),
+                (self.zero.is_some(), "--zero"),
+                (self.overlap, "--overlap"),
+                (work.n_experts.is_some(), "--moe-experts"),
+            ] {
+                rule(on, flag, || {
+                    format!(
+                        "{flag} is not composed with DiLoCo: its outer step averages whole \
+                         dense models of islands that run plain data parallelism; drop {flag} or \
+                         --diloco-islands"
+                    )
+                })?;
+            }
+            rule(
+                d.islands == 0 || !world.is_multiple_of(d.islands),
+                "--diloco-islands",
+                || {
+                    format!(
+                        "--diloco-islands {} cannot split the world of {world} ranks evenly; use \
+                         a number of islands that divides it",
+                        d.islands
+                    )
+                },
+            )?;
+            d.config.validate().map_err(|e| LayoutError {
+                flag: "--diloco-islands",
+                message: format!("DiLoCo's settings (--diloco-islands): {e}"),
             })?;
         }
         let accum = work.grad_accum;
@@ -709,6 +778,65 @@ mod tests {
                 "--batch-size",
             ),
         ];
+        // DiLoCo's rules: islands that divide the world, dense plain data parallelism inside,
+        // sane outer settings.
+        let islands = |n: usize| {
+            Some(DiLoCoLayout {
+                islands: n,
+                ..DiLoCoLayout::default()
+            })
+        };
+        let diloco = Layout {
+            diloco: islands(2),
+            ..d
+        };
+        let mut cases = cases;
+        cases.extend([
+            (Layout { tp: 2, ..diloco }, 4, work(), "--tp"),
+            (Layout { cp: 2, ..diloco }, 4, work(), "--cp"),
+            (Layout { pp: 2, ..diloco }, 4, work(), "--pp"),
+            (Layout { zero: z3, ..diloco }, 4, work(), "--zero"),
+            (
+                Layout {
+                    overlap: true,
+                    ..diloco
+                },
+                4,
+                work(),
+                "--overlap",
+            ),
+            (diloco, 4, moe(), "--moe-experts"),
+            (
+                Layout {
+                    diloco: islands(3),
+                    ..d
+                },
+                4,
+                work(),
+                "--diloco-islands",
+            ),
+            (
+                Layout {
+                    diloco: islands(0),
+                    ..d
+                },
+                4,
+                work(),
+                "--diloco-islands",
+            ),
+        ]);
+        let mut no_inner_steps = DiLoCoLayout::default();
+        no_inner_steps.config.inner_steps = 0;
+        cases.push((
+            Layout {
+                diloco: Some(no_inner_steps),
+                ..d
+            },
+            4,
+            work(),
+            "--diloco-islands",
+        ));
+        assert!(diloco.validate(4, &work()).is_ok());
         for (layout, world, work, flag) in cases {
             assert_eq!(
                 refused(layout, world, &work),

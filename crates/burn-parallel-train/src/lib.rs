@@ -35,5 +35,5 @@ pub use fit::{
     CheckpointPolicy, FitConfig, Fitted, LossFn, LossHistory, LrSchedule, MicroBatch, OnStep,
     Resumed, RunState, StepLog, fit, fit_with, open_checkpoint, saved_state,
 };
-pub use layout::{Layout, LayoutError, Workload};
+pub use layout::{DiLoCoLayout, Layout, LayoutError, Workload};
 pub use local::run_local;
