@@ -43,6 +43,27 @@ fn recipe() -> Recipe {
 
 type Params = Vec<(String, TensorData)>;
 
+/// The settings of the tests that need no more than the batch (AdamW, clipping at 1).
+fn batch_settings() -> StepSettings {
+    StepSettings {
+        batch_size: BATCH,
+        seq_len: SEQ,
+        ..StepSettings::default()
+    }
+}
+
+/// The decoder's loss on its rows of micro-batch `micro` of the bundled corpus.
+fn corpus_loss(
+    corpus: &Corpus,
+    model: &Decoder,
+    micro: &MicroBatch,
+    device: &Device,
+) -> Result<burn::tensor::Tensor<1>, burn_parallel::Error> {
+    let batch = corpus.batch_rows(micro.step as u64, micro.rows.clone(), SEQ, Split::Train);
+    let (tokens, targets) = batch.to_tensors(device);
+    Ok(model.loss(tokens, targets)?)
+}
+
 struct Outcome {
     losses: Vec<f32>,
     params: Params,
@@ -69,11 +90,7 @@ fn train(ranks: usize, layout: Layout, config: &FitConfig, stop_after: Option<us
         let device = Device::flex().autodiff();
         let built = build(&world, &layout, &recipe(), &device, &settings)?;
         let flag = AtomicBool::new(false);
-        let mut loss = |m: &Decoder, micro: &MicroBatch| {
-            let batch = corpus.batch_rows(micro.step as u64, micro.rows.clone(), SEQ, Split::Train);
-            let (tokens, targets) = batch.to_tensors(&device);
-            Ok(m.loss(tokens, targets)?)
-        };
+        let mut loss = |m: &Decoder, micro: &MicroBatch| corpus_loss(&corpus, m, micro, &device);
         // What a Ctrl-C handler does, on one rank: the ranks agree to stop after this step.
         let mut on_step = |log: &StepLog, _: &Decoder| {
             if world.rank() == 0 && Some(log.step + 1) == stop_after {
@@ -180,11 +197,7 @@ fn resuming_from_nothing_is_a_clear_error() {
     let dir = std::env::temp_dir().join(format!("fit-empty-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let config = fit_config(None, Some(&dir));
-    let settings = StepSettings {
-        batch_size: BATCH,
-        seq_len: SEQ,
-        ..StepSettings::default()
-    };
+    let settings = batch_settings();
     let err = run_local(2, |world| {
         let device = Device::flex().autodiff();
         let built = build(&world, &Layout::default(), &recipe(), &device, &settings)?;
@@ -201,11 +214,7 @@ fn resuming_from_nothing_is_a_clear_error() {
 /// gradients (what a step built without its data-parallel reduction does).
 #[test]
 fn replicas_that_drift_apart_are_an_error() {
-    let settings = StepSettings {
-        batch_size: BATCH,
-        seq_len: SEQ,
-        ..StepSettings::default()
-    };
+    let settings = batch_settings();
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let config = FitConfig {
         check_replicas_every: 2,
@@ -216,11 +225,7 @@ fn replicas_that_drift_apart_are_an_error() {
         let mut built = build(&world, &Layout::default(), &recipe(), &device, &settings)?;
         let alone = TrainStep::new(built.model.tp.clone());
         built.engine = Box::new(Trainer::new(alone, AdamWConfig::new().init()));
-        let mut loss = |m: &Decoder, micro: &MicroBatch| {
-            let batch = corpus.batch_rows(micro.step as u64, micro.rows.clone(), SEQ, Split::Train);
-            let (tokens, targets) = batch.to_tensors(&device);
-            Ok(m.loss(tokens, targets)?)
-        };
+        let mut loss = |m: &Decoder, micro: &MicroBatch| corpus_loss(&corpus, m, micro, &device);
         fit(built, &config, &mut loss, &mut |_, _| Ok(()), None).map(|_| ())
     })
     .unwrap_err();
@@ -239,11 +244,7 @@ fn replicas_that_drift_apart_are_an_error() {
 fn a_non_finite_step_stops_the_run_naming_the_step() {
     let dir = std::env::temp_dir().join(format!("fit-nan-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let settings = StepSettings {
-        batch_size: BATCH,
-        seq_len: SEQ,
-        ..StepSettings::default()
-    };
+    let settings = batch_settings();
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let config = FitConfig {
         checkpoint: Some(CheckpointPolicy {
@@ -257,9 +258,7 @@ fn a_non_finite_step_stops_the_run_naming_the_step() {
         let built = build(&world, &Layout::default(), &recipe(), &device, &settings)?;
         let rank = world.rank();
         let mut loss = |m: &Decoder, micro: &MicroBatch| {
-            let batch = corpus.batch_rows(micro.step as u64, micro.rows.clone(), SEQ, Split::Train);
-            let (tokens, targets) = batch.to_tensors(&device);
-            let loss = m.loss(tokens, targets)?;
+            let loss = corpus_loss(&corpus, m, micro, &device)?;
             Ok(match (micro.step, rank) {
                 (2, 1) => loss.mul_scalar(f32::NAN),
                 _ => loss,
@@ -309,10 +308,8 @@ fn diloco_from_the_builder_at_one_inner_step_is_data_parallelism() {
     use burn_parallel::DistributedDataParallel;
     // No clipping: each island would clip its own gradient, DDP the average.
     let settings = StepSettings {
-        batch_size: BATCH,
-        seq_len: SEQ,
         max_grad_norm: None,
-        ..StepSettings::default()
+        ..batch_settings()
     };
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let config = FitConfig::new(STEPS, 0.05);
@@ -326,12 +323,8 @@ fn diloco_from_the_builder_at_one_inner_step_is_data_parallelism() {
                 let step = TrainStep::new(built.model.tp.clone()).with_ddp(ddp);
                 built.engine = Box::new(Trainer::new(step, SgdConfig::new().init()));
             }
-            let mut loss = |m: &Decoder, micro: &MicroBatch| {
-                let batch =
-                    corpus.batch_rows(micro.step as u64, micro.rows.clone(), SEQ, Split::Train);
-                let (tokens, targets) = batch.to_tensors(&device);
-                Ok(m.loss(tokens, targets)?)
-            };
+            let mut loss =
+                |m: &Decoder, micro: &MicroBatch| corpus_loss(&corpus, m, micro, &device);
             let fitted = fit(built, &config, &mut loss, &mut |_, _| Ok(()), None)?;
             let model = fitted.built.engine.master_model(fitted.built.model)?;
             Ok(Outcome {
