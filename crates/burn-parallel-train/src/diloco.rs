@@ -18,7 +18,7 @@ use burn_parallel::train::{
 use burn_parallel::{Error, ProcessGroup, ReduceOp};
 use serde_json::Value;
 
-use crate::fit::saved_state;
+use crate::saved::saved_state;
 
 /// Key of DiLoCo's bookkeeping ([`DiLoCoMeta`]) in the caller's state of a checkpoint
 /// ([`crate::saved_state`]): where [`DiLoCoCheckpoint::pieces`]'s `meta` goes.

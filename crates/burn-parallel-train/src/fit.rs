@@ -19,6 +19,7 @@ use burn_parallel::{Error, ReduceOp};
 use serde::{Deserialize, Serialize};
 
 use crate::build::{Built, ParallelModel, verify_replicas};
+use crate::saved::saved_state;
 
 /// The learning rate of each step: a linear warm-up over `warmup` steps to `peak`, then a
 /// cosine decay to `floor · peak` at step `steps`.
@@ -245,15 +246,6 @@ pub fn open_checkpoint(path: &Path) -> Result<Checkpoint, CheckpointError> {
                  under it); check the path, or start without resuming"
             .into(),
     })
-}
-
-/// The caller's state saved with `checkpoint` (what [`RunState::save`] gave).
-pub fn saved_state(checkpoint: &Checkpoint) -> &serde_json::Value {
-    let saved = checkpoint.state();
-    saved
-        .get("state")
-        .filter(|s| s.is_object())
-        .unwrap_or(saved)
 }
 
 /// What a run saves with its checkpoints besides the parameters and the optimizer state (the

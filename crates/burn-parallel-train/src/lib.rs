@@ -27,13 +27,15 @@ pub mod diloco;
 pub mod fit;
 pub mod layout;
 mod local;
+mod saved;
 
 pub use build::{
     Built, Groups, ModelParts, ParallelModel, Placed, StepSettings, build, verify_replicas,
 };
 pub use fit::{
     CheckpointPolicy, FitConfig, Fitted, LossFn, LossHistory, LrSchedule, MicroBatch, OnStep,
-    Resumed, RunState, StepLog, fit, fit_with, open_checkpoint, saved_state,
+    Resumed, RunState, StepLog, fit, fit_with, open_checkpoint,
 };
 pub use layout::{DiLoCoLayout, Layout, LayoutError, Workload};
 pub use local::run_local;
+pub use saved::saved_state;
