@@ -68,6 +68,17 @@ pub struct Layout {
 
 /// DiLoCo's part of a [`Layout`]: `islands` islands split the world evenly; each trains with
 /// DDP inside, and the outer optimizer of `config` averages their models.
+///
+/// ```
+/// use burn_parallel_train::{Layout, Workload};
+///
+/// let layout = Layout::from_toml("[diloco]\nislands = 4\ninner_sgd = true").unwrap();
+/// assert_eq!(layout.diloco.unwrap().islands, 4);
+/// assert_eq!(layout.describe(8), "dp 8, DiLoCo 4 islands, H = 50");
+/// // DiLoCo averages whole dense models: tensor parallelism is refused, by its flag.
+/// let tp = Layout { tp: 2, ..layout };
+/// assert_eq!(tp.validate(8, &Workload { batch_size: 8, ..Workload::default() }).unwrap_err().flag, "--tp");
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DiLoCoLayout {
