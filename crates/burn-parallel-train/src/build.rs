@@ -319,7 +319,7 @@ impl<P: ParallelModel> Placed<P> {
             1 => (data.clone(), group("dp_shard")?),
             _ => (dims.gradient_reduction(&mesh)?, dims.shard_with_cp(&mesh)?),
         };
-        let groups = Groups {
+        let mut groups = Groups {
             world: world.clone(),
             dims,
             data,
@@ -370,7 +370,6 @@ impl<P: ParallelModel> Placed<P> {
         verify_replicas(&built, &groups, &experts)?;
         // Under DiLoCo, each island reduces its gradients and holds one replica between syncs
         // (all of them were checked identical just now).
-        let mut groups = groups;
         let islands = match layout.diloco {
             Some(d) => {
                 let islands = Islands::new(world, d.islands)?;

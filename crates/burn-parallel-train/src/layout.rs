@@ -219,8 +219,8 @@ impl Layout {
         }
     }
 
-    /// The layout in words on `world` ranks, as logs and resumes name it: `dp 2 x tp 2 + sp,
-    /// ZeRO-2`, `FSDP 4 x cp 2 (ulysses)`, `HSDP 2 x 2 x pp 2`.
+    /// The layout in words on `world` ranks, as banners, logs and resumes name it: `dp 2 x tp 2
+    /// + sp, ZeRO-2`, `FSDP 4 x cp 2 (ulysses, headtail balance)`, `HSDP 2 x 2 x pp 2`.
     ///
     /// ```
     /// use burn_parallel_train::Layout;
@@ -247,7 +247,10 @@ impl Layout {
             ));
         }
         if dims.cp > 1 {
-            parts.push(format!("cp {} ({})", dims.cp, self.cp_kind));
+            parts.push(format!(
+                "cp {} ({}, {} balance)",
+                dims.cp, self.cp_kind, self.cp_balance
+            ));
         }
         if dims.pp > 1 {
             parts.push(format!("pp {}", dims.pp));

@@ -325,13 +325,14 @@ impl<O: ElementWise> StageUpdater<O> {
     ) -> std::result::Result<M, UpdateError> {
         let hold = self.max_norm.is_some() || self.tied.contains_key(&s) || self.scaled;
         let grads = match self.optims.get(&s) {
-            // DDP now, overlapping the rest of the pipeline; ZeRO reduces in its own step.
-            Some(StageOptimizer::Module(_)) if self.scaled => {
+            // DDP now, overlapping the rest of the pipeline; ZeRO reduces in its own step. The
+            // reductions only: the norm is the whole pipeline's, taken in `finish` (a stage's
+            // own would be a collective for nothing).
+            Some(StageOptimizer::Module(_)) => {
                 let (grads, overflow) = self.reduce.reduce_unscaled(&stage, grads)?;
                 self.overflow |= overflow;
                 grads
             }
-            Some(StageOptimizer::Module(_)) => self.reduce.reduce(&stage, grads)?.0,
             _ => grads,
         };
         if hold {

@@ -424,36 +424,7 @@ fn print_header(
     parallel: &Parallelism,
 ) {
     let m = &config.model;
-    let layout = if parallel.tp > 1 || parallel.cp > 1 {
-        let dp = ranks / (parallel.tp * parallel.cp);
-        let data = match parallel.zero {
-            None => format!("dp {dp}"),
-            Some(stage) => format!(
-                "ZeRO-{} over {dp} (hybrid {})",
-                stage.number(),
-                parallel.replicate
-            ),
-        };
-        let cp = if parallel.cp > 1 {
-            format!(
-                " x cp {} ({}, {} balance)",
-                parallel.cp, parallel.cp_kind, parallel.cp_balance
-            )
-        } else {
-            String::new()
-        };
-        format!(
-            " = {data}{cp} x tp {}{}",
-            parallel.tp,
-            if parallel.sp {
-                " + sequence parallel"
-            } else {
-                ""
-            }
-        )
-    } else {
-        String::new()
-    };
+    let layout = format!(" = {}", parallel.describe(ranks));
     println!(
         "GPT {} layers x {} heads x width {} ({:.2}M params), {} ranks{layout} ({backend}), \
          global batch {} x {} tokens, {} steps",
