@@ -1238,6 +1238,13 @@ pub struct Gpt {
 /// builder needs ([`burn_parallel_train::build`]).
 impl burn_parallel_train::ParallelModel for GptConfig {
     type Model = Gpt;
+    type Batch = crate::data::Batch;
+
+    fn loss(model: &Gpt, batch: &crate::data::Batch) -> Result<Tensor<1>, burn_parallel::Error> {
+        let device = model.devices().into_iter().next().unwrap_or_default();
+        let (inputs, targets) = batch.to_tensors(&device);
+        Ok(model.loss(inputs, targets)?)
+    }
 
     fn n_heads(&self) -> usize {
         self.n_heads

@@ -123,19 +123,8 @@ pub struct LayerTimes {
     pub last: f64,
 }
 
-/// Activation checkpointing of a pipelined GPT.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Recompute {
-    /// Every activation is kept from forward to backward.
-    #[default]
-    Off,
-    /// Each stage keeps only its input and recomputes its whole forward in its backward
-    /// ([`Checkpointing::All`]).
-    Stages,
-    /// Each block keeps only its input and is recomputed alone in the backward
-    /// ([`burn_pipeline::checkpoint::checkpoint`]).
-    Blocks,
-}
+/// Activation checkpointing of a pipelined GPT (the layout's).
+pub use burn_parallel_train::Recompute;
 
 /// The pipeline settings of [`train_gpt_pipeline`].
 #[derive(Debug, Clone, PartialEq)]
@@ -1043,18 +1032,13 @@ pub fn model_names(first_layer: usize) -> impl Fn(&str) -> String + Send + Sync 
     }
 }
 
-/// The `gpt` binary's pipeline flags (its size, `--pp`, is the layout's).
+/// The `gpt` binary's pipeline flags besides the layout's (`--pp`, `--schedule`,
+/// `--virtual-stages`, `--checkpoint-activations`, `--checkpoint-blocks`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct PipelineArgs {
-    /// The pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zbv or dualpipev.
-    #[arg(long, default_value = "1f1b")]
-    pub schedule: ScheduleKind,
     /// Micro-batches per step and data-parallel rank (they divide its rows).
     #[arg(long, default_value_t = 4)]
     pub microbatches: usize,
-    /// Stages per rank of the interleaved schedule (default 2).
-    #[arg(long)]
-    pub virtual_stages: Option<usize>,
     /// Balance the stages by parameter count (embedding on the first, head on the last)
     /// instead of by block count.
     #[arg(long, conflicts_with = "balance_time")]
@@ -1063,14 +1047,6 @@ pub struct PipelineArgs {
     /// and the head (measured on every rank before training, averaged).
     #[arg(long)]
     pub balance_time: bool,
-    /// Recompute each stage's forward in its backward instead of keeping its activations
-    /// (needs dropout 0).
-    #[arg(long, conflicts_with = "checkpoint_blocks")]
-    pub checkpoint_activations: bool,
-    /// Recompute block by block: each block keeps only its input, and the backward rebuilds
-    /// one block's graph at a time (needs dropout 0).
-    #[arg(long)]
-    pub checkpoint_blocks: bool,
     /// Write the last step's Chrome/Perfetto trace (one track per rank) to this file.
     #[arg(long)]
     pub trace: Option<std::path::PathBuf>,
@@ -1078,32 +1054,28 @@ pub struct PipelineArgs {
 
 impl PipelineArgs {
     /// The [`PipelineConfig`] these flags ask for, on `device`, over `layout`'s pipeline
-    /// ranks, with its tensor (and sequence) parallelism inside each stage and its ZeRO stage
-    /// over each stage's replicas.
+    /// ranks and schedule, with its tensor (and sequence) parallelism inside each stage and
+    /// its ZeRO stage over each stage's replicas.
     pub fn config(
         &self,
         device: TrainDevice,
         layout: &burn_parallel_train::Layout,
     ) -> PipelineConfig {
-        let (tp, sp, zero) = (layout.tp, layout.sp, layout.zero);
+        let p = layout.pipeline;
         PipelineConfig {
             pp: layout.pp,
-            schedule: self.schedule,
+            schedule: p.schedule,
             microbatches: self.microbatches,
-            virtual_stages: self.virtual_stages,
+            virtual_stages: p.virtual_stages,
             split: match (self.balance_params, self.balance_time) {
                 (true, _) => StageSplit::Params,
                 (_, true) => StageSplit::Measured,
                 _ => StageSplit::Count,
             },
-            tp,
-            sp,
-            zero,
-            recompute: match (self.checkpoint_activations, self.checkpoint_blocks) {
-                (true, _) => Recompute::Stages,
-                (_, true) => Recompute::Blocks,
-                _ => Recompute::Off,
-            },
+            tp: layout.tp,
+            sp: layout.sp,
+            zero: layout.zero,
+            recompute: p.recompute,
             device,
         }
     }

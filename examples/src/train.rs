@@ -14,7 +14,8 @@ use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::precision::LossScaler;
 use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
 use burn_parallel_train::{
-    Built, CheckpointPolicy, FitConfig, Layout, MicroBatch, Placed, StepLog, StepSettings, fit_with,
+    Built, CheckpointPolicy, FitConfig, Layout, MicroBatch, Placed, StepLog, StepSettings, Trainee,
+    fit_with,
 };
 use burn_zero::memory::Category;
 use serde::{Deserialize, Serialize};
@@ -768,15 +769,16 @@ pub fn train_gpt_checkpointed(
         resume: checkpoints.resume.clone(),
         check_replicas_every: 0,
     };
-    let mut loss = |m: &Gpt, micro: &MicroBatch| {
+    let mut batch = |micro: &MicroBatch| {
         let rows = micro.rows.clone();
-        let batch = corpus.batch_rows(micro.step as u64, rows, config.seq_len, Split::Train);
-        let (inputs, targets) = batch.to_tensors(&device);
-        Ok(m.loss(inputs, targets)?)
+        Ok(corpus.batch_rows(micro.step as u64, rows, config.seq_len, Split::Train))
     };
     let start = Instant::now();
     let (mut timer, mut skipped, mut first) = (StepTimer::default(), 0, true);
-    let mut after_step = |log: &StepLog, m: &Gpt| {
+    let mut after_step = |log: &StepLog, built: &Built<GptConfig>| {
+        let m = built
+            .model()
+            .expect("a whole model: the pipeline trains in crate::pipeline");
         // FSDP: the shards' gradients, held between the backward and the optimizer, in the
         // memory account.
         if let Some(plan) = &fsdp {
@@ -802,7 +804,7 @@ pub fn train_gpt_checkpointed(
     let fitted = fit_with(
         built,
         &fit_config,
-        &mut loss,
+        &mut batch,
         &mut after_step,
         None,
         &mut state,
@@ -813,12 +815,21 @@ pub fn train_gpt_checkpointed(
         timer,
         skipped: skipped + state.skipped,
     };
-    let Built { model, engine, .. } = fitted.built;
-
+    let loss_scale = fitted.built.loss_scale();
+    // FSDP: the optimizer state's bytes, in the memory account.
+    let fsdp_optimizer = match (&fsdp, &fitted.built.trainee) {
+        (Some(plan), Trainee::Whole { engine, .. }) => engine
+            .optimizer()
+            .map(|optim| plan.optimizer_bytes(optim))
+            .transpose()
+            .map_err(|e| collective(world, e.into()))?,
+        _ => None,
+    };
     // ---- evaluation on the layout, then the whole model for sampling and the report ----
     // ZeRO under mixed precision: evaluate and report the fp32 master weights.
-    let trained = engine
-        .master_model(model)
+    let trained = fitted
+        .built
+        .trained(&config.model)
         .map_err(|e| collective(world, e))?;
     let eval_model = trained.valid();
     let val_loss = validation_loss(
@@ -841,12 +852,9 @@ pub fn train_gpt_checkpointed(
     } else {
         String::new()
     };
-    let memory = match (&fsdp, engine.optimizer(), zero_memory) {
+    let memory = match (&fsdp, fsdp_optimizer, zero_memory) {
         (_, _, Some(zero)) => Some(zero.last_step()),
-        (Some(plan), Some(optim), None) => {
-            let state = plan
-                .optimizer_bytes(optim)
-                .map_err(|e| collective(world, e.into()))?;
+        (Some(plan), Some(state), None) => {
             plan.memory().set(Category::Optimizer, state);
             Some(plan.memory().report())
         }
@@ -854,7 +862,7 @@ pub fn train_gpt_checkpointed(
     };
     Ok(TrainReport {
         memory,
-        loss_scale: engine.loss_scale(),
+        loss_scale,
         ..run.report(config, val_loss, sample, named_params(&full))
     })
 }

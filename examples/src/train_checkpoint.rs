@@ -30,8 +30,9 @@ use burn_parallel::train::SaveState;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::gpt::{Block, Gpt};
+use crate::gpt::{Block, Gpt, GptConfig};
 use crate::train::TrainConfig;
+use burn_parallel_train::Built;
 
 /// Where and how often a run saves, and where it resumes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -374,17 +375,17 @@ impl<'a> GptRunState<'a> {
     }
 }
 
-impl burn_parallel_train::RunState<Gpt> for GptRunState<'_> {
-    fn save(&self, losses: &[f32], model: &Gpt) -> SaveState {
+impl burn_parallel_train::RunState<GptConfig> for GptRunState<'_> {
+    fn save(&self, losses: &[f32], built: &Built<GptConfig>) -> SaveState {
         let losses: Vec<f64> = losses.iter().map(|&l| f64::from(l)).collect();
         SaveState::from(TrainerState::json(&losses, self.config))
-            .with_rank(DROPOUT_CALLS, dropout_calls(&dropout_layers(model)))
+            .with_rank(DROPOUT_CALLS, dropout_calls(&built_dropouts(built)))
     }
 
     fn restore(
         &mut self,
         checkpoint: &Checkpoint,
-        model: &Gpt,
+        built: &Built<GptConfig>,
     ) -> Result<Vec<f32>, burn_parallel::Error> {
         let fail = |e: String| burn_parallel::Error::invalid("checkpoint", e);
         let state = resume_state(checkpoint, self.config).map_err(fail)?;
@@ -395,7 +396,7 @@ impl burn_parallel_train::RunState<Gpt> for GptRunState<'_> {
             self.skipped = saved.skipped;
         }
         // The counters are shared with the model the engine loads into.
-        restore_dropout(checkpoint, &dropout_layers(model)).map_err(fail)?;
+        restore_dropout(checkpoint, &built_dropouts(built)).map_err(fail)?;
         if self.announce {
             println!(
                 "resuming from {}",
@@ -404,5 +405,13 @@ impl burn_parallel_train::RunState<Gpt> for GptRunState<'_> {
         }
         // The losses were f32 before they were saved as f64.
         Ok(state.losses.iter().map(|&l| l as f32).collect())
+    }
+}
+
+/// The dropout layers of what `built` trains, by the whole model's names.
+fn built_dropouts(built: &Built<GptConfig>) -> Vec<(String, SeededDropout)> {
+    match built.model() {
+        Some(model) => dropout_layers(model),
+        None => Vec::new(),
     }
 }

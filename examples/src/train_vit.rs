@@ -43,7 +43,9 @@ use burn::optim::AdamWConfig;
 use burn::tensor::{Device, Tensor};
 use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::{ParallelDims, ProcessGroup, ReduceOp};
-use burn_parallel_train::{FitConfig, Layout, MicroBatch, StepLog, StepSettings, build, fit};
+use burn_parallel_train::{
+    Built, FitConfig, Layout, MicroBatch, StepLog, StepSettings, build, fit,
+};
 use burn_zero::Stage;
 use serde::{Deserialize, Serialize};
 
@@ -418,19 +420,21 @@ pub fn train_vit(
         resume: None,
         check_replicas_every: 0,
     };
-    let mut loss = |m: &Vit, micro: &MicroBatch| {
+    let mut batch = |micro: &MicroBatch| {
         let global = train.batch(micro.step as u64, config.batch_size, config.data_seed);
-        let (x, y) = batch_rows(&global, micro.rows.clone()).to_tensors(&device);
-        Ok(m.loss(x, y)?)
+        Ok(batch_rows(&global, micro.rows.clone()))
     };
     let mut evals = Vec::new();
     let mut train_seconds = 0.0;
     let start = Instant::now();
-    let mut on_step = |log: &StepLog, model: &Vit| {
+    let mut on_step = |log: &StepLog, built: &Built<VitConfig>| {
         train_seconds += log.seconds;
         let (step, every) = (log.step, config.eval_every);
         let test_accuracy =
             if every > 0 && (step + 1).is_multiple_of(every) && step + 1 < config.steps {
+                let model = built
+                    .model()
+                    .expect("the ViT trains whole (no pipeline form)");
                 let (correct, total) =
                     evaluate(&model.valid(), &test, &dp, config.eval_batch, &plain)?;
                 let accuracy = correct as f64 / total as f64;
@@ -450,14 +454,15 @@ pub fn train_vit(
         });
         Ok(())
     };
-    let fitted = fit(built, &fit_config, &mut loss, &mut on_step, None)?;
-    let model = fitted.built.model.valid();
+    let fitted = fit(built, &fit_config, &mut batch, &mut on_step, None)?;
+    let losses = fitted.losses.clone();
+    let model = fitted.built.trained(&config.model)?.valid();
     let (test_correct, test_images) = evaluate(&model, &test, &dp, config.eval_batch, &plain)?;
     let test_accuracy = test_correct as f64 / test_images as f64;
     evals.push((config.steps - 1, test_accuracy));
     let model = model.to_single(&plain)?;
     Ok(VitReport {
-        losses: fitted.losses.iter().map(|&l| f64::from(l)).collect(),
+        losses: losses.iter().map(|&l| f64::from(l)).collect(),
         evals,
         test_accuracy,
         test_correct,

@@ -195,6 +195,13 @@ pub struct Vit {
 /// FSDP): its plans and its build are all the builder needs.
 impl burn_parallel_train::ParallelModel for VitConfig {
     type Model = Vit;
+    type Batch = crate::data::DigitsBatch;
+
+    fn loss(model: &Vit, batch: &Self::Batch) -> Result<Tensor<1>, burn_parallel::Error> {
+        let device = model.devices().into_iter().next().unwrap_or_default();
+        let (images, labels) = batch.to_tensors(&device);
+        Ok(model.loss(images, labels)?)
+    }
 
     fn n_heads(&self) -> usize {
         self.n_heads

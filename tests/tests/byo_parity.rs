@@ -22,7 +22,7 @@ use burn_parallel::tensor_parallel::TpError;
 use burn_parallel::train::TrainStep;
 use burn_parallel::{MeshError, ParallelDims, run_local};
 use burn_parallel_train::{
-    Built, CheckpointPolicy, FitConfig, Layout, MicroBatch, StepSettings, build, fit,
+    CheckpointPolicy, FitConfig, Layout, MicroBatch, StepSettings, build, fit,
 };
 use burn_pipeline::generators::generate;
 use burn_pipeline::partition::by_count;
@@ -87,6 +87,18 @@ fn batch(
     let tokens = Tensor::from_data(TensorData::new(ids, [n, SEQ]), device);
     let targets = Tensor::from_data(TensorData::new(next, [n, SEQ]), device);
     (tokens, targets)
+}
+
+/// [`batch`] as the host batch the model's `ParallelModel::loss` and its pipeline stages take.
+fn host_batch(step: usize, rows: std::ops::Range<usize>) -> examples::data::Batch {
+    let batch_size = rows.len();
+    let (tokens, targets) = batch(step, rows, &Device::flex());
+    examples::data::Batch {
+        inputs: tokens.into_data().convert::<i64>().try_to_vec().unwrap(),
+        targets: targets.into_data().convert::<i64>().try_to_vec().unwrap(),
+        batch_size,
+        seq_len: SEQ,
+    }
 }
 
 /// AdamW's epsilon in every run of this file, the oracle's and the layouts'.
@@ -370,13 +382,8 @@ fn parallel_run(
         let world = world.with_tensor_path(options.tensor_path);
         // The library's builder: the model on this rank and the loop's engine (`StepEngine`),
         // as `byo_model` runs them.
-        let Built {
-            mut model,
-            mut engine,
-            groups,
-            ..
-        } = build(&world, &layout, &recipe, &device, &settings)?;
-        let dp = groups.data;
+        let mut built = build(&world, &layout, &recipe, &device, &settings)?;
+        let dp = built.groups.data.clone();
         if let Some(dir) = &options.resume {
             let checkpoint = Checkpointer::latest(dir).unwrap().expect("a checkpoint");
             assert_eq!(
@@ -384,7 +391,7 @@ fn parallel_run(
                 options.steps.start,
                 "resumed at the wrong step"
             );
-            (model, _) = engine.load(&checkpoint, model).unwrap();
+            built.load(&checkpoint).unwrap();
         }
         let micro_batches = options.micro_batches;
         let rows = BATCH / dp.size();
@@ -392,26 +399,24 @@ fn parallel_run(
         let mut losses = Vec::new();
         for step in options.steps.clone() {
             let first = dp.rank() * rows;
-            let mut forward = |m: &Decoder, k: usize| {
+            let mut micro_batch = |k: usize| {
                 let start = first + k * micro_rows;
-                let (tokens, targets) = batch(step, start..start + micro_rows, &device);
-                Ok(m.loss(tokens, targets)?)
+                Ok(host_batch(step, start..start + micro_rows))
             };
-            let (next, out) = engine
-                .step_accumulated(model, micro_batches, &mut forward, LR)
+            let out = built
+                .step(micro_batches, &mut micro_batch, LR)
                 .unwrap_or_else(|e| panic!("{e}"));
-            model = next;
             losses.push(out.loss);
         }
         if let Some(dir) = &options.save {
             let mut saver = Checkpointer::new(dir, 1, &world).unwrap();
             let state = serde_json::Value::Null;
-            engine
-                .save(&mut saver, options.steps.end, &model, state.into())
+            built
+                .save(&mut saver, options.steps.end, state.into())
                 .unwrap();
         }
         // ZeRO under mixed precision: the fp32 master weights.
-        let model = engine.master_model(model)?;
+        let model = built.trained(&recipe)?;
         let params = model.whole_params()?;
         Ok((losses, params))
     })
@@ -1062,17 +1067,21 @@ impl MoeEngineRun<'_> {
         };
         let out = burn_parallel_train::run_local(self.dp_replicate, |world| {
             let built = build(&world, &layout, &recipe, &device, &settings)?;
-            let mut loss = |m: &Decoder, micro: &MicroBatch| {
-                let (tokens, targets) = batch(micro.step, micro.rows.clone(), &device);
-                Ok(m.loss(tokens, targets)?)
-            };
-            let fitted = fit(built, &fit_config, &mut loss, &mut |_, _| Ok(()), None)?;
+            let mut micro_batch =
+                |micro: &MicroBatch| Ok(host_batch(micro.step, micro.rows.clone()));
+            let fitted = fit(
+                built,
+                &fit_config,
+                &mut micro_batch,
+                &mut |_, _| Ok(()),
+                None,
+            )?;
             assert_eq!(
                 fitted.first_step, self.steps.start,
                 "resumed at the wrong step"
             );
-            let model = fitted.built.engine.master_model(fitted.built.model)?;
             let losses = fitted.losses[fitted.first_step..].to_vec();
+            let model = fitted.built.trained(&recipe)?;
             Ok((losses, global_params(&model)?))
         })
         .unwrap_or_else(|e| panic!("{e}"));

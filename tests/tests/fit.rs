@@ -13,14 +13,16 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use burn::optim::AdamWConfig;
 use burn::tensor::{Device, TensorData};
+use burn_moe::MoeParallel;
 use burn_parallel::optim::FusedAdamWConfig;
-use burn_parallel::train::{TrainStep, Trainer};
+use burn_parallel::plan::TpPlan;
+use burn_parallel::train::{StepEngine, TrainStep, Trainer};
 use burn_parallel_train::{
-    CheckpointPolicy, FitConfig, Layout, LrSchedule, MicroBatch, StepLog, StepSettings, build, fit,
-    open_checkpoint, run_local,
+    Built, CheckpointPolicy, FitConfig, Layout, LrSchedule, MicroBatch, ModelParts, ParallelModel,
+    StepLog, StepSettings, Trainee, build, fit, open_checkpoint, run_local,
 };
-use burn_zero::Stage;
-use examples::data::{Corpus, Split};
+use burn_zero::{FsdpPlan, Stage};
+use examples::data::{Batch, Corpus, Split};
 use model::{Config, Decoder, Recipe};
 
 const STEPS: usize = 6;
@@ -52,16 +54,54 @@ fn batch_settings() -> StepSettings {
     }
 }
 
-/// The decoder's loss on its rows of micro-batch `micro` of the bundled corpus.
-fn corpus_loss(
-    corpus: &Corpus,
-    model: &Decoder,
-    micro: &MicroBatch,
-    device: &Device,
-) -> Result<burn::tensor::Tensor<1>, burn_parallel::Error> {
-    let batch = corpus.batch_rows(micro.step as u64, micro.rows.clone(), SEQ, Split::Train);
-    let (tokens, targets) = batch.to_tensors(device);
-    Ok(model.loss(tokens, targets)?)
+/// This rank's rows of micro-batch `micro` of the bundled corpus.
+fn corpus_batch(corpus: &Corpus, micro: &MicroBatch) -> Batch {
+    corpus.batch_rows(micro.step as u64, micro.rows.clone(), SEQ, Split::Train)
+}
+
+/// `built` stepped by `engine(model)` in place of the layout's engine.
+fn with_engine(
+    built: &mut Built<Recipe>,
+    engine: impl FnOnce(&Decoder) -> Box<dyn StepEngine<Decoder, burn_parallel::Error>>,
+) {
+    if let Trainee::Whole { model, engine: e } = &mut built.trainee {
+        *e = engine(model);
+    }
+}
+
+/// The decoder whose loss is NaN on a micro-batch marked poisoned.
+struct Poisoned(Recipe);
+
+impl ParallelModel for Poisoned {
+    type Model = Decoder;
+    type Batch = (Batch, bool);
+
+    fn loss(
+        model: &Decoder,
+        (batch, poisoned): &(Batch, bool),
+    ) -> Result<burn::tensor::Tensor<1>, burn_parallel::Error> {
+        let loss = Recipe::loss(model, batch)?;
+        Ok(if *poisoned {
+            loss.mul_scalar(f32::NAN)
+        } else {
+            loss
+        })
+    }
+    fn n_heads(&self) -> usize {
+        self.0.n_heads()
+    }
+    fn seed(&self) -> u64 {
+        self.0.seed()
+    }
+    fn tp_plan(&self, sequence_parallel: bool) -> TpPlan {
+        self.0.tp_plan(sequence_parallel)
+    }
+    fn fsdp_plan(&self, shard: &burn_parallel::ProcessGroup, experts: &MoeParallel) -> FsdpPlan {
+        self.0.fsdp_plan(shard, experts)
+    }
+    fn build(&self, parts: &ModelParts) -> Result<Decoder, burn_parallel::Error> {
+        self.0.build(parts)
+    }
 }
 
 struct Outcome {
@@ -90,22 +130,23 @@ fn train(ranks: usize, layout: Layout, config: &FitConfig, stop_after: Option<us
         let device = Device::flex().autodiff();
         let built = build(&world, &layout, &recipe(), &device, &settings)?;
         let flag = AtomicBool::new(false);
-        let mut loss = |m: &Decoder, micro: &MicroBatch| corpus_loss(&corpus, m, micro, &device);
+        let mut batch = |micro: &MicroBatch| Ok(corpus_batch(&corpus, micro));
         // What a Ctrl-C handler does, on one rank: the ranks agree to stop after this step.
-        let mut on_step = |log: &StepLog, _: &Decoder| {
+        let mut on_step = |log: &StepLog, _: &Built<Recipe>| {
             if world.rank() == 0 && Some(log.step + 1) == stop_after {
                 flag.store(true, Ordering::SeqCst);
             }
             Ok(())
         };
-        let fitted = fit(built, config, &mut loss, &mut on_step, Some(&flag))?;
-        let model = fitted.built.engine.master_model(fitted.built.model)?;
-        let params = model.whole_params()?;
+        let fitted = fit(built, config, &mut batch, &mut on_step, Some(&flag))?;
+        let (losses, stopped_at) = (fitted.losses, fitted.stopped_at);
+        let resumed_from = fitted.resumed_from.map(|r| (r.step, r.saved_by, r.layout));
+        let params = fitted.built.trained(&recipe())?.whole_params()?;
         Ok(Outcome {
-            losses: fitted.losses,
+            losses,
             params,
-            stopped_at: fitted.stopped_at,
-            resumed_from: fitted.resumed_from.map(|r| (r.step, r.saved_by, r.layout)),
+            stopped_at,
+            resumed_from,
         })
     })
     .unwrap_or_else(|e| panic!("{e}"));
@@ -201,8 +242,8 @@ fn resuming_from_nothing_is_a_clear_error() {
     let err = run_local(2, |world| {
         let device = Device::flex().autodiff();
         let built = build(&world, &Layout::default(), &recipe(), &device, &settings)?;
-        let mut loss = |_: &Decoder, _: &MicroBatch| unreachable!("no step is taken");
-        fit(built, &config, &mut loss, &mut |_, _| Ok(()), None).map(|_| ())
+        let mut batch = |_: &MicroBatch| unreachable!("no step is taken");
+        fit(built, &config, &mut batch, &mut |_, _| Ok(()), None).map(|_| ())
     })
     .unwrap_err();
     assert!(err.to_string().contains("no complete checkpoint"), "{err}");
@@ -223,10 +264,12 @@ fn replicas_that_drift_apart_are_an_error() {
     let err = run_local(2, |world| {
         let device = Device::flex().autodiff();
         let mut built = build(&world, &Layout::default(), &recipe(), &device, &settings)?;
-        let alone = TrainStep::new(built.model.tp.clone());
-        built.engine = Box::new(Trainer::new(alone, AdamWConfig::new().init()));
-        let mut loss = |m: &Decoder, micro: &MicroBatch| corpus_loss(&corpus, m, micro, &device);
-        fit(built, &config, &mut loss, &mut |_, _| Ok(()), None).map(|_| ())
+        with_engine(&mut built, |model| {
+            let alone = TrainStep::new(model.tp.clone());
+            Box::new(Trainer::new(alone, AdamWConfig::new().init()))
+        });
+        let mut batch = |micro: &MicroBatch| Ok(corpus_batch(&corpus, micro));
+        fit(built, &config, &mut batch, &mut |_, _| Ok(()), None).map(|_| ())
     })
     .unwrap_err();
     assert!(
@@ -255,16 +298,19 @@ fn a_non_finite_step_stops_the_run_naming_the_step() {
     };
     let err = run_local(2, |world| {
         let device = Device::flex().autodiff();
-        let built = build(&world, &Layout::default(), &recipe(), &device, &settings)?;
+        let built = build(
+            &world,
+            &Layout::default(),
+            &Poisoned(recipe()),
+            &device,
+            &settings,
+        )?;
         let rank = world.rank();
-        let mut loss = |m: &Decoder, micro: &MicroBatch| {
-            let loss = corpus_loss(&corpus, m, micro, &device)?;
-            Ok(match (micro.step, rank) {
-                (2, 1) => loss.mul_scalar(f32::NAN),
-                _ => loss,
-            })
+        let mut batch = |micro: &MicroBatch| {
+            let poisoned = (micro.step, rank) == (2, 1);
+            Ok((corpus_batch(&corpus, micro), poisoned))
         };
-        fit(built, &config, &mut loss, &mut |_, _| Ok(()), None).map(|_| ())
+        fit(built, &config, &mut batch, &mut |_, _| Ok(()), None).map(|_| ())
     })
     .unwrap_err()
     .to_string();
@@ -319,16 +365,18 @@ fn diloco_from_the_builder_at_one_inner_step_is_data_parallelism() {
             let mut built = build(&world, &layout, &recipe(), &device, &settings)?;
             if layout.diloco.is_none() {
                 // The reference: DDP over the world with SGD.
-                let ddp = DistributedDataParallel::new(world.clone());
-                let step = TrainStep::new(built.model.tp.clone()).with_ddp(ddp);
-                built.engine = Box::new(Trainer::new(step, SgdConfig::new().init()));
+                with_engine(&mut built, |model| {
+                    let ddp = DistributedDataParallel::new(world.clone());
+                    let step = TrainStep::new(model.tp.clone()).with_ddp(ddp);
+                    Box::new(Trainer::new(step, SgdConfig::new().init()))
+                });
             }
-            let mut loss =
-                |m: &Decoder, micro: &MicroBatch| corpus_loss(&corpus, m, micro, &device);
-            let fitted = fit(built, &config, &mut loss, &mut |_, _| Ok(()), None)?;
-            let model = fitted.built.engine.master_model(fitted.built.model)?;
+            let mut batch = |micro: &MicroBatch| Ok(corpus_batch(&corpus, micro));
+            let fitted = fit(built, &config, &mut batch, &mut |_, _| Ok(()), None)?;
+            let losses = fitted.losses;
+            let model = fitted.built.trained(&recipe())?;
             Ok(Outcome {
-                losses: fitted.losses,
+                losses,
                 params: model.whole_params()?,
                 stopped_at: None,
                 resumed_from: None,
@@ -357,5 +405,34 @@ fn diloco_from_the_builder_resumes_between_syncs() {
     let saved_as = "dp 4, DiLoCo 2 islands, H = 2".to_string();
     assert_eq!(resumed.resumed_from, Some((3, 4, Some(saved_as))));
     assert_close("DiLoCo resumed between syncs", &resumed, &whole, 1e-6);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// The pipeline through the same `build` and `fit` as every other layout: pp 2 x dp 2 (1F1B
+/// over the step's 2 micro-steps, the model's `StagedModel` form) trains as dp 2 does; stopped
+/// after step 2 it saves under the whole model's names, and dp 2 x tp 2 + sp resumes it to the
+/// uninterrupted run's end.
+#[test]
+fn a_pipeline_from_the_builder_trains_and_resumes_like_any_layout() {
+    let dir = std::env::temp_dir().join(format!("fit-pp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let pp = Layout {
+        pp: 2,
+        ..Layout::default()
+    };
+    let dp = train(2, Layout::default(), &fit_config(None, None), None);
+    let piped = train(4, pp, &fit_config(None, None), None);
+    assert_close("pp 2 x dp 2 against dp 2", &piped, &dp, 1e-5);
+    let stopped = train(4, pp, &fit_config(Some(&dir), None), Some(2));
+    assert_eq!(stopped.stopped_at, Some(2));
+    let tp = Layout {
+        tp: 2,
+        sp: true,
+        ..Layout::default()
+    };
+    let resumed = train(4, tp, &fit_config(None, Some(&dir)), None);
+    let saved_as = "dp 2 x pp 2 (1f1b)".to_string();
+    assert_eq!(resumed.resumed_from, Some((2, 4, Some(saved_as))));
+    assert_close("pp 2 x dp 2 resumed by dp 2 x tp 2", &resumed, &dp, 1e-5);
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -182,6 +182,9 @@ fn random_layouts_are_accepted_or_refused_never_panic() {
         "no_sync",
         "overlap",
         "offload",
+        "pipeline.schedule",
+        "pipeline.virtual_stages",
+        "pipeline.recompute",
     ];
     let words = [
         "\"ring\"",
@@ -189,6 +192,10 @@ fn random_layouts_are_accepted_or_refused_never_panic() {
         "\"none\"",
         "\"head-tail\"",
         "false",
+        "\"zbv\"",
+        "\"interleaved\"",
+        "\"stages\"",
+        "\"blocks\"",
     ];
     let mut rng = Rng(0x5EED_0002);
     for case in 0..3000 {
@@ -209,6 +216,7 @@ fn random_layouts_are_accepted_or_refused_never_panic() {
             batch_size: *rng.pick(&sizes),
             grad_accum: *rng.pick(&sizes),
             mixed_precision: rng.below(2) == 0,
+            loss_scaling: rng.below(2) == 0,
         };
         let world = *rng.pick(&sizes);
         no_panic(

@@ -13,24 +13,30 @@
 //!    step around it; under DiLoCo, the step of each island wrapped in the outer loop
 //!    ([`crate::diloco::DiLoCoEngine`]).
 
+use std::collections::BTreeMap;
+
 use burn::module::Module;
 use burn::optim::{AdamWConfig, ModuleOptimizer, SgdConfig};
-use burn::tensor::Device;
+use burn::tensor::{Device, Tensor, TensorData};
 use burn_moe::{MoeParallel, MoeStep, MoeTrainer, MoeZero};
+use burn_parallel::checkpoint::{Checkpoint, Checkpointer, ParamMap};
 use burn_parallel::context_parallel::{ContextParallel, CpSettings};
 use burn_parallel::diloco::Islands;
 use burn_parallel::init::Init;
+use burn_parallel::nn::TpContext;
 use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::overlap::OverlappedDdp;
 use burn_parallel::plan::TpPlan;
 use burn_parallel::precision::{LossScaler, MixedPrecision};
 use burn_parallel::replica::{verify_replicas_in, verify_replicas_of};
-use burn_parallel::train::{StepEngine, TrainStep, Trainer};
+use burn_parallel::train::{SaveState, StepEngine, StepOutput, TrainStep, Trainer};
 use burn_parallel::{DeviceMesh, DistributedDataParallel, Error, ParallelDims, ProcessGroup};
 use burn_zero::{FsdpPlan, MemoryTracker, ShardGroups, Stage, ZeroConfig, ZeroOptimizer};
 
 use crate::diloco::DiLoCoEngine;
 use crate::layout::{Layout, Workload};
+use crate::pipeline::{PipelineSteps, Stager};
+use serde_json::Value;
 
 /// What the builder needs of a user's model: how to split it and how to build it. Implement it
 /// on the model's config (the model does not exist before the layout places it).
@@ -58,6 +64,12 @@ use crate::layout::{Layout, Workload};
 ///
 /// impl ParallelModel for TinyConfig {
 ///     type Model = Tiny;
+///     /// A micro-batch: the value of every input.
+///     type Batch = f32;
+///     fn loss(m: &Tiny, x: &f32) -> Result<Tensor<1>, Error> {
+///         let x = Tensor::<2>::full([1, 4], *x, &m.fc.weight.device());
+///         Ok(m.fc.forward(x)?.powi_scalar(2).mean())
+///     }
 ///     fn n_heads(&self) -> usize { 1 }
 ///     fn seed(&self) -> u64 { 7 }
 ///     fn tp_plan(&self, _sp: bool) -> TpPlan { TpPlan::new() }
@@ -73,12 +85,9 @@ use crate::layout::{Layout, Workload};
 ///     let device = Device::flex().autodiff();
 ///     let settings = StepSettings { batch_size: 2, ..StepSettings::default() };
 ///     let mut run = build(&world, &Layout::default(), &TinyConfig, &device, &settings)?;
+///     // Each data-parallel rank's micro-batch is its rank.
 ///     let rank = run.groups.data.rank() as f32;
-///     let mut forward = |m: &Tiny, _micro: usize| -> Result<Tensor<1>, Error> {
-///         let x = Tensor::<2>::full([1, 4], rank, &device);
-///         Ok(m.fc.forward(x)?.powi_scalar(2).mean())
-///     };
-///     let (_, out) = run.engine.step_accumulated(run.model, 1, &mut forward, 1e-2)?;
+///     let out = run.step(1, &mut |_micro| Ok(rank), 1e-2)?;
 ///     Ok(out.loss)
 /// })
 /// .unwrap();
@@ -88,6 +97,25 @@ use crate::layout::{Layout, Workload};
 pub trait ParallelModel {
     /// The model on one rank (its parameters on an autodiff device).
     type Model: Module + 'static;
+
+    /// One micro-batch of this rank's rows, as [`Self::loss`] (and a pipeline's stages)
+    /// take it.
+    type Batch: 'static;
+
+    /// The mean loss of `batch` on `model`, a one-element tensor.
+    ///
+    /// # Errors
+    /// Whatever the model's forward refuses.
+    fn loss(model: &Self::Model, batch: &Self::Batch) -> Result<Tensor<1>, Error>;
+
+    /// The model's pipeline form (`Some(self)` for a [`crate::StagedModel`]); `None`, the default,
+    /// refuses `pp > 1`.
+    fn stages(&self) -> Option<&dyn Stager<Self>>
+    where
+        Self: Sized,
+    {
+        None
+    }
 
     /// Attention heads (tensor parallelism splits whole heads; 1 for a model without).
     fn n_heads(&self) -> usize;
@@ -184,6 +212,7 @@ impl StepSettings {
             batch_size: self.batch_size,
             grad_accum: self.grad_accum,
             mixed_precision: !self.precision.is_full() || self.loss_scaler.is_some(),
+            loss_scaling: self.loss_scaler.is_some(),
         }
     }
 }
@@ -229,12 +258,36 @@ pub struct Placed<P: ParallelModel> {
     islands: Option<Islands>,
 }
 
-/// A layout built on this rank: the model and the engine that steps it.
+/// What a built layout trains on this rank.
+pub enum Trainee<P: ParallelModel> {
+    /// The model (this rank's part of it; in the compute dtype under ZeRO's mixed precision)
+    /// and the engine that steps it: every layout but the pipeline.
+    Whole {
+        /// This rank's model.
+        model: P::Model,
+        /// The engine: one call per optimizer step ([`StepEngine::step_accumulated`]).
+        engine: Box<dyn StepEngine<P::Model, Error>>,
+    },
+    /// This rank's pipeline stages and their executor ([`crate::pipeline`]).
+    Pipeline(Box<dyn PipelineSteps<P>>),
+    /// Nothing: a step or a load failed while the engine held the model (a dead peer in the
+    /// middle of an update). Build again and resume from the last checkpoint.
+    Lost,
+}
+
+/// The error of a call on a [`Trainee::Lost`].
+fn lost() -> Error {
+    Error::invalid(
+        "model",
+        "an earlier step or load failed while the engine held the model, so there is none to \
+         continue with; build the layout again and resume from the last checkpoint",
+    )
+}
+
+/// A layout built on this rank: what it trains and the engine that steps it.
 pub struct Built<P: ParallelModel> {
-    /// This rank's model (in the compute dtype under ZeRO's mixed precision).
-    pub model: P::Model,
-    /// The engine: one call per optimizer step ([`StepEngine::step_accumulated`]).
-    pub engine: Box<dyn StepEngine<P::Model, Error>>,
+    /// The model and its engine, or the pipeline stages.
+    pub trainee: Trainee<P>,
     /// The groups.
     pub groups: Groups,
     /// FSDP's plan (`zero` stage 3): its memory account.
@@ -247,6 +300,157 @@ pub struct Built<P: ParallelModel> {
     pub settings: StepSettings,
     /// The layout it was built under (saved with checkpoints, named on resume).
     pub layout: Layout,
+}
+
+impl<P: ParallelModel> Built<P> {
+    /// This rank's model, or `None` under a pipeline (whose ranks hold stages).
+    pub fn model(&self) -> Option<&P::Model> {
+        match &self.trainee {
+            Trainee::Whole { model, .. } => Some(model),
+            Trainee::Pipeline(_) | Trainee::Lost => None,
+        }
+    }
+
+    /// The pipeline, or `None` under any other layout.
+    pub fn pipeline(&self) -> Option<&dyn PipelineSteps<P>> {
+        match &self.trainee {
+            Trainee::Pipeline(pipeline) => Some(pipeline.as_ref()),
+            Trainee::Whole { .. } | Trainee::Lost => None,
+        }
+    }
+
+    /// One optimizer step over `micro_batches` micro-batches of this rank's rows, `batch(k)`
+    /// giving micro-batch `k`, at rate `lr`: the gradients are accumulated (under a pipeline,
+    /// the micro-batches flow through its schedule), reduced, clipped and applied once.
+    ///
+    /// # Errors
+    /// `batch`'s errors, the model's, the engine's.
+    pub fn step(
+        &mut self,
+        micro_batches: usize,
+        batch: &mut dyn FnMut(usize) -> Result<P::Batch, Error>,
+        lr: f64,
+    ) -> Result<StepOutput, Error> {
+        match std::mem::replace(&mut self.trainee, Trainee::Lost) {
+            Trainee::Whole { model, mut engine } => {
+                let mut forward = |m: &P::Model, k: usize| P::loss(m, &batch(k)?);
+                // The engine takes the model by value and gives it back updated.
+                let (model, out) =
+                    engine.step_accumulated(model, micro_batches, &mut forward, lr)?;
+                self.trainee = Trainee::Whole { model, engine };
+                Ok(out)
+            }
+            Trainee::Pipeline(mut pipeline) => {
+                let out = (0..micro_batches)
+                    .map(&mut *batch)
+                    .collect::<Result<Vec<_>, _>>()
+                    .and_then(|batches| pipeline.step(&batches, lr));
+                self.trainee = Trainee::Pipeline(pipeline);
+                out
+            }
+            Trainee::Lost => Err(lost()),
+        }
+    }
+
+    /// Saves the trained parameters and the optimizer state as checkpoint `step` of `saver`,
+    /// with `state` ([`StepEngine::save`], [`PipelineSteps::save`]). Collective.
+    ///
+    /// # Errors
+    /// I/O and collective failures.
+    pub fn save(
+        &self,
+        saver: &mut Checkpointer,
+        step: usize,
+        state: SaveState,
+    ) -> Result<(), Error> {
+        match &self.trainee {
+            Trainee::Whole { model, engine } => Ok(engine.save(saver, step, model, state)?),
+            Trainee::Pipeline(pipeline) => pipeline.save(saver, step, state),
+            Trainee::Lost => Err(lost()),
+        }
+    }
+
+    /// Loads a checkpoint saved under any layout.
+    ///
+    /// # Returns
+    /// The caller's state given to the save.
+    ///
+    /// # Errors
+    /// A checkpoint of another model, or damaged.
+    pub fn load(&mut self, checkpoint: &Checkpoint) -> Result<Value, Error> {
+        match std::mem::replace(&mut self.trainee, Trainee::Lost) {
+            Trainee::Whole { model, mut engine } => {
+                let (model, state) = engine.load(checkpoint, model)?;
+                self.trainee = Trainee::Whole { model, engine };
+                Ok(state)
+            }
+            Trainee::Pipeline(mut pipeline) => {
+                let state = pipeline.load(checkpoint);
+                self.trainee = Trainee::Pipeline(pipeline);
+                state
+            }
+            Trainee::Lost => Err(lost()),
+        }
+    }
+
+    /// Checks that the replicas agree ([`verify_replicas`]; each stage's replicas under a
+    /// pipeline).
+    ///
+    /// # Errors
+    /// [`Error::Replica`] naming the first parameter that differs; collective failures.
+    pub fn verify_replicas(&self) -> Result<(), Error> {
+        match &self.trainee {
+            Trainee::Whole { model, .. } => verify_replicas(model, &self.groups, &self.experts),
+            Trainee::Pipeline(pipeline) => pipeline.verify_replicas(),
+            Trainee::Lost => Err(lost()),
+        }
+    }
+
+    /// The current loss scale (1 without a loss scaler).
+    pub fn loss_scale(&self) -> f64 {
+        match &self.trainee {
+            Trainee::Whole { engine, .. } => engine.loss_scale(),
+            Trainee::Pipeline(pipeline) => pipeline.loss_scale(),
+            Trainee::Lost => 1.0,
+        }
+    }
+
+    /// The trained model with its fp32 master weights, to evaluate or export: this rank's
+    /// part of it under the whole-model layouts ([`StepEngine::master_model`]); under a
+    /// pipeline, the whole model on every rank, built on one device by `model` and loaded
+    /// with every stage's parameters (collective over the world).
+    ///
+    /// # Errors
+    /// Collective failures; a model whose stages' names do not match its own.
+    pub fn trained(self, model: &P) -> Result<P::Model, Error> {
+        match self.trainee {
+            Trainee::Whole { model, engine } => engine.master_model(model),
+            Trainee::Pipeline(pipeline) => {
+                let params = pipeline.whole_params()?;
+                let device = pipeline.device().clone();
+                single_from(model, &device, &params)
+            }
+            Trainee::Lost => Err(lost()),
+        }
+    }
+}
+
+/// `model` built whole on `device` (no layout) and loaded with `params` under its paths.
+fn single_from<P: ParallelModel>(
+    model: &P,
+    device: &Device,
+    params: &BTreeMap<String, TensorData>,
+) -> Result<P::Model, Error> {
+    let parts = ModelParts {
+        init: Init::new(model.seed(), device),
+        fsdp: None,
+        experts: MoeParallel::default(),
+        context_parallel: None,
+        data_rank: 0,
+    };
+    let whole = model.build(&parts)?;
+    let map = ParamMap::new(&whole, &TpContext::single(), None)?;
+    Ok(map.load_params(whole, params)?)
 }
 
 /// Builds `model` on this rank of `world` under `layout`, with the engine that steps it.
@@ -262,6 +466,26 @@ pub fn build<P: ParallelModel>(
     device: &Device,
     settings: &StepSettings,
 ) -> Result<Built<P>, Error> {
+    if layout.pp > 1 {
+        layout.validate(world.size(), &settings.workload(model))?;
+        let stager = model.stages().ok_or_else(|| {
+            Error::invalid(
+                "--pp",
+                "this model has no pipeline form: implement burn_parallel_train::StagedModel \
+                 for it and return Some(self) from ParallelModel::stages, or drop --pp",
+            )
+        })?;
+        let (groups, pipeline) = stager.place(world, layout, device, settings)?;
+        return Ok(Built {
+            trainee: Trainee::Pipeline(pipeline),
+            groups,
+            fsdp: None,
+            experts: MoeParallel::default(),
+            zero_memory: None,
+            settings: settings.clone(),
+            layout: *layout,
+        });
+    }
     Placed::new(world, layout, model, device, settings)?.into_engine(settings)
 }
 
@@ -307,8 +531,8 @@ impl<P: ParallelModel> Placed<P> {
         if layout.pp > 1 {
             return Err(Error::invalid(
                 "--pp",
-                "the builder does not assemble pipeline stages yet: run a pipeline with \
-                 burn-pipeline's Executor and StageUpdater",
+                "Placed holds a whole model, and a pipeline rank holds stages: place a \
+                 pipeline with build (the model's StagedModel form)",
             ));
         }
         let dims = layout.dims(world.size());
@@ -519,8 +743,7 @@ impl<P: ParallelModel> Placed<P> {
             },
         };
         Ok(Built {
-            model,
-            engine,
+            trainee: Trainee::Whole { model, engine },
             groups,
             fsdp,
             experts,

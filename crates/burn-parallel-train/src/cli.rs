@@ -21,12 +21,14 @@
 //! ```
 
 use burn_parallel::context_parallel::{CpBalance, CpKind};
+use burn_pipeline::ScheduleKind;
 use burn_zero::Stage;
 
-use crate::layout::{Layout, LayoutError};
+use crate::layout::{Layout, LayoutError, PipelineLayout, Recompute};
 
-/// The layout flags: `--tp`, `--sp`, `--cp`, `--cp-kind`, `--cp-balance`, `--pp`, `--ep`,
-/// `--zero`, `--hybrid`, `--prefetch`, `--no-sync`, `--overlap`, `--offload`.
+/// The layout flags: `--tp`, `--sp`, `--cp`, `--cp-kind`, `--cp-balance`, `--pp`,
+/// `--schedule`, `--virtual-stages`, `--checkpoint-activations`, `--checkpoint-blocks`,
+/// `--ep`, `--zero`, `--hybrid`, `--prefetch`, `--no-sync`, `--overlap`, `--offload`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct LayoutArgs {
     /// Tensor-parallel size: each model is split over this many ranks (Megatron-style); the
@@ -54,6 +56,21 @@ pub struct LayoutArgs {
     /// (mesh `pp x dp`, dp = ranks / pp). 1: no pipeline.
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
+    /// The pipeline schedule (with --pp): gpipe, 1f1b, interleaved, zb-h1, zbv or dualpipev.
+    /// Its micro-batches are the step's micro-steps (--grad-accum).
+    #[arg(long, default_value = "1f1b")]
+    pub schedule: ScheduleKind,
+    /// Stages per rank of the interleaved schedule (default 2).
+    #[arg(long)]
+    pub virtual_stages: Option<usize>,
+    /// Recompute each pipeline stage's forward in its backward instead of keeping its
+    /// activations (needs a model without dropout).
+    #[arg(long, conflicts_with = "checkpoint_blocks")]
+    pub checkpoint_activations: bool,
+    /// Recompute layer by layer: each keeps only its input, and the backward rebuilds one
+    /// layer's graph at a time (needs a model without dropout, and fp32).
+    #[arg(long)]
+    pub checkpoint_blocks: bool,
     /// Expert-parallel size, carved out of the data-parallel ranks (must divide the experts
     /// and the data-parallel ranks).
     #[arg(long, default_value_t = 1)]
@@ -106,6 +123,15 @@ impl LayoutArgs {
             cp_kind: self.cp_kind,
             cp_balance: self.cp_balance,
             pp: self.pp,
+            pipeline: PipelineLayout {
+                schedule: self.schedule,
+                virtual_stages: self.virtual_stages,
+                recompute: match (self.checkpoint_activations, self.checkpoint_blocks) {
+                    (true, _) => Recompute::Stages,
+                    (_, true) => Recompute::Blocks,
+                    _ => Recompute::Off,
+                },
+            },
             ep: self.ep,
             zero,
             replicate: self.hybrid.unwrap_or(1),
@@ -147,6 +173,9 @@ mod tests {
             "none",
             "--pp",
             "2",
+            "--schedule",
+            "zbv",
+            "--checkpoint-blocks",
             "--ep",
             "2",
             "--zero",
@@ -164,6 +193,11 @@ mod tests {
             cp_kind: CpKind::Ulysses,
             cp_balance: CpBalance::None,
             pp: 2,
+            pipeline: PipelineLayout {
+                schedule: ScheduleKind::Zbv,
+                virtual_stages: None,
+                recompute: Recompute::Blocks,
+            },
             ep: 2,
             zero: Some(Stage::Three),
             replicate: 2,

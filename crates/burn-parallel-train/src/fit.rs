@@ -12,13 +12,12 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
-use burn::tensor::Tensor;
 use burn_parallel::checkpoint::{Checkpoint, CheckpointError, Checkpointer};
 use burn_parallel::train::{SaveState, StepPhases};
 use burn_parallel::{Error, ReduceOp};
 use serde::{Deserialize, Serialize};
 
-use crate::build::{Built, ParallelModel, verify_replicas};
+use crate::build::{Built, ParallelModel};
 use crate::saved::saved_state;
 
 /// The learning rate of each step: a linear warm-up over `warmup` steps to `peak`, then a
@@ -250,19 +249,19 @@ pub fn open_checkpoint(path: &Path) -> Result<Checkpoint, CheckpointError> {
 
 /// What a run saves with its checkpoints besides the parameters and the optimizer state (the
 /// loss history, a data position, each rank's random streams), and restores from them.
-pub trait RunState<M> {
-    /// The state to save after `losses.len()` steps with `model`.
-    fn save(&self, losses: &[f32], model: &M) -> SaveState;
+pub trait RunState<P: ParallelModel> {
+    /// The state to save after `losses.len()` steps of `built`.
+    fn save(&self, losses: &[f32], built: &Built<P>) -> SaveState;
 
     /// Checks `checkpoint` against this run and restores the state it saved, before the
-    /// engine loads the parameters into `model`.
+    /// engine loads the parameters into `built`.
     ///
     /// # Returns
     /// The losses of the steps before the checkpoint.
     ///
     /// # Errors
     /// A checkpoint this run cannot continue (another model, another batch).
-    fn restore(&mut self, checkpoint: &Checkpoint, model: &M) -> Result<Vec<f32>, Error>;
+    fn restore(&mut self, checkpoint: &Checkpoint, built: &Built<P>) -> Result<Vec<f32>, Error>;
 }
 
 /// The state [`fit`] keeps: the loss history.
@@ -275,15 +274,15 @@ struct FitState {
     losses: Vec<f32>,
 }
 
-impl<M> RunState<M> for LossHistory {
-    fn save(&self, losses: &[f32], _: &M) -> SaveState {
+impl<P: ParallelModel> RunState<P> for LossHistory {
+    fn save(&self, losses: &[f32], _: &Built<P>) -> SaveState {
         let state = FitState {
             losses: losses.to_vec(),
         };
         SaveState::from(serde_json::to_value(state).expect("a list of numbers serialises"))
     }
 
-    fn restore(&mut self, checkpoint: &Checkpoint, _: &M) -> Result<Vec<f32>, Error> {
+    fn restore(&mut self, checkpoint: &Checkpoint, _: &Built<P>) -> Result<Vec<f32>, Error> {
         // A checkpoint of another trainer may keep other state: the history is then empty.
         let mut losses = serde_json::from_value::<FitState>(saved_state(checkpoint).clone())
             .map(|state| state.losses)
@@ -293,20 +292,23 @@ impl<M> RunState<M> for LossHistory {
     }
 }
 
-/// What [`fit`] calls for each micro-batch: the mean loss of its rows on this rank.
-pub type LossFn<'a, M> = dyn FnMut(&M, &MicroBatch) -> Result<Tensor<1>, Error> + 'a;
+/// What [`fit`] calls for each micro-batch: this rank's rows of it, as the model's
+/// [`ParallelModel::loss`] (or its pipeline's stages) take them.
+pub type BatchFn<'a, P> = dyn FnMut(&MicroBatch) -> Result<<P as ParallelModel>::Batch, Error> + 'a;
 
-/// What [`fit`] calls after each step with the step's figures and the model (to log, to
-/// evaluate every so often).
-pub type OnStep<'a, M> = dyn FnMut(&StepLog, &M) -> Result<(), Error> + 'a;
+/// What [`fit`] calls after each step with the step's figures and what is trained (to log,
+/// to evaluate every so often: [`Built::model`]).
+pub type OnStep<'a, P> = dyn FnMut(&StepLog, &Built<P>) -> Result<(), Error> + 'a;
 
-/// Trains `built` to `config.steps`: `loss(model, micro_batch)` is the mean loss of the rows
-/// of one micro-batch on this rank; `on_step` sees every step; `stop` (set by a Ctrl-C
-/// handler, say) ends the run after the step in which any rank saw it, saving first. Every rank
-/// calls it.
+/// Trains `built` to `config.steps`: `batch(micro_batch)` gives this rank's rows of one
+/// micro-batch (the model's [`ParallelModel::loss`] computes its loss, or its pipeline's
+/// stages do); `on_step` sees every step; `stop` (set by a Ctrl-C handler, say) ends the run
+/// after the step in which any rank saw it, saving first. Every rank calls it, under any
+/// layout, the pipeline included.
 ///
 /// # Errors
-/// `loss`'s and `on_step`'s errors, the engine's, a checkpoint that cannot be read or written.
+/// `batch`'s and `on_step`'s errors, the engine's, a checkpoint that cannot be read or
+/// written.
 ///
 /// # Example
 /// See `tests/tests/fit.rs`: a run stopped by the flag after step 2 saves, and resumed (under
@@ -314,11 +316,11 @@ pub type OnStep<'a, M> = dyn FnMut(&StepLog, &M) -> Result<(), Error> + 'a;
 pub fn fit<P: ParallelModel>(
     built: Built<P>,
     config: &FitConfig,
-    loss: &mut LossFn<'_, P::Model>,
-    on_step: &mut OnStep<'_, P::Model>,
+    batch: &mut BatchFn<'_, P>,
+    on_step: &mut OnStep<'_, P>,
     stop: Option<&AtomicBool>,
 ) -> Result<Fitted<P>, Error> {
-    fit_with(built, config, loss, on_step, stop, &mut LossHistory)
+    fit_with(built, config, batch, on_step, stop, &mut LossHistory)
 }
 
 /// [`fit`] that saves and restores `state` with its checkpoints (in place of the loss history
@@ -329,16 +331,16 @@ pub fn fit<P: ParallelModel>(
 pub fn fit_with<P: ParallelModel>(
     mut built: Built<P>,
     config: &FitConfig,
-    loss: &mut LossFn<'_, P::Model>,
-    on_step: &mut OnStep<'_, P::Model>,
+    batch: &mut BatchFn<'_, P>,
+    on_step: &mut OnStep<'_, P>,
     stop: Option<&AtomicBool>,
-    state: &mut dyn RunState<P::Model>,
+    state: &mut dyn RunState<P>,
 ) -> Result<Fitted<P>, Error> {
     let world = built.groups.world.clone();
     let data = built.groups.data.clone();
-    let (batch, accum) = (built.settings.batch_size, built.settings.grad_accum.max(1));
-    let micro_rows = batch / (data.size() * accum);
-    let tokens = (batch * built.settings.seq_len) as f64;
+    let (rows, accum) = (built.settings.batch_size, built.settings.grad_accum.max(1));
+    let micro_rows = rows / (data.size() * accum);
+    let tokens = (rows * built.settings.seq_len) as f64;
     let mut saver = match &config.checkpoint {
         Some(policy) => Some(
             Checkpointer::new(&policy.dir, policy.keep, &world)?.with_background(policy.background),
@@ -351,12 +353,8 @@ pub fn fit_with<P: ParallelModel>(
     if let Some(path) = &config.resume {
         let resuming = |e: Error| e.resuming(path);
         let checkpoint = open_checkpoint(path).map_err(|e| resuming(e.into()))?;
-        losses = state.restore(&checkpoint, &built.model).map_err(resuming)?;
-        built.model = built
-            .engine
-            .load(&checkpoint, built.model)
-            .map_err(|e| resuming(e.into()))?
-            .0;
+        losses = state.restore(&checkpoint, &built).map_err(resuming)?;
+        built.load(&checkpoint).map_err(resuming)?;
         first_step = checkpoint.step();
         resumed_from = Some(Resumed::of(&checkpoint));
     }
@@ -364,16 +362,14 @@ pub fn fit_with<P: ParallelModel>(
     for step in first_step..config.steps {
         let start = Instant::now();
         let lr = config.lr.at(step);
-        let mut forward = |model: &P::Model, micro: usize| {
+        let mut micro_batch = |micro: usize| {
             let first = micro * micro_rows * data.size() + data.rank() * micro_rows;
             let rows = first..first + micro_rows;
-            loss(model, &MicroBatch { step, micro, rows })
+            batch(&MicroBatch { step, micro, rows })
         };
-        let (model, out) = built
-            .engine
-            .step_accumulated(built.model, accum, &mut forward, lr)
+        let out = built
+            .step(accum, &mut micro_batch, lr)
             .map_err(|e| e.at_step(step + 1))?;
-        built.model = model;
         losses.push(out.loss);
         let seconds = start.elapsed().as_secs_f64();
         let log = StepLog {
@@ -386,11 +382,11 @@ pub fn fit_with<P: ParallelModel>(
             grad_norm: out.grad_norm,
             phases: out.phases,
         };
-        on_step(&log, &built.model)?;
+        on_step(&log, &built)?;
         let done = step + 1;
         let every = config.check_replicas_every;
         if every > 0 && done.is_multiple_of(every) {
-            verify_replicas(&built.model, &built.groups, &built.experts)?;
+            built.verify_replicas()?;
         }
         // The ranks agree on the stop: any rank's flag stops all after this step.
         let stopping = match stop {
@@ -407,10 +403,8 @@ pub fn fit_with<P: ParallelModel>(
                     "layout": built.layout,
                     "description": built.layout.describe(world.size()),
                 });
-                let saved = state
-                    .save(&losses, &built.model)
-                    .with_rank(LAYOUT_KEY, layout);
-                built.engine.save(saver, done, &built.model, saved)?;
+                let saved = state.save(&losses, &built).with_rank(LAYOUT_KEY, layout);
+                built.save(saver, done, saved)?;
             }
         }
         if stopping {

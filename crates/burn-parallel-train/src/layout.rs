@@ -4,6 +4,7 @@
 use burn_parallel::ParallelDims;
 use burn_parallel::context_parallel::{CpBalance, CpKind, SeqLayout};
 use burn_parallel::diloco::DiLoCoConfig;
+use burn_pipeline::ScheduleKind;
 use burn_zero::Stage;
 use serde::{Deserialize, Serialize};
 
@@ -43,6 +44,10 @@ pub struct Layout {
     pub cp_balance: CpBalance,
     /// Pipeline-parallel size (`--pp`; 1: none).
     pub pp: usize,
+    /// The pipeline's schedule, interleaving and recomputation (with `pp > 1`; `[pipeline]`
+    /// in TOML). Its micro-batches are the step's micro-steps
+    /// ([`crate::StepSettings::grad_accum`]).
+    pub pipeline: PipelineLayout,
     /// Expert-parallel size (`--ep`; 1: every expert on every rank): each group of `ep`
     /// data-parallel ranks splits the experts of every MoE layer.
     pub ep: usize,
@@ -90,6 +95,63 @@ pub struct DiLoCoLayout {
     pub inner_sgd: bool,
 }
 
+/// The pipeline's part of a [`Layout`] (used with `pp > 1`).
+///
+/// ```
+/// use burn_parallel_train::{Layout, Recompute, Workload};
+/// use burn_pipeline::ScheduleKind;
+///
+/// let layout = Layout::from_toml("pp = 2\n[pipeline]\nschedule = \"zbv\"").unwrap();
+/// assert_eq!(layout.pipeline.schedule, ScheduleKind::Zbv);
+/// assert_eq!(layout.describe(4), "dp 2 x pp 2 (zbv)");
+/// // Recomputing a forward that draws dropout masks would draw other masks.
+/// let recompute = Layout { pipeline: layout.pipeline.with_recompute(Recompute::Stages), ..layout };
+/// let work = Workload { dropout: true, batch_size: 8, grad_accum: 4, ..Workload::default() };
+/// assert_eq!(recompute.validate(4, &work).unwrap_err().flag, "--checkpoint-activations");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PipelineLayout {
+    /// The schedule family (`--schedule`: gpipe, 1f1b, interleaved, zb-h1, zbv, dualpipev).
+    pub schedule: ScheduleKind,
+    /// Stages per rank of the interleaved schedule (`--virtual-stages`; default 2).
+    pub virtual_stages: Option<usize>,
+    /// Activation checkpointing of the stages.
+    pub recompute: Recompute,
+}
+
+impl PipelineLayout {
+    /// These settings recomputing as `recompute` says.
+    pub fn with_recompute(self, recompute: Recompute) -> Self {
+        Self { recompute, ..self }
+    }
+}
+
+impl Default for PipelineLayout {
+    fn default() -> Self {
+        Self {
+            schedule: ScheduleKind::OneFOneB,
+            virtual_stages: None,
+            recompute: Recompute::Off,
+        }
+    }
+}
+
+/// Activation checkpointing of pipeline stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Every activation is kept from forward to backward.
+    #[default]
+    Off,
+    /// Each stage keeps only its input and recomputes its whole forward in its backward
+    /// (`--checkpoint-activations`; burn-pipeline's `Checkpointing::All`).
+    Stages,
+    /// Each layer keeps only its input and is recomputed alone in the backward
+    /// (`--checkpoint-blocks`; `Sequential::with_checkpointed_layers`).
+    Blocks,
+}
+
 impl Default for DiLoCoLayout {
     fn default() -> Self {
         Self {
@@ -109,6 +171,7 @@ impl Default for Layout {
             cp_kind: CpKind::Ring,
             cp_balance: CpBalance::HeadTail,
             pp: 1,
+            pipeline: PipelineLayout::default(),
             ep: 1,
             zero: None,
             replicate: 1,
@@ -120,6 +183,11 @@ impl Default for Layout {
         }
     }
 }
+
+/// The most pipeline stages (ranks x virtual stages) a layout may have.
+pub const MAX_STAGES: usize = 1 << 12;
+/// The most micro-batches of a pipelined step.
+pub const MAX_MICRO_BATCHES: usize = 1 << 14;
 
 /// What [`Layout::validate`] needs to know of the model and the batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,6 +206,8 @@ pub struct Workload {
     pub grad_accum: usize,
     /// bf16 or fp16 compute (`--precision`) or a loss scaler.
     pub mixed_precision: bool,
+    /// A dynamic loss scaler (fp16, `--loss-scale`).
+    pub loss_scaling: bool,
 }
 
 impl Default for Workload {
@@ -150,6 +220,7 @@ impl Default for Workload {
             batch_size: 1,
             grad_accum: 1,
             mixed_precision: false,
+            loss_scaling: false,
         }
     }
 }
@@ -253,7 +324,17 @@ impl Layout {
             ));
         }
         if dims.pp > 1 {
-            parts.push(format!("pp {}", dims.pp));
+            let p = self.pipeline;
+            let mut pp = format!("pp {} ({}", dims.pp, p.schedule);
+            if let Some(v) = p.virtual_stages {
+                pp += &format!(", {v} stages per rank");
+            }
+            match p.recompute {
+                Recompute::Off => {}
+                Recompute::Stages => pp += ", stages recomputed",
+                Recompute::Blocks => pp += ", layers recomputed",
+            }
+            parts.push(pp + ")");
         }
         if dims.ep > 1 {
             parts.push(format!("ep {}", dims.ep));
@@ -348,6 +429,76 @@ impl Layout {
                     )
                 })?;
             }
+            let p = self.pipeline;
+            let micro = work.grad_accum;
+            // Bounds before a schedule is generated (its programs grow with both).
+            rule(pp > MAX_STAGES, "--pp", || {
+                format!("--pp {pp} is more than the {MAX_STAGES} pipeline ranks supported")
+            })?;
+            rule(micro > MAX_MICRO_BATCHES, "--grad-accum", || {
+                format!(
+                    "{micro} micro-batches per step is more than the {MAX_MICRO_BATCHES} a \
+                     pipeline schedule supports; use a smaller --grad-accum"
+                )
+            })?;
+            let virtual_stages = p.virtual_stages.unwrap_or(1);
+            rule(
+                virtual_stages == 0 || virtual_stages > MAX_STAGES / pp,
+                "--virtual-stages",
+                || {
+                    format!(
+                        "--virtual-stages {virtual_stages} must be at least 1 and give at most \
+                         {MAX_STAGES} stages over --pp {pp}"
+                    )
+                },
+            )?;
+            burn_pipeline::generators::generate(p.schedule, pp, micro, p.virtual_stages).map_err(
+                |e| LayoutError {
+                    flag: "--schedule",
+                    message: format!(
+                        "the {} schedule (--schedule) over --pp {pp} with {micro} micro-batches \
+                         (the step's micro-steps, --grad-accum) cannot be generated: {e}",
+                        p.schedule
+                    ),
+                },
+            )?;
+            rule(
+                p.recompute != Recompute::Off && work.dropout,
+                "--checkpoint-activations",
+                || {
+                    "activation checkpointing recomputes the forward, and the model's dropout \
+                     would draw other masks the second time: set its dropout to 0 or drop \
+                     --checkpoint-activations / --checkpoint-blocks"
+                        .into()
+                },
+            )?;
+            rule(
+                p.recompute == Recompute::Blocks && work.mixed_precision,
+                "--checkpoint-blocks",
+                || {
+                    "--precision bf16|fp16 runs each stage on its compute copy, and a layer \
+                     recomputed inside the backward would hand its gradients to that copy, not \
+                     to the fp32 weights: recompute whole stages (--checkpoint-activations) \
+                     instead of --checkpoint-blocks, or drop --precision"
+                        .into()
+                },
+            )?;
+            rule(work.loss_scaling && self.zero.is_some(), "--zero", || {
+                "dynamic loss scaling (--precision fp16, --loss-scale) skips a step on every \
+                 stage at once, which ZeRO's stage optimizers do not: use --precision bf16 with \
+                 --zero, or drop --zero"
+                    .into()
+            })?;
+        } else {
+            rule(
+                self.pipeline != PipelineLayout::default(),
+                "--schedule",
+                || {
+                    "the pipeline's settings (--schedule, --virtual-stages, --checkpoint-activations, \
+                 --checkpoint-blocks) need --pp 2 or more"
+                    .into()
+                },
+            )?;
         }
         if cp > 1 {
             SeqLayout::new(work.seq_len, cp, 0, self.cp_balance).map_err(|e| LayoutError {
@@ -669,6 +820,96 @@ mod tests {
                 4,
                 work(),
                 "--overlap",
+            ),
+            // The pipeline's own rules.
+            (
+                Layout {
+                    pp: 2,
+                    pipeline: PipelineLayout {
+                        schedule: ScheduleKind::Interleaved1F1B,
+                        virtual_stages: Some(2),
+                        ..PipelineLayout::default()
+                    },
+                    ..d
+                },
+                4,
+                Workload {
+                    grad_accum: 3,
+                    batch_size: 12,
+                    ..work()
+                },
+                "--schedule",
+            ),
+            (
+                Layout {
+                    pipeline: PipelineLayout::default().with_recompute(Recompute::Stages),
+                    ..d
+                },
+                4,
+                work(),
+                "--schedule",
+            ),
+            (
+                Layout {
+                    pp: 2,
+                    pipeline: PipelineLayout::default().with_recompute(Recompute::Stages),
+                    ..d
+                },
+                4,
+                Workload {
+                    dropout: true,
+                    ..work()
+                },
+                "--checkpoint-activations",
+            ),
+            (
+                Layout {
+                    pp: 2,
+                    pipeline: PipelineLayout::default().with_recompute(Recompute::Blocks),
+                    ..d
+                },
+                4,
+                Workload {
+                    mixed_precision: true,
+                    ..work()
+                },
+                "--checkpoint-blocks",
+            ),
+            (
+                Layout {
+                    pp: 2,
+                    zero: Some(Stage::Two),
+                    ..d
+                },
+                4,
+                Workload {
+                    mixed_precision: true,
+                    loss_scaling: true,
+                    ..work()
+                },
+                "--zero",
+            ),
+            (
+                Layout { pp: 2, ..d },
+                4,
+                Workload {
+                    grad_accum: MAX_MICRO_BATCHES + 1,
+                    ..work()
+                },
+                "--grad-accum",
+            ),
+            (
+                Layout {
+                    pp: 2,
+                    pipeline: PipelineLayout {
+                        virtual_stages: Some(0),
+                        ..PipelineLayout::default()
+                    },
+                    ..d
+                },
+                4,
+                work(),
+                "--virtual-stages",
             ),
             (
                 Layout { cp: 4, ..d },

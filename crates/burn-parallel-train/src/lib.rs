@@ -27,15 +27,17 @@ pub mod diloco;
 pub mod fit;
 pub mod layout;
 mod local;
+pub mod pipeline;
 mod saved;
 
 pub use build::{
-    Built, Groups, ModelParts, ParallelModel, Placed, StepSettings, build, verify_replicas,
+    Built, Groups, ModelParts, ParallelModel, Placed, StepSettings, Trainee, build, verify_replicas,
 };
 pub use fit::{
-    CheckpointPolicy, FitConfig, Fitted, LossFn, LossHistory, LrSchedule, MicroBatch, OnStep,
+    BatchFn, CheckpointPolicy, FitConfig, Fitted, LossHistory, LrSchedule, MicroBatch, OnStep,
     Resumed, RunState, StepLog, fit, fit_with, open_checkpoint,
 };
-pub use layout::{DiLoCoLayout, Layout, LayoutError, Workload};
+pub use layout::{DiLoCoLayout, Layout, LayoutError, PipelineLayout, Recompute, Workload};
 pub use local::run_local;
+pub use pipeline::{PipelineEngine, PipelineSteps, StageParts, StagedModel};
 pub use saved::saved_state;

@@ -808,6 +808,20 @@ impl FromStr for ScheduleKind {
     }
 }
 
+// A schedule kind reads and writes as its command-line name (`"zbv"`), in TOML and JSON alike.
+impl serde::Serialize for ScheduleKind {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str(self.name())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ScheduleKind {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let name = String::deserialize(deserializer)?;
+        name.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 /// A pipeline schedule: one ordered program of actions per rank, and the stage placement.
 ///
 /// Build one with a generator ([`crate::generators`]), by hand with [`Schedule::new`], or by

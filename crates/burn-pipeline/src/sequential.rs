@@ -179,15 +179,31 @@ impl<I: Module, L: Module, O: Module> Sequential<I, L, O> {
     /// The model's path of a parameter of this stage: `layers.{local}.rest` becomes
     /// `layers.{first_layer + local}.rest`; other paths are unchanged.
     pub fn global_path(&self, path: &str) -> String {
-        let Some(rest) = path.strip_prefix("layers.") else {
-            return path.to_string();
-        };
-        let (local, tail) = rest.split_once('.').unwrap_or((rest, ""));
-        match local.parse::<usize>() {
-            Ok(i) if tail.is_empty() => format!("layers.{}", i + self.first_layer),
-            Ok(i) => format!("layers.{}.{tail}", i + self.first_layer),
-            Err(_) => path.to_string(),
-        }
+        global_path(self.first_layer, path)
+    }
+}
+
+/// `path` of a stage whose first layer is `first_layer` in the model's layer numbering.
+fn global_path(first_layer: usize, path: &str) -> String {
+    let Some(rest) = path.strip_prefix("layers.") else {
+        return path.to_string();
+    };
+    let (local, tail) = rest.split_once('.').unwrap_or((rest, ""));
+    match local.parse::<usize>() {
+        Ok(i) if tail.is_empty() => format!("layers.{}", i + first_layer),
+        Ok(i) => format!("layers.{}.{tail}", i + first_layer),
+        Err(_) => path.to_string(),
+    }
+}
+
+/// `path` of a stage whose first layer is `first_layer` in the flat single-device model.
+fn flat_path(first_layer: usize, path: &str) -> String {
+    match path
+        .strip_prefix("input.")
+        .or_else(|| path.strip_prefix("output."))
+    {
+        Some(rest) => rest.to_string(),
+        None => global_path(first_layer, path),
     }
 }
 
@@ -215,13 +231,14 @@ impl<I: Module, L: Module, O: Module> Sequential<I, L, O> {
     /// assert_eq!(stage.flat_path("output.w"), "w");
     /// ```
     pub fn flat_path(&self, path: &str) -> String {
-        match path
-            .strip_prefix("input.")
-            .or_else(|| path.strip_prefix("output."))
-        {
-            Some(rest) => rest.to_string(),
-            None => self.global_path(path),
-        }
+        flat_path(self.first_layer, path)
+    }
+
+    /// [`Self::flat_path`] as a function that owns what it needs (for names that outlive the
+    /// stage's borrow: a ZeRO optimizer's logical names, a builder's path map).
+    pub fn flat_paths(&self) -> impl Fn(&str) -> String + Send + Sync + Clone + 'static {
+        let first_layer = self.first_layer;
+        move |path| flat_path(first_layer, path)
     }
 }
 

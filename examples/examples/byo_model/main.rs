@@ -35,40 +35,28 @@
 //! ZeRO-1/2 with `--zero`, FSDP, burn-moe's engines for the MoE variant `--experts`, mixed
 //! precision with `--precision`), and `fit` trains it (each rank its rows of `--grad-accum`
 //! micro-batches, `--save` after the last step or on Ctrl-C, `--resume` from what any layout
-//! saved). Pipeline parallelism stages the same parts (`model::stage`) and runs them with
-//! `burn-pipeline`'s executor (`run_rank_pipeline`), saving and resuming through its
-//! `StageUpdater` under the single-device decoder's names, so every layout resumes what any
-//! other saved.
+//! saved). The pipeline too: the builder stages the same parts (`model::stage`, the
+//! decoder's `StagedModel` form) and `fit` runs them through burn-pipeline's executor, saving
+//! under the single-device decoder's names, so every layout resumes what any other saved.
 
 mod model;
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 use std::time::Instant;
 
-use burn::optim::AdamWConfig;
 use burn::tensor::Device;
 use burn_parallel::ProcessGroup;
-use burn_parallel::checkpoint::Checkpointer;
 use burn_parallel::context_parallel::CpKind;
-use burn_parallel::init::Init;
 use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::precision::{LossScaler, MixedPrecision};
-use burn_parallel::train::TrainStep;
 use burn_parallel_train::{
     CheckpointPolicy, FitConfig, Layout, LrSchedule, MicroBatch, StepSettings, build, fit,
-    open_checkpoint,
 };
-use burn_pipeline::ScheduleKind;
-use burn_pipeline::generators::generate;
-use burn_pipeline::partition::by_count;
-use burn_pipeline::runtime::Executor;
-use burn_pipeline::update::{StageOptimizer, StageUpdater};
 use burn_zero::Stage;
 use clap::{Parser, ValueEnum};
 use examples::data::{Corpus, Split};
-use model::{Config, Decoder, Recipe, moe_config};
+use model::{Config, Recipe, moe_config};
 
 /// Arithmetic of the forward and backward.
 #[derive(Debug, Clone, Copy, ValueEnum, PartialEq)]
@@ -105,8 +93,8 @@ enum Preset {
     DpCp,
     /// Context parallel (cp = 2) x tensor parallel (tp = 2).
     CpTp,
-    /// Pipeline over every rank (1F1B, 4 micro-batches), the model staged by
-    /// `burn_pipeline::sequential` (see `model::stage`).
+    /// Pipeline over every rank (1F1B over the `--grad-accum` micro-batches, 4 when not
+    /// given), the model staged by `burn_pipeline::sequential` (see `model::stage`).
     Pp,
 }
 
@@ -130,9 +118,10 @@ struct Args {
     /// Global-norm clipping.
     #[arg(long)]
     clip: Option<f64>,
-    /// Micro-batches per optimizer step (each rank's rows split evenly between them).
-    #[arg(long, default_value_t = 1)]
-    grad_accum: usize,
+    /// Micro-batches per optimizer step (each rank's rows split evenly between them; the
+    /// pipeline's micro-batches with `--layout pp`, 4 by default there, 1 elsewhere).
+    #[arg(long)]
+    grad_accum: Option<usize>,
     /// Arithmetic of the forward and backward (master weights and optimizer state stay fp32).
     #[arg(long, value_enum, default_value = "f32")]
     precision: Precision,
@@ -191,82 +180,6 @@ fn config() -> Config {
     }
 }
 
-/// `--layout pp`: every rank a stage of a 1F1B pipeline over 4 micro-batches.
-fn run_rank_pipeline(
-    world: ProcessGroup,
-    args: &Args,
-    corpus: &Corpus,
-) -> Result<Vec<f32>, burn_parallel::Error> {
-    let fail = |e: &dyn std::fmt::Display| burn_parallel::Error::invalid("--layout pp", e);
-    let device = Device::flex().autodiff();
-    let m = 4;
-    let schedule = generate(ScheduleKind::OneFOneB, world.size(), m, None).map_err(|e| fail(&e))?;
-    let split = by_count(config().n_layers, schedule.num_stages()).map_err(|e| fail(&e))?;
-    let mut executor =
-        Executor::new(schedule, world.clone(), device.clone()).map_err(|e| fail(&e))?;
-    let init = Init::new(config().seed, &device);
-    let mut stages = BTreeMap::new();
-    let mut optims = BTreeMap::new();
-    for s in executor.local_stages() {
-        let n = split.len();
-        stages.insert(
-            s,
-            model::stage(&init, &config(), s, n, split[s].clone()).map_err(|e| fail(&e))?,
-        );
-        optims.insert(
-            s,
-            StageOptimizer::module(AdamWConfig::new().with_weight_decay(0.01).init()),
-        );
-    }
-    // Mixed precision: the executor runs each stage's compute copy and scales the loss, the
-    // updater (the same step) unscales and skips an overflowing step on every stage.
-    let reduce = with_precision(TrainStep::new(init.context()), args.precision);
-    executor = executor.with_precision(&reduce);
-    let mut updater = StageUpdater::new(&executor, optims, reduce)
-        .map_err(|e| fail(&e))?
-        .with_clip(args.clip);
-    updater.set_lr(args.lr);
-    // Checkpoints under the single-device decoder's names: any layout resumes them.
-    let names = |stage: &model::Stage, path: &str| stage.flat_path(path);
-    let mut first = 0;
-    if let Some(dir) = &args.resume {
-        let checkpoint = open_checkpoint(dir)?;
-        updater.load(&checkpoint, &mut stages, &names)?;
-        first = checkpoint.step();
-    }
-    let rows = args.batch / m;
-    let mut losses = Vec::new();
-    for s in first..args.steps {
-        let batches: Vec<_> = (0..m)
-            .map(|k| corpus.batch_rows(s as u64, k * rows..(k + 1) * rows, args.seq, Split::Train))
-            .collect();
-        let report = executor
-            .step(&mut stages, &batches, &mut |s, stage, g| {
-                updater.at_reduce(s, stage, g)
-            })
-            .map_err(|e| fail(&e))?;
-        updater.finish(&mut stages, &report).map_err(|e| fail(&e))?;
-        losses.push(report.loss);
-    }
-    if let Some(dir) = &args.save {
-        let mut saver = Checkpointer::new(dir, 1, &world)?;
-        let state = serde_json::Value::Null.into();
-        updater.save(&mut saver, args.steps, &stages, &names, state)?;
-    }
-    Ok(losses)
-}
-
-/// `step` computing in `precision` (fp16 with dynamic loss scaling from 2^16).
-fn with_precision(step: TrainStep, precision: Precision) -> TrainStep {
-    match precision {
-        Precision::F32 => step,
-        Precision::Bf16 => step.with_precision(MixedPrecision::bf16()),
-        Precision::Fp16 => step
-            .with_precision(MixedPrecision::f16())
-            .with_loss_scaler(LossScaler::new(65536.0)),
-    }
-}
-
 /// The library's layout of `args` on `n` ranks: the preset's mesh and the options.
 fn layout(args: &Args, n: usize) -> Result<Layout, burn_parallel::Error> {
     let fsdp = (Some(Stage::Three), false);
@@ -276,32 +189,31 @@ fn layout(args: &Args, n: usize) -> Result<Layout, burn_parallel::Error> {
             .transpose()?,
         true,
     );
-    // (dp_replicate under FSDP, cp, tp, sequence parallel, (ZeRO stage, --zero allowed))
-    let (replicate, cp, tp, sp, (zero, zero_allowed)) = match args.layout {
-        Preset::Single | Preset::Ddp => (1, 1, 1, false, plain),
-        Preset::Tp => (1, 1, n, false, plain),
-        Preset::TpSp => (1, 1, n, true, plain),
-        Preset::DpTp => (1, 1, 2, true, plain),
-        Preset::Fsdp => (1, 1, 1, false, fsdp),
-        Preset::FsdpTp => (1, 1, 2, true, fsdp),
-        Preset::Hsdp => (n / 2, 1, 1, false, fsdp),
-        Preset::Cp => (1, n, 1, false, plain),
-        Preset::DpCp => (1, 2, 1, false, plain),
-        Preset::CpTp => (1, 2, n / 2, false, plain),
-        Preset::Pp => (1, 1, 1, false, (None, false)),
+    // (dp_replicate under FSDP, cp, tp, sequence parallel, pp, (ZeRO stage, --zero allowed))
+    let (replicate, cp, tp, sp, pp, (zero, zero_allowed)) = match args.layout {
+        Preset::Single | Preset::Ddp => (1, 1, 1, false, 1, plain),
+        Preset::Tp => (1, 1, n, false, 1, plain),
+        Preset::TpSp => (1, 1, n, true, 1, plain),
+        Preset::DpTp => (1, 1, 2, true, 1, plain),
+        Preset::Fsdp => (1, 1, 1, false, 1, fsdp),
+        Preset::FsdpTp => (1, 1, 2, true, 1, fsdp),
+        Preset::Hsdp => (n / 2, 1, 1, false, 1, fsdp),
+        Preset::Cp => (1, n, 1, false, 1, plain),
+        Preset::DpCp => (1, 2, 1, false, 1, plain),
+        Preset::CpTp => (1, 2, n / 2, false, 1, plain),
+        Preset::Pp => (1, 1, 1, false, n, plain),
     };
     if args.zero.is_some() && !zero_allowed {
         return Err(burn_parallel::Error::invalid(
             "--zero",
-            "the FSDP layouts are ZeRO-3 already and the pipeline has its own step: drop \
-             --zero or pick a data-parallel layout (single, ddp, tp, tp-sp, dp-tp, cp, dp-cp, \
-             cp-tp)",
+            "the FSDP layouts are ZeRO-3 already: drop --zero or pick another layout",
         ));
     }
     Ok(Layout {
         tp,
         sp,
         cp,
+        pp,
         cp_kind: args.cp_kind,
         ep: if args.experts > 0 { args.ep } else { 1 },
         zero,
@@ -328,7 +240,11 @@ fn settings(args: &Args) -> StepSettings {
         adamw: FusedAdamWConfig::new().with_weight_decay(0.01),
         batch_size: args.batch,
         seq_len: args.seq,
-        grad_accum: args.grad_accum,
+        grad_accum: match (args.grad_accum, args.layout) {
+            (Some(n), _) => n,
+            (None, Preset::Pp) => 4,
+            (None, _) => 1,
+        },
         ..StepSettings::default()
     }
 }
@@ -339,16 +255,6 @@ fn run_rank(
     corpus: &Corpus,
     stop: &AtomicBool,
 ) -> Result<Vec<f32>, burn_parallel::Error> {
-    if args.layout == Preset::Pp {
-        if args.grad_accum > 1 {
-            return Err(burn_parallel::Error::invalid(
-                "--grad-accum",
-                "the pipeline accumulates over its own micro-batches: drop --grad-accum with \
-                 --layout pp",
-            ));
-        }
-        return run_rank_pipeline(world, args, corpus);
-    }
     let device = Device::flex().autodiff();
     let recipe = Recipe {
         config: config(),
@@ -376,17 +282,11 @@ fn run_rank(
         resume: args.resume.clone(),
         check_replicas_every: 100,
     };
-    let mut loss = |m: &Decoder, micro: &MicroBatch| {
-        let batch = corpus.batch_rows(
-            micro.step as u64,
-            micro.rows.clone(),
-            args.seq,
-            Split::Train,
-        );
-        let (tokens, targets) = batch.to_tensors(&device);
-        Ok(m.loss(tokens, targets)?)
+    let mut batch = |micro: &MicroBatch| {
+        let (step, rows) = (micro.step as u64, micro.rows.clone());
+        Ok(corpus.batch_rows(step, rows, args.seq, Split::Train))
     };
-    let fitted = fit(built, &config, &mut loss, &mut |_, _| Ok(()), Some(stop))?;
+    let fitted = fit(built, &config, &mut batch, &mut |_, _| Ok(()), Some(stop))?;
     if world.rank() == 0 {
         if let Some(resumed) = &fitted.resumed_from {
             println!("resumed from {resumed}");

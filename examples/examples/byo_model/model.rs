@@ -52,6 +52,18 @@ pub struct Recipe {
 
 impl burn_parallel_train::ParallelModel for Recipe {
     type Model = Decoder;
+    type Batch = Batch;
+
+    fn loss(model: &Decoder, batch: &Batch) -> Result<Tensor<1>, burn_parallel::Error> {
+        let device = model.devices().into_iter().next().unwrap_or_default();
+        let (tokens, targets) = batch.to_tensors(&device);
+        Ok(model.loss(tokens, targets)?)
+    }
+
+    /// The decoder stages (below): `--pp` trains it through the same `build` and `fit`.
+    fn stages(&self) -> Option<&dyn burn_parallel_train::pipeline::Stager<Self>> {
+        self.moe.is_none().then_some(self as _)
+    }
 
     fn n_heads(&self) -> usize {
         self.config.n_heads
@@ -84,6 +96,28 @@ impl burn_parallel_train::ParallelModel for Recipe {
         let experts = self.moe.as_ref().map(|moe| (moe, &parts.experts));
         let model = Decoder::build(&parts.init, parts.fsdp.as_ref(), &self.config, experts)?;
         Ok(model.with_context_parallel(parts.context_parallel.clone()))
+    }
+}
+
+/// The decoder cut into pipeline stages: an embedding, layers, the norm and head with the loss.
+impl burn_parallel_train::StagedModel for Recipe {
+    type Stage = Stage;
+
+    fn n_layers(&self) -> usize {
+        self.config.n_layers
+    }
+
+    fn stage(
+        &self,
+        parts: &burn_parallel_train::StageParts<'_>,
+    ) -> Result<Stage, burn_parallel::Error> {
+        let (index, stages, layers) = (parts.index, parts.num_stages, parts.layers.clone());
+        let stage = stage(parts.init, &self.config, index, stages, layers)?;
+        Ok(stage.with_checkpointed_layers(parts.recompute_layers))
+    }
+
+    fn model_paths(stage: &Stage) -> burn_parallel_train::pipeline::PathMap {
+        std::sync::Arc::new(stage.flat_paths())
     }
 }
 
