@@ -34,31 +34,33 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use burn::module::{Module, ParamId};
-use burn::optim::{AdamW, AdamWConfig};
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, Tensor};
+use burn_moe::MoeParallel;
 use burn_parallel::init::{Init, LinearInit};
 use burn_parallel::nn::{Embedding, Linear, TpContext};
+use burn_parallel::plan::TpPlan;
 use burn_parallel::tensor_parallel::SeededDropout;
-use burn_parallel::train::TrainStep;
-use burn_parallel::{CollectiveError, ParallelDims, ProcessGroup, ReduceOp};
+use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
+use burn_parallel_train::pipeline::{PathMap, Stager};
+use burn_parallel_train::{
+    Built, Layout, MicroBatch, ModelParts, ParallelModel, PipelineEngine, PipelineLayout,
+    StageParts, StagedModel, StepLog, StepSettings, Trainee, build, fit_with,
+};
+use burn_pipeline::generators;
 use burn_pipeline::partition::{self, PartitionError};
-use burn_pipeline::runtime::{Checkpointing, Executor, PipelineError, StepReport};
+use burn_pipeline::runtime::{PipelineError, StepReport};
 use burn_pipeline::sequential::{InputLayer, Layer, Sequential};
 use burn_pipeline::stage::{Boundary, Stage, StageError, StageOutput};
 use burn_pipeline::trace::{StepTrack, Timeline};
-use burn_pipeline::update::{StageOptimizer, StageUpdater};
-use burn_pipeline::{ActionKind, ScheduleError, ScheduleKind, generators};
-use burn_zero::{ShardGroups, ZeroConfig, ZeroOptimizer};
+use burn_pipeline::{ScheduleError, ScheduleKind};
+use burn_zero::FsdpPlan;
 
 use crate::data::{Batch, Corpus, Split};
 use crate::gpt::{
-    Block, Embeddings, Gpt, GptConfig, INIT_STD, Norm, OutputLayer, Pass, PositionKind, load_params,
+    Block, Embeddings, Gpt, GptConfig, INIT_STD, Norm, OutputLayer, Pass, PositionKind,
 };
-use crate::train::{
-    NamedParam, Precision, StepStats, TrainConfig, TrainDevice, TrainReport, named_params,
-};
+use crate::train::{NamedParam, StepStats, TrainConfig, TrainDevice, TrainReport, named_params};
 use crate::train_checkpoint::{self, CheckpointOptions};
-use burn_parallel::checkpoint::Checkpointer;
 
 /// Errors of the pipelined GPT: its configuration, its build, its run.
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +92,9 @@ pub enum GptPipelineError {
     /// names the checkpoint and what to change.
     #[error("checkpoint: {0}")]
     Checkpoint(String),
+    /// The layout, its build or its training failed (the library's error).
+    #[error(transparent)]
+    Run(#[from] burn_parallel::Error),
 }
 
 /// How the GPT's blocks are split into stages.
@@ -169,89 +174,60 @@ impl Default for PipelineConfig {
 }
 
 impl PipelineConfig {
-    /// Checks the settings against `config` on `world` ranks, before anything is built.
+    /// The library's layout of these settings: `pp x dp x tp`, the schedule, its
+    /// recomputation and the stages' ZeRO.
+    pub fn layout(&self) -> Layout {
+        Layout {
+            pp: self.pp,
+            tp: self.tp,
+            sp: self.sp,
+            zero: self.zero,
+            pipeline: PipelineLayout {
+                schedule: self.schedule,
+                virtual_stages: self.virtual_stages,
+                recompute: self.recompute,
+            },
+            ..Layout::default()
+        }
+    }
+
+    /// The step settings of `config` under these settings: its micro-batches are the
+    /// pipeline's.
+    pub fn settings(&self, config: &TrainConfig) -> StepSettings {
+        StepSettings {
+            grad_accum: self.microbatches,
+            ..config.step_settings()
+        }
+    }
+
+    /// Checks the settings against `config` on `world` ranks, before anything is built: the
+    /// layout's rules ([`Layout::validate`]), then the GPT's own.
     ///
     /// # Errors
     /// [`GptPipelineError::Config`] naming the setting to change; the schedule's and the
     /// split's own errors.
     pub fn validate(&self, config: &TrainConfig, world: usize) -> Result<(), GptPipelineError> {
-        let bad = |s: String| Err(GptPipelineError::Config(s));
-        if self.pp == 0 || self.tp == 0 || !world.is_multiple_of(self.pp * self.tp) {
-            return bad(format!(
-                "the world of {world} ranks cannot be split into pipelines of {} ranks x \
-                 tensor-parallel groups of {}; use a --pp x --tp that divides the number of \
-                 ranks",
-                self.pp, self.tp
-            ));
-        }
-        if self.sp && self.tp < 2 {
-            return bad("sequence parallelism (--sp) needs --tp 2 or more".into());
-        }
-        if !config.model.n_heads.is_multiple_of(self.tp) {
-            return bad(format!(
-                "{} attention heads cannot be split over --tp {}; use a --tp that divides the \
-                 heads",
-                config.model.n_heads, self.tp
-            ));
-        }
         if config.grad_accum != 1 {
-            return bad(format!(
+            return Err(GptPipelineError::Config(format!(
                 "grad_accum is {} but a pipeline accumulates over its micro-batches; set \
                  grad_accum to 1 and use --microbatches",
                 config.grad_accum
-            ));
+            )));
         }
-        let dp = world / (self.pp * self.tp);
-        let rows = config.batch_size / dp.max(1);
-        if !config.batch_size.is_multiple_of(dp) || !rows.is_multiple_of(self.microbatches.max(1)) {
-            return bad(format!(
-                "the global batch of {} sequences cannot be split over {dp} data-parallel ranks \
-                 x {} micro-batches; use a batch size that is a multiple of {}",
-                config.batch_size,
-                self.microbatches,
-                dp * self.microbatches
-            ));
-        }
-        if self.zero == Some(burn_zero::Stage::Three) {
-            return bad(
-                "FSDP (--zero 3) is not composed with pipeline parallelism yet; use --zero 1 or \
-                 2 (optimizer state and gradients sharded over each stage's replicas)"
-                    .into(),
-            );
-        }
-        if config.precision != Precision::F32 && self.recompute == Recompute::Blocks {
-            return bad(format!(
-                "--precision {} runs each stage on its compute copy, and a block recomputed \
-                 inside the backward would hand its gradients to that copy, not to the fp32 \
-                 weights; recompute whole stages (--checkpoint-activations) instead of \
-                 --checkpoint-blocks, or drop --precision",
-                config.precision
-            ));
-        }
-        if config.loss_scaler().is_some() && self.zero.is_some() {
-            return bad(
-                "dynamic loss scaling (--precision fp16, --loss-scale) skips a step on every \
-                 stage at once, which ZeRO's stage optimizers (--zero 1|2) do not: use \
-                 --precision bf16 with --zero, or f16 without it"
-                    .into(),
-            );
-        }
-        if self.recompute != Recompute::Off && config.model.dropout > 0.0 {
-            return bad(format!(
-                "activation checkpointing recomputes the forward, and dropout ({}) would draw \
-                 other masks the second time; set dropout to 0 or drop \
-                 --checkpoint-activations",
-                config.model.dropout
-            ));
-        }
-        config.validate(dp).map_err(GptPipelineError::Config)?;
-        let schedule = generators::generate(
+        let work = self.settings(config).workload(&config.model);
+        self.layout()
+            .validate(world, &work)
+            .map_err(|e| GptPipelineError::Config(e.to_string()))?;
+        config
+            .validate(self.layout().data_parallel_size(world))
+            .map_err(GptPipelineError::Config)?;
+        let stages = generators::generate(
             self.schedule,
             self.pp,
             self.microbatches,
             self.virtual_stages,
-        )?;
-        let stages = schedule.num_stages();
+        )?
+        .num_stages();
         let split = match &self.split {
             // Measured later: any feasible split has at least one block per stage.
             StageSplit::Measured => &StageSplit::Count,
@@ -700,234 +676,96 @@ pub fn train_gpt_pipeline_checkpointed(
     checkpoints.validate().map_err(GptPipelineError::Config)?;
     let plain = pipeline.device.device().map_err(GptPipelineError::Config)?;
     let device = plain.clone().autodiff();
-    let dims = ParallelDims {
-        pp: pipeline.pp,
-        dp_replicate: world.size() / (pipeline.pp * pipeline.tp),
-        tp: pipeline.tp,
-        ..ParallelDims::default()
-    };
-    let mesh = dims
-        .build(world)
-        .map_err(|e| GptPipelineError::Config(e.to_string()))?;
-    let pp = mesh
-        .group("pp")
-        .map_err(|e| GptPipelineError::Config(e.to_string()))?
-        .clone();
-    let dp = dims
-        .data_parallel(&mesh)
-        .map_err(|e| GptPipelineError::Config(e.to_string()))?;
-    let schedule = generators::generate(
+    let settings = pipeline.settings(config);
+    let dp_size = pipeline.layout().data_parallel_size(world.size());
+    let stages = generators::generate(
         pipeline.schedule,
         pipeline.pp,
         pipeline.microbatches,
         pipeline.virtual_stages,
-    )?;
-    let num_stages = schedule.num_stages();
+    )?
+    .num_stages();
     let split = match &pipeline.split {
         StageSplit::Measured => {
-            let rows = config.batch_size / dp.size() / pipeline.microbatches;
+            let rows = config.batch_size / dp_size / pipeline.microbatches;
             let probe = corpus.batch_rows(0, 0..rows, config.seq_len, Split::Train);
             let t = measure_layer_times(&config.model, &probe, &device, 3)?;
             // Every rank splits alike: the mean of the ranks' measurements.
-            let mean = world.all_reduce_data(
-                TensorData::new(vec![t.first, t.block, t.last], [3]),
+            let mean = world.all_reduce_f32(
+                vec![t.first as f32, t.block as f32, t.last as f32],
                 ReduceOp::Avg,
             )?;
-            let mean = mean
-                .try_to_vec::<f64>()
-                .map_err(|e| GptPipelineError::Config(format!("layer times: {e:?}")))?;
             let times = LayerTimes {
-                first: mean[0],
-                block: mean[1],
-                last: mean[2],
+                first: mean[0].into(),
+                block: mean[1].into(),
+                last: mean[2].into(),
             };
-            split_blocks(&config.model, num_stages, &StageSplit::Times(times))?
+            split_blocks(&config.model, stages, &StageSplit::Times(times))?
         }
-        other => split_blocks(&config.model, num_stages, other)?,
+        other => split_blocks(&config.model, stages, other)?,
     };
-    let mut executor = Executor::new(schedule, pp.clone(), device.clone())?
-        // Micro-batches may differ in sequence length.
-        .with_variable_dims(&[1])
-        .with_checkpointing(match pipeline.recompute {
-            Recompute::Stages => Checkpointing::All,
-            Recompute::Off | Recompute::Blocks => Checkpointing::Off,
-        });
-    let tp = mesh
-        .group("tp")
-        .map_err(|e| GptPipelineError::Config(e.to_string()))?
-        .clone();
-    let init = Init::new(config.model.seed, &device)
-        .with_tp(&tp, Gpt::tp_plan(&config.model, pipeline.sp))
-        .map_err(|e| GptPipelineError::Config(e.to_string()))?;
-    // Zero-bubble schedules split the backward: the linears defer their weight gradients.
-    let splits_backward = executor
-        .schedule()
-        .programs()
-        .iter()
-        .flatten()
-        .any(|a| a.kind() == ActionKind::BackwardWeight);
-    let stream = dp.rank() as u64;
-    let mut stages: BTreeMap<usize, GptStage> = BTreeMap::new();
-    for s in executor.local_stages() {
-        let stage = build_stage(
-            &config.model,
-            &init,
-            s,
-            num_stages,
-            split[s].clone(),
-            stream,
-        )?
-        .with_checkpointed_layers(pipeline.recompute == Recompute::Blocks);
-        stages.insert(s, with_deferred_weights(stage, splits_backward));
-    }
-    let tp_ctx = init.context();
-    let adamw = AdamWConfig::new().with_weight_decay(config.weight_decay as f32);
-    let mut optims: BTreeMap<usize, StageOptimizer<AdamW>> = BTreeMap::new();
-    for (&s, stage) in &stages {
-        let optim = match pipeline.zero {
-            None => StageOptimizer::Module(adamw.init()),
-            Some(kind) => {
-                // Clipped by the norm over every stage ([`StageUpdater::finish`]).
-                let zero = ZeroConfig::new(kind)
-                    .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize)
-                    .with_max_grad_norm(config.max_grad_norm);
-                let zero =
-                    ZeroOptimizer::new(stage, ShardGroups::flat(dp.clone()), zero, adamw.build())
-                        .map_err(|e| GptPipelineError::Build {
-                            stage: s,
-                            reason: e.to_string(),
-                        })?
-                        .with_tensor_parallel(&tp_ctx)
-                        .with_logical_names(model_names(stage.first_layer));
-                StageOptimizer::Zero(Box::new(zero))
-            }
-        };
-        optims.insert(s, optim);
-    }
-    // Tensor-parallel gradient fix-ups (sequence-parallel norms), then data parallelism, under
-    // the precision policy: the executor runs the stages' compute copies and scales the loss,
-    // the updater reduces, unscales, and skips a step that overflowed on any stage.
-    let mut reduce = TrainStep::new(init.context()).with_precision(config.precision_policy());
-    if let Some(scaler) = config.loss_scaler() {
-        reduce = reduce.with_loss_scaler(scaler);
-    }
-    executor = executor.with_precision(&reduce);
-    if dp.size() > 1 {
-        reduce = reduce.with_ddp(
-            burn_parallel::DistributedDataParallel::new(dp.clone())
-                .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize),
-        );
-    }
-    let mut updater = StageUpdater::new(&executor, optims, reduce)?.with_clip(config.max_grad_norm);
-    for (&s, stage) in &stages {
-        if let Some(id) = tied_weight(stage) {
-            updater = updater.with_tied(s, id)?;
-        }
-    }
-
-    // ---- checkpoints: each stage's share of the whole model, under the model's names ----
-    let names = |stage: &GptStage, path: &str| model_names(stage.first_layer)(path);
-    let mut first_step = 0;
-    let mut losses = Vec::with_capacity(config.steps);
-    let mut skipped = 0;
-    if let Some(path) = &checkpoints.resume {
-        let fail = |e: &dyn std::fmt::Display| GptPipelineError::Checkpoint(e.to_string());
-        let checkpoint = burn_parallel_train::open_checkpoint(path).map_err(|e| fail(&e))?;
-        let state = train_checkpoint::resume_state(&checkpoint, config).map_err(|e| fail(&e))?;
-        updater
-            .load(&checkpoint, &mut stages, &names)
-            .map_err(|e| fail(&e))?;
-        train_checkpoint::restore_dropout(&checkpoint, &stage_dropouts(&stages))
-            .map_err(|e| fail(&e))?;
-        if config.loss_scaler().is_some()
-            && let Some(saved) =
-                train_checkpoint::saved_loss_scaler(&checkpoint).map_err(|e| fail(&e))?
-        {
-            skipped = saved.skipped;
-        }
-        first_step = checkpoint.step();
-        losses = state.losses;
-    } else if let Some(dir) = &checkpoints.init_from_hf {
-        let fail = |e: &dyn std::fmt::Display| GptPipelineError::Checkpoint(e.to_string());
-        let tensors = crate::hf::gpt_tensors_for(dir, &config.model).map_err(|e| fail(&e))?;
-        updater
-            .load_params(&tensors, &mut stages, &names)
-            .map_err(|e| fail(&e))?;
-    }
-    let mut saver = match (&checkpoints.dir, checkpoints.save_every) {
-        (Some(dir), every) if every > 0 => Some(
-            Checkpointer::new(dir, checkpoints.keep, world)
-                .map_err(|e| GptPipelineError::Checkpoint(e.to_string()))?
-                .with_background(checkpoints.asynchronous),
-        ),
-        _ => None,
+    // ---- the layout: the library's builder stages the GPT (`StagedGpt`) ----
+    let model = StagedGpt {
+        config: config.model.clone(),
+        split: split.clone(),
     };
+    let mut built = build(world, &pipeline.layout(), &model, &device, &settings)?;
+    if let (None, Some(dir)) = (&checkpoints.resume, &checkpoints.init_from_hf) {
+        let tensors = crate::hf::gpt_tensors_for(dir, &config.model)
+            .map_err(|e| GptPipelineError::Checkpoint(e.to_string()))?;
+        if let Trainee::Pipeline(stages) = &mut built.trainee {
+            stages.load_params(&tensors)?;
+        }
+    }
+    let (mesh, dp) = (built.groups.mesh.clone(), built.groups.data.clone());
 
-    let rows_per_rank = config.batch_size / dp.size();
-    let micro_rows = rows_per_rank / pipeline.microbatches;
-    let tokens_per_step = (config.batch_size * config.seq_len) as f64;
+    // ---- the loop: the library's `fit`, with the GPT's checkpoint state ----
+    let fit_config = crate::train::fit_config(config, checkpoints);
+    let mut batch = |micro: &MicroBatch| {
+        let rows = micro.rows.clone();
+        Ok(corpus.batch_rows(micro.step as u64, rows, config.seq_len, Split::Train))
+    };
     let start = Instant::now();
-    let mut timer = crate::train::StepTimer::default();
-    let mut last_step = None;
-    for step in first_step..config.steps {
-        let step_start = Instant::now();
-        let batches: Vec<Batch> = (0..pipeline.microbatches)
-            .map(|mb| {
-                let first = dp.rank() * rows_per_rank + mb * micro_rows;
-                corpus.batch_rows(
-                    step as u64,
-                    first..first + micro_rows,
-                    config.seq_len,
-                    Split::Train,
-                )
-            })
-            .collect();
-        let lr = config.lr_at(step);
-        updater.set_lr(lr);
-        let report = executor.step(&mut stages, &batches, &mut |s, stage, grads| {
-            updater.at_reduce(s, stage, grads)
-        })?;
-        updater.finish(&mut stages, &report)?;
-        skipped += usize::from(updater.skipped());
-        let loss = dp.all_reduce_f32(vec![report.loss], ReduceOp::Avg)?[0] as f64;
-        losses.push(loss);
-        last_step = Some(report);
-        let seconds = step_start.elapsed().as_secs_f64();
-        timer.add(step == first_step, seconds);
+    let (mut timer, mut skipped) = (crate::train::StepTimer::default(), 0);
+    let mut first = true;
+    let mut after_step = |log: &StepLog, _: &Built<StagedGpt>| {
+        skipped += usize::from(log.skipped);
+        timer.add(first, log.seconds);
+        first = false;
         on_step(&StepStats {
-            step,
-            loss,
-            lr,
-            tokens_per_sec: tokens_per_step / seconds,
+            step: log.step,
+            loss: f64::from(log.loss),
+            lr: log.lr,
+            tokens_per_sec: log.tokens_per_sec,
             elapsed: start.elapsed().as_secs_f64(),
             moe: Vec::new(), // a GPT-MoE is refused under pipeline parallelism
-            phases: Default::default(), // not split by phase here
+            phases: log.phases,
         });
-        if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
-            let state = burn_parallel::train::SaveState::from(
-                train_checkpoint::TrainerState::json(&losses, config),
-            )
-            .with_rank(
-                train_checkpoint::DROPOUT_CALLS,
-                train_checkpoint::dropout_calls(&stage_dropouts(&stages)),
-            );
-            updater
-                .save(saver, step + 1, &stages, &names, state)
-                .map_err(|e| GptPipelineError::Checkpoint(e.to_string()))?;
-        }
-    }
-    if let Some(saver) = saver.as_mut() {
-        saver
-            .wait()
-            .map_err(|e| GptPipelineError::Checkpoint(e.to_string()))?;
-    }
+        Ok(())
+    };
+    let mut state = train_checkpoint::GptRunState::new(config, world.rank() == 0);
+    let fitted = fit_with(
+        built,
+        &fit_config,
+        &mut batch,
+        &mut after_step,
+        None,
+        &mut state,
+    )?;
+    let losses: Vec<f64> = fitted.losses.iter().map(|&l| f64::from(l)).collect();
+    let built = fitted.built;
+    let stages = built.pipeline().expect("a pipeline layout");
+    let (last_step, held_params) = (stages.last_step().cloned(), stages.held_params());
+    let loss_scale = built.loss_scale();
 
     // ---- the last step's timeline of every rank ----
     let timeline = match &last_step {
         Some(report) => {
+            let group = |name| mesh.group(name).map_err(burn_parallel::Error::from);
+            let (pp, tp) = (group("pp")?.rank(), group("tp")?);
             let name = match tp.size() {
-                1 => format!("pp {} / dp {}", pp.rank(), dp.rank()),
-                _ => format!("pp {} / dp {} / tp {}", pp.rank(), dp.rank(), tp.rank()),
+                1 => format!("pp {pp} / dp {}", dp.rank()),
+                _ => format!("pp {pp} / dp {} / tp {}", dp.rank(), tp.rank()),
             };
             let tracks = world.all_gather_object(&StepTrack::new(name, report))?;
             Timeline::from_steps(&tracks).map_err(GptPipelineError::Config)?
@@ -936,23 +774,7 @@ pub fn train_gpt_pipeline_checkpointed(
     };
 
     // ---- the whole model on every rank: validation, sample, report ----
-    let held_params = stages.values().map(Module::num_params).sum();
-    let mut mine: Vec<NamedParam> = Vec::new();
-    for stage in stages.values() {
-        mine.extend(stage_params(stage, &tp_ctx)?);
-    }
-    let mut all: Vec<NamedParam> = pp.all_gather_object(&mine)?.into_iter().flatten().collect();
-    all.sort_by(|a, b| a.path.cmp(&b.path));
-    let values: HashMap<String, TensorData> = all
-        .iter()
-        .map(|p| {
-            (
-                p.path.clone(),
-                TensorData::new(p.values.clone(), p.shape.clone()),
-            )
-        })
-        .collect();
-    let full = load_params(Gpt::new(&config.model, &plain), &values);
+    let full = built.trained(&model)?.valid();
     let mut val = 0.0;
     for b in 0..config.eval_batches {
         let batch = corpus.batch_rows(
@@ -973,6 +795,7 @@ pub fn train_gpt_pipeline_checkpointed(
     } else {
         String::new()
     };
+    let tokens_per_step = (config.batch_size * config.seq_len) as f64;
     let (step_seconds, tokens_per_sec) = timer.figures(tokens_per_step);
     Ok(PipelineReport {
         train: TrainReport {
@@ -982,8 +805,8 @@ pub fn train_gpt_pipeline_checkpointed(
             step_seconds,
             tokens_per_sec,
             final_params: named_params(&full),
-            skipped_steps: skipped,
-            loss_scale: updater.train_step().loss_scale(),
+            skipped_steps: skipped + state.skipped,
+            loss_scale,
             memory: None,
         },
         last_step,
@@ -991,6 +814,119 @@ pub fn train_gpt_pipeline_checkpointed(
         split,
         timeline,
     })
+}
+
+/// The GPT staged for the builder: its blocks split as `split` says (by count, by parameters
+/// or by measured times: [`split_blocks`]), each stage a [`GptStage`].
+#[derive(Debug, Clone)]
+pub struct StagedGpt {
+    /// The model.
+    pub config: GptConfig,
+    /// The blocks of each stage.
+    pub split: Vec<Range<usize>>,
+}
+
+impl ParallelModel for StagedGpt {
+    type Model = Gpt;
+    type Batch = Batch;
+
+    fn loss(model: &Gpt, batch: &Batch) -> Result<Tensor<1>, burn_parallel::Error> {
+        GptConfig::loss(model, batch)
+    }
+    fn n_heads(&self) -> usize {
+        self.config.n_heads
+    }
+    fn n_experts(&self) -> Option<usize> {
+        self.config.n_experts()
+    }
+    fn has_dropout(&self) -> bool {
+        self.config.has_dropout()
+    }
+    fn seed(&self) -> u64 {
+        self.config.seed
+    }
+    fn tp_plan(&self, sequence_parallel: bool) -> TpPlan {
+        self.config.tp_plan(sequence_parallel)
+    }
+    fn fsdp_plan(&self, shard: &ProcessGroup, experts: &MoeParallel) -> FsdpPlan {
+        self.config.fsdp_plan(shard, experts)
+    }
+    fn build(&self, parts: &ModelParts) -> Result<Gpt, burn_parallel::Error> {
+        self.config.build(parts)
+    }
+    fn stages(&self) -> Option<&dyn Stager<Self>> {
+        Some(self)
+    }
+}
+
+impl StagedModel for StagedGpt {
+    type Stage = GptStage;
+
+    fn n_layers(&self) -> usize {
+        self.config.n_layers
+    }
+
+    fn split(&self, num_stages: usize) -> Result<Vec<Range<usize>>, burn_parallel::Error> {
+        match self.split.len() == num_stages {
+            true => Ok(self.split.clone()),
+            false => Err(burn_parallel::Error::invalid(
+                "--pp",
+                format!(
+                    "the blocks were split into {} stages but the schedule has {num_stages}",
+                    self.split.len()
+                ),
+            )),
+        }
+    }
+
+    fn stage(&self, parts: &StageParts<'_>) -> Result<GptStage, burn_parallel::Error> {
+        let stream = parts.data_rank as u64;
+        let (index, stages) = (parts.index, parts.num_stages);
+        let stage = build_stage(
+            &self.config,
+            parts.init,
+            index,
+            stages,
+            parts.layers.clone(),
+            stream,
+        )?
+        .with_checkpointed_layers(parts.recompute_layers);
+        Ok(with_deferred_weights(stage, parts.defer_weights))
+    }
+
+    fn model_paths(stage: &GptStage) -> PathMap {
+        Arc::new(model_names(stage.first_layer))
+    }
+
+    fn tied_weight(stage: &GptStage) -> Option<ParamId> {
+        tied_weight(stage)
+    }
+
+    fn variable_dims(&self) -> Vec<usize> {
+        // Micro-batches may differ in sequence length.
+        vec![1]
+    }
+}
+
+impl From<GptPipelineError> for burn_parallel::Error {
+    fn from(e: GptPipelineError) -> Self {
+        match e {
+            GptPipelineError::Collective(e) => e.into(),
+            GptPipelineError::Pipeline(e) => e.into(),
+            GptPipelineError::Run(e) => e,
+            e => burn_parallel::Error::Technique(Box::new(e)),
+        }
+    }
+}
+
+impl train_checkpoint::GptDropouts for StagedGpt {
+    fn dropouts(built: &Built<Self>) -> Vec<(String, SeededDropout)> {
+        built
+            .pipeline()
+            .and_then(|p| p.as_any().downcast_ref::<PipelineEngine<StagedGpt>>())
+            .map(|engine| stage_dropouts(engine.stages()))
+            .unwrap_or_default()
+    }
 }
 
 /// The dropout layers of a rank's stages, by the whole model's names.

@@ -753,22 +753,7 @@ pub fn train_gpt_checkpointed(
     let (fsdp, zero_memory) = (built.fsdp.clone(), built.zero_memory.clone());
 
     // ---- the loop: the library's `fit`, with the GPT's checkpoint state ----
-    let fit_config = FitConfig {
-        steps: config.steps,
-        lr: config.lr_schedule(),
-        checkpoint: match (&checkpoints.dir, checkpoints.save_every) {
-            (Some(dir), every) if every > 0 => Some(CheckpointPolicy {
-                dir: dir.clone(),
-                every,
-                at_end: false,
-                keep: checkpoints.keep,
-                background: checkpoints.asynchronous,
-            }),
-            _ => None,
-        },
-        resume: checkpoints.resume.clone(),
-        check_replicas_every: 0,
-    };
+    let fit_config = fit_config(config, checkpoints);
     let mut batch = |micro: &MicroBatch| {
         let rows = micro.rows.clone();
         Ok(corpus.batch_rows(micro.step as u64, rows, config.seq_len, Split::Train))
@@ -865,6 +850,26 @@ pub fn train_gpt_checkpointed(
         loss_scale,
         ..run.report(config, val_loss, sample, named_params(&full))
     })
+}
+
+/// The library loop's settings of `config`'s run, saving and resuming as `checkpoints` say.
+pub(crate) fn fit_config(config: &TrainConfig, checkpoints: &CheckpointOptions) -> FitConfig {
+    FitConfig {
+        steps: config.steps,
+        lr: config.lr_schedule(),
+        checkpoint: match (&checkpoints.dir, checkpoints.save_every) {
+            (Some(dir), every) if every > 0 => Some(CheckpointPolicy {
+                dir: dir.clone(),
+                every,
+                at_end: false,
+                keep: checkpoints.keep,
+                background: checkpoints.asynchronous,
+            }),
+            _ => None,
+        },
+        resume: checkpoints.resume.clone(),
+        check_replicas_every: 0,
+    }
 }
 
 /// The MoE layers' routing figures of the last forward call, with the auxiliary losses

@@ -32,7 +32,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::gpt::{Block, Gpt, GptConfig};
 use crate::train::TrainConfig;
-use burn_parallel_train::Built;
+use burn_parallel_train::{Built, ParallelModel};
 
 /// Where and how often a run saves, and where it resumes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -375,17 +375,31 @@ impl<'a> GptRunState<'a> {
     }
 }
 
-impl burn_parallel_train::RunState<GptConfig> for GptRunState<'_> {
-    fn save(&self, losses: &[f32], built: &Built<GptConfig>) -> SaveState {
+/// A GPT run's model, whole or staged: where its dropout layers are.
+pub(crate) trait GptDropouts: ParallelModel {
+    /// The dropout layers of what `built` trains, by the whole model's names.
+    fn dropouts(built: &Built<Self>) -> Vec<(String, SeededDropout)>
+    where
+        Self: Sized;
+}
+
+impl GptDropouts for GptConfig {
+    fn dropouts(built: &Built<Self>) -> Vec<(String, SeededDropout)> {
+        built.model().map(dropout_layers).unwrap_or_default()
+    }
+}
+
+impl<P: GptDropouts> burn_parallel_train::RunState<P> for GptRunState<'_> {
+    fn save(&self, losses: &[f32], built: &Built<P>) -> SaveState {
         let losses: Vec<f64> = losses.iter().map(|&l| f64::from(l)).collect();
         SaveState::from(TrainerState::json(&losses, self.config))
-            .with_rank(DROPOUT_CALLS, dropout_calls(&built_dropouts(built)))
+            .with_rank(DROPOUT_CALLS, dropout_calls(&P::dropouts(built)))
     }
 
     fn restore(
         &mut self,
         checkpoint: &Checkpoint,
-        built: &Built<GptConfig>,
+        built: &Built<P>,
     ) -> Result<Vec<f32>, burn_parallel::Error> {
         let fail = |e: String| burn_parallel::Error::invalid("checkpoint", e);
         let state = resume_state(checkpoint, self.config).map_err(fail)?;
@@ -396,7 +410,7 @@ impl burn_parallel_train::RunState<GptConfig> for GptRunState<'_> {
             self.skipped = saved.skipped;
         }
         // The counters are shared with the model the engine loads into.
-        restore_dropout(checkpoint, &built_dropouts(built)).map_err(fail)?;
+        restore_dropout(checkpoint, &P::dropouts(built)).map_err(fail)?;
         if self.announce {
             println!(
                 "resuming from {}",
@@ -405,13 +419,5 @@ impl burn_parallel_train::RunState<GptConfig> for GptRunState<'_> {
         }
         // The losses were f32 before they were saved as f64.
         Ok(state.losses.iter().map(|&l| l as f32).collect())
-    }
-}
-
-/// The dropout layers of what `built` trains, by the whole model's names.
-fn built_dropouts(built: &Built<GptConfig>) -> Vec<(String, SeededDropout)> {
-    match built.model() {
-        Some(model) => dropout_layers(model),
-        None => Vec::new(),
     }
 }

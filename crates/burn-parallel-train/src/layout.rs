@@ -413,11 +413,15 @@ impl Layout {
                  pipeline stages do not build MoE layers; drop --pp"
                     .into()
             })?;
+            rule(self.zero == Some(Stage::Three), "--zero", || {
+                "FSDP (--zero 3) is not composed with pipeline parallelism yet; use --zero 1 or 2 \
+                 (optimizer state and gradients sharded over each stage's replicas)"
+                    .into()
+            })?;
             for (on, flag) in [
                 (cp > 1, "--cp"),
                 (self.replicate > 1, "--hybrid"),
                 (self.ep > 1, "--ep"),
-                (self.zero == Some(Stage::Three), "--zero"),
                 (self.overlap, "--overlap"),
                 (self.offload, "--offload"),
             ] {
@@ -650,8 +654,8 @@ impl Layout {
                     .map_or_else(|| "their product".to_string(), |n| n.to_string());
                 format!(
                     "the global batch of {} sequences cannot be split evenly over {dp} \
-                     data-parallel ranks x {accum} micro-steps; use a --batch-size that is a \
-                     multiple of {multiple}",
+                     data-parallel ranks x {accum} micro-batches per step (--grad-accum); use a \
+                     --batch-size that is a multiple of {multiple}",
                     work.batch_size,
                 )
             },

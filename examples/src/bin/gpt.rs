@@ -274,7 +274,6 @@ fn main() -> ExitCode {
     };
     config.device = train_device(&args);
     if parallel.pp > 1 {
-        // The layout's rules (Layout::validate) are checked on the world the ranks form.
         return run_pipeline(&args, &config, &corpus, &checkpoints, &parallel);
     }
     let log = Logging::new(&args);
@@ -547,15 +546,8 @@ fn run_pipeline(
     layout: &Layout,
 ) -> ExitCode {
     let pipeline = args.pipeline.config(train_device(args), layout);
-    let work = config.step_settings().workload(&config.model);
+    // The layout's rules and the GPT's are checked on the world the ranks form.
     let run = |world: ProcessGroup| {
-        layout
-            .validate(world.size(), &work)
-            .map_err(|e| CollectiveError::InvalidArgument {
-                rank: world.global_rank(),
-                op: "gpt --pp".into(),
-                reason: e.to_string(),
-            })?;
         examples::pipeline::run_rank(
             &world,
             config,
