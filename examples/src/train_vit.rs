@@ -386,6 +386,23 @@ pub fn train_vit(
     on_step: &mut dyn FnMut(&VitStepStats),
 ) -> Result<VitReport, VitTrainError> {
     layout.validate(config, world.size())?;
+    train_vit_under(world, config, &layout.layout(), 1, digits, on_step)
+}
+
+/// [`train_vit`] under the library's `layout` (a pipeline's included), each data-parallel
+/// rank's rows of a step in `micro_batches` micro-batches (the pipeline's).
+///
+/// # Errors
+/// As [`train_vit`]; the layout's refusals ([`Layout::validate`]).
+pub(crate) fn train_vit_under(
+    world: &ProcessGroup,
+    config: &VitTrainConfig,
+    layout: &Layout,
+    micro_batches: usize,
+    digits: &Digits,
+    on_step: &mut dyn FnMut(&VitStepStats),
+) -> Result<VitReport, VitTrainError> {
+    config.validate()?;
     let device = Device::flex().autodiff();
     let plain = Device::flex();
     let (train, test) = digits.split(config.test_fraction, config.split_seed);
@@ -404,9 +421,10 @@ pub fn train_vit(
         batch_size: config.batch_size,
         // Tokens per second are images per second.
         seq_len: 1,
+        grad_accum: micro_batches,
         ..StepSettings::default()
     };
-    let built = build(world, &layout.layout(), &config.model, &device, &settings)?;
+    let built = build(world, layout, &config.model, &device, &settings)?;
     let dp = built.groups.data.clone();
     let fit_config = FitConfig {
         steps: config.steps,
@@ -430,19 +448,19 @@ pub fn train_vit(
     let mut on_step = |log: &StepLog, built: &Built<VitConfig>| {
         train_seconds += log.seconds;
         let (step, every) = (log.step, config.eval_every);
-        let test_accuracy =
-            if every > 0 && (step + 1).is_multiple_of(every) && step + 1 < config.steps {
-                let model = built
-                    .model()
-                    .expect("the ViT trains whole (no pipeline form)");
+        let test_accuracy = match built.model() {
+            // A pipeline's stages are gathered into the whole model at the end only.
+            Some(model)
+                if every > 0 && (step + 1).is_multiple_of(every) && step + 1 < config.steps =>
+            {
                 let (correct, total) =
                     evaluate(&model.valid(), &test, &dp, config.eval_batch, &plain)?;
                 let accuracy = correct as f64 / total as f64;
                 evals.push((step, accuracy));
                 Some(accuracy)
-            } else {
-                None
-            };
+            }
+            _ => None,
+        };
         on_step(&VitStepStats {
             step,
             loss: f64::from(log.loss),

@@ -197,6 +197,11 @@ impl burn_parallel_train::ParallelModel for VitConfig {
     type Model = Vit;
     type Batch = crate::data::DigitsBatch;
 
+    /// The ViT staged ([`crate::vit_pipeline`]): `--pp` trains it through the same builder.
+    fn stages(&self) -> Option<&dyn burn_parallel_train::pipeline::Stager<Self>> {
+        Some(self)
+    }
+
     fn loss(model: &Vit, batch: &Self::Batch) -> Result<Tensor<1>, burn_parallel::Error> {
         let device = model.devices().into_iter().next().unwrap_or_default();
         let (images, labels) = batch.to_tensors(&device);

@@ -3,40 +3,32 @@
 //! class token, positions), a sequence of encoder blocks, and an output layer (final norm,
 //! classifier on the class token, cross-entropy). Three small trait implementations stage it;
 //! [`train_vit_pipeline`] trains it over a `pp x dp` mesh with any schedule of
-//! `burn-pipeline`, reducing and stepping each stage with
-//! [`burn_pipeline::update::StageUpdater`].
+//! `burn-pipeline`, through the library's builder and loop like every other layout.
 //!
 //! ```text
 //! vit --ranks 2 --pp 2 --schedule 1f1b --microbatches 4
 //! vit --ranks 4 --pp 2 --schedule zbv --microbatches 4 --checkpoint-blocks
 //! ```
 
-use std::collections::{BTreeMap, HashMap};
 use std::ops::Range;
-use std::time::Instant;
+use std::sync::Arc;
 
 use burn::module::{Module, Param};
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::Tensor;
+use burn_parallel::ProcessGroup;
 use burn_parallel::init::Init;
 use burn_parallel::nn::{Linear, TpContext};
-use burn_parallel::train::TrainStep;
-use burn_parallel::{DistributedDataParallel, ParallelDims, ProcessGroup, ReduceOp};
+use burn_parallel_train::pipeline::PathMap;
+use burn_parallel_train::{Layout, PipelineLayout, Recompute, StageParts, StagedModel};
 use burn_pipeline::ScheduleKind;
-use burn_pipeline::generators;
-use burn_pipeline::partition;
-use burn_pipeline::runtime::Executor;
 use burn_pipeline::sequential::{InputLayer, Layer, OutputLayer, Sequential};
 use burn_pipeline::stage::StageError;
-use burn_pipeline::update::{StageOptimizer, StageUpdater};
 
 use crate::data::{Digits, DigitsBatch};
-use crate::gpt::{Block, INIT_STD, Norm, NormKind, Pass, cross_entropy, load_params};
+use crate::gpt::{Block, INIT_STD, Norm, NormKind, Pass, cross_entropy};
 use crate::init::LinearInit;
-use crate::train::named_params;
-use crate::train_vit::{
-    VitReport, VitStepStats, VitTrainConfig, VitTrainError, batch_rows, evaluate,
-};
-use crate::vit::{Vit, VitConfig, patchify};
+use crate::train_vit::{VitReport, VitStepStats, VitTrainConfig, VitTrainError, train_vit_under};
+use crate::vit::{VitConfig, patchify};
 
 /// Patch projection, class token and positions: images to the token sequence.
 #[derive(Module, Debug)]
@@ -161,14 +153,53 @@ pub fn vit_stage(
 /// The single-device ViT path of a stage's parameter: `input.x` and `output.x` are `x`,
 /// `layers.{i}.block.x` is `blocks.{first + i}.x`.
 pub fn vit_path(stage: &VitStage, path: &str) -> String {
-    let path = stage.global_path(path);
-    if let Some(rest) = path.strip_prefix("layers.") {
-        return format!("blocks.{}", rest.replacen(".block", "", 1));
+    vit_path_at(stage.first_layer, path)
+}
+
+/// [`vit_path`] of a stage whose first block is `first`.
+fn vit_path_at(first: usize, path: &str) -> String {
+    let rest = path.strip_prefix("layers.").and_then(|rest| {
+        let (local, tail) = rest.split_once('.')?;
+        let tail = tail.strip_prefix("block.")?;
+        Some(format!(
+            "blocks.{}.{tail}",
+            first + local.parse::<usize>().ok()?
+        ))
+    });
+    match rest {
+        Some(path) => path,
+        None => path
+            .strip_prefix("input.")
+            .or_else(|| path.strip_prefix("output."))
+            .unwrap_or(path)
+            .to_string(),
     }
-    path.strip_prefix("input.")
-        .or_else(|| path.strip_prefix("output."))
-        .unwrap_or(&path)
-        .to_string()
+}
+
+/// The ViT cut into pipeline stages for the library's builder: its blocks split by count.
+impl StagedModel for VitConfig {
+    type Stage = VitStage;
+
+    fn n_layers(&self) -> usize {
+        self.n_layers
+    }
+
+    fn stage(&self, parts: &StageParts<'_>) -> Result<VitStage, burn_parallel::Error> {
+        if parts.init.context().group().is_some_and(|g| g.size() > 1) {
+            return Err(burn_parallel::Error::invalid(
+                "--tp",
+                "the ViT's pipeline stages are not split by tensor parallelism: drop --tp",
+            ));
+        }
+        let (index, stages, blocks) = (parts.index, parts.num_stages, parts.layers.clone());
+        let stage = vit_stage(self, parts.init, index, stages, blocks)?;
+        Ok(stage.with_checkpointed_layers(parts.recompute_layers))
+    }
+
+    fn model_paths(stage: &VitStage) -> PathMap {
+        let first = stage.first_layer;
+        Arc::new(move |path| vit_path_at(first, path))
+    }
 }
 
 /// The pipeline settings of [`train_vit_pipeline`].
@@ -198,16 +229,36 @@ impl Default for VitPipeline {
     }
 }
 
+impl VitPipeline {
+    /// The library's layout of these settings (mesh `pp x dp`).
+    pub fn layout(&self) -> Layout {
+        Layout {
+            pp: self.pp,
+            pipeline: PipelineLayout {
+                schedule: self.schedule,
+                virtual_stages: self.virtual_stages,
+                recompute: match self.checkpoint_blocks {
+                    true => Recompute::Blocks,
+                    false => Recompute::Off,
+                },
+            },
+            ..Layout::default()
+        }
+    }
+}
+
 /// Trains the ViT of `config` with pipeline parallelism over `pipeline.pp` ranks and data
 /// parallelism over the other `world / pp` (mesh `[pp, dp]`), the same run as single-device
-/// training on the same global batches: each data-parallel rank takes its rows, splits them
-/// into micro-batches, and each stage's gradients are averaged over its replicas and stepped
-/// by AdamW (clipped by the norm over every stage when `config.max_grad_norm` is set). At the
-/// end the stages are gathered into a whole [`Vit`] for the test accuracy and the report.
+/// training on the same global batches: the library's builder stages it (the ViT's
+/// [`StagedModel`] form) and its loop runs each data-parallel rank's rows of a step as
+/// `pipeline.microbatches` micro-batches through the schedule, each stage's gradients averaged
+/// over its replicas and stepped by AdamW (clipped by the norm over every stage when
+/// `config.max_grad_norm` is set). At the end the stages are gathered into a whole [`crate::vit::Vit`] for
+/// the test accuracy and the report.
 ///
 /// # Errors
-/// [`VitTrainError::Invalid`] for settings that cannot work (checked before any communication);
-/// pipeline and collective errors.
+/// [`VitTrainError::Invalid`] for settings that cannot work (checked before any
+/// communication); pipeline and collective errors.
 pub fn train_vit_pipeline(
     world: &ProcessGroup,
     config: &VitTrainConfig,
@@ -215,121 +266,19 @@ pub fn train_vit_pipeline(
     digits: &Digits,
     on_step: &mut dyn FnMut(&VitStepStats),
 ) -> Result<VitReport, VitTrainError> {
-    config.validate()?;
-    let bad = |m: String| Err(VitTrainError::invalid("ViT pipeline", m));
-    if pipeline.pp < 2 || !world.size().is_multiple_of(pipeline.pp) {
-        return bad(format!(
-            "{} ranks cannot be split into pipelines of {} (at least 2) ranks; use a --pp that \
-             divides the number of ranks",
-            world.size(),
-            pipeline.pp
+    if pipeline.pp < 2 {
+        return Err(VitTrainError::invalid(
+            "--pp",
+            format!("a pipeline of {} rank(s): use --pp 2 or more", pipeline.pp),
         ));
     }
-    let dp_size = world.size() / pipeline.pp;
-    let m = pipeline.microbatches.max(1);
-    if !config.batch_size.is_multiple_of(dp_size * m) {
-        return bad(format!(
-            "the global batch of {} images cannot be split over {dp_size} data-parallel ranks \
-             x {m} micro-batches; use a multiple of {}",
-            config.batch_size,
-            dp_size * m
-        ));
-    }
-    let pipe = |e: &dyn std::fmt::Display| VitTrainError::invalid("ViT pipeline", e);
-    let schedule = generators::generate(pipeline.schedule, pipeline.pp, m, pipeline.virtual_stages)
-        .map_err(|e| pipe(&e))?;
-    let num_stages = schedule.num_stages();
-    let split = partition::by_count(config.model.n_layers, num_stages).map_err(|e| pipe(&e))?;
-    let dims = ParallelDims {
-        pp: pipeline.pp,
-        dp_replicate: dp_size,
-        ..ParallelDims::default()
-    };
-    let mesh = dims.build(world)?;
-    let pp = mesh.group("pp")?.clone();
-    let dp = dims.data_parallel(&mesh)?;
-    let device = Device::flex().autodiff();
-    let plain = Device::flex();
-    let (train, test) = digits.split(config.test_fraction, config.split_seed);
-
-    let mut executor = Executor::new(schedule, pp.clone(), device.clone()).map_err(|e| pipe(&e))?;
-    let init = Init::new(config.model.seed, &device);
-    let mut stages: BTreeMap<usize, VitStage> = BTreeMap::new();
-    let mut optims = BTreeMap::new();
-    for s in executor.local_stages() {
-        let stage = vit_stage(&config.model, &init, s, num_stages, split[s].clone())?
-            .with_checkpointed_layers(pipeline.checkpoint_blocks);
-        stages.insert(s, stage);
-        optims.insert(s, StageOptimizer::module(config.adamw().init()));
-    }
-    let mut reduce = TrainStep::new(TpContext::single());
-    if dp.size() > 1 {
-        reduce = reduce.with_ddp(DistributedDataParallel::new(dp.clone()));
-    }
-    let mut updater = StageUpdater::new(&executor, optims, reduce)
-        .map_err(|e| pipe(&e))?
-        .with_clip(config.max_grad_norm);
-
-    let rows = config.batch_size / dp.size();
-    let micro = rows / m;
-    let mut losses = Vec::with_capacity(config.steps);
-    let mut train_seconds = 0.0;
-    let start = Instant::now();
-    for step in 0..config.steps {
-        let t0 = Instant::now();
-        let global = train.batch(step as u64, config.batch_size, config.data_seed);
-        let first = dp.rank() * rows;
-        let batches: Vec<DigitsBatch> = (0..m)
-            .map(|k| batch_rows(&global, first + k * micro..first + (k + 1) * micro))
-            .collect();
-        let lr = config.lr_at(step);
-        updater.set_lr(lr);
-        let report = executor
-            .step(&mut stages, &batches, &mut |s, stage, grads| {
-                updater.at_reduce(s, stage, grads)
-            })
-            .map_err(|e| pipe(&e))?;
-        let grad_norm = updater.finish(&mut stages, &report).map_err(|e| pipe(&e))?;
-        let loss = f64::from(dp.all_reduce_f32(vec![report.loss], ReduceOp::Avg)?[0]);
-        losses.push(loss);
-        let seconds = t0.elapsed().as_secs_f64();
-        train_seconds += seconds;
-        on_step(&VitStepStats {
-            step,
-            loss,
-            lr,
-            grad_norm,
-            images_per_sec: config.batch_size as f64 / seconds.max(1e-9),
-            elapsed: start.elapsed().as_secs_f64(),
-            test_accuracy: None,
-        });
-    }
-
-    // ---- the whole model on every rank ----
-    let mine: Vec<(String, Vec<usize>, Vec<f32>)> = stages
-        .values()
-        .flat_map(|stage| {
-            named_params(stage)
-                .into_iter()
-                .map(|p| (vit_path(stage, &p.path), p.shape, p.values))
-        })
-        .collect();
-    let all = pp.all_gather_object(&mine)?;
-    let values: HashMap<String, TensorData> = all
-        .into_iter()
-        .flatten()
-        .map(|(path, shape, values)| (path, TensorData::new(values, shape)))
-        .collect();
-    let model = load_params(Vit::new(&config.model, &plain), &values);
-    let (test_correct, test_images) = evaluate(&model, &test, &dp, config.eval_batch, &plain)?;
-    let test_accuracy = test_correct as f64 / test_images as f64;
-    Ok(VitReport {
-        losses,
-        evals: vec![(config.steps.saturating_sub(1), test_accuracy)],
-        test_accuracy,
-        test_correct,
-        test_images,
-        train_seconds,
-        model,
-    })
+    let micro_batches = pipeline.microbatches.max(1);
+    train_vit_under(
+        world,
+        config,
+        &pipeline.layout(),
+        micro_batches,
+        digits,
+        on_step,
+    )
 }
