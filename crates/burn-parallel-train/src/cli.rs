@@ -1,6 +1,8 @@
-//! [`LayoutArgs`]: a [`Layout`] from command-line flags (the `cli` feature, with `clap`), for a
-//! binary that trains under any layout. Flatten it into the binary's own arguments; each flag
-//! is the one [`LayoutError`]s name.
+//! The flags of a binary that trains under any layout (the `cli` feature, with `clap`):
+//! [`LayoutArgs`] (a [`Layout`]; each flag is the one [`LayoutError`]s name), [`StepArgs`]
+//! (precision, clipping, accumulation: the [`StepSettings`]), [`CheckpointArgs`] (saving and
+//! resuming: the [`FitConfig`]'s checkpoints), and [`stop_on_signals`] (the flag a Ctrl-C sets,
+//! for [`crate::fit`]). Flatten them into the binary's own arguments.
 //!
 //! ```
 //! use burn_parallel_train::cli::LayoutArgs;
@@ -20,10 +22,17 @@
 //! assert_eq!(layout.describe(args.ranks), "FSDP 2 x tp 2 + sp");
 //! ```
 
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
 use burn_parallel::context_parallel::{CpBalance, CpKind};
+use burn_parallel::precision::{LossScaler, MixedPrecision};
 use burn_pipeline::ScheduleKind;
 use burn_zero::Stage;
 
+use crate::build::StepSettings;
+use crate::fit::{CheckpointPolicy, FitConfig, LrSchedule};
 use crate::layout::{Layout, LayoutError, PipelineLayout, Recompute};
 
 /// The layout flags: `--tp`, `--sp`, `--cp`, `--cp-kind`, `--cp-balance`, `--pp`,
@@ -144,6 +153,107 @@ impl LayoutArgs {
     }
 }
 
+/// The arithmetic of the forward and backward (`--precision`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Precision {
+    /// Everything in fp32.
+    #[default]
+    F32,
+    /// bf16 compute, gradients averaged in bf16, fp32 master weights and optimizer state.
+    Bf16,
+    /// fp16 compute with dynamic loss scaling (from 2^16), gradients averaged in fp32.
+    Fp16,
+}
+
+impl Precision {
+    /// The precision policy and the loss scaler of this arithmetic.
+    pub fn policy(self) -> (MixedPrecision, Option<LossScaler>) {
+        match self {
+            Precision::F32 => (MixedPrecision::full(), None),
+            Precision::Bf16 => (MixedPrecision::bf16(), None),
+            Precision::Fp16 => (MixedPrecision::f16(), Some(LossScaler::new(65536.0))),
+        }
+    }
+}
+
+/// The step's flags: `--precision`, `--clip`, `--grad-accum`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct StepArgs {
+    /// Arithmetic of the forward and backward (master weights and optimizer state stay fp32).
+    #[arg(long, value_enum, default_value = "f32")]
+    pub precision: Precision,
+    /// Clip the global gradient norm to this value.
+    #[arg(long)]
+    pub clip: Option<f64>,
+    /// Micro-batches per optimizer step: each data-parallel rank's rows split evenly between
+    /// them (a pipeline's micro-batches with --pp).
+    #[arg(long, default_value_t = 1)]
+    pub grad_accum: usize,
+}
+
+impl StepArgs {
+    /// `base` (its optimizer, buckets and batch) with the precision, clipping and accumulation
+    /// these flags say.
+    pub fn settings(&self, base: StepSettings) -> StepSettings {
+        let (precision, loss_scaler) = self.precision.policy();
+        StepSettings {
+            precision,
+            loss_scaler,
+            max_grad_norm: self.clip,
+            grad_accum: self.grad_accum,
+            ..base
+        }
+    }
+}
+
+/// The checkpoint flags: `--save`, `--save-every`, `--keep`, `--resume`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct CheckpointArgs {
+    /// Save checkpoints under this directory (each rank its share): after the last step, on
+    /// Ctrl-C, and every --save-every steps. Any layout resumes them.
+    #[arg(long, value_name = "DIR")]
+    pub save: Option<PathBuf>,
+    /// With --save: every this many steps too (0: only after the last step and on a stop).
+    #[arg(long, default_value_t = 0, requires = "save")]
+    pub save_every: usize,
+    /// With --save: the newest checkpoints kept.
+    #[arg(long, default_value_t = 1, requires = "save")]
+    pub keep: usize,
+    /// Resume from this checkpoint, or the newest complete one under this directory (saved
+    /// under any layout), and train on to the last step.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+}
+
+impl CheckpointArgs {
+    /// The loop of `steps` steps at rates `lr`, saving and resuming as these flags say.
+    pub fn fit_config(&self, steps: usize, lr: LrSchedule) -> FitConfig {
+        FitConfig {
+            lr,
+            checkpoint: self.save.as_ref().map(|dir| CheckpointPolicy {
+                every: self.save_every,
+                keep: self.keep,
+                ..CheckpointPolicy::new(dir)
+            }),
+            resume: self.resume.clone(),
+            ..FitConfig::new(steps, lr.peak)
+        }
+    }
+}
+
+/// A flag that Ctrl-C (SIGINT) and SIGTERM set, for [`crate::fit`]'s `stop`: every rank then
+/// stops after the same step, saving first. Where a signal cannot be caught it says so on
+/// stderr (the run then stops without saving).
+pub fn stop_on_signals() -> Arc<AtomicBool> {
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
+        if let Err(e) = signal_hook::flag::register(signal, Arc::clone(&stop)) {
+            eprintln!("warning: cannot catch signal {signal} ({e}); Ctrl-C stops without saving");
+        }
+    }
+    stop
+}
+
 #[cfg(test)]
 mod tests {
     use clap::{CommandFactory, Parser};
@@ -215,5 +325,46 @@ mod tests {
         assert!(Args::try_parse_from(["t", "--zero", "2", "--overlap"]).is_err());
         assert!(Args::try_parse_from(["t", "--zero", "4"]).is_err());
         assert!(Args::try_parse_from(["t", "--offload"]).is_err());
+    }
+
+    #[derive(Parser)]
+    struct Run {
+        #[command(flatten)]
+        step: StepArgs,
+        #[command(flatten)]
+        checkpoint: CheckpointArgs,
+    }
+
+    /// The step's and the checkpoints' flags reach the settings and the loop.
+    #[test]
+    fn step_and_checkpoint_flags_set_the_run() {
+        Run::command().debug_assert();
+        let run = Run::parse_from([
+            "t",
+            "--precision",
+            "fp16",
+            "--clip",
+            "0.5",
+            "--grad-accum",
+            "4",
+            "--save",
+            "/tmp/ck",
+            "--save-every",
+            "10",
+            "--resume",
+            "/tmp/old",
+        ]);
+        let settings = run.step.settings(StepSettings::default());
+        assert_eq!(settings.precision, MixedPrecision::f16());
+        assert!(settings.loss_scaler.is_some());
+        assert_eq!(
+            (settings.max_grad_norm, settings.grad_accum),
+            (Some(0.5), 4)
+        );
+        let fit = run.checkpoint.fit_config(100, LrSchedule::constant(1e-3));
+        let policy = fit.checkpoint.expect("a checkpoint policy");
+        assert_eq!((policy.every, policy.keep, fit.steps), (10, 1, 100));
+        assert_eq!(fit.resume, Some(PathBuf::from("/tmp/old")));
+        assert!(Run::try_parse_from(["t", "--save-every", "10"]).is_err());
     }
 }

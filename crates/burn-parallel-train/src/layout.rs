@@ -413,11 +413,6 @@ impl Layout {
                  pipeline stages do not build MoE layers; drop --pp"
                     .into()
             })?;
-            rule(self.zero == Some(Stage::Three), "--zero", || {
-                "FSDP (--zero 3) is not composed with pipeline parallelism yet; use --zero 1 or 2 \
-                 (optimizer state and gradients sharded over each stage's replicas)"
-                    .into()
-            })?;
             for (on, flag) in [
                 (cp > 1, "--cp"),
                 (self.replicate > 1, "--hybrid"),
@@ -433,6 +428,11 @@ impl Layout {
                     )
                 })?;
             }
+            rule(self.zero == Some(Stage::Three), "--zero", || {
+                "FSDP (--zero 3) is not composed with pipeline parallelism yet; use --zero 1 or 2 \
+                 (optimizer state and gradients sharded over each stage's replicas)"
+                    .into()
+            })?;
             let p = self.pipeline;
             let micro = work.grad_accum;
             // Bounds before a schedule is generated (its programs grow with both).
