@@ -1,8 +1,9 @@
 //! The flags of a binary that trains under any layout (the `cli` feature, with `clap`):
 //! [`LayoutArgs`] (a [`Layout`]; each flag is the one [`LayoutError`]s name), [`StepArgs`]
 //! (precision, clipping, accumulation: the [`StepSettings`]), [`CheckpointArgs`] (saving and
-//! resuming: the [`FitConfig`]'s checkpoints), and [`stop_on_signals`] (the flag a Ctrl-C sets,
-//! for [`crate::fit`]). Flatten them into the binary's own arguments.
+//! resuming: the [`FitConfig`]'s checkpoints), [`stop_on_signals`] (the flag a Ctrl-C sets,
+//! for [`crate::fit`]) and [`Progress`] (a bar and a line every N steps with the loss,
+//! tokens/s, MFU and memory). Flatten the flags into the binary's own arguments.
 //!
 //! ```
 //! use burn_parallel_train::cli::LayoutArgs;
@@ -34,6 +35,8 @@ use burn_zero::Stage;
 use crate::build::StepSettings;
 use crate::fit::{CheckpointPolicy, FitConfig, LrSchedule};
 use crate::layout::{Layout, LayoutError, PipelineLayout, Recompute};
+
+pub use crate::progress::Progress;
 
 /// The layout flags: `--tp`, `--sp`, `--cp`, `--cp-kind`, `--cp-balance`, `--pp`,
 /// `--schedule`, `--virtual-stages`, `--checkpoint-activations`, `--checkpoint-blocks`,

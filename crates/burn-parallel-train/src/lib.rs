@@ -28,6 +28,8 @@ pub mod fit;
 pub mod layout;
 mod local;
 pub mod pipeline;
+#[cfg(feature = "cli")]
+mod progress;
 mod saved;
 
 pub use build::{

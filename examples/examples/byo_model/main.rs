@@ -25,11 +25,10 @@
 //! cargo run --release -p examples --example byo_model -- --all --ranks 4 --steps 20
 //! ```
 //!
-//! Nothing here is layout-specific: the layout is the library's flags
-//! (`burn_parallel_train::cli::LayoutArgs`), `build` places the model (`model::Recipe`: its
-//! plans, its build, its pipeline stages) and picks the engine, and `fit` trains it (each rank
-//! its rows of `--grad-accum` micro-batches, `--save` after the last step or on Ctrl-C,
-//! `--resume` from what any layout saved). `--all` compares the layouts of [`every_layout`].
+//! Nothing here is layout-specific: the layout is the library's flags (`cli::LayoutArgs`),
+//! `build` places the model (`model::Recipe`: plans, build, pipeline stages) with its engine,
+//! and `fit` trains it (each rank its rows of `--grad-accum` micro-batches, `--save` after the
+//! last step or on Ctrl-C, `--resume` from what any layout saved).
 
 mod model;
 
@@ -39,8 +38,10 @@ use std::time::Instant;
 use burn::tensor::Device;
 use burn_parallel::ProcessGroup;
 use burn_parallel::optim::FusedAdamWConfig;
-use burn_parallel_train::cli::{CheckpointArgs, LayoutArgs, StepArgs, stop_on_signals};
-use burn_parallel_train::{Layout, LrSchedule, MicroBatch, StepSettings, build, fit, run_local};
+use burn_parallel_train::cli::{CheckpointArgs, LayoutArgs, Progress, StepArgs, stop_on_signals};
+use burn_parallel_train::{
+    Layout, LrSchedule, MicroBatch, StepLog, StepSettings, build, fit, run_local,
+};
 use clap::Parser;
 use examples::data::{Corpus, Split};
 use model::{Config, Recipe, moe_config};
@@ -78,21 +79,10 @@ struct Args {
     checkpoint: CheckpointArgs,
 }
 
-fn config() -> Config {
-    Config {
-        vocab: 256,
-        d_model: 128,
-        n_heads: 4,
-        d_ff: 344,
-        n_layers: 2,
-        seed: 1,
-    }
-}
-
 /// The layouts `--all` compares on `n` ranks (in TOML, as a file would give them), each with
 /// its ranks: one device, DDP, tensor, FSDP, context and pipeline parallelism.
 fn every_layout(n: usize) -> Vec<(usize, Layout)> {
-    let pp = n.min(config().n_layers);
+    let pp = n.min(Config::small().n_layers);
     let layouts = [
         (1, String::new()),
         (n, String::new()),
@@ -119,8 +109,8 @@ fn run_rank(
     stop: &AtomicBool,
 ) -> Result<Vec<f32>, burn_parallel::Error> {
     let recipe = Recipe {
-        config: config(),
-        moe: (args.experts > 0).then(|| moe_config(&config(), args.experts, args.top_k)),
+        config: Config::small(),
+        moe: (args.experts > 0).then(|| moe_config(&Config::small(), args.experts, args.top_k)),
     };
     let settings = args.step.settings(StepSettings {
         adamw: FusedAdamWConfig::new().with_weight_decay(0.01),
@@ -137,7 +127,11 @@ fn run_rank(
         let (step, rows) = (micro.step as u64, micro.rows.clone());
         Ok(corpus.batch_rows(step, rows, args.seq, Split::Train))
     };
-    let fitted = fit(built, &config, &mut batch, &mut |_, _| Ok(()), Some(stop))?;
+    // Rank 0 shows a bar and a line every 10 steps (loss, tokens/s, memory).
+    let progress = Progress::new(world.rank() == 0, args.steps, 10);
+    let mut on_step = |log: &StepLog, _: &_| Ok(progress.step(log, &[]));
+    let fitted = fit(built, &config, &mut batch, &mut on_step, Some(stop))?;
+    progress.finish();
     if world.rank() == 0 {
         if let Some(resumed) = &fitted.resumed_from {
             println!("resumed from {resumed}");
@@ -160,11 +154,11 @@ fn run(args: &Args, ranks: usize, layout: &Layout, corpus: &Corpus, stop: &Atomi
         });
     let curve = &losses[0];
     let per_step = start.elapsed().as_secs_f64() / curve.len().max(1) as f64;
-    let name = layout.describe(ranks);
     match (curve.first(), curve.last()) {
         (Some(first), Some(last)) => println!(
-            "{name} on {ranks} rank(s): loss {first:.4} -> {last:.4} over {} steps, \
+            "{} on {ranks} rank(s): loss {first:.4} -> {last:.4} over {} steps, \
              {per_step:.3} s/step",
+            layout.describe(ranks),
             curve.len(),
         ),
         _ => println!("no step left to train (the checkpoint is at --steps already)"),
@@ -178,17 +172,21 @@ fn main() {
     // Ctrl-C (or SIGTERM) stops every rank after the same step, saving under --save first.
     let stop = stop_on_signals();
     if !args.all {
-        let layout = args.layout.layout().unwrap_or_else(|e| {
-            eprintln!("error: {e}");
-            std::process::exit(2);
-        });
-        run(&args, args.ranks, &layout, &corpus, &stop);
+        match args.layout.layout() {
+            Ok(layout) => run(&args, args.ranks, &layout, &corpus, &stop),
+            Err(e) => {
+                eprintln!("error: {e}");
+                std::process::exit(2)
+            }
+        };
         return;
     }
     let mut times = Vec::new();
     for (ranks, layout) in every_layout(args.ranks) {
-        let name = layout.describe(ranks);
-        times.push((name, run(&args, ranks, &layout, &corpus, &stop)));
+        times.push((
+            layout.describe(ranks),
+            run(&args, ranks, &layout, &corpus, &stop),
+        ));
     }
     let single = times[0].1;
     println!("\nstep time relative to one device ({} ranks):", args.ranks);

@@ -30,6 +30,20 @@ pub struct Config {
     pub seed: u64,
 }
 
+impl Config {
+    /// A small decoder: 2 layers of width 128 over bytes.
+    pub fn small() -> Self {
+        Self {
+            vocab: 256,
+            d_model: 128,
+            n_heads: 4,
+            d_ff: 344,
+            n_layers: 2,
+            seed: 1,
+        }
+    }
+}
+
 /// The mixture of experts of the MoE variant ([`Decoder::with_experts`]) of the model `c`:
 /// `n_experts` SwiGLU experts of half the MLP's hidden width, `top_k` per token, dropless,
 /// with the Switch load-balancing loss and the router z-loss.

@@ -1,0 +1,140 @@
+//! [`Progress`]: what a training binary shows while [`crate::fit`] runs (the `cli` feature): a
+//! progress bar on rank 0, and every `every` steps a line with the loss, the learning rate,
+//! tokens per second, the model's TFLOP/s and MFU (with a peak), the process's resident memory
+//! and the elapsed time.
+//!
+//! ```
+//! use burn_parallel::mfu::Mfu;
+//! use burn_parallel_train::cli::Progress;
+//! use burn_parallel_train::StepLog;
+//!
+//! let progress = Progress::new(true, 10, 5)
+//!     .with_mfu(Mfu { flops_per_token: 6e6, peak_per_device: Some(1e12), devices: 2 });
+//! let log = StepLog {
+//!     step: 4,
+//!     loss: 2.5,
+//!     lr: 1e-3,
+//!     seconds: 0.5,
+//!     tokens_per_sec: 1e4,
+//!     skipped: false,
+//!     grad_norm: Some(0.7),
+//!     phases: Default::default(),
+//! };
+//! let line = progress.line(&log);
+//! assert!(line.contains("loss 2.5000") && line.contains("mfu 3.0%"), "{line}");
+//! progress.step(&log, &[]);
+//! progress.finish();
+//! ```
+
+use std::time::Instant;
+
+use burn_parallel::mfu::Mfu;
+use indicatif::{ProgressBar, ProgressStyle};
+
+use crate::fit::StepLog;
+
+/// Rank 0's view of a run: a bar over the steps and a line every `every` steps.
+pub struct Progress {
+    bar: ProgressBar,
+    lead: bool,
+    every: usize,
+    steps: usize,
+    mfu: Option<Mfu>,
+    start: Instant,
+}
+
+impl Progress {
+    /// The progress of a run of `steps` steps on a rank that shows it (`lead`: rank 0) or not,
+    /// with a line every `every` steps (and after the last).
+    pub fn new(lead: bool, steps: usize, every: usize) -> Self {
+        let bar = match lead {
+            true => {
+                let bar = ProgressBar::new(steps as u64);
+                let style = "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}";
+                bar.set_style(ProgressStyle::with_template(style).expect("a valid template"));
+                bar
+            }
+            false => ProgressBar::hidden(),
+        };
+        Self {
+            bar,
+            lead,
+            every: every.max(1),
+            steps,
+            mfu: None,
+            start: Instant::now(),
+        }
+    }
+
+    /// Shows the model's TFLOP/s and, with a peak, the MFU on each line.
+    pub fn with_mfu(mut self, mfu: Mfu) -> Self {
+        self.mfu = Some(mfu);
+        self
+    }
+
+    /// The line of `log`: step, loss, learning rate, tokens/s, TFLOP/s and MFU, gradient norm,
+    /// resident memory, elapsed seconds.
+    pub fn line(&self, log: &StepLog) -> String {
+        let mut line = format!(
+            "step {:>5}  loss {:.4}  lr {:.2e}  {:>8.0} tok/s",
+            log.step, log.loss, log.lr, log.tokens_per_sec
+        );
+        if let Some(mfu) = &self.mfu {
+            line += &format!("  {}", mfu.describe(log.tokens_per_sec));
+        }
+        match (log.skipped, log.grad_norm) {
+            (true, _) => line += "  skipped (loss scale overflow)",
+            (false, Some(norm)) => line += &format!("  |g| {norm:.3}"),
+            (false, None) => {}
+        }
+        if let Some(bytes) = resident_bytes() {
+            line += &format!("  rss {:.2} GB", bytes / 1e9);
+        }
+        line + &format!("  {:>7.1}s", self.start.elapsed().as_secs_f64())
+    }
+
+    /// Advances the bar past `log`'s step and, every `every` steps and after the last, prints
+    /// its line and then `extra` lines (rank 0 only).
+    pub fn step(&self, log: &StepLog, extra: &[String]) {
+        if !self.lead {
+            return;
+        }
+        self.bar.set_position(log.step as u64 + 1);
+        self.bar.set_message(format!(
+            "loss {:.4}  {:.0} tok/s",
+            log.loss, log.tokens_per_sec
+        ));
+        if log.step.is_multiple_of(self.every) || log.step + 1 == self.steps {
+            self.println(&self.line(log));
+            for line in extra {
+                self.println(line);
+            }
+        }
+    }
+
+    /// Prints `line` above the bar (rank 0 only), or plainly when the bar is not drawn (output
+    /// not a terminal), where the bar would swallow it.
+    pub fn println(&self, line: &str) {
+        if !self.lead {
+            return;
+        }
+        match self.bar.is_hidden() {
+            true => println!("{line}"),
+            false => self.bar.println(line),
+        }
+    }
+
+    /// Clears the bar.
+    pub fn finish(&self) {
+        self.bar.finish_and_clear();
+    }
+}
+
+/// The process's resident memory in bytes (Linux: `VmRSS` of `/proc/self/status`); `None`
+/// elsewhere.
+fn resident_bytes() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024.0)
+}
