@@ -23,7 +23,8 @@ use std::process::ExitCode;
 use burn_moe::Capacity;
 use burn_parallel::mfu::{Math, Mfu, peak_tflops};
 use burn_parallel::{CollectiveError, ProcessGroup, run_local};
-use burn_parallel_train::Layout;
+use burn_parallel_train::cli::Progress;
+use burn_parallel_train::{Layout, StepLog};
 use burn_pipeline::generators::generate;
 use burn_pipeline::simulate::{Costs, simulate};
 use burn_pipeline::trace::Timeline;
@@ -35,7 +36,6 @@ use examples::train::{
     train_gpt_checkpointed,
 };
 use examples::train_checkpoint::CheckpointOptions;
-use indicatif::{ProgressBar, ProgressStyle};
 
 /// The world of a multi-process backend (`tcp`, `nccl` over it, or `mpi`).
 fn process_world(backend: Backend) -> Result<ProcessGroup, CollectiveError> {
@@ -95,47 +95,26 @@ fn run_rank(
         println!("{}", log.describe(config));
     }
     let mut phases = StepPhases::default();
-    let bar = if lead {
-        let bar = ProgressBar::new(config.steps as u64);
-        bar.set_style(
-            ProgressStyle::with_template(
-                "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
-            )
-            .expect("a valid template"),
-        );
-        bar
-    } else {
-        ProgressBar::hidden()
-    };
+    let progress = Progress::new(lead, config.steps, log_every).with_mfu(mfu);
     let mut on_step = |s: &StepStats| {
         if s.step > 0 {
             phases.add(&s.phases);
         }
-        bar.set_message(format!("loss {:.4}  {:.0} tok/s", s.loss, s.tokens_per_sec));
-        bar.inc(1);
-        if lead && (s.step.is_multiple_of(log_every.max(1)) || s.step + 1 == config.steps) {
-            let line = format!(
-                "step {:>5}  loss {:.4}  lr {:.2e}  {:>7.0} tok/s  {}  {:>7.1}s",
-                s.step,
-                s.loss,
-                s.lr,
-                s.tokens_per_sec,
-                mfu.describe(s.tokens_per_sec),
-                s.elapsed
-            );
-            // A bar drawn nowhere (output not a terminal) would swallow the line.
-            for line in std::iter::once(line).chain(moe_lines(s)) {
-                if bar.is_hidden() {
-                    println!("{line}");
-                } else {
-                    bar.println(line);
-                }
-            }
-        }
+        let log = StepLog {
+            step: s.step,
+            loss: s.loss as f32,
+            lr: s.lr,
+            seconds: 0.0,
+            tokens_per_sec: s.tokens_per_sec,
+            skipped: false,
+            grad_norm: None,
+            phases: s.phases,
+        };
+        progress.step(&log, &moe_lines(s));
     };
     let host_bytes = burn_parallel::group::host_bytes_sent();
     let report = train_gpt_checkpointed(group, config, parallel, corpus, checkpoints, &mut on_step);
-    bar.finish_and_clear();
+    progress.finish();
     if let (true, Ok(report)) = (profile && lead, &report) {
         print_profile(&phases, report.step_seconds, config.steps.saturating_sub(1));
         // Thread ranks share the process's counter: per rank, the mean.
