@@ -877,28 +877,9 @@ pub fn host_params<M: Module>(module: &M) -> BTreeMap<String, HostTensor> {
 
 /// The shape of every float parameter of `module` by module path (no data read back).
 fn param_shapes<M: Module>(module: &M) -> BTreeMap<String, Vec<usize>> {
-    struct Shapes {
-        path: Vec<String>,
-        out: BTreeMap<String, Vec<usize>>,
-    }
-    impl ModuleVisitor for Shapes {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let dims = param.val().dims().to_vec();
-            self.out.insert(self.path.join("."), dims);
-        }
-    }
-    let mut s = Shapes {
-        path: Vec::new(),
-        out: BTreeMap::new(),
-    };
-    module.visit(&mut s);
-    s.out
+    let index = burn_parallel::index::ParamIndex::of(module);
+    let entries = index.entries().iter();
+    entries.map(|e| (e.path.clone(), e.shape.clone())).collect()
 }
 
 /// Builds the GPT of `config` on `device` from checkpoint tensors.

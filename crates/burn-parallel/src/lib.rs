@@ -54,6 +54,7 @@ pub use replica::{ReplicaError, verify_replicas};
 pub mod tensor_parallel;
 
 pub use tensor_parallel::{Placement, TpError, TpTensor, vocab_parallel_cross_entropy};
+pub mod index;
 pub mod init;
 pub mod kernels;
 pub mod malloc;

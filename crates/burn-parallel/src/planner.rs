@@ -84,8 +84,7 @@ mod search;
 
 use std::fmt;
 
-use burn::module::{Module, ModuleVisitor, Param};
-use burn::tensor::Tensor;
+use burn::module::Module;
 use serde::Serialize;
 
 use crate::mesh::ParallelDims;
@@ -452,30 +451,6 @@ pub struct ParamCount {
     pub largest: (String, usize),
 }
 
-struct Counter {
-    path: Vec<String>,
-    count: ParamCount,
-}
-
-impl ModuleVisitor for Counter {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.push(name.to_string());
-    }
-
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
-    }
-
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let n = param.lazy_shape().num_elements();
-        self.count.total += n;
-        self.count.tensors += 1;
-        if n > self.count.largest.1 {
-            self.count.largest = (self.path.join("."), n);
-        }
-    }
-}
-
 /// Counts the float parameters of any Burn module without initialising lazy ones: for users
 /// who have a module rather than its shape (put the count in
 /// [`ModelShape::measured_params`]).
@@ -498,12 +473,17 @@ impl ModuleVisitor for Counter {
 /// assert_eq!(count.largest, ("weight".to_string(), 32));
 /// ```
 pub fn count_params<M: Module>(module: &M) -> ParamCount {
-    let mut counter = Counter {
-        path: Vec::new(),
-        count: ParamCount::default(),
-    };
-    module.visit(&mut counter);
-    counter.count
+    let index = crate::index::ParamIndex::of(module);
+    let mut count = ParamCount::default();
+    for entry in index.entries() {
+        let n = entry.numel();
+        count.total += n;
+        count.tensors += 1;
+        if n > count.largest.1 {
+            count.largest = (entry.path.clone(), n);
+        }
+    }
+    count
 }
 
 /// One device: its memory, its sustained compute and its link to the others.

@@ -1658,31 +1658,9 @@ pub(crate) fn paths_where<M: Module>(
     module: &M,
     select: impl Fn(ParamId) -> bool,
 ) -> std::collections::HashSet<String> {
-    struct Paths<F> {
-        stack: Vec<String>,
-        select: F,
-        out: std::collections::HashSet<String>,
-    }
-    impl<F: Fn(ParamId) -> bool> ModuleVisitor for Paths<F> {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.stack.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.stack.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if (self.select)(param.id) {
-                self.out.insert(self.stack.join("."));
-            }
-        }
-    }
-    let mut paths = Paths {
-        stack: Vec::new(),
-        select,
-        out: std::collections::HashSet::new(),
-    };
-    module.visit(&mut paths);
-    paths.out
+    let index = burn_parallel::index::ParamIndex::of(module);
+    let paths = index.paths_where(select).into_iter().map(String::from);
+    paths.collect()
 }
 
 /// ZeRO-1/2 as the loop's [`StepEngine`]: each micro-batch's loss, times the loss scale, is

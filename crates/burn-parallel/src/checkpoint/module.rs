@@ -203,34 +203,12 @@ impl ParamMap {
         tp: &TpContext,
         flat_parts: impl Fn(ParamId) -> Option<FlatParts>,
     ) -> Result<Self> {
-        struct Collect {
-            path: Vec<String>,
-            params: Vec<(String, ParamId, Vec<usize>)>,
-        }
-        impl ModuleVisitor for Collect {
-            fn enter_module(&mut self, name: &str, _: &str) {
-                self.path.push(name.to_string());
-            }
-            fn exit_module(&mut self, _: &str, _: &str) {
-                self.path.pop();
-            }
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                self.params.push((
-                    self.path.join("."),
-                    param.id,
-                    param.shape().as_slice().to_vec(),
-                ));
-            }
-        }
-        let mut collect = Collect {
-            path: Vec::new(),
-            params: Vec::new(),
-        };
-        module.visit(&mut collect);
+        let index = crate::index::ParamIndex::of(module);
         let tp_shards = tp.shards.lock().expect("plan bookkeeping").clone();
         let mut params = Vec::new();
         let mut logical = BTreeMap::new();
-        for (path, id, shape) in collect.params {
+        for entry in index.entries() {
+            let (path, id, shape) = (entry.path.clone(), entry.id, entry.shape.clone());
             let bad = |reason: String| CheckpointError::piece(&path, reason);
             let flat = flat_parts(id);
             let (kind, segments) = match flat {
