@@ -56,9 +56,9 @@ struct Args {
     steps: usize,
     /// Global batch (sequences per step, split over the data-parallel ranks).
     #[arg(long, default_value_t = 16)]
-    batch: usize,
+    batch_size: usize,
     #[arg(long, default_value_t = 64)]
-    seq: usize,
+    seq_len: usize,
     #[arg(long, default_value_t = 3e-3)]
     lr: f64,
     /// The MoE variant: this many experts per layer in place of the MLP (0: dense).
@@ -114,8 +114,8 @@ fn run_rank(
     };
     let settings = args.step.settings(StepSettings {
         adamw: FusedAdamWConfig::new().with_weight_decay(0.01),
-        batch_size: args.batch,
-        seq_len: args.seq,
+        batch_size: args.batch_size,
+        seq_len: args.seq_len,
         ..StepSettings::default()
     });
     let device = Device::flex().autodiff();
@@ -125,7 +125,7 @@ fn run_rank(
         .fit_config(args.steps, LrSchedule::constant(args.lr));
     let mut batch = |micro: &MicroBatch| {
         let (step, rows) = (micro.step as u64, micro.rows.clone());
-        Ok(corpus.batch_rows(step, rows, args.seq, Split::Train))
+        Ok(corpus.batch_rows(step, rows, args.seq_len, Split::Train))
     };
     // Rank 0 shows a bar and a line every 10 steps (loss, tokens/s, memory).
     let progress = Progress::new(world.rank() == 0, args.steps, 10);
