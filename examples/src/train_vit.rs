@@ -394,7 +394,7 @@ pub fn train_vit(
 ///
 /// # Errors
 /// As [`train_vit`]; the layout's refusals ([`Layout::validate`]).
-pub(crate) fn train_vit_under(
+pub fn train_vit_under(
     world: &ProcessGroup,
     config: &VitTrainConfig,
     layout: &Layout,

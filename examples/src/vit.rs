@@ -225,6 +225,12 @@ impl burn_parallel_train::ParallelModel for VitConfig {
     }
 
     fn build(&self, parts: &burn_parallel_train::ModelParts) -> Result<Vit, burn_parallel::Error> {
+        if parts.context_parallel.is_some() {
+            return Err(burn_parallel::Error::invalid(
+                "--cp",
+                "the ViT does not split its tokens over context-parallel ranks: drop --cp",
+            ));
+        }
         Ok(Vit::build(self, &parts.init, parts.fsdp.as_ref())?)
     }
 }

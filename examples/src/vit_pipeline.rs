@@ -6,8 +6,8 @@
 //! `burn-pipeline`, through the library's builder and loop like every other layout.
 //!
 //! ```text
-//! vit --ranks 2 --pp 2 --schedule 1f1b --microbatches 4
-//! vit --ranks 4 --pp 2 --schedule zbv --microbatches 4 --checkpoint-blocks
+//! vit --ranks 2 --pp 2 --schedule 1f1b --grad-accum 4
+//! vit --ranks 4 --pp 2 --schedule zbv --grad-accum 2 --checkpoint-blocks --layers 4
 //! ```
 
 use std::ops::Range;

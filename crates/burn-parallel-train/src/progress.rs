@@ -40,6 +40,7 @@ pub struct Progress {
     every: usize,
     steps: usize,
     mfu: Option<Mfu>,
+    unit: &'static str,
     start: Instant,
 }
 
@@ -62,6 +63,7 @@ impl Progress {
             every: every.max(1),
             steps,
             mfu: None,
+            unit: "tok",
             start: Instant::now(),
         }
     }
@@ -72,12 +74,18 @@ impl Progress {
         self
     }
 
+    /// Names what the throughput counts (`"img"` for images per second; default `"tok"`).
+    pub fn with_unit(mut self, unit: &'static str) -> Self {
+        self.unit = unit;
+        self
+    }
+
     /// The line of `log`: step, loss, learning rate, tokens/s, TFLOP/s and MFU, gradient norm,
     /// resident memory, elapsed seconds.
     pub fn line(&self, log: &StepLog) -> String {
         let mut line = format!(
-            "step {:>5}  loss {:.4}  lr {:.2e}  {:>8.0} tok/s",
-            log.step, log.loss, log.lr, log.tokens_per_sec
+            "step {:>5}  loss {:.4}  lr {:.2e}  {:>8.0} {}/s",
+            log.step, log.loss, log.lr, log.tokens_per_sec, self.unit
         );
         if let Some(mfu) = &self.mfu {
             line += &format!("  {}", mfu.describe(log.tokens_per_sec));
@@ -101,8 +109,8 @@ impl Progress {
         }
         self.bar.set_position(log.step as u64 + 1);
         self.bar.set_message(format!(
-            "loss {:.4}  {:.0} tok/s",
-            log.loss, log.tokens_per_sec
+            "loss {:.4}  {:.0} {}/s",
+            log.loss, log.tokens_per_sec, self.unit
         ));
         if log.step.is_multiple_of(self.every) || log.step + 1 == self.steps {
             self.println(&self.line(log));

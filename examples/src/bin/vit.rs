@@ -7,18 +7,19 @@
 //! vit --ranks 4 --tp 2 --clip 1.0                                    # dp 2 x tp 2, clipping
 //! vit --ranks 2 --zero 2                                             # ZeRO-2 over 2 ranks
 //! vit --eval-every 100                                               # test accuracy on the way
+//! vit --ranks 2 --pp 2 --grad-accum 4                                # pipeline, 1F1B
+//! vit --ranks 4 --pp 2 --schedule zbv --grad-accum 2 --checkpoint-blocks --layers 4
 //! ```
 
 use std::process::ExitCode;
 
-use burn_zero::Stage;
+use burn_parallel_train::cli::{LayoutArgs, Progress};
+use burn_parallel_train::{Layout, StepLog};
 use clap::Parser;
 use examples::data::Digits;
 use examples::train_vit::{
-    VitLayout, VitReport, VitStepStats, VitTrainConfig, run_local_ranks, run_vit_local,
+    VitReport, VitStepStats, VitTrainConfig, run_local_ranks, train_vit_under,
 };
-use examples::vit_pipeline::{VitPipeline, train_vit_pipeline};
-use indicatif::{ProgressBar, ProgressStyle};
 
 /// Train a Vision Transformer on the 8x8 hand-written digits and print its test accuracy.
 #[derive(Debug, Parser)]
@@ -40,20 +41,9 @@ struct Args {
     /// Peak learning rate (linear warm-up, then cosine decay to 10 %).
     #[arg(long)]
     lr: Option<f64>,
-    /// Tensor-parallel size: each model is split over this many ranks (Megatron-style); the
-    /// ranks form a `dp x tp` mesh with `dp = ranks / tp`.
-    #[arg(long, default_value_t = 1)]
-    tp: usize,
-    /// Sequence parallelism inside each tensor-parallel group (needs --tp 2 or more).
-    #[arg(long)]
-    sp: bool,
     /// Clip the global norm of the averaged gradient to this value.
     #[arg(long)]
     clip: Option<f64>,
-    /// ZeRO stage (1: optimizer state sharded, 2: + gradients) over the data-parallel ranks,
-    /// instead of plain DDP.
-    #[arg(long, value_parser = clap::value_parser!(u8).range(1..=2))]
-    zero: Option<u8>,
     /// Seed of the weights and of the batch order (the train/test split stays fixed).
     #[arg(long)]
     seed: Option<u64>,
@@ -78,22 +68,14 @@ struct Args {
     /// AdamW weight decay.
     #[arg(long)]
     weight_decay: Option<f64>,
-    /// Pipeline-parallel size: the encoder blocks are split into stages over this many ranks
-    /// (mesh `pp x dp`); 1: no pipeline.
+    /// Micro-batches per step: each data-parallel rank's rows split between them (the
+    /// pipeline's micro-batches with --pp).
     #[arg(long, default_value_t = 1)]
-    pp: usize,
-    /// The pipeline schedule: gpipe, 1f1b, interleaved, zb-h1, zbv or dualpipev.
-    #[arg(long, default_value = "1f1b")]
-    schedule: burn_pipeline::ScheduleKind,
-    /// Micro-batches per step and data-parallel rank.
-    #[arg(long, default_value_t = 4)]
-    microbatches: usize,
-    /// Stages per rank of the interleaved schedule.
-    #[arg(long)]
-    virtual_stages: Option<usize>,
-    /// Recompute every block in the backward (pipeline only).
-    #[arg(long)]
-    checkpoint_blocks: bool,
+    grad_accum: usize,
+    /// The layout: --tp, --sp, --zero (1 or 2), --pp with --schedule, --virtual-stages and
+    /// --checkpoint-blocks; what the ViT does not support is refused by name.
+    #[command(flatten)]
+    layout: LayoutArgs,
 }
 
 fn config_from(args: &Args) -> VitTrainConfig {
@@ -126,32 +108,16 @@ fn config_from(args: &Args) -> VitTrainConfig {
     c
 }
 
-fn layout_from(args: &Args) -> VitLayout {
-    VitLayout {
-        tp: args.tp,
-        sp: args.sp,
-        zero: args.zero.map(|z| match z {
-            1 => Stage::One,
-            _ => Stage::Two,
-        }),
-    }
-}
-
 fn main() -> ExitCode {
     let args = Args::parse();
     let config = config_from(&args);
-    let layout = layout_from(&args);
-    if args.pp > 1 && (args.tp > 1 || args.sp || args.zero.is_some()) {
-        eprintln!(
-            "error: --tp, --sp and --zero are not composed with the ViT's pipeline (--pp) yet; \
-             use --pp with data parallelism (--ranks)"
-        );
-        return ExitCode::from(2);
-    }
-    if let Err(e) = layout.validate(&config, args.ranks / args.pp.max(1)) {
-        eprintln!("error: {e}");
-        return ExitCode::from(2);
-    }
+    let layout = match args.layout.layout() {
+        Ok(layout) => layout,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     let digits = match Digits::load_from(args.data_dir.as_deref()) {
         Ok(d) => d,
         Err(e) => {
@@ -160,79 +126,28 @@ fn main() -> ExitCode {
         }
     };
     print_header(&config, &layout, args.ranks, &digits);
-    if args.pp > 1 {
-        println!(
-            "pipeline: pp {} x dp {}, schedule {} ({} micro-batches{})",
-            args.pp,
-            args.ranks / args.pp,
-            args.schedule,
-            args.microbatches,
-            if args.checkpoint_blocks {
-                ", blocks recomputed"
-            } else {
-                ""
-            }
-        );
-    }
-
-    let bar = ProgressBar::new(config.steps as u64);
-    bar.set_style(
-        ProgressStyle::with_template(
-            "{bar:30} {pos}/{len} [{elapsed_precise}<{eta_precise}] {msg}",
-        )
-        .expect("a valid template"),
-    );
-    let log_every = args.log_every.max(1);
-    let steps = config.steps;
+    let progress = Progress::new(true, config.steps, args.log_every).with_unit("img");
     let mut on_step = |s: &VitStepStats| {
-        bar.set_message(format!("loss {:.4}  {:.0} img/s", s.loss, s.images_per_sec));
-        bar.inc(1);
-        let mut line = None;
-        if s.step.is_multiple_of(log_every) || s.step + 1 == steps {
-            line = Some(format!(
-                "step {:>5}  loss {:.4}  lr {:.2e}{}  {:>6.0} img/s  {:>6.1}s",
-                s.step,
-                s.loss,
-                s.lr,
-                s.grad_norm
-                    .map(|n| format!("  |g| {n:.3}"))
-                    .unwrap_or_default(),
-                s.images_per_sec,
-                s.elapsed
-            ));
-        }
-        if let Some(acc) = s.test_accuracy {
-            line = Some(format!(
-                "{}step {:>5}  test accuracy {:.2} %",
-                line.map(|l| l + "\n").unwrap_or_default(),
-                s.step,
-                100.0 * acc
-            ));
-        }
-        if let Some(line) = line {
-            // A bar drawn nowhere (output not a terminal) would swallow the line.
-            if bar.is_hidden() {
-                println!("{line}");
-            } else {
-                bar.println(line);
-            }
-        }
-    };
-    let outcome = if args.pp > 1 {
-        let pipeline = VitPipeline {
-            pp: args.pp,
-            schedule: args.schedule,
-            microbatches: args.microbatches,
-            virtual_stages: args.virtual_stages,
-            checkpoint_blocks: args.checkpoint_blocks,
+        let log = StepLog {
+            step: s.step,
+            loss: s.loss as f32,
+            lr: s.lr,
+            seconds: 0.0,
+            tokens_per_sec: s.images_per_sec,
+            skipped: false,
+            grad_norm: s.grad_norm,
+            phases: Default::default(),
         };
-        run_local_ranks(args.ranks, &mut on_step, &|world, report| {
-            train_vit_pipeline(world, &config, &pipeline, &digits, report)
-        })
-    } else {
-        run_vit_local(args.ranks, &config, &layout, &digits, &mut on_step)
+        let accuracy = s
+            .test_accuracy
+            .map(|acc| format!("step {:>5}  test accuracy {:.2} %", s.step, 100.0 * acc));
+        progress.step(&log, accuracy.as_slice());
     };
-    bar.finish_and_clear();
+    let (grad_accum, digits) = (args.grad_accum, &digits);
+    let outcome = run_local_ranks(args.ranks, &mut on_step, &|world, report| {
+        train_vit_under(world, &config, &layout, grad_accum, digits, report)
+    });
+    progress.finish();
     match outcome {
         Ok(report) => {
             print_report(&report, &config);
@@ -245,19 +160,9 @@ fn main() -> ExitCode {
     }
 }
 
-fn print_header(config: &VitTrainConfig, layout: &VitLayout, ranks: usize, digits: &Digits) {
+fn print_header(config: &VitTrainConfig, layout: &Layout, ranks: usize, digits: &Digits) {
     let m = &config.model;
-    let tp = layout.tp_size();
-    let mut shape = format!("dp {}", ranks / tp);
-    if tp > 1 {
-        shape += &format!(" x tp {tp}");
-    }
-    if layout.sp {
-        shape += " + sequence parallel";
-    }
-    if let Some(stage) = layout.zero {
-        shape += &format!(", ZeRO-{}", stage.number());
-    }
+    let shape = layout.describe(ranks);
     println!(
         "ViT {} layers x {} heads x width {} ({:.1}k params), {} patches of {}x{}, {ranks} \
          thread ranks = {shape}",
