@@ -23,7 +23,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use burn_parallel::checkpoint::{Checkpoint, CheckpointError, Checkpointer, Piece};
+use burn_parallel::checkpoint::Checkpoint;
 use burn_parallel::precision::LossScalerState;
 use burn_parallel::tensor_parallel::SeededDropout;
 use burn_parallel::train::SaveState;
@@ -94,11 +94,6 @@ impl CheckpointOptions {
         }
         Ok(())
     }
-
-    /// Whether to save after step `step` (counted from 0).
-    pub(crate) fn saves_after(&self, step: usize) -> bool {
-        self.save_every > 0 && (step + 1).is_multiple_of(self.save_every)
-    }
 }
 
 /// The trainer's state besides tensors, kept by rank 0.
@@ -119,25 +114,6 @@ impl TrainerState {
         };
         serde_json::to_value(state).expect("the trainer state serialises")
     }
-}
-
-/// Saves the checkpoint taken after step `step` (0-based) with `saver` in the step engines'
-/// format ([`burn_parallel::train::engine_states`]): for the trainers that are not one
-/// engine (the pipeline's stages, DiLoCo). Now or in the background, as `saver` was made
-/// ([`Checkpointer::with_background`]).
-///
-/// # Errors
-/// The save's errors (a background save's surface at the next save or `wait`).
-pub(crate) fn save_after(
-    saver: &mut Checkpointer,
-    step: usize,
-    pieces: Vec<Piece>,
-    state: SaveState,
-    scaler: Option<LossScalerState>,
-    scalars: &impl Serialize,
-) -> Result<(), CheckpointError> {
-    let (trainer, rank) = burn_parallel::train::engine_states(state, scaler, scalars);
-    saver.submit(step + 1, pieces, trainer, rank)
 }
 
 /// Name of the dropout layers' call counters in each rank's state.

@@ -1,12 +1,14 @@
 //! The GPT trained with DiLoCo (`gpt --diloco-islands N --inner-steps H ...`): the technique is
-//! [`burn_parallel::diloco`]; this file only wires it to the GPT.
+//! [`burn_parallel::diloco`] and its step engine the library's
+//! ([`burn_parallel_train::diloco::DiLoCoEngine`]); this file only wires the GPT to the
+//! builder (a [`Layout`] with [`DiLoCoLayout`]) and to the loop ([`fit_with`]).
 //!
-//! The world's ranks form `N` islands of `ranks / N` ranks ([`Islands`]); each island trains
-//! with data parallelism inside (DDP over its ranks) and its own inner optimizer, and
-//! [`DiLoCo::sync`] runs the outer step every `H` steps (per fragment under streaming
-//! DiLoCo). The global batch of a step is that of [`crate::train::train_gpt_parallel`], cut
-//! over all ranks, so a run spends the same tokens as a DDP run of the same config: with inner
-//! SGD, `H` = 1, outer learning rate 1 and no momentum it *is* DDP with SGD.
+//! The world's ranks form `N` islands of `ranks / N` ranks; each island trains with data
+//! parallelism inside (DDP over its ranks) and its own inner optimizer, and the outer step
+//! runs every `H` steps (per fragment under streaming DiLoCo). The global batch of a step is
+//! that of [`crate::train::train_gpt_parallel`], cut over all ranks, so a run spends the same
+//! tokens as a DDP run of the same config: with inner SGD, `H` = 1, outer learning rate 1 and
+//! no momentum it *is* DDP with SGD.
 //!
 //! Every byte a rank sends goes through [`count_sent_bytes`]: the report gives the outer sync's
 //! bytes and the total (inner DDP and the loss figures included).
@@ -19,22 +21,23 @@
 use std::time::Instant;
 
 use burn::module::Module;
-use burn::optim::{AdamWConfig, ModuleOptimizer, SgdConfig};
-use burn_parallel::checkpoint::{Checkpointer, ParamMap};
-use burn_parallel::diloco::{
-    Compression, DiLoCo, DiLoCoConfig, DiLoCoError, Islands, count_sent_bytes,
+use burn_parallel::checkpoint::ParamMap;
+use burn_parallel::diloco::{DiLoCoConfig, DiLoCoError, count_sent_bytes};
+use burn_parallel::{CollectiveError, ProcessGroup};
+use burn_parallel_train::diloco::DiLoCoFigures;
+pub use burn_parallel_train::diloco::{CompressionArg, DiLoCoFlags, InnerOptimArg};
+use burn_parallel_train::{
+    Built, CheckpointPolicy, DiLoCoLayout, FitConfig, Fitted, Layout, MicroBatch, Placed, StepLog,
+    fit_with,
 };
-use burn_parallel::train::{StepEngine, TrainStep, Trainer};
-use burn_parallel::{CollectiveError, DistributedDataParallel, ProcessGroup, ReduceOp};
-use burn_parallel_train::diloco::{DILOCO_STATE, DiLoCoCheckpoint};
 
 use crate::data::{Corpus, Split};
-use crate::gpt::Gpt;
+use crate::gpt::GptConfig;
 use crate::train::{
     Parallelism, StepStats, StepTimer, TrainConfig, TrainDevice, TrainReport, generate,
-    named_params,
+    named_params, validation_loss,
 };
-use crate::train_checkpoint::{self, CheckpointOptions};
+use crate::train_checkpoint::{CheckpointOptions, GptRunState};
 
 /// The optimizer each island runs between syncs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -73,8 +76,8 @@ pub struct DiLoCoReport {
     /// Islands dropped during the run, with the inner step after which each was dropped
     /// (`None`: in the final sync).
     pub dropped: Vec<(usize, Option<usize>)>,
-    /// Seconds per step spent in [`DiLoCo::sync`] (the stall of the outer syncs, first step
-    /// excluded like the step time).
+    /// Seconds per step spent in [`burn_parallel::diloco::DiLoCo::sync`] (the stall of the
+    /// outer syncs, first step excluded like the step time).
     pub sync_seconds: f64,
 }
 
@@ -110,6 +113,15 @@ impl From<CollectiveError> for DiLoCoTrainError {
 }
 
 impl DiLoCoRun {
+    /// The DiLoCo part of the layout this run trains under.
+    pub fn layout(&self) -> DiLoCoLayout {
+        DiLoCoLayout {
+            islands: self.islands,
+            config: self.diloco,
+            inner_sgd: self.inner == InnerOptimizer::Sgd,
+        }
+    }
+
     /// Checks the run on `world` ranks, with the other layout settings of `parallel` (which
     /// DiLoCo refuses unless they are plain data parallelism), before anything is built.
     ///
@@ -178,7 +190,7 @@ pub fn train_gpt_diloco(
 
 /// [`train_gpt_diloco`] that saves distributed checkpoints and resumes from one
 /// (`gpt --diloco-islands N --save-every S --checkpoint-dir D`, `--resume D`). A checkpoint
-/// holds:
+/// ([`burn_parallel_train::diloco::DiLoCoCheckpoint`]) holds:
 /// - the outer model `θ_start` under the model's own names, so that any other layout resumes
 ///   from it (or evaluates or exports it) as from a plain run's checkpoint, without optimizer
 ///   state;
@@ -207,325 +219,154 @@ pub fn train_gpt_diloco_checkpointed(
 ) -> Result<DiLoCoReport, DiLoCoTrainError> {
     checkpoints.validate().map_err(DiLoCoTrainError::Config)?;
     run.validate(config, &Parallelism::default(), world.size())?;
+    // Everything runs on the counting world, the builder's checks and groups included.
     let (world, counter) = count_sent_bytes(world)?;
-    let islands = Islands::new(&world, run.islands)?;
     let plain = run.device.device().map_err(DiLoCoTrainError::Config)?;
     let device = plain.clone().autodiff();
-
-    // Seeded: the same weights on every rank; a hash comparison (not a broadcast: its bytes
-    // would count as DiLoCo's) makes sure.
-    let mut model = Gpt::new(&config.model, &device).with_dropout_stream(world.rank() as u64);
-    if let Some(dir) = checkpoints
-        .init_from_hf
-        .as_ref()
-        .filter(|_| checkpoints.resume.is_none())
-    {
-        // Every island starts from the imported weights: they are the first outer model.
-        let tensors = crate::hf::gpt_tensors_for(dir, &config.model).map_err(checkpoint_error)?;
-        model = ParamMap::new(&model, &model.tp, None)
-            .and_then(|map| map.load_params(model, &tensors))
-            .map_err(checkpoint_error)?;
-    }
-    burn_parallel::verify_replicas(&model, &world)
-        .map_err(|e| DiLoCoTrainError::Config(e.to_string()))?;
-    let mut diloco = DiLoCo::new(&islands, run.diloco, &model)?;
+    let layout = Layout {
+        diloco: Some(run.layout()),
+        ..Layout::default()
+    };
     // The inner step: the library's, under the run's precision policy (the forward on the
     // compute copy, fp32 weights and optimizer state, dynamic loss scaling for fp16), DDP inside
     // the island. The outer sync sees the fp32 weights.
-    let mut step_engine = TrainStep::new(model.tp.clone())
-        .with_clip(config.max_grad_norm)
-        .with_precision(config.precision_policy());
-    if let Some(scaler) = config.loss_scaler() {
-        step_engine = step_engine.with_loss_scaler(scaler);
+    let settings = config.step_settings();
+    let mut placed =
+        Placed::new(&world, &layout, &config.model, &device, &settings).map_err(train_error)?;
+    if let (None, Some(dir)) = (&checkpoints.resume, &checkpoints.init_from_hf) {
+        // Every island starts from the imported weights: they are the first outer model.
+        let tensors = crate::hf::gpt_tensors_for(dir, &config.model).map_err(checkpoint_error)?;
+        let map =
+            ParamMap::new(&placed.model, &placed.init.context(), None).map_err(checkpoint_error)?;
+        placed.model = map
+            .load_params(placed.model, &tensors)
+            .map_err(checkpoint_error)?;
     }
-    if islands.size() > 1 {
-        let ddp = DistributedDataParallel::new(islands.island().clone())
-            .with_bucket_bytes((config.bucket_mb * 1024.0 * 1024.0) as usize);
-        step_engine = step_engine.with_ddp(ddp);
-    }
-    let inner = || -> ModuleOptimizer {
-        match run.inner {
-            InnerOptimizer::AdamW => AdamWConfig::new()
-                .with_weight_decay(config.weight_decay as f32)
-                .init(),
-            InnerOptimizer::Sgd => SgdConfig::new().init(),
-        }
-    };
-    let mut trainer = Trainer::new(step_engine, inner());
+    let built = placed.into_engine(&settings).map_err(train_error)?;
+    let diloco = built
+        .diloco
+        .clone()
+        .expect("a DiLoCo layout has DiLoCo's engine");
 
+    let fit_config = FitConfig {
+        steps: config.steps,
+        lr: config.lr_schedule(),
+        checkpoint: match (&checkpoints.dir, checkpoints.save_every) {
+            (Some(dir), every) if every > 0 => Some(CheckpointPolicy {
+                dir: dir.clone(),
+                every,
+                at_end: false,
+                keep: checkpoints.keep,
+                background: checkpoints.asynchronous,
+            }),
+            _ => None,
+        },
+        resume: checkpoints.resume.clone(),
+        // Each island's replicas stay equal by DDP, and the islands differ between syncs.
+        check_replicas_every: 0,
+    };
     // Each rank takes its rows of the global batch, as a DDP rank would.
-    let ranks = world.size();
-    let micro_rows = config.batch_size / ranks / config.grad_accum;
-    let tokens_per_step = (config.batch_size * config.seq_len) as f64;
+    let mut batch = |micro: &MicroBatch| {
+        let rows = micro.rows.clone();
+        Ok(corpus.batch_rows(micro.step as u64, rows, config.seq_len, Split::Train))
+    };
     let start = Instant::now();
-    let mut losses = Vec::with_capacity(config.steps);
-    let (mut timer, mut sync_timer) = (StepTimer::default(), StepTimer::default());
-    // Who the loss figures are averaged over: the world, or this island once islands may
-    // disappear.
-    let drop_lost = run.diloco.drop_lost_islands;
-    let loss_group = if drop_lost {
-        islands.island().clone()
-    } else {
-        world.clone()
-    };
-    let names =
-        DiLoCoCheckpoint::new(&model, &model.tp, &world, &islands).map_err(checkpoint_error)?;
-    let mut first_step = 0;
-    let mut skipped = 0;
-    if let Some(path) = &checkpoints.resume {
-        let checkpoint = burn_parallel_train::open_checkpoint(path).map_err(checkpoint_error)?;
-        let state =
-            train_checkpoint::resume_state(&checkpoint, config).map_err(checkpoint_error)?;
-        model = names
-            .load(
-                model,
-                (&mut trainer.optim, &inner),
-                &mut diloco,
-                &checkpoint,
-            )
-            .map_err(checkpoint_error)?;
-        train_checkpoint::restore_dropout(&checkpoint, &train_checkpoint::dropout_layers(&model))
-            .map_err(checkpoint_error)?;
-        if let Some(saved) =
-            train_checkpoint::saved_loss_scaler(&checkpoint).map_err(checkpoint_error)?
-            && trainer
-                .step
-                .restore_loss_scaler(&saved)
-                .map_err(checkpoint_error)?
-        {
-            skipped = saved.skipped;
-        }
-        first_step = checkpoint.step();
-        losses = state.losses;
-    }
-    let mut saver = match (&checkpoints.dir, checkpoints.save_every) {
-        (Some(dir), every) if every > 0 => Some(
-            Checkpointer::new(dir, checkpoints.keep, &world)
-                .map_err(checkpoint_error)?
-                .with_background(checkpoints.asynchronous),
-        ),
-        _ => None,
-    };
-    for step in first_step..config.steps {
-        let step_start = Instant::now();
-        let lr = config.lr_at(step);
-        let mut forward = |m: &Gpt, micro: usize| {
-            let first = micro * micro_rows * ranks + world.rank() * micro_rows;
-            let batch = corpus.batch_rows(
-                step as u64,
-                first..first + micro_rows,
-                config.seq_len,
-                Split::Train,
-            );
-            let (inputs, targets) = batch.to_tensors(&device);
-            m.loss(inputs, targets)
-                .map_err(|e| DiLoCoTrainError::Config(e.to_string()))
-        };
-        // The loss of the island's batch (averaged over its ranks by the step).
-        let (stepped, out) =
-            trainer.step_accumulated(model, config.grad_accum, &mut forward, lr)?;
-        model = stepped;
-        skipped += usize::from(out.skipped);
-        let local_loss = f64::from(out.loss);
-        let sync_start = Instant::now();
-        model = diloco.sync(step, model)?;
-        let sync_seconds = sync_start.elapsed().as_secs_f64();
-        let loss = loss_group.all_reduce_f32(vec![local_loss as f32], ReduceOp::Avg)?[0] as f64;
-        losses.push(loss);
-        let seconds = step_start.elapsed().as_secs_f64();
-        timer.add(step == first_step, seconds);
-        sync_timer.add(step == first_step, sync_seconds);
+    let (mut timer, mut skipped, mut first) = (StepTimer::default(), 0, true);
+    let mut after_step = |log: &StepLog, _: &Built<GptConfig>| {
+        skipped += usize::from(log.skipped);
+        timer.add(first, log.seconds);
+        first = false;
         on_step(&StepStats {
-            step,
-            loss,
-            lr,
-            tokens_per_sec: tokens_per_step / seconds,
+            step: log.step,
+            loss: f64::from(log.loss),
+            lr: log.lr,
+            tokens_per_sec: log.tokens_per_sec,
             elapsed: start.elapsed().as_secs_f64(),
             moe: Vec::new(),
-            phases: Default::default(), // not split by phase here
+            phases: log.phases,
         });
-        if let Some(saver) = saver.as_mut().filter(|_| checkpoints.saves_after(step)) {
-            let (pieces, meta, scalars) = names
-                .pieces(&model, &trainer.optim, &mut diloco)
-                .map_err(checkpoint_error)?;
-            let mut state = train_checkpoint::TrainerState::json(&losses, config);
-            state[DILOCO_STATE] = serde_json::to_value(meta).expect("DiLoCo's state serialises");
-            let state = burn_parallel::train::SaveState::from(state).with_rank(
-                train_checkpoint::DROPOUT_CALLS,
-                train_checkpoint::dropout_calls(&train_checkpoint::dropout_layers(&model)),
-            );
-            let scaler = trainer.step.loss_scaler().map(|s| s.state());
-            train_checkpoint::save_after(saver, step, pieces, state, scaler, &scalars)
-                .map_err(checkpoint_error)?;
-        }
-    }
-    if let Some(saver) = saver.as_mut() {
-        saver.wait().map_err(checkpoint_error)?;
-    }
-    // The outer model: fragments not synced after the last step are synced now.
-    model = diloco.finish(model)?;
-    // The outer syncs' bytes are those of the outer group (sent by a background thread with an
-    // overlap, while the inner steps send theirs).
-    let outer_bytes = counter.sent_in(islands.outer());
-    let total_bytes = counter.sent();
+        Ok(())
+    };
+    let mut state = GptRunState::new(config, world.rank() == 0);
+    // No stop flag: its agreement would run over the world, which may have lost islands.
+    let Fitted { built, losses, .. } = fit_with(
+        built,
+        &fit_config,
+        &mut batch,
+        &mut after_step,
+        None,
+        &mut state,
+    )
+    .map_err(train_error)?;
+    let loss_scale = built.loss_scale();
+    // The outer model: fragments not synced after the last step are synced now, and the
+    // figures then include that final sync.
+    let model = built.trained(&config.model).map_err(train_error)?;
+    let figures = diloco.figures(&counter);
 
     let eval = model.valid();
-    let val_loss = crate::train::validation_loss(
-        &loss_group,
-        &loss_group,
+    let group = diloco.loss_group();
+    let val_loss = validation_loss(
+        group,
+        group,
         config,
         run.device,
         corpus,
         &|inputs, targets| {
             eval.loss(inputs, targets)
                 .map_err(|e| CollectiveError::InvalidArgument {
-                    rank: loss_group.global_rank(),
+                    rank: group.global_rank(),
                     op: "validation loss".into(),
                     reason: e.to_string(),
                 })
         },
     )?;
-    let dropped = diloco
-        .history()
-        .iter()
-        .flat_map(|e| e.dropped.iter().map(|&i| (i, e.step)))
-        .collect();
     let sample = if config.sample_len > 0 && world.rank() == 0 {
         generate(&eval, &config.prompt, config, &plain)
     } else {
         String::new()
     };
+    let tokens_per_step = (config.batch_size * config.seq_len) as f64;
     let (step_seconds, tokens_per_sec) = timer.figures(tokens_per_step);
     Ok(DiLoCoReport {
         train: TrainReport {
-            losses,
+            losses: losses.into_iter().map(f64::from).collect(),
             val_loss,
             sample,
             step_seconds,
             tokens_per_sec,
             final_params: named_params(&eval),
-            skipped_steps: skipped,
-            loss_scale: trainer.step.loss_scale(),
+            skipped_steps: skipped + state.skipped,
+            loss_scale,
             memory: None,
         },
-        outer_bytes,
-        total_bytes,
-        syncs: diloco.history().len(),
-        dropped,
-        sync_seconds: sync_timer.step_seconds(),
+        outer_bytes: figures.outer_bytes,
+        total_bytes: figures.total_bytes,
+        syncs: figures.syncs,
+        dropped: figures.dropped,
+        sync_seconds: figures.sync_seconds,
     })
 }
 
-/// How pseudo-gradients travel (`--diloco-compression`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum CompressionArg {
-    /// 4 bytes per element (ring all-reduce).
-    #[default]
-    F32,
-    /// IEEE half precision.
-    Fp16,
-    /// bfloat16.
-    Bf16,
-    /// int8 with an f32 scale per block of `--int8-block` elements.
-    Int8,
-}
-
-/// The inner optimizer (`--inner-optim`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum InnerOptimArg {
-    /// AdamW.
-    #[default]
-    Adamw,
-    /// Plain SGD.
-    Sgd,
-}
-
-/// The `gpt` binary's DiLoCo flags.
+/// The `gpt` binary's DiLoCo flags: the library's ([`DiLoCoFlags`]).
 #[derive(Debug, Clone, clap::Args)]
 pub struct DiLoCoArgs {
-    /// DiLoCo: cut the ranks into this many islands (ranks/N each, DDP inside); islands
-    /// average their pseudo-gradients every --inner-steps steps.
-    #[arg(long = "diloco-islands")]
-    pub islands: Option<usize>,
-    /// DiLoCo: inner steps H between syncs.
-    #[arg(long, default_value_t = 50, requires = "islands")]
-    pub inner_steps: usize,
-    /// DiLoCo: learning rate of the outer SGD.
-    #[arg(long, default_value_t = 0.7, requires = "islands")]
-    pub outer_lr: f64,
-    /// DiLoCo: momentum of the outer SGD, in [0, 1).
-    #[arg(long, default_value_t = 0.9, requires = "islands")]
-    pub outer_momentum: f64,
-    /// DiLoCo: plain momentum instead of Nesterov's.
-    #[arg(long, requires = "islands")]
-    pub no_nesterov: bool,
-    /// DiLoCo: how pseudo-gradients travel.
-    #[arg(
-        long = "diloco-compression",
-        value_enum,
-        default_value = "f32",
-        requires = "islands"
-    )]
-    pub compression: CompressionArg,
-    /// DiLoCo: elements per scale of int8 compression.
-    #[arg(long, default_value_t = 256, requires = "islands")]
-    pub int8_block: usize,
-    /// Streaming DiLoCo: fragments synced at staggered steps.
-    #[arg(long = "diloco-fragments", default_value_t = 1, requires = "islands")]
-    pub fragments: usize,
-    /// Streaming DiLoCo's overlap: a fragment's outer exchange runs in the background during
-    /// the next N inner steps, and its update lands after them (0: at once, no overlap).
-    #[arg(long = "diloco-overlap", default_value_t = 0, requires = "islands")]
-    pub overlap: usize,
-    /// DiLoCo overlap: share of the local values kept when a delayed update lands, in [0, 1).
-    #[arg(
-        long = "diloco-overlap-mix",
-        default_value_t = 0.5,
-        requires = "islands"
-    )]
-    pub overlap_mix: f64,
-    /// DiLoCo: an island that disappears (crash, exit, timeout) is dropped from the average
-    /// and the others go on, instead of stopping the job.
-    #[arg(long = "diloco-drop-lost", requires = "islands")]
-    pub drop_lost: bool,
-    /// DiLoCo: the inner optimizer.
-    #[arg(
-        long = "inner-optim",
-        value_enum,
-        default_value = "adamw",
-        requires = "islands"
-    )]
-    pub inner: InnerOptimArg,
+    /// `--diloco-islands N --inner-steps H ...`.
+    #[command(flatten)]
+    pub flags: DiLoCoFlags,
 }
 
 impl DiLoCoArgs {
     /// The run these flags ask for on `device`; `None` without `--diloco-islands` (the other
     /// DiLoCo flags are refused without it rather than ignored).
     pub fn run(&self, device: TrainDevice) -> Option<DiLoCoRun> {
-        let compression = match self.compression {
-            CompressionArg::F32 => Compression::F32,
-            CompressionArg::Fp16 => Compression::Fp16,
-            CompressionArg::Bf16 => Compression::Bf16,
-            CompressionArg::Int8 => Compression::Int8 {
-                block_size: self.int8_block,
-            },
-        };
+        let layout = self.flags.layout()?;
         Some(DiLoCoRun {
-            islands: self.islands?,
-            diloco: DiLoCoConfig {
-                inner_steps: self.inner_steps,
-                outer_lr: self.outer_lr,
-                outer_momentum: self.outer_momentum,
-                nesterov: !self.no_nesterov,
-                compression,
-                fragments: self.fragments,
-                drop_lost_islands: self.drop_lost,
-                overlap_steps: self.overlap,
-                overlap_mix: self.overlap_mix,
-            },
-            inner: match self.inner {
-                InnerOptimArg::Adamw => InnerOptimizer::AdamW,
-                InnerOptimArg::Sgd => InnerOptimizer::Sgd,
+            islands: layout.islands,
+            diloco: layout.config,
+            inner: match layout.inner_sgd {
+                true => InnerOptimizer::Sgd,
+                false => InnerOptimizer::AdamW,
             },
             device,
         })
@@ -548,26 +389,7 @@ pub fn run_rank(
 ) -> burn_parallel::Result<Option<DiLoCoReport>> {
     let lead = world.rank() == 0;
     if lead {
-        let d = &run.diloco;
-        println!(
-            "DiLoCo: {} islands x {} ranks, H = {}, outer SGD lr {} momentum {}{}, \
-             pseudo-gradients {}, {} fragment(s), overlap {} step(s), {}inner {:?}",
-            run.islands,
-            world.size() / run.islands.max(1),
-            d.inner_steps,
-            d.outer_lr,
-            d.outer_momentum,
-            if d.nesterov { " (Nesterov)" } else { "" },
-            d.compression,
-            d.fragments,
-            d.overlap_steps,
-            if d.drop_lost_islands {
-                "lost islands dropped, "
-            } else {
-                ""
-            },
-            run.inner
-        );
+        println!("{}", run.layout().summary(world.size()));
     }
     let mut on_step = |s: &StepStats| {
         if lead && (s.step.is_multiple_of(log_every.max(1)) || s.step + 1 == config.steps) {
@@ -587,38 +409,17 @@ pub fn run_rank(
                     reason: other.to_string(),
                 },
             })?;
-    if lead {
-        for (island, step) in &report.dropped {
-            match step {
-                Some(step) => {
-                    println!("DiLoCo: island {island} dropped at the sync of step {step}")
-                }
-                None => println!("DiLoCo: island {island} dropped at the final sync"),
-            }
-        }
-        println!(
-            "DiLoCo: {:.4} s per step in outer syncs (stall), {:.4} s per step in all",
-            report.sync_seconds, report.train.step_seconds
-        );
-    }
-    if run.diloco.drop_lost_islands {
-        // Islands may be gone: no collective over the world.
+    let figures = DiLoCoFigures {
+        outer_bytes: report.outer_bytes,
+        total_bytes: report.total_bytes,
+        syncs: report.syncs,
+        dropped: report.dropped.clone(),
+        sync_seconds: report.sync_seconds,
+    };
+    let drop_lost = run.diloco.drop_lost_islands;
+    for line in figures.summary(world, report.train.step_seconds, drop_lost)? {
         if lead {
-            println!(
-                "rank 0: sent {} bytes in {} outer syncs, {} bytes in all",
-                report.outer_bytes, report.syncs, report.total_bytes
-            );
-        }
-        return Ok(Some(report).filter(|_| lead));
-    }
-    // Every rank's bytes, on rank 0.
-    let bytes = world.all_gather_object(&(report.outer_bytes, report.total_bytes))?;
-    if lead {
-        for (rank, (outer, total)) in bytes.iter().enumerate() {
-            println!(
-                "rank {rank}: sent {outer} bytes in {} outer syncs, {total} bytes in all",
-                report.syncs
-            );
+            println!("{line}");
         }
     }
     Ok(lead.then_some(report))
@@ -627,4 +428,22 @@ pub fn run_rank(
 /// A checkpoint error of a DiLoCo run.
 fn checkpoint_error(e: impl std::fmt::Display) -> DiLoCoTrainError {
     DiLoCoTrainError::Checkpoint(e.to_string())
+}
+
+/// The library's error as a DiLoCo run's: collective failures and DiLoCo's own stay typed (a
+/// lost island keeps its message), a checkpoint's or a resume's is a checkpoint error, anything
+/// else a config error with its message.
+fn train_error(e: burn_parallel::Error) -> DiLoCoTrainError {
+    use burn_parallel::Error;
+    match e {
+        Error::Collective(c) => c.into(),
+        Error::DiLoCo(d) => d.into(),
+        Error::Step { source, .. }
+            if matches!(*source, Error::Collective(_) | Error::DiLoCo(_)) =>
+        {
+            train_error(*source)
+        }
+        e @ (Error::Checkpoint(_) | Error::Resume { .. }) => checkpoint_error(e),
+        e => DiLoCoTrainError::Config(e.to_string()),
+    }
 }

@@ -33,7 +33,7 @@ use burn_parallel::train::{SaveState, StepEngine, StepOutput, TrainStep, Trainer
 use burn_parallel::{DeviceMesh, DistributedDataParallel, Error, ParallelDims, ProcessGroup};
 use burn_zero::{FsdpPlan, MemoryTracker, ShardGroups, Stage, ZeroConfig, ZeroOptimizer};
 
-use crate::diloco::DiLoCoEngine;
+use crate::diloco::{DiLoCoEngine, DiLoCoHandle};
 use crate::layout::{Layout, Workload};
 use crate::pipeline::{PipelineSteps, Stager};
 use serde_json::Value;
@@ -300,6 +300,9 @@ pub struct Built<P: ParallelModel> {
     pub settings: StepSettings,
     /// The layout it was built under (saved with checkpoints, named on resume).
     pub layout: Layout,
+    /// DiLoCo's outer loop (a layout with DiLoCo; `None` otherwise): its history, islands and
+    /// time in syncs, still readable after [`Built::trained`] (which runs the final sync).
+    pub diloco: Option<DiLoCoHandle>,
 }
 
 impl<P: ParallelModel> Built<P> {
@@ -484,6 +487,7 @@ pub fn build<P: ParallelModel>(
             zero_memory: None,
             settings: settings.clone(),
             layout: *layout,
+            diloco: None,
         });
     }
     Placed::new(world, layout, model, device, settings)?.into_engine(settings)
@@ -637,6 +641,7 @@ impl<P: ParallelModel> Placed<P> {
             .with_epsilon(hyper.epsilon)
             .with_weight_decay(hyper.weight_decay);
         let mut zero_memory = None;
+        let mut diloco = None;
         let engine: Box<dyn StepEngine<P::Model, Error>> = match (layout.diloco, islands) {
             (Some(d), Some(islands)) => {
                 // Each island's step (DDP inside it), then the outer loop.
@@ -660,14 +665,16 @@ impl<P: ParallelModel> Placed<P> {
                     }
                 };
                 let inner = Trainer::new(step, fresh());
-                Box::new(DiLoCoEngine::new(
+                let engine = DiLoCoEngine::new(
                     &groups.world,
                     &islands,
                     d.config,
                     &model,
                     &init.context(),
                     (inner, fresh),
-                )?)
+                )?;
+                diloco = Some(engine.handle());
+                Box::new(engine)
             }
             _ => match layout.zero {
                 Some(stage @ (Stage::One | Stage::Two)) => {
@@ -750,6 +757,7 @@ impl<P: ParallelModel> Placed<P> {
             zero_memory,
             settings: settings.clone(),
             layout,
+            diloco,
         })
     }
 }

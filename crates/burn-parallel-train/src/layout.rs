@@ -263,7 +263,7 @@ impl Layout {
     /// # Errors
     /// A message naming the key that is unknown or of the wrong type.
     pub fn from_toml(text: &str) -> Result<Self, String> {
-        toml::from_str(text).map_err(|e| format!("invalid layout: {e}"))
+        crate::from_toml(text).map_err(|e| format!("invalid layout: {e}"))
     }
 
     /// Data-parallel ranks (replicate x shard) on `world` ranks: what is left after the

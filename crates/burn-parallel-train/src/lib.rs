@@ -23,6 +23,7 @@
 pub mod build;
 #[cfg(feature = "cli")]
 pub mod cli;
+mod config;
 pub mod diloco;
 pub mod fit;
 pub mod layout;
@@ -35,6 +36,7 @@ mod saved;
 pub use build::{
     Built, Groups, ModelParts, ParallelModel, Placed, StepSettings, Trainee, build, verify_replicas,
 };
+pub use config::from_toml;
 pub use fit::{
     BatchFn, CheckpointPolicy, FitConfig, Fitted, LossHistory, LrSchedule, MicroBatch, OnStep,
     Resumed, RunState, StepLog, fit, fit_with, open_checkpoint,

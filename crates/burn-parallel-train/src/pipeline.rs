@@ -45,6 +45,9 @@ use serde_json::Value;
 use crate::build::{Groups, ParallelModel, StepSettings};
 use crate::layout::{Layout, Recompute};
 
+/// A parameter's path, shape and values, as the stages gather them.
+type NamedValues = (String, Vec<usize>, Vec<f32>);
+
 /// The whole model's path of a stage parameter's local path (`layers.0.attn.q.weight` of a
 /// stage whose first layer is 4 is `layers.4.attn.q.weight`).
 pub type PathMap = Arc<dyn Fn(&str) -> String + Send + Sync>;
@@ -426,7 +429,7 @@ impl<P: StagedModel + 'static> PipelineSteps<P> for PipelineEngine<P> {
                 mine.push((Self::name(stage, &path), shape, values));
             }
         }
-        let all: Vec<Vec<(String, Vec<usize>, Vec<f32>)>> = self.pp.all_gather_object(&mine)?;
+        let all: Vec<Vec<NamedValues>> = self.pp.all_gather_object(&mine)?;
         Ok(all
             .into_iter()
             .flatten()

@@ -129,7 +129,10 @@ fn run_rank(
     };
     // Rank 0 shows a bar and a line every 10 steps (loss, tokens/s, memory).
     let progress = Progress::new(world.rank() == 0, args.steps, 10);
-    let mut on_step = |log: &StepLog, _: &_| Ok(progress.step(log, &[]));
+    let mut on_step = |log: &StepLog, _: &_| {
+        progress.step(log, &[]);
+        Ok(())
+    };
     let fitted = fit(built, &config, &mut batch, &mut on_step, Some(stop))?;
     progress.finish();
     if world.rank() == 0 {
