@@ -1246,6 +1246,10 @@ impl burn_parallel_train::ParallelModel for GptConfig {
         Ok(model.loss(inputs, targets)?)
     }
 
+    fn dropout_layers(model: &Gpt) -> Vec<(String, SeededDropout)> {
+        crate::train_checkpoint::dropout_layers(model)
+    }
+
     fn n_heads(&self) -> usize {
         self.n_heads
     }

@@ -28,7 +28,7 @@
 //! checkpointing (the recomputed masks would differ), and
 //! `grad_accum` other than 1 (the micro-batches are the accumulation).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -43,8 +43,8 @@ use burn_parallel::tensor_parallel::SeededDropout;
 use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
 use burn_parallel_train::pipeline::{PathMap, Stager};
 use burn_parallel_train::{
-    Built, Layout, MicroBatch, ModelParts, ParallelModel, PipelineEngine, PipelineLayout,
-    StageParts, StagedModel, StepLog, StepSettings, Trainee, build, fit_with,
+    Built, Layout, MicroBatch, ModelParts, ParallelModel, PipelineLayout, StageParts, StagedModel,
+    StepLog, StepSettings, Trainee, build, fit_with,
 };
 use burn_pipeline::generators;
 use burn_pipeline::partition::{self, PartitionError};
@@ -854,6 +854,9 @@ impl ParallelModel for StagedGpt {
     fn build(&self, parts: &ModelParts) -> Result<Gpt, burn_parallel::Error> {
         self.config.build(parts)
     }
+    fn dropout_layers(model: &Gpt) -> Vec<(String, SeededDropout)> {
+        GptConfig::dropout_layers(model)
+    }
     fn stages(&self) -> Option<&dyn Stager<Self>> {
         Some(self)
     }
@@ -902,6 +905,10 @@ impl StagedModel for StagedGpt {
         tied_weight(stage)
     }
 
+    fn stage_dropout_layers(stage: &GptStage) -> Vec<(String, SeededDropout)> {
+        stage_dropouts(stage)
+    }
+
     fn variable_dims(&self) -> Vec<usize> {
         // Micro-batches may differ in sequence length.
         vec![1]
@@ -919,27 +926,15 @@ impl From<GptPipelineError> for burn_parallel::Error {
     }
 }
 
-impl train_checkpoint::GptDropouts for StagedGpt {
-    fn dropouts(built: &Built<Self>) -> Vec<(String, SeededDropout)> {
-        built
-            .pipeline()
-            .and_then(|p| p.as_any().downcast_ref::<PipelineEngine<StagedGpt>>())
-            .map(|engine| stage_dropouts(engine.stages()))
-            .unwrap_or_default()
-    }
-}
-
-/// The dropout layers of a rank's stages, by the whole model's names.
-fn stage_dropouts(stages: &BTreeMap<usize, GptStage>) -> Vec<(String, SeededDropout)> {
+/// The dropout layers of a stage, by the whole model's names.
+fn stage_dropouts(stage: &GptStage) -> Vec<(String, SeededDropout)> {
     let mut out = Vec::new();
-    for stage in stages.values() {
-        if let Some(drop) = stage.input.as_ref().and_then(|i| i.drop.as_ref()) {
-            out.push(("drop".to_string(), drop.clone()));
-        }
-        for (i, layer) in stage.layers.iter().enumerate() {
-            let name = format!("blocks.{}", stage.first_layer + i);
-            train_checkpoint::block_dropouts(&name, &layer.block, &mut out);
-        }
+    if let Some(drop) = stage.input.as_ref().and_then(|i| i.drop.as_ref()) {
+        out.push(("drop".to_string(), drop.clone()));
+    }
+    for (i, layer) in stage.layers.iter().enumerate() {
+        let name = format!("blocks.{}", stage.first_layer + i);
+        train_checkpoint::block_dropouts(&name, &layer.block, &mut out);
     }
     out
 }

@@ -20,17 +20,15 @@
 //! stream over its own rows), so at another data-parallel size a resumed run trains on, as
 //! that layout always does, other masks: a valid continuation, not the saving run's curve.
 
-use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use burn_parallel::checkpoint::Checkpoint;
 use burn_parallel::precision::LossScalerState;
 use burn_parallel::tensor_parallel::SeededDropout;
 use burn_parallel::train::SaveState;
-use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
-use crate::gpt::{Block, Gpt, GptConfig};
+use crate::gpt::{Block, Gpt};
 use crate::train::TrainConfig;
 use burn_parallel_train::{Built, ParallelModel};
 
@@ -116,9 +114,6 @@ impl TrainerState {
     }
 }
 
-/// Name of the dropout layers' call counters in each rank's state.
-pub(crate) const DROPOUT_CALLS: &str = "dropout_calls";
-
 /// The dropout layers of a block whose logical path is `prefix` (`blocks.3`).
 pub(crate) fn block_dropouts(prefix: &str, block: &Block, out: &mut Vec<(String, SeededDropout)>) {
     let mut add = |name: &str, drop: &Option<SeededDropout>| {
@@ -146,81 +141,6 @@ pub(crate) fn dropout_layers(model: &Gpt) -> Vec<(String, SeededDropout)> {
         block_dropouts(&format!("blocks.{i}"), block.skeleton(), &mut out);
     }
     out
-}
-
-/// The call counters of `layers`, for a rank state under [`DROPOUT_CALLS`].
-pub(crate) fn dropout_calls(layers: &[(String, SeededDropout)]) -> serde_json::Value {
-    let calls: BTreeMap<&str, u64> = layers
-        .iter()
-        .map(|(n, d)| (n.as_str(), d.calls()))
-        .collect();
-    serde_json::to_value(calls).expect("counters serialise")
-}
-
-/// The values saved under `key` in the rank states of `checkpoint`, merged by name over the
-/// saving ranks (a name saved by several ranks must have the same value on each).
-///
-/// # Errors
-/// A sentence naming the value two saving ranks disagree on, or a rank state that does not
-/// parse.
-pub(crate) fn merged_rank_values<T: DeserializeOwned + PartialEq + std::fmt::Debug>(
-    checkpoint: &Checkpoint,
-    key: &str,
-) -> Result<BTreeMap<String, T>, String> {
-    let mut all: BTreeMap<String, (usize, T)> = BTreeMap::new();
-    for (rank, state) in checkpoint.manifest().rank_states.iter().enumerate() {
-        let Some(values) = state.get(key) else {
-            continue;
-        };
-        let values: BTreeMap<String, T> = serde_json::from_value(values.clone()).map_err(|e| {
-            format!(
-                "{}: rank {rank}'s {key} does not parse ({e}); the checkpoint is damaged",
-                checkpoint.dir().display()
-            )
-        })?;
-        for (name, value) in values {
-            match all.get(&name) {
-                Some((first, v)) if *v != value => {
-                    return Err(format!(
-                        "{}: ranks {first} and {rank} saved {key} {name} as {v:?} and \
-                         {value:?}; the checkpoint is inconsistent, resume from another one",
-                        checkpoint.dir().display()
-                    ));
-                }
-                Some(_) => {}
-                None => {
-                    all.insert(name, (rank, value));
-                }
-            }
-        }
-    }
-    Ok(all.into_iter().map(|(n, (_, v))| (n, v)).collect())
-}
-
-/// Sets the call counters of `layers` to those saved in `checkpoint`, so that the resumed run
-/// draws the masks the saving run would have drawn next.
-///
-/// # Errors
-/// A sentence naming a dropout layer whose counter the checkpoint does not hold.
-pub(crate) fn restore_dropout(
-    checkpoint: &Checkpoint,
-    layers: &[(String, SeededDropout)],
-) -> Result<(), String> {
-    if layers.is_empty() {
-        return Ok(());
-    }
-    let saved: BTreeMap<String, u64> = merged_rank_values(checkpoint, DROPOUT_CALLS)?;
-    for (name, drop) in layers {
-        let calls = saved.get(name).ok_or_else(|| {
-            format!(
-                "{} holds no dropout position for {name} (saved without that dropout layer): \
-                 resume with the model that saved it",
-                checkpoint.dir().display()
-            )
-        })?;
-        drop.set_calls(*calls);
-    }
-    Ok(())
 }
 
 /// Key of the loss scaler's state ([`LossScalerState`], `null` without a scaler) in the trainer
@@ -351,31 +271,16 @@ impl<'a> GptRunState<'a> {
     }
 }
 
-/// A GPT run's model, whole or staged: where its dropout layers are.
-pub(crate) trait GptDropouts: ParallelModel {
-    /// The dropout layers of what `built` trains, by the whole model's names.
-    fn dropouts(built: &Built<Self>) -> Vec<(String, SeededDropout)>
-    where
-        Self: Sized;
-}
-
-impl GptDropouts for GptConfig {
-    fn dropouts(built: &Built<Self>) -> Vec<(String, SeededDropout)> {
-        built.model().map(dropout_layers).unwrap_or_default()
-    }
-}
-
-impl<P: GptDropouts> burn_parallel_train::RunState<P> for GptRunState<'_> {
-    fn save(&self, losses: &[f32], built: &Built<P>) -> SaveState {
+impl<P: ParallelModel> burn_parallel_train::RunState<P> for GptRunState<'_> {
+    fn save(&self, losses: &[f32], _: &Built<P>) -> SaveState {
         let losses: Vec<f64> = losses.iter().map(|&l| f64::from(l)).collect();
         SaveState::from(TrainerState::json(&losses, self.config))
-            .with_rank(DROPOUT_CALLS, dropout_calls(&P::dropouts(built)))
     }
 
     fn restore(
         &mut self,
         checkpoint: &Checkpoint,
-        built: &Built<P>,
+        _: &Built<P>,
     ) -> Result<Vec<f32>, burn_parallel::Error> {
         let fail = |e: String| burn_parallel::Error::invalid("checkpoint", e);
         let state = resume_state(checkpoint, self.config).map_err(fail)?;
@@ -385,8 +290,6 @@ impl<P: GptDropouts> burn_parallel_train::RunState<P> for GptRunState<'_> {
         {
             self.skipped = saved.skipped;
         }
-        // The counters are shared with the model the engine loads into.
-        restore_dropout(checkpoint, &P::dropouts(built)).map_err(fail)?;
         if self.announce {
             println!(
                 "resuming from {}",

@@ -29,6 +29,7 @@ use burn_parallel::overlap::OverlappedDdp;
 use burn_parallel::plan::TpPlan;
 use burn_parallel::precision::{LossScaler, MixedPrecision};
 use burn_parallel::replica::{verify_replicas_in, verify_replicas_of};
+use burn_parallel::tensor_parallel::SeededDropout;
 use burn_parallel::train::{SaveState, StepEngine, StepOutput, TrainStep, Trainer};
 use burn_parallel::{DeviceMesh, DistributedDataParallel, Error, ParallelDims, ProcessGroup};
 use burn_zero::{FsdpPlan, MemoryTracker, ShardGroups, Stage, ZeroConfig, ZeroOptimizer};
@@ -107,6 +108,12 @@ pub trait ParallelModel {
     /// # Errors
     /// Whatever the model's forward refuses.
     fn loss(model: &Self::Model, batch: &Self::Batch) -> Result<Tensor<1>, Error>;
+
+    /// The model's dropout layers by name (`blocks.3.attn.drop`), whose positions [`crate::fit`]
+    /// saves with its checkpoints and restores on resume ([`crate::streams`]); default none.
+    fn dropout_layers(_model: &Self::Model) -> Vec<(String, SeededDropout)> {
+        Vec::new()
+    }
 
     /// The model's pipeline form (`Some(self)` for a [`crate::StagedModel`]); `None`, the default,
     /// refuses `pp > 1`.
@@ -406,6 +413,16 @@ impl<P: ParallelModel> Built<P> {
             Trainee::Whole { model, .. } => verify_replicas(model, &self.groups, &self.experts),
             Trainee::Pipeline(pipeline) => pipeline.verify_replicas(),
             Trainee::Lost => Err(lost()),
+        }
+    }
+
+    /// The dropout layers of what this rank trains, by the whole model's names
+    /// ([`ParallelModel::dropout_layers`], or each stage's under a pipeline).
+    pub fn dropout_layers(&self) -> Vec<(String, SeededDropout)> {
+        match &self.trainee {
+            Trainee::Whole { model, .. } => P::dropout_layers(model),
+            Trainee::Pipeline(pipeline) => pipeline.dropout_layers(),
+            Trainee::Lost => Vec::new(),
         }
     }
 

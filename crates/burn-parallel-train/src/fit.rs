@@ -19,6 +19,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::build::{Built, ParallelModel};
 use crate::saved::saved_state;
+use crate::streams::{DROPOUT_CALLS, dropout_calls, restore_dropout};
 
 /// The learning rate of each step: a linear warm-up over `warmup` steps to `peak`, then a
 /// cosine decay to `floor · peak` at step `steps`.
@@ -355,6 +356,8 @@ pub fn fit_with<P: ParallelModel>(
         let checkpoint = open_checkpoint(path).map_err(|e| resuming(e.into()))?;
         losses = state.restore(&checkpoint, &built).map_err(resuming)?;
         built.load(&checkpoint).map_err(resuming)?;
+        // The dropout streams of what was loaded continue where the saving run's stopped.
+        restore_dropout(&checkpoint, &built.dropout_layers()).map_err(resuming)?;
         first_step = checkpoint.step();
         resumed_from = Some(Resumed::of(&checkpoint));
     }
@@ -403,7 +406,10 @@ pub fn fit_with<P: ParallelModel>(
                     "layout": built.layout,
                     "description": built.layout.describe(world.size()),
                 });
-                let saved = state.save(&losses, &built).with_rank(LAYOUT_KEY, layout);
+                let saved = state
+                    .save(&losses, &built)
+                    .with_rank(LAYOUT_KEY, layout)
+                    .with_rank(DROPOUT_CALLS, dropout_calls(&built.dropout_layers()));
                 built.save(saver, done, saved)?;
             }
         }

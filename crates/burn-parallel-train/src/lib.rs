@@ -32,6 +32,7 @@ pub mod pipeline;
 #[cfg(feature = "cli")]
 mod progress;
 mod saved;
+pub mod streams;
 
 pub use build::{
     Built, Groups, ModelParts, ParallelModel, Placed, StepSettings, Trainee, build, verify_replicas,

@@ -33,6 +33,7 @@ use burn_parallel::checkpoint::{Checkpoint, Checkpointer};
 use burn_parallel::init::Init;
 use burn_parallel::nn::TpContext;
 use burn_parallel::replica::verify_replicas_in;
+use burn_parallel::tensor_parallel::SeededDropout;
 use burn_parallel::train::{SaveState, StepOutput, StepPhases, TrainStep};
 use burn_parallel::{DistributedDataParallel, Error, ProcessGroup, ReduceOp};
 use burn_pipeline::runtime::{Checkpointing, Executor, StepReport};
@@ -86,6 +87,12 @@ pub trait StagedModel: ParallelModel {
     /// table), if any: its gradients are summed over the two copies.
     fn tied_weight(_stage: &Self::Stage) -> Option<ParamId> {
         None
+    }
+
+    /// The stage's dropout layers by the whole model's names (`blocks.3.attn.drop`), whose
+    /// positions [`crate::fit`] saves and restores; default none.
+    fn stage_dropout_layers(_stage: &Self::Stage) -> Vec<(String, SeededDropout)> {
+        Vec::new()
     }
 
     /// Dimensions of the boundary tensors that may differ between micro-batches (`[1]`, the
@@ -191,6 +198,9 @@ pub trait PipelineSteps<P: ParallelModel> {
     /// # Errors
     /// Collective failures.
     fn whole_params(&self) -> Result<BTreeMap<String, TensorData>, Error>;
+
+    /// The dropout layers of this rank's stages ([`StagedModel::stage_dropout_layers`]).
+    fn dropout_layers(&self) -> Vec<(String, SeededDropout)>;
 
     /// The device the stages live on.
     fn device(&self) -> &Device;
@@ -435,6 +445,13 @@ impl<P: StagedModel + 'static> PipelineSteps<P> for PipelineEngine<P> {
             .flatten()
             .map(|(path, shape, values)| (path, TensorData::new(values, shape)))
             .collect())
+    }
+
+    fn dropout_layers(&self) -> Vec<(String, SeededDropout)> {
+        self.stages
+            .values()
+            .flat_map(P::stage_dropout_layers)
+            .collect()
     }
 
     fn device(&self) -> &Device {
