@@ -22,12 +22,8 @@ use burn_parallel::tensor_parallel::TpError;
 use burn_parallel::train::TrainStep;
 use burn_parallel::{MeshError, ParallelDims, run_local};
 use burn_parallel_train::{
-    CheckpointPolicy, FitConfig, Layout, MicroBatch, StepSettings, build, fit,
+    CheckpointPolicy, FitConfig, Layout, MicroBatch, PipelineLayout, StepSettings, build, fit,
 };
-use burn_pipeline::generators::generate;
-use burn_pipeline::partition::by_count;
-use burn_pipeline::runtime::Executor;
-use burn_pipeline::update::{StageOptimizer, StageUpdater};
 use burn_zero::{Stage, ZeroError};
 use model::{Config, Decoder, Recipe, fsdp_plan, moe_tp_plan, tp_plan};
 use std::collections::BTreeMap;
@@ -536,8 +532,8 @@ fn byo_model_saved_under_one_layout_resumes_under_another() {
     std::fs::remove_dir_all(&root).unwrap();
 }
 
-/// Pipeline checkpoints (`StageUpdater::save`/`load`, under the single-device decoder's
-/// names): saved by pp 2 x dp 2 after 10 steps, resumed on one device; saved by dp 2 x tp 2 +
+/// Pipeline checkpoints (`Built::save`/`load` of a pipeline layout, under the single-device
+/// decoder's names): saved by pp 2 x dp 2 after 10 steps, resumed on one device; saved by dp 2 x tp 2 +
 /// sp (`TrainStep::save`), resumed under pp 2 x tp 2 + sp. Both finish as 20 uninterrupted
 /// single-device steps do.
 #[test]
@@ -690,8 +686,9 @@ struct PipeSteps<'a> {
     resume: Option<&'a std::path::Path>,
 }
 
-/// [`pipelined`] over `steps`, resuming and saving as they say (`StageUpdater::load` and
-/// `save`, under the single-device decoder's names).
+/// [`pipelined`] over `steps`, resuming and saving as they say, through the library's builder
+/// (the decoder's `StagedModel` form under a `Layout` with `pp`, checkpoints under the
+/// single-device decoder's names).
 fn pipelined_steps(
     schedule: &str,
     (pp, m, dp): (usize, usize, usize),
@@ -701,93 +698,50 @@ fn pipelined_steps(
     steps: PipeSteps<'_>,
 ) -> (Vec<f32>, Params) {
     let device = Device::flex().autodiff();
-    let dims = ParallelDims {
+    let layout = Layout {
         pp,
-        dp_replicate: dp,
         tp,
-        ..ParallelDims::default()
+        sp: sequence_parallel,
+        pipeline: PipelineLayout {
+            schedule: schedule.parse().unwrap(),
+            ..PipelineLayout::default()
+        },
+        ..Layout::default()
     };
-    let schedule = generate(schedule.parse().unwrap(), pp, m, None).unwrap();
-    let out = run_local(dims.world_size(), move |world| {
-        let mesh = dims.build(&world).unwrap();
-        let dp = dims.data_parallel(&mesh).unwrap();
-        let pp_group = mesh.group("pp").unwrap().clone();
-        let split = by_count(config().n_layers, schedule.num_stages()).unwrap();
-        let mut exec = Executor::new(schedule.clone(), pp_group.clone(), device.clone()).unwrap();
-        let init = Init::new(config().seed, &device)
-            .with_tp(mesh.group("tp").unwrap(), tp_plan(sequence_parallel))
-            .unwrap();
-        let mut stages = BTreeMap::new();
-        let mut optims = BTreeMap::new();
-        for s in exec.local_stages() {
-            let stage = model::stage(&init, &config(), s, split.len(), split[s].clone()).unwrap();
-            stages.insert(s, stage);
-            optims.insert(s, StageOptimizer::module(optimizer()));
-        }
-        let reduce = TrainStep::new(init.context())
-            .with_data_parallel(dp.clone())
-            .with_precision(precision);
-        exec = exec.with_precision(&reduce);
-        let mut updater = StageUpdater::new(&exec, optims, reduce)
-            .unwrap()
-            .with_clip(clip);
-        updater.set_lr(LR);
-        let names = |stage: &model::Stage, path: &str| stage.flat_path(path);
+    let settings = StepSettings {
+        precision,
+        ..step_settings(clip, m)
+    };
+    let recipe = Recipe {
+        config: config(),
+        moe: None,
+    };
+    let out = burn_parallel_train::run_local(pp * dp * tp, move |world| {
+        let mut built = build(&world, &layout, &recipe, &device, &settings)?;
+        let dp = built.groups.data.clone();
         if let Some(dir) = steps.resume {
             let checkpoint = Checkpointer::latest(dir).unwrap().expect("a checkpoint");
-            updater.load(&checkpoint, &mut stages, &names).unwrap();
+            built.load(&checkpoint).unwrap();
         }
+        // Micro-batch k: rows k of this rank's share of the global batch.
         let rows = BATCH / dp.size() / m;
         let mut losses = Vec::new();
         for step in steps.steps.clone() {
-            let batches: Vec<examples::data::Batch> = (0..m)
-                .map(|k| {
-                    let first = dp.rank() * rows * m + k * rows;
-                    let (tokens, targets) = batch(step, first..first + rows, &Device::flex());
-                    examples::data::Batch {
-                        inputs: tokens.into_data().convert::<i64>().try_to_vec().unwrap(),
-                        targets: targets.into_data().convert::<i64>().try_to_vec().unwrap(),
-                        batch_size: rows,
-                        seq_len: SEQ,
-                    }
-                })
-                .collect();
-            let report = exec
-                .step(&mut stages, &batches, &mut |s, stage, g| {
-                    updater.at_reduce(s, stage, g)
-                })
-                .unwrap();
-            updater.finish(&mut stages, &report).unwrap();
-            losses.push(dp.all_reduce_f32(vec![report.loss], burn_parallel::ReduceOp::Avg)?[0]);
+            let mut batch = |k: usize| {
+                let first = dp.rank() * rows * m + k * rows;
+                Ok(host_batch(step, first..first + rows))
+            };
+            losses.push(built.step(m, &mut batch, LR)?.loss);
         }
         if let Some(dir) = steps.save {
             let mut saver = Checkpointer::new(dir, 1, &world).unwrap();
             let state = serde_json::Value::Null.into();
-            updater
-                .save(&mut saver, steps.steps.end, &stages, &names, state)
-                .unwrap();
+            built.save(&mut saver, steps.steps.end, state).unwrap();
         }
-        // Each stage whole (tensor-parallel shards gathered), at the decoder's paths.
-        let mut mine = Vec::new();
-        for stage in stages.values() {
-            for (path, data) in init.context().full_params(&stage.valid())? {
-                let path = stage.flat_path(&path);
-                mine.push((
-                    path,
-                    data.shape().to_vec(),
-                    data.try_to_vec::<f32>().unwrap(),
-                ));
-            }
-        }
-        let all = pp_group.all_gather_object(&mine)?;
-        let params: Params = all
-            .into_iter()
-            .flatten()
-            .map(|(path, shape, values)| (path, TensorData::new(values, shape)))
-            .collect();
-        Ok((losses, params))
+        // The whole decoder on every rank, gathered from the stages.
+        Ok((losses, built.trained(&recipe)?.whole_params()?))
     })
-    .unwrap();
+    .unwrap_or_else(|e| panic!("{e}"));
     rank0(out)
 }
 
