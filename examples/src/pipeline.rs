@@ -43,8 +43,8 @@ use burn_parallel::tensor_parallel::SeededDropout;
 use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
 use burn_parallel_train::pipeline::{PathMap, Stager};
 use burn_parallel_train::{
-    Built, Layout, MicroBatch, ModelParts, ParallelModel, PipelineLayout, StageParts, StagedModel,
-    StepLog, StepSettings, Trainee, build, fit_with,
+    Built, Layout, ModelParts, ParallelModel, PipelineLayout, StageParts, StagedModel, StepLog,
+    StepSettings, Trainee, build,
 };
 use burn_pipeline::generators;
 use burn_pipeline::partition::{self, PartitionError};
@@ -59,7 +59,9 @@ use crate::data::{Batch, Corpus, Split};
 use crate::gpt::{
     Block, Embeddings, Gpt, GptConfig, INIT_STD, Norm, OutputLayer, Pass, PositionKind,
 };
-use crate::train::{NamedParam, StepStats, TrainConfig, TrainDevice, TrainReport, named_params};
+use crate::train::{
+    GptFit, NamedParam, StepStats, TrainConfig, TrainDevice, TrainReport, fit_gpt, named_params,
+};
 use crate::train_checkpoint::{self, CheckpointOptions};
 
 /// Errors of the pipelined GPT: its configuration, its build, its run.
@@ -720,38 +722,14 @@ pub fn train_gpt_pipeline_checkpointed(
     let (mesh, dp) = (built.groups.mesh.clone(), built.groups.data.clone());
 
     // ---- the loop: the library's `fit`, with the GPT's checkpoint state ----
-    let fit_config = crate::train::fit_config(config, checkpoints);
-    let mut batch = |micro: &MicroBatch| {
-        let rows = micro.rows.clone();
-        Ok(corpus.batch_rows(micro.step as u64, rows, config.seq_len, Split::Train))
-    };
-    let start = Instant::now();
-    let (mut timer, mut skipped) = (crate::train::StepTimer::default(), 0);
-    let mut first = true;
-    let mut after_step = |log: &StepLog, _: &Built<StagedGpt>| {
-        skipped += usize::from(log.skipped);
-        timer.add(first, log.seconds);
-        first = false;
-        on_step(&StepStats {
-            step: log.step,
-            loss: f64::from(log.loss),
-            lr: log.lr,
-            tokens_per_sec: log.tokens_per_sec,
-            elapsed: start.elapsed().as_secs_f64(),
-            moe: Vec::new(), // a GPT-MoE is refused under pipeline parallelism
-            phases: log.phases,
-        });
-        Ok(())
-    };
-    let mut state = train_checkpoint::GptRunState::new(config, world.rank() == 0);
-    let fitted = fit_with(
-        built,
-        &fit_config,
-        &mut batch,
-        &mut after_step,
-        None,
-        &mut state,
-    )?;
+    // (No MoE figures: a GPT-MoE is refused under pipeline parallelism.)
+    let no_moe = &mut |_: &StepLog, _: &Built<StagedGpt>| Ok(Vec::new());
+    let sources = (corpus, checkpoints);
+    let GptFit {
+        fitted,
+        timer,
+        skipped,
+    } = fit_gpt(world, built, config, sources, on_step, no_moe)?;
     let losses: Vec<f64> = fitted.losses.iter().map(|&l| f64::from(l)).collect();
     let built = fitted.built;
     let stages = built.pipeline().expect("a pipeline layout");
@@ -805,7 +783,7 @@ pub fn train_gpt_pipeline_checkpointed(
             step_seconds,
             tokens_per_sec,
             final_params: named_params(&full),
-            skipped_steps: skipped + state.skipped,
+            skipped_steps: skipped,
             loss_scale,
             memory: None,
         },

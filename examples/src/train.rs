@@ -694,52 +694,36 @@ pub fn train_gpt_checkpointed(
     let (fsdp, zero_memory) = (built.fsdp.clone(), built.zero_memory.clone());
 
     // ---- the loop: the library's `fit`, with the GPT's checkpoint state ----
-    let fit_config = fit_config(config, checkpoints);
-    let mut batch = |micro: &MicroBatch| {
-        let rows = micro.rows.clone();
-        Ok(corpus.batch_rows(micro.step as u64, rows, config.seq_len, Split::Train))
-    };
-    let start = Instant::now();
-    let (mut timer, mut skipped, mut first) = (StepTimer::default(), 0, true);
-    let mut after_step = |log: &StepLog, built: &Built<GptConfig>| {
+    // FSDP: the shards' gradients, held between the backward and the optimizer, in the
+    // memory account; the MoE layers' routing figures on the log lines.
+    let mut extra = |_: &StepLog, built: &Built<GptConfig>| {
         let m = built
             .model()
             .expect("a whole model: the pipeline trains in crate::pipeline");
-        // FSDP: the shards' gradients, held between the backward and the optimizer, in the
-        // memory account.
         if let Some(plan) = &fsdp {
             let bytes = plan.shard_gradient_bytes(m);
             plan.memory().add(Category::Grads, bytes);
             plan.memory().sub(Category::Grads, bytes);
         }
-        skipped += usize::from(log.skipped);
-        timer.add(first, log.seconds);
-        first = false;
-        on_step(&StepStats {
-            step: log.step,
-            loss: f64::from(log.loss),
-            lr: log.lr,
-            tokens_per_sec: log.tokens_per_sec,
-            elapsed: start.elapsed().as_secs_f64(),
-            moe: moe_figures(m, &reduce)?,
-            phases: log.phases,
-        });
-        Ok(())
+        Ok(moe_figures(m, &reduce)?)
     };
-    let mut state = train_checkpoint::GptRunState::new(config, world.rank() == 0);
-    let fitted = fit_with(
+    let GptFit {
+        fitted,
+        timer,
+        skipped,
+    } = fit_gpt(
+        world,
         built,
-        &fit_config,
-        &mut batch,
-        &mut after_step,
-        None,
-        &mut state,
+        config,
+        (corpus, checkpoints),
+        on_step,
+        &mut extra,
     )
     .map_err(|e| collective(world, e))?;
     let run = Run {
         losses: fitted.losses.iter().map(|&l| f64::from(l)).collect(),
         timer,
-        skipped: skipped + state.skipped,
+        skipped,
     };
     let loss_scale = fitted.built.loss_scale();
     // FSDP: the optimizer state's bytes, in the memory account.
@@ -811,6 +795,70 @@ pub(crate) fn fit_config(config: &TrainConfig, checkpoints: &CheckpointOptions) 
         resume: checkpoints.resume.clone(),
         check_replicas_every: 0,
     }
+}
+
+/// What [`fit_gpt`] returns besides the trained layout.
+pub(crate) struct GptFit<P: burn_parallel_train::ParallelModel> {
+    /// The trained layout, its losses, where it resumed from.
+    pub(crate) fitted: burn_parallel_train::Fitted<P>,
+    /// Seconds of all steps but the first.
+    pub(crate) timer: StepTimer,
+    /// Steps skipped on a loss-scaling overflow (the saved run's included).
+    pub(crate) skipped: usize,
+}
+
+/// Trains `built` (any GPT layout: whole, pipelined or DiLoCo) with the library's loop: each
+/// rank's rows of the corpus, saving and resuming as `checkpoints` say with the GPT's run state,
+/// `on_step` fed every step's figures and `extra(log, built)`'s MoE routing figures (where
+/// `extra` may also do its own bookkeeping). No stop flag: the GPT trainers stop at
+/// `config.steps`.
+///
+/// # Errors
+/// The loop's.
+pub(crate) fn fit_gpt<P: burn_parallel_train::ParallelModel<Batch = crate::data::Batch>>(
+    world: &ProcessGroup,
+    built: Built<P>,
+    config: &TrainConfig,
+    (corpus, checkpoints): (&Corpus, &CheckpointOptions),
+    on_step: &mut dyn FnMut(&StepStats),
+    extra: &mut dyn FnMut(&StepLog, &Built<P>) -> Result<Vec<MoeStats>, burn_parallel::Error>,
+) -> Result<GptFit<P>, burn_parallel::Error> {
+    let mut batch = |micro: &MicroBatch| {
+        let rows = micro.rows.clone();
+        Ok(corpus.batch_rows(micro.step as u64, rows, config.seq_len, Split::Train))
+    };
+    let start = Instant::now();
+    let (mut timer, mut skipped, mut first) = (StepTimer::default(), 0, true);
+    let mut after_step = |log: &StepLog, built: &Built<P>| {
+        skipped += usize::from(log.skipped);
+        timer.add(first, log.seconds);
+        first = false;
+        on_step(&StepStats {
+            step: log.step,
+            loss: f64::from(log.loss),
+            lr: log.lr,
+            tokens_per_sec: log.tokens_per_sec,
+            elapsed: start.elapsed().as_secs_f64(),
+            moe: extra(log, built)?,
+            phases: log.phases,
+        });
+        Ok(())
+    };
+    let mut state = train_checkpoint::GptRunState::new(config, world.rank() == 0);
+    let fit_config = fit_config(config, checkpoints);
+    let fitted = fit_with(
+        built,
+        &fit_config,
+        &mut batch,
+        &mut after_step,
+        None,
+        &mut state,
+    )?;
+    Ok(GptFit {
+        fitted,
+        timer,
+        skipped: skipped + state.skipped,
+    })
 }
 
 /// The MoE layers' routing figures of the last forward call, with the auxiliary losses

@@ -18,26 +18,21 @@
 //! step losses and the validation loss are those of this rank's island (its rows of the global
 //! batch), and each rank reports only its own bytes.
 
-use std::time::Instant;
-
 use burn::module::Module;
 use burn_parallel::checkpoint::ParamMap;
 use burn_parallel::diloco::{DiLoCoConfig, DiLoCoError, count_sent_bytes};
 use burn_parallel::{CollectiveError, ProcessGroup};
 use burn_parallel_train::diloco::DiLoCoFigures;
 pub use burn_parallel_train::diloco::{CompressionArg, DiLoCoFlags, InnerOptimArg};
-use burn_parallel_train::{
-    Built, CheckpointPolicy, DiLoCoLayout, FitConfig, Fitted, Layout, MicroBatch, Placed, StepLog,
-    fit_with,
-};
+use burn_parallel_train::{Built, DiLoCoLayout, Fitted, Layout, Placed, StepLog};
 
-use crate::data::{Corpus, Split};
+use crate::data::Corpus;
 use crate::gpt::GptConfig;
 use crate::train::{
-    Parallelism, StepStats, StepTimer, TrainConfig, TrainDevice, TrainReport, generate,
+    GptFit, Parallelism, StepStats, TrainConfig, TrainDevice, TrainReport, fit_gpt, generate,
     named_params, validation_loss,
 };
-use crate::train_checkpoint::{CheckpointOptions, GptRunState};
+use crate::train_checkpoint::CheckpointOptions;
 
 /// The optimizer each island runs between syncs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -248,54 +243,21 @@ pub fn train_gpt_diloco_checkpointed(
         .clone()
         .expect("a DiLoCo layout has DiLoCo's engine");
 
-    let fit_config = FitConfig {
-        steps: config.steps,
-        lr: config.lr_schedule(),
-        checkpoint: match (&checkpoints.dir, checkpoints.save_every) {
-            (Some(dir), every) if every > 0 => Some(CheckpointPolicy {
-                dir: dir.clone(),
-                every,
-                at_end: false,
-                keep: checkpoints.keep,
-                background: checkpoints.asynchronous,
-            }),
-            _ => None,
-        },
-        resume: checkpoints.resume.clone(),
-        // Each island's replicas stay equal by DDP, and the islands differ between syncs.
-        check_replicas_every: 0,
-    };
-    // Each rank takes its rows of the global batch, as a DDP rank would.
-    let mut batch = |micro: &MicroBatch| {
-        let rows = micro.rows.clone();
-        Ok(corpus.batch_rows(micro.step as u64, rows, config.seq_len, Split::Train))
-    };
-    let start = Instant::now();
-    let (mut timer, mut skipped, mut first) = (StepTimer::default(), 0, true);
-    let mut after_step = |log: &StepLog, _: &Built<GptConfig>| {
-        skipped += usize::from(log.skipped);
-        timer.add(first, log.seconds);
-        first = false;
-        on_step(&StepStats {
-            step: log.step,
-            loss: f64::from(log.loss),
-            lr: log.lr,
-            tokens_per_sec: log.tokens_per_sec,
-            elapsed: start.elapsed().as_secs_f64(),
-            moe: Vec::new(),
-            phases: log.phases,
-        });
-        Ok(())
-    };
-    let mut state = GptRunState::new(config, world.rank() == 0);
-    // No stop flag: its agreement would run over the world, which may have lost islands.
-    let Fitted { built, losses, .. } = fit_with(
+    // No stop flag: its agreement would run over the world, which may have lost islands; no
+    // replica check either: each island's replicas stay equal by DDP, and the islands differ
+    // between syncs (both as `fit_gpt` runs).
+    let no_moe = &mut |_: &StepLog, _: &Built<GptConfig>| Ok(Vec::new());
+    let GptFit {
+        fitted: Fitted { built, losses, .. },
+        timer,
+        skipped,
+    } = fit_gpt(
+        &world,
         built,
-        &fit_config,
-        &mut batch,
-        &mut after_step,
-        None,
-        &mut state,
+        config,
+        (corpus, checkpoints),
+        on_step,
+        no_moe,
     )
     .map_err(train_error)?;
     let loss_scale = built.loss_scale();
@@ -336,7 +298,7 @@ pub fn train_gpt_diloco_checkpointed(
             step_seconds,
             tokens_per_sec,
             final_params: named_params(&eval),
-            skipped_steps: skipped + state.skipped,
+            skipped_steps: skipped,
             loss_scale,
             memory: None,
         },

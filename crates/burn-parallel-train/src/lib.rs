@@ -38,6 +38,7 @@ pub use build::{
     Built, Groups, ModelParts, ParallelModel, Placed, StepSettings, Trainee, build, verify_replicas,
 };
 pub use config::from_toml;
+pub use diloco::{DiLoCoFigures, DiLoCoHandle};
 pub use fit::{
     BatchFn, CheckpointPolicy, FitConfig, Fitted, LossHistory, LrSchedule, MicroBatch, OnStep,
     Resumed, RunState, StepLog, fit, fit_with, open_checkpoint,
