@@ -109,7 +109,7 @@ pub trait ParallelModel {
     /// Whatever the model's forward refuses.
     fn loss(model: &Self::Model, batch: &Self::Batch) -> Result<Tensor<1>, Error>;
 
-    /// The model's dropout layers by name (`blocks.3.attn.drop`), whose positions [`crate::fit`]
+    /// The model's dropout layers by name (`blocks.3.attn.drop`), whose positions [`crate::fit()`]
     /// saves with its checkpoints and restores on resume ([`crate::streams`]); default none.
     fn dropout_layers(_model: &Self::Model) -> Vec<(String, SeededDropout)> {
         Vec::new()
@@ -303,7 +303,7 @@ pub struct Built<P: ParallelModel> {
     pub experts: MoeParallel,
     /// ZeRO-1/2's memory account.
     pub zero_memory: Option<MemoryTracker>,
-    /// The settings it was built with (the batch [`crate::fit`] splits).
+    /// The settings it was built with (the batch [`crate::fit()`] splits).
     pub settings: StepSettings,
     /// The layout it was built under (saved with checkpoints, named on resume).
     pub layout: Layout,

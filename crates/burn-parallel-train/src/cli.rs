@@ -2,7 +2,7 @@
 //! [`LayoutArgs`] (a [`Layout`]; each flag is the one [`LayoutError`]s name), [`StepArgs`]
 //! (precision, clipping, accumulation: the [`StepSettings`]), [`CheckpointArgs`] (saving and
 //! resuming: the [`FitConfig`]'s checkpoints), [`stop_on_signals`] (the flag a Ctrl-C sets,
-//! for [`crate::fit`]) and [`Progress`] (a bar and a line every N steps with the loss,
+//! for [`crate::fit()`]) and [`Progress`] (a bar and a line every N steps with the loss,
 //! tokens/s, MFU and memory). Flatten the flags into the binary's own arguments.
 //!
 //! ```
@@ -244,7 +244,7 @@ impl CheckpointArgs {
     }
 }
 
-/// A flag that Ctrl-C (SIGINT) and SIGTERM set, for [`crate::fit`]'s `stop`: every rank then
+/// A flag that Ctrl-C (SIGINT) and SIGTERM set, for [`crate::fit()`]'s `stop`: every rank then
 /// stops after the same step, saving first. Where a signal cannot be caught it says so on
 /// stderr (the run then stops without saving).
 pub fn stop_on_signals() -> Arc<AtomicBool> {

@@ -203,7 +203,7 @@ fn island_name(k: usize, name: &str) -> String {
 
 /// DiLoCo as a [`StepEngine`]: the inner step over this rank's island (DDP inside it, the
 /// layout's precision and clipping), then DiLoCo's outer sync after every step (which averages
-/// the islands' models every `H` steps). Built by [`crate::build`] for a layout with
+/// the islands' models every `H` steps). Built by [`crate::build()`] for a layout with
 /// [`crate::layout::DiLoCoLayout`]; checkpoints through [`DiLoCoCheckpoint`]; its outer loop is
 /// read through [`DiLoCoEngine::handle`] (also [`crate::Built::diloco`]).
 ///

@@ -5,7 +5,9 @@
 //! engine reduces, clips and applies the update, and [`fit`] reports the step
 //! ([`StepLog`]). It saves a checkpoint every `every` steps, after the last one and when asked
 //! to stop (a flag a Ctrl-C handler sets: the ranks agree on it, so all stop after the same
-//! step), and it resumes from the newest checkpoint under a directory, saved under any layout.
+//! step), and it resumes from the newest checkpoint under a directory, saved under any layout,
+//! the model's dropout positions included ([`crate::streams`]). A pipeline layout runs through
+//! the same loop: its micro-batches flow through the schedule ([`crate::pipeline`]).
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};

@@ -15,7 +15,7 @@ use serde::{Deserialize, Serialize};
 /// Build one in code (`Layout { tp: 2, ..Layout::default() }`), from TOML ([`Layout::from_toml`],
 /// the field names below, unknown keys refused) or from flags (the `gpt` and `byo_model`
 /// binaries: each field's flag is named in its doc). Check it with [`Layout::validate`] before
-/// any rank builds anything; [`crate::build`] checks it again on every rank.
+/// any rank builds anything; [`crate::build()`] checks it again on every rank.
 ///
 /// # Example
 /// ```

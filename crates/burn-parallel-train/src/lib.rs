@@ -5,20 +5,23 @@
 //!   tensor and sequence, context, pipeline, expert parallel, the ZeRO stage and its options),
 //!   built in code or read from TOML, with **one** [`Layout::validate`] that holds every rule of
 //!   which techniques compose and names, in its [`LayoutError`], the flag to change;
-//! - [`build`]: from a `Layout`, the world and a [`ParallelModel`] (the user's model and how to
-//!   build it), this rank's model and a `Box<dyn StepEngine>` that steps it under that layout:
-//!   a user switches layout by changing the `Layout`, not the loop;
-//! - [`fit`]: the loop over it: each data-parallel rank its rows of every micro-batch, a
+//! - [`build()`]: from a `Layout`, the world and a [`ParallelModel`] (the user's model, its batch
+//!   and loss, and how to build it), what this rank trains ([`Trainee`]): its model and a
+//!   `Box<dyn StepEngine>` that steps it, or under `pp > 1` its pipeline stages
+//!   ([`StagedModel`], [`pipeline`]), or DiLoCo's islands ([`diloco`]): a user switches layout
+//!   by changing the `Layout`, not the loop;
+//! - [`fit()`]: the loop over it: each data-parallel rank its rows of every micro-batch, a
 //!   learning-rate schedule, checkpoints every N steps and at the end, resuming from the newest
-//!   one (saved under any layout), and a clean stop on a flag (Ctrl-C) that saves first.
+//!   one (saved under any layout, dropout positions included), and a clean stop on a flag
+//!   (Ctrl-C) that saves first.
 //!
-//! With the `cli` feature, [`cli::LayoutArgs`] reads a `Layout` from command-line flags
-//! (`clap`), for a binary that trains under any layout.
+//! With the `cli` feature, [`cli`] gives a training binary its flags (`LayoutArgs`, `StepArgs`,
+//! `CheckpointArgs`), the Ctrl-C flag and a progress display.
 //!
 //! Errors are [`burn_parallel::Error`], into which every crate of the suite converts its own.
 //!
-//! This crate sits above `burn-parallel`, `burn-zero` and `burn-moe` (it assembles them); none
-//! of them depends on it.
+//! This crate sits above `burn-parallel`, `burn-zero`, `burn-moe` and `burn-pipeline` (it
+//! assembles them); none of them depends on it.
 
 pub mod build;
 #[cfg(feature = "cli")]

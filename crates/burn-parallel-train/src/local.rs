@@ -4,7 +4,7 @@ use std::sync::Mutex;
 
 use burn_parallel::{CollectiveError, Error, ProcessGroup};
 
-/// [`burn_parallel::run_local`] for a closure that returns [`Error`] (what [`crate::build`] and
+/// [`burn_parallel::run_local`] for a closure that returns [`Error`] (what [`crate::build()`] and
 /// a training loop built on it return): `world_size` thread ranks, each calling `f` with its
 /// world group; a rank that fails aborts the others.
 ///

@@ -1,6 +1,6 @@
 //! Pipeline parallelism through the builder: a model that can be cut into stages
-//! ([`StagedModel`]) trains under a layout with `pp > 1` by the same [`crate::build`] and
-//! [`crate::fit`] as under any other layout.
+//! ([`StagedModel`]) trains under a layout with `pp > 1` by the same [`crate::build()`] and
+//! [`crate::fit()`] as under any other layout.
 //!
 //! The pieces, and who owns what:
 //!
@@ -11,7 +11,7 @@
 //!   the layout over the pipeline group, its activation checkpointing and precision), and its
 //!   [`StageUpdater`] (tensor-parallel fix-ups, data-parallel reduction or a ZeRO-1/2 optimizer
 //!   per stage over the stage's replicas, the clipping norm over every stage, tied weights);
-//! - [`crate::fit`] gives it each step's micro-batches (the step's micro-steps are the
+//! - [`crate::fit()`] gives it each step's micro-batches (the step's micro-steps are the
 //!   pipeline's micro-batches) and saves and resumes it under the whole model's names, so that
 //!   a pipelined checkpoint loads under any other layout and the other way round.
 //!
@@ -19,7 +19,7 @@
 //! closure from the whole model to a loss, and a pipeline rank holds neither the whole model
 //! nor, except on the last stage, a loss; the executor needs each micro-batch's *inputs* at
 //! the times its schedule says. So the builder holds either a whole model and its engine or a
-//! pipeline ([`crate::Trainee`]), and [`crate::fit`] drives both from the same micro-batches.
+//! pipeline ([`crate::Trainee`]), and [`crate::fit()`] drives both from the same micro-batches.
 
 use std::any::Any;
 use std::collections::BTreeMap;
@@ -90,7 +90,7 @@ pub trait StagedModel: ParallelModel {
     }
 
     /// The stage's dropout layers by the whole model's names (`blocks.3.attn.drop`), whose
-    /// positions [`crate::fit`] saves and restores; default none.
+    /// positions [`crate::fit()`] saves and restores; default none.
     fn stage_dropout_layers(_stage: &Self::Stage) -> Vec<(String, SeededDropout)> {
         Vec::new()
     }
@@ -151,7 +151,7 @@ impl<T: StagedModel + 'static> Stager<T> for T {
     }
 }
 
-/// A pipeline rank's side of training, as [`crate::fit`] and a user's own loop drive it.
+/// A pipeline rank's side of training, as [`crate::fit()`] and a user's own loop drive it.
 pub trait PipelineSteps<P: ParallelModel> {
     /// One optimizer step over this data-parallel rank's micro-batches, at rate `lr`.
     ///

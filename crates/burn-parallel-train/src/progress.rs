@@ -1,4 +1,4 @@
-//! [`Progress`]: what a training binary shows while [`crate::fit`] runs (the `cli` feature): a
+//! [`Progress`]: what a training binary shows while [`crate::fit()`] runs (the `cli` feature): a
 //! progress bar on rank 0, and every `every` steps a line with the loss, the learning rate,
 //! tokens per second, the model's TFLOP/s and MFU (with a peak), the process's resident memory
 //! and the elapsed time.

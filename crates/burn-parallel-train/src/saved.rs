@@ -1,4 +1,4 @@
-//! [`saved_state`]: the caller's part of a checkpoint, below the loop ([`crate::fit`]) and the
+//! [`saved_state`]: the caller's part of a checkpoint, below the loop ([`crate::fit()`]) and the
 //! engines ([`crate::diloco`]) that both read it.
 
 use burn_parallel::checkpoint::Checkpoint;

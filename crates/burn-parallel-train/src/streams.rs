@@ -1,4 +1,4 @@
-//! The positions of a model's dropout streams in checkpoints: [`crate::fit`] saves each rank's
+//! The positions of a model's dropout streams in checkpoints: [`crate::fit()`] saves each rank's
 //! dropout layers' call counters ([`SeededDropout::calls`]) with every checkpoint and sets them
 //! back on resume, so that a resumed run draws the masks the saving run would have drawn next.
 //! The model names its layers ([`crate::ParallelModel::dropout_layers`],
