@@ -797,6 +797,10 @@ pub(crate) fn fit_config(config: &TrainConfig, checkpoints: &CheckpointOptions) 
     }
 }
 
+/// What [`fit_gpt`] calls after each step for the MoE layers' routing figures.
+pub(crate) type MoeFigures<'a, P> =
+    dyn FnMut(&StepLog, &Built<P>) -> Result<Vec<MoeStats>, burn_parallel::Error> + 'a;
+
 /// What [`fit_gpt`] returns besides the trained layout.
 pub(crate) struct GptFit<P: burn_parallel_train::ParallelModel> {
     /// The trained layout, its losses, where it resumed from.
@@ -821,7 +825,7 @@ pub(crate) fn fit_gpt<P: burn_parallel_train::ParallelModel<Batch = crate::data:
     config: &TrainConfig,
     (corpus, checkpoints): (&Corpus, &CheckpointOptions),
     on_step: &mut dyn FnMut(&StepStats),
-    extra: &mut dyn FnMut(&StepLog, &Built<P>) -> Result<Vec<MoeStats>, burn_parallel::Error>,
+    extra: &mut MoeFigures<'_, P>,
 ) -> Result<GptFit<P>, burn_parallel::Error> {
     let mut batch = |micro: &MicroBatch| {
         let rows = micro.rows.clone();
