@@ -17,233 +17,24 @@ use std::collections::BTreeMap;
 
 use burn::module::Module;
 use burn::optim::{AdamWConfig, ModuleOptimizer, SgdConfig};
-use burn::tensor::{Device, Tensor, TensorData};
+use burn::tensor::{Device, TensorData};
 use burn_moe::{MoeParallel, MoeStep, MoeTrainer, MoeZero};
 use burn_parallel::checkpoint::{Checkpoint, Checkpointer, ParamMap};
 use burn_parallel::context_parallel::{ContextParallel, CpSettings};
 use burn_parallel::diloco::Islands;
 use burn_parallel::init::Init;
 use burn_parallel::nn::TpContext;
-use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::overlap::OverlappedDdp;
-use burn_parallel::plan::TpPlan;
-use burn_parallel::precision::{LossScaler, MixedPrecision};
 use burn_parallel::replica::{verify_replicas_in, verify_replicas_of};
 use burn_parallel::tensor_parallel::SeededDropout;
 use burn_parallel::train::{SaveState, StepEngine, StepOutput, TrainStep, Trainer};
-use burn_parallel::{DeviceMesh, DistributedDataParallel, Error, ParallelDims, ProcessGroup};
+use burn_parallel::{DistributedDataParallel, Error, ProcessGroup};
 use burn_zero::{FsdpPlan, MemoryTracker, ShardGroups, Stage, ZeroConfig, ZeroOptimizer};
 
 use crate::diloco::{DiLoCoEngine, DiLoCoHandle};
-use crate::layout::{Layout, Workload};
-use crate::pipeline::{PipelineSteps, Stager};
+use crate::layout::Layout;
+use crate::model::{Groups, ModelParts, ParallelModel, PipelineSteps, StepSettings};
 use serde_json::Value;
-
-/// What the builder needs of a user's model: how to split it and how to build it. Implement it
-/// on the model's config (the model does not exist before the layout places it).
-///
-/// # Example
-/// A one-layer model trained by data parallelism over two ranks: the same code runs any
-/// layout the model's plans allow.
-/// ```
-/// use burn::module::Module;
-/// use burn::tensor::{Device, Tensor};
-/// use burn_moe::MoeParallel;
-/// use burn_parallel::init::LinearInit;
-/// use burn_parallel::nn::Linear;
-/// use burn_parallel::plan::TpPlan;
-/// use burn_parallel::{Error, ProcessGroup};
-/// use burn_parallel_train::{Layout, ModelParts, ParallelModel, StepSettings, build, run_local};
-/// use burn_zero::FsdpPlan;
-///
-/// #[derive(Module, Debug)]
-/// struct Tiny {
-///     fc: Linear,
-/// }
-///
-/// struct TinyConfig;
-///
-/// impl ParallelModel for TinyConfig {
-///     type Model = Tiny;
-///     /// A micro-batch: the value of every input.
-///     type Batch = f32;
-///     fn loss(m: &Tiny, x: &f32) -> Result<Tensor<1>, Error> {
-///         let x = Tensor::<2>::full([1, 4], *x, &m.fc.weight.device());
-///         Ok(m.fc.forward(x)?.powi_scalar(2).mean())
-///     }
-///     fn n_heads(&self) -> usize { 1 }
-///     fn seed(&self) -> u64 { 7 }
-///     fn tp_plan(&self, _sp: bool) -> TpPlan { TpPlan::new() }
-///     fn fsdp_plan(&self, shard: &ProcessGroup, _experts: &MoeParallel) -> FsdpPlan {
-///         FsdpPlan::new(shard)
-///     }
-///     fn build(&self, parts: &ModelParts) -> Result<Tiny, Error> {
-///         Ok(Tiny { fc: parts.init.linear("fc", LinearInit::new(4, 1))? })
-///     }
-/// }
-///
-/// let losses = run_local(2, |world| {
-///     let device = Device::flex().autodiff();
-///     let settings = StepSettings { batch_size: 2, ..StepSettings::default() };
-///     let mut run = build(&world, &Layout::default(), &TinyConfig, &device, &settings)?;
-///     // Each data-parallel rank's micro-batch is its rank.
-///     let rank = run.groups.data.rank() as f32;
-///     let out = run.step(1, &mut |_micro| Ok(rank), 1e-2)?;
-///     Ok(out.loss)
-/// })
-/// .unwrap();
-/// // The loss is the mean over the data-parallel ranks: every rank reports the same.
-/// assert_eq!(losses[0], losses[1]);
-/// ```
-pub trait ParallelModel {
-    /// The model on one rank (its parameters on an autodiff device).
-    type Model: Module + 'static;
-
-    /// One micro-batch of this rank's rows, as [`Self::loss`] (and a pipeline's stages)
-    /// take it.
-    type Batch: 'static;
-
-    /// The mean loss of `batch` on `model`, a one-element tensor.
-    ///
-    /// # Errors
-    /// Whatever the model's forward refuses.
-    fn loss(model: &Self::Model, batch: &Self::Batch) -> Result<Tensor<1>, Error>;
-
-    /// The model's dropout layers by name (`blocks.3.attn.drop`), whose positions [`crate::fit()`]
-    /// saves with its checkpoints and restores on resume ([`crate::streams`]); default none.
-    fn dropout_layers(_model: &Self::Model) -> Vec<(String, SeededDropout)> {
-        Vec::new()
-    }
-
-    /// The model's pipeline form (`Some(self)` for a [`crate::StagedModel`]); `None`, the default,
-    /// refuses `pp > 1`.
-    fn stages(&self) -> Option<&dyn Stager<Self>>
-    where
-        Self: Sized,
-    {
-        None
-    }
-
-    /// Attention heads (tensor parallelism splits whole heads; 1 for a model without).
-    fn n_heads(&self) -> usize;
-
-    /// Experts per MoE layer; `None` (the default) for a dense model.
-    fn n_experts(&self) -> Option<usize> {
-        None
-    }
-
-    /// Whether the model applies dropout (refused under context parallelism).
-    fn has_dropout(&self) -> bool {
-        false
-    }
-
-    /// The seed of [`Init`]: every rank builds the same parameters from it.
-    fn seed(&self) -> u64;
-
-    /// The tensor-parallel plan (with sequence parallelism when `sequence_parallel`).
-    fn tp_plan(&self, sequence_parallel: bool) -> TpPlan;
-
-    /// The FSDP plan over `shard`: which sub-modules are units; the experts of `experts` stay
-    /// whole (they differ between expert-parallel ranks).
-    fn fsdp_plan(&self, shard: &ProcessGroup, experts: &MoeParallel) -> FsdpPlan;
-
-    /// Builds this rank's model from the layout's parts.
-    ///
-    /// # Errors
-    /// Whatever the model's build refuses.
-    fn build(&self, parts: &ModelParts) -> Result<Self::Model, Error>;
-}
-
-/// What the layout gives a model's [`ParallelModel::build`].
-pub struct ModelParts {
-    /// The seed, the device and the tensor-parallel plan.
-    pub init: Init,
-    /// FSDP's plan (`zero` stage 3), or `None`.
-    pub fsdp: Option<FsdpPlan>,
-    /// The expert-parallel groups and the registry of expert parameters.
-    pub experts: MoeParallel,
-    /// The context-parallel group and settings (`cp > 1`), or `None`.
-    pub context_parallel: Option<ContextParallel>,
-    /// This rank's data-parallel index: the stream of its dropout masks.
-    pub data_rank: usize,
-}
-
-/// How the engine steps: what is not the layout's split.
-#[derive(Debug, Clone)]
-pub struct StepSettings {
-    /// Compute and reduction dtypes, fp32 master weights ([`MixedPrecision::full`]: fp32).
-    pub precision: MixedPrecision,
-    /// Dynamic loss scaling (fp16).
-    pub loss_scaler: Option<LossScaler>,
-    /// Global gradient-norm clipping.
-    pub max_grad_norm: Option<f64>,
-    /// AdamW's hyper-parameters (betas, epsilon, decoupled weight decay), for Burn's AdamW or
-    /// the fused kernel alike.
-    pub adamw: FusedAdamWConfig,
-    /// Bytes per gradient bucket of DDP and ZeRO.
-    pub bucket_bytes: usize,
-    /// One fused AdamW kernel per parameter (the CubeCL path) instead of Burn's composed AdamW.
-    pub fused_adamw: bool,
-    /// Sequences per optimizer step, over all data-parallel ranks.
-    pub batch_size: usize,
-    /// Tokens per sequence.
-    pub seq_len: usize,
-    /// Micro-steps per optimizer step.
-    pub grad_accum: usize,
-}
-
-impl Default for StepSettings {
-    fn default() -> Self {
-        Self {
-            precision: MixedPrecision::full(),
-            loss_scaler: None,
-            max_grad_norm: Some(1.0),
-            adamw: FusedAdamWConfig::new(),
-            bucket_bytes: 25 << 20,
-            fused_adamw: false,
-            batch_size: 1,
-            seq_len: 1,
-            grad_accum: 1,
-        }
-    }
-}
-
-impl StepSettings {
-    /// The layout rules' view of `model` trained with these settings.
-    pub fn workload<P: ParallelModel>(&self, model: &P) -> Workload {
-        Workload {
-            n_heads: model.n_heads(),
-            n_experts: model.n_experts(),
-            dropout: model.has_dropout(),
-            seq_len: self.seq_len,
-            batch_size: self.batch_size,
-            grad_accum: self.grad_accum,
-            mixed_precision: !self.precision.is_full() || self.loss_scaler.is_some(),
-            loss_scaling: self.loss_scaler.is_some(),
-        }
-    }
-}
-
-/// The groups of a placed layout.
-#[derive(Debug, Clone)]
-pub struct Groups {
-    /// Every rank.
-    pub world: ProcessGroup,
-    /// The mesh of the layout.
-    pub mesh: DeviceMesh,
-    /// Its dimensions.
-    pub dims: ParallelDims,
-    /// The data-parallel ranks: each takes its rows of the global batch.
-    pub data: ProcessGroup,
-    /// The ranks that average gradients and the loss: the data-parallel ranks and the
-    /// context-parallel ones (which hold other tokens of the same rows).
-    pub reduce: ProcessGroup,
-    /// The ranks that hold identical copies of the same parameters (every data rank under
-    /// DDP; the ranks of one shard position under FSDP).
-    pub replicate: ProcessGroup,
-    /// The FSDP shard group (the data ranks, with the context-parallel ones).
-    pub shard: ProcessGroup,
-}
 
 /// A layout placed on this rank: its groups and plans, and the model built through them.
 pub struct Placed<P: ParallelModel> {

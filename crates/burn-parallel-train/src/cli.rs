@@ -32,9 +32,9 @@ use burn_parallel::precision::{LossScaler, MixedPrecision};
 use burn_pipeline::ScheduleKind;
 use burn_zero::Stage;
 
-use crate::build::StepSettings;
 use crate::fit::{CheckpointPolicy, FitConfig, LrSchedule};
 use crate::layout::{Layout, LayoutError, PipelineLayout, Recompute};
+use crate::model::StepSettings;
 
 pub use crate::progress::Progress;
 

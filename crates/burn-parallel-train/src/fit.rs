@@ -19,7 +19,8 @@ use burn_parallel::train::{SaveState, StepPhases};
 use burn_parallel::{Error, ReduceOp};
 use serde::{Deserialize, Serialize};
 
-use crate::build::{Built, ParallelModel};
+use crate::build::Built;
+use crate::model::ParallelModel;
 use crate::saved::saved_state;
 use crate::streams::{DROPOUT_CALLS, dropout_calls, restore_dropout};
 

@@ -31,15 +31,14 @@ pub mod diloco;
 pub mod fit;
 pub mod layout;
 mod local;
+pub mod model;
 pub mod pipeline;
 #[cfg(feature = "cli")]
 mod progress;
 mod saved;
 pub mod streams;
 
-pub use build::{
-    Built, Groups, ModelParts, ParallelModel, Placed, StepSettings, Trainee, build, verify_replicas,
-};
+pub use build::{Built, Placed, Trainee, build, verify_replicas};
 pub use config::from_toml;
 pub use diloco::{DiLoCoFigures, DiLoCoHandle};
 pub use fit::{
@@ -48,5 +47,6 @@ pub use fit::{
 };
 pub use layout::{DiLoCoLayout, Layout, LayoutError, PipelineLayout, Recompute, Workload};
 pub use local::run_local;
+pub use model::{Groups, ModelParts, ParallelModel, StepSettings};
 pub use pipeline::{PipelineEngine, PipelineSteps, StageParts, StagedModel};
 pub use saved::saved_state;

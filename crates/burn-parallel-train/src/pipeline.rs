@@ -43,8 +43,9 @@ use burn_pipeline::{ActionKind, generators, partition};
 use burn_zero::{ShardGroups, ZeroConfig, ZeroOptimizer};
 use serde_json::Value;
 
-use crate::build::{Groups, ParallelModel, StepSettings};
 use crate::layout::{Layout, Recompute};
+use crate::model::{Groups, ParallelModel, StepSettings};
+pub use crate::model::{PipelineSteps, Stager};
 
 /// A parameter's path, shape and values, as the stages gather them.
 type NamedValues = (String, Vec<usize>, Vec<f32>);
@@ -122,22 +123,6 @@ pub struct StageParts<'a> {
     pub recompute_layers: bool,
 }
 
-/// A model's pipeline form as the builder reaches it through [`ParallelModel::stages`]:
-/// implemented for every [`StagedModel`].
-pub trait Stager<P: ParallelModel> {
-    /// Places the pipeline of `layout` on this rank of `world`.
-    ///
-    /// # Errors
-    /// As [`PipelineEngine::new`].
-    fn place(
-        &self,
-        world: &ProcessGroup,
-        layout: &Layout,
-        device: &Device,
-        settings: &StepSettings,
-    ) -> Result<(Groups, Box<dyn PipelineSteps<P>>), Error>;
-}
-
 impl<T: StagedModel + 'static> Stager<T> for T {
     fn place(
         &self,
@@ -149,76 +134,6 @@ impl<T: StagedModel + 'static> Stager<T> for T {
         let (groups, engine) = PipelineEngine::new(self, world, layout, device, settings)?;
         Ok((groups, Box::new(engine)))
     }
-}
-
-/// A pipeline rank's side of training, as [`crate::fit()`] and a user's own loop drive it.
-pub trait PipelineSteps<P: ParallelModel> {
-    /// One optimizer step over this data-parallel rank's micro-batches, at rate `lr`.
-    ///
-    /// # Returns
-    /// The loss of the global batch (the same on every rank), the global gradient norm, and
-    /// whether a loss-scaling overflow skipped the update.
-    ///
-    /// # Errors
-    /// The pipeline's errors (a failed peer, a non-finite loss or norm).
-    fn step(&mut self, batches: &[P::Batch], lr: f64) -> Result<StepOutput, Error>;
-
-    /// Saves the stages' parameters and optimizer state under the whole model's names, with
-    /// `state`, as checkpoint `step` of `saver` (collective over every rank).
-    ///
-    /// # Errors
-    /// I/O and collective failures.
-    fn save(&self, saver: &mut Checkpointer, step: usize, state: SaveState) -> Result<(), Error>;
-
-    /// Loads a checkpoint saved under any layout into the stages and their optimizers.
-    ///
-    /// # Returns
-    /// The caller's state given to the save.
-    ///
-    /// # Errors
-    /// A checkpoint of another model, or damaged.
-    fn load(&mut self, checkpoint: &Checkpoint) -> Result<Value, Error>;
-
-    /// Loads the stages' parameters from tensors under the whole model's names (a Hugging Face
-    /// checkpoint mapped onto the model's names).
-    ///
-    /// # Errors
-    /// Tensors of another model.
-    fn load_params(&mut self, tensors: &BTreeMap<String, TensorData>) -> Result<(), Error>;
-
-    /// Checks that the stages' replicas (the data-parallel ranks of each stage) agree.
-    ///
-    /// # Errors
-    /// [`Error::Replica`] naming the first parameter that differs.
-    fn verify_replicas(&self) -> Result<(), Error>;
-
-    /// Every parameter of the whole model under its path, in fp32, tensor-parallel shards
-    /// gathered, on every rank (collective over the world).
-    ///
-    /// # Errors
-    /// Collective failures.
-    fn whole_params(&self) -> Result<BTreeMap<String, TensorData>, Error>;
-
-    /// The dropout layers of this rank's stages ([`StagedModel::stage_dropout_layers`]).
-    fn dropout_layers(&self) -> Vec<(String, SeededDropout)>;
-
-    /// The device the stages live on.
-    fn device(&self) -> &Device;
-
-    /// Parameters held by this rank's stages.
-    fn held_params(&self) -> usize;
-
-    /// The layers of each stage.
-    fn split(&self) -> &[Range<usize>];
-
-    /// The report of the last step (its timeline, for a trace and the bubble).
-    fn last_step(&self) -> Option<&StepReport>;
-
-    /// The loss scale (1 without a loss scaler).
-    fn loss_scale(&self) -> f64;
-
-    /// The engine itself, for a caller that knows its model ([`PipelineEngine::stages`]).
-    fn as_any(&self) -> &dyn Any;
 }
 
 /// This rank's stages of a [`StagedModel`] under a pipeline layout, with the executor and the
