@@ -16,7 +16,7 @@
 use std::collections::BTreeMap;
 
 use burn::module::Module;
-use burn::optim::{AdamWConfig, ModuleOptimizer, SgdConfig};
+use burn::optim::{ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, TensorData};
 use burn_moe::{MoeParallel, MoeStep, MoeTrainer, MoeZero};
 use burn_parallel::checkpoint::{Checkpoint, Checkpointer, ParamMap};
@@ -443,11 +443,7 @@ impl<P: ParallelModel> Placed<P> {
             islands,
         } = self;
         let hyper = settings.adamw;
-        let adamw = AdamWConfig::new()
-            .with_beta_1(hyper.beta_1)
-            .with_beta_2(hyper.beta_2)
-            .with_epsilon(hyper.epsilon)
-            .with_weight_decay(hyper.weight_decay);
+        let adamw = settings.adamw_config();
         let mut zero_memory = None;
         let mut diloco = None;
         let engine: Box<dyn StepEngine<P::Model, Error>> = match (layout.diloco, islands) {

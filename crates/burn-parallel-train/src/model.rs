@@ -8,6 +8,7 @@ use std::any::Any;
 use std::ops::Range;
 
 use burn::module::Module;
+use burn::optim::AdamWConfig;
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_moe::MoeParallel;
 use burn_parallel::checkpoint::{Checkpoint, Checkpointer};
@@ -196,6 +197,16 @@ impl Default for StepSettings {
 }
 
 impl StepSettings {
+    /// Burn's AdamW with these settings' hyper-parameters (betas, epsilon, weight decay).
+    pub fn adamw_config(&self) -> AdamWConfig {
+        let hyper = self.adamw;
+        AdamWConfig::new()
+            .with_beta_1(hyper.beta_1)
+            .with_beta_2(hyper.beta_2)
+            .with_epsilon(hyper.epsilon)
+            .with_weight_decay(hyper.weight_decay)
+    }
+
     /// The layout rules' view of `model` trained with these settings.
     pub fn workload<P: ParallelModel>(&self, model: &P) -> Workload {
         Workload {

@@ -27,7 +27,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use burn::module::{Module, ParamId};
-use burn::optim::{AdamW, AdamWConfig};
+use burn::optim::AdamW;
 use burn::tensor::{Device, TensorData};
 use burn_parallel::checkpoint::{Checkpoint, Checkpointer};
 use burn_parallel::init::Init;
@@ -208,12 +208,7 @@ impl<P: StagedModel> PipelineEngine<P> {
         for stage in stages.values() {
             verify_replicas_in(stage, &[&data], |_| true)?;
         }
-        let hyper = settings.adamw;
-        let adamw = AdamWConfig::new()
-            .with_beta_1(hyper.beta_1)
-            .with_beta_2(hyper.beta_2)
-            .with_epsilon(hyper.epsilon)
-            .with_weight_decay(hyper.weight_decay);
+        let adamw = settings.adamw_config();
         let mut optims = BTreeMap::new();
         for (&s, stage) in &stages {
             let optim = match layout.zero {
