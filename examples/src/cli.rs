@@ -213,16 +213,8 @@ pub struct GptArgs {
     pub bias_rate: f64,
 }
 
-/// `--precision`.
-#[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum PrecisionArg {
-    /// fp32 throughout.
-    F32,
-    /// bf16 compute, fp32 masters.
-    Bf16,
-    /// fp16 compute with loss scaling, fp32 masters.
-    Fp16,
-}
+/// `--precision`: the library's flag value.
+pub use burn_parallel_train::cli::Precision as PrecisionArg;
 
 /// `--device`.
 #[derive(Debug, Clone, Copy, ValueEnum)]

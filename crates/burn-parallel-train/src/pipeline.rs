@@ -205,9 +205,7 @@ impl<P: StagedModel> PipelineEngine<P> {
             };
             stages.insert(index, model.stage(&parts)?);
         }
-        for stage in stages.values() {
-            verify_replicas_in(stage, &[&data], |_| true)?;
-        }
+        verify_stages::<P>(&stages, &data)?;
         let adamw = settings.adamw_config();
         let mut optims = BTreeMap::new();
         for (&s, stage) in &stages {
@@ -291,6 +289,18 @@ impl<P: StagedModel> PipelineEngine<P> {
     }
 }
 
+/// Checks that each of `stages` agrees with its replicas over `data` (naming the first
+/// parameter that differs).
+fn verify_stages<P: StagedModel>(
+    stages: &BTreeMap<usize, P::Stage>,
+    data: &ProcessGroup,
+) -> Result<(), Error> {
+    for stage in stages.values() {
+        verify_replicas_in(stage, &[data], |_| true)?;
+    }
+    Ok(())
+}
+
 impl<P: StagedModel + 'static> PipelineSteps<P> for PipelineEngine<P> {
     fn step(&mut self, batches: &[P::Batch], lr: f64) -> Result<StepOutput, Error> {
         self.updater.set_lr(lr);
@@ -331,10 +341,7 @@ impl<P: StagedModel + 'static> PipelineSteps<P> for PipelineEngine<P> {
     }
 
     fn verify_replicas(&self) -> Result<(), Error> {
-        for stage in self.stages.values() {
-            verify_replicas_in(stage, &[&self.data], |_| true)?;
-        }
-        Ok(())
+        verify_stages::<P>(&self.stages, &self.data)
     }
 
     fn whole_params(&self) -> Result<BTreeMap<String, TensorData>, Error> {
