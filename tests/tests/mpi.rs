@@ -16,7 +16,15 @@ use tests::{assert_matches_reference, reference_run, tiny_gpt_run, workspace_bin
 /// `mpirun` with the flags every run needs: as many ranks as asked on whatever cores there
 /// are, and permission to run as root (CI containers).
 fn mpirun(np: usize) -> Command {
+    // A session directory of this job's own: Open MPI creates `$TMPDIR/ompi.<host>.<uid>`, and
+    // jobs started at once by parallel tests raced on creating the same one ("mkdir ... File
+    // exists": the job failed before any rank ran).
+    static JOBS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let job = JOBS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let tmp = std::env::temp_dir().join(format!("bp-mpi-{}-{job}", std::process::id()));
+    std::fs::create_dir_all(&tmp).expect("a session directory for mpirun");
     let mut cmd = Command::new("mpirun");
+    cmd.env("TMPDIR", &tmp);
     cmd.args([
         "--oversubscribe",
         "--allow-run-as-root",
