@@ -676,7 +676,7 @@ pub fn train_gpt_pipeline_checkpointed(
 ) -> Result<PipelineReport, GptPipelineError> {
     pipeline.validate(config, world.size())?;
     checkpoints.validate().map_err(GptPipelineError::Config)?;
-    let plain = pipeline.device.device().map_err(GptPipelineError::Config)?;
+    let plain = pipeline.device.device()?;
     let device = plain.clone().autodiff();
     let settings = pipeline.settings(config);
     let dp_size = pipeline.layout().data_parallel_size(world.size());

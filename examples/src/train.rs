@@ -76,143 +76,8 @@ pub struct TrainConfig {
     pub device: TrainDevice,
 }
 
-/// Dynamic loss scaling ([`TrainConfig::loss_scale`]), as torch's `GradScaler` takes it: an
-/// overflowing step is skipped and multiplies the scale by `backoff_factor`; `window` clean
-/// steps in a row multiply it by `growth_factor` (Megatron-LM's `--initial-loss-scale` and
-/// `--loss-scale-window`).
-#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct LossScale {
-    /// The first scale.
-    pub initial: f64,
-    /// Clean steps in a row between two growths.
-    pub window: usize,
-    /// What a growth multiplies the scale by (> 1).
-    pub growth_factor: f64,
-    /// What an overflow multiplies the scale by (in (0, 1)).
-    pub backoff_factor: f64,
-}
-
-impl Default for LossScale {
-    /// fp16's customary scaling: from 65536, doubling after 2000 clean steps, halving on an
-    /// overflow.
-    fn default() -> Self {
-        Self {
-            initial: 65536.0,
-            window: 2000,
-            growth_factor: 2.0,
-            backoff_factor: 0.5,
-        }
-    }
-}
-
-impl LossScale {
-    /// The scaler that starts this way.
-    pub fn scaler(&self) -> LossScaler {
-        LossScaler::new(self.initial)
-            .with_growth_interval(self.window)
-            .with_factors(self.growth_factor, self.backoff_factor)
-    }
-
-    /// How `scaler` is set to start (its current scale, interval and factors).
-    pub fn of(scaler: &LossScaler) -> Self {
-        let (growth_factor, backoff_factor) = scaler.factors();
-        Self {
-            initial: scaler.scale(),
-            window: scaler.growth_interval(),
-            growth_factor,
-            backoff_factor,
-        }
-    }
-}
-
-/// The precision of a training run, as the `gpt` trainer takes it.
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum Precision {
-    /// Everything in fp32.
-    #[default]
-    F32,
-    /// bf16 compute, gradients averaged in bf16, fp32 master weights and optimizer state.
-    Bf16,
-    /// fp16 compute with dynamic loss scaling, gradients averaged in fp32, fp32 master weights
-    /// and optimizer state.
-    Fp16,
-}
-
-impl std::fmt::Display for Precision {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Precision::F32 => "f32",
-            Precision::Bf16 => "bf16",
-            Precision::Fp16 => "fp16",
-        })
-    }
-}
-
-impl Precision {
-    /// The library's policy for it.
-    pub fn policy(self) -> burn_parallel::precision::MixedPrecision {
-        use burn_parallel::precision::MixedPrecision;
-        match self {
-            Precision::F32 => MixedPrecision::full(),
-            Precision::Bf16 => MixedPrecision::bf16(),
-            Precision::Fp16 => MixedPrecision::f16(),
-        }
-    }
-
-    /// The loss scaler it needs (fp16: starting at 2^16, as PyTorch's `GradScaler`).
-    pub fn scaler(self) -> Option<LossScaler> {
-        (self == Precision::Fp16).then(|| LossScale::default().scaler())
-    }
-}
-
-/// The device of a training run.
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum TrainDevice {
-    /// Burn's pure-Rust CPU backend.
-    #[default]
-    Flex,
-    /// Burn's WGPU backend (needs the `wgpu` feature and an adapter), where
-    /// `GptConfig::fused` runs the CubeCL kernels.
-    Wgpu,
-    /// Burn's CUDA backend (needs the `cuda` feature and an NVIDIA GPU) on device `LOCAL_RANK`
-    /// (0 when the launcher does not set it): one GPU per process of a node.
-    Cuda,
-    /// Burn's CUDA backend on device `index`: for thread ranks of one process, one GPU each
-    /// (NCCL refuses two ranks of a communicator on one GPU).
-    CudaDevice(usize),
-}
-
-impl TrainDevice {
-    /// The (plain, non-autodiff) Burn device.
-    ///
-    /// # Errors
-    /// For `Wgpu` without the `wgpu` feature or without an adapter.
-    pub fn device(self) -> Result<Device, String> {
-        match self {
-            TrainDevice::Flex => Ok(Device::flex()),
-            #[cfg(feature = "wgpu")]
-            TrainDevice::Wgpu => burn_parallel::kernels::wgpu_device().map_err(|e| e.to_string()),
-            #[cfg(not(feature = "wgpu"))]
-            TrainDevice::Wgpu => {
-                Err("this build has no WGPU backend: rebuild with --features wgpu".into())
-            }
-            // The driver and the device are checked first: a typed error, not cudarc's panic.
-            TrainDevice::Cuda => {
-                use burn_parallel::cuda;
-                let (index, from) = cuda::local_device_index().map_err(|e| e.to_string())?;
-                cuda::cuda_device(index, &from).map_err(|e| e.to_string())
-            }
-            TrainDevice::CudaDevice(index) => burn_parallel::cuda::cuda_device(
-                index,
-                &format!("TrainDevice::CudaDevice({index})"),
-            )
-            .map_err(|e| e.to_string()),
-        }
-    }
-}
+/// The run settings of the library the config names: its arithmetic, loss scaling and device.
+pub use burn_parallel_train::{LossScale, Precision, TrainDevice};
 
 impl Default for TrainConfig {
     fn default() -> Self {
@@ -424,10 +289,10 @@ impl TrainConfig {
             let have = format!("no device holds more than {}", human_bytes(ANY_DEVICE));
             return Err(too_big("the model's training state", state, have));
         }
-        if !matches!(self.device, TrainDevice::Flex) {
+        if !self.device.is_host() {
             return Ok(());
         }
-        let Some(available) = available_memory() else {
+        let Some(available) = burn_parallel_train::available_memory() else {
             return Ok(());
         };
         let here = ranks_here.max(1) as f64;
@@ -573,14 +438,6 @@ fn invalid(world: &ProcessGroup, op: &str, e: impl std::fmt::Display) -> Collect
         op: op.into(),
         reason: e.to_string(),
     }
-}
-
-/// This machine's available memory in bytes (Linux: `MemAvailable`), if known.
-fn available_memory() -> Option<f64> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024.0)
 }
 
 /// The suite's error as the collective error the trainers return: a collective failure as it
@@ -974,10 +831,10 @@ pub(crate) fn validation_loss(
 ) -> burn_parallel::Result<f64> {
     let device = device
         .device()
-        .map_err(|reason| CollectiveError::InvalidArgument {
+        .map_err(|e| CollectiveError::InvalidArgument {
             rank: group.global_rank(),
             op: "validation_loss".into(),
-            reason,
+            reason: e.to_string(),
         })?;
     let rows = config.batch_size / group.size();
     let mut total = 0.0;
@@ -1130,7 +987,7 @@ mod tests {
             batch_size: 100_000_000_000,
             ..base.clone()
         };
-        if available_memory().is_some() {
+        if burn_parallel_train::available_memory().is_some() {
             let e = huge_batch
                 .check_memory(&Layout::default(), 1, 1)
                 .unwrap_err();

@@ -216,7 +216,10 @@ pub fn train_gpt_diloco_checkpointed(
     run.validate(config, &Parallelism::default(), world.size())?;
     // Everything runs on the counting world, the builder's checks and groups included.
     let (world, counter) = count_sent_bytes(world)?;
-    let plain = run.device.device().map_err(DiLoCoTrainError::Config)?;
+    let plain = run
+        .device
+        .device()
+        .map_err(|e| DiLoCoTrainError::Config(e.to_string()))?;
     let device = plain.clone().autodiff();
     let layout = Layout {
         diloco: Some(run.layout()),

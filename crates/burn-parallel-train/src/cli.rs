@@ -28,7 +28,6 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use burn_parallel::context_parallel::{CpBalance, CpKind};
-use burn_parallel::precision::{LossScaler, MixedPrecision};
 use burn_pipeline::ScheduleKind;
 use burn_zero::Stage;
 
@@ -156,28 +155,7 @@ impl LayoutArgs {
     }
 }
 
-/// The arithmetic of the forward and backward (`--precision`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum Precision {
-    /// Everything in fp32.
-    #[default]
-    F32,
-    /// bf16 compute, gradients averaged in bf16, fp32 master weights and optimizer state.
-    Bf16,
-    /// fp16 compute with dynamic loss scaling (from 2^16), gradients averaged in fp32.
-    Fp16,
-}
-
-impl Precision {
-    /// The precision policy and the loss scaler of this arithmetic.
-    pub fn policy(self) -> (MixedPrecision, Option<LossScaler>) {
-        match self {
-            Precision::F32 => (MixedPrecision::full(), None),
-            Precision::Bf16 => (MixedPrecision::bf16(), None),
-            Precision::Fp16 => (MixedPrecision::f16(), Some(LossScaler::new(65536.0))),
-        }
-    }
-}
+pub use crate::settings::Precision;
 
 /// The step's flags: `--precision`, `--clip`, `--grad-accum`.
 #[derive(Debug, Clone, clap::Args)]
@@ -198,10 +176,9 @@ impl StepArgs {
     /// `base` (its optimizer, buckets and batch) with the precision, clipping and accumulation
     /// these flags say.
     pub fn settings(&self, base: StepSettings) -> StepSettings {
-        let (precision, loss_scaler) = self.precision.policy();
         StepSettings {
-            precision,
-            loss_scaler,
+            precision: self.precision.policy(),
+            loss_scaler: self.precision.scaler(),
             max_grad_norm: self.clip,
             grad_accum: self.grad_accum,
             ..base
@@ -259,6 +236,7 @@ pub fn stop_on_signals() -> Arc<AtomicBool> {
 
 #[cfg(test)]
 mod tests {
+    use burn_parallel::precision::MixedPrecision;
     use clap::{CommandFactory, Parser};
 
     use super::*;

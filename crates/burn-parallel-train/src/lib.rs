@@ -36,6 +36,7 @@ pub mod pipeline;
 #[cfg(feature = "cli")]
 mod progress;
 mod saved;
+pub mod settings;
 pub mod streams;
 
 pub use build::{Built, Placed, Trainee, build, verify_replicas};
@@ -50,3 +51,4 @@ pub use local::run_local;
 pub use model::{Groups, ModelParts, ParallelModel, StepSettings};
 pub use pipeline::{PipelineEngine, PipelineSteps, StageParts, StagedModel};
 pub use saved::saved_state;
+pub use settings::{LossScale, Precision, TrainDevice, available_memory};
