@@ -277,28 +277,67 @@ pub fn build<P: ParallelModel>(
     device: &Device,
     settings: &StepSettings,
 ) -> Result<Built<P>, Error> {
+    build_from(world, layout, model, device, settings, None)
+}
+
+/// The pipeline of `layout` (`pp > 1`) for `model`'s staged form.
+fn build_pipeline<P: ParallelModel>(
+    world: &ProcessGroup,
+    layout: &Layout,
+    model: &P,
+    device: &Device,
+    settings: &StepSettings,
+) -> Result<Built<P>, Error> {
+    layout.validate(world.size(), &settings.workload(model))?;
+    let stager = model.stages().ok_or_else(|| {
+        Error::invalid(
+            "--pp",
+            "this model has no pipeline form: implement burn_parallel_train::StagedModel \
+             for it and return Some(self) from ParallelModel::stages, or drop --pp",
+        )
+    })?;
+    let (groups, pipeline) = stager.place(world, layout, device, settings)?;
+    Ok(Built {
+        trainee: Trainee::Pipeline(pipeline),
+        groups,
+        fsdp: None,
+        experts: MoeParallel::default(),
+        zero_memory: None,
+        settings: settings.clone(),
+        layout: *layout,
+        diloco: None,
+    })
+}
+
+/// [`build`] starting from `params` (whole-model tensors under the model's paths: a Hugging
+/// Face checkpoint mapped onto its names, another run's export) instead of the seeded
+/// initialisation: each rank loads its part of them ([`Placed::load_params`], or each
+/// pipeline stage its layers) before the engine makes its master copies.
+///
+/// # Errors
+/// As [`build`]; tensors that do not match the model (a missing or extra name, another
+/// shape), named.
+pub fn build_from<P: ParallelModel>(
+    world: &ProcessGroup,
+    layout: &Layout,
+    model: &P,
+    device: &Device,
+    settings: &StepSettings,
+    params: Option<&BTreeMap<String, TensorData>>,
+) -> Result<Built<P>, Error> {
     if layout.pp > 1 {
-        layout.validate(world.size(), &settings.workload(model))?;
-        let stager = model.stages().ok_or_else(|| {
-            Error::invalid(
-                "--pp",
-                "this model has no pipeline form: implement burn_parallel_train::StagedModel \
-                 for it and return Some(self) from ParallelModel::stages, or drop --pp",
-            )
-        })?;
-        let (groups, pipeline) = stager.place(world, layout, device, settings)?;
-        return Ok(Built {
-            trainee: Trainee::Pipeline(pipeline),
-            groups,
-            fsdp: None,
-            experts: MoeParallel::default(),
-            zero_memory: None,
-            settings: settings.clone(),
-            layout: *layout,
-            diloco: None,
-        });
+        let mut built = build_pipeline(world, layout, model, device, settings)?;
+        if let (Some(params), Trainee::Pipeline(stages)) = (params, &mut built.trainee) {
+            stages.load_params(params)?;
+        }
+        return Ok(built);
     }
-    Placed::new(world, layout, model, device, settings)?.into_engine(settings)
+    let placed = Placed::new(world, layout, model, device, settings)?;
+    let placed = match params {
+        Some(params) => placed.load_params(params)?,
+        None => placed,
+    };
+    placed.into_engine(settings)
 }
 
 /// Checks that the replicas of `model` agree: the ranks of `groups.replicate` hold the same
@@ -425,6 +464,24 @@ impl<P: ParallelModel> Placed<P> {
             moe: model.n_experts().is_some(),
             islands,
         })
+    }
+
+    /// Loads `params` (whole-model tensors under the model's paths) into this rank's part of
+    /// the model: its tensor-parallel shards, FSDP's flat shards, its experts (under their
+    /// global names). Every rank calls it; the tensors are checked against the whole model,
+    /// those other ranks hold included.
+    ///
+    /// # Errors
+    /// Tensors that do not match the model (a missing or extra name, another shape), named;
+    /// collective failures.
+    pub fn load_params(mut self, params: &BTreeMap<String, TensorData>) -> Result<Self, Error> {
+        let tp = self.init.context();
+        let shards = self.fsdp.as_ref().map(|plan| plan.shards().clone());
+        let map = ParamMap::new(&self.model, &tp, shards.as_ref())?;
+        let map = burn_moe::engine::expert_map(map, &self.experts, &tp)?
+            .with_logical_of(&self.groups.world)?;
+        self.model = map.load_params(self.model, params)?;
+        Ok(self)
     }
 
     /// The engine of the layout for the placed model (see the module's doc for its parts).

@@ -185,6 +185,11 @@ pub struct Fitted<P: ParallelModel> {
     /// The checkpoint a resumed run loaded (the newest complete one under
     /// [`FitConfig::resume`], which may be older than the newest attempted).
     pub resumed_from: Option<Resumed>,
+    /// Mean seconds of the steps this run took, its first excluded (a warm-up, or the first
+    /// after a resume); 0 when no step was timed.
+    pub step_seconds: f64,
+    /// Tokens of the global batch per second at [`Self::step_seconds`] (0 when untimed).
+    pub tokens_per_sec: f64,
 }
 
 /// The checkpoint a run resumed from.
@@ -365,6 +370,7 @@ pub fn fit_with<P: ParallelModel>(
         resumed_from = Some(Resumed::of(&checkpoint));
     }
     let mut stopped_at = None;
+    let (mut timed_seconds, mut timed_steps) = (0.0, 0usize);
     for step in first_step..config.steps {
         let start = Instant::now();
         let lr = config.lr.at(step);
@@ -378,6 +384,10 @@ pub fn fit_with<P: ParallelModel>(
             .map_err(|e| e.at_step(step + 1))?;
         losses.push(out.loss);
         let seconds = start.elapsed().as_secs_f64();
+        if step > first_step {
+            timed_seconds += seconds;
+            timed_steps += 1;
+        }
         let log = StepLog {
             step,
             loss: out.loss,
@@ -424,11 +434,20 @@ pub fn fit_with<P: ParallelModel>(
     if let Some(saver) = saver.as_mut() {
         saver.wait()?;
     }
+    let step_seconds = match timed_steps {
+        0 => 0.0,
+        n => timed_seconds / n as f64,
+    };
     Ok(Fitted {
         built,
         losses,
         first_step,
         stopped_at,
         resumed_from,
+        step_seconds,
+        tokens_per_sec: match step_seconds {
+            0.0 => 0.0,
+            s => tokens / s,
+        },
     })
 }
