@@ -44,7 +44,7 @@ use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
 use burn_parallel_train::pipeline::{PathMap, Stager};
 use burn_parallel_train::{
     Built, Layout, ModelParts, ParallelModel, PipelineLayout, StageParts, StagedModel, StepLog,
-    StepSettings, Trainee, build,
+    StepSettings,
 };
 use burn_pipeline::generators;
 use burn_pipeline::partition::{self, PartitionError};
@@ -59,9 +59,7 @@ use crate::data::{Batch, Corpus, Split};
 use crate::gpt::{
     Block, Embeddings, Gpt, GptConfig, INIT_STD, Norm, OutputLayer, Pass, PositionKind,
 };
-use crate::train::{
-    GptFit, NamedParam, StepStats, TrainConfig, TrainDevice, TrainReport, fit_gpt, named_params,
-};
+use crate::train::{NamedParam, StepStats, TrainConfig, TrainDevice, TrainReport, train_layout};
 use crate::train_checkpoint::{self, CheckpointOptions};
 
 /// Errors of the pipelined GPT: its configuration, its build, its run.
@@ -706,87 +704,54 @@ pub fn train_gpt_pipeline_checkpointed(
         }
         other => split_blocks(&config.model, stages, other)?,
     };
-    // ---- the layout: the library's builder stages the GPT (`StagedGpt`) ----
+    // ---- the library's builder stages the GPT (`StagedGpt`), its loop trains it ----
     let model = StagedGpt {
         config: config.model.clone(),
         split: split.clone(),
     };
-    let mut built = build(world, &pipeline.layout(), &model, &device, &settings)?;
-    if let (None, Some(dir)) = (&checkpoints.resume, &checkpoints.init_from_hf) {
-        let tensors = crate::hf::gpt_tensors_for(dir, &config.model)
-            .map_err(|e| GptPipelineError::Checkpoint(e.to_string()))?;
-        if let Trainee::Pipeline(stages) = &mut built.trainee {
-            stages.load_params(&tensors)?;
-        }
-    }
-    let (mesh, dp) = (built.groups.mesh.clone(), built.groups.data.clone());
-
-    // ---- the loop: the library's `fit`, with the GPT's checkpoint state ----
+    let config = TrainConfig {
+        device: pipeline.device,
+        ..config.clone()
+    };
+    // Before the stages are gathered: this rank's last step and the timeline of every rank.
+    let mut figures = None;
+    let mut keep = |built: &Built<StagedGpt>| {
+        let stages = built.pipeline().expect("a pipeline layout");
+        let last_step = stages.last_step().cloned();
+        let timeline = match &last_step {
+            Some(report) => {
+                let (mesh, dp) = (&built.groups.mesh, built.groups.data.rank());
+                let group = |name| mesh.group(name).map_err(burn_parallel::Error::from);
+                let (pp, tp) = (group("pp")?.rank(), group("tp")?);
+                let name = match tp.size() {
+                    1 => format!("pp {pp} / dp {dp}"),
+                    _ => format!("pp {pp} / dp {dp} / tp {}", tp.rank()),
+                };
+                let tracks = built
+                    .groups
+                    .world
+                    .all_gather_object(&StepTrack::new(name, report))?;
+                Timeline::from_steps(&tracks)
+                    .map_err(|e| burn_parallel::Error::invalid("--trace", e))?
+            }
+            None => Timeline::default(),
+        };
+        figures = Some((last_step, stages.held_params(), timeline));
+        Ok(())
+    };
     // (No MoE figures: a GPT-MoE is refused under pipeline parallelism.)
     let no_moe = &mut |_: &StepLog, _: &Built<StagedGpt>| Ok(Vec::new());
-    let sources = (corpus, checkpoints);
-    let GptFit {
-        fitted,
-        timer,
-        skipped,
-    } = fit_gpt(world, built, config, sources, on_step, no_moe)?;
-    let losses: Vec<f64> = fitted.losses.iter().map(|&l| f64::from(l)).collect();
-    let built = fitted.built;
-    let stages = built.pipeline().expect("a pipeline layout");
-    let (last_step, held_params) = (stages.last_step().cloned(), stages.held_params());
-    let loss_scale = built.loss_scale();
-
-    // ---- the last step's timeline of every rank ----
-    let timeline = match &last_step {
-        Some(report) => {
-            let group = |name| mesh.group(name).map_err(burn_parallel::Error::from);
-            let (pp, tp) = (group("pp")?.rank(), group("tp")?);
-            let name = match tp.size() {
-                1 => format!("pp {pp} / dp {}", dp.rank()),
-                _ => format!("pp {pp} / dp {} / tp {}", dp.rank(), tp.rank()),
-            };
-            let tracks = world.all_gather_object(&StepTrack::new(name, report))?;
-            Timeline::from_steps(&tracks).map_err(GptPipelineError::Config)?
-        }
-        None => Timeline::default(),
-    };
-
-    // ---- the whole model on every rank: validation, sample, report ----
-    let full = built.trained(&model)?.valid();
-    let mut val = 0.0;
-    for b in 0..config.eval_batches {
-        let batch = corpus.batch_rows(
-            b as u64,
-            0..config.batch_size,
-            config.seq_len,
-            Split::Validation,
-        );
-        let (inputs, targets) = batch.to_tensors(&plain);
-        let loss = full
-            .loss(inputs, targets)
-            .map_err(|e| GptPipelineError::Config(e.to_string()))?;
-        val += loss.try_into_vec_as::<f64>().unwrap_or_default()[0];
-    }
-    let val_loss = val / config.eval_batches.max(1) as f64;
-    let sample = if config.sample_len > 0 && world.rank() == 0 {
-        crate::train::generate(&full, &config.prompt, config, &plain)
-    } else {
-        String::new()
-    };
-    let tokens_per_step = (config.batch_size * config.seq_len) as f64;
-    let (step_seconds, tokens_per_sec) = timer.figures(tokens_per_step);
+    let train = train_layout(
+        world,
+        &config,
+        (&pipeline.layout(), &model, &settings),
+        (corpus, checkpoints),
+        on_step,
+        (no_moe, &mut keep),
+    )?;
+    let (last_step, held_params, timeline) = figures.expect("the run's end was reached");
     Ok(PipelineReport {
-        train: TrainReport {
-            losses,
-            val_loss,
-            sample,
-            step_seconds,
-            tokens_per_sec,
-            final_params: named_params(&full),
-            skipped_steps: skipped,
-            loss_scale,
-            memory: None,
-        },
+        train,
         last_step,
         held_params,
         split,

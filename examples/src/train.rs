@@ -14,8 +14,8 @@ use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::precision::LossScaler;
 use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
 use burn_parallel_train::{
-    Built, CheckpointPolicy, FitConfig, Layout, MicroBatch, Placed, StepLog, StepSettings, Trainee,
-    fit_with,
+    Built, CheckpointPolicy, FitConfig, Layout, MicroBatch, ParallelModel, StepLog, StepSettings,
+    Trainee, build_from, fit_with,
 };
 use burn_zero::memory::Category;
 use serde::{Deserialize, Serialize};
@@ -24,7 +24,6 @@ use crate::data::{Corpus, Split};
 use crate::gpt::{Gpt, GptConfig};
 use crate::init::splitmix64;
 use crate::train_checkpoint::{self, CheckpointOptions};
-use burn_parallel::checkpoint::ParamMap;
 
 /// Everything that defines a training run (the model included). A key it does not know is an
 /// error, not a silent default ([`TrainConfig::from_toml`]).
@@ -499,12 +498,6 @@ pub fn train_gpt_checkpointed(
     config
         .validate_layout(parallel, world.size())
         .map_err(|e| invalid(world, op, e))?;
-    checkpoints
-        .validate()
-        .map_err(|e| invalid(world, "checkpoint", e))?;
-    corpus
-        .check_windows(config.seq_len, config.eval_batches)
-        .map_err(|e| invalid(world, op, e))?;
     // Thread ranks share this process's memory.
     let ranks_here = match world.backend() {
         "local" => world.size(),
@@ -513,124 +506,124 @@ pub fn train_gpt_checkpointed(
     config
         .check_memory(parallel, world.size(), ranks_here)
         .map_err(|e| invalid(world, op, e))?;
-    let plain = config.device.device().map_err(|e| invalid(world, op, e))?;
-    let device = plain.clone().autodiff();
-    // A compute dtype the device lacks (f16/bf16 on some WGPU adapters) is a clear error.
-    config
-        .precision_policy()
-        .validate(&plain)
-        .map_err(|e| invalid(world, op, e))?;
-    // ---- the layout: the library's builder places the model (plans, groups, replica check) ----
-    let settings = config.step_settings();
-    let placed = Placed::new(world, parallel, &config.model, &device, &settings)
-        .map_err(|e| collective(world, e))?;
-    let (dp, reduce) = (placed.groups.data.clone(), placed.groups.reduce.clone());
-    // ---- the parameters a run starts from: Hugging Face's, read into the fp32 model
-    // before the engine takes it (ZeRO's master weights are made from them); a checkpoint's
-    // are the engine's to load (in `fit`) ----
-    let mut placed = placed;
-    if let (None, Some(dir)) = (&checkpoints.resume, &checkpoints.init_from_hf) {
-        let fail = |e: &dyn std::fmt::Display| invalid(world, "init_from_hf", e);
-        let tensors = crate::hf::gpt_tensors_for(dir, &config.model).map_err(|e| fail(&e))?;
-        // The experts under their global names; the whole model's tensors checked, also those
-        // other ranks hold (other experts).
-        let tp_ctx = placed.init.context();
-        let data_shards = placed.fsdp.as_ref().map(|plan| plan.shards().clone());
-        let map = ParamMap::new(&placed.model, &tp_ctx, data_shards.as_ref())
-            .and_then(|map| burn_moe::engine::expert_map(map, &placed.experts, &tp_ctx))
-            .and_then(|map| map.with_logical_of(world))
-            .map_err(|e| fail(&e))?;
-        placed.model = map
-            .load_params(placed.model, &tensors)
-            .map_err(|e| fail(&e))?;
-    }
-    // ---- the engine: the library's step for the layout (see `StepEngine`) ----
-    let built = placed
-        .into_engine(&settings)
-        .map_err(|e| collective(world, e))?;
-    let (fsdp, zero_memory) = (built.fsdp.clone(), built.zero_memory.clone());
-
-    // ---- the loop: the library's `fit`, with the GPT's checkpoint state ----
     // FSDP: the shards' gradients, held between the backward and the optimizer, in the
     // memory account; the MoE layers' routing figures on the log lines.
     let mut extra = |_: &StepLog, built: &Built<GptConfig>| {
         let m = built
             .model()
-            .expect("a whole model: the pipeline trains in crate::pipeline");
-        if let Some(plan) = &fsdp {
+            .expect("a whole model: the pipeline is StagedGpt's");
+        if let Some(plan) = &built.fsdp {
             let bytes = plan.shard_gradient_bytes(m);
             plan.memory().add(Category::Grads, bytes);
             plan.memory().sub(Category::Grads, bytes);
         }
-        Ok(moe_figures(m, &reduce)?)
+        Ok(moe_figures(m, &built.groups.reduce)?)
     };
-    let GptFit {
-        fitted,
-        timer,
-        skipped,
-    } = fit_gpt(
+    // The memory account of the sharded optimizer (ZeRO-1/2) or of FSDP's units.
+    let mut memory = None;
+    let mut account = |built: &Built<GptConfig>| {
+        memory = match (&built.fsdp, &built.zero_memory, &built.trainee) {
+            (_, Some(zero), _) => Some(zero.last_step()),
+            (Some(plan), None, Trainee::Whole { engine, .. }) => {
+                if let Some(optim) = engine.optimizer() {
+                    plan.memory()
+                        .set(Category::Optimizer, plan.optimizer_bytes(optim)?);
+                }
+                Some(plan.memory().report())
+            }
+            _ => None,
+        };
+        Ok(())
+    };
+    let settings = config.step_settings();
+    let run = (parallel, &config.model, &settings);
+    let report = train_layout(
         world,
-        built,
         config,
+        run,
         (corpus, checkpoints),
         on_step,
-        &mut extra,
+        (&mut extra, &mut account),
     )
     .map_err(|e| collective(world, e))?;
-    let run = Run {
-        losses: fitted.losses.iter().map(|&l| f64::from(l)).collect(),
-        timer,
-        skipped,
-    };
-    let loss_scale = fitted.built.loss_scale();
-    // FSDP: the optimizer state's bytes, in the memory account.
-    let fsdp_optimizer = match (&fsdp, &fitted.built.trainee) {
-        (Some(plan), Trainee::Whole { engine, .. }) => engine
-            .optimizer()
-            .map(|optim| plan.optimizer_bytes(optim))
-            .transpose()
-            .map_err(|e| collective(world, e.into()))?,
+    Ok(TrainReport { memory, ..report })
+}
+
+/// What [`train_layout`] calls on the way: after each step for the MoE layers' routing
+/// figures (and any bookkeeping), and once after the last step, before the model is gathered.
+pub(crate) type Hooks<'a, 'b, P> = (
+    &'a mut MoeFigures<'b, P>,
+    &'a mut dyn FnMut(&Built<P>) -> Result<(), burn_parallel::Error>,
+);
+
+/// Trains the GPT under any layout (whole, pipelined as `P` = [`crate::pipeline::StagedGpt`],
+/// DiLoCo) on `world`: the device, the start (a Hugging Face checkpoint, or a resume), the
+/// library's builder and loop, then the validation loss (each data-parallel rank its rows, or
+/// each island's under DiLoCo), the sample and the whole model's parameters.
+///
+/// # Errors
+/// Invalid options, the builder's, the loop's, the evaluation's.
+pub(crate) fn train_layout<P: ParallelModel<Model = Gpt, Batch = crate::data::Batch>>(
+    world: &ProcessGroup,
+    config: &TrainConfig,
+    (layout, model, settings): (&Layout, &P, &StepSettings),
+    (corpus, checkpoints): (&Corpus, &CheckpointOptions),
+    on_step: &mut dyn FnMut(&StepStats),
+    (extra, finish): Hooks<'_, '_, P>,
+) -> Result<TrainReport, burn_parallel::Error> {
+    checkpoints
+        .validate()
+        .map_err(|e| burn_parallel::Error::invalid("checkpoint", e))?;
+    corpus
+        .check_windows(config.seq_len, config.eval_batches)
+        .map_err(|e| burn_parallel::Error::invalid("--seq-len", e))?;
+    let plain = config.device.device()?;
+    // A compute dtype the device lacks (f16/bf16 on some WGPU adapters) is a clear error.
+    settings
+        .precision
+        .validate(&plain)
+        .map_err(|e| burn_parallel::Error::invalid("--precision", e))?;
+    // A run starts from Hugging Face's parameters, or a checkpoint's (loaded in `fit`).
+    let start = match (&checkpoints.resume, &checkpoints.init_from_hf) {
+        (None, Some(dir)) => Some(
+            crate::hf::gpt_tensors_for(dir, &config.model)
+                .map_err(|e| burn_parallel::Error::invalid("init_from_hf", e))?,
+        ),
         _ => None,
     };
-    // ---- evaluation on the layout, then the whole model for sampling and the report ----
-    // ZeRO under mixed precision: evaluate and report the fp32 master weights.
-    let trained = fitted
-        .built
-        .trained(&config.model)
-        .map_err(|e| collective(world, e))?;
-    let eval_model = trained.valid();
-    let val_loss = validation_loss(
-        &dp,
-        &reduce,
-        config,
-        config.device,
-        corpus,
-        &|inputs, targets| {
-            eval_model
-                .loss(inputs, targets)
-                .map_err(|e| collective(world, e.into()))
-        },
-    )?;
-    let full = eval_model
-        .to_single(&plain)
-        .map_err(|e| collective(world, e.into()))?;
-    let sample = if config.sample_len > 0 && world.rank() == 0 {
-        generate(&full, &config.prompt, config, &plain)
-    } else {
-        String::new()
+    let device = plain.clone().autodiff();
+    let built = build_from(world, layout, model, &device, settings, start.as_ref())?;
+    let GptFit { fitted, skipped } =
+        fit_gpt(world, built, config, (corpus, checkpoints), on_step, extra)?;
+    finish(&fitted.built)?;
+    let built = fitted.built;
+    let loss_scale = built.loss_scale();
+    // The validation loss: each data-parallel rank its rows (each island's under DiLoCo,
+    // which may have lost others), averaged with the context-parallel ranks.
+    let (group, average) = match &built.diloco {
+        Some(d) => (d.loss_group().clone(), d.loss_group().clone()),
+        None => (built.groups.data.clone(), built.groups.reduce.clone()),
     };
-    let memory = match (&fsdp, fsdp_optimizer, zero_memory) {
-        (_, _, Some(zero)) => Some(zero.last_step()),
-        (Some(plan), Some(state), None) => {
-            plan.memory().set(Category::Optimizer, state);
-            Some(plan.memory().report())
-        }
-        _ => None,
+    // The fp32 master weights (ZeRO under mixed precision), this rank's part of them; a
+    // pipeline's stages gathered; DiLoCo's outer model.
+    let trained = built.trained(model)?.valid();
+    let loss = |inputs, targets| Ok(trained.loss(inputs, targets)?);
+    let val_loss = validation_loss(&group, &average, config, corpus, &plain, &loss)?;
+    let full = trained.to_single(&plain)?;
+    let sample = match config.sample_len > 0 && world.rank() == 0 {
+        true => generate(&full, &config.prompt, config, &plain),
+        false => String::new(),
     };
     Ok(TrainReport {
-        memory,
+        losses: fitted.losses.iter().map(|&l| f64::from(l)).collect(),
+        val_loss,
+        sample,
+        step_seconds: fitted.step_seconds,
+        tokens_per_sec: fitted.tokens_per_sec,
+        final_params: named_params(&full),
+        skipped_steps: skipped,
         loss_scale,
-        ..run.report(config, val_loss, sample, named_params(&full))
+        memory: None,
     })
 }
 
@@ -660,10 +653,8 @@ pub(crate) type MoeFigures<'a, P> =
 
 /// What [`fit_gpt`] returns besides the trained layout.
 pub(crate) struct GptFit<P: burn_parallel_train::ParallelModel> {
-    /// The trained layout, its losses, where it resumed from.
+    /// The trained layout, its losses, where it resumed from, its step time.
     pub(crate) fitted: burn_parallel_train::Fitted<P>,
-    /// Seconds of all steps but the first.
-    pub(crate) timer: StepTimer,
     /// Steps skipped on a loss-scaling overflow (the saved run's included).
     pub(crate) skipped: usize,
 }
@@ -689,11 +680,9 @@ pub(crate) fn fit_gpt<P: burn_parallel_train::ParallelModel<Batch = crate::data:
         Ok(corpus.batch_rows(micro.step as u64, rows, config.seq_len, Split::Train))
     };
     let start = Instant::now();
-    let (mut timer, mut skipped, mut first) = (StepTimer::default(), 0, true);
+    let mut skipped = 0;
     let mut after_step = |log: &StepLog, built: &Built<P>| {
         skipped += usize::from(log.skipped);
-        timer.add(first, log.seconds);
-        first = false;
         on_step(&StepStats {
             step: log.step,
             loss: f64::from(log.loss),
@@ -717,7 +706,6 @@ pub(crate) fn fit_gpt<P: burn_parallel_train::ParallelModel<Batch = crate::data:
     )?;
     Ok(GptFit {
         fitted,
-        timer,
         skipped: skipped + state.skipped,
     })
 }
@@ -742,75 +730,6 @@ fn moe_figures(model: &Gpt, average: &ProcessGroup) -> burn_parallel::Result<Vec
     Ok(stats)
 }
 
-/// What the training loop measured.
-struct Run {
-    losses: Vec<f64>,
-    /// Seconds of all steps but the first.
-    timer: StepTimer,
-    /// Steps skipped on a loss-scaling overflow.
-    skipped: usize,
-}
-
-impl Run {
-    fn report(
-        self,
-        config: &TrainConfig,
-        val_loss: f64,
-        sample: String,
-        final_params: Vec<NamedParam>,
-    ) -> TrainReport {
-        let tokens_per_step = (config.batch_size * config.seq_len) as f64;
-        let (step_seconds, tokens_per_sec) = self.timer.figures(tokens_per_step);
-        TrainReport {
-            losses: self.losses,
-            val_loss,
-            sample,
-            step_seconds,
-            tokens_per_sec,
-            final_params,
-            skipped_steps: self.skipped,
-            loss_scale: 1.0,
-            memory: None,
-        }
-    }
-}
-
-/// The time of a run's steps: the first step a run takes (warm-up, and the first after a
-/// resume) is not timed.
-#[derive(Debug, Clone, Copy, Default)]
-pub(crate) struct StepTimer {
-    seconds: f64,
-    steps: usize,
-}
-
-impl StepTimer {
-    /// Adds a step of `seconds`, unless it is the run's `first`.
-    pub(crate) fn add(&mut self, first: bool, seconds: f64) {
-        if !first {
-            self.seconds += seconds;
-            self.steps += 1;
-        }
-    }
-
-    /// Mean seconds of the timed steps: 0 when none was timed (a run of one step, or resumed
-    /// at its end).
-    pub(crate) fn step_seconds(&self) -> f64 {
-        match self.steps {
-            0 => 0.0,
-            n => self.seconds / n as f64,
-        }
-    }
-
-    /// Seconds per step and tokens per second at `tokens_per_step`; zeros when no step was
-    /// timed.
-    pub(crate) fn figures(&self, tokens_per_step: f64) -> (f64, f64) {
-        match self.step_seconds() {
-            0.0 => (0.0, 0.0),
-            s => (s, tokens_per_step / s),
-        }
-    }
-}
-
 pub(crate) fn scalar(t: &Tensor<1>) -> f64 {
     t.clone()
         .into_data()
@@ -819,34 +738,26 @@ pub(crate) fn scalar(t: &Tensor<1>) -> f64 {
 }
 
 /// Mean validation loss over `eval_batches` global batches, each data-parallel rank of `group`
-/// evaluating its rows with `loss_of` (on a plain device), averaged over `average` (the data
-/// ranks and any context-parallel ranks, which evaluate other tokens of the same rows).
+/// evaluating its rows with `loss_of` on `device`, averaged over `average` (the data ranks and
+/// any context-parallel ranks, which evaluate other tokens of the same rows).
+///
+/// # Errors
+/// `loss_of`'s; collective failures.
 pub(crate) fn validation_loss(
     group: &ProcessGroup,
     average: &ProcessGroup,
     config: &TrainConfig,
-    device: TrainDevice,
     corpus: &Corpus,
-    loss_of: &dyn Fn(Tensor<2, Int>, Tensor<2, Int>) -> burn_parallel::Result<Tensor<1>>,
-) -> burn_parallel::Result<f64> {
-    let device = device
-        .device()
-        .map_err(|e| CollectiveError::InvalidArgument {
-            rank: group.global_rank(),
-            op: "validation_loss".into(),
-            reason: e.to_string(),
-        })?;
+    device: &Device,
+    loss_of: &dyn Fn(Tensor<2, Int>, Tensor<2, Int>) -> Result<Tensor<1>, burn_parallel::Error>,
+) -> Result<f64, burn_parallel::Error> {
     let rows = config.batch_size / group.size();
     let mut total = 0.0;
     for b in 0..config.eval_batches {
         let first = group.rank() * rows;
-        let batch = corpus.batch_rows(
-            b as u64,
-            first..first + rows,
-            config.seq_len,
-            Split::Validation,
-        );
-        let (inputs, targets) = batch.to_tensors(&device);
+        let rows = first..first + rows;
+        let batch = corpus.batch_rows(b as u64, rows, config.seq_len, Split::Validation);
+        let (inputs, targets) = batch.to_tensors(device);
         total += scalar(&loss_of(inputs, targets)?);
     }
     let local = (total / config.eval_batches.max(1) as f64) as f32;

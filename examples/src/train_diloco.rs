@@ -18,20 +18,15 @@
 //! step losses and the validation loss are those of this rank's island (its rows of the global
 //! batch), and each rank reports only its own bytes.
 
-use burn::module::Module;
-use burn_parallel::checkpoint::ParamMap;
 use burn_parallel::diloco::{DiLoCoConfig, DiLoCoError, count_sent_bytes};
 use burn_parallel::{CollectiveError, ProcessGroup};
 use burn_parallel_train::diloco::DiLoCoFigures;
 pub use burn_parallel_train::diloco::{CompressionArg, DiLoCoFlags, InnerOptimArg};
-use burn_parallel_train::{Built, DiLoCoLayout, Fitted, Layout, Placed, StepLog};
+use burn_parallel_train::{Built, DiLoCoLayout, Layout, StepLog};
 
 use crate::data::Corpus;
 use crate::gpt::GptConfig;
-use crate::train::{
-    GptFit, Parallelism, StepStats, TrainConfig, TrainDevice, TrainReport, fit_gpt, generate,
-    named_params, validation_loss,
-};
+use crate::train::{Parallelism, StepStats, TrainConfig, TrainDevice, TrainReport, train_layout};
 use crate::train_checkpoint::CheckpointOptions;
 
 /// The optimizer each island runs between syncs.
@@ -216,95 +211,38 @@ pub fn train_gpt_diloco_checkpointed(
     run.validate(config, &Parallelism::default(), world.size())?;
     // Everything runs on the counting world, the builder's checks and groups included.
     let (world, counter) = count_sent_bytes(world)?;
-    let plain = run
-        .device
-        .device()
-        .map_err(|e| DiLoCoTrainError::Config(e.to_string()))?;
-    let device = plain.clone().autodiff();
     let layout = Layout {
         diloco: Some(run.layout()),
         ..Layout::default()
     };
-    // The inner step: the library's, under the run's precision policy (the forward on the
-    // compute copy, fp32 weights and optimizer state, dynamic loss scaling for fp16), DDP inside
-    // the island. The outer sync sees the fp32 weights.
-    let settings = config.step_settings();
-    let mut placed =
-        Placed::new(&world, &layout, &config.model, &device, &settings).map_err(train_error)?;
-    if let (None, Some(dir)) = (&checkpoints.resume, &checkpoints.init_from_hf) {
-        // Every island starts from the imported weights: they are the first outer model.
-        let tensors = crate::hf::gpt_tensors_for(dir, &config.model).map_err(checkpoint_error)?;
-        let map =
-            ParamMap::new(&placed.model, &placed.init.context(), None).map_err(checkpoint_error)?;
-        placed.model = map
-            .load_params(placed.model, &tensors)
-            .map_err(checkpoint_error)?;
-    }
-    let built = placed.into_engine(&settings).map_err(train_error)?;
-    let diloco = built
-        .diloco
-        .clone()
-        .expect("a DiLoCo layout has DiLoCo's engine");
-
-    // No stop flag: its agreement would run over the world, which may have lost islands; no
-    // replica check either: each island's replicas stay equal by DDP, and the islands differ
-    // between syncs (both as `fit_gpt` runs).
+    let config = TrainConfig {
+        device: run.device,
+        ..config.clone()
+    };
+    // The inner step is the library's under the run's precision policy, DDP inside the
+    // island; the outer sync sees the fp32 weights. No MoE figures (refused above); the outer
+    // loop's figures are read after the final sync.
+    let mut handle = None;
+    let mut keep = |built: &Built<GptConfig>| {
+        handle = built.diloco.clone();
+        Ok(())
+    };
     let no_moe = &mut |_: &StepLog, _: &Built<GptConfig>| Ok(Vec::new());
-    let GptFit {
-        fitted: Fitted { built, losses, .. },
-        timer,
-        skipped,
-    } = fit_gpt(
+    let settings = config.step_settings();
+    let train = train_layout(
         &world,
-        built,
-        config,
+        &config,
+        (&layout, &config.model, &settings),
         (corpus, checkpoints),
         on_step,
-        no_moe,
+        (no_moe, &mut keep),
     )
     .map_err(train_error)?;
-    let loss_scale = built.loss_scale();
-    // The outer model: fragments not synced after the last step are synced now, and the
-    // figures then include that final sync.
-    let model = built.trained(&config.model).map_err(train_error)?;
-    let figures = diloco.figures(&counter);
-
-    let eval = model.valid();
-    let group = diloco.loss_group();
-    let val_loss = validation_loss(
-        group,
-        group,
-        config,
-        run.device,
-        corpus,
-        &|inputs, targets| {
-            eval.loss(inputs, targets)
-                .map_err(|e| CollectiveError::InvalidArgument {
-                    rank: group.global_rank(),
-                    op: "validation loss".into(),
-                    reason: e.to_string(),
-                })
-        },
-    )?;
-    let sample = if config.sample_len > 0 && world.rank() == 0 {
-        generate(&eval, &config.prompt, config, &plain)
-    } else {
-        String::new()
-    };
-    let tokens_per_step = (config.batch_size * config.seq_len) as f64;
-    let (step_seconds, tokens_per_sec) = timer.figures(tokens_per_step);
+    let figures = handle
+        .expect("a DiLoCo layout has DiLoCo's engine")
+        .figures(&counter);
     Ok(DiLoCoReport {
-        train: TrainReport {
-            losses: losses.into_iter().map(f64::from).collect(),
-            val_loss,
-            sample,
-            step_seconds,
-            tokens_per_sec,
-            final_params: named_params(&eval),
-            skipped_steps: skipped,
-            loss_scale,
-            memory: None,
-        },
+        train,
         outer_bytes: figures.outer_bytes,
         total_bytes: figures.total_bytes,
         syncs: figures.syncs,

@@ -478,8 +478,11 @@ impl<P: ParallelModel> Placed<P> {
         let tp = self.init.context();
         let shards = self.fsdp.as_ref().map(|plan| plan.shards().clone());
         let map = ParamMap::new(&self.model, &tp, shards.as_ref())?;
-        let map = burn_moe::engine::expert_map(map, &self.experts, &tp)?
-            .with_logical_of(&self.groups.world)?;
+        let mut map = burn_moe::engine::expert_map(map, &self.experts, &tp)?;
+        if self.experts.ep.is_some() {
+            // Each rank holds only its experts: the others' come from their ranks.
+            map = map.with_logical_of(&self.groups.world)?;
+        }
         self.model = map.load_params(self.model, params)?;
         Ok(self)
     }
