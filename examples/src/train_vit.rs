@@ -1,17 +1,21 @@
 //! The ViT training loop on the bundled 8x8 digits, shared by the `vit` binary and the tests.
 //!
-//! [`train_vit`] runs on every rank of a world arranged as `dp x tp` ([`ParallelDims`]); the
-//! model is one type under every layout:
+//! [`train_vit`] runs on every rank of a world under any library [`Layout`]: the library's
+//! builder places the ViT ([`VitConfig`]'s `ParallelModel` form) and its loop trains it, so the
+//! layout's rules are [`Layout::validate`]'s, each refusal naming its flag; the ViT's own
+//! settings are checked by [`VitTrainConfig::validate`].
 //!
-//! | layout | model | gradient reduction and step |
+//! | layout | what each rank trains | gradient reduction and step |
 //! |---|---|---|
-//! | single device, DDP | [`Vit`] | [`TrainStep`]: averaged over `dp`, global-norm clipping |
-//! | TP (+ SP), DP x TP | [`Vit`] built with [`Vit::tp_plan`] | [`TrainStep`]: averaged over `dp`, clipping with the shards summed over `tp` |
-//! | FSDP (× TP) | [`Vit`] built with [`Vit::fsdp_plan`] | [`TrainStep`] with the units' flat shards |
-//! | ZeRO-1/2 (× TP) | [`Vit`] | [`ZeroOptimizer`] over `dp` (optimizer state, and gradients at stage 2, sharded) |
+//! | single device, DDP | [`Vit`] | averaged over `dp`, global-norm clipping |
+//! | TP (+ SP), DP x TP | [`Vit`] built with [`Vit::tp_plan`] | averaged over `dp`, clipping with the shards summed over `tp` |
+//! | FSDP (× TP) | [`Vit`] built with [`Vit::fsdp_plan`] | the units' flat shards |
+//! | ZeRO-1/2 (× TP) | [`Vit`] | ZeRO's optimizer over `dp` (optimizer state, and gradients at stage 2, sharded) |
+//! | pipeline (`pp > 1`, × DP) | its stages ([`crate::vit_pipeline`]) | per stage over its replicas, clipping by the norm over every stage |
 //!
 //! Every data-parallel rank takes its rows of the step's global batch (a pure function of the
-//! seed and the step, drawn from the training split), so every layout reproduces single-device
+//! seed and the step, drawn from the training split) in [`VitTrainConfig::grad_accum`]
+//! micro-batches (a pipeline's micro-batches), so every layout reproduces single-device
 //! training on the same global batch. The test accuracy is measured on the held-out split of
 //! [`Digits::split`] (20 %, 359 images), each data-parallel rank classifying its part of it.
 //!
@@ -19,8 +23,9 @@
 //! rank that failed.
 //!
 //! ```
+//! use burn_parallel_train::Layout;
 //! use examples::data::Digits;
-//! use examples::train_vit::{VitLayout, VitTrainConfig, run_vit_local};
+//! use examples::train_vit::{VitTrainConfig, VitTrainError, run_vit_local};
 //! use examples::vit::VitConfig;
 //!
 //! let digits = Digits::load_default().unwrap();
@@ -30,9 +35,15 @@
 //!     batch_size: 8,
 //!     ..VitTrainConfig::default()
 //! };
-//! let report = run_vit_local(2, &config, &VitLayout::default(), &digits, &mut |_| {}).unwrap();
+//! let report = run_vit_local(2, &config, &Layout::default(), &digits, &mut |_| {}).unwrap();
 //! assert_eq!(report.losses.len(), 3);
 //! assert!((0.0..=1.0).contains(&report.test_accuracy));
+//! // A layout that cannot run is refused before any rank starts, naming its flag.
+//! let sp_alone = Layout { sp: true, ..Layout::default() };
+//! match run_vit_local(2, &config, &sp_alone, &digits, &mut |_| {}) {
+//!     Err(VitTrainError::Invalid { what, .. }) => assert_eq!(what, "--sp"),
+//!     other => panic!("expected --sp to be refused, got {:?}", other.map(|r| r.losses)),
+//! }
 //! ```
 
 use std::sync::Mutex;
@@ -42,18 +53,18 @@ use burn::module::Module;
 use burn::optim::AdamWConfig;
 use burn::tensor::{Device, Tensor};
 use burn_parallel::optim::FusedAdamWConfig;
-use burn_parallel::{ParallelDims, ProcessGroup, ReduceOp};
+use burn_parallel::{ProcessGroup, ReduceOp};
 use burn_parallel_train::{
-    Built, FitConfig, Layout, MicroBatch, StepLog, StepSettings, build, fit,
+    Built, FitConfig, Layout, LrSchedule, MicroBatch, StepLog, StepSettings, build, fit,
 };
-use burn_zero::Stage;
 use serde::{Deserialize, Serialize};
 
 use crate::data::{Digits, DigitsBatch};
 use crate::vit::{Vit, VitConfig};
 
 /// Errors of a ViT training run: the suite's [`burn_parallel::Error`]; a configuration or a
-/// layout that cannot run is [`burn_parallel::Error::Invalid`] naming the setting.
+/// layout that cannot run is [`burn_parallel::Error::Invalid`] naming the setting (a layout's
+/// refusal names its flag, as [`Layout::validate`] does).
 pub type VitTrainError = burn_parallel::Error;
 
 /// A setting of the ViT run that cannot work.
@@ -71,6 +82,10 @@ pub struct VitTrainConfig {
     pub steps: usize,
     /// Images per optimizer step over all data-parallel ranks (the global batch).
     pub batch_size: usize,
+    /// Micro-batches per optimizer step (default 1): each data-parallel rank's rows of a step
+    /// split between them, their gradients accumulated; under a pipeline layout they are the
+    /// schedule's micro-batches ([`StepSettings::grad_accum`]).
+    pub grad_accum: usize,
     /// Peak learning rate.
     pub lr: f64,
     /// Linear warm-up steps, then cosine decay to 10 % of `lr`.
@@ -108,6 +123,7 @@ impl Default for VitTrainConfig {
             },
             steps: 600,
             batch_size: 64,
+            grad_accum: 1,
             lr: 3e-3,
             warmup_steps: 30,
             weight_decay: 0.01,
@@ -122,7 +138,10 @@ impl Default for VitTrainConfig {
 }
 
 impl VitTrainConfig {
-    /// Checks the settings that do not depend on the layout.
+    /// Checks the ViT's own settings: the model, and that it fits the digits, and the run's
+    /// steps, rate, split and clipping. What depends on the layout (the batch split over the
+    /// data-parallel ranks and the micro-batches, the heads over `--tp`, ...) is
+    /// [`Layout::validate`]'s, which the builder applies to [`Self::settings`].
     ///
     /// # Errors
     /// [`VitTrainError::Invalid`] naming the first setting to change.
@@ -145,8 +164,8 @@ impl VitTrainConfig {
                 self.model.n_classes
             ));
         }
-        if self.steps == 0 || self.batch_size == 0 || self.eval_batch == 0 {
-            return config("steps, batch_size and eval_batch must be at least 1".into());
+        if self.steps == 0 || self.eval_batch == 0 {
+            return config("steps and eval_batch must be at least 1".into());
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return config(format!(
@@ -168,106 +187,38 @@ impl VitTrainConfig {
         Ok(())
     }
 
-    /// Learning rate at `step`: linear warm-up, then cosine decay to 10 % of the peak.
-    pub fn lr_at(&self, step: usize) -> f64 {
-        burn_parallel_train::LrSchedule {
+    /// The learning rate of every step: linear warm-up, then cosine decay to 10 % of the peak.
+    pub fn lr_schedule(&self) -> LrSchedule {
+        LrSchedule {
             peak: self.lr,
             warmup: self.warmup_steps,
             steps: self.steps,
             floor: 0.1,
         }
-        .at(step)
+    }
+
+    /// Learning rate at `step` ([`Self::lr_schedule`]).
+    pub fn lr_at(&self, step: usize) -> f64 {
+        self.lr_schedule().at(step)
     }
 
     /// The AdamW every layout uses.
     pub fn adamw(&self) -> AdamWConfig {
         AdamWConfig::new().with_weight_decay(self.weight_decay as f32)
     }
-}
 
-/// How the world is split: `world / tp` data-parallel replicas of a model split over `tp`
-/// ranks, or ZeRO over all ranks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct VitLayout {
-    /// Tensor-parallel size (0 or 1: none).
-    pub tp: usize,
-    /// Sequence parallelism inside each tensor-parallel group (the 17 tokens split).
-    pub sp: bool,
-    /// ZeRO over the data-parallel ranks instead of plain DDP: stage 1 or 2 shard the
-    /// optimizer state (and gradients), stage 3 is FSDP with every encoder block a unit.
-    pub zero: Option<Stage>,
-}
-
-impl VitLayout {
-    /// The library's [`Layout`] of this split.
-    pub fn layout(&self) -> Layout {
-        Layout {
-            tp: self.tp_size(),
-            sp: self.sp,
-            zero: self.zero,
-            ..Layout::default()
+    /// How the library's engine steps this run (and what [`Layout::validate`] checks through
+    /// [`StepSettings::workload`]): the global batch, its micro-batches, clipping and AdamW's
+    /// weight decay; a sequence is one image, so tokens per second are images per second.
+    pub fn settings(&self) -> StepSettings {
+        StepSettings {
+            max_grad_norm: self.max_grad_norm,
+            adamw: FusedAdamWConfig::new().with_weight_decay(self.weight_decay as f32),
+            batch_size: self.batch_size,
+            seq_len: 1,
+            grad_accum: self.grad_accum,
+            ..StepSettings::default()
         }
-    }
-
-    /// The tensor-parallel size (at least 1).
-    pub fn tp_size(&self) -> usize {
-        self.tp.max(1)
-    }
-
-    /// The parallel dimensions of this layout on `world` ranks: ZeRO and FSDP shard over every
-    /// data-parallel rank, DDP replicates.
-    pub fn dims(&self, world: usize) -> ParallelDims {
-        let dp = world / self.tp_size();
-        let (dp_replicate, dp_shard) = match self.zero {
-            None => (dp, 1),
-            Some(_) => (1, dp),
-        };
-        ParallelDims {
-            dp_replicate,
-            dp_shard,
-            pp: 1,
-            cp: 1,
-            tp: self.tp_size(),
-            ep: 1,
-        }
-    }
-
-    /// Checks that `world` ranks can train `config` with this layout.
-    ///
-    /// # Errors
-    /// [`VitTrainError::Invalid`] naming the setting to change.
-    pub fn validate(&self, config: &VitTrainConfig, world: usize) -> Result<(), VitTrainError> {
-        config.validate()?;
-        let config_err = |m: String| Err(config_error(m));
-        let tp = self.tp_size();
-        if world == 0 {
-            return config_err("at least one rank is needed".into());
-        }
-        if !world.is_multiple_of(tp) {
-            return config_err(format!(
-                "{world} ranks cannot be split into tensor-parallel groups of {tp}; use a --tp \
-                 that divides the number of ranks"
-            ));
-        }
-        if self.sp && tp == 1 {
-            return config_err("sequence parallelism (--sp) needs --tp 2 or more".into());
-        }
-        if !config.model.n_heads.is_multiple_of(tp) {
-            return config_err(format!(
-                "n_heads ({}) is not divisible by the tensor-parallel size {tp}: attention is \
-                 split by whole heads",
-                config.model.n_heads
-            ));
-        }
-        let dp = world / tp;
-        if !config.batch_size.is_multiple_of(dp) {
-            return config_err(format!(
-                "the global batch of {} images cannot be split evenly over {dp} data-parallel \
-                 ranks; use a multiple of {dp}",
-                config.batch_size
-            ));
-        }
-        Ok(())
     }
 }
 
@@ -305,8 +256,11 @@ pub struct VitReport {
     pub test_images: usize,
     /// Seconds of the training steps (evaluations excluded).
     pub train_seconds: f64,
-    /// The trained model, whole (gathered from the tensor-parallel shards), on a plain
-    /// [`Device::flex`].
+    /// Images of the global batch per second over the steps, the first (a warm-up) excluded
+    /// ([`burn_parallel_train::Fitted::tokens_per_sec`]); 0 for a run of one step.
+    pub images_per_sec: f64,
+    /// The trained model, whole (gathered from the tensor-parallel shards or the pipeline's
+    /// stages), on a plain [`Device::flex`].
     pub model: Vit,
 }
 
@@ -362,13 +316,15 @@ pub(crate) fn evaluate(
     Ok((total as usize, test.len()))
 }
 
-/// Trains the ViT of `config` on the digits with `layout` over `world` (every rank calls it),
-/// calling `on_step` after every step.
+/// Trains the ViT of `config` on the digits under `layout` over `world` (every rank calls it),
+/// calling `on_step` after every step: the library builds what this rank trains (the whole
+/// ViT or, under `pp > 1`, its pipeline stages) and fits it.
 ///
 /// # Arguments
-/// - `world`: all ranks of the job (thread ranks from [`run_local`], or processes).
-/// - `config`: the model and the run.
-/// - `layout`: tensor parallelism, sequence parallelism, ZeRO.
+/// - `world`: all ranks of the job (thread ranks from [`run_vit_local`], or processes).
+/// - `config`: the model and the run (its micro-batches per step: `config.grad_accum`).
+/// - `layout`: any layout the ViT supports: data, tensor (+ sequence) and pipeline
+///   parallelism, ZeRO-1/2 and FSDP.
 /// - `digits`: the whole data set (split into train and test with `config.split_seed`).
 /// - `on_step`: called on every rank after every step with the global figures.
 ///
@@ -376,29 +332,13 @@ pub(crate) fn evaluate(
 /// The report, the same on every rank.
 ///
 /// # Errors
-/// [`VitTrainError::Invalid`] for a setup that cannot run (checked before any communication);
-/// collective, tensor-parallel and ZeRO errors.
+/// [`VitTrainError::Invalid`] for a setup that cannot run (checked before any communication:
+/// the ViT's settings by [`VitTrainConfig::validate`], the layout by [`Layout::validate`],
+/// naming its flag); collective, tensor-parallel, pipeline and ZeRO errors.
 pub fn train_vit(
     world: &ProcessGroup,
     config: &VitTrainConfig,
-    layout: &VitLayout,
-    digits: &Digits,
-    on_step: &mut dyn FnMut(&VitStepStats),
-) -> Result<VitReport, VitTrainError> {
-    layout.validate(config, world.size())?;
-    train_vit_under(world, config, &layout.layout(), 1, digits, on_step)
-}
-
-/// [`train_vit`] under the library's `layout` (a pipeline's included), each data-parallel
-/// rank's rows of a step in `micro_batches` micro-batches (the pipeline's).
-///
-/// # Errors
-/// As [`train_vit`]; the layout's refusals ([`Layout::validate`]).
-pub fn train_vit_under(
-    world: &ProcessGroup,
-    config: &VitTrainConfig,
     layout: &Layout,
-    micro_batches: usize,
     digits: &Digits,
     on_step: &mut dyn FnMut(&VitStepStats),
 ) -> Result<VitReport, VitTrainError> {
@@ -414,29 +354,13 @@ pub fn train_vit_under(
         )));
     }
 
-    // ---- the model and its engine: the library's builder for the layout ----
-    let settings = StepSettings {
-        max_grad_norm: config.max_grad_norm,
-        adamw: FusedAdamWConfig::new().with_weight_decay(config.weight_decay as f32),
-        batch_size: config.batch_size,
-        // Tokens per second are images per second.
-        seq_len: 1,
-        grad_accum: micro_batches,
-        ..StepSettings::default()
-    };
-    let built = build(world, layout, &config.model, &device, &settings)?;
+    // ---- what this rank trains and the engine that steps it: the library's builder ----
+    let built = build(world, layout, &config.model, &device, &config.settings())?;
     let dp = built.groups.data.clone();
     let fit_config = FitConfig {
-        steps: config.steps,
-        lr: burn_parallel_train::LrSchedule {
-            peak: config.lr,
-            warmup: config.warmup_steps,
-            steps: config.steps,
-            floor: 0.1,
-        },
-        checkpoint: None,
-        resume: None,
         check_replicas_every: 0,
+        lr: config.lr_schedule(),
+        ..FitConfig::new(config.steps, config.lr)
     };
     let mut batch = |micro: &MicroBatch| {
         let global = train.batch(micro.step as u64, config.batch_size, config.data_seed);
@@ -473,58 +397,42 @@ pub fn train_vit_under(
         Ok(())
     };
     let fitted = fit(built, &fit_config, &mut batch, &mut on_step, None)?;
-    let losses = fitted.losses.clone();
+    let losses = fitted.losses.iter().map(|&l| f64::from(l)).collect();
+    let images_per_sec = fitted.tokens_per_sec;
     let model = fitted.built.trained(&config.model)?.valid();
     let (test_correct, test_images) = evaluate(&model, &test, &dp, config.eval_batch, &plain)?;
     let test_accuracy = test_correct as f64 / test_images as f64;
     evals.push((config.steps - 1, test_accuracy));
     let model = model.to_single(&plain)?;
     Ok(VitReport {
-        losses: losses.iter().map(|&l| f64::from(l)).collect(),
+        losses,
         evals,
         test_accuracy,
         test_correct,
         test_images,
         train_seconds,
+        images_per_sec,
         model,
     })
 }
 
-/// Runs [`train_vit`] on `ranks` thread ranks of this process and returns rank 0's report.
+/// Runs [`train_vit`] on `ranks` thread ranks of this process, calling `on_step` with rank 0's
+/// step figures, and returns rank 0's report.
 ///
 /// # Errors
-/// The typed error of the rank that failed first (a [`VitTrainError::Invalid`] before any
-/// thread starts); [`VitTrainError::Collective`] when a rank panicked or a collective failed.
+/// A [`VitTrainError::Invalid`] before any thread starts for settings or a layout that cannot
+/// run ([`VitTrainConfig::validate`], [`Layout::validate`]); else the typed error of the rank
+/// that failed first; [`VitTrainError::Collective`] when a rank panicked or a collective
+/// failed.
 pub fn run_vit_local(
     ranks: usize,
     config: &VitTrainConfig,
-    layout: &VitLayout,
+    layout: &Layout,
     digits: &Digits,
     on_step: &mut (dyn FnMut(&VitStepStats) + Send),
 ) -> Result<VitReport, VitTrainError> {
-    layout.validate(config, ranks)?;
-    run_local_ranks(ranks, on_step, &|world, report| {
-        train_vit(world, config, layout, digits, report)
-    })
-}
-
-/// A trainer of the ViT on one rank of a world ([`train_vit`], or the pipeline's), reporting
-/// each step to its callback.
-pub type VitTrainer<'a> = dyn Fn(&ProcessGroup, &mut dyn FnMut(&VitStepStats)) -> Result<VitReport, VitTrainError>
-    + Sync
-    + 'a;
-
-/// Runs `train` (a trainer of the ViT) on `ranks` thread ranks of this process, calling
-/// `on_step` with rank 0's step figures, and returns rank 0's report.
-///
-/// # Errors
-/// The typed error of the rank that failed first; [`VitTrainError::Collective`] when a rank
-/// panicked or a collective failed.
-pub fn run_local_ranks(
-    ranks: usize,
-    on_step: &mut (dyn FnMut(&VitStepStats) + Send),
-    train: &VitTrainer<'_>,
-) -> Result<VitReport, VitTrainError> {
+    config.validate()?;
+    layout.validate(ranks, &config.settings().workload(&config.model))?;
     let on_step = Mutex::new(on_step);
     let mut reports = burn_parallel_train::run_local(ranks, |world| {
         let lead = world.rank() == 0;
@@ -533,7 +441,7 @@ pub fn run_local_ranks(
                 (on_step.lock().expect("the step callback"))(s);
             }
         };
-        train(&world, &mut report)
+        train_vit(&world, config, layout, digits, &mut report)
     })?;
     Ok(reports.swap_remove(0))
 }

@@ -1,9 +1,12 @@
 //! Pipeline parallelism for the bundled ViT, through the library's generic stage
 //! ([`burn_pipeline::sequential::Sequential`]): the ViT is an input layer (patch projection,
 //! class token, positions), a sequence of encoder blocks, and an output layer (final norm,
-//! classifier on the class token, cross-entropy). Three small trait implementations stage it;
-//! [`train_vit_pipeline`] trains it over a `pp x dp` mesh with any schedule of
-//! `burn-pipeline`, through the library's builder and loop like every other layout.
+//! classifier on the class token, cross-entropy). Three small trait implementations stage it,
+//! and [`StagedModel`] for [`VitConfig`] gives the stages to the library's builder: under a
+//! layout with `pp > 1`, [`crate::train_vit::train_vit`] trains it over a `pp x dp` mesh with
+//! any schedule of `burn-pipeline`, through the same builder and loop as every other layout,
+//! the run's micro-batches ([`crate::train_vit::VitTrainConfig::grad_accum`]) flowing through
+//! the schedule.
 //!
 //! ```text
 //! vit --ranks 2 --pp 2 --schedule 1f1b --grad-accum 4
@@ -15,19 +18,17 @@ use std::sync::Arc;
 
 use burn::module::{Module, Param};
 use burn::tensor::Tensor;
-use burn_parallel::ProcessGroup;
 use burn_parallel::init::Init;
 use burn_parallel::nn::{Linear, TpContext};
 use burn_parallel_train::pipeline::PathMap;
-use burn_parallel_train::{Layout, PipelineLayout, Recompute, StageParts, StagedModel};
-use burn_pipeline::ScheduleKind;
+use burn_parallel_train::{StageParts, StagedModel};
 use burn_pipeline::sequential::{InputLayer, Layer, OutputLayer, Sequential};
 use burn_pipeline::stage::StageError;
 
-use crate::data::{Digits, DigitsBatch};
+use crate::data::DigitsBatch;
 use crate::gpt::{Block, INIT_STD, Norm, NormKind, Pass, cross_entropy};
 use crate::init::LinearInit;
-use crate::train_vit::{VitReport, VitStepStats, VitTrainConfig, VitTrainError, train_vit_under};
+use crate::train_vit::VitTrainError;
 use crate::vit::{VitConfig, patchify};
 
 /// Patch projection, class token and positions: images to the token sequence.
@@ -200,85 +201,4 @@ impl StagedModel for VitConfig {
         let first = stage.first_layer;
         Arc::new(move |path| vit_path_at(first, path))
     }
-}
-
-/// The pipeline settings of [`train_vit_pipeline`].
-#[derive(Debug, Clone, PartialEq)]
-pub struct VitPipeline {
-    /// Pipeline ranks; the world is `pp x dp`.
-    pub pp: usize,
-    /// The schedule.
-    pub schedule: ScheduleKind,
-    /// Micro-batches per step (per data-parallel rank).
-    pub microbatches: usize,
-    /// Stages per rank of the interleaved schedule.
-    pub virtual_stages: Option<usize>,
-    /// Recompute every block in the backward.
-    pub checkpoint_blocks: bool,
-}
-
-impl Default for VitPipeline {
-    fn default() -> Self {
-        Self {
-            pp: 2,
-            schedule: ScheduleKind::OneFOneB,
-            microbatches: 4,
-            virtual_stages: None,
-            checkpoint_blocks: false,
-        }
-    }
-}
-
-impl VitPipeline {
-    /// The library's layout of these settings (mesh `pp x dp`).
-    pub fn layout(&self) -> Layout {
-        Layout {
-            pp: self.pp,
-            pipeline: PipelineLayout {
-                schedule: self.schedule,
-                virtual_stages: self.virtual_stages,
-                recompute: match self.checkpoint_blocks {
-                    true => Recompute::Blocks,
-                    false => Recompute::Off,
-                },
-            },
-            ..Layout::default()
-        }
-    }
-}
-
-/// Trains the ViT of `config` with pipeline parallelism over `pipeline.pp` ranks and data
-/// parallelism over the other `world / pp` (mesh `[pp, dp]`), the same run as single-device
-/// training on the same global batches: the library's builder stages it (the ViT's
-/// [`StagedModel`] form) and its loop runs each data-parallel rank's rows of a step as
-/// `pipeline.microbatches` micro-batches through the schedule, each stage's gradients averaged
-/// over its replicas and stepped by AdamW (clipped by the norm over every stage when
-/// `config.max_grad_norm` is set). At the end the stages are gathered into a whole [`crate::vit::Vit`] for
-/// the test accuracy and the report.
-///
-/// # Errors
-/// [`VitTrainError::Invalid`] for settings that cannot work (checked before any
-/// communication); pipeline and collective errors.
-pub fn train_vit_pipeline(
-    world: &ProcessGroup,
-    config: &VitTrainConfig,
-    pipeline: &VitPipeline,
-    digits: &Digits,
-    on_step: &mut dyn FnMut(&VitStepStats),
-) -> Result<VitReport, VitTrainError> {
-    if pipeline.pp < 2 {
-        return Err(VitTrainError::invalid(
-            "--pp",
-            format!("a pipeline of {} rank(s): use --pp 2 or more", pipeline.pp),
-        ));
-    }
-    let micro_batches = pipeline.microbatches.max(1);
-    train_vit_under(
-        world,
-        config,
-        &pipeline.layout(),
-        micro_batches,
-        digits,
-        on_step,
-    )
 }

@@ -2,16 +2,16 @@
 //! same ViT: DDP, ZeRO-1/2, tensor (+ sequence) and pipeline parallelism reproduce the losses (relative
 //! difference <= 1e-5, 20 steps) and the final parameters, with and without global-norm
 //! clipping; the test accuracy it reports is the accuracy of the model it returns, above chance
-//! after a short run; impossible layouts are typed errors.
+//! after a short run; impossible layouts are typed errors naming their flag.
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams};
 use burn::tensor::{Device, Tensor, TensorData};
+use burn_parallel_train::{Layout, PipelineLayout, Recompute};
 use burn_zero::Stage;
 use examples::data::Digits;
-use examples::train_vit::{VitLayout, VitReport, VitTrainConfig, VitTrainError, run_vit_local};
+use examples::train_vit::{VitReport, VitTrainConfig, VitTrainError, run_vit_local};
 use examples::vit::{Vit, VitConfig};
-use examples::vit_pipeline::{VitPipeline, train_vit_pipeline};
 use tests::assert_same_losses;
 
 const STEPS: usize = 20;
@@ -127,7 +127,7 @@ fn plain_burn(config: &VitTrainConfig) -> (Vec<f64>, Vit) {
 }
 
 /// Runs the trainer; returns its report and the gradient norms it reported.
-fn trainer(ranks: usize, config: &VitTrainConfig, layout: VitLayout) -> (VitReport, Vec<f64>) {
+fn trainer(ranks: usize, config: &VitTrainConfig, layout: Layout) -> (VitReport, Vec<f64>) {
     let mut norms = Vec::new();
     let report = run_vit_local(ranks, config, &layout, &digits(), &mut |s| {
         norms.extend(s.grad_norm)
@@ -187,28 +187,29 @@ fn ddp_and_zero_match_plain_burn_training() {
     let config = tiny();
     let reference = plain_burn(&config);
     assert_trained(&config, &reference.1);
-    let ddp = |ranks| trainer(ranks, &config, VitLayout::default()).0;
+    let ddp = |ranks| trainer(ranks, &config, Layout::default()).0;
     assert_matches(&reference, &ddp(1), "1 rank");
     assert_matches(&reference, &ddp(2), "DDP 2 ranks");
     for stage in [Stage::One, Stage::Two] {
-        let layout = VitLayout {
+        let layout = Layout {
             zero: Some(stage),
-            ..VitLayout::default()
+            ..Layout::default()
         };
         let what = format!("ZeRO-{} 2 ranks", stage.number());
         assert_matches(&reference, &trainer(2, &config, layout).0, &what);
     }
     // FSDP (every encoder block a unit), and ZeRO / FSDP over 2 data ranks x tp 2 + sp.
-    let fsdp = VitLayout {
+    let fsdp = Layout {
         zero: Some(Stage::Three),
-        ..VitLayout::default()
+        ..Layout::default()
     };
     assert_matches(&reference, &trainer(2, &config, fsdp).0, "FSDP 2 ranks");
     for stage in [Stage::Two, Stage::Three] {
-        let layout = VitLayout {
+        let layout = Layout {
             tp: 2,
             sp: true,
             zero: Some(stage),
+            ..Layout::default()
         };
         let what = format!("ZeRO-{} 2 x tp 2 + sp", stage.number());
         assert_matches(&reference, &trainer(4, &config, layout).0, &what);
@@ -220,7 +221,7 @@ fn ddp_and_zero_match_plain_burn_training() {
         ..config
     };
     let reference = plain_burn(&clipped);
-    let (report, norms) = trainer(2, &clipped, VitLayout::default());
+    let (report, norms) = trainer(2, &clipped, Layout::default());
     assert!(
         norms.iter().filter(|&&n| n > 0.5).count() >= STEPS / 2,
         "the test must clip: norms {norms:?}"
@@ -235,45 +236,40 @@ fn ddp_and_zero_match_plain_burn_training() {
 fn pipeline_parallel_matches_plain_burn_training() {
     let mut config = tiny();
     config.model.n_layers = 4;
-    let pipelined = |world: usize, p: VitPipeline, config: &VitTrainConfig| {
-        let digits = digits();
-        let reports = burn_parallel::run_local(world, |g| {
-            train_vit_pipeline(&g, config, &p, &digits, &mut |_| {}).map_err(|e| {
-                burn_parallel::CollectiveError::InvalidArgument {
-                    rank: g.rank(),
-                    op: "train_vit_pipeline".into(),
-                    reason: e.to_string(),
-                }
-            })
-        })
-        .unwrap_or_else(|e| panic!("{p:?}: {e}"));
-        reports.into_iter().next().unwrap()
-    };
+    // The pipeline's micro-batches are the run's (`grad_accum`); rank 0's report.
+    let pipelined =
+        |world: usize, layout: Layout, micro_batches: usize, config: &VitTrainConfig| {
+            let config = VitTrainConfig {
+                grad_accum: micro_batches,
+                ..config.clone()
+            };
+            trainer(world, &config, layout).0
+        };
     let reference = plain_burn(&config);
-    let schedule = |name: &str| name.parse().unwrap();
-    let one_f_one_b = VitPipeline {
+    let schedule = |name: &str| PipelineLayout {
+        schedule: name.parse().unwrap(),
+        ..PipelineLayout::default()
+    };
+    let one_f_one_b = Layout {
         pp: 2,
-        schedule: schedule("1f1b"),
-        microbatches: 4,
-        ..VitPipeline::default()
+        pipeline: schedule("1f1b"),
+        ..Layout::default()
     };
-    let r = pipelined(2, one_f_one_b.clone(), &config);
+    let r = pipelined(2, one_f_one_b, 4, &config);
     assert_matches(&reference, &r, "vit pp 2 1f1b");
-    let zbv = VitPipeline {
-        schedule: schedule("zbv"),
-        microbatches: 2,
-        checkpoint_blocks: true,
-        ..one_f_one_b.clone()
+    let zbv = Layout {
+        pipeline: schedule("zbv").with_recompute(Recompute::Blocks),
+        ..one_f_one_b
     };
-    let r = pipelined(4, zbv, &config);
+    let r = pipelined(4, zbv, 2, &config);
     assert_matches(&reference, &r, "vit pp 2 x dp 2 zbv, blocks recomputed");
     config.max_grad_norm = Some(0.1);
     let clipped = plain_burn(&config);
-    let gpipe = VitPipeline {
-        schedule: schedule("gpipe"),
+    let gpipe = Layout {
+        pipeline: schedule("gpipe"),
         ..one_f_one_b
     };
-    let r = pipelined(2, gpipe, &config);
+    let r = pipelined(2, gpipe, 4, &config);
     assert_matches(&clipped, &r, "vit pp 2 gpipe, clipped");
 }
 
@@ -282,7 +278,11 @@ fn tensor_and_sequence_parallel_match_plain_burn_training() {
     let config = tiny();
     let reference = plain_burn(&config);
     for (ranks, tp, sp) in [(2, 2, false), (2, 2, true), (4, 2, true)] {
-        let layout = VitLayout { tp, sp, zero: None };
+        let layout = Layout {
+            tp,
+            sp,
+            ..Layout::default()
+        };
         let what = format!("{ranks} ranks, tp {tp}, sp {sp}");
         assert_matches(&reference, &trainer(ranks, &config, layout).0, &what);
     }
@@ -294,10 +294,10 @@ fn tensor_and_sequence_parallel_match_plain_burn_training() {
     };
     let reference = plain_burn(&clipped);
     for ranks in [2, 4] {
-        let layout = VitLayout {
+        let layout = Layout {
             tp: 2,
             sp: true,
-            zero: None,
+            ..Layout::default()
         };
         let (report, norms) = trainer(ranks, &clipped, layout);
         assert!(
@@ -344,10 +344,10 @@ fn a_short_run_is_above_chance_and_reports_its_models_accuracy() {
             batch_size: 30 * ranks / tp, // divisible by dp
             ..config.clone()
         };
-        let layout = VitLayout {
+        let layout = Layout {
             tp,
             sp: tp > 1,
-            zero: None,
+            ..Layout::default()
         };
         let (report, _) = trainer(ranks, &config, layout);
         let what = format!("{ranks} ranks, tp {tp}");
@@ -372,6 +372,8 @@ fn a_short_run_is_above_chance_and_reports_its_models_accuracy() {
     }
 }
 
+/// The layout's refusals are the library's ([`Layout::validate`]), each naming its flag; they
+/// come back as typed errors before any rank starts.
 #[test]
 fn impossible_layouts_are_typed_errors() {
     let digits = digits();
@@ -382,25 +384,36 @@ fn impossible_layouts_are_typed_errors() {
         &digits,
         &mut |_| {},
     ) {
-        Err(VitTrainError::Invalid { reason, .. }) => reason,
+        Err(VitTrainError::Invalid { what, reason }) => (what, reason),
         other => panic!("expected a config error, got {:?}", other.map(|r| r.losses)),
     };
-    let sp_alone = VitLayout {
+    let sp_alone = Layout {
         tp: 1,
         sp: true,
-        zero: None,
+        ..Layout::default()
     };
-    assert!(err(2, &tiny(), sp_alone).contains("--sp"));
-    let tp3 = VitLayout {
+    let (flag, reason) = err(2, &tiny(), sp_alone);
+    assert_eq!(flag, "--sp", "{reason}");
+    assert!(reason.contains("--sp"), "{reason}");
+    let tp3 = Layout {
         tp: 3,
-        sp: false,
-        zero: None,
+        ..Layout::default()
     };
-    assert!(err(3, &tiny(), tp3).contains("n_heads (2) is not divisible"));
-    assert!(err(2, &tiny(), VitLayout { tp: 4, ..tp3 }).contains("--tp that divides"));
+    // 2 heads over tp 3: attention is split by whole heads.
+    let (flag, reason) = err(3, &tiny(), tp3);
+    assert_eq!(flag, "--tp", "{reason}");
+    assert!(
+        reason.contains("2 attention heads are not divisible"),
+        "{reason}"
+    );
+    let (flag, reason) = err(2, &tiny(), Layout { tp: 4, ..tp3 });
+    assert_eq!(flag, "--tp", "{reason}");
+    assert!(reason.contains("--tp that divides"), "{reason}");
     let odd = VitTrainConfig {
         batch_size: 7,
         ..tiny()
     };
-    assert!(err(2, &odd, VitLayout::default()).contains("multiple of 2"));
+    let (flag, reason) = err(2, &odd, Layout::default());
+    assert_eq!(flag, "--batch-size", "{reason}");
+    assert!(reason.contains("multiple of 2"), "{reason}");
 }

@@ -17,9 +17,7 @@ use burn_parallel_train::cli::{LayoutArgs, Progress};
 use burn_parallel_train::{Layout, StepLog};
 use clap::Parser;
 use examples::data::Digits;
-use examples::train_vit::{
-    VitReport, VitStepStats, VitTrainConfig, run_local_ranks, train_vit_under,
-};
+use examples::train_vit::{VitReport, VitStepStats, VitTrainConfig, run_vit_local};
 
 /// Train a Vision Transformer on the 8x8 hand-written digits and print its test accuracy.
 #[derive(Debug, Parser)]
@@ -104,6 +102,7 @@ fn config_from(args: &Args) -> VitTrainConfig {
     }
     c.max_grad_norm = args.clip;
     c.eval_every = args.eval_every;
+    c.grad_accum = args.grad_accum;
     c.warmup_steps = c.warmup_steps.min(c.steps / 10);
     c
 }
@@ -143,14 +142,11 @@ fn main() -> ExitCode {
             .map(|acc| format!("step {:>5}  test accuracy {:.2} %", s.step, 100.0 * acc));
         progress.step(&log, accuracy.as_slice());
     };
-    let (grad_accum, digits) = (args.grad_accum, &digits);
-    let outcome = run_local_ranks(args.ranks, &mut on_step, &|world, report| {
-        train_vit_under(world, &config, &layout, grad_accum, digits, report)
-    });
+    let outcome = run_vit_local(args.ranks, &config, &layout, &digits, &mut on_step);
     progress.finish();
     match outcome {
         Ok(report) => {
-            print_report(&report, &config);
+            print_report(&report);
             ExitCode::SUCCESS
         }
         Err(e) => {
@@ -189,12 +185,16 @@ fn print_header(config: &VitTrainConfig, layout: &Layout, ranks: usize, digits: 
     );
 }
 
-fn print_report(report: &VitReport, config: &VitTrainConfig) {
+fn print_report(report: &VitReport) {
+    // The throughput of the steps after the first (a warm-up): none for a run of one step.
+    let rate = match report.images_per_sec {
+        r if r > 0.0 => format!(" ({r:.0} img/s)"),
+        _ => String::new(),
+    };
     println!(
-        "final train loss {:.4}; {:.1} s of training ({:.0} img/s)",
+        "final train loss {:.4}; {:.1} s of training{rate}",
         report.losses.last().copied().unwrap_or(f64::NAN),
         report.train_seconds,
-        (config.batch_size * config.steps) as f64 / report.train_seconds.max(1e-9)
     );
     println!(
         "test accuracy {:.2} % ({} / {} held-out images)",
