@@ -395,16 +395,18 @@ impl GptArgs {
     }
 
     /// What the binary checks before it loads data or builds a model, on `ranks` thread ranks:
-    /// the settings ([`config_from`]), the layout against them ([`TrainConfig::validate_layout`])
-    /// and the memory a rank needs ([`TrainConfig::check_memory`]).
+    /// the settings ([`config_from`]), then the layout (DiLoCo's flags included) against them
+    /// and the memory a rank needs ([`crate::run::check_run`]).
     ///
     /// # Errors
     /// The first refusal, as one line naming its flag.
     pub fn checked(&self, ranks: usize) -> Result<(TrainConfig, Layout), String> {
-        let config = config_from(self)?;
-        let layout = self.layout()?;
-        config.validate_layout(&layout, ranks)?;
-        config.check_memory(&layout, ranks, ranks)?;
+        let mut config = config_from(self)?;
+        config.device = train_device(self);
+        let mut layout = self.layout()?;
+        layout.diloco = self.diloco.flags.layout();
+        crate::run::check_run(&config, &layout, &self.pipeline, ranks, ranks)
+            .map_err(|e| e.to_string())?;
         Ok((config, layout))
     }
 }

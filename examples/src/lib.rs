@@ -38,6 +38,7 @@ pub mod gpt;
 pub mod hf;
 pub use burn_parallel::init;
 pub mod pipeline;
+pub mod run;
 pub mod train;
 pub mod train_checkpoint;
 pub mod train_diloco;

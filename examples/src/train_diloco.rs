@@ -20,9 +20,8 @@
 
 use burn_parallel::diloco::{DiLoCoConfig, DiLoCoError, count_sent_bytes};
 use burn_parallel::{CollectiveError, ProcessGroup};
-use burn_parallel_train::diloco::DiLoCoFigures;
 pub use burn_parallel_train::diloco::{CompressionArg, DiLoCoFlags, InnerOptimArg};
-use burn_parallel_train::{Built, DiLoCoLayout, Layout, StepLog};
+use burn_parallel_train::{Built, DiLoCoLayout, Layout, LayoutError, StepLog};
 
 use crate::data::Corpus;
 use crate::gpt::GptConfig;
@@ -74,17 +73,10 @@ pub struct DiLoCoReport {
 /// A DiLoCo run that cannot go.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum DiLoCoTrainError {
-    /// A parallelism DiLoCo is not composed with.
-    #[error(
-        "{flag} is not composed with DiLoCo (--diloco-islands) yet: {why}; DiLoCo runs with \
-         data parallelism inside each island (--ranks R, R/N ranks per island): drop {flag}"
-    )]
-    Unsupported {
-        /// The flag to drop.
-        flag: &'static str,
-        /// Why.
-        why: &'static str,
-    },
+    /// A layout DiLoCo does not compose with, or DiLoCo settings that cannot run: the error
+    /// names the flag ([`Layout::validate`]).
+    #[error(transparent)]
+    Layout(#[from] LayoutError),
     /// The run's config does not fit the ranks.
     #[error("DiLoCo run: {0}")]
     Config(String),
@@ -123,40 +115,12 @@ impl DiLoCoRun {
         parallel: &Parallelism,
         world: usize,
     ) -> Result<(), DiLoCoTrainError> {
-        let refused = [
-            (
-                parallel.tp > 1,
-                "--tp",
-                "the outer step reads whole parameters",
-            ),
-            (
-                parallel.cp > 1,
-                "--cp",
-                "the islands run plain data parallelism",
-            ),
-            (
-                parallel.zero.is_some(),
-                "--zero",
-                "the outer step reads whole parameters, not ZeRO's shards",
-            ),
-            (parallel.ep > 1, "--ep", "experts are not split over ranks"),
-            (
-                config.model.moe.is_some(),
-                "--moe-experts",
-                "the MoE routing figures and bias balancing are not wired into the DiLoCo loop",
-            ),
-        ];
-        if let Some((_, flag, why)) = refused.into_iter().find(|r| r.0) {
-            return Err(DiLoCoTrainError::Unsupported { flag, why });
-        }
-        self.diloco.validate()?;
-        if self.islands == 0 || !world.is_multiple_of(self.islands) {
-            return Err(DiLoCoError::IslandLayout {
-                world,
-                islands: self.islands,
-            }
-            .into());
-        }
+        let layout = Layout {
+            diloco: Some(self.layout()),
+            ..*parallel
+        };
+        let work = config.step_settings().workload(&config.model);
+        layout.validate(world, &work)?;
         config.validate(world).map_err(DiLoCoTrainError::Config)
     }
 }
@@ -276,56 +240,15 @@ impl DiLoCoArgs {
     }
 }
 
-/// Runs one rank of `gpt --diloco-islands`: trains, prints every `log_every` steps and the
-/// bytes sent (group rank 0), and returns rank 0's report.
-///
-/// # Errors
-/// As [`train_gpt_diloco`], as a [`CollectiveError`] for the launchers (a lost island keeps
-/// its message).
-pub fn run_rank(
-    world: &ProcessGroup,
-    config: &TrainConfig,
-    run: &DiLoCoRun,
-    corpus: &Corpus,
-    log_every: usize,
-    checkpoints: &CheckpointOptions,
-) -> burn_parallel::Result<Option<DiLoCoReport>> {
-    let lead = world.rank() == 0;
-    if lead {
-        println!("{}", run.layout().summary(world.size()));
-    }
-    let mut on_step = |s: &StepStats| {
-        if lead && (s.step.is_multiple_of(log_every.max(1)) || s.step + 1 == config.steps) {
-            println!(
-                "step {:>5}  loss {:.4}  lr {:.2e}  {:>7.0} tok/s  {:>7.1}s",
-                s.step, s.loss, s.lr, s.tokens_per_sec, s.elapsed
-            );
-        }
-    };
-    let report =
-        train_gpt_diloco_checkpointed(world, config, run, corpus, checkpoints, &mut on_step)
-            .map_err(|e| match e {
-                DiLoCoTrainError::DiLoCo(DiLoCoError::Collective(c)) => c,
-                other => CollectiveError::InvalidArgument {
-                    rank: world.global_rank(),
-                    op: "gpt --diloco-islands".into(),
-                    reason: other.to_string(),
-                },
-            })?;
-    let figures = DiLoCoFigures {
-        outer_bytes: report.outer_bytes,
-        total_bytes: report.total_bytes,
-        syncs: report.syncs,
-        dropped: report.dropped.clone(),
-        sync_seconds: report.sync_seconds,
-    };
-    let drop_lost = run.diloco.drop_lost_islands;
-    for line in figures.summary(world, report.train.step_seconds, drop_lost)? {
-        if lead {
-            println!("{line}");
+impl From<DiLoCoTrainError> for burn_parallel::Error {
+    fn from(e: DiLoCoTrainError) -> Self {
+        match e {
+            DiLoCoTrainError::DiLoCo(e) => burn_parallel::Error::DiLoCo(e),
+            DiLoCoTrainError::Layout(e) => e.into(),
+            e @ DiLoCoTrainError::Checkpoint(_) => burn_parallel::Error::invalid("checkpoint", e),
+            e @ DiLoCoTrainError::Config(_) => burn_parallel::Error::invalid("--diloco-islands", e),
         }
     }
-    Ok(lead.then_some(report))
 }
 
 /// A checkpoint error of a DiLoCo run.

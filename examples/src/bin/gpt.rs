@@ -22,19 +22,18 @@ use std::process::ExitCode;
 
 use burn_moe::Capacity;
 use burn_parallel::mfu::{Math, Mfu, peak_tflops};
-use burn_parallel::{CollectiveError, ProcessGroup, run_local};
+use burn_parallel::{CollectiveError, ProcessGroup};
 use burn_parallel_train::cli::Progress;
-use burn_parallel_train::{Layout, StepLog};
+use burn_parallel_train::{DiLoCoFigures, Layout, StepLog};
 use burn_pipeline::generators::generate;
 use burn_pipeline::simulate::{Costs, simulate};
 use burn_pipeline::trace::Timeline;
 use clap::Parser;
 use examples::cli::{Backend, GptArgs, PrecisionArg, config_from, train_device};
 use examples::data::Corpus;
-use examples::train::{
-    Parallelism, StepPhases, StepStats, TrainConfig, TrainDevice, TrainReport,
-    train_gpt_checkpointed,
-};
+use examples::pipeline::PipelineArgs;
+use examples::run::{GptRun, check_run, train_gpt_under};
+use examples::train::{Parallelism, StepPhases, StepStats, TrainConfig, TrainDevice, TrainReport};
 use examples::train_checkpoint::CheckpointOptions;
 
 /// The world of a multi-process backend (`tcp`, `nccl` over it, or `mpi`).
@@ -70,29 +69,32 @@ fn moe_lines(s: &StepStats) -> Vec<String> {
         .collect()
 }
 
-/// Runs one rank; only group rank 0 prints.
+/// Runs one rank under any layout and returns group rank 0's report; only rank 0 prints
+/// (every rank its ZeRO/FSDP memory, in rank order).
 fn run_rank(
     group: &ProcessGroup,
-    config: &TrainConfig,
-    parallel: &Parallelism,
-    corpus: &Corpus,
+    run: &Run<'_>,
     log: &Logging,
-    checkpoints: &CheckpointOptions,
-) -> burn_parallel::Result<TrainReport> {
+) -> Result<Option<GptRun>, burn_parallel::Error> {
+    let Run {
+        config,
+        layout,
+        pipeline,
+        corpus,
+        checkpoints,
+    } = *run;
     let (log_every, profile) = (log.every, log.profile);
     let mfu = log.mfu(config, group.size());
     let lead = group.rank() == 0;
     if lead {
-        println!(
-            "kernels: {}, {} intra-op threads per rank",
-            if config.model.fused {
-                "fused"
-            } else {
-                "composed (--unfused)"
-            },
-            burn_parallel::threads::describe()
-        );
+        let kernels = match config.model.fused {
+            true => "fused",
+            false => "composed (--unfused)",
+        };
+        let threads = burn_parallel::threads::describe();
+        println!("kernels: {kernels}, {threads} intra-op threads per rank");
         println!("{}", log.describe(config));
+        print_header(config, group.size(), group.backend(), corpus, layout);
     }
     let mut phases = StepPhases::default();
     let progress = Progress::new(lead, config.steps, log_every).with_mfu(mfu);
@@ -113,15 +115,17 @@ fn run_rank(
         progress.step(&log, &moe_lines(s));
     };
     let host_bytes = burn_parallel::group::host_bytes_sent();
-    let report = train_gpt_checkpointed(group, config, parallel, corpus, checkpoints, &mut on_step);
+    let sources = (corpus, checkpoints);
+    let report = train_gpt_under(group, config, layout, pipeline, sources, &mut on_step);
     progress.finish();
-    if let (true, Ok(report)) = (profile && lead, &report) {
-        print_profile(&phases, report.step_seconds, config.steps.saturating_sub(1));
+    let report = report?;
+    let train = report.train();
+    if profile && lead {
+        print_profile(&phases, train.step_seconds, config.steps.saturating_sub(1));
         // Thread ranks share the process's counter: per rank, the mean.
-        let local_ranks = if group.backend() == "local" {
-            group.size()
-        } else {
-            1
+        let local_ranks = match group.backend() {
+            "local" => group.size(),
+            _ => 1,
         };
         let sent = burn_parallel::group::host_bytes_sent() - host_bytes;
         println!(
@@ -132,11 +136,7 @@ fn run_rank(
     }
     // ZeRO and FSDP: every rank prints its memory (shards, gradients, optimizer state, gathered
     // units), in rank order.
-    if let Ok(TrainReport {
-        memory: Some(memory),
-        ..
-    }) = &report
-    {
+    if let Some(memory) = &train.memory {
         for r in 0..group.size() {
             if r == group.rank() {
                 println!("[rank {r}] zero memory: {}", memory.summary());
@@ -144,7 +144,34 @@ fn run_rank(
             group.barrier()?;
         }
     }
-    report
+    // DiLoCo: the outer syncs' stall and every rank's bytes (gathered unless islands may be
+    // lost).
+    if let (GptRun::DiLoCo(d), Some(layout)) = (&report, layout.diloco) {
+        let figures = DiLoCoFigures {
+            outer_bytes: d.outer_bytes,
+            total_bytes: d.total_bytes,
+            syncs: d.syncs,
+            dropped: d.dropped.clone(),
+            sync_seconds: d.sync_seconds,
+        };
+        let drop_lost = layout.config.drop_lost_islands;
+        for line in figures.summary(group, d.train.step_seconds, drop_lost)? {
+            if lead {
+                println!("{line}");
+            }
+        }
+    }
+    Ok(lead.then_some(report))
+}
+
+/// What every rank of a run trains: the settings, the layout and the data.
+#[derive(Clone, Copy)]
+struct Run<'a> {
+    config: &'a TrainConfig,
+    layout: &'a Layout,
+    pipeline: &'a PipelineArgs,
+    corpus: &'a Corpus,
+    checkpoints: &'a CheckpointOptions,
 }
 
 /// The `--profile` table: mean milliseconds per step of each phase on rank 0.
@@ -240,59 +267,57 @@ fn main() -> ExitCode {
         }
     };
     let checkpoints = args.checkpoint.options();
-    let diloco = args.diloco.run(train_device(&args));
-    if let Some(run) = diloco {
-        return run_diloco(&args, &config, &corpus, &run, &checkpoints);
-    }
-    let parallel = match args.layout() {
+    let mut layout = match args.layout() {
         Ok(layout) => layout,
         Err(e) => {
             eprintln!("error: {e}");
             return ExitCode::from(2);
         }
     };
+    layout.diloco = args.diloco.flags.layout();
     config.device = train_device(&args);
-    if parallel.pp > 1 {
-        return run_pipeline(&args, &config, &corpus, &checkpoints, &parallel);
-    }
     let log = Logging::new(&args);
+    let run = Run {
+        config: &config,
+        layout: &layout,
+        pipeline: &args.pipeline,
+        corpus: &corpus,
+        checkpoints: &checkpoints,
+    };
     let outcome = match args.backend {
         Backend::Local => {
-            let checked = config
-                .validate_layout(&parallel, args.ranks)
-                .and_then(|()| config.check_memory(&parallel, args.ranks, args.ranks));
-            if let Err(e) = checked {
+            // Thread ranks share this process's memory.
+            if let Err(e) = check_run(&config, &layout, &args.pipeline, args.ranks, args.ranks) {
                 eprintln!("error: {e}");
                 return ExitCode::from(2);
             }
-            print_header(&config, args.ranks, "local", &corpus, &parallel);
-            run_local(args.ranks, |group| {
-                run_rank(&group, &config, &parallel, &corpus, &log, &checkpoints)
-            })
-            .map(|mut reports| Some(reports.swap_remove(0)))
+            burn_parallel_train::run_local(args.ranks, |group| run_rank(&group, &run, &log))
+                .map(|mut reports| reports.swap_remove(0))
         }
+        // Over TCP the world size is known once the world is formed: every rank checks then,
+        // before the banner (which counts the parameters) and any allocation.
         Backend::Tcp | Backend::Nccl | Backend::Mpi => on_world(args.backend, |group| {
-            // Before the banner (which counts the parameters) and any allocation.
-            config
-                .check_memory(&parallel, group.size(), 1)
-                .map_err(|reason| CollectiveError::InvalidArgument {
-                    rank: group.global_rank(),
-                    op: "gpt".into(),
-                    reason,
-                })?;
-            if group.rank() == 0 {
-                print_header(&config, group.size(), group.backend(), &corpus, &parallel);
-            }
-            let report = run_rank(&group, &config, &parallel, &corpus, &log, &checkpoints)?;
-            // Rank 0 reports for everyone.
-            Ok((group.rank() == 0).then_some(report))
+            check_run(&config, &layout, &args.pipeline, group.size(), 1)?;
+            run_rank(&group, &run, &log)
         }),
     };
     match outcome {
         Ok(None) => ExitCode::SUCCESS,
         Ok(Some(report)) => {
-            print_report(&report, &corpus);
-            write_outputs(&args, &report.losses, &report.final_params)
+            print_report(report.train(), &corpus);
+            if let GptRun::Pipeline(p) = &report {
+                println!("blocks per stage: {:?}", p.split);
+                print_bubble(&args.pipeline.config(config.device, &layout), &p.timeline);
+                if let Some(path) = &args.pipeline.trace {
+                    if let Err(e) = std::fs::write(path, p.timeline.chrome_trace(1e6)) {
+                        eprintln!("error: writing the trace to {}: {e}", path.display());
+                        return ExitCode::FAILURE;
+                    }
+                    println!("trace of the last step written to {}", path.display());
+                }
+            }
+            let train = report.train();
+            write_outputs(&args, &train.losses, &train.final_params)
         }
         Err(e) => {
             eprintln!("error: {e}");
@@ -305,8 +330,8 @@ fn main() -> ExitCode {
 /// failed rank aborts the job (`MPI_Abort`), since MPI cannot tell the others to stop waiting.
 fn on_world<T>(
     backend: Backend,
-    run: impl FnOnce(ProcessGroup) -> Result<T, CollectiveError>,
-) -> Result<T, CollectiveError> {
+    run: impl FnOnce(ProcessGroup) -> Result<T, burn_parallel::Error>,
+) -> Result<T, burn_parallel::Error> {
     let world = process_world(backend)?;
     let keep = (backend == Backend::Mpi).then(|| world.clone());
     let outcome = run(world);
@@ -435,6 +460,9 @@ fn print_header(
             m.active_params() as f64 / 1e6
         );
     }
+    if let Some(d) = parallel.diloco {
+        println!("{}", d.summary(ranks));
+    }
     println!(
         "corpus: {}, {} training bytes, unigram entropy {:.3} nats/byte",
         corpus.name(),
@@ -514,115 +542,4 @@ fn print_bubble(pipeline: &examples::pipeline::PipelineConfig, timeline: &Timeli
         ms(costs.backward_input),
         ms(costs.backward_weight),
     );
-}
-
-/// `--pp N`: pipeline parallelism (mesh `pp x dp x tp`), see `examples::pipeline`.
-fn run_pipeline(
-    args: &GptArgs,
-    config: &TrainConfig,
-    corpus: &Corpus,
-    checkpoints: &CheckpointOptions,
-    layout: &Layout,
-) -> ExitCode {
-    let pipeline = args.pipeline.config(train_device(args), layout);
-    // The layout's rules and the GPT's are checked on the world the ranks form.
-    let run = |world: ProcessGroup| {
-        examples::pipeline::run_rank(
-            &world,
-            config,
-            &pipeline,
-            corpus,
-            args.log_every,
-            checkpoints,
-        )
-        .map_err(|e| CollectiveError::InvalidArgument {
-            rank: world.global_rank(),
-            op: "gpt --pp".into(),
-            reason: e.to_string(),
-        })
-    };
-    let outcome = match args.backend {
-        Backend::Local => run_local(args.ranks, run).map(|mut r| r.swap_remove(0)),
-        Backend::Tcp | Backend::Nccl | Backend::Mpi => on_world(args.backend, run),
-    };
-    match outcome {
-        Ok(None) => ExitCode::SUCCESS,
-        Ok(Some(report)) => {
-            print_report(&report.train, corpus);
-            println!("blocks per stage: {:?}", report.split);
-            print_bubble(&pipeline, &report.timeline);
-            if let Some(path) = &args.pipeline.trace {
-                if let Err(e) = std::fs::write(path, report.timeline.chrome_trace(1e6)) {
-                    eprintln!("error: writing the trace to {}: {e}", path.display());
-                    return ExitCode::FAILURE;
-                }
-                println!("trace of the last step written to {}", path.display());
-            }
-            write_outputs(args, &report.train.losses, &report.train.final_params)
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
-}
-
-/// `--diloco-islands N`: DiLoCo, see `examples::train_diloco`.
-fn run_diloco(
-    args: &GptArgs,
-    config: &TrainConfig,
-    corpus: &Corpus,
-    run: &examples::train_diloco::DiLoCoRun,
-    checkpoints: &examples::train_checkpoint::CheckpointOptions,
-) -> ExitCode {
-    use examples::train_diloco::{DiLoCoTrainError, run_rank};
-    let parallel = match args.layout() {
-        Ok(layout) => layout,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
-    };
-    let pp = DiLoCoTrainError::Unsupported {
-        flag: "--pp",
-        why: "the outer step reads whole parameters",
-    };
-    // Over TCP the world size is known once the world is formed: every rank checks then.
-    let checked = match (args.layout.pp > 1, args.backend) {
-        (true, _) => Err(pp),
-        (false, Backend::Local) => run.validate(config, &parallel, args.ranks),
-        (false, Backend::Tcp | Backend::Nccl | Backend::Mpi) => Ok(()),
-    };
-    if let Err(e) = checked {
-        eprintln!("error: {e}");
-        return ExitCode::from(2);
-    }
-    let rank = |world: ProcessGroup| {
-        run.validate(config, &parallel, world.size()).map_err(|e| {
-            CollectiveError::InvalidArgument {
-                rank: world.global_rank(),
-                op: "gpt --diloco-islands".into(),
-                reason: e.to_string(),
-            }
-        })?;
-        if world.rank() == 0 {
-            print_header(config, world.size(), world.backend(), corpus, &parallel);
-        }
-        run_rank(&world, config, run, corpus, args.log_every, checkpoints)
-    };
-    let outcome = match args.backend {
-        Backend::Local => run_local(args.ranks, rank).map(|mut r| r.swap_remove(0)),
-        Backend::Tcp | Backend::Nccl | Backend::Mpi => on_world(args.backend, rank),
-    };
-    match outcome {
-        Ok(None) => ExitCode::SUCCESS,
-        Ok(Some(report)) => {
-            print_report(&report.train, corpus);
-            write_outputs(args, &report.train.losses, &report.train.final_params)
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
 }
