@@ -37,7 +37,9 @@ use burn_parallel::tensor_parallel::SeededDropout;
 use burn_parallel::train::{SaveState, StepOutput, StepPhases, TrainStep};
 use burn_parallel::{DistributedDataParallel, Error, ProcessGroup, ReduceOp};
 use burn_pipeline::runtime::{Checkpointing, Executor, StepReport};
+use burn_pipeline::simulate::{Costs, simulate};
 use burn_pipeline::stage::Stage;
+use burn_pipeline::trace::Timeline;
 use burn_pipeline::update::{StageOptimizer, StageUpdater};
 use burn_pipeline::{ActionKind, generators, partition};
 use burn_zero::{ShardGroups, ZeroConfig, ZeroOptimizer};
@@ -394,4 +396,27 @@ impl<P: StagedModel + 'static> PipelineSteps<P> for PipelineEngine<P> {
     fn as_any(&self) -> &dyn Any {
         self
     }
+}
+
+/// The last step's bubble measured on `timeline` (every rank's track) beside the simulator's
+/// prediction for `layout`'s schedule of `micro_batches` from the step's own action times, in
+/// one line: how much of the pipeline idled, and whether the schedule explains it.
+pub fn bubble_summary(layout: &Layout, micro_batches: usize, timeline: &Timeline) -> String {
+    let costs = Costs::from_timeline(timeline);
+    let p = layout.pipeline;
+    let predicted = generators::generate(p.schedule, layout.pp, micro_batches, p.virtual_stages)
+        .ok()
+        .and_then(|schedule| simulate(&schedule, &costs).ok());
+    let ms = |t: f64| 1000.0 * t;
+    format!(
+        "last step: bubble {:.1}% measured over {} ranks, {} predicted from its action times \
+         (F {:.1} ms, B {:.1} ms, I {:.1} ms, W {:.1} ms)",
+        100.0 * timeline.bubble_fraction(),
+        timeline.tracks.len(),
+        predicted.map_or("-".into(), |r| format!("{:.1}%", 100.0 * r.bubble_fraction)),
+        ms(costs.forward),
+        ms(costs.backward),
+        ms(costs.backward_input),
+        ms(costs.backward_weight),
+    )
 }

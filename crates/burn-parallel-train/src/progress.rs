@@ -28,7 +28,9 @@
 
 use std::time::Instant;
 
+use burn_moe::MoeStats;
 use burn_parallel::mfu::Mfu;
+use burn_parallel::train::StepPhases;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::fit::StepLog;
@@ -136,6 +138,65 @@ impl Progress {
     pub fn finish(&self) {
         self.bar.finish_and_clear();
     }
+}
+
+/// The `--profile` table: where the mean step of `step_seconds` went, from `phases` summed over
+/// `steps` steps (forward, backward, gradient communication, optimizer, and the rest).
+///
+/// ```
+/// use burn_parallel::train::StepPhases;
+/// use burn_parallel_train::cli::profile_lines;
+///
+/// let phases = StepPhases { forward: 0.2, backward: 0.4, reduce: 0.1, optimizer: 0.1 };
+/// let lines = profile_lines(&phases, 0.5, 2);
+/// assert!(lines[1].contains("forward") && lines[1].contains("100.0 ms"), "{lines:?}");
+/// assert!(lines[5].contains("other") && lines[5].contains("100.0 ms"), "{lines:?}");
+/// ```
+pub fn profile_lines(phases: &StepPhases, step_seconds: f64, steps: usize) -> Vec<String> {
+    let steps = steps.max(1) as f64;
+    let step_ms = step_seconds * 1e3;
+    let share = |ms: f64| 100.0 * ms / step_ms.max(1e-9);
+    let mut lines = vec![format!(
+        "profile (rank 0, mean of {steps} steps, the first excluded): {step_ms:.1} ms/step"
+    )];
+    let rows = [
+        ("forward", phases.forward),
+        ("backward", phases.backward),
+        ("gradient communication", phases.reduce),
+        ("optimizer", phases.optimizer),
+    ];
+    for (name, seconds) in rows {
+        let ms = seconds / steps * 1e3;
+        lines.push(format!("  {name:<24} {ms:>8.1} ms  {:>5.1}%", share(ms)));
+    }
+    let other = step_ms - phases.total() / steps * 1e3;
+    let name = "other (data, loss sync)";
+    lines.push(format!(
+        "  {name:<24} {other:>8.1} ms  {:>5.1}%",
+        share(other)
+    ));
+    lines
+}
+
+/// One line per MoE layer of a step's routing figures: tokens per expert, drop rate,
+/// imbalance, auxiliary losses.
+pub fn moe_lines(stats: &[MoeStats]) -> Vec<String> {
+    let line = |(i, m): (usize, &MoeStats)| {
+        let counts: Vec<String> = m
+            .tokens_per_expert()
+            .iter()
+            .map(|c| format!("{c:.0}"))
+            .collect();
+        format!(
+            "        moe {i}: tokens/expert [{}]  drop {:.2}%  imbalance {:.2}  aux {:.4}  z {:.3}",
+            counts.join(" "),
+            100.0 * m.drop_rate(),
+            m.imbalance(),
+            m.aux_loss,
+            m.z_loss
+        )
+    };
+    stats.iter().enumerate().map(line).collect()
 }
 
 /// The process's resident memory in bytes (Linux: `VmRSS` of `/proc/self/status`); `None`

@@ -18,6 +18,7 @@
 
 use burn::tensor::Device;
 use burn_parallel::Error;
+use burn_parallel::mfu::Math;
 use burn_parallel::precision::{LossScaler, MixedPrecision};
 use serde::{Deserialize, Serialize};
 
@@ -53,6 +54,16 @@ impl Precision {
             Precision::F32 => MixedPrecision::full(),
             Precision::Bf16 => MixedPrecision::bf16(),
             Precision::Fp16 => MixedPrecision::f16(),
+        }
+    }
+
+    /// The arithmetic of its matrix products (fp32 ones in TF32 with `tf32`), for a device's
+    /// peak ([`TrainDevice::peak_flops`]).
+    pub fn math(self, tf32: bool) -> Math {
+        match self {
+            Precision::F32 if tf32 => Math::Tf32,
+            Precision::F32 => Math::F32,
+            Precision::Bf16 | Precision::Fp16 => Math::Half,
         }
     }
 
@@ -157,6 +168,28 @@ impl TrainDevice {
                 &format!("TrainDevice::CudaDevice({index})"),
             )
             .map_err(|e| invalid(&e)),
+        }
+    }
+
+    /// The peak FLOP/s of one such device for `math` (MFU's denominator), from the data sheet
+    /// of the CUDA device the driver names.
+    ///
+    /// # Errors
+    /// Why there is none, saying what to do (a device not in the table, a non-CUDA device:
+    /// give the peak by hand).
+    pub fn peak_flops(self, math: Math) -> Result<(f64, String), String> {
+        use burn_parallel::cuda;
+        let name = match self {
+            TrainDevice::CudaDevice(index) => cuda::device_name(index),
+            TrainDevice::Cuda => cuda::local_device_index().and_then(|(i, _)| cuda::device_name(i)),
+            TrainDevice::Flex | TrainDevice::Wgpu => {
+                return Err("give the device's peak with --peak-tflops to see MFU".into());
+            }
+        };
+        let name = name.map_err(|e| e.to_string())?;
+        match burn_parallel::mfu::peak_tflops(&name, math) {
+            Some(t) => Ok((t * 1e12, format!("{name}, {math} data sheet"))),
+            None => Err(format!("{name} is not in the table: give --peak-tflops")),
         }
     }
 

@@ -21,19 +21,17 @@
 use std::process::ExitCode;
 
 use burn_moe::Capacity;
-use burn_parallel::mfu::{Math, Mfu, peak_tflops};
+use burn_parallel::mfu::Mfu;
 use burn_parallel::{CollectiveError, ProcessGroup};
-use burn_parallel_train::cli::Progress;
+use burn_parallel_train::cli::{Progress, moe_lines, profile_lines};
+use burn_parallel_train::pipeline::bubble_summary;
 use burn_parallel_train::{DiLoCoFigures, Layout, StepLog};
-use burn_pipeline::generators::generate;
-use burn_pipeline::simulate::{Costs, simulate};
-use burn_pipeline::trace::Timeline;
 use clap::Parser;
-use examples::cli::{Backend, GptArgs, PrecisionArg, config_from, train_device};
+use examples::cli::{Backend, GptArgs, config_from, train_device};
 use examples::data::Corpus;
 use examples::pipeline::PipelineArgs;
 use examples::run::{GptRun, check_run, train_gpt_under};
-use examples::train::{Parallelism, StepPhases, StepStats, TrainConfig, TrainDevice, TrainReport};
+use examples::train::{Parallelism, StepPhases, StepStats, TrainConfig, TrainReport};
 use examples::train_checkpoint::CheckpointOptions;
 
 /// The world of a multi-process backend (`tcp`, `nccl` over it, or `mpi`).
@@ -43,30 +41,6 @@ fn process_world(backend: Backend) -> Result<ProcessGroup, CollectiveError> {
         Backend::Mpi => burn_parallel::world::init_mpi(),
         Backend::Tcp | Backend::Local => burn_parallel::init_from_env(),
     }
-}
-
-/// One line per MoE layer: tokens per expert, drop rate, imbalance, auxiliary losses.
-fn moe_lines(s: &StepStats) -> Vec<String> {
-    s.moe
-        .iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let counts: Vec<String> = m
-                .tokens_per_expert()
-                .iter()
-                .map(|c| format!("{c:.0}"))
-                .collect();
-            format!(
-                "        moe {i}: tokens/expert [{}]  drop {:.2}%  imbalance {:.2}  aux {:.4}  \
-                 z {:.3}",
-                counts.join(" "),
-                100.0 * m.drop_rate(),
-                m.imbalance(),
-                m.aux_loss,
-                m.z_loss
-            )
-        })
-        .collect()
 }
 
 /// Runs one rank under any layout and returns group rank 0's report; only rank 0 prints
@@ -112,7 +86,7 @@ fn run_rank(
             grad_norm: None,
             phases: s.phases,
         };
-        progress.step(&log, &moe_lines(s));
+        progress.step(&log, &moe_lines(&s.moe));
     };
     let host_bytes = burn_parallel::group::host_bytes_sent();
     let sources = (corpus, checkpoints);
@@ -121,7 +95,10 @@ fn run_rank(
     let report = report?;
     let train = report.train();
     if profile && lead {
-        print_profile(&phases, train.step_seconds, config.steps.saturating_sub(1));
+        let steps = config.steps.saturating_sub(1);
+        for line in profile_lines(&phases, train.step_seconds, steps) {
+            println!("{line}");
+        }
         // Thread ranks share the process's counter: per rank, the mean.
         let local_ranks = match group.backend() {
             "local" => group.size(),
@@ -172,32 +149,6 @@ struct Run<'a> {
     pipeline: &'a PipelineArgs,
     corpus: &'a Corpus,
     checkpoints: &'a CheckpointOptions,
-}
-
-/// The `--profile` table: mean milliseconds per step of each phase on rank 0.
-fn print_profile(phases: &StepPhases, step_seconds: f64, steps: usize) {
-    let steps = steps.max(1) as f64;
-    let step_ms = step_seconds * 1e3;
-    let rows = [
-        ("forward", phases.forward),
-        ("backward", phases.backward),
-        ("gradient communication", phases.reduce),
-        ("optimizer", phases.optimizer),
-    ];
-    println!("profile (rank 0, mean of {steps} steps, the first excluded): {step_ms:.1} ms/step");
-    for (name, seconds) in rows {
-        let ms = seconds / steps * 1e3;
-        println!(
-            "  {name:<24} {ms:>8.1} ms  {:>5.1}%",
-            100.0 * ms / step_ms.max(1e-9)
-        );
-    }
-    let other = step_ms - phases.total() / steps * 1e3;
-    println!(
-        "  {:<24} {other:>8.1} ms  {:>5.1}%",
-        "other (data, loss sync)",
-        100.0 * other / step_ms.max(1e-9)
-    );
 }
 
 fn main() -> ExitCode {
@@ -307,7 +258,8 @@ fn main() -> ExitCode {
             print_report(report.train(), &corpus);
             if let GptRun::Pipeline(p) = &report {
                 println!("blocks per stage: {:?}", p.split);
-                print_bubble(&args.pipeline.config(config.device, &layout), &p.timeline);
+                let micro_batches = args.pipeline.microbatches;
+                println!("{}", bubble_summary(&layout, micro_batches, &p.timeline));
                 if let Some(path) = &args.pipeline.trace {
                     if let Err(e) = std::fs::write(path, p.timeline.chrome_trace(1e6)) {
                         eprintln!("error: writing the trace to {}: {e}", path.display());
@@ -384,38 +336,15 @@ impl Logging {
 }
 
 /// The peak FLOP/s of one device: `--peak-tflops`, or the data sheet of the CUDA device the
-/// driver names, for the arithmetic of `--precision`.
+/// driver names, for the arithmetic of `--precision`; or why there is none.
 fn device_peak(args: &GptArgs) -> (Option<f64>, String) {
-    let math = match args.precision {
-        None | Some(PrecisionArg::F32) if args.tf32 => Math::Tf32,
-        None | Some(PrecisionArg::F32) => Math::F32,
-        Some(PrecisionArg::Bf16 | PrecisionArg::Fp16) => Math::Half,
-    };
     if let Some(t) = args.peak_tflops {
         return (Some(t * 1e12), "--peak-tflops".into());
     }
-    match train_device(args) {
-        device @ (TrainDevice::Cuda | TrainDevice::CudaDevice(_)) => {
-            let name = match device {
-                TrainDevice::CudaDevice(index) => burn_parallel::cuda::device_name(index),
-                _ => burn_parallel::cuda::local_device_index()
-                    .and_then(|(index, _)| burn_parallel::cuda::device_name(index)),
-            };
-            match name {
-                Ok(name) => match peak_tflops(&name, math) {
-                    Some(t) => (Some(t * 1e12), format!("{name}, {math} data sheet")),
-                    None => (
-                        None,
-                        format!("{name} is not in the table: give --peak-tflops"),
-                    ),
-                },
-                Err(e) => (None, e.to_string()),
-            }
-        }
-        _ => (
-            None,
-            "give the device's peak with --peak-tflops to see MFU".into(),
-        ),
+    let math = args.precision.unwrap_or_default().math(args.tf32);
+    match train_device(args).peak_flops(math) {
+        Ok((peak, source)) => (Some(peak), source),
+        Err(why) => (None, why),
     }
 }
 
@@ -516,30 +445,4 @@ fn write_outputs(
         }
     }
     ExitCode::SUCCESS
-}
-
-/// The last step's measured bubble beside the simulator's prediction from the step's own
-/// action times.
-fn print_bubble(pipeline: &examples::pipeline::PipelineConfig, timeline: &Timeline) {
-    let costs = Costs::from_timeline(timeline);
-    let predicted = generate(
-        pipeline.schedule,
-        pipeline.pp,
-        pipeline.microbatches,
-        pipeline.virtual_stages,
-    )
-    .ok()
-    .and_then(|schedule| simulate(&schedule, &costs).ok());
-    let ms = |t: f64| 1000.0 * t;
-    println!(
-        "last step: bubble {:.1}% measured over {} ranks, {} predicted from its action times \
-         (F {:.1} ms, B {:.1} ms, I {:.1} ms, W {:.1} ms)",
-        100.0 * timeline.bubble_fraction(),
-        timeline.tracks.len(),
-        predicted.map_or("-".into(), |r| format!("{:.1}%", 100.0 * r.bubble_fraction)),
-        ms(costs.forward),
-        ms(costs.backward),
-        ms(costs.backward_input),
-        ms(costs.backward_weight),
-    );
 }
