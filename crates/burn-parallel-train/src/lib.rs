@@ -34,6 +34,8 @@ mod local;
 pub mod model;
 pub mod pipeline;
 #[cfg(feature = "cli")]
+mod plan_args;
+#[cfg(feature = "cli")]
 mod progress;
 mod saved;
 pub mod settings;
