@@ -3,10 +3,11 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use burn::module::{Module, ModuleVisitor, Param, ParamId};
+use burn::module::{Module, Param, ParamId};
 use burn::tensor::activation::{gelu, sigmoid, silu, softmax};
 use burn::tensor::{DType, Int, Tensor, TensorData};
 use burn_parallel::autograd::{BackwardFn, attach};
+use burn_parallel::index::ParamIndex;
 use burn_parallel::init::{Init, LinearInit};
 use burn_parallel::nn::Linear;
 use burn_parallel::{DeviceMesh, ParallelDims, ProcessGroup, ReduceOp};
@@ -73,16 +74,9 @@ pub struct ExpertParams(Arc<Mutex<HashMap<ParamId, usize>>>);
 impl ExpertParams {
     /// Records `module`'s float parameters as those of global expert `index`.
     pub fn register<M: Module>(&self, module: &M, index: usize) {
-        struct Ids<'a>(&'a mut HashMap<ParamId, usize>, usize);
-        impl ModuleVisitor for Ids<'_> {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                self.0.insert(param.id, self.1);
-            }
-        }
-        module.visit(&mut Ids(
-            &mut self.0.lock().expect("expert registry"),
-            index,
-        ));
+        let ids = ParamIndex::of(module);
+        let mut registry = self.0.lock().expect("expert registry");
+        registry.extend(ids.ids().map(|id| (id, index)));
     }
 
     /// The global expert index of `id`, when it is an expert parameter.

@@ -43,6 +43,7 @@ use crate::comm::host::ReduceOp;
 use crate::comm::pool;
 use crate::error::{CollectiveError, Result};
 use crate::group::{ProcessGroup, tensor_from_data};
+use crate::index::{ParamEntry, ParamIndex};
 use crate::replica::ReplicaError;
 
 /// Default bucket size of the gradient all-reduce: 25 MB, as in PyTorch DDP.
@@ -198,8 +199,8 @@ impl DistributedDataParallel {
             return Ok(grads);
         }
         // Parameters in reverse visiting order, cut into buckets of one dtype.
-        let mut params: Vec<(ParamId, Vec<usize>, DType)> = Vec::new();
-        module.visit(&mut ParamLister(&mut params));
+        let index = ParamIndex::with_state(module);
+        let mut params = reduced_params(&index);
         params.reverse();
         if let Some(dtype) = self.reduce_dtype {
             params.iter_mut().for_each(|p| p.2 = dtype);
@@ -209,11 +210,7 @@ impl DistributedDataParallel {
             BucketPlace::Host => false,
             BucketPlace::Device => true,
             BucketPlace::Auto => {
-                let mut first = FirstDevice(None);
-                module.visit(&mut first);
-                first
-                    .0
-                    .is_some_and(|device| self.group.collects_on_device(&device))
+                first_device(&index).is_some_and(|device| self.group.collects_on_device(&device))
             }
         };
         if on_device {
@@ -420,26 +417,30 @@ pub(crate) fn plan_buckets(
     buckets
 }
 
-pub(crate) struct ParamLister<'a>(pub(crate) &'a mut Vec<(ParamId, Vec<usize>, DType)>);
+/// The parameters whose gradients are averaged, in `index`'s order (built by
+/// [`ParamIndex::with_state`]): each trainable one once (a parameter reachable twice, shared
+/// between layers, is reduced once; a frozen one is not reduced at all), with its shape and
+/// dtype.
+pub(crate) fn reduced_params(index: &ParamIndex) -> Vec<(ParamId, Vec<usize>, DType)> {
+    let state = |e: &ParamEntry| e.state.as_ref().expect("an index with_state").dtype;
+    let trainable = index.trainable();
+    trainable
+        .map(|e| (e.id, e.shape.clone(), state(e)))
+        .collect()
+}
+
+/// The device of the first trainable parameter of `index` (built by
+/// [`ParamIndex::with_state`]), where its gradient lives.
+pub(crate) fn first_device(index: &ParamIndex) -> Option<burn::tensor::Device> {
+    let first = index.trainable().next()?;
+    Some(first.state.as_ref()?.device.clone().inner())
+}
 
 /// Whether `param` is frozen: on an autodiff device but not requiring a gradient. (On a device
 /// without autodiff no tensor tracks gradients, so nothing is considered frozen there.)
 pub(crate) fn is_frozen<const D: usize>(param: &Param<Tensor<D>>) -> bool {
     let value = param.val();
     value.is_autodiff() && !value.is_require_grad()
-}
-
-impl ModuleVisitor for ParamLister<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        // A parameter reachable twice (shared between layers) is reduced once; a frozen one
-        // is not reduced at all.
-        if is_frozen(param) || self.0.iter().any(|(id, _, _)| *id == param.id) {
-            return;
-        }
-        let value = param.val();
-        self.0
-            .push((param.id, value.dims().to_vec(), value.dtype()));
-    }
 }
 
 /// Removes every parameter's gradient from `grads` as host data, scaled by `scale`.
@@ -488,17 +489,6 @@ impl ModuleVisitor for Register<'_> {
             let device = param.lazy_device().inner();
             let grad = tensor_from_data::<D>(data, &device);
             self.grads.register(param.id, in_dtype_of(grad, param));
-        }
-    }
-}
-
-/// The device of the first trainable parameter (where its gradient lives).
-pub(crate) struct FirstDevice(pub(crate) Option<burn::tensor::Device>);
-
-impl ModuleVisitor for FirstDevice {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if self.0.is_none() && !is_frozen(param) {
-            self.0 = Some(param.lazy_device().inner());
         }
     }
 }

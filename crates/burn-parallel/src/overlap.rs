@@ -116,8 +116,8 @@ use half::{bf16, f16};
 use crate::autograd::GradDispatch;
 use crate::comm::host::ReduceOp;
 use crate::ddp::{
-    DEFAULT_BUCKET_BYTES, DistributedDataParallel, FirstDevice, ParamLister, in_dtype_of, numel_of,
-    plan_buckets,
+    DEFAULT_BUCKET_BYTES, DistributedDataParallel, first_device, in_dtype_of, numel_of,
+    plan_buckets, reduced_params,
 };
 use crate::error::{CollectiveError, Result};
 use crate::group::{ProcessGroup, tensor_from_data};
@@ -449,8 +449,8 @@ impl OverlappedDdp {
     /// carry (only f32, f64, f16 and bf16 parameters are trained).
     pub fn start<M: Module>(&self, module: &M) -> Result<OverlapStep> {
         let rank = self.group().global_rank();
-        let mut params: Vec<(ParamId, Vec<usize>, DType)> = Vec::new();
-        module.visit(&mut ParamLister(&mut params));
+        let index = crate::index::ParamIndex::with_state(module);
+        let mut params = reduced_params(&index);
         params.reverse();
         // Buckets accumulate in the parameters' dtype; `reduce_dtype` is what travels.
         let dtypes = params.iter().map(|p| p.2).chain(self.reduce_dtype);
@@ -463,13 +463,10 @@ impl OverlappedDdp {
             ));
         }
         let plan = Plan::new(params, self.bucket_bytes);
-        let mut first = FirstDevice(None);
-        module.visit(&mut first);
         // Device buckets where the collective runs on the device, and on accelerators
         // whatever the transport (one copy to the host per bucket, on the lane's thread,
         // instead of a read per gradient in the backward).
-        let device = first
-            .0
+        let device = first_device(&index)
             .filter(|device| self.comm.collects_on_device(device) || on_accelerator(device));
         // Device buckets are started as asynchronous collectives
         // ([`ProcessGroup::all_reduce_async`]); host buckets as jobs on the same communication

@@ -440,7 +440,7 @@ impl ModelShape {
     }
 }
 
-/// Parameters of a Burn module, counted by a [`ModuleVisitor`].
+/// Parameters of a Burn module, counted from its [`ParamIndex`](crate::index::ParamIndex).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
 pub struct ParamCount {
     /// Float parameters, in elements.

@@ -24,6 +24,7 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor};
 use burn_parallel::autograd::{WeightGradSink, deferred_matmul};
+use burn_parallel::index::ParamEntry;
 
 /// One deferred contribution to a micro-batch's parameter gradients.
 enum Pending {
@@ -164,15 +165,10 @@ impl WeightGradStore {
 
 /// The dtype of each float parameter of `module`, by id.
 fn param_dtypes<M: Module>(module: &M) -> BTreeMap<ParamId, DType> {
-    struct Dtypes(BTreeMap<ParamId, DType>);
-    impl ModuleVisitor for Dtypes {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            self.0.insert(param.id, param.val().dtype());
-        }
-    }
-    let mut visit = Dtypes(BTreeMap::new());
-    module.visit(&mut visit);
-    visit.0
+    let index = burn_parallel::index::ParamIndex::with_state(module);
+    let entries = index.entries().iter();
+    let dtype = |e: &ParamEntry| e.state.as_ref().map(|s| (e.id, s.dtype));
+    entries.filter_map(dtype).collect()
 }
 
 /// The sum of several gradient sets, parameter by parameter, over `module`'s parameters.

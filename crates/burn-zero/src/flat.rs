@@ -13,6 +13,7 @@ use std::ops::Range;
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn_parallel::index::ParamIndex;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, ZeroError};
@@ -71,42 +72,23 @@ impl FlatLayout {
 
     /// The layout of the float parameters for which `keep(path, frozen)` holds.
     fn of_where<M: Module>(module: &M, keep: impl Fn(&str, bool) -> bool) -> Self {
-        struct Lister<'a, F> {
-            stack: Vec<String>,
-            keep: &'a F,
-            layout: FlatLayout,
+        let index = ParamIndex::with_state(module);
+        let mut layout = FlatLayout::default();
+        for e in index.entries() {
+            if !keep(&e.path, e.is_frozen()) {
+                continue;
+            }
+            let numel = e.numel();
+            layout.entries.push(FlatEntry {
+                path: e.path.clone(),
+                shape: e.shape.clone(),
+                offset: layout.numel,
+                numel,
+            });
+            layout.ids.push(e.id);
+            layout.numel += numel;
         }
-        impl<F: Fn(&str, bool) -> bool> ModuleVisitor for Lister<'_, F> {
-            fn enter_module(&mut self, name: &str, _: &str) {
-                self.stack.push(name.to_string());
-            }
-            fn exit_module(&mut self, _: &str, _: &str) {
-                self.stack.pop();
-            }
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                let path = self.stack.join(".");
-                if !(self.keep)(&path, is_frozen(param)) {
-                    return;
-                }
-                let shape = param.shape().as_slice().to_vec();
-                let numel = shape.iter().product();
-                self.layout.entries.push(FlatEntry {
-                    path,
-                    shape,
-                    offset: self.layout.numel,
-                    numel,
-                });
-                self.layout.ids.push(param.id);
-                self.layout.numel += numel;
-            }
-        }
-        let mut lister = Lister {
-            stack: Vec::new(),
-            keep: &keep,
-            layout: FlatLayout::default(),
-        };
-        module.visit(&mut lister);
-        lister.layout
+        layout
     }
 
     /// Total number of elements.

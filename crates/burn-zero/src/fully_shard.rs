@@ -68,6 +68,7 @@ use burn::module::{
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_parallel::autograd::{BackwardFn, attach};
+use burn_parallel::index::{ParamEntry, ParamIndex};
 use burn_parallel::init::Init;
 use burn_parallel::nn::TpContext;
 use burn_parallel::plan::Glob;
@@ -411,13 +412,14 @@ impl<M: Module> Fsdp<M> {
     pub fn with_memory(mut self, tracker: &MemoryTracker) -> Self {
         if let Inner::Sharded(s) = &mut self.inner {
             let shard = s.shard.val();
-            let mut whole = Bytes::default();
-            s.template.visit(&mut WholeOnly {
-                inner: &mut whole,
-                path: Vec::new(),
-                whole: &s.whole,
-            });
-            let bytes = shard.shape().num_elements() * shard.dtype().size() + whole.0;
+            // The parameters the template keeps whole (the others are placeholders there).
+            let template = ParamIndex::with_state(&s.template);
+            let whole = template
+                .entries()
+                .iter()
+                .filter(|e| s.whole.contains(&e.path));
+            let whole: usize = whole.map(state_bytes).sum();
+            let bytes = shard.shape().num_elements() * shard.dtype().size() + whole;
             tracker.add(Category::Params, bytes);
             s.memory = Some(tracker.clone());
         }
@@ -751,33 +753,11 @@ fn intersect(a: Range<usize>, b: &Range<usize>) -> Option<Range<usize>> {
 /// Paths of the parameters of `module` that stay whole in a unit: those that do not require a
 /// gradient (on an autodiff device) and those `keep_whole` selects.
 fn whole_paths<M: Module>(module: &M, keep_whole: &dyn Fn(ParamId) -> bool) -> HashSet<String> {
-    struct Frozen<'a> {
-        stack: Vec<String>,
-        out: HashSet<String>,
-        keep_whole: &'a dyn Fn(ParamId) -> bool,
-    }
-    impl ModuleVisitor for Frozen<'_> {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.stack.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.stack.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            // Off autodiff no tensor requires a gradient: there, every parameter is trainable.
-            let value = param.val();
-            if (value.is_autodiff() && !value.is_require_grad()) || (self.keep_whole)(param.id) {
-                self.out.insert(self.stack.join("."));
-            }
-        }
-    }
-    let mut v = Frozen {
-        stack: Vec::new(),
-        out: HashSet::new(),
-        keep_whole,
-    };
-    module.visit(&mut v);
-    v.out
+    // Off autodiff no tensor requires a gradient: there, every parameter is trainable.
+    let index = ParamIndex::with_state(module);
+    let whole = index.entries().iter();
+    let whole = whole.filter(|e| e.is_frozen() || keep_whole(e.id));
+    whole.map(|e| e.path.clone()).collect()
 }
 
 fn first_device<M: Module>(module: &M) -> Device {
@@ -852,15 +832,10 @@ impl<M: Module> Module for Fsdp<M> {
     }
 }
 
-/// Sums the bytes of the parameters it visits.
-#[derive(Default)]
-struct Bytes(usize);
-
-impl ModuleVisitor for Bytes {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        let value = param.val();
-        self.0 += value.shape().num_elements() * value.dtype().size();
-    }
+/// The bytes of a parameter of an index built [`ParamIndex::with_state`].
+fn state_bytes(e: &ParamEntry) -> usize {
+    let dtype = e.state.as_ref().expect("an index with_state").dtype;
+    e.numel() * dtype.size()
 }
 
 /// Shows a visitor or mapper only the parameters a unit's template keeps whole (frozen or kept
@@ -1106,19 +1081,10 @@ impl FsdpPlan {
     /// `model`'s parameters, in their dtype. For a memory account where the gradients are out
     /// of sight (a step engine's), as [`Self::gradient_bytes`] counts them.
     pub fn shard_gradient_bytes<M: Module>(&self, model: &M) -> usize {
-        struct Bytes<'a>(&'a HashSet<ParamId>, usize);
-        impl ModuleVisitor for Bytes<'_> {
-            fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                if self.0.contains(&param.id) {
-                    let t = param.val();
-                    self.1 += t.shape().num_elements() * t.dtype().size();
-                }
-            }
-        }
         let ids: HashSet<ParamId> = self.shards.ids().into_iter().collect();
-        let mut bytes = Bytes(&ids, 0);
-        model.visit(&mut bytes);
-        bytes.1
+        let index = ParamIndex::with_state(model);
+        let shards = index.entries().iter().filter(|e| ids.contains(&e.id));
+        shards.map(state_bytes).sum()
     }
 
     /// The bytes of `optim`'s state for the flat shards (moments and the like). Reads the

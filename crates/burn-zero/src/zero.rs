@@ -1391,17 +1391,9 @@ impl<O: ElementWise> ZeroOptimizer<O> {
 
 /// The dtype of `module`'s first float parameter.
 fn first_param_dtype<M: Module>(module: &M) -> Option<DType> {
-    struct First(Option<DType>);
-    impl ModuleVisitor for First {
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if self.0.is_none() {
-                self.0 = Some(param.val().dtype());
-            }
-        }
-    }
-    let mut first = First(None);
-    module.visit(&mut first);
-    first.0
+    let index = burn_parallel::index::ParamIndex::with_state(module);
+    let first = index.entries().first()?;
+    first.state.as_ref().map(|s| s.dtype)
 }
 
 /// The gradients of `layout`'s parameters as one flat f32 tensor on `device` (zeros where
