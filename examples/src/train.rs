@@ -14,8 +14,8 @@ use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::precision::LossScaler;
 use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
 use burn_parallel_train::{
-    Built, CheckpointPolicy, FitConfig, Layout, MicroBatch, ParallelModel, StepLog, StepSettings,
-    Trainee, build_from, fit_with,
+    Built, CheckpointPolicy, FitConfig, Fitted, Layout, MicroBatch, ParallelModel, Resumed,
+    SavedConfig, StepLog, StepSettings, Trainee, build_from, fit_with, open_checkpoint,
 };
 use burn_zero::memory::Category;
 use serde::{Deserialize, Serialize};
@@ -593,8 +593,7 @@ pub(crate) fn train_layout<P: ParallelModel<Model = Gpt, Batch = crate::data::Ba
     };
     let device = plain.clone().autodiff();
     let built = build_from(world, layout, model, &device, settings, start.as_ref())?;
-    let GptFit { fitted, skipped } =
-        fit_gpt(world, built, config, (corpus, checkpoints), on_step, extra)?;
+    let fitted = fit_gpt(world, built, config, (corpus, checkpoints), on_step, extra)?;
     finish(&fitted.built)?;
     let built = fitted.built;
     let loss_scale = built.loss_scale();
@@ -621,7 +620,7 @@ pub(crate) fn train_layout<P: ParallelModel<Model = Gpt, Batch = crate::data::Ba
         step_seconds: fitted.step_seconds,
         tokens_per_sec: fitted.tokens_per_sec,
         final_params: named_params(&full),
-        skipped_steps: skipped,
+        skipped_steps: fitted.skipped_steps,
         loss_scale,
         memory: None,
     })
@@ -651,14 +650,6 @@ pub(crate) fn fit_config(config: &TrainConfig, checkpoints: &CheckpointOptions) 
 pub(crate) type MoeFigures<'a, P> =
     dyn FnMut(&StepLog, &Built<P>) -> Result<Vec<MoeStats>, burn_parallel::Error> + 'a;
 
-/// What [`fit_gpt`] returns besides the trained layout.
-pub(crate) struct GptFit<P: burn_parallel_train::ParallelModel> {
-    /// The trained layout, its losses, where it resumed from, its step time.
-    pub(crate) fitted: burn_parallel_train::Fitted<P>,
-    /// Steps skipped on a loss-scaling overflow (the saved run's included).
-    pub(crate) skipped: usize,
-}
-
 /// Trains `built` (any GPT layout: whole, pipelined or DiLoCo) with the library's loop: each
 /// rank's rows of the corpus, saving and resuming as `checkpoints` say with the GPT's run state,
 /// `on_step` fed every step's figures and `extra(log, built)`'s MoE routing figures (where
@@ -674,15 +665,13 @@ pub(crate) fn fit_gpt<P: burn_parallel_train::ParallelModel<Batch = crate::data:
     (corpus, checkpoints): (&Corpus, &CheckpointOptions),
     on_step: &mut dyn FnMut(&StepStats),
     extra: &mut MoeFigures<'_, P>,
-) -> Result<GptFit<P>, burn_parallel::Error> {
+) -> Result<Fitted<P>, burn_parallel::Error> {
     let mut batch = |micro: &MicroBatch| {
         let rows = micro.rows.clone();
         Ok(corpus.batch_rows(micro.step as u64, rows, config.seq_len, Split::Train))
     };
     let start = Instant::now();
-    let mut skipped = 0;
     let mut after_step = |log: &StepLog, built: &Built<P>| {
-        skipped += usize::from(log.skipped);
         on_step(&StepStats {
             step: log.step,
             loss: f64::from(log.loss),
@@ -694,20 +683,22 @@ pub(crate) fn fit_gpt<P: burn_parallel_train::ParallelModel<Batch = crate::data:
         });
         Ok(())
     };
-    let mut state = train_checkpoint::GptRunState::new(config, world.rank() == 0);
+    // Which checkpoint a resume loads (rank 0), before it loads.
+    let opened = checkpoints.resume.as_deref().map(open_checkpoint);
+    if let (0, Some(Ok(checkpoint))) = (world.rank(), opened) {
+        println!("resuming from {}", Resumed::of(&checkpoint));
+    }
+    // The losses and the run's settings go with each checkpoint; a resume must be the same run.
+    let mut state = SavedConfig::new(config, train_checkpoint::resumable);
     let fit_config = fit_config(config, checkpoints);
-    let fitted = fit_with(
+    fit_with(
         built,
         &fit_config,
         &mut batch,
         &mut after_step,
         None,
         &mut state,
-    )?;
-    Ok(GptFit {
-        fitted,
-        skipped: skipped + state.skipped,
-    })
+    )
 }
 
 /// The MoE layers' routing figures of the last forward call, with the auxiliary losses

@@ -22,15 +22,10 @@
 
 use std::path::PathBuf;
 
-use burn_parallel::checkpoint::Checkpoint;
-use burn_parallel::precision::LossScalerState;
 use burn_parallel::tensor_parallel::SeededDropout;
-use burn_parallel::train::SaveState;
-use serde::{Deserialize, Serialize};
 
 use crate::gpt::{Block, Gpt};
 use crate::train::TrainConfig;
-use burn_parallel_train::{Built, ParallelModel};
 
 /// Where and how often a run saves, and where it resumes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,26 +89,6 @@ impl CheckpointOptions {
     }
 }
 
-/// The trainer's state besides tensors, kept by rank 0.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub(crate) struct TrainerState {
-    /// The loss of every step done.
-    pub losses: Vec<f64>,
-    /// The run's configuration (the model must match on resume).
-    pub config: TrainConfig,
-}
-
-impl TrainerState {
-    /// The state of a run of `config` after `losses`, as saved.
-    pub(crate) fn json(losses: &[f64], config: &TrainConfig) -> serde_json::Value {
-        let state = TrainerState {
-            losses: losses.to_vec(),
-            config: config.clone(),
-        };
-        serde_json::to_value(state).expect("the trainer state serialises")
-    }
-}
-
 /// The dropout layers of a block whose logical path is `prefix` (`blocks.3`).
 pub(crate) fn block_dropouts(prefix: &str, block: &Block, out: &mut Vec<(String, SeededDropout)>) {
     let mut add = |name: &str, drop: &Option<SeededDropout>| {
@@ -143,70 +118,29 @@ pub(crate) fn dropout_layers(model: &Gpt) -> Vec<(String, SeededDropout)> {
     out
 }
 
-/// Key of the loss scaler's state ([`LossScalerState`], `null` without a scaler) in the trainer
-/// state, whichever engine saved it.
-pub use burn_parallel::train::LOSS_SCALER;
-
-/// The loss scaler's state saved in `checkpoint`'s trainer state (`None`: saved without one).
-///
-/// # Errors
-/// A state that does not read as [`LossScalerState`], naming the checkpoint.
-pub(crate) fn saved_loss_scaler(
-    checkpoint: &Checkpoint,
-) -> Result<Option<LossScalerState>, String> {
-    burn_parallel::train::saved_loss_scaler(checkpoint)
-        .map_err(|e| format!("{}: {e}", checkpoint.dir().display()))
-}
-
-/// The trainer state of `checkpoint`, checked against the run that resumes from it.
+/// Whether a run of `now` can continue a checkpoint saved by a run of `saved`: the same model,
+/// batch, sequence length and accumulation, and no more steps saved than this run has.
 ///
 /// # Errors
 /// A sentence naming what differs.
-pub(crate) fn resume_state(
-    checkpoint: &Checkpoint,
-    config: &TrainConfig,
-) -> Result<TrainerState, String> {
-    let state: TrainerState = serde_json::from_value(
-        burn_parallel_train::saved_state(checkpoint).clone(),
-    )
-    .map_err(|e| {
-        format!(
-            "{} was not saved by the GPT trainer ({e})",
-            checkpoint.dir().display()
-        )
-    })?;
+pub(crate) fn resumable(saved: &TrainConfig, now: &TrainConfig) -> Result<(), String> {
     let differs = |what: &str, saved: String, now: String| {
-        format!(
-            "{} was saved with {what} {saved}, this run has {now}: resume with the same {what}",
-            checkpoint.dir().display()
-        )
+        format!("saved with {what} {saved}, this run has {now}: resume with the same {what}")
     };
-    if state.config.model != config.model {
-        return Err(differs(
-            "model",
-            format!("{:?}", state.config.model),
-            format!("{:?}", config.model),
-        ));
+    if saved.model != now.model {
+        let (s, n) = (format!("{:?}", saved.model), format!("{:?}", now.model));
+        return Err(differs("model", s, n));
     }
-    let step = checkpoint.step();
-    if step > config.steps || state.losses.len() != step {
-        return Err(format!(
-            "{} holds step {step} ({} losses) but this run has {} steps",
-            checkpoint.dir().display(),
-            state.losses.len(),
-            config.steps
-        ));
-    }
-    for (what, saved, now) in [
-        ("batch_size", state.config.batch_size, config.batch_size),
-        ("seq_len", state.config.seq_len, config.seq_len),
-        ("grad_accum", state.config.grad_accum, config.grad_accum),
+    for (what, s, n) in [
+        ("batch_size", saved.batch_size, now.batch_size),
+        ("seq_len", saved.seq_len, now.seq_len),
+        ("grad_accum", saved.grad_accum, now.grad_accum),
     ] {
-        if saved != now {
-            return Err(differs(what, saved.to_string(), now.to_string()));
+        if s != n {
+            return Err(differs(what, s.to_string(), n.to_string()));
         }
     }
-    Ok(state)
+    Ok(())
 }
 
 /// The `gpt` binary's checkpoint flags.
@@ -246,57 +180,5 @@ impl CheckpointArgs {
             resume: self.resume.clone(),
             init_from_hf: self.init_from_hf.clone(),
         }
-    }
-}
-
-/// What the GPT trainer saves with its checkpoints besides parameters and optimizer state, and
-/// restores from them ([`burn_parallel_train::RunState`]): the losses and the run's
-/// configuration (a resumed run must have the same model and batch), each rank's dropout
-/// positions, and the steps the loss scaler skipped.
-pub(crate) struct GptRunState<'a> {
-    config: &'a TrainConfig,
-    /// Print which checkpoint a resume loads (rank 0).
-    announce: bool,
-    /// Steps the saved run skipped on a loss-scaling overflow (when this run scales too).
-    pub(crate) skipped: usize,
-}
-
-impl<'a> GptRunState<'a> {
-    pub(crate) fn new(config: &'a TrainConfig, announce: bool) -> Self {
-        Self {
-            config,
-            announce,
-            skipped: 0,
-        }
-    }
-}
-
-impl<P: ParallelModel> burn_parallel_train::RunState<P> for GptRunState<'_> {
-    fn save(&self, losses: &[f32], _: &Built<P>) -> SaveState {
-        let losses: Vec<f64> = losses.iter().map(|&l| f64::from(l)).collect();
-        SaveState::from(TrainerState::json(&losses, self.config))
-    }
-
-    fn restore(
-        &mut self,
-        checkpoint: &Checkpoint,
-        _: &Built<P>,
-    ) -> Result<Vec<f32>, burn_parallel::Error> {
-        let fail = |e: String| burn_parallel::Error::invalid("checkpoint", e);
-        let state = resume_state(checkpoint, self.config).map_err(fail)?;
-        // The steps the saved run skipped count when this run scales its loss too.
-        if self.config.loss_scaler().is_some()
-            && let Some(saved) = saved_loss_scaler(checkpoint).map_err(fail)?
-        {
-            self.skipped = saved.skipped;
-        }
-        if self.announce {
-            println!(
-                "resuming from {}",
-                burn_parallel_train::Resumed::of(checkpoint)
-            );
-        }
-        // The losses were f32 before they were saved as f64.
-        Ok(state.losses.iter().map(|&l| l as f32).collect())
     }
 }

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use burn_parallel::checkpoint::{Checkpoint, CheckpointError, Checkpointer};
-use burn_parallel::train::{SaveState, StepPhases};
+use burn_parallel::train::{SaveState, StepPhases, saved_loss_scaler};
 use burn_parallel::{Error, ReduceOp};
 use serde::{Deserialize, Serialize};
 
@@ -190,6 +190,9 @@ pub struct Fitted<P: ParallelModel> {
     pub step_seconds: f64,
     /// Tokens of the global batch per second at [`Self::step_seconds`] (0 when untimed).
     pub tokens_per_sec: f64,
+    /// Steps whose update a loss-scaling overflow skipped, the resumed run's before its
+    /// checkpoint included (when this run scales its loss too).
+    pub skipped_steps: usize,
 }
 
 /// The checkpoint a run resumed from.
@@ -271,6 +274,74 @@ pub trait RunState<P: ParallelModel> {
     /// # Errors
     /// A checkpoint this run cannot continue (another model, another batch).
     fn restore(&mut self, checkpoint: &Checkpoint, built: &Built<P>) -> Result<Vec<f32>, Error>;
+}
+
+/// A run's settings saved with its checkpoints beside the loss history, and checked on
+/// resume: `check(saved, now)` refuses a checkpoint this run cannot continue (another model,
+/// another batch), saying what differs. The state is `{"losses": [...], "config": ...}`.
+///
+/// ```
+/// use burn_parallel_train::SavedConfig;
+///
+/// #[derive(serde::Serialize, serde::Deserialize, PartialEq)]
+/// struct Run { width: usize, steps: usize }
+///
+/// let now = Run { width: 64, steps: 100 };
+/// let state = SavedConfig::new(&now, |saved: &Run, now: &Run| match saved.width == now.width {
+///     true => Ok(()),
+///     false => Err(format!("saved with width {}, this run has {}", saved.width, now.width)),
+/// });
+/// # let _ = state;
+/// ```
+pub struct SavedConfig<'a, C> {
+    config: &'a C,
+    check: Box<dyn Fn(&C, &C) -> Result<(), String> + 'a>,
+}
+
+impl<'a, C> SavedConfig<'a, C> {
+    /// The state of a run of `config`, resuming only where `check(saved, now)` agrees.
+    pub fn new(config: &'a C, check: impl Fn(&C, &C) -> Result<(), String> + 'a) -> Self {
+        Self {
+            config,
+            check: Box::new(check),
+        }
+    }
+}
+
+/// What [`SavedConfig`] saves.
+#[derive(Serialize, Deserialize)]
+struct SavedRun<C> {
+    losses: Vec<f64>,
+    config: C,
+}
+
+impl<P: ParallelModel, C: Serialize + serde::de::DeserializeOwned + Clone> RunState<P>
+    for SavedConfig<'_, C>
+{
+    fn save(&self, losses: &[f32], _: &Built<P>) -> SaveState {
+        let state = SavedRun {
+            losses: losses.iter().map(|&l| f64::from(l)).collect(),
+            config: self.config.clone(),
+        };
+        SaveState::from(serde_json::to_value(state).expect("the run's settings serialise"))
+    }
+
+    fn restore(&mut self, checkpoint: &Checkpoint, _: &Built<P>) -> Result<Vec<f32>, Error> {
+        let dir = checkpoint.dir().display();
+        let fail = |e: String| Error::invalid("checkpoint", format!("{dir}: {e}"));
+        let saved: SavedRun<C> = serde_json::from_value(saved_state(checkpoint).clone())
+            .map_err(|e| fail(format!("not saved by this trainer ({e})")))?;
+        (self.check)(&saved.config, self.config).map_err(fail)?;
+        let step = checkpoint.step();
+        if saved.losses.len() != step {
+            return Err(fail(format!(
+                "holds step {step} but {} losses",
+                saved.losses.len()
+            )));
+        }
+        // The losses were f32 before they were saved as f64.
+        Ok(saved.losses.iter().map(|&l| l as f32).collect())
+    }
 }
 
 /// The state [`fit`] keeps: the loss history.
@@ -359,6 +430,7 @@ pub fn fit_with<P: ParallelModel>(
     let mut losses = Vec::new();
     let mut first_step = 0;
     let mut resumed_from = None;
+    let mut skipped_steps = 0;
     if let Some(path) = &config.resume {
         let resuming = |e: Error| e.resuming(path);
         let checkpoint = open_checkpoint(path).map_err(|e| resuming(e.into()))?;
@@ -368,6 +440,11 @@ pub fn fit_with<P: ParallelModel>(
         restore_dropout(&checkpoint, &built.dropout_layers()).map_err(resuming)?;
         first_step = checkpoint.step();
         resumed_from = Some(Resumed::of(&checkpoint));
+        // The steps the saved run skipped count when this run scales its loss too.
+        if built.settings.loss_scaler.is_some() {
+            let saved = saved_loss_scaler(&checkpoint).map_err(|e| resuming(e.into()))?;
+            skipped_steps = saved.map_or(0, |s| s.skipped);
+        }
     }
     let mut stopped_at = None;
     let (mut timed_seconds, mut timed_steps) = (0.0, 0usize);
@@ -383,6 +460,7 @@ pub fn fit_with<P: ParallelModel>(
             .step(accum, &mut micro_batch, lr)
             .map_err(|e| e.at_step(step + 1))?;
         losses.push(out.loss);
+        skipped_steps += usize::from(out.skipped);
         let seconds = start.elapsed().as_secs_f64();
         if step > first_step {
             timed_seconds += seconds;
@@ -449,5 +527,6 @@ pub fn fit_with<P: ParallelModel>(
             0.0 => 0.0,
             s => tokens / s,
         },
+        skipped_steps,
     })
 }
