@@ -158,22 +158,15 @@ impl TrainConfig {
         if self.batch_size == 0 {
             return Err("batch_size (--batch-size) must be at least 1".into());
         }
-        let positive = [
-            ("lr (--lr), the peak learning rate", Some(self.lr)),
-            ("bucket_mb (--bucket-mb)", Some(self.bucket_mb)),
-            ("max_grad_norm (--clip)", self.max_grad_norm),
-        ];
-        for (name, value) in positive {
-            if let Some(v) = value.filter(|v| !(v.is_finite() && *v > 0.0)) {
-                return Err(format!("{name} must be a finite number above 0, got {v}"));
-            }
-        }
-        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+        if !(self.bucket_mb.is_finite() && self.bucket_mb > 0.0) {
+            let mb = self.bucket_mb;
             return Err(format!(
-                "weight_decay must be a finite number, 0 or above, got {}",
-                self.weight_decay
+                "bucket_mb (--bucket-mb) must be a finite number above 0, got {mb}"
             ));
         }
+        // The library's ranges: the learning rate, clipping, weight decay, loss scaling.
+        self.lr_schedule().validate().map_err(|e| e.to_string())?;
+        self.step_settings().validate().map_err(|e| e.to_string())?;
         let split = ranks.checked_mul(self.grad_accum);
         if split.is_none_or(|n| !self.batch_size.is_multiple_of(n)) {
             let multiple = split.map_or_else(|| "their product".to_string(), |n| n.to_string());
@@ -191,12 +184,6 @@ impl TrainConfig {
         }
         if self.model.vocab_size < 256 {
             return Err("byte-level tokens need vocab_size >= 256".into());
-        }
-        if let Some(scale) = self.loss_scale {
-            scale
-                .scaler()
-                .validate()
-                .map_err(|e| format!("{e} (--loss-scale, or loss_scale in the config)"))?;
         }
         Ok(())
     }

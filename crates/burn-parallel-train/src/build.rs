@@ -325,6 +325,7 @@ pub fn build_from<P: ParallelModel>(
     settings: &StepSettings,
     params: Option<&BTreeMap<String, TensorData>>,
 ) -> Result<Built<P>, Error> {
+    settings.validate()?;
     if layout.pp > 1 {
         let mut built = build_pipeline(world, layout, model, device, settings)?;
         if let (Some(params), Trainee::Pipeline(stages)) = (params, &mut built.trainee) {

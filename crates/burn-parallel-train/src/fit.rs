@@ -60,6 +60,34 @@ impl LrSchedule {
         }
     }
 
+    /// Checks the rates: a peak and a floor that train (a NaN, infinite, zero or negative rate
+    /// trains nothing, or uphill).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming `--lr`.
+    ///
+    /// ```
+    /// use burn_parallel_train::LrSchedule;
+    ///
+    /// assert!(LrSchedule::constant(1e-3).validate().is_ok());
+    /// let err = LrSchedule::constant(f64::NAN).validate().unwrap_err();
+    /// assert!(err.to_string().starts_with("--lr:"), "{err}");
+    /// ```
+    pub fn validate(&self) -> Result<(), Error> {
+        if !(self.peak.is_finite() && self.peak > 0.0) {
+            let reason = format!("the peak learning rate must be above 0, got {}", self.peak);
+            return Err(Error::invalid("--lr", reason));
+        }
+        if !(0.0..=1.0).contains(&self.floor) {
+            let reason = format!(
+                "the final rate's fraction of the peak must be in [0, 1], got {}",
+                self.floor
+            );
+            return Err(Error::invalid("--lr", reason));
+        }
+        Ok(())
+    }
+
     /// The rate at `step` (0-based).
     pub fn at(&self, step: usize) -> f64 {
         if step < self.warmup {
@@ -416,6 +444,7 @@ pub fn fit_with<P: ParallelModel>(
     stop: Option<&AtomicBool>,
     state: &mut dyn RunState<P>,
 ) -> Result<Fitted<P>, Error> {
+    config.lr.validate()?;
     let world = built.groups.world.clone();
     let data = built.groups.data.clone();
     let (rows, accum) = (built.settings.batch_size, built.settings.grad_accum.max(1));

@@ -207,6 +207,44 @@ impl StepSettings {
             .with_weight_decay(hyper.weight_decay)
     }
 
+    /// Checks the settings' ranges, each named by its flag: clipping (`--clip`: a norm of 0, a
+    /// negative or a NaN one freezes, reverses or silently disables the update), the buckets
+    /// (`--bucket-mb`), the weight decay (`--weight-decay`), the loss scaler (`--loss-scale`).
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming the flag.
+    ///
+    /// ```
+    /// use burn_parallel_train::StepSettings;
+    ///
+    /// assert!(StepSettings::default().validate().is_ok());
+    /// let clip = StepSettings { max_grad_norm: Some(f64::NAN), ..StepSettings::default() };
+    /// assert!(clip.validate().unwrap_err().to_string().contains("--clip"));
+    /// ```
+    pub fn validate(&self) -> Result<(), Error> {
+        if let Some(norm) = self.max_grad_norm.filter(|n| !(n.is_finite() && *n > 0.0)) {
+            let reason = format!("the clipping norm must be a finite number above 0, got {norm}");
+            return Err(Error::invalid("--clip", reason));
+        }
+        if self.bucket_bytes == 0 {
+            return Err(Error::invalid(
+                "--bucket-mb",
+                "the gradient buckets must hold at least a byte",
+            ));
+        }
+        let decay = self.adamw.weight_decay;
+        if !(decay.is_finite() && decay >= 0.0) {
+            let reason = format!("weight_decay must be a finite number, 0 or above, got {decay}");
+            return Err(Error::invalid("--weight-decay", reason));
+        }
+        if let Some(scaler) = &self.loss_scaler {
+            scaler
+                .validate()
+                .map_err(|e| Error::invalid("--loss-scale", e))?;
+        }
+        Ok(())
+    }
+
     /// The layout rules' view of `model` trained with these settings.
     pub fn workload<P: ParallelModel>(&self, model: &P) -> Workload {
         Workload {
