@@ -32,6 +32,7 @@ pub mod fit;
 pub mod layout;
 mod local;
 pub mod model;
+mod params;
 pub mod pipeline;
 #[cfg(feature = "cli")]
 mod plan_args;
@@ -51,6 +52,7 @@ pub use fit::{
 pub use layout::{DiLoCoLayout, Layout, LayoutError, PipelineLayout, Recompute, Workload};
 pub use local::run_local;
 pub use model::{Groups, ModelParts, ParallelModel, StepSettings};
+pub use params::{NamedParam, named_params};
 pub use pipeline::{PipelineEngine, PipelineSteps, StageParts, StagedModel};
 pub use saved::saved_state;
 pub use settings::{LossScale, Precision, TrainDevice, available_memory};
