@@ -4,9 +4,9 @@
 
 use std::path::PathBuf;
 
-use burn_moe::{Capacity, DropPolicy, ExpertKind, MoeConfig};
+use burn_moe::{ExpertKind, MoeConfig};
 use burn_parallel_train::Layout;
-use burn_parallel_train::cli::LayoutArgs;
+use burn_parallel_train::cli::{LayoutArgs, MoeArgs};
 use clap::{Parser, ValueEnum};
 
 use crate::gpt::{MlpKind, PositionKind};
@@ -178,38 +178,13 @@ pub struct GptArgs {
     /// Hidden width of the dense MLP (default 4 x d_model).
     #[arg(long)]
     pub d_ff: Option<usize>,
-    /// GPT-MoE: the MLP of every --moe-every-th block becomes a mixture of this many experts.
-    #[arg(long)]
-    pub moe_experts: Option<usize>,
-    /// GPT-MoE: experts per token.
-    #[arg(long)]
-    pub top_k: Option<usize>,
+    /// GPT-MoE: --moe-experts N --top-k K --expert-d-ff F --capacity-factor C | --dropless
+    /// --aux-loss A --z-loss Z --bias-balancing [--bias-rate R].
+    #[command(flatten)]
+    pub moe: MoeArgs,
     /// GPT-MoE: blocks N-1, 2N-1, ... are MoE blocks (1: every block).
     #[arg(long)]
     pub moe_every: Option<usize>,
-    /// GPT-MoE: hidden width of each expert (default: the dense MLP's d_ff).
-    #[arg(long)]
-    pub expert_d_ff: Option<usize>,
-    /// GPT-MoE: capacity mode, each expert takes at most ceil(tokens x top_k / experts x C)
-    /// tokens of each rank's batch; the others are dropped (pass on the residual).
-    #[arg(long, conflicts_with = "dropless")]
-    pub capacity_factor: Option<f64>,
-    /// GPT-MoE: dropless mode (the default): no token is dropped.
-    #[arg(long)]
-    pub dropless: bool,
-    /// GPT-MoE: coefficient of the Switch load-balancing loss.
-    #[arg(long)]
-    pub aux_loss: Option<f64>,
-    /// GPT-MoE: coefficient of the router z-loss.
-    #[arg(long)]
-    pub z_loss: Option<f64>,
-    /// GPT-MoE: auxiliary-loss-free balancing (DeepSeek-V3): expert biases move by
-    /// --bias-rate after each step.
-    #[arg(long)]
-    pub bias_balancing: bool,
-    /// Step of the expert biases of --bias-balancing.
-    #[arg(long, default_value_t = 1e-3)]
-    pub bias_rate: f64,
 }
 
 /// `--precision`: the library's flag value.
@@ -317,70 +292,28 @@ pub fn config_from(args: &GptArgs) -> Result<TrainConfig, String> {
     Ok(c)
 }
 
-/// The GPT-MoE flags: `--moe-experts` makes (or replaces) `model.moe`, the others change it.
+/// The GPT-MoE flags: `--moe-experts` makes (or replaces) `model.moe` (experts shaped like the
+/// dense MLP), the others change it ([`MoeArgs::apply`]); `--moe-every` says which blocks.
 fn moe_from(args: &GptArgs, c: &mut TrainConfig) -> Result<(), String> {
-    if let Some(experts) = args.moe_experts {
-        let mut moe = MoeConfig::new(
-            c.model.d_model,
-            args.expert_d_ff.unwrap_or(c.model.d_ff),
-            experts,
-            args.top_k.unwrap_or(2),
-        );
-        moe.bias = c.model.bias;
-        moe.expert = match c.model.mlp {
+    let m = &c.model;
+    let dense = MoeConfig {
+        bias: m.bias,
+        expert: match m.mlp {
             MlpKind::Gelu => ExpertKind::Gelu,
             MlpKind::SwiGlu => ExpertKind::SwiGlu,
-        };
-        c.model.moe = Some(moe);
-    }
-    let Some(moe) = &mut c.model.moe else {
-        let given = args.top_k.is_some()
-            || args.moe_every.is_some()
-            || args.expert_d_ff.is_some()
-            || args.capacity_factor.is_some()
-            || args.dropless
-            || args.aux_loss.is_some()
-            || args.z_loss.is_some()
-            || args.bias_balancing;
-        return match given {
-            true => Err(
-                "the MoE flags (--top-k, --capacity-factor, ...) need --moe-experts \
-                         (or a model.moe section in --config)"
-                    .into(),
-            ),
-            false => Ok(()),
-        };
+        },
+        ..MoeConfig::new(m.d_model, m.d_ff, 1, 1)
     };
-    if args.d_model.is_some() {
+    let mut moe = args.moe.apply(c.model.moe.take(), &dense)?;
+    if let (Some(moe), Some(_)) = (&mut moe, args.d_model) {
         moe.d_model = c.model.d_model;
     }
-    if let Some(k) = args.top_k {
-        moe.top_k = k;
+    match (&moe, args.moe_every) {
+        (None, Some(_)) => return Err("--moe-every needs --moe-experts".into()),
+        (_, Some(every)) => c.model.moe_every = every,
+        _ => {}
     }
-    if let Some(f) = args.expert_d_ff {
-        moe.d_ff = f;
-    }
-    if let Some(every) = args.moe_every {
-        c.model.moe_every = every;
-    }
-    if let Some(factor) = args.capacity_factor {
-        moe.capacity = Capacity::Factor {
-            factor,
-            drop: DropPolicy::Position,
-        };
-    }
-    if args.dropless {
-        moe.capacity = Capacity::Dropless;
-    }
-    if let Some(a) = args.aux_loss {
-        moe.aux_loss = a;
-    }
-    if let Some(z) = args.z_loss {
-        moe.z_loss = z;
-    }
-    if args.bias_balancing {
-        moe.bias_update_rate = args.bias_rate;
-    }
+    c.model.moe = moe;
     Ok(())
 }
 

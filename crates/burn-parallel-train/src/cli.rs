@@ -35,6 +35,7 @@ use crate::fit::{CheckpointPolicy, FitConfig, LrSchedule};
 use crate::layout::{Layout, LayoutError, PipelineLayout, Recompute};
 use crate::model::StepSettings;
 
+pub use crate::moe_args::MoeArgs;
 pub use crate::plan_args::PlanArgs;
 pub use crate::progress::{Progress, moe_lines, profile_lines};
 

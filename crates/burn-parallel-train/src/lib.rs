@@ -32,6 +32,8 @@ pub mod fit;
 pub mod layout;
 mod local;
 pub mod model;
+#[cfg(feature = "cli")]
+mod moe_args;
 mod params;
 pub mod pipeline;
 #[cfg(feature = "cli")]
