@@ -7,13 +7,18 @@
 //! use clap::Parser;
 //!
 //! let args = PlanArgs::parse_from(["plan", "--layers", "2", "--d-model", "64", "--world", "4"]);
-//! let (shape, training, _hardware) = args.inputs().unwrap();
+//! let (shape, training, hardware) = args.inputs().unwrap();
 //! assert_eq!((shape.layers, shape.d_model, training.world), (2, 64, 4));
+//! let plan = burn_parallel::planner::plan(&shape, &training, &hardware).unwrap();
+//! let report = args.report(&shape, &plan);
+//! assert!(report[0].starts_with("model: ") && report.iter().any(|l| l.starts_with("| 1 |")));
 //! let err = PlanArgs::parse_from(["plan", "--tflops", "0"]).inputs().unwrap_err();
 //! assert!(err.contains("--tflops"), "{err}");
 //! ```
 
-use burn_parallel::planner::{Attention, Hardware, ModelShape, MoeShape, NormShape, Training};
+use burn_parallel::planner::{
+    Attention, Candidate, Hardware, ModelShape, MoeShape, NormShape, Plan, Training,
+};
 use clap::Parser;
 
 /// Rank the layouts (dp, ZeRO 0-3, tp/sp, pp schedules, cp, ep, checkpointing) of a transformer by
@@ -166,4 +171,84 @@ impl PlanArgs {
             .map_err(|e| format!("{e} (--memory-gib, --tflops, --link-gbps)"))?;
         Ok((shape, training, hw))
     }
+}
+
+impl PlanArgs {
+    /// The planner's report of `plan` (of [`Self::inputs`]'s `shape`), as the `plan` binary
+    /// prints it: the model and the run in one line, then the `--top` fastest layouts that fit
+    /// (per-rank memory by part, step time, tokens/s, bubble) as a Markdown table, then why the
+    /// first `--rejected` others do not.
+    pub fn report(&self, shape: &ModelShape, plan: &Plan) -> Vec<String> {
+        let a = self;
+        let precision = if a.fp32 { "fp32" } else { "mixed precision" };
+        let mut lines = vec![format!(
+            "model: {} parameters ({} active), {} layers x d_model {}, {} heads; world {}, {} GiB \
+             per device, batch {} x {} tokens, {precision}",
+            shape.num_params(),
+            shape.active_params(),
+            shape.layers,
+            shape.d_model,
+            shape.heads,
+            a.world,
+            a.memory_gib,
+            a.batch,
+            a.seq_len,
+        )];
+        let shown = &plan.fitting[..a.top.min(plan.fitting.len())];
+        let gib = 1024.0 * 1024.0 * 1024.0;
+        let (unit, unit_name) = match shown.iter().any(|c| c.memory.total() >= gib) {
+            true => (gib, "GiB"),
+            false => (1024.0 * 1024.0, "MiB"),
+        };
+        lines.push(format!(
+            "\n{} layouts fit, {} rejected; the {} fastest ({unit_name} per rank, worst pipeline \
+             stage):\n",
+            plan.fitting.len(),
+            plan.rejected.len(),
+            shown.len()
+        ));
+        lines.push(
+            "(fp32: total = params + optim + max(activ + gathered + transient, grads + buffers): \
+             the gradients exist once the backward has released the activations)"
+                .into(),
+        );
+        lines.push(
+            "| # | layout | params | grads | optim | activ | buffers | gathered | transient | \
+             total | ms/step | tokens/s | bubble |"
+                .into(),
+        );
+        lines.push("|---|---|---|---|---|---|---|---|---|---|---|---|---|".into());
+        for (i, c) in shown.iter().enumerate() {
+            lines.push(row(i + 1, c, unit));
+        }
+        if !plan.rejected.is_empty() {
+            let n = a.rejected.min(plan.rejected.len());
+            lines.push(format!("\nrejected (first {n}):"));
+            for r in plan.rejected.iter().take(a.rejected) {
+                lines.push(format!("- {}: {}", r.layout, r.reason));
+            }
+        }
+        lines
+    }
+}
+
+/// One row of the table of fitting layouts, memory in `unit` bytes.
+fn row(rank: usize, c: &Candidate, unit: f64) -> String {
+    let m = &c.memory;
+    format!(
+        "| {rank} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | \
+         {:.0} | {:.0}% |",
+        c.layout,
+        m.params / unit,
+        m.grads / unit,
+        m.optimizer / unit,
+        m.activations / unit,
+        m.buffers / unit,
+        m.gathered / unit,
+        m.transient / unit,
+        m.total() / unit,
+        1e3 * c.step_seconds,
+        c.tokens_per_s,
+        100.0 * c.bubble_fraction
+    )
 }

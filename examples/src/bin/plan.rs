@@ -14,29 +14,9 @@
 
 use std::process::ExitCode;
 
-use burn_parallel::planner::{Candidate, plan};
+use burn_parallel::planner::plan;
 use clap::Parser;
 use examples::cli::PlanArgs;
-
-fn row(rank: usize, c: &Candidate, unit: f64) -> String {
-    let m = &c.memory;
-    format!(
-        "| {rank} | {} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.1} | \
-         {:.0} | {:.0}% |",
-        c.layout,
-        m.params / unit,
-        m.grads / unit,
-        m.optimizer / unit,
-        m.activations / unit,
-        m.buffers / unit,
-        m.gathered / unit,
-        m.transient / unit,
-        m.total() / unit,
-        1e3 * c.step_seconds,
-        c.tokens_per_s,
-        100.0 * c.bubble_fraction
-    )
-}
 
 fn main() -> ExitCode {
     let a = PlanArgs::parse();
@@ -54,54 +34,8 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    println!(
-        "model: {} parameters ({} active), {} layers x d_model {}, {} heads; world {}, {} GiB \
-         per device, batch {} x {} tokens, {}",
-        shape.num_params(),
-        shape.active_params(),
-        shape.layers,
-        shape.d_model,
-        shape.heads,
-        a.world,
-        a.memory_gib,
-        a.batch,
-        a.seq_len,
-        if a.fp32 { "fp32" } else { "mixed precision" }
-    );
-    let shown = &result.fitting[..a.top.min(result.fitting.len())];
-    let gib = 1024.0 * 1024.0 * 1024.0;
-    let (unit, unit_name) = if shown.iter().any(|c| c.memory.total() >= gib) {
-        (gib, "GiB")
-    } else {
-        (1024.0 * 1024.0, "MiB")
-    };
-    println!(
-        "\n{} layouts fit, {} rejected; the {} fastest ({unit_name} per rank, worst pipeline \
-         stage):\n",
-        result.fitting.len(),
-        result.rejected.len(),
-        shown.len()
-    );
-    println!(
-        "(fp32: total = params + optim + max(activ + gathered + transient, grads + buffers): \
-         the gradients exist once the backward has released the activations)"
-    );
-    println!(
-        "| # | layout | params | grads | optim | activ | buffers | gathered | transient | total | \
-         ms/step | tokens/s | bubble |"
-    );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
-    for (i, c) in shown.iter().enumerate() {
-        println!("{}", row(i + 1, c, unit));
-    }
-    if !result.rejected.is_empty() {
-        println!(
-            "\nrejected (first {}):",
-            a.rejected.min(result.rejected.len())
-        );
-        for r in result.rejected.iter().take(a.rejected) {
-            println!("- {}: {}", r.layout, r.reason);
-        }
+    for line in a.report(&shape, &result) {
+        println!("{line}");
     }
     if let Some(path) = &a.json {
         let text = match serde_json::to_string_pretty(&result) {
