@@ -58,7 +58,7 @@
 //! ```
 
 use crate::gpt::{GeluKind, Gpt, GptConfig, MlpKind, NormKind, PositionKind, load_params};
-use burn::module::{Module, ModuleVisitor, Param};
+use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_parallel::checkpoint::{CheckpointError, hf as checkpoint_hf};
 use burn_parallel::init::Init;
@@ -845,34 +845,10 @@ pub fn to_gpt_params(
 
 /// Every float parameter of `module` by module path, on the host.
 pub fn host_params<M: Module>(module: &M) -> BTreeMap<String, HostTensor> {
-    struct Collect {
-        path: Vec<String>,
-        out: BTreeMap<String, HostTensor>,
-    }
-    impl ModuleVisitor for Collect {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            let data = param.val().into_data();
-            let shape = data.shape().as_slice().to_vec();
-            let values = data
-                .convert::<f32>()
-                .try_into_vec::<f32>()
-                .expect("a float parameter converts to f32");
-            self.out
-                .insert(self.path.join("."), HostTensor::new(shape, values));
-        }
-    }
-    let mut c = Collect {
-        path: Vec::new(),
-        out: BTreeMap::new(),
-    };
-    module.visit(&mut c);
-    c.out
+    let params = burn_parallel_train::named_params(module).into_iter();
+    params
+        .map(|p| (p.path, HostTensor::new(p.shape, p.values)))
+        .collect()
 }
 
 /// The shape of every float parameter of `module` by module path (no data read back).
