@@ -31,7 +31,6 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
 
 use burn::module::{Module, ParamId};
 use burn::tensor::{Device, Tensor};
@@ -41,7 +40,9 @@ use burn_parallel::nn::{Embedding, Linear, TpContext};
 use burn_parallel::plan::TpPlan;
 use burn_parallel::tensor_parallel::SeededDropout;
 use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
-use burn_parallel_train::pipeline::{PathMap, Stager};
+use burn_parallel_train::pipeline::{
+    Balance, LayerTimes, PathMap, Stager, measure_layer_times, split_layers,
+};
 use burn_parallel_train::{
     Built, Layout, ModelParts, ParallelModel, PipelineLayout, StageParts, StagedModel, StepLog,
     StepSettings,
@@ -50,7 +51,7 @@ use burn_pipeline::generators;
 use burn_pipeline::partition::{self, PartitionError};
 use burn_pipeline::runtime::{PipelineError, StepReport};
 use burn_pipeline::sequential::{InputLayer, Layer, Sequential};
-use burn_pipeline::stage::{Boundary, Stage, StageError, StageOutput};
+use burn_pipeline::stage::StageError;
 use burn_pipeline::trace::{StepTrack, Timeline};
 use burn_pipeline::{ScheduleError, ScheduleKind};
 use burn_zero::FsdpPlan;
@@ -97,35 +98,28 @@ pub enum GptPipelineError {
     Run(#[from] burn_parallel::Error),
 }
 
-/// How the GPT's blocks are split into stages.
-#[derive(Debug, Clone, PartialEq, Default)]
+/// How the GPT's blocks are split into stages: a policy of the library's ([`Balance`]:
+/// by count, by parameters, explicit boundaries, given times), or measured first.
+#[derive(Debug, Clone, PartialEq)]
 pub enum StageSplit {
-    /// The same number of blocks per stage (the first stages take one more).
-    #[default]
-    Count,
-    /// Balanced by parameter count, the embedding counted on the first stage and the head on
-    /// the last (which may then take fewer blocks).
-    Params,
-    /// Stage `i + 1` starts at block `boundaries[i]`.
-    Explicit(Vec<usize>),
+    /// The library's split ([`split_layers`]), made when the stages are built.
+    Balance(Balance),
     /// Balanced by time: the trainer measures the forward and backward of the embedding, one
     /// block and the head on a micro-batch ([`measure_layer_times`], averaged over the ranks
-    /// so that every rank splits alike) and splits as [`StageSplit::Times`].
+    /// so that every rank splits alike) and splits by [`Balance::Times`].
     Measured,
-    /// Balanced by given times (seconds, or any unit): the first stage also pays `first`
-    /// (the embedding), the last `last` (final norm, head and loss), every block `block`.
-    Times(LayerTimes),
 }
 
-/// Forward + backward time of the GPT's parts for one micro-batch.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct LayerTimes {
-    /// The embedding (first stage).
-    pub first: f64,
-    /// One transformer block.
-    pub block: f64,
-    /// Final norm, head and loss (last stage).
-    pub last: f64,
+impl Default for StageSplit {
+    fn default() -> Self {
+        Self::Balance(Balance::Count)
+    }
+}
+
+impl From<Balance> for StageSplit {
+    fn from(balance: Balance) -> Self {
+        Self::Balance(balance)
+    }
 }
 
 /// Activation checkpointing of a pipelined GPT (the layout's).
@@ -163,7 +157,7 @@ impl Default for PipelineConfig {
             schedule: ScheduleKind::OneFOneB,
             microbatches: 4,
             virtual_stages: None,
-            split: StageSplit::Count,
+            split: StageSplit::default(),
             tp: 1,
             sp: false,
             zero: None,
@@ -228,102 +222,16 @@ impl PipelineConfig {
             self.virtual_stages,
         )?
         .num_stages();
-        let split = match &self.split {
-            // Measured later: any feasible split has at least one block per stage.
-            StageSplit::Measured => &StageSplit::Count,
-            other => other,
+        // Explicit boundaries are checked as given. The other splits are made when the stages
+        // are built (by parameters) or after measuring, and any feasible one has at least one
+        // block per stage, as by count.
+        let n = config.model.n_layers;
+        match &self.split {
+            StageSplit::Balance(Balance::Explicit(b)) => partition::explicit(n, stages, b)?,
+            _ => partition::by_count(n, stages)?,
         };
-        split_blocks(&config.model, stages, split)?;
         Ok(())
     }
-}
-
-/// The blocks of each of `stages` stages.
-///
-/// # Errors
-/// [`GptPipelineError::Partition`] (more stages than blocks, bad explicit boundaries, bad
-/// times); [`GptPipelineError::Config`] for [`StageSplit::Measured`], which the trainer turns
-/// into [`StageSplit::Times`] by measuring first.
-pub fn split_blocks(
-    config: &GptConfig,
-    stages: usize,
-    split: &StageSplit,
-) -> Result<Vec<Range<usize>>, GptPipelineError> {
-    let n = config.n_layers;
-    Ok(match split {
-        StageSplit::Count => partition::by_count(n, stages)?,
-        StageSplit::Explicit(b) => partition::explicit(n, stages, b)?,
-        StageSplit::Params => {
-            let d = config.d_model;
-            let block = config.block().num_params() as f64;
-            let wpe = match config.positions {
-                PositionKind::Learned => config.max_seq_len * d,
-                PositionKind::Rotary => 0,
-            };
-            let first = (config.vocab_size * d + wpe) as f64;
-            let norm = config.num_params() as f64 - first - block * n as f64;
-            // What is left besides the blocks and the embeddings: the final norm and the head.
-            partition::balanced(&vec![block; n], stages, first, norm.max(0.0))?
-        }
-        StageSplit::Times(t) => partition::balanced(&vec![t.block; n], stages, t.first, t.last)?,
-        StageSplit::Measured => {
-            return Err(GptPipelineError::Config(
-                "StageSplit::Measured is resolved by measuring (measure_layer_times) into \
-                 StageSplit::Times before splitting"
-                    .into(),
-            ));
-        }
-    })
-}
-
-/// Measures the forward and backward time of the embedding, one block and the head (final
-/// norm, projection and loss) on the micro-batch `batch`, on `device` (an autodiff device), from stages built like the real ones: the median of
-/// `repeats` runs after a warm-up. Each part is timed alone: a first stage without blocks, a
-/// middle stage of one block, a last stage without blocks.
-///
-/// # Errors
-/// [`GptPipelineError::Build`] when a probe stage cannot be built or run.
-pub fn measure_layer_times(
-    config: &GptConfig,
-    batch: &Batch,
-    device: &Device,
-    repeats: usize,
-) -> Result<LayerTimes, GptPipelineError> {
-    let init = Init::new(config.seed, device);
-    let d = config.d_model;
-    let rows = batch.batch_size;
-    let time = |index: usize, stages: usize, blocks: usize| -> Result<f64, GptPipelineError> {
-        let probe = build_stage(config, &init, index, stages, 0..blocks, 0)?;
-        let fail = |e: &dyn std::fmt::Display| GptPipelineError::Build {
-            stage: index,
-            reason: format!("measuring layer times: {e}"),
-        };
-        let mut runs = Vec::with_capacity(repeats + 1);
-        for _ in 0..=repeats.max(1) {
-            let input = match index {
-                0 => Boundary::new(),
-                _ => Boundary::new()
-                    .with(Tensor::<3>::zeros([rows, batch.seq_len, d], device).require_grad()),
-            };
-            let t0 = Instant::now();
-            let out = probe.forward(input, batch).map_err(|e| fail(&e.message))?;
-            let seed = match out {
-                StageOutput::Loss(loss) => loss,
-                StageOutput::Boundary(b) => b.get::<3>(0).map_err(|e| fail(&e.message))?.sum(),
-            };
-            let _grads = seed.backward();
-            runs.push(t0.elapsed().as_secs_f64());
-        }
-        runs.remove(0); // warm-up
-        runs.sort_by(f64::total_cmp);
-        Ok(runs[runs.len() / 2])
-    };
-    // Probes of a three-stage split: the embedding alone, one block alone, the head alone.
-    Ok(LayerTimes {
-        first: time(0, 3, 0)?,
-        block: time(1, 3, 1)?,
-        last: time(2, 3, 0)?,
-    })
 }
 
 /// One stage of the GPT, staged by `burn-pipeline`'s [`Sequential`]: the embedding
@@ -678,37 +586,29 @@ pub fn train_gpt_pipeline_checkpointed(
     let device = plain.clone().autodiff();
     let settings = pipeline.settings(config);
     let dp_size = pipeline.layout().data_parallel_size(world.size());
-    let stages = generators::generate(
-        pipeline.schedule,
-        pipeline.pp,
-        pipeline.microbatches,
-        pipeline.virtual_stages,
-    )?
-    .num_stages();
-    let split = match &pipeline.split {
+    let mut model = StagedGpt {
+        config: config.model.clone(),
+        balance: Balance::Count,
+    };
+    model.balance = match &pipeline.split {
+        StageSplit::Balance(balance) => balance.clone(),
         StageSplit::Measured => {
             let rows = config.batch_size / dp_size / pipeline.microbatches;
             let probe = corpus.batch_rows(0, 0..rows, config.seq_len, Split::Train);
-            let t = measure_layer_times(&config.model, &probe, &device, 3)?;
+            let t = measure_layer_times(&model, &probe, &device, 3)?;
             // Every rank splits alike: the mean of the ranks' measurements.
             let mean = world.all_reduce_f32(
-                vec![t.first as f32, t.block as f32, t.last as f32],
+                vec![t.first as f32, t.layer as f32, t.last as f32],
                 ReduceOp::Avg,
             )?;
-            let times = LayerTimes {
+            Balance::Times(LayerTimes {
                 first: mean[0].into(),
-                block: mean[1].into(),
+                layer: mean[1].into(),
                 last: mean[2].into(),
-            };
-            split_blocks(&config.model, stages, &StageSplit::Times(times))?
+            })
         }
-        other => split_blocks(&config.model, stages, other)?,
     };
     // ---- the library's builder stages the GPT (`StagedGpt`), its loop trains it ----
-    let model = StagedGpt {
-        config: config.model.clone(),
-        split: split.clone(),
-    };
     let config = TrainConfig {
         device: pipeline.device,
         ..config.clone()
@@ -736,7 +636,8 @@ pub fn train_gpt_pipeline_checkpointed(
             }
             None => Timeline::default(),
         };
-        figures = Some((last_step, stages.held_params(), timeline));
+        let split = stages.split().to_vec();
+        figures = Some((last_step, stages.held_params(), split, timeline));
         Ok(())
     };
     // (No MoE figures: a GPT-MoE is refused under pipeline parallelism.)
@@ -749,7 +650,7 @@ pub fn train_gpt_pipeline_checkpointed(
         on_step,
         (no_moe, &mut keep),
     )?;
-    let (last_step, held_params, timeline) = figures.expect("the run's end was reached");
+    let (last_step, held_params, split, timeline) = figures.expect("the run's end was reached");
     Ok(PipelineReport {
         train,
         last_step,
@@ -759,14 +660,14 @@ pub fn train_gpt_pipeline_checkpointed(
     })
 }
 
-/// The GPT staged for the builder: its blocks split as `split` says (by count, by parameters
-/// or by measured times: [`split_blocks`]), each stage a [`GptStage`].
+/// The GPT staged for the builder: its blocks split as `balance` says ([`split_layers`]: by
+/// count, by parameters, explicit boundaries or measured times), each stage a [`GptStage`].
 #[derive(Debug, Clone)]
 pub struct StagedGpt {
     /// The model.
     pub config: GptConfig,
-    /// The blocks of each stage.
-    pub split: Vec<Range<usize>>,
+    /// How its blocks are split into stages.
+    pub balance: Balance,
 }
 
 impl ParallelModel for StagedGpt {
@@ -812,17 +713,12 @@ impl StagedModel for StagedGpt {
         self.config.n_layers
     }
 
-    fn split(&self, num_stages: usize) -> Result<Vec<Range<usize>>, burn_parallel::Error> {
-        match self.split.len() == num_stages {
-            true => Ok(self.split.clone()),
-            false => Err(burn_parallel::Error::invalid(
-                "--pp",
-                format!(
-                    "the blocks were split into {} stages but the schedule has {num_stages}",
-                    self.split.len()
-                ),
-            )),
-        }
+    fn split(
+        &self,
+        num_stages: usize,
+        device: &Device,
+    ) -> Result<Vec<Range<usize>>, burn_parallel::Error> {
+        split_layers(self, num_stages, &self.balance, device)
     }
 
     fn stage(&self, parts: &StageParts<'_>) -> Result<GptStage, burn_parallel::Error> {
@@ -942,9 +838,9 @@ impl PipelineArgs {
             microbatches: self.microbatches,
             virtual_stages: p.virtual_stages,
             split: match (self.balance_params, self.balance_time) {
-                (true, _) => StageSplit::Params,
+                (true, _) => Balance::Params.into(),
                 (_, true) => StageSplit::Measured,
-                _ => StageSplit::Count,
+                _ => Balance::Count.into(),
             },
             tp: layout.tp,
             sp: layout.sp,

@@ -11,13 +11,14 @@
 use burn::tensor::Device;
 use burn_parallel::init::Init;
 use burn_parallel::run_local;
+use burn_parallel_train::pipeline::{Balance, measure_layer_times, split_layers};
 use burn_pipeline::ScheduleKind;
 use burn_pipeline::partition::PartitionError;
 use examples::data::Corpus;
 use examples::gpt::Gpt;
 use examples::pipeline::{
-    GptPipelineError, PipelineConfig, Recompute, StageSplit, build_stage, measure_layer_times,
-    split_blocks, stage_params, train_gpt_pipeline, with_deferred_weights,
+    GptPipelineError, PipelineConfig, Recompute, StageSplit, StagedGpt, build_stage, stage_params,
+    train_gpt_pipeline, with_deferred_weights,
 };
 use examples::train::{TrainConfig, TrainReport, named_params};
 use tests::{
@@ -314,8 +315,8 @@ fn every_split_policy_trains_the_same_model() {
     config.steps = 5;
     let reference = reference_run(&config);
     for split in [
-        StageSplit::Params,
-        StageSplit::Explicit(vec![1, 6, 7]),
+        Balance::Params.into(),
+        Balance::Explicit(vec![1, 6, 7]).into(),
         StageSplit::Measured,
     ] {
         let p = PipelineConfig {
@@ -343,15 +344,15 @@ fn measured_times_give_a_heavy_head_fewer_blocks() {
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let batch = corpus.batch_rows(0, 0..4, 16, examples::data::Split::Train);
     let device = Device::flex().autodiff();
+    let model = StagedGpt {
+        config: model,
+        balance: Balance::Count,
+    };
     let t = measure_layer_times(&model, &batch, &device, 3).unwrap();
-    assert!(t.last > 2.0 * t.block, "{t:?}");
-    let split = split_blocks(&model, 4, &StageSplit::Times(t)).unwrap();
+    assert!(t.last > 2.0 * t.layer, "{t:?}");
+    let split = split_layers(&model, 4, &Balance::Times(t), &device).unwrap();
     // By count every stage takes 2 of the 8 blocks; the heavy head keeps the last stage at 1.
     assert_eq!(split[3].len(), 1, "{split:?} from {t:?}");
-    assert!(matches!(
-        split_blocks(&model, 4, &StageSplit::Measured),
-        Err(GptPipelineError::Config(_))
-    ));
 }
 
 /// Under a split backward the GPT's linear layers defer their weight gradients: a backward
@@ -399,7 +400,11 @@ fn stages_hold_their_single_device_parameters_and_nothing_else() {
     let device = Device::flex();
     let whole = params_of(&Gpt::new(&config, &device));
     let init = Init::new(config.seed, &device);
-    let split = split_blocks(&config, 3, &StageSplit::Count).unwrap();
+    let staged = StagedGpt {
+        config: config.clone(),
+        balance: Balance::Count,
+    };
+    let split = split_layers(&staged, 3, &Balance::Count, &device).unwrap();
     assert_eq!(split, vec![0..3, 3..6, 6..8]);
     let mut seen = 0;
     for (s, layers) in split.into_iter().enumerate() {
