@@ -323,8 +323,12 @@ pub trait RunState<P: ParallelModel> {
 /// ```
 pub struct SavedConfig<'a, C> {
     config: &'a C,
-    check: Box<dyn Fn(&C, &C) -> Result<(), String> + 'a>,
+    check: Box<Resumable<'a, C>>,
 }
+
+/// Whether a run of the second settings can continue a checkpoint saved with the first (an
+/// error says what differs).
+pub type Resumable<'a, C> = dyn Fn(&C, &C) -> Result<(), String> + 'a;
 
 impl<'a, C> SavedConfig<'a, C> {
     /// The state of a run of `config`, resuming only where `check(saved, now)` agrees.
