@@ -200,24 +200,20 @@ impl TrainConfig {
         self.validate(layout.data_parallel_size(world))
     }
 
-    /// The memory planner's prediction of one rank's peak bytes under `layout` on `world` ranks
-    /// ([`burn_parallel::planner::evaluate`]): parameters, gradients, optimizer state,
-    /// activations and buffers; `None` when the planner does not model the layout.
-    pub fn predicted_memory(
+    /// The run as the memory planner sees it on `world` ranks under `layout`: the global
+    /// batch, each data-parallel rank's micro-batch, the precision, the attention the kernels
+    /// keep.
+    pub fn planner_training(
         &self,
         layout: &Layout,
         world: usize,
-    ) -> Option<burn_parallel::planner::Memory> {
-        use burn_parallel::planner::{self, Attention, Checkpoint, Hardware, Schedule, Training};
+    ) -> burn_parallel::planner::Training {
+        use burn_parallel::planner::{Attention, Training};
         let dims = layout.dims(world);
         let dp = dims.dp_replicate * dims.dp_shard;
-        let training = Training {
-            world,
-            global_batch: self.batch_size,
-            seq_len: self.seq_len,
+        Training {
             micro_batch: (self.batch_size / (dp * self.grad_accum).max(1)).max(1),
             mixed_precision: self.precision != Precision::F32,
-            optimizer_bytes: 8,
             bucket_bytes: (self.bucket_mb * 1024.0 * 1024.0) as usize,
             attention: match self.model.fused {
                 true => Attention::Flash,
@@ -225,26 +221,12 @@ impl TrainConfig {
             },
             dropout: self.model.dropout > 0.0,
             fused: self.model.fused,
-        };
-        let plan = planner::Layout {
-            dims,
-            zero: layout.zero.map_or(0, |s| s.number() as u8),
-            sp: layout.sp,
-            schedule: Schedule::None,
-            micro_batches: self.grad_accum,
-            checkpoint: Checkpoint::None,
-        };
-        let hw = Hardware::from_units(1.0, 1.0, 1.0);
-        planner::evaluate(&self.model.planner_shape(), &training, &hw, &plan)
-            .ok()
-            .map(|candidate| candidate.memory)
+            ..Training::new(world, self.batch_size, self.seq_len)
+        }
     }
 
-    /// Refuses, before anything is allocated, a run that cannot fit: one whose parameters
-    /// alone exceed what any device holds, or, on a CPU device, whose predicted peak
-    /// ([`Self::predicted_memory`], times the ranks sharing this process) exceeds this
-    /// machine's available memory by half again (the planner is within 10% of the measured
-    /// peak on the layouts it models: the margin keeps any run that could fit).
+    /// Refuses, before anything is allocated, a run that cannot fit under `layout` on `world`
+    /// ranks, `ranks_here` of them in this process ([`burn_parallel_train::check_memory`]).
     ///
     /// # Errors
     /// A message with the figures and the settings to change.
@@ -254,45 +236,10 @@ impl TrainConfig {
         world: usize,
         ranks_here: usize,
     ) -> Result<(), String> {
-        use burn_parallel::planner::human_bytes;
-        let m = &self.model;
-        // In f64: the sizes that matter here overflow integer arithmetic.
-        let (d, v, l) = (m.d_model as f64, m.vocab_size as f64, m.n_layers as f64);
-        let params =
-            l * (4.0 * d * d + 3.0 * d * m.d_ff as f64) + 2.0 * v * d + m.max_seq_len as f64 * d;
-        // Parameters, gradients and AdamW's two moments in fp32, split at best over every rank.
-        let state = 16.0 * params / world.max(1) as f64;
-        let too_big = |what: &str, need: f64, have: String| {
-            format!(
-                "{what} needs about {} per rank but {have}: reduce --d-model, --layers, --d-ff, \
-                 --vocab, --batch-size or --seq-len, or spread the model over more ranks \
-                 (--zero 3, --tp)",
-                human_bytes(need),
-            )
-        };
-        const ANY_DEVICE: f64 = (1u64 << 48) as f64;
-        if state > ANY_DEVICE {
-            let have = format!("no device holds more than {}", human_bytes(ANY_DEVICE));
-            return Err(too_big("the model's training state", state, have));
-        }
-        if !self.device.is_host() {
-            return Ok(());
-        }
-        let Some(available) = burn_parallel_train::available_memory() else {
-            return Ok(());
-        };
-        let here = ranks_here.max(1) as f64;
-        let have = format!("{} is available", human_bytes(available / here));
-        if state * here > 1.5 * available {
-            return Err(too_big("the model's training state", state, have));
-        }
-        if let Some(memory) = self.predicted_memory(layout, world) {
-            let peak = memory.total();
-            if peak * here > 1.5 * available {
-                return Err(too_big("training (the planner's peak)", peak, have));
-            }
-        }
-        Ok(())
+        let training = self.planner_training(layout, world);
+        let shape = self.model.planner_shape();
+        burn_parallel_train::check_memory(&shape, &training, layout, ranks_here, self.device)
+            .map_err(|e| e.to_string())
     }
 
     /// The builder's settings of this run ([`burn_parallel_train::build`]).

@@ -31,6 +31,7 @@ pub mod diloco;
 pub mod fit;
 pub mod layout;
 mod local;
+mod memory;
 pub mod model;
 #[cfg(feature = "cli")]
 mod moe_args;
@@ -53,6 +54,7 @@ pub use fit::{
 };
 pub use layout::{DiLoCoLayout, Layout, LayoutError, PipelineLayout, Recompute, Workload};
 pub use local::run_local;
+pub use memory::check_memory;
 pub use model::{Groups, ModelParts, ParallelModel, StepSettings};
 pub use params::{NamedParam, named_params};
 pub use pipeline::{PipelineEngine, PipelineSteps, StageParts, StagedModel};
