@@ -55,7 +55,7 @@ use burn::tensor::{Device, Tensor};
 use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::{ProcessGroup, ReduceOp};
 use burn_parallel_train::{
-    Built, FitConfig, Layout, LrSchedule, MicroBatch, StepLog, StepSettings, build, fit,
+    Built, FitConfig, Layout, LrSchedule, MicroBatch, Precision, StepLog, StepSettings, build, fit,
 };
 use serde::{Deserialize, Serialize};
 
@@ -94,6 +94,9 @@ pub struct VitTrainConfig {
     pub weight_decay: f64,
     /// Clips the global norm of the averaged gradient to this value (`None`: no clipping).
     pub max_grad_norm: Option<f64>,
+    /// The arithmetic of the forward and backward (bf16 or fp16 with fp32 master weights and
+    /// optimizer state; fp16 scales the loss).
+    pub precision: Precision,
     /// Seed of the order of the training batches.
     pub data_seed: u64,
     /// Fraction of the digits held out as the test set ([`Digits::split`]).
@@ -128,6 +131,7 @@ impl Default for VitTrainConfig {
             warmup_steps: 30,
             weight_decay: 0.01,
             max_grad_norm: None,
+            precision: Precision::F32,
             data_seed: 0,
             test_fraction: 0.2,
             split_seed: 0,
@@ -212,6 +216,8 @@ impl VitTrainConfig {
     /// weight decay; a sequence is one image, so tokens per second are images per second.
     pub fn settings(&self) -> StepSettings {
         StepSettings {
+            precision: self.precision.policy(),
+            loss_scaler: self.precision.scaler(),
             max_grad_norm: self.max_grad_norm,
             adamw: FusedAdamWConfig::new().with_weight_decay(self.weight_decay as f32),
             batch_size: self.batch_size,

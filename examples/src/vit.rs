@@ -313,6 +313,8 @@ impl Vit {
     pub fn forward(&self, images: Tensor<4>) -> TpResult<Tensor<2>> {
         let [b, _, _, _] = images.dims();
         let d = self.config.d_model;
+        // The pixels in the parameters' dtype (bf16 or f16 under mixed precision).
+        let images = images.cast(self.cls_token.val().dtype());
         let x = self
             .patch_embed
             .forward(patchify(images, self.config.patch_size))?;

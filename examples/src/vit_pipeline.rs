@@ -47,7 +47,10 @@ pub struct VitInput {
 
 impl InputLayer<DigitsBatch> for VitInput {
     fn forward(&self, batch: &DigitsBatch) -> Result<Tensor<3>, StageError> {
-        let (images, _) = batch.to_tensors(&self.cls_token.val().device());
+        let cls_token = self.cls_token.val();
+        let (images, _) = batch.to_tensors(&cls_token.device());
+        // The pixels in the parameters' dtype (bf16 or f16 under mixed precision).
+        let images = images.cast(cls_token.dtype());
         let [b, _, _, _] = images.dims();
         let d = self.config.d_model;
         let x = self

@@ -6,6 +6,7 @@
 //! vit --ranks 2 --tp 2 --sp                                          # tensor + sequence parallel
 //! vit --ranks 4 --tp 2 --clip 1.0                                    # dp 2 x tp 2, clipping
 //! vit --ranks 2 --zero 2                                             # ZeRO-2 over 2 ranks
+//! vit --ranks 2 --precision bf16                                     # bf16, fp32 master weights
 //! vit --eval-every 100                                               # test accuracy on the way
 //! vit --ranks 2 --pp 2 --grad-accum 4                                # pipeline, 1F1B
 //! vit --ranks 4 --pp 2 --schedule zbv --grad-accum 2 --checkpoint-blocks --layers 4
@@ -13,7 +14,7 @@
 
 use std::process::ExitCode;
 
-use burn_parallel_train::cli::{LayoutArgs, Progress};
+use burn_parallel_train::cli::{LayoutArgs, Progress, StepArgs};
 use burn_parallel_train::{Layout, StepLog};
 use clap::Parser;
 use examples::data::Digits;
@@ -39,9 +40,6 @@ struct Args {
     /// Peak learning rate (linear warm-up, then cosine decay to 10 %).
     #[arg(long)]
     lr: Option<f64>,
-    /// Clip the global norm of the averaged gradient to this value.
-    #[arg(long)]
-    clip: Option<f64>,
     /// Seed of the weights and of the batch order (the train/test split stays fixed).
     #[arg(long)]
     seed: Option<u64>,
@@ -66,10 +64,10 @@ struct Args {
     /// AdamW weight decay.
     #[arg(long)]
     weight_decay: Option<f64>,
-    /// Micro-batches per step: each data-parallel rank's rows split between them (the
-    /// pipeline's micro-batches with --pp).
-    #[arg(long, default_value_t = 1)]
-    grad_accum: usize,
+    /// The step: --precision f32|bf16|fp16, --clip, --grad-accum (the pipeline's
+    /// micro-batches with --pp).
+    #[command(flatten)]
+    step: StepArgs,
     /// The layout: --tp, --sp, --zero (1 or 2), --pp with --schedule, --virtual-stages and
     /// --checkpoint-blocks; what the ViT does not support is refused by name.
     #[command(flatten)]
@@ -100,9 +98,10 @@ fn config_from(args: &Args) -> VitTrainConfig {
         c.model.seed = seed;
         c.data_seed = seed;
     }
-    c.max_grad_norm = args.clip;
+    c.max_grad_norm = args.step.clip;
+    c.precision = args.step.precision;
     c.eval_every = args.eval_every;
-    c.grad_accum = args.grad_accum;
+    c.grad_accum = args.step.grad_accum;
     c.warmup_steps = c.warmup_steps.min(c.steps / 10);
     c
 }
