@@ -19,10 +19,11 @@ use std::process::ExitCode;
 
 use burn_parallel::diloco::{Compression, DiLoCoConfig, count_sent_bytes};
 use burn_parallel::run_local;
+use burn_parallel_train::DiLoCoLayout;
 use clap::Parser;
 use examples::data::Corpus;
 use examples::train::{Parallelism, TrainConfig, train_gpt_parallel};
-use examples::train_diloco::{DiLoCoRun, InnerOptimizer, train_gpt_diloco};
+use examples::train_diloco::train_gpt_diloco;
 
 /// DiLoCo vs DDP: validation loss and bytes sent at the same token budget.
 #[derive(Debug, Parser)]
@@ -133,9 +134,9 @@ fn main() -> ExitCode {
         runs.push(("DiLoCo f32", Compression::F32, 1, h));
     }
     for (name, compression, fragments, inner_steps) in runs {
-        let run = DiLoCoRun {
+        let run = DiLoCoLayout {
             islands: args.ranks,
-            diloco: DiLoCoConfig {
+            config: DiLoCoConfig {
                 inner_steps,
                 compression,
                 fragments,
@@ -143,8 +144,7 @@ fn main() -> ExitCode {
                 outer_momentum: args.outer_momentum,
                 ..DiLoCoConfig::default()
             },
-            inner: InnerOptimizer::AdamW,
-            device: Default::default(),
+            inner_sgd: false,
         };
         let name = format!("{name} H={inner_steps} F={fragments}");
         let start = std::time::Instant::now();

@@ -169,7 +169,7 @@ pub struct GptArgs {
     /// [--diloco-compression f32|fp16|bf16|int8] [--diloco-fragments F] [--diloco-overlap T]
     /// [--diloco-drop-lost].
     #[command(flatten)]
-    pub diloco: crate::train_diloco::DiLoCoArgs,
+    pub diloco: burn_parallel_train::diloco::DiLoCoFlags,
     /// Distributed checkpoints: --save-every N --checkpoint-dir D [--keep-checkpoints K]
     /// [--async-checkpoint], and --resume D (under any dp/tp/ZeRO/ep/pp layout; GPT-MoE and
     /// dropout included; not yet with --diloco-islands, nor --pp with --zero).
@@ -336,7 +336,7 @@ impl GptArgs {
         let mut config = config_from(self)?;
         config.device = train_device(self);
         let mut layout = self.layout()?;
-        layout.diloco = self.diloco.flags.layout();
+        layout.diloco = self.diloco.layout();
         crate::run::check_run(&config, &layout, &self.pipeline, ranks, ranks)
             .map_err(|e| e.to_string())?;
         Ok((config, layout))

@@ -10,7 +10,7 @@ use crate::data::Corpus;
 use crate::pipeline::{PipelineArgs, PipelineReport, train_gpt_pipeline_checkpointed};
 use crate::train::{StepStats, TrainConfig, TrainReport, train_gpt_checkpointed};
 use crate::train_checkpoint::CheckpointOptions;
-use crate::train_diloco::{DiLoCoReport, DiLoCoRun, train_gpt_diloco_checkpointed};
+use crate::train_diloco::{DiLoCoReport, train_gpt_diloco_checkpointed, validate_diloco};
 
 /// What a GPT run reports, by the kind of layout it ran under.
 #[derive(Debug, Clone)]
@@ -34,19 +34,6 @@ impl GptRun {
     }
 }
 
-/// DiLoCo's run of `layout` (its islands and settings) on the device of `config`.
-fn diloco_run(config: &TrainConfig, layout: &Layout) -> Option<DiLoCoRun> {
-    layout.diloco.map(|d| DiLoCoRun {
-        islands: d.islands,
-        diloco: d.config,
-        inner: match d.inner_sgd {
-            true => crate::train_diloco::InnerOptimizer::Sgd,
-            false => crate::train_diloco::InnerOptimizer::AdamW,
-        },
-        device: config.device,
-    })
-}
-
 /// Checks that `world` ranks can train `config` under `layout` (with `pipeline`'s flags when
 /// `pp > 1`), before any rank builds anything: the layout's rules and the run's, and the
 /// memory a rank needs (`ranks_here` ranks share this process).
@@ -61,8 +48,8 @@ pub fn check_run(
     ranks_here: usize,
 ) -> Result<(), burn_parallel::Error> {
     let invalid = |e: &dyn std::fmt::Display| burn_parallel::Error::invalid("gpt", e);
-    if let Some(run) = diloco_run(config, layout) {
-        return run.validate(config, layout, world).map_err(|e| invalid(&e));
+    if let Some(run) = &layout.diloco {
+        return validate_diloco(config, run, layout, world).map_err(|e| invalid(&e));
     }
     if layout.pp > 1 {
         let pipeline = pipeline.config(config.device, layout);
@@ -87,9 +74,9 @@ pub fn train_gpt_under(
     (corpus, checkpoints): (&Corpus, &CheckpointOptions),
     on_step: &mut dyn FnMut(&StepStats),
 ) -> Result<GptRun, burn_parallel::Error> {
-    if let Some(run) = diloco_run(config, layout) {
+    if let Some(run) = &layout.diloco {
         let report =
-            train_gpt_diloco_checkpointed(world, config, &run, corpus, checkpoints, on_step)?;
+            train_gpt_diloco_checkpointed(world, config, run, corpus, checkpoints, on_step)?;
         return Ok(GptRun::DiLoCo(report));
     }
     if layout.pp > 1 {

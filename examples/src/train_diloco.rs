@@ -18,38 +18,15 @@
 //! step losses and the validation loss are those of this rank's island (its rows of the global
 //! batch), and each rank reports only its own bytes.
 
-use burn_parallel::diloco::{DiLoCoConfig, DiLoCoError, count_sent_bytes};
+use burn_parallel::diloco::{DiLoCoError, count_sent_bytes};
 use burn_parallel::{CollectiveError, ProcessGroup};
 pub use burn_parallel_train::diloco::{CompressionArg, DiLoCoFlags, InnerOptimArg};
 use burn_parallel_train::{Built, DiLoCoLayout, Layout, LayoutError, StepLog};
 
 use crate::data::Corpus;
 use crate::gpt::GptConfig;
-use crate::train::{Parallelism, StepStats, TrainConfig, TrainDevice, TrainReport, train_layout};
+use crate::train::{Parallelism, StepStats, TrainConfig, TrainReport, train_layout};
 use crate::train_checkpoint::CheckpointOptions;
-
-/// The optimizer each island runs between syncs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum InnerOptimizer {
-    /// AdamW with the run's weight decay (DiLoCo's choice).
-    #[default]
-    AdamW,
-    /// Plain SGD (the identity test: DiLoCo with `H` = 1 and outer SGD lr 1 is DDP with SGD).
-    Sgd,
-}
-
-/// A DiLoCo run of the GPT.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct DiLoCoRun {
-    /// Islands (they split the ranks evenly).
-    pub islands: usize,
-    /// The outer loop's settings.
-    pub diloco: DiLoCoConfig,
-    /// The inner optimizer.
-    pub inner: InnerOptimizer,
-    /// The device.
-    pub device: TrainDevice,
-}
 
 /// What a DiLoCo run gives: the trainer's report and the bytes this rank sent.
 #[derive(Debug, Clone)]
@@ -94,35 +71,25 @@ impl From<CollectiveError> for DiLoCoTrainError {
     }
 }
 
-impl DiLoCoRun {
-    /// The DiLoCo part of the layout this run trains under.
-    pub fn layout(&self) -> DiLoCoLayout {
-        DiLoCoLayout {
-            islands: self.islands,
-            config: self.diloco,
-            inner_sgd: self.inner == InnerOptimizer::Sgd,
-        }
-    }
-
-    /// Checks the run on `world` ranks, with the other layout settings of `parallel` (which
-    /// DiLoCo refuses unless they are plain data parallelism), before anything is built.
-    ///
-    /// # Errors
-    /// [`DiLoCoTrainError`] naming the setting to change.
-    pub fn validate(
-        &self,
-        config: &TrainConfig,
-        parallel: &Parallelism,
-        world: usize,
-    ) -> Result<(), DiLoCoTrainError> {
-        let layout = Layout {
-            diloco: Some(self.layout()),
-            ..*parallel
-        };
-        let work = config.step_settings().workload(&config.model);
-        layout.validate(world, &work)?;
-        config.validate(world).map_err(DiLoCoTrainError::Config)
-    }
+/// Checks a DiLoCo run of `config` under `run` on `world` ranks, with the other layout
+/// settings of `parallel` (which DiLoCo refuses unless they are plain data parallelism), before
+/// anything is built: [`Layout::validate`]'s rules, then the run's.
+///
+/// # Errors
+/// [`DiLoCoTrainError`] naming the setting to change.
+pub fn validate_diloco(
+    config: &TrainConfig,
+    run: &DiLoCoLayout,
+    parallel: &Parallelism,
+    world: usize,
+) -> Result<(), DiLoCoTrainError> {
+    let layout = Layout {
+        diloco: Some(*run),
+        ..*parallel
+    };
+    let work = config.step_settings().workload(&config.model);
+    layout.validate(world, &work)?;
+    config.validate(world).map_err(DiLoCoTrainError::Config)
 }
 
 /// Trains the GPT of `config` with DiLoCo on `world` (every rank calls it) and calls `on_step`
@@ -134,7 +101,7 @@ impl DiLoCoRun {
 pub fn train_gpt_diloco(
     world: &ProcessGroup,
     config: &TrainConfig,
-    run: &DiLoCoRun,
+    run: &DiLoCoLayout,
     corpus: &Corpus,
     on_step: &mut dyn FnMut(&StepStats),
 ) -> Result<DiLoCoReport, DiLoCoTrainError> {
@@ -166,22 +133,18 @@ pub fn train_gpt_diloco(
 pub fn train_gpt_diloco_checkpointed(
     world: &ProcessGroup,
     config: &TrainConfig,
-    run: &DiLoCoRun,
+    run: &DiLoCoLayout,
     corpus: &Corpus,
     checkpoints: &CheckpointOptions,
     on_step: &mut dyn FnMut(&StepStats),
 ) -> Result<DiLoCoReport, DiLoCoTrainError> {
     checkpoints.validate().map_err(DiLoCoTrainError::Config)?;
-    run.validate(config, &Parallelism::default(), world.size())?;
+    validate_diloco(config, run, &Parallelism::default(), world.size())?;
     // Everything runs on the counting world, the builder's checks and groups included.
     let (world, counter) = count_sent_bytes(world)?;
     let layout = Layout {
-        diloco: Some(run.layout()),
+        diloco: Some(*run),
         ..Layout::default()
-    };
-    let config = TrainConfig {
-        device: run.device,
-        ..config.clone()
     };
     // The inner step is the library's under the run's precision policy, DDP inside the
     // island; the outer sync sees the fp32 weights. No MoE figures (refused above); the outer
@@ -195,7 +158,7 @@ pub fn train_gpt_diloco_checkpointed(
     let settings = config.step_settings();
     let train = train_layout(
         &world,
-        &config,
+        config,
         (&layout, &config.model, &settings),
         (corpus, checkpoints),
         on_step,
@@ -213,31 +176,6 @@ pub fn train_gpt_diloco_checkpointed(
         dropped: figures.dropped,
         sync_seconds: figures.sync_seconds,
     })
-}
-
-/// The `gpt` binary's DiLoCo flags: the library's ([`DiLoCoFlags`]).
-#[derive(Debug, Clone, clap::Args)]
-pub struct DiLoCoArgs {
-    /// `--diloco-islands N --inner-steps H ...`.
-    #[command(flatten)]
-    pub flags: DiLoCoFlags,
-}
-
-impl DiLoCoArgs {
-    /// The run these flags ask for on `device`; `None` without `--diloco-islands` (the other
-    /// DiLoCo flags are refused without it rather than ignored).
-    pub fn run(&self, device: TrainDevice) -> Option<DiLoCoRun> {
-        let layout = self.flags.layout()?;
-        Some(DiLoCoRun {
-            islands: layout.islands,
-            diloco: layout.config,
-            inner: match layout.inner_sgd {
-                true => InnerOptimizer::Sgd,
-                false => InnerOptimizer::AdamW,
-            },
-            device,
-        })
-    }
 }
 
 impl From<DiLoCoTrainError> for burn_parallel::Error {

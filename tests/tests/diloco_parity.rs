@@ -25,13 +25,14 @@ use burn_parallel::diloco::{
     Compression, DiLoCo, DiLoCoConfig, DiLoCoError, Islands, SyncEvent, count_sent_bytes,
 };
 use burn_parallel::{CollectiveError, ProcessGroup, local_world, run_local};
+use burn_parallel_train::DiLoCoLayout;
 use examples::data::Corpus;
 use examples::gpt::{Gpt, GptConfig};
 use examples::train::{NamedParam, Parallelism, TrainConfig};
 use examples::train_checkpoint::CheckpointOptions;
 use examples::train_diloco::{
-    DiLoCoReport, DiLoCoRun, DiLoCoTrainError, InnerOptimizer, train_gpt_diloco,
-    train_gpt_diloco_checkpointed,
+    DiLoCoReport, DiLoCoTrainError, train_gpt_diloco, train_gpt_diloco_checkpointed,
+    validate_diloco,
 };
 use tests::{
     Params, Reference, assert_matches_reference, compare_params, gpt_through_burnrun, params_of,
@@ -72,7 +73,7 @@ fn sgd_reference(config: &TrainConfig) -> Reference {
 
 /// A DiLoCo run of the GPT on `ranks` thread ranks; checks that every rank reports the same
 /// losses and parameters and returns every rank's report.
-fn diloco(ranks: usize, config: &TrainConfig, run: &DiLoCoRun) -> Vec<DiLoCoReport> {
+fn diloco(ranks: usize, config: &TrainConfig, run: &DiLoCoLayout) -> Vec<DiLoCoReport> {
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let reports = run_local(ranks, |g| {
         train_gpt_diloco(&g, config, run, &corpus, &mut |_| {}).map_err(|e| {
@@ -97,10 +98,10 @@ fn diloco(ranks: usize, config: &TrainConfig, run: &DiLoCoRun) -> Vec<DiLoCoRepo
     reports
 }
 
-fn identity_run(islands: usize) -> DiLoCoRun {
-    DiLoCoRun {
+fn identity_run(islands: usize) -> DiLoCoLayout {
+    DiLoCoLayout {
         islands,
-        diloco: DiLoCoConfig {
+        config: DiLoCoConfig {
             inner_steps: 1,
             outer_lr: 1.0,
             outer_momentum: 0.0,
@@ -109,8 +110,7 @@ fn identity_run(islands: usize) -> DiLoCoRun {
             fragments: 1,
             ..DiLoCoConfig::default()
         },
-        inner: InnerOptimizer::Sgd,
-        device: Default::default(),
+        inner_sgd: true,
     }
 }
 
@@ -138,7 +138,7 @@ fn h1_outer_lr1_without_momentum_is_ddp_with_sgd() {
         assert_eq!(r.syncs, 12, "one sync per step");
     }
     let mut h2 = identity_run(2);
-    h2.diloco.inner_steps = 2;
+    h2.config.inner_steps = 2;
     let r = &diloco(2, &config, &h2)[0];
     let differs = compare_params(&reference.params, &r.train.final_params, TOL).is_err();
     assert!(differs, "H = 2 must not reproduce DDP step by step");
@@ -257,16 +257,15 @@ fn outer_step_is_nesterov_sgd_on_the_mean_pseudo_gradient() {
     }
 }
 
-fn compression_run(compression: Compression) -> DiLoCoRun {
-    DiLoCoRun {
+fn compression_run(compression: Compression) -> DiLoCoLayout {
+    DiLoCoLayout {
         islands: 2,
-        diloco: DiLoCoConfig {
+        config: DiLoCoConfig {
             inner_steps: 5,
             compression,
             ..DiLoCoConfig::default()
         },
-        inner: InnerOptimizer::AdamW,
-        device: Default::default(),
+        inner_sgd: false,
     }
 }
 
@@ -573,16 +572,16 @@ fn bad_settings_are_typed_errors() {
         Err(DiLoCoTrainError::Layout(e)) => (e.flag, e.message),
         other => panic!("a layout error, got {other:?}"),
     };
-    assert_eq!(flag(run.validate(&config, &tp, 4)).0, "--tp");
+    assert_eq!(flag(validate_diloco(&config, &run, &tp, 4)).0, "--tp");
     let mut h0 = run;
-    h0.diloco.inner_steps = 0;
-    let (f, message) = flag(h0.validate(&config, &Parallelism::default(), 2));
+    h0.config.inner_steps = 0;
+    let (f, message) = flag(validate_diloco(&config, &h0, &Parallelism::default(), 2));
     assert_eq!(f, "--diloco-islands");
     assert!(
         message.contains(&DiLoCoError::ZeroInnerSteps.to_string()),
         "{message}"
     );
-    let (f, message) = flag(run.validate(&config, &Parallelism::default(), 3));
+    let (f, message) = flag(validate_diloco(&config, &run, &Parallelism::default(), 3));
     assert_eq!(f, "--diloco-islands");
     assert!(
         message.contains("cannot split the world of 3 ranks"),
@@ -1106,7 +1105,7 @@ fn streaming_overlap_applies_every_fragment_once_on_schedule() {
 fn the_gpt_trains_with_an_overlap_and_counts_its_outer_bytes() {
     let config = tiny_gpt_run(20);
     let mut run = compression_run(Compression::F32);
-    run.diloco.overlap_steps = 2;
+    run.config.overlap_steps = 2;
     let r = &diloco(2, &config, &run)[0];
     let elements = Gpt::new(&config.model, &Device::flex()).num_params() as u64;
     assert_eq!(r.syncs, 5);
@@ -1224,7 +1223,7 @@ fn a_killed_gpt_process_is_dropped_and_the_others_finish() {
 fn diloco_checkpointed(
     ranks: usize,
     config: &TrainConfig,
-    run: &DiLoCoRun,
+    run: &DiLoCoLayout,
     options: &CheckpointOptions,
 ) -> Result<DiLoCoReport, String> {
     let corpus = Corpus::load_default().expect("the bundled corpus");
@@ -1253,16 +1252,15 @@ fn diloco_checkpointed(
 fn a_diloco_run_resumes_from_a_checkpoint_between_syncs() {
     const SAVED: usize = 6;
     let config = tiny_gpt_run(16);
-    let run = DiLoCoRun {
+    let run = DiLoCoLayout {
         islands: 2,
-        diloco: DiLoCoConfig {
+        config: DiLoCoConfig {
             inner_steps: 4,
             fragments: 2,
             overlap_steps: 1,
             ..DiLoCoConfig::default()
         },
-        inner: InnerOptimizer::AdamW,
-        device: Default::default(),
+        inner_sgd: false,
     };
     let dir = std::env::temp_dir().join(format!("bp-diloco-resume-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -1293,16 +1291,16 @@ fn a_diloco_run_resumes_from_a_checkpoint_between_syncs() {
         "2 islands of 2 ranks",
     );
     // Other DiLoCo settings, or another number of islands, are refused.
-    let other = DiLoCoRun {
-        diloco: DiLoCoConfig {
+    let other = DiLoCoLayout {
+        config: DiLoCoConfig {
             outer_momentum: 0.5,
-            ..run.diloco
+            ..run.config
         },
         ..run
     };
     let err = diloco_checkpointed(2, &config, &other, &resume).unwrap_err();
     assert!(err.contains("saved with the settings"), "{err}");
-    let one = DiLoCoRun { islands: 1, ..run };
+    let one = DiLoCoLayout { islands: 1, ..run };
     let err = diloco_checkpointed(2, &config, &one, &resume).unwrap_err();
     assert!(
         err.contains("saved with 2 islands, this run has 1"),

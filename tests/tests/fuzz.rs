@@ -377,7 +377,8 @@ fn command_line(rng: &mut Rng, flags: &[&str], switches: &[&str], most: usize) -
 #[test]
 fn random_gpt_command_lines_are_accepted_or_refused_never_panic() {
     use clap::Parser;
-    use examples::cli::{GptArgs, train_device};
+    use examples::cli::GptArgs;
+    use examples::train_diloco::validate_diloco;
     let flags = [
         "--ranks",
         "--steps",
@@ -449,8 +450,8 @@ fn random_gpt_command_lines_are_accepted_or_refused_never_panic() {
             // and DiLoCo's rules when it is asked for.
             if let Ok((config, layout)) = args.checked(args.ranks) {
                 accepted += 1;
-                if let Some(run) = args.diloco.run(train_device(&args)) {
-                    let _ = run.validate(&config, &layout, args.ranks);
+                if let Some(run) = args.diloco.layout() {
+                    let _ = validate_diloco(&config, &run, &layout, args.ranks);
                 }
             }
         });

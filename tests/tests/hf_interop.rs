@@ -7,6 +7,7 @@
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_parallel::diloco::DiLoCoConfig;
 use burn_parallel::run_local;
+use burn_parallel_train::DiLoCoLayout;
 use burn_zero::Stage;
 use examples::data::{Corpus, Split};
 use examples::gpt::{GeluKind, MlpKind, NormKind, PositionKind};
@@ -14,7 +15,7 @@ use examples::hf::{self, HfArch, HfConfig, HfError, HostTensor};
 use examples::pipeline::{PipelineConfig, train_gpt_pipeline_checkpointed};
 use examples::train::{Parallelism, train_gpt_checkpointed};
 use examples::train_checkpoint::CheckpointOptions;
-use examples::train_diloco::{DiLoCoRun, InnerOptimizer, train_gpt_diloco_checkpointed};
+use examples::train_diloco::train_gpt_diloco_checkpointed;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use serde_json::{Value, json};
@@ -1185,14 +1186,13 @@ fn training_starts_from_an_imported_gpt2_under_any_layout() {
 
     // DiLoCo: both islands start from the imported weights, so the first step's loss (the
     // mean over the islands' rows of the global batch) is the single-device one.
-    let run = DiLoCoRun {
+    let run = DiLoCoLayout {
         islands: 2,
-        diloco: DiLoCoConfig {
+        config: DiLoCoConfig {
             inner_steps: 2,
             ..DiLoCoConfig::default()
         },
-        inner: InnerOptimizer::AdamW,
-        device: Default::default(),
+        inner_sgd: false,
     };
     let reports = run_local(2, |g| {
         train_gpt_diloco_checkpointed(&g, &config, &run, &corpus, &options, &mut |_| {}).map_err(

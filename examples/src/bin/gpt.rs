@@ -225,7 +225,7 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    layout.diloco = args.diloco.flags.layout();
+    layout.diloco = args.diloco.layout();
     config.device = train_device(&args);
     let log = Logging::new(&args);
     let run = Run {
