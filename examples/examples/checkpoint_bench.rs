@@ -138,7 +138,7 @@ fn step_seconds(
         ..CheckpointOptions::default()
     };
     let (_, secs) = timed(|| {
-        run_local(RANKS, |g| {
+        burn_parallel_train::run_local(RANKS, |g| {
             train_gpt_checkpointed(
                 &g,
                 config,

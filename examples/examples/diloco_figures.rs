@@ -89,7 +89,7 @@ fn main() -> ExitCode {
 
     // DDP: every step all-reduces the gradients.
     let start = std::time::Instant::now();
-    let ddp = run_local(args.ranks, |world| {
+    let ddp = burn_parallel_train::run_local(args.ranks, |world| {
         let (world, counter) = count_sent_bytes(&world)?;
         let report = train_gpt_parallel(
             &world,

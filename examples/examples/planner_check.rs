@@ -24,10 +24,11 @@
 use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
 use std::sync::atomic::{AtomicIsize, Ordering};
 
+use burn_parallel::ParallelDims;
 use burn_parallel::planner::{
     Attention, Checkpoint, Hardware, Layout, Schedule, Training, evaluate, human_bytes,
 };
-use burn_parallel::{ParallelDims, run_local};
+use burn_parallel_train::run_local;
 use burn_zero::Stage;
 use examples::data::Corpus;
 use examples::train::{Parallelism, TrainConfig, train_gpt_parallel};

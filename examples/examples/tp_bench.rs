@@ -133,7 +133,7 @@ fn main() {
             tp,
             ..Parallelism::default()
         };
-        let reports = run_local(tp, |g| {
+        let reports = burn_parallel_train::run_local(tp, |g| {
             train_gpt_parallel(&g, &config, &p, &corpus, &mut |_| {})
         })
         .expect("training");

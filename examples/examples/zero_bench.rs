@@ -26,7 +26,8 @@
 
 use std::path::PathBuf;
 
-use burn_parallel::{CollectiveError, run_local};
+use burn_parallel::Error;
+use burn_parallel_train::run_local;
 use burn_zero::memory::CountingAllocator;
 use burn_zero::{MemoryReport, Stage};
 use examples::data::Corpus;
@@ -148,7 +149,7 @@ fn run_zero(
     ranks: usize,
     config: &TrainConfig,
     corpus: &Corpus,
-) -> Result<Vec<Measured>, CollectiveError> {
+) -> Result<Vec<Measured>, Error> {
     // DDP's footprint: ZeRO-1 over shard groups of one rank (no sharding), replicated across
     // every rank, measured by the same accounting.
     let (zero, replicate) = match layout {
@@ -172,15 +173,11 @@ fn run_zero(
     })
 }
 
-fn invalid(reason: String) -> CollectiveError {
-    CollectiveError::InvalidArgument {
-        rank: 0,
-        op: "zero_bench".into(),
-        reason,
-    }
+fn invalid(reason: String) -> Error {
+    Error::invalid("zero_bench", reason)
 }
 
-fn step_times(args: &Args, corpus: &Corpus) -> Result<serde_json::Value, CollectiveError> {
+fn step_times(args: &Args, corpus: &Corpus) -> Result<serde_json::Value, Error> {
     let (width, layers, steps, batch, seq) = if args.quick {
         (64, 2, 4, 8, 32)
     } else {
@@ -238,7 +235,7 @@ fn step_times(args: &Args, corpus: &Corpus) -> Result<serde_json::Value, Collect
     }))
 }
 
-fn largest_width(args: &Args, corpus: &Corpus) -> Result<serde_json::Value, CollectiveError> {
+fn largest_width(args: &Args, corpus: &Corpus) -> Result<serde_json::Value, Error> {
     const RANKS: usize = 4;
     const STEP: usize = 32;
     let cap = (args.cap_mib * 1024.0 * 1024.0) as usize;

@@ -12,7 +12,7 @@ use burn::tensor::{Device, Int, Tensor, TensorData, activation};
 use burn_moe::MoeStats;
 use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::precision::LossScaler;
-use burn_parallel::{CollectiveError, ProcessGroup, ReduceOp};
+use burn_parallel::{ProcessGroup, ReduceOp};
 use burn_parallel_train::{
     Built, CheckpointPolicy, FitConfig, Fitted, Layout, MicroBatch, ParallelModel, Resumed,
     SavedConfig, StepLog, StepSettings, Trainee, build_from, fit_with, open_checkpoint,
@@ -333,14 +333,16 @@ pub type Parallelism = Layout;
 /// single-device training) and calls `on_step` after every step.
 ///
 /// # Errors
-/// When a collective fails; an invalid config is reported as
-/// [`CollectiveError::InvalidArgument`] (check it first with [`TrainConfig::validate`]).
+/// An invalid config as [`burn_parallel::Error::Invalid`] naming the setting, before any
+/// communication (check it first with [`TrainConfig::validate`]); the run's failures (a
+/// collective, a non-finite step) typed ([`burn_parallel::Error::collective`] reads a dead
+/// peer's).
 pub fn train_gpt(
     group: &ProcessGroup,
     config: &TrainConfig,
     corpus: &Corpus,
     on_step: &mut dyn FnMut(&StepStats),
-) -> burn_parallel::Result<TrainReport> {
+) -> Result<TrainReport, burn_parallel::Error> {
     train_gpt_parallel(group, config, &Parallelism::default(), corpus, on_step)
 }
 
@@ -348,47 +350,19 @@ pub fn train_gpt(
 /// `config.model.fused`, the norms, SwiGLU, RoPE and the cross-entropy run as CubeCL kernels.
 ///
 /// # Errors
-/// As [`train_gpt`]; a device that cannot be initialised is reported as
-/// [`CollectiveError::InvalidArgument`].
+/// As [`train_gpt`]; a device that cannot be initialised names `--device`.
 pub fn train_gpt_on(
     group: &ProcessGroup,
     config: &TrainConfig,
     device: TrainDevice,
     corpus: &Corpus,
     on_step: &mut dyn FnMut(&StepStats),
-) -> burn_parallel::Result<TrainReport> {
+) -> Result<TrainReport, burn_parallel::Error> {
     let config = TrainConfig {
         device,
         ..config.clone()
     };
     train_gpt_parallel(group, &config, &Layout::default(), corpus, on_step)
-}
-
-/// A setting's error as the collective error the trainers return.
-fn invalid(world: &ProcessGroup, op: &str, e: impl std::fmt::Display) -> CollectiveError {
-    CollectiveError::InvalidArgument {
-        rank: world.global_rank(),
-        op: op.into(),
-        reason: e.to_string(),
-    }
-}
-
-/// The suite's error as the collective error the trainers return: a collective failure as it
-/// is, anything else as [`CollectiveError::InvalidArgument`] with its message.
-fn collective(world: &ProcessGroup, e: burn_parallel::Error) -> CollectiveError {
-    match e {
-        burn_parallel::Error::Collective(e) => e,
-        burn_parallel::Error::Resume { source, .. } => match *source {
-            burn_parallel::Error::Collective(e) => e,
-            e => invalid(world, "resume", e),
-        },
-        // A collective failure stays one (a caller restarts on a dead peer); a non-finite
-        // step, and anything else, keeps the step's number in its message.
-        e => match e.collective() {
-            Some(CollectiveError::NonFinite { .. }) | None => invalid(world, "train_gpt", e),
-            Some(c) => c.clone(),
-        },
-    }
 }
 
 /// Trains the GPT of `config` on `world` with the split `parallel` (every rank calls it): one
@@ -399,15 +373,14 @@ fn collective(world: &ProcessGroup, e: burn_parallel::Error) -> CollectiveError 
 /// single-device training on the same global batch.
 ///
 /// # Errors
-/// An invalid split or config as [`CollectiveError::InvalidArgument`] (before any
-/// communication); collective errors.
+/// As [`train_gpt`]; an invalid split names its flag.
 pub fn train_gpt_parallel(
     world: &ProcessGroup,
     config: &TrainConfig,
     parallel: &Parallelism,
     corpus: &Corpus,
     on_step: &mut dyn FnMut(&StepStats),
-) -> burn_parallel::Result<TrainReport> {
+) -> Result<TrainReport, burn_parallel::Error> {
     let none = CheckpointOptions::default();
     train_gpt_checkpointed(world, config, parallel, corpus, &none, on_step)
 }
@@ -419,7 +392,7 @@ pub fn train_gpt_parallel(
 ///
 /// # Errors
 /// As [`train_gpt_parallel`]; invalid options, a checkpoint that cannot be read or is of
-/// another model, and a failed save are reported as [`CollectiveError::InvalidArgument`].
+/// another model ([`burn_parallel::Error::Resume`]), and a failed save.
 pub fn train_gpt_checkpointed(
     world: &ProcessGroup,
     config: &TrainConfig,
@@ -427,11 +400,11 @@ pub fn train_gpt_checkpointed(
     corpus: &Corpus,
     checkpoints: &CheckpointOptions,
     on_step: &mut dyn FnMut(&StepStats),
-) -> burn_parallel::Result<TrainReport> {
-    let op = "train_gpt";
+) -> Result<TrainReport, burn_parallel::Error> {
+    let invalid = |e: String| burn_parallel::Error::invalid("train_gpt", e);
     config
         .validate_layout(parallel, world.size())
-        .map_err(|e| invalid(world, op, e))?;
+        .map_err(invalid)?;
     // Thread ranks share this process's memory.
     let ranks_here = match world.backend() {
         "local" => world.size(),
@@ -439,7 +412,7 @@ pub fn train_gpt_checkpointed(
     };
     config
         .check_memory(parallel, world.size(), ranks_here)
-        .map_err(|e| invalid(world, op, e))?;
+        .map_err(invalid)?;
     // FSDP: the shards' gradients, held between the backward and the optimizer, in the
     // memory account; the MoE layers' routing figures on the log lines.
     let mut extra = |_: &StepLog, built: &Built<GptConfig>| {
@@ -478,8 +451,7 @@ pub fn train_gpt_checkpointed(
         (corpus, checkpoints),
         on_step,
         (&mut extra, &mut account),
-    )
-    .map_err(|e| collective(world, e))?;
+    )?;
     Ok(TrainReport { memory, ..report })
 }
 

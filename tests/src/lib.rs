@@ -120,7 +120,7 @@ pub fn train_layout_on(
     tensor_path: bool,
 ) -> TrainReport {
     let corpus = Corpus::load_default().expect("the bundled corpus");
-    let reports = burn_parallel::run_local(world, |g| {
+    let reports = burn_parallel_train::run_local(world, |g| {
         let g = g.with_tensor_path(tensor_path);
         examples::train::train_gpt_parallel(&g, config, parallel, &corpus, &mut |_| {})
     })

@@ -26,7 +26,7 @@
 
 use burn::tensor::DType;
 use burn_parallel::calls::{CallLog, CallPath, LoggedCall};
-use burn_parallel::run_local;
+use burn_parallel_train::run_local;
 use burn_zero::Stage;
 use examples::data::Corpus;
 use examples::pipeline::{PipelineConfig, train_gpt_pipeline};
@@ -44,7 +44,7 @@ const HOST_SHARE_LIMIT: f64 = 0.01;
 /// Each rank's calls of step [`STEP`].
 fn step_calls(
     world: usize,
-    run: impl Fn(&burn_parallel::ProcessGroup, &mut dyn FnMut()) -> burn_parallel::Result<()>
+    run: impl Fn(&burn_parallel::ProcessGroup, &mut dyn FnMut()) -> Result<(), burn_parallel::Error>
     + Send
     + Sync,
 ) -> Vec<Vec<LoggedCall>> {

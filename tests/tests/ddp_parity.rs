@@ -5,7 +5,7 @@
 //! <= 1e-5). The reference itself reproduces the shared training loop on one rank, and the
 //! parameter check fails on a parameter off by 1e-4.
 
-use burn_parallel::run_local;
+use burn_parallel_train::run_local;
 use examples::data::Corpus;
 use examples::train::{TrainConfig, TrainReport, train_gpt};
 use tests::{

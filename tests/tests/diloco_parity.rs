@@ -1315,7 +1315,7 @@ fn a_diloco_run_resumes_from_a_checkpoint_between_syncs() {
     };
     // The first SAVED steps of a run without DiLoCo on `ranks` ranks, with `options`.
     let plain_run = |ranks: usize, options: &CheckpointOptions| {
-        run_local(ranks, |g| {
+        burn_parallel_train::run_local(ranks, |g| {
             let parallel = Parallelism::default();
             examples::train::train_gpt_checkpointed(
                 &g,

@@ -12,7 +12,7 @@
 //!   Without an adapter the test prints `SKIPPED ...` past the output capture (so that it shows
 //!   in `cargo test` output) and fails instead when `BURN_PARALLEL_REQUIRE_WGPU=1`.
 
-use burn_parallel::run_local;
+use burn_parallel_train::run_local;
 use examples::data::Corpus;
 use examples::gpt::{MlpKind, NormKind, PositionKind};
 use examples::train::{TrainConfig, TrainDevice, TrainReport, train_gpt_on};

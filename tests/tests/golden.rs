@@ -142,7 +142,7 @@ fn trainer_matches(arch: &str, fused: bool) {
         init_from_hf: Some(dir),
         ..CheckpointOptions::default()
     };
-    let report = burn_parallel::run_local(1, |g| {
+    let report = burn_parallel_train::run_local(1, |g| {
         examples::train::train_gpt_checkpointed(
             &g,
             &config,

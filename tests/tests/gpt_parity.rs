@@ -293,7 +293,7 @@ fn sharded_init_gathers_back_to_the_single_device_weights() {
 fn impossible_splits_are_clear_errors() {
     let corpus = Corpus::load_default().unwrap();
     // 4 heads over 3 ranks.
-    let err = run_local(3, |g| {
+    let err = burn_parallel_train::run_local(3, |g| {
         train_gpt_parallel(&g, &config(), &tp(3, false), &corpus, &mut |_| {})
     })
     .unwrap_err();

@@ -1081,7 +1081,7 @@ fn training_starts_from_an_imported_gpt2_under_any_layout() {
     };
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let run = |world: usize, parallel: Parallelism| {
-        let reports = run_local(world, |g| {
+        let reports = burn_parallel_train::run_local(world, |g| {
             train_gpt_checkpointed(&g, &config, &parallel, &corpus, &options, &mut |_| {})
         })
         .unwrap_or_else(|e| panic!("{parallel:?}: {e}"));
@@ -1214,7 +1214,7 @@ fn training_starts_from_an_imported_gpt2_under_any_layout() {
     // Another model: the tensors that do not fit are named.
     let mut wider = config.clone();
     wider.model.d_ff *= 2;
-    let err = run_local(1, |g| {
+    let err = burn_parallel_train::run_local(1, |g| {
         train_gpt_checkpointed(
             &g,
             &wider,

@@ -14,8 +14,9 @@
 
 use burn::tensor::Device;
 use burn_moe::{Capacity, DropPolicy, MoeConfig, MoeParallel, ScoreFn};
+use burn_parallel::ParallelDims;
 use burn_parallel::init::Init;
-use burn_parallel::{CollectiveError, ParallelDims, run_local};
+use burn_parallel_train::run_local;
 use burn_zero::Stage;
 use examples::data::Corpus;
 use examples::gpt::{Gpt, GptConfig};
@@ -536,7 +537,7 @@ fn layouts_not_composed_with_moe_are_typed_errors() {
         })
         .unwrap_err();
         assert!(
-            matches!(&err, CollectiveError::InvalidArgument { reason, .. }
+            matches!(&err, burn_parallel::Error::Invalid { reason, .. }
                 if reason.contains("not composed with a mixture-of-experts model")),
             "{err}"
         );

@@ -500,7 +500,7 @@ mod device {
                 },
             ),
         ] {
-            let reports = run_local(2, |g| {
+            let reports = burn_parallel_train::run_local(2, |g| {
                 // One GPU per thread rank, the communicator and the trainer on the same one.
                 let rank = g.rank();
                 let g = nccl::attach(g, rank)?;

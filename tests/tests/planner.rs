@@ -10,10 +10,11 @@
 
 use burn::tensor::Device;
 use burn_moe::{ExpertKind, MoeConfig};
+use burn_parallel::ParallelDims;
 use burn_parallel::planner::{
     Checkpoint, Hardware, Layout, ModelShape, Schedule, Training, count_params, evaluate,
 };
-use burn_parallel::{ParallelDims, run_local};
+use burn_parallel_train::run_local;
 use burn_zero::Stage;
 use examples::data::Corpus;
 use examples::gpt::{Gpt, GptConfig, MlpKind, NormKind, PositionKind};

@@ -48,7 +48,7 @@ fn run(
     options: &CheckpointOptions,
 ) -> TrainReport {
     let corpus = Corpus::load_default().expect("the bundled corpus");
-    let reports = run_local(world, |g| {
+    let reports = burn_parallel_train::run_local(world, |g| {
         train_gpt_checkpointed(&g, config, parallel, &corpus, options, &mut |_| {})
     })
     .unwrap_or_else(|e| panic!("{parallel:?} on {world} ranks: {e}"));

@@ -33,7 +33,7 @@ fn a_run_that_cannot_fit_is_refused_before_it_allocates() {
     assert!(e.contains("needs about") && e.contains("--d-model"), "{e}");
     // Through the trainer: refused on every rank, nothing built.
     let corpus = Corpus::from_bytes(vec![b'a'; 4096]);
-    let err = burn_parallel::run_local(2, |g| {
+    let err = burn_parallel_train::run_local(2, |g| {
         train_gpt_parallel(&g, &huge_model, &Layout::default(), &corpus, &mut |_| {})
     })
     .unwrap_err();
@@ -189,7 +189,7 @@ fn a_corpus_shorter_than_a_window_is_refused_before_training() {
     // 950 training bytes, 50 of validation: windows of 65 bytes fit only the first.
     let corpus = Corpus::from_bytes(vec![b'a'; 1000]);
     let steps = std::sync::atomic::AtomicUsize::new(0);
-    let err = burn_parallel::run_local(2, |group| {
+    let err = burn_parallel_train::run_local(2, |group| {
         let count = |_: &StepStats| {
             steps.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         };

@@ -11,7 +11,7 @@
 //! `examples/examples/zero_bench.rs`.
 
 use burn::tensor::DType;
-use burn_parallel::run_local;
+use burn_parallel_train::run_local;
 use burn_zero::{LossScaler, MixedPrecision, Stage, ZeroConfig};
 use examples::data::Corpus;
 use examples::train::{
@@ -362,8 +362,8 @@ fn checkpoint_saved_on_4_ranks_resumes_on_2_and_1_at_another_stage_and_from_hybr
     };
     let err = resume(2);
     assert!(
-        matches!(&err, burn_parallel::CollectiveError::InvalidArgument { op, reason, .. }
-            if op == "resume" && reason.contains(&file.display().to_string())),
+        matches!(&err, burn_parallel::Error::Resume { source, .. }
+            if source.to_string().contains(&file.display().to_string())),
         "{err}"
     );
     assert!(err.to_string().contains("truncated"), "{err}");
