@@ -55,10 +55,9 @@ pub fn check_run(
         let pipeline = pipeline.config(config.device, layout);
         return Ok(pipeline.validate(config, world)?);
     }
-    let checked = config
-        .validate_layout(layout, world)
-        .and_then(|()| config.check_memory(layout, world, ranks_here));
-    checked.map_err(|e| invalid(&e))
+    config
+        .check(layout, world, ranks_here)
+        .map_err(|e| invalid(&e))
 }
 
 /// Trains the GPT of `config` on `world` under `layout` (every rank calls it), saving and

@@ -200,6 +200,17 @@ impl TrainConfig {
         self.validate(layout.data_parallel_size(world))
     }
 
+    /// What a run checks before it builds anything on `world` ranks under `layout`,
+    /// `ranks_here` of them in this process: the layout against the config
+    /// ([`Self::validate_layout`]), then the memory a rank needs ([`Self::check_memory`]).
+    ///
+    /// # Errors
+    /// The first refusal, naming its setting.
+    pub fn check(&self, layout: &Layout, world: usize, ranks_here: usize) -> Result<(), String> {
+        self.validate_layout(layout, world)?;
+        self.check_memory(layout, world, ranks_here)
+    }
+
     /// The run as the memory planner sees it on `world` ranks under `layout`: the global
     /// batch, each data-parallel rank's micro-batch, the precision, the attention the kernels
     /// keep.
@@ -401,18 +412,14 @@ pub fn train_gpt_checkpointed(
     checkpoints: &CheckpointOptions,
     on_step: &mut dyn FnMut(&StepStats),
 ) -> Result<TrainReport, burn_parallel::Error> {
-    let invalid = |e: String| burn_parallel::Error::invalid("train_gpt", e);
-    config
-        .validate_layout(parallel, world.size())
-        .map_err(invalid)?;
     // Thread ranks share this process's memory.
     let ranks_here = match world.backend() {
         "local" => world.size(),
         _ => 1,
     };
     config
-        .check_memory(parallel, world.size(), ranks_here)
-        .map_err(invalid)?;
+        .check(parallel, world.size(), ranks_here)
+        .map_err(|e| burn_parallel::Error::invalid("train_gpt", e))?;
     // FSDP: the shards' gradients, held between the backward and the optimizer, in the
     // memory account; the MoE layers' routing figures on the log lines.
     let mut extra = |_: &StepLog, built: &Built<GptConfig>| {
@@ -457,7 +464,7 @@ pub fn train_gpt_checkpointed(
 
 /// What [`train_layout`] calls on the way: after each step for the MoE layers' routing
 /// figures (and any bookkeeping), and once after the last step, before the model is gathered.
-pub(crate) type Hooks<'a, 'b, P> = (
+type Hooks<'a, 'b, P> = (
     &'a mut MoeFigures<'b, P>,
     &'a mut dyn FnMut(&Built<P>) -> Result<(), burn_parallel::Error>,
 );
@@ -501,6 +508,7 @@ pub(crate) fn train_layout<P: ParallelModel<Model = Gpt, Batch = crate::data::Ba
     let built = build_from(world, layout, model, &device, settings, start.as_ref())?;
     let fitted = fit_gpt(world, built, config, (corpus, checkpoints), on_step, extra)?;
     finish(&fitted.built)?;
+    let tokens_per_sec = fitted.tokens_per_sec();
     let built = fitted.built;
     let loss_scale = built.loss_scale();
     // The validation loss: each data-parallel rank its rows (each island's under DiLoCo,
@@ -524,7 +532,7 @@ pub(crate) fn train_layout<P: ParallelModel<Model = Gpt, Batch = crate::data::Ba
         val_loss,
         sample,
         step_seconds: fitted.step_seconds,
-        tokens_per_sec: fitted.tokens_per_sec,
+        tokens_per_sec,
         final_params: named_params(&full),
         skipped_steps: fitted.skipped_steps,
         loss_scale,
@@ -533,7 +541,7 @@ pub(crate) fn train_layout<P: ParallelModel<Model = Gpt, Batch = crate::data::Ba
 }
 
 /// The library loop's settings of `config`'s run, saving and resuming as `checkpoints` say.
-pub(crate) fn fit_config(config: &TrainConfig, checkpoints: &CheckpointOptions) -> FitConfig {
+fn fit_config(config: &TrainConfig, checkpoints: &CheckpointOptions) -> FitConfig {
     FitConfig {
         steps: config.steps,
         lr: config.lr_schedule(),
@@ -553,7 +561,7 @@ pub(crate) fn fit_config(config: &TrainConfig, checkpoints: &CheckpointOptions) 
 }
 
 /// What [`fit_gpt`] calls after each step for the MoE layers' routing figures.
-pub(crate) type MoeFigures<'a, P> =
+type MoeFigures<'a, P> =
     dyn FnMut(&StepLog, &Built<P>) -> Result<Vec<MoeStats>, burn_parallel::Error> + 'a;
 
 /// Trains `built` (any GPT layout: whole, pipelined or DiLoCo) with the library's loop: each
@@ -564,7 +572,7 @@ pub(crate) type MoeFigures<'a, P> =
 ///
 /// # Errors
 /// The loop's.
-pub(crate) fn fit_gpt<P: burn_parallel_train::ParallelModel<Batch = crate::data::Batch>>(
+fn fit_gpt<P: burn_parallel_train::ParallelModel<Batch = crate::data::Batch>>(
     world: &ProcessGroup,
     built: Built<P>,
     config: &TrainConfig,
@@ -589,9 +597,9 @@ pub(crate) fn fit_gpt<P: burn_parallel_train::ParallelModel<Batch = crate::data:
         });
         Ok(())
     };
-    // Which checkpoint a resume loads (rank 0), before it loads.
-    let opened = checkpoints.resume.as_deref().map(open_checkpoint);
-    if let (0, Some(Ok(checkpoint))) = (world.rank(), opened) {
+    // Which checkpoint a resume loads, before it loads: rank 0 reads its manifest to say so.
+    let opened = (world.rank() == 0).then(|| checkpoints.resume.as_deref().map(open_checkpoint));
+    if let Some(Some(Ok(checkpoint))) = opened {
         println!("resuming from {}", Resumed::of(&checkpoint));
     }
     // The losses and the run's settings go with each checkpoint; a resume must be the same run.
@@ -627,7 +635,7 @@ fn moe_figures(model: &Gpt, average: &ProcessGroup) -> burn_parallel::Result<Vec
     Ok(stats)
 }
 
-pub(crate) fn scalar(t: &Tensor<1>) -> f64 {
+fn scalar(t: &Tensor<1>) -> f64 {
     t.clone()
         .into_data()
         .try_into_vec_as::<f64>()
@@ -640,7 +648,7 @@ pub(crate) fn scalar(t: &Tensor<1>) -> f64 {
 ///
 /// # Errors
 /// `loss_of`'s; collective failures.
-pub(crate) fn validation_loss(
+fn validation_loss(
     group: &ProcessGroup,
     average: &ProcessGroup,
     config: &TrainConfig,
