@@ -164,8 +164,8 @@ fn main() -> ExitCode {
                     run: name,
                     val_loss: r.train.val_loss,
                     final_train_loss: *r.train.losses.last().unwrap_or(&f64::NAN),
-                    bytes_sent: r.total_bytes,
-                    outer_bytes: Some(r.outer_bytes),
+                    bytes_sent: r.figures.total_bytes,
+                    outer_bytes: Some(r.figures.outer_bytes),
                     seconds: start.elapsed().as_secs_f64(),
                 });
                 print_row(rows.last().expect("pushed"), Some(&rows[0]));

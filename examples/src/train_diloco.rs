@@ -21,7 +21,7 @@
 use burn_parallel::diloco::{DiLoCoError, count_sent_bytes};
 use burn_parallel::{CollectiveError, ProcessGroup};
 pub use burn_parallel_train::diloco::{CompressionArg, DiLoCoFlags, InnerOptimArg};
-use burn_parallel_train::{Built, DiLoCoLayout, Layout, LayoutError, StepLog};
+use burn_parallel_train::{Built, DiLoCoFigures, DiLoCoLayout, Layout, LayoutError, StepLog};
 
 use crate::data::Corpus;
 use crate::gpt::GptConfig;
@@ -33,18 +33,9 @@ use crate::train_checkpoint::CheckpointOptions;
 pub struct DiLoCoReport {
     /// Losses (global mean per step), validation loss of the final outer model, parameters.
     pub train: TrainReport,
-    /// Payload bytes this rank sent in outer syncs.
-    pub outer_bytes: u64,
-    /// Payload bytes this rank sent in all (outer syncs, DDP inside its island, loss figures).
-    pub total_bytes: u64,
-    /// Fragment syncs this rank took part in (the final one of `DiLoCo::finish` included).
-    pub syncs: usize,
-    /// Islands dropped during the run, with the inner step after which each was dropped
-    /// (`None`: in the final sync).
-    pub dropped: Vec<(usize, Option<usize>)>,
-    /// Seconds per step spent in [`burn_parallel::diloco::DiLoCo::sync`] (the stall of the
-    /// outer syncs, first step excluded like the step time).
-    pub sync_seconds: f64,
+    /// The bytes this rank sent (in outer syncs, and in all), the syncs it took part in, the
+    /// islands dropped and the stall of the syncs.
+    pub figures: DiLoCoFigures,
 }
 
 /// A DiLoCo run that cannot go.
@@ -168,14 +159,7 @@ pub fn train_gpt_diloco_checkpointed(
     let figures = handle
         .expect("a DiLoCo layout has DiLoCo's engine")
         .figures(&counter);
-    Ok(DiLoCoReport {
-        train,
-        outer_bytes: figures.outer_bytes,
-        total_bytes: figures.total_bytes,
-        syncs: figures.syncs,
-        dropped: figures.dropped,
-        sync_seconds: figures.sync_seconds,
-    })
+    Ok(DiLoCoReport { train, figures })
 }
 
 impl From<DiLoCoTrainError> for burn_parallel::Error {

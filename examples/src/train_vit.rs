@@ -404,7 +404,7 @@ pub fn train_vit(
     };
     let fitted = fit(built, &fit_config, &mut batch, &mut on_step, None)?;
     let losses = fitted.losses.iter().map(|&l| f64::from(l)).collect();
-    let images_per_sec = fitted.tokens_per_sec;
+    let images_per_sec = fitted.tokens_per_sec();
     let model = fitted.built.trained(&config.model)?.valid();
     let (test_correct, test_images) = evaluate(&model, &test, &dp, config.eval_batch, &plain)?;
     let test_accuracy = test_correct as f64 / test_images as f64;

@@ -135,7 +135,7 @@ fn h1_outer_lr1_without_momentum_is_ddp_with_sgd() {
             TOL,
             &format!("DiLoCo H=1, 2 islands x {} ranks", ranks / 2),
         );
-        assert_eq!(r.syncs, 12, "one sync per step");
+        assert_eq!(r.figures.syncs, 12, "one sync per step");
     }
     let mut h2 = identity_run(2);
     h2.config.inner_steps = 2;
@@ -285,9 +285,9 @@ fn compressed_pseudo_gradients_stay_close_to_f32() {
     let config = tiny_gpt_run(20);
     let f32_run = &diloco(2, &config, &compression_run(Compression::F32))[0];
     let elements = Gpt::new(&config.model, &Device::flex()).num_params();
-    let syncs = f32_run.syncs as u64;
+    let syncs = f32_run.figures.syncs as u64;
     assert_eq!(syncs, 4);
-    assert_eq!(f32_run.outer_bytes, syncs * 4 * elements as u64);
+    assert_eq!(f32_run.figures.outer_bytes, syncs * 4 * elements as u64);
     let last = |r: &DiLoCoReport| *r.train.losses.last().unwrap();
     for (compression, loss_tol, param_tol) in [
         (Compression::Fp16, 1e-4, 1e-4),
@@ -305,8 +305,8 @@ fn compressed_pseudo_gradients_stay_close_to_f32() {
             last(f32_run),
             r.train.val_loss,
             f32_run.train.val_loss,
-            r.outer_bytes,
-            f32_run.outer_bytes
+            r.figures.outer_bytes,
+            f32_run.figures.outer_bytes
         );
         assert!(
             rel < loss_tol && val_rel < loss_tol,
@@ -316,7 +316,7 @@ fn compressed_pseudo_gradients_stay_close_to_f32() {
         assert!(params > 0.0, "{compression} must actually round something");
         let expected = syncs * compression.encoded_len(elements) as u64;
         assert_eq!(
-            r.outer_bytes, expected,
+            r.figures.outer_bytes, expected,
             "{compression}: bytes of the outer syncs"
         );
     }
@@ -1108,8 +1108,8 @@ fn the_gpt_trains_with_an_overlap_and_counts_its_outer_bytes() {
     run.config.overlap_steps = 2;
     let r = &diloco(2, &config, &run)[0];
     let elements = Gpt::new(&config.model, &Device::flex()).num_params() as u64;
-    assert_eq!(r.syncs, 5);
-    assert_eq!(r.outer_bytes, 5 * 4 * elements);
+    assert_eq!(r.figures.syncs, 5);
+    assert_eq!(r.figures.outer_bytes, 5 * 4 * elements);
     let losses = &r.train.losses;
     assert!(
         losses[19] < losses[0] - 0.5 && r.train.val_loss.is_finite(),

@@ -216,11 +216,21 @@ pub struct Fitted<P: ParallelModel> {
     /// Mean seconds of the steps this run took, its first excluded (a warm-up, or the first
     /// after a resume); 0 when no step was timed.
     pub step_seconds: f64,
-    /// Tokens of the global batch per second at [`Self::step_seconds`] (0 when untimed).
-    pub tokens_per_sec: f64,
     /// Steps whose update a loss-scaling overflow skipped, the resumed run's before its
     /// checkpoint included (when this run scales its loss too).
     pub skipped_steps: usize,
+}
+
+impl<P: ParallelModel> Fitted<P> {
+    /// Tokens of the global batch per second at [`Self::step_seconds`] (0 when no step was
+    /// timed).
+    pub fn tokens_per_sec(&self) -> f64 {
+        let settings = &self.built.settings;
+        match self.step_seconds {
+            0.0 => 0.0,
+            s => (settings.batch_size * settings.seq_len) as f64 / s,
+        }
+    }
 }
 
 /// The checkpoint a run resumed from.
@@ -556,10 +566,6 @@ pub fn fit_with<P: ParallelModel>(
         stopped_at,
         resumed_from,
         step_seconds,
-        tokens_per_sec: match step_seconds {
-            0.0 => 0.0,
-            s => tokens / s,
-        },
         skipped_steps,
     })
 }

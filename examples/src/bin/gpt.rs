@@ -25,7 +25,7 @@ use burn_parallel::mfu::Mfu;
 use burn_parallel::{CollectiveError, ProcessGroup};
 use burn_parallel_train::cli::{Progress, moe_lines, profile_lines};
 use burn_parallel_train::pipeline::bubble_summary;
-use burn_parallel_train::{DiLoCoFigures, Layout, StepLog};
+use burn_parallel_train::{Layout, StepLog};
 use clap::Parser;
 use examples::cli::{Backend, GptArgs, config_from, train_device};
 use examples::data::Corpus;
@@ -124,15 +124,8 @@ fn run_rank(
     // DiLoCo: the outer syncs' stall and every rank's bytes (gathered unless islands may be
     // lost).
     if let (GptRun::DiLoCo(d), Some(layout)) = (&report, layout.diloco) {
-        let figures = DiLoCoFigures {
-            outer_bytes: d.outer_bytes,
-            total_bytes: d.total_bytes,
-            syncs: d.syncs,
-            dropped: d.dropped.clone(),
-            sync_seconds: d.sync_seconds,
-        };
         let drop_lost = layout.config.drop_lost_islands;
-        for line in figures.summary(group, d.train.step_seconds, drop_lost)? {
+        for line in d.figures.summary(group, d.train.step_seconds, drop_lost)? {
             if lead {
                 println!("{line}");
             }
