@@ -19,9 +19,9 @@ use std::time::Instant;
 use burn::tensor::TensorData;
 use burn_parallel::checkpoint::{Checkpointer, Piece, Region};
 use burn_parallel::run_local;
+use burn_parallel_train::CheckpointPolicy;
 use examples::data::Corpus;
-use examples::train::{Parallelism, TrainConfig, train_gpt_checkpointed};
-use examples::train_checkpoint::CheckpointOptions;
+use examples::train::{Parallelism, TrainConfig, train_gpt};
 
 const RANKS: usize = 2;
 
@@ -130,23 +130,19 @@ fn step_seconds(
 ) -> (f64, usize) {
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let _ = std::fs::remove_dir_all(dir);
-    let options = CheckpointOptions {
-        dir: Some(dir.to_path_buf()),
-        save_every: every,
-        keep: 2,
-        asynchronous,
-        ..CheckpointOptions::default()
+    let config = TrainConfig {
+        save: (every > 0).then(|| CheckpointPolicy {
+            every,
+            at_end: false,
+            keep: 2,
+            background: asynchronous,
+            ..CheckpointPolicy::new(dir)
+        }),
+        ..config.clone()
     };
     let (_, secs) = timed(|| {
         burn_parallel_train::run_local(RANKS, |g| {
-            train_gpt_checkpointed(
-                &g,
-                config,
-                &Parallelism::default(),
-                &corpus,
-                &options,
-                &mut |_| {},
-            )
+            train_gpt(&g, &config, &Parallelism::default(), &corpus, &mut |_| {})
         })
         .expect("training")
     });

@@ -22,7 +22,7 @@ use burn_parallel::run_local;
 use burn_parallel_train::DiLoCoLayout;
 use clap::Parser;
 use examples::data::Corpus;
-use examples::train::{Parallelism, TrainConfig, train_gpt_parallel};
+use examples::train::{Parallelism, TrainConfig, train_gpt};
 use examples::train_diloco::train_gpt_diloco;
 
 /// DiLoCo vs DDP: validation loss and bytes sent at the same token budget.
@@ -91,7 +91,7 @@ fn main() -> ExitCode {
     let start = std::time::Instant::now();
     let ddp = burn_parallel_train::run_local(args.ranks, |world| {
         let (world, counter) = count_sent_bytes(&world)?;
-        let report = train_gpt_parallel(
+        let report = train_gpt(
             &world,
             &config,
             &Parallelism::default(),

@@ -16,11 +16,12 @@
 use std::sync::Mutex;
 
 use burn_parallel::{CollectiveError, run_local};
+use burn_parallel_train::{Layout, PipelineLayout};
 use burn_pipeline::ScheduleKind;
 use burn_zero::memory::CountingAllocator;
 use examples::data::Corpus;
 use examples::gpt::GptConfig;
-use examples::pipeline::{PipelineConfig, Recompute, train_gpt_pipeline};
+use examples::pipeline::{Recompute, train_gpt_pipeline};
 use examples::train::TrainConfig;
 
 /// Counts every allocation of the process.
@@ -31,11 +32,11 @@ static ALLOC: CountingAllocator = CountingAllocator::new();
 /// peak micro-batches held per stage in the last step.
 fn measure(
     config: &TrainConfig,
-    pipeline: &PipelineConfig,
+    layout: &Layout,
     corpus: &Corpus,
 ) -> Result<(usize, Vec<usize>), CollectiveError> {
     let worst = Mutex::new(0usize);
-    let reports = run_local(pipeline.pp, |g| {
+    let reports = run_local(layout.pp, |g| {
         let lead = g.rank() == 0;
         let mut base = ALLOC.reset_peak();
         let mut on_step = |s: &examples::train::StepStats| {
@@ -47,7 +48,8 @@ fn measure(
                 base = ALLOC.reset_peak();
             }
         };
-        train_gpt_pipeline(&g, config, pipeline, corpus, &mut on_step).map_err(|e| {
+        let split = Default::default();
+        train_gpt_pipeline(&g, config, layout, &split, corpus, &mut on_step).map_err(|e| {
             CollectiveError::InvalidArgument {
                 rank: g.rank(),
                 op: "train_gpt_pipeline".into(),
@@ -76,7 +78,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         steps: 3,
         batch_size: 4 * m,
         seq_len: 128,
-        grad_accum: 1,
+        grad_accum: m,
         lr: 1e-3,
         warmup_steps: 1,
         weight_decay: 0.0,
@@ -84,11 +86,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         eval_batches: 1,
         sample_len: 0,
         prompt: String::new(),
-        max_grad_norm: None,
-        precision: Default::default(),
-        reduce_fp32: false,
-        loss_scale: None,
-        device: Default::default(),
+        ..TrainConfig::default()
     };
     println!(
         "GPT {layers} layers x width 128, sequence 128, micro-batch 4 rows; pp {pp}, m {m}; \
@@ -101,14 +99,16 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut by_kind = Vec::new();
     for kind in [ScheduleKind::GPipe, ScheduleKind::OneFOneB] {
         for recompute in [Recompute::Off, Recompute::Stages, Recompute::Blocks] {
-            let pipeline = PipelineConfig {
+            let layout = Layout {
                 pp,
-                schedule: kind,
-                microbatches: m,
-                recompute,
-                ..PipelineConfig::default()
+                pipeline: PipelineLayout {
+                    schedule: kind,
+                    virtual_stages: None,
+                    recompute,
+                },
+                ..Layout::default()
             };
-            let (peak, held) = measure(&config, &pipeline, &corpus)?;
+            let (peak, held) = measure(&config, &layout, &corpus)?;
             let theory: Vec<usize> = (0..pp)
                 .map(|r| match kind {
                     ScheduleKind::GPipe => m,

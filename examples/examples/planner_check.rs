@@ -31,7 +31,7 @@ use burn_parallel::planner::{
 use burn_parallel_train::run_local;
 use burn_zero::Stage;
 use examples::data::Corpus;
-use examples::train::{Parallelism, TrainConfig, train_gpt_parallel};
+use examples::train::{Parallelism, TrainConfig, train_gpt};
 
 struct Counting;
 
@@ -66,7 +66,7 @@ fn measure(world: usize, parallel: &Parallelism, config: &TrainConfig, corpus: &
     let peak = std::sync::Mutex::new(0isize);
     run_local(world, |g| {
         let lead = g.rank() == 0;
-        train_gpt_parallel(&g, config, parallel, corpus, &mut |s| {
+        train_gpt(&g, config, parallel, corpus, &mut |s| {
             if !lead {
                 return;
             }

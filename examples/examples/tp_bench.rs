@@ -25,7 +25,7 @@ use burn_parallel::init::Init;
 use burn_parallel::run_local;
 use examples::data::{Corpus, Split};
 use examples::gpt::{Gpt, GptConfig};
-use examples::train::{Parallelism, TrainConfig, train_gpt_parallel};
+use examples::train::{Parallelism, TrainConfig, train_gpt};
 
 struct Counting;
 
@@ -134,7 +134,7 @@ fn main() {
             ..Parallelism::default()
         };
         let reports = burn_parallel_train::run_local(tp, |g| {
-            train_gpt_parallel(&g, &config, &p, &corpus, &mut |_| {})
+            train_gpt(&g, &config, &p, &corpus, &mut |_| {})
         })
         .expect("training");
         let s = reports[0].step_seconds;

@@ -32,7 +32,7 @@ use burn_zero::memory::CountingAllocator;
 use burn_zero::{MemoryReport, Stage};
 use examples::data::Corpus;
 use examples::gpt::GptConfig;
-use examples::train::{Parallelism, TrainConfig, train_gpt, train_gpt_parallel};
+use examples::train::{Parallelism, TrainConfig, train_gpt};
 use serde_json::json;
 
 /// Counts every allocation of the process: the measured memory column.
@@ -120,11 +120,7 @@ fn train_config(model: GptConfig, steps: usize, batch_size: usize, seq_len: usiz
         eval_batches: 1,
         sample_len: 0,
         prompt: String::new(),
-        max_grad_norm: None,
-        precision: Default::default(),
-        reduce_fp32: false,
-        loss_scale: None,
-        device: Default::default(),
+        ..TrainConfig::default()
     }
 }
 
@@ -162,7 +158,7 @@ fn run_zero(
         ..Parallelism::default()
     };
     run_local(ranks, |world| {
-        let r = train_gpt_parallel(&world, config, &parallel, corpus, &mut |_| {})?;
+        let r = train_gpt(&world, config, &parallel, corpus, &mut |_| {})?;
         Ok(Measured {
             losses: r.losses,
             step_seconds: r.step_seconds,
@@ -191,7 +187,9 @@ fn step_times(args: &Args, corpus: &Corpus) -> Result<serde_json::Value, Error> 
     );
     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
     let (ddp, ddp_peak) = measured(2, || {
-        run_local(2, |g| train_gpt(&g, &config, corpus, &mut |_| {}))
+        run_local(2, |g| {
+            train_gpt(&g, &config, &Default::default(), corpus, &mut |_| {})
+        })
     });
     let ddp = ddp?[0].step_seconds;
     println!("| layout | s/step | vs DDP | measured peak/rank (MiB) |\n|---|---|---|---|");

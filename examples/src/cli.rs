@@ -72,8 +72,9 @@ pub struct GptArgs {
     /// Tokens per sequence.
     #[arg(long)]
     pub seq_len: Option<usize>,
-    /// Gradient-accumulation micro-steps per optimizer step.
-    #[arg(long)]
+    /// Micro-batches per optimizer step (gradient accumulation; a pipeline's micro-batches,
+    /// 4 by default with --pp).
+    #[arg(long, visible_alias = "microbatches")]
     pub grad_accum: Option<usize>,
     /// Peak learning rate.
     #[arg(long)]
@@ -162,7 +163,7 @@ pub struct GptArgs {
     #[arg(long, value_enum)]
     pub device: Option<DeviceArg>,
     /// Pipeline parallelism: --pp N --schedule gpipe|1f1b|interleaved|zb-h1|zbv|dualpipev
-    /// --microbatches M [--virtual-stages V] [--balance-params].
+    /// --microbatches M [--virtual-stages V] [--balance-params | --balance-time] [--trace F].
     #[command(flatten)]
     pub pipeline: crate::pipeline::PipelineArgs,
     /// DiLoCo: --diloco-islands N --inner-steps H --outer-lr X --outer-momentum M
@@ -170,11 +171,15 @@ pub struct GptArgs {
     /// [--diloco-drop-lost].
     #[command(flatten)]
     pub diloco: burn_parallel_train::diloco::DiLoCoFlags,
-    /// Distributed checkpoints: --save-every N --checkpoint-dir D [--keep-checkpoints K]
-    /// [--async-checkpoint], and --resume D (under any dp/tp/ZeRO/ep/pp layout; GPT-MoE and
-    /// dropout included; not yet with --diloco-islands, nor --pp with --zero).
+    /// Distributed checkpoints: --save D [--save-every N] [--keep K] [--async-checkpoint], and
+    /// --resume D, under any layout (GPT-MoE, dropout and DiLoCo included).
     #[command(flatten)]
-    pub checkpoint: crate::train_checkpoint::CheckpointArgs,
+    pub checkpoint: burn_parallel_train::cli::CheckpointArgs,
+    /// Start from the weights of a Hugging Face GPT-2 or LLaMA checkpoint directory
+    /// (`config.json` + safetensors), under any layout; the model is the one its config.json
+    /// describes (the model-shape flags are ignored).
+    #[arg(long, value_name = "DIR", conflicts_with = "resume")]
+    pub init_from_hf: Option<PathBuf>,
     /// Hidden width of the dense MLP (default 4 x d_model).
     #[arg(long)]
     pub d_ff: Option<usize>,
@@ -289,6 +294,17 @@ pub fn config_from(args: &GptArgs) -> Result<TrainConfig, String> {
     }
     moe_from(args, &mut c)?;
     c.model.max_seq_len = c.model.max_seq_len.max(c.seq_len);
+    if let Some(dir) = &args.init_from_hf {
+        let hf = crate::hf::HfConfig::from_dir(dir)
+            .map_err(|e| format!("--init-from-hf {}: {e}", dir.display()))?;
+        c.model = crate::hf::with_run_settings(&hf.model, &c.model);
+    }
+    if args.layout.pp > 1 && args.grad_accum.is_none() {
+        c.grad_accum = 4;
+    }
+    c.save = args.checkpoint.policy();
+    c.resume = args.checkpoint.resume.clone();
+    c.init_from_hf = args.init_from_hf.clone();
     Ok(c)
 }
 
@@ -337,7 +353,7 @@ impl GptArgs {
         config.device = train_device(self);
         let mut layout = self.layout()?;
         layout.diloco = self.diloco.layout();
-        crate::run::check_run(&config, &layout, &self.pipeline, ranks, ranks)
+        crate::run::check_run(&config, &layout, &self.pipeline.split(), ranks, ranks)
             .map_err(|e| e.to_string())?;
         Ok((config, layout))
     }

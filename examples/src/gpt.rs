@@ -53,7 +53,6 @@
 
 use burn::module::{Module, ModuleMapper, Param};
 use burn::tensor::activation::{gelu, gelu_approximate, log_softmax, silu, softmax};
-use burn::tensor::module::layer_norm;
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_moe::{MoeConfig, MoeLayer, MoeParallel, MoeStats};
 use burn_parallel::ProcessGroup;
@@ -62,6 +61,8 @@ use burn_parallel::context_parallel::{ContextParallel, SeqLayout};
 use burn_parallel::init::{Init, LinearInit};
 use burn_parallel::kernels;
 use burn_parallel::nn::{Embedding, Linear, LinearSplit, TpContext};
+/// The norms and rotary tables of the blocks (the library's layers).
+pub use burn_parallel::nn::{Norm, NormKind, Rope};
 use burn_parallel::plan::TpPlan;
 use burn_parallel::tensor_parallel::{DropoutSite, SeededDropout, TpError, TpResult, sp_param};
 use burn_zero::{Fsdp, FsdpPlan, Result as ZeroResult, ZeroError};
@@ -122,16 +123,6 @@ pub enum PositionKind {
     Learned,
     /// Rotary position embeddings applied to `q` and `k` in every attention layer.
     Rotary,
-}
-
-/// The normalisation layer.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub enum NormKind {
-    /// Layer normalisation with weight and bias.
-    #[default]
-    LayerNorm,
-    /// Root-mean-square normalisation with weight only.
-    RmsNorm,
 }
 
 fn default_true() -> bool {
@@ -428,7 +419,7 @@ impl GptConfig {
         let blocks: usize = (0..self.n_layers)
             .map(|i| self.block_at(i).num_params())
             .sum();
-        v * d + wpe + blocks + norm_params(self.norm, d) + head
+        v * d + wpe + blocks + self.norm.num_params(d) + head
     }
 }
 
@@ -436,13 +427,6 @@ impl Default for GptConfig {
     /// A small byte-level model: vocab 256, 4 layers, 4 heads, width 128, context 128.
     fn default() -> Self {
         Self::new(256, 4, 4, 128, 128)
-    }
-}
-
-fn norm_params(kind: NormKind, d: usize) -> usize {
-    match kind {
-        NormKind::LayerNorm => 2 * d,
-        NormKind::RmsNorm => d,
     }
 }
 
@@ -490,164 +474,7 @@ impl BlockConfig {
             Some(moe) => moe.num_params(),
             None => n_in * (d * f + b * f) + f * d + b * d,
         };
-        attn + mlp + 2 * norm_params(self.norm, d)
-    }
-}
-
-/// LayerNorm or RMSNorm over the last dimension, with parameters `weight` (and `bias` for
-/// LayerNorm).
-#[derive(Module, Debug)]
-pub struct Norm {
-    /// Scale, initialised to ones.
-    pub weight: Param<Tensor<1>>,
-    /// Shift (LayerNorm only), initialised to zeros.
-    pub bias: Option<Param<Tensor<1>>>,
-    /// Which normalisation.
-    #[module(skip)]
-    pub kind: NormKind,
-    /// Added to the variance.
-    #[module(skip)]
-    pub eps: f64,
-}
-
-impl Norm {
-    /// A norm of width `d` (weight 1, bias 0).
-    pub fn new(kind: NormKind, d: usize, eps: f64, init: &Init) -> Self {
-        Self {
-            weight: init.ones([d]),
-            bias: match kind {
-                NormKind::LayerNorm => Some(init.zeros([d])),
-                NormKind::RmsNorm => None,
-            },
-            kind,
-            eps,
-        }
-    }
-
-    /// Normalises over the last dimension.
-    pub fn forward<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        self.forward_with(x, self.weight.val(), self.bias.as_ref().map(|b| b.val()))
-    }
-
-    /// Normalises over the last dimension with the given `weight` and `bias` (this norm's own
-    /// parameters as they enter the graph, for example through a collective that sums their
-    /// gradients under sequence parallelism).
-    pub fn forward_with<const D: usize>(
-        &self,
-        x: Tensor<D>,
-        weight: Tensor<1>,
-        bias: Option<Tensor<1>>,
-    ) -> Tensor<D> {
-        match self.kind {
-            NormKind::LayerNorm => layer_norm(x, weight, bias, self.eps),
-            NormKind::RmsNorm => {
-                let rms = (x.clone().square().mean_dim(D - 1) + self.eps).sqrt();
-                x / rms * weight.unsqueeze()
-            }
-        }
-    }
-
-    /// [`Self::forward`] through the fused kernels of [`burn_parallel::kernels`].
-    ///
-    /// # Panics
-    ///
-    /// If the last dimension of `x` is not the norm's width.
-    pub fn forward_fused<const D: usize>(&self, x: Tensor<D>) -> Tensor<D> {
-        let weight = self.weight.val();
-        let y = match self.kind {
-            NormKind::LayerNorm => {
-                kernels::layer_norm(x, weight, self.bias.as_ref().map(|b| b.val()), self.eps)
-            }
-            NormKind::RmsNorm => kernels::rms_norm(x, weight, self.eps),
-        };
-        y.unwrap_or_else(|e| panic!("fused norm: {e}"))
-    }
-}
-
-/// Rotary position tables (half-split form) for `seq_len` positions starting at `offset`.
-///
-/// For a head vector `x = [x1, x2]` (two halves of `head_dim / 2`), position `p` and frequency
-/// `w_i = theta^(-2i / head_dim)`: `rope(x) = [x1 cos - x2 sin, x2 cos + x1 sin]` with the angle
-/// `p * w_i`.
-#[derive(Clone, Debug)]
-pub struct Rope {
-    /// `cos(p w_i)`, shape `[1, 1, seq_len, head_dim / 2]`.
-    pub cos: Tensor<4>,
-    /// `sin(p w_i)`, shape `[1, 1, seq_len, head_dim / 2]`.
-    pub sin: Tensor<4>,
-    /// Rotate through the fused kernel ([`burn_parallel::kernels::rope`]).
-    pub fused: bool,
-}
-
-impl Rope {
-    /// Builds the tables on the host (in `f64`) and uploads them.
-    ///
-    /// # Arguments
-    ///
-    /// - `head_dim`: the (even) head dimension.
-    /// - `seq_len`: number of positions.
-    /// - `offset`: position of the first token (non-zero for a chunk of a longer sequence).
-    /// - `theta`: frequency base (10 000).
-    /// - `device`: where the tables live.
-    pub fn new(
-        head_dim: usize,
-        seq_len: usize,
-        offset: usize,
-        theta: f64,
-        device: &Device,
-    ) -> Self {
-        let positions: Vec<usize> = (offset..offset + seq_len).collect();
-        Self::at_positions(head_dim, &positions, theta, device)
-    }
-
-    /// Tables for tokens at arbitrary global `positions` (in the order the tokens are held):
-    /// a context-parallel rank's tokens ([`SeqLayout::positions`]), so that rotary positions
-    /// are global, not positions in the local chunk.
-    ///
-    /// # Arguments
-    ///
-    /// - `head_dim`: the (even) head dimension.
-    /// - `positions`: the global position of each token.
-    /// - `theta`: frequency base (10 000).
-    /// - `device`: where the tables live.
-    pub fn at_positions(head_dim: usize, positions: &[usize], theta: f64, device: &Device) -> Self {
-        let half = head_dim / 2;
-        let seq_len = positions.len();
-        let mut cos = Vec::with_capacity(seq_len * half);
-        let mut sin = Vec::with_capacity(seq_len * half);
-        for &p in positions {
-            for i in 0..half {
-                let freq = theta.powf(-2.0 * i as f64 / head_dim as f64);
-                let angle = p as f64 * freq;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
-            }
-        }
-        let shape = [1, 1, seq_len, half];
-        Self {
-            cos: Tensor::from_data(TensorData::new(cos, shape), device),
-            sin: Tensor::from_data(TensorData::new(sin, shape), device),
-            fused: false,
-        }
-    }
-
-    /// The same tables, rotating through the fused kernel when `fused`.
-    pub fn with_fused(self, fused: bool) -> Self {
-        Self { fused, ..self }
-    }
-
-    /// Rotates `x` of shape `[batch, heads, seq_len, head_dim]`.
-    pub fn apply(&self, x: Tensor<4>) -> Tensor<4> {
-        if self.fused {
-            return kernels::rope(x, self.cos.clone(), self.sin.clone())
-                .unwrap_or_else(|e| panic!("fused rope: {e}"));
-        }
-        let half = x.dims()[3] / 2;
-        let x1 = x.clone().narrow(3, 0, half);
-        let x2 = x.narrow(3, half, half);
-        let rotated_1 = x1.clone() * self.cos.clone() - x2.clone() * self.sin.clone();
-        let rotated_2 = x2 * self.cos.clone() + x1 * self.sin.clone();
-        Tensor::cat(vec![rotated_1, rotated_2], 3)
+        attn + mlp + 2 * self.norm.num_params(d)
     }
 }
 
@@ -958,6 +785,23 @@ pub struct Block {
 }
 
 impl Block {
+    /// The dropout layers of the block under its path `prefix` (`blocks.3`), appended to
+    /// `out`: clones that share the block's call counters ([`SeededDropout::calls`]), which
+    /// checkpoints save and restore so that a resumed run draws the saving run's masks.
+    pub fn dropout_layers(&self, prefix: &str, out: &mut Vec<(String, SeededDropout)>) {
+        let mlp_drop = self.mlp.as_ref().and_then(|m| m.drop.as_ref());
+        for (name, drop) in [
+            ("attn.attn_drop", self.attn.attn_drop.as_ref()),
+            ("attn.resid_drop", self.attn.resid_drop.as_ref()),
+            ("mlp.drop", mlp_drop),
+            ("moe_drop", self.moe_drop.as_ref()),
+        ] {
+            if let Some(drop) = drop {
+                out.push((format!("{prefix}.{name}"), drop.clone()));
+            }
+        }
+    }
+
     /// Defers the weight gradients of the block's linear layers (attention and dense MLP; an
     /// MoE's experts keep theirs) to `sink`, for a zero-bubble pipeline schedule's `W` step
     /// (see [`burn_parallel::nn::Linear::with_deferred_weight`]); `None` turns it off.
@@ -1247,7 +1091,17 @@ impl burn_parallel_train::ParallelModel for GptConfig {
     }
 
     fn dropout_layers(model: &Gpt) -> Vec<(String, SeededDropout)> {
-        crate::train_checkpoint::dropout_layers(model)
+        let mut out: Vec<_> = model
+            .drop
+            .iter()
+            .map(|d| ("drop".into(), d.clone()))
+            .collect();
+        for (i, block) in model.blocks.iter().enumerate() {
+            block
+                .skeleton()
+                .dropout_layers(&format!("blocks.{i}"), &mut out);
+        }
+        out
     }
 
     fn n_heads(&self) -> usize {

@@ -30,9 +30,11 @@
 //! projections load unpermuted. Grouped-query attention (`num_key_value_heads !=
 //! num_attention_heads`) is refused.
 //!
-//! Causal-mask buffers saved by old GPT-2 checkpoints (`h.N.attn.bias`, `h.N.attn.masked_bias`)
-//! and LLaMA's `rotary_emb.inv_freq` are recognised and skipped; any other tensor the mapping
-//! does not use is an error ([`HfError::Tensors`]), as is a missing one.
+//! The tables are the GPT's ([`adapter`]); reading, checking, mapping and writing the tensors is
+//! the library's [`burn_parallel::checkpoint::hf`]. Causal-mask buffers saved by old GPT-2
+//! checkpoints (`h.N.attn.bias`, `h.N.attn.masked_bias`) and LLaMA's `rotary_emb.inv_freq` are
+//! skipped; any other tensor the mapping does not use is an error, as is a missing one
+//! ([`CheckpointError::Unmapped`] in [`HfError::Checkpoint`]).
 //!
 //! ```
 //! use burn::tensor::Device;
@@ -58,13 +60,12 @@
 //! ```
 
 use crate::gpt::{GeluKind, Gpt, GptConfig, MlpKind, NormKind, PositionKind, load_params};
-use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn_parallel::checkpoint::{CheckpointError, hf as checkpoint_hf};
+use burn_parallel::checkpoint::CheckpointError;
+use burn_parallel::checkpoint::hf::{self as checkpoint_hf, Adapter, Entry};
 use burn_parallel::init::Init;
 use serde_json::{Value, json};
-use std::collections::{BTreeMap, HashMap};
-use std::fmt::Write as _;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// The file names of a single-file checkpoint and of a sharded checkpoint's index.
@@ -83,17 +84,9 @@ pub enum HfError {
         /// The OS error.
         source: std::io::Error,
     },
-    /// `config.json` (or the shard index) is not valid JSON.
+    /// `config.json` is not valid JSON.
     #[error("{path}: not valid JSON: {reason}")]
     Json {
-        /// The file.
-        path: PathBuf,
-        /// The parser's message.
-        reason: String,
-    },
-    /// A safetensors file could not be parsed.
-    #[error("{path}: not a valid safetensors file: {reason}")]
-    Safetensors {
         /// The file.
         path: PathBuf,
         /// The parser's message.
@@ -117,44 +110,12 @@ pub enum HfError {
         /// Why, and what is supported.
         reason: String,
     },
-    /// A tensor has an element type that is not a float.
-    #[error("tensor `{tensor}` has dtype {dtype}; only F32, F16, BF16 and F64 weights import")]
-    Dtype {
-        /// The tensor.
-        tensor: String,
-        /// Its dtype.
-        dtype: String,
-    },
-    /// A tensor has another shape than the configuration implies.
-    #[error(
-        "tensor `{tensor}` has shape {found:?}, but config.json implies {expected:?} \
-         (a checkpoint of another size, or the wrong config.json)"
-    )]
-    Shape {
-        /// The tensor.
-        tensor: String,
-        /// The shape the configuration implies.
-        expected: Vec<usize>,
-        /// The shape in the file.
-        found: Vec<usize>,
-    },
-    /// Tensors the configuration needs are missing, or the file holds tensors it does not use.
-    #[error("{}", tensor_list(missing, unexpected))]
-    Tensors {
-        /// Missing tensors, with the shapes the configuration implies.
-        missing: Vec<(String, Vec<usize>)>,
-        /// Tensors of the file that map to nothing, with their shapes.
-        unexpected: Vec<(String, Vec<usize>)>,
-    },
-    /// The same tensor is stored twice (two shards, or with and without a prefix).
-    #[error("tensor `{0}` is stored twice (in two shards, or with and without its prefix)")]
-    Duplicate(String),
-    /// A tied checkpoint's `lm_head.weight` differs from the token embedding.
-    #[error(
-        "`{0}` differs from the token embedding, but config.json ties them \
-         (tie_word_embeddings); fix the config or drop the tensor"
-    )]
-    UntiedHead(String),
+    /// A checkpoint's tensors could not be read or written, or do not match `config.json`: the
+    /// library's error, naming the file or the tensor ([`CheckpointError::Io`], `Corrupt`,
+    /// `Dtype`; [`CheckpointError::Shape`], `Unmapped` (every missing and unexpected tensor,
+    /// with its shape), `Duplicate`, `Tied` (a tied head that differs from the embedding)).
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
     /// The model cannot be written in the requested layout.
     #[error("cannot export as {arch:?}: {reason}")]
     NotExportable {
@@ -184,24 +145,6 @@ pub enum HfError {
     Tokenizer(String),
 }
 
-fn tensor_list(missing: &[(String, Vec<usize>)], unexpected: &[(String, Vec<usize>)]) -> String {
-    let mut s = String::from("the checkpoint does not match config.json:");
-    let mut list = |what: &str, items: &[(String, Vec<usize>)]| {
-        if !items.is_empty() {
-            let _ = write!(s, " {} {what}:", items.len());
-            for (name, shape) in items {
-                let _ = write!(s, " `{name}` {shape:?},");
-            }
-            s.pop();
-            s.push(';');
-        }
-    };
-    list("missing", missing);
-    list("unexpected", unexpected);
-    s.pop();
-    s
-}
-
 /// Result of this module.
 pub type Result<T> = std::result::Result<T, HfError>;
 
@@ -213,75 +156,6 @@ pub enum HfArch {
     /// `transformers`' `LlamaForCausalLM` (`model_type: "llama"`), without grouped-query
     /// attention.
     Llama,
-}
-
-/// A host tensor: `f32` values in row-major order and their shape.
-#[derive(Clone, Debug, PartialEq)]
-pub struct HostTensor {
-    /// The shape.
-    pub shape: Vec<usize>,
-    /// The values, row-major.
-    pub values: Vec<f32>,
-}
-
-impl HostTensor {
-    /// A tensor of `shape` holding `values`.
-    ///
-    /// # Panics
-    /// If `values.len()` is not the product of `shape`.
-    pub fn new(shape: Vec<usize>, values: Vec<f32>) -> Self {
-        assert_eq!(
-            values.len(),
-            shape.iter().product::<usize>(),
-            "HostTensor: {} values for shape {shape:?}",
-            values.len()
-        );
-        Self { shape, values }
-    }
-
-    fn transposed(&self) -> Self {
-        let [r, c] = [self.shape[0], self.shape[1]];
-        let mut out = vec![0.0; r * c];
-        for i in 0..r {
-            for j in 0..c {
-                out[j * r + i] = self.values[i * c + j];
-            }
-        }
-        Self::new(vec![c, r], out)
-    }
-
-    /// Concatenation of `parts` along their last axis.
-    fn concat_last(parts: &[&HostTensor]) -> Self {
-        let rows: usize = parts[0].shape[..parts[0].shape.len() - 1].iter().product();
-        let widths: Vec<usize> = parts.iter().map(|p| *p.shape.last().unwrap()).collect();
-        let mut values = Vec::with_capacity(rows * widths.iter().sum::<usize>());
-        for r in 0..rows {
-            for (p, w) in parts.iter().zip(&widths) {
-                values.extend_from_slice(&p.values[r * w..(r + 1) * w]);
-            }
-        }
-        let mut shape = parts[0].shape.clone();
-        *shape.last_mut().unwrap() = widths.iter().sum();
-        Self::new(shape, values)
-    }
-
-    /// Splits the last axis into `n` equal parts.
-    fn split_last(&self, n: usize) -> Vec<Self> {
-        let width = *self.shape.last().unwrap() / n;
-        let rows = self.values.len() / (width * n);
-        let mut shape = self.shape.clone();
-        *shape.last_mut().unwrap() = width;
-        (0..n)
-            .map(|k| {
-                let mut values = Vec::with_capacity(rows * width);
-                for r in 0..rows {
-                    let start = r * width * n + k * width;
-                    values.extend_from_slice(&self.values[start..start + width]);
-                }
-                Self::new(shape.clone(), values)
-            })
-            .collect()
-    }
 }
 
 /// A checkpoint's architecture and the [`GptConfig`] it maps onto.
@@ -626,349 +500,148 @@ fn read_json(path: &Path) -> Result<Value> {
     })
 }
 
-/// How one checkpoint tensor is made of GPT parameters.
-#[derive(Clone, Debug)]
-enum Source {
-    /// The parameter as it is.
-    Same(String),
-    /// The transposed parameter (`nn.Linear`'s `[out, in]`).
-    Transposed(String),
-    /// The parameters concatenated along their last axis (GPT-2's fused `c_attn`).
-    Fused(Vec<String>),
-}
-
-/// A tensor of the checkpoint layout: its name, its shape and where it comes from.
-#[derive(Clone, Debug)]
-struct Entry {
-    name: String,
-    shape: Vec<usize>,
-    source: Source,
-}
-
-/// The tensors of `config`'s checkpoint, in the layout's order (names without a prefix).
-fn layout(config: &HfConfig) -> Vec<Entry> {
+/// The GPT's mapping onto `config`'s checkpoint layout: the table of the module docs, GPT-2's
+/// optional `transformer.` prefix, the tied head (`lm_head.weight`, when saved, must equal
+/// `wte.weight`) and the buffers that carry no weight.
+///
+/// ```
+/// use examples::hf::{self, HfConfig};
+///
+/// let json = serde_json::json!({
+///     "model_type": "gpt2", "n_embd": 8, "n_layer": 1, "n_head": 2, "n_positions": 4,
+///     "vocab_size": 16
+/// });
+/// let adapter = hf::adapter(&HfConfig::from_json(&json).unwrap());
+/// let c_attn = &adapter.entries()[6];
+/// assert_eq!((c_attn.name.as_str(), c_attn.shape.as_slice()), ("h.0.attn.c_attn.weight", &[8, 24][..]));
+/// assert_eq!(adapter.param_shapes()["blocks.0.attn.k.weight"], vec![8, 8]);
+/// ```
+pub fn adapter(config: &HfConfig) -> Adapter {
     let m = &config.model;
     let (d, f, v) = (m.d_model, m.d_ff, m.vocab_size);
-    let mut out = Vec::new();
-    let mut add = |name: String, shape: &[usize], source: Source| {
-        out.push(Entry {
-            name,
-            shape: shape.to_vec(),
-            source,
-        })
-    };
-    let same = |s: String| Source::Same(s);
-    let t = |s: String| Source::Transposed(s);
-    match config.arch {
+    use Entry as E;
+    let mut e = Vec::new();
+    let adapter = match config.arch {
         HfArch::Gpt2 => {
-            add("wte.weight".into(), &[v, d], same("wte.weight".into()));
-            add(
-                "wpe.weight".into(),
-                &[m.max_seq_len, d],
-                same("wpe.weight".into()),
-            );
+            e.push(E::param("wte.weight", &[v, d], "wte.weight"));
+            e.push(E::param("wpe.weight", &[m.max_seq_len, d], "wpe.weight"));
             for i in 0..m.n_layers {
                 let (h, b) = (format!("h.{i}"), format!("blocks.{i}"));
                 for ln in ["ln_1", "ln_2"] {
                     for p in ["weight", "bias"] {
-                        add(format!("{h}.{ln}.{p}"), &[d], same(format!("{b}.{ln}.{p}")));
+                        e.push(E::param(
+                            format!("{h}.{ln}.{p}"),
+                            &[d],
+                            format!("{b}.{ln}.{p}"),
+                        ));
                     }
                 }
-                let qkv = |p: &str| {
-                    Source::Fused(
-                        ["q", "k", "v"]
-                            .map(|x| format!("{b}.attn.{x}.{p}"))
-                            .to_vec(),
-                    )
-                };
-                add(
-                    format!("{h}.attn.c_attn.weight"),
+                let qkv = |p: &str| ["q", "k", "v"].map(|x| format!("{b}.attn.{x}.{p}"));
+                let c_attn = format!("{h}.attn.c_attn");
+                e.push(E::fused(
+                    format!("{c_attn}.weight"),
                     &[d, 3 * d],
                     qkv("weight"),
-                );
-                add(format!("{h}.attn.c_attn.bias"), &[3 * d], qkv("bias"));
+                ));
+                e.push(E::fused(format!("{c_attn}.bias"), &[3 * d], qkv("bias")));
                 for (hf, ours, shape) in [
                     ("attn.c_proj", "attn.o", [d, d]),
                     ("mlp.c_fc", "mlp.up", [d, f]),
                     ("mlp.c_proj", "mlp.down", [f, d]),
                 ] {
-                    add(
-                        format!("{h}.{hf}.weight"),
-                        &shape,
-                        same(format!("{b}.{ours}.weight")),
-                    );
-                    add(
-                        format!("{h}.{hf}.bias"),
-                        &shape[1..],
-                        same(format!("{b}.{ours}.bias")),
-                    );
+                    for (p, shape) in [("weight", &shape[..]), ("bias", &shape[1..])] {
+                        e.push(E::param(
+                            format!("{h}.{hf}.{p}"),
+                            shape,
+                            format!("{b}.{ours}.{p}"),
+                        ));
+                    }
                 }
             }
             for p in ["weight", "bias"] {
-                add(format!("ln_f.{p}"), &[d], same(format!("ln_f.{p}")));
+                e.push(E::param(format!("ln_f.{p}"), &[d], format!("ln_f.{p}")));
             }
+            Adapter::new(e)
+                .with_prefix("transformer.")
+                .with_skipped("h.*.attn.bias")
+                .with_skipped("h.*.attn.masked_bias")
         }
         HfArch::Llama => {
-            add(
-                "model.embed_tokens.weight".into(),
-                &[v, d],
-                same("wte.weight".into()),
-            );
+            e.push(E::param("model.embed_tokens.weight", &[v, d], "wte.weight"));
             for i in 0..m.n_layers {
                 let (h, b) = (format!("model.layers.{i}"), format!("blocks.{i}"));
-                add(
-                    format!("{h}.input_layernorm.weight"),
-                    &[d],
-                    same(format!("{b}.ln_1.weight")),
-                );
+                let norm = |hf: &str, ours: &str| {
+                    E::param(
+                        format!("{h}.{hf}.weight"),
+                        &[d],
+                        format!("{b}.{ours}.weight"),
+                    )
+                };
+                e.push(norm("input_layernorm", "ln_1"));
                 for x in ["q", "k", "v", "o"] {
-                    add(
+                    e.push(E::transposed(
                         format!("{h}.self_attn.{x}_proj.weight"),
                         &[d, d],
-                        t(format!("{b}.attn.{x}.weight")),
-                    );
+                        format!("{b}.attn.{x}.weight"),
+                    ));
                 }
-                add(
-                    format!("{h}.post_attention_layernorm.weight"),
-                    &[d],
-                    same(format!("{b}.ln_2.weight")),
-                );
+                e.push(norm("post_attention_layernorm", "ln_2"));
                 for (x, shape) in [("gate", [f, d]), ("up", [f, d]), ("down", [d, f])] {
-                    add(
+                    e.push(E::transposed(
                         format!("{h}.mlp.{x}_proj.weight"),
                         &shape,
-                        t(format!("{b}.mlp.{x}.weight")),
-                    );
+                        format!("{b}.mlp.{x}.weight"),
+                    ));
                 }
             }
-            add("model.norm.weight".into(), &[d], same("ln_f.weight".into()));
+            e.push(E::param("model.norm.weight", &[d], "ln_f.weight"));
             if !m.tied_embeddings {
-                add("lm_head.weight".into(), &[v, d], t("lm_head.weight".into()));
+                e.push(E::transposed("lm_head.weight", &[v, d], "lm_head.weight"));
             }
+            Adapter::new(e).with_skipped("model.layers.*.self_attn.rotary_emb.inv_freq")
         }
-    }
-    out
-}
-
-/// Whether `name` is a buffer that `transformers` may have saved and that carries no weight:
-/// GPT-2's causal masks and LLaMA's rotary frequencies.
-fn is_skipped_buffer(arch: HfArch, name: &str) -> bool {
-    let layer_tail = |prefix: &str| {
-        name.strip_prefix(prefix)
-            .and_then(|rest| rest.split_once('.'))
-            .filter(|(i, _)| i.parse::<usize>().is_ok())
-            .map(|(_, tail)| tail)
     };
-    match arch {
-        HfArch::Gpt2 => matches!(layer_tail("h."), Some("attn.bias" | "attn.masked_bias")),
-        HfArch::Llama => layer_tail("model.layers.") == Some("self_attn.rotary_emb.inv_freq"),
+    match m.tied_embeddings {
+        true => adapter.with_tied("lm_head.weight", "wte.weight"),
+        false => adapter,
     }
-}
-
-/// The name of the head's weight in both layouts (never prefixed).
-const HEAD: &str = "lm_head.weight";
-
-/// Maps checkpoint tensors (as in the file, GPT-2's with or without the `transformer.` prefix)
-/// onto the GPT's parameter paths.
-///
-/// # Errors
-/// [`HfError::Tensors`] listing every missing and unexpected tensor with its shape;
-/// [`HfError::Shape`] naming the first tensor of the wrong shape; [`HfError::Duplicate`];
-/// [`HfError::UntiedHead`].
-pub fn to_gpt_params(
-    config: &HfConfig,
-    tensors: BTreeMap<String, HostTensor>,
-) -> Result<BTreeMap<String, HostTensor>> {
-    let mut by_name: BTreeMap<String, HostTensor> = BTreeMap::new();
-    for (name, tensor) in tensors {
-        let name = match config.arch {
-            HfArch::Gpt2 => name
-                .strip_prefix("transformer.")
-                .map(str::to_string)
-                .unwrap_or(name),
-            HfArch::Llama => name,
-        };
-        if by_name.contains_key(&name) {
-            return Err(HfError::Duplicate(name));
-        }
-        by_name.insert(name, tensor);
-    }
-    let mut params = BTreeMap::new();
-    let mut missing = Vec::new();
-    for entry in layout(config) {
-        let Some(tensor) = by_name.remove(&entry.name) else {
-            missing.push((entry.name, entry.shape));
-            continue;
-        };
-        if tensor.shape != entry.shape {
-            return Err(HfError::Shape {
-                tensor: entry.name,
-                expected: entry.shape,
-                found: tensor.shape,
-            });
-        }
-        match entry.source {
-            Source::Same(p) => {
-                params.insert(p, tensor);
-            }
-            Source::Transposed(p) => {
-                params.insert(p, tensor.transposed());
-            }
-            Source::Fused(ps) => {
-                for (p, part) in ps.iter().zip(tensor.split_last(ps.len())) {
-                    params.insert(p.clone(), part);
-                }
-            }
-        }
-    }
-    // A tied head saved anyway must be the embedding.
-    if config.model.tied_embeddings
-        && let Some(head) = by_name.remove(HEAD)
-        && let Some(wte) = params.get("wte.weight")
-        && head != *wte
-    {
-        return Err(HfError::UntiedHead(HEAD.into()));
-    }
-    let unexpected: Vec<(String, Vec<usize>)> = by_name
-        .into_iter()
-        .filter(|(name, _)| !is_skipped_buffer(config.arch, name))
-        .map(|(name, t)| (name, t.shape))
-        .collect();
-    if !missing.is_empty() || !unexpected.is_empty() {
-        return Err(HfError::Tensors {
-            missing,
-            unexpected,
-        });
-    }
-    Ok(params)
-}
-
-/// Every float parameter of `module` by module path, on the host.
-pub fn host_params<M: Module>(module: &M) -> BTreeMap<String, HostTensor> {
-    let params = burn_parallel_train::named_params(module).into_iter();
-    params
-        .map(|p| (p.path, HostTensor::new(p.shape, p.values)))
-        .collect()
-}
-
-/// The shape of every float parameter of `module` by module path (no data read back).
-fn param_shapes<M: Module>(module: &M) -> BTreeMap<String, Vec<usize>> {
-    let index = burn_parallel::index::ParamIndex::of(module);
-    let entries = index.entries().iter();
-    entries.map(|e| (e.path.clone(), e.shape.clone())).collect()
 }
 
 /// Builds the GPT of `config` on `device` from checkpoint tensors.
 ///
 /// # Arguments
 /// - `config`: the checkpoint's configuration ([`HfConfig::from_json`]).
-/// - `tensors`: the checkpoint's tensors by name ([`read_safetensors`]).
+/// - `tensors`: the checkpoint's tensors by name, in any float dtype
+///   ([`burn_parallel::checkpoint::hf::read_dir`]).
 /// - `device`: where the model lives (`device.autodiff()` to fine-tune it).
 ///
 /// # Returns
 /// The single-device GPT holding exactly the checkpoint's weights.
 ///
 /// # Errors
-/// Those of [`to_gpt_params`]; [`HfError::Model`] when the configuration does not build.
+/// [`HfError::Checkpoint`]: those of [`Adapter::from_hf`] (shapes, missing and unexpected
+/// tensors, a tied head that differs); [`HfError::Model`] when the configuration does not
+/// build.
 pub fn import_tensors(
     config: &HfConfig,
-    tensors: BTreeMap<String, HostTensor>,
+    tensors: BTreeMap<String, TensorData>,
     device: &Device,
 ) -> Result<Gpt> {
-    let params = to_gpt_params(config, tensors)?;
+    let adapter = adapter(config);
+    let params = adapter.from_hf(tensors)?;
     let model = Gpt::build(&config.model, &Init::new(config.model.seed, device), None)
         .map_err(|e| HfError::Model(e.to_string()))?;
     // The mapping must cover the model exactly, shape for shape.
-    let expected = param_shapes(&model);
-    let got: BTreeMap<String, Vec<usize>> = params
-        .iter()
-        .map(|(k, t)| (k.clone(), t.shape.clone()))
-        .collect();
-    if expected != got {
+    let index = burn_parallel::index::ParamIndex::of(&model);
+    let entries = index.entries().iter();
+    let expected: BTreeMap<_, _> = entries.map(|e| (e.path.clone(), e.shape.clone())).collect();
+    if expected != adapter.param_shapes() {
         return Err(HfError::Model(format!(
-            "the mapping gives parameters {got:?}, the model has {expected:?}"
+            "the mapping gives parameters {:?}, the model has {expected:?}",
+            adapter.param_shapes()
         )));
     }
-    let params: HashMap<String, TensorData> = params
-        .into_iter()
-        .map(|(k, t)| (k, TensorData::new(t.values, t.shape)))
-        .collect();
-    Ok(load_params(model, &params))
-}
-
-/// Reads every tensor of one safetensors file as `f32` (F16, BF16 and F64 are converted;
-/// the file is read by [`burn_parallel::checkpoint::hf::read_safetensors`]).
-///
-/// # Errors
-/// [`HfError::Io`], [`HfError::Safetensors`]; [`HfError::Dtype`] for a non-float tensor.
-pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, HostTensor>> {
-    host_tensors(checkpoint_hf::read_safetensors(path), path)
-}
-
-/// Writes `tensors` as one `f32` safetensors file (through a temporary file and a rename;
-/// [`burn_parallel::checkpoint::hf::write_safetensors`]).
-///
-/// # Errors
-/// [`HfError::Io`]; [`HfError::Safetensors`] if the header cannot be built.
-pub fn write_safetensors(path: &Path, tensors: &BTreeMap<String, HostTensor>) -> Result<()> {
-    let tensors = tensors
-        .iter()
-        .map(|(k, t)| {
-            (
-                k.clone(),
-                TensorData::new(t.values.clone(), t.shape.clone()),
-            )
-        })
-        .collect();
-    checkpoint_hf::write_safetensors(path, &tensors).map_err(|e| hf_error(e, path))
-}
-
-/// Reads the tensors of a checkpoint directory: `model.safetensors`, or every shard that
-/// `model.safetensors.index.json` lists ([`burn_parallel::checkpoint::hf::read_dir`]).
-///
-/// # Errors
-/// Those of [`read_safetensors`]; [`HfError::Safetensors`] for a malformed index or a tensor
-/// stored in two shards.
-pub fn read_checkpoint(dir: &Path) -> Result<BTreeMap<String, HostTensor>> {
-    host_tensors(checkpoint_hf::read_dir(dir), dir)
-}
-
-/// The library's tensors as `f32` host tensors, its errors as this module's.
-fn host_tensors(
-    read: std::result::Result<BTreeMap<String, TensorData>, CheckpointError>,
-    path: &Path,
-) -> Result<BTreeMap<String, HostTensor>> {
-    let tensors = read.map_err(|e| hf_error(e, path))?;
-    tensors
-        .into_iter()
-        .map(|(name, t)| {
-            let shape = t.shape().to_vec();
-            let values = t
-                .convert::<f32>()
-                .try_into_vec::<f32>()
-                .map_err(|e| HfError::Dtype {
-                    tensor: name.clone(),
-                    dtype: format!("{e:?}"),
-                })?;
-            Ok((name, HostTensor::new(shape, values)))
-        })
-        .collect()
-}
-
-/// A checkpoint error of reading or writing `path` as this module's error.
-fn hf_error(e: CheckpointError, path: &Path) -> HfError {
-    match e {
-        CheckpointError::Io { path, source } => HfError::Io { path, source },
-        CheckpointError::Corrupt { path, reason } => HfError::Safetensors { path, reason },
-        CheckpointError::Piece { name, reason } if reason.starts_with("dtype") => HfError::Dtype {
-            tensor: name,
-            dtype: reason,
-        },
-        other => HfError::Safetensors {
-            path: path.into(),
-            reason: other.to_string(),
-        },
-    }
+    Ok(load_params(model, &params.into_iter().collect()))
 }
 
 /// Imports a checkpoint directory (`config.json` and its safetensors) as a single-device GPT.
@@ -981,11 +654,11 @@ fn hf_error(e: CheckpointError, path: &Path) -> HfError {
 /// The configuration read and the model.
 ///
 /// # Errors
-/// Those of [`HfConfig::from_dir`], [`read_checkpoint`] and [`import_tensors`].
+/// Those of [`HfConfig::from_dir`] and [`import_tensors`]; [`HfError::Checkpoint`] when the
+/// safetensors cannot be read ([`burn_parallel::checkpoint::hf::read_dir`]).
 pub fn import(dir: &Path, device: &Device) -> Result<(HfConfig, Gpt)> {
     let config = HfConfig::from_dir(dir)?;
-    let tensors = read_checkpoint(dir)?;
-    let model = import_tensors(&config, tensors, device)?;
+    let model = import_tensors(&config, checkpoint_hf::read_dir(dir)?, device)?;
     Ok((config, model))
 }
 
@@ -995,14 +668,11 @@ pub fn import(dir: &Path, device: &Device) -> Result<(HfConfig, Gpt)> {
 /// reads its tensor-parallel box or FSDP range of each weight).
 ///
 /// # Errors
-/// Those of [`HfConfig::from_dir`], [`read_checkpoint`] and [`to_gpt_params`].
+/// Those of [`HfConfig::from_dir`]; [`HfError::Checkpoint`]: those of
+/// [`burn_parallel::checkpoint::hf::read_dir`] and [`Adapter::from_hf`].
 pub fn gpt_tensors(dir: &Path) -> Result<(HfConfig, BTreeMap<String, TensorData>)> {
     let config = HfConfig::from_dir(dir)?;
-    let params = to_gpt_params(&config, read_checkpoint(dir)?)?;
-    let tensors = params
-        .into_iter()
-        .map(|(k, t)| (k, TensorData::new(t.values, t.shape)))
-        .collect();
+    let tensors = adapter(&config).from_hf(checkpoint_hf::read_dir(dir)?)?;
     Ok((config, tensors))
 }
 
@@ -1069,15 +739,15 @@ fn check_exportable(config: &GptConfig, arch: HfArch) -> Result<()> {
     Ok(())
 }
 
-/// The checkpoint tensors of a single-device `model` in `arch`'s layout (GPT-2's with the
-/// `transformer.` prefix, as `GPT2LMHeadModel.save_pretrained` writes them).
+/// The checkpoint tensors (`f32`) of a single-device `model` in `arch`'s layout (GPT-2's with
+/// the `transformer.` prefix, as `GPT2LMHeadModel.save_pretrained` writes them).
 ///
 /// # Errors
 /// [`HfError::NotExportable`] when the model's configuration has no equivalent in the layout
 /// (for GPT-2: GELU MLP, learned positions, LayerNorm, biases, tied head; for LLaMA: SwiGLU,
 /// rotary, RMSNorm, no biases; no MoE) or the model is split over ranks (export
 /// `model.to_single(device)?` instead).
-pub fn export_tensors(model: &Gpt, arch: HfArch) -> Result<BTreeMap<String, HostTensor>> {
+pub fn export_tensors(model: &Gpt, arch: HfArch) -> Result<BTreeMap<String, TensorData>> {
     check_exportable(&model.config, arch)?;
     if model.tp.group().is_some() || model.blocks.iter().any(|b| b.is_sharded()) {
         return Err(HfError::NotExportable {
@@ -1085,39 +755,13 @@ pub fn export_tensors(model: &Gpt, arch: HfArch) -> Result<BTreeMap<String, Host
             reason: "the model is split over ranks; export `model.to_single(device)?`".into(),
         });
     }
-    let params = host_params(model);
+    let params = burn_parallel_train::named_params(model).into_iter();
+    let params = params.map(|p| (p.path, TensorData::new(p.values, p.shape)));
     let config = HfConfig {
         arch,
         model: model.config.clone(),
     };
-    let prefix = match arch {
-        HfArch::Gpt2 => "transformer.",
-        HfArch::Llama => "",
-    };
-    let get = |p: &str| {
-        params.get(p).ok_or_else(|| HfError::NotExportable {
-            arch,
-            reason: format!("the model has no parameter `{p}`"),
-        })
-    };
-    let mut out = BTreeMap::new();
-    for entry in layout(&config) {
-        let tensor = match &entry.source {
-            Source::Same(p) => get(p)?.clone(),
-            Source::Transposed(p) => get(p)?.transposed(),
-            Source::Fused(ps) => {
-                let parts = ps.iter().map(|p| get(p)).collect::<Result<Vec<_>>>()?;
-                HostTensor::concat_last(&parts)
-            }
-        };
-        debug_assert_eq!(tensor.shape, entry.shape, "{}", entry.name);
-        let name = match entry.name.as_str() {
-            "lm_head.weight" => entry.name,
-            _ => format!("{prefix}{}", entry.name),
-        };
-        out.insert(name, tensor);
-    }
-    Ok(out)
+    Ok(adapter(&config).to_hf(params.collect())?)
 }
 
 /// Writes a single-device `model` to `dir` as `config.json` and `model.safetensors` (`f32`) in
@@ -1129,14 +773,14 @@ pub fn export_tensors(model: &Gpt, arch: HfArch) -> Result<BTreeMap<String, Host
 /// - `dir`: created if needed; existing files of these names are replaced.
 ///
 /// # Errors
-/// Those of [`export_tensors`]; [`HfError::Io`].
+/// Those of [`export_tensors`]; [`HfError::Io`], [`HfError::Checkpoint`].
 pub fn export(model: &Gpt, arch: HfArch, dir: &Path) -> Result<()> {
     let tensors = export_tensors(model, arch)?;
     std::fs::create_dir_all(dir).map_err(|source| HfError::Io {
         path: dir.into(),
         source,
     })?;
-    write_safetensors(&dir.join(WEIGHTS_FILE), &tensors)?;
+    checkpoint_hf::write_safetensors(&dir.join(WEIGHTS_FILE), &tensors)?;
     let config = HfConfig {
         arch,
         model: model.config.clone(),

@@ -40,7 +40,6 @@ pub use burn_parallel::init;
 pub mod pipeline;
 pub mod run;
 pub mod train;
-pub mod train_checkpoint;
 pub mod train_diloco;
 pub mod train_vit;
 pub mod vit;

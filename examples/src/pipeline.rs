@@ -18,15 +18,14 @@
 //! recomputes each stage's forward in its backward ([`burn_pipeline::runtime::Checkpointing`]).
 //! [`PipelineReport::timeline`] is the last step's timeline of every rank, for a
 //! Chrome/Perfetto trace (`--trace FILE`) and the measured bubble.
-//! [`train_gpt_pipeline_checkpointed`] saves and resumes distributed checkpoints under the
-//! whole model's names (`gpt --pp 2 --save-every N --checkpoint-dir D`, `--resume D`), which
-//! any other split or layout loads, ZeRO stage optimizers' sharded state included; and starts
-//! from a Hugging Face checkpoint (`--init-from-hf DIR`), each stage reading its own tensors.
+//! Checkpoints are saved under the whole model's names (`gpt --pp 2 --save D --save-every N`,
+//! `--resume D`), which any other split or layout loads, ZeRO stage optimizers' sharded state
+//! included; a run may start from a Hugging Face checkpoint (`--init-from-hf DIR`), each stage
+//! reading its own tensors.
 //!
-//! Limits, each a typed error ([`PipelineConfig::validate`]): FSDP (`--zero 3`), context
-//! parallelism and a GPT-MoE inside a pipeline (not composed yet), dropout with activation
-//! checkpointing (the recomputed masks would differ), and
-//! `grad_accum` other than 1 (the micro-batches are the accumulation).
+//! Limits, each a typed error ([`check_pipeline`]): FSDP (`--zero 3`), context parallelism
+//! and a GPT-MoE inside a pipeline (not composed yet), dropout with activation checkpointing
+//! (the recomputed masks would differ).
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -44,59 +43,21 @@ use burn_parallel_train::pipeline::{
     Balance, LayerTimes, PathMap, Stager, measure_layer_times, split_layers,
 };
 use burn_parallel_train::{
-    Built, Layout, ModelParts, ParallelModel, PipelineLayout, StageParts, StagedModel, StepLog,
-    StepSettings,
+    Built, Layout, ModelParts, ParallelModel, StageParts, StagedModel, StepLog,
 };
 use burn_pipeline::generators;
-use burn_pipeline::partition::{self, PartitionError};
-use burn_pipeline::runtime::{PipelineError, StepReport};
+use burn_pipeline::partition;
+use burn_pipeline::runtime::StepReport;
 use burn_pipeline::sequential::{InputLayer, Layer, Sequential};
 use burn_pipeline::stage::StageError;
 use burn_pipeline::trace::{StepTrack, Timeline};
-use burn_pipeline::{ScheduleError, ScheduleKind};
 use burn_zero::FsdpPlan;
 
 use crate::data::{Batch, Corpus, Split};
 use crate::gpt::{
     Block, Embeddings, Gpt, GptConfig, INIT_STD, Norm, OutputLayer, Pass, PositionKind,
 };
-use crate::train::{NamedParam, StepStats, TrainConfig, TrainDevice, TrainReport, train_layout};
-use crate::train_checkpoint::{self, CheckpointOptions};
-
-/// Errors of the pipelined GPT: its configuration, its build, its run.
-#[derive(Debug, thiserror::Error)]
-pub enum GptPipelineError {
-    /// A setting that cannot work; the message says which to change.
-    #[error("invalid pipeline run: {0}")]
-    Config(String),
-    /// The layers do not split into the stages.
-    #[error(transparent)]
-    Partition(#[from] PartitionError),
-    /// The schedule cannot be generated.
-    #[error("cannot generate the schedule: {0}")]
-    Schedule(#[from] ScheduleError),
-    /// The pipeline failed while running.
-    #[error(transparent)]
-    Pipeline(#[from] PipelineError),
-    /// A collective outside the pipeline's steps failed (data parallelism, gathering).
-    #[error(transparent)]
-    Collective(#[from] CollectiveError),
-    /// A stage could not be built.
-    #[error("building stage {stage}: {reason}")]
-    Build {
-        /// The stage.
-        stage: usize,
-        /// What failed.
-        reason: String,
-    },
-    /// A checkpoint could not be saved, or the run could not resume from one; the message
-    /// names the checkpoint and what to change.
-    #[error("checkpoint: {0}")]
-    Checkpoint(String),
-    /// The layout, its build or its training failed (the library's error).
-    #[error(transparent)]
-    Run(#[from] burn_parallel::Error),
-}
+use crate::train::{NamedParam, StepStats, TrainConfig, TrainReport, train_layout};
 
 /// How the GPT's blocks are split into stages: a policy of the library's ([`Balance`]:
 /// by count, by parameters, explicit boundaries, given times), or measured first.
@@ -125,113 +86,41 @@ impl From<Balance> for StageSplit {
 /// Activation checkpointing of a pipelined GPT (the layout's).
 pub use burn_parallel_train::Recompute;
 
-/// The pipeline settings of [`train_gpt_pipeline`].
-#[derive(Debug, Clone, PartialEq)]
-pub struct PipelineConfig {
-    /// Pipeline ranks; the world is `pp x dp`.
-    pub pp: usize,
-    /// The schedule family.
-    pub schedule: ScheduleKind,
-    /// Micro-batches per step (per data-parallel rank).
-    pub microbatches: usize,
-    /// Stages per rank for interleaved 1F1B (ZBV always has 2, the others 1).
-    pub virtual_stages: Option<usize>,
-    /// How blocks are split into stages.
-    pub split: StageSplit,
-    /// Tensor-parallel size inside each stage (mesh `pp x dp x tp`); 1: none.
-    pub tp: usize,
-    /// Sequence parallelism in the tensor-parallel regions (needs `tp > 1`).
-    pub sp: bool,
-    /// ZeRO stage 1 or 2 over each stage's data-parallel replicas (`None`: DDP).
-    pub zero: Option<burn_zero::Stage>,
-    /// Activation checkpointing: none, whole stages, or block by block.
-    pub recompute: Recompute,
-    /// The device.
-    pub device: TrainDevice,
+/// Checks that `world` ranks can train `config` pipelined under `layout` (`pp > 1`, its
+/// micro-batches `config.grad_accum`) with the blocks split as `split` says, before anything
+/// is built: the layout's and the config's rules ([`TrainConfig::validate_layout`]), then the
+/// schedule and the split.
+///
+/// # Errors
+/// [`burn_parallel::Error::Invalid`] naming the setting to change;
+/// [`burn_parallel::Error::Technique`] holding the schedule's
+/// [`burn_pipeline::ScheduleError`] or the split's [`partition::PartitionError`].
+pub fn check_pipeline(
+    config: &TrainConfig,
+    layout: &Layout,
+    split: &StageSplit,
+    world: usize,
+) -> Result<(), burn_parallel::Error> {
+    config
+        .validate_layout(layout, world)
+        .map_err(|e| burn_parallel::Error::invalid("the pipeline", e))?;
+    let p = &layout.pipeline;
+    let schedule = generators::generate(p.schedule, layout.pp, config.grad_accum, p.virtual_stages)
+        .map_err(technique)?;
+    // Explicit boundaries are checked as given. The other splits are made when the stages are
+    // built (by parameters) or after measuring, and any feasible one has at least one block per
+    // stage, as by count.
+    let (n, stages) = (config.model.n_layers, schedule.num_stages());
+    match split {
+        StageSplit::Balance(Balance::Explicit(b)) => partition::explicit(n, stages, b),
+        _ => partition::by_count(n, stages),
+    }
+    .map_err(technique)?;
+    Ok(())
 }
 
-impl Default for PipelineConfig {
-    fn default() -> Self {
-        Self {
-            pp: 2,
-            schedule: ScheduleKind::OneFOneB,
-            microbatches: 4,
-            virtual_stages: None,
-            split: StageSplit::default(),
-            tp: 1,
-            sp: false,
-            zero: None,
-            recompute: Recompute::Off,
-            device: TrainDevice::Flex,
-        }
-    }
-}
-
-impl PipelineConfig {
-    /// The library's layout of these settings: `pp x dp x tp`, the schedule, its
-    /// recomputation and the stages' ZeRO.
-    pub fn layout(&self) -> Layout {
-        Layout {
-            pp: self.pp,
-            tp: self.tp,
-            sp: self.sp,
-            zero: self.zero,
-            pipeline: PipelineLayout {
-                schedule: self.schedule,
-                virtual_stages: self.virtual_stages,
-                recompute: self.recompute,
-            },
-            ..Layout::default()
-        }
-    }
-
-    /// The step settings of `config` under these settings: its micro-batches are the
-    /// pipeline's.
-    pub fn settings(&self, config: &TrainConfig) -> StepSettings {
-        StepSettings {
-            grad_accum: self.microbatches,
-            ..config.step_settings()
-        }
-    }
-
-    /// Checks the settings against `config` on `world` ranks, before anything is built: the
-    /// layout's rules ([`Layout::validate`]), then the GPT's own.
-    ///
-    /// # Errors
-    /// [`GptPipelineError::Config`] naming the setting to change; the schedule's and the
-    /// split's own errors.
-    pub fn validate(&self, config: &TrainConfig, world: usize) -> Result<(), GptPipelineError> {
-        if config.grad_accum != 1 {
-            return Err(GptPipelineError::Config(format!(
-                "grad_accum is {} but a pipeline accumulates over its micro-batches; set \
-                 grad_accum to 1 and use --microbatches",
-                config.grad_accum
-            )));
-        }
-        let work = self.settings(config).workload(&config.model);
-        self.layout()
-            .validate(world, &work)
-            .map_err(|e| GptPipelineError::Config(e.to_string()))?;
-        config
-            .validate(self.layout().data_parallel_size(world))
-            .map_err(GptPipelineError::Config)?;
-        let stages = generators::generate(
-            self.schedule,
-            self.pp,
-            self.microbatches,
-            self.virtual_stages,
-        )?
-        .num_stages();
-        // Explicit boundaries are checked as given. The other splits are made when the stages
-        // are built (by parameters) or after measuring, and any feasible one has at least one
-        // block per stage, as by count.
-        let n = config.model.n_layers;
-        match &self.split {
-            StageSplit::Balance(Balance::Explicit(b)) => partition::explicit(n, stages, b)?,
-            _ => partition::by_count(n, stages)?,
-        };
-        Ok(())
-    }
+fn technique(e: impl std::error::Error + Send + Sync + 'static) -> burn_parallel::Error {
+    burn_parallel::Error::Technique(Box::new(e))
 }
 
 /// One stage of the GPT, staged by `burn-pipeline`'s [`Sequential`]: the embedding
@@ -363,8 +252,8 @@ impl burn_pipeline::sequential::OutputLayer<Batch> for GptOutput {
 /// only on the first and last stage); dropout masks of data-parallel stream `stream`.
 ///
 /// # Errors
-/// [`GptPipelineError::Config`] for an invalid model or a GPT-MoE;
-/// [`GptPipelineError::Build`] when a layer cannot be built.
+/// [`burn_parallel::Error::Invalid`] for an invalid model, a GPT-MoE or fewer than 2 stages;
+/// the tensor-parallel split's error when a layer cannot be built.
 ///
 /// # Example
 /// ```
@@ -386,27 +275,25 @@ pub fn build_stage(
     num_stages: usize,
     layers: Range<usize>,
     stream: u64,
-) -> Result<GptStage, GptPipelineError> {
-    config
-        .validate()
-        .map_err(|e| GptPipelineError::Config(format!("invalid GptConfig: {e}")))?;
+) -> Result<GptStage, burn_parallel::Error> {
+    use burn_parallel::Error;
+    config.validate().map_err(|e| Error::invalid("model", e))?;
     if config.moe.is_some() {
-        return Err(GptPipelineError::Config(
-            "a GPT-MoE (model.moe, --moe-experts) is not supported with pipeline \
-             parallelism yet; use data and expert parallelism (--ep) without --pp"
-                .into(),
+        return Err(Error::invalid(
+            "--moe-experts",
+            "a GPT-MoE is not supported with pipeline parallelism yet; use data and expert \
+             parallelism (--ep) without --pp",
         ));
     }
     if num_stages < 2 {
-        return Err(GptPipelineError::Config(format!(
-            "a pipeline of {num_stages} stage(s): split the model into 2 stages or more, or \
-             train it without pipeline parallelism"
-        )));
+        return Err(Error::invalid(
+            "--pp",
+            format!(
+                "a pipeline of {num_stages} stage(s): split the model into 2 stages or more, \
+                 or train it without pipeline parallelism"
+            ),
+        ));
     }
-    let build = |e: &dyn std::fmt::Display| GptPipelineError::Build {
-        stage: index,
-        reason: e.to_string(),
-    };
     let (d, v) = (config.d_model, config.vocab_size);
     let ctx = StageContext {
         config: config.clone(),
@@ -415,7 +302,7 @@ pub fn build_stage(
         stream,
         passes: Arc::default(),
     };
-    let wte = || init.embedding("wte", v, d, INIT_STD).map_err(|e| build(&e));
+    let wte = || init.embedding("wte", v, d, INIT_STD);
     let input = || {
         Ok(GptInput {
             wte: wte()?,
@@ -434,7 +321,7 @@ pub fn build_stage(
     };
     let layer = |i: usize| {
         Ok(GptLayer {
-            block: Block::new(&config.block(), &init.at("blocks").at(i)).map_err(|e| build(&e))?,
+            block: Block::new(&config.block(), &init.at("blocks").at(i))?,
             ctx: ctx.clone(),
         })
     };
@@ -449,8 +336,7 @@ pub fn build_stage(
                         LinearInit::new(d, v)
                             .with_bias(config.bias)
                             .with_std(INIT_STD),
-                    )
-                    .map_err(|e| build(&e))?,
+                    )?,
                 ),
             },
             // Tied embeddings: the last stage holds its own copy of the token table for the
@@ -538,62 +424,43 @@ pub struct PipelineReport {
     pub timeline: Timeline,
 }
 
-/// Trains the GPT of `config` with pipeline parallelism over `pipeline.pp` ranks and data
-/// parallelism over the `world / pp` replicas (mesh `[pp, dp_replicate]`), running
-/// `pipeline.schedule`. Each data-parallel rank takes its rows of the global batch and splits
-/// them into `pipeline.microbatches` micro-batches; each stage's gradients are averaged over
-/// its replicas at the schedule's `REDUCE` ([`TrainStep::reduce`]) and stepped by its own
-/// AdamW. Whatever the schedule, the losses and final parameters are those of single-device
-/// training on the same global batch. At the end every rank gathers the whole model (for the
-/// validation loss, the sample and the report).
+/// Trains the GPT of `config` with pipeline parallelism over `layout.pp` ranks and data
+/// parallelism over the `world / pp` replicas (mesh `[pp, dp_replicate]`, with tensor
+/// parallelism inside each stage when `layout.tp > 1`), running `layout.pipeline`'s schedule.
+/// Each data-parallel rank takes its rows of the global batch and splits them into
+/// `config.grad_accum` micro-batches; each stage's gradients are averaged over its replicas at
+/// the schedule's `REDUCE` and stepped by its own optimizer (ZeRO-1/2 with `layout.zero`).
+/// Whatever the schedule, the losses and final parameters are those of single-device training
+/// on the same global batch. Checkpoints (`config.save`, `config.resume`) hold each stage's
+/// parameters and optimizer state under the whole model's names (a stage's local block `i` is
+/// block `first_layer + i`; a tied token table is written once), so another split or a layout
+/// without a pipeline loads them, and the other way round; a run may start from a Hugging Face
+/// checkpoint (`config.init_from_hf`), each stage reading its own tensors. At the end every
+/// rank gathers the whole model (for the validation loss, the sample and the report).
 ///
 /// # Errors
-/// [`GptPipelineError`]: invalid settings before any communication; pipeline and collective
-/// errors while running.
+/// [`check_pipeline`]'s, before any communication; the pipeline's, the collectives' and the
+/// checkpoints' while running.
 pub fn train_gpt_pipeline(
     world: &ProcessGroup,
     config: &TrainConfig,
-    pipeline: &PipelineConfig,
+    layout: &Layout,
+    split: &StageSplit,
     corpus: &Corpus,
     on_step: &mut dyn FnMut(&StepStats),
-) -> Result<PipelineReport, GptPipelineError> {
-    let none = CheckpointOptions::default();
-    train_gpt_pipeline_checkpointed(world, config, pipeline, corpus, &none, on_step)
-}
-
-/// [`train_gpt_pipeline`] that saves distributed checkpoints and resumes from one
-/// ([`crate::train_checkpoint`]). Each stage's parameters and AdamW state are saved under the
-/// whole model's names (a stage's local block `i` is block `first_layer + i`; a tied token
-/// table is written once), so a pipelined checkpoint loads under another pipeline split, and
-/// under the non-pipelined layouts of [`crate::train::train_gpt_checkpointed`], and the other
-/// way round; the dropout layers' call counters are saved and restored too.
-///
-/// # Errors
-/// As [`train_gpt_pipeline`]; [`GptPipelineError::Checkpoint`] for a checkpoint that cannot be
-/// read or is of another model, a Hugging Face checkpoint (`init_from_hf`) that cannot be read
-/// or is of another model, and a failed save.
-pub fn train_gpt_pipeline_checkpointed(
-    world: &ProcessGroup,
-    config: &TrainConfig,
-    pipeline: &PipelineConfig,
-    corpus: &Corpus,
-    checkpoints: &CheckpointOptions,
-    on_step: &mut dyn FnMut(&StepStats),
-) -> Result<PipelineReport, GptPipelineError> {
-    pipeline.validate(config, world.size())?;
-    checkpoints.validate().map_err(GptPipelineError::Config)?;
-    let plain = pipeline.device.device()?;
-    let device = plain.clone().autodiff();
-    let settings = pipeline.settings(config);
-    let dp_size = pipeline.layout().data_parallel_size(world.size());
+) -> Result<PipelineReport, burn_parallel::Error> {
+    check_pipeline(config, layout, split, world.size())?;
+    let device = config.device.device()?.autodiff();
+    let settings = config.step_settings();
+    let dp_size = layout.data_parallel_size(world.size());
     let mut model = StagedGpt {
         config: config.model.clone(),
         balance: Balance::Count,
     };
-    model.balance = match &pipeline.split {
+    model.balance = match split {
         StageSplit::Balance(balance) => balance.clone(),
         StageSplit::Measured => {
-            let rows = config.batch_size / dp_size / pipeline.microbatches;
+            let rows = config.batch_size / dp_size / config.grad_accum;
             let probe = corpus.batch_rows(0, 0..rows, config.seq_len, Split::Train);
             let t = measure_layer_times(&model, &probe, &device, 3)?;
             // Every rank splits alike: the mean of the ranks' measurements.
@@ -609,10 +476,6 @@ pub fn train_gpt_pipeline_checkpointed(
         }
     };
     // ---- the library's builder stages the GPT (`StagedGpt`), its loop trains it ----
-    let config = TrainConfig {
-        device: pipeline.device,
-        ..config.clone()
-    };
     // Before the stages are gathered: this rank's last step and the timeline of every rank.
     let mut figures = None;
     let mut keep = |built: &Built<StagedGpt>| {
@@ -642,14 +505,8 @@ pub fn train_gpt_pipeline_checkpointed(
     };
     // (No MoE figures: a GPT-MoE is refused under pipeline parallelism.)
     let no_moe = &mut |_: &StepLog, _: &Built<StagedGpt>| Ok(Vec::new());
-    let train = train_layout(
-        world,
-        &config,
-        (&pipeline.layout(), &model, &settings),
-        (corpus, checkpoints),
-        on_step,
-        (no_moe, &mut keep),
-    )?;
+    let run = (layout, &model, &settings);
+    let train = train_layout(world, config, run, corpus, on_step, (no_moe, &mut keep))?;
     let (last_step, held_params, split, timeline) = figures.expect("the run's end was reached");
     Ok(PipelineReport {
         train,
@@ -754,17 +611,6 @@ impl StagedModel for StagedGpt {
     }
 }
 
-impl From<GptPipelineError> for burn_parallel::Error {
-    fn from(e: GptPipelineError) -> Self {
-        match e {
-            GptPipelineError::Collective(e) => e.into(),
-            GptPipelineError::Pipeline(e) => e.into(),
-            GptPipelineError::Run(e) => e,
-            e => burn_parallel::Error::Technique(Box::new(e)),
-        }
-    }
-}
-
 /// The dropout layers of a stage, by the whole model's names.
 fn stage_dropouts(stage: &GptStage) -> Vec<(String, SeededDropout)> {
     let mut out = Vec::new();
@@ -773,7 +619,7 @@ fn stage_dropouts(stage: &GptStage) -> Vec<(String, SeededDropout)> {
     }
     for (i, layer) in stage.layers.iter().enumerate() {
         let name = format!("blocks.{}", stage.first_layer + i);
-        train_checkpoint::block_dropouts(&name, &layer.block, &mut out);
+        layer.block.dropout_layers(&name, &mut out);
     }
     out
 }
@@ -803,12 +649,10 @@ pub fn model_names(first_layer: usize) -> impl Fn(&str) -> String + Send + Sync 
 }
 
 /// The `gpt` binary's pipeline flags besides the layout's (`--pp`, `--schedule`,
-/// `--virtual-stages`, `--checkpoint-activations`, `--checkpoint-blocks`).
+/// `--virtual-stages`, `--checkpoint-activations`, `--checkpoint-blocks`) and the
+/// micro-batches (`--microbatches`, the accumulation's `--grad-accum`).
 #[derive(Debug, Clone, clap::Args)]
 pub struct PipelineArgs {
-    /// Micro-batches per step and data-parallel rank (they divide its rows).
-    #[arg(long, default_value_t = 4)]
-    pub microbatches: usize,
     /// Balance the stages by parameter count (embedding on the first, head on the last)
     /// instead of by block count.
     #[arg(long, conflicts_with = "balance_time")]
@@ -823,30 +667,12 @@ pub struct PipelineArgs {
 }
 
 impl PipelineArgs {
-    /// The [`PipelineConfig`] these flags ask for, on `device`, over `layout`'s pipeline
-    /// ranks and schedule, with its tensor (and sequence) parallelism inside each stage and
-    /// its ZeRO stage over each stage's replicas.
-    pub fn config(
-        &self,
-        device: TrainDevice,
-        layout: &burn_parallel_train::Layout,
-    ) -> PipelineConfig {
-        let p = layout.pipeline;
-        PipelineConfig {
-            pp: layout.pp,
-            schedule: p.schedule,
-            microbatches: self.microbatches,
-            virtual_stages: p.virtual_stages,
-            split: match (self.balance_params, self.balance_time) {
-                (true, _) => Balance::Params.into(),
-                (_, true) => StageSplit::Measured,
-                _ => Balance::Count.into(),
-            },
-            tp: layout.tp,
-            sp: layout.sp,
-            zero: layout.zero,
-            recompute: p.recompute,
-            device,
+    /// The split these flags ask for.
+    pub fn split(&self) -> StageSplit {
+        match (self.balance_params, self.balance_time) {
+            (true, _) => Balance::Params.into(),
+            (_, true) => StageSplit::Measured,
+            _ => Balance::Count.into(),
         }
     }
 }

@@ -7,10 +7,9 @@ use burn_parallel::ProcessGroup;
 use burn_parallel_train::Layout;
 
 use crate::data::Corpus;
-use crate::pipeline::{PipelineArgs, PipelineReport, train_gpt_pipeline_checkpointed};
-use crate::train::{StepStats, TrainConfig, TrainReport, train_gpt_checkpointed};
-use crate::train_checkpoint::CheckpointOptions;
-use crate::train_diloco::{DiLoCoReport, train_gpt_diloco_checkpointed, validate_diloco};
+use crate::pipeline::{PipelineReport, StageSplit, check_pipeline, train_gpt_pipeline};
+use crate::train::{StepStats, TrainConfig, TrainReport, train_gpt};
+use crate::train_diloco::{DiLoCoReport, train_gpt_diloco, validate_diloco};
 
 /// What a GPT run reports, by the kind of layout it ran under.
 #[derive(Debug, Clone)]
@@ -34,62 +33,50 @@ impl GptRun {
     }
 }
 
-/// Checks that `world` ranks can train `config` under `layout` (with `pipeline`'s flags when
-/// `pp > 1`), before any rank builds anything: the layout's rules and the run's, and the
-/// memory a rank needs (`ranks_here` ranks share this process).
+/// Checks that `world` ranks can train `config` under `layout` (its stages split as `split`
+/// says when `pp > 1`), before any rank builds anything: the layout's rules and the run's, and
+/// the memory a rank needs (`ranks_here` ranks share this process).
 ///
 /// # Errors
 /// The first refusal, naming its flag.
 pub fn check_run(
     config: &TrainConfig,
     layout: &Layout,
-    pipeline: &PipelineArgs,
+    split: &StageSplit,
     world: usize,
     ranks_here: usize,
 ) -> Result<(), burn_parallel::Error> {
-    let invalid = |e: &dyn std::fmt::Display| burn_parallel::Error::invalid("gpt", e);
     if let Some(run) = &layout.diloco {
-        return validate_diloco(config, run, layout, world).map_err(|e| invalid(&e));
+        return validate_diloco(config, run, layout, world);
     }
     if layout.pp > 1 {
-        let pipeline = pipeline.config(config.device, layout);
-        return Ok(pipeline.validate(config, world)?);
+        return check_pipeline(config, layout, split, world);
     }
     config
         .check(layout, world, ranks_here)
-        .map_err(|e| invalid(&e))
+        .map_err(|e| burn_parallel::Error::invalid("gpt", e))
 }
 
-/// Trains the GPT of `config` on `world` under `layout` (every rank calls it), saving and
-/// resuming as `checkpoints` say, calling `on_step` after every step.
+/// Trains the GPT of `config` on `world` under `layout` (every rank calls it), its stages split
+/// as `split` says when `pp > 1`, calling `on_step` after every step.
 ///
 /// # Errors
 /// [`check_run`]'s refusals; the trainers' errors.
 pub fn train_gpt_under(
     world: &ProcessGroup,
     config: &TrainConfig,
-    layout: &Layout,
-    pipeline: &PipelineArgs,
-    (corpus, checkpoints): (&Corpus, &CheckpointOptions),
+    (layout, split): (&Layout, &StageSplit),
+    corpus: &Corpus,
     on_step: &mut dyn FnMut(&StepStats),
 ) -> Result<GptRun, burn_parallel::Error> {
     if let Some(run) = &layout.diloco {
-        let report =
-            train_gpt_diloco_checkpointed(world, config, run, corpus, checkpoints, on_step)?;
+        let report = train_gpt_diloco(world, config, run, corpus, on_step)?;
         return Ok(GptRun::DiLoCo(report));
     }
     if layout.pp > 1 {
-        let pipeline = pipeline.config(config.device, layout);
-        let report = train_gpt_pipeline_checkpointed(
-            world,
-            config,
-            &pipeline,
-            corpus,
-            checkpoints,
-            on_step,
-        )?;
+        let report = train_gpt_pipeline(world, config, layout, split, corpus, on_step)?;
         return Ok(GptRun::Pipeline(report));
     }
-    let report = train_gpt_checkpointed(world, config, layout, corpus, checkpoints, on_step)?;
+    let report = train_gpt(world, config, layout, corpus, on_step)?;
     Ok(GptRun::Whole(report))
 }

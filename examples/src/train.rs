@@ -1,10 +1,27 @@
 //! The GPT training loop, shared by the `gpt` binary and the parity tests.
 //!
-//! One function, [`train_gpt`], runs on every rank of a data-parallel group: each rank builds
-//! the same model from the seed, takes its rows of the step's global batch, and averages its
-//! gradients with [`DistributedDataParallel`] before the AdamW step. Whatever the number of
-//! ranks, the losses are those of single-device training on the same global batch.
+//! One function, [`train_gpt`], runs on every rank under any [`Layout`]: each rank builds its
+//! part of the same model from the seed, takes its rows of the step's global batch, and the
+//! library's builder and loop ([`burn_parallel_train::build_from`], [`fit_with`]) train it.
+//! Whatever the layout, the losses are those of single-device training on the same global
+//! batch.
+//!
+//! **Checkpoints** (`config.save`, `config.resume`; `gpt --save D --save-every N`, `--resume D`)
+//! hold the logical (single-device) parameters and optimizer state, each rank saving the part
+//! it holds, and the run's losses and settings ([`SavedConfig`]). The learning-rate schedule
+//! and the data are functions of the step, so the step is their position: a resumed run
+//! continues the saving run's loss curve, bit for bit under the same layout and within the
+//! rounding of the other reduction order under another.
+//!
+//! **Dropout.** A mask is a function of the seed, the layer, the data-parallel stream, the
+//! layer's call counter and the element's position in the rank's micro-batch
+//! ([`SeededDropout`](burn_parallel::tensor_parallel::SeededDropout)). The counters are saved
+//! and restored, so a resumed run draws the masks the saving run would have drawn: bit for bit
+//! at the same layout, within 1e-5 at another tensor-parallel, sequence-parallel or ZeRO layout
+//! with the same data-parallel size and accumulation. At another data-parallel size each
+//! replica draws its own stream over its own rows: a valid continuation with other masks.
 
+use std::path::PathBuf;
 use std::time::Instant;
 
 use burn::module::Module;
@@ -23,7 +40,6 @@ use serde::{Deserialize, Serialize};
 use crate::data::{Corpus, Split};
 use crate::gpt::{Gpt, GptConfig};
 use crate::init::splitmix64;
-use crate::train_checkpoint::{self, CheckpointOptions};
 
 /// Everything that defines a training run (the model included). A key it does not know is an
 /// error, not a silent default ([`TrainConfig::from_toml`]).
@@ -73,6 +89,20 @@ pub struct TrainConfig {
     /// saved with checkpoints: a run resumes on any device).
     #[serde(skip)]
     pub device: TrainDevice,
+    /// Saving (`gpt --save D --save-every N`; `None`: never). Like the two fields below, not a
+    /// key of the config file nor saved with checkpoints: where a run saves and starts from is
+    /// not what it trains.
+    #[serde(skip)]
+    pub save: Option<CheckpointPolicy>,
+    /// Resume from this checkpoint, or the newest complete one under this directory, saved
+    /// under any layout (`gpt --resume D`); the run continues its losses and its masks.
+    #[serde(skip)]
+    pub resume: Option<PathBuf>,
+    /// Start (at step 0) from the weights of this Hugging Face checkpoint directory
+    /// ([`crate::hf::gpt_tensors_for`]; `gpt --init-from-hf D`): the run's model must be the one
+    /// its `config.json` describes, up to seed, dropout and fused kernels.
+    #[serde(skip)]
+    pub init_from_hf: Option<PathBuf>,
 }
 
 /// The run settings of the library the config names: its arithmetic, loss scaling and device.
@@ -102,6 +132,9 @@ impl Default for TrainConfig {
             reduce_fp32: false,
             loss_scale: None,
             device: TrainDevice::Flex,
+            save: None,
+            resume: None,
+            init_from_hf: None,
         }
     }
 }
@@ -184,6 +217,13 @@ impl TrainConfig {
         }
         if self.model.vocab_size < 256 {
             return Err("byte-level tokens need vocab_size >= 256".into());
+        }
+        if self.resume.is_some() && self.init_from_hf.is_some() {
+            return Err(
+                "--resume and --init-from-hf both say where the weights come from: give \
+                        one (a resumed run already holds the weights it started from)"
+                    .into(),
+            );
         }
         Ok(())
     }
@@ -336,80 +376,32 @@ pub struct TrainReport {
     pub memory: Option<burn_zero::MemoryReport>,
 }
 
-/// How the world is split for [`train_gpt_parallel`]: the library's [`Layout`] (tensor,
-/// sequence, context and expert parallelism, and across them DDP, ZeRO-1/2, FSDP or HSDP).
+/// How the world is split for [`train_gpt`]: the library's [`Layout`] (tensor, sequence,
+/// context and expert parallelism, and across them DDP, ZeRO-1/2, FSDP or HSDP).
 pub type Parallelism = Layout;
 
-/// Trains the GPT of `config` with data parallelism over `group` (a group of one rank is
-/// single-device training) and calls `on_step` after every step.
+/// Trains the GPT of `config` on `world` under `layout` (every rank calls it; a world of one
+/// rank and the default layout is single-device training) and calls `on_step` after every
+/// step: one model type ([`Gpt::build`]) under every layout, the tensor-parallel plan
+/// [`Gpt::tp_plan`], the FSDP plan [`Gpt::fsdp_plan`], the library's builder and loop. Each
+/// data-parallel rank takes its rows of the step's global batch in `grad_accum` micro-steps.
+/// Whatever the layout, the losses and final parameters are those of single-device training on
+/// the same global batch. It saves and resumes as `config.save` and `config.resume` say: any
+/// layout loads what any other saved, and a resumed run continues the saving run's losses (its
+/// [`TrainReport::losses`] include the steps done before the checkpoint). Pipelines are
+/// [`crate::pipeline::train_gpt_pipeline`]'s, DiLoCo [`crate::train_diloco::train_gpt_diloco`]'s.
 ///
 /// # Errors
-/// An invalid config as [`burn_parallel::Error::Invalid`] naming the setting, before any
-/// communication (check it first with [`TrainConfig::validate`]); the run's failures (a
-/// collective, a non-finite step) typed ([`burn_parallel::Error::collective`] reads a dead
-/// peer's).
+/// An invalid config or layout as [`burn_parallel::Error::Invalid`] naming the setting, before
+/// any communication (check it first with [`TrainConfig::check`]); a checkpoint that cannot be
+/// read or is of another model ([`burn_parallel::Error::Resume`]); the run's failures (a
+/// collective, a non-finite step, a failed save) typed ([`burn_parallel::Error::collective`]
+/// reads a dead peer's).
 pub fn train_gpt(
-    group: &ProcessGroup,
-    config: &TrainConfig,
-    corpus: &Corpus,
-    on_step: &mut dyn FnMut(&StepStats),
-) -> Result<TrainReport, burn_parallel::Error> {
-    train_gpt_parallel(group, config, &Parallelism::default(), corpus, on_step)
-}
-
-/// [`train_gpt`] on `device` (the `gpt --device` flag): with [`TrainDevice::Wgpu`] and
-/// `config.model.fused`, the norms, SwiGLU, RoPE and the cross-entropy run as CubeCL kernels.
-///
-/// # Errors
-/// As [`train_gpt`]; a device that cannot be initialised names `--device`.
-pub fn train_gpt_on(
-    group: &ProcessGroup,
-    config: &TrainConfig,
-    device: TrainDevice,
-    corpus: &Corpus,
-    on_step: &mut dyn FnMut(&StepStats),
-) -> Result<TrainReport, burn_parallel::Error> {
-    let config = TrainConfig {
-        device,
-        ..config.clone()
-    };
-    train_gpt_parallel(group, &config, &Layout::default(), corpus, on_step)
-}
-
-/// Trains the GPT of `config` on `world` with the split `parallel` (every rank calls it): one
-/// model type ([`Gpt::build`]) under every layout, the tensor-parallel plan [`Gpt::tp_plan`],
-/// the FSDP plan [`Gpt::fsdp_plan`], and the library's [`TrainStep`] (or ZeRO's optimizer).
-/// Each data-parallel rank takes its rows of the step's global batch in `grad_accum`
-/// micro-steps. Whatever the split, the losses and final parameters are those of
-/// single-device training on the same global batch.
-///
-/// # Errors
-/// As [`train_gpt`]; an invalid split names its flag.
-pub fn train_gpt_parallel(
     world: &ProcessGroup,
     config: &TrainConfig,
-    parallel: &Parallelism,
+    parallel: &Layout,
     corpus: &Corpus,
-    on_step: &mut dyn FnMut(&StepStats),
-) -> Result<TrainReport, burn_parallel::Error> {
-    let none = CheckpointOptions::default();
-    train_gpt_checkpointed(world, config, parallel, corpus, &none, on_step)
-}
-
-/// [`train_gpt_parallel`] that saves distributed checkpoints and resumes from one
-/// ([`crate::train_checkpoint`]): any layout loads what any other saved, and the resumed run
-/// continues the saving run's losses (its [`TrainReport::losses`] include the steps done before
-/// the checkpoint).
-///
-/// # Errors
-/// As [`train_gpt_parallel`]; invalid options, a checkpoint that cannot be read or is of
-/// another model ([`burn_parallel::Error::Resume`]), and a failed save.
-pub fn train_gpt_checkpointed(
-    world: &ProcessGroup,
-    config: &TrainConfig,
-    parallel: &Parallelism,
-    corpus: &Corpus,
-    checkpoints: &CheckpointOptions,
     on_step: &mut dyn FnMut(&StepStats),
 ) -> Result<TrainReport, burn_parallel::Error> {
     // Thread ranks share this process's memory.
@@ -455,7 +447,7 @@ pub fn train_gpt_checkpointed(
         world,
         config,
         run,
-        (corpus, checkpoints),
+        corpus,
         on_step,
         (&mut extra, &mut account),
     )?;
@@ -480,13 +472,10 @@ pub(crate) fn train_layout<P: ParallelModel<Model = Gpt, Batch = crate::data::Ba
     world: &ProcessGroup,
     config: &TrainConfig,
     (layout, model, settings): (&Layout, &P, &StepSettings),
-    (corpus, checkpoints): (&Corpus, &CheckpointOptions),
+    corpus: &Corpus,
     on_step: &mut dyn FnMut(&StepStats),
     (extra, finish): Hooks<'_, '_, P>,
 ) -> Result<TrainReport, burn_parallel::Error> {
-    checkpoints
-        .validate()
-        .map_err(|e| burn_parallel::Error::invalid("checkpoint", e))?;
     corpus
         .check_windows(config.seq_len, config.eval_batches)
         .map_err(|e| burn_parallel::Error::invalid("--seq-len", e))?;
@@ -497,7 +486,7 @@ pub(crate) fn train_layout<P: ParallelModel<Model = Gpt, Batch = crate::data::Ba
         .validate(&plain)
         .map_err(|e| burn_parallel::Error::invalid("--precision", e))?;
     // A run starts from Hugging Face's parameters, or a checkpoint's (loaded in `fit`).
-    let start = match (&checkpoints.resume, &checkpoints.init_from_hf) {
+    let start = match (&config.resume, &config.init_from_hf) {
         (None, Some(dir)) => Some(
             crate::hf::gpt_tensors_for(dir, &config.model)
                 .map_err(|e| burn_parallel::Error::invalid("init_from_hf", e))?,
@@ -506,7 +495,7 @@ pub(crate) fn train_layout<P: ParallelModel<Model = Gpt, Batch = crate::data::Ba
     };
     let device = plain.clone().autodiff();
     let built = build_from(world, layout, model, &device, settings, start.as_ref())?;
-    let fitted = fit_gpt(world, built, config, (corpus, checkpoints), on_step, extra)?;
+    let fitted = fit_gpt(world, built, config, corpus, on_step, extra)?;
     finish(&fitted.built)?;
     let tokens_per_sec = fitted.tokens_per_sec();
     let built = fitted.built;
@@ -540,32 +529,12 @@ pub(crate) fn train_layout<P: ParallelModel<Model = Gpt, Batch = crate::data::Ba
     })
 }
 
-/// The library loop's settings of `config`'s run, saving and resuming as `checkpoints` say.
-fn fit_config(config: &TrainConfig, checkpoints: &CheckpointOptions) -> FitConfig {
-    FitConfig {
-        steps: config.steps,
-        lr: config.lr_schedule(),
-        checkpoint: match (&checkpoints.dir, checkpoints.save_every) {
-            (Some(dir), every) if every > 0 => Some(CheckpointPolicy {
-                dir: dir.clone(),
-                every,
-                at_end: false,
-                keep: checkpoints.keep,
-                background: checkpoints.asynchronous,
-            }),
-            _ => None,
-        },
-        resume: checkpoints.resume.clone(),
-        check_replicas_every: 0,
-    }
-}
-
 /// What [`fit_gpt`] calls after each step for the MoE layers' routing figures.
 type MoeFigures<'a, P> =
     dyn FnMut(&StepLog, &Built<P>) -> Result<Vec<MoeStats>, burn_parallel::Error> + 'a;
 
 /// Trains `built` (any GPT layout: whole, pipelined or DiLoCo) with the library's loop: each
-/// rank's rows of the corpus, saving and resuming as `checkpoints` say with the GPT's run state,
+/// rank's rows of the corpus, saving and resuming as `config` says with the GPT's run state,
 /// `on_step` fed every step's figures and `extra(log, built)`'s MoE routing figures (where
 /// `extra` may also do its own bookkeeping). No stop flag: the GPT trainers stop at
 /// `config.steps`.
@@ -576,7 +545,7 @@ fn fit_gpt<P: burn_parallel_train::ParallelModel<Batch = crate::data::Batch>>(
     world: &ProcessGroup,
     built: Built<P>,
     config: &TrainConfig,
-    (corpus, checkpoints): (&Corpus, &CheckpointOptions),
+    corpus: &Corpus,
     on_step: &mut dyn FnMut(&StepStats),
     extra: &mut MoeFigures<'_, P>,
 ) -> Result<Fitted<P>, burn_parallel::Error> {
@@ -598,13 +567,19 @@ fn fit_gpt<P: burn_parallel_train::ParallelModel<Batch = crate::data::Batch>>(
         Ok(())
     };
     // Which checkpoint a resume loads, before it loads: rank 0 reads its manifest to say so.
-    let opened = (world.rank() == 0).then(|| checkpoints.resume.as_deref().map(open_checkpoint));
+    let opened = (world.rank() == 0).then(|| config.resume.as_deref().map(open_checkpoint));
     if let Some(Some(Ok(checkpoint))) = opened {
         println!("resuming from {}", Resumed::of(&checkpoint));
     }
     // The losses and the run's settings go with each checkpoint; a resume must be the same run.
-    let mut state = SavedConfig::new(config, train_checkpoint::resumable);
-    let fit_config = fit_config(config, checkpoints);
+    let mut state = SavedConfig::new(config, resumable);
+    let fit_config = FitConfig {
+        steps: config.steps,
+        lr: config.lr_schedule(),
+        checkpoint: config.save.clone(),
+        resume: config.resume.clone(),
+        check_replicas_every: 0,
+    };
     fit_with(
         built,
         &fit_config,
@@ -703,6 +678,31 @@ pub fn generate(model: &Gpt, prompt: &str, config: &TrainConfig, device: &Device
         tokens.push(choice as i64);
     }
     String::from_utf8_lossy(&tokens.iter().map(|&t| t as u8).collect::<Vec<u8>>()).into_owned()
+}
+
+/// Whether a run of `now` can continue a checkpoint saved by a run of `saved`: the same model,
+/// batch and sequence length. Another layout, data-parallel size or accumulation is a valid
+/// continuation (with dropout, one that draws that layout's masks).
+///
+/// # Errors
+/// A sentence naming what differs.
+fn resumable(saved: &TrainConfig, now: &TrainConfig) -> Result<(), String> {
+    let differs = |what: &str, saved: String, now: String| {
+        format!("saved with {what} {saved}, this run has {now}: resume with the same {what}")
+    };
+    if saved.model != now.model {
+        let (s, n) = (format!("{:?}", saved.model), format!("{:?}", now.model));
+        return Err(differs("model", s, n));
+    }
+    for (what, s, n) in [
+        ("batch_size", saved.batch_size, now.batch_size),
+        ("seq_len", saved.seq_len, now.seq_len),
+    ] {
+        if s != n {
+            return Err(differs(what, s.to_string(), n.to_string()));
+        }
+    }
+    Ok(())
 }
 
 /// The trained parameters the reports carry, by path (the library's).

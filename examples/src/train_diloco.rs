@@ -6,7 +6,7 @@
 //! The world's ranks form `N` islands of `ranks / N` ranks; each island trains with data
 //! parallelism inside (DDP over its ranks) and its own inner optimizer, and the outer step
 //! runs every `H` steps (per fragment under streaming DiLoCo). The global batch of a step is
-//! that of [`crate::train::train_gpt_parallel`], cut over all ranks, so a run spends the same
+//! that of [`crate::train::train_gpt`], cut over all ranks, so a run spends the same
 //! tokens as a DDP run of the same config: with inner SGD, `H` = 1, outer learning rate 1 and
 //! no momentum it *is* DDP with SGD.
 //!
@@ -18,15 +18,14 @@
 //! step losses and the validation loss are those of this rank's island (its rows of the global
 //! batch), and each rank reports only its own bytes.
 
-use burn_parallel::diloco::{DiLoCoError, count_sent_bytes};
-use burn_parallel::{CollectiveError, ProcessGroup};
+use burn_parallel::ProcessGroup;
+use burn_parallel::diloco::count_sent_bytes;
 pub use burn_parallel_train::diloco::{CompressionArg, DiLoCoFlags, InnerOptimArg};
-use burn_parallel_train::{Built, DiLoCoFigures, DiLoCoLayout, Layout, LayoutError, StepLog};
+use burn_parallel_train::{Built, DiLoCoFigures, DiLoCoLayout, Layout, StepLog};
 
 use crate::data::Corpus;
 use crate::gpt::GptConfig;
 use crate::train::{Parallelism, StepStats, TrainConfig, TrainReport, train_layout};
-use crate::train_checkpoint::CheckpointOptions;
 
 /// What a DiLoCo run gives: the trainer's report and the bytes this rank sent.
 #[derive(Debug, Clone)]
@@ -38,70 +37,32 @@ pub struct DiLoCoReport {
     pub figures: DiLoCoFigures,
 }
 
-/// A DiLoCo run that cannot go.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum DiLoCoTrainError {
-    /// A layout DiLoCo does not compose with, or DiLoCo settings that cannot run: the error
-    /// names the flag ([`Layout::validate`]).
-    #[error(transparent)]
-    Layout(#[from] LayoutError),
-    /// The run's config does not fit the ranks.
-    #[error("DiLoCo run: {0}")]
-    Config(String),
-    /// A checkpoint that cannot be read or written, or is of another run.
-    #[error("DiLoCo checkpoint: {0}")]
-    Checkpoint(String),
-    /// DiLoCo's own errors (settings, lost islands, collectives).
-    #[error(transparent)]
-    DiLoCo(#[from] DiLoCoError),
-}
-
-impl From<CollectiveError> for DiLoCoTrainError {
-    fn from(e: CollectiveError) -> Self {
-        DiLoCoTrainError::DiLoCo(DiLoCoError::Collective(e))
-    }
-}
-
 /// Checks a DiLoCo run of `config` under `run` on `world` ranks, with the other layout
 /// settings of `parallel` (which DiLoCo refuses unless they are plain data parallelism), before
 /// anything is built: [`Layout::validate`]'s rules, then the run's.
 ///
 /// # Errors
-/// [`DiLoCoTrainError`] naming the setting to change.
+/// [`burn_parallel::Error::Invalid`] naming the setting to change.
 pub fn validate_diloco(
     config: &TrainConfig,
     run: &DiLoCoLayout,
     parallel: &Parallelism,
     world: usize,
-) -> Result<(), DiLoCoTrainError> {
+) -> Result<(), burn_parallel::Error> {
     let layout = Layout {
         diloco: Some(*run),
         ..*parallel
     };
     let work = config.step_settings().workload(&config.model);
     layout.validate(world, &work)?;
-    config.validate(world).map_err(DiLoCoTrainError::Config)
+    config
+        .validate(world)
+        .map_err(|e| burn_parallel::Error::invalid("--diloco-islands", e))
 }
 
 /// Trains the GPT of `config` with DiLoCo on `world` (every rank calls it) and calls `on_step`
-/// after every inner step (the loss is the global batch's: averaged over every rank).
-///
-/// # Errors
-/// [`DiLoCoTrainError`]: invalid settings (before any communication), a lost island, collective
-/// failures.
-pub fn train_gpt_diloco(
-    world: &ProcessGroup,
-    config: &TrainConfig,
-    run: &DiLoCoLayout,
-    corpus: &Corpus,
-    on_step: &mut dyn FnMut(&StepStats),
-) -> Result<DiLoCoReport, DiLoCoTrainError> {
-    let none = CheckpointOptions::default();
-    train_gpt_diloco_checkpointed(world, config, run, corpus, &none, on_step)
-}
-
-/// [`train_gpt_diloco`] that saves distributed checkpoints and resumes from one
-/// (`gpt --diloco-islands N --save-every S --checkpoint-dir D`, `--resume D`). A checkpoint
+/// after every inner step (the loss is the global batch's: averaged over every rank). It saves
+/// and resumes as `config.save` and `config.resume` say; a checkpoint
 /// ([`burn_parallel_train::diloco::DiLoCoCheckpoint`]) holds:
 /// - the outer model `θ_start` under the model's own names, so that any other layout resumes
 ///   from it (or evaluates or exports it) as from a plain run's checkpoint, without optimizer
@@ -117,19 +78,17 @@ pub fn train_gpt_diloco(
 /// after any inner step: between syncs the islands' models differ, and each is kept.
 ///
 /// # Errors
-/// As [`train_gpt_diloco`]; [`DiLoCoTrainError::Checkpoint`] for a checkpoint that cannot be
-/// read, is of another run (model, DiLoCo settings, islands) or cannot be written, and for a
-/// Hugging Face checkpoint (`init_from_hf`, every island's start) that cannot be read or is of
-/// another model.
-pub fn train_gpt_diloco_checkpointed(
+/// [`validate_diloco`]'s (before any communication); a lost island
+/// ([`burn_parallel::Error::DiLoCo`]), collective failures; a checkpoint that cannot be read,
+/// is of another run (model, DiLoCo settings, islands) or cannot be written; a Hugging Face
+/// checkpoint (`init_from_hf`, every island's start) that cannot be read or is of another model.
+pub fn train_gpt_diloco(
     world: &ProcessGroup,
     config: &TrainConfig,
     run: &DiLoCoLayout,
     corpus: &Corpus,
-    checkpoints: &CheckpointOptions,
     on_step: &mut dyn FnMut(&StepStats),
-) -> Result<DiLoCoReport, DiLoCoTrainError> {
-    checkpoints.validate().map_err(DiLoCoTrainError::Config)?;
+) -> Result<DiLoCoReport, burn_parallel::Error> {
     validate_diloco(config, run, &Parallelism::default(), world.size())?;
     // Everything runs on the counting world, the builder's checks and groups included.
     let (world, counter) = count_sent_bytes(world)?;
@@ -147,51 +106,10 @@ pub fn train_gpt_diloco_checkpointed(
     };
     let no_moe = &mut |_: &StepLog, _: &Built<GptConfig>| Ok(Vec::new());
     let settings = config.step_settings();
-    let train = train_layout(
-        &world,
-        config,
-        (&layout, &config.model, &settings),
-        (corpus, checkpoints),
-        on_step,
-        (no_moe, &mut keep),
-    )
-    .map_err(train_error)?;
+    let run = (&layout, &config.model, &settings);
+    let train = train_layout(&world, config, run, corpus, on_step, (no_moe, &mut keep))?;
     let figures = handle
         .expect("a DiLoCo layout has DiLoCo's engine")
         .figures(&counter);
     Ok(DiLoCoReport { train, figures })
-}
-
-impl From<DiLoCoTrainError> for burn_parallel::Error {
-    fn from(e: DiLoCoTrainError) -> Self {
-        match e {
-            DiLoCoTrainError::DiLoCo(e) => burn_parallel::Error::DiLoCo(e),
-            DiLoCoTrainError::Layout(e) => e.into(),
-            e @ DiLoCoTrainError::Checkpoint(_) => burn_parallel::Error::invalid("checkpoint", e),
-            e @ DiLoCoTrainError::Config(_) => burn_parallel::Error::invalid("--diloco-islands", e),
-        }
-    }
-}
-
-/// A checkpoint error of a DiLoCo run.
-fn checkpoint_error(e: impl std::fmt::Display) -> DiLoCoTrainError {
-    DiLoCoTrainError::Checkpoint(e.to_string())
-}
-
-/// The library's error as a DiLoCo run's: collective failures and DiLoCo's own stay typed (a
-/// lost island keeps its message), a checkpoint's or a resume's is a checkpoint error, anything
-/// else a config error with its message.
-fn train_error(e: burn_parallel::Error) -> DiLoCoTrainError {
-    use burn_parallel::Error;
-    match e {
-        Error::Collective(c) => c.into(),
-        Error::DiLoCo(d) => d.into(),
-        Error::Step { source, .. }
-            if matches!(*source, Error::Collective(_) | Error::DiLoCo(_)) =>
-        {
-            train_error(*source)
-        }
-        e @ (Error::Checkpoint(_) | Error::Resume { .. }) => checkpoint_error(e),
-        e => DiLoCoTrainError::Config(e.to_string()),
-    }
 }

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use examples::hf::{self, HostTensor};
+use burn::tensor::TensorData;
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use serde_json::Value;
 
@@ -163,9 +163,21 @@ impl Trajectory {
 ///
 /// # Panics
 /// When the file is missing or not safetensors of floats.
-pub fn tensors(name: &str, file: &str) -> BTreeMap<String, HostTensor> {
+pub fn tensors(name: &str, file: &str) -> BTreeMap<String, TensorData> {
     let path = dir(name).join(file);
-    or_panic(hf::read_safetensors(&path), &path)
+    or_panic(
+        burn_parallel::checkpoint::hf::read_safetensors(&path),
+        &path,
+    )
+}
+
+/// Float tensors by name as `f32` shapes and values.
+pub fn params(tensors: impl IntoIterator<Item = (String, TensorData)>) -> crate::Params {
+    let values = |t: TensorData| t.try_into_vec_as::<f32>().expect("float tensors");
+    let tensors = tensors.into_iter();
+    tensors
+        .map(|(k, t)| (k, (t.shape().to_vec(), values(t))))
+        .collect()
 }
 
 /// Prints how far `ours` is from the golden `golden` losses: the worst relative difference and

@@ -39,9 +39,7 @@ pub fn tiny_gpt_run(steps: usize) -> TrainConfig {
         prompt: String::new(),
         max_grad_norm: None,
         precision: examples::train::Precision::F32,
-        reduce_fp32: false,
-        loss_scale: None,
-        device: examples::train::TrainDevice::Flex,
+        ..TrainConfig::default()
     }
 }
 
@@ -122,7 +120,7 @@ pub fn train_layout_on(
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let reports = burn_parallel_train::run_local(world, |g| {
         let g = g.with_tensor_path(tensor_path);
-        examples::train::train_gpt_parallel(&g, config, parallel, &corpus, &mut |_| {})
+        examples::train::train_gpt(&g, config, parallel, &corpus, &mut |_| {})
     })
     .unwrap_or_else(|e| panic!("{parallel:?} on {world} ranks (tensor path {tensor_path}): {e}"));
     rank0_if_ranks_agree(reports, |r| (&r.losses, &r.final_params))

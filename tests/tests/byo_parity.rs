@@ -1800,17 +1800,6 @@ fn sharded_init_holds_only_the_shard() {
 /// The golden run clips the global gradient norm at this.
 const GOLDEN_CLIP: f64 = 1.0;
 
-fn host_tensors(params: Params) -> BTreeMap<String, examples::hf::HostTensor> {
-    params
-        .into_iter()
-        .map(|(path, data)| {
-            let shape = data.shape().to_vec();
-            let values = data.try_to_vec::<f32>().expect("f32 parameters");
-            (path, examples::hf::HostTensor::new(shape, values))
-        })
-        .collect()
-}
-
 fn golden_batches() -> tests::golden::Batches {
     let device = Device::flex();
     let (mut inputs, mut targets) = (Vec::new(), Vec::new());
@@ -1836,7 +1825,8 @@ fn write_golden_byo_inputs() {
     golden_batches().write(&dir.join("batches.safetensors"));
     let model = Decoder::new(&Init::new(config().seed, &Device::flex()), None, &config()).unwrap();
     let params = TpContext::single().full_params(&model).unwrap();
-    examples::hf::write_safetensors(&dir.join("model.safetensors"), &host_tensors(params))
+    let params = params.into_iter().collect();
+    burn_parallel::checkpoint::hf::write_safetensors(&dir.join("model.safetensors"), &params)
         .expect("model.safetensors written");
 }
 
@@ -1860,10 +1850,10 @@ fn byo_oracle_matches_pytorch() {
     );
     let initial =
         Decoder::new(&Init::new(config().seed, &Device::flex()), None, &config()).unwrap();
-    let initial = host_tensors(TpContext::single().full_params(&initial).unwrap());
+    let initial = tests::golden::params(TpContext::single().full_params(&initial).unwrap());
     assert_eq!(
         initial,
-        tests::golden::tensors("byo", "model.safetensors"),
+        tests::golden::params(tests::golden::tensors("byo", "model.safetensors")),
         "the committed initial weights are not the decoder's seeded ones: regenerate"
     );
     // Burn's default AdamW, as the golden run's (not the layouts' `EPSILON`).
@@ -1875,16 +1865,13 @@ fn byo_oracle_matches_pytorch() {
     let what = "byo decoder: the single-device oracle vs PyTorch";
     tests::golden::report_losses(what, &losses, &golden.losses());
     tests::assert_same_losses(&golden.losses(), &losses, 1e-4, what);
-    let reference: tests::Params = tests::golden::tensors("byo", "final.safetensors")
+    let reference = tests::golden::params(tests::golden::tensors("byo", "final.safetensors"));
+    let ours: Vec<_> = tests::golden::params(params)
         .into_iter()
-        .map(|(path, t)| (path, (t.shape, t.values)))
-        .collect();
-    let ours: Vec<_> = host_tensors(params)
-        .into_iter()
-        .map(|(path, t)| examples::train::NamedParam {
+        .map(|(path, (shape, values))| examples::train::NamedParam {
             path,
-            shape: t.shape,
-            values: t.values,
+            shape,
+            values,
         })
         .collect();
     tests::assert_same_params(&reference, &ours, 1e-4, what);

@@ -26,11 +26,12 @@
 
 use burn::tensor::DType;
 use burn_parallel::calls::{CallLog, CallPath, LoggedCall};
+use burn_parallel_train::PipelineLayout;
 use burn_parallel_train::run_local;
 use burn_zero::Stage;
 use examples::data::Corpus;
-use examples::pipeline::{PipelineConfig, train_gpt_pipeline};
-use examples::train::{Parallelism, TrainConfig, train_gpt_parallel};
+use examples::pipeline::train_gpt_pipeline;
+use examples::train::{Parallelism, TrainConfig, train_gpt};
 use tests::tiny_gpt_run;
 
 /// The step read from each log (0-based): steady, past the first step's one-off setup.
@@ -71,7 +72,7 @@ fn layout_calls(
 ) -> Vec<Vec<LoggedCall>> {
     let corpus = Corpus::load_default().expect("the bundled corpus");
     step_calls(world, |group, each_step| {
-        train_gpt_parallel(group, config, parallel, &corpus, &mut |_| each_step())?;
+        train_gpt(group, config, parallel, &corpus, &mut |_| each_step())?;
         Ok(())
     })
 }
@@ -84,7 +85,7 @@ fn numel(config: &TrainConfig) -> usize {
         ..config.clone()
     };
     let report = run_local(1, |g| {
-        train_gpt_parallel(&g, &one, &Parallelism::default(), &corpus, &mut |_| {})
+        train_gpt(&g, &one, &Parallelism::default(), &corpus, &mut |_| {})
     })
     .expect("one step trains");
     report[0].final_params.iter().map(|p| p.values.len()).sum()
@@ -366,21 +367,22 @@ fn pipeline_transfers_are_device_messages_taken_in_send_order() {
     use burn_pipeline::ScheduleKind;
     let mut config = config();
     config.model.n_layers = 4;
+    config.grad_accum = 4;
     let corpus = Corpus::load_default().expect("the bundled corpus");
     for schedule in ScheduleKind::GENERATED {
-        let pipeline = PipelineConfig {
-            schedule,
-            virtual_stages: (schedule == ScheduleKind::Interleaved1F1B).then_some(2),
-            ..PipelineConfig::default()
+        let pipeline = Parallelism {
+            pp: 2,
+            pipeline: PipelineLayout {
+                schedule,
+                virtual_stages: (schedule == ScheduleKind::Interleaved1F1B).then_some(2),
+                ..PipelineLayout::default()
+            },
+            ..Parallelism::default()
         };
+        let split = Default::default();
         let pp = step_calls(2, |group, each_step| {
-            train_gpt_pipeline(group, &config, &pipeline, &corpus, &mut |_| each_step()).map_err(
-                |e| burn_parallel::CollectiveError::InvalidArgument {
-                    rank: group.rank(),
-                    op: "pipeline".into(),
-                    reason: e.to_string(),
-                },
-            )?;
+            let each = &mut |_: &_| each_step();
+            train_gpt_pipeline(group, &config, &pipeline, &split, &corpus, each)?;
             Ok(())
         });
         let what = format!("pp 2 {schedule}");

@@ -19,7 +19,7 @@ const TOL: f64 = 1e-5;
 fn run(ranks: usize, config: &TrainConfig) -> TrainReport {
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let reports = run_local(ranks, |group| {
-        train_gpt(&group, config, &corpus, &mut |_| {})
+        train_gpt(&group, config, &Default::default(), &corpus, &mut |_| {})
     })
     .expect("training");
     // Every rank reports the same global losses and the same parameters.

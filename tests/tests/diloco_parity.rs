@@ -25,15 +25,11 @@ use burn_parallel::diloco::{
     Compression, DiLoCo, DiLoCoConfig, DiLoCoError, Islands, SyncEvent, count_sent_bytes,
 };
 use burn_parallel::{CollectiveError, ProcessGroup, local_world, run_local};
-use burn_parallel_train::DiLoCoLayout;
+use burn_parallel_train::{CheckpointPolicy, DiLoCoLayout};
 use examples::data::Corpus;
 use examples::gpt::{Gpt, GptConfig};
 use examples::train::{NamedParam, Parallelism, TrainConfig};
-use examples::train_checkpoint::CheckpointOptions;
-use examples::train_diloco::{
-    DiLoCoReport, DiLoCoTrainError, train_gpt_diloco, train_gpt_diloco_checkpointed,
-    validate_diloco,
-};
+use examples::train_diloco::{DiLoCoReport, train_gpt_diloco, validate_diloco};
 use tests::{
     Params, Reference, assert_matches_reference, compare_params, gpt_through_burnrun, params_of,
     tiny_gpt_run,
@@ -75,14 +71,8 @@ fn sgd_reference(config: &TrainConfig) -> Reference {
 /// losses and parameters and returns every rank's report.
 fn diloco(ranks: usize, config: &TrainConfig, run: &DiLoCoLayout) -> Vec<DiLoCoReport> {
     let corpus = Corpus::load_default().expect("the bundled corpus");
-    let reports = run_local(ranks, |g| {
-        train_gpt_diloco(&g, config, run, &corpus, &mut |_| {}).map_err(|e| {
-            CollectiveError::InvalidArgument {
-                rank: g.global_rank(),
-                op: "diloco".into(),
-                reason: e.to_string(),
-            }
-        })
+    let reports = burn_parallel_train::run_local(ranks, |g| {
+        train_gpt_diloco(&g, config, run, &corpus, &mut |_| {})
     })
     .unwrap_or_else(|e| panic!("DiLoCo {run:?} on {ranks} ranks: {e}"));
     for r in &reports[1..] {
@@ -568,8 +558,8 @@ fn bad_settings_are_typed_errors() {
         ..Parallelism::default()
     };
     // Each refusal names its flag (the library's `Layout::validate`).
-    let flag = |r: Result<(), DiLoCoTrainError>| match r {
-        Err(DiLoCoTrainError::Layout(e)) => (e.flag, e.message),
+    let flag = |r: Result<(), burn_parallel::Error>| match r {
+        Err(burn_parallel::Error::Invalid { what, reason }) => (what, reason),
         other => panic!("a layout error, got {other:?}"),
     };
     assert_eq!(flag(validate_diloco(&config, &run, &tp, 4)).0, "--tp");
@@ -1218,23 +1208,16 @@ fn a_killed_gpt_process_is_dropped_and_the_others_finish() {
     println!("{out}\n{}", errs[0]);
 }
 
-/// A DiLoCo run of the GPT on `ranks` thread ranks with checkpoint `options`: rank 0's report
-/// (the ranks agree), or the first rank's error.
+/// A DiLoCo run of the GPT on `ranks` thread ranks, saving and resuming as `config` says:
+/// rank 0's report (the ranks agree), or the first rank's error.
 fn diloco_checkpointed(
     ranks: usize,
     config: &TrainConfig,
     run: &DiLoCoLayout,
-    options: &CheckpointOptions,
 ) -> Result<DiLoCoReport, String> {
     let corpus = Corpus::load_default().expect("the bundled corpus");
-    let reports = run_local(ranks, |g| {
-        train_gpt_diloco_checkpointed(&g, config, run, &corpus, options, &mut |_| {}).map_err(|e| {
-            CollectiveError::InvalidArgument {
-                rank: g.global_rank(),
-                op: "diloco".into(),
-                reason: e.to_string(),
-            }
-        })
+    let reports = burn_parallel_train::run_local(ranks, |g| {
+        train_gpt_diloco(&g, config, run, &corpus, &mut |_| {})
     })
     .map_err(|e| e.to_string())?;
     Ok(tests::rank0_if_ranks_agree(reports, |r| {
@@ -1264,25 +1247,28 @@ fn a_diloco_run_resumes_from_a_checkpoint_between_syncs() {
     };
     let dir = std::env::temp_dir().join(format!("bp-diloco-resume-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let save = CheckpointOptions {
-        dir: Some(dir.clone()),
-        save_every: SAVED,
-        keep: 5,
-        ..CheckpointOptions::default()
+    let save = TrainConfig {
+        save: Some(CheckpointPolicy {
+            every: SAVED,
+            at_end: false,
+            keep: 5,
+            ..CheckpointPolicy::new(&dir)
+        }),
+        ..config.clone()
     };
-    let resume = CheckpointOptions {
+    let resume = TrainConfig {
         resume: Some(dir.join(format!("step-{SAVED:08}"))),
-        ..CheckpointOptions::default()
+        ..config.clone()
     };
-    let saving = diloco_checkpointed(2, &config, &run, &save).unwrap();
-    let same = diloco_checkpointed(2, &config, &run, &resume).unwrap();
+    let saving = diloco_checkpointed(2, &save, &run).unwrap();
+    let same = diloco_checkpointed(2, &resume, &run).unwrap();
     assert_eq!(same.train.losses, saving.train.losses, "identical losses");
     assert_eq!(
         same.train.final_params, saving.train.final_params,
         "identical parameters"
     );
     let reference = Reference::of_run(saving.train);
-    let wider = diloco_checkpointed(4, &config, &run, &resume).unwrap();
+    let wider = diloco_checkpointed(4, &resume, &run).unwrap();
     assert_matches_reference(
         &reference,
         &wider.train.losses,
@@ -1298,10 +1284,10 @@ fn a_diloco_run_resumes_from_a_checkpoint_between_syncs() {
         },
         ..run
     };
-    let err = diloco_checkpointed(2, &config, &other, &resume).unwrap_err();
+    let err = diloco_checkpointed(2, &resume, &other).unwrap_err();
     assert!(err.contains("saved with the settings"), "{err}");
     let one = DiLoCoLayout { islands: 1, ..run };
-    let err = diloco_checkpointed(2, &config, &one, &resume).unwrap_err();
+    let err = diloco_checkpointed(2, &resume, &one).unwrap_err();
     assert!(
         err.contains("saved with 2 islands, this run has 1"),
         "{err}"
@@ -1309,22 +1295,15 @@ fn a_diloco_run_resumes_from_a_checkpoint_between_syncs() {
 
     // The outer model, under the model's own names, loads without DiLoCo.
     let corpus = Corpus::load_default().expect("the bundled corpus");
-    let at_save = TrainConfig {
-        steps: SAVED,
-        ..config.clone()
-    };
-    // The first SAVED steps of a run without DiLoCo on `ranks` ranks, with `options`.
-    let plain_run = |ranks: usize, options: &CheckpointOptions| {
+    // The first SAVED steps of `config`'s run without DiLoCo on `ranks` ranks.
+    let plain_run = |ranks: usize, config: &TrainConfig| {
+        let at_save = TrainConfig {
+            steps: SAVED,
+            ..config.clone()
+        };
         burn_parallel_train::run_local(ranks, |g| {
             let parallel = Parallelism::default();
-            examples::train::train_gpt_checkpointed(
-                &g,
-                &at_save,
-                &parallel,
-                &corpus,
-                options,
-                &mut |_| {},
-            )
+            examples::train::train_gpt(&g, &at_save, &parallel, &corpus, &mut |_| {})
         })
         .unwrap()
         .remove(0)
@@ -1344,16 +1323,19 @@ fn a_diloco_run_resumes_from_a_checkpoint_between_syncs() {
 
     // A checkpoint of a run without DiLoCo.
     let plain_dir = dir.with_extension("plain");
-    let plain_save = CheckpointOptions {
-        dir: Some(plain_dir.clone()),
-        ..save.clone()
+    let plain_save = TrainConfig {
+        save: Some(CheckpointPolicy {
+            dir: plain_dir.clone(),
+            ..save.save.clone().unwrap()
+        }),
+        ..config.clone()
     };
     plain_run(2, &plain_save);
-    let from_plain = CheckpointOptions {
+    let from_plain = TrainConfig {
         resume: Some(plain_dir.clone()),
-        ..CheckpointOptions::default()
+        ..config.clone()
     };
-    let err = diloco_checkpointed(2, &config, &run, &from_plain).unwrap_err();
+    let err = diloco_checkpointed(2, &from_plain, &run).unwrap_err();
     assert!(err.contains("was not saved by a DiLoCo run"), "{err}");
     std::fs::remove_dir_all(&plain_dir).unwrap();
 }

@@ -15,7 +15,7 @@
 use burn_parallel_train::run_local;
 use examples::data::Corpus;
 use examples::gpt::{MlpKind, NormKind, PositionKind};
-use examples::train::{TrainConfig, TrainDevice, TrainReport, train_gpt_on};
+use examples::train::{TrainConfig, TrainDevice, TrainReport, train_gpt};
 use tests::{assert_matches_reference, reference_run, tiny_gpt_run};
 
 const STEPS: usize = 10;
@@ -42,8 +42,9 @@ fn train_fused(config: &TrainConfig, device: TrainDevice) -> TrainReport {
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let mut config = config.clone();
     config.model.fused = true;
+    config.device = device;
     run_local(1, |g| {
-        train_gpt_on(&g, &config, device, &corpus, &mut |_| {})
+        train_gpt(&g, &config, &Default::default(), &corpus, &mut |_| {})
     })
     .expect("training")
     .swap_remove(0)

@@ -18,7 +18,6 @@
 use examples::data::{Corpus, Split};
 use examples::hf::{self, HfConfig};
 use examples::train::{NamedParam, Parallelism, TrainConfig};
-use examples::train_checkpoint::CheckpointOptions;
 use tests::golden::{self, Batches, Trajectory};
 
 /// Losses (relative) and final parameters (`tests::compare_params`'s measure) must agree with
@@ -45,9 +44,7 @@ fn train_config(golden: &Trajectory, model: examples::gpt::GptConfig) -> TrainCo
         prompt: String::new(),
         max_grad_norm: Some(golden.f64("max_grad_norm")),
         precision: examples::train::Precision::F32,
-        reduce_fp32: false,
-        loss_scale: None,
-        device: examples::train::TrainDevice::Flex,
+        ..TrainConfig::default()
     };
     for (step, lr) in golden.f64s("lrs").iter().enumerate() {
         let ours = config.lr_at(step);
@@ -96,11 +93,8 @@ fn write_golden_batches() {
 /// PyTorch's final weights under our parameter paths.
 fn golden_final_params(arch: &str, config: &HfConfig) -> tests::Params {
     let tensors = golden::tensors(arch, "final.safetensors");
-    hf::to_gpt_params(config, tensors)
-        .expect("final.safetensors has the checkpoint's tensors")
-        .into_iter()
-        .map(|(path, t)| (path, (t.shape, t.values)))
-        .collect()
+    let params = hf::adapter(config).from_hf(tensors);
+    golden::params(params.expect("final.safetensors has the checkpoint's tensors"))
 }
 
 fn named(params: tests::Params) -> Vec<NamedParam> {
@@ -137,20 +131,10 @@ fn trainer_matches(arch: &str, fused: bool) {
     let hf_config = HfConfig::from_dir(&dir).expect("config.json");
     let mut config = train_config(&golden, hf_config.model.clone());
     config.model.fused = fused;
+    config.init_from_hf = Some(dir);
     let corpus = Corpus::load_default().expect("the bundled corpus");
-    let checkpoints = CheckpointOptions {
-        init_from_hf: Some(dir),
-        ..CheckpointOptions::default()
-    };
     let report = burn_parallel_train::run_local(1, |g| {
-        examples::train::train_gpt_checkpointed(
-            &g,
-            &config,
-            &Parallelism::default(),
-            &corpus,
-            &checkpoints,
-            &mut |_| {},
-        )
+        examples::train::train_gpt(&g, &config, &Parallelism::default(), &corpus, &mut |_| {})
     })
     .expect("single-device training")
     .remove(0);

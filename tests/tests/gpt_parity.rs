@@ -13,7 +13,7 @@ use burn_parallel::{TpError, run_local};
 use burn_zero::{Stage, ZeroError};
 use examples::data::Corpus;
 use examples::gpt::{Gpt, MlpKind, NormKind, PositionKind};
-use examples::train::{Parallelism, TrainConfig, TrainReport, train_gpt_parallel};
+use examples::train::{Parallelism, TrainConfig, TrainReport, train_gpt};
 use tests::{
     Reference, assert_matches_reference, gpt_through_burnrun, params_of, reference_run,
     tiny_gpt_run,
@@ -294,7 +294,7 @@ fn impossible_splits_are_clear_errors() {
     let corpus = Corpus::load_default().unwrap();
     // 4 heads over 3 ranks.
     let err = burn_parallel_train::run_local(3, |g| {
-        train_gpt_parallel(&g, &config(), &tp(3, false), &corpus, &mut |_| {})
+        train_gpt(&g, &config(), &tp(3, false), &corpus, &mut |_| {})
     })
     .unwrap_err();
     assert!(

@@ -5,17 +5,17 @@
 //! starts from an imported checkpoint under several layouts.
 
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use burn_parallel::checkpoint::CheckpointError;
 use burn_parallel::diloco::DiLoCoConfig;
-use burn_parallel::run_local;
 use burn_parallel_train::DiLoCoLayout;
+use burn_parallel_train::named_params;
 use burn_zero::Stage;
 use examples::data::{Corpus, Split};
 use examples::gpt::{GeluKind, MlpKind, NormKind, PositionKind};
-use examples::hf::{self, HfArch, HfConfig, HfError, HostTensor};
-use examples::pipeline::{PipelineConfig, train_gpt_pipeline_checkpointed};
-use examples::train::{Parallelism, train_gpt_checkpointed};
-use examples::train_checkpoint::CheckpointOptions;
-use examples::train_diloco::train_gpt_diloco_checkpointed;
+use examples::hf::{self, HfArch, HfConfig, HfError};
+use examples::pipeline::train_gpt_pipeline;
+use examples::train::{Parallelism, TrainConfig, train_gpt};
+use examples::train_diloco::train_gpt_diloco;
 use safetensors::Dtype;
 use safetensors::tensor::TensorView;
 use serde_json::{Value, json};
@@ -484,9 +484,9 @@ fn reference_loss(logits: &[Vec<f32>], tokens: &[usize]) -> f64 {
     sum / n as f64
 }
 
-fn host(t: &Tensors) -> BTreeMap<String, HostTensor> {
+fn host(t: &Tensors) -> BTreeMap<String, TensorData> {
     t.iter()
-        .map(|(k, (s, v))| (k.clone(), HostTensor::new(s.clone(), v.clone())))
+        .map(|(k, (s, v))| (k.clone(), TensorData::new(v.clone(), s.clone())))
         .collect()
 }
 
@@ -583,7 +583,7 @@ fn gpt2_import_export_import_is_identical() {
     }
     let (config2, second) = hf::import(&out, &Device::flex()).unwrap();
     assert_eq!(config2, config);
-    assert_eq!(hf::host_params(&first), hf::host_params(&second));
+    assert_eq!(named_params(&first), named_params(&second));
     // And a second export is the same file's tensors again.
     let again = temp_dir("gpt2-rt-c");
     hf::export(&second, HfArch::Gpt2, &again).unwrap();
@@ -634,7 +634,7 @@ fn llama_import_export_import_is_identical() {
         assert_eq!(read_file(&out.join("model.safetensors")), tensors);
         let (config2, second) = hf::import(&out, &Device::flex()).unwrap();
         assert_eq!(config2, config);
-        assert_eq!(hf::host_params(&first), hf::host_params(&second));
+        assert_eq!(named_params(&first), named_params(&second));
         for d in [dir, out] {
             std::fs::remove_dir_all(d).unwrap();
         }
@@ -729,10 +729,10 @@ fn missing_and_unexpected_tensors_are_listed_with_shapes() {
     tensors.remove("ln_f.weight");
     tensors.insert("h.1.mlp.extra.weight".into(), (vec![2, 3], vec![0.0; 6]));
     let err = import_err(&gpt2_config(), &tensors);
-    let HfError::Tensors {
+    let HfError::Checkpoint(CheckpointError::Unmapped {
         missing,
         unexpected,
-    } = &err
+    }) = &err
     else {
         panic!("{err}")
     };
@@ -761,7 +761,7 @@ fn missing_and_unexpected_tensors_are_listed_with_shapes() {
     );
     let err = import_err(&llama_config(false), &deeper);
     assert!(
-        matches!(&err, HfError::Tensors { missing, unexpected } if missing.is_empty() && unexpected.len() == 1),
+        matches!(&err, HfError::Checkpoint(CheckpointError::Unmapped { missing, unexpected }) if missing.is_empty() && unexpected.len() == 1),
         "{err}"
     );
 }
@@ -775,11 +775,11 @@ fn a_shape_mismatch_names_the_tensor() {
     );
     let err = import_err(&gpt2_config(), &tensors);
     match &err {
-        HfError::Shape {
+        HfError::Checkpoint(CheckpointError::Shape {
             tensor,
             expected,
             found,
-        } => {
+        }) => {
             assert_eq!(tensor, "h.0.attn.c_attn.weight");
             assert_eq!(
                 (expected.as_slice(), found.as_slice()),
@@ -793,7 +793,7 @@ fn a_shape_mismatch_names_the_tensor() {
     wider["n_embd"] = json!(32);
     let err = import_err(&wider, &gpt2_tensors(72, "", false));
     assert!(
-        matches!(&err, HfError::Shape { tensor, .. } if tensor == "wte.weight"),
+        matches!(&err, HfError::Checkpoint(CheckpointError::Shape { tensor, .. }) if tensor == "wte.weight"),
         "{err}"
     );
 }
@@ -916,7 +916,7 @@ fn a_tied_head_that_differs_and_integer_weights_are_errors() {
     tensors.insert("lm_head.weight".into(), head);
     assert!(matches!(
         import_err(&gpt2_config(), &tensors),
-        HfError::UntiedHead(_)
+        HfError::Checkpoint(CheckpointError::Tied { .. })
     ));
     // The same head equal to the embedding is accepted.
     let mut tensors = gpt2_tensors(81, "", false);
@@ -931,13 +931,15 @@ fn a_tied_head_that_differs_and_integer_weights_are_errors() {
     safetensors::serialize_to_file([("wte.weight", view)], None, &dir.join("model.safetensors"))
         .unwrap();
     match hf::import(&dir, &Device::flex()) {
-        Err(HfError::Dtype { tensor, .. }) => assert_eq!(tensor, "wte.weight"),
+        Err(HfError::Checkpoint(CheckpointError::Dtype { tensor, .. })) => {
+            assert_eq!(tensor, "wte.weight")
+        }
         other => panic!("{:?}", other.map(|_| ())),
     }
     std::fs::write(dir.join("model.safetensors"), b"not a safetensors file").unwrap();
     assert!(matches!(
         hf::import(&dir, &Device::flex()),
-        Err(HfError::Safetensors { .. })
+        Err(HfError::Checkpoint(CheckpointError::Corrupt { .. }))
     ));
     std::fs::remove_dir_all(&dir).unwrap();
     assert!(matches!(
@@ -1075,14 +1077,11 @@ fn training_starts_from_an_imported_gpt2_under_any_layout() {
     config.model = hf::with_run_settings(&hf_config.model, &config.model);
     config.seq_len = CTX;
     config.batch_size = 4;
-    let options = CheckpointOptions {
-        init_from_hf: Some(dir.clone()),
-        ..CheckpointOptions::default()
-    };
+    config.init_from_hf = Some(dir.clone());
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let run = |world: usize, parallel: Parallelism| {
         let reports = burn_parallel_train::run_local(world, |g| {
-            train_gpt_checkpointed(&g, &config, &parallel, &corpus, &options, &mut |_| {})
+            train_gpt(&g, &config, &parallel, &corpus, &mut |_| {})
         })
         .unwrap_or_else(|e| panic!("{parallel:?}: {e}"));
         tests::rank0_if_ranks_agree(reports, |r| (&r.losses, &r.final_params))
@@ -1142,35 +1141,33 @@ fn training_starts_from_an_imported_gpt2_under_any_layout() {
         );
     }
     // Pipelined: each stage reads its own blocks (the tied table on both end stages), at
-    // pp 2 x tp 2 and at pp 2 x dp 2 with ZeRO-1.
+    // pp 2 x tp 2 and at pp 2 x dp 2 with ZeRO-1, 2 micro-batches.
+    let micro = TrainConfig {
+        grad_accum: 2,
+        ..config.clone()
+    };
     for (world, pipeline) in [
         (
             4,
-            PipelineConfig {
+            Parallelism {
                 pp: 2,
                 tp: 2,
-                microbatches: 2,
-                ..PipelineConfig::default()
+                ..Parallelism::default()
             },
         ),
         (
             4,
-            PipelineConfig {
+            Parallelism {
                 pp: 2,
                 zero: Some(Stage::One),
-                microbatches: 2,
-                ..PipelineConfig::default()
+                ..Parallelism::default()
             },
         ),
     ] {
         let what = format!("{pipeline:?}");
-        let reports = run_local(world, |g| {
-            train_gpt_pipeline_checkpointed(&g, &config, &pipeline, &corpus, &options, &mut |_| {})
-                .map_err(|e| burn_parallel::CollectiveError::InvalidArgument {
-                    rank: g.rank(),
-                    op: "train_gpt_pipeline".into(),
-                    reason: e.to_string(),
-                })
+        let reports = burn_parallel_train::run_local(world, |g| {
+            let split = Default::default();
+            train_gpt_pipeline(&g, &micro, &pipeline, &split, &corpus, &mut |_| {})
         })
         .unwrap_or_else(|e| panic!("{what}: {e}"));
         let report =
@@ -1194,14 +1191,8 @@ fn training_starts_from_an_imported_gpt2_under_any_layout() {
         },
         inner_sgd: false,
     };
-    let reports = run_local(2, |g| {
-        train_gpt_diloco_checkpointed(&g, &config, &run, &corpus, &options, &mut |_| {}).map_err(
-            |e| burn_parallel::CollectiveError::InvalidArgument {
-                rank: g.rank(),
-                op: "diloco".into(),
-                reason: e.to_string(),
-            },
-        )
+    let reports = burn_parallel_train::run_local(2, |g| {
+        train_gpt_diloco(&g, &config, &run, &corpus, &mut |_| {})
     })
     .unwrap_or_else(|e| panic!("DiLoCo: {e}"));
     let first = reports[0].train.losses[0];
@@ -1215,14 +1206,7 @@ fn training_starts_from_an_imported_gpt2_under_any_layout() {
     let mut wider = config.clone();
     wider.model.d_ff *= 2;
     let err = burn_parallel_train::run_local(1, |g| {
-        train_gpt_checkpointed(
-            &g,
-            &wider,
-            &Parallelism::default(),
-            &corpus,
-            &options,
-            &mut |_| {},
-        )
+        train_gpt(&g, &wider, &Parallelism::default(), &corpus, &mut |_| {})
     })
     .map(|_| ())
     .unwrap_err()

@@ -20,7 +20,7 @@ use burn_parallel_train::run_local;
 use burn_zero::Stage;
 use examples::data::Corpus;
 use examples::gpt::{Gpt, GptConfig};
-use examples::train::{Parallelism, StepStats, TrainConfig, TrainReport, train_gpt_parallel};
+use examples::train::{Parallelism, StepStats, TrainConfig, TrainReport, train_gpt};
 use tests::{
     Reference, assert_matches_reference, gpt_through_burnrun, reference_run, tiny_gpt_run,
 };
@@ -54,7 +54,7 @@ fn parallel(world: usize, p: &Parallelism, config: &TrainConfig) -> (TrainReport
     let corpus = Corpus::load_default().expect("the bundled corpus");
     let runs = run_local(world, |g| {
         let mut steps = Vec::new();
-        let report = train_gpt_parallel(&g, config, p, &corpus, &mut |s| steps.push(s.clone()))?;
+        let report = train_gpt(&g, config, p, &corpus, &mut |s| steps.push(s.clone()))?;
         Ok((report, steps))
     })
     .unwrap_or_else(|e| panic!("{p:?} on {world} ranks: {e}"));
@@ -532,10 +532,7 @@ fn layouts_not_composed_with_moe_are_typed_errors() {
         assert_eq!(refused_flag(&p, &config, 4), Err(flag), "{p:?}");
         // The trainer refuses before any communication, on every rank.
         let corpus = Corpus::load_default().expect("the bundled corpus");
-        let err = run_local(4, |g| {
-            train_gpt_parallel(&g, &config, &p, &corpus, &mut |_| {})
-        })
-        .unwrap_err();
+        let err = run_local(4, |g| train_gpt(&g, &config, &p, &corpus, &mut |_| {})).unwrap_err();
         assert!(
             matches!(&err, burn_parallel::Error::Invalid { reason, .. }
                 if reason.contains("not composed with a mixture-of-experts model")),

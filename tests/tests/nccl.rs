@@ -508,7 +508,7 @@ mod device {
                     device: TrainDevice::CudaDevice(rank),
                     ..config.clone()
                 };
-                examples::train::train_gpt_parallel(&g, &config, &p, &corpus, &mut |_| {})
+                examples::train::train_gpt(&g, &config, &p, &corpus, &mut |_| {})
             })
             .unwrap_or_else(|e| panic!("{what} on nccl: {e}"));
             let r = tests::rank0_if_ranks_agree(reports, |r| (&r.losses, &r.final_params));

@@ -18,7 +18,7 @@ use burn_parallel_train::run_local;
 use burn_zero::Stage;
 use examples::data::Corpus;
 use examples::gpt::{Gpt, GptConfig, MlpKind, NormKind, PositionKind};
-use examples::train::{Parallelism, train_gpt_parallel};
+use examples::train::{Parallelism, train_gpt};
 use tests::tiny_gpt_run;
 
 /// The planner's shape of a GPT configuration of `examples`.
@@ -98,7 +98,7 @@ fn measured(dp: Dp, n: usize) -> (usize, usize, usize) {
             replicate,
             ..Parallelism::default()
         };
-        let report = train_gpt_parallel(&world, &config, &parallel, &corpus, &mut |_| {})?;
+        let report = train_gpt(&world, &config, &parallel, &corpus, &mut |_| {})?;
         Ok(report.memory.expect("ZeRO and FSDP report their memory"))
     })
     .expect("training");

@@ -12,12 +12,13 @@ use burn::tensor::Device;
 use burn_parallel::init::Init;
 use burn_parallel::run_local;
 use burn_parallel_train::pipeline::{Balance, measure_layer_times, split_layers};
+use burn_parallel_train::{Layout, PipelineLayout};
 use burn_pipeline::ScheduleKind;
 use burn_pipeline::partition::PartitionError;
 use examples::data::Corpus;
 use examples::gpt::Gpt;
 use examples::pipeline::{
-    GptPipelineError, PipelineConfig, Recompute, StageSplit, StagedGpt, build_stage, stage_params,
+    Recompute, StageSplit, StagedGpt, build_stage, check_pipeline, stage_params,
     train_gpt_pipeline, with_deferred_weights,
 };
 use examples::train::{TrainConfig, TrainReport, named_params};
@@ -36,34 +37,103 @@ fn config() -> TrainConfig {
     c
 }
 
-fn pipeline(kind: &str, pp: usize, microbatches: usize) -> PipelineConfig {
+/// A pipelined run: the layout's pipeline settings, the micro-batches (the run's
+/// `grad_accum`) and the split.
+#[derive(Debug, Clone)]
+struct Pp {
+    pp: usize,
+    schedule: ScheduleKind,
+    microbatches: usize,
+    virtual_stages: Option<usize>,
+    split: StageSplit,
+    tp: usize,
+    sp: bool,
+    zero: Option<burn_zero::Stage>,
+    recompute: Recompute,
+}
+
+impl Default for Pp {
+    fn default() -> Self {
+        Self {
+            pp: 2,
+            schedule: ScheduleKind::OneFOneB,
+            microbatches: 4,
+            virtual_stages: None,
+            split: StageSplit::default(),
+            tp: 1,
+            sp: false,
+            zero: None,
+            recompute: Recompute::Off,
+        }
+    }
+}
+
+impl Pp {
+    fn layout(&self) -> Layout {
+        Layout {
+            pp: self.pp,
+            tp: self.tp,
+            sp: self.sp,
+            zero: self.zero,
+            pipeline: PipelineLayout {
+                schedule: self.schedule,
+                virtual_stages: self.virtual_stages,
+                recompute: self.recompute,
+            },
+            ..Layout::default()
+        }
+    }
+
+    /// `config` with the micro-batches as its accumulation.
+    fn config(&self, config: &TrainConfig) -> TrainConfig {
+        TrainConfig {
+            grad_accum: self.microbatches,
+            ..config.clone()
+        }
+    }
+
+    fn validate(&self, config: &TrainConfig, world: usize) -> Result<(), burn_parallel::Error> {
+        check_pipeline(&self.config(config), &self.layout(), &self.split, world)
+    }
+
+    /// Trains on the thread rank of `g`.
+    fn train(
+        &self,
+        g: &burn_parallel::ProcessGroup,
+        config: &TrainConfig,
+    ) -> Result<examples::pipeline::PipelineReport, burn_parallel::Error> {
+        let corpus = Corpus::load_default().expect("the bundled corpus");
+        let config = self.config(config);
+        train_gpt_pipeline(
+            g,
+            &config,
+            &self.layout(),
+            &self.split,
+            &corpus,
+            &mut |_| {},
+        )
+    }
+}
+
+fn pipeline(kind: &str, pp: usize, microbatches: usize) -> Pp {
     let schedule: ScheduleKind = kind.parse().expect("a schedule name");
-    PipelineConfig {
+    Pp {
         pp,
         schedule,
         microbatches,
         virtual_stages: (schedule == ScheduleKind::Interleaved1F1B).then_some(2),
-        ..PipelineConfig::default()
+        ..Pp::default()
     }
 }
 
 /// Runs `p` on `world` thread ranks; rank 0's report (every rank reports the same).
-fn run(world: usize, p: &PipelineConfig, config: &TrainConfig) -> TrainReport {
-    let corpus = Corpus::load_default().expect("the bundled corpus");
-    let reports = run_local(world, |g| {
-        train_gpt_pipeline(&g, config, p, &corpus, &mut |_| {}).map_err(|e| {
-            burn_parallel::CollectiveError::InvalidArgument {
-                rank: g.rank(),
-                op: "train_gpt_pipeline".into(),
-                reason: e.to_string(),
-            }
-        })
-    })
-    .unwrap_or_else(|e| panic!("{p:?} on {world} ranks: {e}"));
+fn run(world: usize, p: &Pp, config: &TrainConfig) -> TrainReport {
+    let reports = burn_parallel_train::run_local(world, |g| p.train(&g, config))
+        .unwrap_or_else(|e| panic!("{p:?} on {world} ranks: {e}"));
     tests::rank0_if_ranks_agree(reports, |r| (&r.train.losses, &r.train.final_params)).train
 }
 
-fn check(reference: &Reference, world: usize, p: PipelineConfig, config: &TrainConfig) {
+fn check(reference: &Reference, world: usize, p: Pp, config: &TrainConfig) {
     let what = format!(
         "{} pp {} x dp {} x tp {}{} m {}",
         p.schedule,
@@ -141,7 +211,7 @@ fn pp_x_tp_matches_single_device() {
     let mut config = config();
     config.steps = 10;
     let reference = reference_run(&config);
-    let tp = |p: PipelineConfig, sp: bool| PipelineConfig { tp: 2, sp, ..p };
+    let tp = |p: Pp, sp: bool| Pp { tp: 2, sp, ..p };
     check(&reference, 4, tp(pipeline("1f1b", 2, 4), false), &config);
     check(&reference, 4, tp(pipeline("zbv", 2, 4), true), &config);
     config.max_grad_norm = Some(0.05);
@@ -154,15 +224,9 @@ fn pp_x_tp_matches_single_device() {
     );
 
     // Each rank holds its half of its stage's split layers.
-    let corpus = Corpus::load_default().expect("the bundled corpus");
     config.steps = 1;
-    let held = |p: PipelineConfig, world: usize| {
-        run_local(world, |g| {
-            Ok(train_gpt_pipeline(&g, &config, &p, &corpus, &mut |_| {})
-                .unwrap()
-                .held_params)
-        })
-        .unwrap()
+    let held = |p: Pp, world: usize| {
+        run_local(world, |g| Ok(p.train(&g, &config).unwrap().held_params)).unwrap()
     };
     let whole = held(pipeline("1f1b", 2, 4), 2);
     let split = held(tp(pipeline("1f1b", 2, 4), false), 4);
@@ -187,7 +251,7 @@ fn tied_embeddings_across_stages_match_single_device() {
     let reference = reference_run(&config);
     check(&reference, 2, pipeline("1f1b", 2, 4), &config);
     check(&reference, 2, pipeline("zbv", 2, 4), &config);
-    let tp = PipelineConfig {
+    let tp = Pp {
         tp: 2,
         sp: true,
         ..pipeline("1f1b", 2, 4)
@@ -206,13 +270,13 @@ fn pp_x_zero_matches_single_device() {
     let mut config = config();
     config.steps = 10;
     let reference = reference_run(&config);
-    let zero = |p: PipelineConfig, n: usize| PipelineConfig {
+    let zero = |p: Pp, n: usize| Pp {
         zero: Some(burn_zero::Stage::from_number(n).unwrap()),
         ..p
     };
     check(&reference, 4, zero(pipeline("1f1b", 2, 2), 1), &config);
     check(&reference, 4, zero(pipeline("zbv", 2, 4), 2), &config);
-    let tp = PipelineConfig {
+    let tp = Pp {
         tp: 2,
         ..pipeline("gpipe", 2, 2)
     };
@@ -238,11 +302,11 @@ fn clipping_and_activation_checkpointing_match_single_device() {
     let mut config = config();
     config.steps = 10;
     let plain = reference_run(&config);
-    let recompute = |p: PipelineConfig| PipelineConfig {
+    let recompute = |p: Pp| Pp {
         recompute: Recompute::Stages,
         ..p
     };
-    let blocks = |p: PipelineConfig| PipelineConfig {
+    let blocks = |p: Pp| Pp {
         recompute: Recompute::Blocks,
         ..p
     };
@@ -250,7 +314,7 @@ fn clipping_and_activation_checkpointing_match_single_device() {
     check(&plain, 4, recompute(pipeline("zb-h1", 2, 4)), &config);
     check(&plain, 2, blocks(pipeline("1f1b", 2, 4)), &config);
     // The blocks' gradients arrive at `W` under a split backward; with tensor parallelism.
-    let tp = PipelineConfig {
+    let tp = Pp {
         tp: 2,
         sp: true,
         ..pipeline("zbv", 2, 4)
@@ -266,10 +330,9 @@ fn clipping_and_activation_checkpointing_match_single_device() {
     check(&clipped, 2, pipeline("1f1b", 2, 4), &config);
     check(&clipped, 4, recompute(pipeline("zbv", 2, 4)), &config);
 
-    let corpus = Corpus::load_default().expect("the bundled corpus");
     let p = pipeline("1f1b", 2, 4);
     let timelines = run_local(4, |g| {
-        let r = train_gpt_pipeline(&g, &config, &p, &corpus, &mut |_| {}).unwrap();
+        let r = p.train(&g, &config).unwrap();
         Ok(r.timeline)
     })
     .unwrap();
@@ -319,7 +382,7 @@ fn every_split_policy_trains_the_same_model() {
         Balance::Explicit(vec![1, 6, 7]).into(),
         StageSplit::Measured,
     ] {
-        let p = PipelineConfig {
+        let p = Pp {
             split: split.clone(),
             ..pipeline("1f1b", 4, 4)
         };
@@ -492,12 +555,12 @@ fn mixed_precision_pipelines_match_the_single_device_in_that_precision() {
             );
         }
         let same = Reference::of_run(single.clone());
-        let tp_sp = PipelineConfig {
+        let tp_sp = Pp {
             tp: 2,
             sp: true,
             ..pipeline("1f1b", 2, 4)
         };
-        let recompute = PipelineConfig {
+        let recompute = Pp {
             recompute: Recompute::Stages,
             ..pipeline("1f1b", 2, 4)
         };
@@ -548,7 +611,7 @@ fn mixed_precision_pipelines_match_the_single_device_in_that_precision() {
         );
         within(&what, &r, &Reference::of_run(single));
         if precision == Precision::Bf16 {
-            let zero = PipelineConfig {
+            let zero = Pp {
                 zero: Some(burn_zero::Stage::Two),
                 ..pipeline("1f1b", 2, 2)
             };
@@ -583,7 +646,7 @@ fn mixed_precision_refusals_are_typed_errors() {
         precision: Precision::Bf16,
         ..config()
     };
-    let blocks = PipelineConfig {
+    let blocks = Pp {
         recompute: Recompute::Blocks,
         ..pipeline("1f1b", 2, 4)
     };
@@ -593,7 +656,7 @@ fn mixed_precision_refusals_are_typed_errors() {
         precision: Precision::Fp16,
         ..config()
     };
-    let zero = PipelineConfig {
+    let zero = Pp {
         zero: Some(burn_zero::Stage::One),
         ..pipeline("1f1b", 2, 4)
     };
@@ -608,16 +671,18 @@ fn impossible_settings_are_typed_errors() {
     let config = config();
     // 2 x 8 stages of ZBV at pp 8 need 16 blocks.
     let p = pipeline("zbv", 8, 8);
+    let e = p.validate(&config, 8).unwrap_err();
+    let burn_parallel::Error::Technique(e) = e else {
+        panic!("the split's error, got {e:?}")
+    };
     assert!(matches!(
-        p.validate(&config, 8),
-        Err(GptPipelineError::Partition(
-            PartitionError::MoreStagesThanLayers {
-                layers: 8,
-                stages: 16
-            }
-        ))
+        e.downcast_ref::<PartitionError>(),
+        Some(PartitionError::MoreStagesThanLayers {
+            layers: 8,
+            stages: 16
+        })
     ));
-    let zero = |n: usize| PipelineConfig {
+    let zero = |n: usize| Pp {
         zero: Some(burn_zero::Stage::from_number(n).unwrap()),
         ..pipeline("1f1b", 2, 4)
     };
@@ -625,7 +690,7 @@ fn impossible_settings_are_typed_errors() {
     assert!(e.to_string().contains("--zero 3"), "{e}");
     let mut dropout = config.clone();
     dropout.model.dropout = 0.1;
-    let recompute = PipelineConfig {
+    let recompute = Pp {
         recompute: Recompute::Blocks,
         ..pipeline("1f1b", 2, 4)
     };
@@ -637,7 +702,7 @@ fn impossible_settings_are_typed_errors() {
     // Interleaved needs micro-batches in rounds of pp.
     assert!(matches!(
         pipeline("interleaved", 4, 2).validate(&config, 4),
-        Err(GptPipelineError::Config(_) | GptPipelineError::Schedule(_))
+        Err(burn_parallel::Error::Invalid { .. } | burn_parallel::Error::Technique(_))
     ));
     // The world must be a multiple of pp.
     let e = pipeline("gpipe", 2, 4).validate(&config, 3).unwrap_err();

@@ -8,12 +8,12 @@ use std::path::{Path, PathBuf};
 
 use burn_moe::{MoeConfig, ScoreFn};
 use burn_parallel::run_local;
+use burn_parallel_train::{CheckpointPolicy, PipelineLayout};
 use burn_pipeline::ScheduleKind;
 use burn_zero::Stage;
 use examples::data::Corpus;
-use examples::pipeline::{PipelineConfig, train_gpt_pipeline_checkpointed};
-use examples::train::{Parallelism, TrainConfig, TrainReport, train_gpt_checkpointed};
-use examples::train_checkpoint::CheckpointOptions;
+use examples::pipeline::train_gpt_pipeline;
+use examples::train::{Parallelism, TrainConfig, TrainReport, train_gpt};
 use tests::{Reference, assert_matches_reference, rank0_if_ranks_agree, tiny_gpt_run};
 
 const STEPS: usize = 16;
@@ -40,16 +40,57 @@ fn layout(tp: usize, zero: Option<Stage>) -> Parallelism {
     }
 }
 
+/// Where a run saves and what it resumes: the trainer config's `save` and `resume`.
+#[derive(Clone, Default)]
+struct Checkpoints {
+    save: Option<CheckpointPolicy>,
+    resume: Option<PathBuf>,
+}
+
+impl Checkpoints {
+    /// `config` saving and resuming so.
+    fn on(&self, config: &TrainConfig) -> TrainConfig {
+        TrainConfig {
+            save: self.save.clone(),
+            resume: self.resume.clone(),
+            ..config.clone()
+        }
+    }
+}
+
+/// Saves every `every` steps under `dir` (the newest 5 kept).
+fn saving(dir: &Path, every: usize) -> Checkpoints {
+    let policy = CheckpointPolicy {
+        every,
+        at_end: false,
+        keep: 5,
+        ..CheckpointPolicy::new(dir)
+    };
+    Checkpoints {
+        save: Some(policy),
+        resume: None,
+    }
+}
+
+/// Resumes from the checkpoint of step `saved` under `dir`.
+fn resuming(dir: &Path, saved: usize) -> Checkpoints {
+    Checkpoints {
+        save: None,
+        resume: Some(dir.join(format!("step-{saved:08}"))),
+    }
+}
+
 /// Trains on `world` thread ranks with checkpoint `options`; rank 0's report (all ranks agree).
 fn run(
     world: usize,
     parallel: &Parallelism,
     config: &TrainConfig,
-    options: &CheckpointOptions,
+    options: &Checkpoints,
 ) -> TrainReport {
     let corpus = Corpus::load_default().expect("the bundled corpus");
+    let config = options.on(config);
     let reports = burn_parallel_train::run_local(world, |g| {
-        train_gpt_checkpointed(&g, config, parallel, &corpus, options, &mut |_| {})
+        train_gpt(&g, &config, parallel, &corpus, &mut |_| {})
     })
     .unwrap_or_else(|e| panic!("{parallel:?} on {world} ranks: {e}"));
     rank0_if_ranks_agree(reports, |r| (&r.losses, &r.final_params))
@@ -67,13 +108,7 @@ fn saving_run_of(
     config: &TrainConfig,
     (dir, every): (&Path, usize),
 ) -> Reference {
-    let save = CheckpointOptions {
-        dir: Some(dir.to_path_buf()),
-        save_every: every,
-        keep: 5,
-        ..CheckpointOptions::default()
-    };
-    Reference::of_run(run(world, parallel, config, &save))
+    Reference::of_run(run(world, parallel, config, &saving(dir, every)))
 }
 
 /// A run resumed from the checkpoint of step `saved` under `dir`, under `parallel`, continues
@@ -86,11 +121,7 @@ fn check_resume(
     tol: f64,
     what: &str,
 ) {
-    let resume = CheckpointOptions {
-        resume: Some(dir.join(format!("step-{saved:08}"))),
-        ..CheckpointOptions::default()
-    };
-    let r = run(world, &parallel, config, &resume);
+    let r = run(world, &parallel, config, &resuming(dir, saved));
     continues(reference, &r, saved, tol, what);
 }
 
@@ -109,20 +140,12 @@ fn continues(reference: &Reference, r: &TrainReport, saved: usize, tol: f64, wha
 }
 
 /// Saves every `SAVED_AT` steps under `dir`.
-fn saving_to(dir: &Path) -> CheckpointOptions {
-    CheckpointOptions {
-        dir: Some(dir.to_path_buf()),
-        save_every: SAVED_AT,
-        keep: 5,
-        ..CheckpointOptions::default()
-    }
+fn saving_to(dir: &Path) -> Checkpoints {
+    saving(dir, SAVED_AT)
 }
 
-fn resume_from(dir: &Path) -> CheckpointOptions {
-    CheckpointOptions {
-        resume: Some(dir.join(format!("step-{SAVED_AT:08}"))),
-        ..CheckpointOptions::default()
-    }
+fn resume_from(dir: &Path) -> Checkpoints {
+    resuming(dir, SAVED_AT)
 }
 
 #[test]
@@ -289,33 +312,35 @@ fn moe_checkpoints_name_experts_by_their_global_index() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-/// Trains the pipelined GPT on `world` thread ranks with checkpoint `options`; rank 0's
-/// report (all ranks agree).
+/// Trains the pipelined GPT (4 micro-batches) on `world` thread ranks with checkpoint
+/// `options`; rank 0's report (all ranks agree).
 fn run_pipeline(
     world: usize,
-    pipeline: &PipelineConfig,
+    pipeline: &Parallelism,
     config: &TrainConfig,
-    options: &CheckpointOptions,
+    options: &Checkpoints,
 ) -> TrainReport {
     let corpus = Corpus::load_default().expect("the bundled corpus");
-    let reports = run_local(world, |g| {
-        train_gpt_pipeline_checkpointed(&g, config, pipeline, &corpus, options, &mut |_| {})
-            .map_err(|e| burn_parallel::CollectiveError::InvalidArgument {
-                rank: g.rank(),
-                op: "train_gpt_pipeline".into(),
-                reason: e.to_string(),
-            })
+    let config = TrainConfig {
+        grad_accum: 4,
+        ..options.on(config)
+    };
+    let reports = burn_parallel_train::run_local(world, |g| {
+        let split = Default::default();
+        train_gpt_pipeline(&g, &config, pipeline, &split, &corpus, &mut |_| {})
     })
     .unwrap_or_else(|e| panic!("{pipeline:?} on {world} ranks: {e}"));
     rank0_if_ranks_agree(reports, |r| (&r.train.losses, &r.train.final_params)).train
 }
 
-fn pp2(schedule: ScheduleKind) -> PipelineConfig {
-    PipelineConfig {
+fn pp2(schedule: ScheduleKind) -> Parallelism {
+    Parallelism {
         pp: 2,
-        schedule,
-        microbatches: 4,
-        ..PipelineConfig::default()
+        pipeline: PipelineLayout {
+            schedule,
+            ..PipelineLayout::default()
+        },
+        ..Parallelism::default()
     }
 }
 
@@ -351,7 +376,7 @@ fn pipeline_checkpoints_carry_the_whole_models_names() {
     std::fs::remove_dir_all(&dir).unwrap();
 
     let dir = scratch("pp-1f1b");
-    let tp_sp = PipelineConfig {
+    let tp_sp = Parallelism {
         tp: 2,
         sp: true,
         ..pp2(ScheduleKind::OneFOneB)
@@ -421,7 +446,7 @@ fn pipeline_zero_checkpoints_resume_under_any_layout() {
     let same = |what: &str, reference: &Reference, r: &TrainReport, tol: f64| {
         continues(reference, r, SAVED_AT, tol, what)
     };
-    let with_zero = |pipeline: PipelineConfig, zero: Stage| PipelineConfig {
+    let with_zero = |pipeline: Parallelism, zero: Stage| Parallelism {
         zero: Some(zero),
         ..pipeline
     };
@@ -460,14 +485,8 @@ fn a_checkpoint_of_another_model_is_refused_with_its_differences() {
     other.model.d_model = 48;
     let corpus = Corpus::load_default().unwrap();
     let errors = run_local(2, |g| {
-        let r = train_gpt_checkpointed(
-            &g,
-            &other,
-            &layout(1, None),
-            &corpus,
-            &resume_from(&dir),
-            &mut |_| {},
-        );
+        let other = resume_from(&dir).on(&other);
+        let r = train_gpt(&g, &other, &layout(1, None), &corpus, &mut |_| {});
         Ok(r.map(|_| ()).expect_err("refused").to_string())
     })
     .unwrap();

@@ -34,7 +34,7 @@ fn a_run_that_cannot_fit_is_refused_before_it_allocates() {
     // Through the trainer: refused on every rank, nothing built.
     let corpus = Corpus::from_bytes(vec![b'a'; 4096]);
     let err = burn_parallel_train::run_local(2, |g| {
-        train_gpt_parallel(&g, &huge_model, &Layout::default(), &corpus, &mut |_| {})
+        train_gpt(&g, &huge_model, &Layout::default(), &corpus, &mut |_| {})
     })
     .unwrap_err();
     assert!(err.to_string().contains("needs about"), "{err}");
@@ -193,7 +193,9 @@ fn a_corpus_shorter_than_a_window_is_refused_before_training() {
         let count = |_: &StepStats| {
             steps.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         };
-        train_gpt(&group, &config, &corpus, &mut { count })
+        train_gpt(&group, &config, &Default::default(), &corpus, &mut {
+            count
+        })
     })
     .unwrap_err()
     .to_string();

@@ -11,14 +11,13 @@
 //! `examples/examples/zero_bench.rs`.
 
 use burn::tensor::DType;
+use burn_parallel_train::CheckpointPolicy;
 use burn_parallel_train::run_local;
 use burn_zero::{LossScaler, MixedPrecision, Stage, ZeroConfig};
 use examples::data::Corpus;
 use examples::train::{
-    LossScale, Parallelism, Precision, TrainConfig, TrainDevice, TrainReport,
-    train_gpt_checkpointed,
+    LossScale, Parallelism, Precision, TrainConfig, TrainDevice, TrainReport, train_gpt,
 };
-use examples::train_checkpoint::CheckpointOptions;
 use tests::{
     Reference, assert_matches_reference, assert_same_losses, assert_same_params, compare_params,
     params_map, reference_run, tiny_gpt_run,
@@ -52,7 +51,8 @@ fn reference(config: &TrainConfig, clip: Option<f64>) -> Reference {
 /// Where a run trains and what it saves or resumes from.
 #[derive(Debug, Clone, Default)]
 struct RunOptions {
-    checkpoints: CheckpointOptions,
+    save: Option<CheckpointPolicy>,
+    resume: Option<std::path::PathBuf>,
     device: TrainDevice,
 }
 
@@ -96,6 +96,8 @@ fn layout_run(
         reduce_fp32,
         loss_scale: zero.loss_scaler.as_ref().map(LossScale::of),
         device: options.device,
+        save: options.save.clone(),
+        resume: options.resume.clone(),
         ..config.clone()
     };
     let parallel = Parallelism {
@@ -108,14 +110,7 @@ fn layout_run(
     let corpus = corpus();
     run_local(ranks, |world| {
         let world = world.with_tensor_path(tensor_path);
-        train_gpt_checkpointed(
-            &world,
-            &config,
-            &parallel,
-            &corpus,
-            &options.checkpoints,
-            &mut |_| {},
-        )
+        train_gpt(&world, &config, &parallel, &corpus, &mut |_| {})
     })
     .expect("training")
 }
@@ -258,14 +253,15 @@ fn ckpt_options(
     every: usize,
     resume: Option<&std::path::Path>,
 ) -> RunOptions {
+    let policy = |dir: &std::path::Path| CheckpointPolicy {
+        every,
+        at_end: false,
+        keep: 1,
+        ..CheckpointPolicy::new(dir)
+    };
     RunOptions {
-        checkpoints: CheckpointOptions {
-            dir: dir.map(|d| d.to_path_buf()),
-            save_every: every,
-            keep: 1,
-            resume: resume.map(|d| d.to_path_buf()),
-            ..CheckpointOptions::default()
-        },
+        save: dir.filter(|_| every > 0).map(policy),
+        resume: resume.map(|d| d.to_path_buf()),
         ..Default::default()
     }
 }
@@ -352,9 +348,11 @@ fn checkpoint_saved_on_4_ranks_resumes_on_2_and_1_at_another_stage_and_from_hybr
     let resume = |ranks: usize| {
         let corpus = corpus();
         run_local(ranks, |world| {
-            let options = ckpt_options(None, 0, Some(&step)).checkpoints;
-            let run =
-                train_gpt_checkpointed(&world, &config, &parallel, &corpus, &options, &mut |_| {});
+            let config = TrainConfig {
+                resume: Some(step.clone()),
+                ..config.clone()
+            };
+            let run = train_gpt(&world, &config, &parallel, &corpus, &mut |_| {});
             Ok(run.expect_err("a broken checkpoint must not load"))
         })
         .unwrap()
@@ -389,12 +387,12 @@ fn a_zero_checkpoint_resumes_as_ddp_and_fsdp() {
             zero: stage,
             ..Parallelism::default()
         };
-        let options = CheckpointOptions {
+        let config = TrainConfig {
             resume: Some(dir.clone()),
-            ..CheckpointOptions::default()
+            ..config.clone()
         };
         let reports = run_local(ranks, |world| {
-            train_gpt_checkpointed(&world, &config, &parallel, &corpus, &options, &mut |_| {})
+            train_gpt(&world, &config, &parallel, &corpus, &mut |_| {})
         })
         .expect("resumed training");
         let what = format!("ZeRO-2 checkpoint resumed at {ranks} ranks, {stage:?}");
@@ -734,11 +732,7 @@ fn zero_trains_on_the_device_asked_for() {
         };
         let corpus = corpus();
         let err = run_local(2, |world| {
-            let none = CheckpointOptions::default();
-            Ok(
-                train_gpt_checkpointed(&world, &config, &parallel, &corpus, &none, &mut |_| {})
-                    .err(),
-            )
+            Ok(train_gpt(&world, &config, &parallel, &corpus, &mut |_| {}).err())
         })
         .unwrap();
         for e in err {
@@ -774,14 +768,7 @@ fn a_bad_loss_scale_is_refused_before_training() {
         assert!(err.contains("--loss-scale"), "{err}");
         let errors = run_local(2, |world| {
             let parallel = Parallelism::default();
-            Ok(examples::train::train_gpt_parallel(
-                &world,
-                &config,
-                &parallel,
-                &corpus,
-                &mut |_| {},
-            )
-            .err())
+            Ok(examples::train::train_gpt(&world, &config, &parallel, &corpus, &mut |_| {}).err())
         })
         .unwrap();
         for e in errors {

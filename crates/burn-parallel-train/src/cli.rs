@@ -188,19 +188,28 @@ impl StepArgs {
     }
 }
 
-/// The checkpoint flags: `--save`, `--save-every`, `--keep`, `--resume`.
+/// The checkpoint flags: `--save`, `--save-every`, `--keep`, `--async-checkpoint`, `--resume`.
 #[derive(Debug, Clone, clap::Args)]
 pub struct CheckpointArgs {
     /// Save checkpoints under this directory (each rank its share): after the last step, on
     /// Ctrl-C, and every --save-every steps. Any layout resumes them.
-    #[arg(long, value_name = "DIR")]
+    #[arg(long, value_name = "DIR", visible_alias = "checkpoint-dir")]
     pub save: Option<PathBuf>,
     /// With --save: every this many steps too (0: only after the last step and on a stop).
     #[arg(long, default_value_t = 0, requires = "save")]
     pub save_every: usize,
-    /// With --save: the newest checkpoints kept.
-    #[arg(long, default_value_t = 1, requires = "save")]
+    /// With --save: the newest checkpoints kept (older ones are deleted).
+    #[arg(
+        long,
+        default_value_t = 1,
+        requires = "save",
+        visible_alias = "keep-checkpoints"
+    )]
     pub keep: usize,
+    /// With --save: write on a background thread while training goes on (the tensors are
+    /// first copied to host memory).
+    #[arg(long, requires = "save")]
+    pub async_checkpoint: bool,
     /// Resume from this checkpoint, or the newest complete one under this directory (saved
     /// under any layout), and train on to the last step.
     #[arg(long, value_name = "DIR")]
@@ -208,15 +217,21 @@ pub struct CheckpointArgs {
 }
 
 impl CheckpointArgs {
+    /// The saving these flags ask for (`None` without `--save`).
+    pub fn policy(&self) -> Option<CheckpointPolicy> {
+        self.save.as_ref().map(|dir| CheckpointPolicy {
+            every: self.save_every,
+            keep: self.keep,
+            background: self.async_checkpoint,
+            ..CheckpointPolicy::new(dir)
+        })
+    }
+
     /// The loop of `steps` steps at rates `lr`, saving and resuming as these flags say.
     pub fn fit_config(&self, steps: usize, lr: LrSchedule) -> FitConfig {
         FitConfig {
             lr,
-            checkpoint: self.save.as_ref().map(|dir| CheckpointPolicy {
-                every: self.save_every,
-                keep: self.keep,
-                ..CheckpointPolicy::new(dir)
-            }),
+            checkpoint: self.policy(),
             resume: self.resume.clone(),
             ..FitConfig::new(steps, lr.peak)
         }

@@ -17,6 +17,10 @@
 //! | `vocab` | [`Embedding`] (rows) | masked lookup, all-reduce: replicated output |
 //! | `vocab` | [`Linear`] head (columns, padded) | vocabulary-sharded logits for [`Linear::cross_entropy`] |
 //!
+//! Beside them, the layers a transformer needs whatever its split, each with a composed and a
+//! fused path (the kernels of [`crate::kernels`]): [`Norm`] (LayerNorm, RMSNorm) and [`Rope`]
+//! (rotary position tables).
+//!
 //! # Example: a two-layer MLP, the same code at tp 1 and tp 2
 //! ```
 //! use burn::module::Module;
@@ -77,6 +81,11 @@ use crate::tensor_parallel::{
 };
 
 pub use crate::tensor_parallel::TpContext;
+
+mod norm;
+mod rope;
+pub use norm::{Norm, NormKind};
+pub use rope::Rope;
 
 /// An input that entered a column-parallel region ([`Linear::forward_shared`]).
 // A short-lived local of one forward call: the size of its variants does not matter.

@@ -14,7 +14,7 @@
 //! gpt --ranks 4 --cp 2 --cp-kind ring --cp-balance headtail       # dp 2 x cp 2, ring attention
 //! gpt --ranks 4 --moe-experts 8 --top-k 2 --ep 2 --dropless        # GPT-MoE, dp 4 with ep 2
 //! gpt --moe-experts 8 --moe-every 2 --capacity-factor 1.25 --aux-loss 0.01 --z-loss 0.001
-//! gpt --ranks 4 --tp 2 --save-every 100 --checkpoint-dir ckpt   # distributed checkpoints
+//! gpt --ranks 4 --tp 2 --save ckpt --save-every 100             # distributed checkpoints
 //! gpt --ranks 4 --zero 3 --resume ckpt                           # resume under another layout
 //! ```
 
@@ -29,10 +29,9 @@ use burn_parallel_train::{Layout, StepLog};
 use clap::Parser;
 use examples::cli::{Backend, GptArgs, config_from, train_device};
 use examples::data::Corpus;
-use examples::pipeline::PipelineArgs;
+use examples::pipeline::StageSplit;
 use examples::run::{GptRun, check_run, train_gpt_under};
 use examples::train::{Parallelism, StepPhases, StepStats, TrainConfig, TrainReport};
-use examples::train_checkpoint::CheckpointOptions;
 
 /// The world of a multi-process backend (`tcp`, `nccl` over it, or `mpi`).
 fn process_world(backend: Backend) -> Result<ProcessGroup, CollectiveError> {
@@ -53,9 +52,8 @@ fn run_rank(
     let Run {
         config,
         layout,
-        pipeline,
+        split,
         corpus,
-        checkpoints,
     } = *run;
     let (log_every, profile) = (log.every, log.profile);
     let mfu = log.mfu(config, group.size());
@@ -89,8 +87,7 @@ fn run_rank(
         progress.step(&log, &moe_lines(&s.moe));
     };
     let host_bytes = burn_parallel::group::host_bytes_sent();
-    let sources = (corpus, checkpoints);
-    let report = train_gpt_under(group, config, layout, pipeline, sources, &mut on_step);
+    let report = train_gpt_under(group, config, (layout, split), corpus, &mut on_step);
     progress.finish();
     let report = report?;
     let train = report.train();
@@ -139,9 +136,8 @@ fn run_rank(
 struct Run<'a> {
     config: &'a TrainConfig,
     layout: &'a Layout,
-    pipeline: &'a PipelineArgs,
+    split: &'a StageSplit,
     corpus: &'a Corpus,
-    checkpoints: &'a CheckpointOptions,
 }
 
 fn main() -> ExitCode {
@@ -162,42 +158,14 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if let Some(dir) = &args.checkpoint.init_from_hf {
-        match examples::hf::HfConfig::from_dir(dir) {
-            Ok(hf) => {
-                config.model = examples::hf::with_run_settings(&hf.model, &config.model);
-                println!(
-                    "model from {}: {:?}, {} layers, d_model {}, {} heads, vocabulary {}",
-                    dir.join("config.json").display(),
-                    hf.arch,
-                    config.model.n_layers,
-                    config.model.d_model,
-                    config.model.n_heads,
-                    config.model.vocab_size
-                );
-            }
-            Err(e) => {
-                eprintln!("error: --init-from-hf {}: {e}", dir.display());
-                return ExitCode::from(2);
-            }
-        }
-        if config.seq_len > config.model.max_seq_len {
-            eprintln!(
-                "error: --seq-len {} is longer than the imported model's {} positions",
-                config.seq_len, config.model.max_seq_len
-            );
-            return ExitCode::from(2);
-        }
-        // The bundled corpus is byte-level: its tokens are the ids 0..256 of any vocabulary
-        // at least that large (for a BPE model they are not its own tokenisation of the text).
-        if config.model.vocab_size < 256 {
-            eprintln!(
-                "error: the imported model's vocabulary has {} tokens; the bundled corpus's \
-                 byte tokens need at least 256",
-                config.model.vocab_size
-            );
-            return ExitCode::from(2);
-        }
+    if let Some(dir) = &args.init_from_hf {
+        let m = &config.model;
+        let (layers, width, heads, vocab) = (m.n_layers, m.d_model, m.n_heads, m.vocab_size);
+        let from = dir.join("config.json");
+        println!(
+            "model from {}: {layers} layers, d_model {width}, {heads} heads, vocabulary {vocab}",
+            from.display()
+        );
     }
     let corpus = Corpus::load_from(args.data_dir.as_deref()).and_then(|corpus| {
         corpus.check_windows(config.seq_len, config.eval_batches)?;
@@ -210,7 +178,6 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let checkpoints = args.checkpoint.options();
     let mut layout = match args.layout() {
         Ok(layout) => layout,
         Err(e) => {
@@ -221,17 +188,17 @@ fn main() -> ExitCode {
     layout.diloco = args.diloco.layout();
     config.device = train_device(&args);
     let log = Logging::new(&args);
+    let split = args.pipeline.split();
     let run = Run {
         config: &config,
         layout: &layout,
-        pipeline: &args.pipeline,
+        split: &split,
         corpus: &corpus,
-        checkpoints: &checkpoints,
     };
     let outcome = match args.backend {
         Backend::Local => {
             // Thread ranks share this process's memory.
-            if let Err(e) = check_run(&config, &layout, &args.pipeline, args.ranks, args.ranks) {
+            if let Err(e) = check_run(&config, &layout, &split, args.ranks, args.ranks) {
                 eprintln!("error: {e}");
                 return ExitCode::from(2);
             }
@@ -241,7 +208,7 @@ fn main() -> ExitCode {
         // Over TCP the world size is known once the world is formed: every rank checks then,
         // before the banner (which counts the parameters) and any allocation.
         Backend::Tcp | Backend::Nccl | Backend::Mpi => on_world(args.backend, |group| {
-            check_run(&config, &layout, &args.pipeline, group.size(), 1)?;
+            check_run(&config, &layout, &split, group.size(), 1)?;
             run_rank(&group, &run, &log)
         }),
     };
@@ -251,8 +218,10 @@ fn main() -> ExitCode {
             print_report(report.train(), &corpus);
             if let GptRun::Pipeline(p) = &report {
                 println!("blocks per stage: {:?}", p.split);
-                let micro_batches = args.pipeline.microbatches;
-                println!("{}", bubble_summary(&layout, micro_batches, &p.timeline));
+                println!(
+                    "{}",
+                    bubble_summary(&layout, config.grad_accum, &p.timeline)
+                );
                 if let Some(path) = &args.pipeline.trace {
                     if let Err(e) = std::fs::write(path, p.timeline.chrome_trace(1e6)) {
                         eprintln!("error: writing the trace to {}: {e}", path.display());

@@ -47,6 +47,80 @@ pub enum CheckpointError {
     /// The ranks could not agree (a collective failed).
     #[error(transparent)]
     Collective(#[from] CollectiveError),
+    /// A tensor whose element type is not a float, where a parameter's values are needed.
+    #[error(
+        "tensor `{tensor}` has dtype {dtype}; only float tensors (F32, F64, F16, BF16) load as \
+         parameters"
+    )]
+    Dtype {
+        /// The tensor.
+        tensor: String,
+        /// Its element type.
+        dtype: String,
+    },
+    /// A tensor of another shape than a name mapping ([`super::hf::Adapter`]) expects.
+    #[error(
+        "tensor `{tensor}` has shape {found:?}, but the model's configuration implies \
+         {expected:?} (a checkpoint of another size, or the wrong configuration)"
+    )]
+    Shape {
+        /// The tensor (the checkpoint's name, or the parameter's path).
+        tensor: String,
+        /// The shape the mapping expects.
+        expected: Vec<usize>,
+        /// The shape found.
+        found: Vec<usize>,
+    },
+    /// Tensors a name mapping ([`super::hf::Adapter`]) needs are missing from a checkpoint, or
+    /// the checkpoint holds tensors it does not map (neither known buffers nor tied aliases).
+    #[error("{}", unmapped(missing, unexpected))]
+    Unmapped {
+        /// Missing tensors, with the shapes the mapping expects.
+        missing: Vec<(String, Vec<usize>)>,
+        /// Tensors that map to nothing, with their shapes.
+        unexpected: Vec<(String, Vec<usize>)>,
+    },
+    /// The same tensor is stored both with and without a prefix the mapping strips.
+    #[error(
+        "tensor `{tensor}` is stored both with and without the prefix `{prefix}`; keep one of \
+         them"
+    )]
+    Duplicate {
+        /// The tensor, without the prefix.
+        tensor: String,
+        /// The prefix.
+        prefix: String,
+    },
+    /// A tied alias (a tied head saved anyway) that differs from the parameter it is tied to.
+    #[error(
+        "tensor `{tensor}` differs from `{param}`, but the configuration ties them \
+         (`tie_word_embeddings`): untie them in the configuration, or drop the tensor"
+    )]
+    Tied {
+        /// The checkpoint's tensor.
+        tensor: String,
+        /// The parameter it must equal.
+        param: String,
+    },
+}
+
+/// The text of [`CheckpointError::Unmapped`]: each list counted, each tensor with its shape.
+fn unmapped(missing: &[(String, Vec<usize>)], unexpected: &[(String, Vec<usize>)]) -> String {
+    let list = |what: &str, items: &[(String, Vec<usize>)]| {
+        let items: Vec<String> = items.iter().map(|(n, s)| format!("`{n}` {s:?}")).collect();
+        format!("{} {what}: {}", items.len(), items.join(", "))
+    };
+    let mut parts = Vec::new();
+    if !missing.is_empty() {
+        parts.push(list("missing", missing));
+    }
+    if !unexpected.is_empty() {
+        parts.push(list("unexpected", unexpected));
+    }
+    format!(
+        "the checkpoint does not match the model's configuration: {}",
+        parts.join("; ")
+    )
 }
 
 impl CheckpointError {

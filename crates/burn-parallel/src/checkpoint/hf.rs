@@ -2,8 +2,14 @@
 //! (`model.safetensors`, or the shards `model.safetensors.index.json` lists), read into
 //! tensors by name, which are a [`TensorSource`](super::TensorSource): map the names onto a
 //! model's ([`super::ParamMap::with_logical_names`]) and load them under any layout
-//! ([`super::ParamMap::load_params`]). The models' own name mappings (GPT-2, LLaMA) are theirs;
-//! the files are read and written here.
+//! ([`super::ParamMap::load_params`]).
+//!
+//! A model's own layout (GPT-2's, LLaMA's names) is a table it supplies, torchtitan's state-dict
+//! adapter: an [`Adapter`] of [`Entry`]s, one per checkpoint tensor, each a parameter as it is,
+//! transposed, or several fused along the last axis ([`Source`]). The adapter does the rest:
+//! [`Adapter::from_hf`] checks a checkpoint against the table (shapes, float dtypes, a prefix
+//! stored twice, tied aliases, every missing and unexpected tensor) and maps it onto the
+//! parameters; [`Adapter::to_hf`] writes the parameters in the layout.
 //!
 //! ```
 //! use std::collections::BTreeMap;
@@ -18,7 +24,7 @@
 //! hf::write_safetensors(&dir.join(hf::WEIGHTS_FILE), &tensors).unwrap();
 //! let read = hf::read_dir(&dir).unwrap();
 //! assert_eq!(read["wte.weight"].dtype(), DType::F32);
-//! assert_eq!(read["wte.weight"].to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
+//! assert_eq!(read["wte.weight"].try_to_vec::<f32>().unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
 //! # std::fs::remove_dir_all(&dir).unwrap();
 //! ```
 
@@ -30,6 +36,9 @@ use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 
 use super::{CheckpointError, Result};
 
+mod adapter;
+pub use adapter::{Adapter, Entry, Source};
+
 /// The weights of an unsharded checkpoint.
 pub const WEIGHTS_FILE: &str = "model.safetensors";
 /// The index of a sharded checkpoint (`weight_map`: tensor name to shard file).
@@ -39,7 +48,7 @@ pub const INDEX_FILE: &str = "model.safetensors.index.json";
 ///
 /// # Errors
 /// [`CheckpointError::Io`] when the file cannot be read; [`CheckpointError::Corrupt`] when it
-/// is not a safetensors file; [`CheckpointError::Piece`] naming a tensor of another dtype
+/// is not a safetensors file; [`CheckpointError::Dtype`] naming a tensor of another dtype
 /// (integers, fp8): a model's parameters are floats.
 pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, TensorData>> {
     let bytes = std::fs::read(path).map_err(|source| CheckpointError::Io {
@@ -58,10 +67,10 @@ pub fn read_safetensors(path: &Path) -> Result<BTreeMap<String, TensorData>> {
             Dtype::F16 => DType::F16,
             Dtype::BF16 => DType::BF16,
             other => {
-                return Err(CheckpointError::piece(
-                    name,
-                    format!("dtype {other:?}: only float tensors (F32, F64, F16, BF16) are read"),
-                ));
+                return Err(CheckpointError::Dtype {
+                    tensor: name.to_string(),
+                    dtype: format!("{other:?}"),
+                });
             }
         };
         let data = TensorData::from_bytes_vec(view.data().to_vec(), view.shape().to_vec(), dtype);
@@ -230,7 +239,9 @@ mod tests {
         let view = TensorView::new(Dtype::I64, vec![1], &ints).unwrap();
         safetensors::serialize_to_file([("ids", view)], None, &dir.join(WEIGHTS_FILE)).unwrap();
         match read_dir(&dir) {
-            Err(CheckpointError::Piece { name, .. }) => assert_eq!(name, "ids"),
+            Err(CheckpointError::Dtype { tensor, dtype }) => {
+                assert_eq!((&*tensor, &*dtype), ("ids", "I64"))
+            }
             other => panic!("{:?}", other.map(|t| t.len())),
         }
         std::fs::remove_dir_all(&dir).unwrap();
