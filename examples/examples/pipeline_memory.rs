@@ -41,7 +41,7 @@ fn measure(
         let mut base = ALLOC.reset_peak();
         let mut on_step = |s: &examples::train::StepStats| {
             if lead {
-                if s.step > 0 {
+                if s.log.step > 0 {
                     let mut w = worst.lock().unwrap_or_else(|e| e.into_inner());
                     *w = (*w).max(ALLOC.peak().saturating_sub(base));
                 }

@@ -59,16 +59,6 @@ enum AttentionKind {
     Composed,
 }
 
-#[derive(Debug, Clone, Copy, ValueEnum)]
-enum DeviceArg {
-    /// Burn's CPU backend.
-    Flex,
-    /// Burn's WGPU backend (a build with `--features examples/wgpu`).
-    Wgpu,
-    /// Burn's CUDA backend (a build with `--features examples/cuda`), device LOCAL_RANK or 0.
-    Cuda,
-}
-
 /// Train the `gpt` trainer's GPT with plain Burn (no burn-parallel), for comparison with
 /// `gpt --ranks 1`.
 #[derive(Debug, Parser)]
@@ -102,9 +92,10 @@ struct Args {
     /// Seed of Burn's generator (the weights).
     #[arg(long)]
     seed: Option<u64>,
-    /// The device.
+    /// The device (wgpu needs a build with `--features examples/wgpu`, cuda one with
+    /// `--features examples/cuda`: device LOCAL_RANK or 0).
     #[arg(long, value_enum, default_value = "flex")]
-    device: DeviceArg,
+    device: TrainDevice,
     /// How the attention is computed.
     #[arg(long, value_enum, default_value = "burn")]
     attention: AttentionKind,
@@ -332,12 +323,7 @@ fn main() -> ExitCode {
         eprintln!("error: {e}");
         return ExitCode::from(2);
     }
-    let train_device = match args.device {
-        DeviceArg::Flex => TrainDevice::Flex,
-        DeviceArg::Wgpu => TrainDevice::Wgpu,
-        DeviceArg::Cuda => TrainDevice::Cuda,
-    };
-    let device = match train_device.device() {
+    let device = match args.device.device() {
         Ok(device) => device.autodiff(),
         Err(e) => {
             eprintln!(

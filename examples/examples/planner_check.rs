@@ -70,7 +70,7 @@ fn measure(world: usize, parallel: &Parallelism, config: &TrainConfig, corpus: &
             if !lead {
                 return;
             }
-            match s.step {
+            match s.log.step {
                 1 => PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed),
                 2 => *peak.lock().unwrap() = PEAK.load(Ordering::Relaxed),
                 _ => {}

@@ -28,24 +28,6 @@ pub enum Backend {
     Mpi,
 }
 
-/// `--mlp`.
-#[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum Mlp {
-    /// A GELU MLP.
-    Gelu,
-    /// A gated SwiGLU MLP.
-    Swiglu,
-}
-
-/// `--positions`.
-#[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum Positions {
-    /// A learned position table.
-    Learned,
-    /// Rotary embeddings (RoPE).
-    Rotary,
-}
-
 /// Train a byte-level GPT on the King James Bible with data parallelism.
 #[derive(Debug, Parser)]
 #[command(version, about)]
@@ -90,10 +72,10 @@ pub struct GptArgs {
     pub d_model: Option<usize>,
     /// MLP kind.
     #[arg(long, value_enum)]
-    pub mlp: Option<Mlp>,
+    pub mlp: Option<MlpKind>,
     /// Position encoding.
     #[arg(long, value_enum)]
-    pub positions: Option<Positions>,
+    pub positions: Option<PositionKind>,
     /// Tie the LM head to the token embedding.
     #[arg(long)]
     pub tied: bool,
@@ -161,7 +143,7 @@ pub struct GptArgs {
     /// Device of the trainer, under every layout (`wgpu` needs a build with `--features wgpu`,
     /// `cuda` one with `--features cuda`: device LOCAL_RANK of each process).
     #[arg(long, value_enum)]
-    pub device: Option<DeviceArg>,
+    pub device: Option<TrainDevice>,
     /// Pipeline parallelism: --pp N --schedule gpipe|1f1b|interleaved|zb-h1|zbv|dualpipev
     /// --microbatches M [--virtual-stages V] [--balance-params | --balance-time] [--trace F].
     #[command(flatten)]
@@ -195,28 +177,9 @@ pub struct GptArgs {
 /// `--precision`: the library's flag value.
 pub use burn_parallel_train::cli::Precision as PrecisionArg;
 
-/// `--device`.
-#[derive(Debug, Clone, Copy, ValueEnum)]
-pub enum DeviceArg {
-    /// Burn's Flex CPU backend.
-    Flex,
-    /// WGPU (Vulkan, Metal, DX12).
-    #[cfg(feature = "wgpu")]
-    Wgpu,
-    /// CUDA: device LOCAL_RANK of each process.
-    #[cfg(feature = "cuda")]
-    Cuda,
-}
-
-/// The trainer's device of `--device`.
+/// The trainer's device of `--device` (Flex without it).
 pub fn train_device(args: &GptArgs) -> TrainDevice {
-    match args.device {
-        None | Some(DeviceArg::Flex) => TrainDevice::Flex,
-        #[cfg(feature = "wgpu")]
-        Some(DeviceArg::Wgpu) => TrainDevice::Wgpu,
-        #[cfg(feature = "cuda")]
-        Some(DeviceArg::Cuda) => TrainDevice::Cuda,
-    }
+    args.device.unwrap_or_default()
 }
 
 /// The trainer's settings: the `--config` file's (or the defaults), then each flag given.
@@ -271,18 +234,8 @@ pub fn config_from(args: &GptArgs) -> Result<TrainConfig, String> {
         c.model.d_ff = 4 * d;
     }
     set!(c.model.d_ff, args.d_ff);
-    if let Some(m) = args.mlp {
-        c.model.mlp = match m {
-            Mlp::Gelu => MlpKind::Gelu,
-            Mlp::Swiglu => MlpKind::SwiGlu,
-        };
-    }
-    if let Some(p) = args.positions {
-        c.model.positions = match p {
-            Positions::Learned => PositionKind::Learned,
-            Positions::Rotary => PositionKind::Rotary,
-        };
-    }
+    set!(c.model.mlp, args.mlp);
+    set!(c.model.positions, args.positions);
     if args.tied {
         c.model.tied_embeddings = true;
     }

@@ -123,6 +123,11 @@ pub fn data_dir_from(env: Option<std::ffi::OsString>) -> PathBuf {
     }
 }
 
+/// The file `file` in the folder `dir` (`--data-dir`), or in [`data_dir`] when `None`.
+fn in_data_dir(dir: Option<&Path>, file: &str) -> PathBuf {
+    dir.map_or_else(data_dir, Path::to_path_buf).join(file)
+}
+
 /// Which part of a data set.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Split {
@@ -217,32 +222,24 @@ impl Corpus {
     /// File name of the King James Bible in a data folder.
     pub const FILE: &str = "kjv.txt.gz";
 
-    /// Path of the King James Bible in [`data_dir`] (bundled: `examples/data/kjv.txt.gz`).
-    pub fn default_path() -> PathBuf {
-        data_dir().join(Self::FILE)
-    }
-
     /// Loads the King James Bible from the folder `dir` (`--data-dir`), or from [`data_dir`]
-    /// when `None`.
+    /// (bundled: `examples/data/kjv.txt.gz`) when `None`.
     ///
     /// # Errors
     ///
     /// [`DataError`] if the file is missing (naming `--data-dir` and [`DATA_DIR_ENV`]),
     /// unreadable or empty.
     pub fn load_from(dir: Option<&Path>) -> Result<Self, DataError> {
-        Self::load(
-            &dir.map_or_else(data_dir, Path::to_path_buf)
-                .join(Self::FILE),
-        )
+        Self::load(&in_data_dir(dir, Self::FILE))
     }
 
-    /// Loads the bundled King James Bible (about 4.4 MB of text).
+    /// Loads the bundled King James Bible (about 4.4 MB of text): `load_from(None)`.
     ///
     /// # Errors
     ///
-    /// [`DataError`] if the file is missing or unreadable.
+    /// As [`Self::load_from`].
     pub fn load_default() -> Result<Self, DataError> {
-        Self::load(&Self::default_path())
+        Self::load_from(None)
     }
 
     /// Loads a gzip-compressed text file.
@@ -491,32 +488,24 @@ impl Digits {
     /// File name of the digits in a data folder.
     pub const FILE: &str = "digits.csv.gz";
 
-    /// Path of the digits in [`data_dir`] (bundled: `examples/data/digits.csv.gz`).
-    pub fn default_path() -> PathBuf {
-        data_dir().join(Self::FILE)
-    }
-
-    /// Loads the digits from the folder `dir` (`--data-dir`), or from [`data_dir`] when
-    /// `None`.
+    /// Loads the digits from the folder `dir` (`--data-dir`), or from [`data_dir`] (bundled:
+    /// `examples/data/digits.csv.gz`) when `None`.
     ///
     /// # Errors
     ///
     /// [`DataError`] if the file is missing (naming `--data-dir` and [`DATA_DIR_ENV`]),
     /// unreadable or malformed.
     pub fn load_from(dir: Option<&Path>) -> Result<Self, DataError> {
-        Self::load(
-            &dir.map_or_else(data_dir, Path::to_path_buf)
-                .join(Self::FILE),
-        )
+        Self::load(&in_data_dir(dir, Self::FILE))
     }
 
-    /// Loads the bundled digits (1,797 images).
+    /// Loads the bundled digits (1,797 images): `load_from(None)`.
     ///
     /// # Errors
     ///
-    /// [`DataError`] if the file is missing, unreadable or malformed.
+    /// As [`Self::load_from`].
     pub fn load_default() -> Result<Self, DataError> {
-        Self::load(&Self::default_path())
+        Self::load_from(None)
     }
 
     /// Loads a gzip-compressed CSV with 64 pixel values in `0..=16` and a label in `0..10` per

@@ -51,7 +51,7 @@
 //! assert!((losses[0] - single.into_scalar::<f32>()).abs() < 1e-5);
 //! ```
 
-use burn::module::{Module, ModuleMapper, Param};
+use burn::module::Module;
 use burn::tensor::activation::{gelu, gelu_approximate, log_softmax, silu, softmax};
 use burn::tensor::{DType, Device, Int, Tensor, TensorData};
 use burn_moe::{MoeConfig, MoeLayer, MoeParallel, MoeStats};
@@ -94,13 +94,14 @@ pub enum ConfigError {
     Invalid(String),
 }
 
-/// The feed-forward network of each block.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// The feed-forward network of each block (`gpt --mlp gelu|swiglu`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 pub enum MlpKind {
     /// `down(gelu(up(x)))` (GPT-2).
     #[default]
     Gelu,
     /// `down(silu(gate(x)) * up(x))` (LLaMA).
+    #[value(name = "swiglu")]
     SwiGlu,
 }
 
@@ -115,8 +116,8 @@ pub enum GeluKind {
     Tanh,
 }
 
-/// How token positions are encoded.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// How token positions are encoded (`gpt --positions learned|rotary`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 pub enum PositionKind {
     /// A learned table `wpe` added to the token embeddings (GPT-2).
     #[default]
@@ -1617,7 +1618,7 @@ impl Gpt {
         for (path, shape, values) in gathered {
             params.insert(path, TensorData::new(values, shape));
         }
-        let single = load_params(Gpt::new(&self.config, device), &params);
+        let single = burn_parallel_train::load_named(Gpt::new(&self.config, device), &params);
         // The biases of auxiliary-loss-free balancing take part in routing.
         let mut biases = Vec::new();
         self.for_each_moe(&mut |_, moe| biases.push(moe.expert_bias()))?;
@@ -1660,41 +1661,6 @@ impl Gpt {
         let _ = self.for_each_moe(&mut |_, moe| stats.extend(moe.last_stats()));
         stats
     }
-}
-
-/// `model` with every float parameter replaced by the value of the same path in `params`
-/// (parameters missing from `params` keep their value; whether a parameter requires a gradient
-/// is kept).
-pub fn load_params<M: Module>(
-    model: M,
-    params: &std::collections::HashMap<String, TensorData>,
-) -> M {
-    struct Load<'a> {
-        path: Vec<String>,
-        params: &'a std::collections::HashMap<String, TensorData>,
-    }
-    impl ModuleMapper for Load<'_> {
-        fn enter_module(&mut self, name: &str, _: &str) {
-            self.path.push(name.to_string());
-        }
-        fn exit_module(&mut self, _: &str, _: &str) {
-            self.path.pop();
-        }
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let Some(data) = self.params.get(&self.path.join(".")) else {
-                return param;
-            };
-            param.map(|t| {
-                let grad = t.is_require_grad();
-                let v = Tensor::<D>::from_data(data.clone(), &t.device());
-                if grad { v.require_grad() } else { v }
-            })
-        }
-    }
-    model.map(&mut Load {
-        path: Vec::new(),
-        params,
-    })
 }
 
 /// Mean cross-entropy of `logits` `[n, classes]` against class ids `targets` `[n]`, computed

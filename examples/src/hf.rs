@@ -59,11 +59,12 @@
 //! std::fs::remove_dir_all(&dir).unwrap();
 //! ```
 
-use crate::gpt::{GeluKind, Gpt, GptConfig, MlpKind, NormKind, PositionKind, load_params};
+use crate::gpt::{GeluKind, Gpt, GptConfig, MlpKind, NormKind, PositionKind};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_parallel::checkpoint::CheckpointError;
 use burn_parallel::checkpoint::hf::{self as checkpoint_hf, Adapter, Entry};
 use burn_parallel::init::Init;
+use burn_parallel_train::load_named;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -641,7 +642,7 @@ pub fn import_tensors(
             adapter.param_shapes()
         )));
     }
-    Ok(load_params(model, &params.into_iter().collect()))
+    Ok(load_named(model, &params.into_iter().collect()))
 }
 
 /// Imports a checkpoint directory (`config.json` and its safetensors) as a single-device GPT.

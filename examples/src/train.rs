@@ -22,7 +22,6 @@
 //! replica draws its own stream over its own rows: a valid continuation with other masks.
 
 use std::path::PathBuf;
-use std::time::Instant;
 
 use burn::module::Module;
 use burn::tensor::{Device, Int, Tensor, TensorData, activation};
@@ -327,22 +326,13 @@ impl TrainConfig {
 /// What one optimizer step did (global figures, the same on every rank).
 #[derive(Debug, Clone)]
 pub struct StepStats {
-    /// Step index, from 0.
-    pub step: usize,
-    /// Mean loss over the global batch.
-    pub loss: f64,
-    /// Learning rate used.
-    pub lr: f64,
-    /// Tokens of the global batch per second of this step.
-    pub tokens_per_sec: f64,
-    /// Seconds since training started.
-    pub elapsed: f64,
+    /// The library loop's figures: step (from 0), global mean loss, learning rate, seconds,
+    /// tokens of the global batch per second, where this rank's time went.
+    pub log: StepLog,
     /// GPT-MoE: the routing figures of each MoE layer on the step's last micro-batch (token
     /// counts over the data-parallel ranks; the auxiliary losses averaged over them). Empty
     /// for a dense GPT.
     pub moe: Vec<MoeStats>,
-    /// Where this rank's step time went (see [`StepPhases`]).
-    pub phases: StepPhases,
 }
 
 /// Seconds of one step on this rank by phase (the library's).
@@ -553,16 +543,11 @@ fn fit_gpt<P: burn_parallel_train::ParallelModel<Batch = crate::data::Batch>>(
         let rows = micro.rows.clone();
         Ok(corpus.batch_rows(micro.step as u64, rows, config.seq_len, Split::Train))
     };
-    let start = Instant::now();
     let mut after_step = |log: &StepLog, built: &Built<P>| {
+        let moe = extra(log, built)?;
         on_step(&StepStats {
-            step: log.step,
-            loss: f64::from(log.loss),
-            lr: log.lr,
-            tokens_per_sec: log.tokens_per_sec,
-            elapsed: start.elapsed().as_secs_f64(),
-            moe: extra(log, built)?,
-            phases: log.phases,
+            log: log.clone(),
+            moe,
         });
         Ok(())
     };
@@ -610,13 +595,6 @@ fn moe_figures(model: &Gpt, average: &ProcessGroup) -> burn_parallel::Result<Vec
     Ok(stats)
 }
 
-fn scalar(t: &Tensor<1>) -> f64 {
-    t.clone()
-        .into_data()
-        .try_into_vec_as::<f64>()
-        .expect("a float")[0]
-}
-
 /// Mean validation loss over `eval_batches` global batches, each data-parallel rank of `group`
 /// evaluating its rows with `loss_of` on `device`, averaged over `average` (the data ranks and
 /// any context-parallel ranks, which evaluate other tokens of the same rows).
@@ -638,7 +616,8 @@ fn validation_loss(
         let rows = first..first + rows;
         let batch = corpus.batch_rows(b as u64, rows, config.seq_len, Split::Validation);
         let (inputs, targets) = batch.to_tensors(device);
-        total += scalar(&loss_of(inputs, targets)?);
+        // The loss is f32 under every precision (the head's cross-entropy is).
+        total += f64::from(loss_of(inputs, targets)?.into_scalar::<f32>());
     }
     let local = (total / config.eval_batches.max(1) as f64) as f32;
     Ok(average.all_reduce_f32(vec![local], ReduceOp::Avg)?[0] as f64)

@@ -47,7 +47,6 @@
 //! ```
 
 use std::sync::Mutex;
-use std::time::Instant;
 
 use burn::module::Module;
 use burn::optim::AdamWConfig;
@@ -229,20 +228,11 @@ impl VitTrainConfig {
 }
 
 /// What one optimizer step did (global figures, the same on every rank).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct VitStepStats {
-    /// Step index, from 0.
-    pub step: usize,
-    /// Mean loss over the global batch.
-    pub loss: f64,
-    /// Learning rate used.
-    pub lr: f64,
-    /// The global gradient norm before clipping (when clipping is on).
-    pub grad_norm: Option<f64>,
-    /// Images of the global batch per second of this step.
-    pub images_per_sec: f64,
-    /// Seconds since training started.
-    pub elapsed: f64,
+    /// The library loop's figures: step (from 0), global mean loss, learning rate, seconds,
+    /// images of the global batch per second (`tokens_per_sec`), the gradient norm when clipping.
+    pub log: StepLog,
     /// The test accuracy after this step, when it was measured (every `eval_every` steps).
     pub test_accuracy: Option<f64>,
 }
@@ -374,7 +364,6 @@ pub fn train_vit(
     };
     let mut evals = Vec::new();
     let mut train_seconds = 0.0;
-    let start = Instant::now();
     let mut on_step = |log: &StepLog, built: &Built<VitConfig>| {
         train_seconds += log.seconds;
         let (step, every) = (log.step, config.eval_every);
@@ -392,12 +381,7 @@ pub fn train_vit(
             _ => None,
         };
         on_step(&VitStepStats {
-            step,
-            loss: f64::from(log.loss),
-            lr: log.lr,
-            grad_norm: log.grad_norm,
-            images_per_sec: log.tokens_per_sec,
-            elapsed: start.elapsed().as_secs_f64(),
+            log: log.clone(),
             test_accuracy,
         });
         Ok(())

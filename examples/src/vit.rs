@@ -33,9 +33,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::gpt::{
     Block, BlockConfig, ConfigError, GeluKind, INIT_STD, MlpKind, Norm, NormKind, Pass,
-    build_blocks, cross_entropy, gather_blocks, load_params,
+    build_blocks, cross_entropy, gather_blocks,
 };
 use crate::init::{Init, LinearInit};
+use burn_parallel_train::load_named;
 
 /// Hyper-parameters of [`Vit`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -361,6 +362,6 @@ impl Vit {
         };
         let params: std::collections::HashMap<String, burn::tensor::TensorData> =
             self.tp.full_params(&whole)?.into_iter().collect();
-        Ok(load_params(Vit::new(&self.config, device), &params))
+        Ok(load_named(Vit::new(&self.config, device), &params))
     }
 }

@@ -10,8 +10,9 @@ use std::collections::HashMap;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_parallel::context_parallel::{ContextParallel, CpBalance, CpKind, CpSettings};
 use burn_parallel::run_local;
+use burn_parallel_train::load_named;
 use burn_zero::Stage;
-use examples::gpt::{Gpt, MlpKind, NormKind, PositionKind, load_params};
+use examples::gpt::{Gpt, MlpKind, NormKind, PositionKind};
 use examples::train::{Parallelism, TrainConfig};
 use tests::{
     Reference, assert_matches_reference, gpt_through_burnrun, params_of, reference_run,
@@ -239,7 +240,7 @@ fn sharp_attention_logits_match_single_device() {
                 (path, TensorData::new(values, shape))
             })
             .collect();
-        let single = load_params(single, &params);
+        let single = load_named(single, &params);
         let (b, s) = (2, 16);
         let ids: Vec<i64> = (0..(b * s) as i64).map(|i| (i * 53 + 7) % 256).collect();
         let tokens = Tensor::<2, Int>::from_data(TensorData::new(ids, [b, s]), &device);
@@ -249,7 +250,7 @@ fn sharp_attention_logits_match_single_device() {
                 run_local(4, |group| {
                     let ctx = ContextParallel::new(&group, CpSettings { kind, balance }).unwrap();
                     let layout = ctx.layout(s).unwrap();
-                    let model = load_params(Gpt::new(&model_config, &device), &params)
+                    let model = load_named(Gpt::new(&model_config, &device), &params)
                         .with_context_parallel(ctx)
                         .unwrap();
                     let got = model.forward(tokens.clone()).unwrap();

@@ -130,7 +130,7 @@ fn plain_burn(config: &VitTrainConfig) -> (Vec<f64>, Vit) {
 fn trainer(ranks: usize, config: &VitTrainConfig, layout: Layout) -> (VitReport, Vec<f64>) {
     let mut norms = Vec::new();
     let report = run_vit_local(ranks, config, &layout, &digits(), &mut |s| {
-        norms.extend(s.grad_norm)
+        norms.extend(s.log.grad_norm)
     })
     .unwrap_or_else(|e| panic!("{layout:?} on {ranks} ranks: {e}"));
     (report, norms)

@@ -56,7 +56,7 @@ pub use layout::{DiLoCoLayout, Layout, LayoutError, PipelineLayout, Recompute, W
 pub use local::run_local;
 pub use memory::check_memory;
 pub use model::{Groups, ModelParts, ParallelModel, StepSettings};
-pub use params::{NamedParam, named_params};
+pub use params::{NamedParam, load_named, named_params};
 pub use pipeline::{PipelineEngine, PipelineSteps, StageParts, StagedModel};
 pub use saved::saved_state;
 pub use settings::{LossScale, Precision, TrainDevice, available_memory};

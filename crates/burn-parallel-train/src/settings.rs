@@ -122,9 +122,11 @@ impl LossScale {
     }
 }
 
-/// The device a run trains on (`--device`; not saved with checkpoints: a run resumes on any
-/// device).
+/// The device a run trains on (`--device flex|wgpu|cuda`; not saved with checkpoints: a run
+/// resumes on any device). A device this build lacks is refused by [`TrainDevice::device`],
+/// naming the feature to build with.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum TrainDevice {
     /// Burn's pure-Rust CPU backend.
@@ -138,6 +140,7 @@ pub enum TrainDevice {
     Cuda,
     /// Burn's CUDA backend on device `index`: for thread ranks of one process, one GPU each
     /// (NCCL refuses two ranks of a communicator on one GPU).
+    #[cfg_attr(feature = "cli", value(skip))]
     CudaDevice(usize),
 }
 

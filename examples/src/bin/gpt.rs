@@ -23,9 +23,9 @@ use std::process::ExitCode;
 use burn_moe::Capacity;
 use burn_parallel::mfu::Mfu;
 use burn_parallel::{CollectiveError, ProcessGroup};
+use burn_parallel_train::Layout;
 use burn_parallel_train::cli::{Progress, moe_lines, profile_lines};
 use burn_parallel_train::pipeline::bubble_summary;
-use burn_parallel_train::{Layout, StepLog};
 use clap::Parser;
 use examples::cli::{Backend, GptArgs, config_from, train_device};
 use examples::data::Corpus;
@@ -71,20 +71,10 @@ fn run_rank(
     let mut phases = StepPhases::default();
     let progress = Progress::new(lead, config.steps, log_every).with_mfu(mfu);
     let mut on_step = |s: &StepStats| {
-        if s.step > 0 {
-            phases.add(&s.phases);
+        if s.log.step > 0 {
+            phases.add(&s.log.phases);
         }
-        let log = StepLog {
-            step: s.step,
-            loss: s.loss as f32,
-            lr: s.lr,
-            seconds: 0.0,
-            tokens_per_sec: s.tokens_per_sec,
-            skipped: false,
-            grad_norm: None,
-            phases: s.phases,
-        };
-        progress.step(&log, &moe_lines(&s.moe));
+        progress.step(&s.log, &moe_lines(&s.moe));
     };
     let host_bytes = burn_parallel::group::host_bytes_sent();
     let report = train_gpt_under(group, config, (layout, split), corpus, &mut on_step);

@@ -14,8 +14,8 @@
 
 use std::process::ExitCode;
 
+use burn_parallel_train::Layout;
 use burn_parallel_train::cli::{LayoutArgs, Progress, StepArgs};
-use burn_parallel_train::{Layout, StepLog};
 use clap::Parser;
 use examples::data::Digits;
 use examples::train_vit::{VitReport, VitStepStats, VitTrainConfig, run_vit_local};
@@ -126,20 +126,11 @@ fn main() -> ExitCode {
     print_header(&config, &layout, args.ranks, &digits);
     let progress = Progress::new(true, config.steps, args.log_every).with_unit("img");
     let mut on_step = |s: &VitStepStats| {
-        let log = StepLog {
-            step: s.step,
-            loss: s.loss as f32,
-            lr: s.lr,
-            seconds: 0.0,
-            tokens_per_sec: s.images_per_sec,
-            skipped: false,
-            grad_norm: s.grad_norm,
-            phases: Default::default(),
-        };
+        let step = s.log.step;
         let accuracy = s
             .test_accuracy
-            .map(|acc| format!("step {:>5}  test accuracy {:.2} %", s.step, 100.0 * acc));
-        progress.step(&log, accuracy.as_slice());
+            .map(|acc| format!("step {step:>5}  test accuracy {:.2} %", 100.0 * acc));
+        progress.step(&s.log, accuracy.as_slice());
     };
     let outcome = run_vit_local(args.ranks, &config, &layout, &digits, &mut on_step);
     progress.finish();
