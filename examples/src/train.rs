@@ -31,7 +31,7 @@ use burn_parallel::precision::LossScaler;
 use burn_parallel::{ProcessGroup, ReduceOp};
 use burn_parallel_train::{
     Built, CheckpointPolicy, FitConfig, Fitted, Layout, MicroBatch, ParallelModel, Resumed,
-    SavedConfig, StepLog, StepSettings, Trainee, build_from, fit_with, open_checkpoint,
+    SavedConfig, StepLog, StepSettings, StopFlag, Trainee, build_from, fit_with, open_checkpoint,
 };
 use burn_zero::memory::Category;
 use serde::{Deserialize, Serialize};
@@ -102,6 +102,10 @@ pub struct TrainConfig {
     /// its `config.json` describes, up to seed, dropout and fused kernels.
     #[serde(skip)]
     pub init_from_hf: Option<PathBuf>,
+    /// Stops every rank after the same step, saving first when `save` is set (`gpt` sets it on
+    /// Ctrl-C and SIGTERM).
+    #[serde(skip)]
+    pub stop: Option<StopFlag>,
 }
 
 /// The run settings of the library the config names: its arithmetic, loss scaling and device.
@@ -134,6 +138,7 @@ impl Default for TrainConfig {
             save: None,
             resume: None,
             init_from_hf: None,
+            stop: None,
         }
     }
 }
@@ -526,8 +531,7 @@ type MoeFigures<'a, P> =
 /// Trains `built` (any GPT layout: whole, pipelined or DiLoCo) with the library's loop: each
 /// rank's rows of the corpus, saving and resuming as `config` says with the GPT's run state,
 /// `on_step` fed every step's figures and `extra(log, built)`'s MoE routing figures (where
-/// `extra` may also do its own bookkeeping). No stop flag: the GPT trainers stop at
-/// `config.steps`.
+/// `extra` may also do its own bookkeeping), stopping early on `config.stop`.
 ///
 /// # Errors
 /// The loop's.
@@ -565,12 +569,13 @@ fn fit_gpt<P: burn_parallel_train::ParallelModel<Batch = crate::data::Batch>>(
         resume: config.resume.clone(),
         check_replicas_every: 0,
     };
+    let stop = config.stop.as_ref().map(StopFlag::flag);
     fit_with(
         built,
         &fit_config,
         &mut batch,
         &mut after_step,
-        None,
+        stop,
         &mut state,
     )
 }

@@ -500,6 +500,70 @@ fn a_checkpoint_of_another_model_is_refused_with_its_differences() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// The `gpt` binary with `--save` (no `--save-every`) gets a Ctrl-C (SIGINT) after step 2: every
+/// rank stops after the same step, it saves there and ends cleanly, saying so; `gpt --resume`
+/// then ends with the losses and parameters of an uninterrupted run.
+#[test]
+fn gpt_stopped_by_ctrl_c_saves_and_resumes_where_the_uninterrupted_run_ends() {
+    use std::io::BufRead;
+    let dir = scratch("sigint");
+    let ckpt = dir.join("ckpt");
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut c = config();
+    c.steps = 40;
+    let config_path = dir.join("run.toml");
+    std::fs::write(&config_path, toml::to_string(&c).unwrap()).unwrap();
+    let gpt = tests::workspace_binary("examples", "gpt");
+    let mut child = std::process::Command::new(&gpt)
+        .args(["--ranks", "2", "--log-every", "1", "--save"])
+        .arg(&ckpt)
+        .arg("--config")
+        .arg(&config_path)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("starting gpt");
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut out = Vec::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        let at_step_2 = line.trim_start().starts_with("step     2");
+        out.push(line);
+        if at_step_2 {
+            break;
+        }
+    }
+    let pid = child.id().to_string();
+    let sent = std::process::Command::new("kill")
+        .args(["-INT", &pid])
+        .status();
+    assert!(sent.unwrap().success(), "kill -INT {pid}");
+    out.extend(lines.map(|l| l.unwrap()));
+    let status = child.wait().unwrap();
+    let out = out.join("\n");
+    assert!(status.success(), "gpt after Ctrl-C: {status}\n{out}");
+    let newest = burn_parallel::checkpoint::Checkpointer::latest(&ckpt)
+        .unwrap()
+        .expect("the stop saved a checkpoint");
+    let stopped = newest.step();
+    assert!((3..40).contains(&stopped), "saved at step {stopped}\n{out}");
+    let said = format!("stopped by a signal after step {stopped} of 40: saved");
+    assert!(out.contains(&said), "{out}");
+    let reference = tests::gpt_through_burnrun(2, &c, &[]);
+    let resumed = tests::gpt_through_burnrun(2, &c, &["--resume", ckpt.to_str().unwrap()]);
+    let reference = Reference {
+        losses: reference.losses,
+        params: tests::params_map(&reference.params),
+    };
+    assert_matches_reference(
+        &reference,
+        &resumed.losses,
+        &resumed.params,
+        TOL,
+        "after Ctrl-C",
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// The `gpt` binary saving after every step is killed with SIGKILL (most likely during a
 /// save); `gpt --resume` over TCP processes then continues from the newest complete
 /// checkpoint, and ends with the losses and parameters of an uninterrupted run.

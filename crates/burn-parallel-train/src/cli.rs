@@ -239,12 +239,16 @@ impl CheckpointArgs {
 }
 
 /// A flag that Ctrl-C (SIGINT) and SIGTERM set, for [`crate::fit()`]'s `stop`: every rank then
-/// stops after the same step, saving first. Where a signal cannot be caught it says so on
-/// stderr (the run then stops without saving).
+/// stops after the same step, saving first. A second signal ends the process at once (exit
+/// code 130), for a run that does not reach the end of its step. Where a signal cannot be
+/// caught it says so on stderr (the run then stops without saving).
 pub fn stop_on_signals() -> Arc<AtomicBool> {
     let stop = Arc::new(AtomicBool::new(false));
     for signal in [signal_hook::consts::SIGINT, signal_hook::consts::SIGTERM] {
-        if let Err(e) = signal_hook::flag::register(signal, Arc::clone(&stop)) {
+        // Registered first, so it sees the flag the first signal set.
+        let second = signal_hook::flag::register_conditional_shutdown(signal, 130, stop.clone());
+        let first = second.and_then(|_| signal_hook::flag::register(signal, Arc::clone(&stop)));
+        if let Err(e) = first {
             eprintln!("warning: cannot catch signal {signal} ({e}); Ctrl-C stops without saving");
         }
     }

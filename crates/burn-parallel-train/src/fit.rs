@@ -11,6 +11,7 @@
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
@@ -418,6 +419,42 @@ impl<P: ParallelModel> RunState<P> for LossHistory {
 /// [`ParallelModel::loss`] (or its pipeline's stages) take them.
 pub type BatchFn<'a, P> = dyn FnMut(&MicroBatch) -> Result<<P as ParallelModel>::Batch, Error> + 'a;
 
+/// A flag that ends a run after the same step on every rank, saving first ([`fit`]'s `stop`),
+/// in a form a run's settings can hold: clones share the flag, and two are equal when they are
+/// the same flag. The `cli` feature's `stop_on_signals` gives one that Ctrl-C sets.
+///
+/// ```
+/// use burn_parallel_train::StopFlag;
+/// use std::sync::atomic::Ordering;
+///
+/// let flag = StopFlag::default();
+/// let held = flag.clone();
+/// flag.stop();
+/// assert!(held.flag().load(Ordering::SeqCst));
+/// assert_eq!(flag, held);
+/// assert_ne!(flag, StopFlag::default());
+/// ```
+#[derive(Debug, Clone, Default)]
+pub struct StopFlag(pub Arc<AtomicBool>);
+
+impl StopFlag {
+    /// Asks the run to stop after its current step.
+    pub fn stop(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+
+    /// The flag, for [`fit`].
+    pub fn flag(&self) -> &AtomicBool {
+        &self.0
+    }
+}
+
+impl PartialEq for StopFlag {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
 /// What [`fit`] calls after each step with the step's figures and what is trained (to log,
 /// to evaluate every so often: [`Built::model`]).
 pub type OnStep<'a, P> = dyn FnMut(&StepLog, &Built<P>) -> Result<(), Error> + 'a;
@@ -525,11 +562,14 @@ pub fn fit_with<P: ParallelModel>(
         if every > 0 && done.is_multiple_of(every) {
             built.verify_replicas()?;
         }
-        // The ranks agree on the stop: any rank's flag stops all after this step.
+        // The ranks agree on the stop: any rank's flag stops all after this step (under
+        // DiLoCo, those of the group its losses are averaged over: the world, or this rank's
+        // island where islands may be lost).
         let stopping = match stop {
             Some(flag) => {
                 let seen = f32::from(u8::from(flag.load(Ordering::SeqCst)));
-                world.all_reduce_f32(vec![seen], ReduceOp::Max)?[0] > 0.0
+                let agree = built.diloco.as_ref().map_or(&world, |d| d.loss_group());
+                agree.all_reduce_f32(vec![seen], ReduceOp::Max)?[0] > 0.0
             }
             None => false,
         };

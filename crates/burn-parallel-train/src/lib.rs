@@ -50,7 +50,7 @@ pub use config::from_toml;
 pub use diloco::{DiLoCoFigures, DiLoCoHandle};
 pub use fit::{
     BatchFn, CheckpointPolicy, FitConfig, Fitted, LossHistory, LrSchedule, MicroBatch, OnStep,
-    Resumed, RunState, SavedConfig, StepLog, fit, fit_with, open_checkpoint,
+    Resumed, RunState, SavedConfig, StepLog, StopFlag, fit, fit_with, open_checkpoint,
 };
 pub use layout::{DiLoCoLayout, Layout, LayoutError, PipelineLayout, Recompute, Workload};
 pub use local::run_local;

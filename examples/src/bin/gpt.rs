@@ -24,7 +24,8 @@ use burn_moe::Capacity;
 use burn_parallel::mfu::Mfu;
 use burn_parallel::{CollectiveError, ProcessGroup};
 use burn_parallel_train::Layout;
-use burn_parallel_train::cli::{Progress, moe_lines, profile_lines};
+use burn_parallel_train::StopFlag;
+use burn_parallel_train::cli::{Progress, moe_lines, profile_lines, stop_on_signals};
 use burn_parallel_train::pipeline::bubble_summary;
 use clap::Parser;
 use examples::cli::{Backend, GptArgs, config_from, train_device};
@@ -177,6 +178,7 @@ fn main() -> ExitCode {
     };
     layout.diloco = args.diloco.layout();
     config.device = train_device(&args);
+    config.stop = Some(StopFlag(stop_on_signals()));
     let log = Logging::new(&args);
     let split = args.pipeline.split();
     let run = Run {
@@ -206,6 +208,15 @@ fn main() -> ExitCode {
         Ok(None) => ExitCode::SUCCESS,
         Ok(Some(report)) => {
             print_report(report.train(), &corpus);
+            let done = report.train().losses.len();
+            if done < config.steps {
+                let saved = config.save.as_ref().map(|p| p.dir.display().to_string());
+                let resume = saved.map_or(String::new(), |d| format!(": saved, --resume {d}"));
+                println!(
+                    "stopped by a signal after step {done} of {}{resume}",
+                    config.steps
+                );
+            }
             if let GptRun::Pipeline(p) = &report {
                 println!("blocks per stage: {:?}", p.split);
                 println!(
