@@ -34,9 +34,10 @@
 //!   collective (1) binds the tensors' device buffers (CubeCL neither frees nor moves a bound
 //!   allocation until the binding is dropped), (2) makes the communicator's stream wait, on the
 //!   device, for the work Burn queued before the call (a word written by a one-thread kernel
-//!   on Burn's stream, `cuStreamWaitValue32` on ours: [`crate::kernels`]' ordering words; where
-//!   the device refuses stream memory operations, or `BURN_PARALLEL_STREAM_ORDER=sync`, the
-//!   host waits for Burn's work instead), (3) enqueues NCCL and records an event after it. The
+//!   on Burn's stream, `cuStreamWaitValue32` on ours: the ordering words of `device/order.rs`,
+//!   below both the kernels and the collectives; where the device refuses stream memory
+//!   operations, or `BURN_PARALLEL_STREAM_ORDER=sync`, the host waits for Burn's work
+//!   instead), (3) enqueues NCCL and records an event after it. The
 //!   call returns there for the asynchronous collectives ([`crate::work::Work`]); the others
 //!   wait at once. (4) Waiting polls the event: the result tensor is handed over, and the
 //!   buffers released, only after NCCL completed, so Burn's later kernels read finished data
