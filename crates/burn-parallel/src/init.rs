@@ -588,30 +588,61 @@ impl Init {
 }
 
 /// The shape and initialisation of a linear layer for [`Init::linear`].
+///
+/// [`LinearInit::new`] is GPT-2's (Normal(0, 0.02) weights, no bias); [`LinearInit::burn`] and
+/// `LinearInit::try_from(&LinearConfig)` keep Burn's `LinearConfig` distributions, so a model
+/// ported from `burn::nn::Linear` keeps how it is initialised (the values themselves come from
+/// the seed and the parameter's path, the same under every split).
+///
+/// ```
+/// use burn::nn::LinearConfig;
+/// use burn_parallel::init::{Initializer, LinearInit};
+///
+/// let ours = LinearInit::try_from(&LinearConfig::new(16, 8)).unwrap();
+/// assert_eq!(ours, LinearInit::burn(16, 8));
+/// assert!(ours.bias);
+/// assert_eq!(ours.weight, Initializer::Uniform { low: -0.25, high: 0.25 }); // 1/sqrt(16)
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LinearInit {
     /// Input features.
     pub d_in: usize,
     /// Output features.
     pub d_out: usize,
-    /// Whether the layer has a bias (initialised to zeros).
+    /// Whether the layer has a bias.
     pub bias: bool,
-    /// Standard deviation of the Normal weights.
-    pub std: f64,
+    /// How the weights `[d_in, d_out]` are drawn.
+    pub weight: Initializer,
+    /// How the bias is drawn, when there is one.
+    pub bias_init: Initializer,
     /// Features are split in whole blocks of this size (the head width of attention
     /// projections, so that each rank gets whole heads); 1 for any split.
     pub block: usize,
 }
 
 impl LinearInit {
-    /// `d_in -> d_out`, no bias, std 0.02, any split.
+    /// `d_in -> d_out`, no bias (zeros when added), Normal(0, 0.02) weights, any split.
     pub fn new(d_in: usize, d_out: usize) -> Self {
         Self {
             d_in,
             d_out,
             bias: false,
-            std: 0.02,
+            weight: Initializer::Normal { std: 0.02 },
+            bias_init: Initializer::Constant(0.0),
             block: 1,
+        }
+    }
+
+    /// Burn's `LinearConfig::new(d_in, d_out)`: a bias, and weights and bias uniform in
+    /// `±1/sqrt(d_in)` (Kaiming-uniform with gain `1/sqrt(3)`).
+    pub fn burn(d_in: usize, d_out: usize) -> Self {
+        let a = 1.0 / (d_in as f64).sqrt();
+        let uniform = Initializer::Uniform { low: -a, high: a };
+        Self {
+            bias: true,
+            weight: uniform,
+            bias_init: uniform,
+            ..Self::new(d_in, d_out)
         }
     }
 
@@ -621,9 +652,9 @@ impl LinearInit {
         self
     }
 
-    /// The weights' standard deviation.
+    /// Normal(0, `std`) weights.
     pub fn with_std(mut self, std: f64) -> Self {
-        self.std = std;
+        self.weight = Initializer::Normal { std };
         self
     }
 
@@ -634,12 +665,116 @@ impl LinearInit {
     }
 }
 
+/// Burn's `LinearConfig` as a [`LinearInit`]: its sizes, its bias and its initializer's
+/// distribution (fans `d_input` and `d_output`, for the weights and the bias alike, as Burn
+/// draws them). Its `layout` does not matter: the weights are `[d_in, d_out]` here.
+impl TryFrom<&burn::nn::LinearConfig> for LinearInit {
+    type Error = crate::Error;
+
+    /// # Errors
+    /// [`crate::Error::Invalid`] for an initializer with no per-element form: orthogonal
+    /// weights (a QR of the whole matrix) and a Normal of non-zero mean.
+    fn try_from(config: &burn::nn::LinearConfig) -> Result<Self, Self::Error> {
+        use burn::nn::Initializer as Burn;
+        let (fan_in, fan_out) = (config.d_input as f64, config.d_output as f64);
+        let uniform = |a: f64| Initializer::Uniform { low: -a, high: a };
+        let kaiming = |fan_out_only: bool| 1.0 / if fan_out_only { fan_out } else { fan_in }.sqrt();
+        let xavier = (2.0 / (fan_in + fan_out)).sqrt();
+        let init = match config.initializer.clone() {
+            Burn::Constant { value } => Initializer::Constant(value as f32),
+            Burn::Ones => Initializer::Constant(1.0),
+            Burn::Zeros => Initializer::Constant(0.0),
+            Burn::Uniform { min, max } => Initializer::Uniform {
+                low: min,
+                high: max,
+            },
+            Burn::Normal { mean: 0.0, std } => Initializer::Normal { std },
+            Burn::KaimingUniform { gain, fan_out_only } => {
+                uniform(3f64.sqrt() * gain * kaiming(fan_out_only))
+            }
+            Burn::KaimingNormal { gain, fan_out_only } => Initializer::Normal {
+                std: gain * kaiming(fan_out_only),
+            },
+            Burn::XavierUniform { gain } => uniform(3f64.sqrt() * gain * xavier),
+            Burn::XavierNormal { gain } => Initializer::Normal { std: gain * xavier },
+            other => {
+                return Err(crate::Error::invalid(
+                    "LinearConfig::initializer",
+                    format!(
+                        "{other:?} has no per-element form that every split draws alike; use a \
+                         Normal of mean 0, a uniform, Kaiming or Xavier initializer"
+                    ),
+                ));
+            }
+        };
+        Ok(Self {
+            d_in: config.d_input,
+            d_out: config.d_output,
+            bias: config.bias,
+            weight: init,
+            bias_init: init,
+            block: 1,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn values(d: &TensorData) -> Vec<f32> {
         d.try_to_vec::<f32>().unwrap()
+    }
+
+    /// Burn's `LinearConfig` keeps its distributions: the default Kaiming-uniform (weights and
+    /// bias in `±1/sqrt(d_in)`), Xavier's and Kaiming's by the fans Burn uses, a plain Normal;
+    /// what has no per-element form is refused naming the field.
+    #[test]
+    fn burn_linear_configs_keep_their_distributions() {
+        use burn::nn::{Initializer as Burn, LinearConfig};
+        let config = LinearConfig::new(9, 4);
+        let ours = LinearInit::try_from(&config).unwrap();
+        let third = 1.0 / 3.0;
+        assert_eq!(
+            ours.weight,
+            Initializer::Uniform {
+                low: -third,
+                high: third
+            }
+        );
+        assert_eq!((ours.bias, ours.bias_init), (true, ours.weight));
+        let xavier = config
+            .clone()
+            .with_initializer(Burn::XavierNormal { gain: 2.0 });
+        let std = 2.0 * (2.0f64 / 13.0).sqrt();
+        let xavier = LinearInit::try_from(&xavier).unwrap().weight;
+        assert_eq!(xavier, Initializer::Normal { std });
+        let fan_out = Burn::KaimingNormal {
+            gain: 1.0,
+            fan_out_only: true,
+        };
+        let fan_out = LinearInit::try_from(&config.clone().with_initializer(fan_out)).unwrap();
+        assert_eq!(fan_out.weight, Initializer::Normal { std: 0.5 });
+        let no_bias = config.clone().with_bias(false);
+        assert!(!LinearInit::try_from(&no_bias).unwrap().bias);
+        let orthogonal = config.with_initializer(Burn::Orthogonal { gain: 1.0 });
+        let err = LinearInit::try_from(&orthogonal).unwrap_err().to_string();
+        assert!(err.contains("LinearConfig::initializer"), "{err}");
+        // The layer itself: its values in the range, a bias, whatever the split.
+        let device = burn::tensor::Device::flex();
+        let linear = Init::new(3, &device)
+            .linear("l", LinearInit::burn(9, 4))
+            .unwrap();
+        let values = linear.weight.val().into_data().try_to_vec::<f32>().unwrap();
+        assert!(values.iter().all(|v| v.abs() <= third as f32), "{values:?}");
+        let bias = linear
+            .bias
+            .expect("a bias")
+            .val()
+            .into_data()
+            .try_to_vec::<f32>()
+            .unwrap();
+        assert!(bias.iter().all(|v| v.abs() <= third as f32) && bias.iter().any(|v| *v != 0.0));
     }
 
     #[test]

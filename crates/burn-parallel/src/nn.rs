@@ -151,11 +151,10 @@ impl Linear {
             d_in,
             d_out,
             bias,
-            std,
+            weight: weight_init,
+            bias_init,
             block,
         } = spec;
-        let normal = Initializer::Normal { std };
-        let zeros = Initializer::Constant(0.0);
         let split = |full: usize, group: &ProcessGroup, what: &str, multiple: Option<usize>| {
             let split = match multiple {
                 Some(multiple) => Split::Padded { multiple },
@@ -166,16 +165,16 @@ impl Linear {
         };
         let (weight, bias, split) = match init.layer_split() {
             None | Some((_, TpStyle::Replicate, ..)) => (
-                init.param_part("weight", [d_in, d_out], normal, None),
-                bias.then(|| init.param_part("bias", [d_out], zeros, None)),
+                init.param_part("weight", [d_in, d_out], weight_init, None),
+                bias.then(|| init.param_part("bias", [d_out], bias_init, None)),
                 LinearSplit::Replicated,
             ),
             Some((group, style @ (TpStyle::Colwise | TpStyle::Vocab), sp, multiple)) => {
                 let multiple = (style == TpStyle::Vocab).then_some(multiple);
                 let shard = split(d_out, &group, "output features", multiple)?;
                 (
-                    init.param_part("weight", [d_in, d_out], normal, Some((1, &shard))),
-                    bias.then(|| init.param_part("bias", [d_out], zeros, Some((0, &shard)))),
+                    init.param_part("weight", [d_in, d_out], weight_init, Some((1, &shard))),
+                    bias.then(|| init.param_part("bias", [d_out], bias_init, Some((0, &shard)))),
                     LinearSplit::Column {
                         shard,
                         group,
@@ -186,8 +185,8 @@ impl Linear {
             Some((group, TpStyle::Rowwise, sp, _)) => {
                 let shard = split(d_in, &group, "input features", None)?;
                 (
-                    init.param_part("weight", [d_in, d_out], normal, Some((0, &shard))),
-                    bias.then(|| init.param_part("bias", [d_out], zeros, None)),
+                    init.param_part("weight", [d_in, d_out], weight_init, Some((0, &shard))),
+                    bias.then(|| init.param_part("bias", [d_out], bias_init, None)),
                     LinearSplit::Row {
                         shard,
                         group,
