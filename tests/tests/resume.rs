@@ -500,28 +500,60 @@ fn a_checkpoint_of_another_model_is_refused_with_its_differences() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A 40-step run of the `gpt` binary on 2 thread ranks with `flags`, saving under
+/// `<dir>/ckpt` (`save_flag <dir>/ckpt`): its scratch directory, the run's config and the
+/// started process.
+fn spawn_gpt(
+    name: &str,
+    (flags, save_flag): (&[&str], &str),
+    stdout: std::process::Stdio,
+) -> (PathBuf, TrainConfig, std::process::Child) {
+    let dir = scratch(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut c = config();
+    c.steps = 40;
+    let config_path = dir.join("run.toml");
+    std::fs::write(&config_path, toml::to_string(&c).unwrap()).unwrap();
+    let child = std::process::Command::new(tests::workspace_binary("examples", "gpt"))
+        .args(["--ranks", "2"])
+        .args(flags)
+        .arg(save_flag)
+        .arg(dir.join("ckpt"))
+        .arg("--config")
+        .arg(&config_path)
+        .stdout(stdout)
+        .spawn()
+        .expect("starting gpt");
+    (dir, c, child)
+}
+
+/// `gpt --resume ckpt` (2 TCP processes through `burnrun`) ends with the losses and parameters
+/// of the uninterrupted run of `c`; the two runs' outputs.
+fn resumed_matches_uninterrupted(
+    c: &TrainConfig,
+    ckpt: &Path,
+    what: &str,
+) -> (tests::BurnrunRun, tests::BurnrunRun) {
+    let reference = tests::gpt_through_burnrun(2, c, &[]);
+    let resumed = tests::gpt_through_burnrun(2, c, &["--resume", ckpt.to_str().unwrap()]);
+    let expected = Reference {
+        losses: reference.losses.clone(),
+        params: tests::params_map(&reference.params),
+    };
+    assert_matches_reference(&expected, &resumed.losses, &resumed.params, TOL, what);
+    (reference, resumed)
+}
+
 /// The `gpt` binary with `--save` (no `--save-every`) gets a Ctrl-C (SIGINT) after step 2: every
 /// rank stops after the same step, it saves there and ends cleanly, saying so; `gpt --resume`
 /// then ends with the losses and parameters of an uninterrupted run.
 #[test]
 fn gpt_stopped_by_ctrl_c_saves_and_resumes_where_the_uninterrupted_run_ends() {
     use std::io::BufRead;
-    let dir = scratch("sigint");
+    let piped = std::process::Stdio::piped();
+    let flags = (&["--log-every", "1"][..], "--save");
+    let (dir, c, mut child) = spawn_gpt("sigint", flags, piped);
     let ckpt = dir.join("ckpt");
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut c = config();
-    c.steps = 40;
-    let config_path = dir.join("run.toml");
-    std::fs::write(&config_path, toml::to_string(&c).unwrap()).unwrap();
-    let gpt = tests::workspace_binary("examples", "gpt");
-    let mut child = std::process::Command::new(&gpt)
-        .args(["--ranks", "2", "--log-every", "1", "--save"])
-        .arg(&ckpt)
-        .arg("--config")
-        .arg(&config_path)
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .expect("starting gpt");
     let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
     let mut out = Vec::new();
     for line in lines.by_ref() {
@@ -548,19 +580,7 @@ fn gpt_stopped_by_ctrl_c_saves_and_resumes_where_the_uninterrupted_run_ends() {
     assert!((3..40).contains(&stopped), "saved at step {stopped}\n{out}");
     let said = format!("stopped by a signal after step {stopped} of 40: saved");
     assert!(out.contains(&said), "{out}");
-    let reference = tests::gpt_through_burnrun(2, &c, &[]);
-    let resumed = tests::gpt_through_burnrun(2, &c, &["--resume", ckpt.to_str().unwrap()]);
-    let reference = Reference {
-        losses: reference.losses,
-        params: tests::params_map(&reference.params),
-    };
-    assert_matches_reference(
-        &reference,
-        &resumed.losses,
-        &resumed.params,
-        TOL,
-        "after Ctrl-C",
-    );
+    resumed_matches_uninterrupted(&c, &ckpt, "after Ctrl-C");
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -569,30 +589,10 @@ fn gpt_stopped_by_ctrl_c_saves_and_resumes_where_the_uninterrupted_run_ends() {
 /// checkpoint, and ends with the losses and parameters of an uninterrupted run.
 #[test]
 fn gpt_killed_during_saves_resumes_from_the_last_complete_checkpoint() {
-    let dir = scratch("sigkill");
+    let flags = ["--save-every", "1", "--keep-checkpoints", "3"];
+    let flags = (&flags[..], "--checkpoint-dir");
+    let (dir, c, mut child) = spawn_gpt("sigkill", flags, std::process::Stdio::null());
     let ckpt = dir.join("ckpt");
-    std::fs::create_dir_all(&dir).unwrap();
-    let mut c = config();
-    c.steps = 40;
-    let config_path = dir.join("run.toml");
-    std::fs::write(&config_path, toml::to_string(&c).unwrap()).unwrap();
-    let gpt = tests::workspace_binary("examples", "gpt");
-    let mut child = std::process::Command::new(&gpt)
-        .args([
-            "--ranks",
-            "2",
-            "--save-every",
-            "1",
-            "--keep-checkpoints",
-            "3",
-        ])
-        .arg("--checkpoint-dir")
-        .arg(&ckpt)
-        .arg("--config")
-        .arg(&config_path)
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("starting gpt");
     // Once the checkpoint of step 4 is complete, kill it as soon as the save of step 5 has
     // begun (its directory exists): it is then writing files, fsyncing or about to write the
     // manifest.
@@ -626,8 +626,7 @@ fn gpt_killed_during_saves_resumes_from_the_last_complete_checkpoint() {
         .unwrap()
         .expect("a complete checkpoint survives");
     assert!(newest.step() >= 4, "step {}", newest.step());
-    let reference = tests::gpt_through_burnrun(2, &c, &[]);
-    let resumed = tests::gpt_through_burnrun(2, &c, &["--resume", ckpt.to_str().unwrap()]);
+    let (reference, resumed) = resumed_matches_uninterrupted(&c, &ckpt, "after SIGKILL");
     // It names the checkpoint it loaded (the newest complete one, not the interrupted newer).
     let loaded = format!("resuming from {}", newest.dir().display());
     assert!(resumed.stdout.contains(&loaded), "{}", resumed.stdout);
@@ -636,17 +635,6 @@ fn gpt_killed_during_saves_resumes_from_the_last_complete_checkpoint() {
         &resumed.losses,
         TOL,
         "resumed after SIGKILL",
-    );
-    let reference = Reference {
-        losses: reference.losses,
-        params: tests::params_map(&reference.params),
-    };
-    assert_matches_reference(
-        &reference,
-        &resumed.losses,
-        &resumed.params,
-        TOL,
-        "after SIGKILL",
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
