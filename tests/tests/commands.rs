@@ -1,6 +1,8 @@
 //! The commands the documentation prints run as a user copies them: the `byo_model`, `gpt` and
-//! `vit` commands of their headers (`--help` texts) and of the README, and those of the
-//! benchmarks' headers and the README, that run on this machine's threads, shortened to a few
+//! `vit` commands of their headers (`--help` texts), of the README and of the book
+//! (`book/src/**/*.md`, read when the test runs, so that a new chapter's commands are run too),
+//! and those of the benchmarks' headers, the README and the book, that run on this machine's
+//! threads, shortened to a few
 //! steps, in order (a `--resume` reads what an earlier `--save` wrote), with their `/tmp/` paths
 //! and the JSON the benchmarks write moved into a scratch folder. Before this test, the
 //! documented MoE commands of `byo_model` failed at once and `--all --ranks 4` panicked, and
@@ -102,13 +104,42 @@ fn scratch(name: &str) -> std::path::PathBuf {
     dir
 }
 
-const README: &str = include_str!("../../README.md");
+/// The README and every chapter of the book, in path order (the README first): the texts whose
+/// commands run here besides the programs' own headers.
+fn docs() -> Vec<String> {
+    fn chapters(dir: &Path, out: &mut Vec<std::path::PathBuf>) {
+        for entry in std::fs::read_dir(dir).expect("the book's sources") {
+            let path = entry.expect("a directory entry").path();
+            if path.is_dir() {
+                chapters(&path, out);
+            } else if path.extension().is_some_and(|e| e == "md") {
+                out.push(path);
+            }
+        }
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut paths = Vec::new();
+    chapters(&root.join("book/src"), &mut paths);
+    paths.sort();
+    std::iter::once(root.join("README.md"))
+        .chain(paths)
+        .map(|p| std::fs::read_to_string(&p).unwrap_or_else(|e| panic!("{}: {e}", p.display())))
+        .collect()
+}
+
+/// `header` followed by [`docs`].
+fn with_docs<'a>(header: &'a str, docs: &'a [String]) -> Vec<&'a str> {
+    std::iter::once(header)
+        .chain(docs.iter().map(String::as_str))
+        .collect()
+}
 
 #[test]
 fn byo_model_documented_commands_run() {
     let header = include_str!("../../examples/examples/byo_model/main.rs");
+    let docs = docs();
     let lines = commands(
-        &[header, README],
+        &with_docs(header, &docs),
         &["cargo run --release -p examples --example byo_model -- "],
     );
     assert!(
@@ -135,8 +166,9 @@ fn byo_model_documented_commands_run() {
 #[test]
 fn gpt_documented_commands_run() {
     let header = include_str!("../../examples/src/bin/gpt.rs");
+    let docs = docs();
     let lines: Vec<String> = commands(
-        &[header, README],
+        &with_docs(header, &docs),
         &["gpt ", "cargo run --release -p examples --bin gpt "],
     )
     .into_iter()
@@ -164,8 +196,9 @@ fn gpt_documented_commands_run() {
 #[test]
 fn vit_documented_commands_run() {
     let header = include_str!("../../examples/src/bin/vit.rs");
+    let docs = docs();
     let lines = commands(
-        &[header, README],
+        &with_docs(header, &docs),
         &["vit ", "cargo run --release -p examples --bin vit "],
     );
     assert!(
@@ -191,7 +224,8 @@ fn switch(args: &mut Vec<String>, flag: &str) {
 }
 
 /// A benchmark example: its name, its source (whose `//!` header prints its commands), how many
-/// commands the header and the README print for it at least, and how the test shortens them.
+/// commands the header, the README and the book print for it at least, and how the test
+/// shortens them.
 type Bench = (&'static str, &'static str, usize, fn(&mut Vec<String>));
 
 /// The benchmarks, each shortened with its own flags to a few seconds per command in the dev
@@ -291,14 +325,15 @@ const BENCHES: [Bench; 10] = [
     ),
 ];
 
-/// The benchmarks: every command of their headers and of the README, shortened by their own
-/// flags. The commands for a GPU (`--device cuda`) are left out: this machine has none. Lines
+/// The benchmarks: every command of their headers, the README and the book, shortened by their
+/// own flags. The commands for a GPU (`--device cuda`) are left out: this machine has none. Lines
 /// of the headers that run other programs (`cargo build`, `gpt`) do not start with a
 /// benchmark's name and are not taken. `zero_bench`'s commands set `CARGO_TARGET_DIR`, which the
 /// test points at its scratch folder as for every benchmark.
 #[test]
 fn bench_documented_commands_run() {
     let dir = scratch("bench");
+    let docs = docs();
     let mut failures = Vec::new();
     for (name, header, at_least, adjust) in BENCHES {
         let spellings = [
@@ -312,7 +347,7 @@ fn bench_documented_commands_run() {
             format!("{name} "),
         ];
         let prefixes: Vec<&str> = spellings.iter().map(String::as_str).collect();
-        let lines: Vec<String> = commands(&[header, README], &prefixes)
+        let lines: Vec<String> = commands(&with_docs(header, &docs), &prefixes)
             .into_iter()
             .filter(|l| !l.contains("cuda"))
             .collect();
