@@ -83,7 +83,7 @@
 //! - A parameter used several times (tied weights) has one hook node, whose gradient Burn sums
 //!   over the uses before the hook runs.
 //! - A parameter without a gradient on this rank contributes zeros; one that no rank has a
-//!   gradient for gets none (as with [`DistributedDataParallel`](crate::ddp::DistributedDataParallel)).
+//!   gradient for gets none (as with [`DistributedDataParallel`]).
 //!   Each bucket carries a presence flag per parameter for that. Frozen parameters take no part.
 //! - Gradient accumulation: [`OverlapStep::accumulate`] adds a micro-step's gradients to the
 //!   buckets without communicating; the hooked last micro-step completes them.

@@ -10,10 +10,9 @@
 //! step to the output (`burn_parallel::autograd::attach`). That step receives `dY`, runs `f`
 //! again on the saved input made a leaf, back-propagates `sum(Y ⊙ dY)` (an inner `backward()`,
 //! independent of the outer graph), returns the input gradient to the outer backward, and
-//! deposits the block's parameter gradients in the stage's
-//! [`WeightGradStore`](crate::deferred::WeightGradStore) under the micro-batch being
-//! back-propagated. The runtime adds them to the stage's gradients with the deferred weight
-//! gradients (after `B`, or at `W`). Outside the runtime, call
+//! deposits the block's parameter gradients in the stage's [`WeightGradStore`] under the
+//! micro-batch being back-propagated. The runtime adds them to the stage's gradients with the
+//! deferred weight gradients (after `B`, or at `W`). Outside the runtime, call
 //! [`WeightGradStore::take`](crate::deferred::WeightGradStore::take) after the backward and
 //! add its gradients to the step's.
 //!

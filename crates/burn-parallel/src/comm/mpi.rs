@@ -3,14 +3,14 @@
 //!
 //! - The host-data collectives of [`ProcessGroup`](crate::ProcessGroup) (all-reduce, all-gather, reduce-scatter,
 //!   broadcast, all-to-all, barrier) run on MPI's own algorithms, through
-//!   [`NativeCollectives`]. Before moving data, every call all-gathers a small header (a hash of
+//!   [`NativeCollectives`](crate::comm::transport::NativeCollectives). Before moving data, every call all-gathers a small header (a hash of
 //!   the call's signature: operation, call number, dtype, shape), so a rank calling another
 //!   collective, or the same one on another shape, is a [`CollectiveError::Mismatch`] naming
 //!   both calls instead of corrupted data.
 //! - Point-to-point messages and the frame-based helpers (bytes, objects) travel as MPI
 //!   messages on a communicator of their own: `send` posts `MPI_Isend`s and returns (it never
 //!   waits for the receiver), and a progress thread receives every incoming frame into the
-//!   [`Mailbox`], completes finished sends, and drives MPI's progress. This keeps one
+//!   [`Mailbox`](crate::comm::transport::Mailbox), completes finished sends, and drives MPI's progress. This keeps one
 //!   [`Transport`] contract for every backend, so every technique runs unchanged.
 //! - Sub-groups ([`ProcessGroup::split`](crate::ProcessGroup::split), called by the members only) get their communicator
 //!   from `MPI_Comm_create_group`, which only the members call, created at the group's first

@@ -5,7 +5,7 @@
 //!
 //! 1. barrier: every rank has posted its buffer (and calls the same collective);
 //! 2. rank `r` reduces chunk `r` over every buffer, in rank order, and writes the result into
-//!    chunk `r` of every buffer ([`reduce_chunk_everywhere`]);
+//!    chunk `r` of every buffer (`reduce_chunk_everywhere`);
 //! 3. barrier: every chunk holds its final value everywhere; nobody reads anybody's buffer
 //!    any more.
 //!

@@ -255,7 +255,7 @@ fn gelu_grad_one<const FMA: bool>(x: f32, approximate: bool) -> f32 {
     }
 }
 
-/// The vector instructions the CPU kernels' [`hot_loop!`]s use, narrowest first.
+/// The vector instructions the CPU kernels' `hot_loop!`s use, narrowest first.
 ///
 /// AVX2 and AVX-512 give bit-identical results: the reductions keep eight partial sums
 /// whatever the vector width, and the polynomials are fused multiply-adds in both. The

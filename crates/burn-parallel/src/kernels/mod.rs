@@ -6,7 +6,7 @@
 //! - [`FusedKernels`] is a Burn backend extension (`#[backend_extension]`) over primitive
 //!   tensors. On CubeCL backends (feature `wgpu`: WGPU, and with it any CubeCL runtime Burn was
 //!   built with) every method is one or two CubeCL kernels (`cube` module); on `flex` it runs
-//!   the composed [`reference`] built from Burn tensor operations. Its `Autodiff<B, C>`
+//!   the composed [`reference`](mod@reference) built from Burn tensor operations. Its `Autodiff<B, C>`
 //!   implementation records hand-written backward steps that call the backward methods of
 //!   the inner backend, so gradients are fused too.
 //! - The functions of this module ([`rms_norm`], [`layer_norm`], [`swiglu`], [`rope`],

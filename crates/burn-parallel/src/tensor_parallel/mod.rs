@@ -17,7 +17,8 @@
 //!
 //! Communication is the conjugate pairs of [`crate::autograd`]: *f* = [`copy_to_group`] before
 //! a column-parallel layer, *g* = [`reduce_from_group`] after a row-parallel layer, and under
-//! sequence parallelism [`gather_from_sequence`] / [`reduce_scatter_to_sequence`] along the
+//! sequence parallelism [`gather_from_sequence`](crate::autograd::gather_from_sequence) /
+//! [`reduce_scatter_to_sequence`](crate::autograd::reduce_scatter_to_sequence) along the
 //! sequence dimension ([`SEQ_DIM`] of `[batch, seq, ..]`) instead. Replicated parameters used on
 //! sequence shards (norms, biases added after a reduce-scatter) go through [`sp_param`], whose
 //! backward all-reduces their partial gradients over the group, so no separate "reduce the norm
