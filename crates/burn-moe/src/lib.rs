@@ -21,6 +21,8 @@
 //!   another saved.
 //! - [`MoeStats`]: tokens per expert, drop rate, load imbalance, the auxiliary losses.
 
+#![warn(missing_docs)]
+
 pub mod config;
 pub mod dispatch;
 pub mod layer;

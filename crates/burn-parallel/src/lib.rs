@@ -20,6 +20,8 @@
 //! assert!(totals.iter().all(|t| t == &vec![6.0]));
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod comm;
 pub mod error;
 pub mod group;

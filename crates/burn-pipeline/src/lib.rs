@@ -145,6 +145,8 @@
 //! action times back to the simulator) compare directly, and both write a Chrome/Perfetto
 //! trace with a track per rank.
 
+#![warn(missing_docs)]
+
 pub mod checkpoint;
 pub mod deferred;
 pub mod format;

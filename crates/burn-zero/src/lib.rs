@@ -48,6 +48,8 @@
 //! assert_eq!(norms[0], norms[1]); // the norm of the full gradient, on every rank
 //! ```
 
+#![warn(missing_docs)]
+
 pub mod clip;
 pub mod dcp;
 pub mod error;
