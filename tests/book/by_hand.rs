@@ -157,7 +157,7 @@ fn main() -> Result<(), Error> {
         tp: 2,
         ..Default::default()
     };
-    let losses = run_local(4, |world| train(world, dims.clone()))?;
+    let losses = run_local(4, |world| train(world, dims))?;
     // ANCHOR_END: layout
     check("dp 2 x tp 2", &losses[0], &one_device, 1e-5);
     Ok(())
