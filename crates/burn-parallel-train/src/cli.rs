@@ -1,9 +1,10 @@
 //! The flags of a binary that trains under any layout (the `cli` feature, with `clap`):
 //! [`LayoutArgs`] (a [`Layout`]; each flag is the one [`LayoutError`]s name), [`StepArgs`]
 //! (precision, clipping, accumulation: the [`StepSettings`]), [`CheckpointArgs`] (saving and
-//! resuming: the [`FitConfig`]'s checkpoints), [`stop_on_signals`] (the flag a Ctrl-C sets,
-//! for [`crate::fit()`]) and [`Progress`] (a bar and a line every N steps with the loss,
-//! tokens/s, MFU and memory). Flatten the flags into the binary's own arguments.
+//! resuming: the [`FitConfig`]'s checkpoints), [`MetricsArgs`] (the per-step metrics as JSON
+//! lines and a chart of them), [`stop_on_signals`] (the flag a Ctrl-C sets, for
+//! [`crate::fit()`]) and [`Progress`] (a bar and a line every N steps with the loss, tokens/s,
+//! MFU and memory). Flatten the flags into the binary's own arguments.
 //!
 //! ```
 //! use burn_parallel_train::cli::LayoutArgs;
@@ -27,12 +28,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
+use burn_parallel::Error;
 use burn_parallel::context_parallel::{CpBalance, CpKind};
 use burn_pipeline::ScheduleKind;
 use burn_zero::Stage;
 
 use crate::fit::{CheckpointPolicy, FitConfig, LrSchedule};
 use crate::layout::{Layout, LayoutError, PipelineLayout, Recompute};
+use crate::metrics::MetricsWriter;
 use crate::model::StepSettings;
 
 pub use crate::moe_args::MoeArgs;
@@ -238,6 +241,46 @@ impl CheckpointArgs {
     }
 }
 
+/// The metrics flags: `--metrics FILE` (rank 0's per-step figures and evaluations as JSON
+/// lines: [`crate::metrics`]) and `--plot FILE` (their chart at the end: [`crate::plot`]).
+/// [`MetricsArgs::progress`] makes the [`Progress`] that writes them.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct MetricsArgs {
+    /// Append rank 0's metrics to this file, one JSON object a line: each step's loss,
+    /// learning rate, throughput, TFLOP/s and MFU, memory, gradient norm, and the evaluations
+    /// (a resumed run continues the file).
+    #[arg(long, value_name = "FILE")]
+    pub metrics: Option<PathBuf>,
+    /// At the end, draw the run's loss/validation and throughput chart into this SVG file
+    /// (from the --metrics file when given: a resumed run's whole curve). A metrics file of
+    /// an earlier run: `burnplot FILE -o CHART.svg`.
+    #[arg(long, value_name = "FILE")]
+    pub plot: Option<PathBuf>,
+}
+
+impl MetricsArgs {
+    /// [`Progress::new`]`(lead, steps, every)` writing the metrics and drawing the chart these
+    /// flags ask for (rank 0: `lead`); its [`Progress::conclude`] draws the chart.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming `--metrics` when its file cannot be opened, `--plot` when the
+    /// chart's directory cannot be created.
+    pub fn progress(&self, lead: bool, steps: usize, every: usize) -> Result<Progress, Error> {
+        let progress = Progress::new(lead, steps, every);
+        if !lead {
+            return Ok(progress);
+        }
+        let writer = self.metrics.as_ref().map(MetricsWriter::open).transpose();
+        let writer = writer.map_err(|e| Error::invalid("--metrics", e))?;
+        let dir = self.plot.as_ref().and_then(|p| p.parent());
+        if let Some(dir) = dir.filter(|d| !d.as_os_str().is_empty()) {
+            let reason = |e| format!("{}: {e}", dir.display());
+            std::fs::create_dir_all(dir).map_err(|e| Error::invalid("--plot", reason(e)))?;
+        }
+        Ok(progress.with_metrics(writer, self.plot.clone()))
+    }
+}
+
 /// A flag that Ctrl-C (SIGINT) and SIGTERM set, for [`crate::fit()`]'s `stop`: every rank then
 /// stops after the same step, saving first. A second signal ends the process at once (exit
 /// code 130), for a run that does not reach the end of its step. Where a signal cannot be
@@ -261,6 +304,7 @@ mod tests {
     use clap::{CommandFactory, Parser};
 
     use super::*;
+    use crate::fit::StepLog;
 
     #[derive(Parser)]
     struct Args {
@@ -368,5 +412,55 @@ mod tests {
         assert_eq!((policy.every, policy.keep, fit.steps), (10, 1, 100));
         assert_eq!(fit.resume, Some(PathBuf::from("/tmp/old")));
         assert!(Run::try_parse_from(["t", "--save-every", "10"]).is_err());
+    }
+
+    #[derive(Parser)]
+    struct Plotted {
+        #[command(flatten)]
+        metrics: MetricsArgs,
+    }
+
+    /// `--metrics` and `--plot`: rank 0 writes a line per step and an evaluation, then draws
+    /// the chart from the file; other ranks write nothing.
+    #[test]
+    fn metrics_flags_write_the_file_and_the_chart() {
+        Plotted::command().debug_assert();
+        let dir = std::env::temp_dir().join(format!("bp-cli-metrics-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let (file, chart) = (dir.join("m.jsonl"), dir.join("charts/c.svg"));
+        let args = Plotted::parse_from([
+            "t",
+            "--metrics",
+            file.to_str().unwrap(),
+            "--plot",
+            chart.to_str().unwrap(),
+        ]);
+        let other = args.metrics.progress(false, 3, 1).unwrap();
+        let progress = args.metrics.progress(true, 3, 1).unwrap().with_unit("img");
+        for step in 0..3 {
+            let log = StepLog {
+                step,
+                loss: 2.0,
+                lr: 1e-3,
+                seconds: 0.1,
+                tokens_per_sec: 100.0,
+                skipped: false,
+                grad_norm: None,
+                phases: Default::default(),
+            };
+            progress.step(&log, &[]);
+            other.step(&log, &[]);
+        }
+        progress.eval(1, "test_accuracy", 0.5);
+        other.conclude(&[("val_loss", 9.0)]).unwrap();
+        progress.conclude(&[("val_loss", 1.5)]).unwrap();
+        let metrics = crate::metrics::Metrics::read(&file).unwrap();
+        let steps: Vec<usize> = metrics.steps.iter().map(|s| s.step).collect();
+        assert_eq!((steps, metrics.unit.as_str()), (vec![0, 1, 2], "img"));
+        assert_eq!(metrics.eval_series("val_loss"), [(2, 1.5)]);
+        assert!(metrics.steps[0].rss_bytes.is_some() || !cfg!(target_os = "linux"));
+        let svg = std::fs::read_to_string(&chart).unwrap();
+        assert!(svg.contains("images/s") && svg.contains("test_accuracy"));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

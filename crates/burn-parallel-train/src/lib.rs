@@ -16,7 +16,9 @@
 //!   (Ctrl-C) that saves first.
 //!
 //! With the `cli` feature, [`cli`] gives a training binary its flags (`LayoutArgs`, `StepArgs`,
-//! `CheckpointArgs`), the Ctrl-C flag and a progress display.
+//! `CheckpointArgs`, `MetricsArgs`), the Ctrl-C flag and a progress display. [`metrics`] writes
+//! and reads a run's per-step metrics as JSON lines; with the `plot` feature (on with `cli`),
+//! `plot` draws their loss and throughput chart as SVG.
 //!
 //! Errors are [`burn_parallel::Error`], into which every crate of the suite converts its own.
 //!
@@ -32,6 +34,7 @@ pub mod fit;
 pub mod layout;
 mod local;
 mod memory;
+pub mod metrics;
 pub mod model;
 #[cfg(feature = "cli")]
 mod moe_args;
@@ -39,6 +42,8 @@ mod params;
 pub mod pipeline;
 #[cfg(feature = "cli")]
 mod plan_args;
+#[cfg(feature = "plot")]
+pub mod plot;
 #[cfg(feature = "cli")]
 mod progress;
 mod saved;

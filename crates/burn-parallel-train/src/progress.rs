@@ -1,7 +1,9 @@
 //! [`Progress`]: what a training binary shows while [`crate::fit()`] runs (the `cli` feature): a
 //! progress bar on rank 0, and every `every` steps a line with the loss, the learning rate,
 //! tokens per second, the model's TFLOP/s and MFU (with a peak), the process's resident memory
-//! and the elapsed time.
+//! and the elapsed time; with [`Progress::with_metrics`] (a binary's `--metrics` and `--plot`:
+//! [`crate::cli::MetricsArgs`]), the same figures as JSON lines ([`crate::metrics`]) and a chart
+//! at the end ([`crate::plot`]).
 //!
 //! ```
 //! use burn_parallel::mfu::Mfu;
@@ -26,14 +28,18 @@
 //! progress.finish();
 //! ```
 
+use std::path::PathBuf;
+use std::sync::Mutex;
 use std::time::Instant;
 
 use burn_moe::MoeStats;
+use burn_parallel::Error;
 use burn_parallel::mfu::Mfu;
 use burn_parallel::train::StepPhases;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::fit::StepLog;
+use crate::metrics::{Metrics, MetricsWriter, Record, RunRecord, StepRecord};
 
 /// Rank 0's view of a run: a bar over the steps and a line every `every` steps.
 pub struct Progress {
@@ -44,6 +50,34 @@ pub struct Progress {
     mfu: Option<Mfu>,
     unit: &'static str,
     start: Instant,
+    metrics: Option<Mutex<Recorder>>,
+}
+
+/// Rank 0's metrics: the file they go to, or (plotting without one) the series kept here, and
+/// where the chart goes.
+struct Recorder {
+    writer: Option<MetricsWriter>,
+    series: Option<Metrics>,
+    plot: Option<PathBuf>,
+    /// The run's opening record is written (on the first step: the unit is known then).
+    opened: bool,
+    last_step: Option<usize>,
+}
+
+impl Recorder {
+    /// Writes `record` to the file, keeps it, or both; a file that cannot be written is
+    /// dropped with a warning (the run goes on).
+    fn record(&mut self, record: Record) {
+        if let Some(writer) = &mut self.writer
+            && let Err(e) = writer.write(&record)
+        {
+            eprintln!("warning: metrics no longer written: {e}");
+            self.writer = None;
+        }
+        if let Some(series) = &mut self.series {
+            series.push(record);
+        }
+    }
 }
 
 impl Progress {
@@ -67,7 +101,25 @@ impl Progress {
             mfu: None,
             unit: "tok",
             start: Instant::now(),
+            metrics: None,
         }
+    }
+
+    /// Writes each step's figures to `writer` ([`StepRecord`]s, after a [`RunRecord`] with the
+    /// unit), and the evaluations of [`Progress::eval`] and [`Progress::conclude`]; and, with
+    /// `plot`, has [`Progress::conclude`] draw the chart of the file (of the steps seen here
+    /// without a file) into that SVG file. Nothing on a rank that does not show progress.
+    pub fn with_metrics(mut self, writer: Option<MetricsWriter>, plot: Option<PathBuf>) -> Self {
+        if self.lead && (writer.is_some() || plot.is_some()) {
+            self.metrics = Some(Mutex::new(Recorder {
+                series: writer.is_none().then(Metrics::new),
+                writer,
+                plot,
+                opened: false,
+                last_step: None,
+            }));
+        }
+        self
     }
 
     /// Shows the model's TFLOP/s and, with a peak, the MFU on each line.
@@ -109,6 +161,7 @@ impl Progress {
         if !self.lead {
             return;
         }
+        self.record(log);
         self.bar.set_position(log.step as u64 + 1);
         self.bar.set_message(format!(
             "loss {:.4}  {:.0} {}/s",
@@ -120,6 +173,71 @@ impl Progress {
                 self.println(line);
             }
         }
+    }
+
+    /// The metrics of `log` (with [`Progress::with_metrics`]).
+    fn record(&self, log: &StepLog) {
+        let Some(metrics) = &self.metrics else {
+            return;
+        };
+        let mut record = StepRecord::of(log, self.start.elapsed().as_secs_f64());
+        if let Some(mfu) = &self.mfu {
+            record.tflops = Some(mfu.tflops(log.tokens_per_sec));
+            record.mfu = mfu.of(log.tokens_per_sec);
+        }
+        record.rss_bytes = resident_bytes().map(|b| b as u64);
+        let mut recorder = metrics.lock().unwrap_or_else(|e| e.into_inner());
+        if !recorder.opened {
+            let unit = self.unit.to_string();
+            recorder.record(Record::Run(RunRecord { unit }));
+            recorder.opened = true;
+        }
+        recorder.last_step = Some(log.step);
+        recorder.record(Record::Step(record));
+    }
+
+    /// Records the evaluation `name` = `value` after step `step` (with
+    /// [`Progress::with_metrics`], rank 0).
+    pub fn eval(&self, step: usize, name: &str, value: f64) {
+        if let Some(metrics) = &self.metrics {
+            let mut recorder = metrics.lock().unwrap_or_else(|e| e.into_inner());
+            recorder.record(Record::eval(step, name, value));
+        }
+    }
+
+    /// The end of the run (with [`Progress::with_metrics`], rank 0): records `finals`
+    /// (`(name, value)`: the final validation loss, ...) as evaluations after the last step
+    /// seen, then draws the chart if one was asked for and says where.
+    ///
+    /// # Errors
+    /// [`Error::Invalid`] naming `--plot` when the chart cannot be drawn, or the metrics file
+    /// cannot be read back.
+    pub fn conclude(&self, finals: &[(&str, f64)]) -> Result<(), Error> {
+        let Some(metrics) = &self.metrics else {
+            return Ok(());
+        };
+        let mut recorder = metrics.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(step) = recorder.last_step {
+            for &(name, value) in finals {
+                recorder.record(Record::eval(step, name, value));
+            }
+        }
+        let Some(plot) = recorder.plot.clone() else {
+            return Ok(());
+        };
+        let failed = |e| Error::invalid("--plot", e);
+        let (series, title) = match (&recorder.series, &recorder.writer) {
+            (Some(series), _) => (series.clone(), "training run".to_string()),
+            (None, Some(writer)) => {
+                let name = writer.path().file_name().unwrap_or_default();
+                let series = Metrics::read(writer.path()).map_err(failed)?;
+                (series, name.to_string_lossy().into_owned())
+            }
+            (None, None) => return Ok(()),
+        };
+        crate::plot::draw(&series, &title, &plot).map_err(failed)?;
+        self.println(&format!("chart of the run written to {}", plot.display()));
+        Ok(())
     }
 
     /// Prints `line` above the bar (rank 0 only), or plainly when the bar is not drawn (output
