@@ -157,6 +157,9 @@ pub struct GptArgs {
     /// --resume D, under any layout (GPT-MoE, dropout and DiLoCo included).
     #[command(flatten)]
     pub checkpoint: burn_parallel_train::cli::CheckpointArgs,
+    /// Metrics: --metrics FILE (rank 0's per-step figures, JSON lines), --plot FILE (SVG chart).
+    #[command(flatten)]
+    pub metrics: burn_parallel_train::cli::MetricsArgs,
     /// Start from the weights of a Hugging Face GPT-2 or LLaMA checkpoint directory
     /// (`config.json` + safetensors), under any layout; the model is the one its config.json
     /// describes (the model-shape flags are ignored).
@@ -176,6 +179,11 @@ pub struct GptArgs {
 
 /// `--precision`: the library's flag value.
 pub use burn_parallel_train::cli::Precision as PrecisionArg;
+
+/// Prints `e` as the error that ends a binary (on stderr).
+pub fn print_error(e: impl std::fmt::Display) {
+    eprintln!("error: {e}");
+}
 
 /// The trainer's device of `--device` (Flex without it).
 pub fn train_device(args: &GptArgs) -> TrainDevice {

@@ -25,10 +25,10 @@ use burn_parallel::mfu::Mfu;
 use burn_parallel::{CollectiveError, ProcessGroup};
 use burn_parallel_train::Layout;
 use burn_parallel_train::StopFlag;
-use burn_parallel_train::cli::{Progress, moe_lines, profile_lines, stop_on_signals};
+use burn_parallel_train::cli::{MetricsArgs, moe_lines, profile_lines, stop_on_signals};
 use burn_parallel_train::pipeline::bubble_summary;
 use clap::Parser;
-use examples::cli::{Backend, GptArgs, config_from, train_device};
+use examples::cli::{Backend, GptArgs, config_from, print_error, train_device};
 use examples::data::Corpus;
 use examples::pipeline::StageSplit;
 use examples::run::{GptRun, check_run, train_gpt_under};
@@ -70,7 +70,8 @@ fn run_rank(
         print_header(config, group.size(), group.backend(), corpus, layout);
     }
     let mut phases = StepPhases::default();
-    let progress = Progress::new(lead, config.steps, log_every).with_mfu(mfu);
+    let progress = log.metrics.progress(lead, config.steps, log_every)?;
+    let progress = progress.with_mfu(mfu);
     let mut on_step = |s: &StepStats| {
         if s.log.step > 0 {
             phases.add(&s.log.phases);
@@ -82,6 +83,7 @@ fn run_rank(
     progress.finish();
     let report = report?;
     let train = report.train();
+    progress.conclude(&[("val_loss", train.val_loss)])?;
     if profile && lead {
         let steps = config.steps.saturating_sub(1);
         for line in profile_lines(&phases, train.step_seconds, steps) {
@@ -142,12 +144,8 @@ fn main() -> ExitCode {
         None => {}
     }
     burn_parallel::kernels::allow_tf32(args.tf32);
-    let mut config = match config_from(&args) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
+    let Ok(mut config) = config_from(&args).map_err(print_error) else {
+        return ExitCode::from(2);
     };
     if let Some(dir) = &args.init_from_hf {
         let m = &config.model;
@@ -162,19 +160,11 @@ fn main() -> ExitCode {
         corpus.check_windows(config.seq_len, config.eval_batches)?;
         Ok(corpus)
     });
-    let corpus = match corpus {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
+    let Ok(corpus) = corpus.map_err(print_error) else {
+        return ExitCode::from(2);
     };
-    let mut layout = match args.layout() {
-        Ok(layout) => layout,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
+    let Ok(mut layout) = args.layout().map_err(print_error) else {
+        return ExitCode::from(2);
     };
     layout.diloco = args.diloco.layout();
     config.device = train_device(&args);
@@ -260,6 +250,7 @@ fn on_world<T>(
 struct Logging {
     every: usize,
     profile: bool,
+    metrics: MetricsArgs,
     /// Peak FLOP/s of one device, and where it came from (or why there is none).
     peak: (Option<f64>, String),
 }
@@ -269,6 +260,7 @@ impl Logging {
         Self {
             every: args.log_every,
             profile: args.profile,
+            metrics: args.metrics.clone(),
             peak: device_peak(args),
         }
     }

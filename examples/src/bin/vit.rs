@@ -15,8 +15,9 @@
 use std::process::ExitCode;
 
 use burn_parallel_train::Layout;
-use burn_parallel_train::cli::{LayoutArgs, Progress, StepArgs};
+use burn_parallel_train::cli::{LayoutArgs, MetricsArgs, StepArgs};
 use clap::Parser;
+use examples::cli::print_error;
 use examples::data::Digits;
 use examples::train_vit::{VitReport, VitStepStats, VitTrainConfig, run_vit_local};
 
@@ -72,6 +73,9 @@ struct Args {
     /// --checkpoint-blocks; what the ViT does not support is refused by name.
     #[command(flatten)]
     layout: LayoutArgs,
+    /// --metrics FILE (per-step figures and test accuracies, JSON lines), --plot FILE (SVG).
+    #[command(flatten)]
+    metrics: MetricsArgs,
 }
 
 fn config_from(args: &Args) -> VitTrainConfig {
@@ -109,40 +113,37 @@ fn config_from(args: &Args) -> VitTrainConfig {
 fn main() -> ExitCode {
     let args = Args::parse();
     let config = config_from(&args);
-    let layout = match args.layout.layout() {
-        Ok(layout) => layout,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
+    let Ok(layout) = args.layout.layout().map_err(print_error) else {
+        return ExitCode::from(2);
     };
-    let digits = match Digits::load_from(args.data_dir.as_deref()) {
-        Ok(d) => d,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(2);
-        }
+    let Ok(digits) = Digits::load_from(args.data_dir.as_deref()).map_err(print_error) else {
+        return ExitCode::from(2);
     };
     print_header(&config, &layout, args.ranks, &digits);
-    let progress = Progress::new(true, config.steps, args.log_every).with_unit("img");
+    let progress = args.metrics.progress(true, config.steps, args.log_every);
+    let Ok(progress) = progress.map_err(print_error) else {
+        return ExitCode::from(2);
+    };
+    let progress = progress.with_unit("img");
     let mut on_step = |s: &VitStepStats| {
         let step = s.log.step;
         let accuracy = s
             .test_accuracy
             .map(|acc| format!("step {step:>5}  test accuracy {:.2} %", 100.0 * acc));
         progress.step(&s.log, accuracy.as_slice());
+        if let Some(accuracy) = s.test_accuracy {
+            progress.eval(step, "test_accuracy", accuracy);
+        }
     };
     let outcome = run_vit_local(args.ranks, &config, &layout, &digits, &mut on_step);
     progress.finish();
-    match outcome {
-        Ok(report) => {
-            print_report(&report);
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
+    let outcome = outcome.and_then(|report| {
+        print_report(&report);
+        progress.conclude(&[("test_accuracy", report.test_accuracy)])
+    });
+    match outcome.map_err(print_error) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(()) => ExitCode::FAILURE,
     }
 }
 
