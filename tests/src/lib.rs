@@ -19,6 +19,7 @@ use examples::gpt::{Gpt, GptConfig};
 use examples::train::{NamedParam, Parallelism, TrainConfig, TrainReport};
 
 pub mod golden;
+pub mod learner;
 
 /// A GPT run small enough for CI: 2 layers, width 32, global batch 8 x 16 tokens.
 pub fn tiny_gpt_run(steps: usize) -> TrainConfig {

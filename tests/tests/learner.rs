@@ -1,0 +1,209 @@
+//! `burn-parallel-learner`: a stock `burn-train` training (`SupervisedTraining`, its metrics,
+//! a `Learner` with AdamW and a learning-rate scheduler) under our layouts through
+//! `TrainingStrategy::Custom(LayoutStrategy)`, against the same training by burn-train's own
+//! single-device strategy: the losses the metrics see at every iteration and the final
+//! parameters agree under DDP, FSDP, ZeRO-2 and TP + SP; a checkpoint saved under one layout
+//! resumes under another.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+
+use burn::tensor::Device;
+use burn_parallel_learner::{LayoutStrategy, single_device};
+use burn_parallel_train::Layout;
+use burn_train::{Learner, SupervisedTraining, TrainingStrategy};
+use burn_zero::Stage;
+use tests::learner::{
+    BATCH, CONFIG, EPOCHS, ITEMS, LR, Outcome, Params, adamw, loaders, train, under,
+};
+use tests::workspace_binary;
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("bp-learner-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+fn assert_close(what: &str, got: &Outcome, want: &Outcome, tol: f64) {
+    assert_eq!(
+        got.train.len(),
+        want.train.len(),
+        "{what}: train iterations"
+    );
+    assert_eq!(
+        got.valid.len(),
+        want.valid.len(),
+        "{what}: valid iterations"
+    );
+    for (i, (a, b)) in got.train.iter().zip(&want.train).enumerate() {
+        assert!(
+            (a - b).abs() <= tol,
+            "{what}: train loss {i}: {a} against {b}"
+        );
+    }
+    for (i, (a, b)) in got.valid.iter().zip(&want.valid).enumerate() {
+        assert!(
+            (a - b).abs() <= tol,
+            "{what}: valid loss {i}: {a} against {b}"
+        );
+    }
+    assert_eq!(
+        got.params.keys().collect::<Vec<_>>(),
+        want.params.keys().collect::<Vec<_>>()
+    );
+    for (name, a) in &got.params {
+        let worst = a
+            .iter()
+            .zip(&want.params[name])
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        assert!(worst as f64 <= tol, "{what}: {name} differs by {worst}");
+    }
+}
+
+/// Losses and parameters of the single-device Learner within this bound: f32 sums in another
+/// order (the gradients averaged over ranks, FSDP's flat shards, tensor-parallel partial
+/// sums) over 12 AdamW steps.
+const TOL: f64 = 1e-5;
+
+#[test]
+fn learner_under_every_layout_matches_burn_train_single_device() {
+    let single = train(&temp_dir("single"), None, EPOCHS, None);
+    assert_eq!(single.train.len(), EPOCHS * ITEMS / BATCH);
+    let per_epoch = ITEMS / BATCH;
+    let mean = |epoch: usize| {
+        single.train[epoch * per_epoch..][..per_epoch]
+            .iter()
+            .sum::<f64>()
+    };
+    assert!(mean(1) < mean(0), "it learns: {:?}", single.train);
+    let zero = |stage| Layout {
+        zero: Some(stage),
+        ..Layout::default()
+    };
+    let cases = [
+        ("DDP 2", Layout::default(), 2),
+        ("FSDP 2", zero(Stage::Three), 2),
+        ("ZeRO-2 over 2", zero(Stage::Two), 2),
+        (
+            "TP 2 + SP",
+            Layout {
+                tp: 2,
+                sp: true,
+                ..Layout::default()
+            },
+            2,
+        ),
+        (
+            "FSDP 2 x TP 2 + SP",
+            Layout {
+                tp: 2,
+                sp: true,
+                ..zero(Stage::Three)
+            },
+            4,
+        ),
+    ];
+    for (what, layout, world) in cases {
+        let got = under(
+            layout,
+            world,
+            &temp_dir(&what.replace(' ', "_")),
+            EPOCHS,
+            None,
+        );
+        assert_close(what, &got, &single, TOL);
+    }
+}
+
+#[test]
+fn a_learner_checkpoint_saved_under_one_layout_resumes_under_another() {
+    let single = train(&temp_dir("single-resume"), None, EPOCHS, None);
+    let dir = temp_dir("resume");
+    // Epoch 1 under FSDP over 2 ranks, epoch 2 under TP 2 + SP resumed from its checkpoint.
+    let fsdp = Layout {
+        zero: Some(Stage::Three),
+        ..Layout::default()
+    };
+    let first = under(fsdp, 2, &dir, 1, None);
+    let tp = Layout {
+        tp: 2,
+        sp: true,
+        ..Layout::default()
+    };
+    let second = under(tp, 2, &dir, EPOCHS, Some(1));
+    let joined = Outcome {
+        train: [first.train, second.train].concat(),
+        valid: [first.valid, second.valid].concat(),
+        params: second.params,
+    };
+    assert_close(
+        "FSDP 2, then TP 2 + SP from its checkpoint",
+        &joined,
+        &single,
+        TOL,
+    );
+}
+
+#[test]
+fn burn_train_checkpointers_are_refused_by_name() {
+    let dir = temp_dir("refused");
+    let errors = burn_parallel_train::run_local(1, move |group| {
+        let strategy = LayoutStrategy::new(group, Layout::default(), CONFIG, dir.join("ck"));
+        let device = Device::flex().autodiff();
+        let (train, valid) = loaders();
+        let result = SupervisedTraining::new(&dir, train, valid)
+            .with_default_checkpointers()
+            .num_epochs(1)
+            .with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
+            .launch(Learner::new(
+                single_device(&CONFIG, &device)?,
+                adamw().init(),
+                LR,
+            ));
+        Ok(result.error.map(|e| e.to_string()))
+    })
+    .unwrap();
+    let error = errors[0].clone().expect("refused");
+    assert!(error.contains("with_default_checkpointers"), "{error}");
+}
+
+/// Two processes started by `burnrun`, joined over TCP, training the same `Learner` under FSDP:
+/// the losses and the final parameters of the single-device training.
+#[test]
+fn learner_over_two_tcp_processes_matches_single_device() {
+    let single = train(&temp_dir("single-tcp"), None, EPOCHS, None);
+    let dir = temp_dir("tcp");
+    let out = dir.join("out.json");
+    let output = Command::new(workspace_binary("burn-parallel", "burnrun"))
+        .args(["--nproc-per-node", "2", "--"])
+        .arg(env!("CARGO_BIN_EXE_learner_process"))
+        .args(["--layout", "zero = 3"])
+        .arg("--dir")
+        .arg(&dir)
+        .arg("--out")
+        .arg(&out)
+        .env("BURN_PARALLEL_TIMEOUT_SECS", "60")
+        .output()
+        .expect("running burnrun");
+    assert!(
+        output.status.success(),
+        "burnrun failed: {}\n{}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&out).expect("rank 0 wrote --out"))
+            .expect("JSON");
+    let losses = |key: &str| -> Vec<f64> { serde_json::from_value(json[key].clone()).unwrap() };
+    let params: Params = serde_json::from_value(json["params"].clone()).unwrap();
+    let tcp = Outcome {
+        train: losses("train"),
+        valid: losses("valid"),
+        params,
+    };
+    assert_close("FSDP over 2 tcp processes", &tcp, &single, TOL);
+    std::fs::remove_dir_all(&dir).ok();
+}
