@@ -478,11 +478,12 @@ pub fn wgpu_or_skip(test: &str) -> Option<burn::tensor::Device> {
 /// and name. They are built together, in one Cargo invocation over both packages, so that Cargo
 /// resolves the features of their dependencies as for this test crate (which depends on both)
 /// and reuses its build.
-const BINARIES: [(&str, &str, &str); 14] = [
+const BINARIES: [(&str, &str, &str); 15] = [
     ("burn-parallel", "--bin", "burnrun"),
     ("examples", "--bin", "gpt"),
     ("examples", "--bin", "vit"),
     ("examples", "--example", "byo_model"),
+    ("examples", "--example", "learner"),
     // The benchmarks, whose documented commands `tests/commands.rs` runs.
     ("examples", "--example", "checkpoint_bench"),
     ("examples", "--example", "cp_bench"),

@@ -160,6 +160,32 @@ fn byo_model_documented_commands_run() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+/// `learner` (burn-train's `Learner` under a layout): 1 epoch, in a scratch directory (the
+/// `burnrun` line is `learner.rs`'s multi-process test).
+#[test]
+fn learner_documented_commands_run() {
+    let header = include_str!("../../examples/examples/learner.rs");
+    let docs = docs();
+    let lines = commands(
+        &with_docs(header, &docs),
+        &["cargo run --release -p examples --example learner "],
+    );
+    assert!(
+        lines.len() >= 3,
+        "the documented commands were found ({})",
+        lines.len()
+    );
+    let dir = scratch("learner");
+    let run_dir = dir.join("run").display().to_string();
+    let exe = tests::workspace_binary("examples", "learner");
+    let failures = run_all(&exe, &lines, &dir, &|args| {
+        set(args, "--epochs", "1".into(), true);
+        set(args, "--dir", run_dir.clone(), true);
+    });
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// `gpt`: 4 steps, a checkpoint every 4 when the command saves, one validation batch and no
 /// sample (a config file of the test's; the commands that name their own are left out, as
 /// are those for `burnrun` and CUDA).
