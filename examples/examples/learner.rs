@@ -89,12 +89,14 @@ impl InferenceStep for Classifier {
     }
 }
 
+// ANCHOR: forward
 /// What the layouts need beyond burn-train's steps: the forward before backpropagation.
 impl TrainForward for Classifier {
     fn forward_train(&self, batch: DigitsBatch) -> ClassificationOutput {
         self.forward(batch)
     }
 }
+// ANCHOR_END: forward
 
 /// How the layouts build the classifier: its plans and its build.
 struct ClassifierConfig {
@@ -141,6 +143,7 @@ impl ParallelModel for ClassifierConfig {
     }
 }
 
+// ANCHOR: rows
 /// A batch: images `[batch, 64]` and labels `[batch]`; each data-parallel rank takes its rows.
 #[derive(Clone, Debug)]
 struct DigitsBatch {
@@ -160,6 +163,7 @@ impl Rows for DigitsBatch {
         }
     }
 }
+// ANCHOR_END: rows
 
 #[derive(Clone, Debug)]
 struct Digit {
@@ -225,6 +229,7 @@ fn train(args: &Args, world: Option<ProcessGroup>) -> Result<(), Error> {
     let config = ClassifierConfig { hidden: 256 };
     let model = single_device(&config, &Device::flex().autodiff())?;
     let rank = world.as_ref().map_or(0, ProcessGroup::rank);
+    // ANCHOR: training
     let training = SupervisedTraining::new(
         args.dir.join(format!("rank{rank}")),
         loader(&train, true),
@@ -248,6 +253,7 @@ fn train(args: &Args, world: Option<ProcessGroup>) -> Result<(), Error> {
         }
     };
     let result = training.launch(Learner::new(model, AdamWConfig::new().init(), args.lr));
+    // ANCHOR_END: training
     match result.error {
         Some(error) => Err(Error::invalid("training", error.to_string())),
         None => Ok(()),
