@@ -277,11 +277,9 @@ impl MetricsWriter {
     /// # Errors
     /// [`MetricsError::Io`] naming the file.
     pub fn write(&mut self, record: &Record) -> Result<(), MetricsError> {
-        let mut line = serde_json::to_value(record).expect("a record is JSON");
-        line.as_object_mut()
-            .expect("a record is an object")
-            .insert("v".into(), VERSION.into());
-        let mut line = line.to_string();
+        // `"v"` first, then `"kind"` and the fields in their order.
+        let json = serde_json::to_string(record).expect("a record is JSON");
+        let mut line = format!("{{\"v\":{VERSION},{}", &json[1..]);
         line.push('\n');
         self.file
             .write_all(line.as_bytes())
@@ -489,7 +487,10 @@ mod tests {
         assert!(!metrics.truncated);
         let text = std::fs::read_to_string(&path).unwrap();
         assert_eq!(text.lines().count(), 4);
-        assert!(text.lines().all(|l| l.contains("\"v\":1")), "{text}");
+        assert!(
+            text.lines().all(|l| l.starts_with("{\"v\":1,\"kind\":")),
+            "{text}"
+        );
     }
 
     /// A killed run's incomplete last line is dropped by the reader and cut off by the next
