@@ -207,3 +207,34 @@ fn learner_over_two_tcp_processes_matches_single_device() {
     assert_close("FSDP over 2 tcp processes", &tcp, &single, TOL);
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// Ranks given different checkpoint directories would each write half a checkpoint: refused
+/// before the first step, naming both directories.
+#[test]
+fn ranks_with_different_checkpoint_directories_are_refused() {
+    let dir = temp_dir("dirs");
+    let errors = burn_parallel_train::run_local(2, move |group| {
+        let own = dir.join(format!("ck-{}", group.rank()));
+        let strategy = LayoutStrategy::new(group, Layout::default(), CONFIG, own);
+        let device = Device::flex().autodiff();
+        let (train, valid) = loaders();
+        let result = SupervisedTraining::new(&dir, train, valid)
+            .num_epochs(1)
+            .with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
+            .launch(Learner::new(
+                single_device(&CONFIG, &device)?,
+                adamw().init(),
+                LR,
+            ));
+        Ok(result.error.map(|e| e.to_string()))
+    })
+    .unwrap();
+    for error in errors {
+        let error = error.expect("refused");
+        assert!(
+            error.contains("different checkpoint directories"),
+            "{error}"
+        );
+        assert!(error.contains("ck-0") && error.contains("ck-1"), "{error}");
+    }
+}

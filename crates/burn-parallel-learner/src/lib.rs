@@ -25,6 +25,8 @@
 //! `burn-train`'s own checkpointers are refused: their optimizer record holds one device's
 //! state, not a sharded optimizer's.
 
+#![warn(missing_docs)]
+
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::PathBuf;
@@ -180,12 +182,125 @@ fn rows_of(n: usize, parts: usize, index: usize) -> Range<usize> {
 /// The layouts of `burn-parallel` as a `burn-train` strategy; see the crate's documentation.
 ///
 /// # Example
-/// ```ignore
-/// let strategy = LayoutStrategy::new(world, Layout { zero: Some(Stage::Three), ..Layout::default() },
-///     MyModelConfig::new(), "/tmp/run/checkpoints");
-/// let result = SupervisedTraining::new("/tmp/run", train, valid)
-///     .with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
-///     .launch(Learner::new(model, optim, lr));
+/// A one-layer regression trained by burn-train's `SupervisedTraining` under DDP over two
+/// thread ranks, ending where burn-train's own single-device training ends.
+/// ```
+/// use std::ops::Range;
+/// use std::path::Path;
+/// use std::sync::Arc;
+/// use burn::data::dataloader::{DataLoaderBuilder, batcher::Batcher};
+/// use burn::data::dataset::InMemDataset;
+/// use burn::module::Module;
+/// use burn::nn::loss::{MseLoss, Reduction};
+/// use burn::optim::AdamWConfig;
+/// use burn::tensor::{Device, Tensor, TensorData};
+/// use burn_parallel::init::LinearInit;
+/// use burn_parallel::{Error, ProcessGroup, nn::Linear, plan::TpPlan};
+/// use burn_parallel_learner::{LayoutStrategy, Rows, TrainForward, single_device};
+/// use burn_parallel_train::{Layout, ModelParts, ParallelModel, StepSettings};
+/// use burn_train::{InferenceStep, Learner, RegressionOutput, SupervisedTraining, TrainOutput};
+/// use burn_train::{TrainStep, TrainingStrategy};
+///
+/// #[derive(Module, Debug)]
+/// struct Fit { fc: Linear }
+///
+/// #[derive(Clone, Debug)]
+/// struct Xy { x: Tensor<2>, y: Tensor<2> }
+///
+/// impl Rows for Xy {
+///     fn num_rows(&self) -> usize { self.x.dims()[0] }
+///     fn rows(self, r: Range<usize>) -> Self {
+///         Xy { x: self.x.narrow(0, r.start, r.len()), y: self.y.narrow(0, r.start, r.len()) }
+///     }
+/// }
+///
+/// impl Fit {
+///     fn forward(&self, b: Xy) -> RegressionOutput {
+///         let out = self.fc.forward(b.x).unwrap();
+///         let loss = MseLoss::new().forward(out.clone(), b.y.clone(), Reduction::Mean);
+///         RegressionOutput::new(loss, out, b.y)
+///     }
+/// }
+/// impl TrainStep for Fit {
+///     type Input = Xy;
+///     type Output = RegressionOutput;
+///     fn step(&self, b: Xy) -> TrainOutput<RegressionOutput> {
+///         let out = self.forward(b);
+///         TrainOutput::new(self, out.loss.backward(), out)
+///     }
+/// }
+/// impl InferenceStep for Fit {
+///     type Input = Xy;
+///     type Output = RegressionOutput;
+///     fn step(&self, b: Xy) -> RegressionOutput { self.forward(b) }
+/// }
+/// impl TrainForward for Fit {
+///     fn forward_train(&self, b: Xy) -> RegressionOutput { self.forward(b) }
+/// }
+///
+/// struct FitConfig;
+/// impl ParallelModel for FitConfig {
+///     type Model = Fit;
+///     type Batch = Xy;
+///     fn loss(m: &Fit, b: &Xy) -> Result<Tensor<1>, Error> { Ok(m.forward(b.clone()).loss) }
+///     fn n_heads(&self) -> usize { 1 }
+///     fn seed(&self) -> u64 { 3 }
+///     fn tp_plan(&self, _sp: bool) -> TpPlan { TpPlan::new() }
+///     fn fsdp_plan(&self, g: &ProcessGroup, _: &burn_moe::MoeParallel) -> burn_zero::FsdpPlan {
+///         burn_zero::FsdpPlan::new(g)
+///     }
+///     fn build(&self, parts: &ModelParts) -> Result<Fit, Error> {
+///         Ok(Fit { fc: parts.init.linear("fc", LinearInit::burn(2, 1))? })
+///     }
+/// }
+///
+/// struct XyBatcher;
+/// impl Batcher<[f32; 3], Xy> for XyBatcher {
+///     fn batch(&self, items: Vec<[f32; 3]>, device: &Device) -> Xy {
+///         let n = items.len();
+///         let x: Vec<f32> = items.iter().flat_map(|i| [i[0], i[1]]).collect();
+///         let y: Vec<f32> = items.iter().map(|i| i[2]).collect();
+///         Xy {
+///             x: Tensor::from_data(TensorData::new(x, [n, 2]), device),
+///             y: Tensor::from_data(TensorData::new(y, [n, 1]), device),
+///         }
+///     }
+/// }
+///
+/// /// Four epochs of 4 batches; `world` trains under DDP over its ranks, `None` on one device.
+/// /// Checkpoints under `checkpoints`, one directory for every rank.
+/// fn train(world: Option<ProcessGroup>, dir: &Path, checkpoints: &Path) -> Vec<f32> {
+///     let rows: Vec<[f32; 3]> = (0..32)
+///         .map(|i| { let (a, b) = (i as f32 / 32.0, (i % 5) as f32 / 5.0); [a, b, 2.0 * a - b] })
+///         .collect();
+///     let loader = |rows: Vec<[f32; 3]>| {
+///         DataLoaderBuilder::new(XyBatcher).batch_size(8).build(InMemDataset::new(rows))
+///     };
+///     let mut training = SupervisedTraining::new(dir, loader(rows.clone()), loader(rows))
+///         .num_epochs(4);
+///     if let Some(world) = world {
+///         let settings = StepSettings { max_grad_norm: None, ..StepSettings::default() };
+///         let strategy = LayoutStrategy::new(world, Layout::default(), FitConfig, checkpoints)
+///             .with_settings(settings);
+///         training = training.with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)));
+///     }
+///     let model = single_device(&FitConfig, &Device::flex().autodiff()).unwrap();
+///     let result = training.launch(Learner::new(model, AdamWConfig::new().init(), 1e-2));
+///     assert!(result.error.is_none());
+///     result.model.fc.weight.val().into_data().to_vec().unwrap()
+/// }
+///
+/// let dir = std::env::temp_dir().join(format!("learner-doc-{}", std::process::id()));
+/// let single = train(None, &dir.join("single"), &dir.join("unused"));
+/// let ddp = burn_parallel_train::run_local(2, |world| {
+///     let logs = dir.join(format!("rank-{}", world.rank()));
+///     Ok(train(Some(world), &logs, &dir.join("checkpoints")))
+/// })
+/// .unwrap();
+/// for (a, b) in ddp[0].iter().zip(&single) {
+///     assert!((a - b).abs() < 1e-5, "{a} against {b}");
+/// }
+/// # std::fs::remove_dir_all(&dir).ok();
 /// ```
 pub struct LayoutStrategy<P: ParallelModel> {
     world: ProcessGroup,
@@ -315,6 +430,16 @@ where
         let template = learner.model().fork(&self.device.clone().autodiff());
         let mut built = self.place(&template)?;
         let data = built.groups.data.clone();
+        let dirs = self.world.all_gather_object(&self.dir)?;
+        if let Some(other) = dirs.iter().position(|d| *d != dirs[0]) {
+            let reason = format!(
+                "the ranks were given different checkpoint directories (rank 0: {}, rank {other}: \
+                 {}); give every rank the same one (on a file system every host reaches)",
+                dirs[0].display(),
+                dirs[other].display()
+            );
+            return Err(Error::invalid("LayoutStrategy::new(dir)", reason));
+        }
         let mut saver = Checkpointer::new(&self.dir, self.keep, &self.world)?;
         let mut iterations = 0usize;
         if let Some(epoch) = resume {

@@ -15,7 +15,7 @@
 //!   one (saved under any layout, dropout positions included), and a clean stop on a flag
 //!   (Ctrl-C) that saves first.
 //!
-//! With the `cli` feature, [`cli`] gives a training binary its flags (`LayoutArgs`, `StepArgs`,
+//! With the `cli` feature, `cli` gives a training binary its flags (`LayoutArgs`, `StepArgs`,
 //! `CheckpointArgs`, `MetricsArgs`), the Ctrl-C flag and a progress display. [`metrics`] writes
 //! and reads a run's per-step metrics as JSON lines; with the `plot` feature (on with `cli`),
 //! `plot` draws their loss and throughput chart as SVG.
@@ -24,6 +24,8 @@
 //!
 //! This crate sits above `burn-parallel`, `burn-zero`, `burn-moe` and `burn-pipeline` (it
 //! assembles them); none of them depends on it.
+
+#![warn(missing_docs)]
 
 pub mod build;
 #[cfg(feature = "cli")]
