@@ -143,8 +143,27 @@ pub struct Linear {
 }
 
 impl Linear {
-    /// Builds the layer at `init`'s path as its plan says.
-    pub(crate) fn init(init: &Init, spec: LinearInit) -> TpResult<Self> {
+    /// Builds the layer at `init`'s own path as its plan says: [`Init::linear`]`(name, spec)` is
+    /// `Linear::init(&init.at(name), spec)`. A lone layer that is an FSDP unit is built this
+    /// way inside the unit's builder (`plan.wrap(&init.at("fc"), |init| Linear::init(init,
+    /// spec))`), so that its parameters keep the names of the unwrapped model (`fc.weight`).
+    ///
+    /// # Errors
+    /// [`TpError::Plan`] when the plan gives the layer a style it cannot take.
+    ///
+    /// # Example
+    /// ```
+    /// use burn::tensor::Device;
+    /// use burn_parallel::init::{Init, LinearInit};
+    /// use burn_parallel::nn::Linear;
+    ///
+    /// let init = Init::new(7, &Device::flex());
+    /// let fc = Linear::init(&init.at("fc"), LinearInit::new(4, 2)).unwrap();
+    /// assert_eq!(fc.name, "fc");
+    /// let same = init.linear("fc", LinearInit::new(4, 2)).unwrap();
+    /// assert_eq!(fc.weight.val().into_data(), same.weight.val().into_data());
+    /// ```
+    pub fn init(init: &Init, spec: LinearInit) -> TpResult<Self> {
         let name = init.path("");
         let name = name.trim_end_matches('.').to_string();
         let LinearInit {
@@ -496,8 +515,13 @@ pub struct Embedding {
 }
 
 impl Embedding {
-    /// Builds the table at `init`'s path as its plan says.
-    pub(crate) fn init(init: &Init, vocab: usize, d_model: usize, std: f64) -> TpResult<Self> {
+    /// Builds the table at `init`'s own path as its plan says ([`Init::embedding`]`(name, ..)` is
+    /// `Embedding::init(&init.at(name), ..)`): a lone table that is an FSDP unit keeps its
+    /// path, as [`Linear::init`] says.
+    ///
+    /// # Errors
+    /// [`TpError::Plan`] when the plan gives the table a style it cannot take.
+    pub fn init(init: &Init, vocab: usize, d_model: usize, std: f64) -> TpResult<Self> {
         let name = init.path("").trim_end_matches('.').to_string();
         let normal = Initializer::Normal { std };
         let (weight, split) = match init.layer_split() {

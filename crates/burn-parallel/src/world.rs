@@ -36,6 +36,11 @@ pub fn local_world(world_size: usize) -> Vec<ProcessGroup> {
 /// calls fail at once with [`CollectiveError::PeerFailed`] naming it, and `run_local` returns the
 /// first failure (a panic is reported as [`CollectiveError::PeerFailed`] with its message).
 ///
+/// The closure returns this crate's collective errors. A closure that returns the suite's
+/// [`Error`](crate::Error) (a model's build, a tensor-parallel layer, a training loop: anything
+/// `?` converts into it) runs under `burn_parallel_train::run_local`, the same launcher that
+/// returns the failing rank's own [`Error`](crate::Error) whole.
+///
 /// # Example
 /// ```
 /// use burn_parallel::{ReduceOp, run_local};
