@@ -146,25 +146,37 @@ fn a_learner_checkpoint_saved_under_one_layout_resumes_under_another() {
     );
 }
 
-#[test]
-fn burn_train_checkpointers_are_refused_by_name() {
-    let dir = temp_dir("refused");
-    let errors = burn_parallel_train::run_local(1, move |group| {
-        let strategy = LayoutStrategy::new(group, Layout::default(), CONFIG, dir.join("ck"));
+/// The error each rank's training ends with (`None`: it trained) on `world` thread ranks, each
+/// checkpointing where `checkpoints(rank)` says, with burn-train's own checkpointers when
+/// `burn_checkpointers`.
+fn training_errors(
+    world: usize,
+    checkpoints: impl Fn(usize) -> PathBuf + Send + Sync,
+    burn_checkpointers: bool,
+) -> Vec<Option<String>> {
+    let dir = temp_dir(&format!("refused-{world}-{burn_checkpointers}"));
+    burn_parallel_train::run_local(world, move |group| {
+        let own = checkpoints(group.rank());
+        let strategy = LayoutStrategy::new(group, Layout::default(), CONFIG, own);
         let device = Device::flex().autodiff();
         let (train, valid) = loaders();
-        let result = SupervisedTraining::new(&dir, train, valid)
-            .with_default_checkpointers()
-            .num_epochs(1)
+        let mut training = SupervisedTraining::new(&dir, train, valid).num_epochs(1);
+        if burn_checkpointers {
+            training = training.with_default_checkpointers();
+        }
+        let model = single_device(&CONFIG, &device)?;
+        let result = training
             .with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
-            .launch(Learner::new(
-                single_device(&CONFIG, &device)?,
-                adamw().init(),
-                LR,
-            ));
+            .launch(Learner::new(model, adamw().init(), LR));
         Ok(result.error.map(|e| e.to_string()))
     })
-    .unwrap();
+    .unwrap()
+}
+
+#[test]
+fn burn_train_checkpointers_are_refused_by_name() {
+    let dir = temp_dir("ck");
+    let errors = training_errors(1, move |_| dir.clone(), true);
     let error = errors[0].clone().expect("refused");
     assert!(error.contains("with_default_checkpointers"), "{error}");
 }
@@ -213,22 +225,7 @@ fn learner_over_two_tcp_processes_matches_single_device() {
 #[test]
 fn ranks_with_different_checkpoint_directories_are_refused() {
     let dir = temp_dir("dirs");
-    let errors = burn_parallel_train::run_local(2, move |group| {
-        let own = dir.join(format!("ck-{}", group.rank()));
-        let strategy = LayoutStrategy::new(group, Layout::default(), CONFIG, own);
-        let device = Device::flex().autodiff();
-        let (train, valid) = loaders();
-        let result = SupervisedTraining::new(&dir, train, valid)
-            .num_epochs(1)
-            .with_training_strategy(TrainingStrategy::Custom(Arc::new(strategy)))
-            .launch(Learner::new(
-                single_device(&CONFIG, &device)?,
-                adamw().init(),
-                LR,
-            ));
-        Ok(result.error.map(|e| e.to_string()))
-    })
-    .unwrap();
+    let errors = training_errors(2, move |rank| dir.join(format!("ck-{rank}")), false);
     for error in errors {
         let error = error.expect("refused");
         assert!(
