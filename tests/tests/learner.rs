@@ -36,30 +36,44 @@ fn assert_close(what: &str, got: &Outcome, want: &Outcome, tol: f64) {
         want.valid.len(),
         "{what}: valid iterations"
     );
-    for (i, (a, b)) in got.train.iter().zip(&want.train).enumerate() {
-        assert!(
-            (a - b).abs() <= tol,
-            "{what}: train loss {i}: {a} against {b}"
-        );
-    }
-    for (i, (a, b)) in got.valid.iter().zip(&want.valid).enumerate() {
-        assert!(
-            (a - b).abs() <= tol,
-            "{what}: valid loss {i}: {a} against {b}"
-        );
-    }
+    let worst = |a: &[f64], b: &[f64]| {
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f64::max)
+    };
+    let (train, valid) = (
+        worst(&got.train, &want.train),
+        worst(&got.valid, &want.valid),
+    );
+    assert!(
+        train <= tol,
+        "{what}: train losses {:?} against {:?}",
+        got.train,
+        want.train
+    );
+    assert!(
+        valid <= tol,
+        "{what}: valid losses {:?} against {:?}",
+        got.valid,
+        want.valid
+    );
     assert_eq!(
         got.params.keys().collect::<Vec<_>>(),
         want.params.keys().collect::<Vec<_>>()
     );
+    let mut params = 0.0f64;
     for (name, a) in &got.params {
-        let worst = a
-            .iter()
-            .zip(&want.params[name])
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0f32, f32::max);
-        assert!(worst as f64 <= tol, "{what}: {name} differs by {worst}");
+        let a: Vec<f64> = a.iter().map(|&x| f64::from(x)).collect();
+        let b: Vec<f64> = want.params[name].iter().map(|&x| f64::from(x)).collect();
+        let diff = worst(&a, &b);
+        assert!(diff <= tol, "{what}: {name} differs by {diff}");
+        params = params.max(diff);
     }
+    // The figures the book quotes: `cargo test -p tests --test learner -- --nocapture`.
+    println!(
+        "{what}: worst train loss {train:.1e}, valid loss {valid:.1e}, parameter {params:.1e}"
+    );
 }
 
 /// Losses and parameters of the single-device Learner within this bound: f32 sums in another
