@@ -248,10 +248,15 @@ pub type Loader = Arc<dyn DataLoader<SeqBatch>>;
 /// The training loader (shuffled: every rank builds the same one) and the validation loader
 /// (its last batch short).
 pub fn loaders() -> (Loader, Loader) {
+    loaders_of(ITEMS)
+}
+
+/// [`loaders`] with `items` training rows.
+pub fn loaders_of(items: usize) -> (Loader, Loader) {
     let train = DataLoaderBuilder::new(RowBatcher)
         .batch_size(BATCH)
         .shuffle(17)
-        .build(InMemDataset::new(rows(ITEMS, 0)));
+        .build(InMemDataset::new(rows(items, 0)));
     let valid = DataLoaderBuilder::new(RowBatcher)
         .batch_size(BATCH)
         .build(InMemDataset::new(rows(BATCH + 4, 99)));

@@ -15,7 +15,7 @@ use burn_parallel_train::Layout;
 use burn_train::{Learner, SupervisedTraining, TrainingStrategy};
 use burn_zero::Stage;
 use tests::learner::{
-    BATCH, CONFIG, EPOCHS, ITEMS, LR, Outcome, Params, adamw, loaders, train, under,
+    BATCH, CONFIG, EPOCHS, ITEMS, LR, Outcome, Params, adamw, loaders_of, train, under,
 };
 use tests::workspace_binary;
 
@@ -168,12 +168,22 @@ fn training_errors(
     checkpoints: impl Fn(usize) -> PathBuf + Send + Sync,
     burn_checkpointers: bool,
 ) -> Vec<Option<String>> {
+    training_errors_with(world, checkpoints, burn_checkpointers, ITEMS)
+}
+
+/// [`training_errors`] over `items` training rows.
+fn training_errors_with(
+    world: usize,
+    checkpoints: impl Fn(usize) -> PathBuf + Send + Sync,
+    burn_checkpointers: bool,
+    items: usize,
+) -> Vec<Option<String>> {
     let dir = temp_dir(&format!("refused-{world}-{burn_checkpointers}"));
     burn_parallel_train::run_local(world, move |group| {
         let own = checkpoints(group.rank());
         let strategy = LayoutStrategy::new(group, Layout::default(), CONFIG, own);
         let device = Device::flex().autodiff();
-        let (train, valid) = loaders();
+        let (train, valid) = loaders_of(items);
         let mut training = SupervisedTraining::new(&dir, train, valid).num_epochs(1);
         if burn_checkpointers {
             training = training.with_default_checkpointers();
@@ -248,4 +258,22 @@ fn ranks_with_different_checkpoint_directories_are_refused() {
         );
         assert!(error.contains("ck-0") && error.contains("ck-1"), "{error}");
     }
+}
+
+/// A failure of one rank alone (the epoch's last batch of 1 row leaves data rank 1 without
+/// rows) ends the other rank at once, naming it, not at the collectives' timeout.
+#[test]
+fn one_rank_failing_alone_ends_the_others_at_once() {
+    let dir = temp_dir("alone");
+    let start = std::time::Instant::now();
+    let errors = training_errors_with(2, move |_| dir.clone(), false, BATCH + 1);
+    let elapsed = start.elapsed();
+    let rank1 = errors[1].clone().expect("rank 1 fails");
+    assert!(rank1.contains("without rows"), "{rank1}");
+    let rank0 = errors[0].clone().expect("rank 0 fails with it");
+    assert!(
+        rank0.contains("without rows"),
+        "rank 0 names rank 1's error: {rank0}"
+    );
+    assert!(elapsed.as_secs() < 20, "not at the timeout: {elapsed:?}");
 }

@@ -687,6 +687,9 @@ where
         let model = match result {
             Ok(model) => model,
             Err(error) => {
+                // The other ranks may wait in a collective this rank will not call: they fail
+                // at once, naming this rank's error, instead of at the timeout.
+                self.world.abort(&error.to_string());
                 interrupter.fail(TrainingError::Workers(vec![WorkerFailure {
                     device_id: self.world.rank(),
                     message: error.to_string(),
