@@ -112,7 +112,9 @@ pub trait ParallelModel {
         None
     }
 
-    /// Attention heads (tensor parallelism splits whole heads; 1 for a model without).
+    /// Attention heads: tensor parallelism splits whole heads, so [`Layout::validate`] refuses a
+    /// `tp` that does not divide them. A model without attention returns a number every `tp` it
+    /// may run under divides (its hidden width, say): 1 would refuse `tp > 1`.
     fn n_heads(&self) -> usize;
 
     /// Experts per MoE layer; `None` (the default) for a dense model.
