@@ -40,7 +40,7 @@ use burn_parallel::nn::TpContext;
 use burn_parallel::train::SaveState;
 use burn_parallel::{Error, ProcessGroup};
 use burn_parallel_train::build::Trainee;
-use burn_parallel_train::{Built, Layout, ParallelModel, Placed, StepSettings};
+use burn_parallel_train::{Built, Layout, ModelParts, ParallelModel, Placed, StepSettings};
 use burn_train::metric::store::EventStoreClient;
 use burn_train::train::WorkerFailure;
 use burn_train::{
@@ -154,9 +154,21 @@ impl GatherOutput for RegressionOutput {
     }
 }
 
-/// The model a `Learner` starts from: its config's model built whole on one device
-/// (`burn_parallel_train::single_device`).
-pub use burn_parallel_train::single_device;
+/// `config`'s model built whole on `device`, with no layout: the model a `Learner` starts
+/// from, and the single-device oracle of a parity test.
+///
+/// # Errors
+/// The model's build errors.
+pub fn single_device<P: ParallelModel>(config: &P, device: &Device) -> Result<P::Model, Error> {
+    let parts = ModelParts {
+        init: burn_parallel::init::Init::new(config.seed(), device),
+        fsdp: None,
+        experts: burn_moe::MoeParallel::default(),
+        context_parallel: None,
+        data_rank: 0,
+    };
+    config.build(&parts)
+}
 
 /// This rank's rows of a batch of `n` rows over `parts` data-parallel ranks: the first
 /// `n % parts` ranks take one row more.

@@ -246,12 +246,12 @@ impl<P: ParallelModel> Built<P> {
     }
 }
 
-/// `model`'s model built whole on `device`, with no layout (world size 1, no plans): the
-/// single-device oracle of a parity test, the model a `burn-train` `Learner` starts from.
-///
-/// # Errors
-/// The model's build errors.
-pub fn single_device<P: ParallelModel>(model: &P, device: &Device) -> Result<P::Model, Error> {
+/// `model` built whole on `device` (no layout) and loaded with `params` under its paths.
+fn single_from<P: ParallelModel>(
+    model: &P,
+    device: &Device,
+    params: &BTreeMap<String, TensorData>,
+) -> Result<P::Model, Error> {
     let parts = ModelParts {
         init: Init::new(model.seed(), device),
         fsdp: None,
@@ -259,16 +259,7 @@ pub fn single_device<P: ParallelModel>(model: &P, device: &Device) -> Result<P::
         context_parallel: None,
         data_rank: 0,
     };
-    model.build(&parts)
-}
-
-/// `model` built whole on `device` (no layout) and loaded with `params` under its paths.
-fn single_from<P: ParallelModel>(
-    model: &P,
-    device: &Device,
-    params: &BTreeMap<String, TensorData>,
-) -> Result<P::Model, Error> {
-    let whole = single_device(model, device)?;
+    let whole = model.build(&parts)?;
     let map = ParamMap::new(&whole, &TpContext::single(), None)?;
     Ok(map.load_params(whole, params)?)
 }

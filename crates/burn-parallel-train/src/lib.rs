@@ -52,7 +52,7 @@ mod saved;
 pub mod settings;
 pub mod streams;
 
-pub use build::{Built, Placed, Trainee, build, build_from, single_device, verify_replicas};
+pub use build::{Built, Placed, Trainee, build, build_from, verify_replicas};
 pub use config::from_toml;
 pub use diloco::{DiLoCoFigures, DiLoCoHandle};
 pub use fit::{
