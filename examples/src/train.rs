@@ -309,6 +309,7 @@ impl TrainConfig {
             batch_size: self.batch_size,
             seq_len: self.seq_len,
             grad_accum: self.grad_accum,
+            ..StepSettings::default()
         }
     }
 

@@ -15,6 +15,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::layout::Optim;
 use burn::module::Module;
 use burn::optim::{ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, TensorData};
@@ -23,6 +24,7 @@ use burn_parallel::checkpoint::{Checkpoint, Checkpointer, ParamMap};
 use burn_parallel::context_parallel::{ContextParallel, CpSettings};
 use burn_parallel::diloco::Islands;
 use burn_parallel::init::Init;
+use burn_parallel::muon::MatrixStep;
 use burn_parallel::nn::TpContext;
 use burn_parallel::overlap::OverlappedDdp;
 use burn_parallel::replica::{verify_replicas_in, verify_replicas_of};
@@ -296,6 +298,12 @@ fn build_pipeline<P: ParallelModel>(
              for it and return Some(self) from ParallelModel::stages, or drop --pp",
         )
     })?;
+    if layout.optim == Optim::Muon {
+        return Err(Error::invalid(
+            "--optim",
+            "Muon does not run under pipeline parallelism yet: use --optim adamw with --pp",
+        ));
+    }
     let (groups, pipeline) = stager.place(world, layout, device, settings)?;
     Ok(Built {
         trainee: Trainee::Pipeline(pipeline),
@@ -363,6 +371,53 @@ pub fn verify_replicas<M: Module>(
         None => verify_replicas_in(model, &[&groups.replicate], |_| true)?,
     }
     Ok(())
+}
+
+/// The matrix optimizer of `settings` (Muon) served under `layout`: its holders are the ranks
+/// that hold different pieces of the same matrices (tensor parallelism, and the shard group of
+/// ZeRO or FSDP), its replicas the data-parallel copies of those pieces.
+///
+/// # Errors
+/// [`Error::Invalid`] naming `--optim` for a layout that cannot serve it yet.
+fn matrix_step(
+    settings: &StepSettings,
+    layout: &Layout,
+    groups: &Groups,
+    moe: bool,
+) -> Result<Option<MatrixStep>, Error> {
+    if layout.optim != Optim::Muon {
+        return Ok(None);
+    }
+    let config = &settings.muon;
+    let refuse = |what: &str| {
+        Err(Error::invalid(
+            "--optim",
+            format!("Muon does not run under {what} yet: use --optim adamw there"),
+        ))
+    };
+    if layout.diloco.is_some() {
+        return refuse("DiLoCo (its inner optimizer is AdamW or SGD)");
+    }
+    if moe {
+        return refuse("a mixture-of-experts model");
+    }
+    let mesh = &groups.mesh;
+    let present = |names: &[&'static str]| -> Vec<&'static str> {
+        names
+            .iter()
+            .copied()
+            .filter(|n| mesh.names().iter().any(|m| m == n))
+            .collect()
+    };
+    let (dims, replicas) = match layout.zero {
+        Some(_) => (present(&["dp_shard", "cp", "tp"]), &groups.replicate),
+        None => (present(&["tp"]), &groups.reduce),
+    };
+    let mut step = MatrixStep::new(config.build()).with_replicas(replicas.clone());
+    if !dims.is_empty() {
+        step = step.with_holders(mesh.flattened(&dims)?);
+    }
+    Ok(Some(step))
 }
 
 impl<P: ParallelModel> Placed<P> {
@@ -505,6 +560,7 @@ impl<P: ParallelModel> Placed<P> {
         } = self;
         let hyper = settings.adamw;
         let adamw = settings.adamw_config();
+        let matrix = matrix_step(settings, &layout, &groups, moe)?;
         let mut zero_memory = None;
         let mut diloco = None;
         let engine: Box<dyn StepEngine<P::Model, Error>> = match (layout.diloco, islands) {
@@ -543,6 +599,12 @@ impl<P: ParallelModel> Placed<P> {
             }
             _ => match layout.zero {
                 Some(stage @ (Stage::One | Stage::Two)) => {
+                    if matrix.is_some() {
+                        return Err(Error::invalid(
+                            "--optim",
+                            "Muon does not run under ZeRO-1/2 yet: use --optim adamw there",
+                        ));
+                    }
                     let shard_groups = match layout.replicate {
                         1 => ShardGroups::flat(groups.reduce.clone()),
                         _ => ShardGroups::hybrid(&groups.mesh)?,
@@ -598,6 +660,9 @@ impl<P: ParallelModel> Placed<P> {
                         step = step
                             .with_fsdp(plan.shards().clone(), Some(groups.replicate.clone()))
                             .with_fsdp_no_sync(layout.no_sync);
+                    }
+                    if let Some(matrix) = matrix {
+                        step = step.with_matrix_step(matrix);
                     }
                     let optim = match settings.fused_adamw {
                         true => hyper.init(),

@@ -34,7 +34,7 @@ use burn_pipeline::ScheduleKind;
 use burn_zero::Stage;
 
 use crate::fit::{CheckpointPolicy, FitConfig, LrSchedule};
-use crate::layout::{Layout, LayoutError, PipelineLayout, Recompute};
+use crate::layout::{Layout, LayoutError, Optim, PipelineLayout, Recompute};
 use crate::metrics::MetricsWriter;
 use crate::model::StepSettings;
 
@@ -114,6 +114,10 @@ pub struct LayoutArgs {
     /// offload_optimizer), leaving the device the model, its gradients and the compute.
     #[arg(long, requires = "zero")]
     pub offload: bool,
+    /// The optimizer: AdamW, or Muon for the hidden matrices (AdamW for embeddings, head,
+    /// norms and biases), under any layout.
+    #[arg(long, default_value = "adamw")]
+    pub optim: Optim,
 }
 
 impl LayoutArgs {
@@ -156,6 +160,7 @@ impl LayoutArgs {
             overlap: self.ddp_overlap,
             offload: self.offload,
             diloco: None,
+            optim: self.optim,
         })
     }
 }
@@ -362,6 +367,7 @@ mod tests {
             overlap: false,
             offload: false,
             diloco: None,
+            optim: Optim::Adamw,
         };
         assert_eq!(layout, expected);
         let args = Args::parse_from(["t", "--overlap"]);

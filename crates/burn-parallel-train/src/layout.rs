@@ -69,6 +69,42 @@ pub struct Layout {
     /// average their models every `inner_steps` steps. `None`: every data-parallel rank
     /// reduces its gradients every step.
     pub diloco: Option<DiLoCoLayout>,
+    /// The optimizer (`--optim`): AdamW for every parameter, or Muon for the hidden matrices
+    /// and AdamW for the rest, served under the layout ([`burn_parallel::muon`]).
+    pub optim: Optim,
+}
+
+/// Which optimizer a [`Layout`] trains with (`--optim`; `optim = "muon"` in TOML).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Optim {
+    /// AdamW for every parameter (the step settings' hyper-parameters).
+    #[default]
+    Adamw,
+    /// Muon for the hidden 2-D matrices, AdamW for embeddings, head, norms and biases
+    /// ([`crate::StepSettings::muon`] holds its settings and the rule that picks the matrices).
+    Muon,
+}
+
+impl std::str::FromStr for Optim {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "adamw" => Ok(Self::Adamw),
+            "muon" => Ok(Self::Muon),
+            other => Err(format!("unknown optimizer `{other}`: adamw or muon")),
+        }
+    }
+}
+
+impl std::fmt::Display for Optim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Adamw => "adamw",
+            Self::Muon => "muon",
+        })
+    }
 }
 
 /// DiLoCo's part of a [`Layout`]: `islands` islands split the world evenly; each trains with
@@ -180,6 +216,7 @@ impl Default for Layout {
             overlap: false,
             offload: false,
             diloco: None,
+            optim: Optim::Adamw,
         }
     }
 }

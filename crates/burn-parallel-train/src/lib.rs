@@ -59,7 +59,7 @@ pub use fit::{
     BatchFn, CheckpointPolicy, FitConfig, Fitted, LossHistory, LrSchedule, MicroBatch, OnStep,
     Resumed, RunState, SavedConfig, StepLog, StopFlag, fit, fit_with, open_checkpoint,
 };
-pub use layout::{DiLoCoLayout, Layout, LayoutError, PipelineLayout, Recompute, Workload};
+pub use layout::{DiLoCoLayout, Layout, LayoutError, Optim, PipelineLayout, Recompute, Workload};
 pub use local::run_local;
 pub use memory::check_memory;
 pub use model::{Groups, ModelParts, ParallelModel, StepSettings};

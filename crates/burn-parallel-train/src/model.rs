@@ -14,6 +14,7 @@ use burn_moe::MoeParallel;
 use burn_parallel::checkpoint::{Checkpoint, Checkpointer};
 use burn_parallel::context_parallel::ContextParallel;
 use burn_parallel::init::Init;
+use burn_parallel::muon::MuonConfig;
 use burn_parallel::optim::FusedAdamWConfig;
 use burn_parallel::plan::TpPlan;
 use burn_parallel::precision::{LossScaler, MixedPrecision};
@@ -180,6 +181,10 @@ pub struct StepSettings {
     pub seq_len: usize,
     /// Micro-steps per optimizer step.
     pub grad_accum: usize,
+    /// Muon's settings and the rule that picks the hidden matrices, for a layout that trains
+    /// with it ([`crate::Optim::Muon`]; see [`burn_parallel::muon`]); AdamW (with
+    /// [`Self::adamw`]) steps the rest. Default: [`MuonConfig::transformer`].
+    pub muon: MuonConfig,
 }
 
 impl Default for StepSettings {
@@ -194,6 +199,7 @@ impl Default for StepSettings {
             batch_size: 1,
             seq_len: 1,
             grad_accum: 1,
+            muon: MuonConfig::transformer(),
         }
     }
 }
@@ -244,6 +250,9 @@ impl StepSettings {
                 .validate()
                 .map_err(|e| Error::invalid("--loss-scale", e))?;
         }
+        self.muon
+            .validate()
+            .map_err(|e| Error::invalid("--optim muon", e.to_string()))?;
         Ok(())
     }
 

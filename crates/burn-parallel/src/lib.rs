@@ -44,6 +44,7 @@ pub mod cuda;
 #[cfg(feature = "cube")]
 pub(crate) mod device;
 pub mod mesh;
+pub mod muon;
 
 pub use mesh::{DeviceMesh, MeshError, ParallelDims};
 pub mod ddp;

@@ -58,6 +58,7 @@ use crate::comm::host::ReduceOp;
 use crate::ddp::DistributedDataParallel;
 use crate::error::Result;
 use crate::group::ProcessGroup;
+use crate::muon::MatrixStep;
 use crate::nn::TpContext;
 use crate::overlap::OverlappedDdp;
 use crate::precision::{LossScaler, LossScalerState, MixedPrecision};
@@ -570,6 +571,8 @@ pub struct TrainStep {
     precision: MixedPrecision,
     /// Shared by the clones of this step: the scale changes as training goes.
     scaler: Option<Arc<Mutex<LossScaler>>>,
+    /// The optimizer of the hidden matrices (Muon), when they are not `optim`'s.
+    matrix: Option<MatrixStep>,
 }
 
 impl TrainStep {
@@ -585,7 +588,45 @@ impl TrainStep {
             overlap: None,
             precision: MixedPrecision::full(),
             scaler: None,
+            matrix: None,
         }
+    }
+
+    /// Steps the hidden matrices with `matrix` (Muon, or any [`crate::muon::WholeMatrix`]
+    /// optimizer; see [`crate::muon`]) and leaves the rest of the parameters to the
+    /// elementwise optimizer the step is given. `matrix`'s holders must be the ranks among
+    /// which this layout splits the matrices (the tensor-parallel group, the FSDP shard group,
+    /// or their product) and its replicas the data-parallel ranks that hold the same pieces.
+    /// The clones of this step share `matrix`'s state.
+    ///
+    /// ```
+    /// use burn::optim::AdamWConfig;
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_parallel::init::{Init, LinearInit};
+    /// use burn_parallel::muon::{MatrixStep, MuonConfig};
+    /// use burn_parallel::nn::TpContext;
+    /// use burn_parallel::train::TrainStep;
+    ///
+    /// let device = Device::flex().autodiff();
+    /// let model = Init::new(1, &device).linear("fc", LinearInit::new(4, 2)).unwrap();
+    /// let step = TrainStep::new(TpContext::single())
+    ///     .with_matrix_step(MatrixStep::new(MuonConfig::new().build()));
+    /// let mut adamw = AdamWConfig::new().init(); // the bias's optimizer
+    /// let x = Tensor::<2>::ones([3, 4], &device);
+    /// let before = model.weight.val();
+    /// let (model, _) = step
+    ///     .step_with(model, |m| m.forward(x.clone()).map(|y| y.sum()), &mut adamw, 1e-2)
+    ///     .unwrap();
+    /// assert!(model.weight.val().not_equal(before).any().into_scalar::<bool>());
+    /// ```
+    pub fn with_matrix_step(mut self, matrix: MatrixStep) -> Self {
+        self.matrix = Some(matrix);
+        self
+    }
+
+    /// The optimizer of the hidden matrices, if the step has one ([`Self::with_matrix_step`]).
+    pub fn matrix_step(&self) -> Option<&MatrixStep> {
+        self.matrix.as_ref()
     }
 
     /// Trains under the mixed-precision policy `precision` (see [`crate::precision`]): the
@@ -751,21 +792,40 @@ impl TrainStep {
         self.reduce_all(model, grads, true)
     }
 
-    /// The optimizer step on reduced gradients (`reduced`), or none when they overflowed.
+    /// The optimizer step on reduced gradients (`reduced`), or none when they overflowed: the
+    /// hidden matrices by the step's matrix optimizer, if it has one
+    /// ([`Self::with_matrix_step`]), the rest by `optim`.
     ///
     /// # Returns
     /// The model and whether the step was skipped.
+    ///
+    /// # Errors
+    /// The matrix optimizer's collective errors, or a model its map cannot describe.
     pub fn apply<M: Module>(
         &self,
         model: M,
         reduced: Reduced,
         optim: &mut ModuleOptimizer,
         lr: f64,
-    ) -> (M, bool) {
+    ) -> Result<(M, bool)> {
         if reduced.overflow {
-            return (model, true);
+            return Ok((model, true));
         }
-        (optim.step(lr, model, reduced.grads), false)
+        match &self.matrix {
+            None => Ok((optim.step(lr, model, reduced.grads), false)),
+            Some(matrix) => {
+                let shards = self.fsdp.as_ref().map(|(shards, _)| shards);
+                let map = ParamMap::new(&model, &self.tp, shards).map_err(|e| {
+                    crate::CollectiveError::InvalidArgument {
+                        rank: self.tp.group().map_or(0, |g| g.global_rank()),
+                        op: "TrainStep::apply".into(),
+                        reason: e.to_string(),
+                    }
+                })?;
+                let model = matrix.step_module(&map, model, reduced.grads, optim, lr)?;
+                Ok((model, false))
+            }
+        }
     }
 
     /// [`Self::gradients`] for gradients already computed, such as the sum of several
@@ -1074,7 +1134,7 @@ impl TrainStep {
         let (model, skipped) = phases.time(
             |p| &mut p.optimizer,
             || self.apply(model, reduced, optim, lr),
-        );
+        )?;
         let out = StepOutput {
             loss,
             grad_norm,
@@ -1704,6 +1764,9 @@ impl TrainStep {
         let mut pieces = map.param_pieces(model)?;
         let (optim_pieces, scalars) = map.optimizer_pieces(optim.to_record())?;
         pieces.extend(optim_pieces);
+        if let Some(matrix) = &self.matrix {
+            pieces.extend(matrix.state_pieces()?);
+        }
         let scaler = self.loss_scaler().map(|s| s.state());
         let (trainer, rank) = engine_states(state, scaler, &scalars);
         saver.submit(step, pieces, trainer, rank)
@@ -1747,6 +1810,9 @@ impl TrainStep {
             Some(record) => optim.load_record(record),
             None => optim,
         };
+        if let (Some(matrix), Some(device)) = (&self.matrix, model.devices().first()) {
+            matrix.load_state(checkpoint, &map.logical_shapes(), device)?;
+        }
         if let Some(saved) = scaler {
             self.restore_loss_scaler(&saved)
                 .map_err(|e| CheckpointError::piece("loss_scaler", e.to_string()))?;
