@@ -1,8 +1,8 @@
 //! Muon (hidden matrices) with AdamW (the rest) under every layout reproduces single-device
-//! Muon: 20 steps of the bundled GPT under DDP, TP 2 + SP, FSDP 2, FSDP 2 x TP 2 and HSDP give
-//! the single-device run's losses (relative difference <= 1e-5) and, gathered whole, its final
-//! parameters. The single-device run is checked to differ from AdamW's (Muon does step the
-//! matrices), and a layout that cannot serve Muon yet says so.
+//! Muon: 20 steps of the bundled GPT under DDP, TP 2 + SP, ZeRO-1/2 (alone and x TP 2),
+//! FSDP 2, FSDP 2 x TP 2 and HSDP give the single-device run's losses (relative difference
+//! <= 1e-5) and, gathered whole, its final parameters. The single-device run is checked to
+//! differ from AdamW's (Muon does step the matrices) and to train.
 
 use burn_parallel_train::Optim;
 use burn_zero::Stage;
@@ -74,4 +74,27 @@ fn muon_under_fsdp_matches_single_device() {
         ..fsdp
     };
     check_layout(&reference, 4, muon(hsdp), &c, TOL, "Muon HSDP 2 x 2");
+}
+
+#[test]
+fn muon_under_zero_matches_single_device() {
+    let reference = single();
+    let c = config();
+    for stage in [Stage::One, Stage::Two] {
+        let zero = Parallelism {
+            zero: Some(stage),
+            ..Parallelism::default()
+        };
+        let what = format!("Muon ZeRO-{}", stage.number());
+        check_layout(&reference, 2, muon(zero), &c, TOL, &what);
+        let zero_tp = Parallelism { tp: 2, ..zero };
+        check_layout(
+            &reference,
+            4,
+            muon(zero_tp),
+            &c,
+            TOL,
+            &format!("{what} x TP 2"),
+        );
+    }
 }

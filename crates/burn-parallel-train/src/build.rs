@@ -599,12 +599,6 @@ impl<P: ParallelModel> Placed<P> {
             }
             _ => match layout.zero {
                 Some(stage @ (Stage::One | Stage::Two)) => {
-                    if matrix.is_some() {
-                        return Err(Error::invalid(
-                            "--optim",
-                            "Muon does not run under ZeRO-1/2 yet: use --optim adamw there",
-                        ));
-                    }
                     let shard_groups = match layout.replicate {
                         1 => ShardGroups::flat(groups.reduce.clone()),
                         _ => ShardGroups::hybrid(&groups.mesh)?,
@@ -626,6 +620,10 @@ impl<P: ParallelModel> Placed<P> {
                         |id| registry.contains(&id),
                     )?
                     .with_tensor_parallel(&init.context());
+                    let zero = match matrix {
+                        Some(matrix) => zero.with_matrix_step(matrix),
+                        None => zero,
+                    };
                     model = zero.prepare_module(model)?;
                     zero_memory = Some(zero.tracker().clone());
                     match moe {

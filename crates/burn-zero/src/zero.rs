@@ -48,9 +48,10 @@ use std::ops::Range;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::{GradientsParams, LearningRate};
-use burn::tensor::{DType, Device, Tensor, TensorData};
+use burn::tensor::{Bool, DType, Device, Tensor, TensorData};
 use burn_parallel::checkpoint::{self, Checkpoint, CheckpointError, Checkpointer};
 use burn_parallel::ddp::DEFAULT_BUCKET_BYTES;
+use burn_parallel::muon::{Held, MatrixStep};
 use burn_parallel::nn::TpContext;
 use burn_parallel::replica::verify_replicas_in;
 use burn_parallel::train::{
@@ -437,6 +438,9 @@ pub struct ZeroOptimizer<O: ElementWise> {
     logical_names: Option<LogicalNames>,
     /// The coming step's gradient shard, reduced ahead of it ([`Self::gradient_squares`]).
     reduced: Option<ReducedShard>,
+    /// The optimizer of the hidden matrices (Muon), when they are not `optim`'s
+    /// ([`Self::with_matrix_step`]).
+    matrix: Option<MatrixStep>,
 }
 
 /// This rank's gradient shard of a step, reduced over the data-parallel ranks and unscaled.
@@ -575,6 +579,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
             tp: None,
             logical_names: None,
             reduced: None,
+            matrix: None,
         })
     }
 
@@ -1348,7 +1353,10 @@ impl<O: ElementWise> ZeroOptimizer<O> {
                 .layout
                 .flatten_range_on(&module, self.range.clone(), &inner)?,
         };
-        let new_shard = self.optim.step(0, lr, param_shard, grad);
+        let new_shard = match self.matrix.clone() {
+            None => self.optim.step(0, lr, param_shard, grad),
+            Some(matrix) => self.step_with_matrices(&matrix, lr, param_shard, grad)?,
+        };
         self.tracker
             .set(Category::Optimizer, self.optim.state_bytes());
 
@@ -1376,6 +1384,48 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         self.tracker.sub(Category::Grads, grad_bytes);
         self.tracker.finish_step();
         Ok(module)
+    }
+
+    /// The step of the shard when a matrix optimizer steps the hidden matrices: their pieces
+    /// in this shard get its update ([`MatrixStep::updates`] over the shard group and `tp`),
+    /// the rest the elementwise optimizer's (which sees a zero gradient at the matrices'
+    /// elements, then overwritten: it keeps state there, the price of one flat state per
+    /// shard).
+    fn step_with_matrices(
+        &mut self,
+        matrix: &MatrixStep,
+        lr: LearningRate,
+        param_shard: Tensor<1>,
+        grad: Tensor<1>,
+    ) -> Result<Tensor<1>> {
+        let segments = self.segments(&self.tp_context(), self.range.clone())?;
+        let device = param_shard.device();
+        let held = Held {
+            segments,
+            grad: host_f32(grad.clone()),
+        };
+        let update = matrix
+            .updates(std::slice::from_ref(&held), &device)?
+            .pop()
+            .expect("one buffer in, one out");
+        let n = update.mask.len();
+        let mask = Tensor::<1, Bool>::from_data(TensorData::new(update.mask, [n]), &device);
+        let grad = grad.mask_fill(mask.clone(), 0.0);
+        let stepped = self.optim.step(0, lr, param_shard.clone(), grad);
+        let direction = Tensor::<1>::from_data(TensorData::new(update.update, [n]), &device);
+        let decay = 1.0 - lr * matrix.weight_decay();
+        let matrices = param_shard.mul_scalar(decay) - direction.mul_scalar(lr);
+        Ok(stepped.mask_where(mask, matrices))
+    }
+
+    /// Steps the hidden matrices with `matrix` (Muon; see [`burn_parallel::muon`]) and the
+    /// rest of the flat space with the elementwise optimizer. `matrix`'s holders must be the
+    /// shard group together with the tensor-parallel group (the ranks whose shards make the
+    /// matrices whole), its replicas the hybrid sharding's replicate group. Its state is
+    /// saved with the engine's checkpoints, whole by matrix, and resumes under any layout.
+    pub fn with_matrix_step(mut self, matrix: MatrixStep) -> Self {
+        self.matrix = Some(matrix);
+        self
     }
 
     /// The memory this wrapper held over the last step (see [`crate::memory`]).
@@ -1719,7 +1769,10 @@ where
         model: &M,
         state: SaveState,
     ) -> checkpoint::Result<()> {
-        let (pieces, scalars) = self.checkpoint_pieces(model).map_err(into_checkpoint)?;
+        let (mut pieces, scalars) = self.checkpoint_pieces(model).map_err(into_checkpoint)?;
+        if let Some(matrix) = &self.matrix {
+            pieces.extend(matrix.state_pieces()?);
+        }
         let scaler = self.scaler().map(LossScaler::state);
         let (trainer, rank) = engine_states(state, scaler, &scalars);
         saver.submit(step, pieces, trainer, rank)
@@ -1749,6 +1802,7 @@ where
         // Missing and reshaped parameters are refused; what else the checkpoint holds
         // (optimizer state, checked as it is read; parameters outside the flat space) is not
         // this engine's.
+        let own = expected.len();
         let known: std::collections::HashSet<String> =
             expected.iter().map(|(n, _)| n.clone()).collect();
         for (name, t) in &checkpoint.manifest().tensors {
@@ -1763,6 +1817,11 @@ where
         let (state, scaler, scalars) = saved_engine_states(checkpoint)?;
         self.load_checkpoint_state(checkpoint, &tp, &scalars)
             .map_err(into_checkpoint)?;
+        if let Some(matrix) = &self.matrix {
+            // The flat space's own parameters, not what else the checkpoint holds.
+            let shapes = expected.iter().take(own).cloned().collect();
+            matrix.load_state(checkpoint, &shapes, &self.device.clone().inner())?;
+        }
         if let Some(saved) = scaler {
             self.restore_loss_scaler(&saved)
                 .map_err(|e| CheckpointError::piece("loss_scaler", e.to_string()))?;
