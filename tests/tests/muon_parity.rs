@@ -1,13 +1,15 @@
 //! Muon (hidden matrices) with AdamW (the rest) under every layout reproduces single-device
 //! Muon: 20 steps of the bundled GPT under DDP, TP 2 + SP, ZeRO-1/2 (alone and x TP 2),
-//! FSDP 2, FSDP 2 x TP 2 and HSDP give the single-device run's losses (relative difference
+//! FSDP 2, FSDP 2 x TP 2, HSDP and pp 2 (alone, x tp 2, x ZeRO-1) give the single-device run's losses (relative difference
 //! <= 1e-5) and, gathered whole, its final parameters. The single-device run is checked to
 //! differ from AdamW's (Muon does step the matrices) and to train.
 
 use burn_parallel_train::Optim;
 use burn_zero::Stage;
-use examples::train::{Parallelism, TrainConfig};
-use tests::{Reference, check_layout, tiny_gpt_run, train_layout};
+use examples::data::Corpus;
+use examples::pipeline::{StageSplit, train_gpt_pipeline};
+use examples::train::{Parallelism, TrainConfig, TrainReport};
+use tests::{Reference, assert_matches_reference, check_layout, tiny_gpt_run, train_layout};
 
 const STEPS: usize = 20;
 const TOL: f64 = 1e-5;
@@ -96,5 +98,46 @@ fn muon_under_zero_matches_single_device() {
             TOL,
             &format!("{what} x TP 2"),
         );
+    }
+}
+
+/// Trains the pipelined GPT of `layout` on `world` thread ranks; rank 0's report.
+fn pipelined(world: usize, layout: &Parallelism, c: &TrainConfig) -> TrainReport {
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let split = StageSplit::default();
+    let reports = burn_parallel_train::run_local(world, |g| {
+        train_gpt_pipeline(&g, c, layout, &split, &corpus, &mut |_| {})
+    })
+    .unwrap_or_else(|e| panic!("{layout:?} on {world} ranks: {e}"));
+    tests::rank0_if_ranks_agree(reports, |r| (&r.train.losses, &r.train.final_params)).train
+}
+
+#[test]
+fn muon_under_pipeline_parallelism_matches_single_device() {
+    // Four micro-batches: the pipeline's, and the single device's accumulation.
+    let c = TrainConfig {
+        grad_accum: 4,
+        ..config()
+    };
+    let reference = Reference::of_run(train_layout(1, &muon(Parallelism::default()), &c));
+    let pp = Parallelism {
+        pp: 2,
+        ..Parallelism::default()
+    };
+    let cases = [
+        (2, muon(pp), "Muon pp 2"),
+        (4, muon(Parallelism { tp: 2, ..pp }), "Muon pp 2 x tp 2"),
+        (
+            4,
+            muon(Parallelism {
+                zero: Some(Stage::One),
+                ..pp
+            }),
+            "Muon pp 2 x ZeRO-1 (dp 2)",
+        ),
+    ];
+    for (world, layout, what) in cases {
+        let r = pipelined(world, &layout, &c);
+        assert_matches_reference(&reference, &r.losses, &r.final_params, TOL, what);
     }
 }

@@ -298,12 +298,6 @@ fn build_pipeline<P: ParallelModel>(
              for it and return Some(self) from ParallelModel::stages, or drop --pp",
         )
     })?;
-    if layout.optim == Optim::Muon {
-        return Err(Error::invalid(
-            "--optim",
-            "Muon does not run under pipeline parallelism yet: use --optim adamw with --pp",
-        ));
-    }
     let (groups, pipeline) = stager.place(world, layout, device, settings)?;
     Ok(Built {
         trainee: Trainee::Pipeline(pipeline),
@@ -401,23 +395,35 @@ fn matrix_step(
     if moe {
         return refuse("a mixture-of-experts model");
     }
-    let mesh = &groups.mesh;
-    let present = |names: &[&'static str]| -> Vec<&'static str> {
-        names
-            .iter()
-            .copied()
-            .filter(|n| mesh.names().iter().any(|m| m == n))
-            .collect()
-    };
-    let (dims, replicas) = match layout.zero {
-        Some(_) => (present(&["dp_shard", "cp", "tp"]), &groups.replicate),
-        None => (present(&["tp"]), &groups.reduce),
+    let (dims, replicas): (&[&str], _) = match layout.zero {
+        Some(_) => (&["dp_shard", "cp", "tp"], &groups.replicate),
+        None => (&["tp"], &groups.reduce),
     };
     let mut step = MatrixStep::new(config.build()).with_replicas(replicas.clone());
-    if !dims.is_empty() {
-        step = step.with_holders(mesh.flattened(&dims)?);
+    if let Some(holders) = mesh_group(&groups.mesh, dims)? {
+        step = step.with_holders(holders);
     }
     Ok(Some(step))
+}
+
+/// The group of the mesh's dimensions among `names` flattened together (`None` when the mesh
+/// has none of them). Collective over the world, like every group of the mesh.
+///
+/// # Errors
+/// Collective failures creating the group.
+pub(crate) fn mesh_group(
+    mesh: &burn_parallel::DeviceMesh,
+    names: &[&str],
+) -> Result<Option<ProcessGroup>, Error> {
+    let present: Vec<&str> = names
+        .iter()
+        .copied()
+        .filter(|n| mesh.names().iter().any(|m| m == n))
+        .collect();
+    match present.is_empty() {
+        true => Ok(None),
+        false => Ok(Some(mesh.flattened(&present)?)),
+    }
 }
 
 impl<P: ParallelModel> Placed<P> {

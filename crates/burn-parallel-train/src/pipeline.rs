@@ -33,6 +33,7 @@ use burn::tensor::{Device, TensorData};
 use burn_parallel::checkpoint::{Checkpoint, Checkpointer};
 use burn_parallel::index::ParamIndex;
 use burn_parallel::init::Init;
+use burn_parallel::muon::MatrixStep;
 use burn_parallel::nn::TpContext;
 use burn_parallel::replica::verify_replicas_in;
 use burn_parallel::tensor_parallel::SeededDropout;
@@ -48,7 +49,8 @@ use burn_zero::{ShardGroups, ZeroConfig, ZeroOptimizer};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::layout::{Layout, Recompute};
+use crate::build::mesh_group;
+use crate::layout::{Layout, Optim, Recompute};
 use crate::model::{Groups, ParallelModel, StepSettings};
 pub use crate::model::{PipelineSteps, Stager};
 
@@ -420,6 +422,20 @@ impl<P: StagedModel> PipelineEngine<P> {
         }
         verify_stages::<P>(&stages, &data)?;
         let adamw = settings.adamw_config();
+        // Muon: a ZeRO stage's matrices are split over its data-parallel ranks and tp, a
+        // Burn-optimized stage's over tp only (its data-parallel ranks are replicas).
+        let muon = layout.optim == Optim::Muon;
+        let data_tp = match (muon, layout.zero) {
+            (true, Some(_)) => Some(
+                mesh_group(&mesh, &["dp_replicate", "dp_shard", "tp"])?
+                    .unwrap_or_else(|| data.clone()),
+            ),
+            _ => None,
+        };
+        let tp_holders = match (muon, layout.zero) {
+            (true, None) => mesh_group(&mesh, &["tp"])?,
+            _ => None,
+        };
         let mut optims = BTreeMap::new();
         for (&s, stage) in &stages {
             let optim = match layout.zero {
@@ -438,6 +454,12 @@ impl<P: StagedModel> PipelineEngine<P> {
                     )?
                     .with_tensor_parallel(&tp)
                     .with_logical_names(move |path| paths(path));
+                    let zero = match &data_tp {
+                        Some(holders) => zero.with_matrix_step(
+                            MatrixStep::new(settings.muon.build()).with_holders(holders.clone()),
+                        ),
+                        None => zero,
+                    };
                     StageOptimizer::Zero(Box::new(zero))
                 }
             };
@@ -461,6 +483,15 @@ impl<P: StagedModel> PipelineEngine<P> {
         for (&s, stage) in &stages {
             if let Some(id) = P::tied_weight(stage) {
                 updater = updater.with_tied(s, id)?;
+            }
+        }
+        if muon && layout.zero.is_none() {
+            for (&s, stage) in &stages {
+                let mut matrix = MatrixStep::new(settings.muon.build()).with_replicas(data.clone());
+                if let Some(holders) = &tp_holders {
+                    matrix = matrix.with_holders(holders.clone());
+                }
+                updater = updater.with_matrix_step(s, matrix, P::model_paths(stage))?;
             }
         }
         let groups = Groups {

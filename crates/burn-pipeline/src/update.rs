@@ -79,6 +79,7 @@
 //! ```
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use burn::module::{Module, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer};
@@ -86,6 +87,7 @@ use burn::tensor::TensorData;
 use burn_parallel::checkpoint::{
     self, Checkpoint, CheckpointError, Checkpointer, ParamMap, TensorSource,
 };
+use burn_parallel::muon::MatrixStep;
 use burn_parallel::train::{
     SaveState, TrainStep, clip_to_norm, engine_states, gradient_sum, saved_engine_states,
 };
@@ -144,7 +146,13 @@ pub struct StageUpdater<O: ElementWise> {
     overflow: bool,
     /// Whether the last step was skipped (its gradients overflowed).
     skipped: bool,
+    /// The matrix optimizer (Muon) of each local stage with a Burn optimizer, and the stage's
+    /// names in the whole model ([`Self::with_matrix_step`]).
+    matrices: BTreeMap<usize, (MatrixStep, StageNames)>,
 }
+
+/// A stage's local parameter path to its name in the whole model.
+pub type StageNames = Arc<dyn Fn(&str) -> String + Send + Sync>;
 
 impl<O: ElementWise> std::fmt::Debug for StageUpdater<O> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -243,7 +251,37 @@ impl<O: ElementWise> StageUpdater<O> {
             scaled,
             overflow: false,
             skipped: false,
+            matrices: BTreeMap::new(),
         })
+    }
+
+    /// Steps the hidden matrices of local stage `stage` (whose optimizer must be a
+    /// [`StageOptimizer::Module`]: a ZeRO stage optimizer takes its own,
+    /// `ZeroOptimizer::with_matrix_step`) with `matrix` (Muon; see [`burn_parallel::muon`]),
+    /// its state kept and saved under `names` (the stage's paths in the whole model), so that
+    /// each stage's matrices are its own and a checkpoint resumes under any split or layout.
+    /// `matrix`'s holders are the stage's tensor-parallel group, its replicas the stage's
+    /// data-parallel ranks.
+    ///
+    /// # Errors
+    /// [`PipelineError::Protocol`] when `stage` is not a local stage with a Burn optimizer.
+    pub fn with_matrix_step(
+        mut self,
+        stage: usize,
+        matrix: MatrixStep,
+        names: StageNames,
+    ) -> Result<Self> {
+        if !matches!(self.optims.get(&stage), Some(StageOptimizer::Module(_))) {
+            return Err(PipelineError::Protocol {
+                rank: self.rank,
+                action: format!("a matrix optimizer for stage {stage}"),
+                reason: "only a local stage stepped by a Burn optimizer takes one here (a ZeRO \
+                         stage optimizer takes it itself)"
+                    .into(),
+            });
+        }
+        self.matrices.insert(stage, (matrix, names));
+        Ok(self)
     }
 
     /// Clips by the global norm over every stage at `max_norm` (`None`: no clipping). Every
@@ -356,7 +394,30 @@ impl<O: ElementWise> StageUpdater<O> {
     ) -> std::result::Result<M, UpdateError> {
         let lr = self.lr;
         match self.optims.get_mut(&s) {
-            Some(StageOptimizer::Module(optim)) => Ok(optim.step(lr, stage, grads)),
+            Some(StageOptimizer::Module(optim)) => match self.matrices.get(&s) {
+                None => Ok(optim.step(lr, stage, grads)),
+                Some((matrix, names)) => {
+                    let map = self
+                        .reduce
+                        .param_map(&stage)?
+                        .with_logical_names(|path| names(path));
+                    if let Some(id) = self.tied.get(&s)
+                        && let Some(p) = map.params().iter().find(|p| p.id == *id)
+                        && p.segments
+                            .iter()
+                            .any(|seg| matrix.takes(&seg.logical, &seg.region.shape))
+                    {
+                        return Err(format!(
+                            "`{}` is tied between the first and the last stage, and the matrix \
+                             optimizer would step its two copies apart: leave it to AdamW (its \
+                             exclude rule)",
+                            p.segments[0].logical
+                        )
+                        .into());
+                    }
+                    Ok(matrix.step_module(&map, stage, grads, optim, lr)?)
+                }
+            },
             Some(StageOptimizer::Zero(zero)) => {
                 zero.accumulate(&stage, grads)?;
                 Ok(zero.step(lr, stage)?.0)
@@ -609,7 +670,10 @@ impl<O: ElementWise> StageUpdater<O> {
             };
             let (mut state, more, sharded) = match self.optims.get(&s) {
                 Some(StageOptimizer::Module(optim)) => {
-                    let (state, more) = map.optimizer_pieces(optim.to_record())?;
+                    let (mut state, more) = map.optimizer_pieces(optim.to_record())?;
+                    if let Some((matrix, _)) = self.matrices.get(&s) {
+                        state.extend(matrix.state_pieces()?);
+                    }
                     (state, more, false)
                 }
                 Some(StageOptimizer::Zero(zero)) => {
@@ -672,6 +736,14 @@ impl<O: ElementWise> StageUpdater<O> {
                 Some(StageOptimizer::Module(optim)) => {
                     if let Some(record) = map.load_optimizer(checkpoint, &scalars)? {
                         *optim = optim.clone().load_record(record);
+                    }
+                    let stage = &stages[&s];
+                    if let (Some((matrix, _)), Some(device)) =
+                        (self.matrices.get(&s), stage.devices().first())
+                    {
+                        let own = map.params().iter().flat_map(|p| p.segments.iter());
+                        let shapes = burn_parallel::muon::matrices_of(own);
+                        matrix.load_state(checkpoint, &shapes, device)?;
                     }
                 }
                 Some(StageOptimizer::Zero(zero)) => zero

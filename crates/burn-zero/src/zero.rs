@@ -809,7 +809,11 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         burn_parallel::checkpoint::ScalarsByLogical,
     )> {
         let segments = self.segments(tp, self.range.clone())?;
-        crate::dcp::state_pieces(&self.optim, 0, &segments, copies)
+        let (mut pieces, scalars) = crate::dcp::state_pieces(&self.optim, 0, &segments, copies)?;
+        if let Some(matrix) = &self.matrix {
+            pieces.extend(matrix.state_pieces()?);
+        }
+        Ok((pieces, scalars))
     }
 
     /// Restores this rank's optimizer state from a distributed checkpoint saved under any
@@ -834,7 +838,13 @@ impl<O: ElementWise> ZeroOptimizer<O> {
             &segments,
             scalars,
             &self.device.clone().inner(),
-        )
+        )?;
+        if let Some(matrix) = &self.matrix {
+            let all = self.segments(tp, 0..self.layout.numel())?;
+            let shapes = burn_parallel::muon::matrices_of(&all);
+            matrix.load_state(checkpoint, &shapes, &self.device.clone().inner())?;
+        }
+        Ok(())
     }
 
     /// This rank's share of a checkpoint of the flat space, under the tensor-parallel context
@@ -1769,10 +1779,7 @@ where
         model: &M,
         state: SaveState,
     ) -> checkpoint::Result<()> {
-        let (mut pieces, scalars) = self.checkpoint_pieces(model).map_err(into_checkpoint)?;
-        if let Some(matrix) = &self.matrix {
-            pieces.extend(matrix.state_pieces()?);
-        }
+        let (pieces, scalars) = self.checkpoint_pieces(model).map_err(into_checkpoint)?;
         let scaler = self.scaler().map(LossScaler::state);
         let (trainer, rank) = engine_states(state, scaler, &scalars);
         saver.submit(step, pieces, trainer, rank)
@@ -1802,7 +1809,6 @@ where
         // Missing and reshaped parameters are refused; what else the checkpoint holds
         // (optimizer state, checked as it is read; parameters outside the flat space) is not
         // this engine's.
-        let own = expected.len();
         let known: std::collections::HashSet<String> =
             expected.iter().map(|(n, _)| n.clone()).collect();
         for (name, t) in &checkpoint.manifest().tensors {
@@ -1817,11 +1823,7 @@ where
         let (state, scaler, scalars) = saved_engine_states(checkpoint)?;
         self.load_checkpoint_state(checkpoint, &tp, &scalars)
             .map_err(into_checkpoint)?;
-        if let Some(matrix) = &self.matrix {
-            // The flat space's own parameters, not what else the checkpoint holds.
-            let shapes = expected.iter().take(own).cloned().collect();
-            matrix.load_state(checkpoint, &shapes, &self.device.clone().inner())?;
-        }
+
         if let Some(saved) = scaler {
             self.restore_loss_scaler(&saved)
                 .map_err(|e| CheckpointError::piece("loss_scaler", e.to_string()))?;
