@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 
 use burn_moe::{MoeConfig, ScoreFn};
 use burn_parallel::run_local;
-use burn_parallel_train::{CheckpointPolicy, PipelineLayout};
+use burn_parallel_train::{CheckpointPolicy, Optim, PipelineLayout};
 use burn_pipeline::ScheduleKind;
 use burn_zero::Stage;
 use examples::data::Corpus;
@@ -178,6 +178,36 @@ fn dp2_tp2_resumes_under_tp4_zero3_and_one_device() {
             "{what}: saved losses"
         );
         assert_matches_reference(&reference, &r.losses, &r.final_params, TOL, what);
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// Muon's momentum (whole by matrix, on each matrix's owner) saved at dp 2 x tp 2 resumes on
+/// one device, under ZeRO-1 and under FSDP 2: a resumed run that lost it (a fresh momentum)
+/// would leave the curve at the first step after the save.
+#[test]
+fn muon_dp2_tp2_resumes_on_one_device_zero1_and_fsdp() {
+    let dir = scratch("muon");
+    let muon = |p: Parallelism| Parallelism {
+        optim: Optim::Muon,
+        ..p
+    };
+    let reference = saving_run(4, &muon(layout(2, None)), &dir);
+    let same = run(4, &muon(layout(2, None)), &config(), &resume_from(&dir));
+    continues(&reference, &same, SAVED_AT, 0.0, "Muon, same layout");
+    for (world, parallel, what) in [
+        (1, muon(layout(1, None)), "Muon, one device"),
+        (2, muon(layout(1, Some(Stage::One))), "Muon, ZeRO-1 dp 2"),
+        (2, muon(layout(1, Some(Stage::Three))), "Muon, FSDP 2"),
+    ] {
+        check_resume(
+            &reference,
+            (&dir, SAVED_AT),
+            (world, parallel),
+            &config(),
+            TOL,
+            what,
+        );
     }
     std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -624,6 +624,15 @@ impl TrainStep {
         self
     }
 
+    /// What the elementwise optimizer steps of `map`: all of it, or what the matrix optimizer
+    /// leaves ([`Self::with_matrix_step`]).
+    fn elementwise_map(&self, map: &ParamMap) -> ParamMap {
+        match &self.matrix {
+            None => map.clone(),
+            Some(matrix) => map.without_segments(|s| matrix.takes(&s.logical, &s.region.shape)),
+        }
+    }
+
     /// The optimizer of the hidden matrices, if the step has one ([`Self::with_matrix_step`]).
     pub fn matrix_step(&self) -> Option<&MatrixStep> {
         self.matrix.as_ref()
@@ -1762,7 +1771,9 @@ impl TrainStep {
         state: impl Into<SaveState>,
     ) -> checkpoint::Result<()> {
         let mut pieces = map.param_pieces(model)?;
-        let (optim_pieces, scalars) = map.optimizer_pieces(optim.to_record())?;
+        let (optim_pieces, scalars) = self
+            .elementwise_map(map)
+            .optimizer_pieces(optim.to_record())?;
         pieces.extend(optim_pieces);
         if let Some(matrix) = &self.matrix {
             pieces.extend(matrix.state_pieces()?);
@@ -1806,7 +1817,10 @@ impl TrainStep {
     ) -> checkpoint::Result<(M, ModuleOptimizer, Value)> {
         let model = map.load_params(model, checkpoint)?;
         let (state, scaler, scalars) = saved_engine_states(checkpoint)?;
-        let optim = match map.load_optimizer(checkpoint, &scalars)? {
+        let optim = match self
+            .elementwise_map(map)
+            .load_optimizer(checkpoint, &scalars)?
+        {
             Some(record) => optim.load_record(record),
             None => optim,
         };

@@ -670,7 +670,12 @@ impl<O: ElementWise> StageUpdater<O> {
             };
             let (mut state, more, sharded) = match self.optims.get(&s) {
                 Some(StageOptimizer::Module(optim)) => {
-                    let (mut state, more) = map.optimizer_pieces(optim.to_record())?;
+                    let elementwise = match self.matrices.get(&s) {
+                        None => map.clone(),
+                        Some((matrix, _)) => map
+                            .without_segments(|seg| matrix.takes(&seg.logical, &seg.region.shape)),
+                    };
+                    let (mut state, more) = elementwise.optimizer_pieces(optim.to_record())?;
                     if let Some((matrix, _)) = self.matrices.get(&s) {
                         state.extend(matrix.state_pieces()?);
                     }
@@ -734,7 +739,12 @@ impl<O: ElementWise> StageUpdater<O> {
             stages.insert(s, map.load_params(stage, checkpoint)?);
             match self.optims.get_mut(&s) {
                 Some(StageOptimizer::Module(optim)) => {
-                    if let Some(record) = map.load_optimizer(checkpoint, &scalars)? {
+                    let elementwise = match self.matrices.get(&s) {
+                        None => map.clone(),
+                        Some((matrix, _)) => map
+                            .without_segments(|seg| matrix.takes(&seg.logical, &seg.region.shape)),
+                    };
+                    if let Some(record) = elementwise.load_optimizer(checkpoint, &scalars)? {
                         *optim = optim.clone().load_record(record);
                     }
                     let stage = &stages[&s];

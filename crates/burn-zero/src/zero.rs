@@ -808,7 +808,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         Vec<burn_parallel::checkpoint::Piece>,
         burn_parallel::checkpoint::ScalarsByLogical,
     )> {
-        let segments = self.segments(tp, self.range.clone())?;
+        let segments = self.elementwise(self.segments(tp, self.range.clone())?);
         let (mut pieces, scalars) = crate::dcp::state_pieces(&self.optim, 0, &segments, copies)?;
         if let Some(matrix) = &self.matrix {
             pieces.extend(matrix.state_pieces()?);
@@ -830,7 +830,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         tp: &TpContext,
         scalars: &burn_parallel::checkpoint::ScalarsByLogical,
     ) -> Result<()> {
-        let segments = self.segments(tp, self.range.clone())?;
+        let segments = self.elementwise(self.segments(tp, self.range.clone())?);
         crate::dcp::load_state(
             &mut self.optim,
             (0, self.range.len()),
@@ -1426,6 +1426,22 @@ impl<O: ElementWise> ZeroOptimizer<O> {
         let decay = 1.0 - lr * matrix.weight_decay();
         let matrices = param_shard.mul_scalar(decay) - direction.mul_scalar(lr);
         Ok(stepped.mask_where(mask, matrices))
+    }
+
+    /// The segments of `segments` the elementwise optimizer steps: all, or those the matrix
+    /// optimizer leaves (its own state is saved apart; the elementwise state at the matrices'
+    /// elements is never read).
+    fn elementwise(
+        &self,
+        segments: Vec<burn_parallel::checkpoint::Segment>,
+    ) -> Vec<burn_parallel::checkpoint::Segment> {
+        match &self.matrix {
+            None => segments,
+            Some(matrix) => segments
+                .into_iter()
+                .filter(|s| !matrix.takes(&s.logical, &s.region.shape))
+                .collect(),
+        }
     }
 
     /// Steps the hidden matrices with `matrix` (Muon; see [`burn_parallel::muon`]) and the

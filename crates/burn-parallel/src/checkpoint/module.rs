@@ -377,6 +377,18 @@ impl ParamMap {
         self
     }
 
+    /// The map without the segments `drop` selects (each parameter keeps the rest, possibly
+    /// none): the map of an optimizer that steps only part of the parameters (AdamW beside a
+    /// matrix optimizer, [`crate::muon`]), so that its state is saved and read for that part.
+    pub fn without_segments(&self, drop: impl Fn(&Segment) -> bool) -> Self {
+        let mut map = self.clone();
+        for p in &mut map.params {
+            p.segments.retain(|s| !drop(s));
+            p.writes.retain(|s| !drop(s));
+        }
+        map
+    }
+
     /// The parameters this rank holds.
     pub fn params(&self) -> &[LocalParam] {
         &self.params
