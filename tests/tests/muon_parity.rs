@@ -1,8 +1,11 @@
 //! Muon (hidden matrices) with AdamW (the rest) under every layout reproduces single-device
 //! Muon: 20 steps of the bundled GPT under DDP, TP 2 + SP, ZeRO-1/2 (alone and x TP 2),
-//! FSDP 2, FSDP 2 x TP 2, HSDP and pp 2 (alone, x tp 2, x ZeRO-1) give the single-device run's losses (relative difference
-//! <= 1e-5) and, gathered whole, its final parameters. The single-device run is checked to
-//! differ from AdamW's (Muon does step the matrices) and to train.
+//! FSDP 2, FSDP 2 x TP 2, HSDP and pp 2 (alone, x tp 2, x ZeRO-1) give the single-device
+//! run's losses (relative difference <= 1e-5) and, gathered whole, its final parameters. The
+//! single-device run is checked to differ from AdamW's (Muon does step the matrices) and to
+//! train; a layout Muon does not serve yet (experts) is refused by name. Checkpoints:
+//! `resume.rs`; the update against an independent PyTorch reference:
+//! `crates/burn-parallel/tests/muon_reference.rs`.
 
 use burn_parallel_train::Optim;
 use burn_zero::Stage;
@@ -140,4 +143,21 @@ fn muon_under_pipeline_parallelism_matches_single_device() {
         let r = pipelined(world, &layout, &c);
         assert_matches_reference(&reference, &r.losses, &r.final_params, TOL, what);
     }
+}
+
+/// A layout Muon does not serve yet is refused before training, naming the flag.
+#[test]
+fn muon_with_experts_is_a_clear_error() {
+    let mut c = config();
+    c.model.moe = Some(burn_moe::MoeConfig::new(c.model.d_model, 48, 4, 2));
+    let corpus = Corpus::load_default().expect("the bundled corpus");
+    let err = burn_parallel_train::run_local(1, |g| {
+        examples::train::train_gpt(&g, &c, &muon(Parallelism::default()), &corpus, &mut |_| {})
+    })
+    .expect_err("Muon with experts");
+    let text = err.to_string();
+    assert!(
+        text.contains("--optim") && text.contains("mixture-of-experts"),
+        "{text}"
+    );
 }
