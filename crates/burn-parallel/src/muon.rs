@@ -34,18 +34,19 @@
 //! [`MatrixStep::updates`] does the rest over the *holders* group (the ranks that hold
 //! different pieces of the same matrices: `tp`, the FSDP or ZeRO shard group, or both):
 //!
-//! 1. every holder sends its pieces of the matrices' gradients to all holders (one
-//!    all-gather of bytes);
-//! 2. each matrix has one *owner* among the holders, chosen to balance the work (the
-//!    iteration costs about `rows·cols·min(rows, cols)`, greedily spread, the same choice on
-//!    every rank); the owner assembles the whole gradient, keeps the matrix's whole state
+//! 1. the holders agree on the matrices (a small all-gather of names and shapes), and each
+//!    matrix gets one *owner* among them, chosen to balance the work (the iteration costs about
+//!    `rows·cols·min(rows, cols)`, greedily spread, the same choice on every rank);
+//! 2. every holder sends each of its pieces of the gradients to that matrix's owner only (an
+//!    all-to-all); the owner assembles the whole gradient, keeps the matrix's whole state
 //!    (Muon's momentum) and computes its update once;
-//! 3. the owners' updates go to all holders (a second all-gather), and each rank takes its
-//!    pieces and applies `W ← W·(1 − lr·λ) − lr·O` on them.
+//! 3. the owner sends each holder the update of exactly the pieces it sent (a second
+//!    all-to-all), and each rank applies `W ← W·(1 − lr·λ) − lr·O` on its pieces.
 //!
 //! So the iteration runs once per matrix per replica group, the optimizer state is sharded by
-//! matrix over the holders (as ZeRO shards AdamW's by element), and the traffic is twice the
-//! matrices' size over the holders, the price of the whole matrix. Data-parallel replicas
+//! matrix over the holders (as ZeRO shards AdamW's by element), each piece crosses the network
+//! twice (to its owner and back), and no rank holds more than its pieces and the matrices it
+//! owns. Data-parallel replicas
 //! (DDP, HSDP's replicate dimension) compute the same update redundantly, as they do AdamW's.
 //! The state is saved whole under `muon/momentum/<logical>`, so a checkpoint resumes under any
 //! other layout. Any optimizer that needs whole matrices (Shampoo, SOAP, ...) plugs into the
@@ -483,6 +484,7 @@ impl std::fmt::Debug for MatrixStep {
 }
 
 /// One piece of a matrix's gradient or update on the wire.
+#[derive(Clone)]
 struct WirePiece {
     logical: String,
     region: Region,
@@ -537,16 +539,20 @@ impl MatrixStep {
         self.holders.as_ref().map_or(0, ProcessGroup::global_rank)
     }
 
-    /// The update of the matrices among `held` (every local buffer of this rank with matrix
-    /// pieces, the same buffers in the same order on every holder), computed once per matrix
-    /// by its owner. Collective over the holders.
+    /// The update of the matrices among `held` (this rank's local buffers with matrix pieces),
+    /// computed once per matrix by its owner. Collective over the holders: a small all-gather
+    /// of the matrices' names and shapes (so that every holder chooses the same owners), then
+    /// two all-to-alls: each piece of a gradient goes to its matrix's owner only, and the
+    /// owner sends each holder the update of exactly the pieces it sent. No rank holds more
+    /// than its own pieces and the matrices it owns.
     ///
     /// # Returns
     /// One [`HeldUpdate`] per buffer of `held`.
     ///
     /// # Errors
     /// A segment that does not fit its buffer, a matrix the holders do not cover whole (a
-    /// layout described wrongly), collective failures.
+    /// layout described wrongly: the owner names it, the other holders name the owner),
+    /// collective failures.
     pub fn updates(
         &self,
         held: &[Held],
@@ -558,12 +564,12 @@ impl MatrixStep {
             op: "MatrixStep::updates".into(),
             reason,
         };
-        // This rank's pieces of the matrices' gradients.
-        let mut mine = Vec::new();
-        let mut masks = Vec::with_capacity(held.len());
+        // This rank's pieces of the matrices' gradients, and where each lies locally.
+        let mut mine: Vec<(WirePiece, (usize, Region))> = Vec::new();
+        let mut out: Vec<HeldUpdate> = Vec::with_capacity(held.len());
         {
             let optim = self.lock();
-            for h in held {
+            for (b, h) in held.iter().enumerate() {
                 let mut mask = vec![false; h.grad.len()];
                 for s in &h.segments {
                     if !optim.takes(&s.logical, &s.region.shape) {
@@ -581,54 +587,64 @@ impl MatrixStep {
                         values.extend_from_slice(part);
                         mask[run].iter_mut().for_each(|m| *m = true);
                     }
-                    mine.push(WirePiece {
+                    let piece = WirePiece {
                         logical: s.logical.clone(),
                         region: s.region.clone(),
                         values,
-                    });
+                    };
+                    mine.push((piece, (b, s.local.clone())));
                 }
-                masks.push(mask);
+                out.push(HeldUpdate {
+                    update: vec![0.0; h.grad.len()],
+                    mask,
+                });
             }
         }
-        // Every holder's pieces, on every holder.
-        let all: Vec<WirePiece> = match &self.holders {
+        // The matrices of every holder, and their owners.
+        let mut shapes: BTreeMap<String, [usize; 2]> = BTreeMap::new();
+        for (p, _) in &mine {
+            shapes.insert(p.logical.clone(), [p.region.shape[0], p.region.shape[1]]);
+        }
+        let (me, size) = match &self.holders {
             Some(group) => {
-                let mut all = Vec::new();
-                for bytes in group.all_gather_bytes(encode(&mine))? {
-                    all.extend(decode(&bytes).map_err(bad)?);
+                let mut all = BTreeMap::new();
+                for theirs in group.all_gather_object(&shapes)? {
+                    for (name, shape) in theirs {
+                        if let Some(old) = all.insert(name.clone(), shape)
+                            && old != shape
+                        {
+                            return Err(bad(format!(
+                                "matrix `{name}` is held as {old:?} and as {shape:?}"
+                            )));
+                        }
+                    }
                 }
-                all
+                shapes = all;
+                (group.rank(), group.size())
             }
-            None => mine,
+            None => (0, 1),
         };
-        // The matrices, their owners, and the owned ones' updates.
-        let mut shapes: BTreeMap<&str, [usize; 2]> = BTreeMap::new();
-        for p in &all {
-            let shape = [p.region.shape[0], p.region.shape[1]];
-            if let Some(old) = shapes.insert(&p.logical, shape)
-                && old != shape
-            {
-                return Err(bad(format!(
-                    "matrix `{}` is held as {old:?} and as {shape:?}",
-                    p.logical
-                )));
-            }
+        let owners = owners(&shapes, size);
+        // Each piece to its owner.
+        let mut outgoing: Vec<Vec<usize>> = vec![Vec::new(); size];
+        for (i, (p, _)) in mine.iter().enumerate() {
+            outgoing[owners[&p.logical]].push(i);
         }
-        let (me, holders) = self
-            .holders
-            .as_ref()
-            .map_or((0, 1), |g| (g.rank(), g.size()));
-        let owners = owners(&shapes, holders);
-        let mut made = Vec::new();
+        let sent: Vec<Vec<&WirePiece>> = outgoing
+            .iter()
+            .map(|ids| ids.iter().map(|&i| &mine[i].0).collect())
+            .collect();
+        let received: Vec<Vec<WirePiece>> = self.exchange(&sent, me)?;
+        // The owned matrices, assembled and stepped; the replies, piece for piece.
+        let mut failure = None;
+        let mut made: BTreeMap<String, Vec<f32>> = BTreeMap::new();
+        let mut replies: Vec<Vec<WirePiece>> = vec![Vec::new(); size];
         {
             let mut optim = self.lock();
-            for (&name, &[rows, cols]) in &shapes {
-                if owners[name] != me {
-                    continue;
-                }
+            for (name, &[rows, cols]) in shapes.iter().filter(|(n, _)| owners[*n] == me) {
                 let mut whole = vec![0.0f32; rows * cols];
                 let mut seen = vec![false; rows * cols];
-                for p in all.iter().filter(|p| p.logical == name) {
+                for p in received.iter().flatten().filter(|p| &p.logical == name) {
                     let mut at = 0;
                     for run in p.region.runs() {
                         whole[run.clone()].copy_from_slice(&p.values[at..at + run.len()]);
@@ -637,61 +653,119 @@ impl MatrixStep {
                     }
                 }
                 if let Some(missing) = seen.iter().position(|s| !s) {
-                    return Err(bad(format!(
-                        "the holders do not hold all of matrix `{name}` [{rows}, {cols}] \
-                         (element {missing} is nobody's): the holders group must be every \
-                         rank holding a different piece of it"
-                    )));
+                    failure.get_or_insert_with(|| {
+                        format!(
+                            "the holders do not hold all of matrix `{name}` [{rows}, {cols}] \
+                             (element {missing} is nobody's): the holders group must be every \
+                             rank holding a different piece of it"
+                        )
+                    });
+                    continue;
                 }
                 let grad = Tensor::<2>::from_data(TensorData::new(whole, [rows, cols]), device);
                 let update = optim.direction(name, grad);
-                let values = update
-                    .into_data()
-                    .convert::<f32>()
-                    .try_into_vec::<f32>()
-                    .map_err(|e| bad(format!("update of `{name}`: {e:?}")))?;
-                made.push(WirePiece {
-                    logical: name.to_string(),
-                    region: Region::full(&[rows, cols]),
-                    values,
-                });
+                let update = match update.into_data().convert::<f32>().try_into_vec::<f32>() {
+                    Ok(v) => v,
+                    Err(e) => {
+                        failure.get_or_insert_with(|| format!("update of `{name}`: {e:?}"));
+                        continue;
+                    }
+                };
+                made.insert(name.clone(), update);
             }
         }
-        let updates: BTreeMap<String, Vec<f32>> = match &self.holders {
-            Some(group) => {
-                let mut out = BTreeMap::new();
-                for bytes in group.all_gather_bytes(encode(&made))? {
-                    for p in decode(&bytes).map_err(bad)? {
-                        out.insert(p.logical, p.values);
+        // The replies, in the order the pieces came.
+        if failure.is_none() {
+            'replies: for (from, pieces) in received.iter().enumerate() {
+                for p in pieces {
+                    let Some(update) = made.get(&p.logical) else {
+                        failure = Some(format!(
+                            "holder {from} sent a piece of `{}`, which this rank does not own",
+                            p.logical
+                        ));
+                        break 'replies;
+                    };
+                    let mut values = Vec::with_capacity(p.region.numel());
+                    for run in p.region.runs() {
+                        values.extend_from_slice(&update[run]);
                     }
+                    replies[from].push(WirePiece {
+                        logical: p.logical.clone(),
+                        region: p.region.clone(),
+                        values,
+                    });
                 }
-                out
             }
-            None => made.into_iter().map(|p| (p.logical, p.values)).collect(),
-        };
-        // Each buffer's share.
-        let optim = self.lock();
-        let mut out = Vec::with_capacity(held.len());
-        for (h, mask) in held.iter().zip(masks) {
-            let mut update = vec![0.0f32; h.grad.len()];
-            for s in &h.segments {
-                if !optim.takes(&s.logical, &s.region.shape) {
-                    continue;
-                }
-                let whole = updates
-                    .get(&s.logical)
-                    .ok_or_else(|| bad(format!("no update came for matrix `{}`", s.logical)))?;
-                let mut values = Vec::with_capacity(s.region.numel());
-                for run in s.region.runs() {
-                    values.extend_from_slice(&whole[run]);
+        }
+        if failure.is_some() {
+            // The holders learn that no update comes (no reply at all), then this rank says why.
+            replies.iter_mut().for_each(Vec::clear);
+        }
+        let replies: Vec<Vec<&WirePiece>> = replies.iter().map(|r| r.iter().collect()).collect();
+        let answers = self.exchange(&replies, me)?;
+        if let Some(reason) = failure {
+            return Err(bad(reason));
+        }
+        // Each reply into the buffer the piece came from.
+        for (owner, ids) in outgoing.iter().enumerate() {
+            let answer = &answers[owner];
+            if answer.len() != ids.len() {
+                return Err(bad(format!(
+                    "holder {owner} owns {} of this rank's matrix pieces and answered {}: it \
+                     failed to update them (see its error)",
+                    ids.len(),
+                    answer.len()
+                )));
+            }
+            for (&i, a) in ids.iter().zip(answer) {
+                let (p, (b, local)) = &mine[i];
+                if a.logical != p.logical || a.region != p.region {
+                    return Err(bad(format!(
+                        "holder {owner} answered `{}` for a piece of `{}`",
+                        a.logical, p.logical
+                    )));
                 }
                 let mut at = 0;
-                for run in s.local.runs() {
-                    update[run.clone()].copy_from_slice(&values[at..at + run.len()]);
+                for run in local.runs() {
+                    out[*b].update[run.clone()].copy_from_slice(&a.values[at..at + run.len()]);
                     at += run.len();
                 }
             }
-            out.push(HeldUpdate { update, mask });
+        }
+        Ok(out)
+    }
+
+    /// Sends `outgoing[r]` to holder `r` (this rank, `me`, keeps its own) and returns what each
+    /// holder sent here, by holder.
+    fn exchange(
+        &self,
+        outgoing: &[Vec<&WirePiece>],
+        me: usize,
+    ) -> Result<Vec<Vec<WirePiece>>, CollectiveError> {
+        let rank = self.rank();
+        let bad = |reason: String| CollectiveError::InvalidArgument {
+            rank,
+            op: "MatrixStep::updates".into(),
+            reason,
+        };
+        let Some(group) = &self.holders else {
+            let own = outgoing[me].iter().map(|p| (*p).clone()).collect();
+            return Ok(vec![own]);
+        };
+        let messages: Vec<Vec<u8>> = outgoing.iter().map(|pieces| encode(pieces)).collect();
+        let sizes: Vec<usize> = messages.iter().map(Vec::len).collect();
+        let bytes: Vec<u8> = messages.concat();
+        let n = bytes.len();
+        let data = TensorData::new(bytes, [n]);
+        let (data, received) = group.all_to_all_dims_data(data, 0, &sizes, 0)?;
+        let bytes = data
+            .try_into_vec::<u8>()
+            .map_err(|e| bad(format!("received bytes: {e:?}")))?;
+        let mut at = 0;
+        let mut out = Vec::with_capacity(received.len());
+        for len in received {
+            out.push(decode(&bytes[at..at + len]).map_err(bad)?);
+            at += len;
         }
         Ok(out)
     }
@@ -829,7 +903,8 @@ impl MatrixStep {
                 chosen.push((p.id, p.segments.clone(), other));
             }
         }
-        if chosen.is_empty() {
+        // A rank without matrix pieces still takes part: its holders exchange with it.
+        if chosen.is_empty() && self.holders.is_none() {
             return Ok(optim.step(lr, model, grads));
         }
         // Their gradients (taken out of `grads`) and their values before the step.
@@ -866,7 +941,7 @@ impl MatrixStep {
         model.visit(&mut take);
         let taken = take.out;
         let mut held = Vec::with_capacity(chosen.len());
-        let mut device = None;
+        let mut device = model.devices().first().cloned();
         for (i, (id, segments, _)) in chosen.iter().enumerate() {
             let (old, grad, _) =
                 taken[i]
@@ -888,7 +963,9 @@ impl MatrixStep {
                 grad,
             });
         }
-        let device = device.expect("a chosen parameter");
+        let Some(device) = device else {
+            return Ok(optim.step(lr, model, grads)); // no parameter at all
+        };
         let updates = self.updates(&held, &device)?;
         // The rest of a mixed parameter goes to the elementwise optimizer, its matrix elements
         // with a zero gradient (they are overwritten below).
@@ -1024,7 +1101,7 @@ pub fn matrices_of<'a>(
         .collect()
 }
 
-fn encode(pieces: &[WirePiece]) -> Vec<u8> {
+fn encode(pieces: &[&WirePiece]) -> Vec<u8> {
     let mut out = Vec::new();
     let u64s = |out: &mut Vec<u8>, v: u64| out.extend_from_slice(&v.to_le_bytes());
     u64s(&mut out, pieces.len() as u64);
@@ -1167,6 +1244,28 @@ mod tests {
         );
     }
 
+    /// Holders that do not cover a matrix: the owner names the matrix, nobody hangs.
+    #[test]
+    fn a_matrix_nobody_holds_whole_is_an_error() {
+        let out = crate::run_local(2, |group| {
+            let step = MatrixStep::new(MuonConfig::new().build()).with_holders(group.clone());
+            let held = match group.rank() {
+                0 => vec![Held {
+                    segments: vec![Segment {
+                        logical: "w".into(),
+                        region: Region::full(&[2, 4]).narrow(1, 0..2).unwrap(),
+                        local: Region::full(&[2, 2]),
+                    }],
+                    grad: vec![1.0; 4],
+                }],
+                _ => Vec::new(),
+            };
+            step.updates(&held, &Device::flex())
+        });
+        let err = out.expect_err("half a matrix").to_string();
+        assert!(err.contains("`w`") && err.contains("nobody's"), "{err}");
+    }
+
     #[test]
     fn wire_round_trip() {
         let p = WirePiece {
@@ -1174,7 +1273,7 @@ mod tests {
             region: Region::full(&[2, 3]).narrow(1, 1..3).unwrap(),
             values: vec![1.0, 2.0, 3.0, 4.0],
         };
-        let back = decode(&encode(&[p])).unwrap();
+        let back = decode(&encode(&[&p])).unwrap();
         assert_eq!(back[0].logical, "x.w");
         assert_eq!(back[0].region.bounds, vec![0..2, 1..3]);
         assert_eq!(back[0].values, vec![1.0, 2.0, 3.0, 4.0]);
