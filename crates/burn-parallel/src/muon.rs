@@ -309,6 +309,46 @@ pub fn newton_schulz(g: Tensor<2>, config: &MuonConfig) -> Tensor<2> {
 /// An optimizer that needs each matrix whole: it turns a matrix's whole gradient into its
 /// whole update direction, keeping whatever state it needs per matrix. [`MatrixStep`] serves
 /// it under every layout (see the module docs); [`Muon`] is one.
+///
+/// # Example
+/// A matrix optimizer of one's own (the gradient normalised by its Frobenius norm, no state),
+/// served by [`MatrixStep`] as Muon is:
+/// ```
+/// use burn::tensor::{Device, Tensor};
+/// use burn_parallel::checkpoint::{Region, Segment};
+/// use burn_parallel::muon::{Held, MatrixStep, WholeMatrix};
+///
+/// struct Normalized;
+///
+/// impl WholeMatrix for Normalized {
+///     fn takes(&self, _path: &str, shape: &[usize]) -> bool {
+///         shape.len() == 2
+///     }
+///     fn direction(&mut self, _path: &str, grad: Tensor<2>) -> Tensor<2> {
+///         let norm = grad.clone().powf_scalar(2.0).sum().sqrt();
+///         grad.div(norm.unsqueeze())
+///     }
+///     fn weight_decay(&self) -> f64 {
+///         0.0
+///     }
+///     fn state(&self) -> Vec<(String, String, Tensor<2>)> {
+///         Vec::new()
+///     }
+///     fn state_names(&self) -> Vec<String> {
+///         Vec::new()
+///     }
+///     fn load_state(&mut self, _name: &str, _path: &str, _value: Tensor<2>) {}
+///     fn clear(&mut self) {}
+/// }
+///
+/// let step = MatrixStep::new(Normalized);
+/// let full = Region::full(&[1, 2]);
+/// let segment = Segment { logical: "w".into(), region: full.clone(), local: full };
+/// let out = step
+///     .updates(&[Held { segments: vec![segment], grad: vec![3.0, 4.0] }], &Device::flex())
+///     .unwrap();
+/// assert_eq!(out[0].update, vec![0.6, 0.8]);
+/// ```
 pub trait WholeMatrix: Send {
     /// Whether logical parameter `path` of `shape` is stepped here (the rest is left to the
     /// layout's elementwise optimizer).
