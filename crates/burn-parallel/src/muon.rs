@@ -566,6 +566,20 @@ impl MatrixStep {
         self.lock().takes(path, shape)
     }
 
+    /// What the elementwise optimizer beside this one steps of `map`: every segment but the
+    /// matrices' (so that its state is saved and read for that part only).
+    pub fn elementwise_map(&self, map: &ParamMap) -> ParamMap {
+        map.without_segments(|s| self.takes(&s.logical, &s.region.shape))
+    }
+
+    /// [`Self::elementwise_map`] for a list of segments (a flat shard's).
+    pub fn elementwise_segments(&self, segments: Vec<Segment>) -> Vec<Segment> {
+        segments
+            .into_iter()
+            .filter(|s| !self.takes(&s.logical, &s.region.shape))
+            .collect()
+    }
+
     /// λ, the decoupled weight decay of the matrices.
     pub fn weight_decay(&self) -> f64 {
         self.lock().weight_decay()

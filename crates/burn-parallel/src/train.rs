@@ -629,7 +629,7 @@ impl TrainStep {
     fn elementwise_map(&self, map: &ParamMap) -> ParamMap {
         match &self.matrix {
             None => map.clone(),
-            Some(matrix) => map.without_segments(|s| matrix.takes(&s.logical, &s.region.shape)),
+            Some(matrix) => matrix.elementwise_map(map),
         }
     }
 

@@ -672,8 +672,7 @@ impl<O: ElementWise> StageUpdater<O> {
                 Some(StageOptimizer::Module(optim)) => {
                     let elementwise = match self.matrices.get(&s) {
                         None => map.clone(),
-                        Some((matrix, _)) => map
-                            .without_segments(|seg| matrix.takes(&seg.logical, &seg.region.shape)),
+                        Some((matrix, _)) => matrix.elementwise_map(&map),
                     };
                     let (mut state, more) = elementwise.optimizer_pieces(optim.to_record())?;
                     if let Some((matrix, _)) = self.matrices.get(&s) {
@@ -741,8 +740,7 @@ impl<O: ElementWise> StageUpdater<O> {
                 Some(StageOptimizer::Module(optim)) => {
                     let elementwise = match self.matrices.get(&s) {
                         None => map.clone(),
-                        Some((matrix, _)) => map
-                            .without_segments(|seg| matrix.takes(&seg.logical, &seg.region.shape)),
+                        Some((matrix, _)) => matrix.elementwise_map(&map),
                     };
                     if let Some(record) = elementwise.load_optimizer(checkpoint, &scalars)? {
                         *optim = optim.clone().load_record(record);

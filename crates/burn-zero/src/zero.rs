@@ -1437,10 +1437,7 @@ impl<O: ElementWise> ZeroOptimizer<O> {
     ) -> Vec<burn_parallel::checkpoint::Segment> {
         match &self.matrix {
             None => segments,
-            Some(matrix) => segments
-                .into_iter()
-                .filter(|s| !matrix.takes(&s.logical, &s.region.shape))
-                .collect(),
+            Some(matrix) => matrix.elementwise_segments(segments),
         }
     }
 
