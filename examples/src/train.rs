@@ -428,8 +428,9 @@ pub fn train_gpt(
             (_, Some(zero), _) => Some(zero.last_step()),
             (Some(plan), None, Trainee::Whole { engine, .. }) => {
                 if let Some(optim) = engine.optimizer() {
-                    plan.memory()
-                        .set(Category::Optimizer, plan.optimizer_bytes(optim)?);
+                    let muon = engine.matrix_step().map_or(0, |m| m.state_bytes());
+                    let bytes = plan.optimizer_bytes(optim)? + muon;
+                    plan.memory().set(Category::Optimizer, bytes);
                 }
                 Some(plan.memory().report())
             }

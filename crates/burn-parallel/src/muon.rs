@@ -566,6 +566,16 @@ impl MatrixStep {
         self.lock().takes(path, shape)
     }
 
+    /// The bytes of the state this rank holds (the momenta of the matrices it owns): for
+    /// memory reports.
+    pub fn state_bytes(&self) -> usize {
+        self.lock()
+            .state()
+            .iter()
+            .map(|(_, _, t)| t.shape().num_elements() * t.dtype().size())
+            .sum()
+    }
+
     /// What the elementwise optimizer beside this one steps of `map`: every segment but the
     /// matrices' (so that its state is saved and read for that part only).
     pub fn elementwise_map(&self, map: &ParamMap) -> ParamMap {

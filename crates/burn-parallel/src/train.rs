@@ -492,6 +492,12 @@ pub trait StepEngine<M, E> {
     fn optimizer(&self) -> Option<&ModuleOptimizer> {
         None
     }
+
+    /// The optimizer of the hidden matrices beside [`Self::optimizer`], when the engine has one
+    /// (Muon; see [`crate::muon`]): for memory reports.
+    fn matrix_step(&self) -> Option<&MatrixStep> {
+        None
+    }
 }
 
 /// A [`TrainStep`] with its Burn optimizer: the [`StepEngine`] of every layout but ZeRO-1/2.
@@ -544,6 +550,10 @@ impl<M: Module, E: From<crate::CollectiveError>> StepEngine<M, E> for Trainer {
 
     fn optimizer(&self) -> Option<&ModuleOptimizer> {
         Some(&self.optim)
+    }
+
+    fn matrix_step(&self) -> Option<&MatrixStep> {
+        self.step.matrix_step()
     }
 }
 

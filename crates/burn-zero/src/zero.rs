@@ -1367,8 +1367,9 @@ impl<O: ElementWise> ZeroOptimizer<O> {
             None => self.optim.step(0, lr, param_shard, grad),
             Some(matrix) => self.step_with_matrices(&matrix, lr, param_shard, grad)?,
         };
+        let matrices = self.matrix.as_ref().map_or(0, MatrixStep::state_bytes);
         self.tracker
-            .set(Category::Optimizer, self.optim.state_bytes());
+            .set(Category::Optimizer, self.optim.state_bytes() + matrices);
 
         let low = self.config.precision.param_dtype;
         let gathered_bytes = numel * low.size();
