@@ -27,6 +27,7 @@ use crate::comm::pool;
 use crate::comm::shm::{Board, SharedBuffer, reduce_chunk_everywhere};
 use crate::comm::transport::{Frame, Header, NativeCall, StreamId, Transport};
 use crate::error::{CollectiveError, Result};
+use crate::flight::{FlightRecorder, InFlight};
 
 /// Below this size the shared-memory all-reduce's two barriers cost more than they save.
 const SHM_MIN_BYTES: usize = 256 * 1024;
@@ -95,6 +96,8 @@ pub struct ProcessGroup {
     /// Where this rank's calls are logged ([`ProcessGroup::with_call_log`]); inherited by
     /// sub-groups.
     log: Option<CallLog>,
+    /// This rank's flight recorder ([`crate::flight`]); shared by its groups.
+    flight: Option<Arc<FlightRecorder>>,
 }
 
 /// A job on a lane: runs a collective on the lane's group.
@@ -120,6 +123,18 @@ impl std::fmt::Debug for ProcessGroup {
 struct Call {
     seq: u64,
     signature: String,
+    /// Its entry in the flight recorder: done when the call ends, unless marked failed.
+    flight: Option<InFlight>,
+}
+
+impl Call {
+    /// Marks the call failed in the flight recorder when `outcome` is an error.
+    fn noted<T>(&self, outcome: Result<T>) -> Result<T> {
+        if let (Err(e), Some(f)) = (&outcome, &self.flight) {
+            f.fail(e);
+        }
+        outcome
+    }
 }
 
 /// Payload bytes this process handed to host transports (every group, every thread rank).
@@ -152,6 +167,7 @@ impl ProcessGroup {
     pub fn world(transport: Arc<dyn Transport>) -> Self {
         let members: Arc<[usize]> = (0..transport.world_size()).collect();
         Self {
+            flight: FlightRecorder::for_world(transport.rank(), transport.world_size()),
             rank: transport.rank(),
             transport,
             members,
@@ -229,6 +245,7 @@ impl ProcessGroup {
     /// Counts `bytes` handed to the host transport ([`host_bytes_sent`]) and logs the call
     /// ([`CallPath::Host`]).
     fn host_call(&self, op: &'static str, dtype: DType, bytes: usize) -> Option<Inside> {
+        crate::flight::note_payload(dtype, bytes);
         self.host_call_p2p(op, dtype, bytes, None)
     }
 
@@ -409,12 +426,15 @@ impl ProcessGroup {
         };
         let mut hasher = DefaultHasher::new();
         (self.id, &members, nth).hash(&mut hasher);
-        let id = hasher.finish() & !(1 << 63);
+        let id = (hasher.finish() & !(1 << 63)).max(1);
+        if let Some(flight) = &self.flight {
+            flight.add_group(id, &members);
+        }
         Ok(ProcessGroup {
             transport: self.transport.clone(),
             members: members.into(),
             rank: my_index,
-            id: id.max(1),
+            id,
             seq: Arc::new(AtomicU64::new(0)),
             timeout: self.timeout,
             registry: self.registry.clone(),
@@ -422,26 +442,47 @@ impl ProcessGroup {
             tensor_path: self.tensor_path,
             lane: Default::default(),
             log: self.log.clone(),
+            flight: self.flight.clone(),
         })
     }
 
     // ------------------------------------------------------------------------------------
     // Message plumbing.
 
-    fn begin(&self, op: &str, detail: String) -> Call {
+    fn begin(&self, op: &'static str, detail: String) -> Call {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        let signature = format!("{op}(#{seq} {detail})");
+        let payload = crate::flight::take_payload();
+        let flight = self.flight.as_ref().map(|f| {
+            crate::flight::clear_noted();
+            f.issue(seq, self.id, op, &signature, payload, None)
+        });
         Call {
             seq,
-            signature: format!("{op}(#{seq} {detail})"),
+            signature,
+            flight,
         }
     }
 
+    /// This rank's flight recorder ([`crate::flight`]; shared by its groups), or `None` when
+    /// `BURN_PARALLEL_FLIGHT_ENTRIES=0` turned it off.
+    pub fn flight(&self) -> Option<&Arc<FlightRecorder>> {
+        self.flight.as_ref()
+    }
+
+    /// The id of this group in the flight recorder's entries ([`crate::flight::GroupInfo`]).
+    pub fn flight_id(&self) -> u64 {
+        self.id
+    }
+
     fn invalid(&self, op: &str, reason: String) -> CollectiveError {
-        CollectiveError::InvalidArgument {
+        let error = CollectiveError::InvalidArgument {
             rank: self.global_rank(),
             op: op.to_string(),
             reason,
-        }
+        };
+        crate::flight::note_error(&error);
+        error
     }
 
     fn send_frame(&self, call: &Call, to: usize, meta: Vec<u64>, payload: Bytes) -> Result<()> {
@@ -457,7 +498,7 @@ impl ProcessGroup {
             },
             payload,
         };
-        self.transport.send(self.members[to], frame)
+        call.noted(self.transport.send(self.members[to], frame))
     }
 
     fn recv_frame(&self, call: &Call, from: usize) -> Result<Frame> {
@@ -466,20 +507,23 @@ impl ProcessGroup {
             group: self.id,
             tag: StreamId::COLLECTIVE,
         };
-        let frame = self.transport.mailbox().recv(
+        if let Some(f) = &call.flight {
+            f.waiting();
+        }
+        let frame = call.noted(self.transport.mailbox().recv(
             self.global_rank(),
             peer,
             stream,
             self.timeout,
             &|| call.signature.clone(),
-        )?;
+        ))?;
         if frame.header.seq != call.seq || frame.header.signature != call.signature {
-            return Err(CollectiveError::Mismatch {
+            return call.noted(Err(CollectiveError::Mismatch {
                 rank: self.global_rank(),
                 peer,
                 ours: call.signature.clone(),
                 theirs: frame.header.signature,
-            });
+            }));
         }
         Ok(frame)
     }
@@ -684,7 +728,7 @@ impl ProcessGroup {
         let mut storage = data.into_bytes();
         if let Some(native) = self.transport.native() {
             let mut out = pool::tensor_storage(storage.len() / elem, dtype);
-            native.all_reduce(&self.native_call(&call), &storage, &mut out, dtype, op)?;
+            call.noted(native.all_reduce(&self.native_call(&call), &storage, &mut out, dtype, op))?;
             return Ok(TensorData::from_bytes(out, shape, dtype));
         }
         if let Some(board) = self.transport.board()
@@ -749,7 +793,7 @@ impl ProcessGroup {
         let bytes = into_shared_bytes(data);
         let pieces: Vec<(Bytes, u64)> = match self.transport.native() {
             Some(native) => {
-                native.all_gather(&self.native_call(&call), &bytes, shape[dim] as u64)?
+                call.noted(native.all_gather(&self.native_call(&call), &bytes, shape[dim] as u64))?
             }
             None => self
                 .ring_all_gather(&call, bytes, vec![shape[dim] as u64])?
@@ -836,7 +880,13 @@ impl ProcessGroup {
             Some(native) => {
                 let lens: Vec<usize> = refs.iter().map(|p| p.len()).collect();
                 let packed = packed(&bytes, &refs, &shape, dim, elem);
-                native.reduce_scatter(&self.native_call(&call), &packed, &lens, dtype, op)?
+                call.noted(native.reduce_scatter(
+                    &self.native_call(&call),
+                    &packed,
+                    &lens,
+                    dtype,
+                    op,
+                ))?
             }
             None => self.ring_reduce_scatter(&call, &refs, dtype, op)?,
         };
@@ -868,7 +918,7 @@ impl ProcessGroup {
         }
         if let Some(native) = self.transport.native() {
             let mut storage = data.into_bytes();
-            native.broadcast(&self.native_call(&call), &mut storage, root)?;
+            call.noted(native.broadcast(&self.native_call(&call), &mut storage, root))?;
             return Ok(TensorData::from_bytes(storage, shape, dtype));
         }
         if self.rank == root {
@@ -978,7 +1028,12 @@ impl ProcessGroup {
                 let refs: Vec<&[u8]> = pieces.iter().map(|p| &p[..]).collect();
                 let lens: Vec<usize> = refs.iter().map(|p| p.len()).collect();
                 let packed = packed(&bytes, &refs, &shape, split_dim, elem);
-                Some(native.all_to_all(&self.native_call(&call), &packed, &lens, &metas)?)
+                Some(call.noted(native.all_to_all(
+                    &self.native_call(&call),
+                    &packed,
+                    &lens,
+                    &metas,
+                ))?)
             }
             None => {
                 for s in 1..n {
@@ -1013,7 +1068,7 @@ impl ProcessGroup {
                 && got.iter().product::<usize>() * elem == frame.payload.len()
                 && (0..shape.len()).all(|d| d == concat_dim || got[d] == shapes[self.rank][d]);
             if !fits {
-                return Err(CollectiveError::Mismatch {
+                return call.noted(Err(CollectiveError::Mismatch {
                     rank: self.global_rank(),
                     peer: self.members[from],
                     ours: format!(
@@ -1021,7 +1076,7 @@ impl ProcessGroup {
                         call.signature, shapes[self.rank]
                     ),
                     theirs: format!("a piece of shape {got:?}"),
-                });
+                }));
             }
             shapes[from] = got;
             received[from] = frame.payload;
@@ -1044,7 +1099,7 @@ impl ProcessGroup {
         let call = self.begin("barrier", String::new());
         if self.size() > 1 {
             match self.transport.native() {
-                Some(native) => native.barrier(&self.native_call(&call))?,
+                Some(native) => call.noted(native.barrier(&self.native_call(&call)))?,
                 None => {
                     self.ring_all_gather(&call, Bytes::new(), vec![])?;
                 }
@@ -1122,6 +1177,7 @@ impl ProcessGroup {
     pub fn send_data(&self, data: TensorData, peer: usize, tag: u64) -> Result<()> {
         let bytes = data.as_bytes().len();
         let _inside = self.host_call_p2p("send", data.dtype(), bytes, Some((peer, tag)));
+        let flight = self.p2p_flight("send", tag, Some((data.dtype(), bytes)), peer);
         self.check_peer("send", peer, tag)?;
         let dtype = data.dtype();
         let code = dtype_code(dtype)
@@ -1137,7 +1193,26 @@ impl ProcessGroup {
             },
             payload: into_shared_bytes(data),
         };
-        self.transport.send(self.members[peer], frame)
+        let sent = self.transport.send(self.members[peer], frame);
+        if let (Err(e), Some(f)) = (&sent, &flight) {
+            f.fail(e);
+        }
+        sent
+    }
+
+    /// The flight recorder's entry of a point-to-point call with group rank `peer`.
+    fn p2p_flight(
+        &self,
+        op: &'static str,
+        tag: u64,
+        payload: Option<(DType, usize)>,
+        peer: usize,
+    ) -> Option<InFlight> {
+        let f = self.flight.as_ref()?;
+        crate::flight::clear_noted();
+        let signature = format!("{op}(tag {tag})");
+        let global = self.members.get(peer).copied().unwrap_or(peer);
+        Some(f.issue(0, self.id, op, &signature, payload, Some((global, tag))))
     }
 
     /// Receives the next host data sent by group rank `peer` under `tag`.
@@ -1145,19 +1220,31 @@ impl ProcessGroup {
     /// # Errors
     /// See [`CollectiveError`]; a malformed header is a [`CollectiveError::Transport`] error.
     pub fn recv_data(&self, peer: usize, tag: u64) -> Result<TensorData> {
+        let flight = self.p2p_flight("recv", tag, None, peer);
         self.check_peer("recv", peer, tag)?;
         let global = self.members[peer];
-        let frame = self.transport.mailbox().recv(
+        if let Some(f) = &flight {
+            f.waiting();
+        }
+        let received = self.transport.mailbox().recv(
             self.global_rank(),
             global,
             self.p2p_stream(tag),
             self.timeout,
             &|| format!("recv(from rank {peer}, tag {tag})"),
-        )?;
-        let bad = |reason: &str| CollectiveError::Transport {
-            rank: self.global_rank(),
-            peer: global,
-            reason: format!("malformed message under tag {tag}: {reason}"),
+        );
+        if let (Err(e), Some(f)) = (&received, &flight) {
+            f.fail(e);
+        }
+        let frame = received?;
+        let bad = |reason: &str| {
+            let error = CollectiveError::Transport {
+                rank: self.global_rank(),
+                peer: global,
+                reason: format!("malformed message under tag {tag}: {reason}"),
+            };
+            crate::flight::note_error(&error);
+            error
         };
         let (&code, dims) = frame
             .header

@@ -24,6 +24,7 @@
 
 pub mod comm;
 pub mod error;
+pub mod flight;
 pub mod group;
 
 pub use comm::host::ReduceOp;

@@ -51,7 +51,11 @@ with the status of the rank that failed first (128 + the signal number for a sig
 that printed that it failed because another rank did (burn-parallel's \"aborted because rank N
 failed\") is not blamed when rank N failed too: a crash is reported, not the peers it took down.
 SIGINT, SIGTERM and SIGHUP sent to burnrun are forwarded to every process, which then get the
-same grace period.";
+same grace period.
+
+Hangs: with BURN_PARALLEL_FLIGHT_DIR=DIR set, every rank writes its last collectives to
+DIR/flight-rank<R>.json when one fails and on SIGUSR1; `burnrun diagnose DIR` names the rank
+the others wait for.";
 
 /// Launch the processes of a distributed burn-parallel job on this node.
 #[derive(Parser, Debug)]
@@ -109,8 +113,37 @@ enum Event {
 }
 
 fn main() {
+    let mut argv = std::env::args_os().skip(1);
+    if argv.next().is_some_and(|a| a == "diagnose") {
+        std::process::exit(diagnose(argv.collect()));
+    }
     let args = Args::parse();
     std::process::exit(run(args));
+}
+
+/// `burnrun diagnose DIR`: reads the flight recorder's files (`flight-rank<R>.json`, written
+/// where `BURN_PARALLEL_FLIGHT_DIR` pointed) and prints which rank the others wait for.
+fn diagnose(args: Vec<OsString>) -> i32 {
+    let [dir] = &args[..] else {
+        eprint_line("usage: burnrun diagnose DIR (the job's BURN_PARALLEL_FLIGHT_DIR)");
+        return 2;
+    };
+    match burn_parallel::flight::read_dir(std::path::Path::new(dir)) {
+        Ok(records) if records.is_empty() => {
+            eprint_line(&format!("no flight-rank<R>.json in {}", dir.display()));
+            1
+        }
+        Ok(records) => {
+            let ranks: Vec<String> = records.iter().map(|r| r.rank.to_string()).collect();
+            println!("records of ranks {}", ranks.join(", "));
+            println!("{}", burn_parallel::flight::diagnose(&records));
+            0
+        }
+        Err(e) => {
+            eprint_line(&e.to_string());
+            1
+        }
+    }
 }
 
 fn eprint_line(message: &str) {
