@@ -704,6 +704,21 @@ impl Layout {
 mod tests {
     use super::*;
 
+    #[test]
+    fn the_optimizer_is_a_key_of_a_toml_layout() {
+        let layout: Layout = toml::from_str("tp = 2\noptim = \"muon\"").unwrap();
+        assert_eq!((layout.tp, layout.optim), (2, Optim::Muon));
+        assert_eq!(Layout::default().optim, Optim::Adamw);
+        assert!(toml::from_str::<Layout>("optim = \"lamb\"").is_err());
+        assert_eq!("muon".parse::<Optim>(), Ok(Optim::Muon));
+        assert!(
+            "sgd"
+                .parse::<Optim>()
+                .unwrap_err()
+                .contains("adamw or muon")
+        );
+    }
+
     fn work() -> Workload {
         Workload {
             n_heads: 4,
