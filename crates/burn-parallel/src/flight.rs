@@ -834,7 +834,9 @@ impl fmt::Display for Diagnosis {
                         .iter()
                         .map(|(r, e)| match e {
                             Some((e, g)) if e.state == CallState::Done => {
-                                format!("rank {r} last finished {e} on {g} and issued nothing since")
+                                format!(
+                                    "rank {r} last finished {e} on {g} and issued nothing since"
+                                )
                             }
                             Some((e, g)) => format!("rank {r} is in {e} on {g}"),
                             None => format!("rank {r} has recorded no call"),
@@ -882,5 +884,48 @@ impl fmt::Display for Diagnosis {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_ring_wraps_and_a_late_finish_leaves_the_new_call_alone() {
+        let recorder = Arc::new(FlightRecorder::new(0, 1, 4));
+        let first = recorder.issue(1, 0, "all_reduce", "all_reduce(#1 sum f32[1])", None, None);
+        for seq in 2..=6 {
+            drop(recorder.issue(seq, 0, "barrier", "barrier", None, None));
+        }
+        drop(first); // its slot now holds call 5: untouched
+        let entries = recorder.snapshot("t").entries;
+        let seqs: Vec<u64> = entries.iter().map(|e| e.seq).collect();
+        assert_eq!(seqs, vec![3, 4, 5, 6]);
+        assert!(entries.iter().all(|e| e.state == CallState::Done));
+    }
+
+    /// The cost of recording one call (issue, waiting, done) without any communication:
+    /// `cargo test -p burn-parallel --lib flight::tests::recording_cost -- --ignored --nocapture`.
+    #[test]
+    #[ignore = "prints a figure"]
+    fn recording_cost() {
+        let recorder = Arc::new(FlightRecorder::new(0, 2, DEFAULT_ENTRIES));
+        let signature = "all_reduce(#1 sum f32[4])";
+        let calls = 1_000_000u64;
+        let start = Instant::now();
+        for seq in 0..calls {
+            let call = recorder.issue(
+                seq,
+                0,
+                "all_reduce",
+                signature,
+                Some((DType::F32, 16)),
+                None,
+            );
+            call.waiting();
+        }
+        let ns = start.elapsed().as_nanos() as f64 / calls as f64;
+        println!("flight recorder: {ns:.0} ns per recorded call (issue + waiting + done)");
     }
 }
