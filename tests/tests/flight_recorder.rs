@@ -219,6 +219,50 @@ fn sigusr1_dumps_every_rank() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// One rank of [`tcp_processes_through_burnrun_name_the_rank_that_stopped`] (run by burnrun).
+#[test]
+#[ignore = "a rank of a burnrun job"]
+fn flight_tcp_rank() {
+    if std::env::var("RANK").is_err() {
+        return;
+    }
+    let group = burn_parallel::init_from_env().expect("the job's world");
+    for _ in 0..3 {
+        group.all_reduce_f32(vec![1.0; 4], ReduceOp::Sum).unwrap();
+    }
+    if group.rank() == 2 {
+        std::thread::sleep(Duration::from_secs(60)); // until burnrun stops it
+    }
+    group.all_reduce_f32(vec![1.0; 4], ReduceOp::Sum).unwrap();
+}
+
+/// Three TCP processes through `burnrun`; rank 2 stops calling collectives. Ranks 0 and 1
+/// time out and dump; rank 2, stopped by burnrun, leaves no record: the diagnosis names it
+/// and the call the others wait in.
+#[test]
+fn tcp_processes_through_burnrun_name_the_rank_that_stopped() {
+    let dir = dump_dir("tcp");
+    let burnrun = tests::workspace_binary("burn-parallel", "burnrun");
+    let out = Command::new(burnrun)
+        .args(["--nproc-per-node", "3", "--"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "flight_tcp_rank", "--nocapture"])
+        .env(flight::DIR_ENV, &dir)
+        .env("BURN_PARALLEL_TIMEOUT_SECS", "2")
+        .output()
+        .expect("burnrun runs");
+    assert!(!out.status.success(), "the job fails");
+    let records = flight::read_dir(&dir).expect("the failed ranks dumped");
+    let ranks: Vec<usize> = records.iter().map(|r| r.rank).collect();
+    assert!(ranks.contains(&0) && ranks.contains(&1), "{ranks:?}");
+    let diagnosis = flight::diagnose(&records);
+    let text = diagnosis.to_string();
+    println!("{text}");
+    assert_eq!(diagnosis.culprits(), vec![2], "{text}");
+    assert!(text.contains("wait in all_reduce #4 (sum f32[4]"), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 // ---- diagnose on hand-made records ----------------------------------------------------------
 
 fn entry(seq: u64, group: u64, op: &str, args: &str, state: CallState) -> Entry {
