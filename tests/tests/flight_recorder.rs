@@ -282,9 +282,14 @@ fn entry(seq: u64, group: u64, op: &str, args: &str, state: CallState) -> Entry 
 }
 
 fn record(rank: usize, groups: &[GroupInfo], entries: Vec<Entry>) -> RankRecord {
+    let world_size = groups
+        .iter()
+        .flat_map(|g| &g.members)
+        .max()
+        .map_or(1, |m| m + 1);
     RankRecord {
         rank,
-        world_size: 4,
+        world_size,
         pid: 1,
         start_unix_us: 0,
         taken_us: 1_000_000,
@@ -376,6 +381,18 @@ fn diagnose_names_a_mismatch_a_dead_rank_a_stuck_receive_and_a_healthy_job() {
         d.to_string()
             .starts_with("rank 2 of group world (ranks 0-2) left no record (dead?); ranks 0-1 wait in all_reduce #4"),
         "{d}"
+    );
+
+    // Dead, though nobody was seen waiting: still named.
+    let records = vec![
+        record(0, &[world.clone()], at("all_reduce", "sum f32[4]", Done)),
+        record(1, &[world.clone()], at("all_reduce", "sum f32[4]", Done)),
+    ];
+    let d = flight::diagnose(&records);
+    assert_eq!(d.culprits(), vec![2], "{d}");
+    assert_eq!(
+        d.to_string(),
+        "rank 2 of group world (ranks 0-2) left no record (dead?)"
     );
 
     // A receive that waits for a peer busy elsewhere.

@@ -577,7 +577,8 @@ pub enum Finding {
         /// The ranks of each signature, with one of their entries.
         sides: Vec<(Vec<usize>, Entry)>,
     },
-    /// `ranks` left no record (dead, or never dumped) while `waiting` wait in `call` on `group`.
+    /// `ranks` left no record (dead, or never dumped), while `waiting` wait in `call` on
+    /// `group` when some member was seen waiting.
     NoRecord {
         /// The group.
         group: GroupInfo,
@@ -585,8 +586,8 @@ pub enum Finding {
         ranks: Vec<usize>,
         /// Members waiting in a call.
         waiting: Vec<usize>,
-        /// Their call.
-        call: Entry,
+        /// Their call (`None`: nobody was seen waiting).
+        call: Option<Entry>,
     },
     /// `rank` waits in a receive from `peer`, which was last in `peer_doing`.
     StuckRecv {
@@ -665,6 +666,7 @@ pub fn diagnose(records: &[RankRecord]) -> Diagnosis {
     };
     let open = |e: &Entry| e.state != CallState::Done;
     let mut findings = Vec::new();
+    let mut reported = std::collections::BTreeSet::new();
     for group in groups.values() {
         let last: Vec<(usize, Option<&Entry>)> = group
             .members
@@ -733,16 +735,34 @@ pub fn diagnose(records: &[RankRecord]) -> Diagnosis {
             .members
             .iter()
             .copied()
-            .filter(|m| !by_rank.contains_key(m))
+            .filter(|m| !by_rank.contains_key(m) && reported.insert(*m))
             .collect();
         if !missing.is_empty() {
             findings.push(Finding::NoRecord {
                 group: group.clone(),
                 ranks: missing,
                 waiting,
-                call: call.clone(),
+                call: Some(call.clone()),
             });
         }
+    }
+    // Ranks of the world without a record that nobody was seen waiting for.
+    let world = records.iter().map(|r| r.world_size).max().unwrap_or(0);
+    let silent: Vec<usize> = (0..world)
+        .filter(|r| !by_rank.contains_key(r) && !reported.contains(r))
+        .collect();
+    if !silent.is_empty() {
+        let group = groups.get(&0).cloned().unwrap_or(GroupInfo {
+            id: 0,
+            members: (0..world).collect(),
+            name: None,
+        });
+        findings.push(Finding::NoRecord {
+            group,
+            ranks: silent,
+            waiting: Vec::new(),
+            call: None,
+        });
     }
     for r in records {
         if let Some(e) = r.entries.last().filter(|e| e.op == "recv" && open(e))
@@ -863,12 +883,10 @@ impl fmt::Display for Diagnosis {
                     waiting,
                     call,
                 } => {
-                    write!(
-                        f,
-                        "{} of {group} left no record (dead?); {} wait in {call}",
-                        who(ranks),
-                        who(waiting)
-                    )?;
+                    write!(f, "{} of {group} left no record (dead?)", who(ranks))?;
+                    if let Some(call) = call {
+                        write!(f, "; {} wait in {call}", who(waiting))?;
+                    }
                 }
                 Finding::StuckRecv {
                     rank,
