@@ -351,17 +351,13 @@ fn diagnose_names_the_rank_behind_and_what_it_is_in() {
 
 #[test]
 fn diagnose_names_a_mismatch_a_dead_rank_a_stuck_receive_and_a_healthy_job() {
-    let world = group(0, &[0, 1, 2], "world");
+    let world = [group(0, &[0, 1, 2], "world")];
     let at = |op: &str, args: &str, s| vec![entry(4, 0, op, args, s)];
     // Mismatch: rank 1 gathers where 0 and 2 reduce.
     let records = vec![
-        record(0, &[world.clone()], at("all_reduce", "sum f32[4]", Failed)),
-        record(
-            1,
-            &[world.clone()],
-            at("all_gather", "dim 0 f32[*]", Failed),
-        ),
-        record(2, &[world.clone()], at("all_reduce", "sum f32[4]", Failed)),
+        record(0, &world, at("all_reduce", "sum f32[4]", Failed)),
+        record(1, &world, at("all_gather", "dim 0 f32[*]", Failed)),
+        record(2, &world, at("all_reduce", "sum f32[4]", Failed)),
     ];
     let d = flight::diagnose(&records);
     assert_eq!(d.culprits(), vec![1], "{d}");
@@ -372,8 +368,8 @@ fn diagnose_names_a_mismatch_a_dead_rank_a_stuck_receive_and_a_healthy_job() {
 
     // Dead: rank 2 left no record while 0 and 1 wait.
     let records = vec![
-        record(0, &[world.clone()], at("all_reduce", "sum f32[4]", Waiting)),
-        record(1, &[world.clone()], at("all_reduce", "sum f32[4]", Waiting)),
+        record(0, &world, at("all_reduce", "sum f32[4]", Waiting)),
+        record(1, &world, at("all_reduce", "sum f32[4]", Waiting)),
     ];
     let d = flight::diagnose(&records);
     assert_eq!(d.culprits(), vec![2], "{d}");
@@ -385,8 +381,8 @@ fn diagnose_names_a_mismatch_a_dead_rank_a_stuck_receive_and_a_healthy_job() {
 
     // Dead, though nobody was seen waiting: still named.
     let records = vec![
-        record(0, &[world.clone()], at("all_reduce", "sum f32[4]", Done)),
-        record(1, &[world.clone()], at("all_reduce", "sum f32[4]", Done)),
+        record(0, &world, at("all_reduce", "sum f32[4]", Done)),
+        record(1, &world, at("all_reduce", "sum f32[4]", Done)),
     ];
     let d = flight::diagnose(&records);
     assert_eq!(d.culprits(), vec![2], "{d}");
@@ -400,8 +396,8 @@ fn diagnose_names_a_mismatch_a_dead_rank_a_stuck_receive_and_a_healthy_job() {
     recv.signature = "recv(tag 3)".into();
     recv.peer = Some((1, 3));
     let records = vec![
-        record(0, &[world.clone()], vec![recv]),
-        record(1, &[world.clone()], at("all_reduce", "sum f32[4]", Done)),
+        record(0, &world, vec![recv]),
+        record(1, &world, at("all_reduce", "sum f32[4]", Done)),
     ];
     let d = flight::diagnose(&records);
     assert!(d.culprits().contains(&1), "{d}");
@@ -413,7 +409,7 @@ fn diagnose_names_a_mismatch_a_dead_rank_a_stuck_receive_and_a_healthy_job() {
 
     // Healthy: everyone finished the same calls.
     let records: Vec<RankRecord> = (0..3)
-        .map(|r| record(r, &[world.clone()], at("all_reduce", "sum f32[4]", Done)))
+        .map(|r| record(r, &world, at("all_reduce", "sum f32[4]", Done)))
         .collect();
     let d = flight::diagnose(&records);
     assert!(d.findings.is_empty() && d.culprits().is_empty(), "{d}");
