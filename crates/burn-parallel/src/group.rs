@@ -534,6 +534,9 @@ impl ProcessGroup {
 
     /// `call` as the backend's native collectives see it (see [`Transport::native`]).
     fn native_call<'a>(&'a self, call: &'a Call) -> NativeCall<'a> {
+        if let Some(f) = &call.flight {
+            f.waiting(); // the backend's collective waits for the peers from here
+        }
         NativeCall {
             group: self.id,
             members: &self.members,
