@@ -237,8 +237,8 @@ fn flight_tcp_rank() {
 }
 
 /// Three TCP processes through `burnrun`; rank 2 stops calling collectives. Ranks 0 and 1
-/// time out and dump; rank 2, stopped by burnrun, leaves no record: the diagnosis names it
-/// and the call the others wait in.
+/// time out and dump; burnrun then asks rank 2 for its record (SIGUSR1) before stopping it,
+/// and prints the diagnosis: rank 2 last finished call #3, the others wait in #4.
 #[test]
 fn tcp_processes_through_burnrun_name_the_rank_that_stopped() {
     let dir = dump_dir("tcp");
@@ -254,13 +254,52 @@ fn tcp_processes_through_burnrun_name_the_rank_that_stopped() {
     assert!(!out.status.success(), "the job fails");
     let records = flight::read_dir(&dir).expect("the failed ranks dumped");
     let ranks: Vec<usize> = records.iter().map(|r| r.rank).collect();
-    assert!(ranks.contains(&0) && ranks.contains(&1), "{ranks:?}");
+    assert_eq!(ranks, vec![0, 1, 2], "every rank's record");
     let diagnosis = flight::diagnose(&records);
     let text = diagnosis.to_string();
     println!("{text}");
     assert_eq!(diagnosis.culprits(), vec![2], "{text}");
     assert!(text.contains("wait in all_reduce #4 (sum f32[4]"), "{text}");
+    assert!(
+        text.contains("rank 2 last finished all_reduce #3"),
+        "{text}"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("burnrun: flight records of 3 rank(s)") && stderr.contains(&text),
+        "{stderr}"
+    );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A mesh names its groups in the records (and so in the diagnosis): `dp`, `tp`, and a
+/// flattened group by its dimensions.
+#[test]
+fn mesh_groups_carry_their_names() {
+    let names = run_local(4, |world| {
+        let mesh = burn_parallel::DeviceMesh::new(&world, &[("dp", 2), ("tp", 2)]).unwrap();
+        let both = mesh.flattened(&["dp", "tp"]).unwrap();
+        // A record lists the groups its calls were made on.
+        for g in [mesh.group("dp").unwrap(), mesh.group("tp").unwrap(), &both] {
+            g.barrier()?;
+        }
+        let record = world.flight().expect("on by default").snapshot("test");
+        let name = |g: &ProcessGroup| {
+            record
+                .groups
+                .iter()
+                .find(|i| i.id == g.flight_id())
+                .and_then(|i| i.name.clone())
+        };
+        Ok((
+            name(mesh.group("dp").unwrap()),
+            name(mesh.group("tp").unwrap()),
+            name(&both),
+        ))
+    })
+    .unwrap();
+    let expected = (Some("dp".into()), Some("tp".into()), Some("dp x tp".into()));
+    assert!(names.iter().all(|n| *n == expected), "{names:?}");
 }
 
 // ---- diagnose on hand-made records ----------------------------------------------------------

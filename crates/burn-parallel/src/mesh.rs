@@ -146,7 +146,13 @@ impl DeviceMesh {
                 ravel(&coords, &self.sizes)
             })
             .collect();
-        Ok(self.world.split(&members)?)
+        let group = self.world.split(&members)?;
+        // The flight recorder's diagnoses name the group by its dimensions (`tp`, `dp_shard x cp`).
+        if let Some(flight) = group.flight() {
+            let name: Vec<&str> = dims.iter().map(|&d| self.names[d].as_str()).collect();
+            flight.name_group(group.flight_id(), &name.join(" x "));
+        }
+        Ok(group)
     }
 
     /// The sub-group along dimension `name` (this rank's coordinates fixed elsewhere).

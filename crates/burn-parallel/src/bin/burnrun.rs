@@ -11,6 +11,7 @@ use std::ffi::OsString;
 use std::io::{self, BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex, mpsc};
 use std::thread;
@@ -54,8 +55,9 @@ SIGINT, SIGTERM and SIGHUP sent to burnrun are forwarded to every process, which
 same grace period.
 
 Hangs: with BURN_PARALLEL_FLIGHT_DIR=DIR set, every rank writes its last collectives to
-DIR/flight-rank<R>.json when one fails and on SIGUSR1; `burnrun diagnose DIR` names the rank
-the others wait for.";
+DIR/flight-rank<R>.json when one fails and on SIGUSR1. When a rank fails, burnrun first sends
+SIGUSR1 to the others (up to 2 s for their records), then stops them, and prints which rank
+the others waited for; `burnrun diagnose DIR` prints it again.";
 
 /// Launch the processes of a distributed burn-parallel job on this node.
 #[derive(Parser, Debug)]
@@ -310,7 +312,8 @@ fn run(args: Args) -> i32 {
     drop(output_done);
     drop(events);
 
-    let outcome = supervise(&mut ranks, &receiver, grace);
+    let flight_dir = std::env::var_os(burn_parallel::flight::DIR_ENV).map(PathBuf::from);
+    let outcome = supervise(&mut ranks, &receiver, grace, flight_dir.as_deref());
     signal_handle.close();
 
     // Let the forwarders print the last lines, but do not wait on a pipe that a leftover
@@ -325,8 +328,44 @@ fn run(args: Args) -> i32 {
         }
     }
     let _ = io::stdout().flush();
+    if let (false, Some(dir)) = (outcome.failures.is_empty(), &flight_dir)
+        && let Ok(records) = burn_parallel::flight::read_dir(dir)
+        && !records.is_empty()
+    {
+        eprint_line(&format!(
+            "flight records of {} rank(s) in {}: {}",
+            records.len(),
+            dir.display(),
+            burn_parallel::flight::diagnose(&records)
+        ));
+    }
     let causes = causes.lock().unwrap_or_else(|e| e.into_inner());
     outcome.exit_code(&causes)
+}
+
+/// With the flight recorder's directory set: asks the running ranks to write their records
+/// (SIGUSR1) and gives them up to two seconds to do it, before they are stopped, so that a rank
+/// stuck outside a collective is seen where it is.
+fn collect_flight_records(ranks: &[Rank], dir: &Path) {
+    let since = std::time::SystemTime::now();
+    let running: Vec<&Rank> = ranks.iter().filter(|r| r.status.is_none()).collect();
+    for r in &running {
+        if let Ok(pid) = libc::pid_t::try_from(r.pid) {
+            // SAFETY: kill(2) has no memory-safety preconditions; the pid is this child's.
+            unsafe {
+                libc::kill(pid, libc::SIGUSR1);
+            }
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(2);
+    let written = |r: &&Rank| {
+        std::fs::metadata(dir.join(format!("flight-rank{}.json", r.rank)))
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t >= since)
+    };
+    while Instant::now() < deadline && !running.iter().all(written) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 /// Waits for every rank; stops the others when one fails or a signal arrives.
@@ -336,7 +375,12 @@ fn run(args: Args) -> i32 {
 /// alone cannot be trusted to name the crash: the peers it takes down fail milliseconds later,
 /// and on a busy machine their exits can be seen first. [`Outcome::exit_code`] settles it with
 /// what the ranks printed.
-fn supervise(ranks: &mut [Rank], events: &mpsc::Receiver<Event>, grace: Duration) -> Outcome {
+fn supervise(
+    ranks: &mut [Rank],
+    events: &mpsc::Receiver<Event>,
+    grace: Duration,
+    flight_dir: Option<&Path>,
+) -> Outcome {
     let mut failures: Vec<(u32, ExitStatus)> = Vec::new();
     let mut received: Option<i32> = None;
     // When the other ranks were asked to stop (SIGTERM), and whether SIGKILL was sent.
@@ -363,6 +407,9 @@ fn supervise(ranks: &mut [Rank], events: &mpsc::Receiver<Event>, grace: Duration
                             "rank {rank} failed ({}); stopping the {alive} other running rank(s)",
                             describe(status)
                         ));
+                        if let Some(dir) = flight_dir {
+                            collect_flight_records(ranks, dir);
+                        }
                         signal_all(ranks, SIGTERM);
                         stopping = Some((Instant::now(), false));
                     }
