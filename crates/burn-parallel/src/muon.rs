@@ -253,21 +253,31 @@ impl MuonConfig {
     /// Whether the logical parameter `path` of `shape` is a hidden matrix Muon steps: 2-D, and
     /// not excluded.
     pub fn is_matrix(&self, path: &str, shape: &[usize]) -> bool {
-        shape.len() == 2
-            && shape.iter().all(|&d| d > 0)
-            && !self
-                .exclude
-                .iter()
-                .any(|p| Glob::new(p).is_ok_and(|g| g.matches(path)))
+        is_matrix(&self.globs(), path, shape)
+    }
+
+    /// The exclude patterns, parsed (one that does not parse excludes nothing; `validate`
+    /// refuses it).
+    fn globs(&self) -> Vec<Glob> {
+        self.exclude
+            .iter()
+            .filter_map(|p| Glob::new(p).ok())
+            .collect()
     }
 
     /// The optimizer, with no state yet.
     pub fn build(&self) -> Muon {
         Muon {
+            exclude: self.globs(),
             config: self.clone(),
             momentum: BTreeMap::new(),
         }
     }
+}
+
+/// Whether `path` of `shape` is 2-D and not matched by `exclude`.
+fn is_matrix(exclude: &[Glob], path: &str, shape: &[usize]) -> bool {
+    shape.len() == 2 && shape.iter().all(|&d| d > 0) && !exclude.iter().any(|g| g.matches(path))
 }
 
 fn invalid(op: &str, reason: String) -> CollectiveError {
@@ -378,6 +388,8 @@ pub trait WholeMatrix: Send {
 #[derive(Debug, Clone)]
 pub struct Muon {
     config: MuonConfig,
+    /// `config.exclude`, parsed once (the rule is asked per segment, every step).
+    exclude: Vec<Glob>,
     momentum: BTreeMap<String, Tensor<2>>,
 }
 
@@ -390,7 +402,7 @@ impl Muon {
 
 impl WholeMatrix for Muon {
     fn takes(&self, path: &str, shape: &[usize]) -> bool {
-        self.config.is_matrix(path, shape)
+        is_matrix(&self.exclude, path, shape)
     }
 
     fn direction(&mut self, path: &str, grad: Tensor<2>) -> Tensor<2> {
@@ -968,9 +980,10 @@ impl MatrixStep {
             }
         }
         // A rank without matrix pieces still takes part: its holders exchange with it.
-        if chosen.is_empty() && self.holders.is_none() {
-            return Ok(optim.step(lr, model, grads));
-        }
+        let device = match model.devices().first() {
+            Some(device) if !chosen.is_empty() || self.holders.is_some() => device.clone(),
+            _ => return Ok(optim.step(lr, model, grads)),
+        };
         // Their gradients (taken out of `grads`) and their values before the step.
         struct Take<'a> {
             ids: &'a BTreeMap<ParamId, usize>,
@@ -1005,9 +1018,8 @@ impl MatrixStep {
         model.visit(&mut take);
         let taken = take.out;
         let mut held = Vec::with_capacity(chosen.len());
-        let mut device = model.devices().first().cloned();
         for (i, (id, segments, _)) in chosen.iter().enumerate() {
-            let (old, grad, _) =
+            let (_, grad, _) =
                 taken[i]
                     .as_ref()
                     .ok_or_else(|| CollectiveError::InvalidArgument {
@@ -1015,7 +1027,6 @@ impl MatrixStep {
                         op: "MatrixStep::step_module".into(),
                         reason: format!("parameter {id} of the map is not in the model"),
                     })?;
-            device.get_or_insert_with(|| old.device());
             let grad = grad
                 .clone()
                 .into_data()
@@ -1027,9 +1038,6 @@ impl MatrixStep {
                 grad,
             });
         }
-        let Some(device) = device else {
-            return Ok(optim.step(lr, model, grads)); // no parameter at all
-        };
         let updates = self.updates(&held, &device)?;
         // The rest of a mixed parameter goes to the elementwise optimizer, its matrix elements
         // with a zero gradient (they are overwritten below).

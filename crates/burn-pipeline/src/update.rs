@@ -670,10 +670,7 @@ impl<O: ElementWise> StageUpdater<O> {
             };
             let (mut state, more, sharded) = match self.optims.get(&s) {
                 Some(StageOptimizer::Module(optim)) => {
-                    let elementwise = match self.matrices.get(&s) {
-                        None => map.clone(),
-                        Some((matrix, _)) => matrix.elementwise_map(&map),
-                    };
+                    let elementwise = self.elementwise_map(s, &map);
                     let (mut state, more) = elementwise.optimizer_pieces(optim.to_record())?;
                     if let Some((matrix, _)) = self.matrices.get(&s) {
                         state.extend(matrix.state_pieces()?);
@@ -736,12 +733,9 @@ impl<O: ElementWise> StageUpdater<O> {
         for (s, map) in self.whole_maps(stages, names)? {
             let stage = stages.remove(&s).expect("a map per local stage");
             stages.insert(s, map.load_params(stage, checkpoint)?);
+            let elementwise = self.elementwise_map(s, &map);
             match self.optims.get_mut(&s) {
                 Some(StageOptimizer::Module(optim)) => {
-                    let elementwise = match self.matrices.get(&s) {
-                        None => map.clone(),
-                        Some((matrix, _)) => matrix.elementwise_map(&map),
-                    };
                     if let Some(record) = elementwise.load_optimizer(checkpoint, &scalars)? {
                         *optim = optim.clone().load_record(record);
                     }
@@ -785,6 +779,15 @@ impl<O: ElementWise> StageUpdater<O> {
             stages.insert(s, map.load_params(stage, source)?);
         }
         Ok(())
+    }
+
+    /// What stage `s`'s Burn optimizer steps of `map`: all of it, or what its matrix optimizer
+    /// leaves ([`Self::with_matrix_step`]).
+    fn elementwise_map(&self, s: usize, map: &ParamMap) -> ParamMap {
+        match self.matrices.get(&s) {
+            None => map.clone(),
+            Some((matrix, _)) => matrix.elementwise_map(map),
+        }
     }
 
     /// The maps of the local stages, each knowing the whole model's tensors (those of the
