@@ -297,6 +297,12 @@ impl ProcessGroup {
         }
     }
 
+    /// Whether this process joined a world that was already running (a restarted rank of a
+    /// fault-tolerant `tcp` job, see [`crate::TcpConfig::rejoin`]).
+    pub fn rejoined(&self) -> bool {
+        self.transport.rejoined()
+    }
+
     /// The group with NCCL attached (see [`crate::nccl::attach`]).
     pub(crate) fn with_nccl(mut self, nccl: crate::comm::nccl::DeviceComm) -> Self {
         self.nccl = Some(nccl);

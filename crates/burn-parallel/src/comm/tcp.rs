@@ -19,6 +19,34 @@
 //! an explicit [`Transport::abort`] marks the rank as failed on every peer, whose pending and
 //! future collective calls then fail with an error naming it.
 //!
+//! Rejoining (fault tolerance, [`TcpConfig::rejoin`], `BURN_PARALLEL_FAULT_TOLERANT=1`): once
+//! the world is formed, rank 0 keeps serving the rendezvous store on a background thread and
+//! every rank keeps its data listener, both until the transport is dropped. A restarted
+//! process of a failed rank calls [`TcpTransport::connect`] with the same configuration; its
+//! registration (authenticated with the job token like the first ones) is answered at once
+//! with the current address table and the session, and with what rank 0 knows of each rank:
+//! up (connected to rank 0), joining (restarted and registered earlier, not yet connected to
+//! rank 0) or down. The restarted process dials the ranks that are up or joining and accepts
+//! the others on its own listener: of two ranks restarting together, the one that registers
+//! later dials the earlier one, so each pair has exactly one dialer. A rank that accepts the
+//! dial of a rank whose connection has failed (or that it never reached) replaces that
+//! connection and revives the rank in its [`Mailbox`] ([`Mailbox::revive`]: frames from the
+//! dead process still queued are dropped); a dial claiming a healthy rank is refused with a
+//! line on stderr and the job goes on. A dial that a peer refuses (it has not yet seen the old
+//! connection end) is retried until the rendezvous timeout; a rank that cannot be reached by
+//! then, or that is down, is marked lost in the restarted process's mailbox
+//! ([`Mailbox::mark_lost`]: only waits on it fail) until it dials in; reaching no other rank
+//! at all is a [`CollectiveError::Rendezvous`] error. [`Transport::rejoined`] (and
+//! [`ProcessGroup::rejoined`](crate::ProcessGroup::rejoined)) tell the restarted process apart. Rank 0 refuses a registration
+//! for a rank it still sees healthy ("rank r is still running in this job"), for rank 0
+//! itself, and for another world size or a process without rejoining on. Rank 0 cannot be
+//! replaced, as it holds the store: once it is lost, no rank can rejoin, though the others may
+//! go on. Failures stay as described above: only peers given to
+//! [`Mailbox::isolate_failures_of`] can fail without ending every wait, so a job that means
+//! to survive a rank's crash isolates the ranks it can lose; a failure that was not isolated
+//! is final even after the rank rejoins. Every rank must agree on the flag: the store refuses
+//! a first registration whose flag differs from rank 0's, with an error naming it.
+//!
 //! Security: the job token ([`JobToken`], `BURN_PARALLEL_JOB_TOKEN`, which `burnrun` generates
 //! and hands to its ranks) authenticates every registration with rank 0's store and every data
 //! connection, by an HMAC-SHA256 over a fresh challenge of the accepting side; the token itself
@@ -39,7 +67,9 @@
 //! peer that stopped reading), both positive, finite and at most [`MAX_TIMEOUT`] (anything
 //! else is a [`CollectiveError::InvalidTimeout`] error), `BURN_PARALLEL_TCP_SOCKET_BUFFER`
 //! (bytes for `SO_SNDBUF` and `SO_RCVBUF`; unset or 0 keeps the kernel's auto-tuning),
-//! `BURN_PARALLEL_JOB_TOKEN` (above).
+//! `BURN_PARALLEL_JOB_TOKEN` (above), `BURN_PARALLEL_FAULT_TOLERANT` (`1` or `true` turns on
+//! rejoining, above; `0`, `false` or unset leave it off; anything else is a
+//! [`CollectiveError::Rendezvous`] error naming it).
 
 mod auth;
 pub(crate) mod env;
@@ -49,12 +79,14 @@ mod wire;
 use std::io::BufReader;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 pub use auth::{JOB_TOKEN_ENV, JobToken};
-pub use env::{DEFAULT_MASTER_PORT, DEFAULT_RENDEZVOUS_TIMEOUT, LaunchEnv, Launcher};
+pub use env::{
+    DEFAULT_MASTER_PORT, DEFAULT_RENDEZVOUS_TIMEOUT, FAULT_TOLERANT_ENV, LaunchEnv, Launcher,
+};
 
 pub use crate::comm::transport::MAX_TIMEOUT;
 
@@ -100,6 +132,12 @@ pub struct TcpConfig {
     /// The job's secret: when set, every registration and data connection must prove it
     /// (see the module documentation). Every rank needs the same one, or none.
     pub job_token: Option<JobToken>,
+    /// Fault tolerance: once the world is formed, rank 0 keeps serving the rendezvous and
+    /// every rank keeps listening, so that a restarted process of a failed rank (started with
+    /// the same configuration) can take its place (see the module documentation). Every rank
+    /// needs the same value. Off by default; `BURN_PARALLEL_FAULT_TOLERANT=1` turns it on in
+    /// [`TcpConfig::from_env`].
+    pub rejoin: bool,
 }
 
 impl TcpConfig {
@@ -118,7 +156,22 @@ impl TcpConfig {
             master_port,
             timeout: DEFAULT_RENDEZVOUS_TIMEOUT,
             job_token: None,
+            rejoin: false,
         }
+    }
+
+    /// The same configuration with rejoining on or off ([`TcpConfig::rejoin`]; every rank
+    /// needs the same value).
+    ///
+    /// # Example
+    /// ```
+    /// use burn_parallel::comm::tcp::TcpConfig;
+    /// let config = TcpConfig::new(1, 4, "127.0.0.1", 29500).with_rejoin(true);
+    /// assert!(config.rejoin);
+    /// ```
+    pub fn with_rejoin(mut self, on: bool) -> Self {
+        self.rejoin = on;
+        self
     }
 
     /// The same configuration with another rendezvous timeout. A timeout of zero or longer
@@ -144,20 +197,23 @@ impl TcpConfig {
     }
 
     /// The configuration described by the launcher's environment (see [`LaunchEnv`]); the
-    /// timeout comes from `BURN_PARALLEL_RENDEZVOUS_TIMEOUT_SECS` (default 300 s) and the job
-    /// token from `BURN_PARALLEL_JOB_TOKEN`. Without a token, and with more than one rank, it
+    /// timeout comes from `BURN_PARALLEL_RENDEZVOUS_TIMEOUT_SECS` (default 300 s), the job
+    /// token from `BURN_PARALLEL_JOB_TOKEN`, and [`TcpConfig::rejoin`] from
+    /// `BURN_PARALLEL_FAULT_TOLERANT` (`1` or `true`). Without a token, and with more than one rank, it
     /// prints a one-line warning: the world will be unauthenticated.
     ///
     /// # Errors
-    /// [`CollectiveError::Rendezvous`] naming the missing or garbled variable;
+    /// [`CollectiveError::Rendezvous`] naming the missing or garbled variable (also
+    /// `BURN_PARALLEL_FAULT_TOLERANT` set to anything but `1`, `true`, `0`, `false` or empty);
     /// [`CollectiveError::InvalidTimeout`] for a timeout that is not a positive number of
     /// seconds up to [`MAX_TIMEOUT`]; [`CollectiveError::JobToken`] for an empty token.
     pub fn from_env() -> Result<Self> {
         let env = LaunchEnv::from_env()?;
         // The processes of this node share its cores (the intra-op thread policy).
         crate::threads::launch(env.local_world_size.unwrap_or(1), true);
-        let mut config =
-            Self::from_launch_env(&env).with_timeout(env::rendezvous_timeout_from_env()?);
+        let mut config = Self::from_launch_env(&env)
+            .with_timeout(env::rendezvous_timeout_from_env()?)
+            .with_rejoin(env::fault_tolerant_from_env()?);
         match JobToken::from_env() {
             Ok(Some(token)) => config.job_token = Some(token),
             Ok(None) if env.world_size > 1 => eprintln!(
@@ -350,7 +406,162 @@ struct Peer {
     /// Another handle on the socket, to shut it down without taking the writer lock.
     control: TcpStream,
     status: Arc<PeerStatus>,
-    reader: Option<JoinHandle<()>>,
+    reader: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Peer {
+    fn reader_running(&self) -> bool {
+        self.reader
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .is_some_and(|r| !r.is_finished())
+    }
+
+    /// Closes the connection on purpose (its end is not a failure) and joins the reader.
+    fn retire(&self) {
+        self.status.closing.store(true, Ordering::SeqCst);
+        let _ = self.control.shutdown(Shutdown::Both);
+        let reader = self.reader.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(reader) = reader {
+            let _ = reader.join();
+        }
+    }
+}
+
+/// What the transport shares with its background threads (the store and the data listener
+/// of a world with rejoining on).
+struct Shared {
+    rank: usize,
+    world_size: usize,
+    mailbox: Arc<Mailbox>,
+    /// The connection to each peer (`None` at this rank's index, and for a peer this rank has
+    /// not reached); replaced when a restarted peer reconnects.
+    peers: Vec<RwLock<Option<Arc<Peer>>>>,
+    io_timeout: Duration,
+    socket_buffer: Option<usize>,
+}
+
+impl Shared {
+    fn new(rank: usize, world_size: usize, io_timeout: Duration) -> Self {
+        Self {
+            rank,
+            world_size,
+            mailbox: Arc::new(Mailbox::new()),
+            peers: (0..world_size).map(|_| RwLock::new(None)).collect(),
+            io_timeout,
+            socket_buffer: socket_buffer(),
+        }
+    }
+
+    /// The current connection to `peer`.
+    fn peer(&self, peer: usize) -> Option<Arc<Peer>> {
+        self.peers
+            .get(peer)?
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Every current connection.
+    fn connected(&self) -> Vec<Arc<Peer>> {
+        (0..self.world_size).filter_map(|p| self.peer(p)).collect()
+    }
+
+    /// Whether `peer` is connected and its connection healthy.
+    fn up(&self, peer: usize) -> bool {
+        self.peer(peer).is_some_and(|p| p.status.gone().is_none())
+    }
+
+    /// Configures a connected socket and starts its reader thread.
+    fn open(&self, peer: usize, stream: TcpStream) -> Result<Peer> {
+        let rank = self.rank;
+        let setup_err = |e: std::io::Error| {
+            CollectiveError::Rendezvous(format!(
+                "rank {rank}: setting up the connection to rank {peer}: {e}"
+            ))
+        };
+        stream.set_nodelay(true).map_err(setup_err)?;
+        stream.set_read_timeout(None).map_err(setup_err)?;
+        stream
+            .set_write_timeout(Some(self.io_timeout))
+            .map_err(setup_err)?;
+        if let Some(bytes) = self.socket_buffer {
+            let sock = socket2::SockRef::from(&stream);
+            sock.set_send_buffer_size(bytes).map_err(setup_err)?;
+            sock.set_recv_buffer_size(bytes).map_err(setup_err)?;
+        }
+        let control = stream.try_clone().map_err(setup_err)?;
+        let reading = stream.try_clone().map_err(setup_err)?;
+        let status = Arc::new(PeerStatus::default());
+        let reader = {
+            let mailbox = self.mailbox.clone();
+            let status = status.clone();
+            let shutdown = stream.try_clone().map_err(setup_err)?;
+            let world_size = self.world_size;
+            thread::Builder::new()
+                .name(format!("burn-tcp-{rank}<-{peer}"))
+                .spawn(move || read_loop(peer, world_size, reading, shutdown, &mailbox, &status))
+                .map_err(|e| {
+                    CollectiveError::Rendezvous(format!(
+                        "rank {rank}: cannot start the reader thread of rank {peer}: {e}"
+                    ))
+                })?
+        };
+        Ok(Peer {
+            writer: Mutex::new(stream),
+            control,
+            status,
+            reader: Mutex::new(Some(reader)),
+        })
+    }
+
+    /// A restarted `peer` connected: its new connection replaces the failed one (whose
+    /// reader is joined), its state in the mailbox is revived, `answer` finishes the
+    /// handshake (so the peer goes on only once this rank is ready for it), and a new reader
+    /// starts. Refused (`Err`, the stream is dropped) while the current connection is healthy.
+    fn replace(
+        &self,
+        peer: usize,
+        mut stream: TcpStream,
+        answer: rendezvous::Answer<'_>,
+    ) -> std::result::Result<(), String> {
+        let mut slot = self.peers[peer].write().unwrap_or_else(|e| e.into_inner());
+        if slot.as_ref().is_some_and(|p| p.status.gone().is_none()) {
+            return Err(format!(
+                "claimed rank {peer}, which is connected and healthy (a rank is replaced only \
+                 once its connection has failed)"
+            ));
+        }
+        if let Some(old) = slot.take() {
+            old.retire();
+        }
+        // No reader delivers from `peer` now: what is queued came from the dead process.
+        self.mailbox.revive(peer);
+        let opened = answer(&mut stream)
+            .map_err(|e| format!("the handshake failed: {e}"))
+            .and_then(|()| self.open(peer, stream).map_err(|e| e.to_string()));
+        match opened {
+            Ok(new) => {
+                *slot = Some(Arc::new(new));
+                Ok(())
+            }
+            Err(e) => {
+                let reason = format!("rank {peer} reconnected, but its connection failed: {e}");
+                self.mailbox.mark_failed(peer, &reason);
+                Err(reason)
+            }
+        }
+    }
+
+    /// Marks `peer` lost in the mailbox unless it is connected (a later restarted rank may
+    /// have dialed this one meanwhile).
+    fn mark_lost_unless_up(&self, peer: usize, reason: &str) {
+        let slot = self.peers[peer].write().unwrap_or_else(|e| e.into_inner());
+        if slot.is_none() {
+            self.mailbox.mark_lost(peer, reason);
+        }
+    }
 }
 
 /// One rank's end of a `tcp` world: a connection to every other rank, each with a reader
@@ -360,20 +571,25 @@ struct Peer {
 /// [`TcpTransport::connect`]. Dropping it says goodbye to every peer (or, when dropped while a
 /// panic unwinds, reports this rank as failed), waits briefly for them to close their side, and
 /// joins the reader threads. A process that exits without dropping it (for example through
-/// `std::process::exit`) is reported as crashed by its peers.
+/// `std::process::exit`) is reported as crashed by its peers. With [`TcpConfig::rejoin`], it
+/// also keeps a data listener (and, on rank 0, the rendezvous store) open for restarted ranks
+/// until it is dropped.
 pub struct TcpTransport {
-    rank: usize,
-    world_size: usize,
-    mailbox: Arc<Mailbox>,
-    peers: Vec<Option<Peer>>,
-    io_timeout: Duration,
+    shared: Arc<Shared>,
+    /// This process joined a world that was already running.
+    rejoined: bool,
+    /// Ends the background threads.
+    stop: Arc<AtomicBool>,
+    /// The store (rank 0) and data-listener threads of a world with rejoining on.
+    background: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for TcpTransport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("TcpTransport")
-            .field("rank", &self.rank)
-            .field("world_size", &self.world_size)
+            .field("rank", &self.shared.rank)
+            .field("world_size", &self.shared.world_size)
+            .field("rejoined", &self.rejoined)
             .finish()
     }
 }
@@ -382,8 +598,15 @@ impl TcpTransport {
     /// Forms the world described by `config` (see [`connect_tcp`](crate::world::connect_tcp)); `rendezvous` is rank 0's
     /// listener bound beforehand, or `None` to bind `master_addr:master_port`.
     ///
+    /// With [`TcpConfig::rejoin`], a rank whose registration finds the world already running
+    /// (a restarted process) joins it instead: see the module documentation, and
+    /// [`Transport::rejoined`].
+    ///
     /// # Errors
     /// As [`connect_tcp`](crate::world::connect_tcp); also when a rendezvous listener is given to a rank other than 0.
+    /// A restarted rank gets [`CollectiveError::Rendezvous`] when rank 0 refuses it (the rank
+    /// is still running, it is rank 0, its world size or rejoin flag differs) or when it
+    /// reaches no other rank before the timeout.
     pub fn connect(config: &TcpConfig, rendezvous: Option<TcpRendezvous>) -> Result<Arc<Self>> {
         config.validate()?;
         let deadline = env::deadline_after("TcpConfig::timeout", config.timeout)?;
@@ -396,15 +619,26 @@ impl TcpTransport {
                 "rank {rank} was given a rendezvous listener; only rank 0 serves the rendezvous"
             )));
         }
-        let mesh = if world_size == 1 {
-            vec![None]
-        } else if rank == 0 {
+        if world_size == 1 {
+            return Self::start(rank, world_size, vec![None], io_timeout).map(Arc::new);
+        }
+        if rank == 0 {
             let store = match rendezvous {
                 Some(store) => store,
-                None => bind_store(config)?,
+                None => bind_store(config).map_err(|e| match e {
+                    CollectiveError::Rendezvous(m) if config.rejoin => {
+                        CollectiveError::Rendezvous(format!(
+                            "{m}; with rejoining on, rank 0 cannot be replaced: if a rank 0 of \
+                             this job still runs, it holds the store (restart the whole job to \
+                             replace rank 0)"
+                        ))
+                    }
+                    other => other,
+                })?,
             };
             let store_ip = store.local_addr()?.ip();
-            // Nobody dials rank 0 (it dials everyone), but the mesh code is the same for all.
+            // Nobody dials rank 0 to form the world (it dials everyone), but the mesh code is
+            // the same for all, and restarted ranks dial it.
             let data = rendezvous::bind_data_listener(store_ip)?;
             let own = rendezvous::rank0_data_addr(&store.listener, &data);
             let (session, addrs) = rendezvous::serve_store(
@@ -412,24 +646,59 @@ impl TcpTransport {
                 world_size,
                 own,
                 token,
+                config.rejoin,
                 deadline,
                 config.timeout,
             )?;
-            drop(store);
-            rendezvous::form_mesh(rank, world_size, session, data, &addrs, token, deadline)?
-        } else {
-            let (data, session, addrs) = rendezvous::register(
-                rank,
-                world_size,
-                &config.master_addr,
-                config.master_port,
-                token,
-                deadline,
-                config.timeout,
-            )?;
-            rendezvous::form_mesh(rank, world_size, session, data, &addrs, token, deadline)?
-        };
-        Self::start(rank, world_size, mesh, io_timeout).map(Arc::new)
+            // Without rejoining, the store closes once the world is formed.
+            let store = config.rejoin.then_some(store);
+            let mesh =
+                rendezvous::form_mesh(rank, world_size, session, &data, &addrs, token, deadline)?;
+            let transport = Self::start(rank, world_size, mesh, io_timeout)?;
+            if let Some(store) = store {
+                transport.serve_store(store, session, addrs, config)?;
+                transport.serve_dials(data, session, config)?;
+            }
+            return Ok(Arc::new(transport));
+        }
+        let (data, joined) = rendezvous::register(
+            rank,
+            world_size,
+            &config.master_addr,
+            config.master_port,
+            token,
+            config.rejoin,
+            deadline,
+            config.timeout,
+        )?;
+        match joined {
+            rendezvous::Joined::Forming { session, addrs } => {
+                let mesh = rendezvous::form_mesh(
+                    rank, world_size, session, &data, &addrs, token, deadline,
+                )?;
+                let transport = Self::start(rank, world_size, mesh, io_timeout)?;
+                if config.rejoin {
+                    transport.serve_dials(data, session, config)?;
+                }
+                Ok(Arc::new(transport))
+            }
+            rendezvous::Joined::Running {
+                session,
+                addrs,
+                states,
+            } => Self::rejoin(config, data, session, &addrs, &states, deadline, io_timeout)
+                .map(Arc::new),
+        }
+    }
+
+    /// A transport with no connection yet.
+    fn empty(rank: usize, world_size: usize, io_timeout: Duration) -> Self {
+        Self {
+            shared: Arc::new(Shared::new(rank, world_size, io_timeout)),
+            rejoined: false,
+            stop: Arc::new(AtomicBool::new(false)),
+            background: Mutex::new(Vec::new()),
+        }
     }
 
     /// Configures the connected sockets and starts the reader threads.
@@ -439,68 +708,194 @@ impl TcpTransport {
         mesh: Vec<Option<TcpStream>>,
         io_timeout: Duration,
     ) -> Result<Self> {
-        let mailbox = Arc::new(Mailbox::new());
-        let buffer = socket_buffer();
-        let mut transport = Self {
-            rank,
-            world_size,
-            mailbox: mailbox.clone(),
-            peers: Vec::with_capacity(world_size),
-            io_timeout,
-        };
+        let transport = Self::empty(rank, world_size, io_timeout);
         for (peer, stream) in mesh.into_iter().enumerate() {
-            let Some(stream) = stream else {
-                transport.peers.push(None);
-                continue;
-            };
-            let setup_err = |e: std::io::Error| {
-                CollectiveError::Rendezvous(format!(
-                    "rank {rank}: setting up the connection to rank {peer}: {e}"
-                ))
-            };
-            stream.set_nodelay(true).map_err(setup_err)?;
-            stream.set_read_timeout(None).map_err(setup_err)?;
-            stream
-                .set_write_timeout(Some(io_timeout))
-                .map_err(setup_err)?;
-            if let Some(bytes) = buffer {
-                let sock = socket2::SockRef::from(&stream);
-                sock.set_send_buffer_size(bytes).map_err(setup_err)?;
-                sock.set_recv_buffer_size(bytes).map_err(setup_err)?;
+            if let Some(stream) = stream {
+                let opened = transport.shared.open(peer, stream)?;
+                *transport.shared.peers[peer]
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner()) = Some(Arc::new(opened));
             }
-            let control = stream.try_clone().map_err(setup_err)?;
-            let reading = stream.try_clone().map_err(setup_err)?;
-            let status = Arc::new(PeerStatus::default());
-            let reader = {
-                let mailbox = mailbox.clone();
-                let status = status.clone();
-                let shutdown = stream.try_clone().map_err(setup_err)?;
-                thread::Builder::new()
-                    .name(format!("burn-tcp-{rank}<-{peer}"))
-                    .spawn(move || {
-                        read_loop(peer, world_size, reading, shutdown, &mailbox, &status)
-                    })
-                    .map_err(|e| {
-                        CollectiveError::Rendezvous(format!(
-                            "rank {rank}: cannot start the reader thread of rank {peer}: {e}"
-                        ))
-                    })?
-            };
-            transport.peers.push(Some(Peer {
-                writer: Mutex::new(stream),
-                control,
-                status,
-                reader: Some(reader),
-            }));
         }
         Ok(transport)
     }
 
+    /// The restarted process of rank `config.rank` joins the running world: it listens for
+    /// the restarted ranks that register after it, dials the ranks rank 0 listed as up or
+    /// joining, and marks the others lost until they dial it.
+    fn rejoin(
+        config: &TcpConfig,
+        data: TcpListener,
+        session: u64,
+        addrs: &[SocketAddr],
+        states: &[rendezvous::RankState],
+        deadline: Instant,
+        io_timeout: Duration,
+    ) -> Result<Self> {
+        let (rank, world_size) = (config.rank, config.world_size);
+        let token = config.job_token.as_ref();
+        let mut transport = Self::empty(rank, world_size, io_timeout);
+        transport.rejoined = true;
+        transport.serve_dials(data, session, config)?;
+        let targets: Vec<usize> = (0..world_size)
+            .filter(|&p| p != rank && states[p] != rendezvous::RankState::Down)
+            .collect();
+        let stop = &*transport.stop;
+        let dialed: Vec<(usize, std::result::Result<TcpStream, String>)> = thread::scope(|scope| {
+            let handles: Vec<_> = targets
+                .iter()
+                .map(|&p| {
+                    let link = rendezvous::link(session, world_size, rank, p);
+                    let addr = addrs[p];
+                    (
+                        p,
+                        scope.spawn(move || {
+                            rendezvous::dial_until(link, addr, token, deadline, stop)
+                        }),
+                    )
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|(p, h)| {
+                    let result = h
+                        .join()
+                        .unwrap_or_else(|_| Err("the dialing thread panicked".into()));
+                    (p, result)
+                })
+                .collect()
+        });
+        let mut unreachable = Vec::new();
+        for (p, result) in dialed {
+            match result {
+                Ok(stream) => {
+                    if let Err(why) = transport.shared.replace(p, stream, &mut |_| Ok(())) {
+                        eprintln!(
+                            "burn-parallel rank {rank}: dropped the connection to rank {p}: {why}"
+                        );
+                    }
+                }
+                Err(e) => {
+                    let reason =
+                        format!("rank {rank} rejoined the job but could not reach rank {p}: {e}");
+                    transport.shared.mark_lost_unless_up(p, &reason);
+                    unreachable.push(reason);
+                }
+            }
+        }
+        for p in (0..world_size).filter(|&p| p != rank && !targets.contains(&p)) {
+            transport.shared.mark_lost_unless_up(
+                p,
+                &format!(
+                    "rank {p} was down when rank {rank} rejoined the job; it connects to rank \
+                     {rank} when it restarts"
+                ),
+            );
+        }
+        if !(0..world_size).any(|p| transport.shared.up(p)) {
+            return Err(CollectiveError::Rendezvous(format!(
+                "rank {rank}: rank 0 let this process rejoin the running job, but it reached \
+                 no other rank before the rendezvous timeout of {:?}: {}",
+                config.timeout,
+                unreachable.join("; ")
+            )));
+        }
+        for reason in &unreachable {
+            eprintln!("burn-parallel rank {rank}: {reason}; going on without it");
+        }
+        Ok(transport)
+    }
+
+    /// Rank 0 keeps serving the rendezvous store for restarted ranks (rejoining on).
+    fn serve_store(
+        &self,
+        store: TcpRendezvous,
+        session: u64,
+        addrs: Vec<SocketAddr>,
+        config: &TcpConfig,
+    ) -> Result<()> {
+        let shared = self.shared.clone();
+        let stop = self.stop.clone();
+        let token = config.job_token.clone();
+        let join_window = config.timeout;
+        let world_size = self.shared.world_size;
+        self.spawn("burn-tcp-store", move || {
+            rendezvous::serve_running_store(
+                rendezvous::RunningStore {
+                    store: &store.listener,
+                    world_size,
+                    token: token.as_ref(),
+                    session,
+                    addrs,
+                    join_window,
+                    stop: &stop,
+                },
+                &|r| shared.up(r),
+            );
+        })
+    }
+
+    /// Keeps accepting restarted ranks on this rank's data listener (rejoining on).
+    fn serve_dials(&self, data: TcpListener, session: u64, config: &TcpConfig) -> Result<()> {
+        let shared = self.shared.clone();
+        let stop = self.stop.clone();
+        let token = config.job_token.clone();
+        let name = format!("burn-tcp-rejoin-{}", self.shared.rank);
+        self.spawn(&name, move || {
+            rendezvous::serve_rejoin_dials(
+                rendezvous::RejoinListener {
+                    rank: shared.rank,
+                    world_size: shared.world_size,
+                    session,
+                    listener: &data,
+                    token: token.as_ref(),
+                    stop: &stop,
+                },
+                &mut |peer, stream, answer| {
+                    shared.replace(peer, stream, answer)?;
+                    eprintln!(
+                        "burn-parallel rank {}: rank {peer} reconnected (a restarted process)",
+                        shared.rank
+                    );
+                    Ok(())
+                },
+            );
+        })
+    }
+
+    fn spawn(&self, name: &str, f: impl FnOnce() + Send + 'static) -> Result<()> {
+        let handle = thread::Builder::new()
+            .name(name.to_string())
+            .spawn(f)
+            .map_err(|e| {
+                CollectiveError::Rendezvous(format!(
+                    "rank {}: cannot start the thread {name}: {e}",
+                    self.shared.rank
+                ))
+            })?;
+        self.background
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(handle);
+        Ok(())
+    }
+
+    /// Stops the store and data-listener threads (their listeners close).
+    fn stop_background(&self) {
+        self.stop.store(true, Ordering::SeqCst);
+        let handles =
+            std::mem::take(&mut *self.background.lock().unwrap_or_else(|e| e.into_inner()));
+        for handle in handles {
+            let _ = handle.join();
+        }
+    }
+
     /// Cuts every connection at once, without a goodbye, as if this process had crashed:
     /// peers report this rank as failed. Meant for fault-injection tests; the transport is
-    /// unusable afterwards.
+    /// unusable afterwards (its listeners are closed too, so the rank can be restarted).
     pub fn disconnect_abruptly(&self) {
-        for peer in self.peers.iter().flatten() {
+        self.stop_background();
+        for peer in self.shared.connected() {
             peer.status.closing.store(true, Ordering::SeqCst);
             peer.status
                 .set_gone("this rank disconnected abruptly".to_string());
@@ -526,7 +921,7 @@ impl TcpTransport {
 
     fn transport_error(&self, peer: usize, reason: String) -> CollectiveError {
         CollectiveError::Transport {
-            rank: self.rank,
+            rank: self.shared.rank,
             peer,
             reason,
         }
@@ -535,37 +930,53 @@ impl TcpTransport {
 
 impl Transport for TcpTransport {
     fn rank(&self) -> usize {
-        self.rank
+        self.shared.rank
     }
 
     fn world_size(&self) -> usize {
-        self.world_size
+        self.shared.world_size
     }
 
     fn backend_name(&self) -> &'static str {
         "tcp"
     }
 
+    fn rejoined(&self) -> bool {
+        self.rejoined
+    }
+
     fn send(&self, dst: usize, frame: Frame) -> Result<()> {
-        if dst == self.rank {
-            self.mailbox.deliver(self.rank, frame);
+        let rank = self.shared.rank;
+        let mailbox = &self.shared.mailbox;
+        if dst == rank {
+            mailbox.deliver(rank, frame);
             return Ok(());
         }
-        let peer = self
-            .peers
-            .get(dst)
-            .and_then(Option::as_ref)
-            .ok_or_else(|| {
-                self.transport_error(
-                    dst,
-                    format!("no rank {dst} in a tcp world of {} ranks", self.world_size),
-                )
-            })?;
+        if dst >= self.shared.world_size {
+            return Err(self.transport_error(
+                dst,
+                format!(
+                    "no rank {dst} in a tcp world of {} ranks",
+                    self.shared.world_size
+                ),
+            ));
+        }
+        let Some(peer) = self.shared.peer(dst) else {
+            return Err(CollectiveError::PeerFailed {
+                rank,
+                op: format!("send to rank {dst}"),
+                peer: dst,
+                reason: format!(
+                    "rank {dst} is not connected to this rank (it was down or unreachable when \
+                     this rank rejoined the job, and has not reconnected)"
+                ),
+            });
+        };
         if let Some(why) = peer.status.gone() {
             // Report the root cause, as a receive would.
-            let (failed, reason) = self.mailbox.failure().unwrap_or((dst, why));
+            let (failed, reason) = mailbox.failure().unwrap_or((dst, why));
             return Err(CollectiveError::PeerFailed {
-                rank: self.rank,
+                rank,
                 op: format!("send to rank {dst}"),
                 peer: failed,
                 reason,
@@ -586,33 +997,31 @@ impl Transport for TcpTransport {
         let reason = if stalled {
             format!(
                 "rank {dst} stopped reading: a write to it made no progress for {:?}",
-                self.io_timeout
+                self.shared.io_timeout
             )
         } else {
             // The peer is gone. Let the reader drain what it sent last (an abort naming the
             // root cause, a goodbye) before blaming the connection.
             let _ = peer.control.shutdown(Shutdown::Write);
             let deadline = Instant::now() + Duration::from_millis(200);
-            while peer.reader.as_ref().is_some_and(|r| !r.is_finished())
-                && Instant::now() < deadline
-            {
+            while peer.reader_running() && Instant::now() < deadline {
                 thread::sleep(Duration::from_millis(1));
             }
             format!("connection to rank {dst} lost (process exited or crashed): {e}")
         };
         let _ = peer.control.shutdown(Shutdown::Both);
-        let (failed, reason) = match (self.mailbox.failure(), peer.status.gone()) {
+        let (failed, reason) = match (mailbox.failure(), peer.status.gone()) {
             (Some(root), _) => root,
             // It said goodbye: sending to it is this program's error, not a failure of it.
             (None, Some(goodbye)) if !stalled => (dst, goodbye),
             (None, _) => {
                 peer.status.set_gone(reason.clone());
-                self.mailbox.mark_failed(dst, &reason);
+                mailbox.mark_failed(dst, &reason);
                 (dst, reason)
             }
         };
         Err(CollectiveError::PeerFailed {
-            rank: self.rank,
+            rank,
             op: format!("send to rank {dst}"),
             peer: failed,
             reason,
@@ -620,25 +1029,27 @@ impl Transport for TcpTransport {
     }
 
     fn mailbox(&self) -> &Mailbox {
-        &self.mailbox
+        &self.shared.mailbox
     }
 
     fn abort(&self, reason: &str) {
+        let rank = self.shared.rank;
+        let mailbox = &self.shared.mailbox;
         // When this rank fails because another one did, pass on the root cause: every rank
         // then names the same culprit, whichever abort reaches it first.
-        let (origin, reason) = match self.mailbox.failure() {
-            Some((origin, root)) if origin != self.rank => (origin, root),
-            _ => (self.rank, reason.to_string()),
+        let (origin, reason) = match mailbox.failure() {
+            Some((origin, root)) if origin != rank => (origin, root),
+            _ => (rank, reason.to_string()),
         };
-        self.mailbox.mark_failed(self.rank, &reason);
-        for peer in self.peers.iter().flatten() {
-            match Self::lock_writer_briefly(peer) {
+        mailbox.mark_failed(rank, &reason);
+        for peer in self.shared.connected() {
+            match Self::lock_writer_briefly(&peer) {
                 Some(mut writer) => {
                     let _ = writer.set_write_timeout(Some(CONTROL_WAIT));
                     if wire::write_abort(&mut *writer, origin, &reason).is_err() {
                         let _ = peer.control.shutdown(Shutdown::Both);
                     }
-                    let _ = writer.set_write_timeout(Some(self.io_timeout));
+                    let _ = writer.set_write_timeout(Some(self.shared.io_timeout));
                 }
                 // Cannot get a whole frame through: cutting the connection still tells the
                 // peer that this rank is gone.
@@ -652,15 +1063,18 @@ impl Transport for TcpTransport {
 
 impl Drop for TcpTransport {
     fn drop(&mut self) {
+        // No restarted rank replaces a connection from now on.
+        self.stop_background();
         // Dropped while unwinding from a panic: this rank failed, it did not finish.
         if thread::panicking() {
             self.abort(&format!(
                 "rank {} panicked (its process group was dropped while unwinding)",
-                self.rank
+                self.shared.rank
             ));
         }
+        let peers = self.shared.connected();
         // Say goodbye and close our sending side; what was written before still arrives.
-        for peer in self.peers.iter().flatten() {
+        for peer in &peers {
             peer.status.closing.store(true, Ordering::SeqCst);
             if let Some(mut writer) = Self::lock_writer_briefly(peer) {
                 let _ = writer.set_write_timeout(Some(CONTROL_WAIT));
@@ -672,24 +1086,19 @@ impl Drop for TcpTransport {
         // is left so that every reader thread ends.
         // A failed world may never close its side: keep only a short linger for the abort
         // frames to leave.
-        let linger = if self.mailbox.failure().is_some() {
+        let linger = if self.shared.mailbox.failure().is_some() {
             FAILED_LINGER
         } else {
             LINGER
         };
         let deadline = Instant::now() + linger;
-        while Instant::now() < deadline
-            && self
-                .peers
-                .iter()
-                .flatten()
-                .any(|p| p.reader.as_ref().is_some_and(|r| !r.is_finished()))
-        {
+        while Instant::now() < deadline && peers.iter().any(|p| p.reader_running()) {
             thread::sleep(Duration::from_millis(1));
         }
-        for peer in self.peers.iter_mut().flatten() {
+        for peer in &peers {
             let _ = peer.control.shutdown(Shutdown::Both);
-            if let Some(reader) = peer.reader.take() {
+            let reader = peer.reader.lock().unwrap_or_else(|e| e.into_inner()).take();
+            if let Some(reader) = reader {
                 let _ = reader.join();
             }
         }

@@ -90,6 +90,12 @@ pub trait Transport: Send + Sync + 'static {
     fn native(&self) -> Option<&dyn NativeCollectives> {
         None
     }
+    /// Whether this process joined a world that was already running (a restarted rank of a
+    /// fault-tolerant `tcp` job, see [`crate::TcpConfig::rejoin`]) instead of forming it with
+    /// the others. `false` (the default) for every backend without rejoining.
+    fn rejoined(&self) -> bool {
+        false
+    }
 }
 
 /// One collective call of a group, as [`crate::ProcessGroup`] hands it to a backend's
@@ -249,6 +255,35 @@ impl Mailbox {
         self.arrived.notify_all();
     }
 
+    /// Records that `peer` cannot be reached (a rank that was down when this process rejoined
+    /// a running world): waits on `peer` end with an error, waits on other ranks go on, as for
+    /// an isolated peer ([`Mailbox::isolate_failures_of`]) whether or not `peer` is isolated.
+    /// [`Mailbox::revive`] undoes it once the peer connects.
+    pub fn mark_lost(&self, peer: usize, reason: &str) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.gone.insert(peer, Gone::Failed);
+        state
+            .isolated_failures
+            .entry(peer)
+            .or_insert_with(|| reason.to_string());
+        drop(state);
+        self.arrived.notify_all();
+    }
+
+    /// `peer` is back (a restarted process took its place): forgets that it failed or shut
+    /// down, and drops the frames from it still queued (they came from the process that is
+    /// gone), then wakes the waiters. A peer given to [`Mailbox::isolate_failures_of`] stays
+    /// isolated. The world-wide failure ([`Mailbox::failure`]) is not cleared: a failure that
+    /// was not isolated is final.
+    pub fn revive(&self, peer: usize) {
+        let mut state = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        state.gone.remove(&peer);
+        state.isolated_failures.remove(&peer);
+        state.queues.retain(|&(src, _), _| src != peer);
+        drop(state);
+        self.arrived.notify_all();
+    }
+
     /// From now on, a failure of one of `peers` ends only the waits on that peer instead of
     /// every wait of this mailbox (used by DiLoCo to drop a lost island and go on with the
     /// others). A failure recorded before this call is not undone.
@@ -342,5 +377,97 @@ impl Mailbox {
                 .unwrap_or_else(|e| e.into_inner())
                 .0;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(tag: u64, byte: u8) -> Frame {
+        Frame {
+            header: Header {
+                stream: StreamId { group: 0, tag },
+                seq: 0,
+                signature: "test".into(),
+                meta: Vec::new(),
+            },
+            payload: Bytes::from(vec![byte]),
+        }
+    }
+
+    fn recv(mailbox: &Mailbox, src: usize, tag: u64) -> Result<Frame> {
+        mailbox.recv(
+            0,
+            src,
+            StreamId { group: 0, tag },
+            Duration::from_millis(50),
+            &|| "recv".into(),
+        )
+    }
+
+    #[test]
+    fn revive_clears_an_isolated_failure_and_the_dead_processes_frames() {
+        let mailbox = Mailbox::new();
+        mailbox.isolate_failures_of(&[1, 2]);
+        mailbox.deliver(1, frame(7, 1));
+        mailbox.deliver(2, frame(7, 2));
+        mailbox.mark_failed(1, "crashed");
+        assert!(matches!(
+            recv(&mailbox, 1, 8),
+            Err(CollectiveError::PeerFailed { peer: 1, .. })
+        ));
+        mailbox.revive(1);
+        // The frame of the dead process is gone; the wait now times out instead of failing.
+        assert!(matches!(
+            recv(&mailbox, 1, 7),
+            Err(CollectiveError::Timeout { peer: 1, .. })
+        ));
+        // Other peers' frames stay.
+        assert_eq!(recv(&mailbox, 2, 7).unwrap().payload[0], 2);
+        mailbox.deliver(1, frame(7, 3));
+        assert_eq!(recv(&mailbox, 1, 7).unwrap().payload[0], 3);
+        // Still isolated: a second failure ends only the waits on it.
+        mailbox.mark_failed(1, "crashed again");
+        assert!(mailbox.failure().is_none());
+        assert!(matches!(
+            recv(&mailbox, 1, 7),
+            Err(CollectiveError::PeerFailed { peer: 1, .. })
+        ));
+        assert!(matches!(
+            recv(&mailbox, 2, 7),
+            Err(CollectiveError::Timeout { peer: 2, .. })
+        ));
+    }
+
+    #[test]
+    fn revive_keeps_a_world_wide_failure_and_forgets_a_goodbye() {
+        let mailbox = Mailbox::new();
+        mailbox.mark_closed(2);
+        assert!(recv(&mailbox, 2, 1).is_err());
+        mailbox.revive(2);
+        mailbox.deliver(2, frame(1, 9));
+        assert_eq!(recv(&mailbox, 2, 1).unwrap().payload[0], 9);
+        mailbox.mark_failed(1, "crashed");
+        mailbox.revive(1);
+        assert_eq!(mailbox.failure().map(|(r, _)| r), Some(1));
+        assert!(matches!(
+            recv(&mailbox, 2, 1),
+            Err(CollectiveError::PeerFailed { peer: 1, .. })
+        ));
+    }
+
+    #[test]
+    fn a_lost_peer_ends_only_its_own_waits_until_revived() {
+        let mailbox = Mailbox::new();
+        mailbox.mark_lost(3, "down when this rank rejoined");
+        assert!(mailbox.failure().is_none());
+        assert!(matches!(
+            recv(&mailbox, 3, 0),
+            Err(CollectiveError::PeerFailed { peer: 3, .. })
+        ));
+        mailbox.revive(3);
+        mailbox.deliver(3, frame(0, 4));
+        assert_eq!(recv(&mailbox, 3, 0).unwrap().payload[0], 4);
     }
 }

@@ -314,9 +314,63 @@ pub(crate) fn rendezvous_timeout_from_env() -> Result<Duration> {
         .unwrap_or(DEFAULT_RENDEZVOUS_TIMEOUT))
 }
 
+/// The variable that turns on rejoining ([`super::TcpConfig::rejoin`]).
+pub const FAULT_TOLERANT_ENV: &str = "BURN_PARALLEL_FAULT_TOLERANT";
+
+/// Reads a [`FAULT_TOLERANT_ENV`] value: `1` or `true` turn rejoining on; `0`, `false`, empty
+/// or unset (`None`) leave it off (case and surrounding blanks do not matter).
+///
+/// # Errors
+/// [`CollectiveError::Rendezvous`] naming the variable for any other value, as for the other
+/// garbled launch variables.
+pub(crate) fn parse_fault_tolerant(raw: Option<&str>) -> Result<bool> {
+    let Some(raw) = raw else {
+        return Ok(false);
+    };
+    match raw.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" => Ok(true),
+        "" | "0" | "false" => Ok(false),
+        _ => Err(CollectiveError::Rendezvous(format!(
+            "{FAULT_TOLERANT_ENV}={raw:?} is not a valid value: set {FAULT_TOLERANT_ENV} to 1 \
+             or true (a restarted rank may rejoin the running job) or to 0, false or nothing"
+        ))),
+    }
+}
+
+/// [`FAULT_TOLERANT_ENV`] from the environment (see [`parse_fault_tolerant`]).
+pub(crate) fn fault_tolerant_from_env() -> Result<bool> {
+    match std::env::var(FAULT_TOLERANT_ENV) {
+        Ok(v) => parse_fault_tolerant(Some(&v)),
+        Err(std::env::VarError::NotPresent) => Ok(false),
+        Err(std::env::VarError::NotUnicode(v)) => Err(CollectiveError::Rendezvous(format!(
+            "{FAULT_TOLERANT_ENV}={v:?} is not valid UTF-8: set it to 1, true, 0 or false"
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fault_tolerant_values() {
+        for (raw, on) in [
+            (None, false),
+            (Some(""), false),
+            (Some("0"), false),
+            (Some("false"), false),
+            (Some("1"), true),
+            (Some(" TRUE "), true),
+        ] {
+            assert_eq!(parse_fault_tolerant(raw).unwrap(), on, "{raw:?}");
+        }
+        for raw in ["yes", "2", "on"] {
+            match parse_fault_tolerant(Some(raw)) {
+                Err(CollectiveError::Rendezvous(m)) => assert!(m.contains(FAULT_TOLERANT_ENV)),
+                other => panic!("{raw:?} gave {other:?}"),
+            }
+        }
+    }
 
     #[test]
     fn first_hosts() {

@@ -18,6 +18,14 @@
 //!    with a hello (session, world size, both ranks, its own challenge, HMAC); the accepting
 //!    side checks it and answers with its own HMAC. A stray connection is dropped and logged.
 //!
+//! 4. With rejoining on ([`super::TcpConfig::rejoin`], checked to be the same on every rank),
+//!    rank 0 keeps serving the store ([`serve_running_store`]) and every rank keeps accepting on
+//!    its data listener ([`serve_rejoin_dials`]) once the world is formed. A restarted rank's
+//!    registration is answered at once with [`Reply::Running`]: the address table (updated
+//!    with the new address), the session and each rank's [`RankState`] as rank 0 sees it; the
+//!    restarted rank dials the ranks that are up or joining with the same handshake as step 3
+//!    ([`dial_until`]), and a rank accepts it in place of a failed connection.
+//!
 //! A rank whose registrations are all rejected (its token differs from rank 0's) keeps trying
 //! until the rendezvous timeout, then fails with [`CollectiveError::JobToken`]. A job token on
 //! one side of the rendezvous and none on the other fails at once with that error.
@@ -60,6 +68,7 @@ const MAX_LOGGED: usize = 16;
 const REGISTER_LABEL: &str = "burn-parallel/rendezvous/v2/register";
 const ACCEPTED_LABEL: &str = "burn-parallel/rendezvous/v2/accepted";
 const REFUSED_LABEL: &str = "burn-parallel/rendezvous/v2/refused";
+const RUNNING_LABEL: &str = "burn-parallel/rendezvous/v2/running";
 const HELLO_LABEL: &str = "burn-parallel/mesh/v2/hello";
 const ANSWER_LABEL: &str = "burn-parallel/mesh/v2/answer";
 
@@ -82,6 +91,10 @@ struct Registration {
     nonce: Nonce,
     /// HMAC over the store's challenge and the fields above (job token only).
     tag: Option<Tag>,
+    /// Whether the rank was started with rejoining on ([`super::TcpConfig::rejoin`]); every
+    /// rank of a job must agree. Absent (false) from builds that predate it.
+    #[serde(default)]
+    rejoin: bool,
 }
 
 impl Registration {
@@ -92,6 +105,9 @@ impl Registration {
         buf.extend_from_slice(&self.pid.to_le_bytes());
         buf.extend_from_slice(&self.nonce);
         buf.extend_from_slice(self.data_addr.to_string().as_bytes());
+        if self.rejoin {
+            buf.extend_from_slice(b"/rejoin");
+        }
         [challenge, buf]
     }
 }
@@ -109,6 +125,58 @@ enum Reply {
     Refused { reason: String, tag: Option<Tag> },
     /// This registration was not authenticated; the job goes on without this connection.
     Rejected { reason: String },
+    /// The world is already running (the registration is a restarted rank's): the data
+    /// address of every rank, the session number and what rank 0 knows of each rank.
+    Running {
+        session: u64,
+        addrs: Vec<SocketAddr>,
+        states: Vec<RankState>,
+        tag: Option<Tag>,
+    },
+}
+
+/// What rank 0's store tells a restarted rank about each rank of a running world.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum RankState {
+    /// Connected to rank 0 and healthy: the restarted rank dials it.
+    Up,
+    /// Restarted and registered before this one, not yet connected to rank 0: its address is
+    /// fresh, the restarted rank dials it.
+    Joining,
+    /// Failed and not restarted (its address is stale): it dials the restarted rank when it
+    /// registers in turn.
+    Down,
+}
+
+impl RankState {
+    fn byte(self) -> u8 {
+        match self {
+            RankState::Up => b'u',
+            RankState::Joining => b'j',
+            RankState::Down => b'd',
+        }
+    }
+}
+
+fn running_parts(session: u64, addrs: &[SocketAddr], states: &[RankState]) -> Vec<u8> {
+    let mut buf = accepted_parts(session, addrs);
+    buf.extend(states.iter().map(|s| s.byte()));
+    buf
+}
+
+/// What registering with rank 0's store gave.
+pub(crate) enum Joined {
+    /// The world is being formed: every rank got the same table.
+    Forming {
+        session: u64,
+        addrs: Vec<SocketAddr>,
+    },
+    /// The world was already running: this is a restarted rank.
+    Running {
+        session: u64,
+        addrs: Vec<SocketAddr>,
+        states: Vec<RankState>,
+    },
 }
 
 fn accepted_parts(session: u64, addrs: &[SocketAddr]) -> Vec<u8> {
@@ -448,6 +516,78 @@ pub(crate) fn connect_with_retry(
     }
 }
 
+/// Decodes and authenticates the registration `body` that arrived on `pending`; returns the
+/// (now blocking) stream, the peer address and the registration, or `None` after telling the
+/// sender `Rejected` and logging it (the job goes on without this connection).
+fn authenticate(
+    pending: Pending,
+    body: &[u8],
+    token: Option<&JobToken>,
+    dropped: &mut Dropped,
+) -> Option<(TcpStream, SocketAddr, Registration)> {
+    let Pending {
+        mut stream,
+        from,
+        nonce,
+        ..
+    } = pending;
+    let registration = match decode::<Registration>(&body[9..]) {
+        Ok(r) => r,
+        Err(e) => {
+            dropped.record(from, e);
+            return None;
+        }
+    };
+    // Authenticate before believing anything the registration says.
+    let mut buf = Vec::new();
+    let rejection = match (token, registration.tag) {
+        (Some(token), Some(tag)) => (!token.verify(
+            REGISTER_LABEL,
+            &registration.tag_parts(&nonce, &mut buf),
+            &tag,
+        ))
+        .then_some("wrong job token (the HMAC of the challenge does not match)"),
+        (Some(_), None) => Some("no job token, but this job has one"),
+        (None, Some(_)) => Some("a job token, but rank 0 has none"),
+        (None, None) => None,
+    };
+    if let Some(why) = rejection {
+        if registration.tag.is_some() && token.is_some() {
+            dropped.token_rejections += 1;
+        }
+        let _ = stream.set_nonblocking(false).and_then(|()| {
+            send_message(
+                &mut stream,
+                &Reply::Rejected {
+                    reason: why.to_string(),
+                },
+            )
+        });
+        dropped.record(
+            from,
+            format!(
+                "registration claiming rank {} rejected: {why}",
+                registration.rank
+            ),
+        );
+        return None;
+    }
+    if let Err(e) = stream.set_nonblocking(false) {
+        dropped.record(from, e);
+        return None;
+    }
+    Some((stream, from, registration))
+}
+
+/// How a rejoining store names a rank's rejoin flag in its errors.
+fn rejoin_setting(on: bool) -> &'static str {
+    if on {
+        "rejoining on (BURN_PARALLEL_FAULT_TOLERANT=1, TcpConfig::rejoin)"
+    } else {
+        "rejoining off (BURN_PARALLEL_FAULT_TOLERANT unset or 0, TcpConfig::rejoin false)"
+    }
+}
+
 /// A registered rank, as rank 0 keeps it.
 struct Registered {
     stream: TcpStream,
@@ -457,11 +597,13 @@ struct Registered {
 
 /// Rank 0's side of steps 1 and 2: serves the store on `store` until every rank has
 /// registered. Returns the session number and the address table.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn serve_store(
     store: &TcpListener,
     world_size: usize,
     own_data_addr: SocketAddr,
     token: Option<&JobToken>,
+    rejoin: bool,
     deadline: Instant,
     timeout: Duration,
 ) -> Result<(u64, Vec<SocketAddr>)> {
@@ -546,57 +688,11 @@ pub(crate) fn serve_store(
                 Ok(Progress::Done(message)) => message,
             };
             progressed = true;
-            let Pending {
-                mut stream,
-                from,
-                nonce,
-                ..
-            } = pending.swap_remove(i);
-            let registration = match decode::<Registration>(&body[9..]) {
-                Ok(r) => r,
-                Err(e) => {
-                    dropped.record(from, e);
-                    continue;
-                }
-            };
-            // Authenticate before believing anything the registration says.
-            let mut buf = Vec::new();
-            let rejection = match (token, registration.tag) {
-                (Some(token), Some(tag)) => (!token.verify(
-                    REGISTER_LABEL,
-                    &registration.tag_parts(&nonce, &mut buf),
-                    &tag,
-                ))
-                .then_some("wrong job token (the HMAC of the challenge does not match)"),
-                (Some(_), None) => Some("no job token, but this job has one"),
-                (None, Some(_)) => Some("a job token, but rank 0 has none"),
-                (None, None) => None,
-            };
-            if let Some(why) = rejection {
-                if registration.tag.is_some() && token.is_some() {
-                    dropped.token_rejections += 1;
-                }
-                let _ = stream.set_nonblocking(false).and_then(|()| {
-                    send_message(
-                        &mut stream,
-                        &Reply::Rejected {
-                            reason: why.to_string(),
-                        },
-                    )
-                });
-                dropped.record(
-                    from,
-                    format!(
-                        "registration claiming rank {} rejected: {why}",
-                        registration.rank
-                    ),
-                );
+            let Some((mut stream, from, registration)) =
+                authenticate(pending.swap_remove(i), &body, token, &mut dropped)
+            else {
                 continue;
-            }
-            if let Err(e) = stream.set_nonblocking(false) {
-                dropped.record(from, e);
-                continue;
-            }
+            };
             let r = registration.rank;
             let offender = Some((&mut stream, &registration.nonce));
             if registration.world_size != world_size {
@@ -607,6 +703,19 @@ pub(crate) fn serve_store(
                         "rank {r} (at {from}, pid {}) was started with WORLD_SIZE={} but rank 0 \
                          with WORLD_SIZE={world_size}; start every rank with the same WORLD_SIZE",
                         registration.pid, registration.world_size
+                    ),
+                ));
+            }
+            if registration.rejoin != rejoin {
+                return Err(refuse(
+                    &mut registered,
+                    offender,
+                    format!(
+                        "rank {r} (at {from}, pid {}) was started with {} but rank 0 with {}; \
+                         start every rank with the same BURN_PARALLEL_FAULT_TOLERANT",
+                        registration.pid,
+                        rejoin_setting(registration.rejoin),
+                        rejoin_setting(rejoin)
                     ),
                 ));
             }
@@ -684,19 +793,200 @@ pub(crate) fn serve_store(
     Ok((session, addrs))
 }
 
+/// What rank 0's store keeps serving once the world runs with rejoining on.
+pub(crate) struct RunningStore<'a> {
+    /// The store's listener (`MASTER_ADDR:MASTER_PORT`).
+    pub store: &'a TcpListener,
+    pub world_size: usize,
+    pub token: Option<&'a JobToken>,
+    pub session: u64,
+    /// The data address of every rank, updated as ranks rejoin.
+    pub addrs: Vec<SocketAddr>,
+    /// How long a rank that registered counts as joining (the rendezvous timeout).
+    pub join_window: Duration,
+    /// Ends the loop.
+    pub stop: &'a AtomicBool,
+}
+
+/// Rank 0's store once the world is formed, with rejoining on: serves until `stop` is set.
+/// An authenticated registration of a rank that `up` says is not healthy is answered with the
+/// current address table ([`Reply::Running`]); any other registration is refused with a
+/// reason, and the job goes on.
+pub(crate) fn serve_running_store(mut running: RunningStore<'_>, up: &dyn Fn(usize) -> bool) {
+    let RunningStore {
+        store,
+        world_size,
+        token,
+        session,
+        join_window,
+        stop,
+        ..
+    } = running;
+    let store_addr = store
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "MASTER_ADDR:MASTER_PORT".into());
+    if let Err(e) = store.set_nonblocking(true) {
+        eprintln!(
+            "burn-parallel rank 0: the rendezvous store stops, restarted ranks cannot rejoin: {e}"
+        );
+        return;
+    }
+    let mut joining: Vec<Option<Instant>> = vec![None; world_size];
+    let mut pending: Vec<Pending> = Vec::new();
+    let mut dropped = Dropped::new(0, "the rendezvous store");
+    let challenge = |nonce: &Nonce| {
+        encode_message(&Challenge {
+            nonce: *nonce,
+            authenticated: token.is_some(),
+        })
+    };
+    while !stop.load(Ordering::Relaxed) {
+        // A rank that connected to rank 0 is no longer joining.
+        for (rank, mark) in joining.iter_mut().enumerate() {
+            if mark.is_some() && up(rank) {
+                *mark = None;
+            }
+        }
+        let mut progressed = match accept_pending(store, &mut pending, &mut dropped, challenge) {
+            Ok(any) => any,
+            Err(e) => {
+                eprintln!(
+                    "burn-parallel rank 0: accepting on the rendezvous store {store_addr} \
+                     failed, restarted ranks cannot rejoin: {e}"
+                );
+                return;
+            }
+        };
+        let mut i = 0;
+        while i < pending.len() {
+            let body = match pending[i].poll(store_message_len) {
+                Ok(Progress::Waiting) if pending[i].since.elapsed() < MESSAGE_WAIT => {
+                    i += 1;
+                    continue;
+                }
+                Ok(Progress::Waiting) => {
+                    let p = pending.swap_remove(i);
+                    dropped.record(
+                        p.from,
+                        format!("sent no registration within {MESSAGE_WAIT:?}"),
+                    );
+                    continue;
+                }
+                Err(e) => {
+                    let p = pending.swap_remove(i);
+                    dropped.record(p.from, e);
+                    continue;
+                }
+                Ok(Progress::Done(message)) => message,
+            };
+            progressed = true;
+            let Some((mut stream, from, registration)) =
+                authenticate(pending.swap_remove(i), &body, token, &mut dropped)
+            else {
+                continue;
+            };
+            let r = registration.rank;
+            let pid = registration.pid;
+            let refusal = if registration.world_size != world_size {
+                Some(format!(
+                    "it was started with WORLD_SIZE={} but the running job has \
+                     WORLD_SIZE={world_size}",
+                    registration.world_size
+                ))
+            } else if r >= world_size {
+                Some(format!(
+                    "rank {r} is out of range for WORLD_SIZE={world_size}; RANK must be in \
+                     0..{world_size}"
+                ))
+            } else if !registration.rejoin {
+                Some(format!(
+                    "the job is already running, and this process was started with {}: a \
+                     restarted rank needs BURN_PARALLEL_FAULT_TOLERANT=1 like the rest of the job",
+                    rejoin_setting(false)
+                ))
+            } else if r == 0 {
+                Some(format!(
+                    "rank 0 cannot be replaced: it is the process serving the rendezvous at \
+                     {store_addr} (pid {}), and it is still running; once rank 0 is lost, no \
+                     rank can rejoin (restart the whole job)",
+                    std::process::id()
+                ))
+            } else if up(r) {
+                Some(format!(
+                    "rank {r} is still running in this job (rank 0 is connected to it and \
+                     sees it healthy); start a process for rank {r} only once the old one has \
+                     exited"
+                ))
+            } else {
+                None
+            };
+            let reply = match refusal {
+                Some(reason) => {
+                    let reason = format!("rank 0 refused to let this process rejoin: {reason}");
+                    dropped.record(
+                        from,
+                        format!("registration claiming rank {r} (pid {pid}) refused: {reason}"),
+                    );
+                    Reply::Refused {
+                        tag: token.map(|t| {
+                            t.tag(REFUSED_LABEL, &[&registration.nonce, reason.as_bytes()])
+                        }),
+                        reason,
+                    }
+                }
+                None => {
+                    running.addrs[r] = registration.data_addr;
+                    joining[r] = Some(Instant::now());
+                    let states: Vec<RankState> = (0..world_size)
+                        .map(|k| match joining[k] {
+                            _ if k == 0 || (k != r && up(k)) => RankState::Up,
+                            Some(at) if k != r && at.elapsed() < join_window => RankState::Joining,
+                            _ => RankState::Down,
+                        })
+                        .collect();
+                    let signed = running_parts(session, &running.addrs, &states);
+                    eprintln!(
+                        "burn-parallel rank 0: rank {r} (pid {pid}, at {from}) rejoins the \
+                         running job"
+                    );
+                    Reply::Running {
+                        session,
+                        addrs: running.addrs.clone(),
+                        states,
+                        tag: token.map(|t| t.tag(RUNNING_LABEL, &[&registration.nonce, &signed])),
+                    }
+                }
+            };
+            if let Err(e) = stream
+                .set_write_timeout(Some(MESSAGE_WAIT))
+                .and_then(|()| send_message(&mut stream, &reply))
+            {
+                dropped.record(from, format!("cannot answer its registration: {e}"));
+            }
+        }
+        if !progressed {
+            wait_readable(store, &pending, POLL_CAP);
+        }
+    }
+}
+
 /// The store client of a rank other than 0: connects to rank 0 (retrying until `deadline`),
 /// binds this rank's data listener on the interface that reaches rank 0, answers the store's
 /// challenge with its registration, and waits for the address table. A registration rejected
-/// for its job token is retried (a new connection, a new challenge) until `deadline`.
+/// for its job token is retried (a new connection, a new challenge) until `deadline`. With
+/// `rejoin`, a store whose world is already running answers at once ([`Joined::Running`]).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn register(
     rank: usize,
     world_size: usize,
     master_addr: &str,
     master_port: u16,
     token: Option<&JobToken>,
+    rejoin: bool,
     deadline: Instant,
     timeout: Duration,
-) -> Result<(TcpListener, u64, Vec<SocketAddr>)> {
+) -> Result<(TcpListener, Joined)> {
     let mut listener: Option<TcpListener> = None;
     let mut rejected: Option<(usize, String)> = None;
     let mut backoff = Duration::from_millis(50);
@@ -707,13 +997,14 @@ pub(crate) fn register(
             master_addr,
             master_port,
             token,
+            rejoin,
             &mut listener,
             deadline,
             timeout,
         );
         let reason = match outcome {
-            Ok((session, addrs)) => {
-                return Ok((listener.expect("bound on success"), session, addrs));
+            Ok(joined) => {
+                return Ok((listener.expect("bound on success"), joined));
             }
             Err(Attempt::Failed(e)) => {
                 return Err(match (e, &rejected) {
@@ -792,10 +1083,11 @@ fn register_once(
     master_addr: &str,
     master_port: u16,
     token: Option<&JobToken>,
+    rejoin: bool,
     listener: &mut Option<TcpListener>,
     deadline: Instant,
     timeout: Duration,
-) -> std::result::Result<(u64, Vec<SocketAddr>), Attempt> {
+) -> std::result::Result<Joined, Attempt> {
     let mut stream = connect_with_retry(
         master_addr,
         master_port,
@@ -862,6 +1154,7 @@ fn register_once(
         pid: std::process::id(),
         nonce: random_bytes()?,
         tag: None,
+        rejoin,
     };
     if let Some(token) = token {
         let mut buf = Vec::new();
@@ -905,7 +1198,44 @@ fn register_once(
                 ))
                 .into());
             }
-            Ok((session, addrs))
+            Ok(Joined::Forming { session, addrs })
+        }
+        Ok(Reply::Running {
+            session,
+            addrs,
+            states,
+            tag,
+        }) => {
+            if let Some(token) = token {
+                let signed = running_parts(session, &addrs, &states);
+                if !tag.is_some_and(|tag| {
+                    token.verify(RUNNING_LABEL, &[&registration.nonce, &signed], &tag)
+                }) {
+                    return Err(not_authenticated("address table"));
+                }
+            }
+            if !rejoin {
+                // Rank 0 answers so only registrations that asked to rejoin.
+                return Err(CollectiveError::Rendezvous(format!(
+                    "rank {rank}: rank 0 says the job is already running, but this rank was \
+                     started without BURN_PARALLEL_FAULT_TOLERANT=1"
+                ))
+                .into());
+            }
+            if addrs.len() != world_size || states.len() != world_size {
+                return Err(CollectiveError::Rendezvous(format!(
+                    "rank {rank}: rank 0 sent {} addresses and {} states for a world of \
+                     {world_size}",
+                    addrs.len(),
+                    states.len()
+                ))
+                .into());
+            }
+            Ok(Joined::Running {
+                session,
+                addrs,
+                states,
+            })
         }
         Ok(Reply::Refused { reason, tag }) => {
             if let Some(token) = token
@@ -942,7 +1272,7 @@ fn register_once(
 /// The fields both ends of a data connection check: the session, the world size, the
 /// dialer's rank and the accepting rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Link {
+pub(crate) struct Link {
     session: u64,
     world_size: u32,
     from: u32,
@@ -1095,6 +1425,72 @@ fn dial(
     Ok(stream)
 }
 
+/// Checks a dialer's hello against the challenge `nonce` sent to it: its job-token HMAC, the
+/// session, the world size and that it is meant for `rank`. Returns the rank it claims, its
+/// link and its own challenge.
+fn verify_hello(
+    hello: &[u8],
+    nonce: &Nonce,
+    token: Option<&JobToken>,
+    session: u64,
+    world_size: usize,
+    rank: usize,
+) -> std::result::Result<(usize, Link, Nonce), String> {
+    check_start(hello, HELLO_MAGIC, "handshake").map_err(|e| e.to_string())?;
+    let body = &hello[5..5 + Link::LEN];
+    let their_nonce = &hello[5 + Link::LEN..5 + Link::LEN + NONCE_LEN];
+    let tag = &hello[5 + Link::LEN + NONCE_LEN..];
+    let link = Link::decode(body);
+    if !link_tag_ok(token, HELLO_LABEL, nonce, body, their_nonce, tag) {
+        return Err("wrong job token (the HMAC of the challenge does not match)".into());
+    }
+    if link.session != session {
+        return Err("handshake from another job (session differs)".into());
+    }
+    if link.world_size as usize != world_size || link.to as usize != rank {
+        return Err(format!("handshake for another world or rank: {link:?}"));
+    }
+    if link.from as usize >= world_size || link.from as usize == rank {
+        return Err(format!("claimed rank {}, unexpected", link.from));
+    }
+    Ok((
+        link.from as usize,
+        link,
+        their_nonce.try_into().expect("nonce bytes"),
+    ))
+}
+
+/// Answers a verified hello: this rank's side of the link, with the HMAC of the dialer's
+/// challenge. Leaves the stream blocking.
+fn answer_hello(
+    stream: &mut TcpStream,
+    rank: usize,
+    link: Link,
+    their_nonce: &Nonce,
+    token: Option<&JobToken>,
+    write_timeout: Duration,
+) -> io::Result<()> {
+    let reply = Link {
+        from: rank as u32,
+        to: link.from,
+        ..link
+    };
+    let mut reply_bytes = Vec::with_capacity(Link::LEN);
+    reply.encode(&mut reply_bytes);
+    let mut answer = start_message(ANSWER_MAGIC);
+    answer.extend_from_slice(&reply_bytes);
+    answer.extend_from_slice(&link_tag(
+        token,
+        ANSWER_LABEL,
+        their_nonce,
+        &reply_bytes,
+        &[],
+    ));
+    stream.set_nonblocking(false)?;
+    stream.set_write_timeout(Some(write_timeout))?;
+    stream.write_all(&answer)
+}
+
 /// The accepting side of step 3: accepts the connections of the ranks below `rank` until
 /// each has proven itself, `deadline` passes, or `stop` is set.
 fn accept_lower(
@@ -1154,52 +1550,27 @@ fn accept_lower(
                 nonce,
                 ..
             } = pending.swap_remove(i);
-            if let Err(e) = check_start(&hello, HELLO_MAGIC, "handshake") {
-                dropped.record(from, e);
+            let (peer, link, their_nonce) =
+                match verify_hello(&hello, &nonce, token, session, world_size, rank) {
+                    Ok(checked) => checked,
+                    Err(why) => {
+                        dropped.record(from, why);
+                        continue;
+                    }
+                };
+            if peer >= rank || lower[peer].is_some() {
+                dropped.record(from, format!("claimed rank {peer}, unexpected"));
                 continue;
             }
-            let body = &hello[5..5 + Link::LEN];
-            let their_nonce = &hello[5 + Link::LEN..5 + Link::LEN + NONCE_LEN];
-            let tag = &hello[5 + Link::LEN + NONCE_LEN..];
-            let link = Link::decode(body);
-            let peer = link.from as usize;
-            let why = if !link_tag_ok(token, HELLO_LABEL, &nonce, body, their_nonce, tag) {
-                Some("wrong job token (the HMAC of the challenge does not match)".to_string())
-            } else if link.session != session {
-                Some("handshake from another job (session differs)".into())
-            } else if link.world_size as usize != world_size || link.to as usize != rank {
-                Some(format!("handshake for another world or rank: {link:?}"))
-            } else if peer >= rank || lower[peer].is_some() {
-                Some(format!("claimed rank {peer}, unexpected"))
-            } else {
-                None
-            };
-            if let Some(why) = why {
-                dropped.record(from, why);
-                continue;
-            }
-            let reply = Link {
-                from: rank as u32,
-                to: peer as u32,
-                ..link
-            };
-            let mut reply_bytes = Vec::with_capacity(Link::LEN);
-            reply.encode(&mut reply_bytes);
-            let their_nonce: Nonce = their_nonce.try_into().expect("nonce bytes");
-            let mut answer = start_message(ANSWER_MAGIC);
-            answer.extend_from_slice(&reply_bytes);
-            answer.extend_from_slice(&link_tag(
-                token,
-                ANSWER_LABEL,
+            answer_hello(
+                &mut stream,
+                rank,
+                link,
                 &their_nonce,
-                &reply_bytes,
-                &[],
-            ));
-            stream
-                .set_nonblocking(false)
-                .and_then(|()| stream.set_write_timeout(Some(bounded(deadline, MESSAGE_WAIT))))
-                .and_then(|()| stream.write_all(&answer))
-                .map_err(|e| format!("handshake with rank {peer} failed: {e}"))?;
+                token,
+                bounded(deadline, MESSAGE_WAIT),
+            )
+            .map_err(|e| format!("handshake with rank {peer} failed: {e}"))?;
             lower[peer] = Some(stream);
             waiting -= 1;
         }
@@ -1216,7 +1587,7 @@ pub(crate) fn form_mesh(
     rank: usize,
     world_size: usize,
     session: u64,
-    listener: TcpListener,
+    listener: &TcpListener,
     addrs: &[SocketAddr],
     token: Option<&JobToken>,
     deadline: Instant,
@@ -1230,7 +1601,7 @@ pub(crate) fn form_mesh(
         let acceptor = thread::Builder::new()
             .name(format!("burn-tcp-accept-{rank}"))
             .spawn_scoped(scope, || {
-                accept_lower(rank, world_size, session, &listener, token, deadline, &stop)
+                accept_lower(rank, world_size, session, listener, token, deadline, &stop)
             })
             .map_err(|e| fail(format!("cannot start the accepting thread: {e}")))?;
         let mut higher = Vec::new();
@@ -1256,12 +1627,149 @@ pub(crate) fn form_mesh(
             .map_err(fail)?;
         Ok((lower, higher))
     })?;
-    drop(listener);
     let mut mesh: Mesh = lower;
     mesh.push(None);
     mesh.extend(higher.into_iter().map(Some));
     debug_assert_eq!(mesh.len(), world_size);
     Ok(mesh)
+}
+
+/// Dials `link.to` at `addr` like step 3, retrying until `deadline` when the handshake fails:
+/// the peer may not have noticed yet that the previous process of this rank is gone, and
+/// refuses a rank it still sees healthy.
+pub(crate) fn dial_until(
+    link: Link,
+    addr: SocketAddr,
+    token: Option<&JobToken>,
+    deadline: Instant,
+    stop: &AtomicBool,
+) -> std::result::Result<TcpStream, String> {
+    let mut backoff = Duration::from_millis(20);
+    loop {
+        let error = match dial(link, addr, token, deadline) {
+            Ok(stream) => return Ok(stream),
+            Err(e) => e,
+        };
+        if remaining(deadline).is_zero() || stop.load(Ordering::Relaxed) {
+            return Err(error);
+        }
+        thread::sleep(backoff.min(remaining(deadline)));
+        backoff = (backoff * 2).min(Duration::from_millis(500));
+    }
+}
+
+/// The link a rank dials to `to`.
+pub(crate) fn link(session: u64, world_size: usize, from: usize, to: usize) -> Link {
+    Link {
+        session,
+        world_size: world_size as u32,
+        from: from as u32,
+        to: to as u32,
+    }
+}
+
+/// What a rank's data listener keeps doing once the world runs with rejoining on.
+pub(crate) struct RejoinListener<'a> {
+    pub rank: usize,
+    pub world_size: usize,
+    pub session: u64,
+    pub listener: &'a TcpListener,
+    pub token: Option<&'a JobToken>,
+    /// Ends the loop.
+    pub stop: &'a AtomicBool,
+}
+
+/// Answers a verified hello (the last step of the handshake), given to [`Take`].
+pub(crate) type Answer<'a> = &'a mut dyn FnMut(&mut TcpStream) -> io::Result<()>;
+
+/// Takes the connection of a restarted rank: `Ok` once it replaced the rank's connection
+/// (after calling the answer), `Err(why)` when it refuses it (the rank is healthy).
+pub(crate) type Take<'a> =
+    &'a mut dyn FnMut(usize, TcpStream, Answer<'_>) -> std::result::Result<(), String>;
+
+/// Accepts the data connections of restarted ranks until `stop` is set: an authenticated
+/// hello is handed to `take`, which answers it once the rank's failed connection (or its
+/// missing one) is out of the way, or refuses it (the rank is healthy); a refused or
+/// unauthenticated connection is dropped with a line on stderr, and the job goes on.
+pub(crate) fn serve_rejoin_dials(serving: RejoinListener<'_>, take: Take<'_>) {
+    let RejoinListener {
+        rank,
+        world_size,
+        session,
+        listener,
+        token,
+        stop,
+    } = serving;
+    if let Err(e) = listener.set_nonblocking(true) {
+        eprintln!(
+            "burn-parallel rank {rank}: the data listener stops, restarted ranks cannot \
+             reconnect to this rank: {e}"
+        );
+        return;
+    }
+    let mut pending: Vec<Pending> = Vec::new();
+    let mut dropped = Dropped::new(rank, "the data listener");
+    let challenge = |nonce: &Nonce| {
+        let mut buf = start_message(CHALLENGE_MAGIC);
+        buf.extend_from_slice(nonce);
+        Ok(buf)
+    };
+    while !stop.load(Ordering::Relaxed) {
+        let mut progressed = match accept_pending(listener, &mut pending, &mut dropped, challenge) {
+            Ok(any) => any,
+            Err(e) => {
+                eprintln!(
+                    "burn-parallel rank {rank}: accepting a data connection failed, restarted \
+                     ranks cannot reconnect to this rank: {e}"
+                );
+                return;
+            }
+        };
+        let mut i = 0;
+        while i < pending.len() {
+            let hello = match pending[i].poll(|_| Ok(HELLO_LEN)) {
+                Ok(Progress::Waiting) if pending[i].since.elapsed() < MESSAGE_WAIT => {
+                    i += 1;
+                    continue;
+                }
+                Ok(Progress::Waiting) => {
+                    let p = pending.swap_remove(i);
+                    dropped.record(p.from, format!("sent no hello within {MESSAGE_WAIT:?}"));
+                    continue;
+                }
+                Err(e) => {
+                    let p = pending.swap_remove(i);
+                    dropped.record(p.from, e);
+                    continue;
+                }
+                Ok(Progress::Done(hello)) => hello,
+            };
+            progressed = true;
+            let Pending {
+                stream,
+                from,
+                nonce,
+                ..
+            } = pending.swap_remove(i);
+            let (peer, link, their_nonce) =
+                match verify_hello(&hello, &nonce, token, session, world_size, rank) {
+                    Ok(checked) => checked,
+                    Err(why) => {
+                        dropped.record(from, why);
+                        continue;
+                    }
+                };
+            let mut answer = |stream: &mut TcpStream| {
+                answer_hello(stream, rank, link, &their_nonce, token, MESSAGE_WAIT)
+            };
+            if let Err(why) = take(peer, stream, &mut answer) {
+                dropped.record(from, why);
+            }
+        }
+        if !progressed {
+            wait_readable(listener, &pending, POLL_CAP);
+        }
+    }
 }
 
 /// The address to report for rank 0's own data listener (nobody dials rank 0, which dials
@@ -1278,6 +1786,72 @@ pub(crate) fn rank0_data_addr(store: &TcpListener, data: &TcpListener) -> Socket
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_running_store_refuses_rank_0_and_healthy_ranks() {
+        let store = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = store.local_addr().unwrap().port();
+        let token = JobToken::new("a secret for the running store test").unwrap();
+        let stop = AtomicBool::new(false);
+        let addr: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        thread::scope(|scope| {
+            scope.spawn(|| {
+                serve_running_store(
+                    RunningStore {
+                        store: &store,
+                        world_size: 3,
+                        token: Some(&token),
+                        session: 7,
+                        addrs: vec![addr; 3],
+                        join_window: Duration::from_secs(5),
+                        stop: &stop,
+                    },
+                    &|r| r == 1,
+                )
+            });
+            let register_as = |rank: usize| {
+                let deadline = Instant::now() + Duration::from_secs(5);
+                let timeout = Duration::from_secs(5);
+                register(
+                    rank,
+                    3,
+                    "127.0.0.1",
+                    port,
+                    Some(&token),
+                    true,
+                    deadline,
+                    timeout,
+                )
+            };
+            for (rank, expected) in [
+                (0, "rank 0 cannot be replaced"),
+                (1, "rank 1 is still running in this job"),
+            ] {
+                match register_as(rank) {
+                    Err(CollectiveError::Rendezvous(m)) => assert!(m.contains(expected), "{m}"),
+                    Err(e) => panic!("rank {rank}: {e}"),
+                    Ok(_) => panic!("rank {rank} was let in"),
+                }
+            }
+            match register_as(2) {
+                Ok((
+                    _,
+                    Joined::Running {
+                        session,
+                        addrs,
+                        states,
+                    },
+                )) => {
+                    assert_eq!(session, 7);
+                    assert_ne!(addrs[2], addr, "the table has the new address");
+                    assert_eq!(states, vec![RankState::Up, RankState::Up, RankState::Down]);
+                }
+                Err(e) => panic!("rank 2: {e}"),
+                Ok(_) => panic!("rank 2 was not told the world runs"),
+            }
+            stop.store(true, Ordering::Relaxed);
+        });
+    }
 
     /// A hello claiming to be rank 0 of `session`, for `their_nonce`, tagged with `token`.
     fn hello_bytes(session: u64, token: &JobToken, their_nonce: &Nonce) -> Vec<u8> {
