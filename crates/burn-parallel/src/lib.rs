@@ -26,6 +26,7 @@ pub mod comm;
 pub mod error;
 pub mod flight;
 pub mod group;
+pub mod heartbeat;
 
 pub use comm::host::ReduceOp;
 pub use comm::tcp::{TcpConfig, TcpRendezvous};
