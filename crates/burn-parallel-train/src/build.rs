@@ -23,6 +23,7 @@ use burn_moe::{MoeParallel, MoeStep, MoeTrainer, MoeZero};
 use burn_parallel::checkpoint::{Checkpoint, Checkpointer, ParamMap};
 use burn_parallel::context_parallel::{ContextParallel, CpSettings};
 use burn_parallel::diloco::Islands;
+use burn_parallel::fault::Replicas;
 use burn_parallel::init::Init;
 use burn_parallel::muon::MatrixStep;
 use burn_parallel::nn::TpContext;
@@ -56,6 +57,8 @@ pub struct Placed<P: ParallelModel> {
     moe: bool,
     /// DiLoCo's islands (under a layout with DiLoCo).
     islands: Option<Islands>,
+    /// The replicas of fault-tolerant data parallelism (under `--fault-tolerant`).
+    replicas: Option<Replicas>,
 }
 
 /// What a built layout trains on this rank.
@@ -103,6 +106,9 @@ pub struct Built<P: ParallelModel> {
     /// DiLoCo's outer loop (a layout with DiLoCo; `None` otherwise): its history, islands and
     /// time in syncs, still readable after [`Built::trained`] (which runs the final sync).
     pub diloco: Option<DiLoCoHandle>,
+    /// The replicas of fault-tolerant data parallelism (under `--fault-tolerant`; `None`
+    /// otherwise): who is alive, the events, the state handed to a rejoining replica.
+    pub replicas: Option<Replicas>,
 }
 
 impl<P: ParallelModel> Built<P> {
@@ -308,6 +314,7 @@ fn build_pipeline<P: ParallelModel>(
         settings: settings.clone(),
         layout: *layout,
         diloco: None,
+        replicas: None,
     })
 }
 
@@ -503,7 +510,29 @@ impl<P: ParallelModel> Placed<P> {
             experts,
             ..
         } = parts;
-        // Seeded init gives identical replicas; fail loudly if they are not.
+        // Fault-tolerant data parallelism: each replica reduces inside itself, and the replicas
+        // average once per step through the quorum (no collective spans them).
+        let replicas = match layout.fault_tolerant {
+            true => {
+                let replicas = Replicas::new(world, layout.replicas(world.size()))?;
+                let island = replicas.island().members().to_vec();
+                let inside = |g: &ProcessGroup| -> Result<ProcessGroup, Error> {
+                    let ranks: Vec<usize> = g
+                        .members()
+                        .iter()
+                        .copied()
+                        .filter(|r| island.contains(r))
+                        .collect();
+                    Ok(world.split(&ranks)?)
+                };
+                groups.reduce = inside(&groups.reduce)?;
+                groups.replicate = inside(&groups.replicate)?;
+                Some(replicas)
+            }
+            false => None,
+        };
+        // Seeded init gives identical replicas; fail loudly if they are not (under
+        // --fault-tolerant, inside each replica here, and across them at the first exchange).
         verify_replicas(&built, &groups, &experts)?;
         // Under DiLoCo, each island reduces its gradients and holds one replica between syncs
         // (all of them were checked identical just now).
@@ -525,6 +554,7 @@ impl<P: ParallelModel> Placed<P> {
             init,
             moe: model.n_experts().is_some(),
             islands,
+            replicas,
         })
     }
 
@@ -563,6 +593,7 @@ impl<P: ParallelModel> Placed<P> {
             init,
             moe,
             islands,
+            replicas,
         } = self;
         let hyper = settings.adamw;
         let adamw = settings.adamw_config();
@@ -668,6 +699,9 @@ impl<P: ParallelModel> Placed<P> {
                     if let Some(matrix) = matrix {
                         step = step.with_matrix_step(matrix);
                     }
+                    if let Some(replicas) = &replicas {
+                        step = step.with_replicas(replicas.clone());
+                    }
                     let optim = match settings.fused_adamw {
                         true => hyper.init(),
                         false => adamw.init(),
@@ -692,6 +726,7 @@ impl<P: ParallelModel> Placed<P> {
             settings: settings.clone(),
             layout,
             diloco,
+            replicas,
         })
     }
 }

@@ -118,6 +118,10 @@ pub struct LayoutArgs {
     /// norms and biases), under any layout.
     #[arg(long, default_value = "adamw")]
     pub optim: Optim,
+    /// Survive the loss of a data-parallel replica: the others finish the step and go on, and
+    /// a restarted one (by hand, or by `burnrun --max-restarts`) rejoins from a live replica.
+    #[arg(long)]
+    pub fault_tolerant: bool,
 }
 
 impl LayoutArgs {
@@ -161,6 +165,7 @@ impl LayoutArgs {
             offload: self.offload,
             diloco: None,
             optim: self.optim,
+            fault_tolerant: self.fault_tolerant,
         })
     }
 }
@@ -368,6 +373,7 @@ mod tests {
             offload: false,
             diloco: None,
             optim: Optim::Adamw,
+            fault_tolerant: false,
         };
         assert_eq!(layout, expected);
         let args = Args::parse_from(["t", "--overlap"]);

@@ -501,17 +501,28 @@ pub fn fit_with<P: ParallelModel>(
     let (rows, accum) = (built.settings.batch_size, built.settings.grad_accum.max(1));
     let micro_rows = rows / (data.size() * accum);
     let tokens = (rows * built.settings.seq_len) as f64;
+    // Under fault tolerance each replica can save alone (the lowest live one does), and a
+    // restarted replica resumes from the state a live one sends ([`crate::fault`]).
+    let replicas = built.replicas.clone();
+    let savers = replicas.as_ref().map_or(&world, |r| r.island());
     let mut saver = match &config.checkpoint {
         Some(policy) => Some(
-            Checkpointer::new(&policy.dir, policy.keep, &world)?.with_background(policy.background),
+            Checkpointer::new(&policy.dir, policy.keep, savers)?.with_background(policy.background),
         ),
         None => None,
+    };
+    if let Some(r) = &replicas {
+        r.set_verify_every(config.check_replicas_every as u64);
+    }
+    let joined = match &replicas {
+        Some(r) if world.rejoined() => Some(crate::fault::join(r, &world)?),
+        _ => None,
     };
     let mut losses = Vec::new();
     let mut first_step = 0;
     let mut resumed_from = None;
     let mut skipped_steps = 0;
-    if let Some(path) = &config.resume {
+    if let Some(path) = joined.as_ref().or(config.resume.as_ref()) {
         let resuming = |e: Error| e.resuming(path);
         let checkpoint = open_checkpoint(path).map_err(|e| resuming(e.into()))?;
         losses = state.restore(&checkpoint, &built).map_err(resuming)?;
@@ -525,11 +536,28 @@ pub fn fit_with<P: ParallelModel>(
             let saved = saved_loss_scaler(&checkpoint).map_err(|e| resuming(e.into()))?;
             skipped_steps = saved.map_or(0, |s| s.skipped);
         }
+        if joined.is_some() {
+            crate::fault::clean(&world);
+        }
     }
     let mut stopped_at = None;
     let (mut timed_seconds, mut timed_steps) = (0.0, 0usize);
+    // What a checkpoint (or a rejoining replica) gets besides the engine's state.
+    let saved_state = |state: &dyn RunState<P>, losses: &[f32], built: &Built<P>| {
+        let layout = serde_json::json!({
+            "layout": built.layout,
+            "description": built.layout.describe(world.size()),
+        });
+        state
+            .save(losses, built)
+            .with_rank(LAYOUT_KEY, layout)
+            .with_rank(DROPOUT_CALLS, dropout_calls(&built.dropout_layers()))
+    };
     for step in first_step..config.steps {
         let start = Instant::now();
+        if let (Some(r), Some(flag)) = (&replicas, stop) {
+            r.request_stop(flag.load(Ordering::SeqCst));
+        }
         let lr = config.lr.at(step);
         let mut micro_batch = |micro: usize| {
             let first = micro * micro_rows * data.size() + data.rank() * micro_rows;
@@ -565,25 +593,30 @@ pub fn fit_with<P: ParallelModel>(
         // The ranks agree on the stop: any rank's flag stops all after this step (under
         // DiLoCo, those of the group its losses are averaged over: the world, or this rank's
         // island where islands may be lost).
-        let stopping = match stop {
-            Some(flag) => {
+        let stopping = match (stop, &replicas) {
+            // The replicas agreed on it in the step's exchange.
+            (Some(_), Some(r)) => r.stopping(),
+            (Some(flag), None) => {
                 let seen = f32::from(u8::from(flag.load(Ordering::SeqCst)));
                 let agree = built.diloco.as_ref().map_or(&world, |d| d.loss_group());
                 agree.all_reduce_f32(vec![seen], ReduceOp::Max)?[0] > 0.0
             }
-            None => false,
+            (None, _) => false,
         };
-        if let (Some(saver), Some(policy)) = (saver.as_mut(), &config.checkpoint) {
+        // Replicas admitted at this step's exchange get the state now, from the lowest live
+        // replica that is not one of them.
+        if let Some(r) = &replicas {
+            let admitted = r.take_admitted();
+            if !admitted.is_empty() && r.donor(&admitted) == Some(r.index()) {
+                let saved = saved_state(&*state, &losses, &built);
+                crate::fault::donate(&built, r, &admitted, done, saved)?;
+            }
+        }
+        let saves = replicas.as_ref().is_none_or(|r| r.is_first_live());
+        if let (Some(saver), Some(policy), true) = (saver.as_mut(), &config.checkpoint, saves) {
             let due = policy.every > 0 && done.is_multiple_of(policy.every);
             if due || stopping || (policy.at_end && done == config.steps) {
-                let layout = serde_json::json!({
-                    "layout": built.layout,
-                    "description": built.layout.describe(world.size()),
-                });
-                let saved = state
-                    .save(&losses, &built)
-                    .with_rank(LAYOUT_KEY, layout)
-                    .with_rank(DROPOUT_CALLS, dropout_calls(&built.dropout_layers()));
+                let saved = saved_state(&*state, &losses, &built);
                 built.save(saver, done, saved)?;
             }
         }

@@ -72,6 +72,11 @@ pub struct Layout {
     /// The optimizer (`--optim`): AdamW for every parameter, or Muon for the hidden matrices
     /// and AdamW for the rest, served under the layout ([`burn_parallel::muon`]).
     pub optim: Optim,
+    /// Fault-tolerant data parallelism (`--fault-tolerant`): the data-parallel replicas (single
+    /// ranks, or the FSDP and tensor-parallel ranks of one replica under `--hybrid`) agree on
+    /// who is alive at every step, finish the step without a lost one, and take a restarted
+    /// one back from a live replica ([`burn_parallel::fault`]).
+    pub fault_tolerant: bool,
 }
 
 /// Which optimizer a [`Layout`] trains with (`--optim`; `optim = "muon"` in TOML).
@@ -217,6 +222,7 @@ impl Default for Layout {
             offload: false,
             diloco: None,
             optim: Optim::Adamw,
+            fault_tolerant: false,
         }
     }
 }
@@ -391,7 +397,16 @@ impl Layout {
                 d.islands, d.config.inner_steps
             );
         }
+        if self.fault_tolerant {
+            text += ", fault-tolerant";
+        }
         text
+    }
+
+    /// The data-parallel replicas of fault-tolerant training on `world` ranks: the FSDP
+    /// replicate groups under `--hybrid`, every data-parallel rank otherwise.
+    pub fn replicas(&self, world: usize) -> usize {
+        self.dims(world).dp_replicate
     }
 
     /// Whether the ZeRO stage is 1 or 2 (the sharded optimizer over replicated parameters).
@@ -673,6 +688,30 @@ impl Layout {
             d.config.validate().map_err(|e| LayoutError {
                 flag: "--diloco-islands",
                 message: format!("DiLoCo's settings (--diloco-islands): {e}"),
+            })?;
+        }
+        if self.fault_tolerant {
+            for (on, flag) in [
+                (pp > 1, "--pp"),
+                (self.ep > 1, "--ep"),
+                (self.zero_1_2(), "--zero"),
+                (self.overlap, "--overlap"),
+                (self.diloco.is_some(), "--diloco-islands"),
+                (work.n_experts.is_some(), "--moe-experts"),
+            ] {
+                rule(on, flag, || {
+                    format!(
+                        "{flag} is not composed with --fault-tolerant, whose replicas are whole \
+                         dense models (data parallelism, or FSDP and tensor parallelism inside \
+                         each replica with --zero 3 --hybrid) averaged once per step; drop \
+                         {flag} or --fault-tolerant"
+                    )
+                })?;
+            }
+            rule(self.replicas(world) < 2, "--fault-tolerant", || {
+                "--fault-tolerant needs at least 2 data-parallel replicas to survive the loss \
+                 of one (with --zero 3, add --hybrid N)"
+                    .into()
             })?;
         }
         let accum = work.grad_accum;

@@ -32,6 +32,7 @@ pub mod build;
 pub mod cli;
 mod config;
 pub mod diloco;
+mod fault;
 pub mod fit;
 pub mod layout;
 mod local;

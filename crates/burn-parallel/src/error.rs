@@ -168,6 +168,15 @@ pub enum CollectiveError {
         /// The value.
         value: f64,
     },
+    /// The fault-tolerant replicas ([`crate::fault`]) cannot go on together: this replica was
+    /// left out, their parameters differ, or their exchange keeps failing.
+    #[error("rank {rank}: fault-tolerant data parallelism: {reason}")]
+    Quorum {
+        /// Global rank of the caller.
+        rank: usize,
+        /// What happened and what to do.
+        reason: String,
+    },
 }
 
 impl CollectiveError {

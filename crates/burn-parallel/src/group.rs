@@ -1224,6 +1224,25 @@ impl ProcessGroup {
         Some(f.issue(0, self.id, op, &signature, payload, Some((global, tag))))
     }
 
+    /// The payload of a message group rank `peer` sent under `tag` with [`Self::send_data`],
+    /// if one has arrived: never waits, and says nothing of a peer that is gone (for polling
+    /// a request that may or may not come; not logged in the flight recorder).
+    pub(crate) fn try_recv_bytes(&self, peer: usize, tag: u64) -> Option<Vec<u8>> {
+        let global = *self.members.get(peer)?;
+        let frame = self
+            .transport
+            .mailbox()
+            .recv(
+                self.global_rank(),
+                global,
+                self.p2p_stream(tag),
+                Duration::ZERO,
+                &|| format!("poll(from rank {peer}, tag {tag})"),
+            )
+            .ok()?;
+        Some(frame.payload.to_vec())
+    }
+
     /// Receives the next host data sent by group rank `peer` under `tag`.
     ///
     /// # Errors

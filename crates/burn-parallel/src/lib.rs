@@ -51,6 +51,7 @@ pub mod muon;
 pub use mesh::{DeviceMesh, MeshError, ParallelDims};
 pub mod ddp;
 pub mod diloco;
+pub mod fault;
 
 pub use ddp::{BucketPlace, DistributedDataParallel};
 pub use diloco::{DiLoCo, DiLoCoConfig, DiLoCoError, Islands};

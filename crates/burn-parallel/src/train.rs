@@ -57,6 +57,7 @@ use crate::checkpoint::{
 use crate::comm::host::ReduceOp;
 use crate::ddp::DistributedDataParallel;
 use crate::error::Result;
+use crate::fault::{Replicas, average_gradients};
 use crate::group::ProcessGroup;
 use crate::muon::MatrixStep;
 use crate::nn::TpContext;
@@ -583,6 +584,9 @@ pub struct TrainStep {
     scaler: Option<Arc<Mutex<LossScaler>>>,
     /// The optimizer of the hidden matrices (Muon), when they are not `optim`'s.
     matrix: Option<MatrixStep>,
+    /// Fault-tolerant data parallelism: the replicas this one averages with
+    /// ([`Self::with_replicas`]).
+    replicas: Option<Replicas>,
 }
 
 impl TrainStep {
@@ -599,7 +603,48 @@ impl TrainStep {
             precision: MixedPrecision::full(),
             scaler: None,
             matrix: None,
+            replicas: None,
         }
+    }
+
+    /// Averages the gradients and the loss over the live `replicas` once this replica's own
+    /// reductions ran (fault-tolerant data parallelism, see [`crate::fault`]): the step is
+    /// built on one replica's ranks (no data-parallel group across replicas), and each step's
+    /// exchange survives a lost replica. Not with [`Self::with_overlap`].
+    ///
+    /// ```
+    /// use burn::optim::AdamWConfig;
+    /// use burn::tensor::{Device, Tensor};
+    /// use burn_parallel::fault::Replicas;
+    /// use burn_parallel::init::{Init, LinearInit};
+    /// use burn_parallel::run_local;
+    /// use burn_parallel::tensor_parallel::TpError;
+    /// use burn_parallel::train::TrainStep;
+    ///
+    /// let losses = run_local(2, |world| {
+    ///     let device = Device::flex().autodiff();
+    ///     let model = Init::new(1, &device).linear("fc", LinearInit::new(4, 1)).unwrap();
+    ///     let step = TrainStep::new(Init::new(1, &device).context())
+    ///         .with_replicas(Replicas::new(&world, 2)?);
+    ///     let x = Tensor::<2>::ones([2, 4], &device) * (world.rank() as f32 + 1.0);
+    ///     let mut optim = AdamWConfig::new().init();
+    ///     let (_, out) = step
+    ///         .step_with(model, |m| Ok::<_, TpError>(m.forward(x.clone())?.mean()), &mut optim, 1e-2)
+    ///         .unwrap();
+    ///     Ok(out.loss)
+    /// })
+    /// .unwrap();
+    /// assert_eq!(losses[0], losses[1]); // the loss averaged over both replicas
+    /// ```
+    pub fn with_replicas(mut self, replicas: Replicas) -> Self {
+        self.replicas = Some(replicas);
+        self
+    }
+
+    /// The replicas of fault-tolerant data parallelism, if the step has them
+    /// ([`Self::with_replicas`]).
+    pub fn replicas(&self) -> Option<&Replicas> {
+        self.replicas.as_ref()
     }
 
     /// Steps the hidden matrices with `matrix` (Muon, or any [`crate::muon::WholeMatrix`]
@@ -987,6 +1032,17 @@ impl TrainStep {
         for (id, g) in ids.into_iter().zip(shards) {
             grads.register::<1>(id, g);
         }
+        // Fault-tolerant data parallelism: one exchange over the live replicas, the loss
+        // riding along (staged by `finish_with`).
+        if let Some(replicas) = self.replicas.as_ref().filter(|_| data_parallel) {
+            if replicas.digest_due() {
+                replicas.note_digest(Replicas::digest_of(model));
+            }
+            let loss = replicas.take_loss().unwrap_or(0.0);
+            let (averaged, loss) = average_gradients(replicas, model, grads, loss)?;
+            replicas.stage_loss(loss);
+            grads = averaged;
+        }
         let mut overflow = false;
         if let Some(scaler) = &self.scaler {
             let scale = scaler.lock().expect("loss scaler").scale();
@@ -1133,7 +1189,13 @@ impl TrainStep {
                     Some(group) => group.all_reduce_f32(vec![local_loss], ReduceOp::Avg)?[0],
                     None => local_loss,
                 };
-                Ok((loss_avg, reduce(&model)?))
+                let Some(replicas) = &self.replicas else {
+                    return Ok((loss_avg, reduce(&model)?));
+                };
+                // The gradient exchange averages the loss over the replicas too.
+                replicas.stage_loss(loss_avg);
+                let reduced = reduce(&model)?;
+                Ok((replicas.take_loss().unwrap_or(loss_avg), reduced))
             },
         );
         let (loss, reduced) = reduced?;
@@ -1227,6 +1289,16 @@ impl TrainStep {
         optim: &mut ModuleOptimizer,
         lr: f64,
     ) -> std::result::Result<(M, StepOutput), E> {
+        if self.replicas.is_some() {
+            return Err(E::from(crate::CollectiveError::InvalidArgument {
+                rank: overlap.group().global_rank(),
+                op: "TrainStep::step_with".into(),
+                reason: "overlapped data parallelism averages over a fixed group while backward \
+                         runs; fault-tolerant replicas average after it: drop with_overlap or \
+                         with_replicas"
+                    .into(),
+            }));
+        }
         if self.fsdp.is_some() {
             return Err(E::from(crate::CollectiveError::InvalidArgument {
                 rank: overlap.group().global_rank(),
