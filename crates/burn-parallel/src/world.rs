@@ -130,14 +130,19 @@ where
 /// Forms the world described by `config` and returns its world group.
 ///
 /// Rank 0 binds `master_addr:master_port` and serves the rendezvous; the other ranks retry
-/// connecting to it until `config.timeout`, so the processes may start in any order.
+/// connecting to it until `config.timeout`, so the processes may start in any order. With
+/// [`TcpConfig::rejoin`] (`BURN_PARALLEL_FAULT_TOLERANT=1` for [`init_from_env`]), a restarted
+/// process of a failed rank calls it again with the same configuration and joins the running
+/// world instead ([`ProcessGroup::rejoined`] then says so; see [`crate::comm::tcp`]).
 ///
 /// # Errors
 /// [`CollectiveError::Rendezvous`] when the world cannot be formed within the timeout: rank 0
 /// unreachable, ranks missing, world sizes that disagree, a rank claimed twice or out of range,
 /// `MASTER_ADDR` not an address of rank 0's machine;
 /// [`CollectiveError::JobToken`] when this rank's job token is refused until the timeout, or
-/// when it has a token and rank 0 none (or the reverse);
+/// when it has a token and rank 0 none (or the reverse); [`CollectiveError::Rendezvous`] also
+/// when the ranks disagree on [`TcpConfig::rejoin`], and for a restarted rank that rank 0
+/// refuses (its rank is still running, or is rank 0) or that reaches no other rank;
 /// [`CollectiveError::InvalidTimeout`] for a timeout (`config.timeout`,
 /// `BURN_PARALLEL_TIMEOUT_SECS`) that is zero or longer than
 /// [`MAX_TIMEOUT`](crate::comm::tcp::MAX_TIMEOUT).

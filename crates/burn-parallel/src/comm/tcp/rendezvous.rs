@@ -1904,7 +1904,7 @@ mod tests {
         let [l0, l1] = listeners;
         let (mesh0, mesh1, forged) = thread::scope(|scope| {
             let rank1 =
-                scope.spawn(|| form_mesh(1, 2, session, l1, &addrs, Some(&token), deadline));
+                scope.spawn(|| form_mesh(1, 2, session, &l1, &addrs, Some(&token), deadline));
             // A stray connection, garbage, a hello of the wrong token, and a hello of the right
             // token replayed from another connection's challenge: rank 1 must drop them all.
             let _silent = TcpStream::connect(addrs[1]).unwrap();
@@ -1920,7 +1920,7 @@ mod tests {
                 .write_all(&hello_bytes(session, &token, &old_nonce))
                 .unwrap();
             // Then the real rank 0.
-            let mesh0 = form_mesh(0, 2, session, l0, &addrs, Some(&token), deadline).unwrap();
+            let mesh0 = form_mesh(0, 2, session, &l0, &addrs, Some(&token), deadline).unwrap();
             let mesh1 = rank1.join().unwrap().unwrap();
             let answers: Vec<usize> = [forged, replayed, garbage]
                 .into_iter()
