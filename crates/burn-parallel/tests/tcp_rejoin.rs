@@ -67,6 +67,16 @@ fn form(world_size: usize) -> (u16, Vec<Option<Rank>>) {
     (port, ranks)
 }
 
+/// Drops every rank at once, as processes exiting together would (each drop waits for the
+/// peers to close their side).
+fn finish(ranks: Vec<Option<Rank>>) {
+    thread::scope(|scope| {
+        for rank in ranks.into_iter().flatten() {
+            scope.spawn(move || drop(rank));
+        }
+    });
+}
+
 fn rank(ranks: &[Option<Rank>], r: usize) -> &Rank {
     ranks[r].as_ref().expect("a live rank")
 }
@@ -153,6 +163,7 @@ fn a_crashed_rank_rejoins_and_talks_to_everyone_again() {
     sees_failed(&ranks, 1, 2, 5);
     ranks[2] = Some(restart(3, port, 2));
     ping_all(&ranks, 6);
+    finish(ranks);
     eprintln!("rejoin test took {:?}", start.elapsed());
     assert!(start.elapsed() < Duration::from_secs(10));
 }
@@ -178,6 +189,7 @@ fn two_ranks_that_crash_together_rejoin_together() {
     ranks[2] = Some(two);
     ranks[3] = Some(three);
     ping_all(&ranks, 4);
+    finish(ranks);
     eprintln!("concurrent rejoin test took {:?}", start.elapsed());
     assert!(start.elapsed() < Duration::from_secs(10));
 }
@@ -213,6 +225,7 @@ fn a_healthy_rank_or_rank_0_cannot_be_claimed() {
     );
     // The job did not notice.
     ping_all(&ranks, 2);
+    finish(ranks);
     eprintln!("refusal test took {:?}", start.elapsed());
 }
 
@@ -235,5 +248,6 @@ fn ranks_that_disagree_on_rejoining_fail_the_rendezvous() {
             "{err}"
         );
     }
+    eprintln!("disagreement test took {:?}", start.elapsed());
     assert!(start.elapsed() < TIMEOUT);
 }
