@@ -1,8 +1,8 @@
 //! Heartbeats: each rank says which step it finished, so that its launcher can tell progress
 //! from a hang and a slow rank from its peers.
 //!
-//! A training loop calls [`Heartbeat::beat`] after each optimizer step. The beat replaces the
-//! file `rank<R>.beat` of the directory named by `BURN_PARALLEL_HEARTBEAT_DIR` ([`DIR_ENV`],
+//! A training loop calls [`Heartbeat::beat`] after each optimizer step. The beat replaces (never
+//! partially) the file `rank<R>.beat` of the directory named by `BURN_PARALLEL_HEARTBEAT_DIR` ([`DIR_ENV`],
 //! which `burnrun` sets for every rank) with one JSON object, a [`Beat`]:
 //!
 //! ```json
@@ -142,9 +142,10 @@ impl Heartbeat {
     }
 
     /// Says that this rank finished `step`, whose computing took `compute_seconds` (without the
-    /// waits in collectives) of its `step_seconds`. Replaces the rank's file atomically (a
-    /// temporary file renamed over it), so a reader sees the previous beat or this one. Never
-    /// fails: an I/O error is printed once on stderr, then ignored.
+    /// waits in collectives) of its `step_seconds`. Replaces the rank's file through a
+    /// temporary file renamed into place, so a reader never sees a partial beat (the previous
+    /// one, this one, or for a moment none). Costs some 30 µs on ext4. Never fails: an I/O
+    /// error is printed once on stderr, then ignored.
     pub fn beat(&self, step: usize, compute_seconds: f64, step_seconds: f64) {
         let beat = Beat {
             rank: self.rank,
@@ -168,15 +169,37 @@ impl Heartbeat {
     }
 
     fn write(&self, beat: &Beat) -> std::io::Result<()> {
+        use std::io::{ErrorKind, Write};
         let json = serde_json::to_vec(beat).map_err(std::io::Error::other)?;
-        match std::fs::write(&self.temp, &json) {
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+        let open = || {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&self.temp)
+        };
+        let mut file = match open() {
+            Ok(file) => file,
+            Err(e) if e.kind() == ErrorKind::NotFound => {
                 if let Some(dir) = self.path.parent() {
                     std::fs::create_dir_all(dir)?;
                 }
-                std::fs::write(&self.temp, &json)?;
+                open()?
             }
-            other => other?,
+            // Left by a beat that was interrupted.
+            Err(e) if e.kind() == ErrorKind::AlreadyExists => {
+                std::fs::remove_file(&self.temp)?;
+                open()?
+            }
+            Err(e) => return Err(e),
+        };
+        file.write_all(&json)?;
+        drop(file);
+        // The old beat is removed rather than renamed over: ext4 writes a file renamed over
+        // another (or truncated) out to disk at once (`auto_da_alloc`), which costs about 1 ms
+        // a beat instead of some 30 µs. A reader may find no file for a moment: it skips it.
+        match std::fs::remove_file(&self.path) {
+            Err(e) if e.kind() != ErrorKind::NotFound => return Err(e),
+            _ => {}
         }
         std::fs::rename(&self.temp, &self.path)
     }

@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex, mpsc};
 use std::thread;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use burn_parallel::comm::tcp::{JOB_TOKEN_ENV, JobToken};
+use burn_parallel::comm::tcp::{FAULT_TOLERANT_ENV, JOB_TOKEN_ENV, JobToken};
 use burn_parallel::flight;
 use burn_parallel::heartbeat::{self, Beat, Stragglers, read_beats};
 use clap::Parser;
@@ -160,10 +160,6 @@ struct Args {
     )]
     command: Vec<OsString>,
 }
-
-/// The environment variable that tells the ranks' TCP worlds to accept a restarted rank
-/// (set to `1` with `--max-restarts` > 0).
-const FAULT_TOLERANT_ENV: &str = "BURN_PARALLEL_FAULT_TOLERANT";
 
 /// burnrun's exit status when the no-progress watchdog stopped the job (`timeout`'s).
 const NO_PROGRESS_STATUS: i32 = 124;
