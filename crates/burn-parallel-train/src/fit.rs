@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use burn_parallel::checkpoint::{Checkpoint, CheckpointError, Checkpointer};
+use burn_parallel::heartbeat::Heartbeat;
 use burn_parallel::train::{SaveState, StepPhases, saved_loss_scaler};
 use burn_parallel::{Error, ReduceOp};
 use serde::{Deserialize, Serialize};
@@ -455,6 +456,25 @@ impl PartialEq for StopFlag {
     }
 }
 
+/// How often the fault-tolerant replicas compare their parameters' digests: `every`
+/// ([`FitConfig::check_replicas_every`]), or `BURN_PARALLEL_VERIFY_REPLICAS_EVERY` when set (a
+/// whole number of steps; 1 checks every step).
+///
+/// # Errors
+/// [`Error::Invalid`] naming the variable for a value that is not a whole number.
+fn verify_every(every: usize) -> Result<u64, Error> {
+    const VAR: &str = "BURN_PARALLEL_VERIFY_REPLICAS_EVERY";
+    match std::env::var(VAR) {
+        Err(_) => Ok(every as u64),
+        Ok(v) => v.trim().parse().map_err(|_| {
+            Error::invalid(
+                VAR,
+                format!("`{v}` is not a number of steps; give a whole number (0: never)"),
+            )
+        }),
+    }
+}
+
 /// What [`fit`] calls after each step with the step's figures and what is trained (to log,
 /// to evaluate every so often: [`Built::model`]).
 pub type OnStep<'a, P> = dyn FnMut(&StepLog, &Built<P>) -> Result<(), Error> + 'a;
@@ -512,7 +532,7 @@ pub fn fit_with<P: ParallelModel>(
         None => None,
     };
     if let Some(r) = &replicas {
-        r.set_verify_every(config.check_replicas_every as u64);
+        r.set_verify_every(verify_every(config.check_replicas_every)?);
     }
     let joined = match &replicas {
         Some(r) if world.rejoined() => Some(crate::fault::join(r, &world)?),
@@ -553,6 +573,8 @@ pub fn fit_with<P: ParallelModel>(
             .with_rank(LAYOUT_KEY, layout)
             .with_rank(DROPOUT_CALLS, dropout_calls(&built.dropout_layers()))
     };
+    // burnrun's supervisor reads each step's heartbeat (progress, stragglers, rejoins).
+    let heartbeat = Heartbeat::from_env();
     for step in first_step..config.steps {
         let start = Instant::now();
         if let (Some(r), Some(flag)) = (&replicas, stop) {
@@ -573,6 +595,10 @@ pub fn fit_with<P: ParallelModel>(
         if step > first_step {
             timed_seconds += seconds;
             timed_steps += 1;
+        }
+        if let Some(beat) = &heartbeat {
+            let p = &out.phases;
+            beat.beat(step, p.forward + p.backward + p.optimizer, seconds);
         }
         let log = StepLog {
             step,

@@ -283,6 +283,9 @@ fn recv_by(group: &ProcessGroup, deadline: Instant, peer: usize, tag: u64) -> Re
     Ok(data.as_bytes().to_vec())
 }
 
+/// What each member sent in an agreement round, by member.
+pub(crate) type Heard = BTreeMap<usize, Vec<u64>>;
+
 /// The agreement round among `members` (ranks of `group`, this rank among them), after each
 /// sent its `view` payload (for its vote) under `tag`: each member sends the ranks it heard
 /// from under `tag + 1` to every member, and waits for the sets of those it heard from until
@@ -302,7 +305,7 @@ pub(crate) fn agree(
     tag: u64,
     mine: Vec<u64>,
     lost: &dyn Fn(&CollectiveError) -> bool,
-) -> Result<(BTreeMap<usize, Vec<u64>>, BTreeSet<usize>)> {
+) -> Result<(Heard, BTreeSet<usize>)> {
     let me = group.rank();
     let others: Vec<usize> = members.iter().copied().filter(|&p| p != me).collect();
     for &p in &others {
@@ -700,13 +703,21 @@ impl Replicas {
     /// each replica, so that all its ranks take the same decision).
     fn decide(&self, live: &[usize], tag: u64, mut vote: Vote) -> Result<Outcome> {
         if self.island.size() > 1 {
-            let ok = f32::from(u8::from(vote.ok));
-            vote.ok = self.island.all_reduce_f32(vec![ok], ReduceOp::Min)?[0] > 0.0;
+            // The replica's vote: its data round completed on every rank, any rank asked to
+            // stop, the digest of all its ranks' parameters.
+            let mine = [
+                u64::from(vote.ok),
+                u64::from(vote.stop),
+                vote.digest.unwrap_or(0),
+            ];
+            let all = self
+                .island
+                .all_gather_bytes(mine.iter().flat_map(|w| w.to_le_bytes()).collect())?;
+            let all: Vec<Vec<u64>> = all.iter().map(|b| words(b)).collect();
+            vote.ok = all.iter().all(|w| w.first() == Some(&1));
+            vote.stop = all.iter().any(|w| w.get(1) == Some(&1));
             if vote.digest.is_some() {
-                let digests = self
-                    .island
-                    .all_gather_bytes(vote.digest.unwrap_or(0).to_le_bytes().to_vec())?;
-                vote.digest = Some(fnv(digests.iter().flatten().copied()));
+                vote.digest = Some(fnv(all.iter().flat_map(|w| w[2].to_le_bytes())));
             }
         }
         let outcome = match self.island.rank() {
@@ -1084,6 +1095,7 @@ mod exchange_tests {
     #[test]
     fn a_replica_that_leaves_is_dropped_and_the_others_agree() {
         let out = run_local(3, |world| {
+            let world = world.with_timeout(Duration::from_secs(2));
             let replicas = Replicas::new(&world, 3)?;
             let mine = vec![world.rank() as f32 + 1.0; 5];
             let first = replicas.average(&mine)?;
