@@ -279,7 +279,7 @@ fn burnrun_restarts_a_killed_rank_and_it_rejoins() {
     assert!(status.success(), "{status}: {why}");
     assert!(err.contains("restarting it (restart 1 of 1)"), "{why}");
     assert!(err.contains("burnrun: rank 3 rejoined at step"), "{why}");
-    assert!(out.contains("rejoined"), "{why}");
+    assert!(err.contains("replica(s) [3] rejoined"), "{why}");
 }
 
 /// The pid of the child of `parent` whose environment has `RANK=rank`.

@@ -110,11 +110,10 @@
 //! assert_eq!(weights[0], weights[1]); // both islands hold the outer model
 //! ```
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, mpsc};
 use std::thread;
-use std::time::{Duration, Instant};
 
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::tensor::{Tensor, TensorData};
@@ -1436,75 +1435,37 @@ impl Outer {
         let start = self.live.clone();
         let round = self.exchanges;
         self.exchanges += 1;
-        let (data_tag, view_tag) = (2 * round, 2 * round + 1);
+        // Two tags per exchange: its data round and its agreement round.
+        let data_tag = 2 * round;
         let n = delta.len();
         let payload = self.compression.encode(&delta);
         let len = payload.len();
-        let mut heard: BTreeMap<usize, Vec<u8>> = BTreeMap::new();
-        for &p in start.iter().filter(|&&p| p != me) {
-            let data = TensorData::new(payload.clone(), [len]);
-            if let Err(e) = self.outer.send_data(data, p, data_tag)
-                && !self.other_island_lost(&e)
-            {
-                return Err(self.lost(e));
+        // The data round carries the digest of this island's θ_start before its encoded
+        // pseudo-gradient; the agreement round is the one fault-tolerant data parallelism
+        // votes with ([`crate::fault`]).
+        let mut mine = digest.to_le_bytes().to_vec();
+        mine.extend(payload);
+        let lost = |e: &CollectiveError| self.other_island_lost(e);
+        let (mut heard, agreed) = crate::fault::agree(&self.outer, &start, data_tag, mine, &lost)
+            .map_err(|e| self.lost(e))?;
+        heard.retain(|p, _| agreed.contains(p));
+        for (&p, bytes) in &heard {
+            if bytes.len() != 8 + len {
+                return Err(DiLoCoError::Collective(CollectiveError::InvalidArgument {
+                    rank: self.outer.global_rank(),
+                    op: format!("DiLoCo sync of fragment {}", fragment),
+                    reason: format!(
+                        "island {p} sent {} bytes of pseudo-gradient, expected {len}",
+                        bytes.len().saturating_sub(8)
+                    ),
+                }));
             }
-        }
-        heard.insert(me, payload);
-        let deadline = Instant::now() + self.outer.timeout();
-        for &p in start.iter().filter(|&&p| p != me) {
-            match self.recv_by(deadline, p, data_tag) {
-                Ok(data) if data.len() == len => {
-                    heard.insert(p, data);
-                }
-                Ok(data) => {
-                    return Err(DiLoCoError::Collective(CollectiveError::InvalidArgument {
-                        rank: self.outer.global_rank(),
-                        op: format!("DiLoCo sync of fragment {}", fragment),
-                        reason: format!(
-                            "island {p} sent {} bytes of pseudo-gradient, expected {len}",
-                            data.len()
-                        ),
-                    }));
-                }
-                Err(e) if self.other_island_lost(&e) => {}
-                Err(e) => return Err(self.lost(e)),
-            }
-        }
-        // Agreement: [digest, islands heard from...] to every island of the start (those
-        // this rank did not hear from learn that they are dropped).
-        let mut view: Vec<u64> = vec![digest];
-        view.extend(heard.keys().map(|&p| p as u64));
-        for &p in start.iter().filter(|&&p| p != me) {
-            let data = TensorData::new(view.clone(), [view.len()]);
-            if let Err(e) = self.outer.send_data(data, p, view_tag)
-                && !self.other_island_lost(&e)
-            {
-                return Err(self.lost(e));
-            }
-        }
-        let mut agreed: BTreeSet<usize> = heard.keys().copied().collect();
-        let deadline = Instant::now() + self.outer.timeout();
-        for &p in heard.keys().filter(|&&p| p != me) {
-            match self.recv_by(deadline, p, view_tag) {
-                Ok(bytes) => {
-                    let theirs: Vec<u64> = bytes
-                        .chunks_exact(8)
-                        .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
-                        .collect();
-                    let Some((&their_digest, islands)) = theirs.split_first() else {
-                        continue;
-                    };
-                    if their_digest != digest {
-                        return Err(DiLoCoError::Diverged {
-                            island: me,
-                            other: p,
-                            fragment,
-                        });
-                    }
-                    agreed.retain(|i| islands.contains(&(*i as u64)));
-                }
-                Err(e) if self.other_island_lost(&e) => {}
-                Err(e) => return Err(self.lost(e)),
+            if bytes[..8] != digest.to_le_bytes() {
+                return Err(DiLoCoError::Diverged {
+                    island: me,
+                    other: p,
+                    fragment,
+                });
             }
         }
         let dropped: Vec<usize> = start
@@ -1537,7 +1498,7 @@ impl Outer {
         let mut sum = vec![0.0f32; n];
         for p in &agreed {
             self.compression
-                .decode_add(&heard[p], &mut sum)
+                .decode_add(&heard[p][8..], &mut sum)
                 .map_err(|reason| {
                     DiLoCoError::Collective(CollectiveError::InvalidArgument {
                         rank: self.outer.global_rank(),
@@ -1554,15 +1515,6 @@ impl Outer {
             islands: agreed.len(),
             dropped,
         })
-    }
-
-    /// The bytes sent by outer rank `p` under `tag`, waiting until `deadline` at most.
-    fn recv_by(&self, deadline: Instant, p: usize, tag: u64) -> Result<Vec<u8>, CollectiveError> {
-        let left = deadline
-            .saturating_duration_since(Instant::now())
-            .max(Duration::from_millis(1));
-        let data = self.outer.clone().with_timeout(left).recv_data(p, tag)?;
-        Ok(data.as_bytes().to_vec())
     }
 
     /// A collective error of a sync, naming the lost island when a peer is gone.

@@ -52,7 +52,6 @@ use burn::module::{Module, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{DType, Tensor, TensorData};
 
-use crate::ReduceOp;
 use crate::error::{CollectiveError, Result};
 use crate::group::ProcessGroup;
 
@@ -284,13 +283,15 @@ fn recv_by(group: &ProcessGroup, deadline: Instant, peer: usize, tag: u64) -> Re
 }
 
 /// What each member sent in an agreement round, by member.
-pub(crate) type Heard = BTreeMap<usize, Vec<u64>>;
+pub(crate) type Heard = BTreeMap<usize, Vec<u8>>;
 
-/// The agreement round among `members` (ranks of `group`, this rank among them), after each
-/// sent its `view` payload (for its vote) under `tag`: each member sends the ranks it heard
-/// from under `tag + 1` to every member, and waits for the sets of those it heard from until
-/// `group`'s timeout. A member that failed or fell silent is not heard from (`lost` says which
-/// errors mean that; any other error is returned).
+/// The agreement round among `members` (ranks of `group`, this rank among them): each member
+/// sends its payload (`mine`: a vote, a pseudo-gradient) under `tag` to every other and
+/// waits for theirs until `group`'s timeout, then sends the set of members it heard from
+/// under `tag + 1` and waits for the sets of those it heard from. A member that failed or fell
+/// silent is not heard from (`lost` says which errors mean that; any other error is
+/// returned). Fault-tolerant data parallelism votes with it every step, and DiLoCo's outer
+/// exchange with dropped islands averages what it hears.
 ///
 /// # Returns
 /// The payloads heard (this rank's own included) and the members agreed: those every set
@@ -303,36 +304,38 @@ pub(crate) fn agree(
     group: &ProcessGroup,
     members: &[usize],
     tag: u64,
-    mine: Vec<u64>,
+    mine: Vec<u8>,
     lost: &dyn Fn(&CollectiveError) -> bool,
 ) -> Result<(Heard, BTreeSet<usize>)> {
     let me = group.rank();
     let others: Vec<usize> = members.iter().copied().filter(|&p| p != me).collect();
-    for &p in &others {
-        if let Err(e) = send_words(group, &mine, p, tag)
-            && !lost(&e)
-        {
-            return Err(e);
+    let send = |bytes: &[u8], p: usize, tag: u64| -> Result<()> {
+        let data = TensorData::new(bytes.to_vec(), [bytes.len()]);
+        match group.send_data(data, p, tag) {
+            Err(e) if !lost(&e) => Err(e),
+            _ => Ok(()),
         }
+    };
+    for &p in &others {
+        send(&mine, p, tag)?;
     }
     let mut heard = BTreeMap::from([(me, mine)]);
     let deadline = Instant::now() + group.timeout();
     for &p in &others {
         match recv_by(group, deadline, p, tag) {
             Ok(bytes) => {
-                heard.insert(p, words(&bytes));
+                heard.insert(p, bytes);
             }
             Err(e) if lost(&e) => {}
             Err(e) => return Err(e),
         }
     }
-    let view: Vec<u64> = heard.keys().map(|&p| p as u64).collect();
+    let view: Vec<u8> = heard
+        .keys()
+        .flat_map(|&p| (p as u64).to_le_bytes())
+        .collect();
     for &p in &others {
-        if let Err(e) = send_words(group, &view, p, tag + 1)
-            && !lost(&e)
-        {
-            return Err(e);
-        }
+        send(&view, p, tag + 1)?;
     }
     let mut agreed: BTreeSet<usize> = heard.keys().copied().collect();
     let deadline = Instant::now() + group.timeout();
@@ -745,12 +748,13 @@ impl Replicas {
 
     /// The first ranks' agreement on the votes (see [`agree`]).
     fn agree_votes(&self, live: &[usize], tag: u64, vote: Vote) -> Result<Outcome> {
-        let (heard, agreed) = agree(&self.outer, live, tag, vote.encode(), &is_lost)?;
+        let mine = vote.encode().iter().flat_map(|w| w.to_le_bytes()).collect();
+        let (heard, agreed) = agree(&self.outer, live, tag, mine, &is_lost)?;
         let votes: BTreeMap<usize, Vote> = heard
             .iter()
             .filter(|(r, _)| agreed.contains(r))
-            .map(|(&r, w)| {
-                Vote::decode(w)
+            .map(|(&r, b)| {
+                Vote::decode(&words(b))
                     .map(|v| (r, v))
                     .ok_or_else(|| self.quorum(format!("a malformed vote from replica {r}")))
             })

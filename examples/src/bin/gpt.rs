@@ -103,7 +103,7 @@ fn run_rank(
     }
     // ZeRO and FSDP: every rank prints its memory (shards, gradients, optimizer state, gathered
     // units), in rank order.
-    if let Some(memory) = &train.memory {
+    if let Some(memory) = train.memory.as_ref().filter(|_| !layout.fault_tolerant) {
         for r in 0..group.size() {
             if r == group.rank() {
                 println!("[rank {r}] zero memory: {}", memory.summary());
