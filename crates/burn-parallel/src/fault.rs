@@ -358,7 +358,8 @@ impl Replicas {
     /// it; no communication takes place.
     ///
     /// # Errors
-    /// [`CollectiveError::InvalidArgument`] when `replicas` does not divide the world.
+    /// [`CollectiveError::InvalidArgument`] when `replicas` does not divide the world, or for a
+    /// backend that cannot survive a lost rank (NCCL, MPI).
     pub fn new(world: &ProcessGroup, replicas: usize) -> Result<Self> {
         let n = world.size();
         if replicas == 0 || !n.is_multiple_of(replicas) {
@@ -368,6 +369,17 @@ impl Replicas {
                 reason: format!(
                     "{replicas} replicas cannot split the world of {n} ranks evenly; use a \
                      number of data-parallel replicas that divides it"
+                ),
+            });
+        }
+        if !matches!(world.backend(), "tcp" | "local") {
+            return Err(CollectiveError::InvalidArgument {
+                rank: world.global_rank(),
+                op: "Replicas::new".into(),
+                reason: format!(
+                    "fault-tolerant replicas need the tcp backend (or thread ranks): the {} \
+                     backend ends the whole job when one rank fails; use --backend tcp",
+                    world.backend()
                 ),
             });
         }
@@ -793,7 +805,7 @@ impl Replicas {
     fn poll_joins(&self, live: &[usize]) -> Vec<usize> {
         let mut st = self.state();
         for r in (0..self.replicas).filter(|r| !live.contains(r) && *r != self.replica) {
-            while self.outer.try_recv_bytes(r, TAG_JOIN).is_some() {
+            while let Ok(Some(_)) = self.outer.try_recv_bytes(r, TAG_JOIN) {
                 st.joins.insert(r);
             }
         }
@@ -859,13 +871,20 @@ impl Replicas {
     /// [`CollectiveError::Quorum`] when no live replica sent it in time; a malformed message.
     pub fn receive_state(&self, timeout: Duration) -> Result<Vec<(String, Vec<u8>)>> {
         let deadline = Instant::now() + timeout;
+        let size = self.island.size();
+        let mut gone = BTreeSet::new();
         loop {
             // The sender is the lowest live replica, which this rank does not know yet: the
             // first replica that sends wins, the others in turn.
             for r in (0..self.replicas).filter(|&r| r != self.replica) {
-                let size = self.island.size();
-                let Some(first) = self.world.try_recv_bytes(r * size, TAG_STATE) else {
-                    continue;
+                let first = match self.world.try_recv_bytes(r * size, TAG_STATE) {
+                    Ok(Some(first)) => first,
+                    Ok(None) => continue,
+                    Err(e) if is_lost(&e) => {
+                        gone.insert(r);
+                        continue;
+                    }
+                    Err(e) => return Err(e),
                 };
                 let mut all = Vec::new();
                 let (head, files) = decode_files(&first)
@@ -886,6 +905,13 @@ impl Replicas {
                 st.steps = *steps;
                 st.live = live.iter().take(*n as usize).map(|&r| r as usize).collect();
                 return Ok(all);
+            }
+            if gone.len() + 1 == self.replicas {
+                return Err(self.quorum(format!(
+                    "replica {} asked to rejoin but every other replica is gone (the job ended, \
+                     or failed); nothing to rejoin",
+                    self.replica
+                )));
             }
             if Instant::now() >= deadline {
                 return Err(self.quorum(format!(

@@ -1225,22 +1225,26 @@ impl ProcessGroup {
     }
 
     /// The payload of a message group rank `peer` sent under `tag` with [`Self::send_data`],
-    /// if one has arrived: never waits, and says nothing of a peer that is gone (for polling
-    /// a request that may or may not come; not logged in the flight recorder).
-    pub(crate) fn try_recv_bytes(&self, peer: usize, tag: u64) -> Option<Vec<u8>> {
-        let global = *self.members.get(peer)?;
-        let frame = self
-            .transport
-            .mailbox()
-            .recv(
-                self.global_rank(),
-                global,
-                self.p2p_stream(tag),
-                Duration::ZERO,
-                &|| format!("poll(from rank {peer}, tag {tag})"),
-            )
-            .ok()?;
-        Some(frame.payload.to_vec())
+    /// if one has arrived: never waits (for polling a request that may or may not come; not
+    /// logged in the flight recorder).
+    ///
+    /// # Errors
+    /// [`CollectiveError::PeerFailed`] when `peer` is gone (failed or shut down) and nothing
+    /// from it is left; [`CollectiveError::InvalidArgument`] for a rank out of range.
+    pub(crate) fn try_recv_bytes(&self, peer: usize, tag: u64) -> Result<Option<Vec<u8>>> {
+        self.check_peer("poll", peer, tag)?;
+        let received = self.transport.mailbox().recv(
+            self.global_rank(),
+            self.members[peer],
+            self.p2p_stream(tag),
+            Duration::ZERO,
+            &|| format!("poll(from rank {peer}, tag {tag})"),
+        );
+        match received {
+            Ok(frame) => Ok(Some(frame.payload.to_vec())),
+            Err(CollectiveError::Timeout { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
     }
 
     /// Receives the next host data sent by group rank `peer` under `tag`.
