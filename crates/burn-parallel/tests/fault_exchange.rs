@@ -23,12 +23,15 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// One rank's times of the all-reduce and of the exchange, and their last results.
+type Timed = (Vec<f64>, Vec<f64>, Vec<f32>, Vec<f32>);
+
 #[test]
 fn the_exchange_costs_about_what_the_all_reduce_costs() {
     let rendezvous = TcpRendezvous::bind("127.0.0.1:0").unwrap();
     let port = rendezvous.port();
     let mut rendezvous = Some(rendezvous);
-    let results: Vec<(Vec<f64>, Vec<f64>, Vec<f32>, Vec<f32>)> = thread::scope(|scope| {
+    let results: Vec<Timed> = thread::scope(|scope| {
         let handles: Vec<_> = (0..2)
             .map(|rank| {
                 let rendezvous = if rank == 0 { rendezvous.take() } else { None };
