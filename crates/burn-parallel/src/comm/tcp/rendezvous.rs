@@ -519,6 +519,41 @@ pub(crate) fn connect_with_retry(
 /// Decodes and authenticates the registration `body` that arrived on `pending`; returns the
 /// (now blocking) stream, the peer address and the registration, or `None` after telling the
 /// sender `Rejected` and logging it (the job goes on without this connection).
+/// The registrations complete on `pending` connections, authenticated (those that fail, or
+/// send nothing within [`MESSAGE_WAIT`], are dropped and recorded); the others stay pending.
+fn ready_registrations(
+    pending: &mut Vec<Pending>,
+    token: Option<&JobToken>,
+    dropped: &mut Dropped,
+) -> Vec<(TcpStream, SocketAddr, Registration)> {
+    let mut ready = Vec::new();
+    let mut i = 0;
+    while i < pending.len() {
+        let body = match pending[i].poll(store_message_len) {
+            Ok(Progress::Waiting) if pending[i].since.elapsed() < MESSAGE_WAIT => {
+                i += 1;
+                continue;
+            }
+            Ok(Progress::Waiting) => {
+                let p = pending.swap_remove(i);
+                dropped.record(
+                    p.from,
+                    format!("sent no registration within {MESSAGE_WAIT:?}"),
+                );
+                continue;
+            }
+            Err(e) => {
+                let p = pending.swap_remove(i);
+                dropped.record(p.from, e);
+                continue;
+            }
+            Ok(Progress::Done(message)) => message,
+        };
+        ready.extend(authenticate(pending.swap_remove(i), &body, token, dropped));
+    }
+    ready
+}
+
 fn authenticate(
     pending: Pending,
     body: &[u8],
@@ -665,34 +700,9 @@ pub(crate) fn serve_store(
                 )
             })?;
 
-        let mut i = 0;
-        while i < pending.len() {
-            let body = match pending[i].poll(store_message_len) {
-                Ok(Progress::Waiting) if pending[i].since.elapsed() < MESSAGE_WAIT => {
-                    i += 1;
-                    continue;
-                }
-                Ok(Progress::Waiting) => {
-                    let p = pending.swap_remove(i);
-                    dropped.record(
-                        p.from,
-                        format!("sent no registration within {MESSAGE_WAIT:?}"),
-                    );
-                    continue;
-                }
-                Err(e) => {
-                    let p = pending.swap_remove(i);
-                    dropped.record(p.from, e);
-                    continue;
-                }
-                Ok(Progress::Done(message)) => message,
-            };
-            progressed = true;
-            let Some((mut stream, from, registration)) =
-                authenticate(pending.swap_remove(i), &body, token, &mut dropped)
-            else {
-                continue;
-            };
+        let ready = ready_registrations(&mut pending, token, &mut dropped);
+        progressed |= !ready.is_empty();
+        for (mut stream, from, registration) in ready {
             let r = registration.rank;
             let offender = Some((&mut stream, &registration.nonce));
             if registration.world_size != world_size {
@@ -858,34 +868,9 @@ pub(crate) fn serve_running_store(mut running: RunningStore<'_>, up: &dyn Fn(usi
                 return;
             }
         };
-        let mut i = 0;
-        while i < pending.len() {
-            let body = match pending[i].poll(store_message_len) {
-                Ok(Progress::Waiting) if pending[i].since.elapsed() < MESSAGE_WAIT => {
-                    i += 1;
-                    continue;
-                }
-                Ok(Progress::Waiting) => {
-                    let p = pending.swap_remove(i);
-                    dropped.record(
-                        p.from,
-                        format!("sent no registration within {MESSAGE_WAIT:?}"),
-                    );
-                    continue;
-                }
-                Err(e) => {
-                    let p = pending.swap_remove(i);
-                    dropped.record(p.from, e);
-                    continue;
-                }
-                Ok(Progress::Done(message)) => message,
-            };
-            progressed = true;
-            let Some((mut stream, from, registration)) =
-                authenticate(pending.swap_remove(i), &body, token, &mut dropped)
-            else {
-                continue;
-            };
+        let ready = ready_registrations(&mut pending, token, &mut dropped);
+        progressed |= !ready.is_empty();
+        for (mut stream, from, registration) in ready {
             let r = registration.rank;
             let pid = registration.pid;
             let refusal = if registration.world_size != world_size {
