@@ -497,6 +497,27 @@ const BINARIES: [(&str, &str, &str); 15] = [
     ("examples", "--example", "wrap_memory"),
 ];
 
+/// The `gpt` binary as rank `rank` of a `world`-rank TCP job whose rank 0 serves the
+/// rendezvous on 127.0.0.1:`port`, with the launch environment `burnrun` gives (job token
+/// `token`) and a 60 s collective timeout; stdout piped for rank 0 only, stderr piped.
+pub fn gpt_rank(rank: usize, world: usize, port: u16, token: &str) -> Command {
+    let mut c = Command::new(workspace_binary("examples", "gpt"));
+    c.env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("LOCAL_RANK", rank.to_string())
+        .env("LOCAL_WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("BURN_PARALLEL_JOB_TOKEN", token)
+        .env("BURN_PARALLEL_TIMEOUT_SECS", "60")
+        .stdout(match rank {
+            0 => std::process::Stdio::piped(),
+            _ => std::process::Stdio::null(),
+        })
+        .stderr(std::process::Stdio::piped());
+    c
+}
+
 /// Path of the executable `name` of workspace package `package`, one of [`BINARIES`]:
 /// `burn-parallel`'s binary `burnrun`, `examples`' binaries `gpt` and `vit`, and its examples
 /// `byo_model` and the benchmarks. Cargo builds them all from the current sources first, with the

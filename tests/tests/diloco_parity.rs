@@ -1113,8 +1113,6 @@ fn the_gpt_trains_with_an_overlap_and_counts_its_outer_bytes() {
 #[test]
 fn a_killed_gpt_process_is_dropped_and_the_others_finish() {
     use std::io::{BufRead, BufReader};
-    use std::process::{Command, Stdio};
-    let gpt = tests::workspace_binary("examples", "gpt");
     let port = {
         let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         listener.local_addr().unwrap().port()
@@ -1131,7 +1129,7 @@ fn a_killed_gpt_process_is_dropped_and_the_others_finish() {
     let start = std::time::Instant::now();
     let mut children: Vec<std::process::Child> = (0..3)
         .map(|rank| {
-            Command::new(&gpt)
+            tests::gpt_rank(rank, 3, port, "diloco-kill-test")
                 .args([
                     "--backend",
                     "tcp",
@@ -1142,20 +1140,6 @@ fn a_killed_gpt_process_is_dropped_and_the_others_finish() {
                 ])
                 .args(["--diloco-drop-lost", "--log-every", "1", "--config"])
                 .arg(&config_path)
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", "3")
-                .env("LOCAL_RANK", rank.to_string())
-                .env("LOCAL_WORLD_SIZE", "3")
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("BURN_PARALLEL_JOB_TOKEN", "diloco-kill-test")
-                .env("BURN_PARALLEL_TIMEOUT_SECS", "60")
-                .stdout(if rank == 0 {
-                    Stdio::piped()
-                } else {
-                    Stdio::null()
-                })
-                .stderr(Stdio::piped())
                 .spawn()
                 .unwrap()
         })

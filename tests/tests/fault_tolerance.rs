@@ -11,7 +11,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use examples::train::TrainConfig;
-use tests::{tiny_gpt_run, workspace_binary};
+use tests::{gpt_rank, tiny_gpt_run, workspace_binary};
 
 const STEPS: usize = 40;
 
@@ -31,29 +31,15 @@ fn free_port() -> u16 {
 
 /// The `gpt` command of one rank of a 4-rank fault-tolerant job.
 fn gpt(rank: usize, port: u16, config: &Path, dir: &Path, flags: &[&str]) -> Command {
-    let mut c = Command::new(workspace_binary("examples", "gpt"));
+    let mut c = gpt_rank(rank, 4, port, "fault-tolerance-test");
     c.args(["--backend", "tcp", "--fault-tolerant", "--log-every", "1"])
         .args(flags)
         .arg("--config")
         .arg(config)
         .arg("--losses-out")
         .arg(dir.join(format!("losses-{rank}.json")))
-        .env("RANK", rank.to_string())
-        .env("WORLD_SIZE", "4")
-        .env("LOCAL_RANK", rank.to_string())
-        .env("LOCAL_WORLD_SIZE", "4")
-        .env("MASTER_ADDR", "127.0.0.1")
-        .env("MASTER_PORT", port.to_string())
-        .env("BURN_PARALLEL_JOB_TOKEN", "fault-tolerance-test")
-        .env("BURN_PARALLEL_TIMEOUT_SECS", "60")
         .env("BURN_PARALLEL_FAULT_TOLERANT", "1")
-        .env("BURN_PARALLEL_VERIFY_REPLICAS_EVERY", "1")
-        .stdout(if rank == 0 {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stderr(Stdio::piped());
+        .env("BURN_PARALLEL_VERIFY_REPLICAS_EVERY", "1");
     c
 }
 

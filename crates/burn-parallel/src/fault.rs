@@ -18,7 +18,7 @@
 //!    its vote (its replica's data round completed, a stop asked, the replicas asking to join,
 //!    a digest of its parameters when due) to every live replica, then the set of replicas it
 //!    heard from; the replicas *agreed* are those every set received contains
-//!    ([`agree`], the same round that DiLoCo's dropped islands use).
+//!    (`agree`, the same round that DiLoCo's dropped islands use).
 //! 3. When every live replica is agreed and every vote says its data round completed, the step
 //!    commits. Otherwise the live set becomes the agreed one and the exchange runs again on
 //!    the same local gradients: the survivors finish the step without the lost replica, its
