@@ -418,7 +418,7 @@ fn run(args: Args) -> i32 {
             }
         }
     }
-    spawn_monitor(heartbeat_dir, launcher.events.clone());
+    spawn_monitor(heartbeat_dir.clone(), launcher.events.clone());
 
     let policy = Policy {
         grace,
@@ -426,6 +426,7 @@ fn run(args: Args) -> i32 {
         flight_dir_kept: user_flight_dir.is_some(),
         no_progress,
         max_restarts: args.max_restarts,
+        heartbeat_dir: &heartbeat_dir,
     };
     let outcome = supervise(&mut ranks, &receiver, &mut launcher, &policy);
     signal_handle.close();
@@ -649,6 +650,8 @@ struct Policy<'a> {
     no_progress: Option<Duration>,
     /// `--max-restarts`.
     max_restarts: u32,
+    /// Where the ranks' heartbeats go (read once more when a rejoining rank exits).
+    heartbeat_dir: &'a Path,
 }
 
 /// The progress the beats show.
@@ -716,6 +719,17 @@ fn supervise(
                     continue;
                 };
                 ranks[index].status = Some(status);
+                // A restarted rank that finished before the monitor's next read still says it
+                // rejoined (a short run's last steps can take less than BEAT_POLL).
+                let r = &mut ranks[index];
+                if r.rejoining
+                    && let Some(beat) = read_beats(policy.heartbeat_dir)
+                        .into_iter()
+                        .find(|b| b.rank == r.rank as usize && b.unix_ms >= r.started_ms)
+                {
+                    r.rejoining = false;
+                    eprint_line(&format!("rank {} rejoined at step {}", r.rank, beat.step));
+                }
                 let alive = ranks.iter().filter(|r| r.status.is_none()).count();
                 let how = describe(status);
                 if status.success() {
