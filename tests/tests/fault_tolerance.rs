@@ -60,15 +60,17 @@ struct Job {
     losses: Vec<f32>,
 }
 
-/// Runs 4 ranks; `at(step, children)` runs after rank 0 logs each step (to kill or restart).
+/// Runs 4 ranks for `steps` steps; `at(step, children)` runs after rank 0 logs each step (to
+/// kill or restart).
 fn job(
     name: &str,
+    steps: usize,
     flags: &[&str],
     mut at: impl FnMut(usize, &mut Vec<Child>, &dyn Fn(usize) -> Command),
 ) -> Job {
     let config = TrainConfig {
         batch_size: 8, // 2 rows per data-parallel rank
-        ..tiny_gpt_run(STEPS)
+        ..tiny_gpt_run(steps)
     };
     let (dir, config_path) = scratch(name, &config);
     let port = free_port();
@@ -111,7 +113,7 @@ fn explain(job: &Job) -> String {
 
 /// The uninterrupted run's losses (computed once per test binary).
 fn uninterrupted(flags: &[&str]) -> Vec<f32> {
-    let run = job("whole", flags, |_, _, _| {});
+    let run = job("whole", STEPS, flags, |_, _, _| {});
     assert!(run.ok.iter().all(|&ok| ok), "{}", explain(&run));
     assert_eq!(run.losses.len(), STEPS, "{}", explain(&run));
     run.losses
@@ -135,7 +137,7 @@ fn a_killed_replica_costs_a_step_not_the_job() {
     let whole = uninterrupted(&[]);
     let start = Instant::now();
     let mut killed = false;
-    let run = job("kill", &[], |step, children, _| {
+    let run = job("kill", STEPS, &[], |step, children, _| {
         if step == 10 && !killed {
             children[3].kill().unwrap();
             killed = true;
@@ -169,7 +171,7 @@ fn hsdp_survives_the_loss_of_a_whole_replica_group() {
     let flags = ["--zero", "3", "--hybrid", "2"];
     let whole = uninterrupted(&flags);
     let mut killed = false;
-    let run = job("hsdp", &flags, |step, children, _| {
+    let run = job("hsdp", STEPS, &flags, |step, children, _| {
         if step == 10 && !killed {
             children[3].kill().unwrap();
             killed = true;
@@ -193,7 +195,10 @@ fn hsdp_survives_the_loss_of_a_whole_replica_group() {
 fn a_restarted_rank_rejoins_from_a_live_replica() {
     let mut restarted = None;
     let mut killed = false;
-    let run = job("rejoin", &[], |step, children, command| {
+    // Long enough that the restarted process (about 0.3 s to start, connect and build) joins
+    // well before the end: the tiny model takes about 10 ms a step.
+    let steps = 200;
+    let run = job("rejoin", steps, &[], |step, children, command| {
         if step == 10 && !killed {
             children[3].kill().unwrap();
             children[3].wait().unwrap();
@@ -216,8 +221,8 @@ fn a_restarted_rank_rejoins_from_a_live_replica() {
     assert_eq!(run.ok.len(), 5, "{why}");
     assert!(run.ok[..3].iter().all(|&ok| ok), "{why}");
     assert!(run.ok[4], "the restarted rank 3 finishes: {why}");
-    assert!(run.errs[0].contains("rejoined"), "{why}");
-    assert_eq!(run.losses.len(), STEPS, "{why}");
+    assert!(run.errs[0].contains("replica(s) [3] rejoined"), "{why}");
+    assert_eq!(run.losses.len(), steps, "{why}");
     // The rejoined rank trained to the end with the others (its losses are the job's: the
     // digests compared at every step after it joined say its weights were the others').
     let _ = restarted.map(|t| t.join().unwrap());
@@ -225,9 +230,11 @@ fn a_restarted_rank_rejoins_from_a_live_replica() {
 
 #[test]
 fn burnrun_restarts_a_killed_rank_and_it_rejoins() {
+    // Long enough that the kill (when burnrun has forwarded step 10) and the restart land well
+    // before the end: the tiny model takes about 10 ms a step.
     let config = TrainConfig {
         batch_size: 8,
-        ..tiny_gpt_run(STEPS)
+        ..tiny_gpt_run(300)
     };
     let (dir, config_path) = scratch("burnrun", &config);
     let mut child = Command::new(workspace_binary("burn-parallel", "burnrun"))
@@ -263,6 +270,7 @@ fn burnrun_restarts_a_killed_rank_and_it_rejoins() {
     let why = format!("{out}\n{err}");
     assert!(killed, "{why}");
     assert!(status.success(), "{status}: {why}");
+    assert!(err.contains("lost replica(s) [3]"), "killed mid-run: {why}");
     assert!(err.contains("restarting it (restart 1 of 1)"), "{why}");
     assert!(err.contains("burnrun: rank 3 rejoined at step"), "{why}");
     assert!(err.contains("replica(s) [3] rejoined"), "{why}");
