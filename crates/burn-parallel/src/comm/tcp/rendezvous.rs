@@ -516,44 +516,38 @@ pub(crate) fn connect_with_retry(
     }
 }
 
-/// Decodes and authenticates the registration `body` that arrived on `pending`; returns the
-/// (now blocking) stream, the peer address and the registration, or `None` after telling the
-/// sender `Rejected` and logging it (the job goes on without this connection).
-/// The registrations complete on `pending` connections, authenticated (those that fail, or
-/// send nothing within [`MESSAGE_WAIT`], are dropped and recorded); the others stay pending.
-fn ready_registrations(
+/// The messages complete on `pending` connections (`need` gives a message's length from its
+/// first bytes), each with its connection; a connection that fails, or sends no `what` within
+/// [`MESSAGE_WAIT`], is dropped and recorded; the others stay pending. The store's
+/// registrations and the data listeners' hellos are read through it.
+fn ready_messages(
     pending: &mut Vec<Pending>,
-    token: Option<&JobToken>,
+    need: impl Fn(&[u8]) -> io::Result<usize>,
+    what: &str,
     dropped: &mut Dropped,
-) -> Vec<(TcpStream, SocketAddr, Registration)> {
+) -> Vec<(Pending, Vec<u8>)> {
     let mut ready = Vec::new();
     let mut i = 0;
     while i < pending.len() {
-        let body = match pending[i].poll(store_message_len) {
-            Ok(Progress::Waiting) if pending[i].since.elapsed() < MESSAGE_WAIT => {
-                i += 1;
-                continue;
-            }
+        match pending[i].poll(&need) {
+            Ok(Progress::Waiting) if pending[i].since.elapsed() < MESSAGE_WAIT => i += 1,
             Ok(Progress::Waiting) => {
                 let p = pending.swap_remove(i);
-                dropped.record(
-                    p.from,
-                    format!("sent no registration within {MESSAGE_WAIT:?}"),
-                );
-                continue;
+                dropped.record(p.from, format!("sent no {what} within {MESSAGE_WAIT:?}"));
             }
             Err(e) => {
                 let p = pending.swap_remove(i);
                 dropped.record(p.from, e);
-                continue;
             }
-            Ok(Progress::Done(message)) => message,
-        };
-        ready.extend(authenticate(pending.swap_remove(i), &body, token, dropped));
+            Ok(Progress::Done(message)) => ready.push((pending.swap_remove(i), message)),
+        }
     }
     ready
 }
 
+/// Decodes and authenticates the registration `body` that arrived on `pending`; returns the
+/// (now blocking) stream, the peer address and the registration, or `None` after telling the
+/// sender `Rejected` and logging it (the job goes on without this connection).
 fn authenticate(
     pending: Pending,
     body: &[u8],
@@ -700,9 +694,19 @@ pub(crate) fn serve_store(
                 )
             })?;
 
-        let ready = ready_registrations(&mut pending, token, &mut dropped);
+        let ready = ready_messages(
+            &mut pending,
+            store_message_len,
+            "registration",
+            &mut dropped,
+        );
         progressed |= !ready.is_empty();
-        for (mut stream, from, registration) in ready {
+        for (p, body) in ready {
+            let Some((mut stream, from, registration)) =
+                authenticate(p, &body, token, &mut dropped)
+            else {
+                continue;
+            };
             let r = registration.rank;
             let offender = Some((&mut stream, &registration.nonce));
             if registration.world_size != world_size {
@@ -868,9 +872,19 @@ pub(crate) fn serve_running_store(mut running: RunningStore<'_>, up: &dyn Fn(usi
                 return;
             }
         };
-        let ready = ready_registrations(&mut pending, token, &mut dropped);
+        let ready = ready_messages(
+            &mut pending,
+            store_message_len,
+            "registration",
+            &mut dropped,
+        );
         progressed |= !ready.is_empty();
-        for (mut stream, from, registration) in ready {
+        for (p, body) in ready {
+            let Some((mut stream, from, registration)) =
+                authenticate(p, &body, token, &mut dropped)
+            else {
+                continue;
+            };
             let r = registration.rank;
             let pid = registration.pid;
             let refusal = if registration.world_size != world_size {
@@ -1509,32 +1523,15 @@ fn accept_lower(
         }
         let mut progressed = accept_pending(listener, &mut pending, &mut dropped, challenge)
             .map_err(|e| format!("accepting a data connection failed: {e}"))?;
-        let mut i = 0;
-        while i < pending.len() {
-            let hello = match pending[i].poll(|_| Ok(HELLO_LEN)) {
-                Ok(Progress::Waiting) if pending[i].since.elapsed() < MESSAGE_WAIT => {
-                    i += 1;
-                    continue;
-                }
-                Ok(Progress::Waiting) => {
-                    let p = pending.swap_remove(i);
-                    dropped.record(p.from, format!("sent no hello within {MESSAGE_WAIT:?}"));
-                    continue;
-                }
-                Err(e) => {
-                    let p = pending.swap_remove(i);
-                    dropped.record(p.from, e);
-                    continue;
-                }
-                Ok(Progress::Done(hello)) => hello,
-            };
-            progressed = true;
+        let ready = ready_messages(&mut pending, |_| Ok(HELLO_LEN), "hello", &mut dropped);
+        progressed |= !ready.is_empty();
+        for (p, hello) in ready {
             let Pending {
                 mut stream,
                 from,
                 nonce,
                 ..
-            } = pending.swap_remove(i);
+            } = p;
             let (peer, link, their_nonce) =
                 match verify_hello(&hello, &nonce, token, session, world_size, rank) {
                     Ok(checked) => checked,
@@ -1710,32 +1707,15 @@ pub(crate) fn serve_rejoin_dials(serving: RejoinListener<'_>, take: Take<'_>) {
                 return;
             }
         };
-        let mut i = 0;
-        while i < pending.len() {
-            let hello = match pending[i].poll(|_| Ok(HELLO_LEN)) {
-                Ok(Progress::Waiting) if pending[i].since.elapsed() < MESSAGE_WAIT => {
-                    i += 1;
-                    continue;
-                }
-                Ok(Progress::Waiting) => {
-                    let p = pending.swap_remove(i);
-                    dropped.record(p.from, format!("sent no hello within {MESSAGE_WAIT:?}"));
-                    continue;
-                }
-                Err(e) => {
-                    let p = pending.swap_remove(i);
-                    dropped.record(p.from, e);
-                    continue;
-                }
-                Ok(Progress::Done(hello)) => hello,
-            };
-            progressed = true;
+        let ready = ready_messages(&mut pending, |_| Ok(HELLO_LEN), "hello", &mut dropped);
+        progressed |= !ready.is_empty();
+        for (p, hello) in ready {
             let Pending {
                 stream,
                 from,
                 nonce,
                 ..
-            } = pending.swap_remove(i);
+            } = p;
             let (peer, link, their_nonce) =
                 match verify_hello(&hello, &nonce, token, session, world_size, rank) {
                     Ok(checked) => checked,
