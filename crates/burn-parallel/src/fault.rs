@@ -54,6 +54,7 @@ use burn::tensor::{DType, Tensor, TensorData};
 
 use crate::error::{CollectiveError, Result};
 use crate::group::ProcessGroup;
+use crate::replica::Fnv1a;
 
 /// The first tag of the exchanges' messages; each round takes four.
 const TAG_BASE: u64 = 1 << 48;
@@ -732,7 +733,9 @@ impl Replicas {
             vote.ok = all.iter().all(|w| w.first() == Some(&1));
             vote.stop = all.iter().any(|w| w.get(1) == Some(&1));
             if vote.digest.is_some() {
-                vote.digest = Some(fnv(all.iter().flat_map(|w| w[2].to_le_bytes())));
+                let mut h = Fnv1a::new();
+                all.iter().for_each(|w| h.write(&w[2].to_le_bytes()));
+                vote.digest = Some(h.0);
             }
         }
         let outcome = match self.island.rank() {
@@ -928,31 +931,16 @@ impl Replicas {
     /// A digest of `model`'s parameters (their values, in module order), for
     /// [`Self::note_digest`].
     pub fn digest_of<M: Module>(model: &M) -> u64 {
-        struct Digest(u64);
+        struct Digest(Fnv1a);
         impl ModuleVisitor for Digest {
             fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-                let data = param.val().into_data();
-                self.0 = fnv_from(self.0, data.as_bytes().iter().copied());
+                self.0.write(param.val().into_data().as_bytes());
             }
         }
-        let mut d = Digest(FNV_OFFSET);
+        let mut d = Digest(Fnv1a::new());
         model.visit(&mut d);
-        d.0
+        d.0.0
     }
-}
-
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-
-fn fnv_from(mut h: u64, bytes: impl Iterator<Item = u8>) -> u64 {
-    for b in bytes {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    h
-}
-
-fn fnv(bytes: impl Iterator<Item = u8>) -> u64 {
-    fnv_from(FNV_OFFSET, bytes)
 }
 
 /// `head` (count, words), then each file: name length, name, length, bytes (little-endian u64

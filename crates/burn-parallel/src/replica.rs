@@ -56,16 +56,17 @@ struct Fingerprint {
     params: Vec<(String, u64)>,
 }
 
-/// 64-bit FNV-1a, fed incrementally.
+/// 64-bit FNV-1a, fed incrementally (also the fault-tolerant replicas' digest,
+/// [`crate::fault`]).
 #[derive(Debug, Clone, Copy)]
-struct Fnv1a(u64);
+pub(crate) struct Fnv1a(pub(crate) u64);
 
 impl Fnv1a {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Self(0xcbf2_9ce4_8422_2325)
     }
 
-    fn write(&mut self, bytes: &[u8]) {
+    pub(crate) fn write(&mut self, bytes: &[u8]) {
         for &b in bytes {
             self.0 ^= u64::from(b);
             self.0 = self.0.wrapping_mul(0x0100_0000_01b3);
